@@ -1,0 +1,303 @@
+// Chapter 1 kernels: the elementwise ladder for vector_add, saxpy and relu.
+//
+// One memory-bound pattern, five ways. Every version computes out[i] = f(a[i], b[i]) over n
+// contiguous elements, so the only thing that changes from rung to rung is how threads are
+// mapped onto memory. Napkin math for vector_add at n = 2^28 fp32: 3 * 4 B * 2^28 = 3.2 GB must
+// cross HBM (read a, read b, write out); at the ~3 TB/s an H100 copies at, that is ~1.07 ms.
+// Nothing here can beat that; the ladder is about how close each mapping gets.
+//
+// No torch headers: this file builds with a bare `nvcc -c` and reads like plain CUDA.
+#include "elementwise.h"
+
+#include <course/cuda_utils.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <climits>
+#include <cstdint>
+
+namespace cuda_basics {
+namespace {
+
+// 256 threads = 8 warps: a multiple of the 32-thread warp, and small enough that 8 blocks fit
+// on an SM (2048 resident threads on sm_80/sm_90, 1024 on sm_75), so occupancy is not limited
+// by block granularity.
+constexpr int kBlockThreads = 256;
+
+// ---------------------------------------------------------------------------------------------
+// Arithmetic: fp16 and bf16 are widened to fp32, computed, and rounded once at the store
+// (what PyTorch's own kernels do); fp32 stays fp32 and fp64 stays fp64.
+// ---------------------------------------------------------------------------------------------
+template <typename T> struct Acc { using type = float; };
+template <> struct Acc<double> { using type = double; };
+
+__device__ __forceinline__ float to_acc(float x) { return x; }
+__device__ __forceinline__ double to_acc(double x) { return x; }
+__device__ __forceinline__ float to_acc(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_acc(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_acc(typename Acc<T>::type x) { return x; }
+template <> __device__ __forceinline__ __half from_acc<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+template <typename A> struct AddFn {
+  __device__ A operator()(A a, A b) const { return a + b; }
+};
+template <typename A> struct SaxpyFn {
+  A alpha;
+  __device__ A operator()(A x, A y) const { return alpha * x + y; }
+};
+template <typename A> struct ReluFn {
+  // `x < 0 ? 0 : x` rather than `x > 0 ? x : 0` so that NaN propagates, as torch.relu does.
+  __device__ A operator()(A x, A) const { return x < A(0) ? A(0) : x; }
+};
+
+// out[i] for one element. Unary ops never touch b (it is nullptr for them).
+template <bool kBinary, typename T, typename Fn>
+__device__ __forceinline__ T apply(const Fn& fn, const T* __restrict__ a, const T* __restrict__ b,
+                                   int64_t i) {
+  using A = typename Acc<T>::type;
+  const A x = to_acc(a[i]);
+  A y = A(0);
+  if constexpr (kBinary) y = to_acc(b[i]);
+  return from_acc<T>(fn(x, y));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Teaching foil: uncoalesced. Each thread owns one contiguous chunk of `chunk` elements, the
+// layout a CPU programmer would pick. On a GPU it is the worst one: at every step the 32 lanes
+// of a warp touch 32 addresses `chunk` elements apart, so one warp-wide load needs 32 separate
+// 32-byte sectors instead of 4 (fp32) and uses 4 of every 32 bytes it fetches; the rest must
+// survive in L1/L2 until the lane comes back for its next element, and mostly does not.
+// ---------------------------------------------------------------------------------------------
+template <bool kBinary, typename T, typename Fn>
+__global__ void elementwise_uncoalesced(Fn fn, const T* __restrict__ a, const T* __restrict__ b,
+                                        T* __restrict__ out, int64_t n, int64_t chunk) {
+  const int64_t thread = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t begin = thread * chunk;
+  // The last busy thread's chunk is cut short at n; threads past it get an empty range.
+  const int64_t end = begin + chunk < n ? begin + chunk : n;
+  for (int64_t i = begin; i < end; ++i) out[i] = apply<kBinary>(fn, a, b, i);
+}
+
+// ---------------------------------------------------------------------------------------------
+// v1: one thread per element. Lane k of a warp touches element base + k, so a warp's 32 loads
+// coalesce into one 128-byte request (fp32): every fetched byte is used. Costs: a grid of
+// n / 256 blocks (a million at 2^28), and each thread keeps one 4-byte load in flight.
+// ---------------------------------------------------------------------------------------------
+template <bool kBinary, typename T, typename Fn>
+__global__ void elementwise_thread_per_element(Fn fn, const T* __restrict__ a,
+                                               const T* __restrict__ b, T* __restrict__ out,
+                                               int64_t n) {
+  // 64-bit: blockIdx.x * blockDim.x overflows int once n passes 2^31.
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  // The last block overhangs n unless n is a multiple of kBlockThreads.
+  if (i < n) out[i] = apply<kBinary>(fn, a, b, i);
+}
+
+// ---------------------------------------------------------------------------------------------
+// v2: grid-stride loop. The grid is sized from the SM count (just enough blocks to fill every
+// SM once) and each thread strides through the array by the grid's width, so accesses stay
+// coalesced while block scheduling and index setup are paid once per thread instead of once
+// per element. Any n works with any grid; this is also the fallback when v3/v4 cannot
+// vectorize a misaligned view.
+// ---------------------------------------------------------------------------------------------
+template <bool kBinary, typename T, typename Fn>
+__global__ void elementwise_grid_stride(Fn fn, const T* __restrict__ a, const T* __restrict__ b,
+                                        T* __restrict__ out, int64_t n) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += stride) {
+    out[i] = apply<kBinary>(fn, a, b, i);
+  }
+}
+
+// 16 bytes of T: one 128-bit load or store (LDG.E.128 / STG.E.128 in SASS). alignas makes the
+// compiler emit the wide instruction; the launcher checks the pointers really are 16-aligned.
+template <typename T> struct alignas(16) Vec16 {
+  static constexpr int kLanes = 16 / sizeof(T);
+  T v[kLanes];
+};
+
+template <bool kBinary, typename T, typename Fn>
+__device__ __forceinline__ Vec16<T> apply_vec(const Fn& fn, const Vec16<T>& x, const Vec16<T>& y) {
+  Vec16<T> r;
+#pragma unroll
+  for (int k = 0; k < Vec16<T>::kLanes; ++k) {
+    typename Acc<T>::type yk = 0;
+    if constexpr (kBinary) yk = to_acc(y.v[k]);
+    r.v[k] = from_acc<T>(fn(to_acc(x.v[k]), yk));
+  }
+  return r;
+}
+
+// ---------------------------------------------------------------------------------------------
+// v3: 128-bit vectorized grid-stride loop. Each thread moves 16 bytes per load instead of 4
+// (fp32) or 2 (fp16/bf16): a quarter (an eighth) of the load/store instructions for the same
+// bytes, and four (eight) times the bytes in flight per thread, which is what a memory-bound
+// kernel needs to cover HBM latency. The last n % kLanes elements do not fill a vector and are
+// done by a scalar tail.
+// ---------------------------------------------------------------------------------------------
+template <bool kBinary, typename T, typename Fn>
+__global__ void elementwise_vectorized(Fn fn, const T* __restrict__ a, const T* __restrict__ b,
+                                       T* __restrict__ out, int64_t n) {
+  constexpr int kLanes = Vec16<T>::kLanes;
+  const int64_t n_vec = n / kLanes;
+  const auto* a_vec = reinterpret_cast<const Vec16<T>*>(a);
+  const auto* b_vec = reinterpret_cast<const Vec16<T>*>(b);
+  auto* out_vec = reinterpret_cast<Vec16<T>*>(out);
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t v = tid; v < n_vec; v += stride) {
+    Vec16<T> y{};
+    if constexpr (kBinary) y = b_vec[v];
+    out_vec[v] = apply_vec<kBinary>(fn, a_vec[v], y);
+  }
+  // Scalar tail: fewer than kLanes (<= 8) elements, so the first few threads of block 0 suffice.
+  const int64_t i = n_vec * kLanes + tid;
+  if (i < n) out[i] = apply<kBinary>(fn, a, b, i);
+}
+
+// ---------------------------------------------------------------------------------------------
+// v4: vectorized + instruction-level parallelism. Each thread first issues kUnroll independent
+// 16-byte loads per input, then computes, then stores: kUnroll times the bytes in flight per
+// thread compared with v3, where each iteration's loads wait for the previous iteration's.
+// Consecutive lanes still take consecutive vectors (stride blockDim.x between a thread's
+// vectors), so every warp-wide access is 512 contiguous bytes. The grid is one pass over the
+// data (no stride loop), the shape PyTorch's own vectorized elementwise kernel uses.
+// ---------------------------------------------------------------------------------------------
+constexpr int kUnroll = 4;
+
+template <bool kBinary, typename T, typename Fn>
+__global__ void elementwise_vectorized_ilp(Fn fn, const T* __restrict__ a, const T* __restrict__ b,
+                                           T* __restrict__ out, int64_t n) {
+  constexpr int kLanes = Vec16<T>::kLanes;
+  const int64_t n_vec = n / kLanes;
+  const auto* a_vec = reinterpret_cast<const Vec16<T>*>(a);
+  const auto* b_vec = reinterpret_cast<const Vec16<T>*>(b);
+  auto* out_vec = reinterpret_cast<Vec16<T>*>(out);
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x * kUnroll + threadIdx.x;
+
+  Vec16<T> x[kUnroll];
+  Vec16<T> y[kUnroll];
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t v = first + static_cast<int64_t>(u) * blockDim.x;
+    // The last block runs past n_vec unless n_vec is a multiple of kBlockThreads * kUnroll.
+    if (v < n_vec) {
+      x[u] = a_vec[v];
+      if constexpr (kBinary) y[u] = b_vec[v];
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t v = first + static_cast<int64_t>(u) * blockDim.x;
+    if (v < n_vec) out_vec[v] = apply_vec<kBinary>(fn, x[u], y[u]);
+  }
+  // Scalar tail (< kLanes elements): block 0's first threads, as in v3.
+  const int64_t i = n_vec * kLanes + static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = apply<kBinary>(fn, a, b, i);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Launch configuration, from n and the device.
+// ---------------------------------------------------------------------------------------------
+template <typename Kernel>
+cudaError_t launch_checked(Kernel kernel, int64_t blocks, cudaStream_t stream,
+                           const void* const* args) {
+  // gridDim.x is at most 2^31 - 1; only v1 (one thread per element) could ask for more, past
+  // 5 * 10^11 elements, and it cannot shrink its grid without becoming v2.
+  if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
+  return cudaLaunchKernel(reinterpret_cast<const void*>(kernel), dim3(static_cast<unsigned>(blocks)),
+                          dim3(kBlockThreads), const_cast<void**>(args), 0, stream);
+}
+
+template <bool kBinary, typename T, typename Fn>
+cudaError_t launch_typed(const Fn& fn, const ElementwiseParams& p, cudaStream_t stream) {
+  const T* a = static_cast<const T*>(p.a);
+  const T* b = static_cast<const T*>(p.b);
+  T* out = static_cast<T*>(p.out);
+  int64_t n = p.n;
+  const int64_t per_element_blocks = course::ceil_div<int64_t>(n, kBlockThreads);
+
+  KernelVersion version = p.version;
+  const bool vector_ok = course::is_aligned(a, 16) && course::is_aligned(out, 16) &&
+                         (!kBinary || course::is_aligned(b, 16));
+  // A view that starts mid-vector (x[1:]) cannot use 16-byte accesses: fall back to v2.
+  if ((version == KernelVersion::kV3 || version == KernelVersion::kV4) && !vector_ok) {
+    version = KernelVersion::kV2;
+  }
+
+  switch (version) {
+    case KernelVersion::kUncoalesced: {
+      auto kernel = elementwise_uncoalesced<kBinary, T, Fn>;
+      int64_t blocks = 0;
+      COURSE_CUDA_TRY(course::resident_grid(kernel, kBlockThreads, &blocks));
+      int64_t chunk = course::ceil_div<int64_t>(n, blocks * kBlockThreads);
+      const void* args[] = {&fn, &a, &b, &out, &n, &chunk};
+      return launch_checked(kernel, blocks, stream, args);
+    }
+    case KernelVersion::kV1: {
+      const void* args[] = {&fn, &a, &b, &out, &n};
+      return launch_checked(elementwise_thread_per_element<kBinary, T, Fn>, per_element_blocks,
+                            stream, args);
+    }
+    case KernelVersion::kV2: {
+      auto kernel = elementwise_grid_stride<kBinary, T, Fn>;
+      int64_t blocks = 0;
+      COURSE_CUDA_TRY(course::resident_grid(kernel, kBlockThreads, &blocks));
+      const void* args[] = {&fn, &a, &b, &out, &n};
+      return launch_checked(kernel, blocks < per_element_blocks ? blocks : per_element_blocks,
+                            stream, args);
+    }
+    case KernelVersion::kV3: {
+      auto kernel = elementwise_vectorized<kBinary, T, Fn>;
+      int64_t blocks = 0;
+      COURSE_CUDA_TRY(course::resident_grid(kernel, kBlockThreads, &blocks));
+      const int64_t needed = course::ceil_div<int64_t>(n / Vec16<T>::kLanes, kBlockThreads);
+      const void* args[] = {&fn, &a, &b, &out, &n};
+      // At least one block, for the scalar tail when n < kLanes.
+      return launch_checked(kernel, needed < 1 ? 1 : (needed < blocks ? needed : blocks), stream,
+                            args);
+    }
+    case KernelVersion::kV4: {
+      const int64_t needed =
+          course::ceil_div<int64_t>(n / Vec16<T>::kLanes, int64_t{kBlockThreads} * kUnroll);
+      const void* args[] = {&fn, &a, &b, &out, &n};
+      return launch_checked(elementwise_vectorized_ilp<kBinary, T, Fn>, needed < 1 ? 1 : needed,
+                            stream, args);
+    }
+  }
+  return cudaErrorInvalidValue;
+}
+
+template <typename T>
+cudaError_t launch_op(const ElementwiseParams& p, cudaStream_t stream) {
+  using A = typename Acc<T>::type;
+  switch (p.op) {
+    case ElementwiseOp::kAdd:
+      return launch_typed<true, T>(AddFn<A>{}, p, stream);
+    case ElementwiseOp::kSaxpy:
+      return launch_typed<true, T>(SaxpyFn<A>{static_cast<A>(p.alpha)}, p, stream);
+    case ElementwiseOp::kRelu:
+      return launch_typed<false, T>(ReluFn<A>{}, p, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+cudaError_t launch_elementwise(const ElementwiseParams& params, cudaStream_t stream) {
+  if (params.n == 0) return cudaSuccess;  // a grid of zero blocks is an invalid launch
+  switch (params.dtype) {
+    case DType::kFloat32: return launch_op<float>(params, stream);
+    case DType::kFloat16: return launch_op<__half>(params, stream);
+    case DType::kBFloat16: return launch_op<__nv_bfloat16>(params, stream);
+    case DType::kFloat64: return launch_op<double>(params, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace cuda_basics

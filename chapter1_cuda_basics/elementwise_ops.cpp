@@ -1,0 +1,247 @@
+// Torch glue for chapter 1: op schemas, input checks, version parsing, the CPU/CUDA/Meta
+// kernels, autograd, and registration with the dispatcher.
+//
+// The ops are declared once (TORCH_LIBRARY) and reached from Python as
+// torch.ops.cuda_basics.<op>; the CPU, CUDA and Meta implementations are registered side by
+// side, and autograd is a torch::autograd::Function registered under the Autograd key, so the
+// same .so serves `pip install .` and the JIT route, and opcheck / torch.compile see real ops.
+#include "elementwise.h"
+
+#include <ATen/ATen.h>
+#include <course/checks.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+#ifdef WITH_CUDA
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace cuda_basics {
+namespace {
+
+using at::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using OptVersion = std::optional<c10::string_view>;
+
+// The one table of versions the extension dispatches; cuda_basics.VERSIONS is tested against
+// it through the `versions` op.
+struct NamedVersion {
+  const char* name;
+  KernelVersion version;
+};
+constexpr NamedVersion kVersions[] = {
+    {"uncoalesced", KernelVersion::kUncoalesced},
+    {"v1", KernelVersion::kV1},
+    {"v2", KernelVersion::kV2},
+    {"v3", KernelVersion::kV3},
+    {"v4", KernelVersion::kV4},
+};
+// version=None on CUDA: the fastest rung measured on the H100 (results/, chapter README).
+constexpr KernelVersion kBestVersion = KernelVersion::kV4;
+constexpr const char* kOps[] = {"vector_add", "saxpy", "relu"};
+
+std::string version_list() {
+  std::string list;
+  for (const auto& v : kVersions) list += (list.empty() ? "" : ", ") + std::string(v.name);
+  return list;
+}
+
+// The same name is accepted on every device, so a typo fails on CPU as it would on CUDA.
+KernelVersion parse_version(const char* op, OptVersion version) {
+  if (!version.has_value()) return kBestVersion;
+  for (const auto& v : kVersions) {
+    if (*version == v.name) return v.version;
+  }
+  TORCH_CHECK(false, op, ": unknown version '", std::string(*version), "'; expected one of ",
+              version_list(), " (or None for the best)");
+}
+
+std::vector<std::string> versions(c10::string_view op) {
+  bool known = false;
+  for (const char* name : kOps) known = known || op == name;
+  TORCH_CHECK(known, "versions: unknown op '", std::string(op), "'");
+  std::vector<std::string> names;
+  for (const auto& v : kVersions) names.emplace_back(v.name);
+  return names;
+}
+
+DType to_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kHalf: return DType::kFloat16;
+    case at::kBFloat16: return DType::kBFloat16;
+    case at::kDouble: return DType::kFloat64;
+    default: TORCH_CHECK(false, "unreachable: dtype ", t, " passed the checks");
+  }
+}
+
+void check_input(const char* op, const char* name, const Tensor& t) {
+  TORCH_CHECK(t.defined(), op, ": ", name, " is an undefined tensor");
+  ::course::check_device_supported(op, name, t);
+  ::course::check_floating(op, name, t);
+}
+
+// Same dtype, device and shape for both inputs; no broadcasting and no type promotion, so
+// the kernels can walk two arrays of n elements in lockstep.
+void check_pair(const char* op, const char* name_a, const Tensor& a, const char* name_b,
+                const Tensor& b) {
+  check_input(op, name_a, a);
+  check_input(op, name_b, b);
+  ::course::check_same_device(op, name_a, a, name_b, b);
+  ::course::check_same_dtype(op, name_a, a, name_b, b);
+  ::course::check_same_shape(op, name_a, a, name_b, b);
+}
+
+// The one path every op and backend takes after its checks.
+Tensor run_elementwise(const char* op_name, ElementwiseOp op, double alpha, const Tensor& a,
+                       const Tensor& b, OptVersion version) {
+  const KernelVersion kv = parse_version(op_name, version);
+  // Kernels index flat contiguous arrays: a non-contiguous view is copied first (chapter 2
+  // teaches kernels that read strides directly). A contiguous view with an offset is not
+  // copied, so v3/v4 see the misaligned pointer and must fall back to scalar accesses.
+  const Tensor ac = a.contiguous();
+  const Tensor bc = b.defined() ? b.contiguous() : Tensor();
+  Tensor out = at::empty(ac.sizes(), ac.options());
+  if (ac.is_meta() || ac.numel() == 0) return out;  // Meta: shapes only (fake tensors, compile)
+
+  ElementwiseParams p{};
+  p.op = op;
+  p.version = kv;
+  p.dtype = to_dtype(ac.scalar_type());
+  p.a = ac.const_data_ptr();
+  p.b = bc.defined() ? bc.const_data_ptr() : nullptr;
+  p.out = out.mutable_data_ptr();
+  p.n = ac.numel();
+  p.alpha = alpha;
+
+  if (ac.is_cuda()) {
+#ifdef WITH_CUDA
+    const c10::cuda::CUDAGuard device_guard(ac.device());
+    C10_CUDA_CHECK(launch_elementwise(p, c10::cuda::getCurrentCUDAStream(ac.device().index())));
+#else
+    TORCH_CHECK(false, op_name, ": this build of cuda_basics has no CUDA kernels; reinstall it "
+                "on a machine with the CUDA toolkit (USE_CUDA=1 pip install .)");
+#endif
+  } else {
+    elementwise_cpu(p);
+  }
+  return out;
+}
+
+// Backend kernels (registered for CPU, CUDA and Meta below).
+Tensor vector_add_impl(const Tensor& a, const Tensor& b, OptVersion version) {
+  check_pair("vector_add", "a", a, "b", b);
+  return run_elementwise("vector_add", ElementwiseOp::kAdd, 0.0, a, b, version);
+}
+
+Tensor saxpy_impl(double alpha, const Tensor& x, const Tensor& y, OptVersion version) {
+  check_pair("saxpy", "x", x, "y", y);
+  return run_elementwise("saxpy", ElementwiseOp::kSaxpy, alpha, x, y, version);
+}
+
+Tensor relu_impl(const Tensor& x, OptVersion version) {
+  check_input("relu", "x", x);
+  return run_elementwise("relu", ElementwiseOp::kRelu, 0.0, x, Tensor(), version);
+}
+
+// Autograd. Each forward re-enters the dispatcher below the Autograd key, so it reaches the
+// CPU/CUDA kernel above; each backward is the op's derivative written with ATen ops.
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> find_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+class VectorAddFunction : public torch::autograd::Function<VectorAddFunction> {
+ public:
+  static Tensor forward(AutogradContext*, const Tensor& a, const Tensor& b, OptVersion version) {
+    static auto op = find_op<decltype(vector_add_impl)>("cuda_basics::vector_add");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return op.call(a, b, version);
+  }
+  // d(a + b)/da = d(a + b)/db = 1.
+  static variable_list backward(AutogradContext*, variable_list grads) {
+    return {grads[0], grads[0], Tensor()};
+  }
+};
+
+class SaxpyFunction : public torch::autograd::Function<SaxpyFunction> {
+ public:
+  static Tensor forward(AutogradContext* ctx, double alpha, const Tensor& x, const Tensor& y,
+                        OptVersion version) {
+    static auto op = find_op<decltype(saxpy_impl)>("cuda_basics::saxpy");
+    ctx->saved_data["alpha"] = alpha;
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return op.call(alpha, x, y, version);
+  }
+  // d(alpha x + y)/dx = alpha, d/dy = 1; alpha is a Python float, not differentiable.
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const double alpha = ctx->saved_data["alpha"].toDouble();
+    return {Tensor(), grads[0] * alpha, grads[0], Tensor()};
+  }
+};
+
+class ReluFunction : public torch::autograd::Function<ReluFunction> {
+ public:
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, OptVersion version) {
+    static auto op = find_op<decltype(relu_impl)>("cuda_basics::relu");
+    ctx->save_for_backward({x});
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return op.call(x, version);
+  }
+  // d relu(x)/dx = 1 where x > 0, else 0 (0 at x == 0, as torch.relu's backward).
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const Tensor x = ctx->get_saved_variables()[0];
+    return {at::where(x > 0, grads[0], at::zeros({}, grads[0].options())), Tensor()};
+  }
+};
+
+Tensor vector_add_autograd(const Tensor& a, const Tensor& b, OptVersion version) {
+  return VectorAddFunction::apply(a, b, version);
+}
+Tensor saxpy_autograd(double alpha, const Tensor& x, const Tensor& y, OptVersion version) {
+  return SaxpyFunction::apply(alpha, x, y, version);
+}
+Tensor relu_autograd(const Tensor& x, OptVersion version) {
+  return ReluFunction::apply(x, version);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(cuda_basics, m) {
+  m.def("vector_add(Tensor a, Tensor b, str? version=None) -> Tensor");
+  m.def("saxpy(float alpha, Tensor x, Tensor y, str? version=None) -> Tensor");
+  m.def("relu(Tensor x, str? version=None) -> Tensor");
+  m.def("versions(str op) -> str[]", &versions);
+}
+
+// One implementation per op serves CPU, CUDA and Meta: run_elementwise picks the backend from
+// the (already checked) device, so the checks cannot drift apart between backends.
+TORCH_LIBRARY_IMPL(cuda_basics, CPU, m) {
+  m.impl("vector_add", &vector_add_impl);
+  m.impl("saxpy", &saxpy_impl);
+  m.impl("relu", &relu_impl);
+}
+TORCH_LIBRARY_IMPL(cuda_basics, CUDA, m) {
+  m.impl("vector_add", &vector_add_impl);
+  m.impl("saxpy", &saxpy_impl);
+  m.impl("relu", &relu_impl);
+}
+TORCH_LIBRARY_IMPL(cuda_basics, Meta, m) {
+  m.impl("vector_add", &vector_add_impl);
+  m.impl("saxpy", &saxpy_impl);
+  m.impl("relu", &relu_impl);
+}
+TORCH_LIBRARY_IMPL(cuda_basics, Autograd, m) {
+  m.impl("vector_add", &vector_add_autograd);
+  m.impl("saxpy", &saxpy_autograd);
+  m.impl("relu", &relu_autograd);
+}
+
+}  // namespace cuda_basics

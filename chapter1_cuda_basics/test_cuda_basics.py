@@ -1,0 +1,241 @@
+"""Tests for chapter 1: every op x version x dtype x irregular shape, CPU and CUDA.
+
+Run against the installed extension (pip install .) or the JIT build (COURSE_EXT_ROUTE=jit);
+the header line says which one was loaded.
+"""
+import pytest
+import torch
+from torch.testing import assert_close
+
+import cuda_basics
+from cuda_basics import VERSIONS
+
+OPS = ("vector_add", "saxpy", "relu")
+DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# Empty, single, odd, one off a warp either way, one off a block either way, a 2-D shape that
+# is no multiple of anything, and one past a power of two (not a multiple of any vector width).
+SHAPES = [(0,), (1,), (3,), (31,), (33,), (255,), (257,), (1823, 781), (2**20 + 17,)]
+
+
+def tolerances(dtype):
+    # The kernels compute fp16/bf16 in fp32 and round once; the references below are computed
+    # in fp64 and rounded once, so results differ by at most one rounding of the output:
+    # rtol = eps. saxpy may fuse alpha*x + y into one FMA whose product is never rounded; near
+    # cancellation that leaves an absolute error of up to one ulp of |alpha * x| <= ~8
+    # (|x| < 5 sigma, |alpha| <= 1.5): atol = 8 eps.
+    eps = torch.finfo(dtype).eps
+    return {"rtol": eps, "atol": 8 * eps}
+
+
+# Plain-PyTorch references, computed in float64 and rounded once to the input dtype.
+def reference_vector_add(a, b):
+    return (a.double() + b.double()).to(a.dtype)
+
+
+def reference_saxpy(alpha, x, y):
+    return (alpha * x.double() + y.double()).to(x.dtype)
+
+
+def reference_relu(x):
+    return torch.relu(x.double()).to(x.dtype)
+
+
+def make_inputs(op, shape, dtype, device):
+    """(args for our op, reference output): random normal inputs, never zeros or ones."""
+    a = torch.randn(shape, dtype=dtype, device=device)
+    b = torch.randn(shape, dtype=dtype, device=device)
+    if op == "vector_add":
+        return (a, b), reference_vector_add(a, b)
+    if op == "saxpy":
+        alpha = float(torch.empty(()).uniform_(-1.5, 1.5))
+        return (alpha, a, b), reference_saxpy(alpha, a, b)
+    return (a,), reference_relu(a)
+
+
+def run(op, args, version):
+    return getattr(cuda_basics, op)(*args, version=version)
+
+
+def poison_allocator(like):
+    """Leave a NaN-filled block of the output's size in the allocator, so the op's output is
+    most likely carved from it (always on CUDA, whose caching allocator hands the block
+    straight back): any element the kernel fails to write then shows up as NaN."""
+    block = torch.full(like.shape, float("nan"), dtype=like.dtype, device=like.device)
+    del block
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("version", VERSIONS["vector_add"])
+@pytest.mark.parametrize("op", OPS)
+def test_matches_reference(op, version, dtype, shape, device):
+    args, expected = make_inputs(op, shape, dtype, device)
+    poison_allocator(expected)
+    out = run(op, args, version)
+    assert out.shape == expected.shape and out.dtype == dtype and out.device == expected.device
+    assert not out.isnan().any(), "some output element was never written"
+    assert_close(out, expected, **tolerances(dtype))
+
+
+VIEWS = {
+    # x[1:] stays contiguous but starts 1 element past a 16-byte boundary: v3/v4 must notice
+    # and fall back to scalar accesses (a misaligned 128-bit load faults).
+    "offset_by_one": lambda t: t.flatten()[1:],
+    "transposed": lambda t: t.t(),
+    "every_other": lambda t: t.flatten()[::2],
+    "column": lambda t: t[:, 5],
+}
+
+
+@pytest.mark.parametrize("view", list(VIEWS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("version", VERSIONS["vector_add"])
+@pytest.mark.parametrize("op", OPS)
+def test_views(op, version, dtype, view, device):
+    base_args, _ = make_inputs(op, (257, 129), dtype, device)
+    take = VIEWS[view]
+    args = tuple(take(x) if torch.is_tensor(x) else x for x in base_args)
+    expected = {"vector_add": reference_vector_add, "saxpy": reference_saxpy,
+                "relu": reference_relu}[op](*args)
+    out = run(op, args, version)
+    assert out.is_contiguous()
+    assert_close(out, expected, **tolerances(dtype))
+
+
+def test_mixed_contiguity(device):
+    a = torch.randn(64, 33, device=device)
+    b = torch.randn(33, 64, device=device).t()  # same shape as a, transposed strides
+    assert_close(cuda_basics.vector_add(a, b), reference_vector_add(a, b))
+
+
+@pytest.mark.parametrize("version", VERSIONS["vector_add"])
+@pytest.mark.parametrize("op", OPS)
+def test_gradcheck_float64(op, version, device):
+    x = torch.randn(7, 13, dtype=torch.float64, device=device)
+    # Keep relu's inputs away from its kink at 0, where finite differences are meaningless.
+    x = (x + 0.1 * x.sign()).requires_grad_()
+    y = torch.randn(7, 13, dtype=torch.float64, device=device, requires_grad=True)
+    fn = {"vector_add": lambda x, y: cuda_basics.vector_add(x, y, version=version),
+          "saxpy": lambda x, y: cuda_basics.saxpy(-0.75, x, y, version=version),
+          "relu": lambda x, y: cuda_basics.relu(x, version=version) + 0 * y}[op]
+    assert torch.autograd.gradcheck(fn, (x, y))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("op", OPS)
+def test_low_precision_gradients(op, dtype, device):
+    x = torch.randn(1823, 781, dtype=dtype, device=device, requires_grad=True)
+    y = torch.randn(1823, 781, dtype=dtype, device=device, requires_grad=True)
+    grad = torch.randn(1823, 781, dtype=dtype, device=device)
+    ours = {"vector_add": lambda: cuda_basics.vector_add(x, y),
+            "saxpy": lambda: cuda_basics.saxpy(1.25, x, y),
+            "relu": lambda: cuda_basics.relu(x)}[op]
+    theirs = {"vector_add": lambda: x + y, "saxpy": lambda: 1.25 * x + y,
+              "relu": lambda: torch.relu(x)}[op]
+    ours().backward(grad)
+    ours_grads = (x.grad.clone(), None if y.grad is None else y.grad.clone())
+    x.grad, y.grad = None, None
+    theirs().backward(grad)
+    assert_close(ours_grads[0], x.grad, **tolerances(dtype))
+    if y.grad is not None:
+        assert_close(ours_grads[1], y.grad, **tolerances(dtype))
+
+
+def test_versions_table_matches_dispatch():
+    for op in OPS:
+        assert list(VERSIONS[op]) == torch.ops.cuda_basics.versions(op), op
+    assert cuda_basics.BEST_VERSION in VERSIONS["vector_add"]
+    with pytest.raises(RuntimeError, match="versions: unknown op 'matmul'"):
+        torch.ops.cuda_basics.versions("matmul")
+
+
+def test_every_listed_version_dispatches_and_others_do_not(device):
+    x = torch.randn(100, device=device)
+    for version in VERSIONS["relu"]:
+        assert_close(cuda_basics.relu(x, version=version), torch.relu(x))
+    assert_close(cuda_basics.relu(x, version=None), torch.relu(x))
+    for bad in ("v0", "v5", "V1", "", "best"):
+        with pytest.raises(RuntimeError, match=f"relu: unknown version '{bad}'"):
+            cuda_basics.relu(x, version=bad)
+
+
+# Every misuse raises a RuntimeError naming the op and the problem.
+MISUSES = {
+    "dtype mismatch": (lambda d: cuda_basics.vector_add(torch.randn(4, device=d),
+                                                        torch.randn(4, device=d).double()),
+                       r"vector_add: a is Float but b is Double"),
+    "shape mismatch": (lambda d: cuda_basics.saxpy(2.0, torch.randn(4, 3, device=d),
+                                                   torch.randn(3, device=d)),
+                       r"saxpy: x has shape \[4, 3\] but y has shape \[3\].*no broadcasting"),
+    "integer dtype": (lambda d: cuda_basics.relu(torch.arange(5, device=d)),
+                      r"relu: x has dtype Long, which is not supported"),
+    "integer pair": (lambda d: cuda_basics.vector_add(torch.arange(5, device=d),
+                                                      torch.arange(5, device=d)),
+                     r"vector_add: a has dtype Long, which is not supported"),
+    "unknown version": (lambda d: cuda_basics.saxpy(1.0, torch.randn(3, device=d),
+                                                    torch.randn(3, device=d), version="v9"),
+                        r"saxpy: unknown version 'v9'; expected one of uncoalesced, v1"),
+}
+
+
+@pytest.mark.parametrize("misuse", list(MISUSES))
+def test_misuse_raises_clear_error(misuse, device):
+    call, message = MISUSES[misuse]
+    with pytest.raises(RuntimeError, match=message):
+        call(device)
+
+
+@pytest.mark.cuda
+def test_mixed_devices_raise():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU visible")
+    a = torch.randn(8, device="cuda")
+    b = torch.randn(8)
+    with pytest.raises(RuntimeError, match=r"vector_add: a is on cuda:0 but b is on cpu"):
+        cuda_basics.vector_add(a, b)
+    with pytest.raises(RuntimeError, match=r"saxpy: x is on cpu but y is on cuda:0"):
+        cuda_basics.saxpy(1.0, b, a)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_opcheck(op, device):
+    args, _ = make_inputs(op, (33, 17), torch.float32, device)
+    args = tuple(x.requires_grad_() if torch.is_tensor(x) else x for x in args)
+    torch.library.opcheck(getattr(torch.ops.cuda_basics, op).default, (*args, None))
+
+
+@pytest.mark.cuda
+@pytest.mark.large
+@pytest.mark.parametrize("version", VERSIONS["vector_add"])
+def test_beyond_int32_elements(version):
+    """2^31 + 1001 float16 elements (4 GiB per tensor): every index must be 64-bit."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU visible")
+    n = 2**31 + 1001
+    need = 4 * n * 2  # a, b, out and the reference
+    if torch.cuda.mem_get_info()[0] < need * 1.2:
+        pytest.skip(f"needs {need / 2**30:.0f} GiB of free GPU memory")
+    a = torch.randn(n, dtype=torch.float16, device="cuda")
+    b = torch.randn(n, dtype=torch.float16, device="cuda")
+    out = cuda_basics.vector_add(a, b, version=version)
+    assert torch.equal(out, a + b)  # torch.add computes fp16 in fp32 and rounds once, as we do
+    del a, b, out
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.cuda
+@pytest.mark.sanitize
+@pytest.mark.parametrize("version", VERSIONS["vector_add"])
+@pytest.mark.parametrize("op", OPS)
+def test_sanitizer_small_run(op, version):
+    """The small run the GPU pass executes under compute-sanitizer: every kernel instantiation
+    (dtype x op x version), ragged sizes and a misaligned view, a few elements each."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU visible")
+    for dtype in DTYPES:
+        for n in (1, 33, 4099):
+            args, expected = make_inputs(op, (n + 1,), dtype, "cuda")
+            args = tuple(x[1:] if torch.is_tensor(x) else x for x in args)  # misaligned view
+            assert_close(run(op, args, version), expected[1:], **tolerances(dtype))
+            args, expected = make_inputs(op, (n,), dtype, "cuda")
+            assert_close(run(op, args, version), expected, **tolerances(dtype))

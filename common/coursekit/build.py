@@ -1,0 +1,87 @@
+"""What both build routes (setup.py and the JIT helper) share: whether to build CUDA, and the
+compiler flags. One home, so `pip install .` and `python load_jit.py` build the same thing."""
+import os
+import site
+import sys
+import sysconfig
+
+from . import COMMON_INCLUDE
+
+
+def import_torch(package):
+    """Import torch for a build, explaining pip's build isolation when it hides torch.
+
+    `pip install .` builds in an isolated environment that has setuptools but not the torch of
+    the environment pip runs in. An extension must be compiled against the very torch it will
+    load into, so we add that environment's site-packages back (with a note) rather than let
+    pip fetch a second, different torch. `pip install --no-build-isolation .` skips all this.
+    """
+    try:
+        import torch
+        return torch
+    except ModuleNotFoundError:
+        pass
+    for key in ("purelib", "platlib"):
+        site.addsitedir(sysconfig.get_paths()[key])
+    try:
+        import torch
+    except ModuleNotFoundError:
+        sys.exit(f"[{package}] No module named 'torch': install torch into this environment first "
+                 "(see the README's prerequisites), then `pip install --no-build-isolation .`")
+    print(f"[{package}] pip's build isolation hid torch; building against the environment's "
+          f"torch {torch.__version__} at {torch.__file__}. Use `pip install --no-build-isolation .` "
+          "to skip the isolated environment.", file=sys.stderr)
+    return torch
+
+
+def cuda_decision(package):
+    """(build_cuda, reason). USE_CUDA=1 demands CUDA and fails loudly; USE_CUDA=0 forces CPU;
+    unset builds CUDA when torch has CUDA and a toolkit (nvcc) is found. No GPU is needed to
+    build, only to run."""
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    wanted = os.environ.get("USE_CUDA", "").strip()
+    if wanted == "0":
+        return False, "USE_CUDA=0 forces the CPU-only build"
+    problems = []
+    if torch.version.cuda is None:
+        problems.append(f"torch {torch.__version__} is a CPU-only build")
+    if CUDA_HOME is None:
+        problems.append("no CUDA toolkit found (set CUDA_HOME or put nvcc on PATH)")
+    if problems:
+        if wanted == "1":
+            raise RuntimeError(f"[{package}] USE_CUDA=1 but a CUDA build is impossible: "
+                               + "; ".join(problems))
+        return False, "; ".join(problems)
+    return True, f"torch {torch.__version__} (CUDA {torch.version.cuda}), toolkit at {CUDA_HOME}"
+
+
+def compile_flags(with_cuda, debug=None):
+    """extra_compile_args for both routes. DEBUG=1: -O0 -g (and -lineinfo for device code)."""
+    if debug is None:
+        debug = os.environ.get("DEBUG", "0") == "1"
+    cxx = ["-O0", "-g"] if debug else ["-O3"]
+    flags = {"cxx": cxx + (["-DWITH_CUDA"] if with_cuda else [])}
+    if with_cuda:
+        # -lineinfo maps SASS back to source lines for ncu and compute-sanitizer at no runtime
+        # cost, so release builds keep it too. No --use_fast_math: it would change results.
+        flags["nvcc"] = (["-O0", "-g", "-lineinfo"] if debug else ["-O3", "-lineinfo"]) + ["-DWITH_CUDA"]
+    return flags
+
+
+def include_dirs(chapter_dir):
+    return [str(COMMON_INCLUDE), str(chapter_dir)]
+
+
+def make_extension(name, chapter_dir, cpp_sources, cuda_sources, package):
+    """A CUDAExtension when CUDA is usable, else a CppExtension (with the reason printed)."""
+    from torch.utils.cpp_extension import CppExtension, CUDAExtension
+
+    with_cuda, reason = cuda_decision(package)
+    kind = "CUDA + CPU" if with_cuda else "CPU-only"
+    print(f"[{package}] building the {kind} extension: {reason}", file=sys.stderr)
+    cls = CUDAExtension if with_cuda else CppExtension
+    sources = list(cpp_sources) + (list(cuda_sources) if with_cuda else [])
+    return cls(name, sources=sources, include_dirs=include_dirs(chapter_dir),
+               extra_compile_args=compile_flags(with_cuda))

@@ -1,0 +1,66 @@
+// Named input checks for the torch glue layer (never included by .cu kernel files).
+//
+// Every message names the op and the problem, e.g.
+//   vector_add: a is on cuda:0 but b is on cpu
+// The macros stringify the argument names so call sites stay one line:
+//   CHECK_SAME_DEVICE("vector_add", a, b);
+// They throw c10::Error (RuntimeError in Python) through TORCH_CHECK: never abort the process.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <initializer_list>
+#include <string>
+
+namespace course {
+
+inline void check_same_device(const char* op, const char* name_a, const at::Tensor& a,
+                              const char* name_b, const at::Tensor& b) {
+  TORCH_CHECK(a.device() == b.device(), op, ": ", name_a, " is on ", a.device(), " but ",
+              name_b, " is on ", b.device());
+}
+
+inline void check_same_dtype(const char* op, const char* name_a, const at::Tensor& a,
+                             const char* name_b, const at::Tensor& b) {
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), op, ": ", name_a, " is ", a.scalar_type(),
+              " but ", name_b, " is ", b.scalar_type(), " (no implicit type promotion)");
+}
+
+inline void check_same_shape(const char* op, const char* name_a, const at::Tensor& a,
+                             const char* name_b, const at::Tensor& b) {
+  TORCH_CHECK(a.sizes() == b.sizes(), op, ": ", name_a, " has shape ", a.sizes(), " but ",
+              name_b, " has shape ", b.sizes(), " (shapes must match; no broadcasting)");
+}
+
+inline void check_dtype_in(const char* op, const char* name, const at::Tensor& t,
+                           std::initializer_list<at::ScalarType> allowed) {
+  for (auto s : allowed) {
+    if (t.scalar_type() == s) return;
+  }
+  std::string list;
+  for (auto s : allowed) list += (list.empty() ? "" : ", ") + std::string(c10::toString(s));
+  TORCH_CHECK(false, op, ": ", name, " has dtype ", t.scalar_type(), ", which is not supported (",
+              "supported: ", list, ")");
+}
+
+// meta tensors carry shapes only: fake-tensor tracing (torch.compile, opcheck) runs the checks
+// on them, so they must pass wherever a cpu or cuda tensor would.
+inline void check_device_supported(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(t.device().is_cpu() || t.device().is_cuda() || t.device().is_meta(), op, ": ", name, " is on ", t.device(),
+              "; only cpu and cuda tensors are supported");
+}
+
+// The four floating dtypes every course op takes: float64 so gradcheck runs on CUDA too.
+inline void check_floating(const char* op, const char* name, const at::Tensor& t) {
+  check_dtype_in(op, name, t, {at::kFloat, at::kHalf, at::kBFloat16, at::kDouble});
+}
+
+}  // namespace course
+
+#define CHECK_SAME_DEVICE(op, a, b) ::course::check_same_device(op, #a, a, #b, b)
+#define CHECK_SAME_DTYPE(op, a, b) ::course::check_same_dtype(op, #a, a, #b, b)
+#define CHECK_SAME_SHAPE(op, a, b) ::course::check_same_shape(op, #a, a, #b, b)
+#define CHECK_DTYPE_IN(op, t, ...) ::course::check_dtype_in(op, #t, t, {__VA_ARGS__})
+#define CHECK_DEVICE_SUPPORTED(op, t) ::course::check_device_supported(op, #t, t)
+#define CHECK_FLOATING(op, t) ::course::check_floating(op, #t, t)

@@ -1,0 +1,61 @@
+// Torch-free helpers for kernel files (.cu): error propagation and launch sizing.
+//
+// Launchers return cudaError_t to the glue, which checks it with C10_CUDA_CHECK; kernel code
+// itself never throws and never includes torch headers, so it builds with a bare `nvcc -c`.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+// Return the error of a CUDA runtime call to our caller instead of swallowing it.
+#define COURSE_CUDA_TRY(expr)              \
+  do {                                     \
+    cudaError_t course_err_ = (expr);      \
+    if (course_err_ != cudaSuccess) {      \
+      return course_err_;                  \
+    }                                      \
+  } while (0)
+
+namespace course {
+
+template <typename T>
+__host__ __device__ constexpr T ceil_div(T a, T b) {
+  return (a + b - 1) / b;
+}
+
+// Streaming multiprocessor count of the current device, cached per device because the
+// attribute query is a driver round trip that would otherwise sit in every launch.
+inline cudaError_t sm_count(int* out) {
+  constexpr int kMaxDevices = 64;
+  static int cached[kMaxDevices] = {0};
+  int device = 0;
+  COURSE_CUDA_TRY(cudaGetDevice(&device));
+  if (device < kMaxDevices && cached[device] > 0) {
+    *out = cached[device];
+    return cudaSuccess;
+  }
+  int sms = 0;
+  COURSE_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  if (device < kMaxDevices) cached[device] = sms;
+  *out = sms;
+  return cudaSuccess;
+}
+
+// Blocks that keep every SM fully occupied with `kernel` at `block_threads` threads: the grid
+// for a grid-stride loop. More blocks than this only queue behind the resident ones.
+template <typename Kernel>
+cudaError_t resident_grid(Kernel kernel, int block_threads, int64_t* blocks) {
+  int sms = 0;
+  int per_sm = 0;
+  COURSE_CUDA_TRY(sm_count(&sms));
+  COURSE_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, block_threads, 0));
+  *blocks = static_cast<int64_t>(sms) * (per_sm > 0 ? per_sm : 1);
+  return cudaSuccess;
+}
+
+inline bool is_aligned(const void* p, uintptr_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+}  // namespace course
