@@ -20,6 +20,7 @@
 
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace cuda_basics {
@@ -47,6 +48,10 @@ constexpr NamedVersion kVersions[] = {
 constexpr KernelVersion kBestVersion = KernelVersion::kV4;
 constexpr const char* kOps[] = {"vector_add", "saxpy", "relu"};
 
+// c10::string_view is std::string_view in recent torch and its own class in older releases;
+// both have data() and size().
+std::string_view as_std(c10::string_view s) { return {s.data(), s.size()}; }
+
 std::string version_list() {
   std::string list;
   for (const auto& v : kVersions) list += (list.empty() ? "" : ", ") + std::string(v.name);
@@ -57,16 +62,16 @@ std::string version_list() {
 KernelVersion parse_version(const char* op, OptVersion version) {
   if (!version.has_value()) return kBestVersion;
   for (const auto& v : kVersions) {
-    if (*version == v.name) return v.version;
+    if (as_std(*version) == v.name) return v.version;
   }
-  TORCH_CHECK(false, op, ": unknown version '", std::string(*version), "'; expected one of ",
+  TORCH_CHECK(false, op, ": unknown version '", std::string(as_std(*version)), "'; expected one of ",
               version_list(), " (or None for the best)");
 }
 
 std::vector<std::string> versions(c10::string_view op) {
   bool known = false;
-  for (const char* name : kOps) known = known || op == name;
-  TORCH_CHECK(known, "versions: unknown op '", std::string(op), "'");
+  for (const char* name : kOps) known = known || as_std(op) == name;
+  TORCH_CHECK(known, "versions: unknown op '", std::string(as_std(op)), "'");
   std::vector<std::string> names;
   for (const auto& v : kVersions) names.emplace_back(v.name);
   return names;

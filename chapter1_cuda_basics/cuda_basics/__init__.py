@@ -37,14 +37,12 @@ def _installed_library():
     found = sorted(here.glob("_C*.so")) + sorted(here.glob("_C*.pyd"))
     if found:
         return found[0]
-    try:
-        from importlib.metadata import PackageNotFoundError, distribution
-        dist = distribution("cuda_basics")
-    except PackageNotFoundError:
-        return None
-    for f in dist.files or ():
-        if f.name.startswith("_C") and f.suffix in (".so", ".pyd"):
-            return Path(dist.locate_file(f))
+    from importlib.metadata import distributions
+    # Several may match: the build leaves a cuda_basics.egg-info in the source tree too.
+    for dist in distributions(name="cuda_basics"):
+        for f in dist.files or ():
+            if f.name.startswith("_C") and f.suffix in (".so", ".pyd"):
+                return Path(dist.locate_file(f))
     return None
 
 

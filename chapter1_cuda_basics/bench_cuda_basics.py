@@ -1,0 +1,172 @@
+"""Chapter 1 benchmark: every rung of the ladder against PyTorch and the copy ceiling.
+
+Napkin math: vector_add and saxpy read two arrays and write one (3 * n * element size bytes),
+relu reads one and writes one (2 * n * element size); no arithmetic worth counting, so the
+ceiling is memory bandwidth, measured here as a device-to-device copy in the same run.
+
+    python bench_cuda_basics.py                  full run (2^28 elements on a GPU)
+    python bench_cuda_basics.py --quick          small sizes: CPU machines, smoke runs
+    python bench_cuda_basics.py --no-build-times skip the cold/cached/touched JIT builds
+
+Writes results/<device-slug>/chapter1_cuda_basics.json and the plots beside it; on a CPU-only
+machine also a figure with the recorded GPU results next to the CPU measurement.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent / "common")]
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+from coursekit import bench, plots, results  # noqa: E402
+
+import cuda_basics  # noqa: E402
+
+CHAPTER = "chapter1_cuda_basics"
+OPS = ("vector_add", "saxpy", "relu")
+SAXPY_ALPHA = 1.75
+
+
+def make_args(op, n, dtype, device):
+    x = torch.randn(n, dtype=dtype, device=device)
+    if op == "relu":
+        return (x,)
+    y = torch.randn(n, dtype=dtype, device=device)
+    return (SAXPY_ALPHA, x, y) if op == "saxpy" else (x, y)
+
+
+def torch_baseline(op, args):
+    if op == "vector_add":
+        return torch.add(*args)
+    if op == "saxpy":
+        alpha, x, y = args
+        return torch.add(y, x, alpha=alpha)  # one fused kernel: y + alpha * x
+    return torch.relu(*args)
+
+
+def bytes_moved(op, n, dtype):
+    arrays = 2 if op == "relu" else 3  # inputs read once + the output written once
+    return arrays * n * torch.empty((), dtype=dtype).element_size()
+
+
+def bench_op(op, dtype, n, device, variants, ceiling, flush=None, sweep=False):
+    args = make_args(op, n, dtype, device)
+    kw = {"flush": flush} if device == "cuda" else {}
+    nbytes = bytes_moved(op, n, dtype)
+    t_torch = bench.time_fn(lambda: torch_baseline(op, args), device, **kw)
+    out = [bench.bandwidth_row(op, "torch", dtype, [n], nbytes, t_torch, ceiling,
+                               t_torch["median_ms"], sweep=sweep)]
+    fn = getattr(cuda_basics, op)
+    for variant in variants:
+        version = None if variant == "cpu" else variant
+        timing = bench.time_fn(lambda: fn(*args, version=version), device, **kw)
+        out.append(bench.bandwidth_row(op, variant, dtype, [n], nbytes, timing, ceiling,
+                                       t_torch["median_ms"], sweep=sweep))
+    return out
+
+
+def measure_build_times():
+    """Cold, cached and touched-.cu JIT builds, each in a fresh process (ccache off)."""
+    env = {**os.environ, "COURSE_NO_CCACHE": "1"}
+
+    def run_jit(*flags):
+        proc = subprocess.run([sys.executable, "load_jit.py", "--json", *flags], cwd=HERE,
+                              env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"load_jit.py {' '.join(flags)} failed:\n{proc.stderr[-3000:]}")
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    cold = run_jit("--clean")
+    cached = run_jit()
+    (HERE / "elementwise_kernels.cu").touch()
+    touched = run_jit()
+    return {"cold_s": cold["seconds"], "cached_s": cached["seconds"],
+            "touched_cu_s": touched["seconds"],
+            "rebuilt": [cold["rebuilt"], cached["rebuilt"], touched["rebuilt"]],
+            "max_jobs": int(os.environ.get("MAX_JOBS", os.cpu_count() or 1)),
+            "arch_list": os.environ.get("TORCH_CUDA_ARCH_LIST"), "ccache": False}
+
+
+def make_figures(record, out_dir, big):
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for ax, dtype in zip(axes, ("float32", "bfloat16")):
+        plots.plot_sweep(ax, record, "vector_add", dtype)
+    sweep_png = plots.save(fig, out_dir / f"{CHAPTER}_sweep.png")
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for ax, op in zip(axes, OPS):
+        plots.plot_bars(ax, record, op, "float32", [big])
+    bars_png = plots.save(fig, out_dir / f"{CHAPTER}_ladder.png")
+    return [sweep_png, bars_png]
+
+
+def print_table(record, big):
+    print(f"\n{CHAPTER} on {results.label(record)}; copy ceiling "
+          f"{record['ceilings']['copy_GBps']:.0f} GB/s")
+    print(f"{'op':<11}{'dtype':<10}{'variant':<13}{'ms':>9}{'GB/s':>9}{'% copy':>8}{'x torch':>9}")
+    for r in record["benchmarks"]:
+        if r["shape"] == [big] and not r["sweep"]:
+            print(f"{r['op']:<11}{r['dtype']:<10}{r['variant']:<13}{r['median_ms']:>9.3f}"
+                  f"{r['GBps']:>9.0f}{r['pct_of_copy']:>8.1f}{r['speedup_vs_torch']:>9.3f}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small sizes (CPU, smoke runs)")
+    parser.add_argument("--no-build-times", action="store_true")
+    args = parser.parse_args()
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    quick = args.quick or device == "cpu"
+    big = 2**22 if quick else 2**28
+    sweep_sizes = [2**k for k in range(12 if quick else 16, (22 if quick else 28) + 1, 2 if quick else 1)]
+    variants = list(cuda_basics.VERSIONS["vector_add"]) if device == "cuda" else ["cpu"]
+    if device == "cpu":
+        print("No CUDA GPU: benchmarking the CPU path at small sizes; GPU numbers come from "
+              "the recorded results.")
+
+    ceilings = bench.copy_ceiling(device, n=big)
+    ceiling = ceilings["copy_GBps"]
+    flush = bench.L2Flusher() if device == "cuda" else None
+    rows = []
+    for op in OPS:
+        for dtype in (torch.float32, torch.bfloat16):
+            rows += bench_op(op, dtype, big, device, variants, ceiling)
+    for dtype in (torch.float32, torch.bfloat16):
+        for n in sweep_sizes:
+            rows += bench_op("vector_add", dtype, n, device, variants, ceiling, flush=flush,
+                             sweep=True)
+
+    extra = {"sizes": {"big": big, "sweep": sweep_sizes},
+             "timing": {"method": "CUDA events" if device == "cuda" else "perf_counter",
+                        "reps": bench.MIN_REPS if device == "cpu" else 30, "statistic": "median",
+                        "l2_flush": "sweep rows only; the 2^28 rows are 64x the L2 size"}}
+    if not args.no_build_times and device == "cuda":
+        extra["build"] = measure_build_times()
+    path = results.write_results(CHAPTER, rows, ceilings, **extra)
+    record = json.loads(path.read_text())
+    figures = make_figures(record, path.parent, big)
+    if device == "cpu":
+        recorded = results.load_recorded_gpu(CHAPTER)
+        if recorded is not None:
+            fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+            plots.plot_sweep(axes[0], record, "vector_add", "float32",
+                             title=f"measured here: {results.label(record)}")
+            plots.plot_sweep(axes[1], recorded, "vector_add", "float32",
+                             title=f"recorded: {results.label(recorded)}")
+            figures.append(plots.save(fig, path.parent / f"{CHAPTER}_cpu_vs_recorded.png"))
+    print_table(record, big)
+    if "build" in extra:
+        b = extra["build"]
+        print(f"JIT build: cold {b['cold_s']:.1f} s, cached {b['cached_s']:.2f} s, "
+              f"after touching the .cu {b['touched_cu_s']:.1f} s")
+    print("wrote", path, *figures, sep="\n  ")
+
+
+if __name__ == "__main__":
+    main()

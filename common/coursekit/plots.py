@@ -1,0 +1,53 @@
+"""Plots drawn from results records (never from numbers typed in)."""
+import matplotlib.pyplot as plt
+
+from .results import label, rows
+
+
+def plot_sweep(ax, record, op, dtype, variants=None, title=None):
+    """Achieved GB/s against problem size, one line per variant, with the copy ceiling."""
+    sweep = [r for r in rows(record, op=op, dtype=dtype) if r.get("sweep")]
+    variants = variants or list(dict.fromkeys(r["variant"] for r in sweep))
+    for variant in variants:
+        pts = sorted((r["shape"][0], r["GBps"]) for r in sweep if r["variant"] == variant)
+        if pts:
+            style = dict(color="black", linestyle="--") if variant.startswith("torch") else {}
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=variant,
+                    **style)
+    ceiling = record["ceilings"].get("copy_GBps")
+    if ceiling:
+        ax.axhline(ceiling, color="grey", linestyle=":", label=f"copy ceiling {ceiling:.0f} GB/s")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("elements")
+    ax.set_ylabel("GB/s (bytes read + written)")
+    ax.set_title(title or f"{op} {dtype}: {label(record)}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def plot_bars(ax, record, op, dtype, shape, title=None):
+    """GB/s of every variant at one size, with the copy ceiling: the ladder at a glance."""
+    picked = [r for r in rows(record, op=op, dtype=dtype) if r["shape"] == list(shape)
+              and not r.get("sweep")]
+    names = [r["variant"] for r in picked]
+    values = [r["GBps"] for r in picked]
+    colors = ["black" if n.startswith("torch") else "tab:blue" for n in names]
+    bars = ax.bar(names, values, color=colors)
+    for bar, r in zip(bars, picked):
+        if "pct_of_copy" in r:
+            ax.annotate(f"{r['pct_of_copy']:.0f}%", (bar.get_x() + bar.get_width() / 2,
+                        bar.get_height()), ha="center", va="bottom", fontsize=7)
+    ceiling = record["ceilings"].get("copy_GBps")
+    if ceiling:
+        ax.axhline(ceiling, color="grey", linestyle=":", label="copy ceiling")
+        ax.legend(fontsize=7)
+    ax.set_ylabel("GB/s")
+    ax.set_title(title or f"{op} {dtype} {shape}: {label(record)}", fontsize=9)
+    ax.tick_params(axis="x", labelsize=8)
+
+
+def save(fig, path):
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,77 @@
+"""Results files: results/<device-slug>/<chapter>.json, written only by benchmark code.
+The contract (CONVENTIONS.md section 5): chapter, device, torch, cuda, commit, date,
+ceilings, benchmarks; anything else is extra."""
+import datetime
+import json
+import re
+import subprocess
+
+import torch
+
+from . import REPO_ROOT
+from .bench import device_info
+
+RESULTS_DIR = REPO_ROOT / "results"
+
+
+def device_slug(info=None):
+    info = info or device_info()
+    slug = re.sub(r"[^a-z0-9]+", "-", info["name"].lower()).strip("-")
+    # CPU names start with "cpu": results/cpu-*/ is a learner's own run, kept out of git.
+    return slug
+
+
+def git_commit():
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def write_results(chapter, benchmarks, ceilings, **extra):
+    info = device_info()
+    record = {
+        "chapter": chapter,
+        "device": info,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "commit": git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "ceilings": ceilings,
+        "benchmarks": benchmarks,
+        **extra,
+    }
+    out_dir = RESULTS_DIR / device_slug(info)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{chapter}.json"
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return path
+
+
+def load_all(chapter, include_cpu=False):
+    """Every recorded results file of a chapter, newest first: [(slug, record)]."""
+    found = []
+    for path in sorted(RESULTS_DIR.glob(f"*/{chapter}.json")):
+        slug = path.parent.name
+        if slug.startswith("cpu-") and not include_cpu:
+            continue
+        found.append((slug, json.loads(path.read_text())))
+    return sorted(found, key=lambda sr: sr[1]["date"], reverse=True)
+
+
+def load_recorded_gpu(chapter):
+    """The newest GPU results of a chapter (what a CPU-only machine plots), or None."""
+    found = load_all(chapter)
+    return found[0][1] if found else None
+
+
+def rows(record, **match):
+    return [r for r in record["benchmarks"] if all(r.get(k) == v for k, v in match.items())]
+
+
+def label(record):
+    return f"{record['device']['name']}, {record['date'][:10]}"

@@ -1,0 +1,204 @@
+"""The course's three jobs. Run through the wrappers at the repository root, which first make
+the virtualenv (scripts/env.sh) and install what is missing (tools/ensure_env.py):
+
+    ./run_course.sh   main: build every chapter, run its example and benchmark, write results
+                      and plots, print a summary (CPU path on a machine without a CUDA GPU)
+    ./run_tests.sh    test: build every chapter (pip and JIT), run every test suite, execute
+                      every notebook, compile every .cu with nvcc for sm_75, sm_80 and sm_90
+    ./gpu_pass.sh     gpu-pass: on a CUDA machine, both builds, all tests with CUDA on both
+                      routes, compute-sanitizer (4 tools), benchmarks, results, notebooks
+"""
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "common"))
+LOG_DIR = Path(os.environ.get("COURSE_LOG_DIR", ROOT / "build" / "logs"))
+NVCC_ARCHS = ("75", "80", "90")
+SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
+
+
+def chapters():
+    return sorted(p.parent for p in ROOT.glob("chapter*/setup.py"))
+
+
+def notebooks():
+    return sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+
+class Steps:
+    """Runs commands, logs each to LOG_DIR, and keeps a pass/fail table for the summary."""
+
+    def __init__(self):
+        self.table = []
+        self.tests = {"passed": 0, "failed": 0, "skipped": 0}
+        LOG_DIR.mkdir(parents=True, exist_ok=True)
+
+    def run(self, name, cmd, cwd=ROOT, env=None, junit=None, echo=False):
+        log = LOG_DIR / (name.replace(" ", "_").replace("/", "-") + ".log")
+        print(f"\n=== {name}\n$ {' '.join(map(str, cmd))}", flush=True)
+        start = time.perf_counter()
+        with open(log, "w") as fh:
+            proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env={**os.environ, **(env or {})},
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            tail = []
+            for line in proc.stdout:
+                fh.write(line)
+                tail = (tail + [line])[-25:]
+                if echo:
+                    print(line, end="", flush=True)
+            rc = proc.wait()
+        seconds = time.perf_counter() - start
+        if not echo:
+            print("".join(tail[-(25 if rc else 3):]), end="", flush=True)
+        if rc != 0:
+            first_error = next((ln for ln in open(log) if "error:" in ln or "Error:" in ln), None)
+            if first_error:
+                print(f"--- first error line in {log}:\n{first_error}", end="")
+        detail = ""
+        if junit and Path(junit).exists():
+            suite = ET.parse(junit).getroot()
+            suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+            counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+            failed = counts["failures"] + counts["errors"]
+            self.tests["passed"] += counts["tests"] - failed - counts["skipped"]
+            self.tests["failed"] += failed
+            self.tests["skipped"] += counts["skipped"]
+            detail = f"{counts['tests'] - failed - counts['skipped']} passed, {failed} failed, " \
+                     f"{counts['skipped']} skipped"
+        self.table.append((name, "ok" if rc == 0 else f"FAILED ({rc})", f"{seconds:.1f}s", detail))
+        return rc == 0
+
+    def summary(self):
+        print("\n" + "=" * 78)
+        for name, status, secs, detail in self.table:
+            print(f"{name:<44}{status:<12}{secs:>8}  {detail}")
+        failed_steps = sum(1 for row in self.table if row[1] != "ok")
+        print(f"steps: {len(self.table) - failed_steps} passed, {failed_steps} failed")
+        t = self.tests
+        # The last line is what CI reads: every test of every suite, plus failed steps.
+        print(f"tests: {t['passed']} passed, {t['failed'] + failed_steps} failed, "
+              f"{t['skipped']} skipped")
+        return failed_steps == 0 and t["failed"] == 0
+
+
+def pip_install(steps, chapter):
+    return steps.run(f"{chapter.name} pip install", [sys.executable, "-m", "pip", "install",
+                     "--no-build-isolation", "--no-deps", "--disable-pip-version-check", "."],
+                     cwd=chapter)
+
+
+def pytest(steps, chapter, route, extra=(), tag=None):
+    junit = LOG_DIR / f"{chapter.name}-{tag or route}.xml"
+    return steps.run(f"{chapter.name} pytest ({tag or route})",
+                     [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                      f"--junitxml={junit}", *extra], cwd=chapter,
+                     env={"COURSE_EXT_ROUTE": route}, junit=junit)
+
+
+def execute_notebooks(steps, inplace):
+    for nb in notebooks():
+        steps.run(f"notebook {nb.name}", [sys.executable, str(ROOT / "tools" / "run_notebook.py"),
+                  str(nb)] + (["--inplace"] if inplace else []))
+
+
+def nvcc_compile(steps):
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        print("\nnvcc not found: skipping the sm_75/sm_80/sm_90 compile check")
+        return
+    for cu in sorted(ROOT.glob("chapter*/*.cu")):
+        for arch in NVCC_ARCHS:
+            steps.run(f"nvcc {cu.parent.name}/{cu.name} sm_{arch}",
+                      [nvcc, "-c", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}",
+                       "-I", ROOT / "common" / "include", "-I", cu.parent, "-o", os.devnull, cu])
+
+
+def job_test(args):
+    steps = Steps()
+    for chapter in chapters():
+        if pip_install(steps, chapter):
+            pytest(steps, chapter, "installed")
+        steps.run(f"{chapter.name} JIT build", [sys.executable, "load_jit.py"], cwd=chapter)
+    execute_notebooks(steps, inplace=False)
+    nvcc_compile(steps)
+    return steps.summary()
+
+
+def job_main(args):
+    import torch
+    steps = Steps()
+    if not torch.cuda.is_available():
+        print("No CUDA GPU here: running every chapter's CPU path; plots show the recorded "
+              "GPU results beside it.")
+    for chapter in chapters():
+        pip_install(steps, chapter)
+        steps.run(f"{chapter.name} example", [sys.executable, "example_usage.py"], cwd=chapter,
+                  echo=True)
+        bench = next(chapter.glob("bench_*.py"))
+        steps.run(f"{chapter.name} benchmark", [sys.executable, bench.name], cwd=chapter, echo=True)
+    steps.run("report", [sys.executable, str(ROOT / "tools" / "report.py")], echo=True)
+    return steps.summary()
+
+
+GPU_STAGES = ("build", "test", "sanitize", "bench", "notebooks")
+
+
+def job_gpu_pass(args):
+    import torch
+    if not torch.cuda.is_available():
+        print("gpu-pass needs a CUDA GPU; none is visible", file=sys.stderr)
+        return False
+    stages = args.stages.split(",")
+    unknown = set(stages) - set(GPU_STAGES)
+    if unknown:
+        print(f"unknown stages {sorted(unknown)}; choose from {','.join(GPU_STAGES)}")
+        return False
+    subprocess.run(["nvidia-smi"], check=False)
+    steps = Steps()
+    sanitizer = shutil.which("compute-sanitizer")
+    for chapter in chapters():
+        if "build" in stages:
+            pip_install(steps, chapter)
+            steps.run(f"{chapter.name} JIT build", [sys.executable, "load_jit.py"], cwd=chapter)
+        if "test" in stages:
+            pytest(steps, chapter, "installed")
+            pytest(steps, chapter, "jit")
+        for tool in SANITIZER_TOOLS if sanitizer and "sanitize" in stages else ():
+            junit = LOG_DIR / f"{chapter.name}-sanitize-{tool}.xml"
+            steps.run(f"{chapter.name} compute-sanitizer {tool}",
+                      [sanitizer, "--tool", tool, "--error-exitcode", "1", sys.executable, "-m",
+                       "pytest", "-q", "-p", "no:cacheprovider", "-m", "sanitize",
+                       f"--junitxml={junit}"], cwd=chapter, junit=junit,
+                      env={"PYTORCH_NO_CUDA_MEMORY_CACHING": "1", "COURSE_EXT_ROUTE": "installed"})
+        if "bench" in stages:
+            bench = next(chapter.glob("bench_*.py"))
+            steps.run(f"{chapter.name} benchmark", [sys.executable, bench.name], cwd=chapter,
+                      echo=True)
+    if "sanitize" in stages and not sanitizer:
+        steps.table.append(("compute-sanitizer", "FAILED (not found)", "-", ""))
+    if "notebooks" in stages:
+        execute_notebooks(steps, inplace=True)
+        steps.run("report", [sys.executable, str(ROOT / "tools" / "report.py")])
+    return steps.summary()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("job", choices=["main", "test", "gpu-pass"])
+    parser.add_argument("--stages", default=",".join(GPU_STAGES),
+                        help="gpu-pass only: comma-separated subset of " + ",".join(GPU_STAGES))
+    args = parser.parse_args()
+    job = {"main": job_main, "test": job_test, "gpu-pass": job_gpu_pass}[args.job]
+    return 0 if job(args) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

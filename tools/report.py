@@ -1,0 +1,111 @@
+"""Regenerate the tables in README.md and each chapter README from results/ and print them.
+
+Tables live between marker comments (<!-- results:... -->); everything between the markers is
+overwritten, so no number in them is ever typed by hand.
+"""
+import ast
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "common"))
+from coursekit import results  # noqa: E402
+
+
+def chapter_summary(chapter_dir):
+    """First docstring line of the chapter's Python package: what the chapter teaches."""
+    for init in sorted(chapter_dir.glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        if doc:
+            return doc.splitlines()[0]
+    return ""
+
+
+def course_rows(record):
+    return [r for r in record["benchmarks"] if not r.get("sweep")]
+
+
+def best_rows(record):
+    """For each (op, dtype, shape): the fastest course variant, and the torch baseline."""
+    groups = {}
+    for r in course_rows(record):
+        groups.setdefault((r["op"], r["dtype"], tuple(r["shape"])), []).append(r)
+    out = []
+    for key, rs in groups.items():
+        ours = [r for r in rs if not r["variant"].startswith("torch")]
+        base = next((r for r in rs if r["variant"] == "torch"), None)
+        if ours:
+            out.append((key, max(ours, key=lambda r: r.get("GBps", r.get("TFLOPs", 0))), base))
+    return out
+
+
+def fmt_shape(shape):
+    return "x".join(f"2^{n.bit_length() - 1}" if n & (n - 1) == 0 and n > 1 else str(n)
+                    for n in shape)
+
+
+def headline(record):
+    key, best, base = best_rows(record)[0]
+    return (f"`{key[0]}` {key[1]} {fmt_shape(key[2])}: {best['variant']} at "
+            f"{best['GBps']:.0f} GB/s ({best['pct_of_copy']:.0f}% of copy), "
+            f"{best['speedup_vs_torch']:.2f}x PyTorch")
+
+
+def course_table():
+    lines = ["| chapter | what you learn | best kernel vs PyTorch (GPU, date) |", "|---|---|---|"]
+    for chapter in sorted(p.parent for p in ROOT.glob("chapter*/setup.py")):
+        record = results.load_recorded_gpu(chapter.name)
+        best = f"{headline(record)} ({results.label(record)})" if record else "not measured yet"
+        lines.append(f"| [{chapter.name}]({chapter.name}/README.md) | "
+                     f"{chapter_summary(chapter)} | {best} |")
+    return "\n".join(lines)
+
+
+def chapter_table(record):
+    lines = [f"Measured on {results.label(record)}, torch {record['torch']}, CUDA "
+             f"{record['cuda']}, commit `{record['commit'][:12]}`; copy ceiling measured in the "
+             f"same run: **{record['ceilings']['copy_GBps']:.0f} GB/s**.", "",
+             "| op | dtype | size | variant | median ms | GB/s | % of copy | x PyTorch |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in course_rows(record):
+        bold = "**" if r["variant"].startswith("torch") else ""
+        lines.append(f"| {r['op']} | {r['dtype']} | {fmt_shape(r['shape'])} | {bold}{r['variant']}"
+                     f"{bold} | {r['median_ms']:.3f} | {r['GBps']:.0f} | {r['pct_of_copy']:.1f} | "
+                     f"{r['speedup_vs_torch']:.3f} |")
+    if "build" in record:
+        b = record["build"]
+        lines += ["", f"JIT build of the chapter (ninja, MAX_JOBS={b['max_jobs']}, "
+                  f"TORCH_CUDA_ARCH_LIST={b['arch_list']}, no ccache): cold **{b['cold_s']:.1f} s**, "
+                  f"reload with nothing changed **{b['cached_s']:.2f} s**, after touching the "
+                  f"`.cu` **{b['touched_cu_s']:.1f} s**."]
+    return "\n".join(lines)
+
+
+def replace_block(path, name, text):
+    begin, end = f"<!-- results:{name}:begin -->", f"<!-- results:{name}:end -->"
+    if not path.exists():
+        return False
+    src = path.read_text()
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
+    if not pattern.search(src):
+        return False
+    path.write_text(pattern.sub(lambda _: f"{begin}\n{text}\n{end}", src))
+    return True
+
+
+def main():
+    table = course_table()
+    print(table)
+    replace_block(ROOT / "README.md", "chapters", table)
+    for chapter in sorted(p.parent for p in ROOT.glob("chapter*/setup.py")):
+        record = results.load_recorded_gpu(chapter.name)
+        if record:
+            text = chapter_table(record)
+            replace_block(chapter / "README.md", "table", text)
+            print(f"\n{chapter.name}\n{text}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
