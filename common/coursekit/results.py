@@ -3,6 +3,7 @@ The contract (CONVENTIONS.md section 5): chapter, device, torch, cuda, commit, d
 ceilings, benchmarks; anything else is extra."""
 import datetime
 import json
+import os
 import re
 import subprocess
 
@@ -22,6 +23,10 @@ def device_slug(info=None):
 
 
 def git_commit():
+    """HEAD (with -dirty for uncommitted changes to tracked files); COURSE_GIT_COMMIT when the
+    tree was copied without its .git (as on a remote GPU machine)."""
+    if os.environ.get("COURSE_GIT_COMMIT"):
+        return os.environ["COURSE_GIT_COMMIT"]
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                              text=True, check=True).stdout.strip()

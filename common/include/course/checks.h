@@ -15,6 +15,16 @@
 
 namespace course {
 
+// "[4, 3]". Built with std::to_string rather than streaming IntArrayRef: on the course's H100
+// image (torch 2.11, Ubuntu 24.04) an extension's own copy of ostream's integer formatting
+// crashed against the process's locale (see the README's troubleshooting), and messages must
+// never take the process down.
+inline std::string shape_str(at::IntArrayRef sizes) {
+  std::string s = "[";
+  for (size_t i = 0; i < sizes.size(); ++i) s += (i ? ", " : "") + std::to_string(sizes[i]);
+  return s + "]";
+}
+
 inline void check_same_device(const char* op, const char* name_a, const at::Tensor& a,
                               const char* name_b, const at::Tensor& b) {
   TORCH_CHECK(a.device() == b.device(), op, ": ", name_a, " is on ", a.device(), " but ",
@@ -29,8 +39,9 @@ inline void check_same_dtype(const char* op, const char* name_a, const at::Tenso
 
 inline void check_same_shape(const char* op, const char* name_a, const at::Tensor& a,
                              const char* name_b, const at::Tensor& b) {
-  TORCH_CHECK(a.sizes() == b.sizes(), op, ": ", name_a, " has shape ", a.sizes(), " but ",
-              name_b, " has shape ", b.sizes(), " (shapes must match; no broadcasting)");
+  TORCH_CHECK(a.sizes() == b.sizes(), op, ": ", name_a, " has shape ", shape_str(a.sizes()),
+              " but ", name_b, " has shape ", shape_str(b.sizes()),
+              " (shapes must match; no broadcasting)");
 }
 
 inline void check_dtype_in(const char* op, const char* name, const at::Tensor& t,
