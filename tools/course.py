@@ -147,7 +147,7 @@ def job_main(args):
     return steps.summary()
 
 
-GPU_STAGES = ("build", "test", "sanitize", "bench", "notebooks")
+GPU_STAGES = ("build", "test", "sanitize", "bench", "profile", "notebooks")
 
 
 def job_gpu_pass(args):
@@ -180,6 +180,10 @@ def job_gpu_pass(args):
         if "bench" in stages:
             bench = next(chapter.glob("bench_*.py"))
             steps.run(f"{chapter.name} benchmark", [sys.executable, bench.name], cwd=chapter,
+                      echo=True)
+        profile = next(chapter.glob("profile_*.py"), None)
+        if "profile" in stages and profile is not None:
+            steps.run(f"{chapter.name} ncu profile", [sys.executable, profile.name], cwd=chapter,
                       echo=True)
     if "sanitize" in stages and not sanitizer:
         steps.table.append(("compute-sanitizer", "FAILED (not found)", "-", ""))

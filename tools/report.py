@@ -4,6 +4,7 @@ Tables live between marker comments (<!-- results:... -->); everything between t
 overwritten, so no number in them is ever typed by hand.
 """
 import ast
+import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -40,16 +41,14 @@ def best_rows(record):
     return out
 
 
-def fmt_shape(shape):
-    return "x".join(f"2^{n.bit_length() - 1}" if n & (n - 1) == 0 and n > 1 else str(n)
-                    for n in shape)
-
-
 def headline(record):
-    key, best, base = best_rows(record)[0]
-    return (f"`{key[0]}` {key[1]} {fmt_shape(key[2])}: {best['variant']} at "
-            f"{best['GBps']:.0f} GB/s ({best['pct_of_copy']:.0f}% of copy), "
-            f"{best['speedup_vs_torch']:.2f}x PyTorch")
+    """The first op at its largest size, every dtype: best course version against PyTorch."""
+    best = best_rows(record)
+    op, _, shape = best[0][0]
+    parts = [f"{key[1]} {r['variant']} {r['GBps']:.0f} GB/s ({r['pct_of_copy']:.0f}% of copy, "
+             f"{r['speedup_vs_torch']:.2f}x PyTorch)"
+             for key, r, _ in best if key[0] == op and key[2] == shape]
+    return f"`{op}` {results.format_shape(shape)}: " + "; ".join(parts)
 
 
 def course_table():
@@ -70,9 +69,9 @@ def chapter_table(record):
              "|---|---|---|---|---|---|---|---|"]
     for r in course_rows(record):
         bold = "**" if r["variant"].startswith("torch") else ""
-        lines.append(f"| {r['op']} | {r['dtype']} | {fmt_shape(r['shape'])} | {bold}{r['variant']}"
-                     f"{bold} | {r['median_ms']:.3f} | {r['GBps']:.0f} | {r['pct_of_copy']:.1f} | "
-                     f"{r['speedup_vs_torch']:.3f} |")
+        lines.append(f"| {r['op']} | {r['dtype']} | {results.format_shape(r['shape'])} | "
+                     f"{bold}{r['variant']}{bold} | {r['median_ms']:.3f} | {r['GBps']:.0f} | "
+                     f"{r['pct_of_copy']:.1f} | {r['speedup_vs_torch']:.3f} |")
     if "build" in record:
         b = record["build"]
         lines += ["", f"JIT build of the chapter (ninja, MAX_JOBS={b['max_jobs']}, "
@@ -83,15 +82,29 @@ def chapter_table(record):
 
 
 def replace_block(path, name, text):
+    """Fill a marker block. A block on one line (inside a sentence) stays on one line."""
     begin, end = f"<!-- results:{name}:begin -->", f"<!-- results:{name}:end -->"
     if not path.exists():
         return False
     src = path.read_text()
-    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
-    if not pattern.search(src):
+    pattern = re.compile(re.escape(begin) + r"(.*?)" + re.escape(end), re.S)
+    match = pattern.search(src)
+    if not match:
         return False
-    path.write_text(pattern.sub(lambda _: f"{begin}\n{text}\n{end}", src))
+    sep = "\n" if "\n" in match.group(1) or "\n" in text else ""
+    path.write_text(pattern.sub(lambda _: f"{begin}{sep}{text}{sep}{end}", src))
     return True
+
+
+def lesson_facts(chapter):
+    """The chapter's FACTS table (lesson_facts.py), if it has one."""
+    path = chapter / "lesson_facts.py"
+    if not path.exists():
+        return {}
+    spec = importlib.util.spec_from_file_location(f"{chapter.name}_lesson_facts", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.FACTS
 
 
 def main():
@@ -103,6 +116,10 @@ def main():
         if record:
             text = chapter_table(record)
             replace_block(chapter / "README.md", "table", text)
+            # Facts may also quote the chapter's hardware-counter profile, when there is one.
+            record = {**record, "profile": results.load_recorded_gpu(f"{chapter.name}_profile")}
+            for name, fact in lesson_facts(chapter).items():
+                replace_block(chapter / "README.md", name, fact(record))
             print(f"\n{chapter.name}\n{text}")
     return 0
 

@@ -1,7 +1,7 @@
 """Plots drawn from results records (never from numbers typed in)."""
 import matplotlib.pyplot as plt
 
-from .results import label, rows
+from .results import format_shape, label, rows
 
 
 def plot_sweep(ax, record, op, dtype, variants=None, title=None):
@@ -42,7 +42,8 @@ def plot_bars(ax, record, op, dtype, shape, title=None):
         ax.axhline(ceiling, color="grey", linestyle=":", label="copy ceiling")
         ax.legend(fontsize=7)
     ax.set_ylabel("GB/s")
-    ax.set_title(title or f"{op} {dtype} {shape}: {label(record)}", fontsize=9)
+    ax.set_title(title or f"{op} {dtype}, {format_shape(shape)} elements: {label(record)}",
+                 fontsize=9)
     ax.tick_params(axis="x", labelsize=8)
 
 

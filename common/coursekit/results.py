@@ -78,5 +78,11 @@ def rows(record, **match):
     return [r for r in record["benchmarks"] if all(r.get(k) == v for k, v in match.items())]
 
 
+def format_shape(shape):
+    """[268435456] -> "2^28", [1823, 781] -> "1823x781"."""
+    return "x".join(f"2^{n.bit_length() - 1}" if n > 1 and n & (n - 1) == 0 else str(n)
+                    for n in shape)
+
+
 def label(record):
     return f"{record['device']['name']}, {record['date'][:10]}"
