@@ -121,6 +121,17 @@ template <typename T> struct alignas(16) Vec16 {
   T v[kLanes];
 };
 
+// The three arrays seen as whole 16-byte vectors; `n` counts vectors, the tail is left over.
+template <typename T> struct VecArrays {
+  const Vec16<T>* a;
+  const Vec16<T>* b;
+  Vec16<T>* out;
+  int64_t n;
+  __device__ VecArrays(const T* a_, const T* b_, T* out_, int64_t elements)
+      : a(reinterpret_cast<const Vec16<T>*>(a_)), b(reinterpret_cast<const Vec16<T>*>(b_)),
+        out(reinterpret_cast<Vec16<T>*>(out_)), n(elements / Vec16<T>::kLanes) {}
+};
+
 template <bool kBinary, typename T, typename Fn>
 __device__ __forceinline__ Vec16<T> apply_vec(const Fn& fn, const Vec16<T>& x, const Vec16<T>& y) {
   Vec16<T> r;
@@ -143,20 +154,16 @@ __device__ __forceinline__ Vec16<T> apply_vec(const Fn& fn, const Vec16<T>& x, c
 template <bool kBinary, typename T, typename Fn>
 __global__ void elementwise_vectorized(Fn fn, const T* __restrict__ a, const T* __restrict__ b,
                                        T* __restrict__ out, int64_t n) {
-  constexpr int kLanes = Vec16<T>::kLanes;
-  const int64_t n_vec = n / kLanes;
-  const auto* a_vec = reinterpret_cast<const Vec16<T>*>(a);
-  const auto* b_vec = reinterpret_cast<const Vec16<T>*>(b);
-  auto* out_vec = reinterpret_cast<Vec16<T>*>(out);
+  const VecArrays<T> vec(a, b, out, n);
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t v = tid; v < n_vec; v += stride) {
+  for (int64_t v = tid; v < vec.n; v += stride) {
     Vec16<T> y{};
-    if constexpr (kBinary) y = b_vec[v];
-    out_vec[v] = apply_vec<kBinary>(fn, a_vec[v], y);
+    if constexpr (kBinary) y = vec.b[v];
+    vec.out[v] = apply_vec<kBinary>(fn, vec.a[v], y);
   }
   // Scalar tail: fewer than kLanes (<= 8) elements, so the first few threads of block 0 suffice.
-  const int64_t i = n_vec * kLanes + tid;
+  const int64_t i = vec.n * Vec16<T>::kLanes + tid;
   if (i < n) out[i] = apply<kBinary>(fn, a, b, i);
 }
 
@@ -173,11 +180,7 @@ constexpr int kUnroll = 4;
 template <bool kBinary, typename T, typename Fn>
 __global__ void elementwise_vectorized_ilp(Fn fn, const T* __restrict__ a, const T* __restrict__ b,
                                            T* __restrict__ out, int64_t n) {
-  constexpr int kLanes = Vec16<T>::kLanes;
-  const int64_t n_vec = n / kLanes;
-  const auto* a_vec = reinterpret_cast<const Vec16<T>*>(a);
-  const auto* b_vec = reinterpret_cast<const Vec16<T>*>(b);
-  auto* out_vec = reinterpret_cast<Vec16<T>*>(out);
+  const VecArrays<T> vec(a, b, out, n);
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x * kUnroll + threadIdx.x;
 
   Vec16<T> x[kUnroll];
@@ -186,18 +189,18 @@ __global__ void elementwise_vectorized_ilp(Fn fn, const T* __restrict__ a, const
   for (int u = 0; u < kUnroll; ++u) {
     const int64_t v = first + static_cast<int64_t>(u) * blockDim.x;
     // The last block runs past n_vec unless n_vec is a multiple of kBlockThreads * kUnroll.
-    if (v < n_vec) {
-      x[u] = a_vec[v];
-      if constexpr (kBinary) y[u] = b_vec[v];
+    if (v < vec.n) {
+      x[u] = vec.a[v];
+      if constexpr (kBinary) y[u] = vec.b[v];
     }
   }
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
     const int64_t v = first + static_cast<int64_t>(u) * blockDim.x;
-    if (v < n_vec) out_vec[v] = apply_vec<kBinary>(fn, x[u], y[u]);
+    if (v < vec.n) vec.out[v] = apply_vec<kBinary>(fn, x[u], y[u]);
   }
   // Scalar tail (< kLanes elements): block 0's first threads, as in v3.
-  const int64_t i = n_vec * kLanes + static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t i = vec.n * Vec16<T>::kLanes + static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) out[i] = apply<kBinary>(fn, a, b, i);
 }
 

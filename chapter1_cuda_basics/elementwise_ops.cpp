@@ -228,21 +228,14 @@ TORCH_LIBRARY(cuda_basics, m) {
 
 // One implementation per op serves CPU, CUDA and Meta: run_elementwise picks the backend from
 // the (already checked) device, so the checks cannot drift apart between backends.
-TORCH_LIBRARY_IMPL(cuda_basics, CPU, m) {
+static void register_backend_kernels(torch::Library& m) {
   m.impl("vector_add", &vector_add_impl);
   m.impl("saxpy", &saxpy_impl);
   m.impl("relu", &relu_impl);
 }
-TORCH_LIBRARY_IMPL(cuda_basics, CUDA, m) {
-  m.impl("vector_add", &vector_add_impl);
-  m.impl("saxpy", &saxpy_impl);
-  m.impl("relu", &relu_impl);
-}
-TORCH_LIBRARY_IMPL(cuda_basics, Meta, m) {
-  m.impl("vector_add", &vector_add_impl);
-  m.impl("saxpy", &saxpy_impl);
-  m.impl("relu", &relu_impl);
-}
+TORCH_LIBRARY_IMPL(cuda_basics, CPU, m) { register_backend_kernels(m); }
+TORCH_LIBRARY_IMPL(cuda_basics, CUDA, m) { register_backend_kernels(m); }
+TORCH_LIBRARY_IMPL(cuda_basics, Meta, m) { register_backend_kernels(m); }
 TORCH_LIBRARY_IMPL(cuda_basics, Autograd, m) {
   m.impl("vector_add", &vector_add_autograd);
   m.impl("saxpy", &saxpy_autograd);

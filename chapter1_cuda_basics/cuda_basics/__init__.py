@@ -1,4 +1,6 @@
-"""Chapter 1: elementwise CUDA kernels (vector_add, saxpy, relu) as PyTorch ops.
+"""Threads and grids, coalescing, grid-stride loops, 128-bit vectorized access: vector_add, saxpy, relu.
+
+Chapter 1 of the course: elementwise CUDA kernels as PyTorch ops.
 
 Every op takes CPU or CUDA tensors of float32, float16, bfloat16 or float64, of any shape
 (inputs of a binary op must match exactly: no broadcasting, no type promotion), contiguous or

@@ -57,6 +57,25 @@ def cuda_decision(package):
     return True, f"torch {torch.__version__} (CUDA {torch.version.cuda}), toolkit at {CUDA_HOME}"
 
 
+# What the course supports (T4, A100, H100): the arch list when no GPU is there to ask.
+SUPPORTED_ARCHS = "7.5;8.0;9.0"
+
+
+def pin_cuda_arch():
+    """Set TORCH_CUDA_ARCH_LIST unless the user chose one: the visible GPUs' archs (one arch to
+    compile instead of many), or SUPPORTED_ARCHS when building on a machine without a GPU."""
+    import torch
+    if os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        return os.environ["TORCH_CUDA_ARCH_LIST"]
+    if torch.cuda.is_available():
+        archs = sorted({"%d.%d" % torch.cuda.get_device_capability(i)
+                        for i in range(torch.cuda.device_count())})
+        os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(archs)
+    else:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = SUPPORTED_ARCHS
+    return os.environ["TORCH_CUDA_ARCH_LIST"]
+
+
 def compile_flags(with_cuda, debug=None):
     """extra_compile_args for both routes. DEBUG=1: -O0 -g (and -lineinfo for device code)."""
     if debug is None:
@@ -80,6 +99,8 @@ def make_extension(name, chapter_dir, cpp_sources, cuda_sources, package):
 
     with_cuda, reason = cuda_decision(package)
     kind = "CUDA + CPU" if with_cuda else "CPU-only"
+    if with_cuda:
+        reason += f"; TORCH_CUDA_ARCH_LIST={pin_cuda_arch()}"
     print(f"[{package}] building the {kind} extension: {reason}", file=sys.stderr)
     cls = CUDAExtension if with_cuda else CppExtension
     sources = list(cpp_sources) + (list(cuda_sources) if with_cuda else [])

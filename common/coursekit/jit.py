@@ -3,7 +3,7 @@
 Build-speed practices applied here (chapter 5 explains them at length):
 - ninja is required: without it torch silently falls back to a serial, much slower build;
 - TORCH_CUDA_ARCH_LIST is pinned to the visible GPU unless the user set it (one arch to
-  compile instead of every arch torch was built for);
+  compile instead of every arch torch was built for; sm_75/80/90 without a GPU);
 - MAX_JOBS defaults to the core count;
 - a persistent per-chapter build folder (chapterN/build/jit-...), so an unchanged reload only
   asks ninja "anything to do?" and a touched file recompiles alone;
@@ -21,17 +21,6 @@ from pathlib import Path
 from . import build
 
 OWNER_FILE = "course_build_owner.pid"
-
-
-def pin_cuda_arch():
-    """Set TORCH_CUDA_ARCH_LIST to the visible GPUs' archs unless the user chose one."""
-    import torch
-    if os.environ.get("TORCH_CUDA_ARCH_LIST") or not torch.cuda.is_available():
-        return os.environ.get("TORCH_CUDA_ARCH_LIST")
-    archs = sorted({"%d.%d" % torch.cuda.get_device_capability(i)
-                    for i in range(torch.cuda.device_count())})
-    os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(archs)
-    return os.environ["TORCH_CUDA_ARCH_LIST"]
 
 
 def use_ccache():
@@ -101,7 +90,7 @@ def load_chapter(name, chapter_dir, cpp_sources, cuda_sources, *, verbose=None, 
         verbose = os.environ.get("COURSE_VERBOSE_BUILD", "0") == "1"
     chapter_dir = Path(chapter_dir).resolve()
     with_cuda, reason = build.cuda_decision(name)
-    arch = pin_cuda_arch() if with_cuda else None
+    arch = build.pin_cuda_arch() if with_cuda else None
     os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
     ccache = use_ccache()
     out_dir = build_dir_for(chapter_dir, with_cuda)

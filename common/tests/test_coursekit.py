@@ -1,0 +1,143 @@
+"""Tests for the shared helpers: build decisions, the JIT helper's guards, results, reports."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "common"), str(ROOT / "tools")]
+from coursekit import build, jit, results  # noqa: E402
+
+import report  # noqa: E402
+
+
+def test_use_cuda_1_fails_loudly_when_cuda_is_impossible(monkeypatch):
+    monkeypatch.setenv("USE_CUDA", "1")
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(RuntimeError, match=r"\[pkg\] USE_CUDA=1 but a CUDA build is impossible"):
+        build.cuda_decision("pkg")
+
+
+def test_use_cuda_0_forces_cpu(monkeypatch):
+    monkeypatch.setenv("USE_CUDA", "0")
+    assert build.cuda_decision("pkg") == (False, "USE_CUDA=0 forces the CPU-only build")
+
+
+def test_cpu_only_torch_builds_cpu_with_a_reason(monkeypatch):
+    monkeypatch.delenv("USE_CUDA", raising=False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with_cuda, reason = build.cuda_decision("pkg")
+    assert not with_cuda and "CPU-only build" in reason
+
+
+@pytest.mark.parametrize("with_cuda", [False, True])
+def test_debug_flags(with_cuda):
+    flags = build.compile_flags(with_cuda, debug=True)
+    assert flags["cxx"][:2] == ["-O0", "-g"]
+    if with_cuda:
+        assert {"-O0", "-g", "-lineinfo", "-DWITH_CUDA"} <= set(flags["nvcc"])
+    else:
+        assert "nvcc" not in flags
+    assert "-O3" in build.compile_flags(with_cuda, debug=False)["cxx"]
+
+
+def test_jit_requires_ninja(monkeypatch, tmp_path):
+    import torch.utils.cpp_extension as cpp
+    monkeypatch.setattr(cpp, "is_ninja_available", lambda: False)
+    with pytest.raises(RuntimeError, match="Ninja is required to load C\\+\\+ extensions"):
+        jit.load_chapter("x", tmp_path, [], [])
+
+
+def dead_pid():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_stale_lock_of_a_dead_build_is_removed(tmp_path, capsys):
+    (tmp_path / "lock").touch()
+    (tmp_path / jit.OWNER_FILE).write_text(str(dead_pid()))
+    jit.clear_stale_lock(tmp_path)
+    assert not (tmp_path / "lock").exists()
+    assert "removing stale lock" in capsys.readouterr().err
+
+
+def test_lock_of_a_running_build_is_kept(tmp_path, capsys):
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        (tmp_path / "lock").touch()
+        (tmp_path / jit.OWNER_FILE).write_text(str(sleeper.pid))
+        jit.clear_stale_lock(tmp_path)
+        assert (tmp_path / "lock").exists()
+        assert f"another build (pid {sleeper.pid})" in capsys.readouterr().err
+    finally:
+        sleeper.kill()
+
+
+def test_lock_without_owner_is_removed_with_explanation(tmp_path, capsys):
+    (tmp_path / "lock").touch()
+    jit.clear_stale_lock(tmp_path)
+    assert not (tmp_path / "lock").exists()
+    assert "no recorded owner" in capsys.readouterr().err
+
+
+def test_pin_cuda_arch_keeps_a_user_choice(monkeypatch):
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "7.5;8.0")
+    assert build.pin_cuda_arch() == "7.5;8.0"
+
+
+def test_pin_cuda_arch_without_a_gpu_targets_the_supported_archs(monkeypatch):
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "")  # records the original value for teardown
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert build.pin_cuda_arch() == build.SUPPORTED_ARCHS == "7.5;8.0;9.0"
+
+
+def test_results_file_follows_the_contract(monkeypatch, tmp_path):
+    monkeypatch.setattr(results, "RESULTS_DIR", tmp_path)
+    monkeypatch.setenv("COURSE_GIT_COMMIT", "abc123")
+    row = {"op": "vector_add", "variant": "v1", "dtype": "float32", "shape": [8],
+           "median_ms": 1.0, "GBps": 2.0, "pct_of_copy": 50.0, "speedup_vs_torch": 0.5}
+    path = results.write_results("chapterX", [row], {"copy_GBps": 4.0}, sizes={"big": 8})
+    record = json.loads(path.read_text())
+    for key in ("chapter", "device", "torch", "cuda", "commit", "date", "ceilings", "benchmarks"):
+        assert key in record, key
+    assert record["commit"] == "abc123" and record["benchmarks"] == [row]
+    assert path.parent.name == results.device_slug()
+
+
+def test_format_shape():
+    assert results.format_shape([2**28]) == "2^28"
+    assert results.format_shape([1823, 781]) == "1823x781"
+    assert results.format_shape([1]) == "1"
+
+
+def test_report_fills_inline_and_block_markers(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("a <!-- results:x:begin -->old<!-- results:x:end --> b\n"
+                      "<!-- results:t:begin -->\n<!-- results:t:end -->\n")
+    assert report.replace_block(readme, "x", "new value")
+    assert report.replace_block(readme, "t", "| table |")
+    assert not report.replace_block(readme, "missing", "-")
+    text = readme.read_text()
+    assert "a <!-- results:x:begin -->new value<!-- results:x:end --> b" in text
+    assert "<!-- results:t:begin -->\n| table |\n<!-- results:t:end -->" in text
+
+
+def test_committed_readme_numbers_match_the_results_files():
+    """Regenerating the README blocks from results/ must change nothing: no number in the
+    READMEs was typed by hand or left stale."""
+    before = {p: p.read_text() for p in ROOT.glob("**/README.md") if ".venv" not in p.parts}
+    try:
+        subprocess.run([sys.executable, str(ROOT / "tools" / "report.py")], check=True,
+                       capture_output=True, env={**os.environ})
+        changed = [str(p.relative_to(ROOT)) for p, text in before.items()
+                   if p.read_text() != text]
+    finally:
+        for p, text in before.items():
+            p.write_text(text)
+    assert changed == [], f"run tools/report.py: stale numbers in {changed}"
