@@ -76,9 +76,9 @@ class Steps:
         return rc == 0
 
     def summary(self):
-        print("\n" + "=" * 78)
+        print("\n" + "=" * 92)
         for name, status, secs, detail in self.table:
-            print(f"{name:<44}{status:<12}{secs:>8}  {detail}")
+            print(f"{name:<58}{status:<12}{secs:>8}  {detail}")
         failed_steps = sum(1 for row in self.table if row[1] != "ok")
         print(f"steps: {len(self.table) - failed_steps} passed, {failed_steps} failed")
         t = self.tests
