@@ -70,8 +70,11 @@ def main():
     ncu = shutil.which("ncu")
     if ncu is None:
         sys.exit("ncu (Nsight Compute) not found on PATH")
-    cmd = [ncu, "--csv", "--clock-control", "none", "--kernel-name", "regex:elementwise_",
-           "--metrics", ",".join(METRICS), sys.executable, __file__, "--workload"]
+    # Match our namespace, not "elementwise_": torch's randn runs a kernel named
+    # distribution_elementwise_grid_stride_kernel.
+    cmd = [ncu, "--csv", "--clock-control", "none", "--kernel-name-base", "demangled",
+           "--kernel-name", "regex:cuda_basics::", "--metrics", ",".join(METRICS),
+           sys.executable, __file__, "--workload"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"ncu failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
