@@ -239,3 +239,37 @@ def test_sanitizer_small_run(op, version):
             assert_close(run(op, args, version), expected[1:], **tolerances(dtype))
             args, expected = make_inputs(op, (n,), dtype, "cuda")
             assert_close(run(op, args, version), expected, **tolerances(dtype))
+
+
+def test_vectorized_kernels_use_128bit_accesses(tmp_path):
+    """v3 and v4 must move every full vector with one 128-bit instruction; scalar accesses are
+    allowed only for the tail (one load per input, one store). nvcc once split v3's loads into
+    four 4-byte loads without any test failing; only the ncu load count showed it."""
+    import re
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    here = Path(__file__).resolve().parent
+    ptx = tmp_path / "kernels.ptx"
+    subprocess.run([nvcc, "-ptx", "-std=c++17", "-arch=sm_80", "-I", str(here),
+                    "-I", str(here.parent / "common" / "include"), "-o", str(ptx),
+                    str(here / "elementwise_kernels.cu")], check=True)
+    entries = re.split(r"\.entry ", ptx.read_text())[1:]
+    checked = 0
+    for body in entries:
+        name = body.split("(", 1)[0]
+        if "elementwise_vectorized" not in name:
+            continue
+        inputs = 2 if "ILb1E" in name else 1  # template arg kBinary
+        wide_loads = len(re.findall(r"ld\.global(?:\.nc)?\.v[24]\.", body))
+        scalar_loads = len(re.findall(r"ld\.global(?:\.nc)?\.[suf]\d+", body))
+        wide_stores = len(re.findall(r"st\.global\.v[24]\.", body))
+        scalar_stores = len(re.findall(r"st\.global\.[suf]\d+", body))
+        assert wide_loads >= inputs and wide_stores >= 1, name
+        assert scalar_loads <= inputs and scalar_stores <= 1, (name, scalar_loads, scalar_stores)
+        checked += 1
+    assert checked == 2 * 3 * 4  # (v3, v4) x ops x dtypes
