@@ -145,7 +145,9 @@ def main():
     extra = {"sizes": {"big": big, "sweep": sweep_sizes},
              "timing": {"method": "CUDA events" if device == "cuda" else "perf_counter",
                         "reps": bench.MIN_REPS if device == "cpu" else 30, "statistic": "median",
-                        "l2_flush": "sweep rows only; the 2^28 rows are 64x the L2 size"}}
+                        "l2_flush": "sweep rows only (read of 2x L2, then a ~0.1 ms spin so "
+                                    "host launch time stays outside the events); the 2^28 rows "
+                                    "are 32-64x the L2 size and run back to back"}}
     if not args.no_build_times and device == "cuda":
         extra["build"] = measure_build_times()
     path = results.write_results(CHAPTER, rows, ceilings, **extra)

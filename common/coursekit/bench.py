@@ -7,6 +7,7 @@ import time
 import torch
 
 MIN_REPS = 20
+SPIN_CYCLES = 200_000  # ~0.1 ms at the 1.6-2 GHz SM clocks of current GPUs
 
 
 def device_info(device=None):
@@ -54,6 +55,11 @@ def time_cuda(fn, *, reps=30, warmup=5, flush=None):
     for i in range(reps):
         if flush is not None:
             flush()
+            # The flush drains the GPU's queue; without more queued work, the host's time to
+            # launch fn (Python, dispatcher, checks: tens of microseconds) would land between
+            # the events and be counted as kernel time. A spin of ~0.1 ms keeps the GPU busy
+            # while the host enqueues the start event and fn behind it.
+            torch.cuda._sleep(SPIN_CYCLES)
         starts[i].record()
         fn()
         ends[i].record()
