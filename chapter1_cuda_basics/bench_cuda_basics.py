@@ -53,17 +53,31 @@ def bytes_moved(op, n, dtype):
     return arrays * n * torch.empty((), dtype=dtype).element_size()
 
 
-def bench_op(op, dtype, n, device, variants, ceiling, flush=None, sweep=False):
-    args = make_args(op, n, dtype, device)
-    kw = {"flush": flush} if device == "cuda" else {}
+def bench_op(op, dtype, n, device, variants, ceiling, sweep=False):
+    """Rows for torch and every variant. sweep=True (any size): CUDA-graph replays over
+    rotating input sets; otherwise eager back-to-back launches on one input set, which is
+    right for the 2^28 rows (32-64x the L2, ~0.4-1 ms per call)."""
     nbytes = bytes_moved(op, n, dtype)
-    t_torch = bench.time_fn(lambda: torch_baseline(op, args), device, **kw)
+    if device == "cuda" and sweep:
+        inputs = 1 if op == "relu" else 2
+        sets = bench.rotation_sets(inputs * n * torch.empty((), dtype=dtype).element_size())
+        arg_sets = [make_args(op, n, dtype, device) for _ in range(sets)]
+
+        def timed(fn):
+            return bench.time_cuda_graph(lambda i: fn(arg_sets[i]), sets)
+    else:
+        args = make_args(op, n, dtype, device)
+
+        def timed(fn):
+            return bench.time_fn(lambda: fn(args), device)
+
+    t_torch = timed(lambda a: torch_baseline(op, a))
     out = [bench.bandwidth_row(op, "torch", dtype, [n], nbytes, t_torch, ceiling,
                                t_torch["median_ms"], sweep=sweep)]
     fn = getattr(cuda_basics, op)
     for variant in variants:
         version = None if variant == "cpu" else variant
-        timing = bench.time_fn(lambda: fn(*args, version=version), device, **kw)
+        timing = timed(lambda a: fn(*a, version=version))
         out.append(bench.bandwidth_row(op, variant, dtype, [n], nbytes, timing, ceiling,
                                        t_torch["median_ms"], sweep=sweep))
     return out
@@ -132,22 +146,20 @@ def main():
 
     ceilings = bench.copy_ceiling(device, n=big)
     ceiling = ceilings["copy_GBps"]
-    flush = bench.L2Flusher() if device == "cuda" else None
     rows = []
     for op in OPS:
         for dtype in (torch.float32, torch.bfloat16):
             rows += bench_op(op, dtype, big, device, variants, ceiling)
     for dtype in (torch.float32, torch.bfloat16):
         for n in sweep_sizes:
-            rows += bench_op("vector_add", dtype, n, device, variants, ceiling, flush=flush,
-                             sweep=True)
+            rows += bench_op("vector_add", dtype, n, device, variants, ceiling, sweep=True)
 
     extra = {"sizes": {"big": big, "sweep": sweep_sizes},
-             "timing": {"method": "CUDA events" if device == "cuda" else "perf_counter",
-                        "reps": bench.MIN_REPS if device == "cpu" else 30, "statistic": "median",
-                        "l2_flush": "sweep rows only (read of 2x L2, then a ~0.1 ms spin so "
-                                    "host launch time stays outside the events); the 2^28 rows "
-                                    "are 32-64x the L2 size and run back to back"}}
+             "timing": {"statistic": "median", "reps": bench.MIN_REPS if device == "cpu" else 30,
+                        "method": "perf_counter" if device == "cpu" else
+                        "CUDA events; 2^28 rows: eager back-to-back launches (32-64x the L2); "
+                        "sweep rows: CUDA-graph replays over rotating input sets (> 2x L2 per "
+                        "pass), time per call"}}
     if not args.no_build_times and device == "cuda":
         extra["build"] = measure_build_times()
     path = results.write_results(CHAPTER, rows, ceilings, **extra)

@@ -1,13 +1,13 @@
-"""Benchmark harness: CUDA-event timing with warm-up, median and spread of >= 20 runs, an L2
-flush for working sets that would otherwise sit in cache, and the copy ceiling measured in the
-same run. Bandwidth rows follow the results contract of CONVENTIONS.md section 5."""
+"""Benchmark harness: CUDA-event timing with warm-up, median and spread of >= 20 runs; for
+problems small enough to sit in L2 or to be dominated by launch time, CUDA-graph replays over
+rotating input sets; the copy ceiling measured in the same run. Bandwidth rows follow the
+results contract of CONVENTIONS.md section 5."""
 import statistics
 import time
 
 import torch
 
 MIN_REPS = 20
-SPIN_CYCLES = 200_000  # ~0.1 ms at the 1.6-2 GHz SM clocks of current GPUs
 
 
 def device_info(device=None):
@@ -21,21 +21,6 @@ def device_info(device=None):
             "memory_GiB": round(props.total_memory / 2**30, 1)}
 
 
-class L2Flusher:
-    """Reads a buffer twice the L2 size between timed runs, so each run starts from HBM.
-
-    A read, not a write: writing the buffer would leave L2 full of dirty lines whose write-back
-    to HBM then happens inside the next timed run (measured on the H100: it cost the 2^28
-    bf16 vector_add ~9% of its bandwidth). Reading evicts the previous run's data cleanly."""
-
-    def __init__(self, device=None):
-        l2 = torch.cuda.get_device_properties(device).L2_cache_size
-        self.buffer = torch.ones(max(2 * l2, 2**20) // 4, dtype=torch.float32, device=device)
-
-    def __call__(self):
-        self.buffer.sum()
-
-
 def summarize(samples_ms):
     s = sorted(samples_ms)
     q = statistics.quantiles(s, n=10) if len(s) >= 10 else [s[0]] * 9
@@ -43,9 +28,10 @@ def summarize(samples_ms):
             "p10_ms": q[0], "p90_ms": q[-1], "reps": len(s)}
 
 
-def time_cuda(fn, *, reps=30, warmup=5, flush=None):
-    """Median (and spread) of `reps` runs of fn(), each timed alone with CUDA events.
-    `flush` (e.g. an L2Flusher) runs before every timed run, outside the events."""
+def time_cuda(fn, *, reps=30, warmup=5):
+    """Median (and spread) of `reps` runs of fn(), each timed alone with CUDA events, launched
+    back to back. Right for kernels long enough (>~0.1 ms) that the GPU, not the host's launch
+    path, is the bottleneck, on working sets far above the L2."""
     reps = max(reps, MIN_REPS)
     for _ in range(warmup):
         fn()
@@ -53,18 +39,53 @@ def time_cuda(fn, *, reps=30, warmup=5, flush=None):
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for i in range(reps):
-        if flush is not None:
-            flush()
-            # The flush drains the GPU's queue; without more queued work, the host's time to
-            # launch fn (Python, dispatcher, checks: tens of microseconds) would land between
-            # the events and be counted as kernel time. A spin of ~0.1 ms keeps the GPU busy
-            # while the host enqueues the start event and fn behind it.
-            torch.cuda._sleep(SPIN_CYCLES)
         starts[i].record()
         fn()
         ends[i].record()
     torch.cuda.synchronize()
     return summarize([s.elapsed_time(e) for s, e in zip(starts, ends)])
+
+
+def rotation_sets(input_bytes, device=None):
+    """How many distinct input sets make a pass through all of them read more than twice the
+    L2, so no call finds its inputs still cached by an earlier one."""
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    return max(1, -(-2 * l2 // max(input_bytes, 1)))
+
+
+def time_cuda_graph(call, sets, *, reps=MIN_REPS, min_calls=8):
+    """Median time of one call(i) (i = input set), measured on a CUDA graph that replays
+    max(sets, min_calls) calls rotating over the sets.
+
+    For small problems an eager loop with an L2 flush measures the wrong thing: after the
+    flush the GPU idles while the host launches the next kernel, so tens of microseconds of
+    Python, dispatcher and checks land between the events (and on the H100 the first kernel
+    after an idle spin ran erratically slow; chapter1_cuda_basics/NOTES.md). A graph launches
+    all calls back to back from the GPU itself; rotating inputs keep the L2 cold for inputs,
+    as a stream of different tensors would find it."""
+    calls = max(sets, min_calls)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graph asks
+        for i in range(min(sets, 3)):
+            call(i)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            call(i % sets)
+    graph.replay()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        starts[i].record()
+        graph.replay()
+        ends[i].record()
+    torch.cuda.synchronize()
+    timing = summarize([s.elapsed_time(e) / calls for s, e in zip(starts, ends)])
+    del graph
+    return {**timing, "calls_per_replay": calls, "input_sets": sets}
 
 
 def time_cpu(fn, *, reps=20, warmup=2):
