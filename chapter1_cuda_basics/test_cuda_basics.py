@@ -273,3 +273,22 @@ def test_vectorized_kernels_use_128bit_accesses(tmp_path):
         assert scalar_loads <= inputs and scalar_stores <= 1, (name, scalar_loads, scalar_stores)
         checked += 1
     assert checked == 2 * 3 * 4  # (v3, v4) x ops x dtypes
+
+
+def test_torch_compile_traces_the_ops(device):
+    """Dynamo and AOTAutograd trace through the ops without a graph break (the Meta kernel gives
+    shapes, the Autograd kernel the backward); aot_eager skips codegen to keep this fast."""
+    torch._dynamo.reset()
+
+    def f(x, y):
+        return cuda_basics.relu(cuda_basics.saxpy(0.5, cuda_basics.vector_add(x, y), y)).sum()
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    x = torch.randn(257, 33, device=device, requires_grad=True)
+    y = torch.randn(257, 33, device=device, requires_grad=True)
+    out = compiled(x, y)
+    gx, gy = torch.autograd.grad(out, (x, y))
+    ex, ey = torch.autograd.grad(f(x, y), (x, y))
+    assert_close(out, f(x, y))
+    assert_close(gx, ex)
+    assert_close(gy, ey)
