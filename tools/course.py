@@ -43,6 +43,8 @@ class Steps:
     def run(self, name, cmd, cwd=ROOT, env=None, junit=None, echo=False):
         log = LOG_DIR / (name.replace(" ", "_").replace("/", "-") + ".log")
         print(f"\n=== {name}\n$ {' '.join(map(str, cmd))}", flush=True)
+        if junit:
+            Path(junit).unlink(missing_ok=True)  # a crashed run must not report an old file
         start = time.perf_counter()
         with open(log, "w") as fh:
             proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env={**os.environ, **(env or {})},
@@ -95,11 +97,11 @@ def pip_install(steps, chapter):
                      cwd=chapter)
 
 
-def pytest(steps, chapter, route, extra=(), tag=None):
-    junit = LOG_DIR / f"{chapter.name}-{tag or route}.xml"
-    return steps.run(f"{chapter.name} pytest ({tag or route})",
+def pytest(steps, chapter, route):
+    junit = LOG_DIR / f"{chapter.name}-{route}.xml"
+    return steps.run(f"{chapter.name} pytest ({route})",
                      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                      f"--junitxml={junit}", *extra], cwd=chapter,
+                      f"--junitxml={junit}"], cwd=chapter,
                      env={"COURSE_EXT_ROUTE": route}, junit=junit)
 
 
