@@ -38,42 +38,43 @@ def v1(record):
     return f"{_bw(f32)} in float32 but only {_bw(b16)} in bfloat16"
 
 
-def v2(record):
+def _step(record, before, after, pct=False):
+    """GB/s of `before` -> `after` in both dtypes: what one rung of the ladder bought."""
     parts = []
     for dtype in ("float32", "bfloat16"):
-        a, b = _row(record, "v1", dtype=dtype), _row(record, "v2", dtype=dtype)
-        parts.append(f"{dtype} {a['GBps']:.0f} -> {b['GBps']:.0f} GB/s")
+        a, b = _row(record, before, dtype=dtype), _row(record, after, dtype=dtype)
+        tail = f" ({b['pct_of_copy']:.1f}% of copy)" if pct else ""
+        parts.append(f"{dtype} {a['GBps']:.0f} -> {b['GBps']:.0f} GB/s{tail}")
     return "; ".join(parts)
+
+
+def _against_torch(record, op, torch_name):
+    """The best rung (v4) in both dtypes, against PyTorch's own op."""
+    parts = []
+    for dtype in ("float32", "bfloat16"):
+        r = _row(record, "v4", op=op, dtype=dtype)
+        parts.append(f"{dtype} {_bw(r)}, {r['speedup_vs_torch']:.3f}x {torch_name}")
+    return "; ".join(parts)
+
+
+def v2(record):
+    return _step(record, "v1", "v2")
 
 
 def v3(record):
-    parts = []
-    for dtype in ("float32", "bfloat16"):
-        a, b = _row(record, "v2", dtype=dtype), _row(record, "v3", dtype=dtype)
-        parts.append(f"{dtype} {a['GBps']:.0f} -> {b['GBps']:.0f} GB/s "
-                     f"({b['pct_of_copy']:.1f}% of copy)")
-    return "; ".join(parts)
+    return _step(record, "v2", "v3", pct=True)
 
 
 def v4(record):
-    parts = []
-    for dtype in ("float32", "bfloat16"):
-        r = _row(record, "v4", dtype=dtype)
-        parts.append(f"{dtype} {_bw(r)}, {r['speedup_vs_torch']:.3f}x torch.add")
-    return "; ".join(parts)
+    return _against_torch(record, "vector_add", "torch.add")
 
 
 def torch_add(record):
-    r = _row(record, "torch")
-    return _bw(r)
+    return _bw(_row(record, "torch"))
 
 
 def relu(record):
-    parts = []
-    for dtype in ("float32", "bfloat16"):
-        r = _row(record, "v4", op="relu", dtype=dtype)
-        parts.append(f"{dtype} {_bw(r)}, {r['speedup_vs_torch']:.3f}x torch.relu")
-    return "; ".join(parts)
+    return _against_torch(record, "relu", "torch.relu")
 
 
 def build(record):

@@ -100,8 +100,8 @@ def time_cpu(fn, *, reps=20, warmup=2):
     return summarize(samples)
 
 
-def time_fn(fn, device, **kw):
-    return time_cuda(fn, **kw) if str(device).startswith("cuda") else time_cpu(fn)
+def time_fn(fn, device):
+    return time_cuda(fn) if str(device).startswith("cuda") else time_cpu(fn)
 
 
 def copy_ceiling(device, n=2**28, dtype=torch.float32):
