@@ -9,6 +9,7 @@
 
 #include <ATen/ATen.h>
 #include <course/checks.h>
+#include <course/versions.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
@@ -18,9 +19,7 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
-#include <optional>
 #include <string>
-#include <string_view>
 #include <vector>
 
 namespace cuda_basics {
@@ -29,15 +28,11 @@ namespace {
 using at::Tensor;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-using OptVersion = std::optional<c10::string_view>;
+using ::course::OptVersion;
 
 // The one table of versions the extension dispatches; cuda_basics.VERSIONS is tested against
 // it through the `versions` op.
-struct NamedVersion {
-  const char* name;
-  KernelVersion version;
-};
-constexpr NamedVersion kVersions[] = {
+constexpr ::course::NamedVersion<KernelVersion> kVersions[] = {
     {"uncoalesced", KernelVersion::kUncoalesced},
     {"v1", KernelVersion::kV1},
     {"v2", KernelVersion::kV2},
@@ -48,33 +43,15 @@ constexpr NamedVersion kVersions[] = {
 constexpr KernelVersion kBestVersion = KernelVersion::kV4;
 constexpr const char* kOps[] = {"vector_add", "saxpy", "relu"};
 
-// c10::string_view is std::string_view in recent torch and its own class in older releases;
-// both have data() and size().
-std::string_view as_std(c10::string_view s) { return {s.data(), s.size()}; }
-
-std::string version_list() {
-  std::string list;
-  for (const auto& v : kVersions) list += (list.empty() ? "" : ", ") + std::string(v.name);
-  return list;
-}
-
-// The same name is accepted on every device, so a typo fails on CPU as it would on CUDA.
 KernelVersion parse_version(const char* op, OptVersion version) {
-  if (!version.has_value()) return kBestVersion;
-  for (const auto& v : kVersions) {
-    if (as_std(*version) == v.name) return v.version;
-  }
-  TORCH_CHECK(false, op, ": unknown version '", std::string(as_std(*version)), "'; expected one of ",
-              version_list(), " (or None for the best)");
+  return ::course::parse_version(op, version, kVersions, kBestVersion);
 }
 
 std::vector<std::string> versions(c10::string_view op) {
   bool known = false;
-  for (const char* name : kOps) known = known || as_std(op) == name;
-  TORCH_CHECK(known, "versions: unknown op '", std::string(as_std(op)), "'");
-  std::vector<std::string> names;
-  for (const auto& v : kVersions) names.emplace_back(v.name);
-  return names;
+  for (const char* name : kOps) known = known || ::course::as_std(op) == name;
+  TORCH_CHECK(known, "versions: unknown op '", std::string(::course::as_std(op)), "'");
+  return ::course::version_names(kVersions);
 }
 
 DType to_dtype(at::ScalarType t) {
@@ -131,8 +108,7 @@ Tensor run_elementwise(const char* op_name, ElementwiseOp op, double alpha, cons
     const c10::cuda::CUDAGuard device_guard(ac.device());
     C10_CUDA_CHECK(launch_elementwise(p, c10::cuda::getCurrentCUDAStream(ac.device().index())));
 #else
-    TORCH_CHECK(false, op_name, ": this build of cuda_basics has no CUDA kernels; reinstall it "
-                "on a machine with the CUDA toolkit (USE_CUDA=1 pip install .)");
+    ::course::fail_no_cuda_kernels(op_name, "cuda_basics");
 #endif
   } else {
     elementwise_cpu(p);

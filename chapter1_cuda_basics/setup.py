@@ -9,7 +9,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "common")]
-from coursekit.build import import_torch, make_extension  # noqa: E402
+from coursekit.build import build_py_with_loader, import_torch, make_extension  # noqa: E402
 
 from sources import CPP_SOURCES, CUDA_SOURCES  # noqa: E402
 
@@ -23,6 +23,6 @@ setup(
     description="Chapter 1 of the CUDA course: coalesced elementwise kernels as a PyTorch extension",
     packages=["cuda_basics"],
     ext_modules=[make_extension("cuda_basics._C", HERE, CPP_SOURCES, CUDA_SOURCES, "cuda_basics")],
-    cmdclass={"build_ext": BuildExtension},
+    cmdclass={"build_ext": BuildExtension, "build_py": build_py_with_loader("cuda_basics")},
     python_requires=">=3.9",
 )

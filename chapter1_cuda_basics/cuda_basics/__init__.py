@@ -8,7 +8,6 @@ not, and is differentiable. `version=` picks a rung of the kernel ladder (see VE
 chapter README); None picks the best one. On the CPU there is one C++ implementation and the
 version is only validated.
 """
-import os
 from pathlib import Path
 
 import torch
@@ -23,59 +22,15 @@ VERSIONS = {"vector_add": _LADDER, "saxpy": _LADDER, "relu": _LADDER}
 BEST_VERSION = "v4"  # what version=None runs on CUDA (the fastest on the H100, see results/)
 
 
-def _ops_registered():
-    try:
-        torch.ops.cuda_basics.versions.default
-        return True
-    except (AttributeError, RuntimeError):
-        return False
+try:  # installed: setup.py ships the shared loader inside the package
+    from ._loader import load_extension
+except ImportError:  # the course checkout: the loader's one home, common/coursekit
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "common"))
+    from coursekit.loader import load_extension
 
-
-def _installed_library():
-    """The compiled extension of `pip install .`: next to this file, or, when this source
-    tree shadows the installed package (pytest run inside the chapter), in the installed
-    distribution."""
-    here = Path(__file__).resolve().parent
-    found = sorted(here.glob("_C*.so")) + sorted(here.glob("_C*.pyd"))
-    if found:
-        return found[0]
-    from importlib.metadata import distributions
-    # Several may match: the build leaves a cuda_basics.egg-info in the source tree too.
-    for dist in distributions(name="cuda_basics"):
-        for f in dist.files or ():
-            if f.name.startswith("_C") and f.suffix in (".so", ".pyd"):
-                return Path(dist.locate_file(f))
-    return None
-
-
-def _load_extension():
-    """Load the ops library once. COURSE_EXT_ROUTE=installed|jit|auto (default auto: the
-    installed build if there is one, else a JIT build of the chapter sources)."""
-    if _ops_registered():  # loaded already, e.g. by load_jit.py in this process
-        return {"route": "preloaded"}
-    route = os.environ.get("COURSE_EXT_ROUTE", "auto")
-    if route not in ("auto", "installed", "jit"):
-        raise ImportError(f"cuda_basics: COURSE_EXT_ROUTE={route!r}; use installed, jit or auto")
-    if route != "jit":
-        library = _installed_library()
-        if library is not None:
-            torch.ops.load_library(str(library))
-            return {"route": "installed", "so_path": str(library)}
-        if route == "installed":
-            raise ImportError("cuda_basics: no installed extension found; run "
-                              "`pip install --no-build-isolation .` in chapter1_cuda_basics")
-    chapter = Path(__file__).resolve().parents[1]
-    if not (chapter / "load_jit.py").exists():
-        raise ImportError(f"cuda_basics: no compiled extension and no sources at {chapter} to "
-                          "JIT-build from")
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("cuda_basics_load_jit", chapter / "load_jit.py")
-    load_jit = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(load_jit)
-    return {"route": "jit", **load_jit.build()}
-
-
-EXTENSION = _load_extension()
+# How the ops library was loaded: route (installed, jit or preloaded) and where from.
+EXTENSION = load_extension("cuda_basics", "cuda_basics", __file__)
 
 
 def vector_add(a, b, *, version=None):

@@ -106,3 +106,25 @@ def make_extension(name, chapter_dir, cpp_sources, cuda_sources, package):
     sources = list(cpp_sources) + (list(cuda_sources) if with_cuda else [])
     return cls(name, sources=sources, include_dirs=include_dirs(chapter_dir),
                extra_compile_args=compile_flags(with_cuda))
+
+
+def build_py_with_loader(package):
+    """A build_py command that also ships coursekit/loader.py as `<package>/_loader.py`.
+
+    The loader has one home (common/coursekit/loader.py); an installed chapter package needs
+    it without the course checkout on sys.path, so the build copies it in rather than every
+    chapter keeping its own copy."""
+    from pathlib import Path
+
+    from setuptools.command.build_py import build_py
+
+    source = Path(__file__).resolve().parent / "loader.py"
+
+    class BuildPyWithLoader(build_py):
+        def run(self):
+            super().run()
+            target = Path(self.build_lib) / package / "_loader.py"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            self.copy_file(str(source), str(target))
+
+    return BuildPyWithLoader

@@ -1,0 +1,72 @@
+"""Load a chapter's compiled ops library into torch.ops, once per process.
+
+Every chapter package calls load_extension() at import. This file is self-contained (nothing
+but the standard library and torch) because setup.py also ships it inside each installed
+package as `<package>/_loader.py` (coursekit.build.build_py_with_loader): an installed chapter
+must import without the course checkout beside it.
+
+Routes, chosen by COURSE_EXT_ROUTE=installed|jit|auto (default auto):
+- installed: the `_C` library that `pip install .` put next to the package, or into the
+  installed distribution when a source tree shadows it (pytest run inside the chapter);
+- jit: the chapter's load_jit.py builds (or reuses) the same sources with ninja;
+- auto: installed if there is one, else jit.
+"""
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+
+ROUTES = ("auto", "installed", "jit")
+
+
+def _ops_registered(namespace):
+    try:
+        getattr(torch.ops, namespace).versions.default
+        return True
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def installed_library(package, package_dir):
+    """Path of the package's compiled `_C` library, or None."""
+    found = sorted(package_dir.glob("_C*.so")) + sorted(package_dir.glob("_C*.pyd"))
+    if found:
+        return found[0]
+    from importlib.metadata import distributions
+    # Several may match: the build leaves a <package>.egg-info in the source tree too.
+    for dist in distributions(name=package):
+        for f in dist.files or ():
+            if f.name.startswith("_C") and f.suffix in (".so", ".pyd"):
+                return Path(dist.locate_file(f))
+    return None
+
+
+def load_extension(package, namespace, package_file):
+    """Load the ops library of `package` (ops in torch.ops.<namespace>) and say how.
+
+    package_file is the package's __init__.py; its chapter folder (one up) holds load_jit.py
+    when the package is used from the course checkout. Every op library defines a
+    `versions` op, which is how an already-loaded library is recognised."""
+    if _ops_registered(namespace):  # loaded already, e.g. by load_jit.py in this process
+        return {"route": "preloaded"}
+    route = os.environ.get("COURSE_EXT_ROUTE", "auto")
+    if route not in ROUTES:
+        raise ImportError(f"{package}: COURSE_EXT_ROUTE={route!r}; use installed, jit or auto")
+    package_dir = Path(package_file).resolve().parent
+    chapter = package_dir.parent
+    if route != "jit":
+        library = installed_library(package, package_dir)
+        if library is not None:
+            torch.ops.load_library(str(library))
+            return {"route": "installed", "so_path": str(library)}
+        if route == "installed":
+            raise ImportError(f"{package}: no installed extension found; run "
+                              f"`pip install --no-build-isolation .` in the chapter folder")
+    if not (chapter / "load_jit.py").exists():
+        raise ImportError(f"{package}: no compiled extension and no sources at {chapter} to "
+                          "JIT-build from")
+    spec = importlib.util.spec_from_file_location(f"{package}_load_jit", chapter / "load_jit.py")
+    load_jit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(load_jit)
+    return {"route": "jit", **load_jit.build()}
