@@ -8,10 +8,10 @@ import torch
 from torch.testing import assert_close
 
 import cuda_basics
+from coursekit.pytest_plugin import DTYPES, dtype_id, poison_allocator, require_cuda
 from cuda_basics import VERSIONS
 
 OPS = ("vector_add", "saxpy", "relu")
-DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # Empty, single, odd, one off a warp either way, one off a block either way, a 2-D shape that
 # is no multiple of anything, and one past a power of two (not a multiple of any vector width).
 SHAPES = [(0,), (1,), (3,), (31,), (33,), (255,), (257,), (1823, 781), (2**20 + 17,)]
@@ -56,16 +56,8 @@ def run(op, args, version):
     return getattr(cuda_basics, op)(*args, version=version)
 
 
-def poison_allocator(like):
-    """Leave a NaN-filled block of the output's size in the allocator, so the op's output is
-    most likely carved from it (always on CUDA, whose caching allocator hands the block
-    straight back): any element the kernel fails to write then shows up as NaN."""
-    block = torch.full(like.shape, float("nan"), dtype=like.dtype, device=like.device)
-    del block
-
-
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("version", VERSIONS["vector_add"])
 @pytest.mark.parametrize("op", OPS)
 def test_matches_reference(op, version, dtype, shape, device):
@@ -88,7 +80,7 @@ VIEWS = {
 
 
 @pytest.mark.parametrize("view", list(VIEWS))
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("version", VERSIONS["vector_add"])
 @pytest.mark.parametrize("op", OPS)
 def test_views(op, version, dtype, view, device):
@@ -187,8 +179,7 @@ def test_misuse_raises_clear_error(misuse, device):
 
 @pytest.mark.cuda
 def test_mixed_devices_raise():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU visible")
+    require_cuda()
     a = torch.randn(8, device="cuda")
     b = torch.randn(8)
     with pytest.raises(RuntimeError, match=r"vector_add: a is on cuda:0 but b is on cpu"):
@@ -209,8 +200,7 @@ def test_opcheck(op, device):
 @pytest.mark.parametrize("version", VERSIONS["vector_add"])
 def test_beyond_int32_elements(version):
     """2^31 + 1001 float16 elements (4 GiB per tensor): every index must be 64-bit."""
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU visible")
+    require_cuda()
     n = 2**31 + 1001
     need = 4 * n * 2  # a, b, out and the reference
     if torch.cuda.mem_get_info()[0] < need * 1.2:
@@ -230,8 +220,7 @@ def test_beyond_int32_elements(version):
 def test_sanitizer_small_run(op, version):
     """The small run the GPU pass executes under compute-sanitizer: every kernel instantiation
     (dtype x op x version), ragged sizes and a misaligned view, a few elements each."""
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU visible")
+    require_cuda()
     for dtype in DTYPES:
         for n in (1, 33, 4099):
             args, expected = make_inputs(op, (n + 1,), dtype, "cuda")

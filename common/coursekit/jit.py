@@ -118,3 +118,28 @@ def load_chapter(name, chapter_dir, cpp_sources, cuda_sources, *, verbose=None, 
               f"{os.environ['MAX_JOBS']}{', ccache' if ccache else ''}) -> {out_dir}")
     return {"so_path": str(so_path), "seconds": seconds, "rebuilt": rebuilt,
             "with_cuda": with_cuda, "build_dir": str(out_dir)}
+
+
+def main(doc, name, chapter_dir, build_fn, smoke_check):
+    """The command line of every chapter's load_jit.py: --clean, --verbose, --json.
+
+    build_fn(verbose=, quiet=) builds and loads the chapter's extension; smoke_check(device)
+    runs one op against PyTorch and returns a line saying so."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description=doc,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--clean", action="store_true", help="remove the build folder first")
+    parser.add_argument("--verbose", action="store_true", help="show every compiler command")
+    parser.add_argument("--json", action="store_true", help="print the build record as JSON")
+    args = parser.parse_args()
+    import torch
+    if args.clean:
+        shutil.rmtree(build_dir_for(chapter_dir, build.cuda_decision(name)[0]), ignore_errors=True)
+    record = build_fn(verbose=args.verbose or None, quiet=args.json)
+    record["smoke_check"] = smoke_check("cuda" if torch.cuda.is_available() else "cpu")
+    if args.json:
+        print(json.dumps(record))
+    else:
+        print(f"[jit] smoke check: {record['smoke_check']}")

@@ -1,0 +1,47 @@
+"""Fixtures and helpers every chapter's tests share; a chapter's conftest.py enables them with
+`pytest_plugins = ["coursekit.pytest_plugin"]`."""
+import pytest
+import torch
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def dtype_id(dtype):
+    return str(dtype).split(".")[-1]
+
+
+def shape_id(shape):
+    return "x".join(map(str, shape))
+
+
+def extension_header(package):
+    """pytest's report header: which build of the chapter's extension the tests run against."""
+    ext = package.EXTENSION
+    return [f"{package.__name__} extension: route={ext['route']} {ext.get('so_path', '')}",
+            f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}"]
+
+
+def poison_allocator(like):
+    """Leave a NaN-filled block of the output's size in the allocator, so the op's output is
+    most likely carved from it (always on CUDA, whose caching allocator hands the block
+    straight back): any element the kernel fails to write then shows up as NaN."""
+    block = torch.full(like.shape, float("nan"), dtype=like.dtype, device=like.device)
+    del block
+
+
+def require_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU visible")
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def device(request):
+    if request.param == "cuda":
+        require_cuda()
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    # Fresh random inputs in every test, reproducible per test id.
+    torch.manual_seed(hash(request.node.nodeid) % (2**31))
