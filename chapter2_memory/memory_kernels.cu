@@ -1,0 +1,423 @@
+// Chapter 2 kernels: what moving data costs, and how the access pattern decides it.
+//
+// Three ops, all pure data movement, so every kernel is instantiated per element size
+// (uint16_t, uint32_t, uint64_t) and never interprets a value:
+//   copy          the bandwidth ceiling itself: v1 scalar, v2 16-byte vectorized;
+//   strided_copy  dst[i] = src[i * stride]: what a strided read costs;
+//   transpose     the ladder v1..v4, from scattered writes to a bank-conflict-free wide tile.
+//
+// Napkin math for every op: bytes read + bytes written, the minimum being each useful element
+// read once and written once. At 3.0 TB/s (the H100's measured copy rate) a 16384 x 16384
+// float32 transpose (2 GiB of traffic) should take ~0.72 ms; PyTorch's x.t().contiguous()
+// takes about three times that.
+//
+// The H100's DRAM and L2 move data in 32-byte sectors; an L1 cache line is 128 bytes. A warp
+// instruction whose 32 addresses fall into the fewest possible sectors is "coalesced"; one
+// whose addresses scatter pays a whole sector for each few useful bytes.
+#include "memory.h"
+
+#include <course/cuda_utils.h>
+
+#include <climits>
+
+namespace memory_ops {
+namespace {
+
+// 16 bytes is the widest access one thread can issue (LDG.E.128 / STG.E.128).
+constexpr int kVectorBytes = 16;
+
+// Explicit 128-bit accesses. A plain uint4 assignment is not enough for the stores: where
+// the address comes from T-sized index arithmetic, nvcc split it into four 4-byte stores (the
+// PTX test in test_memory_ops.py caught it). __stwb ("store, write-back", the default cache
+// policy) always compiles to one st.global.wb.v4.
+__device__ __forceinline__ uint4 load16(const void* p) {
+  return *reinterpret_cast<const uint4*>(p);
+}
+__device__ __forceinline__ void store16(void* p, const uint4& v) {
+  __stwb(reinterpret_cast<uint4*>(p), v);
+}
+
+// A vector's 16 bytes as kVectorBytes / sizeof(T) elements and back, spelled out word by word:
+// a memcpy between a T array and a uint4 let nvcc store 2-byte elements as two 8-byte halves
+// (st.global.v2.u16) instead of one 16-byte store; test_memory_ops.py checks the PTX.
+template <typename T>
+__device__ __forceinline__ void unpack16(const uint4& v, T* e) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < kVectorBytes / static_cast<int>(sizeof(T)); ++i) {
+    if constexpr (sizeof(T) == 2) {
+      e[i] = static_cast<T>(w[i / 2] >> (16 * (i % 2)));
+    } else if constexpr (sizeof(T) == 4) {
+      e[i] = w[i];
+    } else {
+      e[i] = static_cast<T>(w[2 * i]) | (static_cast<T>(w[2 * i + 1]) << 32);
+    }
+  }
+}
+template <typename T>
+__device__ __forceinline__ uint4 pack16(const T* e) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (sizeof(T) == 2) {
+      w[i] = static_cast<uint32_t>(e[2 * i]) | (static_cast<uint32_t>(e[2 * i + 1]) << 16);
+    } else if constexpr (sizeof(T) == 4) {
+      w[i] = e[i];
+    } else {
+      w[i] = static_cast<uint32_t>(e[i / 2] >> (32 * (i % 2)));
+    }
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// Grids are sized to cover the problem in one pass; a problem larger than the grid limit
+// still finishes because every kernel below strides by the grid.
+constexpr int64_t kMaxGrid = INT_MAX;
+
+unsigned one_pass_blocks(int64_t work_items, int64_t per_block) {
+  const int64_t blocks = course::ceil_div(work_items, per_block);
+  return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > kMaxGrid ? kMaxGrid : blocks));
+}
+
+// Calls f(T{}) with the unsigned integer type of `elem_bytes` bytes.
+template <typename F>
+cudaError_t with_element_type(int elem_bytes, F&& f) {
+  switch (elem_bytes) {
+    case 2: return f(uint16_t{});
+    case 4: return f(uint32_t{});
+    case 8: return f(uint64_t{});
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// copy
+// ---------------------------------------------------------------------------------------
+constexpr int kCopyThreads = 256;
+
+// copy v1: one element per thread per step. Coalesced (a warp reads 32 consecutive
+// elements), but a 2-byte element means a warp instruction moves only 64 bytes: more
+// instructions, and fewer bytes in flight per thread, for the same traffic.
+template <typename T>
+__global__ void copy_scalar(const T* __restrict__ src, T* __restrict__ dst, int64_t n) {
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
+    dst[i] = src[i];
+  }
+}
+
+// copy v2: 16 bytes per access, kCopyUnroll independent accesses per thread, all loads issued
+// before the first store. A warp instruction now moves 512 bytes whatever the dtype, and each
+// thread keeps 64 bytes in flight: the bytes-in-flight that HBM's latency demands (Little's
+// law: ~3 TB/s x ~0.7 us is ~2 MB across the GPU) are reached with fewer threads.
+constexpr int kCopyUnroll = 4;
+
+template <typename T>
+__global__ void copy_vectorized(const T* __restrict__ src, T* __restrict__ dst, int64_t n) {
+  constexpr int kPerVector = kVectorBytes / sizeof(T);
+  const int64_t n_vectors = n / kPerVector;
+  const uint4* src_v = reinterpret_cast<const uint4*>(src);
+  uint4* dst_v = reinterpret_cast<uint4*>(dst);
+  const int64_t per_block = static_cast<int64_t>(blockDim.x) * kCopyUnroll;
+  const int64_t step = per_block * gridDim.x;
+  for (int64_t base = blockIdx.x * per_block + threadIdx.x; base < n_vectors; base += step) {
+    uint4 v[kCopyUnroll];
+#pragma unroll
+    for (int j = 0; j < kCopyUnroll; ++j) {
+      // Consecutive threads take consecutive vectors: each of the kCopyUnroll loads is coalesced.
+      const int64_t i = base + static_cast<int64_t>(j) * blockDim.x;
+      if (i < n_vectors) v[j] = load16(src_v + i);  // the last block may run past the end
+    }
+#pragma unroll
+    for (int j = 0; j < kCopyUnroll; ++j) {
+      const int64_t i = base + static_cast<int64_t>(j) * blockDim.x;
+      if (i < n_vectors) store16(dst_v + i, v[j]);
+    }
+  }
+  // The last n % kPerVector elements do not fill a vector: the grid's first threads copy them.
+  const int64_t tail = n_vectors * kPerVector + static_cast<int64_t>(blockIdx.x) * blockDim.x +
+                       threadIdx.x;
+  if (tail < n) dst[tail] = src[tail];
+}
+
+template <typename T>
+cudaError_t launch_copy_typed(const CopyParams& p, cudaStream_t stream) {
+  const T* src = static_cast<const T*>(p.src);
+  T* dst = static_cast<T*>(p.dst);
+  // A view that starts mid-vector (x[1:]) cannot be read with aligned 16-byte loads: v2 falls
+  // back to v1 there rather than fault.
+  const bool aligned = course::is_aligned(src, kVectorBytes) && course::is_aligned(dst, kVectorBytes);
+  if (p.version == CopyVersion::kVectorized && aligned) {
+    const int64_t vectors = p.n / (kVectorBytes / sizeof(T));
+    copy_vectorized<T><<<one_pass_blocks(vectors, kCopyThreads * kCopyUnroll), kCopyThreads, 0,
+                         stream>>>(src, dst, p.n);
+  } else {
+    copy_scalar<T><<<one_pass_blocks(p.n, kCopyThreads), kCopyThreads, 0, stream>>>(src, dst, p.n);
+  }
+  return cudaGetLastError();
+}
+
+// ---------------------------------------------------------------------------------------
+// strided_copy
+// ---------------------------------------------------------------------------------------
+
+// Lane i reads src[i * stride]: once stride * sizeof(T) reaches the 32-byte sector, every
+// useful element costs a whole sector of DRAM traffic, so the useful bandwidth falls as
+// 1 / stride until each lane has its own sector (stride * sizeof(T) >= 32) and then stays at
+// sizeof(T) / 32 of the sector rate. The writes stay coalesced throughout.
+template <typename T>
+__global__ void strided_gather(const T* __restrict__ src, T* __restrict__ dst, int64_t n_out,
+                               int64_t stride) {
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n_out;
+       i += step) {
+    dst[i] = src[i * stride];
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// transpose: dst[b][c][r] = src[b][r][c]
+// ---------------------------------------------------------------------------------------
+//
+// All versions walk a flat index of tiles, column tiles fastest, and stride by the grid, so
+// any (batch, rows, cols) fits the grid limits. Source elements are read through the given
+// strides, so a non-contiguous input is transposed directly, without a copy first.
+
+struct TileIndex {
+  int64_t b, r0, c0;
+};
+
+__device__ __forceinline__ TileIndex tile_at(int64_t t, int64_t tiles_r, int64_t tiles_c,
+                                             int tile_rows, int tile_cols) {
+  return {t / (tiles_r * tiles_c), (t / tiles_c) % tiles_r * tile_rows, t % tiles_c * tile_cols};
+}
+
+// v1..v3 share one geometry: 32 x 32 tiles, a 32 x 32 thread block, one element per thread.
+// So the only thing that changes between them is where the data goes in between.
+constexpr int kTile = 32;
+
+// transpose v1, naive: thread (x, y) reads src[r0 + y][c0 + x] and writes dst[c0 + x][r0 + y].
+// The reads are coalesced: a warp (fixed y) reads 32 consecutive elements of one source row.
+// The writes are not: the same warp writes 32 elements down a destination column, each one
+// `rows` elements from the next, so every element costs its own 32-byte sector write for
+// 2 to 8 useful bytes (a read-modify-write of the sector in L2). Expect a fraction of copy.
+template <typename T>
+__global__ void transpose_naive(TransposeParams p, int64_t tiles_r, int64_t tiles_c) {
+  const T* src = static_cast<const T*>(p.src);
+  T* dst = static_cast<T*>(p.dst);
+  const int64_t tiles = p.batch * tiles_r * tiles_c;
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const TileIndex at = tile_at(t, tiles_r, tiles_c, kTile, kTile);
+    const int64_t r = at.r0 + threadIdx.y;
+    const int64_t c = at.c0 + threadIdx.x;
+    if (r < p.rows && c < p.cols) {  // edge tiles hang over the matrix
+      dst[(at.b * p.cols + c) * p.rows + r] =
+          src[at.b * p.batch_stride + r * p.row_stride + c * p.col_stride];
+    }
+  }
+}
+
+// transpose v2 (kPad = 0), tiled: the block first reads its 32 x 32 tile row by row into
+// shared memory (coalesced, as in v1), then writes the destination row by row too, reading
+// the tile by columns: tile[x][y] for lane x. Both global sides are now coalesced; the
+// scattering moved into shared memory, which has no sectors, only 32 banks of 4 bytes.
+//
+// But a tile column is the worst case for those banks: with a row pitch of 32 elements, the
+// 32 elements of a float32 column all sit in the same bank, and the warp's read is replayed
+// 32 times (a 32-way bank conflict). With 2-byte elements a row is 16 banks wide and the
+// column touches 2 banks (16-way); with 8-byte elements a half-warp of 16 lanes hits one bank
+// pair (16-way per half). Expect v2 far above v1, yet short of copy.
+//
+// transpose v3 (kPad = 1), tiled + padded: the same tile, one element wider per row. Row y now
+// starts y banks further along (for 4-byte elements), so a column's 32 elements land in 32
+// different banks: no conflicts, the same global traffic, and the gap to v2 is the price of
+// the conflicts. (With 2-byte elements a row becomes 16.5 banks long; rows 2k and 2k + 1 then
+// map to banks k and k + 16, also all distinct. With 8-byte elements a row is 66 banks, an
+// offset of 2 per row, and each half-warp covers all 32 banks once.)
+template <typename T, int kPad>
+__global__ void transpose_tiled(TransposeParams p, int64_t tiles_r, int64_t tiles_c) {
+  __shared__ T tile[kTile][kTile + kPad];
+  const T* src = static_cast<const T*>(p.src);
+  T* dst = static_cast<T*>(p.dst);
+  const int x = threadIdx.x;
+  const int y = threadIdx.y;
+  const int64_t tiles = p.batch * tiles_r * tiles_c;
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const TileIndex at = tile_at(t, tiles_r, tiles_c, kTile, kTile);
+    const int64_t r = at.r0 + y;
+    const int64_t c = at.c0 + x;
+    if (r < p.rows && c < p.cols) {  // edge tiles hang over; their outside is never read below
+      tile[y][x] = src[at.b * p.batch_stride + r * p.row_stride + c * p.col_stride];
+    }
+    // Thread (x, y) writes an element that thread (y, x) loaded: all loads must be done.
+    __syncthreads();
+    const int64_t out_row = at.c0 + y;  // a destination row is a source column
+    const int64_t out_col = at.r0 + x;
+    if (out_row < p.cols && out_col < p.rows) {
+      dst[(at.b * p.cols + out_row) * p.rows + out_col] = tile[x][y];
+    }
+    // The next tile's loads overwrite `tile`: every thread must be done reading this one.
+    __syncthreads();
+  }
+}
+
+// transpose v4, wide tiles. v3 has both sides coalesced and no bank conflicts, but each
+// thread moves a single 2- to 8-byte element per tile, then waits at a barrier: few bytes in
+// flight per thread, and per 2-byte element a whole load, store, two shared-memory accesses
+// and two barriers. v4 changes three things:
+//   - 16-byte global accesses on both sides: a thread loads 16 bytes along a source row and,
+//     after the tile, stores 16 bytes along a destination row (kVec elements each way);
+//   - a larger tile, 128 source rows x one 128-byte line of columns (32 float32, 64 bf16,
+//     16 float64), four 16-byte loads per thread, all issued before the first is used: 64
+//     bytes in flight per thread, one barrier pair per 16 KB;
+//   - a lane mapping chosen so that the shared-memory side stays conflict-free although each
+//     thread now writes kVec consecutive elements of a tile row and gathers kVec consecutive
+//     elements of a tile column:
+//       load:  8 lanes cover one 128-byte source row segment, a warp covers 4 rows; with the
+//              row pitch padded by one 4-byte bank, the 4 rows start 1 bank apart (8 bytes
+//              for float64, whose 8-byte accesses are served per half-warp);
+//       store: kStoreLanes lanes cover kStoreLanes * kVec consecutive tile rows (one column),
+//              a warp covers 32 / kStoreLanes columns. For 4- and 8-byte elements 8 lanes
+//              gather rows kVec apart, which the pad spreads over distinct banks; for 2-byte
+//              elements 8 lanes would leave a 2-way conflict (rows 8 apart, 33 words per row
+//              pair, repeat every 4 lanes), so 4 lanes x 8 columns are used, and lanes of
+//              neighbouring columns read the two halves of the same 4-byte word (a broadcast,
+//              not a conflict).
+// 16-byte accesses need 16-byte-aligned rows on both sides (cols and rows multiples of kVec,
+// unit column stride, aligned pointers and strides); launch_transpose checks and falls back to
+// v3 otherwise, as 1823 x 781 does.
+template <typename T>
+struct WideTile {
+  static constexpr int kVec = kVectorBytes / sizeof(T);
+  static constexpr int kCols = 128 / sizeof(T);  // one 128-byte line of a source row
+  static constexpr int kRows = 128;
+  static constexpr int kPad = sizeof(T) >= 4 ? 1 : 4 / sizeof(T);  // at least one 4-byte bank
+  static constexpr int kStoreLanes = sizeof(T) == 2 ? 4 : 8;
+  static constexpr int kLoadLanes = kCols / kVec;  // 8 for every element size
+};
+constexpr int kWideThreads = 256;
+constexpr int kWideVectorsPerThread = 4;
+
+template <typename T>
+__global__ void __launch_bounds__(kWideThreads)
+    transpose_wide_tiles(TransposeParams p, int64_t tiles_r, int64_t tiles_c) {
+  using W = WideTile<T>;
+  static_assert(W::kRows * W::kCols / W::kVec == kWideThreads * kWideVectorsPerThread,
+                "every thread moves kWideVectorsPerThread vectors each way");
+  __shared__ T tile[W::kRows][W::kCols + W::kPad];
+  const T* src = static_cast<const T*>(p.src);
+  T* dst = static_cast<T*>(p.dst);
+  const int64_t tiles = p.batch * tiles_r * tiles_c;
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const TileIndex at = tile_at(t, tiles_r, tiles_c, W::kRows, W::kCols);
+    const T* src_b = src + at.b * p.batch_stride;
+    T* dst_b = dst + at.b * p.cols * p.rows;
+
+    uint4 v[kWideVectorsPerThread];
+#pragma unroll
+    for (int i = 0; i < kWideVectorsPerThread; ++i) {
+      const int idx = i * kWideThreads + threadIdx.x;
+      const int64_t r = at.r0 + idx / W::kLoadLanes;
+      const int64_t c = at.c0 + idx % W::kLoadLanes * W::kVec;
+      // cols is a multiple of kVec here, so a vector is wholly inside the matrix or outside.
+      if (r < p.rows && c < p.cols) v[i] = load16(src_b + r * p.row_stride + c);
+    }
+#pragma unroll
+    for (int i = 0; i < kWideVectorsPerThread; ++i) {
+      const int idx = i * kWideThreads + threadIdx.x;
+      const int row = idx / W::kLoadLanes;
+      const int col = idx % W::kLoadLanes * W::kVec;
+      if (at.r0 + row < p.rows && at.c0 + col < p.cols) {  // the same guard as the load
+        T e[W::kVec];
+        unpack16(v[i], e);
+#pragma unroll
+        for (int k = 0; k < W::kVec; ++k) tile[row][col + k] = e[k];
+      }
+    }
+    // The gathers below read tile columns that other threads wrote.
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < kWideVectorsPerThread; ++i) {
+      const int idx = i * kWideThreads + threadIdx.x;
+      const int rest = idx / W::kStoreLanes;
+      const int col = rest % W::kCols;  // tile column = destination row within the tile
+      const int row = (rest / W::kCols * W::kStoreLanes + idx % W::kStoreLanes) * W::kVec;
+      const int64_t out_row = at.c0 + col;
+      const int64_t out_col = at.r0 + row;
+      // rows is a multiple of kVec: the kVec gathered rows are all inside or all outside.
+      if (out_row < p.cols && out_col < p.rows) {
+        T e[W::kVec];
+#pragma unroll
+        for (int k = 0; k < W::kVec; ++k) e[k] = tile[row + k][col];
+        store16(dst_b + out_row * p.rows + out_col, pack16(e));
+      }
+    }
+    // The next tile's writes into `tile` must wait until every gather above is done.
+    __syncthreads();
+  }
+}
+
+template <typename T>
+bool wide_tiles_apply(const TransposeParams& p) {
+  constexpr int64_t kVec = WideTile<T>::kVec;
+  return p.col_stride == 1 && p.cols % kVec == 0 && p.rows % kVec == 0 &&
+         p.row_stride % kVec == 0 && (p.batch == 1 || p.batch_stride % kVec == 0) &&
+         course::is_aligned(p.src, kVectorBytes) && course::is_aligned(p.dst, kVectorBytes);
+}
+
+template <typename T>
+cudaError_t launch_transpose_typed(const TransposeParams& p, cudaStream_t stream) {
+  if (p.version == TransposeVersion::kWideTiles && wide_tiles_apply<T>(p)) {
+    using W = WideTile<T>;
+    const int64_t tiles_r = course::ceil_div<int64_t>(p.rows, W::kRows);
+    const int64_t tiles_c = course::ceil_div<int64_t>(p.cols, W::kCols);
+    transpose_wide_tiles<T><<<one_pass_blocks(p.batch * tiles_r * tiles_c, 1), kWideThreads, 0,
+                              stream>>>(p, tiles_r, tiles_c);
+    return cudaGetLastError();
+  }
+  const int64_t tiles_r = course::ceil_div<int64_t>(p.rows, kTile);
+  const int64_t tiles_c = course::ceil_div<int64_t>(p.cols, kTile);
+  const int64_t blocks = one_pass_blocks(p.batch * tiles_r * tiles_c, 1);
+  const dim3 threads(kTile, kTile);
+  switch (p.version) {
+    case TransposeVersion::kNaive:
+      transpose_naive<T><<<blocks, threads, 0, stream>>>(p, tiles_r, tiles_c);
+      break;
+    case TransposeVersion::kTiled:
+      transpose_tiled<T, 0><<<blocks, threads, 0, stream>>>(p, tiles_r, tiles_c);
+      break;
+    case TransposeVersion::kTiledPadded:
+    case TransposeVersion::kWideTiles:  // rows not 16-byte aligned: the padded tile instead
+      transpose_tiled<T, 1><<<blocks, threads, 0, stream>>>(p, tiles_r, tiles_c);
+      break;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_copy(const CopyParams& p, cudaStream_t stream) {
+  if (p.n == 0) return cudaSuccess;
+  return with_element_type(p.elem_bytes, [&](auto tag) {
+    return launch_copy_typed<decltype(tag)>(p, stream);
+  });
+}
+
+cudaError_t launch_strided_copy(const StridedCopyParams& p, cudaStream_t stream) {
+  if (p.n_out == 0) return cudaSuccess;
+  return with_element_type(p.elem_bytes, [&](auto tag) {
+    using T = decltype(tag);
+    strided_gather<T><<<one_pass_blocks(p.n_out, kCopyThreads), kCopyThreads, 0, stream>>>(
+        static_cast<const T*>(p.src), static_cast<T*>(p.dst), p.n_out, p.stride);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t launch_transpose(const TransposeParams& p, cudaStream_t stream) {
+  if (p.batch == 0 || p.rows == 0 || p.cols == 0) return cudaSuccess;
+  return with_element_type(p.elem_bytes, [&](auto tag) {
+    return launch_transpose_typed<decltype(tag)>(p, stream);
+  });
+}
+
+}  // namespace memory_ops

@@ -1,0 +1,49 @@
+"""Coalescing, strides, shared-memory tiling and bank conflicts, wide accesses: copy, strided_copy, transpose.
+
+Chapter 2 of the course: what moving data costs on a GPU, as PyTorch ops.
+
+Every op takes CPU or CUDA tensors of float32, float16, bfloat16 or float64, contiguous or
+not, and is differentiable. `version=` picks a rung of an op's kernel ladder (see VERSIONS and
+the chapter README); None picks the best one. On the CPU there is one C++ implementation and
+the version is only validated.
+"""
+from pathlib import Path
+
+import torch
+
+__all__ = ["copy", "strided_copy", "transpose", "VERSIONS", "BEST_VERSION", "EXTENSION"]
+
+# Each ladder in teaching order (memory_kernels.cu says what every rung fixes):
+#   copy:      v1 one element per thread, v2 16-byte vectors with 4 in flight per thread;
+#   transpose: v1 naive (scattered writes), v2 32x32 shared-memory tile, v3 the tile padded
+#              against bank conflicts, v4 wide tiles (16-byte accesses, 4 per thread).
+# test_memory_ops.py holds this table against the versions the extension dispatches.
+VERSIONS = {"copy": ("v1", "v2"), "transpose": ("v1", "v2", "v3", "v4")}
+# What version=None runs on CUDA (the fastest on the H100, see results/).
+BEST_VERSION = {"copy": "v2", "transpose": "v4"}
+
+try:  # installed: setup.py ships the shared loader inside the package
+    from ._loader import load_extension
+except ImportError:  # the course checkout: the loader's one home, common/coursekit
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "common"))
+    from coursekit.loader import load_extension
+
+# How the ops library was loaded: route (installed, jit or preloaded) and where from.
+EXTENSION = load_extension("memory_ops", "memory_ops", __file__)
+
+
+def copy(x, *, version=None):
+    """A new contiguous tensor with x's values: device-to-device copy, the bandwidth ceiling."""
+    return torch.ops.memory_ops.copy(x, version)
+
+
+def strided_copy(x, stride):
+    """x.flatten()[::stride] as a new contiguous 1-D tensor: reads every stride-th element."""
+    return torch.ops.memory_ops.strided_copy(x, int(stride))
+
+
+def transpose(x, *, version=None):
+    """A 2-D (rows, cols) tensor as a contiguous (cols, rows) one; a 3-D (batch, rows, cols)
+    tensor as a contiguous (batch, cols, rows) one: x.transpose(-2, -1).contiguous()."""
+    return torch.ops.memory_ops.transpose(x, version)

@@ -1,0 +1,372 @@
+"""Tests for chapter 2: every op x version x dtype x irregular shape, CPU and CUDA.
+
+Every op here only moves data, so every comparison is exact (rtol = atol = 0, NaN never
+expected): a transposed or copied element either is the source's bits or it is wrong.
+
+Run against the installed extension (pip install .) or the JIT build (COURSE_EXT_ROUTE=jit);
+the header line says which one was loaded.
+"""
+import pytest
+import torch
+
+import memory_ops
+from coursekit.pytest_plugin import DTYPES, dtype_id, poison_allocator, require_cuda, shape_id
+from memory_ops import VERSIONS
+
+
+def assert_same(out, expected):
+    assert out.shape == expected.shape and out.dtype == expected.dtype
+    assert out.device == expected.device and out.is_contiguous()
+    assert not out.isnan().any(), "some output element was never written"
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+# Plain-PyTorch references.
+def reference_transpose(x):
+    return x.transpose(-2, -1).contiguous()
+
+
+def reference_copy(x):
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+def reference_strided_copy(x, stride):
+    return x.flatten()[::stride].contiguous()
+
+
+# Shapes: empty either way, single row / column / element, one off the 32-element tile either
+# way, exact tiles, 1823 x 781 (multiple of nothing: v4 falls back to the padded tile), a prime
+# pair, and shapes whose rows are 16-byte aligned for every dtype but not multiples of v4's
+# 128-row x 128-byte tile, so v4's fast path runs with partial tiles on both edges.
+SHAPES_2D = [(0, 5), (5, 0), (1, 1), (1, 777), (777, 1), (31, 33), (33, 31), (32, 32), (64, 96),
+             (1823, 781), (251, 97), (200, 136), (136, 1032)]
+SHAPES_3D = [(0, 4, 4), (4, 0, 3), (1, 1, 1), (3, 33, 65), (2, 200, 136), (5, 64, 8), (7, 9, 1)]
+
+
+@pytest.mark.parametrize("shape", SHAPES_2D + SHAPES_3D, ids=shape_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("version", VERSIONS["transpose"])
+def test_transpose_matches_reference(version, dtype, shape, device):
+    x = torch.randn(shape, dtype=dtype, device=device)
+    expected = reference_transpose(x)
+    poison_allocator(expected)
+    assert_same(memory_ops.transpose(x, version=version), expected)
+
+
+# Non-contiguous inputs: the kernels read x through its strides. Each view is described with
+# what it does to v4's fast-path conditions.
+TRANSPOSE_VIEWS = {
+    # strides (1, rows): already a transpose; no unit column stride, so v4 falls back.
+    "transposed": lambda t: t.t(),
+    # one element in: every row starts misaligned (fallback).
+    "column_offset": lambda t: t[:, 1:],
+    # row stride doubled but still 16-byte aligned: the fast path reads through it.
+    "every_other_row": lambda t: t[::2],
+    # cols shrunk by 8 (still a multiple of every vector width), row stride unchanged.
+    "column_slice": lambda t: t[:, :-8],
+    # every column twice as far apart: no unit stride (fallback).
+    "every_other_column": lambda t: t[:, ::2],
+    # row stride 0: one source row repeated.
+    "expanded": lambda t: t[:1].expand(t.shape[0], -1),
+}
+
+
+@pytest.mark.parametrize("view", list(TRANSPOSE_VIEWS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("version", VERSIONS["transpose"])
+def test_transpose_views(version, dtype, view, device):
+    x = TRANSPOSE_VIEWS[view](torch.randn(264, 144, dtype=dtype, device=device))
+    assert_same(memory_ops.transpose(x, version=version), reference_transpose(x))
+
+
+BATCHED_VIEWS = {
+    # (batch, rows, cols) made from a (rows, batch, cols) tensor: batch stride = cols.
+    "batch_from_permute": lambda t: t.permute(1, 0, 2),
+    # a batch of already-transposed matrices.
+    "transposed_batch": lambda t: t.transpose(1, 2),
+    # every other matrix of the batch.
+    "every_other_matrix": lambda t: t[::2],
+    # batch stride 0.
+    "expanded_batch": lambda t: t[:1].expand(5, -1, -1),
+}
+
+
+@pytest.mark.parametrize("view", list(BATCHED_VIEWS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("version", VERSIONS["transpose"])
+def test_transpose_batched_views(version, dtype, view, device):
+    x = BATCHED_VIEWS[view](torch.randn(6, 40, 136, dtype=dtype, device=device))
+    assert_same(memory_ops.transpose(x, version=version), reference_transpose(x))
+
+
+COPY_SHAPES = [(0,), (1,), (3,), (7,), (9,), (31,), (33,), (255,), (257,), (1823, 781),
+               (2**20 + 17,)]
+
+
+@pytest.mark.parametrize("shape", COPY_SHAPES, ids=shape_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("version", VERSIONS["copy"])
+def test_copy_matches_reference(version, dtype, shape, device):
+    x = torch.randn(shape, dtype=dtype, device=device)
+    expected = reference_copy(x)
+    poison_allocator(expected)
+    out = memory_ops.copy(x, version=version)
+    assert x.numel() == 0 or out.data_ptr() != x.data_ptr(), "copy must return new memory"
+    assert_same(out, expected)
+
+
+COPY_VIEWS = {
+    # contiguous, but starting 1 element past a 16-byte boundary: v2 must take the scalar path.
+    "offset_by_one": lambda t: t.flatten()[1:],
+    "transposed": lambda t: t.t(),
+    "every_other": lambda t: t.flatten()[::2],
+}
+
+
+@pytest.mark.parametrize("view", list(COPY_VIEWS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("version", VERSIONS["copy"])
+def test_copy_views(version, dtype, view, device):
+    x = COPY_VIEWS[view](torch.randn(257, 129, dtype=dtype, device=device))
+    assert_same(memory_ops.copy(x, version=version), reference_copy(x))
+
+
+# Input lengths that strides 1..64 mostly do not divide (and 0, and shorter than the stride).
+STRIDED_SIZES = (0, 1, 5, 63, 1000, 4099, 65537)
+
+
+@pytest.mark.parametrize("stride", range(1, 65))
+def test_strided_copy_every_stride(stride, device):
+    for n in STRIDED_SIZES:
+        x = torch.randn(n, device=device)
+        expected = reference_strided_copy(x, stride)
+        poison_allocator(expected)
+        assert_same(memory_ops.strided_copy(x, stride), expected)
+
+
+@pytest.mark.parametrize("stride", (1, 2, 3, 8, 33))
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_strided_copy_dtypes_and_views(stride, dtype, device):
+    base = torch.randn(129, 67, dtype=dtype, device=device)
+    for x in (base, base.t(), base[:, 1:], base[3:]):  # flatten() copies the strided views
+        assert_same(memory_ops.strided_copy(x, stride), reference_strided_copy(x, stride))
+
+
+# Gradients. float64 gradcheck per version; the backward of a transpose is a transpose.
+@pytest.mark.parametrize("version", VERSIONS["transpose"])
+@pytest.mark.parametrize("shape", [(7, 13), (3, 5, 4)], ids=shape_id)
+def test_transpose_gradcheck(version, shape, device):
+    x = torch.randn(shape, dtype=torch.float64, device=device, requires_grad=True)
+    fn = lambda t: memory_ops.transpose(t, version=version)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (x,))
+    assert torch.autograd.gradgradcheck(fn, (x,))
+
+
+@pytest.mark.parametrize("version", VERSIONS["copy"])
+def test_copy_gradcheck(version, device):
+    x = torch.randn(7, 13, dtype=torch.float64, device=device, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: memory_ops.copy(t, version=version), (x,))
+
+
+@pytest.mark.parametrize("stride", (1, 3, 7))
+def test_strided_copy_gradcheck(stride, device):
+    x = torch.randn(5, 9, dtype=torch.float64, device=device, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: memory_ops.strided_copy(t, stride), (x,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=dtype_id)
+@pytest.mark.parametrize("shape", [(1823, 781), (4, 264, 136)], ids=shape_id)
+def test_low_precision_gradients(shape, dtype, device):
+    """Gradients are moved, never computed: they must equal PyTorch's bit for bit."""
+    x = torch.randn(shape, dtype=dtype, device=device, requires_grad=True)
+    grad = torch.randn(reference_transpose(x).shape, dtype=dtype, device=device)
+    ours, = torch.autograd.grad(memory_ops.transpose(x), x, grad)
+    theirs, = torch.autograd.grad(reference_transpose(x), x, grad)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    ours, = torch.autograd.grad(memory_ops.strided_copy(x, 3), x, grad.flatten()[::3])
+    theirs, = torch.autograd.grad(reference_strided_copy(x, 3), x, grad.flatten()[::3])
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+def test_versions_table_matches_dispatch():
+    for op in VERSIONS:
+        assert list(VERSIONS[op]) == torch.ops.memory_ops.versions(op), op
+        assert memory_ops.BEST_VERSION[op] in VERSIONS[op]
+    with pytest.raises(RuntimeError, match="versions: unknown op 'strided_copy'"):
+        torch.ops.memory_ops.versions("strided_copy")
+
+
+def test_every_listed_version_dispatches_and_others_do_not(device):
+    x = torch.randn(40, 24, device=device)
+    for op, reference in (("copy", reference_copy), ("transpose", reference_transpose)):
+        fn = getattr(memory_ops, op)
+        for version in (*VERSIONS[op], None):
+            assert_same(fn(x, version=version), reference(x))
+        for bad in ("v0", "v5", "V1", "", "best"):
+            with pytest.raises(RuntimeError, match=f"{op}: unknown version '{bad}'"):
+                fn(x, version=bad)
+
+
+# Every misuse raises a RuntimeError naming the op and the problem.
+MISUSES = {
+    "transpose 1-D": (lambda d: memory_ops.transpose(torch.randn(5, device=d)),
+                      r"transpose: x must be 2-D \(rows, cols\) or 3-D \(batch, rows, cols\), "
+                      r"got 1-D with shape \[5\]"),
+    "transpose 4-D": (lambda d: memory_ops.transpose(torch.randn(2, 3, 4, 5, device=d)),
+                      r"transpose: x must be 2-D .* got 4-D with shape \[2, 3, 4, 5\]"),
+    "transpose integer": (lambda d: memory_ops.transpose(torch.ones(3, 4, dtype=torch.int32,
+                                                                    device=d)),
+                          r"transpose: x has dtype Int, which is not supported"),
+    "copy integer": (lambda d: memory_ops.copy(torch.arange(5, device=d)),
+                     r"copy: x has dtype Long, which is not supported"),
+    "copy bool": (lambda d: memory_ops.copy(torch.ones(5, dtype=torch.bool, device=d)),
+                  r"copy: x has dtype Bool, which is not supported"),
+    "strided_copy zero stride": (lambda d: memory_ops.strided_copy(torch.randn(5, device=d), 0),
+                                 r"strided_copy: stride must be >= 1, got 0"),
+    "strided_copy negative stride": (lambda d: memory_ops.strided_copy(torch.randn(5, device=d),
+                                                                       -2),
+                                     r"strided_copy: stride must be >= 1, got -2"),
+    "strided_copy complex": (lambda d: memory_ops.strided_copy(torch.randn(5, dtype=torch.cfloat,
+                                                                           device=d), 2),
+                             r"strided_copy: x has dtype ComplexFloat, which is not supported"),
+    "unknown version": (lambda d: memory_ops.transpose(torch.randn(3, 3, device=d), version="v9"),
+                        r"transpose: unknown version 'v9'; expected one of v1, v2, v3, v4"),
+    "copy unknown version": (lambda d: memory_ops.copy(torch.randn(3, device=d), version="v3"),
+                             r"copy: unknown version 'v3'; expected one of v1, v2"),
+}
+
+
+@pytest.mark.parametrize("misuse", list(MISUSES))
+def test_misuse_raises_clear_error(misuse, device):
+    call, message = MISUSES[misuse]
+    with pytest.raises(RuntimeError, match=message):
+        call(device)
+
+
+OPCHECK_CALLS = {
+    "copy": lambda x: (torch.ops.memory_ops.copy.default, (x, None)),
+    "strided_copy": lambda x: (torch.ops.memory_ops.strided_copy.default, (x, 3)),
+    "transpose": lambda x: (torch.ops.memory_ops.transpose.default, (x, None)),
+    "transpose_batched": lambda x: (torch.ops.memory_ops.transpose.default,
+                                    (x.reshape(3, 11, 17), None)),
+}
+
+
+@pytest.mark.parametrize("op", list(OPCHECK_CALLS))
+def test_opcheck(op, device):
+    x = torch.randn(33, 17, device=device, requires_grad=True)
+    fn, args = OPCHECK_CALLS[op](x)
+    torch.library.opcheck(fn, args)
+
+
+def test_torch_compile_traces_the_ops(device):
+    """Dynamo and AOTAutograd trace through the ops without a graph break (the Meta kernel gives
+    shapes, the Autograd kernel the backward); aot_eager skips codegen to keep this fast."""
+    torch._dynamo.reset()
+
+    def f(x):
+        y = memory_ops.transpose(memory_ops.copy(x)) * 2
+        return memory_ops.strided_copy(y, 3).sum()
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    x = torch.randn(3, 65, 33, device=device, requires_grad=True)
+    out = compiled(x)
+    grad, = torch.autograd.grad(out, x)
+    expected_grad, = torch.autograd.grad(f(x), x)
+    torch.testing.assert_close(out, f(x))
+    torch.testing.assert_close(grad, expected_grad, rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.large
+@pytest.mark.parametrize("version", VERSIONS["transpose"])
+def test_transpose_beyond_int32_elements(version):
+    """46344^2 > 2^31 float16 elements (4 GiB): every index must be 64-bit. 46344 is a multiple
+    of 8, so v4 takes its wide-tile path."""
+    require_cuda()
+    side = 46344
+    need = 3 * side * side * 2  # x, out and the reference
+    if torch.cuda.mem_get_info()[0] < need * 1.2:
+        pytest.skip(f"needs {need / 2**30:.0f} GiB of free GPU memory")
+    x = torch.randn(side, side, dtype=torch.float16, device="cuda")
+    assert torch.equal(memory_ops.transpose(x, version=version), x.t().contiguous())
+    del x
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.cuda
+@pytest.mark.large
+def test_copy_and_strided_copy_beyond_int32_elements():
+    require_cuda()
+    n = 2**31 + 1001
+    if torch.cuda.mem_get_info()[0] < 3 * n * 2 * 1.2:
+        pytest.skip("needs 15 GiB of free GPU memory")
+    x = torch.randn(n, dtype=torch.float16, device="cuda")
+    for version in VERSIONS["copy"]:
+        assert torch.equal(memory_ops.copy(x, version=version), x)
+    assert torch.equal(memory_ops.strided_copy(x, 2), x[::2])
+    del x
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.cuda
+@pytest.mark.sanitize
+@pytest.mark.parametrize("version", VERSIONS["transpose"])
+def test_sanitizer_small_transpose(version):
+    """The small run the GPU pass executes under compute-sanitizer: every transpose kernel
+    instantiation (element size x version, v4's fast path and its fallback), ragged edges,
+    batches, a misaligned and a strided view."""
+    require_cuda()
+    for dtype in DTYPES:
+        for shape in ((33, 65), (136, 200), (3, 40, 72), (1, 1)):
+            x = torch.randn(shape, dtype=dtype, device="cuda")
+            assert_same(memory_ops.transpose(x, version=version), reference_transpose(x))
+        x = torch.randn(40, 73, dtype=dtype, device="cuda")[:, 1:]
+        assert_same(memory_ops.transpose(x, version=version), reference_transpose(x))
+
+
+@pytest.mark.cuda
+@pytest.mark.sanitize
+@pytest.mark.parametrize("version", VERSIONS["copy"])
+def test_sanitizer_small_copy(version):
+    require_cuda()
+    for dtype in DTYPES:
+        for n in (1, 33, 4099):
+            x = torch.randn(n + 1, dtype=dtype, device="cuda")
+            assert_same(memory_ops.copy(x, version=version), x)
+            assert_same(memory_ops.copy(x[1:], version=version), x[1:])  # misaligned view
+            assert_same(memory_ops.strided_copy(x, 3), x[::3])
+
+
+def test_wide_kernels_use_128bit_accesses(tmp_path):
+    """copy v2 and transpose v4 must move their data with 128-bit global loads and stores; the
+    only scalar global accesses allowed are copy v2's one-element tail (one load, one store)."""
+    import re
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    here = Path(__file__).resolve().parent
+    ptx = tmp_path / "kernels.ptx"
+    subprocess.run([nvcc, "-ptx", "-std=c++17", "-arch=sm_80", "-I", str(here),
+                    "-I", str(here.parent / "common" / "include"), "-o", str(ptx),
+                    str(here / "memory_kernels.cu")], check=True)
+    checked = {"copy_vectorized": 0, "transpose_wide_tiles": 0}
+    for body in re.split(r"\.entry ", ptx.read_text())[1:]:
+        name = body.split("(", 1)[0]
+        kind = next((k for k in checked if k in name), None)
+        if kind is None:
+            continue
+        wide_loads = len(re.findall(r"ld\.global(?:\.nc)?\.v4\.", body))
+        wide_stores = len(re.findall(r"st\.global(?:\.wb)?\.v4\.", body))
+        scalar_loads = len(re.findall(r"ld\.global(?:\.nc)?\.[buf]\d+", body))
+        scalar_stores = len(re.findall(r"st\.global(?:\.wb)?\.[buf]\d+", body))
+        assert wide_loads >= 1 and wide_stores >= 1, name
+        allowed = 1 if kind == "copy_vectorized" else 0
+        assert scalar_loads <= allowed and scalar_stores <= allowed, (name, scalar_loads,
+                                                                     scalar_stores)
+        checked[kind] += 1
+    assert checked == {"copy_vectorized": 3, "transpose_wide_tiles": 3}  # per element size
