@@ -10,10 +10,6 @@ hits its own sector), load instructions, DRAM bytes against the napkin-math mini
 throughput and achieved occupancy. Counters, not timings: ncu replays each kernel.
 """
 import argparse
-import csv
-import io
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -48,17 +44,6 @@ def workload():
     torch.cuda.synchronize()
 
 
-def parse(csv_text):
-    """ncu --csv rows -> {(kernel id): {metric: value, 'kernel': name}} in launch order."""
-    start = csv_text.find('"ID"')
-    kernels = {}
-    for row in csv.DictReader(io.StringIO(csv_text[start:])):
-        k = kernels.setdefault(int(row["ID"]), {"kernel": row["Kernel Name"]})
-        value = row["Metric Value"].replace(",", "")
-        k[METRICS.get(row["Metric Name"], row["Metric Name"])] = float(value) if value else None
-    return [kernels[i] for i in sorted(kernels)]
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -67,19 +52,10 @@ def main():
     if args.workload:
         return workload()
 
-    ncu = shutil.which("ncu")
-    if ncu is None:
-        sys.exit("ncu (Nsight Compute) not found on PATH")
+    from coursekit import ncu, results
     # Match our namespace, not "elementwise_": torch's randn runs a kernel named
     # distribution_elementwise_grid_stride_kernel.
-    cmd = [ncu, "--csv", "--clock-control", "none", "--kernel-name-base", "demangled",
-           "--kernel-name", "regex:cuda_basics::", "--metrics", ",".join(METRICS),
-           sys.executable, __file__, "--workload"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"ncu failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    kernels = parse(proc.stdout)
-    from coursekit import results
+    kernels = ncu.profile(__file__, "cuda_basics::", METRICS)
     rows = []
     expected = [(d, v) for d in DTYPES for _, v in reversed(KERNELS)]
     if len(kernels) != len(expected):

@@ -42,9 +42,11 @@ def best_rows(record):
 
 
 def headline(record):
-    """The first op at its largest size, every dtype: best course version against PyTorch."""
+    """The chapter's headline op (record["headline_op"], else the first op) at its first
+    measured shape, every dtype: best course version against PyTorch."""
     best = best_rows(record)
-    op, _, shape = best[0][0]
+    op = record.get("headline_op", best[0][0][0])
+    shape = next(key[2] for key, _, _ in best if key[0] == op)
     parts = [f"{key[1]} {r['variant']} {r['GBps']:.0f} GB/s ({r['pct_of_copy']:.0f}% of copy, "
              f"{r['speedup_vs_torch']:.2f}x PyTorch)"
              for key, r, _ in best if key[0] == op and key[2] == shape]

@@ -4,21 +4,25 @@ import matplotlib.pyplot as plt
 from .results import format_shape, label, rows
 
 
-def plot_sweep(ax, record, op, dtype, variants=None, title=None):
-    """Achieved GB/s against problem size, one line per variant, with the copy ceiling."""
+def plot_sweep(ax, record, op, dtype, variants=None, title=None, x=None, xlabel="elements",
+               xscale=("log", 2), ceiling=True):
+    """Achieved GB/s against a swept quantity (problem size by default), one line per variant,
+    with the copy ceiling. x(row) picks the swept quantity from a row."""
+    x = x or (lambda r: r["shape"][0])
     sweep = [r for r in rows(record, op=op, dtype=dtype) if r.get("sweep")]
     variants = variants or list(dict.fromkeys(r["variant"] for r in sweep))
     for variant in variants:
-        pts = sorted((r["shape"][0], r["GBps"]) for r in sweep if r["variant"] == variant)
+        pts = sorted((x(r), r["GBps"]) for r in sweep if r["variant"] == variant)
         if pts:
             style = dict(color="black", linestyle="--") if variant.startswith("torch") else {}
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=variant,
                     **style)
-    ceiling = record["ceilings"].get("copy_GBps")
-    if ceiling:
-        ax.axhline(ceiling, color="grey", linestyle=":", label=f"copy ceiling {ceiling:.0f} GB/s")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("elements")
+    copy = record["ceilings"].get("copy_GBps")
+    if ceiling and copy:
+        ax.axhline(copy, color="grey", linestyle=":", label=f"copy ceiling {copy:.0f} GB/s")
+    if xscale[0] == "log":
+        ax.set_xscale("log", base=xscale[1])
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("GB/s (bytes read + written)")
     ax.set_title(title or f"{op} {dtype}: {label(record)}", fontsize=9)
     ax.grid(alpha=0.3)

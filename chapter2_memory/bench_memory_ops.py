@@ -1,0 +1,272 @@
+"""Chapter 2 benchmark: what an access pattern costs, against the copy ceiling and PyTorch.
+
+Napkin math. Every op here only moves data, so its minimum traffic is each useful element
+read once plus each output element written once:
+  copy          2 * n * size bytes; its best version *is* the ceiling;
+  strided_copy  2 * (n / stride) * size useful bytes, but DRAM moves whole 32-byte sectors:
+                once stride * size >= 32 every kept element costs a sector read, so useful
+                bandwidth should fall like 1 / stride and then flatten (predicted_GBps below);
+  transpose     2 * rows * cols * size bytes, 2 GiB for 16384^2 float32: ~0.7 ms at 3 TB/s.
+
+    python bench_memory_ops.py           full run on a GPU (16384^2 transposes, 1 GiB copies)
+    python bench_memory_ops.py --quick   small sizes: CPU machines, smoke runs
+
+Writes results/<device-slug>/chapter2_memory.json and the plots beside it.
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent / "common")]
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+from coursekit import bench, plots, results  # noqa: E402
+
+import memory_ops  # noqa: E402
+
+CHAPTER = "chapter2_memory"
+SECTOR_BYTES = 32  # DRAM and L2 move 32-byte sectors (every NVIDIA GPU since Maxwell)
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def element_size(dtype):
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def sizes_for(device, quick):
+    """Problem sizes: the issue's on a GPU; small enough for a 2-core CPU otherwise."""
+    if device == "cuda" and not quick:
+        return {"copy_bytes": 2**30, "square": 16384, "batched": [64, 1024, 1024],
+                "sweep_sides": [256, 512, 1024, 2048, 4096, 8192, 16384],
+                "strided_elements": 2**28, "strides": list(range(1, 65)),
+                "working_set_bytes": [2**k for k in range(16, 32)],
+                "h2d_bytes": [2**20, 2**24, 2**28]}
+    return {"copy_bytes": 2**24, "square": 1024, "batched": [8, 256, 256],
+            "sweep_sides": [128, 256, 512, 1024], "strided_elements": 2**20,
+            "strides": [1, 2, 3, 4, 8, 16, 32, 64], "working_set_bytes": [2**k for k in range(16, 26, 3)],
+            "h2d_bytes": []}
+
+
+def timer(device, graph_sets=None, min_calls=8):
+    """time(fn) for one problem: eager CUDA events for the big single-size rows (far above
+    the L2), CUDA-graph replays for sweeps (graph_sets input sets rotate; 1 = always the same
+    buffers, i.e. whatever the L2 can keep stays hot)."""
+    if device != "cuda":
+        return lambda fn: bench.time_cpu(lambda: fn(0))
+    if graph_sets is None:
+        return lambda fn: bench.time_cuda(lambda: fn(0))
+    return lambda fn: bench.time_cuda_graph(fn, graph_sets, min_calls=min_calls)
+
+
+def bench_copy(device, ceiling, nbytes):
+    rows = []
+    for dtype in DTYPES:
+        n = nbytes // element_size(dtype)
+        x = torch.randn(n, dtype=dtype, device=device)
+        time = timer(device)
+        t_torch = time(lambda i: x.clone())
+        moved = 2 * n * element_size(dtype)
+        rows.append(bench.bandwidth_row("copy", "torch", dtype, [n], moved, t_torch, ceiling,
+                                        t_torch["median_ms"], sweep=False))
+        for version in memory_ops.VERSIONS["copy"]:
+            t = time(lambda i: memory_ops.copy(x, version=version))
+            rows.append(bench.bandwidth_row("copy", version, dtype, [n], moved, t, ceiling,
+                                            t_torch["median_ms"], sweep=False))
+    return rows
+
+
+def bench_transpose(device, ceiling, shape, dtype, variants, sweep=False):
+    """Rows for PyTorch's transposes and every version at one shape. x.t().contiguous() (2-D)
+    or x.transpose(-2, -1).contiguous() (batched) is the baseline the speedups refer to."""
+    nbytes = 2 * torch.Size(shape).numel() * element_size(dtype)
+    if device == "cuda" and sweep:
+        sets = bench.rotation_sets(nbytes // 2)
+        xs = [torch.randn(shape, dtype=dtype, device=device) for _ in range(sets)]
+        time = timer(device, graph_sets=sets)
+    else:
+        xs = [torch.randn(shape, dtype=dtype, device=device)]
+        time = timer(device)
+    baselines = {"torch": lambda i: xs[i].transpose(-2, -1).contiguous()}
+    if len(shape) == 2:
+        baselines = {"torch": lambda i: xs[i].t().contiguous(),
+                     "torch.transpose(-2,-1)": lambda i: xs[i].transpose(-2, -1).contiguous()}
+    rows, t_torch = [], None
+    for name, fn in baselines.items():
+        t = time(fn)
+        t_torch = t_torch or t["median_ms"]
+        rows.append(bench.bandwidth_row("transpose", name, dtype, shape, nbytes, t, ceiling,
+                                        t_torch, sweep=sweep))
+    for variant in variants:
+        version = None if variant == "cpu" else variant
+        t = time(lambda i: memory_ops.transpose(xs[i], version=version))
+        rows.append(bench.bandwidth_row("transpose", variant, dtype, shape, nbytes, t, ceiling,
+                                        t_torch, sweep=sweep))
+    return rows
+
+
+def predicted_strided_GBps(stride, size, ceiling):
+    """Useful GB/s if DRAM moved whole sectors at the copy rate: each kept element costs
+    min(stride * size, 32) bytes of reads (below a sector apart, every sector of the input is
+    read anyway; from a sector apart on, one whole sector per kept element) plus its write."""
+    read = min(stride * size, SECTOR_BYTES)
+    return ceiling * 2 * size / (read + size)
+
+
+def bench_strided(device, ceiling, n, strides):
+    x = torch.randn(n, device=device)
+    size = x.element_size()
+    time = timer(device)
+    rows = []
+    for stride in strides:
+        n_out = -(-n // stride)
+        useful = 2 * n_out * size
+        t_torch = time(lambda i: x[::stride].contiguous())
+        t_ours = time(lambda i: memory_ops.strided_copy(x, stride))
+        extra = {"stride": stride, "sweep": True,
+                 "predicted_GBps": predicted_strided_GBps(stride, size, ceiling)}
+        rows.append(bench.bandwidth_row("strided_copy", "torch", x.dtype, [n], useful, t_torch,
+                                        ceiling, t_torch["median_ms"], **extra))
+        rows.append(bench.bandwidth_row("strided_copy", "v1", x.dtype, [n], useful, t_ours,
+                                        ceiling, t_torch["median_ms"], **extra))
+    return rows
+
+
+def bench_working_set(device, ceiling, working_sets):
+    """Copy bandwidth against working-set size (source + destination bytes), the same buffers
+    every call: while they fit the L2 they stay there, and the copy runs at L2 bandwidth."""
+    rows = []
+    for ws in working_sets:
+        n = ws // 2 // 4
+        src = torch.randn(n, device=device)
+        dst = torch.empty_like(src)
+        time = timer(device, graph_sets=1, min_calls=64)
+        t_torch = time(lambda i: dst.copy_(src))
+        t_ours = time(lambda i: memory_ops.copy(src))
+        for variant, t in (("torch", t_torch), ("v2", t_ours)):
+            rows.append(bench.bandwidth_row("copy_working_set", variant, torch.float32, [n], ws,
+                                            t, ceiling, t_torch["median_ms"], sweep=True,
+                                            working_set_bytes=ws))
+    return rows
+
+
+def bench_host_to_device(sizes):
+    """Host-to-device copies from pageable and from pinned (page-locked) host memory, torch
+    only: pageable memory is first staged by the driver through a pinned bounce buffer."""
+    rows = []
+    for nbytes in sizes:
+        dst = torch.empty(nbytes // 4, device="cuda")
+        pageable = torch.randn(nbytes // 4)
+        pinned = pageable.pin_memory()
+        for variant, src in (("pageable", pageable), ("pinned", pinned)):
+            t = bench.time_cuda(lambda: dst.copy_(src, non_blocking=True))
+            rows.append(bench.bandwidth_row("host_to_device", variant, torch.float32,
+                                            [nbytes // 4], nbytes, t, None, sweep=True,
+                                            host_memory=variant))
+    return rows
+
+
+def make_figures(record, out_dir):
+    s = record["sizes"]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    square = [s["square"], s["square"]]
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4))
+    plots.plot_bars(axes[0], record, "transpose", "float32", square)
+    plots.plot_bars(axes[1], record, "transpose", "bfloat16", square)
+    plots.plot_bars(axes[2], record, "transpose", "float32", s["batched"])
+    figures = [plots.save(fig, out_dir / f"{CHAPTER}_ladder.png")]
+
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4))
+    plot_strided(axes[0], record)
+    plot_working_set(axes[1], record)
+    plots.plot_sweep(axes[2], record, "transpose", "float32", x=lambda r: r["shape"][0],
+                     xlabel="matrix side (square float32)")
+    figures.append(plots.save(fig, out_dir / f"{CHAPTER}_memory.png"))
+    return figures
+
+
+def plot_strided(ax, record):
+    plots.plot_sweep(ax, record, "strided_copy", "float32", x=lambda r: r["stride"],
+                     xlabel="stride (elements)", xscale=("linear", None))
+    pts = sorted({(r["stride"], r["predicted_GBps"]) for r in record["benchmarks"]
+                  if r["op"] == "strided_copy"})
+    ax.plot([p[0] for p in pts], [p[1] for p in pts], color="tab:red", linestyle=":",
+            label="sector model (32-byte sectors at copy rate)")
+    ax.set_ylabel("useful GB/s (kept elements read + written)")
+    ax.legend(fontsize=7)
+
+
+def plot_working_set(ax, record):
+    plots.plot_sweep(ax, record, "copy_working_set", "float32",
+                     x=lambda r: r["working_set_bytes"], xlabel="working set (bytes, src + dst)")
+    l2 = record["device"].get("l2_MB")
+    if l2:
+        ax.axvline(l2 * 2**20, color="tab:red", linestyle=":", label=f"L2 {l2:.0f} MB")
+        ax.legend(fontsize=7)
+
+
+def print_table(record):
+    print(f"\n{CHAPTER} on {results.label(record)}; copy ceiling "
+          f"{record['ceilings']['copy_GBps']:.0f} GB/s")
+    print(f"{'op':<10}{'dtype':<10}{'shape':<16}{'variant':<24}{'ms':>9}{'GB/s':>8}"
+          f"{'% copy':>8}{'x torch':>9}")
+    for r in record["benchmarks"]:
+        if not r["sweep"]:
+            print(f"{r['op']:<10}{r['dtype']:<10}{results.format_shape(r['shape']):<16}"
+                  f"{r['variant']:<24}{r['median_ms']:>9.3f}{r['GBps']:>8.0f}"
+                  f"{r['pct_of_copy']:>8.1f}{r['speedup_vs_torch']:>9.3f}")
+    picked = [r for r in record["benchmarks"] if r["op"] == "strided_copy"
+              and r["variant"] == "v1" and r["stride"] in (1, 2, 4, 8, 16, 32, 64)]
+    print("strided_copy float32, useful GB/s (model): " + ", ".join(
+        f"s={r['stride']} {r['GBps']:.0f} ({r['predicted_GBps']:.0f})" for r in picked))
+    h2d = [r for r in record["benchmarks"] if r["op"] == "host_to_device"]
+    if h2d:
+        print("host to device: " + ", ".join(
+            f"{r['bytes'] / 2**20:.0f} MiB {r['variant']} {r['GBps']:.1f} GB/s" for r in h2d))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small sizes (CPU, smoke runs)")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        print("No CUDA GPU: benchmarking the CPU path at small sizes; GPU numbers come from "
+              "the recorded results.")
+    s = sizes_for(device, args.quick)
+    variants = list(memory_ops.VERSIONS["transpose"]) if device == "cuda" else ["cpu"]
+
+    ceilings = bench.copy_ceiling(device, n=s["copy_bytes"] // 4)
+    ceiling = ceilings["copy_GBps"]
+    rows = []
+    square = [s["square"], s["square"]]
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        rows += bench_transpose(device, ceiling, square, dtype, variants)
+    for dtype in DTYPES:
+        rows += bench_transpose(device, ceiling, s["batched"], dtype, variants)
+    rows += bench_copy(device, ceiling, s["copy_bytes"])
+    for side in s["sweep_sides"]:
+        rows += bench_transpose(device, ceiling, [side, side], torch.float32, variants, sweep=True)
+    rows += bench_strided(device, ceiling, s["strided_elements"], s["strides"])
+    rows += bench_working_set(device, ceiling, s["working_set_bytes"])
+    if device == "cuda":
+        rows += bench_host_to_device(s["h2d_bytes"])
+
+    extra = {"sizes": s, "headline_op": "transpose",
+             "timing": {"statistic": "median", "reps": bench.MIN_REPS if device == "cpu" else 30,
+                        "method": "perf_counter" if device == "cpu" else
+                        "CUDA events; single-size rows: eager back-to-back launches (each "
+                        "problem far above the L2); transpose sweep: CUDA-graph replays over "
+                        "rotating inputs (> 2x L2 per pass); working-set sweep: CUDA-graph "
+                        "replays on the same buffers (hot L2 by design)"}}
+    path = results.write_results(CHAPTER, rows, ceilings, **extra)
+    record = json.loads(path.read_text())
+    figures = make_figures(record, path.parent)
+    print_table(record)
+    print("wrote", path, *figures, sep="\n  ")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""Hardware-counter evidence for the lesson, read with Nsight Compute (ncu).
+
+    python profile_memory_ops.py             run ncu over this script's --workload, write
+                                             results/<device-slug>/chapter2_memory_profile.json
+    python profile_memory_ops.py --workload  what ncu profiles: every transpose version once
+                                             at 4096 x 4096 in float32, bfloat16 and float64
+
+Per kernel: shared-memory bank conflicts on loads and stores (the v2 -> v3 story, and how it
+changes with the element size), global store sectors per request (v1's scattered writes),
+DRAM bytes against the napkin-math minimum, and the kernel's duration under ncu.
+"""
+import argparse
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent / "common")]
+
+SIDE = 4096
+DTYPES = ("float32", "bfloat16", "float64")
+METRICS = {
+    "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum": "smem_load_bank_conflicts",
+    "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum": "smem_store_bank_conflicts",
+    "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum": "smem_load_wavefronts",
+    "smsp__inst_executed_op_shared_ld.sum": "smem_load_instructions",
+    "l1tex__t_sectors_pipe_lsu_mem_global_op_st.sum": "store_sectors",
+    "l1tex__t_requests_pipe_lsu_mem_global_op_st.sum": "store_requests",
+    "dram__bytes_read.sum": "dram_read_bytes",
+    "dram__bytes_write.sum": "dram_write_bytes",
+    "gpu__time_duration.sum": "duration_ns",
+}
+# Demangled kernel name -> version, most specific first.
+KERNELS = [("transpose_wide_tiles", "v4"), ("transpose_tiled<unsigned short, 1>", "v3"),
+           ("transpose_tiled<unsigned int, 1>", "v3"), ("transpose_tiled<unsigned long, 1>", "v3"),
+           ("transpose_tiled", "v2"), ("transpose_naive", "v1")]
+
+
+def workload():
+    import torch
+
+    import memory_ops
+    for dtype in DTYPES:
+        x = torch.randn(SIDE, SIDE, device="cuda", dtype=getattr(torch, dtype))
+        for version in memory_ops.VERSIONS["transpose"]:
+            memory_ops.transpose(x, version=version)
+    torch.cuda.synchronize()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", action="store_true")
+    args = parser.parse_args()
+    if args.workload:
+        return workload()
+
+    from coursekit import ncu, results
+    kernels = ncu.profile(__file__, "memory_ops::", METRICS)
+    import memory_ops
+    expected = [(d, v) for d in DTYPES for v in memory_ops.VERSIONS["transpose"]]
+    if len(kernels) != len(expected):
+        sys.exit(f"expected {len(expected)} profiled kernels, got {len(kernels)}")
+    rows = []
+    for (dtype, version), k in zip(expected, kernels):
+        found = next(v for name, v in KERNELS if name in k["kernel"])
+        assert found == version, (found, version, k["kernel"])
+        size = {"float32": 4, "bfloat16": 2, "float64": 8}[dtype]
+        loads = k["smem_load_instructions"]
+        rows.append({"op": "transpose", "variant": version, "dtype": dtype, "shape": [SIDE, SIDE],
+                     "kernel": k["kernel"], **{m: k.get(m) for m in METRICS.values()},
+                     # 1.0 = every shared load served in one pass; 32 = a 32-way conflict.
+                     "smem_wavefronts_per_load": k["smem_load_wavefronts"] / loads if loads else None,
+                     "store_sectors_per_request": k["store_sectors"] / k["store_requests"],
+                     "dram_bytes_over_minimum": (k["dram_read_bytes"] + k["dram_write_bytes"])
+                     / (2 * SIDE * SIDE * size)})
+    path = results.write_results("chapter2_memory_profile", rows, {},
+                                 tool="ncu --clock-control none", metrics=list(METRICS))
+    print(f"{'dtype':<10}{'version':<9}{'smem ld conflicts':>18}{'smem st conflicts':>18}"
+          f"{'wavefr/ld':>10}{'st sect/req':>12}{'DRAM/min':>9}{'us':>9}")
+    for r in rows:
+        per_load = r["smem_wavefronts_per_load"]
+        print(f"{r['dtype']:<10}{r['variant']:<9}{r['smem_load_bank_conflicts']:>18.0f}"
+              f"{r['smem_store_bank_conflicts']:>18.0f}"
+              f"{per_load if per_load is not None else float('nan'):>10.2f}"
+              f"{r['store_sectors_per_request']:>12.2f}{r['dram_bytes_over_minimum']:>9.2f}"
+              f"{r['duration_ns'] / 1e3:>9.1f}")
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""Run a chapter's workload under Nsight Compute (ncu) and read the counters back.
+
+Each chapter's profile_*.py names its metrics and its kernels; this module runs
+`ncu --csv` over `python <script> --workload` and parses the result. Counters, not timings:
+ncu replays each kernel once per metric pass, with clocks left as they are."""
+import csv
+import io
+import shutil
+import subprocess
+import sys
+
+
+def parse(csv_text, metrics):
+    """ncu --csv output -> one dict per profiled kernel, in launch order:
+    {"kernel": demangled name, <short metric name>: value, ...}."""
+    start = csv_text.find('"ID"')
+    kernels = {}
+    for row in csv.DictReader(io.StringIO(csv_text[start:])):
+        k = kernels.setdefault(int(row["ID"]), {"kernel": row["Kernel Name"]})
+        value = row["Metric Value"].replace(",", "")
+        k[metrics.get(row["Metric Name"], row["Metric Name"])] = float(value) if value else None
+    return [kernels[i] for i in sorted(kernels)]
+
+
+def profile(script, kernel_regex, metrics):
+    """Profile every kernel whose demangled name matches kernel_regex while `script
+    --workload` runs; metrics maps ncu metric names to the short names returned."""
+    ncu = shutil.which("ncu")
+    if ncu is None:
+        sys.exit("ncu (Nsight Compute) not found on PATH")
+    cmd = [ncu, "--csv", "--clock-control", "none", "--kernel-name-base", "demangled",
+           "--kernel-name", f"regex:{kernel_regex}", "--metrics", ",".join(metrics),
+           sys.executable, str(script), "--workload"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"ncu failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    return parse(proc.stdout, metrics)
