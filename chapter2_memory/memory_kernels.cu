@@ -228,12 +228,19 @@ __global__ void transpose_naive(TransposeParams p, int64_t tiles_r, int64_t tile
 // column touches 2 banks (16-way); with 8-byte elements a half-warp of 16 lanes hits one bank
 // pair (16-way per half). Expect v2 far above v1, yet short of copy.
 //
-// transpose v3 (kPad = 1), tiled + padded: the same tile, one element wider per row. Row y now
-// starts y banks further along (for 4-byte elements), so a column's 32 elements land in 32
-// different banks: no conflicts, the same global traffic, and the gap to v2 is the price of
-// the conflicts. (With 2-byte elements a row becomes 16.5 banks long; rows 2k and 2k + 1 then
-// map to banks k and k + 16, also all distinct. With 8-byte elements a row is 66 banks, an
-// offset of 2 per row, and each half-warp covers all 32 banks once.)
+// transpose v3 (kPad = one 4-byte bank), tiled + padded: the same tile, one bank wider per
+// row. Row y of a float32 tile now starts y banks further along, so a column's 32 elements
+// land in 32 different banks: no conflicts, the same global traffic, and the gap to v2 is the
+// price of the conflicts. The pad is a whole bank whatever the element size: with 2-byte
+// elements a one-*element* pad makes a row 16.5 banks long, which spreads even columns over
+// all 32 banks but leaves odd columns with one 2-way conflict (predicted in NOTES.md, then
+// measured by ncu as 1.5 shared-memory wavefronts per load); two elements make it 17 banks,
+// an odd number, and every column is conflict-free. With 8-byte elements a row is 66 banks,
+// an offset of 2 per row, and each half-warp (8-byte accesses are served 16 lanes at a time)
+// covers all 32 banks once.
+template <typename T>
+constexpr int kBankPad = sizeof(T) >= 4 ? 1 : 4 / static_cast<int>(sizeof(T));
+
 template <typename T, int kPad>
 __global__ void transpose_tiled(TransposeParams p, int64_t tiles_r, int64_t tiles_c) {
   __shared__ T tile[kTile][kTile + kPad];
@@ -291,7 +298,7 @@ struct WideTile {
   static constexpr int kVec = kVectorBytes / sizeof(T);
   static constexpr int kCols = 128 / sizeof(T);  // one 128-byte line of a source row
   static constexpr int kRows = 128;
-  static constexpr int kPad = sizeof(T) >= 4 ? 1 : 4 / sizeof(T);  // at least one 4-byte bank
+  static constexpr int kPad = kBankPad<T>;
   static constexpr int kStoreLanes = sizeof(T) == 2 ? 4 : 8;
   static constexpr int kLoadLanes = kCols / kVec;  // 8 for every element size
 };
@@ -388,7 +395,7 @@ cudaError_t launch_transpose_typed(const TransposeParams& p, cudaStream_t stream
       break;
     case TransposeVersion::kTiledPadded:
     case TransposeVersion::kWideTiles:  // rows not 16-byte aligned: the padded tile instead
-      transpose_tiled<T, 1><<<blocks, threads, 0, stream>>>(p, tiles_r, tiles_c);
+      transpose_tiled<T, kBankPad<T>><<<blocks, threads, 0, stream>>>(p, tiles_r, tiles_c);
       break;
   }
   return cudaGetLastError();

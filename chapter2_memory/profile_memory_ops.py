@@ -3,11 +3,15 @@
     python profile_memory_ops.py             run ncu over this script's --workload, write
                                              results/<device-slug>/chapter2_memory_profile.json
     python profile_memory_ops.py --workload  what ncu profiles: every transpose version once
-                                             at 4096 x 4096 in float32, bfloat16 and float64
+                                             at 4096 x 4096 in float32, bfloat16 and float64,
+                                             then strided_copy of 2^26 float32 at strides 1..64
 
 Per kernel: shared-memory bank conflicts on loads and stores (the v2 -> v3 story, and how it
 changes with the element size), global store sectors per request (v1's scattered writes),
-DRAM bytes against the napkin-math minimum, and the kernel's duration under ncu.
+DRAM bytes against the napkin-math minimum, and the kernel's duration under ncu; for
+strided_copy, the DRAM bytes actually read per kept element (the sector model says
+min(stride * 4, 32)). ncu flushes the caches before each kernel, so every read comes from
+DRAM; writes still dirty in the 50 MB L2 when a kernel ends are not counted.
 """
 import argparse
 import sys
@@ -17,6 +21,8 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "common")]
 
 SIDE = 4096
+STRIDED_N = 2**26  # 256 MB of float32: five times the L2
+STRIDES = (1, 2, 4, 8, 16, 32, 64)
 DTYPES = ("float32", "bfloat16", "float64")
 METRICS = {
     "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum": "smem_load_bank_conflicts",
@@ -30,7 +36,8 @@ METRICS = {
     "gpu__time_duration.sum": "duration_ns",
 }
 # Demangled kernel name -> version, most specific first.
-KERNELS = [("transpose_wide_tiles", "v4"), ("transpose_tiled<unsigned short, 1>", "v3"),
+# v2 is transpose_tiled<T, 0>; v3 pads by one 4-byte bank: 2 elements of 2 bytes, else 1.
+KERNELS = [("transpose_wide_tiles", "v4"), ("transpose_tiled<unsigned short, 2>", "v3"),
            ("transpose_tiled<unsigned int, 1>", "v3"), ("transpose_tiled<unsigned long, 1>", "v3"),
            ("transpose_tiled", "v2"), ("transpose_naive", "v1")]
 
@@ -43,6 +50,9 @@ def workload():
         x = torch.randn(SIDE, SIDE, device="cuda", dtype=getattr(torch, dtype))
         for version in memory_ops.VERSIONS["transpose"]:
             memory_ops.transpose(x, version=version)
+    x = torch.randn(STRIDED_N, device="cuda")
+    for stride in STRIDES:
+        memory_ops.strided_copy(x, stride)
     torch.cuda.synchronize()
 
 
@@ -58,9 +68,17 @@ def main():
     kernels = ncu.profile(__file__, "memory_ops::", METRICS)
     import memory_ops
     expected = [(d, v) for d in DTYPES for v in memory_ops.VERSIONS["transpose"]]
-    if len(kernels) != len(expected):
-        sys.exit(f"expected {len(expected)} profiled kernels, got {len(kernels)}")
+    if len(kernels) != len(expected) + len(STRIDES):
+        sys.exit(f"expected {len(expected) + len(STRIDES)} profiled kernels, got {len(kernels)}")
     rows = []
+    for stride, k in zip(STRIDES, kernels[len(expected):]):
+        assert "strided_gather" in k["kernel"], k["kernel"]
+        kept = -(-STRIDED_N // stride)
+        rows.append({"op": "strided_copy", "variant": "v1", "dtype": "float32",
+                     "shape": [STRIDED_N], "stride": stride, "kernel": k["kernel"],
+                     **{m: k.get(m) for m in METRICS.values()},
+                     "dram_read_bytes_per_kept_element": k["dram_read_bytes"] / kept,
+                     "sector_model_bytes_per_kept_element": min(stride * 4, 32)})
     for (dtype, version), k in zip(expected, kernels):
         found = next(v for name, v in KERNELS if name in k["kernel"])
         assert found == version, (found, version, k["kernel"])
@@ -78,6 +96,11 @@ def main():
     print(f"{'dtype':<10}{'version':<9}{'smem ld conflicts':>18}{'smem st conflicts':>18}"
           f"{'wavefr/ld':>10}{'st sect/req':>12}{'DRAM/min':>9}{'us':>9}")
     for r in rows:
+        if r["op"] == "strided_copy":
+            print(f"strided_copy stride {r['stride']:>2}: DRAM reads "
+                  f"{r['dram_read_bytes_per_kept_element']:.1f} bytes per kept element (sector "
+                  f"model {r['sector_model_bytes_per_kept_element']})")
+            continue
         per_load = r["smem_wavefronts_per_load"]
         print(f"{r['dtype']:<10}{r['variant']:<9}{r['smem_load_bank_conflicts']:>18.0f}"
               f"{r['smem_store_bank_conflicts']:>18.0f}"
