@@ -106,11 +106,13 @@ def bench_transpose(device, ceiling, shape, dtype, variants, sweep=False):
     return rows
 
 
-def predicted_strided_GBps(stride, size, ceiling):
-    """Useful GB/s if DRAM moved whole sectors at the copy rate: each kept element costs
-    min(stride * size, 32) bytes of reads (below a sector apart, every sector of the input is
-    read anyway; from a sector apart on, one whole sector per kept element) plus its write."""
-    read = min(stride * size, SECTOR_BYTES)
+def predicted_strided_GBps(stride, size, ceiling, fetch_bytes=SECTOR_BYTES):
+    """Useful GB/s if DRAM moved whole fetches of fetch_bytes at the copy rate: each kept
+    element costs min(stride * size, fetch_bytes) bytes of reads (below a fetch apart, all of
+    the input is read anyway; from a fetch apart on, one whole fetch per kept element) plus
+    its write. The napkin model uses the 32-byte sector; profile_memory_ops.py measures what
+    the H100's DRAM actually reads per kept element (64 bytes from stride 16 on)."""
+    read = min(stride * size, fetch_bytes)
     return ceiling * 2 * size / (read + size)
 
 
@@ -126,7 +128,8 @@ def bench_strided(device, ceiling, n, strides):
         t_torch = time(lambda i: x[::stride].clone(memory_format=torch.contiguous_format))
         t_ours = time(lambda i: memory_ops.strided_copy(x, stride))
         extra = {"stride": stride, "sweep": True,
-                 "predicted_GBps": predicted_strided_GBps(stride, size, ceiling)}
+                 "predicted_GBps": predicted_strided_GBps(stride, size, ceiling),
+                 "predicted_64B_GBps": predicted_strided_GBps(stride, size, ceiling, 64)}
         rows.append(bench.bandwidth_row("strided_copy", "torch", x.dtype, [n], useful, t_torch,
                                         ceiling, t_torch["median_ms"], **extra))
         rows.append(bench.bandwidth_row("strided_copy", "v1", x.dtype, [n], useful, t_ours,
@@ -190,10 +193,12 @@ def make_figures(record, out_dir):
 def plot_strided(ax, record):
     plots.plot_sweep(ax, record, "strided_copy", "float32", x=lambda r: r["stride"],
                      xlabel="stride (elements)", xscale=("linear", None))
-    pts = sorted({(r["stride"], r["predicted_GBps"]) for r in record["benchmarks"]
-                  if r["op"] == "strided_copy"})
-    ax.plot([p[0] for p in pts], [p[1] for p in pts], color="tab:red", linestyle=":",
-            label="sector model (32-byte sectors at copy rate)")
+    for key, style, name in (("predicted_GBps", ":", "32-byte sector model"),
+                             ("predicted_64B_GBps", "-.", "64-byte fetch model")):
+        pts = sorted({(r["stride"], r[key]) for r in record["benchmarks"]
+                      if r["op"] == "strided_copy" and key in r})
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], color="tab:red", linestyle=style,
+                label=f"{name} (at the copy rate)")
     ax.set_ylabel("useful GB/s (kept elements read + written)")
     ax.legend(fontsize=7)
 

@@ -1,0 +1,198 @@
+"""Measured numbers quoted in this chapter's README, computed from the results files.
+
+tools/report.py fills each <!-- results:NAME:begin -->...<!-- results:NAME:end --> block of
+README.md with FACTS[NAME](record), so the prose always matches results/ (no typed numbers).
+record["profile"] is the chapter's ncu profile (profile_memory_ops.py), when there is one.
+"""
+DTYPES = ("float32", "bfloat16", "float64")
+
+
+def _square(record):
+    side = record["sizes"]["square"]
+    return [side, side]
+
+
+def _row(record, variant, op="transpose", dtype="float32", shape=None):
+    shape = shape or _square(record)
+    for r in record["benchmarks"]:
+        if (r["op"], r["dtype"], r["variant"], r["shape"], r["sweep"]) == (op, dtype, variant,
+                                                                          shape, False):
+            return r
+    raise KeyError((op, dtype, variant, shape))
+
+
+def _bw(r):
+    return f"{r['GBps']:.0f} GB/s ({r['pct_of_copy']:.1f}% of copy)"
+
+
+def _where(record):
+    return f"{record['device']['name']}, {record['date'][:10]}"
+
+
+def ceiling(record):
+    return f"{record['ceilings']['copy_GBps']:.0f} GB/s ({_where(record)})"
+
+
+def torch_transpose(record):
+    return "; ".join(f"{d} {_bw(_row(record, 'torch', dtype=d))}" for d in DTYPES)
+
+
+def v1(record):
+    f32, v3 = _row(record, "v1"), _row(record, "v3")
+    return (f"{_bw(f32)} in float32, {v3['GBps'] / f32['GBps']:.1f}x slower than the padded "
+            f"tile; bfloat16 {_bw(_row(record, 'v1', dtype='bfloat16'))}")
+
+
+def v2_v3(record):
+    parts = []
+    for d in DTYPES:
+        a, b = _row(record, "v2", dtype=d), _row(record, "v3", dtype=d)
+        parts.append(f"{d} v2 {a['GBps']:.0f} -> v3 {b['GBps']:.0f} GB/s "
+                     f"({b['GBps'] / a['GBps']:.2f}x)")
+    return "; ".join(parts)
+
+
+def v4(record):
+    parts = []
+    for d in DTYPES:
+        r = _row(record, "v4", dtype=d)
+        parts.append(f"{d} {_bw(r)}, {r['speedup_vs_torch']:.2f}x `x.t().contiguous()`")
+    return "; ".join(parts)
+
+
+def v4_over_v3(record):
+    return ", ".join(f"{d} {_row(record, 'v4', dtype=d)['GBps'] / _row(record, 'v3', dtype=d)['GBps']:.1f}x"
+                     for d in DTYPES)
+
+
+def batched(record):
+    shape = record["sizes"]["batched"]
+    parts = []
+    for d in ("float32", "bfloat16"):
+        r = _row(record, "v4", dtype=d, shape=shape)
+        parts.append(f"{d} {_bw(r)}, {r['speedup_vs_torch']:.2f}x "
+                     f"`x.transpose(-2, -1).contiguous()`")
+    return "; ".join(parts)
+
+
+def copy(record):
+    parts = []
+    for d in ("float32", "bfloat16"):
+        n = record["sizes"]["copy_bytes"] // (4 if d == "float32" else 2)
+        a, b = (_row(record, v, op="copy", dtype=d, shape=[n]) for v in ("v1", "v2"))
+        parts.append(f"{d}: v1 {_bw(a)}, v2 {_bw(b)} = {b['speedup_vs_torch']:.3f}x `clone()`")
+    return "; ".join(parts)
+
+
+def _strided(record):
+    return {r["stride"]: r for r in record["benchmarks"]
+            if r["op"] == "strided_copy" and r["variant"] == "v1"}
+
+
+def strided_table(record):
+    rows = _strided(record)
+    torch_rows = {r["stride"]: r for r in record["benchmarks"]
+                  if r["op"] == "strided_copy" and r["variant"] == "torch"}
+    lines = ["| stride | useful GB/s | 32-byte model | 64-byte model | PyTorch `x[::s]` copy |",
+             "|---|---|---|---|---|"]
+    for s in (1, 2, 4, 8, 16, 32, 64):
+        if s in rows:
+            r = rows[s]
+            fetch64 = r.get("predicted_64B_GBps")  # recorded since commit 8a64bf9's successor
+            lines.append(f"| {s} | {r['GBps']:.0f} | {r['predicted_GBps']:.0f} | "
+                         f"{'-' if fetch64 is None else f'{fetch64:.0f}'} | "
+                         f"{torch_rows[s]['GBps']:.0f} |")
+    return "\n".join(lines) + f"\n\n(float32, {record['sizes']['strided_elements']} input elements, {_where(record)})"
+
+
+def _cliff(record):
+    return sorted((r for r in record["benchmarks"]
+                   if r["op"] == "copy_working_set" and r["variant"] == "v2"),
+                  key=lambda r: r["working_set_bytes"])
+
+
+def cliff(record):
+    rows = _cliff(record)
+    peak = max(rows, key=lambda r: r["GBps"])
+    last = rows[-1]
+    return (f"{peak['GBps']:.0f} GB/s with a {peak['working_set_bytes'] / 2**20:.0f} MiB working "
+            f"set ({peak['GBps'] / record['ceilings']['copy_GBps']:.2f}x the HBM copy rate), "
+            f"{last['GBps']:.0f} GB/s at {last['working_set_bytes'] / 2**20:.0f} MiB; the "
+            f"smallest, {rows[0]['working_set_bytes'] / 2**10:.0f} KiB, takes "
+            f"{rows[0]['median_ms'] * 1e3:.1f} us per copy ({_where(record)})")
+
+
+def host_to_device(record):
+    rows = [r for r in record["benchmarks"] if r["op"] == "host_to_device"]
+    sizes = sorted({r["bytes"] for r in rows})
+    parts = []
+    for size in sizes:
+        by = {r["variant"]: r for r in rows if r["bytes"] == size}
+        parts.append(f"{size / 2**20:.0f} MiB: pageable {by['pageable']['GBps']:.1f} GB/s, "
+                     f"pinned {by['pinned']['GBps']:.1f} GB/s")
+    return "; ".join(parts) + f" ({_where(record)})"
+
+
+def sweep(record):
+    rows = {(r["shape"][0], r["variant"]): r for r in record["benchmarks"]
+            if r["op"] == "transpose" and r["sweep"]}
+    sides = sorted({s for s, _ in rows})
+    return ", ".join(f"{s}: {rows[(s, 'v4')]['GBps']:.0f} GB/s "
+                     f"(PyTorch {rows[(s, 'torch')]['GBps']:.0f})" for s in sides)
+
+
+def _prof(record, variant, dtype="float32"):
+    profile = record.get("profile")
+    if not profile:
+        return None
+    return next(r for r in profile["benchmarks"]
+                if (r["op"], r["variant"], r["dtype"]) == ("transpose", variant, dtype))
+
+
+def _no_profile(record):
+    return "(no ncu profile recorded yet: run python profile_memory_ops.py on a GPU)"
+
+
+def _profile_where(record):
+    side = _prof(record, "v1")["shape"][0]
+    return f"ncu, {side}^2, {_where(record['profile'])}"
+
+
+def bank_conflicts(record):
+    if _prof(record, "v2") is None:
+        return _no_profile(record)
+    parts = []
+    for d in DTYPES:
+        a, b = _prof(record, "v2", d), _prof(record, "v3", d)
+        parts.append(f"{d} {a['smem_wavefronts_per_load']:.2f} -> "
+                     f"{b['smem_wavefronts_per_load']:.2f}")
+    return "; ".join(parts) + f" ({_profile_where(record)})"
+
+
+def v4_wavefronts(record):
+    if _prof(record, "v4") is None:
+        return _no_profile(record)
+    return ", ".join(f"{d} {_prof(record, 'v4', d)['smem_wavefronts_per_load']:.2f}"
+                     for d in DTYPES)
+
+
+def store_sectors(record):
+    if _prof(record, "v1") is None:
+        return _no_profile(record)
+    return "; ".join(f"{d}: v1 {_prof(record, 'v1', d)['store_sectors_per_request']:.0f}, "
+                     f"v2 {_prof(record, 'v2', d)['store_sectors_per_request']:.0f}, "
+                     f"v4 {_prof(record, 'v4', d)['store_sectors_per_request']:.0f}"
+                     for d in DTYPES) + f" ({_profile_where(record)})"
+
+
+def strided_dram(record):
+    profile = record.get("profile")
+    if not profile:
+        return _no_profile(record)
+    rows = [r for r in profile["benchmarks"] if r["op"] == "strided_copy"]
+    return ", ".join(f"stride {r['stride']}: {r['dram_read_bytes_per_kept_element']:.0f} B"
+                     for r in rows) + f" (ncu, {_where(profile)})"
+
+
+FACTS = {name: fn for name, fn in list(globals().items())
+         if callable(fn) and not name.startswith("_")}
