@@ -9,7 +9,6 @@ Per kernel: global-load sectors per request (4 for a coalesced fp32 warp, 32 whe
 hits its own sector), load instructions, DRAM bytes against the napkin-math minimum, DRAM
 throughput and achieved occupancy. Counters, not timings: ncu replays each kernel.
 """
-import argparse
 import sys
 from pathlib import Path
 
@@ -45,17 +44,12 @@ def workload():
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", action="store_true")
-    args = parser.parse_args()
-    if args.workload:
-        return workload()
-
     from coursekit import ncu, results
     # Match our namespace, not "elementwise_": torch's randn runs a kernel named
     # distribution_elementwise_grid_stride_kernel.
-    kernels = ncu.profile(__file__, "cuda_basics::", METRICS)
+    kernels = ncu.workload_or_profile(__doc__, __file__, workload, "cuda_basics::", METRICS)
+    if kernels is None:
+        return
     rows = []
     expected = [(d, v) for d in DTYPES for _, v in reversed(KERNELS)]
     if len(kernels) != len(expected):

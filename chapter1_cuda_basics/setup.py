@@ -9,20 +9,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "common")]
-from coursekit.build import build_py_with_loader, import_torch, make_extension  # noqa: E402
+from coursekit.build import chapter_setup  # noqa: E402
 
 from sources import CPP_SOURCES, CUDA_SOURCES  # noqa: E402
 
-import_torch("cuda_basics")
-from setuptools import setup  # noqa: E402
-from torch.utils.cpp_extension import BuildExtension  # noqa: E402
-
-setup(
-    name="cuda_basics",
-    version="0.1.0",
-    description="Chapter 1 of the CUDA course: coalesced elementwise kernels as a PyTorch extension",
-    packages=["cuda_basics"],
-    ext_modules=[make_extension("cuda_basics._C", HERE, CPP_SOURCES, CUDA_SOURCES, "cuda_basics")],
-    cmdclass={"build_ext": BuildExtension, "build_py": build_py_with_loader("cuda_basics")},
-    python_requires=">=3.9",
-)
+chapter_setup("cuda_basics", "Chapter 1 of the CUDA course: coalesced elementwise kernels as a PyTorch extension",
+              HERE, CPP_SOURCES, CUDA_SOURCES)

@@ -13,7 +13,6 @@ strided_copy, the DRAM bytes actually read per kept element (the sector model sa
 min(stride * 4, 32)). ncu flushes the caches before each kernel, so every read comes from
 DRAM; writes still dirty in the 50 MB L2 when a kernel ends are not counted.
 """
-import argparse
 import sys
 from pathlib import Path
 
@@ -57,15 +56,10 @@ def workload():
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", action="store_true")
-    args = parser.parse_args()
-    if args.workload:
-        return workload()
-
     from coursekit import ncu, results
-    kernels = ncu.profile(__file__, "memory_ops::", METRICS)
+    kernels = ncu.workload_or_profile(__doc__, __file__, workload, "memory_ops::", METRICS)
+    if kernels is None:
+        return
     import memory_ops
     expected = [(d, v) for d in DTYPES for v in memory_ops.VERSIONS["transpose"]]
     if len(kernels) != len(expected) + len(STRIDES):

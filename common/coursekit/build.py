@@ -128,3 +128,22 @@ def build_py_with_loader(package):
             self.copy_file(str(source), str(target))
 
     return BuildPyWithLoader
+
+
+def chapter_setup(package, description, chapter_dir, cpp_sources, cuda_sources):
+    """The whole of every chapter's setup.py: the package, its `_C` extension (CUDA or
+    CPU-only, see make_extension) and the shared loader shipped inside it."""
+    import_torch(package)
+    from setuptools import setup
+    from torch.utils.cpp_extension import BuildExtension
+
+    setup(
+        name=package,
+        version="0.1.0",
+        description=description,
+        packages=[package],
+        ext_modules=[make_extension(f"{package}._C", chapter_dir, cpp_sources, cuda_sources,
+                                    package)],
+        cmdclass={"build_ext": BuildExtension, "build_py": build_py_with_loader(package)},
+        python_requires=">=3.9",
+    )

@@ -3,6 +3,7 @@
 Each chapter's profile_*.py names its metrics and its kernels; this module runs
 `ncu --csv` over `python <script> --workload` and parses the result. Counters, not timings:
 ncu replays each kernel once per metric pass, with clocks left as they are."""
+import argparse
 import csv
 import io
 import shutil
@@ -35,3 +36,16 @@ def profile(script, kernel_regex, metrics):
     if proc.returncode != 0:
         sys.exit(f"ncu failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     return parse(proc.stdout, metrics)
+
+
+def workload_or_profile(doc, script, workload, kernel_regex, metrics):
+    """The command line of every profile_*.py. With --workload: run the workload (what ncu
+    profiles, in this process) and return None. Without: profile `script --workload` under
+    ncu and return the kernels (see profile)."""
+    parser = argparse.ArgumentParser(description=doc,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", action="store_true", help="run only what ncu profiles")
+    if parser.parse_args().workload:
+        workload()
+        return None
+    return profile(script, kernel_regex, metrics)
