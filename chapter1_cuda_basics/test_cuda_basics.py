@@ -8,7 +8,7 @@ import torch
 from torch.testing import assert_close
 
 import cuda_basics
-from coursekit.pytest_plugin import DTYPES, dtype_id, poison_allocator, require_cuda
+from coursekit.pytest_plugin import DTYPES, dtype_id, poison_allocator, ptx_kernels, require_cuda
 from cuda_basics import VERSIONS
 
 OPS = ("vector_add", "saxpy", "relu")
@@ -235,22 +235,11 @@ def test_vectorized_kernels_use_128bit_accesses(tmp_path):
     allowed only for the tail (one load per input, one store). nvcc once split v3's loads into
     four 4-byte loads without any test failing; only the ncu load count showed it."""
     import re
-    import shutil
-    import subprocess
     from pathlib import Path
 
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc not found")
-    here = Path(__file__).resolve().parent
-    ptx = tmp_path / "kernels.ptx"
-    subprocess.run([nvcc, "-ptx", "-std=c++17", "-arch=sm_80", "-I", str(here),
-                    "-I", str(here.parent / "common" / "include"), "-o", str(ptx),
-                    str(here / "elementwise_kernels.cu")], check=True)
-    entries = re.split(r"\.entry ", ptx.read_text())[1:]
+    kernels = ptx_kernels(Path(__file__).parent / "elementwise_kernels.cu", tmp_path)
     checked = 0
-    for body in entries:
-        name = body.split("(", 1)[0]
+    for name, body in kernels.items():
         if "elementwise_vectorized" not in name:
             continue
         inputs = 2 if "ILb1E" in name else 1  # template arg kBinary

@@ -54,6 +54,18 @@ void copy_cpu(const CopyParams& params);
 void strided_copy_cpu(const StridedCopyParams& params);
 void transpose_cpu(const TransposeParams& params);
 
+// Calls f(T{}) with T the unsigned integer of `elem_bytes` bytes, and returns what f returns;
+// any other size calls unsupported(). Shared by the CUDA launchers and the CPU loops.
+template <typename F, typename Unsupported>
+auto with_element_type(int elem_bytes, F&& f, Unsupported&& unsupported) {
+  switch (elem_bytes) {
+    case 2: return f(uint16_t{});
+    case 4: return f(uint32_t{});
+    case 8: return f(uint64_t{});
+    default: return unsupported();
+  }
+}
+
 }  // namespace memory_ops
 
 #if defined(__CUDACC__) || defined(WITH_CUDA)

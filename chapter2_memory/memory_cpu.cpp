@@ -11,17 +11,8 @@
 namespace memory_ops {
 namespace {
 
-// Calls f(T{}) with the unsigned integer type of `elem_bytes` bytes: moving data never needs
-// the value's type, only its size.
-template <typename F>
-void with_element_type(int elem_bytes, F&& f) {
-  switch (elem_bytes) {
-    case 2: f(uint16_t{}); return;
-    case 4: f(uint32_t{}); return;
-    case 8: f(uint64_t{}); return;
-    default: TORCH_CHECK(false, "memory_ops: unsupported element size ", elem_bytes);
-  }
-}
+// The glue only passes 2, 4 or 8 bytes.
+void unsupported_size() { TORCH_CHECK(false, "memory_ops: unsupported element size"); }
 
 // Below this many elements per task, thread start-up costs more than the loop.
 constexpr int64_t kGrain = 1 << 15;
@@ -49,7 +40,7 @@ void strided_copy_cpu(const StridedCopyParams& p) {
     at::parallel_for(0, p.n_out, kGrain, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) dst[i] = src[i * p.stride];
     });
-  });
+  }, unsupported_size);
 }
 
 void transpose_cpu(const TransposeParams& p) {
@@ -75,7 +66,7 @@ void transpose_cpu(const TransposeParams& p) {
         }
       }
     });
-  });
+  }, unsupported_size);
 }
 
 }  // namespace memory_ops

@@ -79,16 +79,8 @@ unsigned one_pass_blocks(int64_t work_items, int64_t per_block) {
   return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > kMaxGrid ? kMaxGrid : blocks));
 }
 
-// Calls f(T{}) with the unsigned integer type of `elem_bytes` bytes.
-template <typename F>
-cudaError_t with_element_type(int elem_bytes, F&& f) {
-  switch (elem_bytes) {
-    case 2: return f(uint16_t{});
-    case 4: return f(uint32_t{});
-    case 8: return f(uint64_t{});
-    default: return cudaErrorInvalidValue;
-  }
-}
+// The glue only passes 2, 4 or 8 bytes; anything else is reported, never launched.
+cudaError_t unsupported_size() { return cudaErrorInvalidValue; }
 
 // ---------------------------------------------------------------------------------------
 // copy
@@ -407,7 +399,7 @@ cudaError_t launch_copy(const CopyParams& p, cudaStream_t stream) {
   if (p.n == 0) return cudaSuccess;
   return with_element_type(p.elem_bytes, [&](auto tag) {
     return launch_copy_typed<decltype(tag)>(p, stream);
-  });
+  }, unsupported_size);
 }
 
 cudaError_t launch_strided_copy(const StridedCopyParams& p, cudaStream_t stream) {
@@ -417,14 +409,14 @@ cudaError_t launch_strided_copy(const StridedCopyParams& p, cudaStream_t stream)
     strided_gather<T><<<one_pass_blocks(p.n_out, kCopyThreads), kCopyThreads, 0, stream>>>(
         static_cast<const T*>(p.src), static_cast<T*>(p.dst), p.n_out, p.stride);
     return cudaGetLastError();
-  });
+  }, unsupported_size);
 }
 
 cudaError_t launch_transpose(const TransposeParams& p, cudaStream_t stream) {
   if (p.batch == 0 || p.rows == 0 || p.cols == 0) return cudaSuccess;
   return with_element_type(p.elem_bytes, [&](auto tag) {
     return launch_transpose_typed<decltype(tag)>(p, stream);
-  });
+  }, unsupported_size);
 }
 
 }  // namespace memory_ops

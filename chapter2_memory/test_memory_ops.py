@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import memory_ops
-from coursekit.pytest_plugin import DTYPES, dtype_id, poison_allocator, require_cuda, shape_id
+from coursekit.pytest_plugin import (DTYPES, dtype_id, poison_allocator, ptx_kernels,
+                                     require_cuda, shape_id)
 from memory_ops import VERSIONS
 
 
@@ -342,21 +343,10 @@ def test_wide_kernels_use_128bit_accesses(tmp_path):
     """copy v2 and transpose v4 must move their data with 128-bit global loads and stores; the
     only scalar global accesses allowed are copy v2's one-element tail (one load, one store)."""
     import re
-    import shutil
-    import subprocess
     from pathlib import Path
 
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc not found")
-    here = Path(__file__).resolve().parent
-    ptx = tmp_path / "kernels.ptx"
-    subprocess.run([nvcc, "-ptx", "-std=c++17", "-arch=sm_80", "-I", str(here),
-                    "-I", str(here.parent / "common" / "include"), "-o", str(ptx),
-                    str(here / "memory_kernels.cu")], check=True)
     checked = {"copy_vectorized": 0, "transpose_wide_tiles": 0}
-    for body in re.split(r"\.entry ", ptx.read_text())[1:]:
-        name = body.split("(", 1)[0]
+    for name, body in ptx_kernels(Path(__file__).parent / "memory_kernels.cu", tmp_path).items():
         kind = next((k for k in checked if k in name), None)
         if kind is None:
             continue

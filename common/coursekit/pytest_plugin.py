@@ -45,3 +45,24 @@ def device(request):
 def _seed(request):
     # Fresh random inputs in every test, reproducible per test id.
     torch.manual_seed(hash(request.node.nodeid) % (2**31))
+
+
+def ptx_kernels(cu_file, out_dir, arch="sm_80"):
+    """{mangled kernel name: PTX body} of a chapter's .cu file, compiled with nvcc -ptx as the
+    build would (the chapter folder and common/include on the include path); skips the test
+    when nvcc is not installed. What tests read to check the instructions a kernel compiles to."""
+    import re
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    cu_file = Path(cu_file).resolve()
+    ptx = Path(out_dir) / f"{cu_file.stem}.ptx"
+    subprocess.run([nvcc, "-ptx", "-std=c++17", f"-arch={arch}", "-I", str(cu_file.parent),
+                    "-I", str(cu_file.parents[1] / "common" / "include"), "-o", str(ptx),
+                    str(cu_file)], check=True)
+    entries = re.split(r"\.entry ", ptx.read_text())[1:]
+    return {body.split("(", 1)[0]: body for body in entries}

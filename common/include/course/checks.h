@@ -67,6 +67,12 @@ inline void check_floating(const char* op, const char* name, const at::Tensor& t
   check_dtype_in(op, name, t, {at::kFloat, at::kHalf, at::kBFloat16, at::kDouble});
 }
 
+// The error a CUDA tensor meets in an extension that was built without its CUDA kernels.
+inline void fail_no_cuda_kernels(const char* op, const char* package) {
+  TORCH_CHECK(false, op, ": this build of ", package, " has no CUDA kernels; reinstall it on a "
+              "machine with the CUDA toolkit (USE_CUDA=1 pip install .)");
+}
+
 }  // namespace course
 
 #define CHECK_SAME_DEVICE(op, a, b) ::course::check_same_device(op, #a, a, #b, b)

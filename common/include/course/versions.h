@@ -49,10 +49,4 @@ Version parse_version(const char* op, OptVersion version, const NamedVersion<Ver
               "'; expected one of ", list, " (or None for the best)");
 }
 
-// The error a CUDA tensor meets in an extension that was built without its CUDA kernels.
-inline void fail_no_cuda_kernels(const char* op, const char* package) {
-  TORCH_CHECK(false, op, ": this build of ", package, " has no CUDA kernels; reinstall it on a "
-              "machine with the CUDA toolkit (USE_CUDA=1 pip install .)");
-}
-
 }  // namespace course
