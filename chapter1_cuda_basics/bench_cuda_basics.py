@@ -53,33 +53,61 @@ def bytes_moved(op, n, dtype):
     return arrays * n * torch.empty((), dtype=dtype).element_size()
 
 
-def bench_op(op, dtype, n, device, variants, ceiling, sweep=False):
-    """Rows for torch and every variant. sweep=True (any size): CUDA-graph replays over
-    rotating input sets; otherwise eager back-to-back launches on one input set, which is
-    right for the 2^28 rows (32-64x the L2, ~0.4-1 ms per call)."""
+# x[1:] of each input: contiguous, but 4 or 2 bytes past a 16-byte boundary, so no rung can
+# use 16-byte accesses and version=None must pick among the scalar ones.
+MISALIGNED_VIEW = "x[1:]"
+
+
+def bench_op(op, dtype, n, device, variants, ceiling, sweep=False, view=None):
+    """Rows for torch and every variant ("default" is version=None, recorded with the rung it
+    dispatched to). sweep=True (any size): CUDA-graph replays over rotating input sets, and
+    torch timed both before and after the rungs (its row keeps the faster: the first
+    measurement of a run once came out 20% faster than the same one repeated, see NOTES.md);
+    otherwise eager back-to-back launches on one input set, right for the 2^28 rows (32-64x the
+    L2, ~0.4-1 ms per call)."""
     nbytes = bytes_moved(op, n, dtype)
+    take = (lambda t: t[1:]) if view == MISALIGNED_VIEW else (lambda t: t)
+    alloc = n + 1 if view == MISALIGNED_VIEW else n
+
+    def make():
+        return tuple(take(x) if torch.is_tensor(x) else x for x in make_args(op, alloc, dtype, device))
+
     if device == "cuda" and sweep:
         inputs = 1 if op == "relu" else 2
         sets = bench.rotation_sets(inputs * n * torch.empty((), dtype=dtype).element_size())
-        arg_sets = [make_args(op, n, dtype, device) for _ in range(sets)]
+        arg_sets = [make() for _ in range(sets)]
 
         def timed(fn):
             return bench.time_cuda_graph(lambda i: fn(arg_sets[i]), sets)
     else:
-        args = make_args(op, n, dtype, device)
+        args = make()
 
         def timed(fn):
             return bench.time_fn(lambda: fn(args), device)
 
+    extra = {"sweep": sweep, **({"view": view} if view else {})}
     t_torch = timed(lambda a: torch_baseline(op, a))
-    out = [bench.bandwidth_row(op, "torch", dtype, [n], nbytes, t_torch, ceiling,
-                               t_torch["median_ms"], sweep=sweep)]
     fn = getattr(cuda_basics, op)
+    timings = {}
     for variant in variants:
-        version = None if variant == "cpu" else variant
-        timing = timed(lambda a: fn(*a, version=version))
+        version = None if variant in ("cpu", "default") else variant
+        timings[variant] = timed(lambda a: fn(*a, version=version))
+    if device == "cuda" and sweep:
+        again = timed(lambda a: torch_baseline(op, a))
+        if again["median_ms"] < t_torch["median_ms"]:
+            t_torch, again = again, t_torch
+        extra_torch = {"other_median_ms": again["median_ms"]}
+    else:
+        extra_torch = {}
+    out = [bench.bandwidth_row(op, "torch", dtype, [n], nbytes, t_torch, ceiling,
+                               t_torch["median_ms"], **extra, **extra_torch)]
+    for variant, timing in timings.items():
+        dispatch = {}
+        if variant == "default" and device == "cuda":
+            dispatch = {"dispatch": cuda_basics.default_choice(
+                n, dtype, aligned=view != MISALIGNED_VIEW)[0]}
         out.append(bench.bandwidth_row(op, variant, dtype, [n], nbytes, timing, ceiling,
-                                       t_torch["median_ms"], sweep=sweep))
+                                       t_torch["median_ms"], **extra, **dispatch))
     return out
 
 
@@ -105,11 +133,24 @@ def measure_build_times():
             "arch_list": os.environ.get("TORCH_CUDA_ARCH_LIST"), "ccache": False}
 
 
+def aligned_sweep(record):
+    """The record with only the aligned sweep rows (the misaligned ones are plotted apart)."""
+    return {**record, "benchmarks": [r for r in record["benchmarks"] if not r.get("view")]}
+
+
+def misaligned_sweep(record):
+    return {**record, "benchmarks": [r for r in record["benchmarks"]
+                                     if r.get("view") == MISALIGNED_VIEW]}
+
+
 def make_figures(record, out_dir, big):
     out_dir.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(18, 4.5))
     for ax, dtype in zip(axes, ("float32", "bfloat16")):
-        plots.plot_sweep(ax, record, "vector_add", dtype)
+        plots.plot_sweep(ax, aligned_sweep(record), "vector_add", dtype)
+    plots.plot_sweep(axes[2], misaligned_sweep(record), "vector_add", "bfloat16",
+                     title=f"vector_add bfloat16 on {MISALIGNED_VIEW} (misaligned): "
+                           f"{results.label(record)}")
     sweep_png = plots.save(fig, out_dir / f"{CHAPTER}_sweep.png")
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for ax, op in zip(axes, OPS):
@@ -128,6 +169,28 @@ def print_table(record, big):
                   f"{r['GBps']:>9.0f}{r['pct_of_copy']:>8.1f}{r['speedup_vs_torch']:>9.3f}")
 
 
+def print_sweep_summary(record):
+    """The issue's bar, per size: the best rung and the default against torch.add."""
+    rows = [r for r in record["benchmarks"] if r.get("sweep") and r["op"] == "vector_add"]
+    rungs = set(cuda_basics.VERSIONS["vector_add"])
+    print(f"\nvector_add sweep: x torch.add (higher is faster) of the best rung and of the default")
+    for view in (None, MISALIGNED_VIEW):
+        for dtype in ("float32", "bfloat16"):
+            at = {}
+            for r in rows:
+                if r["dtype"] == dtype and r.get("view") == view:
+                    at.setdefault(r["shape"][0], {})[r["variant"]] = r
+            if not at:
+                continue
+            parts = []
+            for n, by in sorted(at.items()):
+                best = min((by[v] for v in by if v in rungs), key=lambda r: r["median_ms"])
+                default = by.get("default")
+                parts.append(f"2^{n.bit_length() - 1} {best['speedup_vs_torch']:.2f}/"
+                             f"{default['speedup_vs_torch']:.2f}" if default else "")
+            print(f"  {dtype:<9}{view or 'aligned':<8} " + " ".join(parts))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -139,7 +202,10 @@ def main():
     quick = args.quick or device == "cpu"
     big = 2**22 if quick else 2**28
     sweep_sizes = [2**k for k in range(12 if quick else 16, (22 if quick else 28) + 1, 2 if quick else 1)]
-    variants = list(cuda_basics.VERSIONS["vector_add"]) if device == "cuda" else ["cpu"]
+    variants = [*cuda_basics.VERSIONS["vector_add"], "default"] if device == "cuda" else ["cpu"]
+    # On a misaligned view the vectorized rungs fall back to v2 by themselves: only the scalar
+    # rungs and the default are worth timing there.
+    scalar_variants = ["v1", "v2", "default"] if device == "cuda" else ["cpu"]
     if device == "cpu":
         print("No CUDA GPU: benchmarking the CPU path at small sizes; GPU numbers come from "
               "the recorded results.")
@@ -153,13 +219,17 @@ def main():
     for dtype in (torch.float32, torch.bfloat16):
         for n in sweep_sizes:
             rows += bench_op("vector_add", dtype, n, device, variants, ceiling, sweep=True)
+        for n in sweep_sizes[::2]:
+            rows += bench_op("vector_add", dtype, n, device, scalar_variants, ceiling, sweep=True,
+                             view=MISALIGNED_VIEW)
 
-    extra = {"sizes": {"big": big, "sweep": sweep_sizes},
+    extra = {"sizes": {"big": big, "sweep": sweep_sizes, "misaligned_sweep": sweep_sizes[::2]},
              "timing": {"statistic": "median", "reps": bench.MIN_REPS if device == "cpu" else 30,
                         "method": "perf_counter" if device == "cpu" else
                         "CUDA events; 2^28 rows: eager back-to-back launches (32-64x the L2); "
                         "sweep rows: CUDA-graph replays over rotating input sets (> 2x L2 per "
-                        "pass), time per call"}}
+                        "pass), time per call; torch timed before and after the rungs, the "
+                        "faster kept (the other in other_median_ms)"}}
     if not args.no_build_times and device == "cuda":
         extra["build"] = measure_build_times()
     path = results.write_results(CHAPTER, rows, ceilings, **extra)
@@ -169,12 +239,14 @@ def main():
         recorded = results.load_recorded_gpu(CHAPTER)
         if recorded is not None:
             fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-            plots.plot_sweep(axes[0], record, "vector_add", "float32",
+            plots.plot_sweep(axes[0], aligned_sweep(record), "vector_add", "float32",
                              title=f"measured here: {results.label(record)}")
-            plots.plot_sweep(axes[1], recorded, "vector_add", "float32",
+            plots.plot_sweep(axes[1], aligned_sweep(recorded), "vector_add", "float32",
                              title=f"recorded: {results.label(recorded)}")
             figures.append(plots.save(fig, path.parent / f"{CHAPTER}_cpu_vs_recorded.png"))
     print_table(record, big)
+    if device == "cuda":
+        print_sweep_summary(record)
     if "build" in extra:
         b = extra["build"]
         print(f"JIT build: cold {b['cold_s']:.1f} s, cached {b['cached_s']:.2f} s, "

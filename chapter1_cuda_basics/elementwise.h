@@ -9,9 +9,17 @@ namespace cuda_basics {
 
 enum class ElementwiseOp { kAdd, kSaxpy, kRelu };
 
-// The ladder, in teaching order. kUncoalesced is the deliberately bad foil; v1..v4 each fix
+// The ladder, in teaching order. kUncoalesced is the deliberately bad foil; v1..v5 each fix
 // one thing the previous version leaves on the table (see elementwise_kernels.cu).
-enum class KernelVersion { kUncoalesced, kV1, kV2, kV3, kV4 };
+enum class KernelVersion { kUncoalesced, kV1, kV2, kV3, kV4, kV5 };
+
+// The launch shape of the one-pass vectorized kernel that v4 and v5 share: threads per block,
+// and 16-byte vectors each thread moves per input (loaded before any is used). v4 is always
+// {256, 4}; v5 is kV5Launch below, the shape the tuning sweep found fastest.
+struct VectorLaunch {
+  int threads = 0;
+  int vectors = 0;  // 1, 2 or 4: the kernel is instantiated for these
+};
 
 // The dtypes the kernels are instantiated for. The glue maps at::ScalarType onto this, so the
 // pointers below can stay type-erased (FlashAttention's params struct does the same).
@@ -26,12 +34,62 @@ struct ElementwiseParams {
   void* out;      // n contiguous elements, written exactly once each
   int64_t n;      // may exceed 2^31: every index in the kernels is 64-bit
   double alpha;   // saxpy's scalar; unused by the other ops
+  // v5 only: a launch shape to use instead of kV5Launch (tune_cuda_basics.py measures shapes
+  // through it); threads == 0 means kV5Launch.
+  VectorLaunch launch;
 };
 
 // The CPU implementation of every op (elementwise_cpu.cpp): the reference semantics in C++,
 // taking the same params as the CUDA launcher. `version` is ignored: the ladder is a set of
 // GPU thread mappings, and the CPU has one loop.
 void elementwise_cpu(const ElementwiseParams& params);
+
+// ---------------------------------------------------------------------------------------------
+// version=None: which rung, and which launch shape, for this call.
+//
+// The one place where the chapter decides. Plain C++ (no CUDA), so the glue can report the
+// choice on any machine (cuda_basics.default_choice) and the tests can hold every threshold.
+// The thresholds come from measurements on the H100 (tune_cuda_basics.py for the launch
+// shapes, the benchmark's size sweep for the rungs); the README's "version=None" section shows
+// the curves they were read from.
+// ---------------------------------------------------------------------------------------------
+
+// v5's launch shape: one 16-byte vector per thread, 256 threads per block, one pass over the
+// data. tune_cuda_basics.py timed vector_add in every shape of {64, 128, 256, 512} threads x
+// {1, 2, 4} vectors at every size from 2^16 to 2^28, float32 and bfloat16
+// (results/<gpu>/chapter1_cuda_basics_tuning.json): this shape was within a few percent of the
+// fastest at every size, while v4's 256 x 4 fell far behind below 2^22 (too few blocks to
+// cover the SMs). No size threshold on aligned inputs earned its complexity: the remaining
+// differences between shapes were a percent or two.
+constexpr VectorLaunch kV5Launch{256, 1};
+
+// 16-byte accesses need every pointer 16-byte aligned: a view such as x[1:] is not, and must
+// take a scalar rung, v1 (one thread per element) or v2 (grid-stride loop). Which one is
+// faster depends on the size and the element size, and not monotonically: the table below is
+// read off the benchmark's sweep of both (float16 runs the bfloat16 kernels' sizes). Why v2
+// wins where it does is the chapter's exercise 4.
+struct ScalarStep {
+  int elem_bytes;
+  int64_t from;  // from this many elements on (until the next step of the same size)
+  KernelVersion version;
+};
+constexpr ScalarStep kScalarSteps[] = {
+    {2, 0, KernelVersion::kV1},
+    {2, int64_t{1} << 19, KernelVersion::kV2},
+    {4, 0, KernelVersion::kV1},
+    {4, int64_t{1} << 22, KernelVersion::kV2},
+    {4, int64_t{1} << 24, KernelVersion::kV1},
+    {8, 0, KernelVersion::kV1},
+};
+
+inline KernelVersion default_version(int64_t n, int elem_bytes, bool aligned) {
+  if (aligned) return KernelVersion::kV5;
+  KernelVersion version = KernelVersion::kV1;
+  for (const ScalarStep& step : kScalarSteps) {
+    if (step.elem_bytes == elem_bytes && n >= step.from) version = step.version;
+  }
+  return version;
+}
 
 }  // namespace cuda_basics
 

@@ -189,38 +189,46 @@ __global__ void elementwise_vectorized(Fn fn, const T* __restrict__ a, const T* 
 }
 
 // ---------------------------------------------------------------------------------------------
-// v4: vectorized + instruction-level parallelism. Each thread first issues kUnroll independent
-// 16-byte loads per input, then computes, then stores: kUnroll times the bytes in flight per
+// v4: vectorized + instruction-level parallelism. Each thread first issues kVectors independent
+// 16-byte loads per input, then computes, then stores: kVectors times the bytes in flight per
 // thread compared with v3, where each iteration's loads wait for the previous iteration's.
 // Consecutive lanes still take consecutive vectors (stride blockDim.x between a thread's
 // vectors), so every warp-wide access is 512 contiguous bytes. The grid is one pass over the
-// data (no stride loop), the shape PyTorch's own vectorized elementwise kernel uses.
+// data (no stride loop), the shape PyTorch's own vectorized elementwise kernel uses. v4
+// launches it as 256 threads x 4 vectors at every size.
+//
+// v5: the same kernel, one 16-byte vector per thread (kV5Launch in elementwise.h). v4's 4
+// vectors per thread and 256 threads make 1024 vectors per block, so a 2^16-element float32
+// add gets 16 blocks for 132 SMs: most of the GPU idles, and the kernel takes one DRAM round
+// trip however little it moves. One vector per thread gives 4x the blocks at every size, and
+// the tuning sweep (tune_cuda_basics.py) found it as fast as v4 at 2^28 too: with a one-pass
+// grid, blocks that finish are replaced at once, so the SMs hold as many loads in flight as
+// v4's unrolled threads do. PyTorch's kernel sits between the two: 128 threads x 8 elements.
 // ---------------------------------------------------------------------------------------------
-constexpr int kUnroll = 4;
-
-template <bool kBinary, typename T, typename Fn>
+template <int kVectors, bool kBinary, typename T, typename Fn>
 __global__ void elementwise_vectorized_ilp(Fn fn, const T* __restrict__ a, const T* __restrict__ b,
                                            T* __restrict__ out, int64_t n) {
   const VecArrays<T> vec(a, b, out, n);
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x * kUnroll + threadIdx.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x * kVectors + threadIdx.x;
 
-  Vec16<T> x[kUnroll];
-  Vec16<T> y[kUnroll];
+  Vec16<T> x[kVectors];
+  Vec16<T> y[kVectors];
 #pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
+  for (int u = 0; u < kVectors; ++u) {
     const int64_t v = first + static_cast<int64_t>(u) * blockDim.x;
-    // The last block runs past n_vec unless n_vec is a multiple of kBlockThreads * kUnroll.
+    // The last block runs past n_vec unless n_vec is a multiple of blockDim.x * kVectors.
     if (v < vec.n) {
       x[u] = load16(vec.a + v);
       if constexpr (kBinary) y[u] = load16(vec.b + v);
     }
   }
 #pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
+  for (int u = 0; u < kVectors; ++u) {
     const int64_t v = first + static_cast<int64_t>(u) * blockDim.x;
     if (v < vec.n) store16(vec.out + v, apply_vec<kBinary>(fn, x[u], y[u]));
   }
-  // Scalar tail (< kLanes elements): block 0's first threads, as in v3.
+  // Scalar tail (< kLanes elements): block 0's first threads, as in v3 (every launch shape has
+  // at least 64 threads, more than the 8 lanes a tail can need).
   const int64_t i = vec.n * Vec16<T>::kLanes + static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) out[i] = apply<kBinary>(fn, a, b, i);
 }
@@ -230,12 +238,39 @@ __global__ void elementwise_vectorized_ilp(Fn fn, const T* __restrict__ a, const
 // ---------------------------------------------------------------------------------------------
 template <typename Kernel>
 cudaError_t launch_checked(Kernel kernel, int64_t blocks, cudaStream_t stream,
-                           const void* const* args) {
+                           const void* const* args, int threads = kBlockThreads) {
   // gridDim.x is at most 2^31 - 1; only v1 (one thread per element) could ask for more, past
   // 5 * 10^11 elements, and it cannot shrink its grid without becoming v2.
   if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
   return cudaLaunchKernel(reinterpret_cast<const void*>(kernel), dim3(static_cast<unsigned>(blocks)),
-                          dim3(kBlockThreads), const_cast<void**>(args), 0, stream);
+                          dim3(threads), const_cast<void**>(args), 0, stream);
+}
+
+// The one-pass vectorized kernel in a given shape: one pass over n / kLanes vectors, at least
+// one block (for the scalar tail when n < kLanes).
+template <bool kBinary, typename T, typename Fn>
+cudaError_t launch_vectorized_ilp(const Fn& fn, const T* a, const T* b, T* out, int64_t n,
+                                  VectorLaunch shape, cudaStream_t stream) {
+  // The tail needs kLanes threads in block 0, and a block is at most 1024 threads.
+  if (shape.threads < 64 || shape.threads > 1024 || shape.threads % 32 != 0) {
+    return cudaErrorInvalidConfiguration;
+  }
+  const int64_t needed = course::ceil_div<int64_t>(n / Vec16<T>::kLanes,
+                                                   int64_t{shape.threads} * shape.vectors);
+  const void* args[] = {&fn, &a, &b, &out, &n};
+  const int64_t blocks = needed < 1 ? 1 : needed;
+  switch (shape.vectors) {
+    case 1:
+      return launch_checked(elementwise_vectorized_ilp<1, kBinary, T, Fn>, blocks, stream, args,
+                            shape.threads);
+    case 2:
+      return launch_checked(elementwise_vectorized_ilp<2, kBinary, T, Fn>, blocks, stream, args,
+                            shape.threads);
+    case 4:
+      return launch_checked(elementwise_vectorized_ilp<4, kBinary, T, Fn>, blocks, stream, args,
+                            shape.threads);
+  }
+  return cudaErrorInvalidConfiguration;
 }
 
 template <bool kBinary, typename T, typename Fn>
@@ -250,9 +285,10 @@ cudaError_t launch_typed(const Fn& fn, const ElementwiseParams& p, cudaStream_t 
   const bool vector_ok = course::is_aligned(a, 16) && course::is_aligned(out, 16) &&
                          (!kBinary || course::is_aligned(b, 16));
   // A view that starts mid-vector (x[1:]) cannot use 16-byte accesses: fall back to v2.
-  if ((version == KernelVersion::kV3 || version == KernelVersion::kV4) && !vector_ok) {
-    version = KernelVersion::kV2;
-  }
+  // (version=None never gets here with such a view: default_version picks a scalar rung.)
+  const bool vectorized = version == KernelVersion::kV3 || version == KernelVersion::kV4 ||
+                          version == KernelVersion::kV5;
+  if (vectorized && !vector_ok) version = KernelVersion::kV2;
 
   switch (version) {
     case KernelVersion::kUncoalesced: {
@@ -286,13 +322,11 @@ cudaError_t launch_typed(const Fn& fn, const ElementwiseParams& p, cudaStream_t 
       return launch_checked(kernel, needed < 1 ? 1 : (needed < blocks ? needed : blocks), stream,
                             args);
     }
-    case KernelVersion::kV4: {
-      const int64_t needed =
-          course::ceil_div<int64_t>(n / Vec16<T>::kLanes, int64_t{kBlockThreads} * kUnroll);
-      const void* args[] = {&fn, &a, &b, &out, &n};
-      return launch_checked(elementwise_vectorized_ilp<kBinary, T, Fn>, needed < 1 ? 1 : needed,
-                            stream, args);
-    }
+    case KernelVersion::kV4:
+      return launch_vectorized_ilp<kBinary>(fn, a, b, out, n, {kBlockThreads, 4}, stream);
+    case KernelVersion::kV5:
+      return launch_vectorized_ilp<kBinary>(fn, a, b, out, n,
+                                            p.launch.threads ? p.launch : kV5Launch, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -9,6 +9,7 @@
 
 #include <ATen/ATen.h>
 #include <course/checks.h>
+#include <course/index_math.h>
 #include <course/versions.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
@@ -20,6 +21,7 @@
 #endif
 
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace cuda_basics {
@@ -38,14 +40,9 @@ constexpr ::course::NamedVersion<KernelVersion> kVersions[] = {
     {"v2", KernelVersion::kV2},
     {"v3", KernelVersion::kV3},
     {"v4", KernelVersion::kV4},
+    {"v5", KernelVersion::kV5},
 };
-// version=None on CUDA: the fastest rung measured on the H100 (results/, chapter README).
-constexpr KernelVersion kBestVersion = KernelVersion::kV4;
 constexpr const char* kOps[] = {"vector_add", "saxpy", "relu"};
-
-KernelVersion parse_version(const char* op, OptVersion version) {
-  return ::course::parse_version(op, version, kVersions, kBestVersion);
-}
 
 std::vector<std::string> versions(c10::string_view op) {
   bool known = false;
@@ -81,13 +78,15 @@ void check_pair(const char* op, const char* name_a, const Tensor& a, const char*
   ::course::check_same_shape(op, name_a, a, name_b, b);
 }
 
-// The one path every op and backend takes after its checks.
+// The one path every op and backend takes after its checks. `launch` replaces v5's launch
+// shape (tune_vector_add); {0, 0} keeps kV5Launch.
 Tensor run_elementwise(const char* op_name, ElementwiseOp op, double alpha, const Tensor& a,
-                       const Tensor& b, OptVersion version) {
-  const KernelVersion kv = parse_version(op_name, version);
+                       const Tensor& b, OptVersion version, VectorLaunch launch = {}) {
+  const std::optional<KernelVersion> requested =
+      ::course::parse_version(op_name, version, kVersions);
   // Kernels index flat contiguous arrays: a non-contiguous view is copied first (chapter 2
   // teaches kernels that read strides directly). A contiguous view with an offset is not
-  // copied, so v3/v4 see the misaligned pointer and must fall back to scalar accesses.
+  // copied, so v3-v5 see the misaligned pointer and must fall back to scalar accesses.
   const Tensor ac = a.contiguous();
   const Tensor bc = b.defined() ? b.contiguous() : Tensor();
   Tensor out = at::empty(ac.sizes(), ac.options());
@@ -95,13 +94,16 @@ Tensor run_elementwise(const char* op_name, ElementwiseOp op, double alpha, cons
 
   ElementwiseParams p{};
   p.op = op;
-  p.version = kv;
   p.dtype = to_dtype(ac.scalar_type());
   p.a = ac.const_data_ptr();
   p.b = bc.defined() ? bc.const_data_ptr() : nullptr;
   p.out = out.mutable_data_ptr();
   p.n = ac.numel();
   p.alpha = alpha;
+  p.launch = launch;
+  const bool aligned = ::course::is_aligned(p.a, 16) && ::course::is_aligned(p.out, 16) &&
+                       (p.b == nullptr || ::course::is_aligned(p.b, 16));
+  p.version = requested.value_or(default_version(p.n, static_cast<int>(ac.element_size()), aligned));
 
   if (ac.is_cuda()) {
 #ifdef WITH_CUDA
@@ -130,6 +132,32 @@ Tensor saxpy_impl(double alpha, const Tensor& x, const Tensor& y, OptVersion ver
 Tensor relu_impl(const Tensor& x, OptVersion version) {
   check_input("relu", "x", x);
   return run_elementwise("relu", ElementwiseOp::kRelu, 0.0, x, Tensor(), version);
+}
+
+// vector_add through v5's kernel in a launch shape of the caller's choosing: what
+// tune_cuda_basics.py measures to choose kV5Launch. Not differentiable, CUDA only.
+Tensor tune_vector_add_impl(const Tensor& a, const Tensor& b, int64_t threads, int64_t vectors) {
+  check_pair("tune_vector_add", "a", a, "b", b);
+  TORCH_CHECK(vectors == 1 || vectors == 2 || vectors == 4, "tune_vector_add: vectors must be 1, "
+              "2 or 4 (the instantiated kernels), got ", std::to_string(vectors));
+  TORCH_CHECK(threads >= 64 && threads <= 1024 && threads % 32 == 0, "tune_vector_add: threads "
+              "must be a multiple of 32 in [64, 1024], got ", std::to_string(threads));
+  TORCH_CHECK(a.is_cuda() || a.is_meta(), "tune_vector_add: a is on ", a.device(),
+              "; launch shapes are a CUDA matter");
+  return run_elementwise("tune_vector_add", ElementwiseOp::kAdd, 0.0, a, b, "v5",
+                         {static_cast<int>(threads), static_cast<int>(vectors)});
+}
+
+// What version=None runs for n elements of `dtype`: the rung, and for v5 its launch shape
+// (threads per block, 16-byte vectors per thread); (0, 0) for the scalar rungs. Arithmetic
+// on the arguments alone, so any machine can ask.
+std::tuple<std::string, int64_t, int64_t> default_choice(int64_t n, at::ScalarType dtype,
+                                                         bool aligned) {
+  TORCH_CHECK(n >= 0, "default_choice: n must be >= 0, got ", std::to_string(n));
+  const KernelVersion v =
+      default_version(n, static_cast<int>(c10::elementSize(dtype)), aligned);
+  const VectorLaunch shape = v == KernelVersion::kV5 ? kV5Launch : VectorLaunch{};
+  return {::course::version_name(kVersions, v), shape.threads, shape.vectors};
 }
 
 // Autograd. Each forward re-enters the dispatcher below the Autograd key, so it reaches the
@@ -200,6 +228,9 @@ TORCH_LIBRARY(cuda_basics, m) {
   m.def("saxpy(float alpha, Tensor x, Tensor y, str? version=None) -> Tensor");
   m.def("relu(Tensor x, str? version=None) -> Tensor");
   m.def("versions(str op) -> str[]", &versions);
+  m.def("default_choice(int n, ScalarType dtype, bool aligned) -> (str, int, int)",
+        &default_choice);
+  m.def("tune_vector_add(Tensor a, Tensor b, int threads, int vectors) -> Tensor");
 }
 
 // One implementation per op serves CPU, CUDA and Meta: run_elementwise picks the backend from
@@ -208,6 +239,7 @@ static void register_backend_kernels(torch::Library& m) {
   m.impl("vector_add", &vector_add_impl);
   m.impl("saxpy", &saxpy_impl);
   m.impl("relu", &relu_impl);
+  m.impl("tune_vector_add", &tune_vector_add_impl);
 }
 TORCH_LIBRARY_IMPL(cuda_basics, CPU, m) { register_backend_kernels(m); }
 TORCH_LIBRARY_IMPL(cuda_basics, CUDA, m) { register_backend_kernels(m); }

@@ -8,8 +8,8 @@ README.md with FACTS[NAME](record), so the prose always matches results/ (no typ
 def _row(record, variant, op="vector_add", dtype="float32"):
     big = record["sizes"]["big"]
     for r in record["benchmarks"]:
-        if (r["op"], r["dtype"], r["variant"], r["shape"], r.get("sweep")) == (op, dtype, variant,
-                                                                              [big], False):
+        if (r["op"], r["dtype"], r["variant"], r["shape"], r.get("sweep"), r.get("view")) == (
+                op, dtype, variant, [big], False, None):
             return r
     raise KeyError((op, dtype, variant))
 
@@ -88,7 +88,8 @@ def _prof(record, variant, dtype="float32"):
     profile = record.get("profile")
     if not profile:
         return None
-    return next(r for r in profile["benchmarks"] if (r["variant"], r["dtype"]) == (variant, dtype))
+    return next(r for r in profile["benchmarks"]
+                if (r["op"], r["variant"], r["dtype"]) == ("vector_add", variant, dtype))
 
 
 def _no_profile(record):

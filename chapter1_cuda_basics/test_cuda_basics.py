@@ -8,7 +8,9 @@ import torch
 from torch.testing import assert_close
 
 import cuda_basics
-from coursekit.pytest_plugin import DTYPES, dtype_id, poison_allocator, ptx_kernels, require_cuda
+from coursekit import results
+from coursekit.pytest_plugin import (DTYPES, dtype_id, launched_kernels, poison_allocator,
+                                     ptx_kernels, require_cuda)
 from cuda_basics import VERSIONS
 
 OPS = ("vector_add", "saxpy", "relu")
@@ -136,7 +138,6 @@ def test_low_precision_gradients(op, dtype, device):
 def test_versions_table_matches_dispatch():
     for op in OPS:
         assert list(VERSIONS[op]) == torch.ops.cuda_basics.versions(op), op
-    assert cuda_basics.BEST_VERSION in VERSIONS["vector_add"]
     with pytest.raises(RuntimeError, match="versions: unknown op 'matmul'"):
         torch.ops.cuda_basics.versions("matmul")
 
@@ -146,9 +147,69 @@ def test_every_listed_version_dispatches_and_others_do_not(device):
     for version in VERSIONS["relu"]:
         assert_close(cuda_basics.relu(x, version=version), torch.relu(x))
     assert_close(cuda_basics.relu(x, version=None), torch.relu(x))
-    for bad in ("v0", "v5", "V1", "", "best"):
+    for bad in ("v0", "v6", "V1", "", "best"):
         with pytest.raises(RuntimeError, match=f"relu: unknown version '{bad}'"):
             cuda_basics.relu(x, version=bad)
+
+
+# version=None (elementwise.h, "version=None"): aligned inputs take v5 in its 256 x 1 shape at
+# every size; misaligned ones the scalar rung of kScalarSteps, tested on both sides of every step.
+DISPATCH_CASES = [
+    *[(n, dtype, True, "v5") for n in (0, 1, 2**16, 2**28, 2**40) for dtype in DTYPES],
+    (2**19 - 1, torch.bfloat16, False, "v1"), (2**19, torch.bfloat16, False, "v2"),
+    (2**19 - 1, torch.float16, False, "v1"), (2**19, torch.float16, False, "v2"),
+    (2**40, torch.bfloat16, False, "v2"),
+    (2**22 - 1, torch.float32, False, "v1"), (2**22, torch.float32, False, "v2"),
+    (2**24 - 1, torch.float32, False, "v2"), (2**24, torch.float32, False, "v1"),
+    (1, torch.float64, False, "v1"), (2**30, torch.float64, False, "v1"),
+]
+
+
+@pytest.mark.parametrize("n, dtype, aligned, expected", DISPATCH_CASES,
+                         ids=lambda v: dtype_id(v) if isinstance(v, torch.dtype) else str(v))
+def test_default_choice_at_every_threshold(n, dtype, aligned, expected):
+    version, threads, vectors = cuda_basics.default_choice(n, dtype, aligned=aligned)
+    assert version == expected
+    assert (threads, vectors) == ((256, 1) if expected == "v5" else (0, 0))
+
+
+# The kernel each rung launches, as the profiler names it (template arguments included).
+KERNEL_OF = {"v1": "elementwise_thread_per_element<", "v2": "elementwise_grid_stride<",
+             "v5": "elementwise_vectorized_ilp<1,"}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n, dtype, aligned, expected",
+                         [c for c in DISPATCH_CASES if c[0] <= 2**24 and c[0] > 0],
+                         ids=lambda v: dtype_id(v) if isinstance(v, torch.dtype) else str(v))
+def test_default_launches_its_choice(n, dtype, aligned, expected):
+    """version=None really runs the rung default_choice names (read from the profiler's kernel
+    names), and gets the right answer, on each side of every threshold."""
+    require_cuda()
+    skip = 0 if aligned else 1  # x[1:]: 2 to 8 bytes past a 16-byte boundary
+    a = torch.randn(n + skip, dtype=dtype, device="cuda")[skip:]
+    b = torch.randn(n + skip, dtype=dtype, device="cuda")[skip:]
+    out, kernels = launched_kernels(lambda: cuda_basics.vector_add(a, b), "cuda_basics")
+    assert len(kernels) == 1 and KERNEL_OF[expected] in kernels[0], kernels
+    assert_close(out, reference_vector_add(a, b), **tolerances(dtype))
+
+
+def test_recorded_results_hold_the_dispatch():
+    """The committed GPU results (bench_cuda_basics.py) must show version=None at every
+    measured size, with the rung the dispatch picks today, never slower than 0.95x the fastest
+    rung there. Fails on results older than the dispatch (no default rows, a rung missing,
+    another choice recorded) and on a dispatch whose choice regressed."""
+    record = results.load_recorded_gpu("chapter1_cuda_basics")
+    assert record is not None, "no recorded GPU results: run bench_cuda_basics.py on a GPU"
+    rungs = VERSIONS["vector_add"]
+    sweep = [r for r in record["benchmarks"] if r.get("sweep") and not r.get("view")]
+    assert {*rungs, "default"} <= {r["variant"] for r in sweep}, "a rung is missing: stale"
+    for r in record["benchmarks"]:
+        if r["variant"] == "default":
+            expected = cuda_basics.default_choice(r["shape"][0], getattr(torch, r["dtype"]),
+                                                  aligned=r.get("view") is None)[0]
+            assert r.get("dispatch") == expected, (r["shape"], r["dtype"], r.get("view"))
+    assert results.default_gaps(record, rungs) == []
 
 
 # Every misuse raises a RuntimeError naming the op and the problem.
@@ -167,6 +228,14 @@ MISUSES = {
     "unknown version": (lambda d: cuda_basics.saxpy(1.0, torch.randn(3, device=d),
                                                     torch.randn(3, device=d), version="v9"),
                         r"saxpy: unknown version 'v9'; expected one of uncoalesced, v1"),
+    "tune on cpu": (lambda d: torch.ops.cuda_basics.tune_vector_add(
+        torch.randn(3), torch.randn(3), 128, 1), r"tune_vector_add: a is on cpu; launch shapes"),
+    "tune bad vectors": (lambda d: torch.ops.cuda_basics.tune_vector_add(
+        torch.randn(3, device=d), torch.randn(3, device=d), 128, 3),
+        r"tune_vector_add: vectors must be 1, 2 or 4 \(the instantiated kernels\), got 3"),
+    "tune bad threads": (lambda d: torch.ops.cuda_basics.tune_vector_add(
+        torch.randn(3, device=d), torch.randn(3, device=d), 100, 1),
+        r"tune_vector_add: threads must be a multiple of 32 in \[64, 1024\], got 100"),
 }
 
 
@@ -242,7 +311,7 @@ def test_vectorized_kernels_use_128bit_accesses(tmp_path):
     for name, body in kernels.items():
         if "elementwise_vectorized" not in name:
             continue
-        inputs = 2 if "ILb1E" in name else 1  # template arg kBinary
+        inputs = 2 if "Lb1E" in name else 1  # template arg kBinary (true)
         wide_loads = len(re.findall(r"ld\.global(?:\.nc)?\.v[24]\.", body))
         scalar_loads = len(re.findall(r"ld\.global(?:\.nc)?\.[suf]\d+", body))
         wide_stores = len(re.findall(r"st\.global\.v[24]\.", body))
@@ -250,7 +319,8 @@ def test_vectorized_kernels_use_128bit_accesses(tmp_path):
         assert wide_loads >= inputs and wide_stores >= 1, name
         assert scalar_loads <= inputs and scalar_stores <= 1, (name, scalar_loads, scalar_stores)
         checked += 1
-    assert checked == 2 * 3 * 4  # (v3, v4) x ops x dtypes
+    # (v3, and v4/v5's kernel with 1, 2 or 4 vectors per thread) x ops x dtypes
+    assert checked == (1 + 3) * 3 * 4
 
 
 def test_torch_compile_traces_the_ops(device):

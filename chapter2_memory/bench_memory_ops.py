@@ -6,7 +6,9 @@ read once plus each output element written once:
   strided_copy  2 * (n / stride) * size useful bytes, but DRAM moves whole 32-byte sectors:
                 once stride * size >= 32 every kept element costs a sector read, so useful
                 bandwidth should fall like 1 / stride and then flatten (predicted_GBps below);
-  transpose     2 * rows * cols * size bytes, 2 GiB for 16384^2 float32: ~0.7 ms at 3 TB/s.
+  transpose     2 * rows * cols * size bytes, 2 GiB for 16384^2 float32: ~0.7 ms at 3 TB/s;
+                the same bytes at every shape, so an odd shape (8191 x 8193) or a view
+                (x[:, 1:], x.t()) has the same floor as an aligned square.
 
     python bench_memory_ops.py           full run on a GPU (16384^2 transposes, 1 GiB copies)
     python bench_memory_ops.py --quick   small sizes: CPU machines, smoke runs
@@ -39,11 +41,13 @@ def sizes_for(device, quick):
     """Problem sizes: the issue's on a GPU; small enough for a 2-core CPU otherwise."""
     if device == "cuda" and not quick:
         return {"copy_bytes": 2**30, "square": 16384, "batched": [64, 1024, 1024],
+                "odd": [8191, 8193], "odd_sweep": [[1823, 781], [4097, 1000], [4095, 4097]],
                 "sweep_sides": [256, 512, 1024, 2048, 4096, 8192, 16384],
                 "strided_elements": 2**28, "strides": list(range(1, 65)),
                 "working_set_bytes": [2**k for k in range(16, 32)],
                 "h2d_bytes": [2**20, 2**24, 2**28]}
     return {"copy_bytes": 2**24, "square": 1024, "batched": [8, 256, 256],
+            "odd": [1023, 1025], "odd_sweep": [[131, 67], [259, 133]],
             "sweep_sides": [128, 256, 512, 1024], "strided_elements": 2**20,
             "strides": [1, 2, 3, 4, 8, 16, 32, 64], "working_set_bytes": [2**k for k in range(16, 26, 3)],
             "h2d_bytes": []}
@@ -70,39 +74,56 @@ def bench_copy(device, ceiling, nbytes):
         moved = 2 * n * element_size(dtype)
         rows.append(bench.bandwidth_row("copy", "torch", dtype, [n], moved, t_torch, ceiling,
                                         t_torch["median_ms"], sweep=False))
-        for version in memory_ops.VERSIONS["copy"]:
-            t = time(lambda i: memory_ops.copy(x, version=version))
+        for version in (*memory_ops.VERSIONS["copy"], "default"):
+            v = None if version == "default" else version
+            t = time(lambda i: memory_ops.copy(x, version=v))
+            dispatch = {"dispatch": memory_ops.default_choice("copy", x)} if v is None else {}
             rows.append(bench.bandwidth_row("copy", version, dtype, [n], moved, t, ceiling,
-                                            t_torch["median_ms"], sweep=False))
+                                            t_torch["median_ms"], sweep=False, **dispatch))
     return rows
 
 
-def bench_transpose(device, ceiling, shape, dtype, variants, sweep=False):
-    """Rows for PyTorch's transposes and every version at one shape. x.t().contiguous() (2-D)
-    or x.transpose(-2, -1).contiguous() (batched) is the baseline the speedups refer to."""
-    nbytes = 2 * torch.Size(shape).numel() * element_size(dtype)
+# Views of a matrix that the benchmark transposes besides whole matrices: every source row
+# shifted by one element (v4 cannot vectorize it; v5 can), and a transposed view, whose memory
+# already holds the result in order (version=None copies it).
+VIEWS = {"x[:, 1:]": lambda t: t[:, 1:], "x.t()": lambda t: t.t()}
+
+
+def bench_transpose(device, ceiling, shape, dtype, variants, sweep=False, view=None):
+    """Rows for PyTorch's transposes and every variant at one shape ("default" is
+    version=None, recorded with what it dispatched to). The PyTorch baseline materializes
+    x.transpose(-2, -1) with clone(memory_format=contiguous_format): the same single copy
+    kernel as .contiguous() for a strided view, but it cannot return x itself when the view
+    happens to be contiguous already (x.t().t() is), which would time nothing."""
+    take = VIEWS[view] if view else (lambda t: t)
+    elements = take(torch.empty(shape, device="meta")).numel()
+    nbytes = 2 * elements * element_size(dtype)
     if device == "cuda" and sweep:
         sets = bench.rotation_sets(nbytes // 2)
-        xs = [torch.randn(shape, dtype=dtype, device=device) for _ in range(sets)]
+        xs = [take(torch.randn(shape, dtype=dtype, device=device)) for _ in range(sets)]
         time = timer(device, graph_sets=sets)
     else:
-        xs = [torch.randn(shape, dtype=dtype, device=device)]
+        xs = [take(torch.randn(shape, dtype=dtype, device=device))]
         time = timer(device)
-    baselines = {"torch": lambda i: xs[i].transpose(-2, -1).contiguous()}
-    if len(shape) == 2:
-        baselines = {"torch": lambda i: xs[i].t().contiguous(),
-                     "torch.transpose(-2,-1)": lambda i: xs[i].transpose(-2, -1).contiguous()}
+    contiguous = torch.contiguous_format
+    baselines = {"torch": lambda i: xs[i].transpose(-2, -1).clone(memory_format=contiguous)}
+    if len(shape) == 2 and view is None and shape[0] == shape[1]:
+        baselines["torch.transpose(-2,-1)"] = lambda i: xs[i].transpose(-2, -1).contiguous()
+    extra = {"sweep": sweep, **({"view": view, "base_shape": list(shape)} if view else {})}
+    out_shape = list(xs[0].shape)
     rows, t_torch = [], None
     for name, fn in baselines.items():
         t = time(fn)
         t_torch = t_torch or t["median_ms"]
-        rows.append(bench.bandwidth_row("transpose", name, dtype, shape, nbytes, t, ceiling,
-                                        t_torch, sweep=sweep))
+        rows.append(bench.bandwidth_row("transpose", name, dtype, out_shape, nbytes, t, ceiling,
+                                        t_torch, **extra))
     for variant in variants:
-        version = None if variant == "cpu" else variant
+        version = None if variant in ("cpu", "default") else variant
         t = time(lambda i: memory_ops.transpose(xs[i], version=version))
-        rows.append(bench.bandwidth_row("transpose", variant, dtype, shape, nbytes, t, ceiling,
-                                        t_torch, sweep=sweep))
+        dispatch = ({"dispatch": memory_ops.default_choice("transpose", xs[0])}
+                    if variant == "default" else {})
+        rows.append(bench.bandwidth_row("transpose", variant, dtype, out_shape, nbytes, t, ceiling,
+                                        t_torch, **extra, **dispatch))
     return rows
 
 
@@ -147,11 +168,13 @@ def bench_working_set(device, ceiling, working_sets):
         dst = torch.empty_like(src)
         time = timer(device, graph_sets=1, min_calls=64)
         t_torch = time(lambda i: dst.copy_(src))
-        t_ours = time(lambda i: memory_ops.copy(src))
-        for variant, t in (("torch", t_torch), ("v2", t_ours)):
+        t_ours = time(lambda i: memory_ops.copy(src, version="v2"))
+        t_default = time(lambda i: memory_ops.copy(src))
+        for variant, t in (("torch", t_torch), ("v2", t_ours), ("default", t_default)):
+            dispatch = {"dispatch": memory_ops.default_choice("copy", src)} if variant == "default" else {}
             rows.append(bench.bandwidth_row("copy_working_set", variant, torch.float32, [n], ws,
                                             t, ceiling, t_torch["median_ms"], sweep=True,
-                                            working_set_bytes=ws))
+                                            working_set_bytes=ws, **dispatch))
     return rows
 
 
@@ -175,10 +198,16 @@ def make_figures(record, out_dir):
     s = record["sizes"]
     out_dir.mkdir(parents=True, exist_ok=True)
     square = [s["square"], s["square"]]
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4))
-    plots.plot_bars(axes[0], record, "transpose", "float32", square)
-    plots.plot_bars(axes[1], record, "transpose", "bfloat16", square)
-    plots.plot_bars(axes[2], record, "transpose", "float32", s["batched"])
+    fig, axes = plt.subplots(2, 4, figsize=(22, 9))
+    plots.plot_bars(axes[0][0], record, "transpose", "float32", square)
+    plots.plot_bars(axes[0][1], record, "transpose", "bfloat16", square)
+    plots.plot_bars(axes[0][2], record, "transpose", "float64", square)
+    plots.plot_bars(axes[0][3], record, "transpose", "float32", s["batched"])
+    plots.plot_bars(axes[1][0], record, "transpose", "float32", s["odd"])
+    plots.plot_bars(axes[1][1], record, "transpose", "bfloat16", s["odd"])
+    sliced = [s["square"], s["square"] - 1]
+    plots.plot_bars(axes[1][2], record, "transpose", "bfloat16", sliced, view="x[:, 1:]")
+    plots.plot_bars(axes[1][3], record, "transpose", "float32", square, view="x.t()")
     figures = [plots.save(fig, out_dir / f"{CHAPTER}_ladder.png")]
 
     fig, axes = plt.subplots(1, 3, figsize=(17, 4))
@@ -219,9 +248,11 @@ def print_table(record):
           f"{'% copy':>8}{'x torch':>9}")
     for r in record["benchmarks"]:
         if not r["sweep"]:
-            print(f"{r['op']:<10}{r['dtype']:<10}{results.format_shape(r['shape']):<16}"
+            shape = results.format_shape(r["shape"]) + (" view" if r.get("view") else "")
+            print(f"{r['op']:<10}{r['dtype']:<10}{shape:<16}"
                   f"{r['variant']:<24}{r['median_ms']:>9.3f}{r['GBps']:>8.0f}"
-                  f"{r['pct_of_copy']:>8.1f}{r['speedup_vs_torch']:>9.3f}")
+                  f"{r['pct_of_copy']:>8.1f}{r['speedup_vs_torch']:>9.3f}"
+                  f"  {r.get('dispatch', '')}")
     picked = [r for r in record["benchmarks"] if r["op"] == "strided_copy"
               and r["variant"] == "v1" and r["stride"] in (1, 2, 4, 8, 16, 32, 64)]
     print("strided_copy float32, useful GB/s (model): " + ", ".join(
@@ -242,7 +273,7 @@ def main():
         print("No CUDA GPU: benchmarking the CPU path at small sizes; GPU numbers come from "
               "the recorded results.")
     s = sizes_for(device, args.quick)
-    variants = list(memory_ops.VERSIONS["transpose"]) if device == "cuda" else ["cpu"]
+    variants = [*memory_ops.VERSIONS["transpose"], "default"] if device == "cuda" else ["cpu"]
 
     ceilings = bench.copy_ceiling(device, n=s["copy_bytes"] // 4)
     ceiling = ceilings["copy_GBps"]
@@ -252,6 +283,11 @@ def main():
         rows += bench_transpose(device, ceiling, square, dtype, variants)
     for dtype in DTYPES:
         rows += bench_transpose(device, ceiling, s["batched"], dtype, variants)
+        rows += bench_transpose(device, ceiling, s["odd"], dtype, variants)
+        for view in VIEWS:
+            rows += bench_transpose(device, ceiling, square, dtype, variants, view=view)
+        for shape in s["odd_sweep"]:
+            rows += bench_transpose(device, ceiling, shape, dtype, variants, sweep=True)
     rows += bench_copy(device, ceiling, s["copy_bytes"])
     for side in s["sweep_sides"]:
         rows += bench_transpose(device, ceiling, [side, side], torch.float32, variants, sweep=True)

@@ -12,13 +12,13 @@ def _square(record):
     return [side, side]
 
 
-def _row(record, variant, op="transpose", dtype="float32", shape=None):
+def _row(record, variant, op="transpose", dtype="float32", shape=None, view=None, sweep=False):
     shape = shape or _square(record)
     for r in record["benchmarks"]:
-        if (r["op"], r["dtype"], r["variant"], r["shape"], r["sweep"]) == (op, dtype, variant,
-                                                                          shape, False):
+        if (r["op"], r["dtype"], r["variant"], r["shape"], r["sweep"], r.get("view")) == (
+                op, dtype, variant, shape, sweep, view):
             return r
-    raise KeyError((op, dtype, variant, shape))
+    raise KeyError((op, dtype, variant, shape, view))
 
 
 def _bw(r):

@@ -7,6 +7,8 @@
 // the same 2-byte kernels, float64 the 8-byte ones.
 #pragma once
 
+#include <course/index_math.h>
+
 #include <cstdint>
 
 namespace memory_ops {
@@ -16,7 +18,7 @@ namespace memory_ops {
 enum class CopyVersion { kScalar, kVectorized };
 
 // transpose's ladder, in teaching order (memory_kernels.cu says what each one fixes).
-enum class TransposeVersion { kNaive, kTiled, kTiledPadded, kWideTiles };
+enum class TransposeVersion { kNaive, kTiled, kTiledPadded, kWideTiles, kWideTilesAnyAlignment };
 
 struct CopyParams {
   CopyVersion version;
@@ -46,6 +48,46 @@ struct TransposeParams {
   int64_t batch, rows, cols;
   int64_t batch_stride, row_stride, col_stride;  // source strides, in elements (>= 0)
 };
+
+// v4's 16-byte accesses need every source and destination row to start on a 16-byte
+// boundary: cols and rows multiples of the vector, a unit column stride, aligned pointers and
+// strides. (v5 needs only the unit column stride.)
+inline bool wide_tiles_apply(const TransposeParams& p) {
+  const int64_t vec = 16 / p.elem_bytes;
+  return p.col_stride == 1 && p.cols % vec == 0 && p.rows % vec == 0 && p.row_stride % vec == 0 &&
+         (p.batch == 1 || p.batch_stride % vec == 0) && course::is_aligned(p.src, 16) &&
+         course::is_aligned(p.dst, 16);
+}
+
+// x whose memory already holds the transpose, in order: x.t() of a contiguous matrix (or
+// x.transpose(-2, -1) of a contiguous batch). Its "transpose" is a plain copy.
+inline bool stored_transposed(const TransposeParams& p) {
+  return p.row_stride == 1 && p.col_stride == p.rows &&
+         (p.batch == 1 || p.batch_stride == p.rows * p.cols);
+}
+
+// ---------------------------------------------------------------------------------------
+// version=None for transpose: the one place where the chapter decides (measured on the H100;
+// the README's "version=None" section shows the numbers).
+//   - memory already in transposed order: a copy (copy v2), at the copy ceiling;
+//   - rows 16-byte aligned on both sides: v4, the fastest rung at every aligned size measured,
+//     from 256^2 up (v5 does the same work plus the per-segment alignment arithmetic);
+//   - any other unit-stride input (odd shapes, x[:, 1:]): v5;
+//   - columns not adjacent in memory (x[:, ::2]): v3, the padded tile, which gathers single
+//     elements anyway.
+// ---------------------------------------------------------------------------------------
+enum class TransposeRoute { kCopy, kRung };
+struct TransposeChoice {
+  TransposeRoute route;
+  TransposeVersion version;  // when route == kRung
+};
+
+inline TransposeChoice default_transpose(const TransposeParams& p) {
+  if (stored_transposed(p)) return {TransposeRoute::kCopy, TransposeVersion::kWideTiles};
+  if (wide_tiles_apply(p)) return {TransposeRoute::kRung, TransposeVersion::kWideTiles};
+  if (p.col_stride == 1) return {TransposeRoute::kRung, TransposeVersion::kWideTilesAnyAlignment};
+  return {TransposeRoute::kRung, TransposeVersion::kTiledPadded};
+}
 
 // The CPU implementations (memory_cpu.cpp): the reference semantics in C++, taking the same
 // params as the CUDA launchers. `version` is ignored there: the ladder is a set of GPU thread

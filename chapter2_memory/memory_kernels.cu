@@ -283,8 +283,8 @@ __global__ void transpose_tiled(TransposeParams p, int64_t tiles_r, int64_t tile
 //              neighbouring columns read the two halves of the same 4-byte word (a broadcast,
 //              not a conflict).
 // 16-byte accesses need 16-byte-aligned rows on both sides (cols and rows multiples of kVec,
-// unit column stride, aligned pointers and strides); launch_transpose checks and falls back to
-// v3 otherwise, as 1823 x 781 does.
+// unit column stride, aligned pointers and strides: wide_tiles_apply in memory.h);
+// launch_transpose checks and falls back to v3 otherwise, as 1823 x 781 does. v5 lifts that.
 template <typename T>
 struct WideTile {
   static constexpr int kVec = kVectorBytes / sizeof(T);
@@ -356,22 +356,197 @@ __global__ void __launch_bounds__(kWideThreads)
   }
 }
 
+// transpose v5, wide tiles at any alignment. v4 needs every source and destination row to
+// start on a 16-byte boundary. An odd number of columns (8191 x 8193 float32), a sliced view
+// (x[:, 1:]) or a vocabulary-sized dimension breaks that for most rows, and v4 falls back to
+// v3's one-element-per-thread tile, a third of the speed. v5 keeps every global access of the
+// tile's interior a whole, aligned 16-byte vector, as in v4, whatever the alignment, by cutting
+// the data along 16-byte boundaries in memory instead of along tile boundaries:
+//
+//   source side. Row r's 128 bytes of tile columns start d_r elements past a 16-byte boundary
+//     (d_r differs from row to row when the row length is not a multiple of 16 bytes). The 9
+//     aligned vectors ("chunks") from that boundary on cover the 8 vectors' worth of columns at
+//     any d_r; they are loaded whole and stored into the tile row from position 0, so column c
+//     sits at position (c - c0) + d_r. The shift is undone when the tile is read, not by
+//     shuffling registers. One chunk in 9 re-reads data the neighbouring tile also reads (an
+//     L2 hit, not DRAM traffic).
+//   destination side. Destination row c's vectors start where (c * rows + r) is a multiple of
+//     kVec, s_c rows into the tile. The tile owns the kRows / kVec vectors whose first row lies
+//     in its rows [r0, r0 + kRows); the last of them reaches up to kVec - 1 rows past the tile,
+//     so the tile loads kVec extra source rows when rows is not a multiple of kVec. The s_c
+//     rows before the first boundary of a destination row belong to no vector; the tiles of
+//     the first row band (r0 == 0) store them one by one.
+// Only chunks that cross the matrix edge (the first and last columns and rows, where a whole
+// vector would leave the matrix) are moved element by element. The price against v4: 9 chunks
+// per 8 vectors on the source side, kVec extra rows per tile, and the shift arithmetic. The
+// tile's row pitch keeps v4's odd number of banks, so the gathers stay conflict-free for rows
+// kVec apart, which share one shift.
 template <typename T>
-bool wide_tiles_apply(const TransposeParams& p) {
-  constexpr int64_t kVec = WideTile<T>::kVec;
-  return p.col_stride == 1 && p.cols % kVec == 0 && p.rows % kVec == 0 &&
-         p.row_stride % kVec == 0 && (p.batch == 1 || p.batch_stride % kVec == 0) &&
-         course::is_aligned(p.src, kVectorBytes) && course::is_aligned(p.dst, kVectorBytes);
+struct AnyAlignmentTile {
+  static constexpr int kVec = WideTile<T>::kVec;
+  static constexpr int kCols = WideTile<T>::kCols;  // columns a tile owns (one 128-byte line)
+  static constexpr int kRows = WideTile<T>::kRows;  // rows a tile owns
+  static constexpr int kChunks = kCols / kVec + 1;  // aligned vectors covering kCols at any shift
+  static constexpr int kLoadRows = kRows + kVec;    // owned rows plus the destination overhang
+  static constexpr int kPitch = kChunks * kVec + kBankPad<T>;  // an odd number of banks
+  // v4's 4 (8 chunks of the 128 owned rows), and one more for the rest (chunk_slot).
+  static constexpr int kLoadsPerThread = kWideVectorsPerThread + 1;
+  static_assert(kRows * (kChunks - 1) == kWideVectorsPerThread * kWideThreads &&
+                    kRows + kVec * kChunks <= kWideThreads,
+                "chunk_slot's mapping covers every chunk of the kLoadRows rows");
+};
+
+// Which chunk a thread loads in step i (of kLoadsPerThread). Steps 0-3 are v4's mapping: 8
+// lanes per row, a warp on 4 rows, so the tile writes stay conflict-free as in v4. Step 4
+// takes what is left: the 9th chunk of the 128 owned rows, then the 9 chunks of each
+// overhang row.
+struct ChunkSlot {
+  int row, chunk;
+};
+template <typename T>
+__device__ __forceinline__ ChunkSlot chunk_slot(int i, int thread) {
+  using A = AnyAlignmentTile<T>;
+  constexpr int kPerRow = A::kChunks - 1;
+  if (i < A::kLoadsPerThread - 1) {
+    const int idx = i * kWideThreads + thread;
+    return {idx / kPerRow, idx % kPerRow};
+  }
+  if (thread < A::kRows) return {thread, kPerRow};
+  const int rest = thread - A::kRows;  // < kVec * 9 = 72 overhang chunks, of 128 threads
+  return {A::kRows + rest / A::kChunks, rest % A::kChunks};
+}
+
+// The position, in elements, of address p past the 16-byte boundary at or below it. p is a
+// multiple of sizeof(T): PyTorch keeps storage offsets whole elements.
+template <typename T>
+__device__ __forceinline__ unsigned elements_past_boundary(const T* p) {
+  return static_cast<unsigned>(reinterpret_cast<uintptr_t>(p) % kVectorBytes / sizeof(T));
+}
+
+// Three blocks per SM (v4 fits four). Four would cap v5 at 64 registers per thread, where nvcc
+// spills 12-48 bytes per thread to local memory; measured, that cost bfloat16 a quarter of
+// its speed (NOTES.md), far more than the fourth block gains.
+template <typename T>
+__global__ void __launch_bounds__(kWideThreads, 3)
+    transpose_wide_tiles_any_alignment(TransposeParams p, int64_t tiles_r, int64_t tiles_c) {
+  using A = AnyAlignmentTile<T>;
+  constexpr int kVec = A::kVec;
+  __shared__ T tile[A::kLoadRows][A::kPitch];
+  const T* src = static_cast<const T*>(p.src);
+  T* dst = static_cast<T*>(p.dst);
+  // Rows kVec apart start equally far past a boundary: row r's shift is
+  // (shift of row 0 + r * (row_stride mod kVec)) mod kVec. Unsigned, so that the modulo by the
+  // power of two kVec is a single AND.
+  const unsigned stride_mod = static_cast<unsigned>(p.row_stride % kVec);
+  // With rows a multiple of kVec every destination vector starts on a tile row: no overhang.
+  const int load_rows = p.rows % kVec == 0 ? A::kRows : A::kLoadRows;
+  const int64_t tiles = p.batch * tiles_r * tiles_c;
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const TileIndex at = tile_at(t, tiles_r, tiles_c, A::kRows, A::kCols);
+    const T* src_b = src + at.b * p.batch_stride;
+    T* dst_b = dst + at.b * p.cols * p.rows;
+    const unsigned shift0 = elements_past_boundary(src_b + at.r0 * p.row_stride + at.c0);
+
+    // Load: every chunk issued before any is stored, as in v4 (5 per thread). position[i] is
+    // where step i's chunk goes in its tile row, or -1 when the step loads nothing.
+    uint4 v[A::kLoadsPerThread];
+    int position[A::kLoadsPerThread];
+#pragma unroll
+    for (int i = 0; i < A::kLoadsPerThread; ++i) {
+      const ChunkSlot slot = chunk_slot<T>(i, threadIdx.x);
+      const int64_t r = at.r0 + slot.row;
+      const unsigned shift = (shift0 + slot.row * stride_mod) % kVec;
+      // Past the loaded rows or the matrix, or the 9th chunk of a row that 8 cover: nothing.
+      position[i] = slot.row >= load_rows || r >= p.rows ||
+                            (slot.chunk == A::kChunks - 1 && shift == 0)
+                        ? -1
+                        : slot.chunk * kVec;
+      if (position[i] < 0) continue;
+      const int64_t c = at.c0 - shift + slot.chunk * kVec;  // the chunk's first column
+      const T* segment = src_b + r * p.row_stride;
+      if (c >= 0 && c + kVec <= p.cols) {
+        v[i] = load16(segment + c);
+      } else {  // the chunk crosses the first or last column: only the columns inside
+        T e[kVec] = {};
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) {
+          if (c + k >= 0 && c + k < p.cols) e[k] = segment[c + k];
+        }
+        v[i] = pack16(e);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < A::kLoadsPerThread; ++i) {
+      if (position[i] < 0) continue;  // positions never loaded are never read below either
+      T e[kVec];
+      unpack16(v[i], e);
+      T* dst_row = tile[chunk_slot<T>(i, threadIdx.x).row] + position[i];
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) dst_row[k] = e[k];
+    }
+    // The gathers below read tile columns that other threads wrote.
+    __syncthreads();
+    constexpr int kOutVectors = A::kRows / kVec;  // destination vectors a tile owns per row
+#pragma unroll
+    for (int i = 0; i < kWideVectorsPerThread; ++i) {
+      const int idx = i * kWideThreads + threadIdx.x;
+      const int rest = idx / WideTile<T>::kStoreLanes;
+      const int col = rest % A::kCols;  // tile column = destination row within the tile
+      const int vec = rest / A::kCols * WideTile<T>::kStoreLanes + idx % WideTile<T>::kStoreLanes;
+      const int64_t out_row = at.c0 + col;
+      if (out_row >= p.cols) continue;  // edge tiles hang over the last source column
+      T* segment = dst_b + out_row * p.rows;
+      // Rows before the first 16-byte boundary of this destination row; tile row of vector vec.
+      const unsigned first = (kVec - elements_past_boundary(segment)) % kVec;
+      const int tile_row = first + vec * kVec;
+      // The kVec rows of one vector have kVec consecutive shifts: stepped, not recomputed
+      // (the modulo per element cost bfloat16 a tenth of its speed).
+      unsigned shift = (shift0 + first * stride_mod) % kVec;  // tile_row = first (mod kVec)
+      const T* column = &tile[tile_row][col];
+      T g[kVec];
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        g[k] = column[k * A::kPitch + shift];
+        shift = (shift + stride_mod) % kVec;
+      }
+      const int64_t r = at.r0 + tile_row;
+      if (r + kVec <= p.rows) {
+        store16(segment + r, pack16(g));
+      } else {  // the last vector of the row crosses its end: only the rows inside
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) {
+          if (r + k < p.rows) segment[r + k] = g[k];
+        }
+      }
+      // The rows before the first boundary: owned by the first row band, stored one by one.
+      if (at.r0 == 0 && vec == 0) {
+#pragma unroll 1  // fewer than kVec rows, in one band of tiles: not worth the code
+        for (unsigned row = 0; row < first && row < p.rows; ++row) {
+          segment[row] = tile[row][col + (shift0 + row * stride_mod) % kVec];
+        }
+      }
+    }
+    // The next tile's writes into `tile` must wait until every gather above is done.
+    __syncthreads();
+  }
 }
 
 template <typename T>
 cudaError_t launch_transpose_typed(const TransposeParams& p, cudaStream_t stream) {
-  if (p.version == TransposeVersion::kWideTiles && wide_tiles_apply<T>(p)) {
-    using W = WideTile<T>;
+  using W = WideTile<T>;
+  const bool v4 = p.version == TransposeVersion::kWideTiles && wide_tiles_apply(p);
+  // v5 reads source rows with 16-byte vectors, so it needs a unit column stride (any other
+  // stride, as in x[:, ::2], gathers single elements anyway and takes v3's tile).
+  const bool v5 = p.version == TransposeVersion::kWideTilesAnyAlignment && p.col_stride == 1;
+  if (v4 || v5) {
     const int64_t tiles_r = course::ceil_div<int64_t>(p.rows, W::kRows);
     const int64_t tiles_c = course::ceil_div<int64_t>(p.cols, W::kCols);
-    transpose_wide_tiles<T><<<one_pass_blocks(p.batch * tiles_r * tiles_c, 1), kWideThreads, 0,
-                              stream>>>(p, tiles_r, tiles_c);
+    const unsigned blocks = one_pass_blocks(p.batch * tiles_r * tiles_c, 1);
+    if (v4) {
+      transpose_wide_tiles<T><<<blocks, kWideThreads, 0, stream>>>(p, tiles_r, tiles_c);
+    } else {
+      transpose_wide_tiles_any_alignment<T><<<blocks, kWideThreads, 0, stream>>>(p, tiles_r, tiles_c);
+    }
     return cudaGetLastError();
   }
   const int64_t tiles_r = course::ceil_div<int64_t>(p.rows, kTile);
@@ -387,6 +562,7 @@ cudaError_t launch_transpose_typed(const TransposeParams& p, cudaStream_t stream
       break;
     case TransposeVersion::kTiledPadded:
     case TransposeVersion::kWideTiles:  // rows not 16-byte aligned: the padded tile instead
+    case TransposeVersion::kWideTilesAnyAlignment:  // no unit column stride: likewise
       transpose_tiled<T, kBankPad<T>><<<blocks, threads, 0, stream>>>(p, tiles_r, tiles_c);
       break;
   }

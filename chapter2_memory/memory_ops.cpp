@@ -37,10 +37,11 @@ constexpr ::course::NamedVersion<TransposeVersion> kTransposeVersions[] = {
     {"v2", TransposeVersion::kTiled},
     {"v3", TransposeVersion::kTiledPadded},
     {"v4", TransposeVersion::kWideTiles},
+    {"v5", TransposeVersion::kWideTilesAnyAlignment},
 };
-// version=None on CUDA: the fastest rung of each ladder on the H100 (results/, chapter README).
-constexpr CopyVersion kBestCopy = CopyVersion::kVectorized;
-constexpr TransposeVersion kBestTranspose = TransposeVersion::kWideTiles;
+// copy's version=None: v2 at every size (it falls back to v1 by itself on a misaligned view).
+// transpose's is default_transpose in memory.h, which looks at strides and alignment.
+constexpr CopyVersion kDefaultCopy = CopyVersion::kVectorized;
 
 std::vector<std::string> versions(c10::string_view op) {
   const auto name = ::course::as_std(op);
@@ -83,7 +84,8 @@ void run(const char* op, const Tensor& x, const Params& params, CudaLaunch launc
 // Backend kernels (registered for CPU, CUDA and Meta below).
 Tensor copy_impl(const Tensor& x, OptVersion version) {
   check_input("copy", x);
-  const CopyVersion v = ::course::parse_version("copy", version, kCopyVersions, kBestCopy);
+  const CopyVersion v =
+      ::course::parse_version("copy", version, kCopyVersions).value_or(kDefaultCopy);
   // The kernels walk flat contiguous arrays; a strided view is gathered first (transpose is
   // the op that reads strides). An offset view stays as it is: v2 must notice it is misaligned.
   const Tensor src = x.contiguous();
@@ -110,27 +112,59 @@ Tensor strided_copy_impl(const Tensor& x, int64_t stride) {
   return out;
 }
 
+// The kernels' view of x and of the contiguous output at dst: sizes and source strides of the
+// last two dims, and of the batch dim when there is one. The caller fills in the version.
+TransposeParams transpose_params(const Tensor& x, void* dst) {
+  const bool batched = x.dim() == 3;
+  return {TransposeVersion::kNaive, static_cast<int>(x.element_size()), x.const_data_ptr(), dst,
+          batched ? x.size(0) : 1, x.size(-2), x.size(-1), batched ? x.stride(0) : 0,
+          x.stride(-2), x.stride(-1)};
+}
+
 Tensor transpose_impl(const Tensor& x, OptVersion version) {
   check_input("transpose", x);
   TORCH_CHECK(x.dim() == 2 || x.dim() == 3, "transpose: x must be 2-D (rows, cols) or 3-D "
               "(batch, rows, cols), got ", std::to_string(x.dim()), "-D with shape ",
               ::course::shape_str(x.sizes()));
-  const TransposeVersion v =
-      ::course::parse_version("transpose", version, kTransposeVersions, kBestTranspose);
+  const std::optional<TransposeVersion> requested =
+      ::course::parse_version("transpose", version, kTransposeVersions);
   const bool batched = x.dim() == 3;
   const auto sizes = x.sym_sizes();
   Tensor out = batched ? at::empty_symint({sizes[0], sizes[2], sizes[1]}, x.options())
                        : at::empty_symint({sizes[1], sizes[0]}, x.options());
   if (x.is_meta() || out.numel() == 0) return out;
-  const int64_t batch = batched ? x.size(0) : 1;
-  const int64_t rows = x.size(-2);
-  const int64_t cols = x.size(-1);
   // No .contiguous(): the kernels read x through its strides, whatever they are.
-  const TransposeParams p{v, static_cast<int>(x.element_size()), x.const_data_ptr(),
-                          out.mutable_data_ptr(), batch, rows, cols,
-                          batched ? x.stride(0) : 0, x.stride(-2), x.stride(-1)};
+  TransposeParams p = transpose_params(x, out.mutable_data_ptr());
+  if (requested.has_value()) {
+    p.version = *requested;
+  } else {
+    const TransposeChoice choice = default_transpose(p);
+    if (choice.route == TransposeRoute::kCopy) {
+      // x's memory already holds the result, in order: copy it (the CPU loop is a copy too).
+      const CopyParams c{kDefaultCopy, p.elem_bytes, p.src, p.dst, out.numel()};
+      run("transpose", x, c, MEMORY_OPS_LAUNCHER(launch_copy), copy_cpu);
+      return out;
+    }
+    p.version = choice.version;
+  }
   run("transpose", x, p, MEMORY_OPS_LAUNCHER(launch_transpose), transpose_cpu);
   return out;
+}
+
+// What transpose(x, version=None) runs for this x: "copy" (its memory already holds the
+// transpose), or the rung's name. Decided from strides and alignment alone, on any device.
+std::string default_choice(c10::string_view op, const Tensor& x) {
+  const auto name = ::course::as_std(op);
+  if (name == "copy") return ::course::version_name(kCopyVersions, kDefaultCopy);
+  TORCH_CHECK(name == "transpose", "default_choice: unknown op '", std::string(name),
+              "' (ops with a ladder: copy, transpose)");
+  check_input("default_choice", x);
+  TORCH_CHECK(x.dim() == 2 || x.dim() == 3, "default_choice: transpose takes 2-D or 3-D x, got ",
+              std::to_string(x.dim()), "-D");
+  // A fresh output is 256-byte aligned; nullptr stands for it (address 0 is aligned too).
+  const TransposeChoice choice = default_transpose(transpose_params(x, nullptr));
+  if (choice.route == TransposeRoute::kCopy) return "copy";
+  return ::course::version_name(kTransposeVersions, choice.version);
 }
 
 // Autograd. Each forward re-enters the dispatcher below the Autograd key, so it reaches the
@@ -213,6 +247,7 @@ TORCH_LIBRARY(memory_ops, m) {
   m.def("strided_copy(Tensor x, int stride) -> Tensor");
   m.def("transpose(Tensor x, str? version=None) -> Tensor");
   m.def("versions(str op) -> str[]", &versions);
+  m.def("default_choice(str op, Tensor x) -> str", &default_choice);
 }
 
 // One implementation per op serves CPU, CUDA and Meta: each picks the backend from the

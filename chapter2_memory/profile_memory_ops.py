@@ -4,14 +4,19 @@
                                              results/<device-slug>/chapter2_memory_profile.json
     python profile_memory_ops.py --workload  what ncu profiles: every transpose version once
                                              at 4096 x 4096 in float32, bfloat16 and float64,
-                                             then strided_copy of 2^26 float32 at strides 1..64
+                                             then strided_copy of 2^26 float32 at strides 1..64,
+                                             then v4 and v5 on aligned, odd and sliced shapes
 
 Per kernel: shared-memory bank conflicts on loads and stores (the v2 -> v3 story, and how it
 changes with the element size), global store sectors per request (v1's scattered writes),
 DRAM bytes against the napkin-math minimum, and the kernel's duration under ncu; for
 strided_copy, the DRAM bytes actually read per kept element (the sector model says
 min(stride * 4, 32)). ncu flushes the caches before each kernel, so every read comes from
-DRAM; writes still dirty in the 50 MB L2 when a kernel ends are not counted.
+DRAM; writes still dirty in the 50 MB L2 when a kernel ends are not counted. For v5 (wide
+tiles at any alignment): what its chunks cost against v4 on an aligned matrix, on an odd one
+(4095 x 4097, every row shifted differently on both sides) and on a slice (x[:, 1:] of
+4096 x 4097: every source row shifted the same): L2 read traffic, bank conflicts, instructions
+and occupancy.
 """
 import sys
 from pathlib import Path
@@ -33,11 +38,21 @@ METRICS = {
     "dram__bytes_read.sum": "dram_read_bytes",
     "dram__bytes_write.sum": "dram_write_bytes",
     "gpu__time_duration.sum": "duration_ns",
+    "lts__t_sectors_srcunit_tex_op_read.sum": "l2_read_sectors",
+    "smsp__inst_executed.sum": "instructions",
+    "sm__warps_active.avg.pct_of_peak_sustained_active": "achieved_occupancy_pct",
+    "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum": "smem_store_wavefronts",
 }
+# v4 and v5 beside each other: (case, shape before the view, view), in float32 and bfloat16.
+ALIGNMENT_CASES = (("aligned", (SIDE, SIDE), None), ("odd", (SIDE - 1, SIDE + 1), None),
+                   ("sliced", (SIDE, SIDE + 1), "x[:, 1:]"))
+ALIGNMENT_DTYPES = ("float32", "bfloat16")
 # Demangled kernel name -> version, most specific first.
 def version_of(kernel):
     """The ladder version of a demangled kernel name. v2 is transpose_tiled<T, 0>; v3 is the
     same template with any nonzero pad (one 4-byte bank, or whatever an exercise tries)."""
+    if "transpose_wide_tiles_any_alignment" in kernel:
+        return "v5"
     if "transpose_wide_tiles" in kernel:
         return "v4"
     if "transpose_tiled" in kernel:
@@ -56,7 +71,16 @@ def workload():
     x = torch.randn(STRIDED_N, device="cuda")
     for stride in STRIDES:
         memory_ops.strided_copy(x, stride)
+    for dtype, (_, shape, view), version in alignment_runs():
+        x = torch.randn(shape, device="cuda", dtype=getattr(torch, dtype))
+        memory_ops.transpose(x[:, 1:] if view else x, version=version)
     torch.cuda.synchronize()
+
+
+def alignment_runs():
+    """(dtype, case, version) of the v4-vs-v5 section: v4 only where it applies (aligned)."""
+    return [(d, case, v) for d in ALIGNMENT_DTYPES for case in ALIGNMENT_CASES
+            for v in (("v4", "v5") if case[0] == "aligned" else ("v5",))]
 
 
 def main():
@@ -66,9 +90,25 @@ def main():
         return
     import memory_ops
     expected = [(d, v) for d in DTYPES for v in memory_ops.VERSIONS["transpose"]]
-    if len(kernels) != len(expected) + len(STRIDES):
-        sys.exit(f"expected {len(expected) + len(STRIDES)} profiled kernels, got {len(kernels)}")
+    runs = alignment_runs()
+    if len(kernels) != len(expected) + len(STRIDES) + len(runs):
+        sys.exit(f"expected {len(expected) + len(STRIDES) + len(runs)} profiled kernels, got "
+                 f"{len(kernels)}")
     rows = []
+    for (dtype, (case, shape, view), version), k in zip(runs, kernels[len(expected) + len(STRIDES):]):
+        assert version_of(k["kernel"]) == version, (version, k["kernel"])
+        size = {"float32": 4, "bfloat16": 2}[dtype]
+        elements = shape[0] * (shape[1] - 1 if view else shape[1])
+        rows.append({"op": "transpose_alignment", "variant": version, "dtype": dtype,
+                     "shape": list(shape), "view": view, "case": case, "kernel": k["kernel"],
+                     **{m: k.get(m) for m in METRICS.values()},
+                     "l2_read_bytes_over_minimum": k["l2_read_sectors"] * 32 / (elements * size),
+                     "dram_bytes_over_minimum": (k["dram_read_bytes"] + k["dram_write_bytes"])
+                     / (2 * elements * size),
+                     "smem_load_wavefronts_per_instruction":
+                     k["smem_load_wavefronts"] / k["smem_load_instructions"],
+                     "instructions_per_element": k["instructions"] * 32 / elements,
+                     "GBps_under_ncu": 2 * elements * size / k["duration_ns"]})
     for stride, k in zip(STRIDES, kernels[len(expected):]):
         assert "strided_gather" in k["kernel"], k["kernel"]
         kept = -(-STRIDED_N // stride)
@@ -93,6 +133,14 @@ def main():
     print(f"{'dtype':<10}{'version':<9}{'smem ld conflicts':>18}{'smem st conflicts':>18}"
           f"{'wavefr/ld':>10}{'st sect/req':>12}{'DRAM/min':>9}{'us':>9}")
     for r in rows:
+        if r["op"] == "transpose_alignment":
+            print(f"{r['dtype']:<10}{r['variant']} {r['case']:<8} L2 reads/min "
+                  f"{r['l2_read_bytes_over_minimum']:.2f}, DRAM/min {r['dram_bytes_over_minimum']:.2f}, "
+                  f"smem wavefronts/ld {r['smem_load_wavefronts_per_instruction']:.2f}, st conflicts "
+                  f"{r['smem_store_bank_conflicts']:.0f}, instr/element "
+                  f"{r['instructions_per_element']:.2f}, occupancy {r['achieved_occupancy_pct']:.0f}%, "
+                  f"{r['GBps_under_ncu']:.0f} GB/s under ncu")
+            continue
         if r["op"] == "strided_copy":
             print(f"strided_copy stride {r['stride']:>2}: DRAM reads "
                   f"{r['dram_read_bytes_per_kept_element']:.1f} bytes per kept element (sector "

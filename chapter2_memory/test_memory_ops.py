@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import memory_ops
-from coursekit.pytest_plugin import (DTYPES, dtype_id, poison_allocator, ptx_kernels,
-                                     require_cuda, shape_id)
+from coursekit import results
+from coursekit.pytest_plugin import (DTYPES, dtype_id, launched_kernels, poison_allocator,
+                                     ptx_kernels, require_cuda, shape_id)
 from memory_ops import VERSIONS
 
 
@@ -36,12 +37,14 @@ def reference_strided_copy(x, stride):
 
 
 # Shapes: empty either way, single row / column / element, one off the 32-element tile either
-# way, exact tiles, 1823 x 781 (multiple of nothing: v4 falls back to the padded tile), a prime
-# pair, and shapes whose rows are 16-byte aligned for every dtype but not multiples of v4's
-# 128-row x 128-byte tile, so v4's fast path runs with partial tiles on both edges.
+# way, exact tiles, 1823 x 781 (multiple of nothing: v4 falls back to the padded tile, v5 aligns
+# every row on its own), a prime pair, shapes whose rows are 16-byte aligned for every dtype but
+# not multiples of v4's 128-row x 128-byte tile, so v4's fast path runs with partial tiles on
+# both edges, and odd shapes a little larger than one wide tile (every row shifted differently).
 SHAPES_2D = [(0, 5), (5, 0), (1, 1), (1, 777), (777, 1), (31, 33), (33, 31), (32, 32), (64, 96),
-             (1823, 781), (251, 97), (200, 136), (136, 1032)]
-SHAPES_3D = [(0, 4, 4), (4, 0, 3), (1, 1, 1), (3, 33, 65), (2, 200, 136), (5, 64, 8), (7, 9, 1)]
+             (1823, 781), (251, 97), (200, 136), (136, 1032), (131, 67), (259, 133)]
+SHAPES_3D = [(0, 4, 4), (4, 0, 3), (1, 1, 1), (3, 33, 65), (2, 200, 136), (5, 64, 8), (7, 9, 1),
+             (3, 131, 67)]
 
 
 @pytest.mark.parametrize("shape", SHAPES_2D + SHAPES_3D, ids=shape_id)
@@ -78,6 +81,22 @@ TRANSPOSE_VIEWS = {
 def test_transpose_views(version, dtype, view, device):
     x = TRANSPOSE_VIEWS[view](torch.randn(264, 144, dtype=dtype, device=device))
     assert_same(memory_ops.transpose(x, version=version), reference_transpose(x))
+
+
+@pytest.mark.parametrize("offset", range(8))
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("version", ("v4", "v5", None), ids=str)
+def test_transpose_every_alignment(version, dtype, offset, device):
+    """Views that start `offset` elements past a 16-byte boundary, of a matrix whose rows are
+    not 16-byte multiples either: across rows, and across the destination's rows, every
+    possible misalignment of a segment start (0 to 7 elements for 2-byte dtypes) appears, so
+    v5's split into aligned vectors and ragged ends is exercised on both sides, edges
+    included. x[offset:] shifts whole rows, x[:, offset:] every row start."""
+    base = torch.randn(259, 269, dtype=dtype, device=device)
+    for x in (base[:, offset:], base[offset:], base[offset:, offset:]):
+        expected = reference_transpose(x)
+        poison_allocator(expected)
+        assert_same(memory_ops.transpose(x, version=version), expected)
 
 
 BATCHED_VIEWS = {
@@ -192,7 +211,6 @@ def test_low_precision_gradients(shape, dtype, device):
 def test_versions_table_matches_dispatch():
     for op in VERSIONS:
         assert list(VERSIONS[op]) == torch.ops.memory_ops.versions(op), op
-        assert memory_ops.BEST_VERSION[op] in VERSIONS[op]
     with pytest.raises(RuntimeError, match="versions: unknown op 'strided_copy'"):
         torch.ops.memory_ops.versions("strided_copy")
 
@@ -203,9 +221,94 @@ def test_every_listed_version_dispatches_and_others_do_not(device):
         fn = getattr(memory_ops, op)
         for version in (*VERSIONS[op], None):
             assert_same(fn(x, version=version), reference(x))
-        for bad in ("v0", "v5", "V1", "", "best"):
+        for bad in ("v0", "v6", "V1", "", "best"):
             with pytest.raises(RuntimeError, match=f"{op}: unknown version '{bad}'"):
                 fn(x, version=bad)
+
+
+# transpose's version=None (memory.h, default_transpose), on each side of every rule:
+# (make x, dtype, what it must run).
+DISPATCH_CASES = {
+    # rows of 96 float32 = 384 bytes and 64 rows: every row 16-byte aligned on both sides.
+    "aligned": (lambda d, t: torch.randn(64, 96, dtype=t, device=d), torch.float32, "v4"),
+    # 100 columns: 400 bytes in float32 (aligned, v4), 200 in bfloat16 (not: v5).
+    "aligned_fp32_cols": (lambda d, t: torch.randn(64, 100, dtype=t, device=d), torch.float32, "v4"),
+    "unaligned_bf16_cols": (lambda d, t: torch.randn(64, 100, dtype=t, device=d), torch.bfloat16,
+                            "v5"),
+    "odd_cols": (lambda d, t: torch.randn(64, 97, dtype=t, device=d), torch.float32, "v5"),
+    # 65 rows: the destination's rows (65 elements) are not 16-byte multiples.
+    "odd_rows": (lambda d, t: torch.randn(65, 96, dtype=t, device=d), torch.float32, "v5"),
+    "column_offset": (lambda d, t: torch.randn(64, 97, dtype=t, device=d)[:, 1:], torch.float32,
+                      "v5"),
+    # whole rows dropped: still aligned.
+    "row_offset": (lambda d, t: torch.randn(65, 96, dtype=t, device=d)[1:], torch.float32, "v4"),
+    "expanded": (lambda d, t: torch.randn(1, 96, dtype=t, device=d).expand(64, -1), torch.float32,
+                 "v4"),
+    # memory already in transposed order: a copy.
+    "transposed": (lambda d, t: torch.randn(96, 64, dtype=t, device=d).t(), torch.float32, "copy"),
+    "transposed_slice": (lambda d, t: torch.randn(96, 64, dtype=t, device=d).t()[:, 1:],
+                         torch.float32, "copy"),
+    "transposed_batch": (lambda d, t: torch.randn(3, 96, 64, dtype=t, device=d).transpose(1, 2),
+                         torch.bfloat16, "copy"),
+    # a transposed view with a gap between matrices is not one block of memory: a rung.
+    "transposed_batch_gap": (lambda d, t: torch.randn(6, 96, 64, dtype=t, device=d)[::2]
+                             .transpose(1, 2), torch.float32, "v3"),
+    # columns not adjacent in memory: v3's padded tile.
+    "every_other_column": (lambda d, t: torch.randn(64, 192, dtype=t, device=d)[:, ::2],
+                           torch.float32, "v3"),
+}
+
+
+@pytest.mark.parametrize("case", list(DISPATCH_CASES))
+def test_transpose_default_choice(case, device):
+    make, dtype, expected = DISPATCH_CASES[case]
+    x = make(device, dtype)
+    assert memory_ops.default_choice("transpose", x) == expected
+    assert_same(memory_ops.transpose(x), reference_transpose(x))
+
+
+# The kernel each choice launches, as the profiler names it.
+KERNEL_OF = {"v3": "transpose_tiled<", "v4": "transpose_wide_tiles<",
+             "v5": "transpose_wide_tiles_any_alignment<", "copy": "copy_vectorized<"}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", list(DISPATCH_CASES))
+def test_transpose_default_launches_its_choice(case):
+    require_cuda()
+    make, dtype, expected = DISPATCH_CASES[case]
+    x = make("cuda", dtype)
+    out, kernels = launched_kernels(lambda: memory_ops.transpose(x), "memory_ops")
+    assert len(kernels) == 1 and KERNEL_OF[expected] in kernels[0], kernels
+    assert_same(out, reference_transpose(x))
+
+
+def test_copy_default_choice():
+    assert memory_ops.default_choice("copy", torch.randn(3)) == "v2"
+    with pytest.raises(RuntimeError, match="default_choice: unknown op 'strided_copy'"):
+        memory_ops.default_choice("strided_copy", torch.randn(3))
+
+
+def test_recorded_results_hold_the_dispatch():
+    """The committed GPU results (bench_memory_ops.py) must show version=None at every
+    measured shape and view, with the choice the dispatch makes today, never slower than 0.95x
+    the fastest rung there. Fails on results older than the dispatch and on a regression."""
+    import bench_memory_ops
+
+    record = results.load_recorded_gpu("chapter2_memory")
+    assert record is not None, "no recorded GPU results: run bench_memory_ops.py on a GPU"
+    transposes = [r for r in record["benchmarks"] if r["op"] == "transpose"]
+    assert {*VERSIONS["transpose"], "default"} <= {r["variant"] for r in transposes}, "stale"
+    for r in transposes:
+        if r["variant"] == "default":
+            # Strides and alignment decide, so an uninitialized CPU tensor of the same shape
+            # (no memory is touched) stands in for the GPU one.
+            x = torch.empty(r.get("base_shape", r["shape"]), dtype=getattr(torch, r["dtype"]))
+            if r.get("view"):
+                x = bench_memory_ops.VIEWS[r["view"]](x)
+            assert r.get("dispatch") == memory_ops.default_choice("transpose", x), r["shape"]
+    for op in ("copy", "transpose"):
+        assert results.default_gaps(record, VERSIONS[op]) == []
 
 
 # Every misuse raises a RuntimeError naming the op and the problem.
@@ -324,6 +427,11 @@ def test_sanitizer_small_transpose(version):
             assert_same(memory_ops.transpose(x, version=version), reference_transpose(x))
         x = torch.randn(40, 73, dtype=dtype, device="cuda")[:, 1:]
         assert_same(memory_ops.transpose(x, version=version), reference_transpose(x))
+        # Every shift of v5's chunks on both sides, and the rows before the first boundary.
+        base = torch.randn(141, 139, dtype=dtype, device="cuda")
+        for offset in (1, 3, 7):
+            x = base[offset:, offset:]
+            assert_same(memory_ops.transpose(x, version=version), reference_transpose(x))
 
 
 @pytest.mark.cuda
@@ -340,12 +448,17 @@ def test_sanitizer_small_copy(version):
 
 
 def test_wide_kernels_use_128bit_accesses(tmp_path):
-    """copy v2 and transpose v4 must move their data with 128-bit global loads and stores; the
-    only scalar global accesses allowed are copy v2's one-element tail (one load, one store)."""
+    """copy v2 and transpose v4/v5 must move their data with 128-bit global loads and stores.
+    Scalar global accesses are allowed only for copy v2's one-element tail (one load, one
+    store) and for v5's chunks that cross the matrix edge: kVec elements per chunk a thread
+    loads (5) or stores (4), plus one store (in a loop) per destination vector for the rows
+    before a destination row's first 16-byte boundary. v5 keeps one 16-byte access per chunk."""
     import re
     from pathlib import Path
 
-    checked = {"copy_vectorized": 0, "transpose_wide_tiles": 0}
+    vec = {"t": 8, "j": 4, "m": 2}  # 16 bytes of uint16_t, uint32_t, uint64_t (mangled t, j, m)
+    checked = {"copy_vectorized": 0, "transpose_wide_tiles_any_alignment": 0,
+               "transpose_wide_tiles": 0}
     for name, body in ptx_kernels(Path(__file__).parent / "memory_kernels.cu", tmp_path).items():
         kind = next((k for k in checked if k in name), None)
         if kind is None:
@@ -355,8 +468,15 @@ def test_wide_kernels_use_128bit_accesses(tmp_path):
         scalar_loads = len(re.findall(r"ld\.global(?:\.nc)?\.[buf]\d+", body))
         scalar_stores = len(re.findall(r"st\.global(?:\.wb)?\.[buf]\d+", body))
         assert wide_loads >= 1 and wide_stores >= 1, name
-        allowed = 1 if kind == "copy_vectorized" else 0
-        assert scalar_loads <= allowed and scalar_stores <= allowed, (name, scalar_loads,
-                                                                     scalar_stores)
+        if kind == "transpose_wide_tiles_any_alignment":
+            k_vec = vec[re.search(r"I([tjm])E", name).group(1)]
+            assert wide_loads == 5 and wide_stores == 4, (name, wide_loads, wide_stores)
+            allowed_loads, allowed_stores = 5 * k_vec, 4 * (k_vec + 1)
+        else:
+            allowed_loads = allowed_stores = 1 if kind == "copy_vectorized" else 0
+        assert scalar_loads <= allowed_loads and scalar_stores <= allowed_stores, (
+            name, scalar_loads, scalar_stores)
         checked[kind] += 1
-    assert checked == {"copy_vectorized": 3, "transpose_wide_tiles": 3}  # per element size
+    # one instantiation per element size
+    assert checked == {"copy_vectorized": 3, "transpose_wide_tiles_any_alignment": 3,
+                       "transpose_wide_tiles": 3}

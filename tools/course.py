@@ -145,6 +145,14 @@ def job_test(args):
     return steps.summary()
 
 
+def run_benchmarks(steps, chapter):
+    """The chapter's benchmark, and its launch-shape tuning script if it has one (tune_*.py:
+    the measurements a version=None dispatch table was read from)."""
+    for script in sorted(chapter.glob("tune_*.py")) + [next(chapter.glob("bench_*.py"))]:
+        kind = "tuning" if script.name.startswith("tune_") else "benchmark"
+        steps.run(f"{chapter.name} {kind}", [sys.executable, script.name], cwd=chapter, echo=True)
+
+
 def job_main(args):
     import torch
     steps = Steps()
@@ -155,8 +163,7 @@ def job_main(args):
         pip_install(steps, chapter)
         steps.run(f"{chapter.name} example", [sys.executable, "example_usage.py"], cwd=chapter,
                   echo=True)
-        bench = next(chapter.glob("bench_*.py"))
-        steps.run(f"{chapter.name} benchmark", [sys.executable, bench.name], cwd=chapter, echo=True)
+        run_benchmarks(steps, chapter)
     steps.run("report", [sys.executable, str(ROOT / "tools" / "report.py")], echo=True)
     return steps.summary()
 
@@ -194,9 +201,7 @@ def job_gpu_pass(args):
                        f"--junitxml={junit}"], cwd=chapter, junit=junit,
                       env={"PYTORCH_NO_CUDA_MEMORY_CACHING": "1", "COURSE_EXT_ROUTE": "installed"})
         if "bench" in stages:
-            bench = next(chapter.glob("bench_*.py"))
-            steps.run(f"{chapter.name} benchmark", [sys.executable, bench.name], cwd=chapter,
-                      echo=True)
+            run_benchmarks(steps, chapter)
         profile = next(chapter.glob("profile_*.py"), None)
         if "profile" in stages and profile is not None:
             steps.run(f"{chapter.name} ncu profile", [sys.executable, profile.name], cwd=chapter,

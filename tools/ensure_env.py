@@ -20,6 +20,9 @@ REQUIREMENTS = {
              "numpy": "numpy", "matplotlib": "matplotlib"},
     "test": {"pytest": "pytest", "nbformat": "nbformat", "nbclient": "nbclient",
              "ipykernel": "ipykernel"},
+    # Only on request (`python tools/ensure_env.py notebook`): what opening the notebooks in a
+    # browser needs. The test commands execute notebooks headless and do not need it.
+    "notebook": {"jupyterlab": "jupyterlab", "ipykernel": "ipykernel", "matplotlib": "matplotlib"},
 }
 
 

@@ -28,13 +28,14 @@ def course_rows(record):
 
 
 def best_rows(record):
-    """For each (op, dtype, shape): the fastest course variant, and the torch baseline."""
+    """For each (op, dtype, shape, view): the fastest rung of the ladder (not the default
+    dispatch, which runs one of them), and the torch baseline."""
     groups = {}
     for r in course_rows(record):
-        groups.setdefault((r["op"], r["dtype"], tuple(r["shape"])), []).append(r)
+        groups.setdefault((r["op"], r["dtype"], tuple(r["shape"]), r.get("view")), []).append(r)
     out = []
     for key, rs in groups.items():
-        ours = [r for r in rs if not r["variant"].startswith("torch")]
+        ours = [r for r in rs if not r["variant"].startswith("torch") and r["variant"] != "default"]
         base = next((r for r in rs if r["variant"] == "torch"), None)
         if ours:
             out.append((key, max(ours, key=lambda r: r.get("GBps", r.get("TFLOPs", 0))), base))
@@ -46,10 +47,10 @@ def headline(record):
     measured shape, every dtype: best course version against PyTorch."""
     best = best_rows(record)
     op = record.get("headline_op", best[0][0][0])
-    shape = next(key[2] for key, _, _ in best if key[0] == op)
+    shape = next(key[2] for key, _, _ in best if key[0] == op and key[3] is None)
     parts = [f"{key[1]} {r['variant']} {r['GBps']:.0f} GB/s ({r['pct_of_copy']:.0f}% of copy, "
              f"{r['speedup_vs_torch']:.2f}x PyTorch)"
-             for key, r, _ in best if key[0] == op and key[2] == shape]
+             for key, r, _ in best if key[0] == op and key[2] == shape and key[3] is None]
     return f"`{op}` {results.format_shape(shape)}: " + "; ".join(parts)
 
 
@@ -71,8 +72,12 @@ def chapter_table(record):
              "|---|---|---|---|---|---|---|---|"]
     for r in course_rows(record):
         bold = "**" if r["variant"].startswith("torch") else ""
-        lines.append(f"| {r['op']} | {r['dtype']} | {results.format_shape(r['shape'])} | "
-                     f"{bold}{r['variant']}{bold} | {r['median_ms']:.3f} | {r['GBps']:.0f} | "
+        size = results.format_shape(r["shape"]) + (
+            f" ({r['view']} of {results.format_shape(r.get('base_shape', r['shape']))})"
+            if r.get("view") else "")
+        variant = r["variant"] + (f" -> {r['dispatch']}" if r.get("dispatch") else "")
+        lines.append(f"| {r['op']} | {r['dtype']} | {size} | "
+                     f"{bold}{variant}{bold} | {r['median_ms']:.3f} | {r['GBps']:.0f} | "
                      f"{r['pct_of_copy']:.1f} | {r['speedup_vs_torch']:.3f} |")
     if "build" in record:
         b = record["build"]

@@ -5,21 +5,21 @@ Chapter 1 of the course: elementwise CUDA kernels as PyTorch ops.
 Every op takes CPU or CUDA tensors of float32, float16, bfloat16 or float64, of any shape
 (inputs of a binary op must match exactly: no broadcasting, no type promotion), contiguous or
 not, and is differentiable. `version=` picks a rung of the kernel ladder (see VERSIONS and the
-chapter README); None picks the best one. On the CPU there is one C++ implementation and the
-version is only validated.
+chapter README); None lets the dispatch pick by size, dtype and alignment (default_choice says
+what it picks). On the CPU there is one C++ implementation and the version is only validated.
 """
 from pathlib import Path
 
 import torch
 
-__all__ = ["vector_add", "saxpy", "relu", "VERSIONS", "BEST_VERSION", "EXTENSION"]
+__all__ = ["vector_add", "saxpy", "relu", "default_choice", "VERSIONS", "EXTENSION"]
 
-# Each op's ladder in teaching order: "uncoalesced" is the deliberately bad foil, v1..v4 the
-# rungs (one thread per element, grid-stride loop, 128-bit vectorized, vectorized + ILP).
+# Each op's ladder in teaching order: "uncoalesced" is the deliberately bad foil, v1..v5 the
+# rungs (one thread per element, grid-stride loop, 128-bit vectorized, vectorized + ILP, and
+# the same kernel launched in the shape the size calls for).
 # test_cuda_basics.py holds this table against the versions the extension dispatches.
-_LADDER = ("uncoalesced", "v1", "v2", "v3", "v4")
+_LADDER = ("uncoalesced", "v1", "v2", "v3", "v4", "v5")
 VERSIONS = {"vector_add": _LADDER, "saxpy": _LADDER, "relu": _LADDER}
-BEST_VERSION = "v4"  # what version=None runs on CUDA (the fastest on the H100, see results/)
 
 
 try:  # installed: setup.py ships the shared loader inside the package
@@ -46,3 +46,11 @@ def saxpy(alpha, x, y, *, version=None):
 def relu(x, *, version=None):
     """max(x, 0) elementwise; NaN stays NaN, as in torch.relu."""
     return torch.ops.cuda_basics.relu(x, version)
+
+
+def default_choice(numel, dtype, *, aligned=True):
+    """What version=None runs on CUDA for `numel` elements of `dtype`: (version, threads per
+    block, 16-byte vectors per thread), the last two 0 for the scalar rungs. `aligned`: whether
+    every pointer is 16-byte aligned (a view such as x[1:] is not). The rules live in
+    elementwise.h, section "version=None"."""
+    return tuple(torch.ops.cuda_basics.default_choice(int(numel), dtype, bool(aligned)))

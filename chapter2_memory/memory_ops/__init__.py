@@ -4,23 +4,23 @@ Chapter 2 of the course: what moving data costs on a GPU, as PyTorch ops.
 
 Every op takes CPU or CUDA tensors of float32, float16, bfloat16 or float64, contiguous or
 not, and is differentiable. `version=` picks a rung of an op's kernel ladder (see VERSIONS and
-the chapter README); None picks the best one. On the CPU there is one C++ implementation and
-the version is only validated.
+the chapter README); None lets the dispatch pick from the input's strides and alignment
+(default_choice says what it picks). On the CPU there is one C++ implementation and the version
+is only validated.
 """
 from pathlib import Path
 
 import torch
 
-__all__ = ["copy", "strided_copy", "transpose", "VERSIONS", "BEST_VERSION", "EXTENSION"]
+__all__ = ["copy", "strided_copy", "transpose", "default_choice", "VERSIONS", "EXTENSION"]
 
 # Each ladder in teaching order (memory_kernels.cu says what every rung fixes):
 #   copy:      v1 one element per thread, v2 16-byte vectors with 4 in flight per thread;
 #   transpose: v1 naive (scattered writes), v2 32x32 shared-memory tile, v3 the tile padded
-#              against bank conflicts, v4 wide tiles (16-byte accesses, 4 per thread).
+#              against bank conflicts, v4 wide tiles (16-byte accesses, 4 per thread), v5 wide
+#              tiles at any alignment (each row segment aligned on its own).
 # test_memory_ops.py holds this table against the versions the extension dispatches.
-VERSIONS = {"copy": ("v1", "v2"), "transpose": ("v1", "v2", "v3", "v4")}
-# What version=None runs on CUDA (the fastest on the H100, see results/).
-BEST_VERSION = {"copy": "v2", "transpose": "v4"}
+VERSIONS = {"copy": ("v1", "v2"), "transpose": ("v1", "v2", "v3", "v4", "v5")}
 
 try:  # installed: setup.py ships the shared loader inside the package
     from ._loader import load_extension
@@ -41,6 +41,13 @@ def copy(x, *, version=None):
 def strided_copy(x, stride):
     """x.flatten()[::stride] as a new contiguous 1-D tensor: reads every stride-th element."""
     return torch.ops.memory_ops.strided_copy(x, int(stride))
+
+
+def default_choice(op, x):
+    """What `op(x, version=None)` runs: the rung's name, or "copy" for a transpose whose input
+    already holds the transpose in memory order (x.t() of a contiguous matrix). The rules live
+    in memory.h (default_transpose)."""
+    return torch.ops.memory_ops.default_choice(op, x)
 
 
 def transpose(x, *, version=None):

@@ -104,8 +104,22 @@ def time_fn(fn, device):
     return time_cuda(fn) if str(device).startswith("cuda") else time_cpu(fn)
 
 
+def warm_up_gpu(seconds=1.0):
+    """Keep the GPU busy for a while before anything is timed: an idle H100 sits at a low clock
+    (345 MHz read by nvidia-smi before the chapter 1 tuning run) and takes a moment to settle."""
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize()
+
+
 def copy_ceiling(device, n=2**28, dtype=torch.float32):
-    """Device-to-device copy bandwidth (bytes read + bytes written): the memory ceiling."""
+    """Device-to-device copy bandwidth (bytes read + bytes written): the memory ceiling.
+    Measured first in every benchmark, after warming the GPU up."""
+    if str(device).startswith("cuda"):
+        warm_up_gpu()
     src = torch.randn(n, dtype=dtype, device=device)
     dst = torch.empty_like(src)
     timing = time_fn(lambda: dst.copy_(src), device)

@@ -14,9 +14,7 @@ def plot_sweep(ax, record, op, dtype, variants=None, title=None, x=None, xlabel=
     for variant in variants:
         pts = sorted((x(r), r["GBps"]) for r in sweep if r["variant"] == variant)
         if pts:
-            style = dict(color="black", linestyle="--") if variant.startswith("torch") else {}
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=variant,
-                    **style)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], **{"label": variant, **_style(variant)})
     copy = record["ceilings"].get("copy_GBps")
     if ceiling and copy:
         ax.axhline(copy, color="grey", linestyle=":", label=f"copy ceiling {copy:.0f} GB/s")
@@ -29,14 +27,29 @@ def plot_sweep(ax, record, op, dtype, variants=None, title=None, x=None, xlabel=
     ax.legend(fontsize=7)
 
 
-def plot_bars(ax, record, op, dtype, shape, title=None):
+def _style(variant):
+    """torch baselines dashed black; the default dispatch a wide pale band drawn under the
+    rungs, so the envelope it follows shows through; rungs plain lines with markers."""
+    if variant.startswith("torch"):
+        return dict(color="black", linestyle="--", marker="o", ms=3)
+    if variant == "default":
+        return dict(color="tab:orange", linewidth=7, alpha=0.35, zorder=0,
+                    label="default (version=None)")
+    return dict(marker="o", ms=3)
+
+
+def plot_bars(ax, record, op, dtype, shape, title=None, view=None):
     """GB/s of every variant at one size, with the copy ceiling: the ladder at a glance."""
     picked = [r for r in rows(record, op=op, dtype=dtype) if r["shape"] == list(shape)
-              and not r.get("sweep")]
-    names = [r["variant"] for r in picked]
+              and not r.get("sweep") and r.get("view") == view]
+    # Long baseline names (torch.transpose(-2,-1)) would overlap their neighbours: break them
+    # at the dot and set every label at an angle.
+    names = [r["variant"].replace(".", ".\n", 1) for r in picked]
     values = [r["GBps"] for r in picked]
-    colors = ["black" if n.startswith("torch") else "tab:blue" for n in names]
-    bars = ax.bar(names, values, color=colors)
+    colors = ["black" if r["variant"].startswith("torch") else
+              "tab:orange" if r["variant"] == "default" else "tab:blue" for r in picked]
+    bars = ax.bar(range(len(names)), values, color=colors)
+    ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
     for bar, r in zip(bars, picked):
         if "pct_of_copy" in r:
             ax.annotate(f"{r['pct_of_copy']:.0f}%", (bar.get_x() + bar.get_width() / 2,
@@ -46,8 +59,8 @@ def plot_bars(ax, record, op, dtype, shape, title=None):
         ax.axhline(ceiling, color="grey", linestyle=":", label="copy ceiling")
         ax.legend(fontsize=7)
     ax.set_ylabel("GB/s")
-    ax.set_title(title or f"{op} {dtype}, {format_shape(shape)} elements: {label(record)}",
-                 fontsize=9)
+    what = f"{view} ({format_shape(shape)})" if view else f"{format_shape(shape)} elements"
+    ax.set_title(title or f"{op} {dtype}, {what}\n{label(record)}", fontsize=9)
     ax.tick_params(axis="x", labelsize=8)
 
 

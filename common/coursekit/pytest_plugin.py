@@ -29,6 +29,17 @@ def poison_allocator(like):
     del block
 
 
+def launched_kernels(call, namespace):
+    """Run call() under the profiler and return the names of the CUDA kernels it launched from
+    `namespace` (demangled, template arguments included): how a test sees which rung a
+    version=None dispatch really ran."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = call()
+        torch.cuda.synchronize()
+    return out, [e.name for e in prof.events() if namespace in e.name]
+
+
 def require_cuda():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU visible")

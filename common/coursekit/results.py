@@ -86,3 +86,45 @@ def format_shape(shape):
 
 def label(record):
     return f"{record['device']['name']}, {record['date'][:10]}"
+
+
+# Fields of a row that are figures or bookkeeping, not part of what was measured: two rows
+# that differ only in these (and the variant) measured the same thing (CONVENTIONS section 5).
+FIGURE_FIELDS = {"variant", "dispatch", "median_ms", "min_ms", "max_ms", "p10_ms", "p90_ms",
+                 "reps", "GBps", "pct_of_copy", "speedup_vs_torch", "calls_per_replay",
+                 "input_sets", "TFLOPs", "pct_of_mm", "repeat", "other_median_ms"}
+
+
+def measurement_key(row):
+    """What a row measured (op, dtype, shape, pass, view, sweep, ...), without its figures."""
+    return tuple(sorted((k, repr(v)) for k, v in row.items() if k not in FIGURE_FIELDS))
+
+
+def default_gaps(record, rungs, ratio=0.95):
+    """Where version=None falls short: every measurement of `rungs` with no "default" row
+    beside it (stale results), or whose default is slower than `ratio` x the fastest rung.
+    Returns a list of human-readable problems; empty means the dispatch held everywhere."""
+    groups = {}
+    for r in record["benchmarks"]:
+        groups.setdefault(measurement_key(r), []).append(r)
+    problems = []
+    for rows in groups.values():
+        measured = [r for r in rows if r["variant"] in rungs]
+        if not measured:
+            continue
+        first = measured[0]
+        where = f"{first['op']} {first['dtype']} {format_shape(first['shape'])}" + (
+            f" ({first['view']} of {format_shape(first.get('base_shape', first['shape']))})"
+            if first.get("view") else "") + (
+            f" {first['pass']}" if first.get("pass") else "") + (" sweep" if first.get("sweep") else "")
+        default = next((r for r in rows if r["variant"] == "default"), None)
+        if default is None:
+            problems.append(f"{where}: no default row (results older than the dispatch?)")
+            continue
+        best = min(measured, key=lambda r: r["median_ms"])
+        if best["median_ms"] / default["median_ms"] < ratio:
+            problems.append(f"{where}: default ({default.get('dispatch', '?')}) "
+                            f"{default['median_ms'] * 1e3:.2f} us is "
+                            f"{best['median_ms'] / default['median_ms']:.3f}x the best rung "
+                            f"({best['variant']}, {best['median_ms'] * 1e3:.2f} us)")
+    return problems

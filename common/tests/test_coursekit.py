@@ -116,6 +116,36 @@ def test_format_shape():
     assert results.format_shape([1]) == "1"
 
 
+def _row(variant, ms, **fields):
+    return {"op": "vector_add", "variant": variant, "dtype": "float32", "shape": [1024],
+            "sweep": True, "median_ms": ms, "GBps": 1.0 / ms, **fields}
+
+
+def test_default_gaps_holds_the_default_to_the_best_rung():
+    rungs = ("v1", "v2")
+    record = {"benchmarks": [_row("torch", 1.0), _row("v1", 2.0), _row("v2", 1.0),
+                             _row("default", 1.04, dispatch="v2"),
+                             # another measurement: same op and dtype, another view
+                             _row("v1", 1.0, view="x[1:]"), _row("default", 1.2, view="x[1:]",
+                                                                 dispatch="v2")]}
+    gaps = results.default_gaps(record, rungs)
+    assert len(gaps) == 1 and "x[1:]" in gaps[0] and "0.833x the best rung (v1" in gaps[0]
+    assert results.default_gaps(record, rungs, ratio=0.8) == []
+
+
+def test_default_gaps_reports_results_without_a_default_as_stale():
+    record = {"benchmarks": [_row("v1", 2.0), _row("v2", 1.0)]}
+    assert results.default_gaps(record, ("v1", "v2")) == [
+        "vector_add float32 2^10 sweep: no default row (results older than the dispatch?)"]
+
+
+def test_rows_that_differ_only_in_figures_measured_the_same_thing():
+    a = _row("v1", 1.0, reps=30, p10_ms=0.9)
+    b = _row("default", 2.0, dispatch="v1", calls_per_replay=8)
+    assert results.measurement_key(a) == results.measurement_key(b)
+    assert results.measurement_key(a) != results.measurement_key(_row("v1", 1.0, view="x[1:]"))
+
+
 def test_report_fills_inline_and_block_markers(tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text("a <!-- results:x:begin -->old<!-- results:x:end --> b\n"

@@ -4,6 +4,7 @@
 // itself never throws and never includes torch headers, so it builds with a bare `nvcc -c`.
 #pragma once
 
+#include <course/index_math.h>
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -18,11 +19,6 @@
   } while (0)
 
 namespace course {
-
-template <typename T>
-__host__ __device__ constexpr T ceil_div(T a, T b) {
-  return (a + b - 1) / b;
-}
 
 // Streaming multiprocessor count of the current device, cached per device because the
 // attribute query is a driver round trip that would otherwise sit in every launch.
@@ -52,10 +48,6 @@ cudaError_t resident_grid(Kernel kernel, int block_threads, int64_t* blocks) {
   COURSE_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, block_threads, 0));
   *blocks = static_cast<int64_t>(sms) * (per_sm > 0 ? per_sm : 1);
   return cudaSuccess;
-}
-
-inline bool is_aligned(const void* p, uintptr_t bytes) {
-  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }
 
 }  // namespace course

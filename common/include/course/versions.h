@@ -34,19 +34,29 @@ std::vector<std::string> version_names(const NamedVersion<Version> (&table)[N]) 
   return names;
 }
 
-// None picks `best`; the same names are accepted on every device, so a typo fails on the CPU
-// exactly as it would on CUDA.
+// The rung a `version=` string names, or nullopt for None: the chapter's own dispatch then picks
+// by size, dtype, alignment and shape (CONVENTIONS section 5). The same names are accepted on
+// every device, so a typo fails on the CPU exactly as it would on CUDA.
 template <typename Version, size_t N>
-Version parse_version(const char* op, OptVersion version, const NamedVersion<Version> (&table)[N],
-                      Version best) {
-  if (!version.has_value()) return best;
+std::optional<Version> parse_version(const char* op, OptVersion version,
+                                     const NamedVersion<Version> (&table)[N]) {
+  if (!version.has_value()) return std::nullopt;
   std::string list;
   for (const auto& v : table) {
     if (as_std(*version) == v.name) return v.version;
     list += (list.empty() ? "" : ", ") + std::string(v.name);
   }
   TORCH_CHECK(false, op, ": unknown version '", std::string(as_std(*version)),
-              "'; expected one of ", list, " (or None for the best)");
+              "'; expected one of ", list, " (or None for the default dispatch)");
+}
+
+// The name of a rung, for reporting what the dispatch chose.
+template <typename Version, size_t N>
+std::string version_name(const NamedVersion<Version> (&table)[N], Version version) {
+  for (const auto& v : table) {
+    if (v.version == version) return v.name;
+  }
+  TORCH_CHECK(false, "unreachable: a version missing from its table");
 }
 
 }  // namespace course
