@@ -234,6 +234,42 @@ __global__ void elementwise_vectorized_ilp(Fn fn, const T* __restrict__ a, const
 }
 
 // ---------------------------------------------------------------------------------------------
+// v5 on a misaligned view (x[1:]: pointers 2-8 bytes past a 16-byte boundary). No 16-byte
+// access is possible, so v3 and v4 fall back to v2, one element per thread in flight. v5 keeps
+// its shape instead: each thread loads the kLanes elements a vector would hold, one by one
+// but all before the first is used (lane k of the warp takes element base + u * blockDim + k,
+// so each of the kLanes loads is coalesced), which puts the same 16 bytes per thread in
+// flight as the vector does. PyTorch's kernel for unaligned inputs does the same (its
+// "unrolled" loop: several scalar loads per thread, issued together).
+// ---------------------------------------------------------------------------------------------
+template <bool kBinary, typename T, typename Fn>
+__global__ void elementwise_scalar_ilp(Fn fn, const T* __restrict__ a, const T* __restrict__ b,
+                                       T* __restrict__ out, int64_t n) {
+  constexpr int kPerThread = Vec16<T>::kLanes;
+  const int64_t first =
+      static_cast<int64_t>(blockIdx.x) * blockDim.x * kPerThread + threadIdx.x;
+  T x[kPerThread];
+  T y[kPerThread];
+#pragma unroll
+  for (int u = 0; u < kPerThread; ++u) {
+    const int64_t i = first + static_cast<int64_t>(u) * blockDim.x;
+    if (i < n) {  // the last block runs past n unless n is a multiple of its elements
+      x[u] = a[i];
+      if constexpr (kBinary) y[u] = b[i];
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < kPerThread; ++u) {
+    const int64_t i = first + static_cast<int64_t>(u) * blockDim.x;
+    if (i < n) {
+      typename Acc<T>::type yu = 0;
+      if constexpr (kBinary) yu = to_acc(y[u]);
+      out[i] = from_acc<T>(fn(to_acc(x[u]), yu));
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Launch configuration, from n and the device.
 // ---------------------------------------------------------------------------------------------
 template <typename Kernel>
@@ -284,11 +320,11 @@ cudaError_t launch_typed(const Fn& fn, const ElementwiseParams& p, cudaStream_t 
   KernelVersion version = p.version;
   const bool vector_ok = course::is_aligned(a, 16) && course::is_aligned(out, 16) &&
                          (!kBinary || course::is_aligned(b, 16));
-  // A view that starts mid-vector (x[1:]) cannot use 16-byte accesses: fall back to v2.
-  // (version=None never gets here with such a view: default_version picks a scalar rung.)
-  const bool vectorized = version == KernelVersion::kV3 || version == KernelVersion::kV4 ||
-                          version == KernelVersion::kV5;
-  if (vectorized && !vector_ok) version = KernelVersion::kV2;
+  // A view that starts mid-vector (x[1:]) cannot use 16-byte accesses: v3 and v4 fall back
+  // to v2; v5 runs its scalar form (elementwise_scalar_ilp).
+  if ((version == KernelVersion::kV3 || version == KernelVersion::kV4) && !vector_ok) {
+    version = KernelVersion::kV2;
+  }
 
   switch (version) {
     case KernelVersion::kUncoalesced: {
@@ -324,9 +360,14 @@ cudaError_t launch_typed(const Fn& fn, const ElementwiseParams& p, cudaStream_t 
     }
     case KernelVersion::kV4:
       return launch_vectorized_ilp<kBinary>(fn, a, b, out, n, {kBlockThreads, 4}, stream);
-    case KernelVersion::kV5:
-      return launch_vectorized_ilp<kBinary>(fn, a, b, out, n,
-                                            p.launch.threads ? p.launch : kV5Launch, stream);
+    case KernelVersion::kV5: {
+      const VectorLaunch shape = p.launch.threads ? p.launch : kV5Launch;
+      if (vector_ok) return launch_vectorized_ilp<kBinary>(fn, a, b, out, n, shape, stream);
+      const void* args[] = {&fn, &a, &b, &out, &n};
+      return launch_checked(elementwise_scalar_ilp<kBinary, T, Fn>,
+                            course::ceil_div<int64_t>(n, int64_t{shape.threads} * Vec16<T>::kLanes),
+                            stream, args, shape.threads);
+    }
   }
   return cudaErrorInvalidValue;
 }

@@ -148,16 +148,18 @@ Tensor tune_vector_add_impl(const Tensor& a, const Tensor& b, int64_t threads, i
                          {static_cast<int>(threads), static_cast<int>(vectors)});
 }
 
-// What version=None runs for n elements of `dtype`: the rung, and for v5 its launch shape
-// (threads per block, 16-byte vectors per thread); (0, 0) for the scalar rungs. Arithmetic
-// on the arguments alone, so any machine can ask.
-std::tuple<std::string, int64_t, int64_t> default_choice(int64_t n, at::ScalarType dtype,
-                                                         bool aligned) {
+// What version=None runs for n elements of `dtype`: the rung, its kernel ("vectorized", or
+// "scalar" for v5 on a misaligned view), threads per block, and elements each thread moves.
+// Arithmetic on the arguments alone, so any machine can ask.
+std::tuple<std::string, std::string, int64_t, int64_t> default_choice(int64_t n,
+                                                                      at::ScalarType dtype,
+                                                                      bool aligned) {
   TORCH_CHECK(n >= 0, "default_choice: n must be >= 0, got ", std::to_string(n));
-  const KernelVersion v =
-      default_version(n, static_cast<int>(c10::elementSize(dtype)), aligned);
-  const VectorLaunch shape = v == KernelVersion::kV5 ? kV5Launch : VectorLaunch{};
-  return {::course::version_name(kVersions, v), shape.threads, shape.vectors};
+  const int64_t elem_bytes = c10::elementSize(dtype);
+  const KernelVersion v = default_version(n, static_cast<int>(elem_bytes), aligned);
+  TORCH_CHECK(v == KernelVersion::kV5, "unreachable: default_choice knows v5's launch only");
+  return {::course::version_name(kVersions, v), aligned ? "vectorized" : "scalar",
+          kV5Launch.threads, kV5Launch.vectors * 16 / elem_bytes};
 }
 
 // Autograd. Each forward re-enters the dispatcher below the Autograd key, so it reaches the
@@ -228,7 +230,7 @@ TORCH_LIBRARY(cuda_basics, m) {
   m.def("saxpy(float alpha, Tensor x, Tensor y, str? version=None) -> Tensor");
   m.def("relu(Tensor x, str? version=None) -> Tensor");
   m.def("versions(str op) -> str[]", &versions);
-  m.def("default_choice(int n, ScalarType dtype, bool aligned) -> (str, int, int)",
+  m.def("default_choice(int n, ScalarType dtype, bool aligned) -> (str, str, int, int)",
         &default_choice);
   m.def("tune_vector_add(Tensor a, Tensor b, int threads, int vectors) -> Tensor");
 }

@@ -152,45 +152,38 @@ def test_every_listed_version_dispatches_and_others_do_not(device):
             cuda_basics.relu(x, version=bad)
 
 
-# version=None (elementwise.h, "version=None"): aligned inputs take v5 in its 256 x 1 shape at
-# every size; misaligned ones the scalar rung of kScalarSteps, tested on both sides of every step.
-DISPATCH_CASES = [
-    *[(n, dtype, True, "v5") for n in (0, 1, 2**16, 2**28, 2**40) for dtype in DTYPES],
-    (2**19 - 1, torch.bfloat16, False, "v1"), (2**19, torch.bfloat16, False, "v2"),
-    (2**19 - 1, torch.float16, False, "v1"), (2**19, torch.float16, False, "v2"),
-    (2**40, torch.bfloat16, False, "v2"),
-    (2**22 - 1, torch.float32, False, "v1"), (2**22, torch.float32, False, "v2"),
-    (2**24 - 1, torch.float32, False, "v2"), (2**24, torch.float32, False, "v1"),
-    (1, torch.float64, False, "v1"), (2**30, torch.float64, False, "v1"),
-]
+# version=None (elementwise.h, "version=None"): v5 at every size, its vectorized kernel on
+# aligned inputs and its scalar form on misaligned views, 256 threads x 16 bytes per thread.
+DISPATCH_CASES = [(n, dtype, aligned) for n in (0, 1, 2**16, 2**24 + 3, 2**40)
+                  for dtype in DTYPES for aligned in (True, False)]
 
 
-@pytest.mark.parametrize("n, dtype, aligned, expected", DISPATCH_CASES,
+@pytest.mark.parametrize("n, dtype, aligned", DISPATCH_CASES,
                          ids=lambda v: dtype_id(v) if isinstance(v, torch.dtype) else str(v))
-def test_default_choice_at_every_threshold(n, dtype, aligned, expected):
-    version, threads, vectors = cuda_basics.default_choice(n, dtype, aligned=aligned)
-    assert version == expected
-    assert (threads, vectors) == ((256, 1) if expected == "v5" else (0, 0))
+def test_default_choice(n, dtype, aligned):
+    per_thread = 16 // torch.empty((), dtype=dtype).element_size()
+    assert cuda_basics.default_choice(n, dtype, aligned=aligned) == (
+        "v5", "vectorized" if aligned else "scalar", 256, per_thread)
 
 
-# The kernel each rung launches, as the profiler names it (template arguments included).
-KERNEL_OF = {"v1": "elementwise_thread_per_element<", "v2": "elementwise_grid_stride<",
-             "v5": "elementwise_vectorized_ilp<1,"}
+# The kernel each form launches, as the profiler names it (template arguments included).
+KERNEL_OF = {"vectorized": "elementwise_vectorized_ilp<1,", "scalar": "elementwise_scalar_ilp<"}
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("n, dtype, aligned, expected",
-                         [c for c in DISPATCH_CASES if c[0] <= 2**24 and c[0] > 0],
-                         ids=lambda v: dtype_id(v) if isinstance(v, torch.dtype) else str(v))
-def test_default_launches_its_choice(n, dtype, aligned, expected):
-    """version=None really runs the rung default_choice names (read from the profiler's kernel
-    names), and gets the right answer, on each side of every threshold."""
+@pytest.mark.parametrize("n", (1, 31, 2**16 + 3, 2**20))
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("aligned", (True, False), ids=("aligned", "misaligned"))
+def test_default_launches_its_choice(aligned, dtype, n):
+    """version=None really runs the kernel default_choice names (read from the profiler's
+    kernel names), on each side of the alignment boundary, and gets the right answer."""
     require_cuda()
     skip = 0 if aligned else 1  # x[1:]: 2 to 8 bytes past a 16-byte boundary
     a = torch.randn(n + skip, dtype=dtype, device="cuda")[skip:]
     b = torch.randn(n + skip, dtype=dtype, device="cuda")[skip:]
+    kernel = cuda_basics.default_choice(n, dtype, aligned=aligned)[1]
     out, kernels = launched_kernels(lambda: cuda_basics.vector_add(a, b), "cuda_basics")
-    assert len(kernels) == 1 and KERNEL_OF[expected] in kernels[0], kernels
+    assert len(kernels) == 1 and KERNEL_OF[kernel] in kernels[0], kernels
     assert_close(out, reference_vector_add(a, b), **tolerances(dtype))
 
 

@@ -76,7 +76,8 @@ def summarize(record):
         torch_rows = [r for r in rs if r["variant"] == "torch"]
         torch_ms = min(r["median_ms"] for r in torch_rows)
         noise = abs(torch_rows[0]["median_ms"] - torch_rows[-1]["median_ms"]) / torch_ms
-        version, threads, vectors = cuda_basics.default_choice(n, getattr(torch, dtype))
+        _, _, threads, per_thread = cuda_basics.default_choice(n, getattr(torch, dtype))
+        vectors = per_thread * torch.empty((), dtype=getattr(torch, dtype)).element_size() // 16
         picked = next(r for r in shapes if (r["threads"], r["vectors"]) == (threads, vectors))
         table.append({"dtype": dtype, "n": n, "best": best["variant"],
                       "best_ms": best["median_ms"], "picked": picked["variant"],

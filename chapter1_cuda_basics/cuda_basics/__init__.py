@@ -49,8 +49,8 @@ def relu(x, *, version=None):
 
 
 def default_choice(numel, dtype, *, aligned=True):
-    """What version=None runs on CUDA for `numel` elements of `dtype`: (version, threads per
-    block, 16-byte vectors per thread), the last two 0 for the scalar rungs. `aligned`: whether
-    every pointer is 16-byte aligned (a view such as x[1:] is not). The rules live in
-    elementwise.h, section "version=None"."""
+    """What version=None runs on CUDA for `numel` elements of `dtype`: (version, kernel,
+    threads per block, elements per thread). kernel is "vectorized" (16-byte accesses) or, on
+    a misaligned view (aligned=False, as for x[1:]), "scalar": the same elements per thread
+    loaded one by one. The rules live in elementwise.h, section "version=None"."""
     return tuple(torch.ops.cuda_basics.default_choice(int(numel), dtype, bool(aligned)))

@@ -100,13 +100,15 @@ def measurement_key(row):
     return tuple(sorted((k, repr(v)) for k, v in row.items() if k not in FIGURE_FIELDS))
 
 
-def default_gaps(record, rungs, ratio=0.95):
-    """Where version=None falls short: every measurement of `rungs` with no "default" row
-    beside it (stale results), or whose default is slower than `ratio` x the fastest rung.
-    Returns a list of human-readable problems; empty means the dispatch held everywhere."""
+def default_gaps(record, rungs, ratio=0.95, ops=None):
+    """Where version=None falls short: every measurement of `rungs` (of the ops named in
+    `ops`, default all) with no "default" row beside it (stale results), or whose default is
+    slower than `ratio` x the fastest rung. Returns a list of human-readable problems; empty
+    means the dispatch held everywhere."""
     groups = {}
     for r in record["benchmarks"]:
-        groups.setdefault(measurement_key(r), []).append(r)
+        if ops is None or r["op"] in ops:
+            groups.setdefault(measurement_key(r), []).append(r)
     problems = []
     for rows in groups.values():
         measured = [r for r in rows if r["variant"] in rungs]
