@@ -65,11 +65,17 @@ constexpr VectorLaunch kV5Launch{256, 1};
 
 // Misaligned views (x[1:]: every pointer 2-8 bytes past a 16-byte boundary) cannot use 16-byte
 // accesses. v5 then runs its scalar form, the same 16 bytes per thread in flight as single
-// elements (elementwise_kernels.cu). The benchmark's misaligned sweep measured it against the
-// scalar rungs v1 and v2 at every size (README, "version=None"), so version=None is v5 on
-// every input: the dispatch by alignment happens inside v5's launcher, which picks its vector
-// or its scalar kernel from the pointers it is given.
-inline KernelVersion default_version(int64_t /*n*/, int /*elem_bytes*/, bool /*aligned*/) {
+// elements (elementwise_kernels.cu): 8 elements per thread in 2-byte dtypes, 2048 per block.
+// The benchmark's misaligned sweep (README, "version=None") measured it against the scalar
+// rungs v1 and v2: from 2^20 elements on it is the fastest in every dtype (bfloat16 2^28: 1.6x
+// v2), but below, a 2-byte view has too few of those blocks to cover the SMs (32 at 2^16, the
+// problem v4 has on aligned inputs), and v1's one element per thread and 8x the blocks was
+// faster at 2^16 and 2^18. The threshold sits between the measured 2^18 and 2^20. In 4- and
+// 8-byte dtypes v5 has 2-4x the blocks and kept within a few percent of v1 at every size.
+constexpr int64_t kMisalignedSmallBelow = int64_t{1} << 19;
+
+inline KernelVersion default_version(int64_t n, int elem_bytes, bool aligned) {
+  if (!aligned && elem_bytes <= 2 && n < kMisalignedSmallBelow) return KernelVersion::kV1;
   return KernelVersion::kV5;
 }
 

@@ -148,18 +148,20 @@ Tensor tune_vector_add_impl(const Tensor& a, const Tensor& b, int64_t threads, i
                          {static_cast<int>(threads), static_cast<int>(vectors)});
 }
 
-// What version=None runs for n elements of `dtype`: the rung, its kernel ("vectorized", or
-// "scalar" for v5 on a misaligned view), threads per block, and elements each thread moves.
-// Arithmetic on the arguments alone, so any machine can ask.
+// What version=None runs for n elements of `dtype`: the rung, its kernel ("vectorized" for
+// v5, "scalar" for v5 on a misaligned view, "per_element" for v1), threads per block, and
+// elements each thread moves. Arithmetic on the arguments alone, so any machine can ask.
 std::tuple<std::string, std::string, int64_t, int64_t> default_choice(int64_t n,
                                                                       at::ScalarType dtype,
                                                                       bool aligned) {
   TORCH_CHECK(n >= 0, "default_choice: n must be >= 0, got ", std::to_string(n));
   const int64_t elem_bytes = c10::elementSize(dtype);
   const KernelVersion v = default_version(n, static_cast<int>(elem_bytes), aligned);
-  TORCH_CHECK(v == KernelVersion::kV5, "unreachable: default_choice knows v5's launch only");
-  return {::course::version_name(kVersions, v), aligned ? "vectorized" : "scalar",
-          kV5Launch.threads, kV5Launch.vectors * 16 / elem_bytes};
+  const std::string name = ::course::version_name(kVersions, v);
+  if (v == KernelVersion::kV1) return {name, "per_element", 256, 1};
+  TORCH_CHECK(v == KernelVersion::kV5, "unreachable: default_choice knows v1 and v5 only");
+  return {name, aligned ? "vectorized" : "scalar", kV5Launch.threads,
+          kV5Launch.vectors * 16 / elem_bytes};
 }
 
 // Autograd. Each forward re-enters the dispatcher below the Autograd key, so it reaches the

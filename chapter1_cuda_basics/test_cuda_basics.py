@@ -153,25 +153,33 @@ def test_every_listed_version_dispatches_and_others_do_not(device):
 
 
 # version=None (elementwise.h, "version=None"): v5 at every size, its vectorized kernel on
-# aligned inputs and its scalar form on misaligned views, 256 threads x 16 bytes per thread.
-DISPATCH_CASES = [(n, dtype, aligned) for n in (0, 1, 2**16, 2**24 + 3, 2**40)
+# aligned inputs and its scalar form on misaligned views, 256 threads x 16 bytes per thread;
+# except misaligned 2-byte views below kMisalignedSmallBelow = 2^19 elements, which take v1.
+SMALL = 2**19
+DISPATCH_CASES = [(n, dtype, aligned) for n in (0, 1, 2**16, SMALL - 1, SMALL, 2**24 + 3, 2**40)
                   for dtype in DTYPES for aligned in (True, False)]
+
+
+def expected_default(n, dtype, aligned):
+    size = torch.empty((), dtype=dtype).element_size()
+    if not aligned and size == 2 and n < SMALL:
+        return ("v1", "per_element", 256, 1)
+    return ("v5", "vectorized" if aligned else "scalar", 256, 16 // size)
 
 
 @pytest.mark.parametrize("n, dtype, aligned", DISPATCH_CASES,
                          ids=lambda v: dtype_id(v) if isinstance(v, torch.dtype) else str(v))
 def test_default_choice(n, dtype, aligned):
-    per_thread = 16 // torch.empty((), dtype=dtype).element_size()
-    assert cuda_basics.default_choice(n, dtype, aligned=aligned) == (
-        "v5", "vectorized" if aligned else "scalar", 256, per_thread)
+    assert cuda_basics.default_choice(n, dtype, aligned=aligned) == expected_default(n, dtype, aligned)
 
 
 # The kernel each form launches, as the profiler names it (template arguments included).
-KERNEL_OF = {"vectorized": "elementwise_vectorized_ilp<1,", "scalar": "elementwise_scalar_ilp<"}
+KERNEL_OF = {"vectorized": "elementwise_vectorized_ilp<1,", "scalar": "elementwise_scalar_ilp<",
+             "per_element": "elementwise_thread_per_element<"}
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("n", (1, 31, 2**16 + 3, 2**20))
+@pytest.mark.parametrize("n", (1, 31, 2**16 + 3, SMALL - 1, SMALL, 2**20))
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("aligned", (True, False), ids=("aligned", "misaligned"))
 def test_default_launches_its_choice(aligned, dtype, n):

@@ -50,7 +50,8 @@ def relu(x, *, version=None):
 
 def default_choice(numel, dtype, *, aligned=True):
     """What version=None runs on CUDA for `numel` elements of `dtype`: (version, kernel,
-    threads per block, elements per thread). kernel is "vectorized" (16-byte accesses) or, on
-    a misaligned view (aligned=False, as for x[1:]), "scalar": the same elements per thread
-    loaded one by one. The rules live in elementwise.h, section "version=None"."""
+    threads per block, elements per thread). kernel is "vectorized" (v5's 16-byte accesses);
+    on a misaligned view (aligned=False, as for x[1:]) "scalar" (v5 loading the same elements
+    one by one) or, for small 2-byte views, "per_element" (v1). The rules live in
+    elementwise.h, section "version=None"."""
     return tuple(torch.ops.cuda_basics.default_choice(int(numel), dtype, bool(aligned)))
