@@ -48,11 +48,11 @@ def _step(record, before, after, pct=False):
     return "; ".join(parts)
 
 
-def _against_torch(record, op, torch_name):
-    """The best rung (v4) in both dtypes, against PyTorch's own op."""
+def _against_torch(record, op, torch_name, variant="v4"):
+    """A rung (v4 unless named) in both dtypes, against PyTorch's own op."""
     parts = []
     for dtype in ("float32", "bfloat16"):
-        r = _row(record, "v4", op=op, dtype=dtype)
+        r = _row(record, variant, op=op, dtype=dtype)
         parts.append(f"{dtype} {_bw(r)}, {r['speedup_vs_torch']:.3f}x {torch_name}")
     return "; ".join(parts)
 
@@ -124,6 +124,114 @@ def occupancy(record):
         return _no_profile(record)
     return ", ".join(f"{v} {_prof(record, v)['achieved_occupancy_pct']:.0f}%"
                      for v in ("v1", "v2", "v3", "v4"))
+
+
+def _sweep(record, view=None):
+    """{(dtype, n): {variant: row}} of the vector_add sweep, aligned (view None) or x[1:]."""
+    out = {}
+    for r in record["benchmarks"]:
+        if r["op"] == "vector_add" and r.get("sweep") and r.get("view") == view:
+            out.setdefault((r["dtype"], r["shape"][0]), {})[r["variant"]] = r
+    return out
+
+
+def _pow(n):
+    return f"2^{n.bit_length() - 1}"
+
+
+def _rungs(by):
+    return [r for v, r in by.items() if v not in ("torch", "default")]
+
+
+def sweep_bar(record):
+    """The issue's bar: at every sweep size, the best rung and the default against torch.add."""
+    parts = []
+    for dtype in ("float32", "bfloat16"):
+        at = {n: by for (d, n), by in _sweep(record).items() if d == dtype}
+        best = {n: max(r["speedup_vs_torch"] for r in _rungs(by)) for n, by in at.items()}
+        default = {n: by["default"]["speedup_vs_torch"] for n, by in at.items()}
+        nb, nd = min(best, key=best.get), min(default, key=default.get)
+        parts.append(f"{dtype}: the best rung at least {best[nb]:.3f}x (at {_pow(nb)}), the default "
+                     f"at least {default[nd]:.3f}x (at {_pow(nd)})")
+    sizes = sorted({n for _, n in _sweep(record)})
+    return (f"{'; '.join(parts)}, over every size from {_pow(sizes[0])} to {_pow(sizes[-1])} "
+            f"({_where(record)})")
+
+
+def v4_small(record):
+    """v4 against torch.add at the smallest sweep size, both dtypes."""
+    sweep = _sweep(record)
+    n = min(n for _, n in sweep)
+    return "; ".join(f"{d} {sweep[(d, n)]['v4']['speedup_vs_torch']:.2f}x" for d in ("float32", "bfloat16"))
+
+
+def v5(record):
+    return _against_torch(record, "vector_add", "torch.add", "v5")
+
+
+def _tuning(record):
+    tuning = record.get("tuning")
+    if not tuning:
+        return None
+    table = {}
+    for r in tuning["benchmarks"]:
+        if "threads" in r:
+            table.setdefault((r["dtype"], r["shape"][0]), {})[(r["threads"], r["vectors"])] = r["median_ms"]
+    return tuning, table
+
+
+def tuning(record):
+    found = _tuning(record)
+    if found is None:
+        return "(no tuning results recorded yet: run python tune_cuda_basics.py on a GPU)"
+    tuning, table = found
+    parts = []
+    for shape in ((256, 1), (256, 4)):
+        worst = max(((by[shape] / min(by.values()), n, d) for (d, n), by in table.items()))
+        parts.append(f"{shape[0]} x {shape[1]} at most {worst[0]:.2f}x the fastest shape "
+                     f"(worst: {worst[2]} at {_pow(worst[1])})")
+    sizes = sorted({n for _, n in table})
+    return (f"{parts[0]}, where v4's {parts[1]}, over {len(next(iter(table.values())))} shapes x "
+            f"{len(sizes)} sizes ({_pow(sizes[0])} to {_pow(sizes[-1])}) x 2 dtypes "
+            f"({_where(tuning)})")
+
+
+def torch_launch(record):
+    profile = record.get("profile")
+    rows = [] if not profile else [r for r in profile["benchmarks"] if r["op"] == "vector_add_launch"]
+    if not rows:
+        return _no_profile(record)
+    n = min(r["shape"][0] for r in rows)
+    at = {(r["dtype"], r["variant"]): r for r in rows if r["shape"][0] == n}
+    parts = []
+    for d in ("float32", "bfloat16"):
+        t = at[(d, "torch")]
+        vec = t["kernel"].split("vectorized_elementwise_kernel<")[1].split(",")[0]
+        parts.append(f"{d}: torch.add {t['grid_blocks']:.0f} blocks of {t['block_threads']:.0f} "
+                     f"threads, {t['elements_per_thread']:.0f} elements per thread (vector width "
+                     f"{vec}), {t['registers_per_thread']:.0f} registers; v4 "
+                     f"{at[(d, 'v4')]['grid_blocks']:.0f} blocks of "
+                     f"{at[(d, 'v4')]['block_threads']:.0f}; v5 {at[(d, 'v5')]['grid_blocks']:.0f} "
+                     f"blocks of {at[(d, 'v5')]['block_threads']:.0f}")
+    return f"at {_pow(n)} elements, {'; '.join(parts)} (ncu, {_where(profile)})"
+
+
+def misaligned(record):
+    sweep = _sweep(record, view="x[1:]")
+    big = max(n for _, n in sweep)
+    parts = []
+    for d in ("float32", "bfloat16"):
+        by = sweep[(d, big)]
+        parts.append(f"{d} {_pow(big)}: the default ({by['default']['dispatch']}, scalar form) "
+                     f"{by['default']['speedup_vs_torch']:.2f}x torch.add, v2 "
+                     f"{by['v2']['speedup_vs_torch']:.2f}x, v1 {by['v1']['speedup_vs_torch']:.2f}x")
+    small = min(n for _, n in sweep)
+    by = sweep[("bfloat16", small)]
+    parts.append(f"bfloat16 {_pow(small)}: v1 {by['v1']['median_ms'] * 1e3:.2f} us against v5's "
+                 f"scalar form {by['v5']['median_ms'] * 1e3:.2f} us")
+    worst = min(((by["default"]["speedup_vs_torch"], n, d) for (d, n), by in sweep.items()))
+    return "; ".join(parts) + (f". Lowest default against torch.add on x[1:]: {worst[0]:.2f}x "
+                               f"({worst[2]} {_pow(worst[1])})")
 
 
 FACTS = {name: fn for name, fn in list(globals().items())

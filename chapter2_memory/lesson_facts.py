@@ -56,7 +56,7 @@ def v4(record):
     parts = []
     for d in DTYPES:
         r = _row(record, "v4", dtype=d)
-        parts.append(f"{d} {_bw(r)}, {r['speedup_vs_torch']:.2f}x `x.t().contiguous()`")
+        parts.append(f"{d} {_bw(r)}, {r['speedup_vs_torch']:.2f}x PyTorch's copy of `x.t()`")
     return "; ".join(parts)
 
 
@@ -133,7 +133,8 @@ def host_to_device(record):
 
 def sweep(record):
     rows = {(r["shape"][0], r["variant"]): r for r in record["benchmarks"]
-            if r["op"] == "transpose" and r["sweep"]}
+            if r["op"] == "transpose" and r["sweep"] and r["dtype"] == "float32"
+            and r["shape"][0] == r["shape"][1]}
     sides = sorted({s for s, _ in rows})
     return ", ".join(f"{s}: {rows[(s, 'v4')]['GBps']:.0f} GB/s "
                      f"(PyTorch {rows[(s, 'torch')]['GBps']:.0f})" for s in sides)
@@ -190,6 +191,111 @@ def strided_dram(record):
     rows = [r for r in profile["benchmarks"] if r["op"] == "strided_copy"]
     return ", ".join(f"stride {r['stride']}: {r['dram_read_bytes_per_kept_element']:.0f} B"
                      for r in rows) + f" (ncu, {_where(profile)})"
+
+
+def _transposes(record):
+    """{(dtype, shape, view, sweep): {variant: row}} of every transpose measurement."""
+    out = {}
+    for r in record["benchmarks"]:
+        if r["op"] == "transpose":
+            key = (r["dtype"], tuple(r["shape"]), r.get("view"), r["sweep"])
+            out.setdefault(key, {})[r["variant"]] = r
+    return out
+
+
+def _pct(r):
+    return f"{r['pct_of_copy']:.1f}%"
+
+
+def v5_odd(record):
+    shape = record["sizes"]["odd"]
+    parts = []
+    for d in ("float32", "bfloat16"):
+        by = _transposes(record)[(d, tuple(shape), None, False)]
+        parts.append(f"{d} v5 {by['v5']['GBps']:.0f} GB/s ({_pct(by['v5'])} of copy, "
+                     f"{by['v5']['speedup_vs_torch']:.2f}x PyTorch), where v4 falls back to "
+                     f"{_pct(by['v4'])}")
+    return f"{'; '.join(parts)} ({shape[0]} x {shape[1]}, {_where(record)})"
+
+
+def v5_sliced(record):
+    side = record["sizes"]["square"]
+    parts = []
+    for d in ("float32", "bfloat16"):
+        by = _transposes(record)[(d, (side, side - 1), "x[:, 1:]", False)]
+        parts.append(f"{d} v5 {_pct(by['v5'])} of copy ({by['v5']['speedup_vs_torch']:.2f}x "
+                     f"PyTorch), v4 {_pct(by['v4'])}")
+    return "; ".join(parts)
+
+
+def v5_aligned(record):
+    side = record["sizes"]["square"]
+    return "; ".join(
+        f"{d} v5 {_pct(by['v5'])}, v4 {_pct(by['v4'])}"
+        for d in ("float32", "bfloat16")
+        for by in [_transposes(record)[(d, (side, side), None, False)]])
+
+
+def odd_table(record):
+    """Every odd shape and view measured: PyTorch, v3, v4, v5 and the default, % of copy."""
+    lines = ["| shape | dtype | PyTorch | v3 | v4 | v5 | default (runs) |", "|---|---|---|---|---|---|---|"]
+    for (d, shape, view, sweep), by in sorted(_transposes(record).items(), key=lambda kv: (
+            kv[0][2] or "", kv[0][1], kv[0][0])):
+        if not (view or shape[-1] % 8 or shape[-2] % 8):
+            continue
+        name = "x".join(map(str, shape)) + (f" ({view})" if view else "")
+        lines.append(f"| {name} | {d} | {_pct(by['torch'])} | {_pct(by['v3'])} | {_pct(by['v4'])} "
+                     f"| {_pct(by['v5'])} | {_pct(by['default'])} ({by['default']['dispatch']}) |")
+    return "\n".join(lines) + f"\n\n(% of the copy ceiling; {_where(record)})"
+
+
+def default_envelope(record):
+    worst = min((by["default"]["median_ms"] and
+                 min(r["median_ms"] for v, r in by.items() if v in ("v1", "v2", "v3", "v4", "v5"))
+                 / by["default"]["median_ms"], key)
+                for key, by in _transposes(record).items())
+    d, shape, view, _ = worst[1]
+    return (f"{worst[0]:.3f}x the fastest rung at its worst ({d} {'x'.join(map(str, shape))}"
+            f"{' ' + view if view else ''}), over {len(_transposes(record))} measured transposes")
+
+
+def transposed_view(record):
+    side = record["sizes"]["square"]
+    parts = []
+    for d in ("float32", "bfloat16"):
+        by = _transposes(record)[(d, (side, side), "x.t()", False)]
+        best = max((by[v] for v in ("v1", "v2", "v3", "v4", "v5")), key=lambda r: r["GBps"])
+        parts.append(f"{d}: the default ({by['default']['dispatch']}) {_pct(by['default'])} of "
+                     f"copy, the best rung ({best['variant']}) {_pct(best)}")
+    return "; ".join(parts)
+
+
+def _alignment(record, dtype, variant, case):
+    profile = record.get("profile")
+    return next(r for r in profile["benchmarks"] if r["op"] == "transpose_alignment" and
+                (r["dtype"], r["variant"], r["case"]) == (dtype, variant, case))
+
+
+def v5_counters(record):
+    profile = record.get("profile")
+    if not profile or not any(r["op"] == "transpose_alignment" for r in profile["benchmarks"]):
+        return _no_profile(record)
+    parts = []
+    for d in ("float32", "bfloat16"):
+        v4, al, odd = (_alignment(record, d, "v4", "aligned"), _alignment(record, d, "v5", "aligned"),
+                       _alignment(record, d, "v5", "odd"))
+        parts.append(
+            f"{d}: instructions per element v4 {v4['instructions_per_element']:.0f}, v5 "
+            f"{al['instructions_per_element']:.0f} (aligned) and {odd['instructions_per_element']:.0f} "
+            f"(odd); achieved occupancy v4 {v4['achieved_occupancy_pct']:.0f}%, v5 "
+            f"{odd['achieved_occupancy_pct']:.0f}%; L2 reads over the minimum v4 "
+            f"{v4['l2_read_bytes_over_minimum']:.2f}, v5 odd {odd['l2_read_bytes_over_minimum']:.2f}; "
+            f"shared-memory wavefronts per load v5 aligned "
+            f"{al['smem_load_wavefronts_per_instruction']:.2f}, odd "
+            f"{odd['smem_load_wavefronts_per_instruction']:.2f}")
+    side = _alignment(record, "float32", "v4", "aligned")["shape"][0]
+    return (f"{'; '.join(parts)} (ncu at {side} x {side} and {side - 1} x {side + 1}, "
+            f"{_where(profile)})")
 
 
 FACTS = {name: fn for name, fn in list(globals().items())

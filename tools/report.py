@@ -123,8 +123,10 @@ def main():
         if record:
             text = chapter_table(record)
             replace_block(chapter / "README.md", "table", text)
-            # Facts may also quote the chapter's hardware-counter profile, when there is one.
-            record = {**record, "profile": results.load_recorded_gpu(f"{chapter.name}_profile")}
+            # Facts may also quote the chapter's hardware-counter profile and its launch-shape
+            # tuning, when there are such results.
+            record = {**record, "profile": results.load_recorded_gpu(f"{chapter.name}_profile"),
+                      "tuning": results.load_recorded_gpu(f"{chapter.name}_tuning")}
             for name, fact in lesson_facts(chapter).items():
                 replace_block(chapter / "README.md", name, fact(record))
             print(f"\n{chapter.name}\n{text}")
