@@ -46,7 +46,14 @@ try:
 except RuntimeError as err:
     print(f"as expected: {err}".splitlines()[0])
 
-# 6. A quick timing against torch.add (the benchmark does this properly).
+# 6. version=None picks per call: by size, dtype and alignment (elementwise.h, "version=None").
+for n, dtype, aligned in ((2**16, torch.float32, True), (2**16, torch.bfloat16, False),
+                          (2**24, torch.bfloat16, False)):
+    version, kernel, threads, per_thread = cuda_basics.default_choice(n, dtype, aligned=aligned)
+    print(f"  {n:>9} {str(dtype)[6:]:<9} {'aligned' if aligned else 'x[1:]':<8} -> {version} "
+          f"({kernel}, {threads} threads x {per_thread} elements)")
+
+# 7. A quick timing against torch.add (the benchmark does this properly).
 if device == "cuda":
     n = 2**26
     a, b = torch.randn(n, device=device), torch.randn(n, device=device)

@@ -37,7 +37,15 @@ w = torch.randn(64, 48, device=device, requires_grad=True)
 assert torch.equal(w.grad, torch.arange(64.0, device=device)[:, None].expand(64, 48))
 print("gradient of sum(transpose(w) * arange) is arange along w's rows, as expected")
 
-# 5. A first timing, to see why this chapter exists (rough: use bench_memory_ops.py for numbers).
+# 5. version=None looks at strides and alignment, never at values, and picks a kernel.
+base = torch.randn(256, 513, device=device)
+for name, x in (("aligned rows", torch.randn(256, 512, device=device)), ("odd columns", base),
+                ("x[:, 1:] (every row shifted)", torch.randn(256, 512, device=device)[:, 1:]),
+                ("x.t() of a contiguous matrix", base.t().contiguous().t()),
+                ("every other column", base[:, ::2])):
+    print(f"  transpose of {name:<29} -> version=None runs {memory_ops.default_choice('transpose', x)}")
+
+# 6. A first timing, to see why this chapter exists (rough: use bench_memory_ops.py for numbers).
 if device == "cuda":
     big = torch.randn(8192, 8192, device=device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
