@@ -85,7 +85,7 @@ def bench_op(op, dtype, n, device, variants, ceiling, sweep=False, view=None):
         def timed(fn):
             return bench.time_fn(lambda: fn(args), device)
 
-    extra = {"sweep": sweep, **({"view": view} if view else {})}
+    extra = {"pass": "forward", "sweep": sweep, **({"view": view} if view else {})}
     t_torch = timed(lambda a: torch_baseline(op, a))
     fn = getattr(cuda_basics, op)
     timings = {}

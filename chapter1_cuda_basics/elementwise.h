@@ -67,11 +67,12 @@ constexpr VectorLaunch kV5Launch{256, 1};
 // accesses. v5 then runs its scalar form, the same 16 bytes per thread in flight as single
 // elements (elementwise_kernels.cu): 8 elements per thread in 2-byte dtypes, 2048 per block.
 // The benchmark's misaligned sweep (README, "version=None") measured it against the scalar
-// rungs v1 and v2: from 2^20 elements on it is the fastest in every dtype (bfloat16 2^28: 1.6x
-// v2), but below, a 2-byte view has too few of those blocks to cover the SMs (32 at 2^16, the
+// rungs v1 and v2: from 2^20 elements on it is the fastest in every dtype, well ahead of v2,
+// but below, a 2-byte view has too few of those blocks to cover the SMs (32 at 2^16, the
 // problem v4 has on aligned inputs), and v1's one element per thread and 8x the blocks was
-// faster at 2^16 and 2^18. The threshold sits between the measured 2^18 and 2^20. In 4- and
-// 8-byte dtypes v5 has 2-4x the blocks and kept within a few percent of v1 at every size.
+// faster at 2^16 and 2^18. The threshold sits between the measured 2^18 and 2^20. In float32
+// v5 has twice the blocks and kept within a few percent of v1 at every size; float64 (not in
+// the sweep) has four times the blocks of the 2-byte case and takes v5 too.
 constexpr int64_t kMisalignedSmallBelow = int64_t{1} << 19;
 
 inline KernelVersion default_version(int64_t n, int elem_bytes, bool aligned) {

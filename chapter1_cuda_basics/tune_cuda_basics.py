@@ -1,4 +1,4 @@
-"""Where v5's launch-shape thresholds come from: vector_add in every launch shape, every size.
+"""Where v5's launch shape comes from: vector_add in every launch shape, at every size.
 
 v4 and v5 run one kernel, `elementwise_vectorized_ilp`, whose launch shape is two numbers:
 threads per block, and 16-byte vectors each thread moves per input. v4 fixes them at 256 x 4.
@@ -31,6 +31,7 @@ CHAPTER = "chapter1_cuda_basics_tuning"
 THREADS = (64, 128, 256, 512)
 VECTORS = (1, 2, 4)
 DTYPES = (torch.float32, torch.bfloat16)
+FORWARD = {"pass": "forward"}  # vector_add is differentiable; this times its forward pass
 
 
 def shape_name(threads, vectors):
@@ -50,7 +51,7 @@ def tune_size(n, dtype, ceiling):
 
     def row(variant, timing, torch_ms, **extra):
         return bench.bandwidth_row("vector_add", variant, dtype, [n], nbytes, timing, ceiling,
-                                   torch_ms, sweep=True, **extra)
+                                   torch_ms, sweep=True, **FORWARD, **extra)
 
     first = timed(torch.add)
     rows = [row("torch", first, first["median_ms"], repeat=0)]

@@ -31,6 +31,8 @@ import memory_ops  # noqa: E402
 CHAPTER = "chapter2_memory"
 SECTOR_BYTES = 32  # DRAM and L2 move 32-byte sectors (every NVIDIA GPU since Maxwell)
 DTYPES = (torch.float32, torch.bfloat16)
+# Every op here is differentiable; the benchmark times its forward pass (CONVENTIONS section 5).
+FORWARD = {"pass": "forward"}
 
 
 def element_size(dtype):
@@ -73,13 +75,14 @@ def bench_copy(device, ceiling, nbytes):
         t_torch = time(lambda i: x.clone())
         moved = 2 * n * element_size(dtype)
         rows.append(bench.bandwidth_row("copy", "torch", dtype, [n], moved, t_torch, ceiling,
-                                        t_torch["median_ms"], sweep=False))
+                                        t_torch["median_ms"], sweep=False, **FORWARD))
         for version in (*memory_ops.VERSIONS["copy"], "default"):
             v = None if version == "default" else version
             t = time(lambda i: memory_ops.copy(x, version=v))
             dispatch = {"dispatch": memory_ops.default_choice("copy", x)} if v is None else {}
             rows.append(bench.bandwidth_row("copy", version, dtype, [n], moved, t, ceiling,
-                                            t_torch["median_ms"], sweep=False, **dispatch))
+                                            t_torch["median_ms"], sweep=False, **FORWARD,
+                                            **dispatch))
     return rows
 
 
@@ -109,7 +112,8 @@ def bench_transpose(device, ceiling, shape, dtype, variants, sweep=False, view=N
     baselines = {"torch": lambda i: xs[i].transpose(-2, -1).clone(memory_format=contiguous)}
     if len(shape) == 2 and view is None and shape[0] == shape[1]:
         baselines["torch.transpose(-2,-1)"] = lambda i: xs[i].transpose(-2, -1).contiguous()
-    extra = {"sweep": sweep, **({"view": view, "base_shape": list(shape)} if view else {})}
+    extra = {**FORWARD, "sweep": sweep,
+             **({"view": view, "base_shape": list(shape)} if view else {})}
     out_shape = list(xs[0].shape)
     rows, t_torch = [], None
     for name, fn in baselines.items():
@@ -148,7 +152,7 @@ def bench_strided(device, ceiling, n, strides):
         # clone, not .contiguous(): x[::1] is already contiguous and would not be copied at all.
         t_torch = time(lambda i: x[::stride].clone(memory_format=torch.contiguous_format))
         t_ours = time(lambda i: memory_ops.strided_copy(x, stride))
-        extra = {"stride": stride, "sweep": True,
+        extra = {"stride": stride, "sweep": True, **FORWARD,
                  "predicted_GBps": predicted_strided_GBps(stride, size, ceiling),
                  "predicted_64B_GBps": predicted_strided_GBps(stride, size, ceiling, 64)}
         rows.append(bench.bandwidth_row("strided_copy", "torch", x.dtype, [n], useful, t_torch,
@@ -174,7 +178,7 @@ def bench_working_set(device, ceiling, working_sets):
             dispatch = {"dispatch": memory_ops.default_choice("copy", src)} if variant == "default" else {}
             rows.append(bench.bandwidth_row("copy_working_set", variant, torch.float32, [n], ws,
                                             t, ceiling, t_torch["median_ms"], sweep=True,
-                                            working_set_bytes=ws, **dispatch))
+                                            working_set_bytes=ws, **FORWARD, **dispatch))
     return rows
 
 

@@ -250,9 +250,8 @@ def odd_table(record):
 
 
 def default_envelope(record):
-    worst = min((by["default"]["median_ms"] and
-                 min(r["median_ms"] for v, r in by.items() if v in ("v1", "v2", "v3", "v4", "v5"))
-                 / by["default"]["median_ms"], key)
+    rungs = ("v1", "v2", "v3", "v4", "v5")
+    worst = min((min(by[v]["median_ms"] for v in rungs) / by["default"]["median_ms"], key)
                 for key, by in _transposes(record).items())
     d, shape, view, _ = worst[1]
     return (f"{worst[0]:.3f}x the fastest rung at its worst ({d} {'x'.join(map(str, shape))}"

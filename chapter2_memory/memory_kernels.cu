@@ -486,7 +486,6 @@ __global__ void __launch_bounds__(kWideThreads, 3)
     }
     // The gathers below read tile columns that other threads wrote.
     __syncthreads();
-    constexpr int kOutVectors = A::kRows / kVec;  // destination vectors a tile owns per row
 #pragma unroll
     for (int i = 0; i < kWideVectorsPerThread; ++i) {
       const int idx = i * kWideThreads + threadIdx.x;
@@ -499,8 +498,7 @@ __global__ void __launch_bounds__(kWideThreads, 3)
       // Rows before the first 16-byte boundary of this destination row; tile row of vector vec.
       const unsigned first = (kVec - elements_past_boundary(segment)) % kVec;
       const int tile_row = first + vec * kVec;
-      // The kVec rows of one vector have kVec consecutive shifts: stepped, not recomputed
-      // (the modulo per element cost bfloat16 a tenth of its speed).
+      // The kVec rows of one vector have kVec consecutive shifts: stepped, not recomputed.
       unsigned shift = (shift0 + first * stride_mod) % kVec;  // tile_row = first (mod kVec)
       const T* column = &tile[tile_row][col];
       T g[kVec];
