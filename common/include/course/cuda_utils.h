@@ -9,10 +9,11 @@
 
 #include <cstdint>
 
-// Return the error of a CUDA runtime call to our caller instead of swallowing it.
-#define COURSE_CUDA_TRY(expr)              \
+// Return the error of a CUDA runtime call to our caller instead of swallowing it. Variadic, so
+// a call with template arguments (f<A, B>(x)) passes through the preprocessor whole.
+#define COURSE_CUDA_TRY(...)               \
   do {                                     \
-    cudaError_t course_err_ = (expr);      \
+    cudaError_t course_err_ = (__VA_ARGS__); \
     if (course_err_ != cudaSuccess) {      \
       return course_err_;                  \
     }                                      \
@@ -20,9 +21,10 @@
 
 namespace course {
 
-// Streaming multiprocessor count of the current device, cached per device because the
-// attribute query is a driver round trip that would otherwise sit in every launch.
-inline cudaError_t sm_count(int* out) {
+// A device attribute of the current device, cached per device and attribute because the query
+// is a driver round trip that would otherwise sit in every launch.
+template <cudaDeviceAttr kAttr>
+inline cudaError_t cached_attribute(int* out) {
   constexpr int kMaxDevices = 64;
   static int cached[kMaxDevices] = {0};
   int device = 0;
@@ -31,10 +33,25 @@ inline cudaError_t sm_count(int* out) {
     *out = cached[device];
     return cudaSuccess;
   }
+  int value = 0;
+  COURSE_CUDA_TRY(cudaDeviceGetAttribute(&value, kAttr, device));
+  if (device < kMaxDevices) cached[device] = value;
+  *out = value;
+  return cudaSuccess;
+}
+
+// Streaming multiprocessor count of the current device.
+inline cudaError_t sm_count(int* out) { return cached_attribute<cudaDevAttrMultiProcessorCount>(out); }
+
+// Threads the whole device keeps resident at once (SMs x threads per SM: 2048 per SM on sm_80
+// and sm_90, 1024 on sm_75): how many blocks of a size can run together, before occupancy
+// limits of a particular kernel.
+inline cudaError_t resident_threads(int64_t* out) {
   int sms = 0;
-  COURSE_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  if (device < kMaxDevices) cached[device] = sms;
-  *out = sms;
+  int per_sm = 0;
+  COURSE_CUDA_TRY(sm_count(&sms));
+  COURSE_CUDA_TRY(cached_attribute<cudaDevAttrMaxThreadsPerMultiProcessor>(&per_sm));
+  *out = static_cast<int64_t>(sms) * per_sm;
   return cudaSuccess;
 }
 

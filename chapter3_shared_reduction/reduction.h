@@ -1,0 +1,211 @@
+// Plain C++ interface between the torch glue (reduction_ops.cpp) and the CUDA kernels
+// (reduce_kernels.cu, softmax_kernels.cu, softmax_backward_kernels.cu). No torch and no CUDA
+// types: the glue must also compile on a machine without the CUDA toolkit, and the kernels with
+// a bare `nvcc -c`.
+//
+// Every reduction sees its input as a contiguous (outer, n, inner) array reduced over n:
+//   inner == 1: a row reduction, rows of n adjacent elements (dim=-1, or dim=None as one row);
+//   inner >  1: a column reduction, the n elements `inner` apart (dim=0 of a matrix): the
+//               pattern behind every bias gradient.
+#pragma once
+
+#include <course/index_math.h>
+
+#include <cstdint>
+
+namespace shared_reduction {
+
+// The dtypes the kernels are instantiated for; the glue maps at::ScalarType onto it.
+enum class DType { kFloat32, kFloat16, kBFloat16, kFloat64 };
+
+enum class ReduceOp { kSum, kMax };
+
+// Three ladders share one enum: the whole-tensor ladder (Harris's seven steps and three modern
+// ones), the row ladder and the column ladder. reduce_kernels.cu says what every rung changes.
+enum class ReduceVersion {
+  // whole tensor (dim=None), v1 .. v10
+  kInterleavedDivergent, kInterleavedStrided, kSequential, kFirstAddDuringLoad,
+  kUnrollLastWarp, kCompleteUnroll, kManyPerThread, kWarpShuffle, kVectorized, kOnePass,
+  // rows (inner == 1)
+  kBlockPerRow, kWarpPerRow, kRowsPerWarp, kSplitRow,
+  // columns (inner > 1)
+  kColumnLoop, kColumnSplit,
+};
+
+enum class Layout { kWhole, kRows, kColumns };
+
+inline Layout layout_of(ReduceVersion v) {
+  if (v <= ReduceVersion::kOnePass) return Layout::kWhole;
+  if (v <= ReduceVersion::kSplitRow) return Layout::kRows;
+  return Layout::kColumns;
+}
+
+struct ReduceParams {
+  ReduceOp op;
+  ReduceVersion version;
+  DType dtype;
+  const void* x;     // contiguous (outer, n, inner)
+  void* out;         // outer * inner elements of dtype, written once each
+  int64_t outer, n, inner;
+  // Scratch the launcher asks for (reduce_workspace): partial results, and counters that
+  // must be zero at launch (the glue zero-fills them).
+  void* workspace;
+  unsigned* counters;
+};
+
+// The atomic demo: a float32 whole-tensor sum in which every block adds its partial into the
+// result with atomicAdd. Fast, but the order of the additions is whatever order the blocks
+// finish in, so the last bits change from run to run.
+struct AtomicSumParams {
+  const float* x;
+  float* out;  // one float, zeroed by the caller
+  int64_t n;
+};
+
+// ---------------------------------------------------------------------------------------
+// Softmax and log_softmax over rows of n adjacent elements (the glue moves `dim` last).
+// ---------------------------------------------------------------------------------------
+enum class SoftmaxVersion {
+  kThreePasses,   // v1: three kernels: row max, row sum of exp, normalize
+  kBlockPerRow,   // v2: one kernel, one block per row, the row read three times
+  kOnline,        // v3: online max and sum in one pass, the row read twice
+  kResidentRow,   // v4: the row held in registers while it fits: one read, one write
+  kSplitRow,      // v5: rows too long for one block split over several, with a combine step
+};
+
+// How a row is mapped onto threads when it is held in registers (v4, v5, backward):
+// `threads` threads per row (16: half a warp, 32: a warp, several rows per block; more: one row
+// per block), each holding `vectors` 16-byte vectors of the row. kResidentShapes lists the
+// instantiated ones, smallest first; a dtype uses those that fit its register budget
+// (shape_fits).
+struct ResidentShape {
+  int threads;
+  int vectors;
+};
+constexpr ResidentShape kResidentShapes[] = {{16, 1},  {32, 1},  {32, 2},  {32, 4},  {32, 8},
+                                             {128, 4}, {256, 4}, {512, 4}, {256, 8}, {512, 8}};
+constexpr int kNumResidentShapes = sizeof(kResidentShapes) / sizeof(kResidentShapes[0]);
+
+// The forward keeps the row as float32 values (each exponential is computed once and kept),
+// at most 32 per thread: float32 takes every shape, 2-byte dtypes those of <= 4 vectors. The
+// backward keeps y and dy as stored, 16-byte vectors, at most 4 of each per thread. Both keep
+// the register file at <= 64 registers per thread, two 512-thread blocks per SM.
+constexpr bool shape_fits(ResidentShape s, int elem_bytes, bool backward) {
+  return backward ? s.vectors <= 4 : s.vectors * (16 / elem_bytes) <= 32;
+}
+
+// Rows longer than one block holds are split over several blocks of kSplitThreads threads (v5),
+// the largest such shape that fits the dtype (256 x 8 vectors in float32, 256 x 4 in 2-byte
+// dtypes: four or three blocks per SM), all of which must be resident at once: at most
+// kMaxSplitBlocks per row (132 SMs x 4 blocks hold 528; a smaller GPU that cannot hold one
+// row's blocks makes the launcher fall back to v3's streaming kernel).
+constexpr int64_t kMaxSplitBlocks = 512;
+constexpr int kSplitThreads = 256;
+
+constexpr int64_t resident_capacity(ResidentShape s, int elem_bytes) {
+  return static_cast<int64_t>(s.threads) * s.vectors * (16 / elem_bytes);
+}
+
+// How a softmax row of n elements runs: held by one resident shape (index into
+// kResidentShapes), split over `blocks` blocks of the largest shape that fits, or streamed
+// (read twice, v3) when neither is possible.
+enum class RowPlanKind { kResident, kSplit, kStreamed };
+struct RowPlan {
+  RowPlanKind kind;
+  int shape;       // kResident, kSplit: index into kResidentShapes
+  int64_t blocks;  // kSplit: blocks per row
+};
+
+// float64 is streamed in every rung from v3 on: it is here for gradcheck, and holding rows of
+// doubles in registers would only add instantiations.
+inline RowPlan plan_row(int64_t n, int elem_bytes, bool allow_split, bool backward) {
+  if (elem_bytes == 8) return {RowPlanKind::kStreamed, 0, 0};
+  int split_shape = 0;
+  for (int i = 0; i < kNumResidentShapes; ++i) {
+    if (!shape_fits(kResidentShapes[i], elem_bytes, backward)) continue;
+    if (kResidentShapes[i].threads == kSplitThreads) split_shape = i;
+    if (n <= resident_capacity(kResidentShapes[i], elem_bytes)) return {RowPlanKind::kResident, i, 1};
+  }
+  const int64_t blocks = course::ceil_div(n, resident_capacity(kResidentShapes[split_shape], elem_bytes));
+  if (allow_split && blocks <= kMaxSplitBlocks) return {RowPlanKind::kSplit, split_shape, blocks};
+  return {RowPlanKind::kStreamed, 0, 0};
+}
+
+struct SoftmaxParams {
+  SoftmaxVersion version;
+  DType dtype;
+  bool log;        // log_softmax
+  const void* x;   // rows x n, contiguous
+  void* y;         // rows x n, contiguous
+  int64_t rows, n;
+  void* workspace;     // see softmax_workspace
+  unsigned* counters;  // zeroed by the caller
+};
+
+// dx = y * (dy - sum(dy * y))          for softmax (y its output)
+// dx = dy - exp(y) * sum(dy)           for log_softmax (y = log_softmax(x))
+struct SoftmaxBackwardParams {
+  DType dtype;
+  bool log;
+  const void* y;
+  const void* dy;
+  void* dx;
+  int64_t rows, n;
+  void* workspace;
+  unsigned* counters;
+};
+
+// Scratch a launch needs: bytes of workspace and zeroed unsigned counters.
+struct Workspace {
+  int64_t bytes = 0;
+  int64_t counters = 0;
+};
+
+// ---------------------------------------------------------------------------------------
+// version=None: the one place where the chapter decides (README, "version=None", shows the
+// measurements the thresholds come from).
+// ---------------------------------------------------------------------------------------
+// Rows shorter than this share a warp (rows_per_warp); up to kWarpRowMax they get a warp each.
+constexpr int64_t kRowsPerWarpBelow = 32;
+constexpr int64_t kWarpRowMax = 2048;
+// With fewer rows than this, one block per row cannot fill the GPU: rows are split.
+constexpr int64_t kSplitRowsBelow = 528;  // 132 SMs x 4 blocks of 256 threads
+
+inline ReduceVersion default_reduce(int64_t outer, int64_t n, int64_t inner, bool whole) {
+  if (whole) return ReduceVersion::kOnePass;
+  if (inner > 1) return ReduceVersion::kColumnSplit;
+  if (n < kRowsPerWarpBelow) return ReduceVersion::kRowsPerWarp;
+  if (n <= kWarpRowMax) return ReduceVersion::kWarpPerRow;
+  if (outer < kSplitRowsBelow) return ReduceVersion::kSplitRow;
+  return ReduceVersion::kBlockPerRow;
+}
+
+// Softmax: v4 while a row fits one block's registers, v5 beyond.
+inline SoftmaxVersion default_softmax(int64_t n, int elem_bytes) {
+  const RowPlan plan = plan_row(n, elem_bytes, /*allow_split=*/false, /*backward=*/false);
+  return plan.kind == RowPlanKind::kResident ? SoftmaxVersion::kResidentRow : SoftmaxVersion::kSplitRow;
+}
+
+// The CPU implementations (reduction_cpu.cpp): the reference semantics in C++, on the same
+// params. `version` is ignored: the ladders are GPU thread mappings.
+void reduce_cpu(const ReduceParams& params);
+void softmax_cpu(const SoftmaxParams& params);
+void softmax_backward_cpu(const SoftmaxBackwardParams& params);
+
+}  // namespace shared_reduction
+
+#if defined(__CUDACC__) || defined(WITH_CUDA)
+#include <cuda_runtime_api.h>
+namespace shared_reduction {
+// Each launcher runs on `stream`, returns the launch error (or cudaSuccess) and never
+// synchronizes. The *_workspace functions say what scratch the matching launch needs; the
+// caller allocates it (counters zero-filled) and passes it in the params.
+cudaError_t reduce_workspace(const ReduceParams& params, Workspace* ws);
+cudaError_t launch_reduce(const ReduceParams& params, cudaStream_t stream);
+cudaError_t launch_atomic_sum(const AtomicSumParams& params, cudaStream_t stream);
+cudaError_t softmax_workspace(const SoftmaxParams& params, Workspace* ws);
+cudaError_t launch_softmax(const SoftmaxParams& params, cudaStream_t stream);
+cudaError_t softmax_backward_workspace(const SoftmaxBackwardParams& params, Workspace* ws);
+cudaError_t launch_softmax_backward(const SoftmaxBackwardParams& params, cudaStream_t stream);
+}  // namespace shared_reduction
+#endif

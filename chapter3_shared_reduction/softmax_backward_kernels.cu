@@ -1,0 +1,211 @@
+// Chapter 3 kernels: the backward of softmax and log_softmax, one fused pass per row.
+//
+//   softmax:      dx_i = y_i * (dy_i - sum_j dy_j * y_j)
+//   log_softmax:  dx_i = dy_i - exp(y_i) * sum_j dy_j
+//
+// A row reduction followed by an elementwise map that needs the reduced value: the forward's
+// shape again. Napkin math: read y and dy, write dx, 3 x 2^28 x 4 B = 3 GiB for 2^28 float32
+// elements, ~1.07 ms at ~3 TB/s. Reading y and dy a second time after the reduction would add
+// two thirds to that; holding both in registers (as the forward's v4 holds x) does not.
+//
+// No torch headers: this file builds with a bare `nvcc -c`.
+#include "softmax_rows.cuh"
+
+namespace shared_reduction {
+namespace {
+
+using namespace rows;  // NOLINT: the shared machinery of softmax_rows.cuh
+using course::SumOp;
+
+constexpr int kThreads = 256;
+
+template <bool kLog, typename A>
+__device__ __forceinline__ A dot_term(A y, A dy) { return kLog ? dy : dy * y; }
+
+template <bool kLog, typename A>
+__device__ __forceinline__ A grad_input(A y, A dy, A total) {
+  return kLog ? dy - exp(y) * total : y * (dy - total);
+}
+
+// The row sum over this thread's registers.
+template <bool kLog, int kVectors, int kLanes, typename T>
+__device__ __forceinline__ typename Acc<T>::type tile_dot(const T (&y)[kVectors][kLanes],
+                                                          const T (&dy)[kVectors][kLanes]) {
+  typename Acc<T>::type s = 0;
+#pragma unroll
+  for (int j = 0; j < kVectors; ++j) {
+#pragma unroll
+    for (int l = 0; l < kLanes; ++l) s += dot_term<kLog>(to_acc(y[j][l]), to_acc(dy[j][l]));
+  }
+  return s;
+}
+
+// dx into dy's registers.
+template <bool kLog, int kVectors, int kLanes, typename T, typename A>
+__device__ __forceinline__ void tile_grad(const T (&y)[kVectors][kLanes], T (&dy)[kVectors][kLanes], A total) {
+#pragma unroll
+  for (int j = 0; j < kVectors; ++j) {
+#pragma unroll
+    for (int l = 0; l < kLanes; ++l) dy[j][l] = from_acc<T>(grad_input<kLog>(to_acc(y[j][l]), to_acc(dy[j][l]), total));
+  }
+}
+
+// Rows that fit: y and dy each held as kVectors 16-byte vectors per thread, as stored (4
+// registers per vector in every dtype), one reduction, dx written from the registers.
+template <typename T, int kThreadsPerRow, int kVectors, bool kLog, bool kVectorized>
+__global__ void __launch_bounds__(kThreadsPerRow * kRowsPerBlock<kThreadsPerRow>)
+    softmax_backward_resident(const T* __restrict__ y, const T* __restrict__ dy, T* __restrict__ dx,
+                              int64_t rows, int64_t n) {
+  using A = typename Acc<T>::type;
+  constexpr int kLanes = course::Vec16<T>::kLanes;
+  constexpr int kRows = kRowsPerBlock<kThreadsPerRow>;
+  __shared__ A smem[32];
+  const int t = threadIdx.x % kThreadsPerRow;
+  // The whole block steps together (see softmax_resident in softmax_kernels.cu).
+  for (int64_t first = static_cast<int64_t>(blockIdx.x) * kRows; first < rows;
+       first += static_cast<int64_t>(gridDim.x) * kRows) {
+    const int64_t r = first + threadIdx.x / kThreadsPerRow;
+    const int64_t len = r < rows ? n : 0;
+    const int64_t offset = (r < rows ? r : 0) * n;
+    T yv[kVectors][kLanes];
+    T gv[kVectors][kLanes];
+    // Padding is 0 in both: it adds nothing to either sum and is never stored.
+    load_tile<kVectorized, kThreadsPerRow, kVectors>(y + offset, len, t, from_acc<T>(0.0f), yv);
+    load_tile<kVectorized, kThreadsPerRow, kVectors>(dy + offset, len, t, from_acc<T>(0.0f), gv);
+    const A total = row_reduce<kThreadsPerRow>(tile_dot<kLog>(yv, gv), SumOp<A>(), smem);
+    tile_grad<kLog>(yv, gv, total);
+    store_tile<kVectorized, kThreadsPerRow, kVectors>(dx + offset, len, t, gv);
+  }
+}
+
+// Long rows: split over `splits` cooperative blocks as the forward's v5 (softmax_kernels.cu
+// explains the persistent, co-resident grid); each block's partial is its chunk's sum. Four
+// 256-thread blocks per SM cap a thread at 64 registers, which 2-byte dtypes exceed (nvcc keeps
+// each 16-bit element of y and dy in a register of its own, and spilled): they run two.
+template <typename T, int kShape, bool kLog, bool kVectorized>
+__global__ void __launch_bounds__(kResidentShapes[kShape].threads,
+                                  (sizeof(T) == 2 ? 512 : 1024) / kResidentShapes[kShape].threads)
+    softmax_backward_split(const T* __restrict__ y, const T* __restrict__ dy, T* __restrict__ dx, int64_t rows,
+                           int64_t n, int64_t splits, typename Acc<T>::type* __restrict__ partial,
+                           unsigned* __restrict__ arrived) {
+  using A = typename Acc<T>::type;
+  constexpr int kThreadsPerRow = kResidentShapes[kShape].threads;
+  constexpr int kVectors = kResidentShapes[kShape].vectors;
+  constexpr int kLanes = course::Vec16<T>::kLanes;
+  constexpr int64_t kChunk = static_cast<int64_t>(kThreadsPerRow) * kVectors * kLanes;
+  __shared__ A smem[32];
+  const int t = threadIdx.x;
+  for (int64_t item = blockIdx.x; item < rows * splits; item += gridDim.x) {
+    const int64_t r = item / splits;
+    const int64_t begin = (item % splits) * kChunk;
+    const int64_t len = n - begin < kChunk ? n - begin : kChunk;
+    const int64_t offset = r * n + begin;
+    T yv[kVectors][kLanes];
+    T gv[kVectors][kLanes];
+    load_tile<kVectorized, kThreadsPerRow, kVectors>(y + offset, len, t, from_acc<T>(0.0f), yv);
+    load_tile<kVectorized, kThreadsPerRow, kVectors>(dy + offset, len, t, from_acc<T>(0.0f), gv);
+    const A s = row_reduce<kThreadsPerRow>(tile_dot<kLog>(yv, gv), SumOp<A>(), smem);
+    if (t == 0) partial[item] = s;
+    course::arrive_and_wait(&arrived[r], static_cast<unsigned>(splits));
+    // The same fold order in every warp of every block of the row: the same total everywhere.
+    A total = 0;
+    for (int64_t k = t % 32; k < splits; k += 32) total += __ldcg(&partial[r * splits + k]);
+    total = course::warp_reduce(total, SumOp<A>());
+    tile_grad<kLog>(yv, gv, total);
+    store_tile<kVectorized, kThreadsPerRow, kVectors>(dx + offset, len, t, gv);
+  }
+}
+
+// Streamed: one block per row reads y and dy twice (the sum, then dx). float64, and rows
+// longer than split blocks can hold.
+template <typename T, bool kLog>
+__global__ void __launch_bounds__(kThreads) softmax_backward_streamed(const T* __restrict__ y, const T* __restrict__ dy,
+                                                                      T* __restrict__ dx, int64_t rows, int64_t n) {
+  using A = typename Acc<T>::type;
+  __shared__ A smem[kThreads / 32];
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const int64_t offset = r * n;
+    A s = 0;
+    for (int64_t i = threadIdx.x; i < n; i += kThreads) s += dot_term<kLog>(to_acc(y[offset + i]), to_acc(dy[offset + i]));
+    const A total = course::block_reduce<kThreads>(s, SumOp<A>(), smem);
+    for (int64_t i = threadIdx.x; i < n; i += kThreads) {
+      dx[offset + i] = from_acc<T>(grad_input<kLog>(to_acc(y[offset + i]), to_acc(dy[offset + i]), total));
+    }
+  }
+}
+
+template <typename T, bool kLog>
+cudaError_t launch_streamed(const SoftmaxBackwardParams& p, cudaStream_t stream) {
+  softmax_backward_streamed<T, kLog><<<grid_for(p.rows), kThreads, 0, stream>>>(
+      static_cast<const T*>(p.y), static_cast<const T*>(p.dy), static_cast<T*>(p.dx), p.rows, p.n);
+  return cudaGetLastError();
+}
+
+template <typename T, bool kLog>
+cudaError_t run_backward(const SoftmaxBackwardParams& p, cudaStream_t stream) {
+  if constexpr (sizeof(T) == 8) {
+    return launch_streamed<T, kLog>(p, stream);
+  } else {
+    const RowPlan plan = plan_row(p.n, sizeof(T), true, true);
+    const T* y = static_cast<const T*>(p.y);
+    const T* dy = static_cast<const T*>(p.dy);
+    T* dx = static_cast<T*>(p.dx);
+    const bool vectorized = rows_vectorized<T>(p.n, {p.y, p.dy, p.dx});
+    if (plan.kind == RowPlanKind::kResident) {
+      return with_shape<T, true>(plan.shape, [&](auto shape) {
+        return with_vectorized(vectorized, [&](auto vec) {
+          constexpr ResidentShape s = kResidentShapes[decltype(shape)::value];
+          constexpr int kRows = kRowsPerBlock<s.threads>;
+          softmax_backward_resident<T, s.threads, s.vectors, kLog, decltype(vec)::value>
+              <<<grid_for(course::ceil_div(p.rows, int64_t{kRows})), s.threads * kRows, 0, stream>>>(y, dy, dx, p.rows,
+                                                                                                  p.n);
+          return cudaGetLastError();
+        });
+      });
+    }
+    if (plan.kind == RowPlanKind::kSplit) {
+      return with_shape<T, true>(plan.shape, [&](auto shape) {
+        return with_vectorized(vectorized, [&](auto vec) {
+          constexpr int kShape = decltype(shape)::value;
+          constexpr int threads = kResidentShapes[kShape].threads;
+          if constexpr (threads != kSplitThreads) {
+            return cudaErrorInvalidValue;  // plan_row splits over kSplitThreads-thread shapes only
+          } else {
+          auto* kernel = softmax_backward_split<T, kShape, kLog, decltype(vec)::value>;
+          int64_t grid = 0;
+          COURSE_CUDA_TRY(split_grid(kernel, threads, plan.blocks, p.rows, &grid));
+          if (grid == 0) return launch_streamed<T, kLog>(p, stream);  // too few SMs for one row
+          return launch_cooperative(kernel, grid, threads, stream, y, dy, dx, p.rows, p.n, plan.blocks,
+                                    static_cast<typename Acc<T>::type*>(p.workspace), p.counters);
+          }
+        });
+      });
+    }
+    return launch_streamed<T, kLog>(p, stream);
+  }
+}
+
+}  // namespace
+
+cudaError_t softmax_backward_workspace(const SoftmaxBackwardParams& p, Workspace* ws) {
+  return with_dtype(p.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    *ws = Workspace{};
+    const RowPlan plan = plan_row(p.n, sizeof(T), true, true);
+    if (plan.kind == RowPlanKind::kSplit) {
+      ws->bytes = p.rows * plan.blocks * static_cast<int64_t>(sizeof(typename Acc<T>::type));
+      ws->counters = p.rows;
+    }
+    return cudaSuccess;
+  });
+}
+
+cudaError_t launch_softmax_backward(const SoftmaxBackwardParams& p, cudaStream_t stream) {
+  if (p.rows == 0 || p.n == 0) return cudaSuccess;
+  return with_dtype(p.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    return p.log ? run_backward<T, true>(p, stream) : run_backward<T, false>(p, stream);
+  });
+}
+
+}  // namespace shared_reduction

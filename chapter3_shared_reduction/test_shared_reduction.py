@@ -1,0 +1,1069 @@
+"""Tests for chapter 3: every op x rung x dtype x irregular shape, CPU and CUDA.
+
+Reductions round: the kernels accumulate float16/bfloat16 in float32 and float64 in float64,
+in an order of their own, and round once to the output dtype. The references below are
+computed in float64 and compared element by element against a bound derived from the
+magnitudes involved (written next to each bound with its reason), so that a bound is tight
+where the arithmetic is exact and loose only where rounding really accumulates. Where an
+exact answer exists, it is demanded bit for bit: amax (a max never rounds), sums of
+small integers (every partial sum is an integer below 2^24, so float32 accumulates them
+exactly in any order), and the gradient of sum (a broadcast).
+
+Run against the installed extension (pip install .) or the JIT build (COURSE_EXT_ROUTE=jit);
+the header line says which one was loaded.
+"""
+import math
+
+import pytest
+import torch
+
+import shared_reduction
+from coursekit import results
+from coursekit.pytest_plugin import (DTYPES, dtype_id, launched_kernels, poison_allocator,
+                                     require_cuda, shape_id)
+from shared_reduction import LADDERS, VERSIONS
+
+REDUCE_OPS = ("sum", "amax")
+SOFTMAX_OPS = ("softmax", "log_softmax")
+LOW_PRECISION = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------
+def acc_dtype(dtype):
+    """The dtype the kernels accumulate in (module docstring of shared_reduction)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def eps_out(dtype):
+    """One rounding of the output: two roundings of nearly equal values differ by at most the
+    difference of the values plus one ulp, and one ulp <= eps * |value|."""
+    return torch.finfo(dtype).eps
+
+
+def eps_acc(dtype):
+    return torch.finfo(acc_dtype(dtype)).eps
+
+
+def floor(dtype):
+    """An absolute error every comparison allows near zero. float16's subnormals (spacing
+    2^-24) are what long softmax rows produce (outputs ~1e-6) and the kernels round into them
+    correctly, so one subnormal step; for the others, values below the smallest normal may be
+    flushed to zero on the GPU (FTZ), so the smallest normal."""
+    return 2.0**-24 if dtype == torch.float16 else torch.finfo(dtype).smallest_normal
+
+
+def assert_within(out, expected, bound, what=""):
+    """|out - expected| <= bound element by element (assert_close's |a - e| <= atol + rtol |e|
+    with a per-element atol). Non-finite expected values must be matched exactly: NaN where
+    the reference has NaN, the same infinity where it has one, or where its finite value lies
+    beyond the output dtype's range (float16's 65504) and so rounds to an infinity."""
+    out64, exp64 = out.double(), expected.double()
+    rounded = expected.to(out.dtype).double()
+    exp64 = torch.where(rounded.isinf() & exp64.isfinite(), rounded, exp64)
+    bound = torch.broadcast_to(torch.as_tensor(bound, dtype=torch.float64, device=out.device),
+                               exp64.shape)
+    same = (out64 == exp64) | (out64.isnan() & exp64.isnan())
+    close = exp64.isfinite() & out64.isfinite() & ((out64 - exp64).abs() <= bound)
+    ok = same | close
+    if not bool(ok.all()):
+        bad = (~ok).nonzero()[0]
+        at = tuple(bad.tolist())
+        raise AssertionError(
+            f"{what}: {int((~ok).sum())} of {ok.numel()} elements out of bounds; first at {at}: "
+            f"got {out64[at].item()!r}, expected {exp64[at].item()!r}, "
+            f"allowed error {bound[at].item():.3g}")
+
+
+def assert_like(out, expected_shape, dtype, device):
+    assert tuple(out.shape) == tuple(expected_shape), (tuple(out.shape), tuple(expected_shape))
+    assert out.dtype == dtype and out.device.type == torch.device(device).type
+    assert out.is_contiguous()
+
+
+def layout(shape, dim):
+    """The ladder a call runs on (shared_reduction.LADDERS): dim=None -> the whole tensor; an
+    int dim views x as (outer, n, inner) with inner = the product of the sizes after dim:
+    inner == 1 -> rows, inner > 1 -> columns. None when inner == 0 (no element to reduce,
+    no rung asked for)."""
+    if dim is None:
+        return "whole"
+    inner = math.prod(shape[dim % len(shape) + 1:])
+    return "rows" if inner == 1 else "columns" if inner > 1 else None
+
+
+def reduced_size(shape, dim):
+    return math.prod(shape) if dim is None else shape[dim]
+
+
+def run_reduce(op, x, dim=None, keepdim=False, version=None):
+    return getattr(shared_reduction, op)(x, dim, keepdim, version=version)
+
+
+# ---------------------------------------------------------------------------------------------
+# Plain-PyTorch references
+# ---------------------------------------------------------------------------------------------
+def reference_sum(x, dim=None, keepdim=False):
+    """The sum in float64 (not rounded to x's dtype: the bound below accounts for that)."""
+    x64 = x.double()
+    return x64.sum() if dim is None else x64.sum(dim, keepdim)
+
+
+def reference_amax(x, dim=None, keepdim=False):
+    x64 = x.double()
+    return (x64.amax() if dim is None else x64.amax(dim, keepdim)).to(x.dtype)
+
+
+def sum_bound(x, dim, keepdim, exact):
+    """What a correct sum may be off by: one rounding of the output (eps_out * |sum|) plus the
+    accumulation's rounding. Any order of additions (tree, blocked, a loop per thread, a
+    combine over blocks) errs by at most depth * eps_acc * sum|x|, depth the longest chain of
+    additions; with random signs the errors are a random walk far below that, so
+    (2 log2(n) + 8) * eps_acc * sum|x| holds for every rung with a wide margin on inputs of
+    random sign (the callers' inputs; a row of equal values is chosen to sum exactly) while still
+    failing a sum that rounded its partials to float16/bfloat16 (2^16 times coarser).
+    Dropped or doubled elements are caught exactly by the integer-valued inputs instead."""
+    n = max(reduced_size(tuple(x.shape), dim), 1)
+    magnitude = reference_sum(x.abs(), dim, keepdim)
+    return (eps_out(x.dtype) * exact.abs() + (2 * math.log2(n + 1) + 8) * eps_acc(x.dtype)
+            * magnitude + floor(x.dtype))
+
+
+def integer_valued(shape, dtype, device, high=8):
+    """Random integers in [-high, high], exact in every dtype here; with at most 2^20 + 3
+    elements per sum, every partial sum is an integer below 8 * (2^20 + 3) < 2^24, so float32
+    (and float64) accumulate it exactly in any order, and the sum rounds once: bitwise equal
+    to the float64 sum rounded to the dtype."""
+    return torch.randint(-high, high + 1, shape, device=device).to(dtype)
+
+
+def check_reduction(op, x, dim, keepdim, version, what=""):
+    """Run op on x and compare with the reference; returns the result."""
+    if op == "amax":
+        expected = reference_amax(x, dim, keepdim)
+        poison_allocator(expected)
+        out = run_reduce(op, x, dim, keepdim, version)
+        assert_like(out, expected.shape, x.dtype, x.device)
+        # A max never rounds: exact, NaN propagating as torch.amax.
+        torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True, msg=what or None)
+        return out
+    exact = reference_sum(x, dim, keepdim)
+    poison_allocator(exact.to(x.dtype))
+    out = run_reduce(op, x, dim, keepdim, version)
+    assert_like(out, exact.shape, x.dtype, x.device)
+    assert_within(out, exact, sum_bound(x, dim, keepdim, exact), what)
+    return out
+
+
+def softmax_reference(x, dim, log):
+    return (torch.log_softmax if log else torch.softmax)(x.double(), dim)
+
+
+def softmax_bound(x, dim, ref, log):
+    """Allowed |ours - exact| for softmax (log=False) and log_softmax (log=True) of x over dim.
+
+    softmax, relative to the output: one rounding of the output (eps_out); the row sum of
+    exponentials, a sum of positive terms whose relative error is at most ~0.25 eps_acc
+    sqrt(n) even when added one by one (a random walk of n roundings), bounded here by
+    eps_acc (16 + sqrt(n)), 16 for the division and the ulps of exp; and exp's own error,
+    which grows with its argument d = x - max (__expf: 2 + 1.16 |d| ulp): 2 eps_acc |d|.
+    On a row of 2^20 float32 elements this is ~1.3e-4 relative: still far tighter than a lost
+    block (1/64 of the row sum) or a missed rescale.
+
+    log_softmax = (x - max) - log(sum): absolute error eps_acc (16 + sqrt(n)) from the row
+    sum's relative error (log turns it into an absolute one), plus rounding of |y| =
+    |x - max| + log(sum) in the compute and output dtypes: (eps_out + 4 eps_acc) |y|."""
+    n = x.shape[dim] if x.dim() else 1
+    e_o, e_a = eps_out(x.dtype), eps_acc(x.dtype)
+    if log:
+        return (e_o + 4 * e_a) * ref.abs() + e_a * (16 + math.sqrt(n)) + floor(x.dtype)
+    x64 = x.double()
+    d = (x64 - x64.amax(dim, keepdim=True)).abs() if x.numel() else x64
+    return (e_o + e_a * (16 + math.sqrt(n) + 2 * d)) * ref.abs() + floor(x.dtype)
+
+
+def check_softmax(op, x, dim, version, what=""):
+    log = op == "log_softmax"
+    ref = softmax_reference(x, dim, log)
+    poison_allocator(ref.to(x.dtype))
+    out = getattr(shared_reduction, op)(x, dim, version=version)
+    # (any memory layout, as torch.softmax's output keeps the input's)
+    assert out.shape == x.shape and out.dtype == x.dtype and out.device == x.device
+    assert_within(out, ref, softmax_bound(x, dim, ref, log), what)
+    return out
+
+
+def softmax_backward_reference(grad, y, dim, log):
+    """torch's own backward formulas (what autograd runs for torch.softmax/log_softmax),
+    applied in float64 to the same y and grad."""
+    g, y = grad.double(), y.double()
+    if log:
+        return torch._log_softmax_backward_data(g, y, dim, torch.float64)
+    return torch._softmax_backward_data(g, y, dim, torch.float64)
+
+
+def softmax_backward_bound(grad, y, dim, ref, log, dtype):
+    """Allowed |ours - exact| for dx. y is taken as carrying the forward's error (its own
+    rounding to dtype and the forward bound above, |d| <= ~12 for the random normal inputs
+    used with it): relative y_rel = eps_out + eps_acc (40 + sqrt(n)).
+
+    softmax, dx = p (g - c) with c = sum(g p): g - c may cancel, so the errors scale with
+    p (|g| + |c| + sum|g p|): y's error, the row sum's accumulation (inside y_rel's sqrt(n)
+    term) and 4 roundings of the products and the difference; plus one output rounding. A y
+    below the smallest normal (float16 rows longer than ~16000) is off by up to floor(dtype)
+    absolutely, not relatively: floor (|g| + |c|) more, and floor sum|g| p through c.
+    log_softmax, dx = g - exp(y) S with S = sum(g): exp(y) is off by y's absolute error
+    ((eps_out + 8 eps_acc) |y| + eps_acc (20 + sqrt(n))) plus exp's own (2 |y| ulp, in the 8);
+    S by eps_acc (16 + sqrt(n)) sum|g|; and one rounding of g - p S (4 eps_acc |g|)."""
+    n = y.shape[dim] if y.dim() else 1
+    e_o, e_a = eps_out(dtype), eps_acc(dtype)
+    g, y = grad.double(), y.double()
+    base = e_o * ref.abs() + floor(dtype)
+    if log:
+        p, s = y.exp(), g.sum(dim, keepdim=True)
+        y_err = (e_o + 8 * e_a) * y.abs() + e_a * (20 + math.sqrt(n))
+        return (base + 4 * e_a * g.abs() + p * s.abs() * y_err
+                + p * e_a * (16 + math.sqrt(n)) * g.abs().sum(dim, keepdim=True))
+    c = (g * y).sum(dim, keepdim=True)
+    y_rel = e_o + e_a * (40 + math.sqrt(n))
+    spread = g.abs() + c.abs()
+    return (base + (y_rel + 4 * e_a) * y * (spread + (g * y).abs().sum(dim, keepdim=True))
+            + floor(dtype) * (spread + y * g.abs().sum(dim, keepdim=True)))
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. sum and amax: every rung x dtype x irregular shape
+# ---------------------------------------------------------------------------------------------
+# (shape, dim, keepdim). Row and element counts: 1, one off a warp either way (31, 33), not a
+# multiple of any block or vector width (1000), one past a power of two (4097, 2^20 + 3), and
+# 0; few rows where rows are long, to keep the CPU half fast.
+REDUCE_CASES = [
+    # the whole tensor (dim=None): 0-d, empty, 1-D, and 3-D tensors seen as one flat array
+    ((), None, False), ((0,), None, False), ((1,), None, False), ((31,), None, False),
+    ((33,), None, False), ((1000,), None, False), ((4097,), None, False),
+    ((2**20 + 3,), None, False), ((5, 33, 31), None, False), ((3, 0, 7), None, False),
+    # rows (inner == 1)
+    ((5, 1), -1, False), ((5, 31), -1, False), ((5, 33), 1, False), ((7, 1000), -1, True),
+    ((3, 4097), -1, False), ((2, 2**20 + 3), -1, False),
+    ((600, 31), -1, False),  # many short rows: several rows per warp, the last warp partial
+    ((0, 33), -1, False),  # no rows
+    ((1,), 0, False), ((1000,), 0, True), ((4097,), -1, False),  # 1-D: one row
+    ((5, 33, 31), 2, False), ((5, 33, 31), -1, True),
+    ((7, 33, 1), 1, False),  # inner == 1 because the dims after dim are all 1: still rows
+    ((3, 0), -1, False),  # rows of no element: sum 0, amax raises
+    # columns (inner > 1)
+    ((33, 5), 0, False), ((1000, 3), 0, True), ((4097, 2), 0, False), ((2**20 + 3, 2), 0, False),
+    ((2, 100003), 0, False),  # n = 2 and many columns
+    ((1, 257), 0, False),  # n = 1
+    ((0, 5), 0, False),  # columns of no element: sum 0, amax raises
+    ((5, 33, 31), 0, False), ((5, 33, 31), 1, True), ((5, 33, 31), -2, False),
+    ((5, 33, 31), -3, True),
+    # nothing to reduce at all and inner == 0: only version=None
+    ((3, 4, 0), 1, False), ((0, 4, 3), 1, False),
+]
+
+
+def case_id(case):
+    shape, dim, keepdim = case
+    return f"{shape_id(shape) or 'scalar'}-dim{dim}" + ("-keep" if keepdim else "")
+
+
+# Every rung only on calls where its ladder applies, and version=None on every call.
+REDUCE_PARAMS = [pytest.param(version, case, id=f"{version}-{case_id(case)}")
+                 for case in REDUCE_CASES
+                 for version in (*LADDERS.get(layout(case[0], case[1]), ()), None)]
+
+
+@pytest.mark.parametrize("version,case", REDUCE_PARAMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("op", REDUCE_OPS)
+def test_reduce_matches_reference(op, dtype, version, case, device):
+    shape, dim, keepdim = case
+    x = torch.randn(shape, dtype=dtype, device=device)
+    if op == "amax" and reduced_size(shape, dim) == 0:
+        with pytest.raises(RuntimeError, match="amax: cannot reduce over zero elements"):
+            run_reduce(op, x, dim, keepdim, version)
+        return
+    check_reduction(op, x, dim, keepdim, version)
+    if op == "sum":
+        # Small integers: the exact sum, bit for bit (integer_valued's docstring says why):
+        # a dropped, doubled or misplaced element cannot hide in the tolerance.
+        x = integer_valued(shape, dtype, device)
+        expected = reference_sum(x, dim, keepdim).to(dtype)
+        torch.testing.assert_close(run_reduce(op, x, dim, keepdim, version), expected, rtol=0,
+                                   atol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Non-contiguous and offset views (the glue makes them contiguous; an offset view is
+#    contiguous already, so the kernels see a data pointer one element past 16-byte alignment)
+# ---------------------------------------------------------------------------------------------
+VIEWS = {
+    "transposed": lambda t: t.t(),
+    "column_offset": lambda t: t[:, 1:],
+    # contiguous, one row (1031 elements, odd) in: every row starts at a different alignment.
+    "row_offset": lambda t: t[1:],
+    # 1-D, contiguous, one element past an aligned start.
+    "flat_offset": lambda t: t.flatten()[1:],
+    # 2-D, contiguous, the whole matrix shifted by one element.
+    "offset_matrix": lambda t: t.flatten()[1:1 + 64 * 1031].view(64, 1031),
+    "every_other_row": lambda t: t[::2],
+    "expanded": lambda t: t[:1].expand(65, -1),
+}
+
+
+def dims_for(ladder, ndim):
+    """The dims of a 1-D or 2-D tensor whose calls run on `ladder`."""
+    return {"whole": [None], "rows": [-1], "columns": [0] if ndim == 2 else []}[ladder]
+
+
+def ladder_of(version):
+    return next(name for name, rungs in LADDERS.items() if version in rungs)
+
+
+VIEW_PARAMS = [pytest.param(version, view, id=f"{version}-{view}")
+               for view in VIEWS for version in (*VERSIONS["sum"], None)
+               if version is None
+               or dims_for(ladder_of(version), 1 if view == "flat_offset" else 2)]
+
+
+@pytest.mark.parametrize("version,view", VIEW_PARAMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_reduce_views(dtype, version, view, device):
+    base = torch.randn(65, 1031, dtype=dtype, device=device)
+    x = VIEWS[view](base)
+    ladders = LADDERS if version is None else [ladder_of(version)]
+    for op in REDUCE_OPS:
+        for ladder in ladders:
+            for dim in dims_for(ladder, x.dim()):
+                check_reduction(op, x, dim, False, version, f"{op} {view} dim={dim}")
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Special values
+# ---------------------------------------------------------------------------------------------
+def special_rows(n, dtype, device):
+    """Nine rows of n elements (n >= 8), each a special case, with the reason:"""
+    x = torch.randn(9, n, dtype=torch.float64, device=device)
+    inf, nan = float("inf"), float("nan")
+    x[0, n // 2] = nan              # NaN propagates (fmaxf would drop it: a classic amax bug)
+    x[1, 3] = inf                   # +inf
+    x[2, n - 1] = -inf              # -inf in the last element (a ragged tail)
+    x[3, 0], x[3, n - 2] = inf, -inf  # inf + -inf = NaN
+    # all equal: every element ties for the max. A value with an 8-bit significand (bfloat16's):
+    # n copies add up exactly in float32 in any order, which a row of equal values needs, as
+    # its rounding errors would not be random (a loop adding c to n c errs systematically).
+    x[4] = x[4, 0].to(torch.bfloat16).double()
+    x[5] = -inf                     # all -inf
+    # large magnitudes: 1e4 overflows a naive exp; clamped so float16 (max 65504) holds them
+    x[6] = x[6].clamp(-6, 6) * 1e4
+    x[7, 0], x[7, -1] = nan, inf    # NaN and inf together: NaN
+    return x.to(dtype)              # row 8: ordinary
+
+
+SPECIAL_PARAMS = [pytest.param(version, dim, id=f"{version}-dim{dim}")
+                  for dim in (None, -1, 0)
+                  for version in (*LADDERS[layout((9, 1000), dim)], None)]
+
+
+@pytest.mark.parametrize("version,dim", SPECIAL_PARAMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("op", REDUCE_OPS)
+def test_reduce_special_values(op, dtype, version, dim, device):
+    x = special_rows(1000, dtype, device)
+    check_reduction(op, x, dim, False, version, f"dim={dim}")
+    # Subsets of the rows, so that a dim=None result is more than one NaN: +inf wins (sum and
+    # amax inf), -inf wins (sum -inf), finite with large magnitudes (float16's sum overflows to
+    # an infinity like the reference's), all -inf.
+    for rows in ([1, 4, 6, 8], [2, 4, 8], [4, 6, 8], [5]):
+        check_reduction(op, x[rows], dim, False, version, f"rows {rows}, dim={dim}")
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. softmax and log_softmax: every version x dtype x row length
+# ---------------------------------------------------------------------------------------------
+# (shape, dim). Lengths on both sides of the resident shapes' capacities (reduction.h:
+# kResidentShapes, shape_fits: 128 ... 16384 elements in float32, 256 ... 16384 in 2-byte
+# dtypes): 129, 1025, 4097 and 8193 land in different shapes; 16385 is one past what one
+# block holds, so v4 falls back and v5 splits (in 2 blocks; 32769 in 3); 2^20 + 3 splits
+# over 65 blocks.
+SOFTMAX_CASES = [
+    ((7, 1), -1), ((7, 31), -1), ((7, 33), -1), ((7, 129), -1), ((5, 1000), -1),
+    ((5, 1025), -1), ((3, 4097), -1), ((3, 8193), -1), ((2, 16385), -1), ((2, 32769), -1),
+    ((2, 2**20 + 3), -1),
+    ((300, 33), -1),  # many rows: several warps per block, the last block partial
+    ((0, 33), -1),  # no rows
+    ((), -1), ((), 0),  # 0-d, as torch allows
+    ((1000,), 0),  # 1-D
+    ((4, 7, 33), 0), ((4, 7, 33), 1), ((4, 7, 33), 2), ((4, 7, 33), -1), ((4, 7, 33), -3),
+]
+
+
+@pytest.mark.parametrize("case", SOFTMAX_CASES,
+                         ids=[f"{shape_id(s) or 'scalar'}-dim{d}" for s, d in SOFTMAX_CASES])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("version", (*VERSIONS["softmax"], None), ids=str)
+@pytest.mark.parametrize("op", SOFTMAX_OPS)
+def test_softmax_matches_reference(op, version, dtype, case, device):
+    shape, dim = case
+    check_softmax(op, torch.randn(shape, dtype=dtype, device=device), dim, version)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=dtype_id)
+@pytest.mark.parametrize("version", (*VERSIONS["softmax"], None), ids=str)
+@pytest.mark.parametrize("op", SOFTMAX_OPS)
+def test_softmax_longest_rows(op, version, dtype, device):
+    """One row of 2^21 + 1 elements: 129 blocks of the largest resident shape (16384
+    elements), more than v5 splits a row over (kMaxSplitBlocks = 128), so the call takes the
+    streamed fallback."""
+    check_softmax(op, torch.randn(1, 2**21 + 1, dtype=dtype, device=device), -1, version)
+
+
+SOFTMAX_VIEWS = {k: v for k, v in VIEWS.items() if k != "expanded"}
+
+
+@pytest.mark.parametrize("view", list(SOFTMAX_VIEWS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("version", (*VERSIONS["softmax"], None), ids=str)
+def test_softmax_views(version, dtype, view, device):
+    x = SOFTMAX_VIEWS[view](torch.randn(65, 1031, dtype=dtype, device=device))
+    for op in SOFTMAX_OPS:
+        for dim in (-1, 0) if x.dim() == 2 else (0,):
+            check_softmax(op, x, dim, version, f"{op} {view} dim={dim}")
+
+
+def softmax_special_rows(n, dtype, device):
+    """Eight rows of n elements, each a special case (the reason beside it); NaN and -inf
+    follow torch.softmax."""
+    x = torch.randn(8, n, dtype=torch.float64, device=device)
+    inf, nan = float("inf"), float("nan")
+    x[1, n // 2] = nan               # a NaN: the whole row NaN
+    x[2] = -inf                      # all -inf: NaN (-inf - -inf), like torch
+    x[3, : n // 2] = -inf            # the first half -inf: a whole split block of -inf, and an
+    #                                  online max that starts at -inf (exp(-inf - -inf) = NaN)
+    x[4, ::3] = -inf                 # scattered -inf, the first element among them
+    x[5] = x[5, 0]                   # all equal: 1/n each
+    x[6] = x[6].clamp(-6, 6) * 1e4   # large magnitudes: a naive exp overflows (float16 holds 6e4)
+    x[7, :-1] = -inf                 # one finite element, the last: 1 there, 0 elsewhere
+    return x.to(dtype)               # row 0: ordinary
+
+
+@pytest.mark.parametrize("n", (8, 1000, 40000))  # 40000: split in every dtype that splits
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("version", (*VERSIONS["softmax"], None), ids=str)
+@pytest.mark.parametrize("op", SOFTMAX_OPS)
+def test_softmax_special_values(op, version, dtype, n, device):
+    x = softmax_special_rows(n, dtype, device)
+    out = check_softmax(op, x, -1, version)
+    # Spelled out, in case the reference ever changes its mind: these rows are NaN.
+    assert out[[1, 2]].isnan().all()
+    assert not out[[0, 3, 4, 5, 6, 7]].isnan().any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("version", (*VERSIONS["softmax"], None), ids=str)
+def test_softmax_rows_sum_to_one(version, dtype, device):
+    """A property check independent of the reference: rows of softmax sum to 1, and so do the
+    exponentials of log_softmax. softmax: the outputs' relative errors (softmax_bound) weighted
+    by the outputs themselves: eps_out + eps_acc (16 + sqrt(n) + 2 E|d|) <= eps_out + 150
+    eps_acc for n = 3001 and |d| <= ~25. log_softmax: an absolute error of (eps_out + 8
+    eps_acc) |y| in y is a relative one in exp(y), weighted by exp(y): at most (eps_out + 8
+    eps_acc) times the entropy (<= log n), plus the row sum's eps_acc (40 + sqrt(n))."""
+    n = 3001
+    x = torch.randn(6, n, dtype=dtype, device=device) * 3
+    e_o, e_a = eps_out(dtype), eps_acc(dtype)
+    rows = shared_reduction.softmax(x, version=version).double().sum(-1)
+    torch.testing.assert_close(rows, torch.ones_like(rows), rtol=0, atol=e_o + 150 * e_a)
+    rows = shared_reduction.log_softmax(x, version=version).double().exp().sum(-1)
+    torch.testing.assert_close(rows, torch.ones_like(rows), rtol=0,
+                               atol=(e_o + 8 * e_a) * (2 + math.log(n)) + e_a * (40 + math.sqrt(n)))
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. softmax_backward against torch's backward formulas
+# ---------------------------------------------------------------------------------------------
+BACKWARD_CASES = [((7, 1), -1), ((7, 31), -1), ((7, 33), -1), ((5, 1000), -1), ((3, 4097), -1),
+                  ((3, 8193), -1), ((2, 16385), -1), ((2, 40000), -1), ((2, 2**20 + 3), -1),
+                  ((0, 33), -1), ((), -1), ((4, 7, 33), 1), ((4, 7, 33), 0)]
+
+
+@pytest.mark.parametrize("case", BACKWARD_CASES,
+                         ids=[f"{shape_id(s) or 'scalar'}-dim{d}" for s, d in BACKWARD_CASES])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("log", (False, True), ids=("softmax", "log_softmax"))
+def test_softmax_backward_matches_reference(log, dtype, case, device):
+    shape, dim = case
+    x = torch.randn(shape, dtype=torch.float64, device=device)
+    y = softmax_reference(x, dim, log).to(dtype)  # what the forward stored
+    grad = torch.randn(shape, dtype=dtype, device=device)
+    ref = softmax_backward_reference(grad, y, dim, log)
+    poison_allocator(ref.to(dtype))
+    out = shared_reduction.softmax_backward(grad, y, dim, log)
+    assert out.shape == shape and out.dtype == dtype and out.device == y.device
+    assert_within(out, ref, softmax_backward_bound(grad, y, dim, ref, log, dtype))
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float64), ids=dtype_id)
+@pytest.mark.parametrize("log", (False, True), ids=("softmax", "log_softmax"))
+def test_softmax_backward_views(log, dtype, device):
+    """grad and y non-contiguous or offset (what autograd hands over after a transpose): true
+    softmax outputs and random gradients written into views of larger buffers."""
+    for name in ("transposed", "column_offset", "row_offset", "offset_matrix", "every_other_row"):
+        view = VIEWS[name]
+        y = view(torch.empty(65, 1031, dtype=dtype, device=device))
+        grad = view(torch.empty(65, 1031, dtype=dtype, device=device))
+        for dim in (-1, 0):
+            y.copy_(softmax_reference(torch.randn(y.shape, dtype=torch.float64, device=device),
+                                      dim, log))
+            grad.copy_(torch.randn(y.shape, device=device))
+            ref = softmax_backward_reference(grad, y, dim, log)
+            out = shared_reduction.softmax_backward(grad, y, dim, log)
+            assert out.shape == y.shape and out.dtype == dtype
+            assert_within(out, ref, softmax_backward_bound(grad, y, dim, ref, log, dtype),
+                          f"{name} dim={dim}")
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. Gradients: gradcheck in float64, low precision against PyTorch
+# ---------------------------------------------------------------------------------------------
+GRAD_PARAMS = [pytest.param(version, dim, id=f"{version}-dim{dim}")
+               for dim in (None, 0, 1, -1)
+               for version in (*LADDERS[layout((3, 4, 5), dim)], None)]
+
+
+@pytest.mark.parametrize("version,dim", GRAD_PARAMS)
+@pytest.mark.parametrize("op", REDUCE_OPS)
+def test_reduce_gradcheck(op, version, dim, device):
+    # A random permutation of multiples of 0.1: no ties and no near-ties, so amax's finite
+    # differences never cross to another maximum.
+    x = (torch.randperm(60, device=device).double() * 0.1 - 3).reshape(3, 4, 5)
+    x.requires_grad_()
+    for keepdim in (False,) if dim is None else (False, True):
+        fn = lambda t: run_reduce(op, t, dim, keepdim, version)  # noqa: E731
+        assert torch.autograd.gradcheck(fn, (x,))
+
+
+@pytest.mark.parametrize("shape,dim", [((4, 37), -1), ((3, 5, 7), 1), ((2, 3), 0)],
+                         ids=["4x37", "3x5x7-dim1", "2x3-dim0"])
+@pytest.mark.parametrize("version", (*VERSIONS["softmax"], None), ids=str)
+@pytest.mark.parametrize("op", SOFTMAX_OPS)
+def test_softmax_gradcheck(op, version, shape, dim, device):
+    x = torch.randn(shape, dtype=torch.float64, device=device, requires_grad=True)
+    fn = lambda t: getattr(shared_reduction, op)(t, dim, version=version)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (x,))
+
+
+@pytest.mark.parametrize("log", (False, True), ids=("softmax", "log_softmax"))
+def test_softmax_gradient_of_long_rows_float64(log, device):
+    """Rows longer than one block holds (the split path in float32; float64 streams them):
+    too long for gradcheck's finite differences, so the autograd gradient against torch's in
+    float64, where the bound is ~1e-12."""
+    x = torch.randn(2, 17000, dtype=torch.float64, device=device, requires_grad=True)
+    op = shared_reduction.log_softmax if log else shared_reduction.softmax
+    w = torch.randn(2, 17000, dtype=torch.float64, device=device)
+    ours, = torch.autograd.grad((op(x) * w).sum(), x)
+    ref = softmax_backward_reference(w, softmax_reference(x.detach(), -1, log), -1, log)
+    assert_within(ours, ref, softmax_backward_bound(w, softmax_reference(x.detach(), -1, log),
+                                                    -1, ref, log, torch.float64))
+
+
+@pytest.mark.parametrize("dim", (None, -1, 0, 1), ids=lambda d: f"dim{d}")
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=dtype_id)
+def test_sum_low_precision_gradients(dtype, dim, device):
+    """The gradient of a sum is the output gradient broadcast: bit for bit torch's."""
+    x = torch.randn(33, 257, 3, dtype=dtype, device=device, requires_grad=True)
+    for keepdim in (False,) if dim is None else (False, True):
+        out = shared_reduction.sum(x, dim, keepdim)
+        grad = torch.randn(out.shape, dtype=dtype, device=device)
+        ours, = torch.autograd.grad(out, x, grad)
+        theirs, = torch.autograd.grad(x.sum() if dim is None else x.sum(dim, keepdim), x, grad)
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dim", (None, -1, 0), ids=lambda d: f"dim{d}")
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=dtype_id)
+def test_amax_low_precision_gradients(dtype, dim, device):
+    """Ties on purpose (integers in [-3, 3]: ~140 tied maxima per row): the gradient is shared
+    evenly among them, as torch.amax's. The float64 gradient g / count, against ours in the
+    dtype: g / count (or g * (1 / count)) in float32, rounded to the dtype: at most two ulps,
+    2 eps_out |g / count|."""
+    x = torch.randint(-3, 4, (64, 1000), device=device).to(dtype).requires_grad_()
+    out = shared_reduction.amax(x, dim)
+    grad = torch.randn(out.shape, dtype=dtype, device=device)
+    ours, = torch.autograd.grad(out, x, grad)
+    x64 = x.detach().double().requires_grad_()
+    theirs, = torch.autograd.grad(x64.amax() if dim is None else x64.amax(dim), x64,
+                                  grad.double())
+    assert_within(ours, theirs, 2 * eps_out(dtype) * theirs.abs())
+    assert bool(((ours != 0) == (theirs != 0)).all()), "gradient reached a non-maximum"
+
+
+@pytest.mark.parametrize("shape,dim", [((64, 1000), -1), ((3, 20000), -1), ((33, 4, 65), 0)],
+                         ids=["64x1000", "3x20000", "33x4x65-dim0"])
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=dtype_id)
+@pytest.mark.parametrize("op", SOFTMAX_OPS)
+def test_softmax_low_precision_gradients(op, dtype, shape, dim, device):
+    """The whole chain (our forward, our backward) against torch's autograd in float64."""
+    log = op == "log_softmax"
+    x = torch.randn(shape, dtype=dtype, device=device, requires_grad=True)
+    grad = torch.randn(shape, dtype=dtype, device=device)
+    ours, = torch.autograd.grad(getattr(shared_reduction, op)(x, dim), x, grad)
+    x64 = x.detach().double().requires_grad_()
+    y64 = softmax_reference(x64, dim, log)
+    theirs, = torch.autograd.grad(y64, x64, grad.double())
+    assert ours.dtype == dtype
+    assert_within(ours, theirs, softmax_backward_bound(grad, y64.detach(), dim, theirs, log, dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. The VERSIONS table, the dispatch and the ladders
+# ---------------------------------------------------------------------------------------------
+def test_versions_table_matches_dispatch():
+    assert set(VERSIONS) == {"sum", "amax", "softmax", "log_softmax"}
+    ladders = LADDERS["whole"] + LADDERS["rows"] + LADDERS["columns"]
+    assert VERSIONS["sum"] == VERSIONS["amax"] == ladders
+    assert len(set(ladders)) == len(ladders), "a rung name in two ladders"
+    assert VERSIONS["softmax"] == VERSIONS["log_softmax"] == ("v1", "v2", "v3", "v4", "v5")
+    for op in VERSIONS:
+        assert list(VERSIONS[op]) == torch.ops.shared_reduction.versions(op), op
+    with pytest.raises(RuntimeError, match="versions: unknown op 'xyz'"):
+        torch.ops.shared_reduction.versions("xyz")
+
+
+# A call of each layout: (x shape, dim).
+LAYOUT_CALLS = {"whole": ((40, 24), None), "rows": ((40, 24), -1), "columns": ((40, 24), 0)}
+WHAT_IT_REDUCES = {"whole": "the whole tensor", "rows": "rows", "columns": "columns"}
+LADDER_NAME = {"whole": "whole-tensor", "rows": "rows", "columns": "columns"}
+
+
+def test_every_listed_version_dispatches_and_others_do_not(device):
+    for op in REDUCE_OPS:
+        for version in (*VERSIONS[op], None):
+            for ladder in LADDERS if version is None else [ladder_of(version)]:
+                shape, dim = LAYOUT_CALLS[ladder]
+                check_reduction(op, torch.randn(shape, device=device), dim, False, version)
+        for bad in ("v0", "v11", "V1", "", "best", "block_per_rows", "v5 "):
+            with pytest.raises(RuntimeError,
+                               match=f"{op}: unknown version '{bad}'; expected one of v1, v2, v3"):
+                run_reduce(op, torch.randn(40, 24, device=device), -1, False, bad)
+    for op in SOFTMAX_OPS:
+        for version in (*VERSIONS[op], None):
+            check_softmax(op, torch.randn(40, 24, device=device), -1, version)
+        for bad in ("v0", "v6", "V1", "", "best", "v10"):
+            with pytest.raises(RuntimeError,
+                               match=f"{op}: unknown version '{bad}'; expected one of v1, v2, v3"):
+                getattr(shared_reduction, op)(torch.randn(40, 24, device=device), version=bad)
+
+
+@pytest.mark.parametrize("version", VERSIONS["sum"])
+@pytest.mark.parametrize("op", REDUCE_OPS)
+def test_rung_of_another_ladder_raises(op, version, device):
+    ladder = ladder_of(version)
+    for other in LADDERS:
+        if other == ladder:
+            continue
+        shape, dim = LAYOUT_CALLS[other]
+        message = (f"{op}: version '{version}' is a rung of the {LADDER_NAME[ladder]} ladder, "
+                   f"but this call reduces {WHAT_IT_REDUCES[other]}")
+        with pytest.raises(RuntimeError, match=message):
+            run_reduce(op, torch.randn(shape, device=device), dim, False, version)
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. Misuse
+# ---------------------------------------------------------------------------------------------
+# Every misuse raises a RuntimeError naming the op and the problem.
+MISUSES = {
+    "sum dim out of range": (lambda d: shared_reduction.sum(torch.randn(3, 4, device=d), 2),
+                             r"sum: dim 2 is out of range for a 2-D tensor"),
+    "amax negative dim out of range": (lambda d: shared_reduction.amax(torch.randn(3, 4, device=d),
+                                                                       -3),
+                                       r"amax: dim -3 is out of range for a 2-D tensor"),
+    "sum integer": (lambda d: shared_reduction.sum(torch.ones(3, 4, dtype=torch.int32, device=d)),
+                    r"sum: x has dtype Int, which is not supported"),
+    "amax integer": (lambda d: shared_reduction.amax(torch.arange(5, device=d), 0),
+                     r"amax: x has dtype Long, which is not supported"),
+    "sum bool": (lambda d: shared_reduction.sum(torch.ones(5, dtype=torch.bool, device=d), 0),
+                 r"sum: x has dtype Bool, which is not supported"),
+    "amax empty": (lambda d: shared_reduction.amax(torch.randn(0, device=d)),
+                   r"amax: cannot reduce over zero elements"),
+    "amax empty dim": (lambda d: shared_reduction.amax(torch.randn(3, 0, device=d), -1),
+                       r"amax: cannot reduce over zero elements"),
+    "softmax dim out of range": (lambda d: shared_reduction.softmax(torch.randn(3, 4, device=d), 3),
+                                 r"softmax: dim 3 is out of range"),
+    "log_softmax dim out of range": (lambda d: shared_reduction.log_softmax(
+        torch.randn(3, 4, device=d), -3), r"log_softmax: dim -3 is out of range"),
+    "softmax integer": (lambda d: shared_reduction.softmax(torch.arange(6, device=d)),
+                        r"softmax: x has dtype Long, which is not supported"),
+    "softmax_backward shape mismatch": (
+        lambda d: shared_reduction.softmax_backward(torch.randn(3, 4, device=d),
+                                                    torch.randn(3, 5, device=d)),
+        r"softmax_backward: grad has shape \[3, 4\] but y has shape \[3, 5\]"),
+    "atomic_sum half": (lambda d: shared_reduction.atomic_sum(torch.randn(5, device=d).half()),
+                        r"atomic_sum: x has dtype Half, which is not supported"),
+    "atomic_sum double": (lambda d: shared_reduction.atomic_sum(torch.randn(5, device=d).double()),
+                          r"atomic_sum: x has dtype Double, which is not supported"),
+    "unknown version": (lambda d: shared_reduction.sum(torch.randn(3, 3, device=d), version="v11"),
+                        r"sum: unknown version 'v11'; expected one of v1, v2"),
+    "softmax unknown version": (lambda d: shared_reduction.softmax(torch.randn(3, 3, device=d),
+                                                                   version="v6"),
+                                r"softmax: unknown version 'v6'"),
+    "whole rung on rows": (lambda d: shared_reduction.sum(torch.randn(3, 3, device=d), -1,
+                                                          version="v3"),
+                           r"sum: version 'v3' is a rung of the whole-tensor ladder, but this "
+                           r"call reduces rows"),
+    "whole rung on columns": (lambda d: shared_reduction.amax(torch.randn(3, 3, device=d), 0,
+                                                              version="v10"),
+                              r"amax: version 'v10' is a rung of the whole-tensor ladder, but "
+                              r"this call reduces columns"),
+    "row rung on the whole tensor": (lambda d: shared_reduction.sum(torch.randn(3, 3, device=d),
+                                                                    version="split_row"),
+                                     r"sum: version 'split_row' is a rung of the rows ladder, but "
+                                     r"this call reduces the whole tensor"),
+}
+
+
+@pytest.mark.parametrize("misuse", list(MISUSES))
+def test_misuse_raises_clear_error(misuse, device):
+    call, message = MISUSES[misuse]
+    with pytest.raises(RuntimeError, match=message):
+        call(device)
+
+
+def test_sum_of_nothing_is_zero(device):
+    """Like torch: an empty sum is 0, of the input's dtype, in every ladder."""
+    for shape, dim in (((0,), None), ((3, 0), -1), ((0, 3), 0), ((2, 0, 3), 1)):
+        x = torch.randn(shape, device=device, dtype=torch.bfloat16)
+        out = shared_reduction.sum(x, dim)
+        expected = x.sum() if dim is None else x.sum(dim)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+        assert not out.isnan().any() and bool((out == 0).all())
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. opcheck and torch.compile
+# ---------------------------------------------------------------------------------------------
+OPS = torch.ops.shared_reduction
+OPCHECK_CALLS = {
+    "sum_whole": lambda x: (OPS.sum.default, (x, None, False, None)),
+    "sum_rows": lambda x: (OPS.sum.default, (x, -1, True, None)),
+    "sum_columns": lambda x: (OPS.sum.default, (x, 0, False, "column_loop")),
+    "sum_rung": lambda x: (OPS.sum.default, (x, None, False, "v7")),
+    "amax_whole": lambda x: (OPS.amax.default, (x, None, False, None)),
+    "amax_rows": lambda x: (OPS.amax.default, (x, 1, False, "warp_per_row")),
+    "amax_columns": lambda x: (OPS.amax.default, (x, 0, True, None)),
+    "softmax": lambda x: (OPS.softmax.default, (x, -1, None)),
+    "softmax_dim0": lambda x: (OPS.softmax.default, (x, 0, "v3")),
+    "log_softmax": lambda x: (OPS.log_softmax.default, (x, -1, None)),
+    "log_softmax_v5": lambda x: (OPS.log_softmax.default, (x, 0, "v5")),
+    "softmax_backward": lambda x: (OPS.softmax_backward.default,
+                                   (x * 0.5, torch.softmax(x.detach(), -1).requires_grad_(), -1,
+                                    False)),
+    "log_softmax_backward": lambda x: (OPS.softmax_backward.default,
+                                       (x * 0.5, torch.log_softmax(x.detach(), 0)
+                                        .requires_grad_(), 0, True)),
+}
+
+
+@pytest.mark.parametrize("op", list(OPCHECK_CALLS))
+def test_opcheck(op, device):
+    x = torch.randn(33, 17, device=device, requires_grad=True)  # no ties: amax is smooth
+    fn, args = OPCHECK_CALLS[op](x)
+    torch.library.opcheck(fn, args)
+
+
+def test_torch_compile_traces_the_ops(device):
+    """Dynamo and AOTAutograd trace through the ops without a graph break (the Meta kernels
+    give shapes, the Autograd kernels the backward); aot_eager skips codegen to keep this fast.
+    The same kernels run either way; only the order in which the backward adds the four
+    branches' gradients may differ, hence assert_close's float32 defaults."""
+    torch._dynamo.reset()
+
+    def f(x):
+        p = shared_reduction.softmax(x, -1)
+        lp = shared_reduction.log_softmax(x, 0)
+        return (shared_reduction.sum(p * lp, -1).sum() + shared_reduction.amax(x, 1).sum()
+                + shared_reduction.sum(x) + shared_reduction.sum(x * x, 0, True).sum())
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    x = torch.randn(3, 65, 33, device=device, requires_grad=True)
+    out = compiled(x)
+    grad, = torch.autograd.grad(out, x)
+    expected = f(x)
+    expected_grad, = torch.autograd.grad(expected, x)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(grad, expected_grad)
+
+
+# ---------------------------------------------------------------------------------------------
+# 10. Determinism: bitwise equal results run to run, every rung
+# ---------------------------------------------------------------------------------------------
+DETERMINISM_CALLS = [pytest.param(version, dim, id=f"{version}-dim{dim}")
+                     for dim in (None, -1, 0)
+                     for version in (*LADDERS[layout((4096, 4097), dim)], None)]
+
+
+@pytest.mark.parametrize("version,dim", DETERMINISM_CALLS)
+@pytest.mark.parametrize("op", REDUCE_OPS)
+def test_reduce_is_deterministic(op, version, dim, device):
+    """Five runs, bitwise equal: no atomics on floats, a fixed combine order. 2^22 + 5
+    elements for the whole tensor (many blocks, a ragged tail), a 4096 x 4097 matrix for rows
+    and columns (split_row and column_split combine partials across blocks)."""
+    x = (torch.randn(2**22 + 5, device=device) if dim is None
+         else torch.randn(4096, 4097, device=device))
+    first = check_reduction(op, x, dim, False, version)
+    for _ in range(4):
+        assert torch.equal(run_reduce(op, x, dim, False, version), first)
+
+
+@pytest.mark.parametrize("version", (*VERSIONS["softmax"], None), ids=str)
+def test_softmax_is_deterministic(version, device):
+    x = torch.randn(4, 100003, device=device)  # float32: 7 split blocks per row in v5
+    grad = torch.randn_like(x)
+    for op in SOFTMAX_OPS:
+        first = check_softmax(op, x, -1, version)
+        first_grad = shared_reduction.softmax_backward(grad, first, -1, op == "log_softmax")
+        for _ in range(4):
+            y = getattr(shared_reduction, op)(x, version=version)
+            assert torch.equal(y, first)
+            assert torch.equal(shared_reduction.softmax_backward(grad, y, -1, op == "log_softmax"),
+                               first_grad)
+
+
+# ---------------------------------------------------------------------------------------------
+# 11. atomic_sum
+# ---------------------------------------------------------------------------------------------
+# name: (base shape, view)
+ATOMIC_INPUTS = {
+    "empty": ((0,), lambda t: t),
+    "one": ((1,), lambda t: t),
+    "1000": ((1000,), lambda t: t),
+    "2^22+5": ((2**22 + 5,), lambda t: t),
+    "513x1031": ((513, 1031), lambda t: t),
+    "transposed": ((513, 1031), lambda t: t.t()),
+    "flat_offset": ((4097,), lambda t: t[1:]),
+}
+
+
+@pytest.mark.parametrize("case", list(ATOMIC_INPUTS))
+def test_atomic_sum_is_close_to_the_float64_sum(case, device):
+    """Its last bits may change run to run on the GPU (the order in which blocks finish), so
+    random normal inputs are held to sum's bound only. Integers in [-3, 3] are summed exactly
+    in any order (|every partial| <= 3 (2^22 + 5) < 2^24), so there it must be the sum."""
+    shape, view = ATOMIC_INPUTS[case]
+    x = view(torch.randn(shape, device=device))
+    out = shared_reduction.atomic_sum(x)
+    assert_like(out, (), torch.float32, device)
+    exact = reference_sum(x)
+    assert_within(out, exact, sum_bound(x, None, False, exact))
+    ints = view(integer_valued(shape, torch.float32, device, high=3))
+    torch.testing.assert_close(shared_reduction.atomic_sum(ints), reference_sum(ints).float(),
+                               rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# 12. version=None: default_choice's rules (reduction.h) on each side of every threshold
+# ---------------------------------------------------------------------------------------------
+# name: (op, shape, dtype, dim, the rung version=None must run)
+DEFAULT_CASES = {
+    "whole": ("sum", (1000,), torch.float32, None, "v10"),
+    "whole_3d": ("amax", (3, 4, 5), torch.bfloat16, None, "v10"),
+    "whole_long": ("sum", (2**20 + 3,), torch.float16, None, "v10"),
+    # inner > 1: columns, whatever n
+    "columns_inner_2": ("sum", (4, 2), torch.float32, 0, "column_split"),
+    "columns_3d": ("amax", (3, 4, 5), torch.float32, 1, "column_split"),
+    "columns_long": ("sum", (5000, 3), torch.float32, 0, "column_split"),
+    # inner == 1 through trailing size-1 dims: rows
+    "rows_trailing_ones": ("sum", (3, 4, 1), torch.float32, 1, "rows_per_warp"),
+    # row length: < 32 rows_per_warp, up to 2048 warp_per_row
+    "n_1": ("sum", (100, 1), torch.float32, -1, "rows_per_warp"),
+    "n_31": ("sum", (100, 31), torch.float32, -1, "rows_per_warp"),
+    "n_32": ("amax", (100, 32), torch.float32, -1, "warp_per_row"),
+    "n_2048": ("sum", (100, 2048), torch.bfloat16, -1, "warp_per_row"),
+    # longer rows: split while there are fewer than 528 rows, one block each from 528 on
+    "n_2049_rows_100": ("sum", (100, 2049), torch.float32, -1, "split_row"),
+    "n_2049_rows_527": ("sum", (527, 2049), torch.float32, -1, "split_row"),
+    "n_2049_rows_528": ("amax", (528, 2049), torch.float32, -1, "block_per_row"),
+    "1d_2049": ("sum", (2049,), torch.float32, 0, "split_row"),
+    "1d_31": ("sum", (31,), torch.float32, 0, "rows_per_warp"),
+    "3d_rows": ("sum", (528, 1, 4000), torch.float16, 2, "block_per_row"),
+    # softmax: v4 while a row fits one block's registers, else v5: 16384 elements in float32
+    # and in 2-byte dtypes alike (reduction.h, shape_fits: the forward keeps every element as
+    # a float32, at most 32 per thread, so 2-byte dtypes stop at 512 threads x 4 vectors)
+    "softmax_f32_16384": ("softmax", (3, 16384), torch.float32, -1, "v4"),
+    "softmax_f32_16385": ("softmax", (3, 16385), torch.float32, -1, "v5"),
+    "softmax_bf16_16384": ("softmax", (2, 16384), torch.bfloat16, -1, "v4"),
+    "softmax_bf16_16385": ("softmax", (2, 16385), torch.bfloat16, -1, "v5"),
+    "softmax_f16_16384": ("softmax", (2, 16384), torch.float16, -1, "v4"),
+    "softmax_f16_16385": ("softmax", (2, 16385), torch.float16, -1, "v5"),
+    "softmax_short": ("softmax", (1000, 7), torch.float32, -1, "v4"),
+    "softmax_dim0": ("softmax", (16385, 2), torch.float32, 0, "v5"),
+    "log_softmax_f32_16384": ("log_softmax", (2, 16384), torch.float32, -1, "v4"),
+    "log_softmax_f32_16385": ("log_softmax", (2, 16385), torch.float32, -1, "v5"),
+}
+
+
+@pytest.mark.parametrize("case", list(DEFAULT_CASES))
+def test_default_choice(case, device):
+    """default_choice names the rung; version=None must run exactly that rung: every rung is
+    deterministic, so the two results are bitwise equal (on the CPU, where the version is only
+    validated, trivially so; the reference check holds there)."""
+    op, shape, dtype, dim, expected = DEFAULT_CASES[case]
+    x = torch.randn(shape, dtype=dtype, device=device)
+    assert shared_reduction.default_choice(op, x, dim) == expected
+    if op in REDUCE_OPS:
+        out = check_reduction(op, x, dim, False, None)
+        assert torch.equal(out, run_reduce(op, x, dim, False, expected))
+    else:
+        out = check_softmax(op, x, dim, None)
+        assert torch.equal(out, getattr(shared_reduction, op)(x, dim, version=expected))
+
+
+def test_default_choice_accepts_meta_tensors():
+    """Shape and dtype alone decide, so a meta tensor (no memory) stands in for a real one: what
+    test_recorded_results_hold_the_dispatch relies on for shapes of 2^28 elements."""
+    for case, (op, shape, dtype, dim, expected) in DEFAULT_CASES.items():
+        x = torch.empty(shape, dtype=dtype, device="meta")
+        assert shared_reduction.default_choice(op, x, dim) == expected, case
+
+
+@pytest.mark.cuda
+def test_default_launches_kernels_of_the_extension():
+    require_cuda()
+    x = torch.randn(64, 1000, device="cuda")
+    out, kernels = launched_kernels(lambda: shared_reduction.sum(x, -1), "shared_reduction")
+    assert len(kernels) >= 1, kernels
+    exact = reference_sum(x, -1)
+    assert_within(out, exact, sum_bound(x, -1, False, exact))
+    out, kernels = launched_kernels(lambda: shared_reduction.softmax(x), "shared_reduction")
+    assert len(kernels) >= 1, kernels
+    ref = softmax_reference(x, -1, False)
+    assert_within(out, ref, softmax_bound(x, -1, ref, False))
+
+
+# ---------------------------------------------------------------------------------------------
+# 13. The recorded GPU results
+# ---------------------------------------------------------------------------------------------
+def test_recorded_results_hold_the_dispatch():
+    """The committed GPU results (bench_shared_reduction.py) must show version=None at every
+    measured shape, with the choice the dispatch makes today, never slower than 0.95x the
+    fastest rung there. Fails on results older than the dispatch and on a regression."""
+    record = results.load_recorded_gpu("chapter3_shared_reduction")
+    if record is None:
+        pytest.skip("no recorded GPU results yet")
+    checked = 0
+    for r in record["benchmarks"]:
+        if r["variant"] != "default" or r["op"] not in VERSIONS:
+            continue
+        if r.get("pass", "forward") == "backward":
+            if r["op"] not in SOFTMAX_OPS or "dispatch" not in r:
+                continue  # sum/amax's backward is a broadcast: no rung to choose
+            choice_op = "softmax_backward"
+        else:
+            choice_op = r["op"]
+        # Shape and dtype decide: a meta tensor of the measured shape (2^28 elements would be
+        # a GiB on the CPU) stands in for the GPU one.
+        x = torch.empty(r["shape"], dtype=getattr(torch, r["dtype"]), device="meta")
+        assert r["dispatch"] == shared_reduction.default_choice(choice_op, x, r["dim"]), r
+        checked += 1
+    assert checked > 0, "no default rows: results older than the dispatch?"
+    for op in VERSIONS:
+        assert results.default_gaps(record, VERSIONS[op], ops=(op,)) == [], op
+
+
+# ---------------------------------------------------------------------------------------------
+# 14. Beyond 2^31 elements
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.cuda
+@pytest.mark.large
+@pytest.mark.parametrize("version", (None, "v9", "v10"), ids=str)
+def test_sum_beyond_int32_elements(version):
+    """2^31 + 1001 bfloat16 elements (4 GiB): every index must be 64-bit. Random values in
+    {-1, 0, 1} (every partial sum an integer far below 2^24: exact in float32) and the 1001
+    elements past 2^31 set to 64, the last to 100: a kernel that stops at 2^31 (or wraps
+    around) misses 64064, which bfloat16 (8 bits) still shows; amax finds the 100."""
+    require_cuda()
+    n = 2**31 + 1001
+    if torch.cuda.mem_get_info()[0] < 12 * 2**30:
+        pytest.skip("needs 12 GiB of free GPU memory")
+    x = torch.randint(-1, 2, (n,), device="cuda", dtype=torch.int8).to(torch.bfloat16)
+    x[2**31:] = 64
+    x[-1] = 100
+    exact = sum(chunk.double().sum() for chunk in x.split(2**28))  # the builtin sum
+    out = shared_reduction.sum(x, version=version)
+    assert out.dtype == torch.bfloat16 and out.shape == ()
+    assert torch.equal(out, exact.to(torch.bfloat16)), (out.item(), exact.item())
+    # and torch.sum, which also accumulates bfloat16 in float32: within one bfloat16 rounding
+    torch.testing.assert_close(out, torch.sum(x), rtol=eps_out(torch.bfloat16), atol=0)
+    assert shared_reduction.amax(x, version=version).item() == 100
+    del x
+    torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------
+# 15. The small run the GPU pass puts under compute-sanitizer
+# ---------------------------------------------------------------------------------------------
+SANITIZE_SHAPES = {
+    # ladder: [(make x from a dtype, dim)], small, irregular, one misaligned view each
+    "whole": [(lambda t: torch.randn(1, dtype=t, device="cuda"), None),
+              (lambda t: torch.randn(33, dtype=t, device="cuda"), None),
+              (lambda t: torch.randn(3, 1373, dtype=t, device="cuda"), None),
+              (lambda t: torch.randn(4100, dtype=t, device="cuda")[1:], None)],
+    "rows": [(lambda t: torch.randn(3, 1, dtype=t, device="cuda"), -1),
+             (lambda t: torch.randn(70, 31, dtype=t, device="cuda"), -1),
+             (lambda t: torch.randn(5, 33, dtype=t, device="cuda"), -1),
+             (lambda t: torch.randn(3, 4097, dtype=t, device="cuda"), -1),
+             (lambda t: torch.randn(3 * 1001 + 1, dtype=t, device="cuda")[1:].view(3, 1001), -1)],
+    "columns": [(lambda t: torch.randn(33, 5, dtype=t, device="cuda"), 0),
+                (lambda t: torch.randn(1000, 3, dtype=t, device="cuda"), 0),
+                (lambda t: torch.randn(3, 7, 9, dtype=t, device="cuda"), 1),
+                (lambda t: torch.randn(33 * 65 + 1, dtype=t, device="cuda")[1:].view(33, 65), 0)],
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.sanitize
+@pytest.mark.parametrize("version", VERSIONS["sum"])
+def test_sanitizer_small_reduce(version):
+    require_cuda()
+    for dtype in (torch.float32, torch.bfloat16):
+        for make, dim in SANITIZE_SHAPES[ladder_of(version)]:
+            x = make(dtype)
+            for op in REDUCE_OPS:
+                check_reduction(op, x, dim, False, version, f"{op} {tuple(x.shape)} dim={dim}")
+
+
+@pytest.mark.cuda
+@pytest.mark.sanitize
+@pytest.mark.parametrize("version", VERSIONS["softmax"])
+def test_sanitizer_small_softmax(version):
+    require_cuda()
+    for dtype in (torch.float32, torch.bfloat16):
+        for n in (1, 33, 1000, 40000):  # 40000: more than one block holds (v5 splits)
+            x = torch.randn(3, n, dtype=dtype, device="cuda")
+            for op in SOFTMAX_OPS:
+                check_softmax(op, x, -1, version, f"{op} n={n}")
+        x = torch.randn(3 * 1001 + 1, dtype=dtype, device="cuda")[1:].view(3, 1001)  # misaligned
+        for op in SOFTMAX_OPS:
+            check_softmax(op, x, -1, version, f"{op} misaligned")
+
+
+@pytest.mark.cuda
+@pytest.mark.sanitize
+def test_sanitizer_small_softmax_backward_and_atomic_sum():
+    require_cuda()
+    for dtype in (torch.float32, torch.bfloat16):
+        for n in (1, 33, 1000, 40000):
+            x = torch.randn(3, n, dtype=torch.float64, device="cuda")
+            grad = torch.randn(3, n, dtype=dtype, device="cuda")
+            for log in (False, True):
+                y = softmax_reference(x, -1, log).to(dtype)
+                ref = softmax_backward_reference(grad, y, -1, log)
+                out = shared_reduction.softmax_backward(grad, y, -1, log)
+                assert_within(out, ref, softmax_backward_bound(grad, y, -1, ref, log, dtype),
+                              f"log={log} n={n}")
+    for n in (1, 1000, 70001):
+        x = torch.randn(n + 1, device="cuda")[1:]
+        exact = reference_sum(x)
+        assert_within(shared_reduction.atomic_sum(x), exact, sum_bound(x, None, False, exact))
