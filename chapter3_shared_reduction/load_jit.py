@@ -28,7 +28,8 @@ def smoke_check(device):
     sys.path.insert(0, str(HERE))
     import shared_reduction  # finds the library this process just loaded
     x = torch.randn(33, 1000, device=device)
-    torch.testing.assert_close(shared_reduction.sum(x, -1), x.sum(-1))
+    # Two float32 sums of 1000 terms of size ~1 in different orders differ by a few ulp of ~30.
+    torch.testing.assert_close(shared_reduction.sum(x, -1), x.sum(-1), rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(shared_reduction.softmax(x), torch.softmax(x, -1))
     return f"sum and softmax on {device}: ok"
 
