@@ -110,9 +110,10 @@ def softmax_dram(record):
     profile = record.get("profile")
     if not profile:
         return "(no ncu profile recorded yet)"
-    return ", ".join(f"{r['variant']} {r['dram_bytes_over_minimum']:.2f}x the minimum"
+    return ", ".join(f"{r['variant']} {r['dtype']} {r['dram_bytes_over_minimum']:.2f}x the minimum, "
+                     f"DRAM busy {r['dram_busy_pct']:.0f}% of the kernel's time"
                      for r in profile["benchmarks"] if r["op"] == "softmax") + \
-        f" (DRAM bytes read + written over 2 x n x 4; ncu, {profile['date'][:10]})."
+        f" (DRAM bytes read + written over 2 x n x size; ncu, {profile['date'][:10]})."
 
 
 def _softmax_row(record, op, dtype, n, variant, pass_="forward"):
