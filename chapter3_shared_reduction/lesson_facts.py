@@ -106,6 +106,37 @@ def row_sweep(record):
     return "row length " + ", ".join(parts) + f" ({_where(record)})."
 
 
+def column_sweep(record):
+    parts = []
+    for r in sorted(_rows(record, op="sum", variant="default", dim=0, sweep=True), key=lambda r: r["shape"][1]):
+        parts.append(f"{r['shape'][0]} x {r['shape'][1]}: {r['dispatch']} {_pct(r)} of copy "
+                     f"({r['speedup_vs_torch']:.2f}x torch)")
+    return ", ".join(parts) + f" ({_where(record)})."
+
+
+def target_misses(record):
+    """Every softmax/log_softmax measurement where version=None misses the issue's targets:
+    forward >= 90% of copy and >= 1.0x torch and torch.compile; backward >= 85% of copy."""
+    misses = []
+    for r in _rows(record, variant="default", dim=-1, sweep=True):
+        if r["op"] not in ("softmax", "log_softmax"):
+            continue
+        c = _softmax_row(record, r["op"], r["dtype"], r["shape"][-1], "torch.compile", r["pass"])
+        why = []
+        floor = 90 if r["pass"] == "forward" else 85
+        if r["pct_of_copy"] < floor:
+            why.append(f"{_pct(r)} of copy")
+        if r["pass"] == "forward" and r["speedup_vs_torch"] < 1.0:
+            why.append(f"{r['speedup_vs_torch']:.3f}x torch")
+        if r["pass"] == "forward" and c and c["median_ms"] / r["median_ms"] < 1.0:
+            why.append(f"{c['median_ms'] / r['median_ms']:.3f}x torch.compile")
+        if why:
+            misses.append(f"{r['op']} {r['pass']} {r['dtype']} at {r['shape'][-1]}: " + ", ".join(why))
+    if not misses:
+        return f"None: every target met ({_where(record)})."
+    return "; ".join(misses) + f" ({_where(record)})."
+
+
 def softmax_dram(record):
     profile = record.get("profile")
     if not profile:
@@ -182,5 +213,6 @@ def envelope(record):
 
 FACTS = {"ceiling": ceiling, "harris_table": harris_table, "harris_profile": harris_profile,
          "atomic": atomic, "whole_default": whole_default, "rows_cols": rows_cols,
-         "row_sweep": row_sweep, "softmax_dram": softmax_dram, "softmax_table": softmax_table,
+         "row_sweep": row_sweep, "column_sweep": column_sweep, "target_misses": target_misses,
+         "softmax_dram": softmax_dram, "softmax_table": softmax_table,
          "split": split, "backward": backward, "envelope": envelope}
