@@ -587,7 +587,8 @@ def test_amax_low_precision_gradients(dtype, dim, device):
     """Ties on purpose (integers in [-3, 3]: ~140 tied maxima per row): the gradient is shared
     evenly among them, as torch.amax's. The float64 gradient g / count, against ours in the
     dtype: g / count (or g * (1 / count)) in float32, rounded to the dtype: at most two ulps,
-    2 eps_out |g / count|."""
+    2 eps_out |g / count|, or one subnormal step where g / count falls below float16's
+    smallest normal (|g| < ~0.56 with ~9000 tied maxima)."""
     x = torch.randint(-3, 4, (64, 1000), device=device).to(dtype).requires_grad_()
     out = shared_reduction.amax(x, dim)
     grad = torch.randn(out.shape, dtype=dtype, device=device)
@@ -595,7 +596,7 @@ def test_amax_low_precision_gradients(dtype, dim, device):
     x64 = x.detach().double().requires_grad_()
     theirs, = torch.autograd.grad(x64.amax() if dim is None else x64.amax(dim), x64,
                                   grad.double())
-    assert_within(ours, theirs, 2 * eps_out(dtype) * theirs.abs())
+    assert_within(ours, theirs, 2 * eps_out(dtype) * theirs.abs() + floor(dtype))
     assert bool(((ours != 0) == (theirs != 0)).all()), "gradient reached a non-maximum"
 
 
