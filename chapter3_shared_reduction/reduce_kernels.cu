@@ -18,6 +18,7 @@
 #include "reduction.h"
 
 #include <course/cuda_utils.h>
+#include <course/column_reduce.cuh>
 #include <course/reduce.cuh>
 
 #include <algorithm>
@@ -384,109 +385,10 @@ __global__ void __launch_bounds__(kThreads) reduce_column_loop(const T* __restri
   }
 }
 
-// column_split: a tile of 32 x kCols adjacent columns per block, its 8 warps taking every 8th
-// row of the tile, each lane kCols adjacent columns (one 16-byte vector when the rows are
-// aligned). A warp reads 512 contiguous bytes of a row per instruction, with kUnroll rows in
-// flight. The 8 warps' sums meet in shared memory. When tiles alone cannot fill the GPU, the
-// reduced dimension is also split into `splits` ranges (grid.y), each written as a partial and
-// combined in order by the last block of the tile to arrive, as split_row does for rows.
-constexpr int kColWarps = 8;
-
-template <int kCols, typename T, typename Op>
-__global__ void __launch_bounds__(32 * kColWarps) reduce_column_split(
-    const T* __restrict__ x, int64_t outer, int64_t n, int64_t inner, int64_t range,
-    typename Acc<T>::type* __restrict__ partial, unsigned* __restrict__ arrived, T* __restrict__ out) {
-  using A = typename Acc<T>::type;
-  constexpr int kTile = 32 * kCols;
-  __shared__ A smem[kColWarps][kTile];
-  __shared__ bool last;
-  const Op op;
-  const int lane = threadIdx.x % 32;
-  const int warp = threadIdx.x / 32;
-  const unsigned splits = gridDim.y;
-  const int64_t tiles = course::ceil_div(inner, static_cast<int64_t>(kTile));
-  const int64_t k_begin = blockIdx.y * range;
-  const int64_t k_end = k_begin + range < n ? k_begin + range : n;
-  for (int64_t t = blockIdx.x; t < outer * tiles; t += gridDim.x) {
-    const int64_t o = t / tiles;
-    const int64_t c0 = (t % tiles) * kTile + lane * kCols;  // this lane's first column
-    const T* base = x + o * n * inner + c0;
-    A acc[kCols];
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) acc[c] = Op::identity();
-    if (c0 < inner) {
-      if constexpr (kCols > 1) {
-        // Whole vectors only: the launcher picks kCols > 1 only when inner is a multiple of it
-        // and the rows are 16-byte aligned.
-        using V = course::Vec16<T>;
-        int64_t k = k_begin + warp;
-        for (; k + (kUnroll - 1) * kColWarps < k_end; k += kUnroll * kColWarps) {
-          V v[kUnroll];
-#pragma unroll
-          for (int u = 0; u < kUnroll; ++u) {
-            v[u] = course::load16(reinterpret_cast<const V*>(base + (k + u * kColWarps) * inner));
-          }
-#pragma unroll
-          for (int u = 0; u < kUnroll; ++u) {
-#pragma unroll
-            for (int c = 0; c < kCols; ++c) acc[c] = op(acc[c], to_acc(v[u].v[c]));
-          }
-        }
-        for (; k < k_end; k += kColWarps) {
-          const V v = course::load16(reinterpret_cast<const V*>(base + k * inner));
-#pragma unroll
-          for (int c = 0; c < kCols; ++c) acc[c] = op(acc[c], to_acc(v.v[c]));
-        }
-      } else {
-#pragma unroll 4
-        for (int64_t k = k_begin + warp; k < k_end; k += kColWarps) acc[0] = op(acc[0], to_acc(base[k * inner]));
-      }
-    }
-    // A previous tile's combine may still be reading smem in a slower warp.
-    __syncthreads();
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) smem[warp][lane * kCols + c] = acc[c];
-    __syncthreads();  // all 8 warps' sums are in shared memory before warp 0 adds them
-    if (warp == 0) {
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) {
-        A total = smem[0][lane * kCols + c];
-        for (int w = 1; w < kColWarps; ++w) total = op(total, smem[w][lane * kCols + c]);
-        acc[c] = total;
-      }
-    }
-    if (splits == 1) {
-      if (warp == 0) {
-#pragma unroll
-        for (int c = 0; c < kCols; ++c) {
-          if (c0 + c < inner) out[o * inner + c0 + c] = from_acc<T>(acc[c]);
-        }
-      }
-      continue;
-    }
-    if (warp == 0) {
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) {
-        if (c0 + c < inner) partial[(blockIdx.y * outer + o) * inner + c0 + c] = acc[c];
-      }
-      // Every lane's partials must be visible device-wide before the count that announces them.
-      __threadfence();
-      __syncwarp();  // all 32 lanes fenced before lane 0 arrives
-      if (lane == 0) last = atomicAdd(&arrived[t], 1u) == splits - 1;
-    }
-    __syncthreads();  // every thread sees warp 0's `last`
-    if (last && warp == 0) {
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) {
-        if (c0 + c < inner) {
-          A total = Op::identity();
-          for (unsigned s = 0; s < splits; ++s) total = op(total, __ldcg(&partial[(s * outer + o) * inner + c0 + c]));
-          out[o * inner + c0 + c] = from_acc<T>(total);
-        }
-      }
-    }
-  }
-}
+// column_split: course::column_reduce_tiles (common/include/course/column_reduce.cuh), which
+// chapter 4's bias and weight gradients use too: a tile of 32 x 4 adjacent columns per block,
+// coalesced 16-byte row loads, and the reduced dimension split over more blocks (combined in
+// order by the last to arrive) when the tiles alone cannot fill the GPU.
 
 // ===========================================================================================
 // The atomic counter-example: v9's loop and block reduction, then one floating-point
@@ -556,8 +458,7 @@ cudaError_t make_plan(const ReduceParams& p, Plan* plan) {
       break;
     case Layout::kColumns:
       if (p.version == ReduceVersion::kColumnSplit) {
-        const int64_t cols = (p.inner % kLanes == 0 && course::is_aligned(p.x, 16)) ? kLanes : 1;
-        const int64_t tiles = p.outer * course::ceil_div(p.inner, 32 * cols);
+        const int64_t tiles = p.outer * course::column_tiles<T>(static_cast<const T*>(p.x), p.inner);
         // Twice the resident blocks, so the tail of a wave is short; every range at least 64
         // rows (8 per warp) so a block has work to amortize its combine.
         const int64_t want = course::ceil_div(2 * resident_blocks, tiles);
@@ -700,17 +601,9 @@ cudaError_t run_columns(const ReduceParams& p, const Plan& plan, cudaStream_t st
                                 0, stream>>>(x, p.outer, p.n, p.inner, out);
     return cudaGetLastError();
   }
-  constexpr int kLanes = course::Vec16<T>::kLanes;
   const dim3 grid(clamp_grid(plan.blocks), static_cast<unsigned>(plan.splits));
-  A* partial = static_cast<A*>(p.workspace);
-  if (p.inner % kLanes == 0 && course::is_aligned(p.x, 16)) {
-    reduce_column_split<kLanes, T, Op><<<grid, 32 * kColWarps, 0, stream>>>(
-        x, p.outer, p.n, p.inner, plan.segment, partial, p.counters, out);
-  } else {
-    reduce_column_split<1, T, Op><<<grid, 32 * kColWarps, 0, stream>>>(
-        x, p.outer, p.n, p.inner, plan.segment, partial, p.counters, out);
-  }
-  return cudaGetLastError();
+  return course::launch_column_reduce<T, Op>(x, p.outer, p.n, p.inner, grid, plan.segment,
+                                             static_cast<A*>(p.workspace), p.counters, out, stream);
 }
 
 template <typename T, typename Op>

@@ -139,6 +139,33 @@ def copy_ceiling(device, n=2**28, dtype=torch.float32):
             "copy_dtype": str(dtype).replace("torch.", ""), "copy_median_ms": timing["median_ms"]}
 
 
+def matmul_ceiling(device, n=8192, dtype=torch.bfloat16):
+    """What a plain n^3 matmul reaches (TFLOP/s): the compute ceiling that GEMM-bound rows are
+    compared with, measured in the same run."""
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    timing = time_fn(lambda: a @ b, device)
+    return {"mm_TFLOPs": tflops(2 * n**3, timing["median_ms"]), "mm_n": n,
+            "mm_dtype": str(dtype).replace("torch.", ""), "mm_median_ms": timing["median_ms"]}
+
+
+def tflops(flops, ms):
+    return flops / (ms * 1e-3) / 1e12
+
+
+def flops_row(op, variant, dtype, shape, flops, timing, mm_TFLOPs, torch_ms=None, **extra):
+    """One results row of a compute-bound op: TFLOP/s and % of the measured matmul rate."""
+    row = {"op": op, "variant": variant, "dtype": str(dtype).replace("torch.", ""),
+           "shape": list(shape), "flops": flops, **timing,
+           "TFLOPs": tflops(flops, timing["median_ms"])}
+    if mm_TFLOPs:
+        row["pct_of_mm"] = 100.0 * row["TFLOPs"] / mm_TFLOPs
+    if torch_ms is not None:
+        row["speedup_vs_torch"] = torch_ms / timing["median_ms"]
+    row.update(extra)
+    return row
+
+
 def gbps(nbytes, ms):
     return nbytes / (ms * 1e-3) / 1e9
 

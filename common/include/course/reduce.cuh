@@ -1,7 +1,7 @@
 // Torch-free building blocks of every reduction in the course: the reduction operators, the
 // warp and block combines, a row fold with 16-byte loads at any alignment, the online softmax
-// state, and the arrive-and-wait of blocks that share a row. Chapter 3 teaches them; chapter
-// 4's norms and chapter 6's attention softmax reuse them.
+// state, Welford's mean and variance state, and the arrive-and-wait of blocks that share a
+// row. Chapter 3 teaches them; chapter 4's norms and chapter 6's attention softmax reuse them.
 //
 // The hierarchy, fastest first: a thread folds its elements in registers; a warp combines its
 // 32 values with shuffles (registers to registers, no memory); a block combines its warps'
@@ -54,6 +54,43 @@ template <typename A> struct OnlineSoftmaxOp {
   }
 };
 
+// Welford's running mean and variance (Welford, 1962), in the pairwise form of Chan, Golub and
+// LeVeque (1979): a state is (count, mean, m2) with m2 the sum of squared deviations from the
+// mean; two states combine as
+//   count = na + nb,  mean = (na * ma + nb * mb) / count,
+//   m2 = m2a + m2b + (mb - ma)^2 * na * nb / count.
+// One pass yields mean and variance (m2 / count) without the cancellation of sum(x^2) - n mean^2.
+// A single element is the state (1, x, 0), so folding elements one by one and combining the
+// threads' states are the same operation. The count is kept in the accumulation type: exact up
+// to 2^24 elements in float32, far beyond any row.
+template <typename A> struct Welford {
+  A count;
+  A mean;
+  A m2;
+};
+
+// A product the compiler may not fuse into a neighbouring addition (an FMA rounds once where
+// the written expression rounds twice, and which side gets fused would depend on the operand
+// order: see WelfordOp).
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+
+template <typename A> struct WelfordOp {
+  static __device__ __forceinline__ Welford<A> identity() { return {A(0), A(0), A(0)}; }
+  static __device__ __forceinline__ Welford<A> element(A x) { return {A(1), x, A(0)}; }
+  // Symmetric in a and b bit for bit (na * ma + nb * mb is, with its products kept apart from
+  // the addition, and (mb - ma)^2 == (ma - mb)^2), unlike the textbook ma + delta * nb / count:
+  // the two lanes of a butterfly (warp_reduce) combine the same pair in opposite orders and
+  // must end with the same bits.
+  __device__ __forceinline__ Welford<A> operator()(Welford<A> a, Welford<A> b) const {
+    const A count = a.count + b.count;
+    if (count == A(0)) return identity();  // two empty states: nothing to divide
+    const A delta = b.mean - a.mean;
+    return {count, (mul_rn(a.count, a.mean) + mul_rn(b.count, b.mean)) / count,
+            a.m2 + b.m2 + delta * delta * (a.count * b.count / count)};
+  }
+};
+
 // Shuffles, overloaded for the states above (a struct moves field by field).
 template <typename A>
 __device__ __forceinline__ A shfl_xor(A v, int offset, int width) {
@@ -63,6 +100,13 @@ template <typename A>
 __device__ __forceinline__ MaxSum<A> shfl_xor(MaxSum<A> v, int offset, int width) {
   return {__shfl_xor_sync(0xffffffffu, v.m, offset, width),
           __shfl_xor_sync(0xffffffffu, v.s, offset, width)};
+}
+
+template <typename A>
+__device__ __forceinline__ Welford<A> shfl_xor(Welford<A> v, int offset, int width) {
+  return {__shfl_xor_sync(0xffffffffu, v.count, offset, width),
+          __shfl_xor_sync(0xffffffffu, v.mean, offset, width),
+          __shfl_xor_sync(0xffffffffu, v.m2, offset, width)};
 }
 
 // Combines v across each group of `width` consecutive lanes (a power of two <= 32) with a

@@ -1,0 +1,654 @@
+// Torch glue of the elementwise family: op schemas, input checks, the parsing of the string
+// arguments (version, save, activation, approximate), the CPU/CUDA/Meta kernels, autograd, and
+// registration into the `fusion` library (whose one TORCH_LIBRARY block is in fusion_ops.cpp).
+#include "elementwise.h"
+#include "fusion_ops.h"
+
+#include <ATen/ATen.h>
+#include <course/checks.h>
+#include <course/versions.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+#ifdef WITH_CUDA
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace fusion {
+namespace elementwise {
+namespace {
+
+using at::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using ::course::NamedVersion;
+using ::course::OptVersion;
+
+// The version tables: fusion.VERSIONS is tested against them through the `versions` op.
+constexpr NamedVersion<BsrVersion> kBsrVersions[] = {
+    {"v1", BsrVersion::kThreeKernels}, {"v2", BsrVersion::kFused}, {"v3", BsrVersion::kVectorized}};
+constexpr NamedVersion<BackwardVersion> kBackwardVersions[] = {{"v1", BackwardVersion::kSeparate},
+                                                               {"v2", BackwardVersion::kFused}};
+constexpr NamedVersion<ActVersion> kActVersions[] = {{"v1", ActVersion::kUnfused}, {"v2", ActVersion::kFused}};
+constexpr NamedVersion<LinearVersion> kLinearVersions[] = {{"unfused", LinearVersion::kUnfused},
+                                                           {"fused_epilogue", LinearVersion::kFusedEpilogue}};
+
+// The other string arguments, parsed through tables of the same shape.
+constexpr NamedVersion<SaveKind> kSaveKinds[] = {
+    {"y", SaveKind::kOutput}, {"x", SaveKind::kInput}, {"mask", SaveKind::kMask}};
+constexpr NamedVersion<Activation> kActivations[] = {{"relu", Activation::kRelu},
+                                                     {"gelu", Activation::kGeluErf},
+                                                     {"gelu_tanh", Activation::kGeluTanh},
+                                                     {"silu", Activation::kSilu}};
+constexpr NamedVersion<Activation> kGeluApproximations[] = {{"none", Activation::kGeluErf},
+                                                            {"tanh", Activation::kGeluTanh}};
+
+template <typename V, size_t N>
+V parse_choice(const char* op, const char* what, c10::string_view value, const NamedVersion<V> (&table)[N]) {
+  std::string list;
+  for (const auto& v : table) {
+    if (::course::as_std(value) == v.name) return v.version;
+    list += (list.empty() ? "" : ", ") + std::string(v.name);
+  }
+  TORCH_CHECK(false, op, ": unknown ", what, " '", std::string(::course::as_std(value)), "'; expected one of ", list);
+}
+
+DType to_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kHalf: return DType::kFloat16;
+    case at::kBFloat16: return DType::kBFloat16;
+    case at::kDouble: return DType::kFloat64;
+    default: TORCH_CHECK(false, "unreachable: dtype ", t, " passed the checks");
+  }
+}
+
+// "[4, 3]", symbolic sizes (fake tensors under torch.compile) as "?".
+std::string shape_of(const Tensor& t) {
+  std::string s = "[";
+  for (size_t i = 0; i < t.sym_sizes().size(); ++i) {
+    const auto v = t.sym_sizes()[i].maybe_as_int();
+    s += (i ? ", " : "") + (v ? std::to_string(*v) : std::string("?"));
+  }
+  return s + "]";
+}
+
+void check_input(const char* op, const char* name, const Tensor& t) {
+  TORCH_CHECK(t.defined(), op, ": ", name, " is an undefined tensor");
+  ::course::check_device_supported(op, name, t);
+  ::course::check_floating(op, name, t);
+}
+
+// x [..., n] and a bias of n elements that broadcasts over its rows.
+void check_bias(const char* op, const char* x_name, const Tensor& x, const Tensor& bias) {
+  check_input(op, x_name, x);
+  check_input(op, "bias", bias);
+  ::course::check_same_device(op, x_name, x, "bias", bias);
+  ::course::check_same_dtype(op, x_name, x, "bias", bias);
+  TORCH_CHECK(x.dim() >= 1, op, ": ", x_name, " is 0-d; it needs a last dim for the bias to run along");
+  TORCH_CHECK(bias.dim() == 1 && bias.sym_size(0) == x.sym_size(-1), op, ": bias has shape ", shape_of(bias),
+              " but ", x_name, " has shape ", shape_of(x), "; bias must be 1-D with ", x_name,
+              ".size(-1) elements");
+}
+
+// Rows of a [rows, n] view of t: every dim but the last (1 for a 1-D tensor).
+c10::SymInt sym_rows(const Tensor& t) {
+  c10::SymInt rows = 1;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) rows = rows * t.sym_size(d);
+  return rows;
+}
+int64_t rows_of(const Tensor& t) { return sym_rows(t).expect_int(); }
+
+// Runs `cuda(stream)` under a guard for t's device on its current stream, or fails clearly in a
+// build without CUDA kernels (the call is then compiled out: its launchers do not exist).
+#ifdef WITH_CUDA
+#define FUSION_ON_CUDA(op, t, ...)                                                      \
+  do {                                                                                  \
+    const c10::cuda::CUDAGuard device_guard((t).device());                              \
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream((t).device().index()); \
+    __VA_ARGS__;                                                                        \
+  } while (0)
+#else
+#define FUSION_ON_CUDA(op, t, ...) ::course::fail_no_cuda_kernels(op, "fusion")
+#endif
+
+#ifdef WITH_CUDA
+// Scratch for one launch, asked of the launcher first, freed with the tensor (stream-ordered by
+// the caching allocator).
+template <typename Query>
+void* workspace(Query query, const Tensor& like, Tensor* holder) {
+  int64_t bytes = 0;
+  C10_CUDA_CHECK(query(&bytes));
+  if (bytes == 0) return nullptr;
+  *holder = at::empty({bytes}, like.options().dtype(at::kByte));
+  return holder->data_ptr();
+}
+#endif
+
+// ---------------------------------------------------------------------------------------
+// fused_bias_scale_relu
+// ---------------------------------------------------------------------------------------
+constexpr const char* kBsr = "fused_bias_scale_relu";
+constexpr const char* kBsrBackward = "fused_bias_scale_relu_backward";
+
+// y, and the mask when `write_mask` (an empty int32 tensor otherwise).
+std::tuple<Tensor, Tensor> bsr_forward(const Tensor& x, const Tensor& bias, double scale, c10::string_view save,
+                                       OptVersion version, bool write_mask) {
+  check_bias(kBsr, "x", x, bias);
+  const SaveKind kind = parse_choice(kBsr, "save", save, kSaveKinds);
+  const std::optional<BsrVersion> requested = ::course::parse_version(kBsr, version, kBsrVersions);
+  write_mask = write_mask && kind == SaveKind::kMask;
+  const c10::SymInt n = x.sym_size(-1);
+  Tensor y = at::empty_symint(x.sym_sizes(), x.options());
+  Tensor mask = write_mask ? at::empty_symint({sym_rows(x), (n + 31) / 32}, x.options().dtype(at::kInt))
+                           : at::empty({0}, x.options().dtype(at::kInt));
+  if (x.is_meta() || x.numel() == 0) return {y, mask};
+  const Tensor xc = x.contiguous();
+  const Tensor bc = bias.contiguous();
+  const int64_t rows = rows_of(x);
+  BiasActParams p{to_dtype(x.scalar_type()), Activation::kRelu, xc.const_data_ptr(), bc.const_data_ptr(), scale,
+                  y.mutable_data_ptr(), nullptr,
+                  write_mask ? reinterpret_cast<uint32_t*>(mask.mutable_data_ptr<int32_t>()) : nullptr, rows,
+                  x.size(-1)};
+  if (x.is_cuda()) {
+    [[maybe_unused]] const BsrVersion v =
+        requested.value_or(default_bsr(rows, p.n, static_cast<int>(x.element_size())));
+    FUSION_ON_CUDA(kBsr, x, C10_CUDA_CHECK(launch_bias_scale_relu(p, v, stream)));
+  } else {
+    bias_act_cpu(p);
+  }
+  return {y, mask};
+}
+
+// Without autograd nothing is kept for a backward: no mask is written, whatever `save` says.
+Tensor bsr_impl(const Tensor& x, const Tensor& bias, double scale, c10::string_view save, OptVersion version) {
+  return std::get<0>(bsr_forward(x, bias, scale, save, version, false));
+}
+
+std::tuple<Tensor, Tensor> bsr_forward_impl(const Tensor& x, const Tensor& bias, double scale,
+                                            c10::string_view save, OptVersion version) {
+  return bsr_forward(x, bias, scale, save, version, true);
+}
+
+// The backward kernels of every op but swiglu: (dx, dbias) from dy and what the forward kept.
+std::tuple<Tensor, Tensor> act_backward(const char* op, const Tensor& grad, const Tensor& saved, const Tensor& bias,
+                                        double scale, Activation act, SaveKind source,
+                                        std::optional<BackwardVersion> version) {
+  Tensor dx = at::empty_symint(grad.sym_sizes(), grad.options());
+  Tensor dbias = at::zeros_symint(bias.sym_sizes(), bias.options());
+  if (grad.is_meta() || grad.numel() == 0) return {dx, dbias};
+  const Tensor gc = grad.contiguous();
+  const Tensor sc = saved.contiguous();
+  const Tensor bc = bias.contiguous();
+  const int64_t rows = rows_of(grad);
+  const bool mask = source == SaveKind::kMask;
+  ActBackwardParams p{to_dtype(grad.scalar_type()), act, source, gc.const_data_ptr(),
+                      mask ? nullptr : sc.const_data_ptr(),
+                      mask ? reinterpret_cast<const uint32_t*>(sc.const_data_ptr<int32_t>()) : nullptr,
+                      bc.const_data_ptr(), scale, dx.mutable_data_ptr(), dbias.mutable_data_ptr(), rows,
+                      grad.size(-1), nullptr};
+  if (grad.is_cuda()) {
+    [[maybe_unused]] const BackwardVersion v =
+        version.value_or(default_backward(rows, p.n, static_cast<int>(grad.element_size())));
+    FUSION_ON_CUDA(op, grad, {
+      Tensor scratch;
+      p.workspace = workspace([&](int64_t* b) { return act_backward_workspace(p, v, b); }, grad, &scratch);
+      C10_CUDA_CHECK(launch_act_backward(p, v, stream));
+    });
+  } else {
+    act_backward_cpu(p);
+  }
+  return {dx, dbias};
+}
+
+std::tuple<Tensor, Tensor> bsr_backward_impl(const Tensor& grad, const Tensor& saved, const Tensor& bias,
+                                             double scale, c10::string_view save, OptVersion version) {
+  const char* op = kBsrBackward;
+  check_bias(op, "grad", grad, bias);
+  const SaveKind kind = parse_choice(op, "save", save, kSaveKinds);
+  const std::optional<BackwardVersion> requested = ::course::parse_version(op, version, kBackwardVersions);
+  TORCH_CHECK(saved.defined(), op, ": saved is an undefined tensor");
+  CHECK_SAME_DEVICE(op, grad, saved);
+  if (kind == SaveKind::kMask) {
+    TORCH_CHECK(saved.scalar_type() == at::kInt, op, ": with save='mask', saved is the int32 mask the forward "
+                "wrote, but it has dtype ", saved.scalar_type());
+    const bool shape_ok = saved.dim() == 2 && saved.sym_size(0) == sym_rows(grad) &&
+                          saved.sym_size(1) == (grad.sym_size(-1) + 31) / 32;
+    TORCH_CHECK(shape_ok, op, ": the mask has shape ", shape_of(saved), " but grad of shape ", shape_of(grad),
+                " needs [rows, ceil(n / 32)] words");
+  } else {
+    check_input(op, "saved", saved);
+    CHECK_SAME_DTYPE(op, grad, saved);
+    TORCH_CHECK(grad.sym_sizes() == saved.sym_sizes(), op, ": grad has shape ", shape_of(grad), " but saved has "
+                "shape ", shape_of(saved));
+  }
+  return act_backward(op, grad, saved, bias, scale, Activation::kRelu, kind, requested);
+}
+
+// ---------------------------------------------------------------------------------------
+// bias_gelu, bias_silu and the backward they share
+// ---------------------------------------------------------------------------------------
+Tensor bias_act(const char* op, const Tensor& x, const Tensor& bias, Activation act, OptVersion version) {
+  check_bias(op, "x", x, bias);
+  const std::optional<ActVersion> requested = ::course::parse_version(op, version, kActVersions);
+  Tensor y = at::empty_symint(x.sym_sizes(), x.options());
+  if (x.is_meta() || x.numel() == 0) return y;
+  const Tensor xc = x.contiguous();
+  const Tensor bc = bias.contiguous();
+  const int64_t rows = rows_of(x);
+  const BiasActParams p{to_dtype(x.scalar_type()), act, xc.const_data_ptr(), bc.const_data_ptr(), 1.0,
+                        y.mutable_data_ptr(), nullptr, nullptr, rows, x.size(-1)};
+  if (x.is_cuda()) {
+    [[maybe_unused]] const ActVersion v =
+        requested.value_or(default_act(rows, p.n, static_cast<int>(x.element_size())));
+    FUSION_ON_CUDA(op, x, C10_CUDA_CHECK(launch_bias_activation(p, v, stream)));
+  } else {
+    bias_act_cpu(p);
+  }
+  return y;
+}
+
+Tensor bias_gelu_impl(const Tensor& x, const Tensor& bias, c10::string_view approximate, OptVersion version) {
+  const Activation act = parse_choice("bias_gelu", "approximate", approximate, kGeluApproximations);
+  return bias_act("bias_gelu", x, bias, act, version);
+}
+
+Tensor bias_silu_impl(const Tensor& x, const Tensor& bias, OptVersion version) {
+  return bias_act("bias_silu", x, bias, Activation::kSilu, version);
+}
+
+// (dx, dbias) of y = act(x + bias): dx = dy * act'(x + bias), dbias its column sum.
+std::tuple<Tensor, Tensor> bias_activation_backward_impl(const Tensor& grad, const Tensor& x, const Tensor& bias,
+                                                         c10::string_view activation) {
+  const char* op = "bias_activation_backward";
+  check_bias(op, "grad", grad, bias);
+  check_input(op, "x", x);
+  CHECK_SAME_DEVICE(op, grad, x);
+  CHECK_SAME_DTYPE(op, grad, x);
+  TORCH_CHECK(grad.sym_sizes() == x.sym_sizes(), op, ": grad has shape ", shape_of(grad), " but x has shape ",
+              shape_of(x));
+  const Activation act = parse_choice(op, "activation", activation, kActivations);
+  return act_backward(op, grad, x, bias, 1.0, act, SaveKind::kInput, std::nullopt);
+}
+
+// ---------------------------------------------------------------------------------------
+// swiglu
+// ---------------------------------------------------------------------------------------
+void check_swiglu(const char* op, const Tensor& x) {
+  check_input(op, "x", x);
+  TORCH_CHECK(x.dim() >= 1, op, ": x is 0-d; its last dim is split into the two halves a and b");
+  const auto n = x.sym_size(-1);
+  TORCH_CHECK(n % 2 == 0, op, ": the last dim of x (shape ", shape_of(x), ") is odd; it must split into two "
+              "equal halves a and b");
+}
+
+std::vector<c10::SymInt> half_sizes(const Tensor& x) {
+  std::vector<c10::SymInt> sizes(x.sym_sizes().begin(), x.sym_sizes().end());
+  sizes.back() = sizes.back() / 2;
+  return sizes;
+}
+
+Tensor swiglu_impl(const Tensor& x, OptVersion version) {
+  const char* op = "swiglu";
+  check_swiglu(op, x);
+  const std::optional<ActVersion> requested = ::course::parse_version(op, version, kActVersions);
+  Tensor y = at::empty_symint(half_sizes(x), x.options());
+  if (x.is_meta() || y.numel() == 0) return y;
+  const Tensor xc = x.contiguous();
+  const int64_t rows = rows_of(x);
+  const SwigluParams p{to_dtype(x.scalar_type()), xc.const_data_ptr(), y.mutable_data_ptr(), rows, x.size(-1) / 2};
+  if (x.is_cuda()) {
+    [[maybe_unused]] const ActVersion v =
+        requested.value_or(default_act(rows, p.half, static_cast<int>(x.element_size())));
+    FUSION_ON_CUDA(op, x, C10_CUDA_CHECK(launch_swiglu(p, v, stream)));
+  } else {
+    swiglu_cpu(p);
+  }
+  return y;
+}
+
+Tensor swiglu_backward_impl(const Tensor& grad, const Tensor& x) {
+  const char* op = "swiglu_backward";
+  check_swiglu(op, x);
+  check_input(op, "grad", grad);
+  CHECK_SAME_DEVICE(op, grad, x);
+  CHECK_SAME_DTYPE(op, grad, x);
+  TORCH_CHECK(grad.sym_sizes() == c10::SymIntArrayRef(half_sizes(x)), op, ": grad has shape ", shape_of(grad),
+              " but x of shape ", shape_of(x), " gives outputs of half its last dim");
+  Tensor dx = at::empty_symint(x.sym_sizes(), x.options());
+  if (x.is_meta() || grad.numel() == 0) return dx;
+  const Tensor gc = grad.contiguous();
+  const Tensor xc = x.contiguous();
+  const SwigluBackwardParams p{to_dtype(x.scalar_type()), gc.const_data_ptr(), xc.const_data_ptr(),
+                               dx.mutable_data_ptr(), rows_of(x), x.size(-1) / 2};
+  if (x.is_cuda()) {
+    FUSION_ON_CUDA(op, x, C10_CUDA_CHECK(launch_swiglu_backward(p, stream)));
+  } else {
+    swiglu_backward_cpu(p);
+  }
+  return dx;
+}
+
+// ---------------------------------------------------------------------------------------
+// linear_activation
+// ---------------------------------------------------------------------------------------
+constexpr const char* kLinear = "linear_activation";
+
+void check_linear(const char* op, const Tensor& x, const Tensor& weight, const Tensor& bias) {
+  check_input(op, "x", x);
+  check_input(op, "weight", weight);
+  check_input(op, "bias", bias);
+  CHECK_SAME_DEVICE(op, x, weight);
+  CHECK_SAME_DEVICE(op, x, bias);
+  CHECK_SAME_DTYPE(op, x, weight);
+  CHECK_SAME_DTYPE(op, x, bias);
+  TORCH_CHECK(x.dim() >= 1, op, ": x is 0-d; it needs a last dim of in_features");
+  TORCH_CHECK(weight.dim() == 2 && weight.sym_size(1) == x.sym_size(-1), op, ": weight has shape ",
+              shape_of(weight), " but x has shape ", shape_of(x), "; weight must be [out_features, x.size(-1)]");
+  TORCH_CHECK(bias.dim() == 1 && bias.sym_size(0) == weight.sym_size(0), op, ": bias has shape ", shape_of(bias),
+              " but weight has shape ", shape_of(weight), "; bias must be 1-D with weight.size(0) elements");
+}
+
+std::vector<c10::SymInt> linear_sizes(const Tensor& x, const Tensor& weight) {
+  std::vector<c10::SymInt> sizes(x.sym_sizes().begin(), x.sym_sizes().end());
+  sizes.back() = weight.sym_size(0);
+  return sizes;
+}
+
+// y = act(x @ weight.T + bias), and z = x @ weight.T + bias when `keep_z` (else undefined).
+std::tuple<Tensor, Tensor> linear_forward(const Tensor& x, const Tensor& weight, const Tensor& bias,
+                                          c10::string_view activation, OptVersion version, bool keep_z) {
+  check_linear(kLinear, x, weight, bias);
+  const Activation act = parse_choice(kLinear, "activation", activation, kActivations);
+  const std::optional<LinearVersion> requested = ::course::parse_version(kLinear, version, kLinearVersions);
+  const auto sizes = linear_sizes(x, weight);
+  if (x.is_meta()) {
+    return {at::empty_symint(sizes, x.options()), keep_z ? at::empty_symint(sizes, x.options()) : Tensor()};
+  }
+  const int64_t rows = rows_of(x);
+  const int64_t n = weight.size(0);
+  // cuBLAS (or the CPU BLAS) through ATen; h is a fresh contiguous [rows, n] buffer that the
+  // epilogue may overwrite.
+  Tensor h = at::mm(x.reshape({rows, x.size(-1)}), weight.t()).contiguous();
+  Tensor y = keep_z ? at::empty_like(h) : h;
+  if (h.numel() > 0) {
+    const Tensor bc = bias.contiguous();
+    const BiasActParams p{to_dtype(x.scalar_type()), act, h.const_data_ptr(), bc.const_data_ptr(), 1.0,
+                          y.mutable_data_ptr(), keep_z ? h.mutable_data_ptr() : nullptr, nullptr, rows, n};
+    if (x.is_cuda()) {
+      [[maybe_unused]] const LinearVersion v =
+          requested.value_or(default_linear(rows, n, static_cast<int>(x.element_size())));
+      FUSION_ON_CUDA(kLinear, x, C10_CUDA_CHECK(launch_linear_epilogue(p, v, stream)));
+    } else {
+      bias_act_cpu(p);
+    }
+  }
+  return {y.view_symint(sizes), keep_z ? h.view_symint(sizes) : Tensor()};
+}
+
+Tensor linear_impl(const Tensor& x, const Tensor& weight, const Tensor& bias, c10::string_view activation,
+                   OptVersion version) {
+  return std::get<0>(linear_forward(x, weight, bias, activation, version, false));
+}
+
+std::tuple<Tensor, Tensor> linear_forward_impl(const Tensor& x, const Tensor& weight, const Tensor& bias,
+                                               c10::string_view activation, OptVersion version) {
+  return linear_forward(x, weight, bias, activation, version, true);
+}
+
+// (dx, dweight, dbias): dz = dy * act'(z) and dbias in one kernel, then two GEMMs.
+std::tuple<Tensor, Tensor, Tensor> linear_backward_impl(const Tensor& grad, const Tensor& z, const Tensor& x,
+                                                        const Tensor& weight, c10::string_view activation) {
+  const char* op = "linear_activation_backward";
+  check_input(op, "grad", grad);
+  check_input(op, "z", z);
+  check_input(op, "x", x);
+  check_input(op, "weight", weight);
+  CHECK_SAME_DEVICE(op, grad, z);
+  CHECK_SAME_DEVICE(op, grad, x);
+  CHECK_SAME_DEVICE(op, grad, weight);
+  CHECK_SAME_DTYPE(op, grad, z);
+  CHECK_SAME_DTYPE(op, grad, x);
+  CHECK_SAME_DTYPE(op, grad, weight);
+  TORCH_CHECK(weight.dim() == 2 && x.dim() >= 1 && weight.sym_size(1) == x.sym_size(-1), op, ": weight has shape ",
+              shape_of(weight), " but x has shape ", shape_of(x));
+  TORCH_CHECK(grad.sym_sizes() == z.sym_sizes() && grad.sym_sizes() == c10::SymIntArrayRef(linear_sizes(x, weight)),
+              op, ": grad has shape ", shape_of(grad), " and z ", shape_of(z), " but x @ weight.T has shape [..., ",
+              shape_of(weight), "[0]]");
+  const Activation act = parse_choice(op, "activation", activation, kActivations);
+  if (grad.is_meta()) {
+    return {at::empty_symint(x.sym_sizes(), x.options()), at::empty_symint(weight.sym_sizes(), weight.options()),
+            at::empty_symint({weight.sym_size(0)}, weight.options())};
+  }
+  const int64_t rows = rows_of(x);
+  const int64_t n = weight.size(0);
+  const Tensor g2 = grad.reshape({rows, n});
+  const Tensor z2 = z.reshape({rows, n});
+  Tensor dz = at::empty({rows, n}, grad.options());
+  Tensor db = at::zeros({n}, grad.options());
+  if (dz.numel() > 0) {
+    const Tensor gc = g2.contiguous();
+    const Tensor zc = z2.contiguous();
+    ActBackwardParams p{to_dtype(grad.scalar_type()), act, SaveKind::kInput, gc.const_data_ptr(), zc.const_data_ptr(),
+                        nullptr, nullptr, 1.0, dz.mutable_data_ptr(), db.mutable_data_ptr(), rows, n, nullptr};
+    if (grad.is_cuda()) {
+      FUSION_ON_CUDA(op, grad, {
+        Tensor scratch;
+        p.workspace = workspace([&](int64_t* b) { return linear_epilogue_backward_workspace(p, b); }, grad, &scratch);
+        C10_CUDA_CHECK(launch_linear_epilogue_backward(p, stream));
+      });
+    } else {
+      act_backward_cpu(p);
+    }
+  } else {
+    dz.zero_();
+  }
+  const Tensor x2 = x.reshape({rows, x.size(-1)});
+  return {at::mm(dz, weight).view(x.sizes()), at::mm(dz.t(), x2), db};
+}
+
+// ---------------------------------------------------------------------------------------
+// version=None: what each op's dispatch picks for x (any device, meta included).
+// ---------------------------------------------------------------------------------------
+std::string default_choice(c10::string_view op_name, const Tensor& x) {
+  const auto name = ::course::as_std(op_name);
+  check_input("elementwise_default_choice", "x", x);
+  const int64_t n = x.dim() == 0 ? 1 : x.size(-1);
+  const int64_t rows = n == 0 ? 0 : x.numel() / n;
+  const int elem = static_cast<int>(x.element_size());
+  if (name == kBsr) return ::course::version_name(kBsrVersions, default_bsr(rows, n, elem));
+  if (name == kBsrBackward) return ::course::version_name(kBackwardVersions, default_backward(rows, n, elem));
+  if (name == "bias_gelu" || name == "bias_silu") {
+    return ::course::version_name(kActVersions, default_act(rows, n, elem));
+  }
+  if (name == "swiglu") return ::course::version_name(kActVersions, default_act(rows, n / 2, elem));
+  TORCH_CHECK(name == kLinear, "elementwise_default_choice: unknown op '", std::string(name), "' (",
+              kBsr, ", ", kBsrBackward, ", bias_gelu, bias_silu, swiglu, ", kLinear, ")");
+  return ::course::version_name(kLinearVersions, default_linear(rows, n, elem));
+}
+
+// ---------------------------------------------------------------------------------------
+// Autograd. Each forward re-enters the dispatcher below the Autograd key (reaching the kernels
+// above); each backward is the family's own backward op. First derivatives only: the backward
+// ops have no derivative of their own (double backward raises).
+// ---------------------------------------------------------------------------------------
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> find_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+std::string as_string(c10::string_view s) { return std::string(::course::as_std(s)); }
+
+class BsrFunction : public torch::autograd::Function<BsrFunction> {
+ public:
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& bias, double scale,
+                        c10::string_view save, OptVersion version) {
+    static auto op = find_op<decltype(bsr_forward_impl)>("fusion::fused_bias_scale_relu_forward");
+    Tensor y;
+    Tensor mask;
+    {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      std::tie(y, mask) = op.call(x, bias, scale, save, version);
+    }
+    const SaveKind kind = parse_choice(kBsr, "save", save, kSaveKinds);
+    ctx->save_for_backward({kind == SaveKind::kOutput ? y : (kind == SaveKind::kInput ? x : mask), bias});
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["save"] = as_string(save);
+    return y;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto op = find_op<decltype(bsr_backward_impl)>("fusion::fused_bias_scale_relu_backward");
+    const auto saved = ctx->get_saved_variables();
+    const std::string save = ctx->saved_data["save"].toStringRef();
+    auto [dx, dbias] = op.call(grads[0].contiguous(), saved[0], saved[1], ctx->saved_data["scale"].toDouble(), save,
+                               std::nullopt);
+    return {dx, dbias, Tensor(), Tensor(), Tensor()};
+  }
+};
+
+class BiasActFunction : public torch::autograd::Function<BiasActFunction> {
+ public:
+  // activation: "gelu", "gelu_tanh" or "silu" (the names bias_activation_backward takes).
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& bias, const std::string& activation,
+                        OptVersion version) {
+    static auto gelu = find_op<decltype(bias_gelu_impl)>("fusion::bias_gelu");
+    static auto silu = find_op<decltype(bias_silu_impl)>("fusion::bias_silu");
+    ctx->save_for_backward({x, bias});
+    ctx->saved_data["activation"] = activation;
+    at::AutoDispatchBelowADInplaceOrView guard;
+    if (activation == "silu") return silu.call(x, bias, version);
+    return gelu.call(x, bias, activation == "gelu" ? "none" : "tanh", version);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto op = find_op<decltype(bias_activation_backward_impl)>("fusion::bias_activation_backward");
+    const auto saved = ctx->get_saved_variables();
+    auto [dx, dbias] = op.call(grads[0].contiguous(), saved[0], saved[1], ctx->saved_data["activation"].toStringRef());
+    return {dx, dbias, Tensor(), Tensor()};
+  }
+};
+
+class SwigluFunction : public torch::autograd::Function<SwigluFunction> {
+ public:
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, OptVersion version) {
+    static auto op = find_op<decltype(swiglu_impl)>("fusion::swiglu");
+    ctx->save_for_backward({x});
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return op.call(x, version);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto op = find_op<decltype(swiglu_backward_impl)>("fusion::swiglu_backward");
+    return {op.call(grads[0].contiguous(), ctx->get_saved_variables()[0]), Tensor()};
+  }
+};
+
+class LinearFunction : public torch::autograd::Function<LinearFunction> {
+ public:
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const Tensor& bias,
+                        c10::string_view activation, OptVersion version) {
+    static auto op = find_op<decltype(linear_forward_impl)>("fusion::linear_activation_forward");
+    Tensor y;
+    Tensor z;
+    {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      std::tie(y, z) = op.call(x, weight, bias, activation, version);
+    }
+    ctx->save_for_backward({z, x, weight});
+    ctx->saved_data["activation"] = as_string(activation);
+    return y;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto op = find_op<decltype(linear_backward_impl)>("fusion::linear_activation_backward");
+    const auto saved = ctx->get_saved_variables();
+    auto [dx, dw, db] = op.call(grads[0].contiguous(), saved[0], saved[1], saved[2],
+                                ctx->saved_data["activation"].toStringRef());
+    return {dx, dw, db, Tensor(), Tensor()};
+  }
+};
+
+Tensor bsr_autograd(const Tensor& x, const Tensor& bias, double scale, c10::string_view save, OptVersion version) {
+  return BsrFunction::apply(x, bias, scale, save, version);
+}
+Tensor bias_gelu_autograd(const Tensor& x, const Tensor& bias, c10::string_view approximate, OptVersion version) {
+  const Activation act = parse_choice("bias_gelu", "approximate", approximate, kGeluApproximations);
+  return BiasActFunction::apply(x, bias, std::string(act == Activation::kGeluErf ? "gelu" : "gelu_tanh"), version);
+}
+Tensor bias_silu_autograd(const Tensor& x, const Tensor& bias, OptVersion version) {
+  return BiasActFunction::apply(x, bias, std::string("silu"), version);
+}
+Tensor swiglu_autograd(const Tensor& x, OptVersion version) { return SwigluFunction::apply(x, version); }
+Tensor linear_autograd(const Tensor& x, const Tensor& weight, const Tensor& bias, c10::string_view activation,
+                       OptVersion version) {
+  return LinearFunction::apply(x, weight, bias, activation, version);
+}
+
+}  // namespace
+
+}  // namespace elementwise
+
+std::optional<std::vector<std::string>> elementwise_versions(std::string_view op) {
+  using namespace elementwise;
+  if (op == kBsr) return ::course::version_names(kBsrVersions);
+  if (op == kBsrBackward) return ::course::version_names(kBackwardVersions);
+  if (op == "bias_gelu" || op == "bias_silu" || op == "swiglu") return ::course::version_names(kActVersions);
+  if (op == kLinear) return ::course::version_names(kLinearVersions);
+  return std::nullopt;
+}
+
+}  // namespace fusion
+
+TORCH_LIBRARY_FRAGMENT(fusion, m) {
+  m.def("fused_bias_scale_relu(Tensor x, Tensor bias, float scale, *, str save=\"mask\", str? version=None) -> Tensor");
+  m.def("fused_bias_scale_relu_forward(Tensor x, Tensor bias, float scale, str save, str? version=None) "
+        "-> (Tensor, Tensor)");
+  m.def("fused_bias_scale_relu_backward(Tensor grad, Tensor saved, Tensor bias, float scale, str save=\"mask\", "
+        "str? version=None) -> (Tensor, Tensor)");
+  m.def("bias_gelu(Tensor x, Tensor bias, str approximate=\"none\", *, str? version=None) -> Tensor");
+  m.def("bias_silu(Tensor x, Tensor bias, *, str? version=None) -> Tensor");
+  m.def("bias_activation_backward(Tensor grad, Tensor x, Tensor bias, str activation) -> (Tensor, Tensor)");
+  m.def("swiglu(Tensor x, *, str? version=None) -> Tensor");
+  m.def("swiglu_backward(Tensor grad, Tensor x) -> Tensor");
+  m.def("linear_activation(Tensor x, Tensor weight, Tensor bias, str activation, *, str? version=None) -> Tensor");
+  m.def("linear_activation_forward(Tensor x, Tensor weight, Tensor bias, str activation, str? version=None) "
+        "-> (Tensor, Tensor)");
+  m.def("linear_activation_backward(Tensor grad, Tensor z, Tensor x, Tensor weight, str activation) "
+        "-> (Tensor, Tensor, Tensor)");
+  m.def("elementwise_default_choice(str op, Tensor x) -> str", &fusion::elementwise::default_choice);
+}
+
+// One implementation per op serves CPU, CUDA and Meta: each picks the backend from the (already
+// checked) device, so the checks cannot drift apart between backends.
+namespace {
+void register_backend_kernels(torch::Library& m) {
+  using namespace fusion::elementwise;
+  m.impl("fused_bias_scale_relu", &bsr_impl);
+  m.impl("fused_bias_scale_relu_forward", &bsr_forward_impl);
+  m.impl("fused_bias_scale_relu_backward", &bsr_backward_impl);
+  m.impl("bias_gelu", &bias_gelu_impl);
+  m.impl("bias_silu", &bias_silu_impl);
+  m.impl("bias_activation_backward", &bias_activation_backward_impl);
+  m.impl("swiglu", &swiglu_impl);
+  m.impl("swiglu_backward", &swiglu_backward_impl);
+  m.impl("linear_activation", &linear_impl);
+  m.impl("linear_activation_forward", &linear_forward_impl);
+  m.impl("linear_activation_backward", &linear_backward_impl);
+}
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fusion, CPU, m) { register_backend_kernels(m); }
+TORCH_LIBRARY_IMPL(fusion, CUDA, m) { register_backend_kernels(m); }
+TORCH_LIBRARY_IMPL(fusion, Meta, m) { register_backend_kernels(m); }
+TORCH_LIBRARY_IMPL(fusion, Autograd, m) {
+  using namespace fusion::elementwise;
+  m.impl("fused_bias_scale_relu", &bsr_autograd);
+  m.impl("bias_gelu", &bias_gelu_autograd);
+  m.impl("bias_silu", &bias_silu_autograd);
+  m.impl("swiglu", &swiglu_autograd);
+  m.impl("linear_activation", &linear_autograd);
+}

@@ -1,0 +1,157 @@
+"""Measured numbers quoted in this chapter's README, computed from the results files.
+
+tools/report.py fills each <!-- results:NAME:begin -->...<!-- results:NAME:end --> block of
+README.md with FACTS[NAME](record), so the prose always matches results/ (no typed numbers).
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))
+from coursekit import results  # noqa: E402
+
+BASELINES = ("torch", "torch.compile")
+
+
+def _where(record):
+    return f"{record['device']['name']}, {record['date'][:10]}"
+
+
+def _rows(record, **match):
+    return [r for r in record["benchmarks"] if all(r.get(k) == v for k, v in match.items())]
+
+
+def _pct(r):
+    return f"{r['pct_of_copy']:.0f}%"
+
+
+def ceilings(record):
+    c = record["ceilings"]
+    return (f"copy {c['copy_GBps']:.0f} GB/s, bf16 matmul {c['mm_TFLOPs']:.0f} TFLOP/s "
+            f"({_where(record)})")
+
+
+def _ladder_table(record, op, match, title):
+    """One row per measurement (dtype, shape, pass, ...): every variant's % of copy, and
+    version=None against torch and torch.compile."""
+    groups = {}
+    for r in _rows(record, op=op, **match):
+        groups.setdefault(results.measurement_key(r), []).append(r)
+    variants = list(dict.fromkeys(r["variant"] for rs in groups.values() for r in rs))
+    lines = [f"**{title}** (% of copy)", "",
+             "| dtype | shape | pass | " + " | ".join(variants) + " | default x torch | default x compile |",
+             "|---|---|---|" + "---|" * (len(variants) + 2)]
+    for rs in groups.values():
+        by = {r["variant"]: r for r in rs}
+        first = rs[0]
+        cells = [_pct(by[v]) if v in by else "-" for v in variants]
+        d, c = by.get("default"), by.get("torch.compile")
+        cells.append(f"{d['speedup_vs_torch']:.2f}" if d else "-")
+        cells.append(f"{c['median_ms'] / d['median_ms']:.2f}" if d and c else "-")
+        shape = results.format_shape(first["shape"])
+        lines.append(f"| {first['dtype']} | {shape} | {first.get('pass', '')} | " + " | ".join(cells) + " |")
+    dispatch = sorted({r["dispatch"] for rs in groups.values() for r in rs if r.get("dispatch")})
+    lines.append("")
+    lines.append(f"`default` is version=None (it ran {', '.join(dispatch) or '-'}); {_where(record)}.")
+    return "\n".join(lines)
+
+
+def bsr_table(record):
+    return _ladder_table(record, "fused_bias_scale_relu", {"save": "mask", "sweep": False},
+                         "fused_bias_scale_relu, save='mask'")
+
+
+def bsr_save(record):
+    parts = []
+    for dtype in ("float32", "bfloat16"):
+        for save in ("y", "x", "mask"):
+            f = _rows(record, op="fused_bias_scale_relu", dtype=dtype, save=save, variant="default", sweep=True)
+            b = _rows(record, op="fused_bias_scale_relu", dtype=dtype, save=save, variant="default",
+                      **{"pass": "backward"})
+            if f and b:
+                parts.append(f"{dtype} save={save!r}: keeps {f[0]['saved_bytes'] / 2**20:.0f} MiB, forward "
+                             f"{f[0]['median_ms'] * 1e3:.0f} us, backward {b[0]['median_ms'] * 1e3:.0f} us")
+    return "; ".join(parts) + f" ({_where(record)})."
+
+
+def activation_table(record):
+    out = []
+    for act in ("bias_gelu", "bias_gelu_tanh", "bias_silu"):
+        op = "bias_gelu" if act.startswith("bias_gelu") else act
+        out.append(_ladder_table(record, op, {"activation": act}, act))
+    out.append(_ladder_table(record, "swiglu", {}, "swiglu"))
+    return "\n\n".join(out)
+
+
+def norm_table(record):
+    return "\n\n".join(_ladder_table(record, op, {}, op)
+                       for op in ("layer_norm", "rms_norm", "fused_add_rms_norm"))
+
+
+def linear_table(record):
+    lin = _rows(record, op="linear_activation")
+    variants = list(dict.fromkeys(r["variant"] for r in lin))
+    ms = sorted({r["shape"][0] for r in lin})
+    lines = ["| M | " + " | ".join(variants) + " | default x torch | default x compile |",
+             "|---|" + "---|" * (len(variants) + 2)]
+    for m in ms:
+        by = {r["variant"]: r for r in lin if r["shape"][0] == m}
+        cells = [f"{by[v]['TFLOPs']:.0f}" if v in by else "-" for v in variants]
+        d, c = by.get("default"), by.get("torch.compile")
+        cells.append(f"{d['speedup_vs_torch']:.2f}" if d else "-")
+        cells.append(f"{c['median_ms'] / d['median_ms']:.2f}" if d and c else "-")
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    k, n = lin[0]["shape"][1], lin[0]["shape"][2]
+    lines.append(f"\nTFLOP/s (2 M N K / time), K = {k}, N = {n}, bfloat16, GELU; {_where(record)}.")
+    return "\n".join(lines)
+
+
+TARGETS = [  # (op, match, floor % of copy or None, x torch, x compile) from the issue
+    ("fused_bias_scale_relu", {"pass": "forward", "save": "mask", "sweep": False}, 95, 3.0, 0.97),
+    ("fused_bias_scale_relu", {"pass": "backward", "save": "mask"}, None, 2.0, 0.95),
+    ("bias_gelu", {}, None, 2.0, 0.97),
+    ("bias_silu", {}, None, 2.0, 0.97),
+    ("swiglu", {}, None, 2.0, 0.97),
+    ("layer_norm", {"pass": "forward"}, 90, 1.1, 1.1),
+    ("rms_norm", {"pass": "forward"}, 90, 1.1, 1.1),
+    ("layer_norm", {"pass": "backward"}, 80, 1.5, 1.5),
+    ("rms_norm", {"pass": "backward"}, 80, 1.5, 1.5),
+    ("fused_add_rms_norm", {}, 90, None, 1.0),
+]
+
+
+def target_misses(record):
+    """Every measurement where version=None misses the issue's target for its op."""
+    misses, checked = [], 0
+    for op, match, floor, vs_torch, vs_compile in TARGETS:
+        for d in _rows(record, op=op, variant="default", **match):
+            same = [r for r in record["benchmarks"] if results.measurement_key(r) == results.measurement_key(d)]
+            c = next((r for r in same if r["variant"] == "torch.compile"), None)
+            why = []
+            if floor is not None and d["pct_of_copy"] < floor:
+                why.append(f"{_pct(d)} of copy (target {floor}%)")
+            if vs_torch is not None and d["speedup_vs_torch"] < vs_torch:
+                why.append(f"{d['speedup_vs_torch']:.2f}x torch (target {vs_torch})")
+            if vs_compile is not None and c and c["median_ms"] / d["median_ms"] < vs_compile:
+                why.append(f"{c['median_ms'] / d['median_ms']:.2f}x torch.compile (target {vs_compile})")
+            checked += 1
+            if why:
+                tag = d.get("activation") or d.get("save") or ""
+                misses.append(f"{op} {d.get('pass', '')} {d['dtype']} {results.format_shape(d['shape'])}"
+                              f"{' ' + tag if tag else ''}: " + ", ".join(why))
+    if not misses:
+        return f"None of {checked} measurements misses its target ({_where(record)})."
+    return (f"{len(misses)} of {checked} measurements: " + "; ".join(misses) + f" ({_where(record)}).")
+
+
+def envelope(record):
+    rungs = {r["variant"] for r in record["benchmarks"]} - {
+        "torch", "torch.compile", "default", "cpu", "linear only", "torch._addmm_activation"}
+    problems = results.default_gaps(record, rungs)
+    if not problems:
+        return "In the committed results it holds at every measured shape."
+    return "Where it does not hold: " + "; ".join(problems) + "."
+
+
+FACTS = {"ceilings": ceilings, "bsr_table": bsr_table, "bsr_save": bsr_save,
+         "activation_table": activation_table, "norm_table": norm_table,
+         "linear_table": linear_table, "target_misses": target_misses, "envelope": envelope}

@@ -1,0 +1,205 @@
+// Plain C++ interface between the norms' torch glue (norm_ops.cpp, norm_cpu.cpp) and their CUDA
+// kernels (norm_kernels.cu: forward, norm_backward_kernels.cu: backward). No torch and no CUDA
+// types: the glue must also compile without the CUDA toolkit, the kernels with a bare `nvcc -c`.
+//
+// Every norm normalizes rows of n adjacent elements (the last dim; the glue makes x contiguous):
+//   LayerNorm:  y = (x - mean) * rstd * weight + bias,  rstd = 1 / sqrt(var + eps)
+//   RMSNorm:    y = x * rstd * weight,                  rstd = 1 / sqrt(mean(x^2) + eps)
+// with var the biased variance, as torch.nn.functional.layer_norm / rms_norm. The forward saves
+// mean and rstd per row in the accumulation type (float32; float64 for float64 inputs), as
+// PyTorch does, so the backward need not recompute them.
+#pragma once
+
+#include <course/index_math.h>
+
+#include <cstdint>
+
+namespace fusion {
+namespace norm {
+
+// The dtypes the kernels are instantiated for; the glue maps at::ScalarType onto it.
+enum class DType { kFloat32, kFloat16, kBFloat16, kFloat64 };
+
+enum class NormKind { kLayerNorm, kRmsNorm };
+
+// The forward ladder (norm_kernels.cu says what each rung changes and why).
+enum class NormVersion {
+  kTwoPass,   // v1: a block per row; mean, then variance, then normalize: the row read 3 times
+  kWelford,   // v2: mean and variance in one Welford pass: the row read twice
+  kResident,  // v3: the row held in registers, 16-byte loads: read once, written once
+};
+
+// The backward ladder (norm_backward_kernels.cu).
+enum class NormBackwardVersion {
+  kStreamed,  // v1: a block per row, x and dy streamed twice, dweight partials in global memory
+  kResident,  // v2: x and dy held in registers, one pass; dweight partials in registers
+};
+
+// fused_add_rms_norm's ladder.
+enum class AddNormVersion {
+  kUnfused,  // v1: an add kernel writes x + residual, then rms_norm reads it back
+  kFused,    // v2: one kernel: x and residual read once, the sum and the norm written once
+};
+
+// How a row is held in registers: `threads` threads per row (32: one warp, several rows per
+// block; more: one row per block), each holding `vectors` 16-byte vectors of it, as stored (a
+// vector stays 4 registers in every dtype). Smallest capacity first; a row takes the first
+// shape that holds it.
+struct NormShape {
+  int threads;
+  int vectors;
+};
+
+// The forward holds x (and for fused_add_rms_norm the sum) as stored: at most 4 vectors, 16
+// registers, per thread. 1024 x 4 holds 32768 2-byte or 16384 4-byte elements; longer rows
+// are streamed (v2's kernel).
+constexpr NormShape kForwardShapes[] = {{32, 1}, {32, 2}, {32, 4}, {128, 4}, {256, 4}, {512, 4}, {1024, 4}};
+constexpr int kNumForwardShapes = sizeof(kForwardShapes) / sizeof(kForwardShapes[0]);
+
+// The backward holds x, dy and weight as stored plus two float accumulators per element it
+// owns (the thread's share of dweight and dbias, summed over its rows): at most 16 elements per
+// thread keeps it near 64 registers. 2-byte dtypes take the 2-vector shapes, float32 the
+// 4-vector ones; both reach 8192 elements a row (1024-thread rows, capped at 64 registers,
+// spilled hundreds of bytes: longer rows run the streamed kernel).
+constexpr NormShape kBackwardShapes[] = {{32, 1}, {32, 2}, {32, 4}, {128, 2}, {128, 4},
+                                         {256, 2}, {256, 4}, {512, 2}, {512, 4}};
+constexpr int kNumBackwardShapes = sizeof(kBackwardShapes) / sizeof(kBackwardShapes[0]);
+constexpr int kMaxBackwardElementsPerThread = 16;
+
+constexpr int64_t shape_capacity(NormShape s, int elem_bytes) {
+  return static_cast<int64_t>(s.threads) * s.vectors * (16 / elem_bytes);
+}
+
+// Whether a backward shape is instantiated for a dtype: exactly the 16-element shapes, plus the
+// smaller warp shapes that short rows need. 2-byte: 8 lanes x 2 vectors; 4-byte: 4 lanes x 4.
+constexpr bool backward_shape_fits(NormShape s, int elem_bytes) {
+  return s.vectors * (16 / elem_bytes) <= kMaxBackwardElementsPerThread &&
+         (s.threads == 32 || s.vectors * (16 / elem_bytes) == kMaxBackwardElementsPerThread);
+}
+
+// The index of the shape that holds a row of n elements, or -1: streamed. float64 is always
+// streamed: it is here for gradcheck, and holding doubles in registers would only add
+// instantiations.
+inline int forward_shape(int64_t n, int elem_bytes) {
+  if (elem_bytes == 8) return -1;
+  for (int i = 0; i < kNumForwardShapes; ++i) {
+    if (n <= shape_capacity(kForwardShapes[i], elem_bytes)) return i;
+  }
+  return -1;
+}
+inline int backward_shape(int64_t n, int elem_bytes) {
+  if (elem_bytes == 8) return -1;
+  for (int i = 0; i < kNumBackwardShapes; ++i) {
+    if (backward_shape_fits(kBackwardShapes[i], elem_bytes) && n <= shape_capacity(kBackwardShapes[i], elem_bytes)) {
+      return i;
+    }
+  }
+  return -1;
+}
+
+// ---------------------------------------------------------------------------------------
+// version=None: v3 forward and v2 backward at every size (they fall back to streaming by
+// themselves past the register capacity); fused_add_rms_norm v2.
+// ---------------------------------------------------------------------------------------
+inline NormVersion default_norm() { return NormVersion::kResident; }
+inline NormBackwardVersion default_norm_backward() { return NormBackwardVersion::kResident; }
+inline AddNormVersion default_add_norm() { return AddNormVersion::kFused; }
+
+struct NormParams {
+  NormKind kind;
+  NormVersion version;
+  DType dtype;
+  const void* x;         // rows x n, contiguous
+  const void* residual;  // fused_add_rms_norm: rows x n, contiguous; else nullptr
+  void* sum;             // fused_add_rms_norm: x + residual (rows x n); else nullptr
+  const void* weight;    // n
+  const void* bias;      // n (LayerNorm), nullptr (RMSNorm)
+  void* y;               // rows x n
+  void* mean;            // rows accumulators (LayerNorm), nullptr (RMSNorm)
+  void* rstd;            // rows accumulators
+  int64_t rows, n;
+  double eps;
+};
+
+// dx, and the per-block partial column sums of dy * xhat (dweight) and dy (dbias) reduced to
+// dweight and dbias. xhat = (x - mean) * rstd (LayerNorm) or x * rstd (RMSNorm), g = dy * weight:
+//   LayerNorm: dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
+//   RMSNorm:   dx = rstd * (g - xhat * mean(g * xhat))
+struct NormBackwardParams {
+  NormKind kind;
+  NormBackwardVersion version;
+  DType dtype;
+  const void* dy;      // rows x n
+  const void* x;       // rows x n (fused_add_rms_norm: the saved sum)
+  const void* weight;  // n
+  const void* mean;    // rows (LayerNorm), nullptr (RMSNorm)
+  const void* rstd;    // rows
+  void* dx;            // rows x n
+  void* dweight;       // n
+  void* dbias;         // n (LayerNorm), nullptr (RMSNorm)
+  int64_t rows, n;
+  void* workspace;     // norm_backward_workspace bytes: the partial column sums
+};
+
+// The elementwise add of fused_add_rms_norm's v1: out = x + residual, rounded to the dtype.
+struct AddParams {
+  DType dtype;
+  const void* x;
+  const void* residual;
+  void* out;
+  int64_t numel;
+};
+
+// The CPU implementations (norm_cpu.cpp): the reference semantics in C++, on the same params.
+// `version` is ignored: the ladders are GPU thread mappings.
+void norm_cpu(const NormParams& params);
+void norm_backward_cpu(const NormBackwardParams& params);
+
+}  // namespace norm
+}  // namespace fusion
+
+#if defined(__CUDACC__) || defined(WITH_CUDA)
+#include <cuda_runtime_api.h>
+namespace fusion {
+namespace norm {
+// Each launcher runs on `stream`, returns the launch error (or cudaSuccess) and never
+// synchronizes. launch_norm with a residual writes the sum and normalizes it (fused or, for
+// v1, in two kernels).
+cudaError_t launch_norm(const NormParams& params, cudaStream_t stream);
+cudaError_t launch_add(const AddParams& params, cudaStream_t stream);
+// Bytes of workspace the backward launch needs (the caller allocates it, uninitialized).
+cudaError_t norm_backward_workspace(const NormBackwardParams& params, int64_t* bytes);
+cudaError_t launch_norm_backward(const NormBackwardParams& params, cudaStream_t stream);
+}  // namespace norm
+}  // namespace fusion
+#endif
+
+#ifdef __CUDACC__
+// What both kernel files dispatch with: the launchers pick kernels by template parameters.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <type_traits>
+namespace fusion {
+namespace norm {
+// Calls f(T{}) for the storage type of `dtype`.
+template <typename F>
+cudaError_t with_storage_type(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kFloat32: return f(float{});
+    case DType::kFloat16: return f(__half{});
+    case DType::kBFloat16: return f(__nv_bfloat16{});
+    case DType::kFloat64: return f(double{});
+  }
+  return cudaErrorInvalidValue;
+}
+
+// Calls f(std::bool_constant<b>): a runtime choice made once per launch, a template
+// parameter (no branch) inside the kernel.
+template <typename F>
+cudaError_t with_flag(bool b, F&& f) {
+  return b ? f(std::true_type{}) : f(std::false_type{});
+}
+}  // namespace norm
+}  // namespace fusion
+#endif

@@ -1,0 +1,337 @@
+// Chapter 4 kernels: the backward of LayerNorm and RMSNorm (fused_add_rms_norm's too), v1..v2.
+//
+// With xhat = (x - mean) * rstd (RMSNorm: x * rstd) and g = dy * weight:
+//   LayerNorm:  dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
+//   RMSNorm:    dx = rstd * (g - xhat * mean(g * xhat))
+//   dweight = sum over rows of dy * xhat,   dbias = sum over rows of dy
+// dx is a row reduction followed by a map that needs it (the forward's shape again); dweight and
+// dbias are column reductions over all rows (the bias-gradient pattern of chapter 3).
+//
+// Napkin math: read x and dy, write dx, 3 x 2 B per bf16 element (mean, rstd and weight are
+// small). The column sums must not re-read x and dy: each block keeps its own partial column
+// sums (float32) while it passes over its rows, writes them once as one row of a [blocks, n]
+// array, and course::column_sum (common/include/course/column_reduce.cuh, chapter 3's column
+// reduction) adds those few hundred rows in a fixed order. No float atomics: the same input
+// gives the same dweight bits on every run, which atomicAdd's arrival order would not.
+//
+// No torch headers: this file builds with a bare `nvcc -c`.
+#include "norm.h"
+
+#include <course/column_reduce.cuh>
+#include <course/cuda_utils.h>
+#include <course/numeric.cuh>
+#include <course/reduce.cuh>
+#include <course/rows.cuh>
+
+#include <type_traits>
+#include <utility>
+
+namespace fusion {
+namespace norm {
+namespace {
+
+using namespace ::course::rows;  // NOLINT: load_tile, store_tile, tile_index, grid_for, ...
+using course::Acc;
+using course::from_acc;
+using course::SumOp;
+using course::to_acc;
+using course::Vec16;
+
+constexpr int kThreads = 256;  // the streamed kernel's block: one row at a time
+// The resident kernel's block when a row takes fewer threads: several rows share it, so that
+// fewer blocks (and so fewer partial rows for the column sum) still fill an SM.
+constexpr int kBackwardBlock = 512;
+
+template <int kThreadsPerRow>
+constexpr int kSlots = kThreadsPerRow < kBackwardBlock ? kBackwardBlock / kThreadsPerRow : 1;
+
+// The row sum of v over the kThreadsPerRow threads of this thread's row (slot) when a block
+// holds several rows: shuffles for a warp row; for a multi-warp row, its warps' sums meet in
+// smem[slot's warps] (at least 32 values). Every thread of the block must call it.
+template <int kThreadsPerRow, typename A>
+__device__ __forceinline__ A slot_reduce(A v, A* smem) {
+  if constexpr (kThreadsPerRow <= 32) {
+    return course::warp_reduce(v, SumOp<A>(), kThreadsPerRow);
+  } else {
+    constexpr int kWarps = kThreadsPerRow / 32;
+    const int lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32;
+    v = course::warp_reduce(v, SumOp<A>());
+    // A previous slot_reduce on the same smem may still be reading it in a slower warp.
+    __syncthreads();
+    if (lane == 0) smem[warp] = v;
+    // Every warp's sum must be in smem before the warps of its row read them.
+    __syncthreads();
+    const int first = warp / kWarps * kWarps;
+    v = lane < kWarps ? smem[first + lane] : A(0);
+    return course::warp_reduce(v, SumOp<A>());
+  }
+}
+
+// v1: streamed, a block per row (blocks take rows b, b + grid, ...). Pass 1 reads x and dy for
+// the two row sums; pass 2 reads them again to write dx, and adds dy * xhat and dy into the
+// block's partial rows of dweight and dbias in global memory (each column always by the same
+// thread: no race, a fixed order). Straightforward, and the fallback of v2 for rows too long
+// for registers; it reads x and dy twice and moves the partials through memory on every row.
+template <typename T, bool kCentered>
+__global__ void __launch_bounds__(kThreads)
+    norm_backward_streamed(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ weight,
+                           const typename Acc<T>::type* __restrict__ mean, const typename Acc<T>::type* __restrict__ rstd,
+                           T* __restrict__ dx, typename Acc<T>::type* __restrict__ dweight_partial,
+                           typename Acc<T>::type* __restrict__ dbias_partial, int64_t rows, int64_t n) {
+  using A = typename Acc<T>::type;
+  __shared__ A smem[kThreads / 32];
+  A* dw = dweight_partial + blockIdx.x * n;
+  A* db = kCentered ? dbias_partial + blockIdx.x * n : nullptr;
+  // The launcher's grid never exceeds rows, so every block's first row initializes its
+  // partial rows: no zero-filled workspace.
+  bool first = true;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const T* xr = x + r * n;
+    const T* dyr = dy + r * n;
+    const A mu = kCentered ? mean[r] : A(0);
+    const A rs = rstd[r];
+    A sum_g = A(0);
+    A sum_gx = A(0);
+    for (int64_t i = threadIdx.x; i < n; i += kThreads) {
+      const A g = to_acc(dyr[i]) * to_acc(weight[i]);
+      sum_g += g;
+      sum_gx += g * (to_acc(xr[i]) - mu) * rs;
+    }
+    sum_gx = course::block_reduce<kThreads>(sum_gx, SumOp<A>(), smem);
+    if constexpr (kCentered) sum_g = course::block_reduce<kThreads>(sum_g, SumOp<A>(), smem);
+    const A mean_g = kCentered ? sum_g / static_cast<A>(n) : A(0);
+    const A mean_gx = sum_gx / static_cast<A>(n);
+    for (int64_t i = threadIdx.x; i < n; i += kThreads) {
+      const A d = to_acc(dyr[i]);
+      const A xhat = (to_acc(xr[i]) - mu) * rs;
+      dx[r * n + i] = from_acc<T>(rs * (d * to_acc(weight[i]) - mean_g - xhat * mean_gx));
+      dw[i] = (first ? A(0) : dw[i]) + d * xhat;
+      if constexpr (kCentered) db[i] = (first ? A(0) : db[i]) + d;
+    }
+    first = false;
+  }
+}
+
+// Writes one block's partial column sums: acc[j][l] of each thread, for the column
+// tile_index(j, l, t), summed over the block's kSlots rows in slot order through shared memory
+// (one vector of the tile at a time, to keep the buffer at kBackwardBlock x kLanes values).
+template <bool kVectorized, int kThreadsPerRow, int kVectors, int kLanes, typename A>
+__device__ __forceinline__ void write_partial(const A (&acc)[kVectors][kLanes], A* __restrict__ partial, int64_t n,
+                                              A* combine) {
+  constexpr int kBlock = kThreadsPerRow * kSlots<kThreadsPerRow>;
+  const int t = threadIdx.x % kThreadsPerRow;
+  const int slot = threadIdx.x / kThreadsPerRow;
+#pragma unroll
+  for (int j = 0; j < kVectors; ++j) {
+    if constexpr (kSlots<kThreadsPerRow> == 1) {
+#pragma unroll
+      for (int l = 0; l < kLanes; ++l) {
+        const int64_t i = tile_index<kVectorized, kThreadsPerRow, kLanes>(j, l, t);
+        if (i < n) partial[i] = acc[j][l];  // columns past the row end are padding
+      }
+    } else {
+      // The previous vector's sums (or the last slot_reduce) may still be reading `combine`.
+      __syncthreads();
+#pragma unroll
+      for (int l = 0; l < kLanes; ++l) combine[l * kBlock + threadIdx.x] = acc[j][l];
+      // Every slot's values are in shared memory before slot 0 adds them.
+      __syncthreads();
+      if (slot == 0) {
+#pragma unroll
+        for (int l = 0; l < kLanes; ++l) {
+          const int64_t i = tile_index<kVectorized, kThreadsPerRow, kLanes>(j, l, t);
+          if (i < n) {  // columns past the row end are padding
+            A total = A(0);
+            for (int s = 0; s < kSlots<kThreadsPerRow>; ++s) total += combine[l * kBlock + s * kThreadsPerRow + t];
+            partial[i] = total;
+          }
+        }
+      }
+    }
+  }
+}
+
+// v2: x and dy held in registers (course::rows::load_tile, 16-byte vectors, as stored), the
+// weight row too (loaded once per thread for all its rows). One pass: the two row sums, then dx
+// from the registers; x and dy are read once and dx written once, the least traffic there is.
+// Each thread also owns the same columns of every row it takes, so its share of dweight and
+// dbias accumulates in registers across rows and leaves the block once, as one partial row
+// (write_partial): the column sums cost a few hundred rows of n floats, not a pass over x and
+// dy. Rows longer than the largest shape run v1's kernel.
+template <typename T, bool kCentered, int kThreadsPerRow, int kVectors, bool kVectorized>
+__global__ void __launch_bounds__(kThreadsPerRow * kSlots<kThreadsPerRow>)
+    norm_backward_resident(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ weight,
+                           const typename Acc<T>::type* __restrict__ mean, const typename Acc<T>::type* __restrict__ rstd,
+                           T* __restrict__ dx, typename Acc<T>::type* __restrict__ dweight_partial,
+                           typename Acc<T>::type* __restrict__ dbias_partial, int64_t rows, int64_t n) {
+  using A = typename Acc<T>::type;
+  constexpr int kLanes = Vec16<T>::kLanes;
+  constexpr int kRows = kSlots<kThreadsPerRow>;
+  constexpr int kBlock = kThreadsPerRow * kRows;
+  __shared__ A smem[32];
+  __shared__ A combine[kRows > 1 ? kBlock * kLanes : 1];
+  const T zero = from_acc<T>(A(0));
+  const int t = threadIdx.x % kThreadsPerRow;
+  T w[kVectors][kLanes];
+  load_tile<kVectorized, kThreadsPerRow, kVectors>(weight, n, t, zero, w);
+  A dw[kVectors][kLanes];
+  A db[kVectors][kLanes];
+#pragma unroll
+  for (int j = 0; j < kVectors; ++j) {
+#pragma unroll
+    for (int l = 0; l < kLanes; ++l) dw[j][l] = db[j][l] = A(0);
+  }
+  // The whole block steps together (its reductions need every thread); a slot past the last
+  // row works on padding: x = dy = 0 adds nothing to dweight or dbias, and stores nothing.
+  for (int64_t first = static_cast<int64_t>(blockIdx.x) * kRows; first < rows;
+       first += static_cast<int64_t>(gridDim.x) * kRows) {
+    const int64_t r = first + threadIdx.x / kThreadsPerRow;
+    const int64_t len = r < rows ? n : 0;
+    const int64_t row = r < rows ? r : 0;
+    T xv[kVectors][kLanes];
+    T dyv[kVectors][kLanes];
+    load_tile<kVectorized, kThreadsPerRow, kVectors>(x + row * n, len, t, zero, xv);
+    load_tile<kVectorized, kThreadsPerRow, kVectors>(dy + row * n, len, t, zero, dyv);
+    const A mu = kCentered ? mean[row] : A(0);
+    const A rs = rstd[row];
+    A sum_g = A(0);
+    A sum_gx = A(0);
+#pragma unroll
+    for (int j = 0; j < kVectors; ++j) {
+#pragma unroll
+      for (int l = 0; l < kLanes; ++l) {
+        const A d = to_acc(dyv[j][l]);
+        const A xhat = (to_acc(xv[j][l]) - mu) * rs;
+        const A g = d * to_acc(w[j][l]);
+        sum_g += g;
+        sum_gx += g * xhat;
+        dw[j][l] += d * xhat;
+        db[j][l] += d;
+      }
+    }
+    const A mean_gx = slot_reduce<kThreadsPerRow>(sum_gx, smem) / static_cast<A>(n);
+    const A mean_g = kCentered ? slot_reduce<kThreadsPerRow>(sum_g, smem) / static_cast<A>(n) : A(0);
+#pragma unroll
+    for (int j = 0; j < kVectors; ++j) {
+#pragma unroll
+      for (int l = 0; l < kLanes; ++l) {
+        const A xhat = (to_acc(xv[j][l]) - mu) * rs;
+        dyv[j][l] = from_acc<T>(rs * (to_acc(dyv[j][l]) * to_acc(w[j][l]) - mean_g - xhat * mean_gx));
+      }
+    }
+    store_tile<kVectorized, kThreadsPerRow, kVectors>(dx + row * n, len, t, dyv);
+  }
+  write_partial<kVectorized, kThreadsPerRow, kVectors>(dw, dweight_partial + blockIdx.x * n, n, combine);
+  if constexpr (kCentered) write_partial<kVectorized, kThreadsPerRow, kVectors>(db, dbias_partial + blockIdx.x * n, n, combine);
+}
+
+// ===========================================================================================
+// Launchers
+// ===========================================================================================
+// Calls f(std::integral_constant<int, I>) for backward shape `shape`; shapes a dtype never
+// uses (backward_shape_fits) are not instantiated.
+template <typename T, int I = 0, typename F>
+cudaError_t with_backward_shape(int shape, F&& f) {
+  if constexpr (I == kNumBackwardShapes) {
+    return cudaErrorInvalidValue;
+  } else {
+    if constexpr (backward_shape_fits(kBackwardShapes[I], sizeof(T))) {
+      if (shape == I) return f(std::integral_constant<int, I>{});
+    }
+    return with_backward_shape<T, I + 1>(shape, std::forward<F>(f));
+  }
+}
+
+// The grid of a backward launch: as many blocks as the GPU keeps resident (each then takes
+// several rows, so its partial row sums many rows), never more than there are rows, since
+// every block's partial row must be written.
+template <typename Kernel>
+cudaError_t backward_grid(Kernel kernel, int threads, int64_t rows_per_block, int64_t rows, int64_t* grid) {
+  int64_t resident = 0;
+  COURSE_CUDA_TRY(course::resident_grid(kernel, threads, &resident));
+  const int64_t needed = course::ceil_div(rows, rows_per_block);
+  *grid = needed < resident ? needed : resident;
+  return cudaSuccess;
+}
+
+// Runs the backward, or with `grid_only` only says how many blocks (partial rows) it will use.
+template <typename T>
+cudaError_t run_backward(const NormBackwardParams& p, cudaStream_t stream, int64_t* grid_only) {
+  using A = typename Acc<T>::type;
+  const bool centered = p.kind == NormKind::kLayerNorm;
+  const T* dy = static_cast<const T*>(p.dy);
+  const T* x = static_cast<const T*>(p.x);
+  const T* weight = static_cast<const T*>(p.weight);
+  const A* mean = static_cast<const A*>(p.mean);
+  const A* rstd = static_cast<const A*>(p.rstd);
+  T* dx = static_cast<T*>(p.dx);
+  A* dw_partial = static_cast<A*>(p.workspace);
+  int64_t grid = 0;
+  // The partial rows, then the reduction of them into dweight (and dbias), once the grid is known.
+  auto finish = [&]() -> cudaError_t {
+    COURSE_CUDA_TRY(cudaGetLastError());
+    COURSE_CUDA_TRY(course::column_sum(dw_partial, grid, p.n, static_cast<T*>(p.dweight), stream));
+    if (centered) {
+      COURSE_CUDA_TRY(course::column_sum(dw_partial + grid * p.n, grid, p.n, static_cast<T*>(p.dbias), stream));
+    }
+    return cudaSuccess;
+  };
+  const int shape = p.version == NormBackwardVersion::kResident ? backward_shape(p.n, sizeof(T)) : -1;
+  if constexpr (sizeof(T) != 8) {
+    if (shape >= 0) {
+      const bool vectorized = rows_vectorized<T>(p.n, {p.dy, p.x, p.weight, p.dx});
+      return with_backward_shape<T>(shape, [&](auto s) {
+        constexpr NormShape kShape = kBackwardShapes[decltype(s)::value];
+        constexpr int kRows = kSlots<kShape.threads>;
+        return with_flag(centered, [&](auto c) {
+          return with_vectorized(vectorized, [&](auto vec) {
+            auto* kernel = norm_backward_resident<T, decltype(c)::value, kShape.threads, kShape.vectors, decltype(vec)::value>;
+            COURSE_CUDA_TRY(backward_grid(kernel, kShape.threads * kRows, kRows, p.rows, &grid));
+            if (grid_only != nullptr) {
+              *grid_only = grid;
+              return cudaSuccess;
+            }
+            kernel<<<grid_for(grid), kShape.threads * kRows, 0, stream>>>(dy, x, weight, mean, rstd, dx, dw_partial,
+                                                                           dw_partial + grid * p.n, p.rows, p.n);
+            return finish();
+          });
+        });
+      });
+    }
+  }
+  return with_flag(centered, [&](auto c) {
+    auto* kernel = norm_backward_streamed<T, decltype(c)::value>;
+    COURSE_CUDA_TRY(backward_grid(kernel, kThreads, 1, p.rows, &grid));
+    if (grid_only != nullptr) {
+      *grid_only = grid;
+      return cudaSuccess;
+    }
+    kernel<<<grid_for(grid), kThreads, 0, stream>>>(dy, x, weight, mean, rstd, dx, dw_partial, dw_partial + grid * p.n,
+                                                    p.rows, p.n);
+    return finish();
+  });
+}
+
+}  // namespace
+
+cudaError_t norm_backward_workspace(const NormBackwardParams& p, int64_t* bytes) {
+  *bytes = 0;
+  if (p.rows == 0 || p.n == 0) return cudaSuccess;
+  return with_storage_type(p.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    int64_t grid = 0;
+    COURSE_CUDA_TRY(run_backward<T>(p, nullptr, &grid));
+    const int64_t partial_rows = p.kind == NormKind::kLayerNorm ? 2 : 1;  // dweight (and dbias)
+    *bytes = partial_rows * grid * p.n * static_cast<int64_t>(sizeof(typename Acc<T>::type));
+    return cudaSuccess;
+  });
+}
+
+cudaError_t launch_norm_backward(const NormBackwardParams& p, cudaStream_t stream) {
+  if (p.rows == 0 || p.n == 0) return cudaSuccess;
+  return with_storage_type(p.dtype, [&](auto tag) { return run_backward<decltype(tag)>(p, stream, nullptr); });
+}
+
+}  // namespace norm
+}  // namespace fusion

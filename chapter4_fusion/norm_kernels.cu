@@ -1,0 +1,381 @@
+// Chapter 4 kernels: LayerNorm and RMSNorm forward, and fused_add_rms_norm; the ladder v1..v3.
+//
+//   LayerNorm:  y = (x - mean) * rstd * weight + bias,   rstd = 1 / sqrt(var + eps)
+//   RMSNorm:    y = x * rstd * weight,                   rstd = 1 / sqrt(mean(x^2) + eps)
+//
+// A row reduction (or two) followed by an elementwise map that needs its result: softmax's
+// shape (chapter 3), and the same ladder. Napkin math: a norm reads x once and writes y once
+// (weight and bias are one row, read from L2 by every row), 2 x 2 B per bf16 element; at
+// 16384 x 8192 bf16 that is 512 MiB, ~0.18 ms at the ~3 TB/s an H100 copies at. Each extra
+// read of the row from DRAM adds half of that again: v1's three reads and a write reach at
+// most 2/4 of copy, v2's two reads 2/3, v3's one read the copy itself (rows of a few KB may
+// still be re-read from L1/L2, which narrows the measured gaps at short rows).
+//
+// fused_add_rms_norm (every LLM decoder layer: h = x + residual; y = rms_norm(h)) reads x and
+// residual and writes h and y: 4 trips instead of the unfused 6 (add: 3, norm: 2 + 1).
+//
+// No torch headers: this file builds with a bare `nvcc -c`.
+#include "norm.h"
+
+#include <course/cuda_utils.h>
+#include <course/numeric.cuh>
+#include <course/reduce.cuh>
+#include <course/rows.cuh>
+
+#include <type_traits>
+#include <utility>
+
+namespace fusion {
+namespace norm {
+namespace {
+
+using namespace ::course::rows;  // NOLINT: load_tile, store_tile, row_reduce, grid_for, ...
+using course::Acc;
+using course::from_acc;
+using course::SumOp;
+using course::to_acc;
+using course::Vec16;
+using course::Welford;
+using course::WelfordOp;
+
+// The streamed kernels (v1, v2 and the fallback of v3 past the register capacity) give a block
+// of 256 threads to each row.
+constexpr int kThreads = 256;
+constexpr int kUnroll = 4;
+
+__device__ __forceinline__ float reciprocal_sqrt(float v) { return rsqrtf(v); }
+__device__ __forceinline__ double reciprocal_sqrt(double v) { return 1.0 / sqrt(v); }
+
+// y for one element: mean is 0 for RMSNorm, which has no bias.
+template <bool kCentered, typename A>
+__device__ __forceinline__ A normalized(A x, A mean, A rstd, A weight, A bias) {
+  return kCentered ? (x - mean) * rstd * weight + bias : x * rstd * weight;
+}
+
+// The last pass of the streamed kernels: y = normalized(x) over one row, thread t of kThreads.
+// kVectorized (every row, weight and bias 16-byte aligned, n a multiple of the vector): one
+// 16-byte load of x, weight and bias and one store of y per kLanes elements. A template
+// parameter, so the vector kernel carries no scalar path.
+template <bool kCentered, bool kVectorized, typename T, typename A>
+__device__ __forceinline__ void normalize_row(const T* __restrict__ x, const T* __restrict__ weight,
+                                              const T* __restrict__ bias, T* __restrict__ y, int64_t n, A mean,
+                                              A rstd) {
+  if constexpr (kVectorized) {
+    using V = Vec16<T>;
+    for (int64_t v = threadIdx.x; v < n / V::kLanes; v += kThreads) {
+      const V xv = course::load16(reinterpret_cast<const V*>(x) + v);
+      const V wv = course::load16(reinterpret_cast<const V*>(weight) + v);
+      V bv = wv;  // RMSNorm: unused
+      if constexpr (kCentered) bv = course::load16(reinterpret_cast<const V*>(bias) + v);
+      V out;
+#pragma unroll
+      for (int l = 0; l < V::kLanes; ++l) {
+        out.v[l] = from_acc<T>(normalized<kCentered>(to_acc(xv.v[l]), mean, rstd, to_acc(wv.v[l]),
+                                                     kCentered ? to_acc(bv.v[l]) : A(0)));
+      }
+      course::store16(reinterpret_cast<V*>(y) + v, out);
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < n; i += kThreads) {
+      y[i] = from_acc<T>(normalized<kCentered>(to_acc(x[i]), mean, rstd, to_acc(weight[i]),
+                                               kCentered ? to_acc(bias[i]) : A(0)));
+    }
+  }
+}
+
+// v1: two-pass statistics, a block per row. The mean (a block reduction), then the variance as
+// the mean of (x - mean)^2 (a second pass and a second reduction), then the normalize pass:
+// the row is read three times. Two passes are what the textbook and a composition of torch ops
+// do, and they are numerically safe (no sum(x^2) - n mean^2 cancellation); a row of a few KB
+// stays in L1/L2 between the passes, a row of hundreds of KB does not.
+// RMSNorm has no mean: its statistic, mean(x^2), is one pass already (two reads in all).
+template <typename T, bool kCentered, bool kVectorized>
+__global__ void __launch_bounds__(kThreads)
+    norm_two_pass(const T* __restrict__ x, const T* __restrict__ weight, const T* __restrict__ bias,
+                  T* __restrict__ y, typename Acc<T>::type* __restrict__ mean_out,
+                  typename Acc<T>::type* __restrict__ rstd_out, int64_t rows, int64_t n,
+                  typename Acc<T>::type eps) {
+  using A = typename Acc<T>::type;
+  __shared__ A smem[kThreads / 32];
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const T* row = x + r * n;
+    A mean = A(0);
+    if constexpr (kCentered) {
+      mean = course::fold_row<kUnroll>(row, n, threadIdx.x, kThreads, A(0), SumOp<A>(), course::Identity());
+      mean = course::block_reduce<kThreads>(mean, SumOp<A>(), smem) / static_cast<A>(n);
+    }
+    A var = course::fold_row<kUnroll>(row, n, threadIdx.x, kThreads, A(0), SumOp<A>(), [mean](A v) {
+      const A d = v - mean;
+      return d * d;
+    });
+    var = course::block_reduce<kThreads>(var, SumOp<A>(), smem) / static_cast<A>(n);
+    const A rstd = reciprocal_sqrt(var + eps);
+    if (threadIdx.x == 0) {
+      if constexpr (kCentered) mean_out[r] = mean;
+      rstd_out[r] = rstd;
+    }
+    normalize_row<kCentered, kVectorized>(row, weight, bias, y + r * n, n, mean, rstd);
+  }
+}
+
+// v2: Welford. Each thread folds its elements into a (count, mean, m2) state (course::Welford,
+// combined by Chan's formula), the block combines the states the same way: mean and variance
+// come out of one pass, and the row is read twice (statistics, normalize) instead of three
+// times. The price is a division per element in the fold, hidden behind the loads (the kernel
+// is memory-bound). RMSNorm's statistic was one pass already: its v2 is its v1.
+template <typename T, bool kCentered, bool kVectorized>
+__global__ void __launch_bounds__(kThreads)
+    norm_welford(const T* __restrict__ x, const T* __restrict__ weight, const T* __restrict__ bias,
+                 T* __restrict__ y, typename Acc<T>::type* __restrict__ mean_out,
+                 typename Acc<T>::type* __restrict__ rstd_out, int64_t rows, int64_t n,
+                 typename Acc<T>::type eps) {
+  using A = typename Acc<T>::type;
+  if constexpr (kCentered) {
+    __shared__ Welford<A> smem[kThreads / 32];
+    const WelfordOp<A> op;
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+      const T* row = x + r * n;
+      Welford<A> st = course::fold_row<kUnroll>(row, n, threadIdx.x, kThreads, op.identity(), op,
+                                                [](A v) { return WelfordOp<A>::element(v); });
+      st = course::block_reduce<kThreads>(st, op, smem);
+      const A rstd = reciprocal_sqrt(st.m2 / static_cast<A>(n) + eps);
+      if (threadIdx.x == 0) {
+        mean_out[r] = st.mean;
+        rstd_out[r] = rstd;
+      }
+      normalize_row<true, kVectorized>(row, weight, bias, y + r * n, n, st.mean, rstd);
+    }
+  } else {
+    __shared__ A smem[kThreads / 32];
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+      const T* row = x + r * n;
+      A ms = course::fold_row<kUnroll>(row, n, threadIdx.x, kThreads, A(0), SumOp<A>(), [](A v) { return v * v; });
+      ms = course::block_reduce<kThreads>(ms, SumOp<A>(), smem) / static_cast<A>(n);
+      const A rstd = reciprocal_sqrt(ms + eps);
+      if (threadIdx.x == 0) rstd_out[r] = rstd;
+      normalize_row<false, kVectorized>(row, weight, bias, y + r * n, n, A(0), rstd);
+    }
+  }
+}
+
+// v3: the row held in registers. kThreadsPerRow threads per row (a warp, several rows per
+// block, up to hidden 1024 in bf16; or a block of 128-1024 threads) each load kVectors
+// 16-byte vectors of it once (course::rows::load_tile) and keep them as stored, 4 registers a
+// vector. The mean, the variance (two passes over registers: as exact as v1, no Welford
+// divisions) and y are all computed from those registers, and y is written once: one read, one
+// write, the copy's traffic. Warp rows reduce with shuffles alone. Longer rows run v2's kernel.
+//
+// kAddResidual (fused_add_rms_norm): the residual is loaded beside x, the sum rounded to the
+// dtype (what the unfused add would store), written out, and normalized from the registers.
+template <typename T, bool kCentered, bool kAddResidual, int kThreadsPerRow, int kVectors, bool kVectorized>
+__global__ void __launch_bounds__(kThreadsPerRow * kRowsPerBlock<kThreadsPerRow>)
+    norm_resident(const T* __restrict__ x, const T* __restrict__ residual, T* __restrict__ sum,
+                  const T* __restrict__ weight, const T* __restrict__ bias, T* __restrict__ y,
+                  typename Acc<T>::type* __restrict__ mean_out, typename Acc<T>::type* __restrict__ rstd_out,
+                  int64_t rows, int64_t n, typename Acc<T>::type eps) {
+  using A = typename Acc<T>::type;
+  constexpr int kLanes = Vec16<T>::kLanes;
+  constexpr int kRows = kRowsPerBlock<kThreadsPerRow>;
+  __shared__ A smem[32];
+  const T zero = from_acc<T>(A(0));
+  const int t = threadIdx.x % kThreadsPerRow;
+  // The whole block steps together, so the rows of a block stay converged for the shuffles and
+  // the block reductions; a thread past the last row works on padding (len 0) and stores nothing.
+  for (int64_t first = static_cast<int64_t>(blockIdx.x) * kRows; first < rows;
+       first += static_cast<int64_t>(gridDim.x) * kRows) {
+    const int64_t r = first + threadIdx.x / kThreadsPerRow;
+    const int64_t len = r < rows ? n : 0;
+    const int64_t offset = (r < rows ? r : 0) * n;
+    T v[kVectors][kLanes];
+    load_tile<kVectorized, kThreadsPerRow, kVectors>(x + offset, len, t, zero, v);
+    if constexpr (kAddResidual) {
+      T res[kVectors][kLanes];
+      load_tile<kVectorized, kThreadsPerRow, kVectors>(residual + offset, len, t, zero, res);
+#pragma unroll
+      for (int j = 0; j < kVectors; ++j) {
+#pragma unroll
+        for (int l = 0; l < kLanes; ++l) v[j][l] = from_acc<T>(to_acc(v[j][l]) + to_acc(res[j][l]));
+      }
+      store_tile<kVectorized, kThreadsPerRow, kVectors>(sum + offset, len, t, v);
+    }
+    A mean = A(0);
+    if constexpr (kCentered) {
+      A s = A(0);
+#pragma unroll
+      for (int j = 0; j < kVectors; ++j) {
+#pragma unroll
+        for (int l = 0; l < kLanes; ++l) s += to_acc(v[j][l]);  // padding is 0: adds nothing
+      }
+      mean = row_reduce<kThreadsPerRow>(s, SumOp<A>(), smem) / static_cast<A>(n);
+    }
+    A ss = A(0);
+#pragma unroll
+    for (int j = 0; j < kVectors; ++j) {
+#pragma unroll
+      for (int l = 0; l < kLanes; ++l) {
+        const A d = to_acc(v[j][l]) - mean;
+        // Padding past the row is 0, which (0 - mean)^2 would count: only LayerNorm masks it.
+        if (!kCentered || tile_index<kVectorized, kThreadsPerRow, kLanes>(j, l, t) < len) ss += d * d;
+      }
+    }
+    const A rstd = reciprocal_sqrt(row_reduce<kThreadsPerRow>(ss, SumOp<A>(), smem) / static_cast<A>(n) + eps);
+    if (t == 0 && r < rows) {  // one writer per row, none for a padding row
+      if constexpr (kCentered) mean_out[r] = mean;
+      rstd_out[r] = rstd;
+    }
+    // weight and bias are one row shared by all rows: loaded per row from L1/L2 rather than
+    // kept, which would cost 8 more registers per vector for the life of the kernel.
+    T w[kVectors][kLanes];
+    T b[kVectors][kLanes];
+    load_tile<kVectorized, kThreadsPerRow, kVectors>(weight, len, t, zero, w);
+    if constexpr (kCentered) load_tile<kVectorized, kThreadsPerRow, kVectors>(bias, len, t, zero, b);
+#pragma unroll
+    for (int j = 0; j < kVectors; ++j) {
+#pragma unroll
+      for (int l = 0; l < kLanes; ++l) {
+        v[j][l] = from_acc<T>(normalized<kCentered>(to_acc(v[j][l]), mean, rstd, to_acc(w[j][l]),
+                                                    kCentered ? to_acc(b[j][l]) : A(0)));
+      }
+    }
+    store_tile<kVectorized, kThreadsPerRow, kVectors>(y + offset, len, t, v);
+  }
+}
+
+// fused_add_rms_norm v1's first kernel, and the fallback of v2 past the register capacity:
+// out = x + residual, rounded to the dtype, over the flat tensor.
+template <typename T, bool kVectorized>
+__global__ void __launch_bounds__(kThreads) add_rounded(const T* __restrict__ x, const T* __restrict__ residual,
+                                                        T* __restrict__ out, int64_t numel) {
+  const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if constexpr (kVectorized) {
+    using V = Vec16<T>;
+    for (int64_t i = first; i < numel / V::kLanes; i += step) {
+      const V a = course::load16(reinterpret_cast<const V*>(x) + i);
+      const V b = course::load16(reinterpret_cast<const V*>(residual) + i);
+      V c;
+#pragma unroll
+      for (int l = 0; l < V::kLanes; ++l) c.v[l] = from_acc<T>(to_acc(a.v[l]) + to_acc(b.v[l]));
+      course::store16(reinterpret_cast<V*>(out) + i, c);
+    }
+  } else {
+    for (int64_t i = first; i < numel; i += step) out[i] = from_acc<T>(to_acc(x[i]) + to_acc(residual[i]));
+  }
+}
+
+// ===========================================================================================
+// Launchers
+// ===========================================================================================
+template <int I = 0, typename F>
+cudaError_t with_forward_shape(int shape, F&& f) {
+  if constexpr (I == kNumForwardShapes) {
+    return cudaErrorInvalidValue;
+  } else {
+    if (shape == I) return f(std::integral_constant<int, I>{});
+    return with_forward_shape<I + 1>(shape, std::forward<F>(f));
+  }
+}
+
+template <typename T>
+cudaError_t run_add(const T* x, const T* residual, T* out, int64_t numel, cudaStream_t stream) {
+  const bool vectorized = rows_vectorized<T>(numel, {x, residual, out});
+  const int64_t per_block = kThreads * (vectorized ? Vec16<T>::kLanes : 1);
+  return with_flag(vectorized, [&](auto vec) {
+    add_rounded<T, decltype(vec)::value>
+        <<<grid_for(course::ceil_div(numel, per_block)), kThreads, 0, stream>>>(x, residual, out, numel);
+    return cudaGetLastError();
+  });
+}
+
+// v3 (and fused_add_rms_norm v2) with the row shape kForwardShapes[kShape].
+template <typename T, int kShape, bool kVectorized>
+cudaError_t launch_resident(const NormParams& p, cudaStream_t stream) {
+  using A = typename Acc<T>::type;
+  constexpr int kThreadsPerRow = kForwardShapes[kShape].threads;
+  constexpr int kVectors = kForwardShapes[kShape].vectors;
+  constexpr int kRows = kRowsPerBlock<kThreadsPerRow>;
+  const unsigned grid = grid_for(course::ceil_div(p.rows, int64_t{kRows}));
+  const T* x = static_cast<const T*>(p.x);
+  const T* weight = static_cast<const T*>(p.weight);
+  const T* bias = static_cast<const T*>(p.bias);
+  T* y = static_cast<T*>(p.y);
+  A* mean = static_cast<A*>(p.mean);
+  A* rstd = static_cast<A*>(p.rstd);
+  const A eps = static_cast<A>(p.eps);
+  if (p.residual != nullptr) {
+    norm_resident<T, false, true, kThreadsPerRow, kVectors, kVectorized><<<grid, kThreadsPerRow * kRows, 0, stream>>>(
+        x, static_cast<const T*>(p.residual), static_cast<T*>(p.sum), weight, bias, y, mean, rstd, p.rows, p.n, eps);
+  } else if (p.kind == NormKind::kLayerNorm) {
+    norm_resident<T, true, false, kThreadsPerRow, kVectors, kVectorized><<<grid, kThreadsPerRow * kRows, 0, stream>>>(
+        x, nullptr, nullptr, weight, bias, y, mean, rstd, p.rows, p.n, eps);
+  } else {
+    norm_resident<T, false, false, kThreadsPerRow, kVectors, kVectorized><<<grid, kThreadsPerRow * kRows, 0, stream>>>(
+        x, nullptr, nullptr, weight, bias, y, mean, rstd, p.rows, p.n, eps);
+  }
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t run_norm(const NormParams& p, cudaStream_t stream) {
+  using A = typename Acc<T>::type;
+  const bool centered = p.kind == NormKind::kLayerNorm;
+  const T* x = static_cast<const T*>(p.x);
+  const T* weight = static_cast<const T*>(p.weight);
+  const T* bias = static_cast<const T*>(p.bias);
+  T* y = static_cast<T*>(p.y);
+  A* mean = static_cast<A*>(p.mean);
+  A* rstd = static_cast<A*>(p.rstd);
+  const A eps = static_cast<A>(p.eps);
+  const bool add = p.residual != nullptr;
+  const int shape = (p.version == NormVersion::kResident || add) ? forward_shape(p.n, sizeof(T)) : -1;
+  if constexpr (sizeof(T) != 8) {
+    if (shape >= 0) {
+      const bool vectorized = rows_vectorized<T>(p.n, {p.x, p.residual, p.sum, p.weight, p.bias, p.y});
+      return with_forward_shape(shape, [&](auto s) {
+        return with_vectorized(vectorized, [&](auto vec) {
+          return launch_resident<T, decltype(s)::value, decltype(vec)::value>(p, stream);
+        });
+      });
+    }
+  }
+  // Streamed. A residual the registers cannot hold is added by its own kernel first.
+  if (add) {
+    COURSE_CUDA_TRY(run_add<T>(x, static_cast<const T*>(p.residual), static_cast<T*>(p.sum), p.rows * p.n, stream));
+    x = static_cast<const T*>(p.sum);
+  }
+  const bool vectorized = rows_vectorized<T>(p.n, {x, p.weight, p.bias, p.y});
+  const bool two_pass = p.version == NormVersion::kTwoPass;
+  return with_flag(centered, [&](auto c) {
+    return with_vectorized(vectorized, [&](auto vec) {
+      constexpr bool kCentered = decltype(c)::value;
+      constexpr bool kVec = decltype(vec)::value;
+      if (two_pass) {
+        norm_two_pass<T, kCentered, kVec><<<grid_for(p.rows), kThreads, 0, stream>>>(x, weight, bias, y, mean, rstd,
+                                                                                     p.rows, p.n, eps);
+      } else {
+        norm_welford<T, kCentered, kVec><<<grid_for(p.rows), kThreads, 0, stream>>>(x, weight, bias, y, mean, rstd,
+                                                                                    p.rows, p.n, eps);
+      }
+      return cudaGetLastError();
+    });
+  });
+}
+
+}  // namespace
+
+cudaError_t launch_norm(const NormParams& p, cudaStream_t stream) {
+  if (p.rows == 0 || p.n == 0) return cudaSuccess;
+  return with_storage_type(p.dtype, [&](auto tag) { return run_norm<decltype(tag)>(p, stream); });
+}
+
+cudaError_t launch_add(const AddParams& p, cudaStream_t stream) {
+  if (p.numel == 0) return cudaSuccess;
+  return with_storage_type(p.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    return run_add<T>(static_cast<const T*>(p.x), static_cast<const T*>(p.residual), static_cast<T*>(p.out), p.numel,
+                      stream);
+  });
+}
+
+}  // namespace norm
+}  // namespace fusion

@@ -1,0 +1,847 @@
+"""Tests for chapter 4's elementwise family: fused_bias_scale_relu (and its backward ladder),
+bias_gelu, bias_silu, swiglu and linear_activation; every rung x dtype x irregular shape, CPU and
+CUDA.
+
+The references are plain PyTorch in float64 on the inputs as given (already rounded to their
+dtype). Every comparison is element by element against a bound derived from what the kernels
+round, written next to each bound with its reason: the fused rungs compute in float32 (float64
+for float64) and round once to the dtype; the unfused rungs (v1, "unfused") round each
+intermediate to the dtype, as eager does, which the bounds allow for too.
+
+Inputs of the ReLU ops keep |x * scale + bias| >= 0.25 (bias_inputs): then no rounding of any
+rung can flip the sign of an element, and the masks and gradients are exact functions of the
+reference's signs.
+
+Run against the installed extension (pip install .) or the JIT build (COURSE_EXT_ROUTE=jit);
+the header line says which one was loaded.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fusion
+from coursekit.pytest_plugin import DTYPES, dtype_id, poison_allocator, require_cuda, shape_id
+from fusion import _elementwise
+
+EW_VERSIONS = _elementwise.VERSIONS
+SCALE = 0.75  # not a power of two: x * scale rounds
+LOW_PRECISION = (torch.float16, torch.bfloat16, torch.float32)
+GELU_APPROX = {"gelu": "none", "gelu_tanh": "tanh"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------
+def eps(dtype):
+    """One rounding to the dtype errs by at most eps * |value| (half an ulp, with a margin)."""
+    return torch.finfo(dtype).eps
+
+
+def eps_acc(dtype):
+    """The compute dtype's eps: float32 for every dtype but float64."""
+    return torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+
+
+def floor(dtype):
+    """An absolute error allowed near zero: values below the smallest normal may be flushed to
+    zero on the GPU; float16's subnormal step is finer, and results land there correctly."""
+    return 2.0**-24 if dtype == torch.float16 else torch.finfo(dtype).smallest_normal
+
+
+def assert_within(out, expected, bound, what=""):
+    """|out - expected| <= bound element by element; NaN must meet NaN."""
+    assert out.shape == expected.shape, (what, tuple(out.shape), tuple(expected.shape))
+    out64, exp64 = out.double(), expected.double()
+    bound = torch.broadcast_to(torch.as_tensor(bound, dtype=torch.float64, device=out.device), exp64.shape)
+    ok = ((out64 - exp64).abs() <= bound) | (out64.isnan() & exp64.isnan())
+    if not bool(ok.all()):
+        at = tuple((~ok).nonzero()[0].tolist())
+        raise AssertionError(f"{what}: {int((~ok).sum())} of {ok.numel()} elements out of bounds; first at {at}: "
+                             f"got {out64[at].item()!r}, expected {exp64[at].item()!r}, "
+                             f"allowed {bound[at].item():.3g}")
+
+
+def bias_inputs(shape, dtype, device, scale=SCALE, margin=0.25):
+    """x and bias with |x * scale + bias| >= margin everywhere. The rounding of x and bias to
+    bfloat16 moves x * scale + bias by < 0.03 (|x| < 16: a half-ulp of 0.03 times 0.75, plus the
+    bias's 0.008), and v1's rounded intermediates by < 0.05 more: no sign can flip."""
+    n = shape[-1]
+    bias = torch.randn(n, dtype=torch.float64, device=device)
+    z = torch.randn(shape, dtype=torch.float64, device=device)
+    z = z + margin * z.sign()
+    return ((z - bias) / scale).to(dtype), bias.to(dtype)
+
+
+def rows_of(t):
+    return t.reshape(-1, t.shape[-1]) if t.dim() > 0 else t
+
+
+def column_sum_bound(g64, dtype, rows):
+    """A sum over `rows` terms, in the compute dtype, in any grouping: depth * eps_acc * sum|g|
+    with depth <= 2 log2(rows) + 8 for every order the kernels use (a row loop per thread, then a
+    column reduction of the partials), plus the output's rounding, plus one rounding of every
+    term to the dtype (v1 writes g in the dtype before summing it)."""
+    g_rows = rows_of(g64)
+    total = g_rows.sum(0)
+    mag = g_rows.abs().sum(0)
+    return eps(dtype) * total.abs() + (eps(dtype) + (2 * math.log2(rows + 1) + 8) * eps_acc(dtype)) * mag + floor(dtype)
+
+
+def unpack_mask(mask, n):
+    """The mask's bits as bools [rows, words * 32]: bit c % 32 of word c / 32 of row r, the words
+    little-endian (as on x86 and every CUDA GPU)."""
+    rows, words = mask.shape
+    as_bytes = mask.contiguous().view(torch.uint8).reshape(rows, words * 4)
+    shifts = torch.arange(8, device=mask.device, dtype=torch.uint8)
+    return ((as_bytes.unsqueeze(-1) >> shifts) & 1).reshape(rows, words * 32).bool()
+
+
+# ---------------------------------------------------------------------------------------------
+# Plain-PyTorch references (float64)
+# ---------------------------------------------------------------------------------------------
+def reference_act(z, activation):
+    if activation == "relu":
+        return torch.relu(z)
+    if activation == "silu":
+        return F.silu(z)
+    return F.gelu(z, approximate=GELU_APPROX[activation])
+
+
+def reference_bias_act(x, bias, activation, scale=1.0):
+    return reference_act(x.double() * scale + bias.double(), activation)
+
+
+def reference_swiglu(x):
+    a, b = x.double().chunk(2, dim=-1)
+    return F.silu(a) * b
+
+
+def reference_linear(x, weight, bias, activation):
+    return reference_act(x.double() @ weight.double().T + bias.double(), activation)
+
+
+def act_bound(x, bias, scale, ref, dtype):
+    """Forward of act(x * scale + bias): one rounding of the output (eps |ref|); the compute
+    dtype's error in z and in the activation's exp/erf/tanh (8 eps_acc of |ref| and of |z|'s
+    parts); and for the unfused rungs two more roundings to the dtype (x * scale, then + bias),
+    each <= eps (|x scale| + |bias|), carried through act' <= 1.13: 4 eps of that covers them."""
+    e, a = eps(dtype), eps_acc(dtype)
+    parts = (x.double() * scale).abs() + bias.double().abs()
+    return (e + 8 * a) * ref.abs() + (4 * e + 8 * a) * parts + floor(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. The VERSIONS table and the public API
+# ---------------------------------------------------------------------------------------------
+def test_versions_table_matches_dispatch():
+    assert set(EW_VERSIONS) == {"fused_bias_scale_relu", "fused_bias_scale_relu_backward", "bias_gelu", "bias_silu",
+                                "swiglu", "linear_activation"}
+    for op, rungs in EW_VERSIONS.items():
+        assert list(rungs) == torch.ops.fusion.versions(op), op
+        assert fusion.VERSIONS[op] == rungs, op
+    assert set(_elementwise.__all__) == {"fused_bias_scale_relu", "fused_bias_scale_relu_backward",
+                                         "fused_bias_scale_relu_saved", "saved_bytes", "bias_gelu", "bias_silu",
+                                         "swiglu", "linear_activation", "elementwise_default_choice",
+                                         "SAVE_CHOICES", "ACTIVATIONS"}
+    for name in _elementwise.__all__:
+        assert getattr(fusion, name) is getattr(_elementwise, name)
+        if callable(getattr(fusion, name)):
+            assert getattr(fusion, name).__doc__, name
+    assert fusion.SAVE_CHOICES == ("y", "x", "mask")
+    assert fusion.ACTIVATIONS == ("relu", "gelu", "gelu_tanh", "silu")
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Forward: every rung x dtype x shape
+# ---------------------------------------------------------------------------------------------
+# Last dims 1 and 3 (the scalar path: not a whole 16-byte vector), 8 (one or two vectors per row,
+# many rows per block), 1000 (whole vectors in every dtype), 5123 (a prime: scalar), 65536 (a
+# row longer than a column tile); no rows; 1-D and 4-D.
+SHAPES = [(7, 1), (5, 3), (257, 8), (33, 1000), (3, 5123), (2, 65536), (0, 1000), (1000,), (2, 3, 5, 96)]
+BIAS_OPS = ("relu", "gelu", "gelu_tanh", "silu")
+
+
+def run_bias_op(activation, x, bias, version):
+    if activation == "relu":
+        return fusion.fused_bias_scale_relu(x, bias, SCALE, version=version)
+    if activation == "silu":
+        return fusion.bias_silu(x, bias, version=version)
+    return fusion.bias_gelu(x, bias, GELU_APPROX[activation], version=version)
+
+
+def ladder_of(activation):
+    return EW_VERSIONS["fused_bias_scale_relu" if activation == "relu" else
+                       "bias_silu" if activation == "silu" else "bias_gelu"]
+
+
+BIAS_PARAMS = [pytest.param(act, v, id=f"{act}-{v}") for act in BIAS_OPS for v in (*ladder_of(act), None)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("activation,version", BIAS_PARAMS)
+def test_bias_activation_matches_reference(activation, version, dtype, shape, device):
+    scale = SCALE if activation == "relu" else 1.0
+    x, bias = bias_inputs(shape, dtype, device, scale)
+    ref = reference_bias_act(x, bias, activation, scale)
+    poison_allocator(x)
+    out = run_bias_op(activation, x, bias, version)
+    assert out.shape == x.shape and out.dtype == dtype and out.device == x.device and out.is_contiguous()
+    assert_within(out, ref, act_bound(x, bias, scale, ref, dtype), f"{activation} {version}")
+
+
+SWIGLU_SHAPES = [(7, 2), (5, 6), (257, 16), (33, 2000), (3, 10246), (2, 65536), (0, 1000), (1000,), (2, 3, 5, 96)]
+
+
+@pytest.mark.parametrize("shape", SWIGLU_SHAPES, ids=shape_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("version", (*EW_VERSIONS["swiglu"], None), ids=str)
+def test_swiglu_matches_reference(version, dtype, shape, device):
+    x = torch.randn(shape, device=device).to(dtype)
+    ref = reference_swiglu(x)
+    poison_allocator(ref.to(dtype))
+    out = fusion.swiglu(x, version=version)
+    assert out.shape == (*shape[:-1], shape[-1] // 2) and out.dtype == dtype and out.is_contiguous()
+    # One rounding of the output, plus v1's rounding of silu(a) to the dtype before the product
+    # (eps |silu(a) b| = eps |ref|), plus the compute dtype's exp and products.
+    assert_within(out, ref, (2 * eps(dtype) + 16 * eps_acc(dtype)) * ref.abs() + floor(dtype), f"swiglu {version}")
+
+
+LINEAR_SHAPES = [((7, 1), 1), ((33, 64), 1000), ((3, 31), 5123), ((2, 3, 17), 96), ((0, 16), 8), ((16,), 40),
+                 ((5, 0), 24)]
+
+
+def linear_bound(x, weight, bias, ref, dtype):
+    """The GEMM of a k-term dot product: k eps_acc of sum |x||w| for the accumulation, plus 4 eps
+    of it for the 16-bit GEMM's rounding of h (and cuBLAS's reduced-precision reductions), then
+    the epilogue's roundings as in act_bound (act' <= 1.13)."""
+    e, a = eps(dtype), eps_acc(dtype)
+    k = x.shape[-1]
+    dot = x.double().abs() @ weight.double().abs().T
+    return (e + 8 * a) * ref.abs() + (4 * e + (k + 8) * a) * dot + (4 * e + 8 * a) * bias.double().abs() + floor(dtype)
+
+
+@pytest.mark.parametrize("case", LINEAR_SHAPES, ids=lambda c: f"{shape_id(c[0])}-out{c[1]}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("version", (*EW_VERSIONS["linear_activation"], None), ids=str)
+@pytest.mark.parametrize("activation", BIAS_OPS)
+def test_linear_activation_matches_reference(activation, version, dtype, case, device):
+    shape, out_features = case
+    x = torch.randn(shape, device=device).to(dtype)
+    weight = (torch.randn(out_features, shape[-1], device=device) / math.sqrt(max(shape[-1], 1))).to(dtype)
+    bias = torch.randn(out_features, device=device).to(dtype)
+    ref = reference_linear(x, weight, bias, activation)
+    out = fusion.linear_activation(x, weight, bias, activation, version=version)
+    assert out.shape == (*shape[:-1], out_features) and out.dtype == dtype
+    assert_within(out, ref, linear_bound(x, weight, bias, ref, dtype), f"linear {activation} {version}")
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Views: offsets (misaligned by one element), transposes, strided biases
+# ---------------------------------------------------------------------------------------------
+def make_view(name, shape, dtype, device):
+    """x of `shape` seen through the view, and a strided bias (every other element of a buffer)."""
+    rows, n = shape
+    x, bias = bias_inputs((rows * 2 + 1, n), dtype, device)
+    if name == "offset_by_one":
+        flat = torch.cat([x.reshape(-1)[:1], x.reshape(-1)])
+        view = flat[1:1 + rows * n].view(rows, n)
+    elif name == "transposed":
+        view = x[:rows].t().contiguous().t()
+    else:
+        view = x[: 2 * rows: 2]
+    strided_bias = torch.stack([bias, bias], -1).reshape(-1)[::2]
+    assert not strided_bias.is_contiguous() or n == 1
+    return view, strided_bias
+
+
+@pytest.mark.parametrize("view", ("offset_by_one", "transposed", "every_other_row"))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float64), ids=dtype_id)
+@pytest.mark.parametrize("activation", BIAS_OPS)
+def test_views(activation, dtype, view, device):
+    for shape in ((9, 1000), (5, 64)):
+        x, bias = make_view(view, shape, dtype, device)
+        scale = SCALE if activation == "relu" else 1.0
+        ref = reference_bias_act(x, bias, activation, scale)
+        for version in (*ladder_of(activation), None):
+            out = run_bias_op(activation, x, bias, version)
+            assert_within(out, ref, act_bound(x, bias, scale, ref, dtype), f"{view} {activation} {version}")
+    x = torch.randn(9 * 64 + 1, device=device).to(dtype)[1:].view(9, 64)  # misaligned swiglu input
+    for version in (*EW_VERSIONS["swiglu"], None):
+        ref = reference_swiglu(x)
+        assert_within(fusion.swiglu(x, version=version), ref,
+                      (2 * eps(dtype) + 16 * eps_acc(dtype)) * ref.abs() + floor(dtype), "swiglu view")
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. fused_bias_scale_relu's saved state and backward ladder
+# ---------------------------------------------------------------------------------------------
+MASK_SHAPES = [(7, 1), (5, 3), (257, 8), (4, 33), (33, 1000), (3, 5123), (2, 3, 5, 96), (1000,)]
+
+
+@pytest.mark.parametrize("shape", MASK_SHAPES, ids=shape_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("version", (*EW_VERSIONS["fused_bias_scale_relu"], None), ids=str)
+def test_mask_holds_the_signs(version, dtype, shape, device):
+    """The forward's mask: [rows, ceil(n / 32)] int32 words, bit c % 32 of word c / 32 set exactly
+    where x * scale + bias > 0, and the padding bits of each row's last word zero."""
+    x, bias = bias_inputs(shape, dtype, device)
+    n = shape[-1]
+    rows = x.numel() // n
+    # All ones in the block the mask is most likely carved from: unwritten words show as set bits.
+    block = torch.full((rows, (n + 31) // 32), -1, dtype=torch.int32, device=device)
+    del block
+    y, mask = torch.ops.fusion.fused_bias_scale_relu_forward(x, bias, SCALE, "mask", version)
+    assert mask.dtype == torch.int32 and mask.shape == (rows, (n + 31) // 32)
+    bits = unpack_mask(mask, n)
+    positive = (x.double() * SCALE + bias.double() > 0).reshape(rows, n)
+    assert torch.equal(bits[:, :n], positive)
+    assert not bits[:, n:].any(), "padding bits set"
+    ref = reference_bias_act(x, bias, "relu", SCALE)
+    assert_within(y, ref, act_bound(x, bias, SCALE, ref, dtype), "forward with mask")
+    for save in ("y", "x"):
+        y2, empty = torch.ops.fusion.fused_bias_scale_relu_forward(x, bias, SCALE, save, version)
+        assert empty.numel() == 0
+        assert torch.equal(y2, y)
+
+
+def saved_for(save, x, bias, version=None):
+    y, mask = torch.ops.fusion.fused_bias_scale_relu_forward(x, bias, SCALE, save, version)
+    return {"y": y, "x": x, "mask": mask}[save]
+
+
+@pytest.mark.parametrize("shape", [(7, 1), (33, 1000), (2, 3, 5, 96), (1000,), (0, 40)], ids=shape_id)
+def test_saved_helpers(shape, device):
+    """fused_bias_scale_relu_saved returns what the forward keeps; saved_bytes its size."""
+    x, bias = bias_inputs(shape, torch.bfloat16, device)
+    y, mask = torch.ops.fusion.fused_bias_scale_relu_forward(x, bias, SCALE, "mask")
+    for save, expected in (("y", y), ("x", x), ("mask", mask)):
+        saved = fusion.fused_bias_scale_relu_saved(x, bias, SCALE, save)
+        assert torch.equal(saved, expected), save
+        assert fusion.saved_bytes(x, save) == saved.numel() * saved.element_size(), save
+    with pytest.raises(ValueError, match="saved_bytes: unknown save 'z'"):
+        fusion.saved_bytes(x, "z")
+    with pytest.raises(RuntimeError, match="fused_bias_scale_relu: unknown save 'z'"):
+        fusion.fused_bias_scale_relu_saved(x, bias, SCALE, "z")
+
+
+def bsr_backward_reference(dy, x, bias, scale=SCALE):
+    """dx = dy * (z > 0) * scale, and g = dy * (z > 0), whose column sum is dbias."""
+    g = dy.double() * (x.double() * scale + bias.double() > 0)
+    return g * scale, g
+
+
+BACKWARD_SHAPES = [(7, 1), (5, 3), (257, 8), (33, 1000), (3, 5123), (2, 65536), (0, 1000), (1000,), (2, 3, 5, 96)]
+
+
+@pytest.mark.parametrize("shape", BACKWARD_SHAPES, ids=shape_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("save", ("y", "x", "mask"))
+@pytest.mark.parametrize("version", (*EW_VERSIONS["fused_bias_scale_relu_backward"], None), ids=str)
+def test_bsr_backward_matches_reference(version, save, dtype, shape, device):
+    x, bias = bias_inputs(shape, dtype, device)
+    dy = torch.randn(shape, device=device).to(dtype)
+    saved = saved_for(save, x, bias)
+    dx_ref, g = bsr_backward_reference(dy, x, bias)
+    poison_allocator(dx_ref.to(dtype))
+    dx, dbias = fusion.fused_bias_scale_relu_backward(dy, saved, bias, SCALE, save, version)
+    assert dx.shape == x.shape and dx.dtype == dtype and dbias.shape == bias.shape and dbias.dtype == dtype
+    # dx: one rounding (v1: two, g then g * scale).
+    assert_within(dx, dx_ref, 2 * eps(dtype) * dx_ref.abs() + floor(dtype), f"dx {save} {version}")
+    rows = x.numel() // shape[-1]
+    assert_within(dbias, rows_of(g).sum(0), column_sum_bound(g, dtype, rows), f"dbias {save} {version}")
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Gradients through autograd: low precision against float64, and gradcheck
+# ---------------------------------------------------------------------------------------------
+GRAD_SHAPES = [(33, 1000), (3, 5123), (2, 3, 5, 96), (257, 8)]
+
+
+@pytest.mark.parametrize("shape", GRAD_SHAPES, ids=shape_id)
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=dtype_id)
+@pytest.mark.parametrize("save", ("y", "x", "mask"))
+def test_bsr_low_precision_gradients(save, dtype, shape, device):
+    x, bias = bias_inputs(shape, dtype, device)
+    x.requires_grad_()
+    bias.requires_grad_()
+    dy = torch.randn(shape, device=device).to(dtype)
+    fusion.fused_bias_scale_relu(x, bias, SCALE, save=save).backward(dy)
+    dx_ref, g = bsr_backward_reference(dy, x.detach(), bias.detach())
+    assert_within(x.grad, dx_ref, 2 * eps(dtype) * dx_ref.abs() + floor(dtype), f"dx save={save}")
+    rows = x.numel() // shape[-1]
+    assert_within(bias.grad, rows_of(g).sum(0), column_sum_bound(g, dtype, rows), f"dbias save={save}")
+
+
+def act_grad_bounds(dy, z, dx_ref, dtype, rows):
+    """dx = dy * act'(z): one rounding, plus act' computed in the compute dtype from z (which is
+    off by eps_acc |z|; |act''| <= 1 for gelu and silu): 16 eps_acc |dy| (1 + |z|). dbias adds
+    that per-term error to the column sum's."""
+    term = 16 * eps_acc(dtype) * dy.double().abs() * (1 + z.abs())
+    dx_bound = eps(dtype) * dx_ref.abs() + term + floor(dtype)
+    db_bound = column_sum_bound(dx_ref, dtype, rows) + rows_of(term).sum(0)
+    return dx_bound, db_bound
+
+
+@pytest.mark.parametrize("shape", GRAD_SHAPES, ids=shape_id)
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=dtype_id)
+@pytest.mark.parametrize("activation", ("gelu", "gelu_tanh", "silu"))
+def test_bias_activation_low_precision_gradients(activation, dtype, shape, device):
+    x = torch.randn(shape, device=device).to(dtype).requires_grad_()
+    bias = torch.randn(shape[-1], device=device).to(dtype).requires_grad_()
+    dy = torch.randn(shape, device=device).to(dtype)
+    run_bias_op(activation, x, bias, None).backward(dy)
+    x64 = x.detach().double().requires_grad_()
+    b64 = bias.detach().double().requires_grad_()
+    reference_act(x64 + b64, activation).backward(dy.double())
+    rows = x.numel() // shape[-1]
+    dx_bound, db_bound = act_grad_bounds(dy, (x64 + b64).detach(), x64.grad, dtype, rows)
+    assert_within(x.grad, x64.grad, dx_bound, f"{activation} dx")
+    assert_within(bias.grad, b64.grad, db_bound, f"{activation} dbias")
+
+
+@pytest.mark.parametrize("shape", [(33, 2000), (3, 10246), (2, 3, 5, 96)], ids=shape_id)
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=dtype_id)
+def test_swiglu_low_precision_gradients(dtype, shape, device):
+    x = torch.randn(shape, device=device).to(dtype).requires_grad_()
+    dy = torch.randn((*shape[:-1], shape[-1] // 2), device=device).to(dtype)
+    fusion.swiglu(x).backward(dy)
+    x64 = x.detach().double().requires_grad_()
+    reference_swiglu(x64).backward(dy.double())
+    a, b = x64.detach().chunk(2, -1)
+    # da = dy b silu'(a), db = dy silu(a): one rounding each, plus the compute dtype's error in
+    # silu and silu' (|silu''| <= 0.5): 16 eps_acc |dy| (1 + |a|) (1 + |b|).
+    term = 16 * eps_acc(dtype) * torch.cat([dy.double().abs() * (1 + a.abs()) * (1 + b.abs())] * 2, -1)
+    assert_within(x.grad, x64.grad, eps(dtype) * x64.grad.abs() + term + floor(dtype), "swiglu dx")
+
+
+@pytest.mark.parametrize("activation", BIAS_OPS)
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=dtype_id)
+def test_linear_low_precision_gradients(dtype, activation, device):
+    k, out_features = 48, 72
+    x = torch.randn(5, 7, k, device=device).to(dtype).requires_grad_()
+    weight = (torch.randn(out_features, k, device=device) / math.sqrt(k)).to(dtype).requires_grad_()
+    bias = torch.randn(out_features, device=device).to(dtype).requires_grad_()
+    dy = torch.randn(5, 7, out_features, device=device).to(dtype)
+    if activation == "relu":
+        # The 16-bit GEMM's z may land on the other side of relu's kink from the exact z where
+        # |z| is within its rounding error (~1e-3 of 2500 elements): dy is zeroed there, so the
+        # gradients do not depend on which side either computation took.
+        z = x.detach().double() @ weight.detach().double().T + bias.detach().double()
+        dy = torch.where(z.abs() < 0.05, torch.zeros_like(dy), dy)
+    fusion.linear_activation(x, weight, bias, activation).backward(dy)
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, weight, bias))
+    reference_linear(x64, w64, b64, activation).backward(dy.double())
+    # dz is rounded once to the dtype (and z, kept in the dtype, was rounded once: act' moves by
+    # at most |act''| eps |z|); the GEMMs then add their own k-term accumulation. A bound of
+    # (8 eps + (k + 8) eps_acc) over the products of magnitudes covers both.
+    e, a = eps(dtype), eps_acc(dtype)
+    z64 = x64.detach() @ w64.detach().T + b64.detach()
+    dz_mag = dy.double().abs() * (1 + z64.abs())
+    rows = 35
+    assert_within(x.grad, x64.grad, (8 * e + (out_features + 8) * a) * (dz_mag @ w64.detach().abs()) + floor(dtype),
+                  "linear dx")
+    assert_within(weight.grad, w64.grad,
+                  (8 * e + (rows + 8) * a) * (rows_of(dz_mag).T @ rows_of(x64.detach()).abs()) + floor(dtype),
+                  "linear dweight")
+    assert_within(bias.grad, b64.grad, (8 * e + (2 * math.log2(rows + 1) + 8) * a) * rows_of(dz_mag).sum(0)
+                  + floor(dtype), "linear dbias")
+
+
+def gradcheck(fn, *inputs):
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("save", ("y", "x", "mask"))
+@pytest.mark.parametrize("version", (*EW_VERSIONS["fused_bias_scale_relu"], None), ids=str)
+def test_bsr_gradcheck(version, save, device):
+    for shape in ((4, 37), (2, 3, 40)):
+        x, bias = bias_inputs(shape, torch.float64, device)
+        gradcheck(lambda a, b: fusion.fused_bias_scale_relu(a, b, SCALE, save=save, version=version),
+                  x.requires_grad_(), bias.requires_grad_())
+
+
+@pytest.mark.parametrize("activation", ("gelu", "gelu_tanh", "silu"))
+def test_bias_activation_gradcheck(activation, device):
+    for version in (*ladder_of(activation), None):
+        x = torch.randn(4, 37, dtype=torch.float64, device=device, requires_grad=True)
+        bias = torch.randn(37, dtype=torch.float64, device=device, requires_grad=True)
+        gradcheck(lambda a, b: run_bias_op(activation, a, b, version), x, bias)
+
+
+def test_swiglu_gradcheck(device):
+    for version in (*EW_VERSIONS["swiglu"], None):
+        x = torch.randn(3, 5, 2 * 17, dtype=torch.float64, device=device, requires_grad=True)
+        gradcheck(lambda a: fusion.swiglu(a, version=version), x)
+
+
+@pytest.mark.parametrize("activation", BIAS_OPS)
+def test_linear_gradcheck(activation, device):
+    for version in (*EW_VERSIONS["linear_activation"], None):
+        x = torch.randn(2, 3, 11, dtype=torch.float64, device=device, requires_grad=True)
+        weight = torch.randn(13, 11, dtype=torch.float64, device=device, requires_grad=True)
+        bias = torch.randn(13, dtype=torch.float64, device=device, requires_grad=True)
+        gradcheck(lambda a, w, b: fusion.linear_activation(a, w, b, activation, version=version), x, weight, bias)
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. Determinism: bitwise equal bias gradients run to run
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=dtype_id)
+def test_bias_gradients_are_deterministic(dtype, device):
+    """Per-slot partial sums and a column reduction in a fixed order, no float atomics: the
+    same bits every run. Enough rows that the GPU kernels sweep several times per slot."""
+    rows = 20011 if device == "cuda" else 1031
+    x, bias = bias_inputs((rows, 1000), dtype, device)
+    dy = torch.randn(rows, 1000, device=device).to(dtype)
+    for version in EW_VERSIONS["fused_bias_scale_relu_backward"]:
+        for save in ("y", "x", "mask"):
+            saved = saved_for(save, x, bias)
+            first = fusion.fused_bias_scale_relu_backward(dy, saved, bias, SCALE, save, version)
+            for _ in range(2):
+                again = fusion.fused_bias_scale_relu_backward(dy, saved, bias, SCALE, save, version)
+                assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1]), (version, save)
+    for activation in ("gelu", "silu"):
+        first = torch.ops.fusion.bias_activation_backward(dy, x, bias, activation)
+        for _ in range(2):
+            again = torch.ops.fusion.bias_activation_backward(dy, x, bias, activation)
+            assert torch.equal(again[1], first[1]) and torch.equal(again[0], first[0]), activation
+    z = x.reshape(rows, 1000)
+    xin = torch.randn(rows, 24, device=device).to(dtype)
+    weight = torch.randn(1000, 24, device=device).to(dtype)
+    first = torch.ops.fusion.linear_activation_backward(dy, z, xin, weight, "gelu_tanh")
+    for _ in range(2):
+        again = torch.ops.fusion.linear_activation_backward(dy, z, xin, weight, "gelu_tanh")
+        assert torch.equal(again[2], first[2])
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. Empty tensors
+# ---------------------------------------------------------------------------------------------
+def test_empty_tensors(device):
+    for shape in ((0, 1000), (3, 0), (2, 0, 7)):
+        x = torch.randn(shape, device=device, requires_grad=True)
+        bias = torch.randn(shape[-1], device=device, requires_grad=True)
+        for activation in BIAS_OPS:
+            for version in (*ladder_of(activation), None):
+                y = run_bias_op(activation, x, bias, version)
+                assert y.shape == x.shape
+            run_bias_op(activation, x, bias, None).sum().backward()
+            assert x.grad.shape == x.shape and torch.equal(bias.grad, torch.zeros_like(bias))
+            x.grad = bias.grad = None
+        dx, dbias = fusion.fused_bias_scale_relu_backward(x.detach(), x.detach(), bias.detach(), SCALE, "x")
+        assert dx.shape == x.shape and torch.equal(dbias, torch.zeros_like(bias))
+        mask = torch.ops.fusion.fused_bias_scale_relu_forward(x.detach(), bias.detach(), SCALE, "mask")[1]
+        assert mask.shape == (math.prod(shape[:-1]), (shape[-1] + 31) // 32)
+    x = torch.randn(0, 6, device=device, requires_grad=True)
+    assert fusion.swiglu(x).shape == (0, 3)
+    fusion.swiglu(x).sum().backward()
+    assert x.grad.shape == (0, 6)
+    weight = torch.randn(5, 6, device=device, requires_grad=True)
+    bias = torch.randn(5, device=device, requires_grad=True)
+    out = fusion.linear_activation(x, weight, bias, "silu")
+    assert out.shape == (0, 5)
+    out.sum().backward()
+    assert torch.equal(weight.grad, torch.zeros_like(weight)) and torch.equal(bias.grad, torch.zeros_like(bias))
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. Misuse
+# ---------------------------------------------------------------------------------------------
+def _t(*shape, device, dtype=torch.float32):
+    return torch.randn(shape, device=device).to(dtype)
+
+
+MISUSES = {
+    "bias wrong length": (lambda d: fusion.fused_bias_scale_relu(_t(3, 4, device=d), _t(5, device=d), 1.0),
+                          r"fused_bias_scale_relu: bias has shape \[5\] but x has shape \[3, 4\]"),
+    "bias 2-D": (lambda d: fusion.bias_gelu(_t(3, 4, device=d), _t(1, 4, device=d)),
+                 r"bias_gelu: bias has shape \[1, 4\] but x has shape \[3, 4\]"),
+    "bias wrong dtype": (lambda d: fusion.bias_silu(_t(3, 4, device=d), _t(4, device=d, dtype=torch.float16)),
+                         r"bias_silu: x is Float but bias is Half"),
+    "bias on another device": (lambda d: fusion.fused_bias_scale_relu(_t(3, 4, device=d), _t(4, device="meta"), 1.0),
+                               r"fused_bias_scale_relu: x is on \w+(:\d)? but bias is on meta"),
+    "integer x": (lambda d: fusion.fused_bias_scale_relu(torch.ones(3, 4, dtype=torch.int32, device=d),
+                                                         torch.ones(4, dtype=torch.int32, device=d), 1.0),
+                  r"fused_bias_scale_relu: x has dtype Int, which is not supported"),
+    "integer swiglu": (lambda d: fusion.swiglu(torch.ones(3, 4, dtype=torch.int64, device=d)),
+                       r"swiglu: x has dtype Long, which is not supported"),
+    "0-d x": (lambda d: fusion.bias_silu(torch.tensor(1.0, device=d), _t(1, device=d)),
+              r"bias_silu: x is 0-d"),
+    "unknown save": (lambda d: fusion.fused_bias_scale_relu(_t(3, 4, device=d), _t(4, device=d), 1.0, save="z"),
+                     r"fused_bias_scale_relu: unknown save 'z'; expected one of y, x, mask"),
+    "unknown version": (lambda d: fusion.fused_bias_scale_relu(_t(3, 4, device=d), _t(4, device=d), 1.0,
+                                                               version="v4"),
+                        r"fused_bias_scale_relu: unknown version 'v4'; expected one of v1, v2, v3"),
+    "unknown backward version": (lambda d: fusion.fused_bias_scale_relu_backward(
+        _t(3, 4, device=d), _t(3, 4, device=d), _t(4, device=d), 1.0, "x", "v3"),
+        r"fused_bias_scale_relu_backward: unknown version 'v3'; expected one of v1, v2"),
+    "backward mask of the wrong shape": (lambda d: fusion.fused_bias_scale_relu_backward(
+        _t(3, 40, device=d), torch.zeros(3, 1, dtype=torch.int32, device=d), _t(40, device=d), 1.0, "mask"),
+        r"fused_bias_scale_relu_backward: the mask has shape \[3, 1\]"),
+    "backward mask not int32": (lambda d: fusion.fused_bias_scale_relu_backward(
+        _t(3, 4, device=d), _t(3, 1, device=d), _t(4, device=d), 1.0, "mask"),
+        r"fused_bias_scale_relu_backward: with save='mask', saved is the int32 mask"),
+    "backward saved of the wrong shape": (lambda d: fusion.fused_bias_scale_relu_backward(
+        _t(3, 4, device=d), _t(4, 3, device=d), _t(4, device=d), 1.0, "y"),
+        r"fused_bias_scale_relu_backward: grad has shape \[3, 4\] but saved has shape \[4, 3\]"),
+    "unknown approximate": (lambda d: fusion.bias_gelu(_t(3, 4, device=d), _t(4, device=d), "erf"),
+                            r"bias_gelu: unknown approximate 'erf'; expected one of none, tanh"),
+    "unknown activation version": (lambda d: fusion.bias_gelu(_t(3, 4, device=d), _t(4, device=d), version="v3"),
+                                   r"bias_gelu: unknown version 'v3'; expected one of v1, v2"),
+    "swiglu odd": (lambda d: fusion.swiglu(_t(3, 5, device=d)),
+                   r"swiglu: the last dim of x \(shape \[3, 5\]\) is odd"),
+    "swiglu unknown version": (lambda d: fusion.swiglu(_t(3, 4, device=d), version="fused"),
+                               r"swiglu: unknown version 'fused'"),
+    "linear unknown activation": (lambda d: fusion.linear_activation(_t(3, 4, device=d), _t(5, 4, device=d),
+                                                                     _t(5, device=d), "tanh"),
+                                  r"linear_activation: unknown activation 'tanh'; expected one of relu, gelu, "
+                                  r"gelu_tanh, silu"),
+    "linear unknown version": (lambda d: fusion.linear_activation(_t(3, 4, device=d), _t(5, 4, device=d),
+                                                                  _t(5, device=d), "relu", version="v2"),
+                               r"linear_activation: unknown version 'v2'; expected one of unfused, fused_epilogue"),
+    "linear weight shape": (lambda d: fusion.linear_activation(_t(3, 4, device=d), _t(4, 5, device=d),
+                                                               _t(4, device=d), "relu"),
+                            r"linear_activation: weight has shape \[4, 5\] but x has shape \[3, 4\]"),
+    "linear bias length": (lambda d: fusion.linear_activation(_t(3, 4, device=d), _t(5, 4, device=d),
+                                                              _t(4, device=d), "relu"),
+                           r"linear_activation: bias has shape \[4\] but weight has shape \[5, 4\]"),
+    "linear bias dtype": (lambda d: fusion.linear_activation(_t(3, 4, device=d), _t(5, 4, device=d),
+                                                             _t(5, device=d, dtype=torch.float64), "relu"),
+                          r"linear_activation: x is Float but bias is Double"),
+    "linear weight on another device": (lambda d: fusion.linear_activation(_t(3, 4, device=d), _t(5, 4, device="meta"),
+                                                                           _t(5, device=d), "relu"),
+                                        r"linear_activation: x is on \w+(:\d)? but weight is on meta"),
+    "default_choice unknown op": (lambda d: fusion.elementwise_default_choice("bias_tanh", _t(3, 4, device=d)),
+                                  r"elementwise_default_choice: unknown op 'bias_tanh'"),
+}
+
+
+@pytest.mark.parametrize("misuse", list(MISUSES))
+def test_misuse_raises_clear_error(misuse, device):
+    call, message = MISUSES[misuse]
+    with pytest.raises(RuntimeError, match=message):
+        call(device)
+
+
+@pytest.mark.cuda
+def test_mixed_cpu_and_cuda_raise():
+    require_cuda()
+    with pytest.raises(RuntimeError, match=r"fused_bias_scale_relu: x is on cuda:\d but bias is on cpu"):
+        fusion.fused_bias_scale_relu(torch.randn(3, 4, device="cuda"), torch.randn(4), 1.0)
+    with pytest.raises(RuntimeError, match=r"bias_gelu: x is on cpu but bias is on cuda:\d"):
+        fusion.bias_gelu(torch.randn(3, 4), torch.randn(4, device="cuda"))
+    with pytest.raises(RuntimeError, match=r"linear_activation: x is on cuda:\d but bias is on cpu"):
+        fusion.linear_activation(torch.randn(3, 4, device="cuda"), torch.randn(5, 4, device="cuda"),
+                                 torch.randn(5), "relu")
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. version=None, opcheck, torch.compile
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=dtype_id)
+def test_default_choice_names_the_rung_that_runs(dtype, device):
+    """default_choice names a rung; version=None must run exactly that rung: bitwise equal."""
+    for shape in ((64, 1000), (5, 5123), (3, 2, 8)):
+        x, bias = bias_inputs(shape, dtype, device)
+        for op in ("fused_bias_scale_relu", "bias_gelu", "bias_silu"):
+            choice = fusion.elementwise_default_choice(op, x)
+            assert choice in EW_VERSIONS[op]
+            assert fusion.elementwise_default_choice(op, x.to("meta")) == choice
+            act = {"fused_bias_scale_relu": "relu", "bias_gelu": "gelu", "bias_silu": "silu"}[op]
+            assert torch.equal(run_bias_op(act, x, bias, None), run_bias_op(act, x, bias, choice)), (op, shape)
+        choice = fusion.elementwise_default_choice("fused_bias_scale_relu_backward", x)
+        assert choice in EW_VERSIONS["fused_bias_scale_relu_backward"]
+        mask = saved_for("mask", x, bias)
+        assert all(torch.equal(a, b) for a, b in zip(
+            fusion.fused_bias_scale_relu_backward(x, mask, bias, SCALE, "mask", None),
+            fusion.fused_bias_scale_relu_backward(x, mask, bias, SCALE, "mask", choice)))
+        choice = fusion.elementwise_default_choice("swiglu", x)
+        assert choice in EW_VERSIONS["swiglu"]
+        if shape[-1] % 2 == 0:
+            assert torch.equal(fusion.swiglu(x), fusion.swiglu(x, version=choice))
+        choice = fusion.elementwise_default_choice("linear_activation", x)
+        assert choice in EW_VERSIONS["linear_activation"]
+
+
+OPS = torch.ops.fusion
+
+
+def _opcheck_calls(device):
+    x, bias = bias_inputs((9, 40), torch.float32, device)
+    y, mask = OPS.fused_bias_scale_relu_forward(x, bias, SCALE, "mask")
+    dy = torch.randn(9, 40, device=device)
+    weight = torch.randn(24, 40, device=device)
+    xr, br, wr = (t.clone().requires_grad_() for t in (x, bias, weight))
+    return {
+        "bsr_mask": (OPS.fused_bias_scale_relu.default, (xr, br, SCALE), {"save": "mask"}),
+        "bsr_y_v1": (OPS.fused_bias_scale_relu.default, (xr, br, SCALE), {"save": "y", "version": "v1"}),
+        "bsr_x_v2": (OPS.fused_bias_scale_relu.default, (xr, br, SCALE), {"save": "x", "version": "v2"}),
+        "bsr_forward": (OPS.fused_bias_scale_relu_forward.default, (x, bias, SCALE, "mask", "v3"), {}),
+        "bsr_backward_mask": (OPS.fused_bias_scale_relu_backward.default, (dy, mask, bias, SCALE, "mask", "v2"), {}),
+        "bsr_backward_y_v1": (OPS.fused_bias_scale_relu_backward.default, (dy, y, bias, SCALE, "y", "v1"), {}),
+        "bias_gelu": (OPS.bias_gelu.default, (xr, br, "tanh"), {}),
+        "bias_silu_v1": (OPS.bias_silu.default, (xr, br), {"version": "v1"}),
+        "bias_activation_backward": (OPS.bias_activation_backward.default, (dy, x, bias, "gelu"), {}),
+        "swiglu": (OPS.swiglu.default, (xr,), {}),
+        "swiglu_backward": (OPS.swiglu_backward.default, (dy[:, :20], x), {}),
+        "linear_activation": (OPS.linear_activation.default, (xr, wr, torch.randn(24, device=device,
+                                                                                   requires_grad=True), "silu"), {}),
+        "linear_activation_forward": (OPS.linear_activation_forward.default,
+                                      (x, weight, torch.randn(24, device=device), "relu", "unfused"), {}),
+        "linear_activation_backward": (OPS.linear_activation_backward.default,
+                                       (torch.randn(9, 24, device=device), torch.randn(9, 24, device=device), x,
+                                        weight, "gelu"), {}),
+    }
+
+
+OPCHECK_NAMES = list(_opcheck_calls("cpu"))
+
+
+@pytest.mark.parametrize("name", OPCHECK_NAMES)
+def test_opcheck(name, device):
+    fn, args, kwargs = _opcheck_calls(device)[name]
+    torch.library.opcheck(fn, args, kwargs)
+
+
+def test_torch_compile_traces_the_ops(device):
+    """Dynamo and AOTAutograd trace through every public op without a graph break (Meta kernels
+    for shapes, Autograd kernels for the backward); aot_eager skips codegen to keep it fast. The
+    same kernels run either way; only the order in which the backward adds the gradients of x's
+    several uses may differ, hence assert_close's float32 defaults for those."""
+    torch._dynamo.reset()
+
+    def f(x, bias, weight, b2):
+        h = fusion.fused_bias_scale_relu(x, bias, SCALE)
+        h = fusion.bias_gelu(h, bias, "tanh") + fusion.bias_silu(x, bias, version="v1")
+        h = fusion.swiglu(torch.cat([h, x], -1))
+        return fusion.linear_activation(h, weight, b2, "gelu").sum()
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    x, bias = bias_inputs((6, 40), torch.float32, device)
+    weight = torch.randn(16, 40, device=device)
+    b2 = torch.randn(16, device=device)
+    inputs = [t.requires_grad_() for t in (x, bias, weight, b2)]
+    out = compiled(*inputs)
+    grads = torch.autograd.grad(out, inputs)
+    expected = f(*inputs)
+    expected_grads = torch.autograd.grad(expected, inputs)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    for g, e in zip(grads, expected_grads):
+        torch.testing.assert_close(g, e)
+
+
+# ---------------------------------------------------------------------------------------------
+# 10. CUDA only: graph capture, long sweeps, the sanitizer's small run
+# ---------------------------------------------------------------------------------------------
+def _every_op(x, bias, dy, mask, weight, b2):
+    outs = []
+    for version in EW_VERSIONS["fused_bias_scale_relu"]:
+        outs += list(OPS.fused_bias_scale_relu_forward(x, bias, SCALE, "mask", version))
+    for version in EW_VERSIONS["fused_bias_scale_relu_backward"]:
+        for save, saved in (("mask", mask), ("x", x)):
+            outs += list(fusion.fused_bias_scale_relu_backward(dy, saved, bias, SCALE, save, version))
+    for version in EW_VERSIONS["bias_gelu"]:
+        outs += [fusion.bias_gelu(x, bias, version=version), fusion.bias_silu(x, bias, version=version),
+                 fusion.swiglu(x, version=version)]
+    outs += list(OPS.bias_activation_backward(dy, x, bias, "silu"))
+    outs.append(OPS.swiglu_backward(dy[:, : x.shape[1] // 2], x))
+    for version in EW_VERSIONS["linear_activation"]:
+        outs += list(OPS.linear_activation_forward(x, weight, b2, "gelu", version))
+        outs.append(fusion.linear_activation(x, weight, b2, "relu", version=version))
+    outs += list(OPS.linear_activation_backward(dy[:, :24], dy[:, 24:48], x, weight, "silu"))
+    return outs
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=dtype_id)
+def test_cuda_graph_capture(dtype):
+    """Every op is capturable: no host synchronization, no allocation outside the graph's pool,
+    everything on the current stream. The replay must equal an eager run bitwise."""
+    require_cuda()
+    x, bias = bias_inputs((300, 1000), dtype, "cuda")
+    dy = torch.randn(300, 1000, device="cuda").to(dtype)
+    mask = saved_for("mask", x, bias)
+    weight = torch.randn(24, 1000, device="cuda").to(dtype)
+    b2 = torch.randn(24, device="cuda").to(dtype)
+    args = (x, bias, dy, mask, weight, b2)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        expected = _every_op(*args)  # warm-up, off the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _every_op(*args)
+    graph.replay()
+    torch.cuda.synchronize()
+    for i, (c, e) in enumerate(zip(captured, expected)):
+        assert torch.equal(c, e), i
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16), ids=dtype_id)
+@pytest.mark.parametrize("shape", [(70001, 64), (4099, 3), (9, 131072)], ids=shape_id)
+def test_long_sweeps(shape, dtype):
+    """More rows than a grid holds (every thread sweeps many rows, and the backward's slots are
+    capped), and rows longer than a column tile: forward, mask and backward of every rung."""
+    require_cuda()
+    x, bias = bias_inputs(shape, dtype, "cuda")
+    ref = reference_bias_act(x, bias, "relu", SCALE)
+    positive = (x.double() * SCALE + bias.double() > 0)
+    dy = torch.randn(shape, device="cuda").to(dtype)
+    dx_ref, g = bsr_backward_reference(dy, x, bias)
+    for version in EW_VERSIONS["fused_bias_scale_relu"]:
+        y, mask = OPS.fused_bias_scale_relu_forward(x, bias, SCALE, "mask", version)
+        assert_within(y, ref, act_bound(x, bias, SCALE, ref, dtype), f"forward {version}")
+        bits = unpack_mask(mask, shape[-1])
+        assert torch.equal(bits[:, : shape[-1]], positive) and not bits[:, shape[-1]:].any(), version
+    for version in EW_VERSIONS["fused_bias_scale_relu_backward"]:
+        for save in ("y", "x", "mask"):
+            dx, dbias = fusion.fused_bias_scale_relu_backward(dy, saved_for(save, x, bias), bias, SCALE, save, version)
+            assert_within(dx, dx_ref, 2 * eps(dtype) * dx_ref.abs() + floor(dtype), f"dx {version} {save}")
+            assert_within(dbias, g.sum(0), column_sum_bound(g, dtype, shape[0]), f"dbias {version} {save}")
+
+
+@pytest.mark.cuda
+@pytest.mark.sanitize
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float64), ids=dtype_id)
+def test_sanitizer_small(dtype):
+    """The small run the GPU pass puts under compute-sanitizer: every rung of every op on small,
+    irregular, aligned and misaligned shapes, each checked against its reference."""
+    require_cuda()
+    for shape in ((3, 1), (5, 33), (17, 64), (4, 1000)):
+        x, bias = bias_inputs(shape, dtype, "cuda")
+        views = [(x, bias)]
+        flat = torch.cat([x.reshape(-1)[:1], x.reshape(-1)])
+        views.append((flat[1:1 + x.numel()].view(shape), bias))  # misaligned by one element
+        for xv, b in views:
+            ref = reference_bias_act(xv, b, "relu", SCALE)
+            dy = torch.randn(shape, device="cuda").to(dtype)
+            dx_ref, g = bsr_backward_reference(dy, xv, b)
+            for version in EW_VERSIONS["fused_bias_scale_relu"]:
+                y, mask = OPS.fused_bias_scale_relu_forward(xv, b, SCALE, "mask", version)
+                assert_within(y, ref, act_bound(xv, b, SCALE, ref, dtype), f"forward {version}")
+                for bversion in EW_VERSIONS["fused_bias_scale_relu_backward"]:
+                    for save, saved in (("mask", mask), ("y", y), ("x", xv)):
+                        dx, dbias = fusion.fused_bias_scale_relu_backward(dy, saved, b, SCALE, save, bversion)
+                        assert_within(dx, dx_ref, 2 * eps(dtype) * dx_ref.abs() + floor(dtype), "dx")
+                        assert_within(dbias, g.sum(0), column_sum_bound(g, dtype, shape[0]), "dbias")
+            for activation in ("gelu", "gelu_tanh", "silu"):
+                ref = reference_bias_act(xv, b, activation)
+                for version in ladder_of(activation):
+                    assert_within(run_bias_op(activation, xv, b, version), ref, act_bound(xv, b, 1.0, ref, dtype),
+                                  f"{activation} {version}")
+            if shape[-1] % 2 == 0:
+                ref = reference_swiglu(xv)
+                for version in EW_VERSIONS["swiglu"]:
+                    assert_within(fusion.swiglu(xv, version=version), ref,
+                                  (2 * eps(dtype) + 16 * eps_acc(dtype)) * ref.abs() + floor(dtype), "swiglu")
+            weight = torch.randn(7, shape[-1], device="cuda").to(dtype)
+            b2 = torch.randn(7, device="cuda").to(dtype)
+            ref = reference_linear(xv, weight, b2, "silu")
+            for version in EW_VERSIONS["linear_activation"]:
+                assert_within(fusion.linear_activation(xv, weight, b2, "silu", version=version), ref,
+                              linear_bound(xv, weight, b2, ref, dtype), f"linear {version}")

@@ -1,0 +1,512 @@
+"""Tests for chapter 4's norms: layer_norm, rms_norm, fused_add_rms_norm, forward and backward,
+every rung x dtype x hidden size (1, 3, 1000, 5123, 65536), CPU and CUDA.
+
+References are computed in float64 by PyTorch (F.layer_norm, F.rms_norm and autograd through
+them) from the same inputs, and compared with tolerances per dtype written next to them.
+dweight and dbias must be bitwise equal run to run (no float atomics anywhere).
+
+Run against the installed extension (pip install .) or the JIT build (COURSE_EXT_ROUTE=jit);
+the header line says which one was loaded.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fusion
+from coursekit.pytest_plugin import DTYPES, dtype_id, poison_allocator, require_cuda
+
+VERSIONS = fusion.VERSIONS
+NORM_OPS = ("layer_norm", "rms_norm")
+HIDDEN = (1, 3, 1000, 5123, 65536)
+OPS = torch.ops.fusion
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers and references
+# ---------------------------------------------------------------------------------------------
+# Forward tolerances (rtol, atol) against the float64 reference of the same inputs. The output
+# is rounded once to its dtype: rtol is one rounding with a 2x margin (float16 eps/2 = 4.9e-4,
+# bfloat16 3.9e-3). The statistics are float32 sums of up to 65536 terms (float64 for float64):
+# their relative error, a random walk of roundings, stays below ~1e-5, which atol covers for
+# values of magnitude |xhat * w + b| ~ 1-5; and atol also absorbs one rounding of values near
+# zero. A wrong mean, variance, weight index or a missed element errs by O(1).
+FORWARD_TOL = {torch.float32: (2e-5, 1e-4), torch.float16: (1e-3, 4e-3), torch.bfloat16: (8e-3, 3e-2),
+               torch.float64: (1e-10, 1e-10)}
+# Gradient tolerances, relative to the largest reference gradient of the tensor: the inputs of
+# the backward (x, dy, weight) are rounded to the dtype, and dx is rounded once at the end;
+# dweight sums rows in float32. A few ulps of the dtype in all, times a margin.
+GRAD_TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2, torch.float64: 1e-10}
+
+
+def make_inputs(shape, dtype, device, residual=False):
+    n = shape[-1]
+    x = (torch.randn(shape, dtype=torch.float64) * 2 + 0.5).to(dtype).to(device)
+    w = (torch.rand(n, dtype=torch.float64) * 2 - 0.5).to(dtype).to(device)
+    b = torch.randn(n, dtype=torch.float64).to(dtype).to(device)
+    r = torch.randn(shape, dtype=torch.float64).to(dtype).to(device) if residual else None
+    return x, w, b, r
+
+
+def reference(op, x, w, b, eps):
+    n = x.shape[-1]
+    if op == "layer_norm":
+        return F.layer_norm(x.double(), (n,), w.double(), b.double(), eps)
+    return F.rms_norm(x.double(), (n,), w.double(), eps)
+
+
+def run(op, x, w, b, eps, version):
+    if op == "layer_norm":
+        return fusion.layer_norm(x, w, b, eps, version=version)
+    return fusion.rms_norm(x, w, eps, version=version)
+
+
+def default_eps(op):
+    return 1e-5 if op == "layer_norm" else 1e-6
+
+
+def assert_forward(out, ref, dtype, what=""):
+    rtol, atol = FORWARD_TOL[dtype]
+    assert out.dtype == dtype and out.shape == ref.shape
+    torch.testing.assert_close(out.double(), ref, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+def assert_grad(out, ref, dtype, what=""):
+    assert out.dtype == dtype and out.shape == ref.shape, (what, out.dtype, out.shape, ref.shape)
+    # (at least 1: a gradient that is 0 in exact arithmetic, such as LayerNorm's dx at n = 1,
+    # comes out as rounding noise of the terms it cancels, which are O(1))
+    scale = max(ref.abs().max().item(), 1.0) if ref.numel() else 1.0
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=GRAD_TOL[dtype] * scale,
+                               msg=lambda m: f"{what}: {m}")
+
+
+def rows_for(n):
+    return 2 if n >= 65536 else 5
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Forward: every rung x dtype x hidden size
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", HIDDEN)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("version", (*VERSIONS["layer_norm"], None), ids=str)
+@pytest.mark.parametrize("op", NORM_OPS)
+def test_forward_matches_reference(op, version, dtype, n, device):
+    x, w, b, _ = make_inputs((rows_for(n), n), dtype, device)
+    eps = default_eps(op)
+    ref = reference(op, x, w, b, eps)
+    poison_allocator(ref.to(dtype))
+    assert_forward(run(op, x, w, b, eps, version), ref, dtype, f"{op} {version} n={n}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("version", (*VERSIONS["layer_norm"], None), ids=str)
+@pytest.mark.parametrize("op", NORM_OPS)
+def test_forward_statistics(op, version, dtype, device):
+    """mean and rstd as PyTorch saves them: shape x.shape[:-1], float32 (float64 for float64)."""
+    x, w, b, _ = make_inputs((3, 4, 1000), dtype, device)
+    x64 = x.double()
+    if op == "layer_norm":
+        y, mean, rstd = fusion.layer_norm_forward(x, w, b, 1e-5, version=version)
+        var, mu = torch.var_mean(x64, -1, correction=0)
+        torch.testing.assert_close(mean.double(), mu, rtol=1e-5, atol=1e-5)
+    else:
+        y, rstd = fusion.rms_norm_forward(x, w, 1e-6, version=version)
+        var = x64.pow(2).mean(-1)
+    stat = torch.float64 if dtype == torch.float64 else torch.float32
+    assert rstd.dtype == stat and rstd.shape == (3, 4)
+    torch.testing.assert_close(rstd.double(), (var + default_eps(op)).rsqrt(), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("shape", [(7,), (2, 3, 257), (1, 1, 1, 33)], ids=str)
+@pytest.mark.parametrize("version", (*VERSIONS["layer_norm"], None), ids=str)
+@pytest.mark.parametrize("op", NORM_OPS)
+def test_forward_any_rank(op, version, shape, device):
+    x, w, b, _ = make_inputs(shape, torch.float32, device)
+    assert_forward(run(op, x, w, b, 1e-5, version), reference(op, x, w, b, 1e-5), torch.float32)
+
+
+VIEWS = {
+    "transposed": lambda t: t.t(),  # (n, rows) -> last dim strided
+    "misaligned": lambda t: t.flatten()[1:1 + 5 * 1000].view(5, 1000),  # rows 1 element off 16 B
+    "sliced": lambda t: t[:, :1000],
+}
+
+
+@pytest.mark.parametrize("view", list(VIEWS))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=dtype_id)
+@pytest.mark.parametrize("version", (*VERSIONS["layer_norm"], None), ids=str)
+@pytest.mark.parametrize("op", NORM_OPS)
+def test_forward_views(op, version, dtype, view, device):
+    base = (torch.randn(1000 if view == "transposed" else 6, 1000 if view == "transposed" else 1003,
+                        dtype=torch.float64) * 2).to(dtype).to(device)
+    x = VIEWS[view](base)
+    assert not x.is_contiguous() or x.data_ptr() % 16 != 0
+    _, w, b, _ = make_inputs((1, x.shape[-1]), dtype, device)
+    assert_forward(run(op, x, w, b, 1e-5, version), reference(op, x, w, b, 1e-5), dtype, view)
+
+
+def test_eps_is_used(device):
+    """A constant row has variance 0: y = bias exactly when eps is large enough to matter."""
+    x = torch.full((3, 64), 2.5, device=device)
+    w, b = torch.ones(64, device=device), torch.randn(64, device=device)
+    for version in (*VERSIONS["layer_norm"], None):
+        torch.testing.assert_close(fusion.layer_norm(x, w, b, 1e-5, version=version), b.expand(3, 64))
+        y = fusion.rms_norm(x, w, 100.0, version=version)
+        torch.testing.assert_close(y, torch.full_like(x, 2.5 / (2.5**2 + 100.0) ** 0.5))
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. fused_add_rms_norm
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", HIDDEN)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("version", (*VERSIONS["fused_add_rms_norm"], None), ids=str)
+def test_fused_add_rms_norm_matches_reference(version, dtype, n, device):
+    x, w, _, r = make_inputs((rows_for(n), n), dtype, device, residual=True)
+    # The sum is x + residual computed in the accumulation type and rounded once: exact.
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    h_ref = (x.to(acc) + r.to(acc)).to(dtype)
+    y, h = fusion.fused_add_rms_norm(x, r, w, 1e-6, version=version)
+    assert torch.equal(h, h_ref)
+    assert_forward(y, F.rms_norm(h_ref.double(), (n,), w.double(), 1e-6), dtype, f"n={n}")
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Backward kernels: every rung x dtype x hidden size, against float64 autograd
+# ---------------------------------------------------------------------------------------------
+def reference_grads(op, x, w, b, dy, eps):
+    x64, w64 = (t.detach().double().clone().requires_grad_() for t in (x, w))
+    b64 = b.detach().double().clone().requires_grad_() if b is not None else None
+    y = (F.layer_norm(x64, (x.shape[-1],), w64, b64, eps) if op == "layer_norm"
+         else F.rms_norm(x64, (x.shape[-1],), w64, eps))
+    inputs = (x64, w64, b64) if op == "layer_norm" else (x64, w64)
+    return torch.autograd.grad(y, inputs, dy.double())
+
+
+def kernel_grads(op, x, w, b, dy, eps, version):
+    if op == "layer_norm":
+        _, mean, rstd = fusion.layer_norm_forward(x, w, b, eps)
+        return fusion.layer_norm_backward(dy, x, w, mean, rstd, version=version)
+    _, rstd = fusion.rms_norm_forward(x, w, eps)
+    return fusion.rms_norm_backward(dy, x, w, rstd, version=version)
+
+
+@pytest.mark.parametrize("n", HIDDEN)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("version", (*VERSIONS["layer_norm_backward"], None), ids=str)
+@pytest.mark.parametrize("op", NORM_OPS)
+def test_backward_matches_reference(op, version, dtype, n, device):
+    rows = 3 if n >= 65536 else 37  # 37 rows: several per block, one block partly padding
+    x, w, b, _ = make_inputs((rows, n), dtype, device)
+    dy = torch.randn(rows, n, dtype=torch.float64).to(dtype).to(device)
+    eps = default_eps(op)
+    refs = reference_grads(op, x, w, b, dy, eps)
+    outs = kernel_grads(op, x, w, b, dy, eps, version)
+    for name, out, ref in zip(("dx", "dweight", "dbias"), outs, refs):
+        assert_grad(out, ref, dtype, f"{op} {version} n={n} {name}")
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=dtype_id)
+@pytest.mark.parametrize("shape", [(64, 1000), (3, 5, 257), (2, 20000)], ids=str)
+def test_low_precision_gradients_through_autograd(shape, dtype, device):
+    """The whole path: autograd Function -> default backward rung -> column sums."""
+    x, w, b, r = make_inputs(shape, dtype, device, residual=True)
+    dy = torch.randn(shape, dtype=torch.float64).to(dtype).to(device)
+    for op in NORM_OPS:
+        xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
+        y = run(op, xs, ws, bs, default_eps(op), None)
+        inputs = (xs, ws, bs) if op == "layer_norm" else (xs, ws)
+        outs = torch.autograd.grad(y, inputs, dy)
+        for name, out, ref in zip(("dx", "dweight", "dbias"), outs, reference_grads(op, x, w, b, dy, default_eps(op))):
+            assert_grad(out, ref, dtype, f"{op} {name}")
+    # fused_add_rms_norm: h's gradient is rms_norm's dx plus what reaches h directly.
+    xs, rs, ws = (t.clone().requires_grad_() for t in (x, r, w))
+    dh_direct = torch.randn(shape, dtype=torch.float64).to(dtype).to(device)
+    y, h = fusion.fused_add_rms_norm(xs, rs, ws)
+    gx, gr, gw = torch.autograd.grad((y, h), (xs, rs, ws), (dy, dh_direct))
+    acc = torch.float32
+    h_ref = (x.to(acc) + r.to(acc)).to(dtype)
+    dh, dw = reference_grads("rms_norm", h_ref, w, None, dy, 1e-6)
+    assert_grad(gx, dh + dh_direct.double(), dtype, "fused dx")
+    assert torch.equal(gx, gr)
+    assert_grad(gw, dw, dtype, "fused dweight")
+
+
+GRAD_SHAPES = [(4, 7), (2, 3, 5), (3, 1)]
+
+
+@pytest.mark.parametrize("shape", GRAD_SHAPES, ids=str)
+@pytest.mark.parametrize("version", (*VERSIONS["layer_norm"], None), ids=str)
+def test_gradcheck(version, shape, device):
+    x, w, b, r = (t.requires_grad_() for t in make_inputs(shape, torch.float64, device, residual=True))
+    torch.autograd.gradcheck(lambda x, w, b: fusion.layer_norm(x, w, b, version=version), (x, w, b))
+    torch.autograd.gradcheck(lambda x, w: fusion.rms_norm(x, w, version=version), (x, w))
+    add_version = None if version is None else ("v1" if version == "v1" else "v2")
+    torch.autograd.gradcheck(lambda x, r, w: fusion.fused_add_rms_norm(x, r, w, version=add_version), (x, r, w))
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Empty tensors
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(0, 8), (2, 0, 8), (3, 0)], ids=str)
+def test_empty(shape, device):
+    x, w, b, r = (t.requires_grad_() for t in make_inputs(shape, torch.float32, device, residual=True))
+    y = fusion.layer_norm(x, w, b)
+    assert y.shape == x.shape
+    y2 = fusion.rms_norm(x, w)
+    h_out = fusion.fused_add_rms_norm(x, r, w)
+    loss = y.sum() + y2.sum() + h_out[0].sum() + h_out[1].sum()
+    gx, gw, gb = torch.autograd.grad(loss, (x, w, b))
+    assert gx.shape == x.shape and gw.shape == w.shape
+    assert bool((gw == 0).all()) and bool((gb == 0).all())  # empty sums
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Determinism: dweight and dbias bitwise equal run to run
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("version", (*VERSIONS["layer_norm_backward"], None), ids=str)
+def test_backward_is_deterministic(version, device):
+    for dtype in (torch.float32, torch.bfloat16):
+        for n in (1000, 5123):
+            x, w, b, _ = make_inputs((300, n), dtype, device)
+            dy = torch.randn(300, n, device=device).to(dtype)
+            for op in NORM_OPS:
+                first = kernel_grads(op, x, w, b, dy, 1e-5, version)
+                for _ in range(3):
+                    again = kernel_grads(op, x, w, b, dy, 1e-5, version)
+                    for a, c in zip(first, again):
+                        assert torch.equal(a, c), (op, n, dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. VERSIONS, dispatch and misuse
+# ---------------------------------------------------------------------------------------------
+def test_versions_table_matches_dispatch():
+    assert VERSIONS["layer_norm"] == VERSIONS["rms_norm"] == ("v1", "v2", "v3")
+    assert VERSIONS["layer_norm_backward"] == VERSIONS["rms_norm_backward"] == ("v1", "v2")
+    assert VERSIONS["fused_add_rms_norm"] == ("v1", "v2")
+    for op in ("layer_norm", "rms_norm", "layer_norm_backward", "rms_norm_backward", "fused_add_rms_norm"):
+        assert list(VERSIONS[op]) == OPS.versions(op), op
+
+
+def test_default_choice():
+    x = torch.empty(8, 4096, device="meta", dtype=torch.bfloat16)
+    assert fusion.norm_default_choice("layer_norm", x) == "v3"
+    assert fusion.norm_default_choice("rms_norm", x) == "v3"
+    assert fusion.norm_default_choice("layer_norm_backward", x) == "v2"
+    assert fusion.norm_default_choice("rms_norm_backward", x) == "v2"
+    assert fusion.norm_default_choice("fused_add_rms_norm", x) == "v2"
+    with pytest.raises(RuntimeError, match="norm_default_choice: unknown op 'softmax'"):
+        fusion.norm_default_choice("softmax", x)
+
+
+def _f32(*shape, device="cpu", dtype=torch.float32):
+    return torch.randn(shape, device=device, dtype=dtype)
+
+
+MISUSES = {
+    "weight wrong length": (lambda d: fusion.layer_norm(_f32(3, 8, device=d), _f32(7, device=d), _f32(8, device=d)),
+                            r"layer_norm: weight has shape \[7\] but x's last dim \(the normalized one\) has size 8"),
+    "bias wrong length": (lambda d: fusion.layer_norm(_f32(3, 8, device=d), _f32(8, device=d), _f32(9, device=d)),
+                          r"layer_norm: bias has shape \[9\]"),
+    "weight 2-D": (lambda d: fusion.rms_norm(_f32(3, 8, device=d), _f32(1, 8, device=d)),
+                   r"rms_norm: weight has shape \[1, 8\]"),
+    "weight dtype": (lambda d: fusion.rms_norm(_f32(3, 8, device=d), _f32(8, device=d, dtype=torch.float16)),
+                     r"rms_norm: weight is Half but x is Float"),
+    "integer x": (lambda d: fusion.rms_norm(torch.ones(3, 8, dtype=torch.int32, device=d),
+                                            torch.ones(8, dtype=torch.int32, device=d)),
+                  r"rms_norm: x has dtype Int, which is not supported"),
+    "integer x layer_norm": (lambda d: fusion.layer_norm(torch.arange(8, device=d), torch.ones(8, device=d),
+                                                         torch.ones(8, device=d)),
+                             r"layer_norm: x has dtype Long, which is not supported"),
+    "0-d x": (lambda d: fusion.rms_norm(_f32(device=d), _f32(1, device=d)), r"rms_norm: x is a 0-d tensor"),
+    "unknown version": (lambda d: fusion.layer_norm(_f32(3, 8, device=d), _f32(8, device=d), _f32(8, device=d),
+                                                    version="v4"),
+                        r"layer_norm: unknown version 'v4'; expected one of v1, v2, v3"),
+    "unknown backward version": (
+        lambda d: fusion.rms_norm_backward(_f32(3, 8, device=d), _f32(3, 8, device=d), _f32(8, device=d),
+                                           _f32(3, device=d), version="v3"),
+        r"rms_norm_backward: unknown version 'v3'; expected one of v1, v2"),
+    "fused unknown version": (lambda d: fusion.fused_add_rms_norm(_f32(3, 8, device=d), _f32(3, 8, device=d),
+                                                                  _f32(8, device=d), version="v3"),
+                              r"fused_add_rms_norm: unknown version 'v3'; expected one of v1, v2"),
+    "negative eps": (lambda d: fusion.rms_norm(_f32(3, 8, device=d), _f32(8, device=d), -1e-6),
+                     r"rms_norm: eps must be >= 0"),
+    "negative eps layer_norm": (lambda d: fusion.layer_norm(_f32(3, 8, device=d), _f32(8, device=d),
+                                                            _f32(8, device=d), -1.0),
+                                r"layer_norm: eps must be >= 0"),
+    "residual shape": (lambda d: fusion.fused_add_rms_norm(_f32(3, 8, device=d), _f32(4, 8, device=d),
+                                                           _f32(8, device=d)),
+                       r"fused_add_rms_norm: residual has shape \[4, 8\] but x has shape \[3, 8\]"),
+    "residual dtype": (lambda d: fusion.fused_add_rms_norm(_f32(3, 8, device=d), _f32(3, 8, device=d).double(),
+                                                           _f32(8, device=d)),
+                       r"fused_add_rms_norm: residual is Double but x is Float"),
+    "backward rstd dtype": (
+        lambda d: fusion.layer_norm_backward(_f32(3, 8, device=d), _f32(3, 8, device=d), _f32(8, device=d),
+                                             _f32(3, device=d), _f32(3, device=d).double()),
+        r"layer_norm_backward: rstd has dtype Double but must be Float"),
+    "backward rows": (
+        lambda d: fusion.rms_norm_backward(_f32(3, 8, device=d), _f32(3, 8, device=d), _f32(8, device=d),
+                                           _f32(4, device=d)),
+        r"rms_norm_backward: rstd has 4 elements but x has 3 rows"),
+    "backward dy shape": (
+        lambda d: fusion.rms_norm_backward(_f32(3, 7, device=d), _f32(3, 8, device=d), _f32(8, device=d),
+                                           _f32(3, device=d)),
+        r"rms_norm_backward: dy has shape \[3, 7\] but x has shape \[3, 8\]"),
+}
+
+
+@pytest.mark.parametrize("misuse", list(MISUSES))
+def test_misuse_raises_clear_error(misuse, device):
+    call, message = MISUSES[misuse]
+    with pytest.raises(RuntimeError, match=message):
+        call(device)
+
+
+@pytest.mark.cuda
+def test_mixed_devices_raise():
+    require_cuda()
+    x = torch.randn(3, 8, device="cuda")
+    with pytest.raises(RuntimeError, match=r"layer_norm: weight is on cpu but x is on cuda"):
+        fusion.layer_norm(x, torch.ones(8), torch.zeros(8, device="cuda"))
+    with pytest.raises(RuntimeError, match=r"fused_add_rms_norm: residual is on cpu but x is on cuda"):
+        fusion.fused_add_rms_norm(x, torch.randn(3, 8), torch.ones(8, device="cuda"))
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. opcheck, torch.compile
+# ---------------------------------------------------------------------------------------------
+def _opcheck_calls(d):
+    x, w, b, r = make_inputs((5, 33), torch.float32, d, residual=True)
+    xg, wg, bg, rg = (t.clone().requires_grad_() for t in (x, w, b, r))
+    _, mean, rstd = fusion.layer_norm_forward(x, w, b)
+    _, rms_rstd = fusion.rms_norm_forward(x, w)
+    dy = torch.randn_like(x)
+    return {
+        "layer_norm": (OPS.layer_norm.default, (xg, wg, bg, 1e-5, None)),
+        "layer_norm_v1": (OPS.layer_norm.default, (xg, wg, bg, 1e-5, "v1")),
+        "rms_norm": (OPS.rms_norm.default, (xg, wg, 1e-6, "v2")),
+        "fused_add_rms_norm": (OPS.fused_add_rms_norm.default, (xg, rg, wg, 1e-6, None)),
+        "fused_add_rms_norm_v1": (OPS.fused_add_rms_norm.default, (xg, rg, wg, 1e-6, "v1")),
+        "layer_norm_forward": (OPS.layer_norm_forward.default, (xg, wg, bg, 1e-5, "v3")),
+        "rms_norm_forward": (OPS.rms_norm_forward.default, (xg, wg, 1e-6, None)),
+        "fused_add_rms_norm_forward": (OPS.fused_add_rms_norm_forward.default, (xg, rg, wg, 1e-6, None)),
+        "layer_norm_backward": (OPS.layer_norm_backward.default, (dy, x, w, mean, rstd, "v1")),
+        "rms_norm_backward": (OPS.rms_norm_backward.default, (dy, x, w, rms_rstd, None)),
+    }
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "layer_norm_v1", "rms_norm", "fused_add_rms_norm",
+                                "fused_add_rms_norm_v1", "layer_norm_forward", "rms_norm_forward",
+                                "fused_add_rms_norm_forward", "layer_norm_backward", "rms_norm_backward"])
+def test_opcheck(op, device):
+    fn, args = _opcheck_calls(device)[op]
+    torch.library.opcheck(fn, args)
+
+
+def test_torch_compile_traces_the_ops(device):
+    """Dynamo and AOTAutograd trace through the ops without a graph break (Meta kernels give
+    shapes, the Autograd kernels the backward); aot_eager skips codegen to keep this fast."""
+    torch._dynamo.reset()
+
+    def f(x, r, w, b):
+        y = fusion.layer_norm(x, w, b)
+        z, h = fusion.fused_add_rms_norm(y, r, w)
+        return (fusion.rms_norm(z * h, w) ** 2).sum()
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    x, w, b, r = (t.requires_grad_() for t in make_inputs((3, 7, 65), torch.float32, device, residual=True))
+    out = compiled(x, r, w, b)
+    grads = torch.autograd.grad(out, (x, r, w, b))
+    expected = f(x, r, w, b)
+    expected_grads = torch.autograd.grad(expected, (x, r, w, b))
+    torch.testing.assert_close(out, expected)
+    for g, e in zip(grads, expected_grads):
+        torch.testing.assert_close(g, e)
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. CUDA only: every register shape's boundary, graph capture, and the sanitizer's small run
+# ---------------------------------------------------------------------------------------------
+# Capacities of the row shapes (norm.h): 2-byte forward 256 ... 32768, backward 512 ... 8192;
+# float32 half of that forward. One past each boundary takes the next shape or streams.
+BOUNDARIES = (255, 256, 257, 512, 513, 1024, 1025, 2048, 4096, 4097, 8192, 8193, 16384, 16385, 32768, 32769)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=dtype_id)
+def test_every_shape_boundary(dtype):
+    require_cuda()
+    for n in BOUNDARIES:
+        x, w, b, _ = make_inputs((9, n), dtype, "cuda")
+        dy = torch.randn(9, n, device="cuda").to(dtype)
+        for op in NORM_OPS:
+            eps = default_eps(op)
+            ref = reference(op, x, w, b, eps)
+            for version in VERSIONS[op]:
+                assert_forward(run(op, x, w, b, eps, version), ref, dtype, f"{op} {version} n={n}")
+            refs = reference_grads(op, x, w, b, dy, eps)
+            for version in VERSIONS[op + "_backward"]:
+                for name, out, g in zip(("dx", "dw", "db"), kernel_grads(op, x, w, b, dy, eps, version), refs):
+                    assert_grad(out, g, dtype, f"{op} backward {version} n={n} {name}")
+
+
+@pytest.mark.cuda
+def test_cuda_graph_capture():
+    """Forward and backward replay inside a CUDA graph (no host sync, allocations from the
+    graph's pool, the current stream honoured)."""
+    require_cuda()
+    x, w, b, r = make_inputs((64, 1000), torch.bfloat16, "cuda", residual=True)
+    dy = torch.randn(64, 1000, device="cuda").to(torch.bfloat16)
+
+    def step():
+        y, mean, rstd = fusion.layer_norm_forward(x, w, b)
+        dx, dw, db = fusion.layer_norm_backward(dy, x, w, mean, rstd)
+        z, h = fusion.fused_add_rms_norm(x, r, w)
+        return y, dx, dw, db, z, h
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        expected = step()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, e in zip(captured, expected):
+        assert torch.equal(a, e)
+
+
+@pytest.mark.cuda
+@pytest.mark.sanitize
+@pytest.mark.parametrize("version", VERSIONS["layer_norm"])
+def test_sanitizer_small_forward(version):
+    require_cuda()
+    for dtype in (torch.float32, torch.bfloat16):
+        for n in (1, 33, 1000, 40000):  # 40000: past the registers in both dtypes (streamed)
+            x, w, b, r = make_inputs((3, n), dtype, "cuda", residual=True)
+            for op in NORM_OPS:
+                assert_forward(run(op, x, w, b, 1e-5, version), reference(op, x, w, b, 1e-5), dtype)
+            fusion.fused_add_rms_norm(x, r, w, version="v1" if version == "v1" else "v2")
+        base = torch.randn(3 * 1001 + 1, device="cuda").to(dtype)
+        x = base[1:].view(3, 1001)  # misaligned rows
+        _, w, b, _ = make_inputs((1, 1001), dtype, "cuda")
+        for op in NORM_OPS:
+            assert_forward(run(op, x, w, b, 1e-5, version), reference(op, x, w, b, 1e-5), dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.sanitize
+@pytest.mark.parametrize("version", VERSIONS["layer_norm_backward"])
+def test_sanitizer_small_backward(version):
+    require_cuda()
+    for dtype in (torch.float32, torch.bfloat16):
+        for n in (1, 33, 1000, 9000):  # 9000: past the backward's registers (streamed)
+            x, w, b, _ = make_inputs((5, n), dtype, "cuda")
+            dy = torch.randn(5, n, device="cuda").to(dtype)
+            for op in NORM_OPS:
+                refs = reference_grads(op, x, w, b, dy, default_eps(op))
+                for out, ref in zip(kernel_grads(op, x, w, b, dy, default_eps(op), version), refs):
+                    assert_grad(out, ref, dtype)
