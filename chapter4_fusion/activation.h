@@ -182,9 +182,10 @@ inline bool vectorizable(int64_t n, std::initializer_list<const void*> pointers)
 // ---------------------------------------------------------------------------------------
 // The column tiling of the fused kernels. A block of kTileThreads threads is a tile of tx
 // adjacent packs (columns) by ty = kTileThreads / tx rows; it walks down the rows with a
-// stride of gridDim.y * ty. A thread keeps the same columns for its whole life, so it loads the
-// bias of its columns once and keeps it in registers for every row it visits (and, in the
-// backward, sums its columns' gradient over those rows in registers). Consecutive threads take
+// stride of gridDim.y * ty (make_tiling: kRowsInFlight rows per thread in the forward, many in
+// the backward). A thread keeps the same columns for its whole life, so it loads the bias of its
+// columns once and keeps it in registers for every row it visits (and, in the backward, sums its
+// columns' gradient over those rows in registers). Consecutive threads take
 // consecutive packs of one row: a warp reads 32 * 16 = 512 contiguous bytes per instruction.
 // ---------------------------------------------------------------------------------------
 constexpr int kTileThreads = 256;
@@ -208,13 +209,25 @@ inline cudaError_t make_tiling(int64_t rows, int64_t packs_per_row, int min_tx, 
   while (tx < kTileThreads && tx < packs_per_row) tx *= 2;
   const int ty = kTileThreads / tx;
   const int64_t column_tiles = course::ceil_div(packs_per_row, static_cast<int64_t>(tx));
-  int64_t resident = 0;
-  COURSE_CUDA_TRY(course::resident_threads(&resident));
-  // As many row tiles as fill the GPU once together with the column tiles: a grid-stride loop
-  // over rows beyond that, so every thread amortizes its bias load over many rows.
-  int64_t row_tiles = std::max<int64_t>(1, resident / kTileThreads / std::max<int64_t>(column_tiles, 1));
-  row_tiles = std::min(row_tiles, course::ceil_div(std::max<int64_t>(rows, 1), static_cast<int64_t>(ty)));
-  row_tiles = std::min(row_tiles, std::max<int64_t>(1, max_slots / ty));
+  int64_t row_tiles = 0;
+  if (max_slots == INT64_MAX) {
+    // No per-slot state (the forward kernels, swiglu's backward): one sweep of kRowsInFlight
+    // rows per thread and as many blocks as that takes, the grid of a copy kernel. A grid sized
+    // to one resident wave measured 85-89% of copy on the H100 instead of ~100%: it counted
+    // 2048 threads per SM, while these kernels' 40-68 registers fit 768-1536, so the "one wave"
+    // ran as 1.3-2.7 waves with an idle tail. Many short blocks leave the SMs no tail to wait on;
+    // the bias, reloaded per thread, is an L1/L2 hit.
+    row_tiles = course::ceil_div(std::max<int64_t>(rows, 1), static_cast<int64_t>(ty) * kRowsInFlight);
+  } else {
+    // Per-slot partial sums (the backward's bias gradient): as many row tiles as fill the GPU
+    // once with the column tiles, at most max_slots / ty, and a grid-stride loop over the rest,
+    // so each slot sums many rows in registers.
+    int64_t resident = 0;
+    COURSE_CUDA_TRY(course::resident_threads(&resident));
+    row_tiles = std::max<int64_t>(1, resident / kTileThreads / std::max<int64_t>(column_tiles, 1));
+    row_tiles = std::min(row_tiles, course::ceil_div(std::max<int64_t>(rows, 1), static_cast<int64_t>(ty)));
+    row_tiles = std::min(row_tiles, std::max<int64_t>(1, max_slots / ty));
+  }
   row_tiles = std::min<int64_t>(row_tiles, 65535);  // gridDim.y's limit
   t->tx = tx;
   t->grid = dim3(static_cast<unsigned>(std::min<int64_t>(column_tiles, INT_MAX)), static_cast<unsigned>(row_tiles));

@@ -229,14 +229,16 @@ NORMS = {
 
 
 def backward_rungs(op, x, w, b, dy):
-    """Each backward rung alone: the backward op on the statistics its forward saved."""
+    """Each backward rung alone, and version=None: the backward op on the statistics its
+    forward saved."""
     if op == "layer_norm":
         _, mean, rstd = fusion.layer_norm_forward(x, w, b, EPS)
         call = lambda v: fusion.layer_norm_backward(dy, x, w, mean, rstd, version=v)  # noqa: E731
     else:
         _, rstd = fusion.rms_norm_forward(x, w, EPS)
         call = lambda v: fusion.rms_norm_backward(dy, x, w, rstd, version=v)  # noqa: E731
-    return [(v, (lambda v=v: call(v)), {}) for v in fusion.VERSIONS[f"{op}_backward"]]
+    rungs = [(v, (lambda v=v: call(v)), {}) for v in fusion.VERSIONS[f"{op}_backward"]]
+    return rungs + [("default", lambda: call(None), {"dispatch": fusion.default_choice(f"{op}_backward", x)})]
 
 
 def bench_norms(device, ceiling, s):
@@ -268,10 +270,10 @@ def bench_norms(device, ceiling, s):
                 c = compiled((op, hidden, "bwd"), eager)
                 variants.append(("torch.compile", backward_of(c) if c else None, {}))
                 variants += backward_rungs(op, x, w, b, dy)
-            variants.append(("default", backward_of(lambda a, p, q, ours=ours: ours(a, p, q)),
-                             {"dispatch": fusion.default_choice(f"{op}_backward", x)})
-                            if device == "cuda" else
-                            ("cpu", backward_of(lambda a, p, q, ours=ours: ours(a, p, q)), {}))
+            # Ours through autograd, timed as torch's rows are; the rungs and `default` time
+            # the backward op alone, so that the dispatch compares with its rungs like for like.
+            variants.append(("autograd" if device == "cuda" else "cpu",
+                             backward_of(lambda a, p, q, ours=ours: ours(a, p, q)), {}))
             rows += bandwidth(device, ceiling, op, dtype, shape, 3 * n * size, variants,
                               **{"pass": "backward", "sweep": True})
             del xg, pg, dy
@@ -311,6 +313,9 @@ def bench_linear(device, mm, s):
         eager = lambda x, w, b: F.gelu(F.linear(x, w, b))  # noqa: E731
         variants = with_baselines(device, ("linear", m), eager, (x, w, b), [])
         variants.insert(1, ("linear only", lambda: F.linear(x, w, b), {}))
+        # The GEMM our op runs (no bias: the epilogue adds it), to split our time into GEMM and
+        # epilogue and to see whether cuBLAS picks another kernel without the bias.
+        variants.insert(2, ("mm only", lambda: torch.mm(x, w.t()), {}))
         if device == "cuda":
             variants.insert(2, ("torch._addmm_activation",
                                 lambda: torch._addmm_activation(b, x, w.t(), use_gelu=True), {}))
@@ -409,8 +414,9 @@ def main():
              "timing": {"statistic": "median", "reps": bench.MIN_REPS if device == "cpu" else 30,
                         "method": "perf_counter" if device == "cpu" else
                         "CUDA events, eager back-to-back launches; every memory-bound problem far "
-                        "above the L2 (2^26-2^28 elements); backward rows time autograd.grad over "
-                        "a retained graph, or the backward op itself"}}
+                        "above the L2 (2^26-2^28 elements); backward rows of torch, torch.compile and "
+                        "`autograd` time autograd.grad over a retained graph; the norms' backward "
+                        "rungs and their default time the backward op alone"}}
     path = results.write_results(CHAPTER, rows, ceilings, **extra)
     record = json.loads(path.read_text())
     figures = make_figures(record, path.parent)

@@ -138,6 +138,18 @@ def target_misses(record):
                 tag = d.get("activation") or d.get("save") or ""
                 misses.append(f"{op} {d.get('pass', '')} {d['dtype']} {results.format_shape(d['shape'])}"
                               f"{' ' + tag if tag else ''}: " + ", ".join(why))
+    # linear_activation: >= 1.0x eager at every M, and within 3% of torch.compile's time.
+    for d in _rows(record, op="linear_activation", variant="default"):
+        same = [r for r in record["benchmarks"] if results.measurement_key(r) == results.measurement_key(d)]
+        c = next((r for r in same if r["variant"] == "torch.compile"), None)
+        why = []
+        if d["speedup_vs_torch"] < 1.0:
+            why.append(f"{d['speedup_vs_torch']:.2f}x torch (target 1.0)")
+        if c and d["median_ms"] > 1.03 * c["median_ms"]:
+            why.append(f"{c['median_ms'] / d['median_ms']:.2f}x torch.compile (target within 3%)")
+        checked += 1
+        if why:
+            misses.append(f"linear_activation M={d['shape'][0]}: " + ", ".join(why))
     if not misses:
         return f"None of {checked} measurements misses its target ({_where(record)})."
     return (f"{len(misses)} of {checked} measurements: " + "; ".join(misses) + f" ({_where(record)}).")
@@ -145,7 +157,7 @@ def target_misses(record):
 
 def envelope(record):
     rungs = {r["variant"] for r in record["benchmarks"]} - {
-        "torch", "torch.compile", "default", "cpu", "linear only", "torch._addmm_activation"}
+        "torch", "torch.compile", "default", "cpu", "linear only", "mm only", "torch._addmm_activation", "autograd"}
     problems = results.default_gaps(record, rungs)
     if not problems:
         return "In the committed results it holds at every measured shape."

@@ -82,7 +82,8 @@ void check_param(const char* op, const char* name, const Tensor& p, const Tensor
 // eps must be >= 0 (0 is allowed, as in torch; a row of equal values then divides by zero and
 // gives inf/NaN, as torch's does). A negative eps could make var + eps negative: rejected.
 void check_eps(const char* op, double eps) {
-  TORCH_CHECK(eps >= 0.0 && !std::isnan(eps), op, ": eps must be >= 0, got ", eps);
+  // std::to_string, not a streamed double: see course::shape_str on ostream's number formatting.
+  TORCH_CHECK(eps >= 0.0 && !std::isnan(eps), op, ": eps must be >= 0, got ", std::to_string(eps));
 }
 
 // The statistics' shape: x's without its last dim.

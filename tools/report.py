@@ -80,7 +80,13 @@ def chapter_table(record):
             f" ({r['view']} of {results.format_shape(r.get('base_shape', r['shape']))})"
             if r.get("view") else "")
         variant = r["variant"] + (f" -> {r['dispatch']}" if r.get("dispatch") else "")
-        lines.append(f"| {r['op']} | {r['dtype']} | {size} | "
+        # What tells apart rows of one op, dtype and size: the pass, what was saved for it,
+        # the activation when it is not the op's own name.
+        details = [d for d in (r.get("pass") if r.get("pass") == "backward" else None,
+                               f"save={r['save']}" if "save" in r else None,
+                               r.get("activation") if r.get("activation", r["op"]) != r["op"] else None) if d]
+        op = r["op"] + (f" ({', '.join(details)})" if details else "")
+        lines.append(f"| {op} | {r['dtype']} | {size} | "
                      f"{bold}{variant}{bold} | {r['median_ms']:.3f} | {r['GBps']:.0f} | "
                      f"{r['pct_of_copy']:.1f} | {r['speedup_vs_torch']:.3f} |")
     if "build" in record:
