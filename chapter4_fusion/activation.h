@@ -15,6 +15,7 @@
 #include <math.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace fusion {
 namespace elementwise {
@@ -28,21 +29,46 @@ COURSE_HOST_DEVICE inline double exp_of(double v) { return exp(v); }
 COURSE_HOST_DEVICE inline float tanh_of(float v) { return tanhf(v); }
 COURSE_HOST_DEVICE inline double tanh_of(double v) { return tanh(v); }
 
+// kFast: the hardware's approximate exp (ex2.approx) and reciprocal, a few float ulps off, for
+// kernels whose outputs are 16-bit (kFastMath below). Rounding to bfloat16 (8 significant bits)
+// or float16 (11) hides that error, and the instructions saved are what a kernel at copy speed
+// cannot spare: at 3 TB/s a bfloat16 map has about 40 instructions per element on an H100, of
+// which expf's range reduction and an IEEE division take half. float32 and float64 results, and
+// the CPU, keep the exact forms (kFast = false).
+template <bool kFast, typename A>
+COURSE_HOST_DEVICE inline A exp_maybe_fast(A v) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (kFast && std::is_same_v<A, float>) return __expf(v);
+#endif
+  return exp_of(v);
+}
+template <bool kFast, typename A>
+COURSE_HOST_DEVICE inline A reciprocal_maybe_fast(A v) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (kFast && std::is_same_v<A, float>) return __frcp_rn(v);
+#endif
+  return A(1) / v;
+}
+
 // relu(z) = max(z, 0). NaN propagates, as in torch.relu. The derivative at 0 is 0, as autograd's.
 struct Relu {
-  template <typename A> COURSE_HOST_DEVICE static A forward(A z) { return (z > A(0) || z != z) ? z : A(0); }
-  template <typename A> COURSE_HOST_DEVICE static A derivative(A z) { return z > A(0) ? A(1) : A(0); }
+  template <typename A, bool kFast = false> COURSE_HOST_DEVICE static A forward(A z) {
+    return (z > A(0) || z != z) ? z : A(0);
+  }
+  template <typename A, bool kFast = false> COURSE_HOST_DEVICE static A derivative(A z) {
+    return z > A(0) ? A(1) : A(0);
+  }
 };
 
 // gelu(z) = z * Phi(z), Phi the standard normal CDF (torch.nn.functional.gelu, approximate="none").
 struct GeluErf {
-  template <typename A> COURSE_HOST_DEVICE static A forward(A z) {
+  template <typename A, bool kFast = false> COURSE_HOST_DEVICE static A forward(A z) {
     return A(0.5) * z * (A(1) + erf_of(z * A(0.70710678118654752440)));  // 1 / sqrt(2)
   }
   // Phi(z) + z * phi(z), phi the normal density.
-  template <typename A> COURSE_HOST_DEVICE static A derivative(A z) {
+  template <typename A, bool kFast = false> COURSE_HOST_DEVICE static A derivative(A z) {
     const A cdf = A(0.5) * (A(1) + erf_of(z * A(0.70710678118654752440)));
-    const A pdf = exp_of(A(-0.5) * z * z) * A(0.39894228040143267794);  // 1 / sqrt(2 pi)
+    const A pdf = exp_maybe_fast<kFast>(A(-0.5) * z * z) * A(0.39894228040143267794);  // 1 / sqrt(2 pi)
     return cdf + z * pdf;
   }
 };
@@ -52,14 +78,21 @@ struct GeluErf {
 struct GeluTanh {
   static constexpr double kBeta = 0.79788456080286535588;  // sqrt(2 / pi)
   static constexpr double kKappa = 0.044715;
-  template <typename A> COURSE_HOST_DEVICE static A forward(A z) {
+  // kFast uses 0.5 (1 + tanh(u)) = sigmoid(2u), exact algebra: one approximate exp and one
+  // reciprocal instead of tanhf, and no cancellation in 1 + tanh(u) where tanh(u) nears -1.
+  template <typename A, bool kFast = false> COURSE_HOST_DEVICE static A forward(A z) {
     const A inner = A(kBeta) * (z + A(kKappa) * z * z * z);
+    if constexpr (kFast) return z * reciprocal_maybe_fast<kFast>(A(1) + exp_maybe_fast<kFast>(A(-2) * inner));
     return A(0.5) * z * (A(1) + tanh_of(inner));
   }
-  template <typename A> COURSE_HOST_DEVICE static A derivative(A z) {
+  template <typename A, bool kFast = false> COURSE_HOST_DEVICE static A derivative(A z) {
     const A inner = A(kBeta) * (z + A(kKappa) * z * z * z);
-    const A t = tanh_of(inner);
     const A inner_derivative = A(kBeta) * (A(1) + A(3 * kKappa) * z * z);
+    if constexpr (kFast) {  // s = sigmoid(2u) = 0.5 (1 + t), and 1 - t^2 = 4 s (1 - s)
+      const A s = reciprocal_maybe_fast<kFast>(A(1) + exp_maybe_fast<kFast>(A(-2) * inner));
+      return s + A(2) * z * s * (A(1) - s) * inner_derivative;
+    }
+    const A t = tanh_of(inner);
     return A(0.5) * (A(1) + t) + A(0.5) * z * (A(1) - t * t) * inner_derivative;
   }
 };
@@ -67,10 +100,14 @@ struct GeluTanh {
 // silu(z) = z * sigmoid(z). For z -> -inf, exp(-z) overflows to inf and sigmoid to 0: the limits
 // are right without a branch.
 struct Silu {
-  template <typename A> COURSE_HOST_DEVICE static A sigmoid(A z) { return A(1) / (A(1) + exp_of(-z)); }
-  template <typename A> COURSE_HOST_DEVICE static A forward(A z) { return z * sigmoid(z); }
-  template <typename A> COURSE_HOST_DEVICE static A derivative(A z) {
-    const A s = sigmoid(z);
+  template <typename A, bool kFast = false> COURSE_HOST_DEVICE static A sigmoid(A z) {
+    return reciprocal_maybe_fast<kFast>(A(1) + exp_maybe_fast<kFast>(-z));
+  }
+  template <typename A, bool kFast = false> COURSE_HOST_DEVICE static A forward(A z) {
+    return z * sigmoid<A, kFast>(z);
+  }
+  template <typename A, bool kFast = false> COURSE_HOST_DEVICE static A derivative(A z) {
+    const A s = sigmoid<A, kFast>(z);
     return s * (A(1) + z * (A(1) - s));
   }
 };
@@ -106,6 +143,10 @@ decltype(auto) with_activation(Activation act, F&& f) {
 
 namespace fusion {
 namespace elementwise {
+
+// The functors' approximate exp and reciprocal (exp_maybe_fast) where results are 16-bit.
+template <typename T>
+constexpr bool kFastMath = sizeof(T) == 2;
 
 template <typename F>
 cudaError_t with_cuda_dtype(DType dtype, F&& f) {
@@ -213,10 +254,10 @@ inline cudaError_t make_tiling(int64_t rows, int64_t packs_per_row, int min_tx, 
   if (max_slots == INT64_MAX) {
     // No per-slot state (the forward kernels, swiglu's backward): one sweep of kRowsInFlight
     // rows per thread and as many blocks as that takes, the grid of a copy kernel. A grid sized
-    // to one resident wave measured 85-89% of copy on the H100 instead of ~100%: it counted
-    // 2048 threads per SM, while these kernels' 40-68 registers fit 768-1536, so the "one wave"
-    // ran as 1.3-2.7 waves with an idle tail. Many short blocks leave the SMs no tail to wait on;
-    // the bias, reloaded per thread, is an L1/L2 hit.
+    // to one resident wave ran well below copy on the H100: it counted 2048 threads per SM,
+    // while these kernels' 40-68 registers (ptxas -v) fit 768-1536, so the "one wave" ran as
+    // one and a fraction waves with the SMs idle in the last. Many short blocks leave no such
+    // tail; the bias, reloaded per thread, is an L1/L2 hit.
     row_tiles = course::ceil_div(std::max<int64_t>(rows, 1), static_cast<int64_t>(ty) * kRowsInFlight);
   } else {
     // Per-slot partial sums (the backward's bias gradient): as many row tiles as fill the GPU
@@ -294,7 +335,7 @@ __global__ void bias_act_warp_kernel(const T* x, const T* bias, typename course:
     if (active) {
       z = course::to_acc(x[r * n + c]) * scale;
       if (bias != nullptr) z += course::to_acc(bias[c]);
-      y[r * n + c] = course::from_acc<T>(Act::forward(z));
+      y[r * n + c] = course::from_acc<T>(Act::template forward<A, kFastMath<T>>(z));
     }
     if constexpr (kMask) {
       const uint32_t bits = __ballot_sync(0xffffffffu, active && z > A(0));
@@ -353,7 +394,7 @@ __global__ void __launch_bounds__(kTileThreads)
 #pragma unroll
         for (int l = 0; l < L; ++l) {
           const A z = fma_acc(course::to_acc(xv[u].v[l]), scale, b[l]);
-          yv.v[l] = course::from_acc<T>(Act::forward(z));
+          yv.v[l] = course::from_acc<T>(Act::template forward<A, kFastMath<T>>(z));
           zv.v[l] = course::from_acc<T>(z);
           bits |= static_cast<uint32_t>(z > A(0)) << l;
         }
@@ -432,7 +473,7 @@ template <typename Act, SaveKind kSource, typename T, typename A>
 __device__ __forceinline__ A derivative_at(const T* saved, const uint32_t* mask, A bias_c, A scale, int64_t r,
                                            int64_t c, int64_t n) {
   if constexpr (kSource == SaveKind::kInput) {
-    return Act::derivative(fma_acc(course::to_acc(saved[r * n + c]), scale, bias_c));
+    return Act::template derivative<A, kFastMath<T>>(fma_acc(course::to_acc(saved[r * n + c]), scale, bias_c));
   } else if constexpr (kSource == SaveKind::kOutput) {
     return course::to_acc(saved[r * n + c]) > A(0) ? A(1) : A(0);
   } else {
@@ -513,7 +554,7 @@ __global__ void __launch_bounds__(kTileThreads)
         for (int l = 0; l < L; ++l) {
           A d;
           if constexpr (kSource == SaveKind::kInput) {
-            d = Act::derivative(fma_acc(course::to_acc(sv[u].v[l]), scale, b[l]));
+            d = Act::template derivative<A, kFastMath<T>>(fma_acc(course::to_acc(sv[u].v[l]), scale, b[l]));
           } else if constexpr (kSource == SaveKind::kOutput) {
             d = course::to_acc(sv[u].v[l]) > A(0) ? A(1) : A(0);
           } else {
