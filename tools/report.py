@@ -44,12 +44,13 @@ def best_rows(rows):
 
 def headline(record):
     """The chapter's headline op (record["headline_op"], else the first op) at its first
-    measured shape, every dtype: best course version against PyTorch. A headline op measured
-    only in sweeps (chapter 3's softmax) takes its forward sweep rows."""
-    rows = course_rows(record)
+    measured shape, every dtype, forward pass: best course version against PyTorch. A headline
+    op measured only in sweeps (chapter 3's softmax) takes its sweep rows."""
+    forward = [r for r in record["benchmarks"] if r.get("pass", "forward") == "forward"]
+    rows = [r for r in forward if not r.get("sweep")]
     op = record.get("headline_op", rows[0]["op"])
     if not any(r["op"] == op for r in rows):
-        rows = [r for r in record["benchmarks"] if r["op"] == op and r.get("pass", "forward") == "forward"]
+        rows = [r for r in forward if r["op"] == op]
     best = best_rows(rows)
     shape = next(key[2] for key, _, _ in best if key[0] == op and key[3] is None)
     parts = [f"{key[1]} {r['variant']} {r['GBps']:.0f} GB/s ({r['pct_of_copy']:.0f}% of copy, "

@@ -133,6 +133,13 @@ def test_default_gaps_holds_the_default_to_the_best_rung():
     assert results.default_gaps(record, rungs, ratio=0.8) == []
 
 
+def test_default_gaps_ignores_the_spread_of_the_rung_it_ran():
+    record = {"benchmarks": [_row("v1", 2.0), _row("v2", 1.0), _row("default", 1.2, dispatch="v2")]}
+    assert results.default_gaps(record, ("v1", "v2")) == []
+    record["benchmarks"][-1]["dispatch"] = "v1"
+    assert len(results.default_gaps(record, ("v1", "v2"))) == 1
+
+
 def test_default_gaps_reports_results_without_a_default_as_stale():
     record = {"benchmarks": [_row("v1", 2.0), _row("v2", 1.0)]}
     assert results.default_gaps(record, ("v1", "v2")) == [
