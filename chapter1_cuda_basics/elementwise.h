@@ -3,6 +3,8 @@
 // machine without the CUDA toolkit, and the kernels with a bare `nvcc -c`.
 #pragma once
 
+#include <course/dtype.h>
+
 #include <cstdint>
 
 namespace cuda_basics {
@@ -21,9 +23,9 @@ struct VectorLaunch {
   int vectors = 0;  // 1, 2 or 4: the kernel is instantiated for these
 };
 
-// The dtypes the kernels are instantiated for. The glue maps at::ScalarType onto this, so the
-// pointers below can stay type-erased (FlashAttention's params struct does the same).
-enum class DType { kFloat32, kFloat16, kBFloat16, kFloat64 };
+// The dtypes the kernels are instantiated for (course/dtype.h): the glue maps at::ScalarType
+// onto it, so the pointers below can stay type-erased (FlashAttention's params struct does the same).
+using DType = ::course::DType;
 
 struct ElementwiseParams {
   ElementwiseOp op;

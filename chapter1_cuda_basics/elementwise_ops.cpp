@@ -51,15 +51,7 @@ std::vector<std::string> versions(c10::string_view op) {
   return ::course::version_names(kVersions);
 }
 
-DType to_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return DType::kFloat32;
-    case at::kHalf: return DType::kFloat16;
-    case at::kBFloat16: return DType::kBFloat16;
-    case at::kDouble: return DType::kFloat64;
-    default: TORCH_CHECK(false, "unreachable: dtype ", t, " passed the checks");
-  }
-}
+using ::course::to_dtype;
 
 void check_input(const char* op, const char* name, const Tensor& t) {
   TORCH_CHECK(t.defined(), op, ": ", name, " is an undefined tensor");

@@ -21,6 +21,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent / "common")]
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from coursekit import bench, plots, results  # noqa: E402
+from coursekit.results import subset  # noqa: E402  (the notebooks reach it as B.subset)
 
 import shared_reduction as sr  # noqa: E402
 
@@ -212,12 +213,6 @@ def atomic_demo(device, s):
           f"{len(demo['atomic_values'])} distinct results (spread {demo['atomic_max_abs_diff']:.3g}); "
           f"sum gave {len(demo['sum_values'])}")
     return demo
-
-
-def subset(record, **match):
-    """A copy of the record with only the rows matching every field (plots filter few fields)."""
-    return {**record, "benchmarks": [r for r in record["benchmarks"]
-                                     if all(r.get(k) == v for k, v in match.items())]}
 
 
 def make_figures(record, out_dir):

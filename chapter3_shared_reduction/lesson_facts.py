@@ -18,12 +18,8 @@ def _where(record):
     return f"{record['device']['name']}, {record['date'][:10]}"
 
 
-def _rows(record, **match):
-    return [r for r in record["benchmarks"] if all(r.get(k) == v for k, v in match.items())]
-
-
 def _row(record, **match):
-    found = _rows(record, **match)
+    found = results.rows(record, **match)
     if not found:
         raise KeyError(match)
     return found[0]
@@ -44,7 +40,7 @@ def harris_table(record):
     for variant in ("torch", *WHOLE, "default", "atomic"):
         cells = []
         for dtype in ("float32", "bfloat16"):
-            found = _rows(record, op="sum", variant=variant, dtype=dtype, shape=[n], dim=None, sweep=False)
+            found = results.rows(record, op="sum", variant=variant, dtype=dtype, shape=[n], dim=None, sweep=False)
             cells += ([f"{found[0]['GBps']:.0f}", _pct(found[0]), f"{found[0]['speedup_vs_torch']:.2f}"]
                       if found else ["-", "-", "-"])
         name = variant + (f" -> {found[0]['dispatch']}" if variant == "default" and found else "")
@@ -101,14 +97,14 @@ def rows_cols(record):
 
 def row_sweep(record):
     parts = []
-    for r in sorted(_rows(record, op="sum", variant="default", dim=-1, sweep=True), key=lambda r: r["shape"][1]):
+    for r in sorted(results.rows(record, op="sum", variant="default", dim=-1, sweep=True), key=lambda r: r["shape"][1]):
         parts.append(f"{r['shape'][1]}: {r['dispatch']} {r['GBps']:.0f} GB/s ({r['speedup_vs_torch']:.2f}x torch)")
     return "row length " + ", ".join(parts) + f" ({_where(record)})."
 
 
 def column_sweep(record):
     parts = []
-    for r in sorted(_rows(record, op="sum", variant="default", dim=0, sweep=True), key=lambda r: r["shape"][1]):
+    for r in sorted(results.rows(record, op="sum", variant="default", dim=0, sweep=True), key=lambda r: r["shape"][1]):
         parts.append(f"{r['shape'][0]} x {r['shape'][1]}: {r['dispatch']} {_pct(r)} of copy "
                      f"({r['speedup_vs_torch']:.2f}x torch)")
     return ", ".join(parts) + f" ({_where(record)})."
@@ -118,7 +114,7 @@ def target_misses(record):
     """Every softmax/log_softmax measurement where version=None misses the issue's targets:
     forward >= 90% of copy and >= 1.0x torch and torch.compile; backward >= 85% of copy."""
     misses = []
-    for r in _rows(record, variant="default", dim=-1, sweep=True):
+    for r in results.rows(record, variant="default", dim=-1, sweep=True):
         if r["op"] not in ("softmax", "log_softmax"):
             continue
         c = _softmax_row(record, r["op"], r["dtype"], r["shape"][-1], "torch.compile", r["pass"])
@@ -148,7 +144,7 @@ def softmax_dram(record):
 
 
 def _softmax_row(record, op, dtype, n, variant, pass_="forward"):
-    found = [r for r in _rows(record, op=op, dtype=dtype, variant=variant, dim=-1)
+    found = [r for r in results.rows(record, op=op, dtype=dtype, variant=variant, dim=-1)
              if r.get("pass") == pass_ and r["shape"][-1] == n]
     return found[0] if found else None
 

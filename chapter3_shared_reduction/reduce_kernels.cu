@@ -617,17 +617,7 @@ cudaError_t run_reduce(const ReduceParams& p, cudaStream_t stream) {
   }
 }
 
-// Calls f(T{}) for the storage type of `dtype`.
-template <typename F>
-cudaError_t with_dtype(DType dtype, F&& f) {
-  switch (dtype) {
-    case DType::kFloat32: return f(float{});
-    case DType::kFloat16: return f(__half{});
-    case DType::kBFloat16: return f(__nv_bfloat16{});
-    case DType::kFloat64: return f(double{});
-  }
-  return cudaErrorInvalidValue;
-}
+using ::course::with_dtype;
 
 }  // namespace
 

@@ -9,14 +9,15 @@
 //               pattern behind every bias gradient.
 #pragma once
 
+#include <course/dtype.h>
 #include <course/index_math.h>
 
 #include <cstdint>
 
 namespace shared_reduction {
 
-// The dtypes the kernels are instantiated for; the glue maps at::ScalarType onto it.
-enum class DType { kFloat32, kFloat16, kBFloat16, kFloat64 };
+// The dtypes the kernels are instantiated for (course/dtype.h); the glue maps at::ScalarType onto it.
+using DType = ::course::DType;
 
 enum class ReduceOp { kSum, kMax };
 

@@ -39,17 +39,7 @@ cudaError_t with_shape(int shape, F&& f) {
   }
 }
 
-// Calls f(T{}) for the storage type of `dtype`.
-template <typename F>
-cudaError_t with_dtype(DType dtype, F&& f) {
-  switch (dtype) {
-    case DType::kFloat32: return f(float{});
-    case DType::kFloat16: return f(__half{});
-    case DType::kBFloat16: return f(__nv_bfloat16{});
-    case DType::kFloat64: return f(double{});
-  }
-  return cudaErrorInvalidValue;
-}
+using ::course::with_dtype;
 
 // The grid of a split-row kernel: as many blocks as can be resident at once (a cooperative
 // launch refuses more), rounded down to a multiple of `splits`, so that the `splits` blocks of

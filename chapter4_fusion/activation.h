@@ -148,16 +148,7 @@ namespace elementwise {
 template <typename T>
 constexpr bool kFastMath = sizeof(T) == 2;
 
-template <typename F>
-cudaError_t with_cuda_dtype(DType dtype, F&& f) {
-  switch (dtype) {
-    case DType::kFloat32: return f(float{});
-    case DType::kFloat16: return f(__half{});
-    case DType::kBFloat16: return f(__nv_bfloat16{});
-    case DType::kFloat64: break;
-  }
-  return f(double{});
-}
+using ::course::with_dtype;
 
 template <typename F>
 cudaError_t with_source(SaveKind source, F&& f) {

@@ -27,6 +27,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from coursekit import bench, plots, results  # noqa: E402
+from coursekit.results import subset  # noqa: E402  (the notebooks reach it as B.subset)
 
 import fusion  # noqa: E402
 
@@ -332,11 +333,6 @@ def bench_linear(device, mm, s):
 
 
 # ---------------------------------------------------------------------------------------------
-def subset(record, **match):
-    return {**record, "benchmarks": [r for r in record["benchmarks"]
-                                     if all(r.get(k) == v for k, v in match.items())]}
-
-
 def make_figures(record, out_dir):
     s = record["sizes"]
     figures = []

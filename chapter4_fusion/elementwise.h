@@ -8,6 +8,7 @@
 // bias, which broadcasts over the rows (every leading dim of x flattened into one).
 #pragma once
 
+#include <course/dtype.h>
 #include <course/index_math.h>
 
 #include <cstdint>
@@ -15,8 +16,8 @@
 namespace fusion {
 namespace elementwise {
 
-// The dtypes the kernels are instantiated for; the glue maps at::ScalarType onto it.
-enum class DType { kFloat32, kFloat16, kBFloat16, kFloat64 };
+// The dtypes the kernels are instantiated for (course/dtype.h); the glue maps at::ScalarType onto it.
+using DType = ::course::DType;
 
 // The activations of activation.h, by name in the ops' arguments:
 // relu, gelu (erf), gelu_tanh, silu.

@@ -142,7 +142,7 @@ cudaError_t launch_swiglu_tiles(int64_t rows, int64_t half, std::initializer_lis
 //       rows, two rows in flight per thread: the copy kernel's access pattern.
 // ---------------------------------------------------------------------------------------
 cudaError_t launch_bias_scale_relu(const BiasActParams& p, BsrVersion version, cudaStream_t stream) {
-  return with_cuda_dtype(p.dtype, [&](auto tag) -> cudaError_t {
+  return with_dtype(p.dtype, [&](auto tag) -> cudaError_t {
     using T = decltype(tag);
     const auto* x = static_cast<const T*>(p.x);
     const auto* bias = static_cast<const T*>(p.bias);
@@ -167,7 +167,7 @@ cudaError_t launch_bias_scale_relu(const BiasActParams& p, BsrVersion version, c
 // bias_gelu and bias_silu (any activation): v1 a bias kernel then an activation kernel, v2 the
 // tile kernel. scale is 1 for them.
 cudaError_t launch_bias_activation(const BiasActParams& p, ActVersion version, cudaStream_t stream) {
-  return with_cuda_dtype(p.dtype, [&](auto tag) -> cudaError_t {
+  return with_dtype(p.dtype, [&](auto tag) -> cudaError_t {
     using T = decltype(tag);
     return with_activation(p.act, [&](auto act) -> cudaError_t {
       using Act = decltype(act);
@@ -191,7 +191,7 @@ cudaError_t launch_bias_activation(const BiasActParams& p, ActVersion version, c
 //       in registers into [slots, n] partials; column_sum reduces only those few thousand rows.
 // ---------------------------------------------------------------------------------------
 cudaError_t act_backward_workspace(const ActBackwardParams& p, BackwardVersion version, int64_t* bytes) {
-  return with_cuda_dtype(p.dtype, [&](auto tag) -> cudaError_t {
+  return with_dtype(p.dtype, [&](auto tag) -> cudaError_t {
     using T = decltype(tag);
     if (version == BackwardVersion::kSeparate) {
       *bytes = p.rows * p.n * static_cast<int64_t>(sizeof(T));
@@ -202,7 +202,7 @@ cudaError_t act_backward_workspace(const ActBackwardParams& p, BackwardVersion v
 }
 
 cudaError_t launch_act_backward(const ActBackwardParams& p, BackwardVersion version, cudaStream_t stream) {
-  return with_cuda_dtype(p.dtype, [&](auto tag) -> cudaError_t {
+  return with_dtype(p.dtype, [&](auto tag) -> cudaError_t {
     using T = decltype(tag);
     return with_activation(p.act, [&](auto act) -> cudaError_t {
       using Act = decltype(act);
@@ -231,7 +231,7 @@ cudaError_t launch_act_backward(const ActBackwardParams& p, BackwardVersion vers
 
 // swiglu: v1 two kernels (silu(a), then the product), v2 one tile kernel.
 cudaError_t launch_swiglu(const SwigluParams& p, ActVersion version, cudaStream_t stream) {
-  return with_cuda_dtype(p.dtype, [&](auto tag) -> cudaError_t {
+  return with_dtype(p.dtype, [&](auto tag) -> cudaError_t {
     using T = decltype(tag);
     const auto* x = static_cast<const T*>(p.x);
     auto* y = static_cast<T*>(p.y);
@@ -250,7 +250,7 @@ cudaError_t launch_swiglu(const SwigluParams& p, ActVersion version, cudaStream_
 }
 
 cudaError_t launch_swiglu_backward(const SwigluBackwardParams& p, cudaStream_t stream) {
-  return with_cuda_dtype(p.dtype, [&](auto tag) -> cudaError_t {
+  return with_dtype(p.dtype, [&](auto tag) -> cudaError_t {
     using T = decltype(tag);
     const auto* dy = static_cast<const T*>(p.dy);
     const auto* x = static_cast<const T*>(p.x);

@@ -60,15 +60,7 @@ V parse_choice(const char* op, const char* what, c10::string_view value, const N
   TORCH_CHECK(false, op, ": unknown ", what, " '", std::string(::course::as_std(value)), "'; expected one of ", list);
 }
 
-DType to_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return DType::kFloat32;
-    case at::kHalf: return DType::kFloat16;
-    case at::kBFloat16: return DType::kBFloat16;
-    case at::kDouble: return DType::kFloat64;
-    default: TORCH_CHECK(false, "unreachable: dtype ", t, " passed the checks");
-  }
-}
+using ::course::to_dtype;
 
 // "[4, 3]", symbolic sizes (fake tensors under torch.compile) as "?".
 std::string shape_of(const Tensor& t) {

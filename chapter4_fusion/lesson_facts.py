@@ -16,10 +16,6 @@ def _where(record):
     return f"{record['device']['name']}, {record['date'][:10]}"
 
 
-def _rows(record, **match):
-    return [r for r in record["benchmarks"] if all(r.get(k) == v for k, v in match.items())]
-
-
 def _pct(r):
     return f"{r['pct_of_copy']:.0f}%"
 
@@ -34,7 +30,7 @@ def _ladder_table(record, op, match, title):
     """One row per measurement (dtype, shape, pass, ...): every variant's % of copy, and
     version=None against torch and torch.compile."""
     groups = {}
-    for r in _rows(record, op=op, **match):
+    for r in results.rows(record, op=op, **match):
         groups.setdefault(results.measurement_key(r), []).append(r)
     variants = list(dict.fromkeys(r["variant"] for rs in groups.values() for r in rs))
     lines = [f"**{title}** (% of copy)", "",
@@ -64,8 +60,8 @@ def bsr_save(record):
     parts = []
     for dtype in ("float32", "bfloat16"):
         for save in ("y", "x", "mask"):
-            f = _rows(record, op="fused_bias_scale_relu", dtype=dtype, save=save, variant="default", sweep=True)
-            b = _rows(record, op="fused_bias_scale_relu", dtype=dtype, save=save, variant="default",
+            f = results.rows(record, op="fused_bias_scale_relu", dtype=dtype, save=save, variant="default", sweep=True)
+            b = results.rows(record, op="fused_bias_scale_relu", dtype=dtype, save=save, variant="default",
                       **{"pass": "backward"})
             if f and b:
                 parts.append(f"{dtype} save={save!r}: keeps {f[0]['saved_bytes'] / 2**20:.0f} MiB, forward "
@@ -88,7 +84,7 @@ def norm_table(record):
 
 
 def linear_table(record):
-    lin = _rows(record, op="linear_activation")
+    lin = results.rows(record, op="linear_activation")
     variants = list(dict.fromkeys(r["variant"] for r in lin))
     ms = sorted({r["shape"][0] for r in lin})
     lines = ["| M | " + " | ".join(variants) + " | default x torch | default x compile |",
@@ -123,7 +119,7 @@ def target_misses(record):
     """Every measurement where version=None misses the issue's target for its op."""
     misses, checked = [], 0
     for op, match, floor, vs_torch, vs_compile in TARGETS:
-        for d in _rows(record, op=op, variant="default", **match):
+        for d in results.rows(record, op=op, variant="default", **match):
             same = [r for r in record["benchmarks"] if results.measurement_key(r) == results.measurement_key(d)]
             c = next((r for r in same if r["variant"] == "torch.compile"), None)
             why = []
@@ -139,7 +135,7 @@ def target_misses(record):
                 misses.append(f"{op} {d.get('pass', '')} {d['dtype']} {results.format_shape(d['shape'])}"
                               f"{' ' + tag if tag else ''}: " + ", ".join(why))
     # linear_activation: >= 1.0x eager at every M, and within 3% of torch.compile's time.
-    for d in _rows(record, op="linear_activation", variant="default"):
+    for d in results.rows(record, op="linear_activation", variant="default"):
         same = [r for r in record["benchmarks"] if results.measurement_key(r) == results.measurement_key(d)]
         c = next((r for r in same if r["variant"] == "torch.compile"), None)
         why = []

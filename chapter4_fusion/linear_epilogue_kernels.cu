@@ -25,7 +25,7 @@ namespace elementwise {
 //   fused_epilogue  bias_act_tile_kernel reads h once and writes y (and z, when params.pre is
 //                   set), 16-byte accesses, the bias held in registers across rows.
 cudaError_t launch_linear_epilogue(const BiasActParams& p, LinearVersion version, cudaStream_t stream) {
-  return with_cuda_dtype(p.dtype, [&](auto tag) -> cudaError_t {
+  return with_dtype(p.dtype, [&](auto tag) -> cudaError_t {
     using T = decltype(tag);
     return with_activation(p.act, [&](auto act) -> cudaError_t {
       using Act = decltype(act);
@@ -48,13 +48,13 @@ cudaError_t launch_linear_epilogue(const BiasActParams& p, LinearVersion version
 // a column sum of its per-slot partials. dx = dz @ weight and dweight = dz.T @ x are GEMMs in
 // the glue.
 cudaError_t linear_epilogue_backward_workspace(const ActBackwardParams& p, int64_t* bytes) {
-  return with_cuda_dtype(p.dtype, [&](auto tag) -> cudaError_t {
+  return with_dtype(p.dtype, [&](auto tag) -> cudaError_t {
     return fused_backward_workspace<decltype(tag)>(p, bytes);
   });
 }
 
 cudaError_t launch_linear_epilogue_backward(const ActBackwardParams& p, cudaStream_t stream) {
-  return with_cuda_dtype(p.dtype, [&](auto tag) -> cudaError_t {
+  return with_dtype(p.dtype, [&](auto tag) -> cudaError_t {
     using T = decltype(tag);
     return with_activation(p.act, [&](auto act) -> cudaError_t {
       return launch_fused_backward<T, decltype(act), SaveKind::kInput>(p, stream);

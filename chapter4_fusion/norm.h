@@ -10,6 +10,7 @@
 // PyTorch does, so the backward need not recompute them.
 #pragma once
 
+#include <course/dtype.h>
 #include <course/index_math.h>
 
 #include <cstdint>
@@ -17,8 +18,8 @@
 namespace fusion {
 namespace norm {
 
-// The dtypes the kernels are instantiated for; the glue maps at::ScalarType onto it.
-enum class DType { kFloat32, kFloat16, kBFloat16, kFloat64 };
+// The dtypes the kernels are instantiated for (course/dtype.h); the glue maps at::ScalarType onto it.
+using DType = ::course::DType;
 
 enum class NormKind { kLayerNorm, kRmsNorm };
 
@@ -182,17 +183,7 @@ cudaError_t launch_norm_backward(const NormBackwardParams& params, cudaStream_t 
 #include <type_traits>
 namespace fusion {
 namespace norm {
-// Calls f(T{}) for the storage type of `dtype`.
-template <typename F>
-cudaError_t with_storage_type(DType dtype, F&& f) {
-  switch (dtype) {
-    case DType::kFloat32: return f(float{});
-    case DType::kFloat16: return f(__half{});
-    case DType::kBFloat16: return f(__nv_bfloat16{});
-    case DType::kFloat64: return f(double{});
-  }
-  return cudaErrorInvalidValue;
-}
+using ::course::with_dtype;
 
 // Calls f(std::bool_constant<b>): a runtime choice made once per launch, a template
 // parameter (no branch) inside the kernel.

@@ -318,7 +318,7 @@ cudaError_t run_backward(const NormBackwardParams& p, cudaStream_t stream, int64
 cudaError_t norm_backward_workspace(const NormBackwardParams& p, int64_t* bytes) {
   *bytes = 0;
   if (p.rows == 0 || p.n == 0) return cudaSuccess;
-  return with_storage_type(p.dtype, [&](auto tag) {
+  return with_dtype(p.dtype, [&](auto tag) {
     using T = decltype(tag);
     int64_t grid = 0;
     COURSE_CUDA_TRY(run_backward<T>(p, nullptr, &grid));
@@ -330,7 +330,7 @@ cudaError_t norm_backward_workspace(const NormBackwardParams& p, int64_t* bytes)
 
 cudaError_t launch_norm_backward(const NormBackwardParams& p, cudaStream_t stream) {
   if (p.rows == 0 || p.n == 0) return cudaSuccess;
-  return with_storage_type(p.dtype, [&](auto tag) { return run_backward<decltype(tag)>(p, stream, nullptr); });
+  return with_dtype(p.dtype, [&](auto tag) { return run_backward<decltype(tag)>(p, stream, nullptr); });
 }
 
 }  // namespace norm

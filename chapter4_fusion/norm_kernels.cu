@@ -365,12 +365,12 @@ cudaError_t run_norm(const NormParams& p, cudaStream_t stream) {
 
 cudaError_t launch_norm(const NormParams& p, cudaStream_t stream) {
   if (p.rows == 0 || p.n == 0) return cudaSuccess;
-  return with_storage_type(p.dtype, [&](auto tag) { return run_norm<decltype(tag)>(p, stream); });
+  return with_dtype(p.dtype, [&](auto tag) { return run_norm<decltype(tag)>(p, stream); });
 }
 
 cudaError_t launch_add(const AddParams& p, cudaStream_t stream) {
   if (p.numel == 0) return cudaSuccess;
-  return with_storage_type(p.dtype, [&](auto tag) {
+  return with_dtype(p.dtype, [&](auto tag) {
     using T = decltype(tag);
     return run_add<T>(static_cast<const T*>(p.x), static_cast<const T*>(p.residual), static_cast<T*>(p.out), p.numel,
                       stream);

@@ -43,15 +43,7 @@ constexpr ::course::NamedVersion<NormBackwardVersion> kBackwardVersions[] = {
 constexpr ::course::NamedVersion<AddNormVersion> kAddVersions[] = {
     {"v1", AddNormVersion::kUnfused}, {"v2", AddNormVersion::kFused}};
 
-DType to_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return DType::kFloat32;
-    case at::kHalf: return DType::kFloat16;
-    case at::kBFloat16: return DType::kBFloat16;
-    case at::kDouble: return DType::kFloat64;
-    default: TORCH_CHECK(false, "unreachable: dtype ", t, " passed the checks");
-  }
-}
+using ::course::to_dtype;
 
 // mean and rstd are kept in the accumulation type: float32, float64 for float64 inputs.
 at::ScalarType stat_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }

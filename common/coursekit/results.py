@@ -78,6 +78,12 @@ def rows(record, **match):
     return [r for r in record["benchmarks"] if all(r.get(k) == v for k, v in match.items())]
 
 
+def subset(record, **match):
+    """A copy of the record with only the rows matching every field: what a plot of one panel
+    is given."""
+    return {**record, "benchmarks": rows(record, **match)}
+
+
 def format_shape(shape):
     """[268435456] -> "2^28", [1823, 781] -> "1823x781"."""
     return "x".join(f"2^{n.bit_length() - 1}" if n > 1 and n & (n - 1) == 0 else str(n)

@@ -9,6 +9,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
+#include <course/dtype.h>
 
 #include <initializer_list>
 #include <string>
@@ -65,6 +66,17 @@ inline void check_device_supported(const char* op, const char* name, const at::T
 // The four floating dtypes every course op takes: float64 so gradcheck runs on CUDA too.
 inline void check_floating(const char* op, const char* name, const at::Tensor& t) {
   check_dtype_in(op, name, t, {at::kFloat, at::kHalf, at::kBFloat16, at::kDouble});
+}
+
+// The kernels' dtype enum for a tensor that passed check_floating.
+inline DType to_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kHalf: return DType::kFloat16;
+    case at::kBFloat16: return DType::kBFloat16;
+    case at::kDouble: return DType::kFloat64;
+    default: TORCH_CHECK(false, "unreachable: dtype ", t, " passed the checks");
+  }
 }
 
 // The error a CUDA tensor meets in an extension that was built without its CUDA kernels.
