@@ -15,8 +15,6 @@ read once plus each output element written once:
 
 Writes results/<device-slug>/chapter2_memory.json and the plots beside it.
 """
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -268,15 +266,8 @@ def print_table(record):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small sizes (CPU, smoke runs)")
-    args = parser.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        print("No CUDA GPU: benchmarking the CPU path at small sizes; GPU numbers come from "
-              "the recorded results.")
-    s = sizes_for(device, args.quick)
+    device, quick = bench.start(__doc__)
+    s = sizes_for(device, quick)
     variants = [*memory_ops.VERSIONS["transpose"], "default"] if device == "cuda" else ["cpu"]
 
     ceilings = bench.copy_ceiling(device, n=s["copy_bytes"] // 4)
@@ -307,11 +298,7 @@ def main():
                         "problem far above the L2); transpose sweep: CUDA-graph replays over "
                         "rotating inputs (> 2x L2 per pass); working-set sweep: CUDA-graph "
                         "replays on the same buffers (hot L2 by design)"}}
-    path = results.write_results(CHAPTER, rows, ceilings, **extra)
-    record = json.loads(path.read_text())
-    figures = make_figures(record, path.parent)
-    print_table(record)
-    print("wrote", path, *figures, sep="\n  ")
+    results.publish(CHAPTER, rows, ceilings, extra, make_figures, print_table)
 
 
 if __name__ == "__main__":

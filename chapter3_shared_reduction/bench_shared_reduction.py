@@ -11,8 +11,6 @@ traffic); its backward reads y and dy and writes dx (3 * n * size).
 
 Writes results/<device-slug>/chapter3_shared_reduction.json and the plots beside it.
 """
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -268,15 +266,9 @@ def print_table(record):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small sizes (CPU, smoke runs)")
-    args = parser.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        print("No CUDA GPU: benchmarking the CPU path at small sizes; GPU numbers come from the "
-              "recorded results.")
+    device, quick = bench.start(__doc__)
     torch._dynamo.config.cache_size_limit = 256
-    s = sizes_for(device, args.quick)
+    s = sizes_for(device, quick)
     ceilings = bench.copy_ceiling(device, n=s["whole"])
     ceiling = ceilings["copy_GBps"]
     rows = bench_reductions(device, ceiling, s) + bench_softmax(device, ceiling, s)
@@ -285,11 +277,7 @@ def main():
                         "method": "perf_counter" if device == "cpu" else
                         "CUDA events, eager back-to-back launches; every problem far above the L2 "
                         "(2^26-2^28 elements)"}}
-    path = results.write_results(CHAPTER, rows, ceilings, **extra)
-    record = json.loads(path.read_text())
-    figures = make_figures(record, path.parent)
-    print_table(record)
-    print("wrote", path, *figures, sep="\n  ")
+    results.publish(CHAPTER, rows, ceilings, extra, make_figures, print_table)
 
 
 if __name__ == "__main__":

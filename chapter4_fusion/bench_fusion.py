@@ -16,8 +16,6 @@ are TFLOP/s against a plain bf16 matmul measured in the same run.
 
 Writes results/<device-slug>/chapter4_fusion.json and the plots beside it.
 """
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -389,17 +387,11 @@ def print_table(record):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small sizes (CPU, smoke runs)")
-    args = parser.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        print("No CUDA GPU: benchmarking the CPU path at small sizes; GPU numbers come from the "
-              "recorded results.")
+    device, quick = bench.start(__doc__)
     torch._dynamo.config.cache_size_limit = 256
-    s = sizes_for(device, args.quick)
-    ceilings = bench.copy_ceiling(device, n=2**28 if device == "cuda" and not args.quick else 2**20)
-    mm = bench.matmul_ceiling(device, n=8192 if device == "cuda" and not args.quick else 256)
+    s = sizes_for(device, quick)
+    ceilings = bench.copy_ceiling(device, n=2**28 if device == "cuda" and not quick else 2**20)
+    mm = bench.matmul_ceiling(device, n=8192 if device == "cuda" and not quick else 256)
     ceilings.update(mm)
     ceiling = ceilings["copy_GBps"]
     rows = (bench_bias_scale_relu(device, ceiling, s) + bench_activations(device, ceiling, s)
@@ -413,11 +405,7 @@ def main():
                         "above the L2 (2^26-2^28 elements); backward rows of torch, torch.compile and "
                         "`autograd` time autograd.grad over a retained graph; the norms' backward "
                         "rungs and their default time the backward op alone"}}
-    path = results.write_results(CHAPTER, rows, ceilings, **extra)
-    record = json.loads(path.read_text())
-    figures = make_figures(record, path.parent)
-    print_table(record)
-    print("wrote", path, *figures, sep="\n  ")
+    results.publish(CHAPTER, rows, ceilings, extra, make_figures, print_table)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 problems small enough to sit in L2 or to be dominated by launch time, CUDA-graph replays over
 rotating input sets; the copy ceiling measured in the same run. Bandwidth rows follow the
 results contract of CONVENTIONS.md section 5."""
+import argparse
 import statistics
 import time
 
@@ -182,3 +183,16 @@ def bandwidth_row(op, variant, dtype, shape, nbytes, timing, ceiling_GBps, torch
         row["speedup_vs_torch"] = torch_ms / timing["median_ms"]
     row.update(extra)
     return row
+
+
+def start(doc):
+    """The command line of a chapter's benchmark (`--quick`: small sizes, for CPU machines and
+    smoke runs) and the device it runs on: (device, quick)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small sizes (CPU, smoke runs)")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        print("No CUDA GPU: benchmarking the CPU path at small sizes; GPU numbers come from the "
+              "recorded results.")
+    return device, args.quick

@@ -57,6 +57,17 @@ def write_results(chapter, benchmarks, ceilings, **extra):
     return path
 
 
+def publish(chapter, rows, ceilings, extra, make_figures, print_table):
+    """The end of every benchmark: the results file, the figures drawn from it (from the file,
+    as the notebooks draw them), the table printed, and where it all went."""
+    path = write_results(chapter, rows, ceilings, **extra)
+    record = json.loads(path.read_text())
+    figures = make_figures(record, path.parent)
+    print_table(record)
+    print("wrote", path, *figures, sep="\n  ")
+    return record
+
+
 def load_all(chapter, include_cpu=False):
     """Every recorded results file of a chapter, newest first: [(slug, record)]."""
     found = []
