@@ -9,6 +9,7 @@
 
 #include <ATen/ATen.h>
 #include <course/checks.h>
+#include <course/dispatch.h>
 #include <course/index_math.h>
 #include <course/versions.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -53,11 +54,7 @@ std::vector<std::string> versions(c10::string_view op) {
 
 using ::course::to_dtype;
 
-void check_input(const char* op, const char* name, const Tensor& t) {
-  TORCH_CHECK(t.defined(), op, ": ", name, " is an undefined tensor");
-  ::course::check_device_supported(op, name, t);
-  ::course::check_floating(op, name, t);
-}
+using ::course::check_input;
 
 // Same dtype, device and shape for both inputs; no broadcasting and no type promotion, so
 // the kernels can walk two arrays of n elements in lockstep.
@@ -158,10 +155,7 @@ std::tuple<std::string, std::string, int64_t, int64_t> default_choice(int64_t n,
 
 // Autograd. Each forward re-enters the dispatcher below the Autograd key, so it reaches the
 // CPU/CUDA kernel above; each backward is the op's derivative written with ATen ops.
-template <typename Signature>
-c10::TypedOperatorHandle<Signature> find_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
+using ::course::find_op;
 
 class VectorAddFunction : public torch::autograd::Function<VectorAddFunction> {
  public:

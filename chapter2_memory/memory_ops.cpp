@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <course/checks.h>
+#include <course/dispatch.h>
 #include <course/versions.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
@@ -51,11 +52,7 @@ std::vector<std::string> versions(c10::string_view op) {
               "transpose)");
 }
 
-void check_input(const char* op, const Tensor& x) {
-  TORCH_CHECK(x.defined(), op, ": x is an undefined tensor");
-  ::course::check_device_supported(op, "x", x);
-  ::course::check_floating(op, "x", x);
-}
+void check_input(const char* op, const Tensor& x) { ::course::check_input(op, "x", x); }
 
 // Runs `launch` on x's device and current stream, or `cpu` on the CPU. Callers return early
 // for Meta tensors (shapes only: fake tensors, torch.compile, opcheck) and empty outputs.
@@ -169,10 +166,7 @@ std::string default_choice(c10::string_view op, const Tensor& x) {
 
 // Autograd. Each forward re-enters the dispatcher below the Autograd key, so it reaches the
 // CPU/CUDA kernel above; each backward is written with the ops themselves or ATen.
-template <typename Signature>
-c10::TypedOperatorHandle<Signature> find_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
+using ::course::find_op;
 
 std::optional<std::string> saved_version(OptVersion version) {
   if (!version.has_value()) return std::nullopt;

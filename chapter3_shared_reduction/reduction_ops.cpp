@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <course/checks.h>
+#include <course/dispatch.h>
 #include <course/versions.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
@@ -56,11 +57,7 @@ std::vector<std::string> versions(c10::string_view op) {
 
 using ::course::to_dtype;
 
-void check_input(const char* op, const char* name, const Tensor& t) {
-  TORCH_CHECK(t.defined(), op, ": ", name, " is an undefined tensor");
-  ::course::check_device_supported(op, name, t);
-  ::course::check_floating(op, name, t);
-}
+using ::course::check_input;
 
 // dim in [-ndim, ndim) (a 0-d tensor has one dim, as in torch), as a non-negative index.
 int64_t wrap_dim(const char* op, int64_t dim, int64_t ndim) {
@@ -330,10 +327,7 @@ std::string default_choice(c10::string_view op_name, const Tensor& x, std::optio
 // Autograd. Each forward re-enters the dispatcher below the Autograd key, reaching the kernels
 // above; the softmax backward is this chapter's own kernel, the others are ATen expressions.
 // ---------------------------------------------------------------------------------------
-template <typename Signature>
-c10::TypedOperatorHandle<Signature> find_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
+using ::course::find_op;
 
 c10::IValue saved_version(OptVersion version) {
   return version.has_value() ? c10::IValue(std::string(::course::as_std(*version))) : c10::IValue();

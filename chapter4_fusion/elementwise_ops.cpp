@@ -6,6 +6,7 @@
 
 #include <ATen/ATen.h>
 #include <course/checks.h>
+#include <course/dispatch.h>
 #include <course/versions.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
@@ -72,11 +73,7 @@ std::string shape_of(const Tensor& t) {
   return s + "]";
 }
 
-void check_input(const char* op, const char* name, const Tensor& t) {
-  TORCH_CHECK(t.defined(), op, ": ", name, " is an undefined tensor");
-  ::course::check_device_supported(op, name, t);
-  ::course::check_floating(op, name, t);
-}
+using ::course::check_input;
 
 // x [..., n] and a bias of n elements that broadcasts over its rows.
 void check_bias(const char* op, const char* x_name, const Tensor& x, const Tensor& bias) {
@@ -471,10 +468,7 @@ std::string default_choice(c10::string_view op_name, const Tensor& x) {
 // above); each backward is the family's own backward op. First derivatives only: the backward
 // ops have no derivative of their own (double backward raises).
 // ---------------------------------------------------------------------------------------
-template <typename Signature>
-c10::TypedOperatorHandle<Signature> find_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
+using ::course::find_op;
 
 std::string as_string(c10::string_view s) { return std::string(::course::as_std(s)); }
 

@@ -8,6 +8,7 @@
 
 #include <ATen/ATen.h>
 #include <course/checks.h>
+#include <course/dispatch.h>
 #include <course/versions.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
@@ -48,11 +49,7 @@ using ::course::to_dtype;
 // mean and rstd are kept in the accumulation type: float32, float64 for float64 inputs.
 at::ScalarType stat_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
-void check_input(const char* op, const char* name, const Tensor& t) {
-  TORCH_CHECK(t.defined(), op, ": ", name, " is an undefined tensor");
-  ::course::check_device_supported(op, name, t);
-  ::course::check_floating(op, name, t);
-}
+using ::course::check_input;
 
 // x: at least 1-D, normalized over its last dim. A parameter (weight, bias): 1-D of that size,
 // x's dtype and device.
@@ -336,10 +333,7 @@ std::string norm_default_choice(c10::string_view op_name, const Tensor& x) {
 // backward is this chapter's own kernel, reached through its op. The backward ops have no
 // derivative of their own: double backward is not supported.
 // ---------------------------------------------------------------------------------------
-template <typename Signature>
-c10::TypedOperatorHandle<Signature> find_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
+using ::course::find_op;
 
 class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
  public:

@@ -154,17 +154,23 @@ def tflops(flops, ms):
     return flops / (ms * 1e-3) / 1e12
 
 
-def flops_row(op, variant, dtype, shape, flops, timing, mm_TFLOPs, torch_ms=None, **extra):
-    """One results row of a compute-bound op: TFLOP/s and % of the measured matmul rate."""
+def _row(op, variant, dtype, shape, timing, torch_ms, extra, work, rate, pct, ceiling):
+    """A results row (CONVENTIONS.md section 5): `work` (bytes or flops) at `rate` per second,
+    as `pct` of the ceiling measured in the same run, and the speedup over torch's time."""
     row = {"op": op, "variant": variant, "dtype": str(dtype).replace("torch.", ""),
-           "shape": list(shape), "flops": flops, **timing,
-           "TFLOPs": tflops(flops, timing["median_ms"])}
-    if mm_TFLOPs:
-        row["pct_of_mm"] = 100.0 * row["TFLOPs"] / mm_TFLOPs
+           "shape": list(shape), **work, **timing, **rate}
+    if ceiling:
+        row[pct] = 100.0 * next(iter(rate.values())) / ceiling
     if torch_ms is not None:
         row["speedup_vs_torch"] = torch_ms / timing["median_ms"]
     row.update(extra)
     return row
+
+
+def flops_row(op, variant, dtype, shape, flops, timing, mm_TFLOPs, torch_ms=None, **extra):
+    """One results row of a compute-bound op: TFLOP/s and % of the measured matmul rate."""
+    return _row(op, variant, dtype, shape, timing, torch_ms, extra, {"flops": flops},
+                {"TFLOPs": tflops(flops, timing["median_ms"])}, "pct_of_mm", mm_TFLOPs)
 
 
 def gbps(nbytes, ms):
@@ -174,15 +180,8 @@ def gbps(nbytes, ms):
 def bandwidth_row(op, variant, dtype, shape, nbytes, timing, ceiling_GBps, torch_ms=None, **extra):
     """One results row. nbytes is the napkin-math minimum: each input read once, each output
     written once."""
-    row = {"op": op, "variant": variant, "dtype": str(dtype).replace("torch.", ""),
-           "shape": list(shape), "bytes": nbytes, **timing,
-           "GBps": gbps(nbytes, timing["median_ms"])}
-    if ceiling_GBps:
-        row["pct_of_copy"] = 100.0 * row["GBps"] / ceiling_GBps
-    if torch_ms is not None:
-        row["speedup_vs_torch"] = torch_ms / timing["median_ms"]
-    row.update(extra)
-    return row
+    return _row(op, variant, dtype, shape, timing, torch_ms, extra, {"bytes": nbytes},
+                {"GBps": gbps(nbytes, timing["median_ms"])}, "pct_of_copy", ceiling_GBps)
 
 
 def start(doc):

@@ -68,6 +68,13 @@ inline void check_floating(const char* op, const char* name, const at::Tensor& t
   check_dtype_in(op, name, t, {at::kFloat, at::kHalf, at::kBFloat16, at::kDouble});
 }
 
+// Every tensor argument of a course op: defined, on a device the ops serve, a floating dtype.
+inline void check_input(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(t.defined(), op, ": ", name, " is an undefined tensor");
+  check_device_supported(op, name, t);
+  check_floating(op, name, t);
+}
+
 // The kernels' dtype enum for a tensor that passed check_floating.
 inline DType to_dtype(at::ScalarType t) {
   switch (t) {
