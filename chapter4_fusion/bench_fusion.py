@@ -271,8 +271,9 @@ def bench_norms(device, ceiling, s):
                 variants += backward_rungs(op, x, w, b, dy)
             # Ours through autograd, timed as torch's rows are; the rungs and `default` time
             # the backward op alone, so that the dispatch compares with its rungs like for like.
-            variants.append(("autograd" if device == "cuda" else "cpu",
-                             backward_of(lambda a, p, q, ours=ours: ours(a, p, q)), {}))
+            variants.append(("default" if device == "cuda" else "cpu",
+                             backward_of(lambda a, p, q, ours=ours: ours(a, p, q)),
+                             {"call": "autograd"}))
             rows += bandwidth(device, ceiling, op, dtype, shape, 3 * n * size, variants,
                               **{"pass": "backward", "sweep": True})
             del xg, pg, dy
@@ -311,13 +312,14 @@ def bench_linear(device, mm, s):
         x = torch.randn(m, k, device=device, dtype=dtype)
         eager = lambda x, w, b: F.gelu(F.linear(x, w, b))  # noqa: E731
         variants = with_baselines(device, ("linear", m), eager, (x, w, b), [])
-        variants.insert(1, ("linear only", lambda: F.linear(x, w, b), {}))
+        # Parts of the eager chain, as torch rows with a `call` field (CONVENTIONS section 5).
+        variants.insert(1, ("torch", lambda: F.linear(x, w, b), {"call": "F.linear"}))
         # The GEMM our op runs (no bias: the epilogue adds it), to split our time into GEMM and
         # epilogue and to see whether cuBLAS picks another kernel without the bias.
-        variants.insert(2, ("mm only", lambda: torch.mm(x, w.t()), {}))
+        variants.insert(2, ("torch", lambda: torch.mm(x, w.t()), {"call": "torch.mm"}))
         if device == "cuda":
-            variants.insert(2, ("torch._addmm_activation",
-                                lambda: torch._addmm_activation(b, x, w.t(), use_gelu=True), {}))
+            variants.insert(2, ("torch", lambda: torch._addmm_activation(b, x, w.t(), use_gelu=True),
+                                {"call": "torch._addmm_activation"}))
         variants += rungs(device, "linear_activation",
                           lambda v: fusion.linear_activation(x, w, b, "gelu", version=v),
                           torch.empty(m, n, dtype=dtype, device="meta"))  # the dispatch sees the GEMM's output
@@ -362,8 +364,8 @@ def make_figures(record, out_dir):
 
     fig, ax = plt.subplots(figsize=(8, 5))
     lin = [r for r in record["benchmarks"] if r["op"] == "linear_activation"]
-    for variant in dict.fromkeys(r["variant"] for r in lin):
-        pts = sorted((r["shape"][0], r["TFLOPs"]) for r in lin if r["variant"] == variant)
+    for variant in dict.fromkeys(results.column(r) for r in lin):
+        pts = sorted((r["shape"][0], r["TFLOPs"]) for r in lin if results.column(r) == variant)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=variant)
     ax.set_xscale("log", base=2)
     ax.set_xlabel(f"M (rows of x); K = {s['linear_k']}, N = {s['linear_n']}, bfloat16")
@@ -382,7 +384,7 @@ def print_table(record):
         rate, pct = (r["GBps"], r.get("pct_of_copy", 0)) if "GBps" in r else (r["TFLOPs"], r.get("pct_of_mm", 0))
         tag = " ".join(str(r[k]) for k in ("save", "activation") if k in r)
         print(f"{r['op']:<24}{r.get('pass', ''):<9}{r['dtype']:<9}{results.format_shape(r['shape']):<16}"
-              f"{r['variant'][:23]:<24}{r['median_ms']:>9.3f}{rate:>8.0f}{pct:>7.1f}{r.get('speedup_vs_torch', 1):>8.2f}"
+              f"{results.column(r)[:23]:<24}{r['median_ms']:>9.3f}{rate:>8.0f}{pct:>7.1f}{r.get('speedup_vs_torch', 1):>8.2f}"
               f"  {tag} {r.get('dispatch', '')}")
 
 
@@ -403,7 +405,7 @@ def main():
                         "method": "perf_counter" if device == "cpu" else
                         "CUDA events, eager back-to-back launches; every memory-bound problem far "
                         "above the L2 (2^26-2^28 elements); backward rows of torch, torch.compile and "
-                        "`autograd` time autograd.grad over a retained graph; the norms' backward "
+                        "rows with call=autograd time autograd.grad over a retained graph; the norms' backward "
                         "rungs and their default time the backward op alone"}}
     results.publish(CHAPTER, rows, ceilings, extra, make_figures, print_table)
 

@@ -26,18 +26,24 @@ def ceilings(record):
             f"({_where(record)})")
 
 
+def _key(r):
+    """The measurement a table row shows: a row's key without `call`, so that "default
+    (autograd)" and "torch (F.linear)" sit in the same table row as the variants they split."""
+    return results.measurement_key({k: v for k, v in r.items() if k != "call"})
+
+
 def _ladder_table(record, op, match, title):
     """One row per measurement (dtype, shape, pass, ...): every variant's % of copy, and
     version=None against torch and torch.compile."""
     groups = {}
     for r in results.rows(record, op=op, **match):
-        groups.setdefault(results.measurement_key(r), []).append(r)
-    variants = list(dict.fromkeys(r["variant"] for rs in groups.values() for r in rs))
+        groups.setdefault(_key(r), []).append(r)
+    variants = list(dict.fromkeys(results.column(r) for rs in groups.values() for r in rs))
     lines = [f"**{title}** (% of copy)", "",
              "| dtype | shape | pass | " + " | ".join(variants) + " | default x torch | default x compile |",
              "|---|---|---|" + "---|" * (len(variants) + 2)]
     for rs in groups.values():
-        by = {r["variant"]: r for r in rs}
+        by = {results.column(r): r for r in rs}
         first = rs[0]
         cells = [_pct(by[v]) if v in by else "-" for v in variants]
         d, c = by.get("default"), by.get("torch.compile")
@@ -85,12 +91,12 @@ def norm_table(record):
 
 def linear_table(record):
     lin = results.rows(record, op="linear_activation")
-    variants = list(dict.fromkeys(r["variant"] for r in lin))
+    variants = list(dict.fromkeys(results.column(r) for r in lin))
     ms = sorted({r["shape"][0] for r in lin})
     lines = ["| M | " + " | ".join(variants) + " | default x torch | default x compile |",
              "|---|" + "---|" * (len(variants) + 2)]
     for m in ms:
-        by = {r["variant"]: r for r in lin if r["shape"][0] == m}
+        by = {results.column(r): r for r in lin if r["shape"][0] == m}
         cells = [f"{by[v]['TFLOPs']:.0f}" if v in by else "-" for v in variants]
         d, c = by.get("default"), by.get("torch.compile")
         cells.append(f"{d['speedup_vs_torch']:.2f}" if d else "-")
@@ -121,7 +127,7 @@ def target_misses(record):
     """Every measurement where version=None misses the issue's target for its op."""
     misses, checked = [], 0
     for op, match, floor, vs_torch, vs_compile in TARGETS:
-        for d in results.rows(record, op=op, variant="default", **match):
+        for d in results.rows(record, op=op, variant="default", call=None, **match):
             same = [r for r in record["benchmarks"] if results.measurement_key(r) == results.measurement_key(d)]
             c = next((r for r in same if r["variant"] == "torch.compile"), None)
             why = []
@@ -142,8 +148,7 @@ def target_misses(record):
 
 
 def envelope(record):
-    rungs = {r["variant"] for r in record["benchmarks"]} - {
-        "torch", "torch.compile", "default", "cpu", "linear only", "mm only", "torch._addmm_activation", "autograd"}
+    rungs = {r["variant"] for r in record["benchmarks"]} - {*BASELINES, "default", "cpu"}
     problems = results.default_gaps(record, rungs)
     if not problems:
         return "In the committed results it holds at every measured shape."

@@ -36,7 +36,7 @@ def best_rows(rows):
     out = []
     for key, rs in groups.items():
         ours = [r for r in rs if not r["variant"].startswith("torch") and r["variant"] != "default"]
-        base = next((r for r in rs if r["variant"] == "torch"), None)
+        base = next((r for r in rs if r["variant"] == "torch" and not r.get("call")), None)
         if ours:
             out.append((key, max(ours, key=lambda r: r.get("GBps", r.get("TFLOPs", 0))), base))
     return out

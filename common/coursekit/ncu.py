@@ -23,14 +23,18 @@ def parse(csv_text, metrics):
     return [kernels[i] for i in sorted(kernels)]
 
 
-def profile(script, kernel_regex, metrics):
+def profile(script, kernel_regex, metrics, from_start=True):
     """Profile every kernel whose demangled name matches kernel_regex while `script
-    --workload` runs; metrics maps ncu metric names to the short names returned."""
+    --workload` runs; metrics maps ncu metric names to the short names returned. With
+    from_start=False only the kernels between the workload's cudaProfilerStart and
+    cudaProfilerStop (torch.cuda.profiler.start/stop) are profiled: warm-up, compilation and
+    autotuning stay out."""
     ncu = shutil.which("ncu")
     if ncu is None:
         sys.exit("ncu (Nsight Compute) not found on PATH")
     cmd = [ncu, "--csv", "--clock-control", "none", "--kernel-name-base", "demangled",
            "--kernel-name", f"regex:{kernel_regex}", "--metrics", ",".join(metrics),
+           "--profile-from-start", "on" if from_start else "off",
            sys.executable, str(script), "--workload"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -38,7 +42,7 @@ def profile(script, kernel_regex, metrics):
     return parse(proc.stdout, metrics)
 
 
-def workload_or_profile(doc, script, workload, kernel_regex, metrics):
+def workload_or_profile(doc, script, workload, kernel_regex, metrics, from_start=True):
     """The command line of every profile_*.py. With --workload: run the workload (what ncu
     profiles, in this process) and return None. Without: profile `script --workload` under
     ncu and return the kernels (see profile)."""
@@ -48,4 +52,4 @@ def workload_or_profile(doc, script, workload, kernel_regex, metrics):
     if parser.parse_args().workload:
         workload()
         return None
-    return profile(script, kernel_regex, metrics)
+    return profile(script, kernel_regex, metrics, from_start)

@@ -1,7 +1,7 @@
 """Plots drawn from results records (never from numbers typed in)."""
 import matplotlib.pyplot as plt
 
-from .results import format_shape, label, rows
+from .results import column, format_shape, label, rows
 
 
 def plot_sweep(ax, record, op, dtype, variants=None, title=None, x=None, xlabel="elements",
@@ -10,9 +10,9 @@ def plot_sweep(ax, record, op, dtype, variants=None, title=None, x=None, xlabel=
     with the copy ceiling. x(row) picks the swept quantity from a row."""
     x = x or (lambda r: r["shape"][0])
     sweep = [r for r in rows(record, op=op, dtype=dtype) if r.get("sweep")]
-    variants = variants or list(dict.fromkeys(r["variant"] for r in sweep))
+    variants = variants or list(dict.fromkeys(column(r) for r in sweep))
     for variant in variants:
-        pts = sorted((x(r), r["GBps"]) for r in sweep if r["variant"] == variant)
+        pts = sorted((x(r), r["GBps"]) for r in sweep if column(r) == variant)
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], **{"label": variant, **_style(variant)})
     copy = record["ceilings"].get("copy_GBps")
@@ -28,10 +28,11 @@ def plot_sweep(ax, record, op, dtype, variants=None, title=None, x=None, xlabel=
 
 
 def _style(variant):
-    """torch baselines dashed black; the default dispatch a wide pale band drawn under the
+    """torch baselines dashed (eager black); the default dispatch a wide pale band drawn under the
     rungs, so the envelope it follows shows through; rungs plain lines with markers."""
     if variant.startswith("torch"):
-        return dict(color="black", linestyle="--", marker="o", ms=3)
+        # A part of the eager chain ("torch (F.linear)") keeps the dashes, in a colour of its own.
+        return dict(color=None if "(" in variant else "black", linestyle="--", marker="o", ms=3)
     if variant == "default":
         return dict(color="tab:orange", linewidth=7, alpha=0.35, zorder=0,
                     label="default (version=None)")
@@ -44,7 +45,7 @@ def plot_bars(ax, record, op, dtype, shape, title=None, view=None):
               and not r.get("sweep") and r.get("view") == view]
     # Long baseline names (torch.transpose(-2,-1)) would overlap their neighbours: break them
     # at the dot and set every label at an angle.
-    names = [r["variant"].replace(".", ".\n", 1) for r in picked]
+    names = [column(r).replace(".", ".\n", 1) for r in picked]
     values = [r["GBps"] for r in picked]
     colors = ["black" if r["variant"].startswith("torch") else
               "tab:orange" if r["variant"] == "default" else "tab:blue" for r in picked]

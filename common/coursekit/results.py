@@ -112,6 +112,13 @@ FIGURE_FIELDS = {"variant", "dispatch", "median_ms", "min_ms", "max_ms", "p10_ms
                  "input_sets", "TFLOPs", "pct_of_mm", "repeat", "other_median_ms"}
 
 
+def column(row):
+    """A row's name in a table or legend: its variant, and the call it timed when the row
+    times another entry point than the variant's usual one ("default (autograd)",
+    "torch (F.linear)"); `call` is a measurement field, so such rows have groups of their own."""
+    return row["variant"] + (f" ({row['call']})" if row.get("call") else "")
+
+
 def measurement_key(row):
     """What a row measured (op, dtype, shape, pass, view, sweep, ...), without its figures."""
     return tuple(sorted((k, repr(v)) for k, v in row.items() if k not in FIGURE_FIELDS))
