@@ -33,8 +33,7 @@ enum class NormVersion {
 // The backward ladder (norm_backward_kernels.cu).
 enum class NormBackwardVersion {
   kStreamed,  // v1: a block per row, x and dy streamed twice, dweight partials in global memory
-  kResident,    // v2: x and dy held in registers, one pass; dweight partials in registers
-  kPrefetched,  // v3: v2 with the next row loaded before this row's reductions
+  kResident,  // v2: x and dy held in registers, one pass; dweight partials in registers
 };
 
 // fused_add_rms_norm's ladder.

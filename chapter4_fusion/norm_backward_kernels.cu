@@ -159,14 +159,7 @@ __device__ __forceinline__ void write_partial(const A (&acc)[kVectors][kLanes], 
 // dbias accumulates in registers across rows and leaves the block once, as one partial row
 // (write_partial): the column sums cost a few hundred rows of n floats, not a pass over x and
 // dy. Rows longer than the largest shape run v1's kernel.
-//
-// v3 (kPrefetch): v2 with the next row's x, dy and statistics loaded before this row's two
-// reductions. In v2 a slot's loads and its reductions take turns: the loads of row r + 1 are
-// issued only after row r's barriers, so every row pays a full DRAM latency that no other work
-// of the slot hides, and with 2-4 rows per block and a few blocks per SM that latency is most
-// of the time at short rows (hidden 1024: 64 K rows, each a few microseconds of barriers for
-// 2 KB of data). Loading ahead costs a second set of x and dy registers.
-template <typename T, bool kCentered, int kThreadsPerRow, int kVectors, bool kVectorized, bool kPrefetch>
+template <typename T, bool kCentered, int kThreadsPerRow, int kVectors, bool kVectorized>
 __global__ void __launch_bounds__(kThreadsPerRow * kSlots<kThreadsPerRow>)
     norm_backward_resident(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ weight,
                            const typename Acc<T>::type* __restrict__ mean, const typename Acc<T>::type* __restrict__ rstd,
@@ -191,33 +184,17 @@ __global__ void __launch_bounds__(kThreadsPerRow * kSlots<kThreadsPerRow>)
   }
   // The whole block steps together (its reductions need every thread); a slot past the last
   // row works on padding: x = dy = 0 adds nothing to dweight or dbias, and stores nothing.
-  const int64_t step = static_cast<int64_t>(gridDim.x) * kRows;
-  T xv[kVectors][kLanes];
-  T dyv[kVectors][kLanes];
-  A mu = A(0);
-  A rs = A(0);
-  // Row `first + slot` into (xs, ds, m, s), or padding past the last row.
-  auto load_row = [&](int64_t first, T (&xs)[kVectors][kLanes], T (&ds)[kVectors][kLanes], A& m, A& s) {
+  for (int64_t first = static_cast<int64_t>(blockIdx.x) * kRows; first < rows;
+       first += static_cast<int64_t>(gridDim.x) * kRows) {
     const int64_t r = first + threadIdx.x / kThreadsPerRow;
     const int64_t len = r < rows ? n : 0;
     const int64_t row = r < rows ? r : 0;
-    load_tile<kVectorized, kThreadsPerRow, kVectors>(x + row * n, len, t, zero, xs);
-    load_tile<kVectorized, kThreadsPerRow, kVectors>(dy + row * n, len, t, zero, ds);
-    m = kCentered ? mean[row] : A(0);
-    s = rstd[row];
-  };
-  if constexpr (kPrefetch) load_row(static_cast<int64_t>(blockIdx.x) * kRows, xv, dyv, mu, rs);
-  for (int64_t first = static_cast<int64_t>(blockIdx.x) * kRows; first < rows; first += step) {
-    const int64_t r = first + threadIdx.x / kThreadsPerRow;
-    const int64_t len = r < rows ? n : 0;
-    const int64_t row = r < rows ? r : 0;
-    if constexpr (!kPrefetch) load_row(first, xv, dyv, mu, rs);
-    // v3: the next row's loads go out now and land while this row reduces.
-    T xn[kVectors][kLanes];
-    T dyn[kVectors][kLanes];
-    A mu_next = A(0);
-    A rs_next = A(0);
-    if constexpr (kPrefetch) load_row(first + step, xn, dyn, mu_next, rs_next);
+    T xv[kVectors][kLanes];
+    T dyv[kVectors][kLanes];
+    load_tile<kVectorized, kThreadsPerRow, kVectors>(x + row * n, len, t, zero, xv);
+    load_tile<kVectorized, kThreadsPerRow, kVectors>(dy + row * n, len, t, zero, dyv);
+    const A mu = kCentered ? mean[row] : A(0);
+    const A rs = rstd[row];
     A sum_g = A(0);
     A sum_gx = A(0);
 #pragma unroll
@@ -244,18 +221,6 @@ __global__ void __launch_bounds__(kThreadsPerRow * kSlots<kThreadsPerRow>)
       }
     }
     store_tile<kVectorized, kThreadsPerRow, kVectors>(dx + row * n, len, t, dyv);
-    if constexpr (kPrefetch) {
-#pragma unroll
-      for (int j = 0; j < kVectors; ++j) {
-#pragma unroll
-        for (int l = 0; l < kLanes; ++l) {
-          xv[j][l] = xn[j][l];
-          dyv[j][l] = dyn[j][l];
-        }
-      }
-      mu = mu_next;
-      rs = rs_next;
-    }
   }
   write_partial<kVectorized, kThreadsPerRow, kVectors>(dw, dweight_partial + blockIdx.x * n, n, combine);
   if constexpr (kCentered) write_partial<kVectorized, kThreadsPerRow, kVectors>(db, dbias_partial + blockIdx.x * n, n, combine);
@@ -312,30 +277,23 @@ cudaError_t run_backward(const NormBackwardParams& p, cudaStream_t stream, int64
     }
     return cudaSuccess;
   };
-  const bool prefetch = p.version == NormBackwardVersion::kPrefetched;
-  const int shape = p.version != NormBackwardVersion::kStreamed ? backward_shape(p.n, sizeof(T)) : -1;
+  const int shape = p.version == NormBackwardVersion::kResident ? backward_shape(p.n, sizeof(T)) : -1;
   if constexpr (sizeof(T) != 8) {
     if (shape >= 0) {
       const bool vectorized = rows_vectorized<T>(p.n, {p.dy, p.x, p.weight, p.dx});
       return with_backward_shape<T>(shape, [&](auto s) {
         constexpr NormShape kShape = kBackwardShapes[decltype(s)::value];
-        constexpr int kRowThreads = kShape.threads;
-        constexpr int kVectors = kShape.vectors;
-        constexpr int kRows = kSlots<kRowThreads>;
-        constexpr int kBlock = kRowThreads * kRows;
+        constexpr int kRows = kSlots<kShape.threads>;
         return with_flag(centered, [&](auto c) {
           return with_vectorized(vectorized, [&](auto vec) {
-            constexpr bool kC = decltype(c)::value;
-            constexpr bool kV = decltype(vec)::value;
-            auto* kernel = prefetch ? norm_backward_resident<T, kC, kRowThreads, kVectors, kV, true>
-                                    : norm_backward_resident<T, kC, kRowThreads, kVectors, kV, false>;
-            COURSE_CUDA_TRY(backward_grid(kernel, kBlock, kRows, p.rows, &grid));
+            auto* kernel = norm_backward_resident<T, decltype(c)::value, kShape.threads, kShape.vectors, decltype(vec)::value>;
+            COURSE_CUDA_TRY(backward_grid(kernel, kShape.threads * kRows, kRows, p.rows, &grid));
             if (grid_only != nullptr) {
               *grid_only = grid;
               return cudaSuccess;
             }
-            kernel<<<grid_for(grid), kBlock, 0, stream>>>(dy, x, weight, mean, rstd, dx, dw_partial,
-                                                          dw_partial + grid * p.n, p.rows, p.n);
+            kernel<<<grid_for(grid), kShape.threads * kRows, 0, stream>>>(dy, x, weight, mean, rstd, dx, dw_partial,
+                                                                           dw_partial + grid * p.n, p.rows, p.n);
             return finish();
           });
         });

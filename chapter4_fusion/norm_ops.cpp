@@ -40,8 +40,7 @@ using ::course::OptVersion;
 constexpr ::course::NamedVersion<NormVersion> kNormVersions[] = {
     {"v1", NormVersion::kTwoPass}, {"v2", NormVersion::kWelford}, {"v3", NormVersion::kResident}};
 constexpr ::course::NamedVersion<NormBackwardVersion> kBackwardVersions[] = {
-    {"v1", NormBackwardVersion::kStreamed}, {"v2", NormBackwardVersion::kResident},
-    {"v3", NormBackwardVersion::kPrefetched}};
+    {"v1", NormBackwardVersion::kStreamed}, {"v2", NormBackwardVersion::kResident}};
 constexpr ::course::NamedVersion<AddNormVersion> kAddVersions[] = {
     {"v1", AddNormVersion::kUnfused}, {"v2", AddNormVersion::kFused}};
 

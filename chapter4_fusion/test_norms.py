@@ -283,7 +283,7 @@ def test_backward_is_deterministic(version, device):
 # ---------------------------------------------------------------------------------------------
 def test_versions_table_matches_dispatch():
     assert VERSIONS["layer_norm"] == VERSIONS["rms_norm"] == ("v1", "v2", "v3")
-    assert VERSIONS["layer_norm_backward"] == VERSIONS["rms_norm_backward"] == ("v1", "v2", "v3")
+    assert VERSIONS["layer_norm_backward"] == VERSIONS["rms_norm_backward"] == ("v1", "v2")
     assert VERSIONS["fused_add_rms_norm"] == ("v1", "v2")
     for op in ("layer_norm", "rms_norm", "layer_norm_backward", "rms_norm_backward", "fused_add_rms_norm"):
         assert list(VERSIONS[op]) == OPS.versions(op), op
@@ -325,8 +325,8 @@ MISUSES = {
                         r"layer_norm: unknown version 'v4'; expected one of v1, v2, v3"),
     "unknown backward version": (
         lambda d: fusion.rms_norm_backward(_f32(3, 8, device=d), _f32(3, 8, device=d), _f32(8, device=d),
-                                           _f32(3, device=d), version="v4"),
-        r"rms_norm_backward: unknown version 'v4'; expected one of v1, v2, v3"),
+                                           _f32(3, device=d), version="v3"),
+        r"rms_norm_backward: unknown version 'v3'; expected one of v1, v2"),
     "fused unknown version": (lambda d: fusion.fused_add_rms_norm(_f32(3, 8, device=d), _f32(3, 8, device=d),
                                                                   _f32(8, device=d), version="v3"),
                               r"fused_add_rms_norm: unknown version 'v3'; expected one of v1, v2"),

@@ -16,7 +16,6 @@ The ladders (norm_kernels.cu and norm_backward_kernels.cu say what each rung cha
   backward v1  streamed, a block per row, x and dy read twice, dweight partials in memory
            v2  x and dy held in registers, one pass, dweight partials in registers; rows
                longer than 8192 elements (and float64) run v1's kernel
-           v3  v2 with the next row's x and dy loaded before this row's reductions
   fused_add_rms_norm v1  an add kernel, then rms_norm (v3); v2 one fused kernel
 version=None picks v3 forward, v2 backward and fused v2 at every shape (norm_default_choice
 reports it). On the CPU there is one C++ implementation and the version is only validated.
@@ -28,7 +27,7 @@ __all__ = ["layer_norm", "rms_norm", "fused_add_rms_norm", "layer_norm_forward",
            "norm_default_choice"]
 
 _FORWARD = ("v1", "v2", "v3")
-_BACKWARD = ("v1", "v2", "v3")
+_BACKWARD = ("v1", "v2")
 # test_norms.py holds this table against the versions the extension dispatches.
 VERSIONS = {
     "layer_norm": _FORWARD,
