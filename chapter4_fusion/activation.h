@@ -45,7 +45,7 @@ COURSE_HOST_DEVICE inline A exp_maybe_fast(A v) {
 template <bool kFast, typename A>
 COURSE_HOST_DEVICE inline A reciprocal_maybe_fast(A v) {
 #if defined(__CUDA_ARCH__)
-  if constexpr (kFast && std::is_same_v<A, float>) return __frcp_rn(v);
+  if constexpr (kFast && std::is_same_v<A, float>) return __fdividef(A(1), v);
 #endif
   return A(1) / v;
 }
@@ -214,17 +214,28 @@ inline bool vectorizable(int64_t n, std::initializer_list<const void*> pointers)
 // ---------------------------------------------------------------------------------------
 // The column tiling of the fused kernels. A block of kTileThreads threads is a tile of tx
 // adjacent packs (columns) by ty = kTileThreads / tx rows; it walks down the rows with a
-// stride of gridDim.y * ty (make_tiling: kRowsInFlight rows per thread in the forward, many in
+// stride of gridDim.y * ty (make_tiling: kForwardRows rows per thread in the forward, many in
 // the backward). A thread keeps the same columns for its whole life, so it loads the bias of its
 // columns once and keeps it in registers for every row it visits (and, in the backward, sums its
 // columns' gradient over those rows in registers). Consecutive threads take
 // consecutive packs of one row: a warp reads 32 * 16 = 512 contiguous bytes per instruction.
 // ---------------------------------------------------------------------------------------
 constexpr int kTileThreads = 256;
-// Rows a thread loads before it computes any: two independent 16-byte loads in flight per
-// thread, so that an SM keeps enough bytes in flight to cover DRAM latency even when register
-// pressure lowers occupancy.
+// Rows a backward thread loads before it computes any: two independent 16-byte loads of dy
+// (and two of what the forward saved) in flight per thread, to cover DRAM latency at the
+// occupancy its per-column sums leave.
 constexpr int kRowsInFlight = 2;
+// The forward's shape: one 16-byte pack per thread and 8 blocks of 256 threads per SM (32
+// registers), the shape of a copy kernel. Measured on the H100 (.cu micro-benchmark over
+// rows in flight x blocks per SM, bias_silu and GELU-tanh on 16384 x 8192 bfloat16): two rows
+// per thread at 62-70 registers (4 blocks per SM) ran at 86-90% of cudaMemcpy, one row at 32
+// registers at 98-99%; with __frcp_rn's correctly rounded reciprocal (a slow path for
+// denormals that holds registers) in place of the approximate one, no shape passed 90%.
+constexpr int kForwardRows = 1;
+// erff's polynomial does not fit 32 registers (ptxas: 52-60 bytes of spills in 16-bit types):
+// GELU-erf takes 64 registers and 4 blocks per SM.
+template <typename Act>
+constexpr int kForwardMinBlocks = std::is_same_v<Act, GeluErf> ? 1024 / kTileThreads : 2048 / kTileThreads;
 // The backward's per-slot partial sums are reduced by course::column_sum, one block per column
 // tile that reads every slot: a few thousand slots at most keep that pass short.
 constexpr int64_t kMaxSlots = 4096;
@@ -236,20 +247,20 @@ struct Tiling {
 };
 
 inline cudaError_t make_tiling(int64_t rows, int64_t packs_per_row, int min_tx, int64_t max_slots,
-                               Tiling* t) {
+                               Tiling* t, int rows_per_thread = kRowsInFlight) {
   int tx = min_tx;
   while (tx < kTileThreads && tx < packs_per_row) tx *= 2;
   const int ty = kTileThreads / tx;
   const int64_t column_tiles = course::ceil_div(packs_per_row, static_cast<int64_t>(tx));
   int64_t row_tiles = 0;
   if (max_slots == INT64_MAX) {
-    // No per-slot state (the forward kernels, swiglu's backward): one sweep of kRowsInFlight
+    // No per-slot state (the forward kernels, swiglu's backward): one sweep of `rows_per_thread`
     // rows per thread and as many blocks as that takes, the grid of a copy kernel. A grid sized
     // to one resident wave ran well below copy on the H100: it counted 2048 threads per SM,
     // while these kernels' 40-68 registers (ptxas -v) fit 768-1536, so the "one wave" ran as
     // one and a fraction waves with the SMs idle in the last. Many short blocks leave no such
     // tail; the bias, reloaded per thread, is an L1/L2 hit.
-    row_tiles = course::ceil_div(std::max<int64_t>(rows, 1), static_cast<int64_t>(ty) * kRowsInFlight);
+    row_tiles = course::ceil_div(std::max<int64_t>(rows, 1), static_cast<int64_t>(ty) * rows_per_thread);
   } else {
     // Per-slot partial sums (the backward's bias gradient): as many row tiles as fill the GPU
     // once with the column tiles, at most max_slots / ty, and a grid-stride loop over the rest,
@@ -343,8 +354,8 @@ __global__ void bias_act_warp_kernel(const T* x, const T* bias, typename course:
 // L bits; the 32 / L lanes whose packs make one 32-bit word OR their bits together with
 // shuffles, and the first of them stores the word.
 // ---------------------------------------------------------------------------------------
-template <typename T, typename Act, int L, bool kMask>
-__global__ void __launch_bounds__(kTileThreads)
+template <typename T, typename Act, int L, bool kMask, int kRows = kForwardRows>
+__global__ void __launch_bounds__(kTileThreads, kForwardMinBlocks<Act>)
     bias_act_tile_kernel(const T* x, const T* bias, typename course::Acc<T>::type scale, T* y, T* pre,
                          uint32_t* mask, int64_t rows, int64_t n, int tx) {
   using A = typename course::Acc<T>::type;
@@ -366,17 +377,17 @@ __global__ void __launch_bounds__(kTileThreads)
   const int64_t words_per_row = mask_words_per_row(n);
   // base is the same in every thread of the block, so every lane of a warp makes the same trips
   // and reaches the mask's shuffles (which need all 32) together.
-  for (int64_t base = static_cast<int64_t>(blockIdx.y) * ty; base < rows; base += kRowsInFlight * row_step) {
-    Pack<T, L> xv[kRowsInFlight];
-    bool active[kRowsInFlight];
+  for (int64_t base = static_cast<int64_t>(blockIdx.y) * ty; base < rows; base += kRows * row_step) {
+    Pack<T, L> xv[kRows];
+    bool active[kRows];
 #pragma unroll
-    for (int u = 0; u < kRowsInFlight; ++u) {
+    for (int u = 0; u < kRows; ++u) {
       const int64_t r = base + row_in_tile + u * row_step;
       active[u] = col_ok && r < rows;
       if (active[u]) xv[u] = load_pack<T, L>(x + r * n + e);
     }
 #pragma unroll
-    for (int u = 0; u < kRowsInFlight; ++u) {
+    for (int u = 0; u < kRows; ++u) {
       const int64_t r = base + row_in_tile + u * row_step;
       uint32_t bits = 0;
       if (active[u]) {
@@ -412,7 +423,7 @@ __global__ void __launch_bounds__(kTileThreads)
 template <typename T, typename Act, bool kMask, int L>
 cudaError_t launch_bias_act_tiles_l(const BiasActParams& p, cudaStream_t stream) {
   Tiling t;
-  COURSE_CUDA_TRY(make_tiling(p.rows, p.n / L, kMask ? 32 / L : 1, INT64_MAX, &t));
+  COURSE_CUDA_TRY(make_tiling(p.rows, p.n / L, kMask ? 32 / L : 1, INT64_MAX, &t, kForwardRows));
   bias_act_tile_kernel<T, Act, L, kMask><<<t.grid, kTileThreads, 0, stream>>>(
       static_cast<const T*>(p.x), static_cast<const T*>(p.bias), static_cast<typename course::Acc<T>::type>(p.scale),
       static_cast<T*>(p.y), static_cast<T*>(p.pre), p.mask, p.rows, p.n, t.tx);

@@ -571,6 +571,16 @@ Tensor bias_silu_autograd(const Tensor& x, const Tensor& bias, OptVersion versio
 Tensor swiglu_autograd(const Tensor& x, OptVersion version) { return SwigluFunction::apply(x, version); }
 Tensor linear_autograd(const Tensor& x, const Tensor& weight, const Tensor& bias, c10::string_view activation,
                        OptVersion version) {
+  // Inference (no input needs a gradient, or grad mode is off): no graph node, no saved z and
+  // no second M x N buffer. The Function's bookkeeping was most of the op's host time, which a
+  // GEMM of a few rows does not hide (chapter 5 measures per-call overhead).
+  const bool needs_grad = at::GradMode::is_enabled() &&
+                          (x.requires_grad() || weight.requires_grad() || bias.requires_grad());
+  if (!needs_grad) {
+    static auto op = find_op<decltype(linear_impl)>("fusion::linear_activation");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return op.call(x, weight, bias, activation, version);
+  }
   return LinearFunction::apply(x, weight, bias, activation, version);
 }
 
