@@ -214,7 +214,7 @@ inline bool vectorizable(int64_t n, std::initializer_list<const void*> pointers)
 // ---------------------------------------------------------------------------------------
 // The column tiling of the fused kernels. A block of kTileThreads threads is a tile of tx
 // adjacent packs (columns) by ty = kTileThreads / tx rows; it walks down the rows with a
-// stride of gridDim.y * ty (make_tiling: kForwardRows rows per thread in the forward, many in
+// stride of gridDim.y * ty (make_tiling: kForwardRows<Act> rows per thread in the forward, many in
 // the backward). A thread keeps the same columns for its whole life, so it loads the bias of its
 // columns once and keeps it in registers for every row it visits (and, in the backward, sums its
 // columns' gradient over those rows in registers). Consecutive threads take
@@ -226,16 +226,19 @@ constexpr int kTileThreads = 256;
 // occupancy its per-column sums leave.
 constexpr int kRowsInFlight = 2;
 // The forward's shape: one 16-byte pack per thread and 8 blocks of 256 threads per SM (32
-// registers), the shape of a copy kernel. Measured on the H100 (.cu micro-benchmark over
-// rows in flight x blocks per SM, bias_silu and GELU-tanh on 16384 x 8192 bfloat16): two rows
+// registers), the shape of a copy kernel. Measured on the H100 with
+// experiments/activation_tile_shapes.cu (rows in flight x blocks per SM, bias_silu and
+// GELU-tanh on 16384 x 8192 bfloat16): two rows
 // per thread at 62-70 registers (4 blocks per SM) ran at 86-90% of cudaMemcpy, one row at 32
 // registers at 98-99%; with __frcp_rn's correctly rounded reciprocal (a slow path for
 // denormals that holds registers) in place of the approximate one, no shape passed 90%.
-constexpr int kForwardRows = 1;
-// erff's polynomial does not fit 32 registers (ptxas: 52-60 bytes of spills in 16-bit types):
-// GELU-erf takes 64 registers and 4 blocks per SM.
+// erff's polynomial does not fit 32 registers (ptxas: 52-60 bytes of spills in 16-bit types),
+// and at one row per thread and 4 blocks per SM (64 registers) GELU-erf fell from 82% to 64%
+// of copy: it keeps the earlier shape, two rows in flight and no register cap (64-70).
 template <typename Act>
-constexpr int kForwardMinBlocks = std::is_same_v<Act, GeluErf> ? 1024 / kTileThreads : 2048 / kTileThreads;
+constexpr int kForwardRows = std::is_same_v<Act, GeluErf> ? 2 : 1;
+template <typename Act>
+constexpr int kForwardMinBlocks = std::is_same_v<Act, GeluErf> ? 1 : 2048 / kTileThreads;
 // The backward's per-slot partial sums are reduced by course::column_sum, one block per column
 // tile that reads every slot: a few thousand slots at most keep that pass short.
 constexpr int64_t kMaxSlots = 4096;
@@ -354,8 +357,11 @@ __global__ void bias_act_warp_kernel(const T* x, const T* bias, typename course:
 // L bits; the 32 / L lanes whose packs make one 32-bit word OR their bits together with
 // shuffles, and the first of them stores the word.
 // ---------------------------------------------------------------------------------------
-template <typename T, typename Act, int L, bool kMask, int kRows = kForwardRows>
-__global__ void __launch_bounds__(kTileThreads, kForwardMinBlocks<Act>)
+// kRows and kMinBlocks are parameters for experiments/activation_tile_shapes.cu; the launcher
+// always takes the defaults.
+template <typename T, typename Act, int L, bool kMask, int kRows = kForwardRows<Act>,
+          int kMinBlocks = kForwardMinBlocks<Act>>
+__global__ void __launch_bounds__(kTileThreads, kMinBlocks)
     bias_act_tile_kernel(const T* x, const T* bias, typename course::Acc<T>::type scale, T* y, T* pre,
                          uint32_t* mask, int64_t rows, int64_t n, int tx) {
   using A = typename course::Acc<T>::type;
@@ -423,7 +429,7 @@ __global__ void __launch_bounds__(kTileThreads, kForwardMinBlocks<Act>)
 template <typename T, typename Act, bool kMask, int L>
 cudaError_t launch_bias_act_tiles_l(const BiasActParams& p, cudaStream_t stream) {
   Tiling t;
-  COURSE_CUDA_TRY(make_tiling(p.rows, p.n / L, kMask ? 32 / L : 1, INT64_MAX, &t, kForwardRows));
+  COURSE_CUDA_TRY(make_tiling(p.rows, p.n / L, kMask ? 32 / L : 1, INT64_MAX, &t, kForwardRows<Act>));
   bias_act_tile_kernel<T, Act, L, kMask><<<t.grid, kTileThreads, 0, stream>>>(
       static_cast<const T*>(p.x), static_cast<const T*>(p.bias), static_cast<typename course::Acc<T>::type>(p.scale),
       static_cast<T*>(p.y), static_cast<T*>(p.pre), p.mask, p.rows, p.n, t.tx);
