@@ -107,6 +107,25 @@ def linear_table(record):
     return "\n".join(lines)
 
 
+def profile_table(record):
+    """The ncu counters of profile_fusion.py: ours against Inductor's kernel for the activation
+    forwards, and the norm backward's row kernel (+ its two column sums)."""
+    profile = record.get("profile")
+    if not profile:
+        return "(no ncu profile recorded yet)"
+    lines = ["| op | shape | variant | registers | occupancy | instructions / element | issue slots busy "
+             "| XU (exp, rcp) busy | DRAM busy | us under ncu | + column sums us |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in profile["benchmarks"]:
+        lines.append(f"| {r['op']} {r['pass']} | {results.format_shape(r['shape'])} | {r['variant']} | "
+                     f"{r['registers']:.0f} | {r['achieved_occupancy_pct']:.0f}% | "
+                     f"{r['instructions_per_element']:.1f} | {r['issue_busy_pct']:.0f}% | {r['xu_pipe_pct']:.0f}% | "
+                     f"{r['dram_busy_pct']:.0f}% | {r['duration_ns'] / 1e3:.0f} | "
+                     f"{r['other_kernels_ns'] / 1e3:.0f} |")
+    lines.append(f"\nncu (`profile_fusion.py`), bfloat16, {profile['device']['name']}, {profile['date'][:10]}.")
+    return "\n".join(lines)
+
+
 TARGETS = [  # (op, match, floor % of copy or None, x torch, x compile) from the issue
     ("fused_bias_scale_relu", {"pass": "forward", "save": "mask", "sweep": False}, 95, 3.0, 0.97),
     ("fused_bias_scale_relu", {"pass": "backward", "save": "mask"}, None, 2.0, 0.95),
@@ -157,4 +176,5 @@ def envelope(record):
 
 FACTS = {"ceilings": ceilings, "bsr_table": bsr_table, "bsr_save": bsr_save,
          "activation_table": activation_table, "norm_table": norm_table,
-         "linear_table": linear_table, "target_misses": target_misses, "envelope": envelope}
+         "linear_table": linear_table, "target_misses": target_misses, "envelope": envelope,
+         "profile_table": profile_table}
