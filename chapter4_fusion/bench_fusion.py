@@ -69,16 +69,28 @@ def compiled(key, fn):
     return _compiled[key]
 
 
+def default_timer(device):
+    """Every CUDA row is timed on a CUDA graph of 8 calls. Back-to-back events put the host's
+    per-call path inside the GPU's time wherever that path is as long as the kernels: the
+    backward rows (autograd.grad walks the graph and launches several kernels), and on the
+    benchmark machine's CPU even the norms' backward, a fraction of a millisecond, came out
+    slower through autograd.grad than alone, by an amount that changed from run to run.
+    Every problem is far above the L2, so one input set does."""
+    if device != "cuda":
+        return lambda fn: bench.time_fn(fn, device)
+    return lambda fn: bench.time_cuda_graph(lambda i: fn(), 1)
+
+
 def measure(device, row_fn, variants, timer=None, **extra):
     """Rows for every (variant, callable, extra fields); the first variant is the torch
     baseline. row_fn(variant, timing, torch_ms, **fields) builds the row; timer(fn) times one
-    variant (default bench.time_fn)."""
+    variant (default: default_timer(device))."""
     rows, t_torch = [], None
     for variant, fn, more in variants:
         if fn is None:
             continue
         try:
-            t = timer(fn) if timer else bench.time_fn(fn, device)
+            t = (timer or default_timer(device))(fn)
         except Exception as e:  # noqa: BLE001  (a torch.compile failure at its first call)
             print(f"  {variant} failed: {str(e).splitlines()[0][:200]}")
             continue
@@ -328,12 +340,7 @@ def bench_linear(device, mm, s):
         def row(variant, t, t_torch, **fields):
             return bench.flops_row("linear_activation", variant, dtype, [m, k, n], 2 * m * n * k, t,
                                    mm["mm_TFLOPs"], t_torch, **fields)
-        # A CUDA graph of the calls: at small M the GEMM reads the 128 MiB weight in ~50 us, about
-        # what one call's host path (Python, dispatcher, checks, the autograd wrapper) takes on
-        # this machine, so back-to-back events would time the host as much as the GPU.
-        timer = (lambda fn: bench.time_cuda_graph(lambda i: fn(), 1)) if device == "cuda" else None
-        rows += measure(device, row, variants, timer=timer,
-                        **{"pass": "forward", "activation": "gelu", "sweep": True})
+        rows += measure(device, row, variants, **{"pass": "forward", "activation": "gelu", "sweep": True})
         del x
     return rows
 
@@ -407,11 +414,11 @@ def main():
     for r in rows:
         r.setdefault("sweep", False)
     extra = {"sizes": s, "headline_op": "fused_bias_scale_relu",
-             "timing": {"statistic": "median", "reps": bench.MIN_REPS if device == "cpu" else 30,
+             "timing": {"statistic": "median", "reps": bench.MIN_REPS,
                         "method": "perf_counter" if device == "cpu" else
-                        "CUDA events, eager back-to-back launches; every memory-bound problem far "
-                        "above the L2 (2^26-2^28 elements); linear_activation on CUDA graphs of "
-                        "8 calls; backward rows of torch, torch.compile and the rows with "
+                        "CUDA graphs of 8 calls, CUDA events around each replay; every "
+                        "memory-bound problem far above the L2 (2^26-2^28 elements); backward "
+                        "rows of torch, torch.compile and the rows with "
                         "call=autograd time autograd.grad over a retained graph; the norms' "
                         "backward rungs and their default time the backward op alone"}}
     results.publish(CHAPTER, rows, ceilings, extra, make_figures, print_table)
