@@ -78,7 +78,18 @@ def default_timer(device):
     Every problem is far above the L2, so one input set does."""
     if device != "cuda":
         return lambda fn: bench.time_fn(fn, device)
-    return lambda fn: bench.time_cuda_graph(lambda i: fn(), 1)
+
+    def timer(fn):
+        try:
+            return bench.time_cuda_graph(lambda i: fn(), 1)
+        except RuntimeError as e:
+            # On the H100 the first capture of one activation's backward failed ("operation
+            # failed due to a previous error during capture") for every variant, eager's too,
+            # while every other backward captured: those rows fall back to events and say so.
+            print(f"  graph capture failed ({str(e).splitlines()[0][:120]}); timing with events")
+            torch.cuda.synchronize()
+            return {**bench.time_cuda(fn), "timer": "events (graph capture failed)"}
+    return timer
 
 
 def measure(device, row_fn, variants, timer=None, **extra):

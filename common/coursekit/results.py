@@ -109,7 +109,7 @@ def label(record):
 # that differ only in these (and the variant) measured the same thing (CONVENTIONS section 5).
 FIGURE_FIELDS = {"variant", "dispatch", "median_ms", "min_ms", "max_ms", "p10_ms", "p90_ms",
                  "reps", "GBps", "pct_of_copy", "speedup_vs_torch", "calls_per_replay",
-                 "input_sets", "TFLOPs", "pct_of_mm", "repeat", "other_median_ms"}
+                 "input_sets", "TFLOPs", "pct_of_mm", "repeat", "other_median_ms", "timer"}
 
 
 def column(row):
