@@ -359,10 +359,17 @@ __global__ void bias_act_warp_kernel(const T* x, const T* bias, typename course:
 // shuffles, and the first of them stores the word.
 // ---------------------------------------------------------------------------------------
 // kRows and kMinBlocks are parameters for experiments/activation_tile_shapes.cu; the launcher
-// always takes the defaults.
+// always takes the defaults. kMinBlocks counts for sm_80/sm_90 (2048 threads per SM); sm_75
+// holds 1024, so its device pass asks for half (the template arguments, and so the kernel's
+// name, stay the same in every pass).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#define FUSION_MIN_BLOCKS(blocks) ((blocks) > 1 ? (blocks) / 2 : 1)
+#else
+#define FUSION_MIN_BLOCKS(blocks) (blocks)
+#endif
 template <typename T, typename Act, int L, bool kMask, int kRows = kForwardRows<Act>,
           int kMinBlocks = kForwardMinBlocks<Act>>
-__global__ void __launch_bounds__(kTileThreads, kMinBlocks)
+__global__ void __launch_bounds__(kTileThreads, FUSION_MIN_BLOCKS(kMinBlocks))
     bias_act_tile_kernel(const T* x, const T* bias, typename course::Acc<T>::type scale, T* y, T* pre,
                          uint32_t* mask, int64_t rows, int64_t n, int tx) {
   using A = typename course::Acc<T>::type;
