@@ -8,6 +8,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <course/checks.h>
 
 #include <algorithm>
 #include <cmath>
@@ -20,20 +21,6 @@ namespace {
 // Rows one task of the bias gradient sums in order before its partial joins the others.
 constexpr int64_t kRowChunk = 64;
 
-// The ScalarType of a DType, for ATen's dtype dispatch (AT_DISPATCH below; at::opmath_type is
-// the accumulation type: float for the 16-bit dtypes, as on the GPU).
-at::ScalarType scalar_type_of(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32: return at::kFloat;
-    case DType::kFloat16: return at::kHalf;
-    case DType::kBFloat16: return at::kBFloat16;
-    case DType::kFloat64: break;
-  }
-  return at::kDouble;
-}
-
-#define FUSION_CPU_DISPATCH(dtype, name, ...) \
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, scalar_type_of(dtype), name, __VA_ARGS__)
 
 // Enough elements per task to amortize it.
 int64_t row_grain(int64_t n) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1)); }
@@ -41,7 +28,7 @@ int64_t row_grain(int64_t n) { return std::max<int64_t>(1, 32768 / std::max<int6
 }  // namespace
 
 void bias_act_cpu(const BiasActParams& p) {
-  FUSION_CPU_DISPATCH(p.dtype, "bias_act_cpu", [&] {
+  COURSE_CPU_DISPATCH(p.dtype, "bias_act_cpu", [&] {
     using T = scalar_t;
     using A = at::opmath_type<T>;
     const T* x = static_cast<const T*>(p.x);
@@ -70,7 +57,7 @@ void bias_act_cpu(const BiasActParams& p) {
 }
 
 void act_backward_cpu(const ActBackwardParams& p) {
-  FUSION_CPU_DISPATCH(p.dtype, "act_backward_cpu", [&] {
+  COURSE_CPU_DISPATCH(p.dtype, "act_backward_cpu", [&] {
     using T = scalar_t;
     using A = at::opmath_type<T>;
     const T* dy = static_cast<const T*>(p.dy);
@@ -115,7 +102,7 @@ void act_backward_cpu(const ActBackwardParams& p) {
 }
 
 void swiglu_cpu(const SwigluParams& p) {
-  FUSION_CPU_DISPATCH(p.dtype, "swiglu_cpu", [&] {
+  COURSE_CPU_DISPATCH(p.dtype, "swiglu_cpu", [&] {
     using T = scalar_t;
     using A = at::opmath_type<T>;
     const T* x = static_cast<const T*>(p.x);
@@ -133,7 +120,7 @@ void swiglu_cpu(const SwigluParams& p) {
 }
 
 void swiglu_backward_cpu(const SwigluBackwardParams& p) {
-  FUSION_CPU_DISPATCH(p.dtype, "swiglu_backward_cpu", [&] {
+  COURSE_CPU_DISPATCH(p.dtype, "swiglu_backward_cpu", [&] {
     using T = scalar_t;
     using A = at::opmath_type<T>;
     const T* x = static_cast<const T*>(p.x);

@@ -63,15 +63,7 @@ V parse_choice(const char* op, const char* what, c10::string_view value, const N
 
 using ::course::to_dtype;
 
-// "[4, 3]", symbolic sizes (fake tensors under torch.compile) as "?".
-std::string shape_of(const Tensor& t) {
-  std::string s = "[";
-  for (size_t i = 0; i < t.sym_sizes().size(); ++i) {
-    const auto v = t.sym_sizes()[i].maybe_as_int();
-    s += (i ? ", " : "") + (v ? std::to_string(*v) : std::string("?"));
-  }
-  return s + "]";
-}
+using ::course::shape_of;
 
 using ::course::check_input;
 

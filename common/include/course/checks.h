@@ -7,6 +7,7 @@
 // They throw c10::Error (RuntimeError in Python) through TORCH_CHECK: never abort the process.
 #pragma once
 
+#include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 #include <course/dtype.h>
@@ -84,6 +85,33 @@ inline DType to_dtype(at::ScalarType t) {
     case at::kDouble: return DType::kFloat64;
     default: TORCH_CHECK(false, "unreachable: dtype ", t, " passed the checks");
   }
+}
+
+// The ATen ScalarType of a kernel dtype: the CPU implementations' way back into ATen's dtype
+// dispatch (COURSE_CPU_DISPATCH; at::opmath_type is then the accumulation type, float for the
+// 16-bit dtypes, as on the GPU).
+inline at::ScalarType to_scalar_type(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return at::kFloat;
+    case DType::kFloat16: return at::kHalf;
+    case DType::kBFloat16: return at::kBFloat16;
+    case DType::kFloat64: break;
+  }
+  return at::kDouble;
+}
+
+#define COURSE_CPU_DISPATCH(dtype, name, ...) \
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, ::course::to_scalar_type(dtype), name, __VA_ARGS__)
+
+// "[4, 3]" for an error message; a symbolic size (a fake tensor under torch.compile with
+// dynamic shapes) as "?". Built with std::to_string, not by streaming the sizes (see above).
+inline std::string shape_of(const at::Tensor& t) {
+  std::string s = "[";
+  for (size_t i = 0; i < t.sym_sizes().size(); ++i) {
+    const auto v = t.sym_sizes()[i].maybe_as_int();
+    s += (i ? ", " : "") + (v ? std::to_string(*v) : std::string("?"));
+  }
+  return s + "]";
 }
 
 // The error a CUDA tensor meets in an extension that was built without its CUDA kernels.

@@ -1,0 +1,101 @@
+// Route 1, the classic one (PyTorch's C++ extension tutorial, and the outline's): a pybind11
+// module whose functions Python calls directly, with the backward wired in C++ by a
+// torch::autograd::Function. Nothing here is registered with the dispatcher: the functions
+// call kernel_glue.cpp (checks, launch) directly.
+//
+// What that buys: the shortest path from Python to the kernel (one pybind call, no schema
+// parsing, no dispatch), and the C++ is ordinary C++.
+// What it costs: to PyTorch the function is an opaque builtin. Dynamo cannot see inside it, so
+// torch.compile breaks the graph around it (fullgraph=True fails); there is no fake rule for
+// the tracers to ask, and a FakeTensor that reaches the glue is refused (it has no memory to
+// read), so torch.export cannot take it; and it is not an op, so torch.library.opcheck has
+// nothing to check. test_routes.py shows each of these. (Plain meta tensors do work: the glue
+// handles them itself.)
+//
+// The same library also holds route 2's TORCH_LIBRARY registrations (library_ops.cpp): one
+// .so can be both a Python module (PyInit_<TORCH_EXTENSION_NAME>, run when Python imports it)
+// and a library of dispatcher ops (static registrars, run when it is loaded at all).
+//
+// fused_op_raw and fused_op_backward_raw are the kernels without autograd: route 3
+// (custom_ops/_python_op.py) wraps them in torch.library.custom_op and registers its own
+// fake and autograd rules in Python.
+#include "kernel_glue.h"
+
+#include <torch/extension.h>
+
+namespace custom_ops {
+namespace pybind_route {
+namespace {
+
+using at::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Unlike route 2's Functions (library_ops.cpp), these call the kernels directly, not through
+// the dispatcher: nothing between apply() and the launch but the checks.
+class FusedOpFunction : public torch::autograd::Function<FusedOpFunction> {
+ public:
+  static Tensor forward(AutogradContext* ctx, const Tensor& input, const Tensor& bias, double scale) {
+    Tensor y = fused_op(input, bias, scale);
+    // The output, not the input: custom_kernels.h (FusedOpBackwardParams) says why.
+    ctx->save_for_backward({y});
+    ctx->saved_data["scale"] = scale;
+    return y;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto [dx, dbias] = fused_op_backward(grads[0], ctx->get_saved_variables()[0], ctx->saved_data["scale"].toDouble());
+    return {dx, dbias, Tensor()};
+  }
+};
+
+class ReluFunction : public torch::autograd::Function<ReluFunction> {
+ public:
+  static Tensor forward(AutogradContext* ctx, const Tensor& x) {
+    Tensor y = custom_relu(x);
+    ctx->save_for_backward({y});
+    return y;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {custom_relu_backward(grads[0], ctx->get_saved_variables()[0])};
+  }
+};
+
+class ReduceSumFunction : public torch::autograd::Function<ReduceSumFunction> {
+ public:
+  static Tensor forward(AutogradContext* ctx, const Tensor& x) {
+    // The backward needs x's shape only (d sum / d x[i] = 1), so x itself is not saved.
+    ctx->saved_data["sizes"] = x.sizes();
+    return reduce_sum(x);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {grads[0].expand(ctx->saved_data["sizes"].toIntVector())};
+  }
+};
+
+Tensor fused_op_forward(const Tensor& input, const Tensor& bias, double scale) {
+  return FusedOpFunction::apply(input, bias, scale);
+}
+Tensor relu_forward(const Tensor& x) { return ReluFunction::apply(x); }
+Tensor reduce_sum_forward(const Tensor& x) { return ReduceSumFunction::apply(x); }
+
+}  // namespace
+}  // namespace pybind_route
+}  // namespace custom_ops
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  using namespace custom_ops::pybind_route;
+  m.doc() = "Chapter 5, route 1: the kernels bound with pybind11, autograd in C++ (custom_ops.cpp).";
+  m.def("fused_op_forward", &fused_op_forward,
+        "relu(input * scale + bias), differentiable in input and bias (a C++ autograd Function).",
+        py::arg("input"), py::arg("bias"), py::arg("scale"));
+  m.def("custom_relu", &relu_forward, "relu(x), differentiable.", py::arg("x"));
+  m.def("reduce_sum", &reduce_sum_forward, "The sum of every element of x as a 0-d tensor, differentiable.",
+        py::arg("x"));
+  m.def("fused_op_raw", &custom_ops::fused_op,
+        "fused_op's kernel without autograd: relu(input * scale + bias). Route 3 wraps it.", py::arg("input"),
+        py::arg("bias"), py::arg("scale"));
+  m.def("fused_op_backward_raw", &custom_ops::fused_op_backward,
+        "fused_op's backward kernel: (grad_input, grad_bias) from the upstream grad and the forward's output.",
+        py::arg("grad"), py::arg("output"), py::arg("scale"));
+}

@@ -1,0 +1,274 @@
+"""The outline's test suite: six checks of custom_ops, runnable three ways.
+
+    python test_custom_ops.py                   all six, with a summary; exits 1 if any failed
+    python -c "from test_custom_ops import test_fused_op_forward; test_fused_op_forward()"
+    pytest test_custom_ops.py                   the same six as pytest tests
+
+Each test prints what it checked and raises AssertionError when a check fails. They run on
+the GPU when there is one, else on the CPU. test_routes.py is the thorough suite (every route,
+dtype, irregular shape and misuse); these are the learner's first look.
+"""
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+from torch import nn
+
+import custom_ops
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+RULE = "=" * 42
+
+
+def _header(number, title):
+    print(RULE)
+    print(f"TEST {number}: {title}")
+    print(RULE)
+
+
+def _passed(what):
+    print(f"✓ PASSED: {what}")
+
+
+def _away_from_zero(shape, margin=0.1, dtype=torch.float32):
+    """Random values with |v| >= margin: a finite difference of relu then never straddles the
+    kink at 0, and no rounding can flip a sign."""
+    v = torch.randn(shape, dtype=torch.float64, device=DEVICE)
+    return (v + margin * v.sign()).to(dtype)
+
+
+def test_fused_op_forward():
+    _header(1, "Fused Operation Forward Pass")
+    torch.manual_seed(1)
+    x = torch.randn(32, 64, device=DEVICE)
+    bias = torch.randn(64, device=DEVICE)
+    scale = 2.0
+    out = custom_ops.fused_op_forward(x, bias, scale)
+    expected = torch.relu(x * scale + bias)
+    print(f"Input shape: {x.shape}")
+    print(f"Output shape: {out.shape}")
+    print(f"Max difference vs PyTorch: {(out - expected).abs().max().item():.2e}")
+    assert out.shape == x.shape and out.dtype == x.dtype and out.device == x.device
+    # The kernel rounds x * scale + bias once (a fused multiply-add), eager twice: they differ
+    # by a rounding at most, far inside float32's default tolerance (rtol 1.3e-6, atol 1e-5).
+    torch.testing.assert_close(out, expected)
+    assert bool((out >= 0).all()), "relu's output is never negative"
+    # An irregular 3-D shape: the bias runs along the last dim whatever the leading dims are.
+    x3 = torch.randn(3, 7, 33, device=DEVICE)
+    bias3 = torch.randn(33, device=DEVICE)
+    torch.testing.assert_close(custom_ops.fused_op_forward(x3, bias3, 0.75), torch.relu(x3 * 0.75 + bias3))
+    print("Also [3, 7, 33] with scale 0.75: matches")
+    _passed("Forward pass matches PyTorch")
+
+
+def test_fused_op_gradients():
+    _header(2, "Fused Operation Gradients")
+    torch.manual_seed(2)
+    # gradcheck compares the backward with finite differences, in float64 (float32's rounding
+    # would drown the differences); inputs away from relu's kink.
+    x = _away_from_zero((8, 16), dtype=torch.float64).requires_grad_()
+    bias = torch.randn(16, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    ok = torch.autograd.gradcheck(lambda a, b: custom_ops.fused_op_forward(a, b, 1.5), (x, bias))
+    print(f"gradcheck (float64, [8, 16]): {ok}")
+    assert ok
+    # float32 against PyTorch's own autograd of relu(x * scale + bias).
+    x = torch.randn(32, 64, device=DEVICE, requires_grad=True)
+    bias = torch.randn(64, device=DEVICE, requires_grad=True)
+    dy = torch.randn(32, 64, device=DEVICE)
+    dx, dbias = torch.autograd.grad(custom_ops.fused_op_forward(x, bias, 2.0), (x, bias), dy)
+    ex, ebias = torch.autograd.grad(torch.relu(x * 2.0 + bias), (x, bias), dy)
+    print(f"Input gradient shape: {dx.shape}, max difference vs PyTorch: {(dx - ex).abs().max().item():.2e}")
+    print(f"Bias gradient shape: {dbias.shape}, max difference vs PyTorch: {(dbias - ebias).abs().max().item():.2e}")
+    torch.testing.assert_close(dx, ex)
+    # dbias sums 32 rows; the order of the additions differs from PyTorch's: a few roundings.
+    torch.testing.assert_close(dbias, ebias, rtol=1e-5, atol=1e-4)
+    _passed("Gradients match numerical differentiation and PyTorch")
+
+
+def test_custom_relu():
+    _header(3, "Custom ReLU")
+    torch.manual_seed(3)
+    x = torch.randn(1000, 37, device=DEVICE, requires_grad=True)
+    out = custom_ops.custom_relu(x)
+    torch.testing.assert_close(out, torch.relu(x), rtol=0, atol=0)
+    print(f"Forward on {tuple(x.shape)}: bitwise equal to torch.relu")
+    dy = torch.randn_like(x)
+    (dx,) = torch.autograd.grad(out, x, dy)
+    torch.testing.assert_close(dx, torch.where(x > 0, dy, 0.0), rtol=0, atol=0)
+    print("Backward: the gradient passes exactly where x > 0")
+    nan = torch.tensor([float("nan"), -1.0, 2.0], device=DEVICE)
+    torch.testing.assert_close(custom_ops.custom_relu(nan), torch.relu(nan), equal_nan=True)
+    print("NaN passes through, as in torch.relu")
+    xd = _away_from_zero((6, 5), dtype=torch.float64).requires_grad_()
+    assert torch.autograd.gradcheck(custom_ops.custom_relu, (xd,))
+    print("gradcheck (float64): True")
+    _passed("Custom ReLU matches torch.relu, forward and backward")
+
+
+def test_reduce_sum():
+    _header(4, "Reduce Sum (shared-memory reduction)")
+    torch.manual_seed(4)
+    eps = torch.finfo(torch.float32).eps
+    for n in (1, 1000, 4097, 1_000_003):
+        x = torch.randn(n, device=DEVICE)
+        out = custom_ops.reduce_sum(x)
+        expected = x.double().sum()
+        # Accumulated in float32 in a two-level order (per-thread or per-chunk sums, then a
+        # tree): rounding errors that grow like a handful of roundings of the sum of |x|. The
+        # bound is written against that, not against the result, which can be near 0.
+        bound = 16 * eps * x.double().abs().sum().item()
+        err = abs(out.item() - expected.item())
+        print(f"n = {n:>9}: sum {out.item():+.6f}, float64 {expected.item():+.6f}, |error| {err:.2e} "
+              f"(bound {bound:.1e})")
+        assert out.shape == () and out.dtype == x.dtype
+        assert err <= bound, (n, err, bound)
+    # Small integers sum exactly in float32 in any order while every partial sum stays below
+    # 2^24: so here a lost or doubled element cannot hide in the rounding.
+    ints = torch.randint(-8, 9, (1_000_003,), device=DEVICE).float()
+    assert custom_ops.reduce_sum(ints).item() == ints.double().sum().item()
+    print("Integer-valued input (every partial sum exact): equal to the exact sum")
+    assert torch.equal(custom_ops.reduce_sum(x), out), "the same input must give the same bits"
+    print("Deterministic: the same 1,000,003 elements give the same bits twice")
+    assert custom_ops.reduce_sum(torch.empty(0, device=DEVICE)).item() == 0.0
+    print("An empty tensor sums to 0")
+    x = torch.randn(5, 7, device=DEVICE, requires_grad=True)
+    (dx,) = torch.autograd.grad(custom_ops.reduce_sum(x), x, torch.tensor(2.5, device=DEVICE))
+    torch.testing.assert_close(dx, torch.full_like(x, 2.5), rtol=0, atol=0)
+    print("Backward: every element gets the upstream gradient")
+    _passed("Reduce sum matches float64, deterministic, differentiable")
+
+
+def _time_ms(fn, device, warmup=10, runs=50):
+    """Median milliseconds of fn() over `runs` calls after `warmup`: CUDA events on the GPU
+    (the kernel's time on the stream), perf_counter on the CPU."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device == "cuda":
+        torch.cuda.synchronize()
+        for _ in range(runs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    else:
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def benchmark_fused_op():
+    _header(5, "Performance Benchmark")
+    torch.manual_seed(5)
+    batch_size, features, scale = 1024, 2048, 2.0
+    x = torch.randn(batch_size, features, device=DEVICE)
+    bias = torch.randn(features, device=DEVICE)
+    torch.testing.assert_close(custom_ops.fused_op_forward(x, bias, scale), torch.relu(x * scale + bias))
+    runs = 50 if DEVICE == "cuda" else 20
+    pytorch_ms = _time_ms(lambda: torch.relu(x * scale + bias), DEVICE, runs=runs)
+    # One read of x and one write of y; eager's three kernels move three times that.
+    bytes_moved = 2 * x.numel() * x.element_size()
+    print(f"[{batch_size}, {features}] float32 on {DEVICE}, median of {runs} runs:")
+    for route, fn in custom_ops.ROUTES.items():
+        custom_ms = _time_ms(lambda: fn(x, bias, scale), DEVICE, runs=runs)
+        label = f"custom kernel ({route})"
+        print(f"  {label:<30}{custom_ms:9.3f} ms {bytes_moved / custom_ms / 1e6:9.1f} GB/s   "
+              f"speedup {pytorch_ms / custom_ms:5.2f}x")
+    print(f"  {'PyTorch ops (3 kernels)':<30}{pytorch_ms:9.3f} ms")
+    if DEVICE == "cpu":
+        print("  (CPU: the chapter's CPU code is plain reference loops; the comparison that matters is on a GPU)")
+    _passed("Benchmark ran and the result is correct (timings are reported, not asserted)")
+
+
+# pytest collects test_* names; the outline calls it benchmark_fused_op.
+test_performance_benchmark = benchmark_fused_op
+
+
+def test_nn_module_integration():
+    _header(6, "nn.Module Integration")
+    torch.manual_seed(6)
+
+    def build(layer):
+        return nn.Sequential(nn.Linear(512, 256), layer, nn.Linear(256, 10)).to(DEVICE)
+
+    model = build(custom_ops.FusedOpLayer(256, scale=2.0))
+    # The same network with the ReLU written in PyTorch, sharing the weights.
+    twin = build(nn.Identity())
+    twin.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("1.")})
+    bias_param = model[1].bias
+    assert any(p is bias_param for p in model.parameters()), "the layer's bias is a parameter of the model"
+    print(f"Model: {model}")
+
+    inputs = torch.randn(32, 512, device=DEVICE)
+    target = torch.randn(32, 10, device=DEVICE)
+    out = model(inputs)
+    with torch.no_grad():
+        twin_out = twin[2](torch.relu(twin[0](inputs) * 2.0 + bias_param))
+    torch.testing.assert_close(out, twin_out)
+    print("Forward matches the same network in plain PyTorch")
+
+    # 3e-4: small enough that ten full-batch steps go steadily down on this problem (1e-3
+    # overshoots after five).
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-4)
+    losses = []
+    for epoch in range(10):
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(inputs), target)
+        loss.backward()
+        if epoch == 0:
+            assert bias_param.grad is not None and bool(bias_param.grad.abs().sum() > 0), \
+                "a gradient reaches the FusedOpLayer's bias"
+        optimizer.step()
+        losses.append(loss.item())
+    print("Adam, 10 steps, MSE loss: " + " ".join(f"{v:.4f}" for v in losses))
+    assert losses[-1] < losses[0], losses
+    assert bool(bias_param.detach().abs().sum() > 0), "Adam moved the bias off zero"
+    _passed("FusedOpLayer trains inside nn.Sequential with Adam")
+
+
+TESTS = [
+    ("Fused Op Forward", test_fused_op_forward),
+    ("Fused Op Gradients", test_fused_op_gradients),
+    ("Custom ReLU", test_custom_relu),
+    ("Reduce Sum", test_reduce_sum),
+    ("Performance Benchmark", benchmark_fused_op),
+    ("nn.Module Integration", test_nn_module_integration),
+]
+
+
+def main():
+    ext = custom_ops.EXTENSION
+    print(f"✓ Successfully imported custom_ops ({ext['route']} build{', ' + ext['so_path'] if 'so_path' in ext else ''})")
+    print(f"Device: {DEVICE}\n")
+    results = []
+    for name, test in TESTS:
+        try:
+            test()
+            results.append((name, True))
+        except Exception:  # report every failure, then run the rest
+            traceback.print_exc()
+            print(f"✗ FAILED: {name}")
+            results.append((name, False))
+        print()
+    print(RULE)
+    print("TEST SUMMARY")
+    print(RULE)
+    for name, ok in results:
+        print(f"  {'✓ PASSED' if ok else '✗ FAILED'}: {name}")
+    passed = sum(ok for _, ok in results)
+    print(f"\nTotal: {passed}/{len(results)} tests passed")
+    if passed == len(results):
+        print("\n🎉 All tests passed!")
+        return 0
+    print(f"\n{len(results) - passed} test(s) failed")
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
