@@ -19,7 +19,7 @@ import torch
 
 import shared_reduction
 from coursekit import results
-from coursekit.pytest_plugin import (DTYPES, dtype_id, launched_kernels, poison_allocator,
+from coursekit.pytest_plugin import (DTYPES, dtype_id, floor, launched_kernels, poison_allocator,
                                      require_cuda, shape_id)
 from shared_reduction import LADDERS, VERSIONS
 
@@ -44,14 +44,6 @@ def eps_out(dtype):
 
 def eps_acc(dtype):
     return torch.finfo(acc_dtype(dtype)).eps
-
-
-def floor(dtype):
-    """An absolute error every comparison allows near zero. float16's subnormals (spacing
-    2^-24) are what long softmax rows produce (outputs ~1e-6) and the kernels round into them
-    correctly, so one subnormal step; for the others, values below the smallest normal may be
-    flushed to zero on the GPU (FTZ), so the smallest normal."""
-    return 2.0**-24 if dtype == torch.float16 else torch.finfo(dtype).smallest_normal
 
 
 def assert_within(out, expected, bound, what=""):

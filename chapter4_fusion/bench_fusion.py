@@ -92,16 +92,16 @@ def default_timer(device):
     return timer
 
 
-def measure(device, row_fn, variants, timer=None, **extra):
+def measure(device, row_fn, variants, **extra):
     """Rows for every (variant, callable, extra fields); the first variant is the torch
-    baseline. row_fn(variant, timing, torch_ms, **fields) builds the row; timer(fn) times one
-    variant (default: default_timer(device))."""
-    rows, t_torch = [], None
+    baseline. row_fn(variant, timing, torch_ms, **fields) builds the row; default_timer times
+    each variant."""
+    rows, t_torch, timer = [], None, default_timer(device)
     for variant, fn, more in variants:
         if fn is None:
             continue
         try:
-            t = (timer or default_timer(device))(fn)
+            t = timer(fn)
         except Exception as e:  # noqa: BLE001  (a torch.compile failure at its first call)
             print(f"  {variant} failed: {str(e).splitlines()[0][:200]}")
             continue

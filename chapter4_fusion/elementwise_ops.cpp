@@ -6,6 +6,7 @@
 
 #include <ATen/ATen.h>
 #include <course/checks.h>
+#include <course/on_cuda.h>
 #include <course/dispatch.h>
 #include <course/versions.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -87,18 +88,7 @@ c10::SymInt sym_rows(const Tensor& t) {
 }
 int64_t rows_of(const Tensor& t) { return sym_rows(t).expect_int(); }
 
-// Runs `cuda(stream)` under a guard for t's device on its current stream, or fails clearly in a
-// build without CUDA kernels (the call is then compiled out: its launchers do not exist).
-#ifdef WITH_CUDA
-#define FUSION_ON_CUDA(op, t, ...)                                                      \
-  do {                                                                                  \
-    const c10::cuda::CUDAGuard device_guard((t).device());                              \
-    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream((t).device().index()); \
-    __VA_ARGS__;                                                                        \
-  } while (0)
-#else
-#define FUSION_ON_CUDA(op, t, ...) ::course::fail_no_cuda_kernels(op, "fusion")
-#endif
+#define FUSION_ON_CUDA(op, t, ...) COURSE_ON_CUDA(op, "fusion", t, __VA_ARGS__)
 
 #ifdef WITH_CUDA
 // Scratch for one launch, asked of the launcher first, freed with the tensor (stream-ordered by

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 import fusion
-from coursekit.pytest_plugin import DTYPES, dtype_id, poison_allocator, require_cuda, shape_id
+from coursekit.pytest_plugin import (DTYPES, assert_within, dtype_id, floor, poison_allocator, require_cuda,
+                                     shape_id)
 from fusion import _elementwise
 
 EW_VERSIONS = _elementwise.VERSIONS
@@ -42,25 +43,6 @@ def eps(dtype):
 def eps_acc(dtype):
     """The compute dtype's eps: float32 for every dtype but float64."""
     return torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
-
-
-def floor(dtype):
-    """An absolute error allowed near zero: values below the smallest normal may be flushed to
-    zero on the GPU; float16's subnormal step is finer, and results land there correctly."""
-    return 2.0**-24 if dtype == torch.float16 else torch.finfo(dtype).smallest_normal
-
-
-def assert_within(out, expected, bound, what=""):
-    """|out - expected| <= bound element by element; NaN must meet NaN."""
-    assert out.shape == expected.shape, (what, tuple(out.shape), tuple(expected.shape))
-    out64, exp64 = out.double(), expected.double()
-    bound = torch.broadcast_to(torch.as_tensor(bound, dtype=torch.float64, device=out.device), exp64.shape)
-    ok = ((out64 - exp64).abs() <= bound) | (out64.isnan() & exp64.isnan())
-    if not bool(ok.all()):
-        at = tuple((~ok).nonzero()[0].tolist())
-        raise AssertionError(f"{what}: {int((~ok).sum())} of {ok.numel()} elements out of bounds; first at {at}: "
-                             f"got {out64[at].item()!r}, expected {exp64[at].item()!r}, "
-                             f"allowed {bound[at].item():.3g}")
 
 
 def bias_inputs(shape, dtype, device, scale=SCALE, margin=0.25):

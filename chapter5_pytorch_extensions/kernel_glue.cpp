@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <course/checks.h>
+#include <course/on_cuda.h>
 
 #ifdef WITH_CUDA
 #include <c10/cuda/CUDAException.h>
@@ -35,20 +36,7 @@ void check_pair(const char* op, const char* name_a, const Tensor& a, const char*
               " has shape ", shape_of(b), " (they must match)");
 }
 
-// Runs `launch` (a statement using `stream`) under a guard for t's device, on that device's
-// current stream (never the default stream: the caller's streams and CUDA graph capture must
-// see the work), or fails clearly in a build without CUDA kernels, where the launchers do not
-// exist and the statement is compiled out.
-#ifdef WITH_CUDA
-#define CUSTOM_OPS_ON_CUDA(op, t, ...)                                                  \
-  do {                                                                                  \
-    const c10::cuda::CUDAGuard device_guard((t).device());                              \
-    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream((t).device().index()); \
-    __VA_ARGS__;                                                                        \
-  } while (0)
-#else
-#define CUSTOM_OPS_ON_CUDA(op, t, ...) ::course::fail_no_cuda_kernels(op, "custom_ops")
-#endif
+#define CUSTOM_OPS_ON_CUDA(op, t, ...) COURSE_ON_CUDA(op, "custom_ops", t, __VA_ARGS__)
 
 // Tensors whose memory a kernel is about to touch. Route 1 is called from Python without the
 // dispatcher, so nothing stops a FakeTensor (torch.compile or torch.export tracing, a

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import custom_ops
-from coursekit.pytest_plugin import DTYPES, dtype_id, require_cuda, shape_id
+from coursekit.pytest_plugin import DTYPES, assert_within, dtype_id, floor, require_cuda, shape_id
 from custom_ops import _C
 
 ROUTES = custom_ops.ROUTES
@@ -57,23 +57,6 @@ def eps(dtype):
 def eps_acc(dtype):
     """eps of the type the kernels compute in: float32 for every dtype but float64."""
     return torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
-
-
-def floor(dtype):
-    """An absolute slack near zero: the GPU may flush float32/bfloat16 subnormals to zero."""
-    return 2.0**-24 if dtype == torch.float16 else torch.finfo(dtype).smallest_normal
-
-
-def assert_within(out, expected, bound, what=""):
-    """|out - expected| <= bound element by element (bound broadcasts); NaN must meet NaN."""
-    assert out.shape == expected.shape, (what, tuple(out.shape), tuple(expected.shape))
-    out64, exp64 = out.double(), expected.double()
-    bound = torch.broadcast_to(torch.as_tensor(bound, dtype=torch.float64, device=out.device), exp64.shape)
-    ok = ((out64 - exp64).abs() <= bound) | (out64.isnan() & exp64.isnan())
-    if not bool(ok.all()):
-        at = tuple((~ok).nonzero()[0].tolist())
-        raise AssertionError(f"{what}: {int((~ok).sum())} of {ok.numel()} elements out of bounds; first at {at}: "
-                             f"got {out64[at].item()!r}, expected {exp64[at].item()!r}, allowed {bound[at].item():.3g}")
 
 
 def bias_inputs(shape, dtype, device, scale=SCALE, margin=0.25):

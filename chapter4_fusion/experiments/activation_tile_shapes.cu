@@ -3,11 +3,11 @@
 // in flight per thread (the kRows template parameter) and a register cap from
 // __launch_bounds__'s minimum blocks per SM, timed against cudaMemcpy of the same bytes.
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90 -I.. -I../../common/include activation_tile_shapes.cu -o tile_shapes
+//   nvcc -O3 -std=c++17 -arch=sm_90 -I../../common/include activation_tile_shapes.cu -o tile_shapes
 //   ./tile_shapes
 //
 // Torch-free, like the kernels: it includes the chapter's header and launches its kernel.
-#include "activation.h"
+#include "../activation.h"
 
 #include <algorithm>
 #include <cstdio>

@@ -42,6 +42,28 @@ def launched_kernels(call, namespace):
     return out, [e.name for e in prof.events() if namespace in e.name]
 
 
+def floor(dtype):
+    """An absolute error every comparison allows near zero. float16's subnormals (spacing
+    2^-24) are what long softmax rows produce (outputs ~1e-6) and the kernels round into them
+    correctly, so one subnormal step; for the others, values below the smallest normal may be
+    flushed to zero on the GPU (FTZ), so the smallest normal."""
+    return 2.0**-24 if dtype == torch.float16 else torch.finfo(dtype).smallest_normal
+
+
+def assert_within(out, expected, bound, what=""):
+    """|out - expected| <= bound element by element (bound broadcasts); NaN must meet NaN. The
+    failure names how many elements are out and the first of them."""
+    assert out.shape == expected.shape, (what, tuple(out.shape), tuple(expected.shape))
+    out64, exp64 = out.double(), expected.double()
+    bound = torch.broadcast_to(torch.as_tensor(bound, dtype=torch.float64, device=out.device), exp64.shape)
+    ok = ((out64 - exp64).abs() <= bound) | (out64.isnan() & exp64.isnan())
+    if not bool(ok.all()):
+        at = tuple((~ok).nonzero()[0].tolist())
+        raise AssertionError(f"{what}: {int((~ok).sum())} of {ok.numel()} elements out of bounds; first at {at}: "
+                             f"got {out64[at].item()!r}, expected {exp64[at].item()!r}, "
+                             f"allowed {bound[at].item():.3g}")
+
+
 def require_cuda():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU visible")
