@@ -4,9 +4,8 @@
 #include "reduction.h"
 
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
-#include <c10/util/Half.h>
+#include <course/cpu_dtype.h>
 
 #include <cmath>
 #include <limits>
@@ -19,18 +18,7 @@ namespace {
 // amortize a task, short enough that float32 sums of millions of elements stay accurate.
 constexpr int64_t kChunk = 4096;
 
-template <typename T> struct CpuAcc { using type = float; };
-template <> struct CpuAcc<double> { using type = double; };
-
-template <typename F>
-void with_cpu_dtype(DType dtype, F&& f) {
-  switch (dtype) {
-    case DType::kFloat32: return f(float{});
-    case DType::kFloat16: return f(c10::Half{});
-    case DType::kBFloat16: return f(c10::BFloat16{});
-    case DType::kFloat64: return f(double{});
-  }
-}
+using ::course::CpuAcc;
 
 // NaN propagates, as on the GPU (course::MaxOp).
 template <typename A>
@@ -39,7 +27,7 @@ A max_op(A a, A b) { return (a != a || a > b) ? a : b; }
 }  // namespace
 
 void reduce_cpu(const ReduceParams& p) {
-  with_cpu_dtype(p.dtype, [&](auto tag) {
+  ::course::with_cpu_type(p.dtype, [&](auto tag) {
     using T = decltype(tag);
     using A = typename CpuAcc<T>::type;
     const T* x = static_cast<const T*>(p.x);
@@ -72,7 +60,7 @@ void reduce_cpu(const ReduceParams& p) {
 }
 
 void softmax_cpu(const SoftmaxParams& p) {
-  with_cpu_dtype(p.dtype, [&](auto tag) {
+  ::course::with_cpu_type(p.dtype, [&](auto tag) {
     using T = decltype(tag);
     using A = typename CpuAcc<T>::type;
     const T* x = static_cast<const T*>(p.x);
@@ -95,7 +83,7 @@ void softmax_cpu(const SoftmaxParams& p) {
 }
 
 void softmax_backward_cpu(const SoftmaxBackwardParams& p) {
-  with_cpu_dtype(p.dtype, [&](auto tag) {
+  ::course::with_cpu_type(p.dtype, [&](auto tag) {
     using T = decltype(tag);
     using A = typename CpuAcc<T>::type;
     const T* y = static_cast<const T*>(p.y);

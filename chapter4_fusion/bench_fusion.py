@@ -54,60 +54,7 @@ def element_size(dtype):
     return torch.empty((), dtype=dtype).element_size()
 
 
-_compiled = {}
-
-
-def compiled(key, fn):
-    """torch.compile(fn) once per key; None where compilation is unavailable (no Triton here),
-    so the benchmark goes on without the row."""
-    if key not in _compiled:
-        try:
-            _compiled[key] = torch.compile(fn, dynamic=False)
-        except Exception as e:  # noqa: BLE001
-            print(f"torch.compile unavailable for {key}: {e}")
-            _compiled[key] = None
-    return _compiled[key]
-
-
-def default_timer(device):
-    """Every CUDA row is timed on a CUDA graph of 8 calls. Back-to-back events put the host's
-    per-call path inside the GPU's time wherever that path is as long as the kernels: the
-    backward rows (autograd.grad walks the graph and launches several kernels), and on the
-    benchmark machine's CPU even the norms' backward, a fraction of a millisecond, came out
-    slower through autograd.grad than alone, by an amount that changed from run to run.
-    Every problem is far above the L2, so one input set does."""
-    if device != "cuda":
-        return lambda fn: bench.time_fn(fn, device)
-
-    def timer(fn):
-        try:
-            return bench.time_cuda_graph(lambda i: fn(), 1)
-        except RuntimeError as e:
-            # On the H100 the first capture of one activation's backward failed ("operation
-            # failed due to a previous error during capture") for every variant, eager's too,
-            # while every other backward captured: those rows fall back to events and say so.
-            print(f"  graph capture failed ({str(e).splitlines()[0][:120]}); timing with events")
-            torch.cuda.synchronize()
-            return {**bench.time_cuda(fn), "timer": "events (graph capture failed)"}
-    return timer
-
-
-def measure(device, row_fn, variants, **extra):
-    """Rows for every (variant, callable, extra fields); the first variant is the torch
-    baseline. row_fn(variant, timing, torch_ms, **fields) builds the row; default_timer times
-    each variant."""
-    rows, t_torch, timer = [], None, default_timer(device)
-    for variant, fn, more in variants:
-        if fn is None:
-            continue
-        try:
-            t = timer(fn)
-        except Exception as e:  # noqa: BLE001  (a torch.compile failure at its first call)
-            print(f"  {variant} failed: {str(e).splitlines()[0][:200]}")
-            continue
-        t_torch = t_torch or t["median_ms"]
-        rows.append(row_fn(variant, t, t_torch, **extra, **more))
-    return rows
+compiled, default_timer, measure = bench.compiled, bench.default_timer, bench.measure
 
 
 def with_baselines(device, key, eager, args, ours):
@@ -200,8 +147,7 @@ def bench_activations(device, ceiling, s):
         dy = torch.randn_like(x)
 
         def backward_of(f):
-            out = f(xg, bg)
-            return lambda: torch.autograd.grad(out, (xg, bg), dy, retain_graph=True)
+            return bench.backward_call(f, (xg, bg), dy)
         variants = [("torch", backward_of(eager), {})]
         if device == "cuda":
             c = compiled((name, "bwd"), eager)
@@ -227,8 +173,7 @@ def bench_activations(device, ceiling, s):
     dy = torch.randn(shape[0], shape[1] // 2, device=device, dtype=dtype)
 
     def backward_of(f):
-        out = f(xg)
-        return lambda: torch.autograd.grad(out, (xg,), dy, retain_graph=True)
+        return bench.backward_call(f, (xg,), dy)
     variants = [("torch", backward_of(eager_swiglu), {})]
     if device == "cuda":
         c = compiled(("swiglu", "bwd"), eager_swiglu)

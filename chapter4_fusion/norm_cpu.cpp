@@ -6,8 +6,7 @@
 #include "norm.h"
 
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
+#include <course/cpu_dtype.h>
 
 #include <algorithm>
 #include <cmath>
@@ -20,18 +19,8 @@ namespace {
 // Rows one task of the column sums takes, in order.
 constexpr int64_t kRowChunk = 64;
 
-template <typename T> struct CpuAcc { using type = float; };
-template <> struct CpuAcc<double> { using type = double; };
-
-template <typename F>
-void with_cpu_type(DType dtype, F&& f) {
-  switch (dtype) {
-    case DType::kFloat32: return f(float{});
-    case DType::kFloat16: return f(c10::Half{});
-    case DType::kBFloat16: return f(c10::BFloat16{});
-    case DType::kFloat64: return f(double{});
-  }
-}
+using ::course::CpuAcc;
+using ::course::with_cpu_type;
 
 template <typename T>
 void norm_rows(const NormParams& p) {

@@ -1,17 +1,18 @@
 // CPU implementations of chapter 5's ops: the reference semantics in C++, on the same params
-// structs as the CUDA launchers. Plain loops; the elementwise ones are split over threads with
-// at::parallel_for (any split gives the same result), the sums run in a fixed order whatever
-// the thread count, so every result is bitwise reproducible.
+// structs as the CUDA launchers. Plain serial loops, the sums in a fixed order, so every result
+// is bitwise reproducible.
 //
-// The arithmetic matches the GPU's: 16-bit inputs are widened to float (at::opmath_type), the
-// forward rounds once (one fused multiply-add, then relu), and the sums accumulate in float
-// (double for double).
+// This file links no libtorch symbol: only the header-only half/bfloat16 types. It is compiled
+// into the classic library and into the stable-ABI one (stable_abi/), and a call into ATen
+// (AT_DISPATCH's error path, at::parallel_for) would tie the stable binary to one torch
+// release. That is also why the loops are serial: threads would come from ATen's pool.
+//
+// The arithmetic matches the GPU's: 16-bit inputs are widened to float, the forward rounds
+// once (one fused multiply-add, then relu), and the sums accumulate in float (double for
+// double).
 #include "custom_kernels.h"
 
-#include <ATen/Dispatch.h>
-#include <ATen/OpMathType.h>
-#include <ATen/Parallel.h>
-#include <course/checks.h>
+#include <course/cpu_dtype.h>
 
 #include <algorithm>
 #include <cmath>
@@ -20,9 +21,7 @@
 namespace custom_ops {
 namespace {
 
-
-// Elements per parallel_for task: below this, waking another thread costs more than the work.
-constexpr int64_t kGrain = 32768;
+using ::course::with_cpu_type;
 
 // Elements summed in order into one partial by reduce_sum before the partials are added, in
 // order: the same two-level shape as the GPU's, which keeps the rounding error near
@@ -38,29 +37,26 @@ A relu(A z) {
 }  // namespace
 
 void fused_op_cpu(const FusedOpParams& p) {
-  COURSE_CPU_DISPATCH(p.dtype, "fused_op_cpu", [&] {
-    using T = scalar_t;
-    using A = at::opmath_type<T>;
+  with_cpu_type(p.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    using A = typename ::course::CpuAcc<T>::type;
     const T* x = static_cast<const T*>(p.x);
     const T* bias = static_cast<const T*>(p.bias);
     T* y = static_cast<T*>(p.y);
     const A scale = static_cast<A>(p.scale);
-    const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(p.n, 1));
-    at::parallel_for(0, p.rows, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        for (int64_t c = 0; c < p.n; ++c) {
-          const int64_t i = r * p.n + c;
-          y[i] = static_cast<T>(relu(std::fma(static_cast<A>(x[i]), scale, static_cast<A>(bias[c]))));
-        }
+    for (int64_t r = 0; r < p.rows; ++r) {
+      for (int64_t c = 0; c < p.n; ++c) {
+        const int64_t i = r * p.n + c;
+        y[i] = static_cast<T>(relu(std::fma(static_cast<A>(x[i]), scale, static_cast<A>(bias[c]))));
       }
-    });
+    }
   });
 }
 
 void fused_op_backward_cpu(const FusedOpBackwardParams& p) {
-  COURSE_CPU_DISPATCH(p.dtype, "fused_op_backward_cpu", [&] {
-    using T = scalar_t;
-    using A = at::opmath_type<T>;
+  with_cpu_type(p.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    using A = typename ::course::CpuAcc<T>::type;
     const T* dy = static_cast<const T*>(p.dy);
     const T* y = static_cast<const T*>(p.y);
     T* dx = static_cast<T*>(p.dx);
@@ -81,46 +77,39 @@ void fused_op_backward_cpu(const FusedOpBackwardParams& p) {
 }
 
 void relu_cpu(const ReluParams& p) {
-  COURSE_CPU_DISPATCH(p.dtype, "relu_cpu", [&] {
-    using T = scalar_t;
-    using A = at::opmath_type<T>;
+  with_cpu_type(p.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    using A = typename ::course::CpuAcc<T>::type;
     const T* x = static_cast<const T*>(p.x);
     T* y = static_cast<T*>(p.y);
-    at::parallel_for(0, p.numel, kGrain, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) y[i] = static_cast<T>(relu(static_cast<A>(x[i])));
-    });
+    for (int64_t i = 0; i < p.numel; ++i) y[i] = static_cast<T>(relu(static_cast<A>(x[i])));
   });
 }
 
 void relu_backward_cpu(const ReluBackwardParams& p) {
-  COURSE_CPU_DISPATCH(p.dtype, "relu_backward_cpu", [&] {
-    using T = scalar_t;
-    using A = at::opmath_type<T>;
+  with_cpu_type(p.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    using A = typename ::course::CpuAcc<T>::type;
     const T* dy = static_cast<const T*>(p.dy);
     const T* y = static_cast<const T*>(p.y);
     T* dx = static_cast<T*>(p.dx);
-    at::parallel_for(0, p.numel, kGrain, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) dx[i] = static_cast<A>(y[i]) > A(0) ? dy[i] : static_cast<T>(0);
-    });
+    for (int64_t i = 0; i < p.numel; ++i) dx[i] = static_cast<A>(y[i]) > A(0) ? dy[i] : static_cast<T>(0);
   });
 }
 
 void reduce_sum_cpu(const ReduceSumParams& p) {
-  COURSE_CPU_DISPATCH(p.dtype, "reduce_sum_cpu", [&] {
-    using T = scalar_t;
-    using A = at::opmath_type<T>;
+  with_cpu_type(p.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    using A = typename ::course::CpuAcc<T>::type;
     const T* x = static_cast<const T*>(p.x);
     const int64_t chunks = (p.numel + kChunk - 1) / kChunk;
     std::vector<A> partial(static_cast<size_t>(chunks), A(0));
-    // Each chunk's partial is one task's, summed in order; which thread runs it does not matter.
-    at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t k = begin; k < end; ++k) {
-        A acc = A(0);
-        const int64_t stop = std::min(p.numel, (k + 1) * kChunk);
-        for (int64_t i = k * kChunk; i < stop; ++i) acc += static_cast<A>(x[i]);
-        partial[k] = acc;
-      }
-    });
+    for (int64_t k = 0; k < chunks; ++k) {
+      A acc = A(0);
+      const int64_t stop = std::min(p.numel, (k + 1) * kChunk);
+      for (int64_t i = k * kChunk; i < stop; ++i) acc += static_cast<A>(x[i]);
+      partial[k] = acc;
+    }
     A total = A(0);
     for (const A v : partial) total += v;
     *static_cast<T*>(p.out) = static_cast<T>(total);

@@ -100,10 +100,45 @@ class Steps:
         return failed_steps == 0 and t["failed"] == 0
 
 
+def extensions(chapter):
+    """The chapter's extension projects: the chapter itself, then any sub-project with its own
+    setup.py (chapter 5's stable_abi/, the same kernels built against the LibTorch stable ABI),
+    whose tests the chapter's pytest collects too."""
+    return [chapter] + sorted(p.parent for p in chapter.glob("*/setup.py"))
+
+
+def label(chapter, project):
+    return chapter.name if project == chapter else f"{chapter.name}/{project.name}"
+
+
 def pip_install(steps, chapter):
-    return steps.run(f"{chapter.name} pip install", [sys.executable, "-m", "pip", "install",
-                     "--no-build-isolation", "--no-deps", "--disable-pip-version-check", "."],
-                     cwd=chapter)
+    ok = True
+    for project in extensions(chapter):
+        ok &= steps.run(f"{label(chapter, project)} pip install", [sys.executable, "-m", "pip",
+                        "install", "--no-build-isolation", "--no-deps",
+                        "--disable-pip-version-check", "."], cwd=project)
+    return ok
+
+
+def jit_build(steps, chapter):
+    for project in extensions(chapter):
+        steps.run(f"{label(chapter, project)} JIT build", [sys.executable, "load_jit.py"], cwd=project)
+
+
+def package_check(steps, chapter, record=False):
+    """A chapter that ships as a wheel (chapter 5's package_check.py): build it, install it into
+    a fresh virtualenv, run the chapter's standalone tests there and list its device code. Runs
+    after pip_install, whose build/ the wheel build reuses. record=True (the GPU pass) keeps
+    its findings (arch lists, sizes, PTX JIT) in results/<device>/ for the lesson."""
+    if not (chapter / "package_check.py").exists():
+        return
+    cmd = [sys.executable, "package_check.py"]
+    if record:
+        from coursekit import results
+        out = results.RESULTS_DIR / results.device_slug()
+        out.mkdir(parents=True, exist_ok=True)
+        cmd += ["--json", out / f"{chapter.name}_packaging.json"]
+    steps.run(f"{chapter.name} wheel in a fresh venv", cmd, cwd=chapter)
 
 
 def pytest(steps, chapter, route):
@@ -144,17 +179,20 @@ def job_test(args):
     for chapter in chapters():
         if pip_install(steps, chapter):
             pytest(steps, chapter, "installed")
-        steps.run(f"{chapter.name} JIT build", [sys.executable, "load_jit.py"], cwd=chapter)
+            package_check(steps, chapter)
+        jit_build(steps, chapter)
     execute_notebooks(steps, inplace=False)
     nvcc_compile(steps)
     return steps.summary()
 
 
 def run_benchmarks(steps, chapter):
-    """The chapter's benchmark, and its launch-shape tuning script if it has one (tune_*.py:
-    the measurements a version=None dispatch table was read from)."""
-    for script in sorted(chapter.glob("tune_*.py")) + [next(chapter.glob("bench_*.py"))]:
-        kind = "tuning" if script.name.startswith("tune_") else "benchmark"
+    """The chapter's benchmark, its launch-shape tuning script if it has one (tune_*.py: the
+    measurements a version=None dispatch table was read from) and its build lab if it has one
+    (build_lab.py, chapter 5: the extension built under each build configuration)."""
+    scripts = sorted(chapter.glob("tune_*.py")) + sorted(chapter.glob("build_lab.py"))
+    for script in scripts + [next(chapter.glob("bench_*.py"))]:
+        kind = {"tune": "tuning", "build": "build lab"}.get(script.name.split("_")[0], "benchmark")
         steps.run(f"{chapter.name} {kind}", [sys.executable, script.name], cwd=chapter, echo=True)
 
 
@@ -192,10 +230,11 @@ def job_gpu_pass(args):
     for chapter in chapters():
         if "build" in stages:
             pip_install(steps, chapter)
-            steps.run(f"{chapter.name} JIT build", [sys.executable, "load_jit.py"], cwd=chapter)
+            jit_build(steps, chapter)
         if "test" in stages:
             pytest(steps, chapter, "installed")
             pytest(steps, chapter, "jit")
+            package_check(steps, chapter, record=True)
             steps.run(f"{chapter.name} example", [sys.executable, "example_usage.py"],
                       cwd=chapter)
         for tool in SANITIZER_TOOLS if sanitizer and "sanitize" in stages else ():

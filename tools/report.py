@@ -24,7 +24,10 @@ def chapter_summary(chapter_dir):
 
 
 def course_rows(record):
-    return [r for r in record["benchmarks"] if not r.get("sweep")]
+    """The rows of the chapter's table: bandwidth against the copy ceiling. Sweeps go to the
+    plots; rows of another kind (chapter 5's host-side call overhead and timing methods) to the
+    lesson's own tables."""
+    return [r for r in record["benchmarks"] if not r.get("sweep") and "pct_of_copy" in r]
 
 
 def best_rows(rows):
@@ -134,10 +137,12 @@ def main():
         if record:
             text = chapter_table(record)
             replace_block(chapter / "README.md", "table", text)
-            # Facts may also quote the chapter's hardware-counter profile and its launch-shape
-            # tuning, when there are such results.
+            # Facts may also quote the chapter's hardware-counter profile, its launch-shape
+            # tuning, its build lab and its packaging check, when there are such results.
             record = {**record, "profile": results.load_recorded_gpu(f"{chapter.name}_profile"),
-                      "tuning": results.load_recorded_gpu(f"{chapter.name}_tuning")}
+                      "tuning": results.load_recorded_gpu(f"{chapter.name}_tuning"),
+                      "build_lab": results.load_recorded_gpu(f"{chapter.name}_build"),
+                      "packaging": results.load_recorded_gpu(f"{chapter.name}_packaging")}
             for name, fact in lesson_facts(chapter).items():
                 replace_block(chapter / "README.md", name, fact(record))
             print(f"\n{chapter.name}\n{text}")

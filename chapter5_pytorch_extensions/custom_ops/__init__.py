@@ -37,10 +37,10 @@ from pathlib import Path
 import torch
 
 try:  # installed: setup.py ships the shared loader inside the package
-    from ._loader import installed_library, load_extension
+    from ._loader import check_tensor_args, installed_library, load_extension
 except ImportError:  # the course checkout: the loader's one home, common/coursekit
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "common"))
-    from coursekit.loader import installed_library, load_extension
+    from coursekit.loader import check_tensor_args, installed_library, load_extension
 
 # How the ops library was loaded: route (installed, jit or preloaded) and where from.
 EXTENSION = load_extension("custom_ops", "custom_ops", __file__)

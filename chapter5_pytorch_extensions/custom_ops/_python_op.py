@@ -18,26 +18,7 @@ import torch
 from torch import Tensor
 
 from . import _C
-
-# The dtypes the kernels take; anything else fails in the kernel's checks with the same words.
-_FLOATING = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-
-
-def _check(op, **tensors):
-    """The C++ glue's checks (kernel_glue.cpp), for the fake implementations: tracing must
-    reject what the kernel would, with the same message, before anything runs."""
-    (first_name, first), *rest = tensors.items()
-    for name, t in tensors.items():
-        if t.dtype not in _FLOATING:
-            raise RuntimeError(f"{op}: {name} has dtype {t.dtype}, which is not supported "
-                               "(supported: float32, float16, bfloat16, float64)")
-    for name, t in rest:
-        if t.device != first.device:
-            raise RuntimeError(f"{op}: {first_name} is on {first.device} but {name} is on {t.device}")
-        if t.dtype != first.dtype:
-            raise RuntimeError(f"{op}: {first_name} is {first.dtype} but {name} is {t.dtype} "
-                               "(no implicit type promotion)")
-
+from . import check_tensor_args as _check  # the glue's checks, for the fakes
 
 @torch.library.custom_op("custom_ops_py::fused_op", mutates_args=())
 def fused_op(input: Tensor, bias: Tensor, scale: float) -> Tensor:

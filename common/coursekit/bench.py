@@ -184,6 +184,70 @@ def bandwidth_row(op, variant, dtype, shape, nbytes, timing, ceiling_GBps, torch
                 {"GBps": gbps(nbytes, timing["median_ms"])}, "pct_of_copy", ceiling_GBps)
 
 
+_compiled = {}
+
+
+def compiled(key, fn):
+    """torch.compile(fn) once per key; None where compilation is unavailable (no Triton here),
+    so the benchmark goes on without the row."""
+    if key not in _compiled:
+        try:
+            _compiled[key] = torch.compile(fn, dynamic=False)
+        except Exception as e:  # noqa: BLE001
+            print(f"torch.compile unavailable for {key}: {e}")
+            _compiled[key] = None
+    return _compiled[key]
+
+
+def default_timer(device):
+    """The timer of a benchmark's rows: on CUDA, a CUDA graph of 8 calls of one input set (for
+    problems far above the L2; smaller ones need time_cuda_graph's rotating sets). Back-to-back
+    events put the host's per-call path inside the GPU's time wherever that path is as long as
+    the kernels: backward rows (autograd.grad walks the graph and launches several kernels),
+    and on the H100 machine's CPU even chapter 4's norm backward, a fraction of a millisecond,
+    came out slower through autograd.grad than alone, by an amount that changed from run to
+    run. On the CPU, wall-clock time."""
+    if device != "cuda":
+        return lambda fn: time_fn(fn, device)
+
+    def timer(fn):
+        try:
+            return time_cuda_graph(lambda i: fn(), 1)
+        except RuntimeError as e:
+            # On the H100 the first capture of chapter 4's GELU-erf backward failed ("operation
+            # failed due to a previous error during capture") for every variant, eager's too,
+            # while every other backward captured: those rows fall back to events and say so.
+            print(f"  graph capture failed ({str(e).splitlines()[0][:120]}); timing with events")
+            torch.cuda.synchronize()
+            return {**time_cuda(fn), "timer": "events (graph capture failed)"}
+    return timer
+
+
+def measure(device, row_fn, variants, **extra):
+    """Rows for every (variant, callable, extra fields); the first variant is the torch
+    baseline. row_fn(variant, timing, torch_ms, **fields) builds the row; default_timer times
+    each variant."""
+    rows, t_torch, timer = [], None, default_timer(device)
+    for variant, fn, more in variants:
+        if fn is None:
+            continue
+        try:
+            t = timer(fn)
+        except Exception as e:  # noqa: BLE001  (a torch.compile failure at its first call)
+            print(f"  {variant} failed: {str(e).splitlines()[0][:200]}")
+            continue
+        t_torch = t_torch or t["median_ms"]
+        rows.append(row_fn(variant, t, t_torch, **extra, **more))
+    return rows
+
+
+def backward_call(f, inputs, dy):
+    """A callable that runs only the backward of f(*inputs), from dy, through autograd (the
+    forward runs once, here): what a backward row times, graph and all kept for the repeats."""
+    out = f(*inputs)
+    return lambda: torch.autograd.grad(out, inputs, dy, retain_graph=True)
+
+
 def start(doc):
     """The command line of a chapter's benchmark (`--quick`: small sizes, for CPU machines and
     smoke runs) and the device it runs on: (device, quick)."""

@@ -77,7 +77,8 @@ def pin_cuda_arch():
 
 
 def compile_flags(with_cuda, debug=None):
-    """extra_compile_args for both routes. DEBUG=1: -O0 -g (and -lineinfo for device code)."""
+    """extra_compile_args for both routes. DEBUG=1: -O0 -g, and -G for device code (without
+    it ptxas still optimizes the kernels and cuda-gdb shows their locals as optimized out)."""
     if debug is None:
         debug = os.environ.get("DEBUG", "0") == "1"
     cxx = ["-O0", "-g"] if debug else ["-O3"]
@@ -85,7 +86,8 @@ def compile_flags(with_cuda, debug=None):
     if with_cuda:
         # -lineinfo maps SASS back to source lines for ncu and compute-sanitizer at no runtime
         # cost, so release builds keep it too. No --use_fast_math: it would change results.
-        flags["nvcc"] = (["-O0", "-g", "-lineinfo"] if debug else ["-O3", "-lineinfo"]) + ["-DWITH_CUDA"]
+        # -G carries its own line table (nvcc warns when -lineinfo is given beside it).
+        flags["nvcc"] = (["-O0", "-g", "-G"] if debug else ["-O3", "-lineinfo"]) + ["-DWITH_CUDA"]
     return flags
 
 
@@ -133,7 +135,7 @@ def build_py_with_loader(package):
 def chapter_setup(package, description, chapter_dir, cpp_sources, cuda_sources):
     """The whole of every chapter's setup.py: the package, its `_C` extension (CUDA or
     CPU-only, see make_extension) and the shared loader shipped inside it."""
-    import_torch(package)
+    torch = import_torch(package)
     from setuptools import setup
     from torch.utils.cpp_extension import BuildExtension
 
@@ -145,5 +147,9 @@ def chapter_setup(package, description, chapter_dir, cpp_sources, cuda_sources):
         ext_modules=[make_extension(f"{package}._C", chapter_dir, cpp_sources, cuda_sources,
                                     package)],
         cmdclass={"build_ext": BuildExtension, "build_py": build_py_with_loader(package)},
+        # _C links against this torch's C++ ABI (mangled names, class layouts), which changes
+        # between releases: the wheel works only beside the torch it was compiled against. The
+        # public version (2.11.0, not 2.11.0+cu130) matches every build of that release.
+        install_requires=[f"torch=={torch.__version__.split('+')[0]}"],
         python_requires=">=3.9",
     )

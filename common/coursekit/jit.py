@@ -1,7 +1,8 @@
 """JIT-build a chapter's extension with torch.utils.cpp_extension.load, the fast way.
 
 Build-speed practices applied here (chapter 5 explains them at length):
-- ninja is required: without it torch silently falls back to a serial, much slower build;
+- ninja is required: torch's load() refuses to build without it (setup.py's BuildExtension
+  instead falls back, silently, to a serial build that starts from scratch every time);
 - TORCH_CUDA_ARCH_LIST is pinned to the visible GPU unless the user set it (one arch to
   compile instead of every arch torch was built for; sm_75/80/90 without a GPU);
 - MAX_JOBS defaults to the core count;
@@ -26,7 +27,12 @@ OWNER_FILE = "course_build_owner.pid"
 def use_ccache():
     """Route host and device compiles through ccache when it is installed."""
     ccache = shutil.which("ccache")
-    if ccache is None or os.environ.get("COURSE_NO_CCACHE") == "1":
+    if os.environ.get("COURSE_NO_CCACHE") == "1":
+        # torch >= 2.10 puts a ccache found on PATH in front of the compilers by itself; this
+        # switch turns that off too.
+        os.environ.setdefault("TORCH_NO_COMPILER_WRAPPER", "1")
+        return False
+    if ccache is None:
         return False
     masquerade = Path("/usr/lib/ccache")  # Debian/Ubuntu: c++ -> ccache c++
     if masquerade.is_dir() and str(masquerade) not in os.environ.get("PATH", ""):

@@ -70,3 +70,24 @@ def load_extension(package, namespace, package_file):
     load_jit = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(load_jit)
     return {"route": "jit", **load_jit.build()}
+
+
+# The dtypes every chapter's kernels take.
+FLOATING = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def check_tensor_args(op, **tensors):
+    """The C++ glue's dtype and device checks (course/checks.h), for fake implementations
+    written in Python (register_fake): tracing must reject what the kernel would, with the same
+    words, before anything runs. The first tensor named is the one the others must match."""
+    (first_name, first), *rest = tensors.items()
+    for name, t in tensors.items():
+        if t.dtype not in FLOATING:
+            raise RuntimeError(f"{op}: {name} has dtype {t.dtype}, which is not supported "
+                               "(supported: float32, float16, bfloat16, float64)")
+    for name, t in rest:
+        if t.device != first.device:
+            raise RuntimeError(f"{op}: {first_name} is on {first.device} but {name} is on {t.device}")
+        if t.dtype != first.dtype:
+            raise RuntimeError(f"{op}: {first_name} is {first.dtype} but {name} is {t.dtype} "
+                               "(no implicit type promotion)")

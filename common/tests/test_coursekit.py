@@ -39,7 +39,11 @@ def test_debug_flags(with_cuda):
     flags = build.compile_flags(with_cuda, debug=True)
     assert flags["cxx"][:2] == ["-O0", "-g"]
     if with_cuda:
-        assert {"-O0", "-g", "-lineinfo", "-DWITH_CUDA"} <= set(flags["nvcc"])
+        # -G: device code unoptimized, for cuda-gdb; -G brings its own line table, and nvcc
+        # warns when -lineinfo is given beside it.
+        assert {"-O0", "-g", "-G", "-DWITH_CUDA"} <= set(flags["nvcc"])
+        assert "-lineinfo" not in flags["nvcc"]
+        assert "-lineinfo" in build.compile_flags(with_cuda, debug=False)["nvcc"]
     else:
         assert "nvcc" not in flags
     assert "-O3" in build.compile_flags(with_cuda, debug=False)["cxx"]
