@@ -54,14 +54,11 @@ def element_size(dtype):
     return torch.empty((), dtype=dtype).element_size()
 
 
-compiled, default_timer, measure = bench.compiled, bench.default_timer, bench.measure
-
-
 def with_baselines(device, key, eager, args, ours):
     """torch (eager), torch.compile of the same function (GPU only), then ours."""
     out = [("torch", lambda: eager(*args), {})]
     if device == "cuda":
-        c = compiled(key, eager)
+        c = bench.compiled(key, eager)
         out.append(("torch.compile", (lambda: c(*args)) if c else None, {}))
     return out + ours
 
@@ -69,7 +66,7 @@ def with_baselines(device, key, eager, args, ours):
 def bandwidth(device, ceiling, op, dtype, shape, nbytes, variants, **extra):
     def row(variant, t, t_torch, **fields):
         return bench.bandwidth_row(op, variant, dtype, shape, nbytes, t, ceiling, t_torch, **fields)
-    return measure(device, row, variants, **extra)
+    return bench.measure(device, row, variants, **extra)
 
 
 def rungs(device, op, call, choice_x=None):
@@ -150,7 +147,7 @@ def bench_activations(device, ceiling, s):
             return bench.backward_call(f, (xg, bg), dy)
         variants = [("torch", backward_of(eager), {})]
         if device == "cuda":
-            c = compiled((name, "bwd"), eager)
+            c = bench.compiled((name, "bwd"), eager)
             variants.append(("torch.compile", backward_of(c) if c else None, {}))
             variants += [(v, backward_of(lambda a, b, v=v, ours=ours: ours(a, b, version=v)), {})
                          for v in fusion.VERSIONS[op]]
@@ -176,7 +173,7 @@ def bench_activations(device, ceiling, s):
         return bench.backward_call(f, (xg,), dy)
     variants = [("torch", backward_of(eager_swiglu), {})]
     if device == "cuda":
-        c = compiled(("swiglu", "bwd"), eager_swiglu)
+        c = bench.compiled(("swiglu", "bwd"), eager_swiglu)
         variants.append(("torch.compile", backward_of(c) if c else None, {}))
         variants += [(v, backward_of(lambda a, v=v: fusion.swiglu(a, version=v)), {}) for v in fusion.VERSIONS["swiglu"]]
     variants.append(("default" if device == "cuda" else "cpu", backward_of(fusion.swiglu), {}))
@@ -235,7 +232,7 @@ def bench_norms(device, ceiling, s):
                 return lambda: torch.autograd.grad(out, (xg, *pg), dy, retain_graph=True)
             variants = [("torch", backward_of(eager), {})]
             if device == "cuda":
-                c = compiled((op, hidden, "bwd"), eager)
+                c = bench.compiled((op, hidden, "bwd"), eager)
                 variants.append(("torch.compile", backward_of(c) if c else None, {}))
                 variants += backward_rungs(op, x, w, b, dy)
             # Ours through autograd, timed as torch's rows are; the rungs and `default` time
@@ -296,7 +293,7 @@ def bench_linear(device, mm, s):
         def row(variant, t, t_torch, **fields):
             return bench.flops_row("linear_activation", variant, dtype, [m, k, n], 2 * m * n * k, t,
                                    mm["mm_TFLOPs"], t_torch, **fields)
-        rows += measure(device, row, variants, **{"pass": "forward", "activation": "gelu", "sweep": True})
+        rows += bench.measure(device, row, variants, **{"pass": "forward", "activation": "gelu", "sweep": True})
         del x
     return rows
 

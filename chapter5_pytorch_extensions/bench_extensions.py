@@ -199,15 +199,6 @@ def bench_fused_op(device, ceiling, s):
 # ---------------------------------------------------------------------------------------------
 # 2. Per-call overhead on the host
 # ---------------------------------------------------------------------------------------------
-def host_cpu():
-    try:
-        with open("/proc/cpuinfo") as fh:
-            return next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
-    except (OSError, StopIteration):
-        import platform
-        return platform.processor() or platform.machine()
-
-
 def host_time_per_call(fn, device, calls, reps=bench.MIN_REPS):
     """Host milliseconds per call: a CPU clock around `calls` back-to-back calls and one
     synchronize, repeated `reps` times. While the host takes longer per call than the GPU
@@ -241,7 +232,7 @@ def bench_call_overhead(device, s):
                 t = host_time_per_call(fn, device, s["overhead_calls"][numel])
                 base = base or t["median_ms"]
                 row = {"op": "call_overhead", "variant": variant, "dtype": "float32",
-                       "shape": shape, "grad": grad, **more, **t,
+                       "shape": shape, "numel": numel, "pass": "forward", "grad": grad, **more, **t,
                        "us_per_call": t["median_ms"] * 1e3,
                        "us_over_native": (t["median_ms"] - base) * 1e3}
                 if device == "cuda" and not grad:
@@ -274,7 +265,7 @@ def bench_timing_methods(device, s, repeats=5):
     for shape in s["timing"]:
         x = torch.randn(shape, device=device)
         bias = torch.randn(shape[-1], device=device)
-        calls = {"torch": lambda x, b: eager_fused(x, b),
+        calls = {"torch": eager_fused,
                  "torch_library": lambda x, b: custom_ops.fused_op_forward(x, b, SCALE)}
         nbytes = 2 * x.numel() * x.element_size()
         if device == "cuda":
@@ -313,8 +304,7 @@ def bench_timing_methods(device, s, repeats=5):
 # ---------------------------------------------------------------------------------------------
 def plot_overhead(ax, record, numel, grad=False):
     """Host microseconds per call of every route against the native ops, at one size."""
-    picked = [r for r in results.rows(record, op="call_overhead", grad=grad)
-              if r["shape"][0] * (r["shape"][1] if len(r["shape"]) > 1 else 1) == numel]
+    picked = results.rows(record, op="call_overhead", grad=grad, numel=numel)
     names = [results.column(r) for r in picked]
     bars = ax.barh(range(len(picked)), [r["us_per_call"] for r in picked],
                    color=["black" if r["variant"] == "torch" else "tab:blue" for r in picked])
@@ -387,11 +377,8 @@ def print_table(record):
               f"{r['GBps']:9.0f}{r.get('pct_of_copy', 0):7.1f}{r['speedup_vs_torch']:9.2f}")
     print(f"\n{'call_overhead':<14}{'elements':>10}{'grad':>6}  {'variant':<28}{'us/call':>9}{'+us':>8}{'gpu us':>8}")
     for r in results.rows(record, op="call_overhead"):
-        numel = 1
-        for d in r["shape"]:
-            numel *= d
         gpu = f"{r['gpu_us_per_call']:8.2f}" if "gpu_us_per_call" in r else f"{'-':>8}"
-        print(f"{'':<14}{results.format_shape([numel]):>10}{str(r['grad']):>6}  {results.column(r):<28}"
+        print(f"{'':<14}{results.format_shape([r['numel']]):>10}{str(r['grad']):>6}  {results.column(r):<28}"
               f"{r['us_per_call']:9.2f}{r['us_over_native']:8.2f}{gpu}")
     print(f"\n{'timing':<14}{'shape':>12}  {'method':<32}{'torch ms':>10}{'ours ms':>10}{'x torch':>9}")
     for r in results.rows(record, op="timing", variant="torch_library"):
@@ -413,7 +400,7 @@ def main():
     rows += bench_timing_methods(device, s)
     # Host costs depend on the host: its CPU goes in the record beside the GPU.
     extra = {"headline_op": "fused_op", "routes": ROUTES, "extension": custom_ops.EXTENSION["route"],
-             "host_cpu": host_cpu(), "bindings": bindings}
+             "host_cpu": bench.host_cpu(), "bindings": bindings}
     results.publish(CHAPTER, rows, ceilings, extra, make_figures, print_table)
 
 

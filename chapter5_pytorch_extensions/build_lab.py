@@ -294,16 +294,8 @@ def tool_versions():
 
 
 def host_info():
-    cpu = None
-    try:
-        cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
-                    if ln.startswith("model name")), None)
-    except OSError:
-        pass
-    if cpu is None:
-        import platform
-        cpu = platform.processor() or platform.machine()
-    info = {"cpu": cpu, "cores": os.cpu_count()}
+    from coursekit.bench import host_cpu
+    info = {"cpu": host_cpu(), "cores": os.cpu_count()}
     if hasattr(os, "sched_getaffinity"):
         info["usable_cores"] = len(os.sched_getaffinity(0))
     try:

@@ -21,6 +21,7 @@
 namespace custom_ops {
 namespace {
 
+using ::course::CpuAcc;
 using ::course::with_cpu_type;
 
 // Elements summed in order into one partial by reduce_sum before the partials are added, in
@@ -39,7 +40,7 @@ A relu(A z) {
 void fused_op_cpu(const FusedOpParams& p) {
   with_cpu_type(p.dtype, [&](auto tag) {
     using T = decltype(tag);
-    using A = typename ::course::CpuAcc<T>::type;
+    using A = typename CpuAcc<T>::type;
     const T* x = static_cast<const T*>(p.x);
     const T* bias = static_cast<const T*>(p.bias);
     T* y = static_cast<T*>(p.y);
@@ -56,7 +57,7 @@ void fused_op_cpu(const FusedOpParams& p) {
 void fused_op_backward_cpu(const FusedOpBackwardParams& p) {
   with_cpu_type(p.dtype, [&](auto tag) {
     using T = decltype(tag);
-    using A = typename ::course::CpuAcc<T>::type;
+    using A = typename CpuAcc<T>::type;
     const T* dy = static_cast<const T*>(p.dy);
     const T* y = static_cast<const T*>(p.y);
     T* dx = static_cast<T*>(p.dx);
@@ -79,7 +80,7 @@ void fused_op_backward_cpu(const FusedOpBackwardParams& p) {
 void relu_cpu(const ReluParams& p) {
   with_cpu_type(p.dtype, [&](auto tag) {
     using T = decltype(tag);
-    using A = typename ::course::CpuAcc<T>::type;
+    using A = typename CpuAcc<T>::type;
     const T* x = static_cast<const T*>(p.x);
     T* y = static_cast<T*>(p.y);
     for (int64_t i = 0; i < p.numel; ++i) y[i] = static_cast<T>(relu(static_cast<A>(x[i])));
@@ -89,7 +90,7 @@ void relu_cpu(const ReluParams& p) {
 void relu_backward_cpu(const ReluBackwardParams& p) {
   with_cpu_type(p.dtype, [&](auto tag) {
     using T = decltype(tag);
-    using A = typename ::course::CpuAcc<T>::type;
+    using A = typename CpuAcc<T>::type;
     const T* dy = static_cast<const T*>(p.dy);
     const T* y = static_cast<const T*>(p.y);
     T* dx = static_cast<T*>(p.dx);
@@ -100,7 +101,7 @@ void relu_backward_cpu(const ReluBackwardParams& p) {
 void reduce_sum_cpu(const ReduceSumParams& p) {
   with_cpu_type(p.dtype, [&](auto tag) {
     using T = decltype(tag);
-    using A = typename ::course::CpuAcc<T>::type;
+    using A = typename CpuAcc<T>::type;
     const T* x = static_cast<const T*>(p.x);
     const int64_t chunks = (p.numel + kChunk - 1) / kChunk;
     std::vector<A> partial(static_cast<size_t>(chunks), A(0));

@@ -19,13 +19,6 @@ def _where(record):
     return f"{record['device']['name']}, {record['date'][:10]}"
 
 
-def _numel(shape):
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 BINDING_CELLS = {
     "compile_fullgraph": "`torch.compile(fullgraph=True)`",
     "graph_breaks": "graph breaks (`torch._dynamo.explain`, work before and after the op)",
@@ -79,7 +72,7 @@ def overhead_table(record):
              "|---|---|" + "---|" * len(columns)]
     groups = {}
     for r in rows:
-        groups.setdefault((_numel(r["shape"]), r["grad"]), {})[results.column(r)] = r
+        groups.setdefault((r["numel"], r["grad"]), {})[results.column(r)] = r
     for (numel, grad), by in groups.items():
         cells = []
         for c in columns:
@@ -102,7 +95,7 @@ def overhead_table(record):
 def overhead_sentence(record):
     """The target's two numbers: the C++ routes' extra microseconds at 1 element, no grad."""
     by = {r["variant"]: r for r in results.rows(record, op="call_overhead", grad=False)
-          if _numel(r["shape"]) == 1 and r["variant"] in ROUTES}
+          if r["numel"] == 1 and r["variant"] in ROUTES}
     return ", ".join(f"{v} {by[v]['us_over_native']:+.1f} us" for v in ROUTES if v in by) + \
         f" over `torch.add` per call ({_where(record)})"
 

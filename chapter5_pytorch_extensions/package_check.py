@@ -46,6 +46,8 @@ START_PATH = list(sys.path)
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(1, str(ROOT / "common"))
+from coursekit.results import git_commit  # noqa: E402  (COURSE_GIT_COMMIT where .git is absent)
 PACKAGE = "custom_ops"
 # The outline's standalone suite: `python test_custom_ops.py` must end with this line.
 EXPECTED_TOTAL = "Total: 6/6 tests passed"
@@ -601,14 +603,6 @@ def torch_facts():
     return {"version": torch.__version__, "cuda": torch.version.cuda, "cuda_home": CUDA_HOME,
             "file": torch.__file__,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
-
-
-def git_commit():
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def findings(state, steps):

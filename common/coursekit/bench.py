@@ -22,6 +22,17 @@ def device_info(device=None):
             "memory_GiB": round(props.total_memory / 2**30, 1)}
 
 
+def host_cpu():
+    """The host's CPU model: host-side costs (launch overhead, build times) depend on it, so
+    records that measure them carry it beside the GPU."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
+    except (OSError, StopIteration):
+        import platform
+        return platform.processor() or platform.machine()
+
+
 def summarize(samples_ms):
     s = sorted(samples_ms)
     q = statistics.quantiles(s, n=10) if len(s) >= 10 else [s[0]] * 9
