@@ -68,6 +68,22 @@ def rotation_sets(input_bytes, device=None):
 _graph_timed = False
 
 
+_capture_stream = None
+
+
+def capture_stream():
+    """The one stream every graph here is captured on. Autograd runs each backward op on the
+    stream its forward op ran on: a forward run on the default stream makes the captured
+    backward launch there, outside the capture, and on the H100 (torch 2.11) that invalidated
+    every backward capture ("operation failed due to a previous error during capture") and
+    left the RNG unusable ("Offset increment outside graph capture"). backward_call runs its
+    forward on this stream, so the backward is captured where it is launched."""
+    global _capture_stream
+    if _capture_stream is None:
+        _capture_stream = torch.cuda.Stream()
+    return _capture_stream
+
+
 def time_cuda_graph(call, sets, *, reps=MIN_REPS, min_calls=8):
     """Median time of one call(i) (i = input set), measured on a CUDA graph that replays
     max(sets, min_calls) calls rotating over the sets.
@@ -87,14 +103,14 @@ def time_cuda_graph(call, sets, *, reps=MIN_REPS, min_calls=8):
         _graph_timed = True
         time_cuda_graph(call, sets, reps=reps, min_calls=min_calls)
     calls = max(sets, min_calls)
-    side = torch.cuda.Stream()
+    side = capture_stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graph asks
+    with torch.cuda.stream(side):  # warm-up off the default stream, as torch.cuda.graph asks
         for i in range(min(sets, 3)):
             call(i)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=side):
         for i in range(calls):
             call(i % sets)
     graph.replay()
@@ -255,7 +271,14 @@ def measure(device, row_fn, variants, **extra):
 def backward_call(f, inputs, dy):
     """A callable that runs only the backward of f(*inputs), from dy, through autograd (the
     forward runs once, here): what a backward row times, graph and all kept for the repeats."""
-    out = f(*inputs)
+    if dy.is_cuda:
+        stream = capture_stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            out = f(*inputs)
+        torch.cuda.current_stream().wait_stream(stream)
+    else:
+        out = f(*inputs)
     return lambda: torch.autograd.grad(out, inputs, dy, retain_graph=True)
 
 
