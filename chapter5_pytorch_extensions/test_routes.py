@@ -43,7 +43,11 @@ BACKWARDS = {
 RELU_ROUTES = {"pybind11": _C.custom_relu, "torch_library": custom_ops.custom_relu}
 SUM_ROUTES = {"pybind11": _C.reduce_sum, "torch_library": custom_ops.reduce_sum}
 
-SHAPES = [(1,), (3,), (1, 1), (31, 33), (33, 31), (255, 257), (2, 3, 33), (97, 13), (1823, 781)]
+# Odd row lengths take the CUDA forward's one-element path; rows a whole number of 16-byte
+# vectors in every dtype (n % 8 == 0), its vector path: a row shorter than one tile (8, 16),
+# several column tiles (4096), many row tiles (70000 x 8).
+SHAPES = [(1,), (3,), (1, 1), (31, 33), (33, 31), (255, 257), (2, 3, 33), (97, 13), (1823, 781),
+          (8,), (4, 8), (3, 2, 16), (129, 264), (2, 4096), (70_000, 8)]
 EMPTY_SHAPES = [(0,), (0, 7), (5, 0), (2, 0, 3)]
 
 
@@ -188,6 +192,9 @@ def test_non_contiguous_and_offset_inputs(route, device):
         "transposed x": x_full[:, :31].t(),  # [31, 33], strides (1, 62)
         "strided x": x_full[:, ::2],  # [33, 31]
         "offset x": x_full.flatten()[1:1 + 31 * 33].view(31, 33),  # starts one element in
+        # Rows a whole number of vectors, but the first not on a 16-byte boundary: the CUDA
+        # forward must fall back to one-element accesses.
+        "offset x, n = 32": x_full.flatten()[1:1 + 31 * 32].view(31, 32),
     }
     for what, x in views.items():
         bias = torch.randn(x.shape[-1] * 2, device=device)[::2]  # a strided bias too
@@ -664,7 +671,7 @@ def test_sanitizer_small(dtype):
     """The small run the GPU pass puts under compute-sanitizer (memcheck, racecheck,
     synccheck, initcheck): every kernel on small, irregular shapes, both reduce_sum paths."""
     require_cuda()
-    for shape in ((1, 1), (3, 33), (37, 65)):
+    for shape in ((1, 1), (3, 33), (37, 65), (5, 72), (300, 16)):  # the last two: 16-byte accesses
         x, bias = bias_inputs(shape, dtype, "cuda")
         dy = torch.randn(shape, device="cuda").to(dtype)
         outs = [fn(x, bias, SCALE) for fn in ROUTES.values()]
