@@ -122,14 +122,19 @@ def build_table(record):
     lab = record.get("build_lab")
     if not lab:
         return "(no build-lab results recorded yet: run build_lab.py on the GPU machine)"
-    lines = ["| configuration | route | seconds | target | the notes claimed | status |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| configuration | route | seconds | target | the notes claimed | slowest step | status |",
+             "|---|---|---|---|---|---|---|"]
     for r in lab["benchmarks"]:
         seconds = f"{r['seconds']:.2f}" if r.get("seconds") is not None else "-"
         target = f"<= {r['target_s']:g}" if r.get("target_s") is not None else ""
         claim = f"{r['claim_s']:g}" if r.get("claim_s") is not None else ""
+        steps = r.get("steps") or {}
+        slowest = max(steps, key=steps.get) if steps else None
+        slowest = f"`{slowest}` {steps[slowest]:.1f} s" if slowest else ""
         status = r["status"] + (f": {r['reason']}" if r.get("reason") else "")
-        lines.append(f"| {r['variant']} | {r.get('route', '')} | {seconds} | {target} | {claim} | {status} |")
+        if r.get("seconds") is not None and r.get("target_s") is not None and r["seconds"] > r["target_s"]:
+            status += ", over the target"
+        lines.append(f"| {r['variant']} | {r.get('route', '')} | {seconds} | {target} | {claim} | {slowest} | {status} |")
     lines += ["", f"{lab['device']['name']}, {lab['date'][:10]}, {lab['benchmarks'][0].get('cores', '?')} "
               f"cores, torch {lab['torch']}."]
     return "\n".join(lines)
