@@ -217,22 +217,26 @@ def bench_fused_op(device, ceiling, s):
 # ---------------------------------------------------------------------------------------------
 # 2. Per-call overhead on the host
 # ---------------------------------------------------------------------------------------------
-def host_time_per_call(fn, device, calls, reps=bench.MIN_REPS):
-    """Host milliseconds per call: a CPU clock around `calls` back-to-back calls and one
-    synchronize, repeated `reps` times. While the host takes longer per call than the GPU
-    per kernel, the queue of launches never fills and this is the host's cost of a call."""
-    for _ in range(max(3, calls // 10)):
-        fn()
-    sync(device)
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        for _ in range(calls):
+def host_times_per_call(fns, device, calls, reps=bench.MIN_REPS):
+    """Host milliseconds per call of each fn: a CPU clock around `calls` back-to-back calls and
+    one synchronize. While the host takes longer per call than the GPU per kernel, the queue of
+    launches never fills and this is the host's cost of a call. The variants take turns within
+    every repeat (round robin), so a drift of the host's speed during the measurement (on the
+    H100 machine torch.add moved from 13.6 to 8.2 us between two runs) lands on all of them
+    alike; returns each fn's samples, repeat by repeat."""
+    for fn in fns:
+        for _ in range(max(3, calls // 10)):
             fn()
-        sync(device)
-        samples.append((time.perf_counter() - start) * 1e3 / calls)
-    return {**bench.summarize(samples), "calls": calls,
-            "timer": f"host clock, {calls} calls + one synchronize"}
+    sync(device)
+    samples = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, mine in zip(fns, samples):
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            sync(device)
+            mine.append((time.perf_counter() - start) * 1e3 / calls)
+    return samples
 
 
 def bench_call_overhead(device, s):
@@ -245,14 +249,17 @@ def bench_call_overhead(device, s):
             variants = [("torch", lambda: torch.add(x, bias, alpha=SCALE), {"call": "torch.add"}),
                         ("torch", lambda: eager_fused(x, bias), {"call": "relu(x*s+b)"})]
             variants += route_calls(x, bias)
-            base = None
-            for variant, fn, more in variants:
-                t = host_time_per_call(fn, device, s["overhead_calls"][numel])
-                base = base or t["median_ms"]
+            calls = s["overhead_calls"][numel]
+            samples = host_times_per_call([fn for _, fn, _ in variants], device, calls)
+            for (variant, fn, more), mine in zip(variants, samples):
+                t = bench.summarize(mine)
+                # Over the native op: the median of the per-repeat differences (paired, so the
+                # host's drift between repeats cancels).
+                over = statistics.median(a - b for a, b in zip(mine, samples[0]))
                 row = {"op": "call_overhead", "variant": variant, "dtype": "float32",
                        "shape": shape, "numel": numel, "pass": "forward", "grad": grad, **more, **t,
-                       "us_per_call": t["median_ms"] * 1e3,
-                       "us_over_native": (t["median_ms"] - base) * 1e3}
+                       "calls": calls, "timer": f"host clock, {calls} calls + one synchronize, variants in turn",
+                       "us_per_call": t["median_ms"] * 1e3, "us_over_native": over * 1e3}
                 if device == "cuda" and not grad:
                     # What the GPU spends per call, from a graph (no host in the loop): the
                     # floor under the host's number.

@@ -85,9 +85,12 @@ def overhead_table(record):
             cells.append(f"{r['us_per_call']:.1f}{over}{gpu}")
         lines.append(f"| {results.format_shape([numel])} | {'yes' if grad else 'no'} | " + " | ".join(cells) + " |")
     calls = sorted({r["calls"] for r in rows})
+    paired = "variants in turn" in rows[0].get("timer", "")
     lines += ["", f"Host microseconds per call (median of {rows[0]['reps']} runs of "
-              f"{'/'.join(map(str, calls))} calls and one synchronize); in brackets, over "
-              f"`torch.add(x, bias, alpha=scale)`; GPU: the same call's GPU time per call on a "
+              f"{'/'.join(map(str, calls))} calls and one synchronize"
+              f"{', the variants taking turns within each run' if paired else ''}); in brackets, over "
+              f"`torch.add(x, bias, alpha=scale)`{' (the median of the per-run differences)' if paired else ''}; "
+              f"GPU: the same call's GPU time per call on a "
               f"CUDA graph. Host CPU: {record.get('host_cpu', 'not recorded')}; {_where(record)}."]
     return "\n".join(lines)
 
