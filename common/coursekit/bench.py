@@ -241,9 +241,10 @@ def default_timer(device):
         try:
             return time_cuda_graph(lambda i: fn(), 1)
         except RuntimeError as e:
-            # On the H100 the first capture of chapter 4's GELU-erf backward failed ("operation
-            # failed due to a previous error during capture") for every variant, eager's too,
-            # while every other backward captured: those rows fall back to events and say so.
+            # A call that cannot be captured falls back to events and says so in its row. On the
+            # H100 chapter 4's GELU-erf backward rows did, every variant, eager's too: autograd
+            # ran their backward on the forward's default stream, outside the capture
+            # (capture_stream() above, since; the rows keep their note until re-measured).
             print(f"  graph capture failed ({str(e).splitlines()[0][:120]}); timing with events")
             torch.cuda.synchronize()
             return {**time_cuda(fn), "timer": "events (graph capture failed)"}
