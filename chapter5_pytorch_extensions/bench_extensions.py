@@ -89,31 +89,30 @@ def _attempt(fn):
 # graph-timed: so the capture is tried in a fresh process, as a learner's script would try it.
 _CAPTURE_CHILD = """
 import json, sys, torch, custom_ops
-fn = custom_ops.ROUTES[sys.argv[1]]
+fn, scale = custom_ops.ROUTES[sys.argv[1]], float(sys.argv[2])
 x, bias = torch.randn(8, 40, device="cuda"), torch.randn(40, device="cuda")
-fn(x, bias, %r)
+fn(x, bias, scale)
 torch.cuda.synchronize()
 graph = torch.cuda.CUDAGraph()
 with torch.cuda.graph(graph):
-    out = fn(x, bias, %r)
+    out = fn(x, bias, scale)
 graph.replay()
 torch.cuda.synchronize()
-print(json.dumps(torch.equal(out, fn(x, bias, %r))))
+print(json.dumps(torch.equal(out, fn(x, bias, scale))))
 """
 
 
 def _capture_in_child(route):
     import subprocess
-    code = _CAPTURE_CHILD % ((SCALE,) * 3)
     try:
-        done = subprocess.run([sys.executable, "-c", code, route], cwd=HERE, capture_output=True,
-                              text=True, timeout=300)
+        done = subprocess.run([sys.executable, "-c", _CAPTURE_CHILD, route, str(SCALE)], cwd=HERE,
+                              capture_output=True, text=True, timeout=300)
     except subprocess.TimeoutExpired:
         return "fails (no answer in 300 s)"
     if done.returncode != 0:
         lines = [l for l in done.stderr.strip().splitlines() if l.strip()]
         return f"fails ({lines[-1][:160] if lines else f'exit {done.returncode}'})"
-    same = done.stdout.strip().splitlines()[-1] == "true"
+    same = done.stdout.split()[-1:] == ["true"]
     return "captures, replay matches eager" if same else "captures, replay differs"
 
 

@@ -74,10 +74,10 @@ _capture_stream = None
 def capture_stream():
     """The one stream every graph here is captured on. Autograd runs each backward op on the
     stream its forward op ran on: a forward run on the default stream makes the captured
-    backward launch there, outside the capture, and on the H100 (torch 2.11) that invalidated
-    every backward capture ("operation failed due to a previous error during capture") and
-    left the RNG unusable ("Offset increment outside graph capture"). backward_call runs its
-    forward on this stream, so the backward is captured where it is launched."""
+    backward launch there, outside the capture. On the H100 (torch 2.11) the backward of eager
+    relu(x * 2 + b) failed to capture that way ("operation failed due to a previous error
+    during capture") and left the RNG unusable ("Offset increment outside graph capture"),
+    and captured once its forward ran on this stream. backward_call runs its forward here."""
     global _capture_stream
     if _capture_stream is None:
         _capture_stream = torch.cuda.Stream()
@@ -242,9 +242,9 @@ def default_timer(device):
             return time_cuda_graph(lambda i: fn(), 1)
         except RuntimeError as e:
             # A call that cannot be captured falls back to events and says so in its row. On the
-            # H100 chapter 4's GELU-erf backward rows did, every variant, eager's too: autograd
-            # ran their backward on the forward's default stream, outside the capture
-            # (capture_stream() above, since; the rows keep their note until re-measured).
+            # H100 chapter 4's GELU-erf backward rows did, every variant, eager's too, with the
+            # error a default-stream forward gives (capture_stream() above); whether that was
+            # their cause, their next run will show.
             print(f"  graph capture failed ({str(e).splitlines()[0][:120]}); timing with events")
             torch.cuda.synchronize()
             return {**time_cuda(fn), "timer": "events (graph capture failed)"}
