@@ -1,0 +1,112 @@
+// Plain C++ interface between the attention glue (attention_ops.cpp), the CPU reference
+// (attention_cpu.cpp) and the CUDA kernels the next step of the chapter adds. No torch and no
+// CUDA types, as FlashAttention's flash.h: the glue compiles without the toolkit, the kernels
+// with a bare `nvcc -c`.
+//
+// Layout: q is (batch, heads, seqlen_q, head_dim), k and v are (batch, heads_kv, seqlen_k,
+// head_dim), o is q's shape. Each may be any strided view whose last dim is contiguous: the
+// glue passes the other three strides (in elements) instead of copying, so q taken from a
+// (batch, seqlen, heads, head_dim) projection costs nothing. 64-bit strides and offsets: a
+// (32, 32, 16384, 128) tensor already holds 2^31 elements.
+//
+// Semantics, for query head h, row i and key j (k/v head h / (heads / heads_kv): grouped-query
+// attention, GQA; heads_kv == heads is ordinary multi-head attention):
+//   s_ij = scale * q_i . k_j
+//   causal: key j is visible to row i iff j <= i + seqlen_k - seqlen_q (the mask's diagonal
+//           ends in the bottom-right corner, as FlashAttention 2 and a KV cache want: the last
+//           query row sees every key). For seqlen_q == seqlen_k it is the usual j <= i.
+//   lse_i = log(sum over visible j of exp(s_ij))       (natural log)
+//   o_i   = sum over visible j of exp(s_ij - lse_i) v_j
+// A row that sees no key (causal with seqlen_q > seqlen_k: rows i < seqlen_q - seqlen_k; or
+// seqlen_k == 0) has an empty softmax. It gives o_i = 0, lse_i = -inf and zero gradients, which
+// is what torch's F.scaled_dot_product_attention returns on the CPU for a fully masked row
+// (torch 2.13, math and flash-for-CPU alike; its CausalBias warns of NaN, but the kernels write
+// 0). Every implementation must keep it: the backward cannot recompute exp(s - lse) there
+// (-inf - -inf is NaN), so it skips such rows outright.
+#pragma once
+
+#include <course/dtype.h>
+
+#include <cstdint>
+
+namespace flash_attention {
+
+using DType = ::course::DType;
+
+// Head dims the CUDA kernels will be instantiated for (each one a template parameter: the
+// tile shapes and the registers a row of q takes depend on it). The one list; the glue checks
+// CUDA inputs against it. The CPU reference takes any head_dim >= 1.
+constexpr int kCudaHeadDims[] = {32, 64, 96, 128, 256};
+
+inline bool cuda_head_dim_supported(int64_t head_dim) {
+  for (int d : kCudaHeadDims) {
+    if (d == head_dim) return true;
+  }
+  return false;
+}
+
+// The log-sum-exp is kept in the accumulation type: float32, float64 for float64 inputs (as
+// chapter 4 keeps its norms' statistics). A (batch, heads, seqlen_q) contiguous tensor:
+// lse[(b * heads + h) * seqlen_q + i], the layout of FlashAttention 2's softmax_lse and of SDPA's
+// logsumexp output. The forward writes it so that the backward can rebuild P row by row without
+// a second pass over the keys.
+struct AttentionParams {
+  DType dtype;
+  const void* q;
+  const void* k;
+  const void* v;
+  void* o;
+  void* lse;
+  int64_t batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim;
+  int64_t q_batch_stride, q_head_stride, q_seq_stride;
+  int64_t k_batch_stride, k_head_stride, k_seq_stride;
+  int64_t v_batch_stride, v_head_stride, v_seq_stride;
+  int64_t o_batch_stride, o_head_stride, o_seq_stride;
+  double scale;
+  bool causal;
+};
+
+// The backward, from the forward's o and lse (P is recomputed, never stored: it is seqlen_q x
+// seqlen_k per head, the memory FlashAttention exists to avoid):
+//   P  = exp(S - lse)            D  = rowsum(dO * O)
+//   dV = P^T dO                  dP = dO V^T
+//   dS = P * (dP - D)            dQ = scale dS K        dK = scale dS^T Q
+// With GQA, dk and dv of a kv head are the sums over the query heads that share it.
+// dq, dk and dv have the shapes of q, k and v, with their own strides (last dim contiguous).
+struct AttentionBackwardParams {
+  AttentionParams fwd;  // q, k, v, o and lse as the forward saw them; fwd.o and fwd.lse are read
+  const void* dout;
+  void* dq;
+  void* dk;
+  void* dv;
+  int64_t do_batch_stride, do_head_stride, do_seq_stride;
+  int64_t dq_batch_stride, dq_head_stride, dq_seq_stride;
+  int64_t dk_batch_stride, dk_head_stride, dk_seq_stride;
+  int64_t dv_batch_stride, dv_head_stride, dv_seq_stride;
+};
+
+// Key j is visible to query row i (bottom-right aligned causal mask; see above). The number of
+// keys row i sees is min(seqlen_k, max(0, i + seqlen_k - seqlen_q + 1)) when causal.
+inline int64_t visible_keys(int64_t row, int64_t seqlen_q, int64_t seqlen_k, bool causal) {
+  if (!causal) return seqlen_k;
+  const int64_t last = row + seqlen_k - seqlen_q;  // the last visible key's index
+  if (last < 0) return 0;
+  return last + 1 < seqlen_k ? last + 1 : seqlen_k;
+}
+
+// The CPU reference (attention_cpu.cpp): float32 and float64.
+void attention_forward_cpu(const AttentionParams& params);
+void attention_backward_cpu(const AttentionBackwardParams& params);
+
+}  // namespace flash_attention
+
+#if defined(__CUDACC__) || defined(WITH_CUDA)
+#include <cuda_runtime_api.h>
+namespace flash_attention {
+// Declared for the next step, which adds the kernels and their ladder; nothing defines them
+// yet, and the glue does not call them. Each will run on `stream`, return the launch error and
+// never synchronize.
+cudaError_t launch_attention_forward(const AttentionParams& params, cudaStream_t stream);
+cudaError_t launch_attention_backward(const AttentionBackwardParams& params, cudaStream_t stream);
+}  // namespace flash_attention
+#endif

@@ -1,0 +1,288 @@
+// Torch glue for attention: the `flash_attention` library's schemas, input checks, the
+// CPU/CUDA/Meta kernels, the autograd Function and registration with the dispatcher (chapter 5's
+// pattern: every piece declared to the dispatcher, so torch.compile traces forward and backward
+// without a graph break and torch.library.opcheck can test each piece against the others).
+//
+// One implementation per op serves every backend and picks the backend from the (already
+// checked) device, so the checks cannot drift apart between backends. Inputs are passed by
+// strides, never copied: only the last dim must be contiguous.
+#include "attention.h"
+
+#include <ATen/ATen.h>
+#include <course/checks.h>
+#include <course/dispatch.h>
+#include <course/versions.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <vector>
+
+namespace flash_attention {
+namespace {
+
+using at::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using ::course::OptVersion;
+using ::course::shape_of;
+
+constexpr const char* kForward = "attention_forward";
+constexpr const char* kBackward = "attention_backward";
+
+// Every course library has a `versions` op (coursekit.loader recognises a loaded library by
+// it; flash_attention.VERSIONS is tested against it). The ladders are empty until the CUDA
+// kernels arrive: the CPU reference is not a rung, it is what the rungs are held to.
+std::vector<std::string> versions(c10::string_view op) {
+  const std::string_view name = ::course::as_std(op);
+  TORCH_CHECK(name == kForward || name == kBackward, "versions: unknown op '", std::string(name),
+              "' (flash_attention has attention_forward and attention_backward)");
+  return {};
+}
+
+// With an empty ladder every named version is unknown; None (the default dispatch) is the one
+// valid choice. The CUDA step replaces this with ::course::parse_version over its tables.
+void check_version(const char* op, OptVersion version) {
+  TORCH_CHECK(!version.has_value(), op, ": unknown version '", std::string(::course::as_std(*version)),
+              "'; this build has no kernel versions yet (the CUDA ladder comes with the chapter's ",
+              "kernels), so only None is accepted");
+}
+
+// The accumulation type, which the log-sum-exp is kept in (attention.h).
+at::ScalarType lse_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+// The CPU reference computes in the input's own type and exists in float32 and float64 only
+// (16-bit attention on the CPU would be a different reference: rounding P to the dtype or not).
+// The CUDA list is provisional: the tensor-core rungs will take the 16-bit types, and float32 /
+// float64 are kept for a naive rung so that gradcheck runs on the GPU too (CONVENTIONS 4).
+// meta tensors carry no device of their own: any of the four passes.
+void check_dtype(const char* op, const char* name, const Tensor& t) {
+  if (t.device().is_cpu()) {
+    ::course::check_dtype_in(op, name, t, {at::kFloat, at::kDouble});
+  } else {
+    ::course::check_floating(op, name, t);
+  }
+}
+
+// "32, 64, ...", from attention.h's one list.
+std::string cuda_head_dims() {
+  std::string list;
+  for (int d : kCudaHeadDims) list += (list.empty() ? "" : ", ") + std::to_string(d);
+  return list;
+}
+
+// A (batch, heads, seqlen, head_dim) tensor of the kind every tensor argument is.
+void check_bhsd(const char* op, const char* name, const Tensor& t) {
+  TORCH_CHECK(t.defined(), op, ": ", name, " is an undefined tensor");
+  ::course::check_device_supported(op, name, t);
+  TORCH_CHECK(t.dim() == 4, op, ": ", name, " has shape ", shape_of(t), " (", std::to_string(t.dim()),
+              " dims); it must have 4: (batch, heads, seqlen, head_dim)");
+  check_dtype(op, name, t);
+  // A size-1 dim's stride is never used to step, so any value is fine there.
+  TORCH_CHECK(t.sym_stride(3) == 1 || t.sym_size(3) == 1, op, ": ", name,
+              "'s last dim (head_dim) is not contiguous (stride ", std::to_string(t.stride(3)),
+              "); other dims may be strided, the last must not: pass ", name, ".contiguous()");
+}
+
+// Another tensor that must sit where `ref` does, in its dtype.
+void check_same(const char* op, const char* name, const Tensor& t, const char* ref_name, const Tensor& ref) {
+  ::course::check_same_device(op, name, t, ref_name, ref);
+  ::course::check_same_dtype(op, name, t, ref_name, ref);
+}
+
+void check_qkv(const char* op, const Tensor& q, const Tensor& k, const Tensor& v) {
+  check_bhsd(op, "q", q);
+  check_bhsd(op, "k", k);
+  check_bhsd(op, "v", v);
+  check_same(op, "k", k, "q", q);
+  check_same(op, "v", v, "q", q);
+  TORCH_CHECK(k.sym_sizes() == v.sym_sizes(), op, ": k has shape ", shape_of(k), " but v has shape ", shape_of(v),
+              " (they must match: one value per key, in as many heads)");
+  TORCH_CHECK(k.sym_size(0) == q.sym_size(0), op, ": q has batch ", std::to_string(q.size(0)), " but k has batch ",
+              std::to_string(k.size(0)));
+  TORCH_CHECK(k.sym_size(3) == q.sym_size(3), op, ": q has head_dim ", std::to_string(q.size(3)),
+              " but k and v have head_dim ", std::to_string(k.size(3)), " (they must be equal)");
+  TORCH_CHECK(q.sym_size(3) >= 1, op, ": head_dim is 0; attention needs at least one feature per head");
+  const int64_t heads = q.size(1);
+  const int64_t heads_kv = k.size(1);
+  TORCH_CHECK(heads_kv >= 1 && heads % heads_kv == 0, op, ": q has ", std::to_string(heads), " heads and k and v ",
+              "have ", std::to_string(heads_kv), "; the query heads must be a whole multiple of the kv heads ",
+              "(grouped-query attention: each kv head serves heads / heads_kv query heads)");
+  if (q.is_cuda()) {
+    TORCH_CHECK(cuda_head_dim_supported(q.size(3)), op, ": head_dim ", std::to_string(q.size(3)),
+                " is not supported on CUDA (supported: ", cuda_head_dims(), ")");
+  }
+}
+
+// The error every CUDA tensor meets until the next step adds the kernels. In a CUDA build the
+// launchers are declared (attention.h) but not defined, so calling them would not even load.
+[[noreturn]] void fail_no_cuda_kernels_yet(const char* op, const Tensor& t) {
+  TORCH_CHECK(false, "flash_attention: no CUDA kernels in this build yet (", op, " was called with tensors on ",
+              t.device().str(), "; the chapter's CUDA ladder is the next step); use CPU tensors for now");
+}
+
+AttentionParams make_params(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+                            double scale, bool causal) {
+  AttentionParams p{};
+  p.dtype = ::course::to_dtype(q.scalar_type());
+  p.q = q.const_data_ptr();
+  p.k = k.const_data_ptr();
+  p.v = v.const_data_ptr();
+  // the backward reads o and lse through the same struct: const_cast only restores the type
+  p.o = const_cast<void*>(out.const_data_ptr());
+  p.lse = const_cast<void*>(lse.const_data_ptr());
+  p.batch = q.size(0);
+  p.heads = q.size(1);
+  p.heads_kv = k.size(1);
+  p.seqlen_q = q.size(2);
+  p.seqlen_k = k.size(2);
+  p.head_dim = q.size(3);
+  p.q_batch_stride = q.stride(0), p.q_head_stride = q.stride(1), p.q_seq_stride = q.stride(2);
+  p.k_batch_stride = k.stride(0), p.k_head_stride = k.stride(1), p.k_seq_stride = k.stride(2);
+  p.v_batch_stride = v.stride(0), p.v_head_stride = v.stride(1), p.v_seq_stride = v.stride(2);
+  p.o_batch_stride = out.stride(0), p.o_head_stride = out.stride(1), p.o_seq_stride = out.stride(2);
+  p.scale = scale;
+  p.causal = causal;
+  return p;
+}
+
+// ---------------------------------------------------------------------------------------
+// attention_forward: (out, lse). out is (batch, heads, seqlen_q, head_dim), contiguous, q's
+// dtype; lse is (batch, heads, seqlen_q), contiguous, in the accumulation type.
+// ---------------------------------------------------------------------------------------
+std::tuple<Tensor, Tensor> attention_forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, double scale,
+                                                  bool causal, OptVersion version) {
+  const char* op = kForward;
+  check_qkv(op, q, k, v);
+  check_version(op, version);
+  Tensor out = at::empty_symint(q.sym_sizes(), q.options());
+  Tensor lse = at::empty_symint({q.sym_size(0), q.sym_size(1), q.sym_size(2)},
+                                q.options().dtype(lse_dtype(q.scalar_type())));
+  if (q.is_meta()) return {out, lse};
+  if (q.is_cuda()) fail_no_cuda_kernels_yet(op, q);
+  if (out.numel() == 0) return {out, lse};
+  attention_forward_cpu(make_params(q, k, v, out, lse, scale, causal));
+  return {out, lse};
+}
+
+// ---------------------------------------------------------------------------------------
+// attention_backward: (dq, dk, dv), each contiguous in the shape of q, k, v, from the
+// forward's out and lse.
+// ---------------------------------------------------------------------------------------
+std::tuple<Tensor, Tensor, Tensor> attention_backward_impl(const Tensor& grad_out, const Tensor& q, const Tensor& k,
+                                                           const Tensor& v, const Tensor& out, const Tensor& lse,
+                                                           double scale, bool causal, OptVersion version) {
+  const char* op = kBackward;
+  check_qkv(op, q, k, v);
+  check_bhsd(op, "grad_out", grad_out);
+  check_bhsd(op, "out", out);
+  check_same(op, "grad_out", grad_out, "q", q);
+  check_same(op, "out", out, "q", q);
+  TORCH_CHECK(out.sym_sizes() == q.sym_sizes() && grad_out.sym_sizes() == q.sym_sizes(), op, ": out has shape ",
+              shape_of(out), " and grad_out ", shape_of(grad_out), "; both must have q's shape ", shape_of(q));
+  TORCH_CHECK(lse.defined(), op, ": lse is an undefined tensor");
+  ::course::check_same_device(op, "lse", lse, "q", q);
+  TORCH_CHECK(lse.scalar_type() == lse_dtype(q.scalar_type()), op, ": lse has dtype ", lse.scalar_type(),
+              " but must be ", lse_dtype(q.scalar_type()), " for q of dtype ", q.scalar_type(),
+              " (what attention_forward returns)");
+  TORCH_CHECK(lse.dim() == 3 && lse.sym_size(0) == q.sym_size(0) && lse.sym_size(1) == q.sym_size(1) &&
+                  lse.sym_size(2) == q.sym_size(2),
+              op, ": lse has shape ", shape_of(lse), " but must be (batch, heads, seqlen_q) of q ", shape_of(q));
+  check_version(op, version);
+  Tensor dq = at::empty_symint(q.sym_sizes(), q.options());
+  Tensor dk = at::empty_symint(k.sym_sizes(), k.options());
+  Tensor dv = at::empty_symint(v.sym_sizes(), v.options());
+  if (q.is_meta()) return {dq, dk, dv};
+  if (q.is_cuda()) fail_no_cuda_kernels_yet(op, q);
+  // The reference indexes lse as a contiguous (batch, heads, seqlen_q) block.
+  const Tensor lse_c = lse.contiguous();
+  AttentionBackwardParams g{};
+  g.fwd = make_params(q, k, v, out, lse_c, scale, causal);
+  g.dout = grad_out.const_data_ptr();
+  g.dq = dq.mutable_data_ptr();
+  g.dk = dk.mutable_data_ptr();
+  g.dv = dv.mutable_data_ptr();
+  g.do_batch_stride = grad_out.stride(0), g.do_head_stride = grad_out.stride(1), g.do_seq_stride = grad_out.stride(2);
+  g.dq_batch_stride = dq.stride(0), g.dq_head_stride = dq.stride(1), g.dq_seq_stride = dq.stride(2);
+  g.dk_batch_stride = dk.stride(0), g.dk_head_stride = dk.stride(1), g.dk_seq_stride = dk.stride(2);
+  g.dv_batch_stride = dv.stride(0), g.dv_head_stride = dv.stride(1), g.dv_seq_stride = dv.stride(2);
+  attention_backward_cpu(g);
+  return {dq, dk, dv};
+}
+
+// ---------------------------------------------------------------------------------------
+// Autograd. The forward re-enters the dispatcher below the Autograd key (the CPU kernel, or the
+// Meta one under torch.compile) and saves q, k, v, out and lse; the backward is this chapter's
+// own op, reached through the dispatcher so that tracing sees it. lse is an output for the
+// learner and the backward, not a differentiable one. First derivatives only.
+// ---------------------------------------------------------------------------------------
+using ::course::find_op;
+
+class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v, double scale,
+                               bool causal, OptVersion version) {
+    static auto op = find_op<decltype(attention_forward_impl)>("flash_attention::attention_forward");
+    Tensor out, lse;
+    {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      std::tie(out, lse) = op.call(q, k, v, scale, causal, version);
+    }
+    ctx->save_for_backward({q, k, v, out, lse});
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["causal"] = causal;
+    ctx->mark_non_differentiable({lse});
+    return {out, lse};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto op = find_op<decltype(attention_backward_impl)>("flash_attention::attention_backward");
+    const auto s = ctx->get_saved_variables();
+    Tensor grad_out = grads[0];
+    // out.sum() hands back an expanded scalar (every stride 0): the one input whose last dim is
+    // not ours to choose, so it alone may be copied.
+    if (grad_out.sym_stride(3) != 1 && grad_out.sym_size(3) != 1) grad_out = grad_out.contiguous();
+    auto [dq, dk, dv] = op.call(grad_out, s[0], s[1], s[2], s[3], s[4], ctx->saved_data["scale"].toDouble(),
+                                ctx->saved_data["causal"].toBool(), std::nullopt);
+    return {dq, dk, dv, Tensor(), Tensor(), Tensor()};
+  }
+};
+
+std::tuple<Tensor, Tensor> attention_forward_autograd(const Tensor& q, const Tensor& k, const Tensor& v, double scale,
+                                                      bool causal, OptVersion version) {
+  auto out = AttentionFunction::apply(q, k, v, scale, causal, version);
+  return {out[0], out[1]};
+}
+
+void register_backend_kernels(torch::Library& m) {
+  m.impl("attention_forward", &attention_forward_impl);
+  m.impl("attention_backward", &attention_backward_impl);
+}
+
+}  // namespace
+}  // namespace flash_attention
+
+// pt2_compliant_tag: the ops promise what torch.compile relies on (schemas that tell the truth
+// about aliasing, Meta kernels, registered autograd); test_attention.py holds them to it with
+// torch.library.opcheck.
+TORCH_LIBRARY(flash_attention, m) {
+  const std::vector<at::Tag> pt2 = {at::Tag::pt2_compliant_tag};
+  m.def("versions(str op) -> str[]", &flash_attention::versions);
+  m.def("attention_forward(Tensor q, Tensor k, Tensor v, float scale, bool causal=False, str? version=None)"
+        " -> (Tensor out, Tensor lse)",
+        pt2);
+  m.def("attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float scale, "
+        "bool causal=False, str? version=None) -> (Tensor dq, Tensor dk, Tensor dv)",
+        pt2);
+}
+
+// CUDA is registered in every build, so a CUDA tensor gets the checks and then a clear error
+// rather than the dispatcher's "no kernel for CUDA".
+TORCH_LIBRARY_IMPL(flash_attention, CPU, m) { flash_attention::register_backend_kernels(m); }
+TORCH_LIBRARY_IMPL(flash_attention, CUDA, m) { flash_attention::register_backend_kernels(m); }
+TORCH_LIBRARY_IMPL(flash_attention, Meta, m) { flash_attention::register_backend_kernels(m); }
+TORCH_LIBRARY_IMPL(flash_attention, Autograd, m) {
+  m.impl("attention_forward", &flash_attention::attention_forward_autograd);
+}

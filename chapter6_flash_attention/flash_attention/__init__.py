@@ -1,0 +1,107 @@
+"""FlashAttention, forward and backward: softmax(scale * Q K^T) V without the seqlen^2 matrix.
+
+Chapter 6 of the course. Layout (batch, heads, seqlen, head_dim), as
+torch.nn.functional.scaled_dot_product_attention; q, k and v may be any strided views whose last
+dim is contiguous (q taken from a (batch, seqlen, heads, head_dim) projection by transpose(1, 2)
+is read in place, not copied). Grouped-query attention: k and v may have fewer heads than q, a
+whole divisor of them; query head h reads kv head h // (heads // heads_kv).
+
+causal=True masks key j from query row i unless j <= i + seqlen_k - seqlen_q: the mask is
+aligned to the bottom-right corner (FlashAttention 2's convention; the last query row sees every
+key, as in decoding with a KV cache). For seqlen_q == seqlen_k that is the usual lower triangle.
+A row that sees no key (causal with seqlen_q > seqlen_k) returns zeros, lse -inf, and passes no
+gradient, as SDPA's CPU kernels do for a fully masked row.
+
+What exists now: the C++ reference on the CPU (float32 computed in float32, float64 in
+float64), its C++ autograd, and the Meta kernels that let torch.compile trace both passes. CUDA
+tensors raise "no CUDA kernels in this build yet": the CUDA ladder (see the README) is the next
+step, and VERSIONS lists its rungs as they land, so version= accepts only None today.
+"""
+import math
+from pathlib import Path
+
+try:  # installed: setup.py ships the shared loader inside the package
+    from ._loader import load_extension
+except ImportError:  # the course checkout: the loader's one home, common/coursekit
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "common"))
+    from coursekit.loader import load_extension
+
+# How the ops library was loaded: route (installed, jit or preloaded) and where from.
+EXTENSION = load_extension("flash_attention", "flash_attention", __file__)
+
+import torch  # noqa: E402
+
+__all__ = ["attention", "sdpa", "attention_forward", "attention_backward", "VERSIONS", "EXTENSION"]
+
+# Each op's ladder of kernel versions; test_attention.py holds it against the extension's
+# tables (the `versions` op). Empty until the CUDA kernels arrive.
+VERSIONS = {
+    "attention_forward": (),
+    "attention_backward": (),
+}
+
+
+def _default_scale(q):
+    # head_dim 0 and a wrong rank are the op's to reject, with its message, not Python's
+    # ZeroDivisionError or IndexError.
+    if q.dim() != 4 or q.shape[-1] == 0:
+        return 1.0
+    return 1.0 / math.sqrt(q.shape[-1])
+
+
+def attention(q, k, v, *, causal=False, scale=None, version=None, return_lse=False):
+    """softmax(scale * q k^T [causal mask]) v, differentiable in q, k and v.
+
+    q: (batch, heads, seqlen_q, head_dim); k, v: (batch, heads_kv, seqlen_k, head_dim), with
+    heads a multiple of heads_kv. scale defaults to 1 / sqrt(head_dim). Returns out, shaped and
+    typed like q (contiguous); with return_lse=True also lse, (batch, heads, seqlen_q), the
+    natural-log sum of exp(scale * q k^T) over each row's visible keys, in float32 (float64 for
+    float64 inputs). lse is not differentiable.
+    """
+    if scale is None:
+        scale = _default_scale(q)
+    out, lse = torch.ops.flash_attention.attention_forward(q, k, v, scale, causal, version)
+    return (out, lse) if return_lse else out
+
+
+def attention_forward(q, k, v, scale, causal=False, *, version=None):
+    """The forward op alone: (out, lse), as attention(..., return_lse=True) with an explicit
+    scale. Differentiable in q, k and v through out."""
+    return torch.ops.flash_attention.attention_forward(q, k, v, scale, causal, version)
+
+
+def attention_backward(grad_out, q, k, v, out, lse, scale, causal=False, *, version=None):
+    """The backward op alone: (dq, dk, dv) from the forward's out and lse."""
+    return torch.ops.flash_attention.attention_backward(grad_out, q, k, v, out, lse, scale, causal, version)
+
+
+def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """A drop-in for torch.nn.functional.scaled_dot_product_attention in the cases this chapter
+    computes; any other raises NotImplementedError (a RuntimeError) naming the argument:
+
+    - attn_mask must be None (masks other than causal are not computed here);
+    - dropout_p must be 0;
+    - is_causal=True needs seqlen_q == seqlen_k: SDPA aligns its causal mask to the top-left
+      corner and this chapter to the bottom-right, and the two agree only on square masks;
+    - 4-D inputs only, (batch, heads, seqlen, head_dim);
+    - fewer kv heads than query heads needs enable_gqa=True, as in SDPA (a RuntimeError).
+    """
+    if attn_mask is not None:
+        raise NotImplementedError("sdpa: attn_mask is not supported; only is_causal=True masking is "
+                                  "(use F.scaled_dot_product_attention for arbitrary masks)")
+    if dropout_p != 0.0:
+        raise NotImplementedError(f"sdpa: dropout_p={dropout_p} is not supported; only dropout_p=0.0 is")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.dim() != 4:
+            raise NotImplementedError(f"sdpa: {name} has shape {tuple(t.shape)}; only 4-D inputs "
+                                      "(batch, heads, seqlen, head_dim) are supported")
+    if is_causal and query.shape[-2] != key.shape[-2]:
+        raise NotImplementedError(
+            f"sdpa: is_causal=True with seqlen_q={query.shape[-2]} != seqlen_k={key.shape[-2]} is not "
+            "supported: SDPA's causal mask is aligned top-left and this chapter's bottom-right; call "
+            "flash_attention.attention(..., causal=True) for the bottom-right mask")
+    if key.shape[1] != query.shape[1] and not enable_gqa:
+        raise RuntimeError(f"sdpa: query has {query.shape[1]} heads but key has {key.shape[1]}; pass "
+                           "enable_gqa=True for grouped-query attention")
+    return attention(query, key, value, causal=is_causal, scale=scale)

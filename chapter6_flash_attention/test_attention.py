@@ -1,0 +1,473 @@
+"""Tests for chapter 6's attention: the CPU reference (forward, lse, backward), its C++ autograd,
+the Meta kernels under torch.compile and opcheck, the sdpa drop-in, and every documented misuse.
+
+The reference is written here in plain PyTorch in float64: scores, an explicit bottom-right
+causal mask, an explicit softmax (not SDPA), and autograd through it for the gradients. SDPA is
+the second witness, in float32, where its semantics match ours.
+
+Run against the installed extension (pip install .) or the JIT build (COURSE_EXT_ROUTE=jit);
+the header line says which one was loaded.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flash_attention
+from coursekit.pytest_plugin import dtype_id, poison_allocator, require_cuda
+
+OPS = torch.ops.flash_attention
+CPU_DTYPES = (torch.float32, torch.float64)
+
+# Forward tolerances (rtol, atol) against the float64 reference of the same inputs. float32
+# computes in float32: scores are dot products of up to 128 terms of magnitude ~1, exp() and
+# the division each add an ulp or so, and the output is a convex combination of v rows, so
+# its error is a few float32 ulps of |v| ~ 1-4 (1.2e-7 each): 2e-5 leaves a wide margin while a
+# wrong mask, head or scale errs by O(0.1). float64 is the same computation in double.
+FORWARD_TOL = {torch.float32: (1e-5, 2e-5), torch.float64: (1e-10, 1e-10)}
+# Gradients, relative to the largest reference gradient of the tensor: dk and dv are sums over
+# up to 8 query heads x 129 rows in the accumulation type, so a few ulps times the term count.
+GRAD_TOL = {torch.float32: 2e-5, torch.float64: 1e-10}
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs and the reference
+# ---------------------------------------------------------------------------------------------
+def make_qkv(batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim, dtype=torch.float32, device="cpu",
+             requires_grad=False):
+    q = torch.randn(batch, heads, seqlen_q, head_dim, dtype=torch.float64)
+    k = torch.randn(batch, heads_kv, seqlen_k, head_dim, dtype=torch.float64)
+    v = torch.randn(batch, heads_kv, seqlen_k, head_dim, dtype=torch.float64) * 2 + 0.5
+    return tuple(t.to(dtype).to(device).requires_grad_(requires_grad) for t in (q, k, v))
+
+
+def causal_mask(seqlen_q, seqlen_k, device="cpu"):
+    """True where key j is visible to row i: j <= i + seqlen_k - seqlen_q (bottom-right)."""
+    i = torch.arange(seqlen_q, device=device)[:, None]
+    j = torch.arange(seqlen_k, device=device)[None, :]
+    return j <= i + seqlen_k - seqlen_q
+
+
+def reference(q, k, v, causal, scale=None):
+    """(out, lse) in float64, differentiable in q, k, v. Rows with no visible key give out 0,
+    lse -inf and zero gradient: their scores are replaced by a constant before the softmax, so
+    nothing flows back through them (a softmax of all -inf would give NaN and NaN gradients)."""
+    q, k, v = q.double(), k.double(), v.double()
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = scale * q @ k.transpose(-1, -2)
+    visible = causal_mask(q.shape[2], k.shape[2]) if causal else torch.ones(q.shape[2], k.shape[2], dtype=torch.bool)
+    masked = scores.masked_fill(~visible, -math.inf)
+    lse = torch.logsumexp(masked, dim=-1)
+    empty = ~visible.any(dim=-1)[:, None]
+    probs = torch.softmax(masked.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    return probs @ v, lse
+
+
+def assert_forward(out, ref, dtype, what=""):
+    rtol, atol = FORWARD_TOL[dtype]
+    assert out.dtype == dtype and out.shape == ref.shape, (what, out.dtype, out.shape)
+    torch.testing.assert_close(out.double(), ref, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+def assert_grad(out, ref, dtype, what=""):
+    assert out.dtype == dtype and out.shape == ref.shape, (what, out.dtype, out.shape, ref.shape)
+    scale = max(ref.abs().max().item(), 1.0) if ref.numel() else 1.0
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=GRAD_TOL[dtype] * scale,
+                               msg=lambda m: f"{what}: {m}")
+
+
+def lse_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# (batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim): every seqlen around the 128 a tile will
+# hold, 1, a prime, seqlen_q on either side of seqlen_k, the three head dims, GQA 4:1 and 8:1.
+SHAPES = [
+    (2, 2, 2, 1, 1, 32),
+    (1, 3, 3, 17, 17, 64),
+    (1, 2, 2, 127, 127, 32),
+    (1, 2, 2, 128, 128, 64),
+    (1, 1, 1, 129, 129, 128),
+    (2, 2, 2, 17, 129, 32),     # seqlen_q < seqlen_k: the decode-like case
+    (1, 2, 2, 129, 17, 64),     # seqlen_q > seqlen_k: causal rows 0..111 see no key
+    (1, 8, 2, 33, 47, 32),      # GQA 4:1
+    (2, 8, 1, 47, 33, 64),      # multi-query attention, 8:1
+    (1, 2, 2, 1, 128, 128),     # one query row against a long cache
+]
+GRAD_SHAPES = [SHAPES[i] for i in (0, 1, 4, 5, 6, 7, 8)]
+
+
+def shape_id(shape):
+    return "b{}h{}kv{}q{}k{}d{}".format(*shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Forward and lse against the float64 reference
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+def test_forward_matches_reference(shape, causal, dtype):
+    q, k, v = make_qkv(*shape, dtype=dtype)
+    ref, ref_lse = reference(q, k, v, causal)
+    poison_allocator(ref.to(dtype))
+    out, lse = flash_attention.attention(q, k, v, causal=causal, return_lse=True)
+    assert_forward(out, ref, dtype, "out")
+    assert lse.dtype == lse_dtype(dtype) and lse.shape == shape[:2] + (shape[3],)
+    # lse is -inf exactly where no key is visible, and finite elsewhere
+    assert torch.equal(lse.isneginf(), ref_lse.isneginf())
+    finite = ref_lse.isfinite()
+    torch.testing.assert_close(lse.double()[finite], ref_lse[finite], rtol=FORWARD_TOL[dtype][0],
+                               atol=FORWARD_TOL[dtype][1])
+
+
+@pytest.mark.parametrize("scale", (0.05, 1.0, 3.0))
+def test_scale_is_used(scale):
+    q, k, v = make_qkv(1, 2, 2, 19, 23, 32, dtype=torch.float64)
+    out = flash_attention.attention(q, k, v, scale=scale)
+    assert_forward(out, reference(q, k, v, False, scale)[0], torch.float64, f"scale {scale}")
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Against F.scaled_dot_product_attention (float32)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("shape", [SHAPES[i] for i in (1, 3, 5, 6, 7, 8)], ids=shape_id)
+def test_matches_torch_sdpa(shape, causal):
+    q, k, v = make_qkv(*shape)
+    # SDPA's is_causal is top-left aligned; an explicit boolean mask states our bottom-right one.
+    mask = causal_mask(shape[3], shape[4]) if causal else None
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=shape[1] != shape[2])
+    torch.testing.assert_close(flash_attention.attention(q, k, v, causal=causal), expected, rtol=1e-5, atol=2e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Strided views are read in place
+# ---------------------------------------------------------------------------------------------
+def strided_qkv(dtype, requires_grad=False):
+    """q from a (batch, seqlen, heads, head_dim) projection, k a head_dim slice of a wider
+    tensor starting one element off, v one kv head expanded (head stride 0) over two."""
+    b, h, s, d = 2, 4, 37, 32
+    bases = (torch.randn(b, s, h, d, dtype=dtype), torch.randn(b, 2, s, d + 9, dtype=dtype),
+             torch.randn(b, 1, s, d, dtype=dtype))
+    bq, bk, bv = (t.requires_grad_(requires_grad) for t in bases)
+    q, k, v = bq.transpose(1, 2), bk[..., 1:d + 1], bv.expand(b, 2, s, d)
+    assert not q.is_contiguous() and not k.is_contiguous() and v.stride(1) == 0
+    return q, k, v
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+def test_strided_views(causal, dtype):
+    q, k, v = strided_qkv(dtype)
+    out, lse = flash_attention.attention(q, k, v, causal=causal, return_lse=True)
+    # The reference walks the same elements in the same order whatever the strides: bitwise.
+    out_c, lse_c = flash_attention.attention(q.contiguous(), k.contiguous(), v.contiguous(), causal=causal,
+                                             return_lse=True)
+    assert torch.equal(out, out_c) and torch.equal(lse, lse_c)
+    assert_forward(out, reference(q, k, v, causal)[0], dtype, "strided")
+
+
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+def test_strided_view_gradients(causal):
+    q, k, v = strided_qkv(torch.float64, requires_grad=True)
+    grads = torch.autograd.grad(flash_attention.attention(q, k, v, causal=causal).sin().sum(), (q, k, v))
+    expected = torch.autograd.grad(reference(q, k, v, causal)[0].sin().sum(), (q, k, v))
+    for name, g, e in zip("qkv", grads, expected):
+        assert_grad(g, e, torch.float64, f"d{name}")
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Gradients
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("shape", GRAD_SHAPES, ids=shape_id)
+def test_backward_matches_reference(shape, causal, dtype):
+    q, k, v = make_qkv(*shape, dtype=dtype, requires_grad=True)
+    grad_out = torch.randn(shape[0], shape[1], shape[3], shape[5], dtype=torch.float64)
+    out = flash_attention.attention(q, k, v, causal=causal)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out.to(dtype))
+    # float64 leaves of the same values: the reference's gradients must not round to float32
+    leaves = tuple(t.detach().double().requires_grad_() for t in (q, k, v))
+    expected = torch.autograd.grad(reference(*leaves, causal)[0], leaves, grad_out)
+    for name, g, e in zip("qkv", grads, expected):
+        assert_grad(g, e, dtype, f"d{name}")
+
+
+@pytest.mark.parametrize("shape,causal", [
+    ((1, 2, 2, 5, 5, 4), False),
+    ((1, 2, 2, 5, 5, 4), True),
+    ((2, 1, 1, 3, 6, 3), True),     # seqlen_q < seqlen_k
+    ((1, 2, 2, 6, 3, 3), True),     # seqlen_q > seqlen_k: three rows see no key
+    ((1, 4, 2, 4, 6, 3), True),     # GQA
+    ((1, 4, 1, 5, 4, 2), False),    # multi-query
+], ids=lambda x: shape_id(x) if isinstance(x, tuple) else ("causal" if x else "full"))
+def test_gradcheck(shape, causal):
+    q, k, v = make_qkv(*shape, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b, c: flash_attention.attention(a, b, c, causal=causal), (q, k, v))
+
+
+def test_lse_is_not_differentiable():
+    q, k, v = make_qkv(1, 2, 2, 4, 4, 8, requires_grad=True)
+    out, lse = flash_attention.attention(q, k, v, return_lse=True)
+    assert out.requires_grad and not lse.requires_grad
+
+
+def test_sum_of_output_backward():
+    """out.sum() hands the backward an expanded gradient (every stride 0); it must still work."""
+    q, k, v = make_qkv(1, 2, 2, 9, 9, 16, dtype=torch.float64, requires_grad=True)
+    grads = torch.autograd.grad(flash_attention.attention(q, k, v, causal=True).sum(), (q, k, v))
+    expected = torch.autograd.grad(reference(q, k, v, True)[0].sum(), (q, k, v))
+    for g, e in zip(grads, expected):
+        assert_grad(g, e, torch.float64)
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Rows that see no key, and empty tensors
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=dtype_id)
+def test_rows_without_visible_keys(dtype):
+    """causal, seqlen_q 7 > seqlen_k 3: rows 0-3 see no key. out 0, lse -inf, no gradient, no
+    NaN anywhere; SDPA's CPU kernels also give 0 for such a fully masked row."""
+    q, k, v = make_qkv(1, 2, 2, 7, 3, 8, dtype=dtype, requires_grad=True)
+    out, lse = flash_attention.attention(q, k, v, causal=True, return_lse=True)
+    assert torch.all(out[:, :, :4] == 0) and torch.all(lse[:, :, :4] == -math.inf)
+    assert torch.all(out[:, :, 4:] != 0) and torch.all(lse[:, :, 4:].isfinite())
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(7, 3))
+    torch.testing.assert_close(out, expected, **({} if dtype == torch.float64 else dict(rtol=1e-5, atol=2e-5)))
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert torch.all(dq[:, :, :4] == 0)
+    assert not any(g.isnan().any() for g in (dq, dk, dv))
+
+
+def test_no_keys_at_all():
+    """seqlen_k == 0: every row's softmax is empty (SDPA returns zeros too)."""
+    q, k, v = make_qkv(2, 2, 2, 5, 0, 8, requires_grad=True)
+    out, lse = flash_attention.attention(q, k, v, return_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.all(lse == -math.inf)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v))
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert torch.equal(dq, torch.zeros_like(dq)) and dk.shape == k.shape and dv.shape == v.shape
+
+
+@pytest.mark.parametrize("shape", [(0, 2, 2, 5, 5, 8), (1, 2, 2, 0, 5, 8), (2, 0, 1, 4, 4, 8)], ids=shape_id)
+def test_empty(shape):
+    q, k, v = make_qkv(*shape, requires_grad=True)
+    out, lse = flash_attention.attention(q, k, v, return_lse=True)
+    assert out.shape == q.shape and lse.shape == q.shape[:3]
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    # keys no query row reads receive no gradient: zeros, not uninitialized memory
+    assert dq.shape == q.shape and torch.equal(dk, torch.zeros_like(dk)) and torch.equal(dv, torch.zeros_like(dv))
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. opcheck and torch.compile
+# ---------------------------------------------------------------------------------------------
+def _opcheck_calls():
+    q, k, v = make_qkv(2, 4, 2, 9, 12, 16, requires_grad=True)
+    out, lse = flash_attention.attention_forward(q.detach(), k.detach(), v.detach(), 0.25, True)
+    grad_out = torch.randn_like(out)
+    return {
+        "forward": (OPS.attention_forward.default, (q, k, v, 0.25, False, None)),
+        "forward_causal": (OPS.attention_forward.default, (q, k, v, 0.25, True, None)),
+        "backward": (OPS.attention_backward.default, (grad_out, q.detach(), k.detach(), v.detach(), out, lse,
+                                                      0.25, True, None)),
+    }
+
+
+@pytest.mark.parametrize("call", ["forward", "forward_causal", "backward"])
+def test_opcheck(call):
+    fn, args = _opcheck_calls()[call]
+    torch.library.opcheck(fn, args)
+
+
+def test_torch_compile_traces_forward_and_backward():
+    """Dynamo and AOTAutograd trace through both ops without a graph break (the Meta kernels
+    give shapes, the Autograd kernel the backward); aot_eager skips codegen to stay fast."""
+    torch._dynamo.reset()
+
+    def block(x, wq, k, v):
+        q = (x @ wq).unflatten(-1, (4, 16)).transpose(1, 2)  # (b, s, h*d) -> (b, h, s, d), a view
+        return flash_attention.attention(q, k, v, causal=True).square().sum()
+
+    x = torch.randn(2, 11, 32, requires_grad=True)
+    wq = torch.randn(32, 64, requires_grad=True)
+    _, k, v = make_qkv(2, 4, 2, 11, 11, 16, requires_grad=True)
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    out = compiled(x, wq, k, v)
+    grads = torch.autograd.grad(out, (x, wq, k, v))
+    expected = block(x, wq, k, v)
+    expected_grads = torch.autograd.grad(expected, (x, wq, k, v))
+    torch.testing.assert_close(out, expected)
+    for g, e in zip(grads, expected_grads):
+        torch.testing.assert_close(g, e)
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. The sdpa drop-in
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs", [
+    dict(),
+    dict(is_causal=True),
+    dict(scale=0.3),
+    dict(is_causal=True, enable_gqa=True, heads_kv=2),
+    dict(enable_gqa=True),  # enable_gqa with equal heads is allowed and changes nothing
+], ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()) or "plain")
+def test_sdpa_drop_in(kwargs):
+    kwargs = dict(kwargs)
+    heads_kv = kwargs.pop("heads_kv", 4)
+    q, k, v = make_qkv(2, 4, heads_kv, 21, 21, 32, requires_grad=True)
+    out = flash_attention.sdpa(q, k, v, **kwargs)
+    expected = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-5)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    expected_grads = torch.autograd.grad(expected.sum(), (q, k, v))
+    for g, e in zip(grads, expected_grads):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+
+
+def test_sdpa_rectangular_without_causal():
+    q, k, v = make_qkv(1, 2, 2, 5, 9, 32)
+    torch.testing.assert_close(flash_attention.sdpa(q, k, v), F.scaled_dot_product_attention(q, k, v),
+                               rtol=1e-5, atol=2e-5)
+
+
+SDPA_ERRORS = {
+    "attn_mask": (lambda q, k, v: flash_attention.sdpa(q, k, v, attn_mask=torch.ones(5, 5, dtype=torch.bool)),
+                  NotImplementedError, r"sdpa: attn_mask is not supported"),
+    "dropout": (lambda q, k, v: flash_attention.sdpa(q, k, v, dropout_p=0.1),
+                NotImplementedError, r"sdpa: dropout_p=0.1 is not supported"),
+    "causal rectangular": (lambda q, k, v: flash_attention.sdpa(q, k[:, :, :3], v[:, :, :3], is_causal=True),
+                           NotImplementedError, r"sdpa: is_causal=True with seqlen_q=5 != seqlen_k=3"),
+    "3-D": (lambda q, k, v: flash_attention.sdpa(q[0], k[0], v[0]),
+            NotImplementedError, r"sdpa: query has shape \(4, 5, 8\); only 4-D inputs"),
+    "gqa without enable_gqa": (lambda q, k, v: flash_attention.sdpa(q, k[:, :2], v[:, :2]),
+                               RuntimeError, r"sdpa: query has 4 heads but key has 2; pass enable_gqa=True"),
+}
+
+
+@pytest.mark.parametrize("case", list(SDPA_ERRORS))
+def test_sdpa_unsupported_arguments_raise(case):
+    call, error, message = SDPA_ERRORS[case]
+    q, k, v = make_qkv(1, 4, 4, 5, 5, 8)
+    with pytest.raises(error, match=message):
+        call(q, k, v)
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. VERSIONS and misuse
+# ---------------------------------------------------------------------------------------------
+def test_versions_table_matches_dispatch():
+    assert set(flash_attention.VERSIONS) == {"attention_forward", "attention_backward"}
+    for op, rungs in flash_attention.VERSIONS.items():
+        assert list(rungs) == OPS.versions(op), op
+    with pytest.raises(RuntimeError, match=r"versions: unknown op 'softmax'"):
+        OPS.versions("softmax")
+
+
+def _t(*shape, dtype=torch.float32, device="cpu"):
+    return torch.randn(shape, dtype=dtype, device=device)
+
+
+MISUSES = {
+    "q 3-D": (lambda: flash_attention.attention(_t(2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8)),
+              r"attention_forward: q has shape \[2, 5, 8\] \(3 dims\); it must have 4: \(batch, heads, seqlen, head_dim\)"),
+    "k 5-D": (lambda: flash_attention.attention(_t(1, 2, 5, 8), _t(1, 1, 2, 5, 8), _t(1, 2, 5, 8)),
+              r"attention_forward: k has shape \[1, 1, 2, 5, 8\] \(5 dims\)"),
+    "dtype mix": (lambda: flash_attention.attention(_t(1, 2, 5, 8), _t(1, 2, 5, 8, dtype=torch.float64),
+                                                    _t(1, 2, 5, 8)),
+                  r"attention_forward: k is Double but q is Float \(no implicit type promotion\)"),
+    "float16 on cpu": (lambda: flash_attention.attention(*(_t(1, 2, 5, 8, dtype=torch.float16) for _ in range(3))),
+                       r"attention_forward: q has dtype Half, which is not supported \(supported: Float, Double\)"),
+    "integer q": (lambda: flash_attention.attention(*(torch.ones(1, 2, 5, 8, dtype=torch.int32) for _ in range(3)),
+                                                    scale=1.0),
+                  r"attention_forward: q has dtype Int, which is not supported"),
+    "device mix": (lambda: flash_attention.attention(_t(1, 2, 5, 8), _t(1, 2, 5, 8, device="meta"), _t(1, 2, 5, 8)),
+                   r"attention_forward: k is on meta but q is on cpu"),
+    "heads not a multiple": (lambda: flash_attention.attention(_t(1, 6, 5, 8), _t(1, 4, 5, 8), _t(1, 4, 5, 8)),
+                             r"attention_forward: q has 6 heads and k and v have 4; the query heads must be a whole "
+                             r"multiple of the kv heads"),
+    "more kv heads than q heads": (lambda: flash_attention.attention(_t(1, 2, 5, 8), _t(1, 4, 5, 8), _t(1, 4, 5, 8)),
+                                   r"attention_forward: q has 2 heads and k and v have 4"),
+    "k/v seqlen mismatch": (lambda: flash_attention.attention(_t(1, 2, 5, 8), _t(1, 2, 6, 8), _t(1, 2, 7, 8)),
+                            r"attention_forward: k has shape \[1, 2, 6, 8\] but v has shape \[1, 2, 7, 8\]"),
+    "batch mismatch": (lambda: flash_attention.attention(_t(2, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8)),
+                       r"attention_forward: q has batch 2 but k has batch 1"),
+    "head_dim mismatch": (lambda: flash_attention.attention(_t(1, 2, 5, 8), _t(1, 2, 5, 4), _t(1, 2, 5, 4)),
+                          r"attention_forward: q has head_dim 8 but k and v have head_dim 4"),
+    "head_dim 0": (lambda: flash_attention.attention(_t(1, 2, 5, 0), _t(1, 2, 5, 0), _t(1, 2, 5, 0)),
+                   r"attention_forward: head_dim is 0"),
+    "last dim strided": (lambda: flash_attention.attention(_t(1, 2, 8, 5).transpose(-1, -2), _t(1, 2, 5, 8),
+                                                           _t(1, 2, 5, 8)),
+                         r"attention_forward: q's last dim \(head_dim\) is not contiguous \(stride 5\)"),
+    "unknown version": (lambda: flash_attention.attention(_t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8),
+                                                          version="v1"),
+                        r"attention_forward: unknown version 'v1'; this build has no kernel versions yet"),
+    "backward lse dtype": (lambda: flash_attention.attention_backward(
+        _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8),
+        _t(1, 2, 5, dtype=torch.float64), 0.5),
+        r"attention_backward: lse has dtype Double but must be Float for q of dtype Float"),
+    "backward lse shape": (lambda: flash_attention.attention_backward(
+        _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 4), 0.5),
+        r"attention_backward: lse has shape \[1, 2, 4\] but must be \(batch, heads, seqlen_q\)"),
+    "backward out shape": (lambda: flash_attention.attention_backward(
+        _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 4, 8), _t(1, 2, 5), 0.5),
+        r"attention_backward: out has shape \[1, 2, 4, 8\] and grad_out \[1, 2, 5, 8\]; both must have q's shape"),
+    "backward unknown version": (lambda: flash_attention.attention_backward(
+        _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5), 0.5,
+        version="v2"),
+        r"attention_backward: unknown version 'v2'"),
+}
+
+
+@pytest.mark.parametrize("misuse", list(MISUSES))
+def test_misuse_raises_clear_error(misuse):
+    call, message = MISUSES[misuse]
+    with pytest.raises(RuntimeError, match=message):
+        call()
+
+
+def test_any_head_dim_on_cpu():
+    """The CUDA head-dim list binds CUDA only: the reference takes any head_dim."""
+    q, k, v = make_qkv(1, 2, 2, 7, 9, 5, dtype=torch.float64)
+    assert_forward(flash_attention.attention(q, k, v, causal=True), reference(q, k, v, True)[0], torch.float64)
+
+
+def test_meta_tensors_give_shapes():
+    q, k, v = (torch.empty(2, 8, 33, 48, device="meta", dtype=torch.bfloat16) for _ in range(3))
+    out, lse = flash_attention.attention(q, k[:, :2], v[:, :2], return_lse=True)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16 and out.device.type == "meta"
+    assert lse.shape == (2, 8, 33) and lse.dtype == torch.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. CUDA: no kernels yet, but the checks already hold
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.cuda
+def test_cuda_raises_until_the_kernels_land():
+    require_cuda()
+    q, k, v = make_qkv(1, 2, 2, 16, 16, 64, dtype=torch.float16, device="cuda")
+    with pytest.raises(RuntimeError, match=r"flash_attention: no CUDA kernels in this build yet"):
+        flash_attention.attention(q, k, v)
+
+
+@pytest.mark.cuda
+def test_cuda_head_dim_list():
+    require_cuda()
+    q, k, v = make_qkv(1, 2, 2, 16, 16, 48, dtype=torch.float16, device="cuda")
+    with pytest.raises(RuntimeError, match=r"attention_forward: head_dim 48 is not supported on CUDA "
+                                           r"\(supported: 32, 64, 96, 128, 256\)"):
+        flash_attention.attention(q, k, v)
+
+
+@pytest.mark.cuda
+def test_cuda_device_mix():
+    require_cuda()
+    q, k, v = make_qkv(1, 2, 2, 16, 16, 64)
+    with pytest.raises(RuntimeError, match=r"attention_forward: k is on cuda:0 but q is on cpu"):
+        flash_attention.attention(q, k.cuda(), v)
