@@ -1,0 +1,623 @@
+"""Chapter 6 benchmark: attention forward and backward, the course's kernels against every SDPA
+backend and the bf16 matmul ceiling, plus the memory each one needs and the error each one makes.
+
+Napkin math, for q (batch, heads, s_q, head_dim) against k, v (batch, heads, s_k, head_dim):
+
+- FLOPs of the forward: 4 * batch * heads * s_q * s_k * head_dim (S = Q K^T and O = P V, two
+  FLOPs per multiply-add each); halved for causal when s_q == s_k, since only the lower
+  triangle is computed (the FlashAttention papers' convention, so TFLOP/s compare across them).
+- FLOPs of the backward: 2.5x the forward (five matmuls against the forward's two: Q K^T again
+  to rebuild P, then dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q).
+- The naive version materialises the scores: batch * heads * s_q * s_k elements, written and
+  read back, four bytes each when PyTorch's math backend upcasts 16-bit inputs to float32 (it
+  does, by default). At s = 16384, 16 heads, that is 16 GiB for S alone, against 64 MiB for
+  each of Q, K, V and O: the seqlen^2 term this chapter removes. attention_memory rows measure it.
+- The ceiling: a plain bf16 n x n matmul measured in the same run (bench.matmul_ceiling). A
+  flash forward is two such matmuls plus a softmax between them, so it reaches a large fraction
+  of the ceiling at long sequences (causal less, for its half-empty diagonal tiles) and little
+  at short ones; fp16 rows are held to the same bf16 ceiling (one tensor-core rate for both).
+
+The grid (the chapter's issue): seqlen 512 ... 16384 with batch * seqlen = 16384 tokens and
+heads * head_dim = 2048, so every row does the same projection-sized work and only the
+attention shape changes; head_dim 64 and 128; causal and not; bf16 and fp16; forward and
+backward. Variants: sdpa_flash, sdpa_cudnn, sdpa_efficient, sdpa_math (SDPA pinned to one
+backend by torch.nn.attention.sdpa_kernel; a backend that refuses a shape is skipped and why is
+recorded once; sdpa_math is skipped where its float32 score matrices would pass 20 GiB), then
+every rung of flash_attention.VERSIONS and `default` (version=None). speedup_vs_torch is against
+sdpa_flash at the same row (the record's "baseline" field says so).
+
+Timing: CUDA graphs (bench.time_cuda_graph), CUDA events around each replay, median of 20
+replays; a graph that fails to capture falls back to events and the row says so. Backward rows
+of SDPA, and the row of ours marked call=autograd, time torch.autograd.grad of the output over a
+retained graph (bench.backward_call); the backward rungs and `default` time the backward op
+alone, so that the dispatch compares with its rungs like for like (as chapter 4 does).
+
+Run time on an H100: every input set is >= 64 MiB per tensor (far above the 50 MB L2), so one
+set is replayed. A replay holds as many calls as make it last >= 2 ms (at most 8, bench's
+default) and one call at the long sequences, so a row costs ~24 calls (2 probe, 1 warm-up, 1
+first replay, 20 timed) where default_timer's fixed 8 calls per replay would cost ~170. The grid
+is ~91 TFLOP per variant (both dtypes and head dims, causal and not, forward and backward), so
+~24 x 91 TFLOP at 250-400 TFLOP/s is 6-9 s of kernels per fast variant plus ~0.1 s per short
+row (96 of them): ~20 s per SDPA backend (the efficient one ~30 s, math only where it fits),
+~20 s per course rung near SDPA's speed, and any call over 100 ms (a naive rung at a long
+sequence) is skipped with a note rather than timed. Baselines, ceilings, memory and accuracy
+rows come to ~2 minutes; with five rungs and the default the whole run is ~4 minutes, and the
+wall time is recorded in the results (wall_s) to check this against.
+
+    python bench_attention.py           full run on a GPU
+    python bench_attention.py --quick   small sizes: CPU machines (the CPU reference, variant
+                                        "cpu", against SDPA on the CPU), GPU smoke runs
+
+Writes results/<device-slug>/chapter6_flash_attention.json and the plots beside it.
+"""
+import math
+import sys
+import time
+import warnings
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent / "common")]
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from coursekit import bench, plots, results  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+import flash_attention  # noqa: E402
+
+CHAPTER = "chapter6_flash_attention"
+BASELINE = "sdpa_flash"  # what speedup_vs_torch divides by: the fastest SDPA backend on Hopper
+SDPA_BACKENDS = {  # convention names (CONVENTIONS.md section 5) -> the backend pinned
+    "sdpa_flash": SDPBackend.FLASH_ATTENTION,
+    "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+    "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "sdpa_math": SDPBackend.MATH,
+}
+MATH_BUDGET_GiB = 20  # the math backend's score matrices above this are not run (H100: 80 GB)
+MAX_CALL_MS = 100.0   # a call slower than this is skipped, not timed (keeps the run in minutes)
+REPLAY_MS = 2.0       # a graph replay this long makes the replay's own launch cost negligible
+MAX_CALLS = 8         # bench.time_cuda_graph's default calls per replay: the most we ask for
+NO_KERNELS = "no CUDA kernels in this build yet"
+
+
+# ---------------------------------------------------------------------------------------------
+# Napkin math and the grid: pure functions (test_bench.py holds them)
+# ---------------------------------------------------------------------------------------------
+def attention_flops(batch, heads, seqlen_q, seqlen_k, head_dim, causal, pass_="forward"):
+    """FLOPs credited to one call: 4 b h s_q s_k d forward, halved for a square causal mask,
+    2.5x that for the backward. Every variant of a row gets the same count, so TFLOP/s compare
+    times, and a kernel that computes the masked half anyway shows as slower, not as busier."""
+    flops = 4 * batch * heads * seqlen_q * seqlen_k * head_dim
+    if causal and seqlen_q == seqlen_k:
+        flops //= 2
+    return flops * 5 // 2 if pass_ == "backward" else flops
+
+
+def math_bytes(batch, heads, seqlen_q, seqlen_k, pass_="forward"):
+    """What SDPA's math backend holds at once, estimated: it upcasts 16-bit inputs to float32 and
+    keeps the scores and the probabilities (two float32 s_q x s_k matrices per head); the
+    backward adds the gradient of each (two more)."""
+    matrices = 4 if pass_ == "backward" else 2
+    return matrices * 4 * batch * heads * seqlen_q * seqlen_k
+
+
+def calls_per_replay(est_ms, target_ms=REPLAY_MS, most=MAX_CALLS):
+    """How many calls one graph replay holds: enough to last target_ms (so the replay's launch,
+    a few microseconds, is noise), at most `most`, at least one."""
+    return max(1, min(most, math.ceil(target_ms / max(est_ms, 1e-3))))
+
+
+def sizes_for(device, quick):
+    """The sweep, and the shapes of the memory and accuracy rows. The GPU grid is the issue's;
+    the CPU one runs the reference (float32, one query row at a time) in seconds."""
+    if device == "cuda" and not quick:
+        return {"seqlens": [512, 1024, 2048, 4096, 8192, 16384], "tokens": 16384, "hidden": 2048,
+                "head_dims": [64, 128], "dtypes": ["bfloat16", "float16"],
+                "memory": {"batch": 1, "heads": 16, "seqlen": 8192, "head_dim": 128, "dtype": "bfloat16"},
+                "error": {"batch": 2, "heads": 8, "seqlen": 1000, "head_dim": 128,
+                          "dtypes": ["bfloat16", "float16"]}}
+    if device == "cuda":
+        return {"seqlens": [512, 2048], "tokens": 4096, "hidden": 1024, "head_dims": [64, 128],
+                "dtypes": ["bfloat16"],
+                "memory": {"batch": 1, "heads": 16, "seqlen": 2048, "head_dim": 128, "dtype": "bfloat16"},
+                "error": {"batch": 2, "heads": 8, "seqlen": 1000, "head_dim": 128, "dtypes": ["bfloat16"]}}
+    return {"seqlens": [64, 128, 256], "tokens": 512, "hidden": 256, "head_dims": [64],
+            "dtypes": ["float32"], "memory": None,
+            "error": {"batch": 1, "heads": 2, "seqlen": 100, "head_dim": 64, "dtypes": ["float32"]}}
+
+
+def configs(s):
+    """Every (dtype, head_dim, causal, seqlen) of the sweep, with the batch and heads that keep
+    batch * seqlen and heads * head_dim at the grid's totals."""
+    return [{"dtype": dtype, "head_dim": d, "causal": causal, "seqlen": n,
+             "batch": max(1, s["tokens"] // n), "heads": s["hidden"] // d}
+            for dtype in s["dtypes"] for d in s["head_dims"] for causal in (False, True)
+            for n in s["seqlens"]]
+
+
+def first_line(e):
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
+
+
+# ---------------------------------------------------------------------------------------------
+# Skips: each variant's reason recorded once, with the first place it happened
+# ---------------------------------------------------------------------------------------------
+class Notes:
+    def __init__(self):
+        self.skipped = []
+        self._seen = set()
+
+    def skip(self, variant, reason, where):
+        # "no CUDA kernels" names the op and device after the phrase: one note for all of them.
+        key = (variant, NO_KERNELS if NO_KERNELS in reason else reason)
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        self.skipped.append({"variant": variant, "reason": reason, "first_at": where})
+        print(f"  {variant} skipped ({where}): {reason}")
+
+
+def attempt(notes, variant, where, make):
+    """make() under a record of warnings: the callable, or None with the reason noted. SDPA says
+    why it refused a backend in warnings ("Flash attention requires ...") before raising "No
+    available kernel", so the warnings are the reason when there are any."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            return make()
+        except Exception as e:  # noqa: BLE001  (any refusal or failure skips the row, not the run)
+            told = [first_line(w.message) for w in caught if issubclass(w.category, UserWarning)]
+            reason = first_line(e) + (" [" + "; ".join(dict.fromkeys(told)) + "]" if told else "")
+            notes.skip(variant, reason, where)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------------
+def sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def probe(fn, device):
+    """One call to warm up (cuDNN builds its plan, the caching allocator fills), one timed by
+    the wall clock: the estimate that sizes the graph and skips what is too slow to time."""
+    fn()
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def timed(device, fn, est_ms):
+    """bench.default_timer with the calls per replay sized by the probe: on the GPU a CUDA graph
+    (events if the capture fails, as default_timer does); on the CPU the wall clock."""
+    if device != "cuda":
+        return bench.time_cpu(fn, warmup=0)  # the probe's two calls were the warm-up
+    try:
+        return bench.time_cuda_graph(lambda i: fn(), 1, min_calls=calls_per_replay(est_ms))
+    except RuntimeError as e:
+        print(f"  graph capture failed ({first_line(e)[:120]}); timing with events")
+        torch.cuda.synchronize()
+        return {**bench.time_cuda(fn), "timer": "events (graph capture failed)"}
+
+
+def sdpa_call(backend, causal):
+    """F.scaled_dot_product_attention pinned to one backend. The context is entered inside the
+    call, so a graph captures the pinned kernel and a backward sees the forward's choice."""
+    def call(q, k, v):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return call
+
+
+def dispatch_of(op, q):
+    """The rung version=None runs for q, where the package says (chapter 4's
+    default_choice(op, x)); nothing until the chapter's CUDA dispatch exists."""
+    choose = getattr(flash_attention, "default_choice", None)
+    if choose is None or q.device.type != "cuda":
+        return {}
+    try:
+        return {"dispatch": choose(op, q)}
+    except Exception:  # noqa: BLE001  (a dispatch that cannot say leaves the field out)
+        return {}
+
+
+def make_inputs(batch, heads, seqlen, head_dim, dtype, device, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    shape = (batch, heads, seqlen, head_dim)
+    return tuple(torch.randn(shape, generator=g, device=device, dtype=dtype) for _ in range(4))
+
+
+def variants_for(device, c, q, k, v, dy, pass_):
+    """[(variant, make, fields)] of one row, sdpa_flash first. make() builds the callable (for a
+    backward, it runs the forward that the timed grad walks back through), so a variant's saved
+    tensors live only while it is timed."""
+    causal, scale = c["causal"], 1.0 / math.sqrt(c["head_dim"])
+    out = []
+    for name, backend in SDPA_BACKENDS.items():
+        f = sdpa_call(backend, causal)
+        if pass_ == "forward":
+            out.append((name, lambda f=f: (lambda: f(q, k, v)), {}))
+        else:
+            out.append((name, lambda f=f: bench.backward_call(f, grad_leaves(q, k, v), dy), {}))
+    course = (lambda q, k, v: flash_attention.attention(q, k, v, causal=causal))
+    if device != "cuda":  # the CPU reference is not a rung: one row, named cpu
+        if pass_ == "forward":
+            return out + [("cpu", lambda: (lambda: course(q, k, v)), {})]
+        return out + [("cpu", lambda: bench.backward_call(course, grad_leaves(q, k, v), dy), {})]
+    if pass_ == "forward":
+        for ver in flash_attention.VERSIONS.get("attention_forward", ()):
+            out.append((ver, lambda ver=ver: (lambda: flash_attention.attention(
+                q, k, v, causal=causal, version=ver)), {}))
+        return out + [("default", lambda: (lambda: course(q, k, v)), dispatch_of("attention_forward", q))]
+
+    def backward_op(ver):
+        def make():
+            o, lse = flash_attention.attention_forward(q, k, v, scale, causal)
+            return lambda: flash_attention.attention_backward(dy, q, k, v, o, lse, scale, causal, version=ver)
+        return make
+    for ver in flash_attention.VERSIONS.get("attention_backward", ()):
+        out.append((ver, backward_op(ver), {}))
+    out.append(("default", backward_op(None), dispatch_of("attention_backward", q)))
+    return out + [("default", lambda: bench.backward_call(course, grad_leaves(q, k, v), dy), {"call": "autograd"})]
+
+
+def grad_leaves(q, k, v):
+    # Leaves sharing the inputs' storage: the forward rows time q, k, v without autograd.
+    return tuple(t.detach().requires_grad_() for t in (q, k, v))
+
+
+def bench_timing(device, mm, s, notes):
+    rows = []
+    # (variant, call, pass, dtype, head_dim, causal) found too slow at some seqlen: the larger
+    # ones (configs() runs seqlen upwards) are skipped without the probe, which alone would
+    # cost a slow rung seconds per call there.
+    too_slow = set()
+    for c in configs(s):
+        b, h, n, d = c["batch"], c["heads"], c["seqlen"], c["head_dim"]
+        dtype = getattr(torch, c["dtype"])
+        q, k, v, dy = make_inputs(b, h, n, d, dtype, device)
+        for pass_ in ("forward", "backward"):
+            where = f"{c['dtype']} d={d} {'causal' if c['causal'] else 'full'} s={n} {pass_}"
+            flops = attention_flops(b, h, n, n, d, c["causal"], pass_)
+            t_base = None
+            for variant, make, more in variants_for(device, c, q, k, v, dy, pass_):
+                slow_key = (variant, more.get("call"), pass_, c["dtype"], d, c["causal"])
+                if slow_key in too_slow:
+                    continue
+                need = math_bytes(b, h, n, n, pass_) / 2**30
+                if variant == "sdpa_math" and need > MATH_BUDGET_GiB:
+                    notes.skip(variant, f"its float32 score matrices would need > {MATH_BUDGET_GiB} GiB",
+                               f"{where}, estimated {need:.0f} GiB")
+                    continue
+                fn = attempt(notes, variant, where, make)
+                est = fn and attempt(notes, variant, where, lambda: probe(fn, device))
+                if est is None:
+                    continue
+                if est > MAX_CALL_MS:
+                    too_slow.add(slow_key)
+                    notes.skip(variant, f"one call took over {MAX_CALL_MS:.0f} ms (here {est:.0f} ms); "
+                                        "not timed at this and larger sizes", where)
+                    continue
+                t = attempt(notes, variant, where, lambda: timed(device, fn, est))
+                del fn
+                if t is None:
+                    continue
+                if variant == BASELINE:
+                    t_base = t["median_ms"]
+                rows.append(bench.flops_row("attention", variant, dtype, [b, h, n, d], flops, t, mm, t_base,
+                                            **{"pass": pass_, "causal": c["causal"], "head_dim": d,
+                                               "seqlen": n, "batch": b, "heads": h, "sweep": True, **more}))
+        del q, k, v, dy
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory: what each forward allocates beyond its inputs
+# ---------------------------------------------------------------------------------------------
+def forward_calls(device, causal):
+    """(variant, f(q, k, v)) for every forward the memory and accuracy rows compare."""
+    calls = [(name, sdpa_call(backend, causal)) for name, backend in SDPA_BACKENDS.items()]
+    if device != "cuda":
+        return calls + [("cpu", lambda q, k, v: flash_attention.attention(q, k, v, causal=causal))]
+    for ver in flash_attention.VERSIONS.get("attention_forward", ()):
+        calls.append((ver, lambda q, k, v, ver=ver: flash_attention.attention(q, k, v, causal=causal, version=ver)))
+    return calls + [("default", lambda q, k, v: flash_attention.attention(q, k, v, causal=causal))]
+
+
+def bench_memory(device, m, notes):
+    """Peak bytes over the inputs during one forward (torch.cuda.max_memory_allocated after
+    reset_peak_memory_stats), without and with autograd: grad=True also shows what the forward
+    keeps for the backward (kept_MiB: held after it returns, output included)."""
+    if device != "cuda" or m is None:
+        return []
+    b, h, n, d = m["batch"], m["heads"], m["seqlen"], m["head_dim"]
+    dtype = getattr(torch, m["dtype"])
+    rows = []
+    for grad in (False, True):
+        for variant, f in forward_calls(device, False):
+            where = f"memory {m['dtype']} s={n} grad={grad}"
+            need = math_bytes(b, h, n, n) / 2**30
+            if variant == "sdpa_math" and need > MATH_BUDGET_GiB:
+                notes.skip(variant, f"its float32 score matrices would need > {MATH_BUDGET_GiB} GiB",
+                           f"{where}, estimated {need:.0f} GiB")
+                continue
+            q, k, v, _ = make_inputs(b, h, n, d, dtype, device)
+            q, k, v = (t.requires_grad_(grad) for t in (q, k, v))
+            # A first call outside the measurement: workspaces that a library allocates once
+            # per process (cuBLAS's, cuDNN's plan) are not what one more forward costs.
+            if attempt(notes, variant, where, lambda: f(q, k, v)) is None:
+                continue
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            out = f(q, k, v)
+            torch.cuda.synchronize()
+            peak, kept = torch.cuda.max_memory_allocated() - base, torch.cuda.memory_allocated() - base
+            del out
+            size = torch.empty((), dtype=dtype).element_size()
+            rows.append({"op": "attention_memory", "variant": variant, "dtype": m["dtype"], "shape": [b, h, n, d],
+                         "pass": "forward", "causal": False, "grad": grad, "seqlen": n, "batch": b, "heads": h,
+                         "head_dim": d, "extra_MiB": peak / 2**20, "kept_MiB": kept / 2**20,
+                         "inputs_MiB": 3 * b * h * n * d * size / 2**20,
+                         "scores_MiB": b * h * n * n * size / 2**20})
+            del q, k, v
+    torch.cuda.empty_cache()
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Accuracy: max abs error against float64, the issue's criterion (ours <= 2x sdpa_flash's)
+# ---------------------------------------------------------------------------------------------
+def reference64(q, k, v, causal):
+    """softmax(scale q k^T) v in float64 with the bottom-right causal mask (top-left too here:
+    s_q == s_k), differentiable: the witness every variant's error is measured against."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if causal:
+        sq, sk = q.shape[-2], k.shape[-2]
+        i = torch.arange(sq, device=q.device)[:, None]
+        j = torch.arange(sk, device=q.device)[None, :]
+        scores = scores.masked_fill(j > i + sk - sq, -math.inf)
+    return torch.softmax(scores, dim=-1) @ v, (q, k, v)
+
+
+def max_abs_err(x, ref):
+    return (x.double() - ref).abs().max().item()
+
+
+def error_row(variant, pass_, errs, base, e, dtype, causal):
+    """One accuracy row: each tensor's error, their max, and the worst ratio to sdpa_flash's."""
+    row = {"op": "attention_error", "variant": variant, "pass": pass_, "dtype": dtype,
+           "shape": [e["batch"], e["heads"], e["seqlen"], e["head_dim"]], "causal": causal,
+           "seqlen": e["seqlen"], "batch": e["batch"], "heads": e["heads"], "head_dim": e["head_dim"],
+           **{f"{t}_max_abs_err": err for t, err in errs.items()}, "max_abs_err": max(errs.values())}
+    if base:
+        ratio = max(err / max(base[t], 1e-30) for t, err in errs.items())
+        row.update({"ratio_vs_sdpa_flash": ratio, "within_2x_sdpa_flash": ratio <= 2.0})
+    return row
+
+
+def bench_error(device, e, notes):
+    rows = []
+    b, h, n, d = e["batch"], e["heads"], e["seqlen"], e["head_dim"]
+    for dtype_name in e["dtypes"]:
+        dtype = getattr(torch, dtype_name)
+        for causal in (False, True):
+            q, k, v, dy = make_inputs(b, h, n, d, dtype, device, seed=1)
+            ref, leaves = reference64(q, k, v, causal)
+            ref_grads = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(ref, leaves, dy.double())))
+            ref = ref.detach()
+            where = f"error {dtype_name} {'causal' if causal else 'full'}"
+            found = {}  # variant -> {"forward": errs, "backward": errs}
+            for variant, f in forward_calls(device, causal):
+                def run(f=f):
+                    lq, lk, lv = grad_leaves(q, k, v)
+                    out = f(lq, lk, lv)
+                    grads = torch.autograd.grad(out, (lq, lk, lv), dy)
+                    return ({"out": max_abs_err(out, ref)},
+                            {t: max_abs_err(g, ref_grads[t]) for t, g in zip(("dq", "dk", "dv"), grads)})
+                # A forward rung's gradient comes from the default backward: only its output
+                # error is its own; the backward rungs below are measured one by one.
+                got = attempt(notes, variant, where, run)
+                if got is not None:
+                    found[variant] = {"forward": got[0]}
+                    if variant not in flash_attention.VERSIONS.get("attention_forward", ()):
+                        found[variant]["backward"] = got[1]
+            if device == "cuda":
+                scale = 1.0 / math.sqrt(d)
+                for ver in flash_attention.VERSIONS.get("attention_backward", ()):
+                    def run_bwd(ver=ver):
+                        o, lse = flash_attention.attention_forward(q, k, v, scale, causal)
+                        grads = flash_attention.attention_backward(dy, q, k, v, o, lse, scale, causal, version=ver)
+                        return {t: max_abs_err(g, ref_grads[t]) for t, g in zip(("dq", "dk", "dv"), grads)}
+                    got = attempt(notes, ver, where, run_bwd)
+                    if got is not None:
+                        found.setdefault(ver, {})["backward"] = got
+            base = found.get(BASELINE, {})
+            for variant, passes in found.items():
+                for pass_, errs in passes.items():
+                    rows.append(error_row(variant, pass_, errs, base.get(pass_), e, dtype_name, causal))
+            del q, k, v, dy, ref, leaves, ref_grads
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Figures and the table, drawn from the results record
+# ---------------------------------------------------------------------------------------------
+def style(variant):
+    """SDPA dashed (sdpa_flash, the baseline, black); the default dispatch a wide pale band
+    under the rungs, so the envelope it follows shows through; rungs plain lines."""
+    if variant.startswith("sdpa_"):
+        return dict(linestyle="--", marker="o", ms=3, color="black" if variant == BASELINE else None)
+    if variant.startswith("default"):
+        return dict(color="tab:orange", linewidth=7, alpha=0.35, zorder=0, marker="o", ms=3)
+    return dict(marker="o", ms=3)
+
+
+def shape_text(shape):
+    # [b, h, s, d] as written in the lesson: format_shape's 2^k form suits element counts only.
+    return "x".join(map(str, shape))
+
+
+def sweep_dtype(record):
+    return record["sizes"]["dtypes"][0]  # bf16 on the GPU, float32 on the CPU
+
+
+def plot_tflops(ax, record, pass_, head_dim, causal):
+    dtype = sweep_dtype(record)
+    rs = results.rows(record, op="attention", dtype=dtype, head_dim=head_dim, causal=causal, **{"pass": pass_})
+    for variant in dict.fromkeys(results.column(r) for r in rs):
+        pts = sorted((r["seqlen"], r["TFLOPs"]) for r in rs if results.column(r) == variant)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=variant, **style(variant))
+    mm = record["ceilings"].get("mm_TFLOPs")
+    if mm:
+        ax.axhline(mm, color="grey", linestyle=":", label=f"{record['ceilings']['mm_dtype']} matmul {mm:.3g}")
+    s = record["sizes"]
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(f"seqlen (batch x seqlen = {s['tokens']}, heads x head_dim = {s['hidden']})")
+    ax.set_ylabel("TFLOP/s")
+    ax.set_title(f"{pass_}, head_dim {head_dim}, {'causal' if causal else 'not causal'}, {dtype}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6)
+
+
+def plot_memory(ax, record):
+    rs = results.rows(record, op="attention_memory")
+    names = list(dict.fromkeys(r["variant"] for r in rs))
+    width = 0.4
+    for i, grad in enumerate((False, True)):
+        vals = [next((r["extra_MiB"] for r in rs if r["variant"] == v and r["grad"] == grad), 0) for v in names]
+        bars = ax.bar([x + (i - 0.5) * width for x in range(len(names))], vals, width,
+                      label="inference" if not grad else "inputs require grad")
+        for bar, val in zip(bars, vals):
+            if val:
+                ax.annotate(f"{val:.0f}", (bar.get_x() + bar.get_width() / 2, val), ha="center",
+                            va="bottom", fontsize=6)
+    r0 = rs[0]
+    ax.axhline(r0["scores_MiB"], color="grey", linestyle=":",
+               label=f"one {r0['dtype']} score matrix, all heads ({r0['scores_MiB']:.0f} MiB)")
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
+    ax.set_ylabel("peak MiB over the inputs")
+    ax.set_title(f"forward memory, {r0['dtype']} {shape_text(r0['shape'])}\n{results.label(record)}",
+                 fontsize=9)
+    ax.legend(fontsize=7)
+
+
+def plot_error(ax, record, pass_):
+    rs = [r for r in results.rows(record, op="attention_error", dtype=sweep_dtype(record)) if r["pass"] == pass_]
+    labels = [f"{r['variant']}{' causal' if r['causal'] else ''}" for r in rs]
+    colors = ["black" if r["variant"] == BASELINE else "tab:orange" if r["variant"] == "default"
+              else "tab:blue" for r in rs]
+    ax.bar(range(len(rs)), [r["max_abs_err"] for r in rs], color=colors)
+    ax.set_xticks(range(len(rs)), labels, rotation=30, ha="right", fontsize=7)
+    ax.set_yscale("log")
+    what = "out" if pass_ == "forward" else "max of dq, dk, dv"
+    shape = shape_text(rs[0]["shape"]) if rs else ""
+    ax.set_title(f"{pass_} max abs error vs float64 ({what}), {sweep_dtype(record)} {shape}", fontsize=9)
+
+
+def make_figures(record, out_dir):
+    figures = []
+    s = record["sizes"]
+    panels = [(p, d, c) for p in ("forward", "backward") for d in s["head_dims"] for c in (False, True)]
+    cols = len(panels) // 2
+    fig, axes = plt.subplots(2, cols, figsize=(5.5 * cols, 9), squeeze=False)
+    for ax, (p, d, c) in zip(axes.flat, panels):
+        plot_tflops(ax, record, p, d, c)
+    fig.suptitle(f"attention TFLOP/s: {results.label(record)}", fontsize=10)
+    figures.append(plots.save(fig, out_dir / f"{CHAPTER}_tflops.png"))
+    if results.rows(record, op="attention_memory"):
+        fig, ax = plt.subplots(figsize=(8, 5))
+        plot_memory(ax, record)
+        figures.append(plots.save(fig, out_dir / f"{CHAPTER}_memory.png"))
+    if results.rows(record, op="attention_error"):
+        fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+        for ax, p in zip(axes, ("forward", "backward")):
+            plot_error(ax, record, p)
+        figures.append(plots.save(fig, out_dir / f"{CHAPTER}_error.png"))
+    return figures
+
+
+def print_table(record):
+    c = record["ceilings"]
+    s = record["sizes"]
+    dtype = sweep_dtype(record)
+    for note in record.get("skipped", []):
+        print(f"skipped {note['variant']} (first at {note['first_at']}): {note['reason'][:160]}")
+    print(f"\n{CHAPTER} on {results.label(record)}; {c['mm_dtype']} matmul {c['mm_TFLOPs']:.1f} TFLOP/s, "
+          f"copy {c['copy_GBps']:.0f} GB/s; x {BASELINE} = its time / ours; run {record.get('wall_s', 0):.0f} s")
+    print(f"TFLOP/s, {dtype}, batch x seqlen = {s['tokens']}, heads x head_dim = {s['hidden']}")
+    print(f"{'pass':<9}{'causal':<7}{'d':>4}  {'variant':<20}" + "".join(f"{n:>8}" for n in s["seqlens"])
+          + f"  x {BASELINE} at {s['seqlens'][-1]}")
+    timing = results.rows(record, op="attention", dtype=dtype)
+    keys = dict.fromkeys((r["pass"], r["causal"], r["head_dim"], results.column(r)) for r in timing)
+    for p, causal, d, variant in keys:
+        mine = {r["seqlen"]: r for r in timing if (r["pass"], r["causal"], r["head_dim"], results.column(r))
+                == (p, causal, d, variant)}
+        cells = "".join(f"{mine[n]['TFLOPs']:>8.3g}" if n in mine else f"{'-':>8}" for n in s["seqlens"])
+        last = mine.get(s["seqlens"][-1], {}).get("speedup_vs_torch")
+        print(f"{p:<9}{str(causal):<7}{d:>4}  {variant[:19]:<20}{cells}  {'' if last is None else f'{last:.2f}'}")
+    mem = results.rows(record, op="attention_memory")
+    if mem:
+        print(f"\nforward memory over the inputs, {mem[0]['dtype']} {shape_text(mem[0]['shape'])} "
+              f"(one score matrix of all heads: {mem[0]['scores_MiB']:.0f} MiB): MiB, inference / with grad")
+        for v in dict.fromkeys(r["variant"] for r in mem):
+            got = {r["grad"]: r["extra_MiB"] for r in mem if r["variant"] == v}
+            print(f"  {v:<20}" + " / ".join(f"{got[g]:.0f}" if g in got else "-" for g in (False, True)))
+    err = results.rows(record, op="attention_error")
+    if err:
+        print(f"\nmax abs error vs float64, {shape_text(err[0]['shape'])} "
+              f"(issue's criterion: ours <= 2x {BASELINE}'s)")
+        for r in err:
+            ratio = f"{r['ratio_vs_sdpa_flash']:.2f}x" if "ratio_vs_sdpa_flash" in r else "-"
+            print(f"  {r['dtype']:<9}{r['pass']:<9}{'causal' if r['causal'] else 'full':<7}{r['variant']:<20}"
+                  f"{r['max_abs_err']:>10.2e}  {ratio}")
+
+
+def main():
+    started = time.perf_counter()
+    device, quick = bench.start(__doc__)
+    s = sizes_for(device, quick)
+    full = device == "cuda" and not quick
+    # copy_ceiling warms the GPU up first (an idle H100 sits at a low clock).
+    ceilings = bench.copy_ceiling(device, n=2**28 if full else 2**20)
+    # The CPU rows are float32 (the reference refuses 16-bit), so their ceiling is a float32
+    # matmul; on the GPU the bf16 tensor-core rate, which fp16 shares.
+    mm_dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    ceilings.update(bench.matmul_ceiling(device, n=8192 if full else 4096 if device == "cuda" else 256,
+                                         dtype=mm_dtype))
+    notes = Notes()
+    tensor_MiB = s["tokens"] * s["hidden"] * torch.empty((), dtype=getattr(torch, s["dtypes"][0])).element_size() / 2**20
+    rows = bench_timing(device, ceilings["mm_TFLOPs"], s, notes)
+    rows += bench_memory(device, s["memory"], notes)
+    if device != "cuda":
+        notes.skip("attention_memory", "memory rows need CUDA (torch.cuda.max_memory_allocated)", "cpu")
+    rows += bench_error(device, s["error"], notes)
+    extra = {"sizes": s, "headline_op": "attention", "baseline": BASELINE,
+             "skipped": notes.skipped, "extension": flash_attention.EXTENSION,
+             "versions": {op: list(vs) for op, vs in flash_attention.VERSIONS.items()},
+             "timing": {"statistic": "median", "reps": bench.MIN_REPS,
+                        "method": "perf_counter" if device == "cpu" else
+                        "CUDA graph of the calls that make a replay last >= 2 ms (1 to 8), CUDA "
+                        f"events around each replay, one input set of {tensor_MiB:.0f} MiB per tensor "
+                        "(the H100's L2 is 50 MB); SDPA backward rows and call=autograd time autograd.grad over a "
+                        "retained graph; backward rungs and default time the backward op alone",
+                        "max_call_ms": MAX_CALL_MS, "math_budget_GiB": MATH_BUDGET_GiB},
+             "wall_s": time.perf_counter() - started}
+    results.publish(CHAPTER, rows, ceilings, extra, make_figures, print_table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""Tests of bench_attention.py's own arithmetic and of its CPU path at tiny sizes: the FLOP
+count every TFLOP/s rests on, the math backend's memory estimate that decides what is skipped,
+the calls per graph replay, the grid's invariants, the accuracy rows, and rows that carry the
+fields the results contract asks for."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import bench_attention as B
+
+
+def test_forward_flops_are_two_matmuls():
+    # S = Q K^T and O = P V: 2 * s_q * s_k * d FLOPs each, per (batch, head).
+    assert B.attention_flops(2, 3, 5, 7, 11, causal=False) == 4 * 2 * 3 * 5 * 7 * 11
+
+
+def test_causal_halves_only_square_masks():
+    full = B.attention_flops(2, 3, 8, 8, 16, causal=False)
+    assert B.attention_flops(2, 3, 8, 8, 16, causal=True) == full // 2
+    # A rectangular causal mask is not a triangle: credited in full rather than guessed.
+    assert B.attention_flops(2, 3, 4, 8, 16, causal=True) == B.attention_flops(2, 3, 4, 8, 16, causal=False)
+
+
+@pytest.mark.parametrize("causal", (False, True))
+def test_backward_is_two_and_a_half_forwards(causal):
+    fwd = B.attention_flops(4, 16, 512, 512, 128, causal)
+    assert B.attention_flops(4, 16, 512, 512, 128, causal, "backward") == fwd * 5 // 2
+
+
+def test_math_estimate_counts_float32_matrices():
+    # Two float32 s x s matrices per head forward (scores, probabilities), four backward.
+    assert B.math_bytes(1, 1, 10, 20) == 2 * 4 * 200
+    assert B.math_bytes(2, 3, 10, 20, "backward") == 4 * 4 * 2 * 3 * 200
+
+
+def test_math_budget_keeps_short_and_drops_long_sequences():
+    """On the issue's grid the math backend runs at every seqlen up to 2048 (forward and
+    backward, both head dims) and never at 16384, where one score matrix alone is 8+ GiB."""
+    for c in B.configs(B.sizes_for("cuda", quick=False)):
+        for p in ("forward", "backward"):
+            fits = B.math_bytes(c["batch"], c["heads"], c["seqlen"], c["seqlen"], p) / 2**30 <= B.MATH_BUDGET_GiB
+            if c["seqlen"] <= 2048:
+                assert fits, c
+            if c["seqlen"] == 16384:
+                assert not fits, c
+
+
+@pytest.mark.parametrize("est_ms, calls", [(0.0, 8), (0.1, 8), (0.5, 4), (0.7, 3), (2.0, 1), (50.0, 1)])
+def test_calls_per_replay(est_ms, calls):
+    assert B.calls_per_replay(est_ms) == calls
+
+
+def test_grid_is_the_issues():
+    s = B.sizes_for("cuda", quick=False)
+    grid = B.configs(s)
+    assert s["seqlens"] == [512, 1024, 2048, 4096, 8192, 16384]
+    assert len(grid) == 6 * 2 * 2 * 2  # seqlens x head dims x causal x dtypes
+    assert {c["dtype"] for c in grid} == {"bfloat16", "float16"}
+    for c in grid:
+        assert c["batch"] * c["seqlen"] == 16384 and c["heads"] * c["head_dim"] == 2048, c
+
+
+def test_notes_record_each_reason_once():
+    notes = B.Notes()
+    for op in ("attention_forward", "attention_backward"):
+        notes.skip("default", f"flash_attention: {B.NO_KERNELS} ({op} was called with tensors on cuda:0)", op)
+    notes.skip("sdpa_cudnn", "No available kernel", "s=512")
+    notes.skip("sdpa_cudnn", "No available kernel", "s=1024")
+    assert [(n["variant"], n["first_at"]) for n in notes.skipped] == [
+        ("default", "attention_forward"), ("sdpa_cudnn", "s=512")]
+
+
+def test_attempt_turns_a_refusal_into_a_note():
+    notes = B.Notes()
+
+    def refuse():
+        raise RuntimeError("flash_attention: no CUDA kernels in this build yet (attention_forward ...)")
+    assert B.attempt(notes, "v1", "here", refuse) is None
+    assert B.attempt(notes, "v1", "here", lambda: 3) == 3
+    assert len(notes.skipped) == 1 and B.NO_KERNELS in notes.skipped[0]["reason"]
+
+
+@pytest.mark.parametrize("causal", (False, True))
+def test_reference64_matches_sdpa(causal):
+    q, k, v = (torch.randn(1, 2, 9, 8, dtype=torch.float64) for _ in range(3))
+    out, leaves = B.reference64(q, k, v, causal)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+    assert all(t.requires_grad for t in leaves)
+
+
+def test_error_row_ratio_and_criterion():
+    e = {"batch": 2, "heads": 8, "seqlen": 1000, "head_dim": 128}
+    base = {"dq": 1e-3, "dk": 2e-3, "dv": 1e-3}
+    row = B.error_row("v1", "backward", {"dq": 1e-3, "dk": 5e-3, "dv": 1e-3}, base, e, "bfloat16", True)
+    assert row["max_abs_err"] == 5e-3 and row["dk_max_abs_err"] == 5e-3
+    assert math.isclose(row["ratio_vs_sdpa_flash"], 2.5) and row["within_2x_sdpa_flash"] is False
+    assert "ratio_vs_sdpa_flash" not in B.error_row("v1", "forward", {"out": 1e-3}, None, e, "bfloat16", False)
+
+
+TINY = {"seqlens": [16, 32], "tokens": 64, "hidden": 32, "head_dims": [16], "dtypes": ["float32"], "memory": None,
+        "error": {"batch": 1, "heads": 2, "seqlen": 20, "head_dim": 16, "dtypes": ["float32"]}}
+
+
+def test_cpu_timing_rows_follow_the_contract():
+    notes = B.Notes()
+    rows = B.bench_timing("cpu", 0.1, TINY, notes)
+    # sdpa_cudnn and sdpa_efficient have no CPU kernel: skipped, with a reason, once each.
+    assert {n["variant"] for n in notes.skipped} == {"sdpa_cudnn", "sdpa_efficient"}
+    assert {r["variant"] for r in rows} == {"sdpa_flash", "sdpa_math", "cpu"}
+    assert len(rows) == 2 * 2 * 2 * 3  # seqlens x causal x passes x variants
+    for r in rows:
+        b, h, s, d = r["shape"]
+        assert (r["op"], r["batch"], r["heads"], r["seqlen"], r["head_dim"]) == ("attention", b, h, s, d)
+        assert r["flops"] == B.attention_flops(b, h, s, s, d, r["causal"], r["pass"])
+        assert r["TFLOPs"] > 0 and "pct_of_mm" in r and r["reps"] >= 20
+        flash = next(x for x in rows if x["variant"] == "sdpa_flash" and
+                     all(x[k] == r[k] for k in ("pass", "causal", "seqlen")))
+        assert math.isclose(r["speedup_vs_torch"], flash["median_ms"] / r["median_ms"])
+
+
+def test_cpu_error_rows():
+    rows = B.bench_error("cpu", TINY["error"], B.Notes())
+    ours = [r for r in rows if r["variant"] == "cpu"]
+    assert {(r["pass"], r["causal"]) for r in ours} == {(p, c) for p in ("forward", "backward") for c in (False, True)}
+    for r in ours:
+        # float32 against float64 on 20 keys: a few float32 ulps of values ~1-10.
+        assert 0 < r["max_abs_err"] < 1e-5 and "ratio_vs_sdpa_flash" in r, r
+
+
+def test_a_slow_variant_is_not_probed_again_at_longer_sequences(monkeypatch):
+    monkeypatch.setattr(B, "MAX_CALL_MS", 0.0)  # every call is "too slow"
+    notes = B.Notes()
+    probed = []
+    real_probe = B.probe
+    # Counted when the probe returns: SDPA's refusals of cudnn and efficient on the CPU raise
+    # inside it, at every size (a refusal costs nothing, a slow call does).
+    def counting_probe(fn, device):
+        ms = real_probe(fn, device)
+        probed.append(ms)
+        return ms
+    monkeypatch.setattr(B, "probe", counting_probe)
+    assert B.bench_timing("cpu", 0.1, TINY, notes) == []
+    # Three variants run on the CPU, in 2 causal x 2 passes, probed at the first seqlen only.
+    assert len(probed) == 3 * 2 * 2
+    assert all("s=16" in n["first_at"] for n in notes.skipped if "ms" in n["reason"])
