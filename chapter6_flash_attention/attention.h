@@ -1,5 +1,6 @@
 // Plain C++ interface between the attention glue (attention_ops.cpp), the CPU reference
-// (attention_cpu.cpp) and the CUDA kernels the next step of the chapter adds. No torch and no
+// (attention_cpu.cpp) and the CUDA kernels (attention_naive_kernels.cu,
+// attention_tiled_kernels.cu). No torch and no
 // CUDA types, as FlashAttention's flash.h: the glue compiles without the toolkit, the kernels
 // with a bare `nvcc -c`.
 //
@@ -33,9 +34,10 @@ namespace flash_attention {
 
 using DType = ::course::DType;
 
-// Head dims the CUDA kernels will be instantiated for (each one a template parameter: the
-// tile shapes and the registers a row of q takes depend on it). The one list; the glue checks
-// CUDA inputs against it. The CPU reference takes any head_dim >= 1.
+// Head dims the CUDA kernels are instantiated for (the tiled rung takes each as a template
+// parameter: its tile shapes and the registers a row of O takes depend on it; the naive rungs
+// would take any, but one list for the whole ladder keeps version= a pure speed choice). The one
+// list; the glue checks CUDA inputs against it. The CPU reference takes any head_dim >= 1.
 constexpr int kCudaHeadDims[] = {32, 64, 96, 128, 256};
 
 inline bool cuda_head_dim_supported(int64_t head_dim) {
@@ -86,12 +88,46 @@ struct AttentionBackwardParams {
 };
 
 // Key j is visible to query row i (bottom-right aligned causal mask; see above). The number of
-// keys row i sees is min(seqlen_k, max(0, i + seqlen_k - seqlen_q + 1)) when causal.
-inline int64_t visible_keys(int64_t row, int64_t seqlen_q, int64_t seqlen_k, bool causal) {
+// keys row i sees is min(seqlen_k, max(0, i + seqlen_k - seqlen_q + 1)) when causal. Host and
+// device alike: the CPU reference, the glue and every kernel apply the one rule.
+#if defined(__CUDACC__)
+#define FLASH_ATTENTION_HD __host__ __device__ __forceinline__
+#else
+#define FLASH_ATTENTION_HD inline
+#endif
+
+FLASH_ATTENTION_HD int64_t visible_keys(int64_t row, int64_t seqlen_q, int64_t seqlen_k, bool causal) {
   if (!causal) return seqlen_k;
   const int64_t last = row + seqlen_k - seqlen_q;  // the last visible key's index
   if (last < 0) return 0;
   return last + 1 < seqlen_k ? last + 1 : seqlen_k;
+}
+
+// The first query row that sees key j (the backward walks a key's column from there): row i sees
+// j iff i >= j - (seqlen_k - seqlen_q). May be seqlen_q itself (no row sees j).
+FLASH_ATTENTION_HD int64_t first_visible_row(int64_t key, int64_t seqlen_q, int64_t seqlen_k, bool causal) {
+  if (!causal) return 0;
+  const int64_t first = key - (seqlen_k - seqlen_q);
+  return first < 0 ? 0 : (first < seqlen_q ? first : seqlen_q);
+}
+
+// Bytes of the accumulation type (float32 for float32 and the 16-bit types, float64 for
+// float64): what the workspaces below are made of.
+inline int64_t acc_bytes(DType dtype) { return dtype == DType::kFloat64 ? 8 : 4; }
+
+// The CUDA ladders' workspaces, asked for by the glue and allocated there (through torch's
+// caching allocator, so CUDA-graph capture sees an ordinary stream-ordered allocation and no
+// launcher ever calls cudaMalloc).
+//   forward "naive":  S, then P in place: batch * heads * seqlen_q * seqlen_k accumulators.
+//   forward "tiled":  none (O(seqlen) memory: the point of FlashAttention).
+//   backward "naive": P, then dS in place (same size as the forward's), followed by
+//                     D = rowsum(dO * O): batch * heads * seqlen_q accumulators.
+inline int64_t attention_forward_naive_workspace(const AttentionParams& p) {
+  return p.batch * p.heads * p.seqlen_q * p.seqlen_k * acc_bytes(p.dtype);
+}
+inline int64_t attention_backward_naive_workspace(const AttentionBackwardParams& g) {
+  const AttentionParams& p = g.fwd;
+  return (p.batch * p.heads * p.seqlen_q * p.seqlen_k + p.batch * p.heads * p.seqlen_q) * acc_bytes(p.dtype);
 }
 
 // The CPU reference (attention_cpu.cpp): float32 and float64.
@@ -103,10 +139,20 @@ void attention_backward_cpu(const AttentionBackwardParams& params);
 #if defined(__CUDACC__) || defined(WITH_CUDA)
 #include <cuda_runtime_api.h>
 namespace flash_attention {
-// Declared for the next step, which adds the kernels and their ladder; nothing defines them
-// yet, and the glue does not call them. Each will run on `stream`, return the launch error and
-// never synchronize.
-cudaError_t launch_attention_forward(const AttentionParams& params, cudaStream_t stream);
-cudaError_t launch_attention_backward(const AttentionBackwardParams& params, cudaStream_t stream);
+// The CUDA ladders (all four floating dtypes, 16-bit computed in float32; head_dim from
+// kCudaHeadDims). Each launcher runs on `stream`, returns the first launch error and never
+// synchronizes or allocates; `workspace` holds at least the bytes the matching *_workspace
+// function above asks for (it may be null when that is 0).
+//   forward "naive" (attention_naive_kernels.cu): S = scale Q K^T into the workspace, a row
+//     softmax writing P in place and lse, then O = P V. Three kernels, O(seqlen^2) memory.
+//   forward "tiled" (attention_tiled_kernels.cu): FlashAttention 1's online softmax, one
+//     block per (batch, head, tile of query rows), K/V tiles in shared memory, scalar FMA.
+//   backward "naive" (attention_naive_kernels.cu): P recomputed from lse into the workspace,
+//     D = rowsum(dO * O), dV = P^T dO, dS = P * (dP - D) in place, dQ = scale dS K,
+//     dK = scale dS^T Q; dk/dv summed over a kv head's query heads in a fixed order (no atomics).
+cudaError_t launch_attention_forward_naive(const AttentionParams& params, void* workspace, cudaStream_t stream);
+cudaError_t launch_attention_forward_tiled(const AttentionParams& params, cudaStream_t stream);
+cudaError_t launch_attention_backward_naive(const AttentionBackwardParams& params, void* workspace,
+                                            cudaStream_t stream);
 }  // namespace flash_attention
 #endif

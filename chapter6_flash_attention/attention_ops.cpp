@@ -11,9 +11,14 @@
 #include <ATen/ATen.h>
 #include <course/checks.h>
 #include <course/dispatch.h>
+#include <course/on_cuda.h>
 #include <course/versions.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
+
+#ifdef WITH_CUDA
+#include <c10/cuda/CUDAException.h>
+#endif
 
 #include <cmath>
 #include <string>
@@ -33,22 +38,30 @@ using ::course::shape_of;
 constexpr const char* kForward = "attention_forward";
 constexpr const char* kBackward = "attention_backward";
 
+// The ladders. The CPU reference is not a rung: it is what the rungs are held to, and it runs
+// whatever version= names (the names are parsed on every device, so a typo fails on the CPU as
+// it would on CUDA).
+enum class ForwardVersion { kNaive, kTiled };
+enum class BackwardVersion { kNaive };
+
+constexpr ::course::NamedVersion<ForwardVersion> kForwardVersions[] = {{"naive", ForwardVersion::kNaive},
+                                                                      {"tiled", ForwardVersion::kTiled}};
+constexpr ::course::NamedVersion<BackwardVersion> kBackwardVersions[] = {{"naive", BackwardVersion::kNaive}};
+
+// version=None. Provisional, until bench_attention.py has measured the rungs: the tiled forward
+// moves O(seqlen) bytes where the naive one moves O(seqlen^2), and the backward has one rung.
+// CONVENTIONS 5 wants a dispatch by measured thresholds; this is the placeholder for it.
+ForwardVersion default_forward() { return ForwardVersion::kTiled; }
+BackwardVersion default_backward() { return BackwardVersion::kNaive; }
+
 // Every course library has a `versions` op (coursekit.loader recognises a loaded library by
-// it; flash_attention.VERSIONS is tested against it). The ladders are empty until the CUDA
-// kernels arrive: the CPU reference is not a rung, it is what the rungs are held to.
+// it; flash_attention.VERSIONS is tested against it).
 std::vector<std::string> versions(c10::string_view op) {
   const std::string_view name = ::course::as_std(op);
-  TORCH_CHECK(name == kForward || name == kBackward, "versions: unknown op '", std::string(name),
+  if (name == kForward) return ::course::version_names(kForwardVersions);
+  if (name == kBackward) return ::course::version_names(kBackwardVersions);
+  TORCH_CHECK(false, "versions: unknown op '", std::string(name),
               "' (flash_attention has attention_forward and attention_backward)");
-  return {};
-}
-
-// With an empty ladder every named version is unknown; None (the default dispatch) is the one
-// valid choice. The CUDA step replaces this with ::course::parse_version over its tables.
-void check_version(const char* op, OptVersion version) {
-  TORCH_CHECK(!version.has_value(), op, ": unknown version '", std::string(::course::as_std(*version)),
-              "'; this build has no kernel versions yet (the CUDA ladder comes with the chapter's ",
-              "kernels), so only None is accepted");
 }
 
 // The accumulation type, which the log-sum-exp is kept in (attention.h).
@@ -56,8 +69,9 @@ at::ScalarType lse_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDoub
 
 // The CPU reference computes in the input's own type and exists in float32 and float64 only
 // (16-bit attention on the CPU would be a different reference: rounding P to the dtype or not).
-// The CUDA list is provisional: the tensor-core rungs will take the 16-bit types, and float32 /
-// float64 are kept for a naive rung so that gradcheck runs on the GPU too (CONVENTIONS 4).
+// The scalar CUDA rungs take all four floating types (16-bit computed in float32); float64 is
+// there so that gradcheck runs on the GPU too (CONVENTIONS 4). The tensor-core rungs will take
+// the 16-bit types only, and the dispatch will send the others to the scalar rungs.
 // meta tensors carry no device of their own: any of the four passes.
 void check_dtype(const char* op, const char* name, const Tensor& t) {
   if (t.device().is_cpu()) {
@@ -117,12 +131,39 @@ void check_qkv(const char* op, const Tensor& q, const Tensor& k, const Tensor& v
   }
 }
 
-// The error every CUDA tensor meets until the next step adds the kernels. In a CUDA build the
-// launchers are declared (attention.h) but not defined, so calling them would not even load.
-[[noreturn]] void fail_no_cuda_kernels_yet(const char* op, const Tensor& t) {
-  TORCH_CHECK(false, "flash_attention: no CUDA kernels in this build yet (", op, " was called with tensors on ",
-              t.device().str(), "; the chapter's CUDA ladder is the next step); use CPU tensors for now");
+#define FLASH_ATTENTION_ON_CUDA(op, t, ...) COURSE_ON_CUDA(op, "flash_attention", t, __VA_ARGS__)
+
+#ifdef WITH_CUDA
+// The launches, on `stream` (the current stream of q's device, under its device guard: see
+// COURSE_ON_CUDA). Workspaces come from torch's caching allocator here, never from the
+// launchers: stream-ordered, freed with the tensor at the end of the scope (the allocator
+// keeps the block from reuse until the stream has passed this point), and inside a CUDA graph
+// capture taken from the graph's pool.
+Tensor workspace(int64_t bytes, const Tensor& like) { return at::empty({bytes}, like.options().dtype(at::kByte)); }
+
+void forward_cuda(ForwardVersion v, const AttentionParams& p, const Tensor& q, cudaStream_t stream) {
+  switch (v) {
+    case ForwardVersion::kNaive: {
+      const Tensor scratch = workspace(attention_forward_naive_workspace(p), q);
+      C10_CUDA_CHECK(launch_attention_forward_naive(p, scratch.mutable_data_ptr(), stream));
+      return;
+    }
+    case ForwardVersion::kTiled:
+      C10_CUDA_CHECK(launch_attention_forward_tiled(p, stream));
+      return;
+  }
 }
+
+void backward_cuda(BackwardVersion v, const AttentionBackwardParams& g, const Tensor& q, cudaStream_t stream) {
+  switch (v) {
+    case BackwardVersion::kNaive: {
+      const Tensor scratch = workspace(attention_backward_naive_workspace(g), q);
+      C10_CUDA_CHECK(launch_attention_backward_naive(g, scratch.mutable_data_ptr(), stream));
+      return;
+    }
+  }
+}
+#endif
 
 AttentionParams make_params(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
                             double scale, bool causal) {
@@ -157,14 +198,19 @@ std::tuple<Tensor, Tensor> attention_forward_impl(const Tensor& q, const Tensor&
                                                   bool causal, OptVersion version) {
   const char* op = kForward;
   check_qkv(op, q, k, v);
-  check_version(op, version);
+  [[maybe_unused]] const ForwardVersion v_ =
+      ::course::parse_version(op, version, kForwardVersions).value_or(default_forward());
   Tensor out = at::empty_symint(q.sym_sizes(), q.options());
   Tensor lse = at::empty_symint({q.sym_size(0), q.sym_size(1), q.sym_size(2)},
                                 q.options().dtype(lse_dtype(q.scalar_type())));
   if (q.is_meta()) return {out, lse};
-  if (q.is_cuda()) fail_no_cuda_kernels_yet(op, q);
   if (out.numel() == 0) return {out, lse};
-  attention_forward_cpu(make_params(q, k, v, out, lse, scale, causal));
+  const AttentionParams p = make_params(q, k, v, out, lse, scale, causal);
+  if (q.is_cuda()) {
+    FLASH_ATTENTION_ON_CUDA(op, q, forward_cuda(v_, p, q, stream));
+  } else {
+    attention_forward_cpu(p);
+  }
   return {out, lse};
 }
 
@@ -191,13 +237,13 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward_impl(const Tensor& grad_ou
   TORCH_CHECK(lse.dim() == 3 && lse.sym_size(0) == q.sym_size(0) && lse.sym_size(1) == q.sym_size(1) &&
                   lse.sym_size(2) == q.sym_size(2),
               op, ": lse has shape ", shape_of(lse), " but must be (batch, heads, seqlen_q) of q ", shape_of(q));
-  check_version(op, version);
+  [[maybe_unused]] const BackwardVersion v_ =
+      ::course::parse_version(op, version, kBackwardVersions).value_or(default_backward());
   Tensor dq = at::empty_symint(q.sym_sizes(), q.options());
   Tensor dk = at::empty_symint(k.sym_sizes(), k.options());
   Tensor dv = at::empty_symint(v.sym_sizes(), v.options());
   if (q.is_meta()) return {dq, dk, dv};
-  if (q.is_cuda()) fail_no_cuda_kernels_yet(op, q);
-  // The reference indexes lse as a contiguous (batch, heads, seqlen_q) block.
+  // The reference and the kernels index lse as a contiguous (batch, heads, seqlen_q) block.
   const Tensor lse_c = lse.contiguous();
   AttentionBackwardParams g{};
   g.fwd = make_params(q, k, v, out, lse_c, scale, causal);
@@ -209,13 +255,17 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward_impl(const Tensor& grad_ou
   g.dq_batch_stride = dq.stride(0), g.dq_head_stride = dq.stride(1), g.dq_seq_stride = dq.stride(2);
   g.dk_batch_stride = dk.stride(0), g.dk_head_stride = dk.stride(1), g.dk_seq_stride = dk.stride(2);
   g.dv_batch_stride = dv.stride(0), g.dv_head_stride = dv.stride(1), g.dv_seq_stride = dv.stride(2);
-  attention_backward_cpu(g);
+  if (q.is_cuda()) {
+    FLASH_ATTENTION_ON_CUDA(op, q, backward_cuda(v_, g, q, stream));
+  } else {
+    attention_backward_cpu(g);
+  }
   return {dq, dk, dv};
 }
 
 // ---------------------------------------------------------------------------------------
-// Autograd. The forward re-enters the dispatcher below the Autograd key (the CPU kernel, or the
-// Meta one under torch.compile) and saves q, k, v, out and lse; the backward is this chapter's
+// Autograd. The forward re-enters the dispatcher below the Autograd key (the CPU or CUDA kernel,
+// or the Meta one under torch.compile) and saves q, k, v, out and lse; the backward is this chapter's
 // own op, reached through the dispatcher so that tracing sees it. lse is an output for the
 // learner and the backward, not a differentiable one. First derivatives only.
 // ---------------------------------------------------------------------------------------
@@ -278,8 +328,8 @@ TORCH_LIBRARY(flash_attention, m) {
         pt2);
 }
 
-// CUDA is registered in every build, so a CUDA tensor gets the checks and then a clear error
-// rather than the dispatcher's "no kernel for CUDA".
+// CUDA is registered in every build: in a CPU-only build a CUDA tensor gets the checks and then
+// course::fail_no_cuda_kernels' clear error rather than the dispatcher's "no kernel for CUDA".
 TORCH_LIBRARY_IMPL(flash_attention, CPU, m) { flash_attention::register_backend_kernels(m); }
 TORCH_LIBRARY_IMPL(flash_attention, CUDA, m) { flash_attention::register_backend_kernels(m); }
 TORCH_LIBRARY_IMPL(flash_attention, Meta, m) { flash_attention::register_backend_kernels(m); }

@@ -1,5 +1,6 @@
 """The extension's sources, listed once for both build routes (setup.py and load_jit.py)."""
-# The CPU reference and the glue. The CUDA kernels (the forward and backward ladders) are the
-# next step of the chapter; until then a CUDA build compiles the same two files.
+# The glue and the CPU reference; the CUDA kernels one file per rung family (the naive forward
+# and backward share their simple kernels; the tiled forward is its own file, so the two
+# compile in parallel and a learner reads one rung at a time).
 CPP_SOURCES = ["attention_ops.cpp", "attention_cpu.cpp"]
-CUDA_SOURCES = []
+CUDA_SOURCES = ["attention_naive_kernels.cu", "attention_tiled_kernels.cu"]

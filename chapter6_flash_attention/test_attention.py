@@ -1,5 +1,6 @@
 """Tests for chapter 6's attention: the CPU reference (forward, lse, backward), its C++ autograd,
-the Meta kernels under torch.compile and opcheck, the sdpa drop-in, and every documented misuse.
+the Meta kernels under torch.compile and opcheck, the sdpa drop-in, every documented misuse, and
+(marked cuda, skipped without a GPU) every CUDA rung against the same float64 reference.
 
 The reference is written here in plain PyTorch in float64: scores, an explicit bottom-right
 causal mask, an explicit softmax (not SDPA), and autograd through it for the gradients. SDPA is
@@ -407,7 +408,7 @@ MISUSES = {
                          r"attention_forward: q's last dim \(head_dim\) is not contiguous \(stride 5\)"),
     "unknown version": (lambda: flash_attention.attention(_t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8),
                                                           version="v1"),
-                        r"attention_forward: unknown version 'v1'; this build has no kernel versions yet"),
+                        r"attention_forward: unknown version 'v1'; expected one of naive, tiled \(or None"),
     "backward lse dtype": (lambda: flash_attention.attention_backward(
         _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8),
         _t(1, 2, 5, dtype=torch.float64), 0.5),
@@ -421,7 +422,7 @@ MISUSES = {
     "backward unknown version": (lambda: flash_attention.attention_backward(
         _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5), 0.5,
         version="v2"),
-        r"attention_backward: unknown version 'v2'"),
+        r"attention_backward: unknown version 'v2'; expected one of naive \(or None"),
 }
 
 
@@ -430,6 +431,20 @@ def test_misuse_raises_clear_error(misuse):
     call, message = MISUSES[misuse]
     with pytest.raises(RuntimeError, match=message):
         call()
+
+
+@pytest.mark.parametrize("version", flash_attention.VERSIONS["attention_forward"])
+def test_cpu_accepts_every_version_name(version):
+    """version= names a CUDA rung; on the CPU every name runs the reference (a typo still fails:
+    the misuse cases above)."""
+    q, k, v = make_qkv(1, 2, 2, 7, 9, 8, dtype=torch.float64)
+    out, lse = flash_attention.attention(q, k, v, causal=True, return_lse=True, version=version)
+    assert_forward(out, reference(q, k, v, True)[0], torch.float64, version)
+    go = torch.randn_like(out)
+    for bwd in flash_attention.VERSIONS["attention_backward"]:
+        grads = flash_attention.attention_backward(go, q, k, v, out, lse, 0.3, True, version=bwd)
+        assert all(torch.equal(g, e) for g, e in
+                   zip(grads, flash_attention.attention_backward(go, q, k, v, out, lse, 0.3, True))), bwd
 
 
 def test_any_head_dim_on_cpu():
@@ -446,14 +461,289 @@ def test_meta_tensors_give_shapes():
 
 
 # ---------------------------------------------------------------------------------------------
-# 9. CUDA: no kernels yet, but the checks already hold
+# 9. CUDA: every rung against the float64 reference
 # ---------------------------------------------------------------------------------------------
+# The ladders as the extension reports them (test_versions_table_matches_dispatch holds VERSIONS
+# to it), so a new rung is tested here the day it is added.
+FORWARD_VERSIONS = flash_attention.VERSIONS["attention_forward"]
+BACKWARD_VERSIONS = flash_attention.VERSIONS["attention_backward"]
+CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+# CUDA forward tolerances (rtol, atol) against the float64 reference of the same (already
+# rounded) inputs. Every rung computes in float32 (float64 for float64) and rounds once, at the
+# store of O. So for the 16-bit types the rounding of O dominates: half an ulp, 2^-11 relative
+# for float16 and 2^-8 for bfloat16; rtol at twice that (eps), with atol for outputs near 0,
+# where the float32 sums of up to 1000 terms of |p v| <= 8 leave ~1e-6. float32 itself: exp,
+# the running rescales of the tiled rung and sums over 1000 keys, each a few float32 ulps:
+# 2e-5 / 5e-5 is a few times that and far below what a wrong mask or head costs (O(0.1)).
+CUDA_FORWARD_TOL = {torch.float32: (2e-5, 5e-5), torch.float16: (2 ** -10, 1e-4),
+                    torch.bfloat16: (2 ** -7, 1e-3), torch.float64: (1e-10, 1e-10)}
+# lse is float32 for every non-float64 dtype, from the same rounded inputs: float32 error only.
+CUDA_LSE_TOL = {torch.float32: (1e-5, 5e-5), torch.float16: (1e-5, 5e-5), torch.bfloat16: (1e-5, 5e-5),
+                torch.float64: (1e-10, 1e-10)}
+# Gradients, relative to the largest reference gradient of the tensor (assert_grad's rule). The
+# 16-bit grads are rounded once at the store (half an ulp: 2^-12 / 2^-9 of the max at most), but
+# the backward also reads the forward's O rounded to 16 bits (D = rowsum(dO * O)), an error of
+# that order in every dS: four ulps of the max covers both. float32: sums over up to 1000 rows
+# and 4 heads of a kv head.
+CUDA_GRAD_TOL = {torch.float32: 1e-4, torch.float16: 2 ** -9, torch.bfloat16: 2 ** -6, torch.float64: 1e-10}
+
+# (heads, heads_kv, seqlen_q, seqlen_k): 1, 17, 127/128/129 around every tile size (8 ... 64),
+# 1000 (many tiles, a partial last one), seqlen_q < seqlen_k (decode-like) and > (causal rows
+# that see no key), and GQA 2:1, 4:1 and multi-query spread over them.
+CUDA_SHAPES = [
+    (2, 2, 1, 1),
+    (2, 1, 17, 17),
+    (4, 2, 127, 127),
+    (2, 2, 128, 128),
+    (4, 1, 129, 129),
+    (2, 2, 1000, 1000),
+    (4, 2, 17, 129),
+    (2, 1, 129, 17),
+    (2, 2, 1, 1000),
+    (4, 4, 1000, 33),
+]
+CUDA_HEAD_DIMS = (32, 64, 128)
+
+
+def cuda_inputs(heads, heads_kv, seqlen_q, seqlen_k, head_dim, dtype, batch=2, requires_grad=False):
+    return make_qkv(batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim, dtype=dtype, device="cuda",
+                    requires_grad=requires_grad)
+
+
+def cpu_reference(q, k, v, causal, scale=None):
+    """The float64 reference, on the CPU, of exactly the values the kernel read."""
+    return reference(q.detach().cpu().double(), k.detach().cpu().double(), v.detach().cpu().double(), causal, scale)
+
+
+def check_cuda_forward(q, k, v, causal, version, what):
+    dtype = q.dtype
+    ref, ref_lse = cpu_reference(q, k, v, causal)
+    # NaN blocks of the outputs' sizes left in the caching allocator: any element a kernel does
+    # not write stays NaN and fails below.
+    poison_allocator(torch.empty(q.shape, dtype=dtype, device="cuda"))
+    poison_allocator(torch.empty(q.shape[:3], dtype=lse_dtype(dtype), device="cuda"))
+    out, lse = flash_attention.attention(q, k, v, causal=causal, return_lse=True, version=version)
+    assert out.device.type == "cuda" and lse.dtype == lse_dtype(dtype), what
+    rtol, atol = CUDA_FORWARD_TOL[dtype]
+    assert out.dtype == dtype and out.shape == ref.shape, what
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=rtol, atol=atol, msg=lambda m: f"{what} out: {m}")
+    lse = lse.cpu()
+    assert torch.equal(lse.isneginf(), ref_lse.isneginf()), f"{what}: lse is -inf exactly where no key is visible"
+    finite = ref_lse.isfinite()
+    rtol, atol = CUDA_LSE_TOL[dtype]
+    torch.testing.assert_close(lse.double()[finite], ref_lse[finite], rtol=rtol, atol=atol,
+                               msg=lambda m: f"{what} lse: {m}")
+    # the rows that see no key: exactly 0 (out[~finite] is (rows, head_dim))
+    assert torch.all(out.cpu()[~finite] == 0), f"{what}: a row without keys is not 0"
+
+
+def check_cuda_backward(q, k, v, causal, version, what):
+    dtype = q.dtype
+    scale = 1 / math.sqrt(q.shape[-1])
+    out, lse = flash_attention.attention_forward(q, k, v, scale, causal)
+    grad_out = torch.randn_like(out, dtype=torch.float64).to(dtype)
+    for t in (q, k, v):
+        poison_allocator(t)
+    dq, dk, dv = flash_attention.attention_backward(grad_out, q, k, v, out, lse, scale, causal, version=version)
+    leaves = tuple(t.detach().cpu().double().requires_grad_() for t in (q, k, v))
+    expected = torch.autograd.grad(reference(*leaves, causal)[0], leaves, grad_out.cpu().double())
+    for name, g, e in zip("qkv", (dq, dk, dv), expected):
+        assert g.dtype == dtype and g.shape == e.shape, (what, name)
+        scale_ = max(e.abs().max().item(), 1.0) if e.numel() else 1.0
+        torch.testing.assert_close(g.cpu().double(), e, rtol=0, atol=CUDA_GRAD_TOL[dtype] * scale_,
+                                   msg=lambda m: f"{what} d{name}: {m}")
+
+
 @pytest.mark.cuda
-def test_cuda_raises_until_the_kernels_land():
+@pytest.mark.parametrize("head_dim", CUDA_HEAD_DIMS)
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("version", FORWARD_VERSIONS)
+def test_cuda_forward_matches_reference(version, dtype, causal, head_dim):
     require_cuda()
-    q, k, v = make_qkv(1, 2, 2, 16, 16, 64, dtype=torch.float16, device="cuda")
-    with pytest.raises(RuntimeError, match=r"flash_attention: no CUDA kernels in this build yet"):
-        flash_attention.attention(q, k, v)
+    for heads, heads_kv, seqlen_q, seqlen_k in CUDA_SHAPES:
+        q, k, v = cuda_inputs(heads, heads_kv, seqlen_q, seqlen_k, head_dim, dtype)
+        check_cuda_forward(q, k, v, causal, version,
+                           f"{version} {dtype_id(dtype)} h{heads}/{heads_kv} s{seqlen_q}x{seqlen_k} d{head_dim}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_dim", (96, 256))
+@pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("version", FORWARD_VERSIONS)
+def test_cuda_forward_other_head_dims(version, dtype, head_dim):
+    """The rest of kCudaHeadDims: their own tile shapes (and, for float64 at 256, 64 threads)."""
+    require_cuda()
+    for heads, heads_kv, seqlen_q, seqlen_k in [(2, 1, 129, 129), (2, 2, 17, 300), (2, 2, 300, 17)]:
+        for causal in (False, True):
+            q, k, v = cuda_inputs(heads, heads_kv, seqlen_q, seqlen_k, head_dim, dtype)
+            check_cuda_forward(q, k, v, causal, version, f"{version} {dtype_id(dtype)} s{seqlen_q}x{seqlen_k} "
+                                                         f"d{head_dim} causal={causal}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_dim", CUDA_HEAD_DIMS)
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("version", BACKWARD_VERSIONS)
+def test_cuda_backward_matches_reference(version, dtype, causal, head_dim):
+    require_cuda()
+    for heads, heads_kv, seqlen_q, seqlen_k in CUDA_SHAPES:
+        q, k, v = cuda_inputs(heads, heads_kv, seqlen_q, seqlen_k, head_dim, dtype)
+        check_cuda_backward(q, k, v, causal, version,
+                            f"{version} {dtype_id(dtype)} h{heads}/{heads_kv} s{seqlen_q}x{seqlen_k} d{head_dim}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=dtype_id)
+def test_cuda_backward_other_head_dims(dtype):
+    require_cuda()
+    for version in BACKWARD_VERSIONS:
+        for head_dim in (96, 256):
+            q, k, v = cuda_inputs(4, 2, 65, 40, head_dim, dtype)
+            check_cuda_backward(q, k, v, True, version, f"{version} {dtype_id(dtype)} d{head_dim}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=dtype_id)
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+def test_cuda_strided_views(causal, dtype):
+    """Strided q/k/v are read in place by every rung: the same bits as contiguous copies (the
+    kernels sum in an order the strides do not change), and the reference's values."""
+    require_cuda()
+    b, h, s, d = 2, 4, 37, 32
+    bq = torch.randn(b, s, h, d, device="cuda").to(dtype)
+    bk = torch.randn(b, 2, s, d + 9, device="cuda").to(dtype)
+    bv = torch.randn(b, 1, s, d, device="cuda").to(dtype)
+    q, k, v = bq.transpose(1, 2), bk[..., 1:d + 1], bv.expand(b, 2, s, d)
+    assert not q.is_contiguous() and not k.is_contiguous() and v.stride(1) == 0
+    for version in FORWARD_VERSIONS:
+        out, lse = flash_attention.attention(q, k, v, causal=causal, return_lse=True, version=version)
+        out_c, lse_c = flash_attention.attention(q.contiguous(), k.contiguous(), v.contiguous(), causal=causal,
+                                                 return_lse=True, version=version)
+        assert torch.equal(out, out_c) and torch.equal(lse, lse_c), version
+        rtol, atol = CUDA_FORWARD_TOL[dtype]
+        torch.testing.assert_close(out.cpu().double(), cpu_reference(q, k, v, causal)[0], rtol=rtol, atol=atol)
+    go = torch.randn(b, h, s, d, device="cuda").to(dtype)
+    for version in BACKWARD_VERSIONS:
+        out, lse = flash_attention.attention_forward(q, k, v, 0.2, causal)
+        grads = flash_attention.attention_backward(go.transpose(1, 2).contiguous().transpose(1, 2), q, k, v, out,
+                                                   lse, 0.2, causal, version=version)
+        grads_c = flash_attention.attention_backward(go, q.contiguous(), k.contiguous(), v.contiguous(), out, lse,
+                                                     0.2, causal, version=version)
+        for g, gc in zip(grads, grads_c):
+            assert torch.equal(g, gc), version
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("version", FORWARD_VERSIONS)
+@pytest.mark.parametrize("shape,causal", [
+    ((1, 2, 2, 5, 5, 32), False),
+    ((1, 2, 2, 5, 5, 32), True),
+    ((2, 1, 1, 3, 6, 32), True),     # seqlen_q < seqlen_k
+    ((1, 2, 2, 6, 3, 32), True),     # seqlen_q > seqlen_k: three rows see no key
+    ((1, 4, 2, 4, 6, 32), True),     # GQA
+    ((1, 4, 1, 5, 4, 32), False),    # multi-query
+], ids=lambda x: shape_id(x) if isinstance(x, tuple) else ("causal" if x else "full"))
+def test_cuda_gradcheck(shape, causal, version):
+    """float64 on the GPU: the scalar rungs take it, so gradcheck checks the CUDA backward
+    against finite differences of the CUDA forward (each forward rung in turn)."""
+    require_cuda()
+    q, k, v = make_qkv(*shape, dtype=torch.float64, device="cuda", requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda a, b, c: flash_attention.attention(a, b, c, causal=causal, version=version), (q, k, v))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=dtype_id)
+def test_cuda_rows_without_visible_keys(dtype):
+    """causal, seqlen_q 70 > seqlen_k 3: rows 0-66 see no key; O 0, lse -inf, no gradient, no
+    NaN, in every rung (the tiled rung's whole first tiles see nothing)."""
+    require_cuda()
+    q, k, v = make_qkv(1, 2, 2, 70, 3, 32, dtype=dtype, device="cuda")
+    for version in FORWARD_VERSIONS:
+        out, lse = flash_attention.attention(q, k, v, causal=True, return_lse=True, version=version)
+        assert torch.all(out[:, :, :67] == 0) and torch.all(lse[:, :, :67] == -math.inf), version
+        assert torch.all(lse[:, :, 67:].isfinite()), version
+    out, lse = flash_attention.attention_forward(q, k, v, 0.2, True)
+    for version in BACKWARD_VERSIONS:
+        dq, dk, dv = flash_attention.attention_backward(torch.randn_like(out), q, k, v, out, lse, 0.2, True,
+                                                        version=version)
+        assert torch.all(dq[:, :, :67] == 0) and not any(g.isnan().any() for g in (dq, dk, dv)), version
+
+
+@pytest.mark.cuda
+def test_cuda_no_keys_and_empty():
+    require_cuda()
+    for version in FORWARD_VERSIONS:
+        q, k, v = make_qkv(2, 2, 2, 5, 0, 32, device="cuda")
+        out, lse = flash_attention.attention(q, k, v, return_lse=True, version=version)
+        assert torch.equal(out, torch.zeros_like(out)) and torch.all(lse == -math.inf), version
+    for shape in [(0, 2, 2, 5, 5, 32), (1, 2, 2, 0, 5, 32), (2, 0, 1, 4, 4, 32), (2, 2, 2, 5, 0, 32)]:
+        q, k, v = make_qkv(*shape, device="cuda", requires_grad=True)
+        for version in FORWARD_VERSIONS:
+            out = flash_attention.attention(q, k, v, version=version)
+            dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+            assert out.shape == q.shape and dq.shape == q.shape
+            # keys no query row reads receive no gradient: zeros, not uninitialized memory
+            if shape[3] == 0 or shape[1] == 0:
+                assert torch.equal(dk, torch.zeros_like(dk)) and torch.equal(dv, torch.zeros_like(dv))
+
+
+@pytest.mark.cuda
+def test_cuda_default_dispatch_runs_the_tiled_forward():
+    """version=None is the tiled forward and the naive backward (provisional, attention_ops.cpp)."""
+    require_cuda()
+    from coursekit.pytest_plugin import launched_kernels
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 64, dtype=torch.bfloat16, device="cuda")
+    _, names = launched_kernels(lambda: flash_attention.attention(q, k, v), "flash_attention")
+    assert any("forward_tiled_kernel" in n for n in names) and not any("scores_kernel" in n for n in names), names
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("call", ["forward_naive", "forward_tiled", "forward_default", "backward"])
+def test_cuda_opcheck(call):
+    require_cuda()
+    q, k, v = make_qkv(2, 4, 2, 9, 12, 32, device="cuda", requires_grad=True)
+    out, lse = flash_attention.attention_forward(q.detach(), k.detach(), v.detach(), 0.25, True)
+    version = {"forward_naive": "naive", "forward_tiled": "tiled"}.get(call)
+    if call == "backward":
+        torch.library.opcheck(OPS.attention_backward.default,
+                              (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, 0.25, True, None))
+    else:
+        torch.library.opcheck(OPS.attention_forward.default, (q, k, v, 0.25, True, version))
+
+
+@pytest.mark.cuda
+def test_cuda_graph_capture():
+    """Every rung replays inside a CUDA graph: no host sync, the naive rungs' workspaces taken
+    from the graph's pool through the caching allocator, the current stream honoured."""
+    require_cuda()
+    q, k, v = make_qkv(2, 4, 2, 100, 77, 64, dtype=torch.bfloat16, device="cuda")
+    grad_out = torch.randn(2, 4, 100, 64, device="cuda").to(torch.bfloat16)
+
+    def step():
+        results = []
+        for version in FORWARD_VERSIONS:
+            results += flash_attention.attention_forward(q, k, v, 0.125, True, version=version)
+        out, lse = results[-2], results[-1]
+        for version in BACKWARD_VERSIONS:
+            results += flash_attention.attention_backward(grad_out, q, k, v, out, lse, 0.125, True, version=version)
+        return results
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        expected = step()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, e in zip(captured, expected):
+        assert torch.equal(a, e)
 
 
 @pytest.mark.cuda
@@ -471,3 +761,34 @@ def test_cuda_device_mix():
     q, k, v = make_qkv(1, 2, 2, 16, 16, 64)
     with pytest.raises(RuntimeError, match=r"attention_forward: k is on cuda:0 but q is on cpu"):
         flash_attention.attention(q, k.cuda(), v)
+
+
+# ---------------------------------------------------------------------------------------------
+# 10. The sanitizer's small run (compute-sanitizer runs `pytest -m sanitize` under each tool)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.cuda
+@pytest.mark.sanitize
+@pytest.mark.parametrize("version", FORWARD_VERSIONS)
+def test_sanitizer_small_forward(version):
+    """Partial tiles at both ends, rows that see no key, GQA, the smallest and largest head
+    dims (the largest tiles and the 64-thread float64 shape), one strided view."""
+    require_cuda()
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        for head_dim in (32, 256):
+            for seqlen_q, seqlen_k in ((1, 1), (17, 33), (70, 17)):
+                q, k, v = make_qkv(1, 4, 2, seqlen_q, seqlen_k, head_dim, dtype=dtype, device="cuda")
+                check_cuda_forward(q, k, v, True, version, f"{version} {dtype_id(dtype)} d{head_dim}")
+    base = torch.randn(1, 33, 2, 32 + 1, device="cuda")
+    q = base[..., 1:].transpose(1, 2)  # misaligned by one element, seq stride 66
+    check_cuda_forward(q, q, q, False, version, f"{version} strided")
+
+
+@pytest.mark.cuda
+@pytest.mark.sanitize
+@pytest.mark.parametrize("version", BACKWARD_VERSIONS)
+def test_sanitizer_small_backward(version):
+    require_cuda()
+    for dtype in (torch.float32, torch.bfloat16):
+        for seqlen_q, seqlen_k in ((1, 1), (17, 33), (40, 17)):
+            q, k, v = make_qkv(1, 4, 2, seqlen_q, seqlen_k, 32, dtype=dtype, device="cuda")
+            check_cuda_backward(q, k, v, True, version, f"{version} {dtype_id(dtype)}")

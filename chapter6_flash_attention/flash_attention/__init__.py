@@ -13,9 +13,17 @@ A row that sees no key (causal with seqlen_q > seqlen_k) returns zeros, lse -inf
 gradient, as SDPA's CPU kernels do for a fully masked row.
 
 What exists now: the C++ reference on the CPU (float32 computed in float32, float64 in
-float64), its C++ autograd, and the Meta kernels that let torch.compile trace both passes. CUDA
-tensors raise "no CUDA kernels in this build yet": the CUDA ladder (see the README) is the next
-step, and VERSIONS lists its rungs as they land, so version= accepts only None today.
+float64), its C++ autograd, the Meta kernels that let torch.compile trace both passes, and the
+first CUDA rungs (scalar, no tensor cores yet; float32, float16, bfloat16 and float64, 16-bit
+computed in float32; head_dim 32, 64, 96, 128 or 256):
+
+- forward "naive": S = scale q k^T materialised in a float32 workspace, a row softmax, P v;
+- forward "tiled": FlashAttention 1's online softmax over K/V tiles in shared memory, O(seqlen)
+  memory;
+- backward "naive": P recomputed from lse into a workspace, then dV, dS, dQ, dK one kernel each.
+
+version=None runs "tiled" forward and "naive" backward, a provisional choice until the
+benchmark has measured the rungs. On the CPU every version name runs the reference.
 """
 import math
 from pathlib import Path
@@ -35,10 +43,10 @@ import torch  # noqa: E402
 __all__ = ["attention", "sdpa", "attention_forward", "attention_backward", "VERSIONS", "EXTENSION"]
 
 # Each op's ladder of kernel versions; test_attention.py holds it against the extension's
-# tables (the `versions` op). Empty until the CUDA kernels arrive.
+# tables (the `versions` op).
 VERSIONS = {
-    "attention_forward": (),
-    "attention_backward": (),
+    "attention_forward": ("naive", "tiled"),
+    "attention_backward": ("naive",),
 }
 
 
