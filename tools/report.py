@@ -30,6 +30,11 @@ def course_rows(record):
     return [r for r in record["benchmarks"] if not r.get("sweep") and "pct_of_copy" in r]
 
 
+def is_baseline(variant):
+    """PyTorch's own rows (CONVENTIONS.md section 5): eager, torch.compile, the SDPA backends."""
+    return variant.startswith("torch") or variant.startswith("sdpa_")
+
+
 def best_rows(rows):
     """For each (op, dtype, shape, view) of `rows`: the fastest rung of the ladder (not the
     default dispatch, which runs one of them), and the torch baseline."""
@@ -38,7 +43,7 @@ def best_rows(rows):
         groups.setdefault((r["op"], r["dtype"], tuple(r["shape"]), r.get("view")), []).append(r)
     out = []
     for key, rs in groups.items():
-        ours = [r for r in rs if not r["variant"].startswith("torch") and r["variant"] != "default"]
+        ours = [r for r in rs if not is_baseline(r["variant"]) and r["variant"] != "default"]
         base = next((r for r in rs if r["variant"] == "torch" and not r.get("call")), None)
         if ours:
             out.append((key, max(ours, key=lambda r: r.get("GBps", r.get("TFLOPs", 0))), base))
@@ -56,8 +61,15 @@ def headline(record):
         rows = [r for r in forward if r["op"] == op]
     best = best_rows(rows)
     shape = next(key[2] for key, _, _ in best if key[0] == op and key[3] is None)
-    parts = [f"{key[1]} {r['variant']} {r['GBps']:.0f} GB/s ({r['pct_of_copy']:.0f}% of copy, "
-             f"{r['speedup_vs_torch']:.2f}x PyTorch)"
+    baseline = record.get("baseline", "PyTorch")
+
+    def figure(r):
+        if "TFLOPs" in r:  # compute-bound rows (chapter 6): against the matmul ceiling
+            return (f"{r['TFLOPs']:.0f} TFLOP/s ({r['pct_of_mm']:.0f}% of matmul, "
+                    f"{r['speedup_vs_torch']:.2f}x {baseline})")
+        return (f"{r['GBps']:.0f} GB/s ({r['pct_of_copy']:.0f}% of copy, "
+                f"{r['speedup_vs_torch']:.2f}x {baseline})")
+    parts = [f"{key[1]} {r['variant']} {figure(r)}"
              for key, r, _ in best if key[0] == op and key[2] == shape and key[3] is None]
     return f"`{op}` {results.format_shape(shape)}: " + "; ".join(parts)
 
