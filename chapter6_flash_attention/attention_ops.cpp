@@ -18,6 +18,7 @@
 
 #ifdef WITH_CUDA
 #include <c10/cuda/CUDAException.h>
+#include <cuda_runtime_api.h>
 #endif
 
 #include <cmath>
@@ -41,18 +42,50 @@ constexpr const char* kBackward = "attention_backward";
 // The ladders. The CPU reference is not a rung: it is what the rungs are held to, and it runs
 // whatever version= names (the names are parsed on every device, so a typo fails on the CPU as
 // it would on CUDA).
-enum class ForwardVersion { kNaive, kTiled };
-enum class BackwardVersion { kNaive };
+enum class ForwardVersion { kNaive, kTiled, kMma, kPipelined };
+enum class BackwardVersion { kNaive, kMma };
 
 constexpr ::course::NamedVersion<ForwardVersion> kForwardVersions[] = {{"naive", ForwardVersion::kNaive},
-                                                                      {"tiled", ForwardVersion::kTiled}};
-constexpr ::course::NamedVersion<BackwardVersion> kBackwardVersions[] = {{"naive", BackwardVersion::kNaive}};
+                                                                      {"tiled", ForwardVersion::kTiled},
+                                                                      {"mma", ForwardVersion::kMma},
+                                                                      {"pipelined", ForwardVersion::kPipelined}};
+constexpr ::course::NamedVersion<BackwardVersion> kBackwardVersions[] = {{"naive", BackwardVersion::kNaive},
+                                                                        {"mma", BackwardVersion::kMma}};
 
-// version=None. Provisional, until bench_attention.py has measured the rungs: the tiled forward
-// moves O(seqlen) bytes where the naive one moves O(seqlen^2), and the backward has one rung.
+bool tensor_core_rung(ForwardVersion v) { return v == ForwardVersion::kMma || v == ForwardVersion::kPipelined; }
+
+bool half_dtype(const Tensor& t) { return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16; }
+
+// version=None. Provisional, until bench_attention.py has measured the rungs: the tensor-core
+// forward where it runs (16-bit inputs on sm_80 and newer), else the tiled one, which moves
+// O(seqlen) bytes where the naive one moves O(seqlen^2); the backward has one rung.
 // CONVENTIONS 5 wants a dispatch by measured thresholds; this is the placeholder for it.
-ForwardVersion default_forward() { return ForwardVersion::kTiled; }
-BackwardVersion default_backward() { return BackwardVersion::kNaive; }
+#ifdef WITH_CUDA
+// One attribute of q's GPU (cudaDeviceGetAttribute is a lookup, not a driver round trip).
+int device_attribute(const Tensor& q, cudaDeviceAttr attr) {
+  int value = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, attr, q.device().index()));
+  return value;
+}
+#endif
+
+ForwardVersion default_forward([[maybe_unused]] const Tensor& q) {
+#ifdef WITH_CUDA
+  if (q.is_cuda() && half_dtype(q) && device_attribute(q, cudaDevAttrComputeCapabilityMajor) >= 8) {
+    return ForwardVersion::kPipelined;
+  }
+#endif
+  return ForwardVersion::kTiled;
+}
+BackwardVersion default_backward([[maybe_unused]] const Tensor& q) {
+#ifdef WITH_CUDA
+  if (q.is_cuda() && half_dtype(q) && attention_backward_mma_head_dim(q.size(3)) &&
+      device_attribute(q, cudaDevAttrComputeCapabilityMajor) >= 8) {
+    return BackwardVersion::kMma;
+  }
+#endif
+  return BackwardVersion::kNaive;
+}
 
 // Every course library has a `versions` op (coursekit.loader recognises a loaded library by
 // it; flash_attention.VERSIONS is tested against it).
@@ -151,7 +184,45 @@ void forward_cuda(ForwardVersion v, const AttentionParams& p, const Tensor& q, c
     case ForwardVersion::kTiled:
       C10_CUDA_CHECK(launch_attention_forward_tiled(p, stream));
       return;
+    case ForwardVersion::kMma:
+    case ForwardVersion::kPipelined:
+      C10_CUDA_CHECK(launch_attention_forward_mma(p, v == ForwardVersion::kPipelined, stream));
+      return;
   }
+}
+
+// What the tensor-core rungs need beyond the other checks, each refused with the way out.
+void check_tensor_core_rung(const char* op, const std::string& name, const Tensor& q, bool backward = false) {
+  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, op, ": version '", name,
+              "' runs on tensor cores and takes float16 and bfloat16; q is ", q.scalar_type(),
+              " (float32 and float64 run on ", backward ? "version 'naive'" : "versions 'naive' and 'tiled'", ")");
+  const int major = device_attribute(q, cudaDevAttrComputeCapabilityMajor);
+  const int minor = device_attribute(q, cudaDevAttrComputeCapabilityMinor);
+  TORCH_CHECK(major >= 8, op, ": version '", name, "' needs compute capability 8.0 or newer ",
+              "(mma.sync m16n8k16 in 16-bit types and cp.async); this GPU is ", std::to_string(major), ".",
+              std::to_string(minor), ": use version='tiled'");
+  if (backward) {
+    TORCH_CHECK(attention_backward_mma_head_dim(q.size(3)), op, ": version '", name, "' takes head_dim 32, 64, ",
+                "96 or 128 (its dK and dV rows live in registers); head_dim is ", std::to_string(q.size(3)),
+                ": use version='naive'");
+  }
+  const int64_t smem = backward ? attention_backward_mma_smem_bytes(q.size(3))
+                                : attention_forward_mma_smem_bytes(q.size(3), name == "pipelined");
+  const int64_t allowed = device_attribute(q, cudaDevAttrMaxSharedMemoryPerBlockOptin);
+  TORCH_CHECK(smem <= allowed, op, ": version '", name, "' at head_dim ", std::to_string(q.size(3)), " takes ",
+              std::to_string(smem / 1024), " KiB of shared memory per block; this GPU (", std::to_string(major),
+              ".", std::to_string(minor), ") allows ", std::to_string(allowed / 1024),
+              " KiB: use version='mma' or 'tiled'");
+}
+
+// The tensor-core rungs copy 16 bytes at a time: every stride that is stepped (dims of size > 1)
+// a multiple of 8 elements and the data 16-byte aligned. A view that is not (an odd slice of a
+// sequence, a storage offset) is copied once, contiguous; views of (batch, seqlen, heads, d)
+// projections, the common case, pass as they are.
+Tensor aligned_for_copies(const Tensor& t) {
+  bool ok = reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
+  for (int dim = 0; dim < 3; ++dim) ok = ok && (t.size(dim) == 1 || t.stride(dim) % 8 == 0);
+  return ok ? t : t.clone(at::MemoryFormat::Contiguous);
 }
 
 void backward_cuda(BackwardVersion v, const AttentionBackwardParams& g, const Tensor& q, cudaStream_t stream) {
@@ -159,6 +230,12 @@ void backward_cuda(BackwardVersion v, const AttentionBackwardParams& g, const Te
     case BackwardVersion::kNaive: {
       const Tensor scratch = workspace(attention_backward_naive_workspace(g), q);
       C10_CUDA_CHECK(launch_attention_backward_naive(g, scratch.mutable_data_ptr(), stream));
+      return;
+    }
+    case BackwardVersion::kMma: {
+      // dQ's float32 sums start at 0: every key tile adds into them.
+      const Tensor scratch = at::zeros({attention_backward_mma_workspace(g)}, q.options().dtype(at::kByte));
+      C10_CUDA_CHECK(launch_attention_backward_mma(g, scratch.mutable_data_ptr(), stream));
       return;
     }
   }
@@ -198,17 +275,27 @@ std::tuple<Tensor, Tensor> attention_forward_impl(const Tensor& q, const Tensor&
                                                   bool causal, OptVersion version) {
   const char* op = kForward;
   check_qkv(op, q, k, v);
-  [[maybe_unused]] const ForwardVersion v_ =
-      ::course::parse_version(op, version, kForwardVersions).value_or(default_forward());
   Tensor out = at::empty_symint(q.sym_sizes(), q.options());
   Tensor lse = at::empty_symint({q.sym_size(0), q.sym_size(1), q.sym_size(2)},
                                 q.options().dtype(lse_dtype(q.scalar_type())));
+  const auto named = ::course::parse_version(op, version, kForwardVersions);  // a typo fails on Meta too
   if (q.is_meta()) return {out, lse};
+  [[maybe_unused]] const ForwardVersion v_ = named.value_or(default_forward(q));
   if (out.numel() == 0) return {out, lse};
-  const AttentionParams p = make_params(q, k, v, out, lse, scale, causal);
   if (q.is_cuda()) {
+#ifdef WITH_CUDA
+    if (tensor_core_rung(v_)) {
+      check_tensor_core_rung(op, ::course::version_name(kForwardVersions, v_), q);
+      const Tensor qa = aligned_for_copies(q), ka = aligned_for_copies(k), va = aligned_for_copies(v);
+      const AttentionParams p = make_params(qa, ka, va, out, lse, scale, causal);
+      FLASH_ATTENTION_ON_CUDA(op, q, forward_cuda(v_, p, q, stream));
+      return {out, lse};
+    }
+#endif
+    [[maybe_unused]] const AttentionParams p = make_params(q, k, v, out, lse, scale, causal);
     FLASH_ATTENTION_ON_CUDA(op, q, forward_cuda(v_, p, q, stream));
   } else {
+    const AttentionParams p = make_params(q, k, v, out, lse, scale, causal);
     attention_forward_cpu(p);
   }
   return {out, lse};
@@ -237,21 +324,31 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward_impl(const Tensor& grad_ou
   TORCH_CHECK(lse.dim() == 3 && lse.sym_size(0) == q.sym_size(0) && lse.sym_size(1) == q.sym_size(1) &&
                   lse.sym_size(2) == q.sym_size(2),
               op, ": lse has shape ", shape_of(lse), " but must be (batch, heads, seqlen_q) of q ", shape_of(q));
-  [[maybe_unused]] const BackwardVersion v_ =
-      ::course::parse_version(op, version, kBackwardVersions).value_or(default_backward());
+  const auto named = ::course::parse_version(op, version, kBackwardVersions);  // a typo fails on Meta too
   Tensor dq = at::empty_symint(q.sym_sizes(), q.options());
   Tensor dk = at::empty_symint(k.sym_sizes(), k.options());
   Tensor dv = at::empty_symint(v.sym_sizes(), v.options());
   if (q.is_meta()) return {dq, dk, dv};
+  [[maybe_unused]] const BackwardVersion v_ = named.value_or(default_backward(q));
   // The reference and the kernels index lse as a contiguous (batch, heads, seqlen_q) block.
   const Tensor lse_c = lse.contiguous();
+  // The tensor-core rung copies Q, dO, K and V 16 bytes at a time (aligned_for_copies); the
+  // others read any strides. The copies, where made, live until the launch is queued.
+  Tensor qa = q, ka = k, va = v, goa = grad_out;
+#ifdef WITH_CUDA
+  if (q.is_cuda() && v_ == BackwardVersion::kMma) {
+    check_tensor_core_rung(op, "mma", q, /*backward=*/true);
+    qa = aligned_for_copies(q), ka = aligned_for_copies(k), va = aligned_for_copies(v);
+    goa = aligned_for_copies(grad_out);
+  }
+#endif
   AttentionBackwardParams g{};
-  g.fwd = make_params(q, k, v, out, lse_c, scale, causal);
-  g.dout = grad_out.const_data_ptr();
+  g.fwd = make_params(qa, ka, va, out, lse_c, scale, causal);
+  g.dout = goa.const_data_ptr();
   g.dq = dq.mutable_data_ptr();
   g.dk = dk.mutable_data_ptr();
   g.dv = dv.mutable_data_ptr();
-  g.do_batch_stride = grad_out.stride(0), g.do_head_stride = grad_out.stride(1), g.do_seq_stride = grad_out.stride(2);
+  g.do_batch_stride = goa.stride(0), g.do_head_stride = goa.stride(1), g.do_seq_stride = goa.stride(2);
   g.dq_batch_stride = dq.stride(0), g.dq_head_stride = dq.stride(1), g.dq_seq_stride = dq.stride(2);
   g.dk_batch_stride = dk.stride(0), g.dk_head_stride = dk.stride(1), g.dk_seq_stride = dk.stride(2);
   g.dv_batch_stride = dv.stride(0), g.dv_head_stride = dv.stride(1), g.dv_seq_stride = dv.stride(2);

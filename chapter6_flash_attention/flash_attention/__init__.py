@@ -14,16 +14,24 @@ gradient, as SDPA's CPU kernels do for a fully masked row.
 
 What exists now: the C++ reference on the CPU (float32 computed in float32, float64 in
 float64), its C++ autograd, the Meta kernels that let torch.compile trace both passes, and the
-first CUDA rungs (scalar, no tensor cores yet; float32, float16, bfloat16 and float64, 16-bit
-computed in float32; head_dim 32, 64, 96, 128 or 256):
+CUDA rungs (head_dim 32, 64, 96, 128 or 256):
 
-- forward "naive": S = scale q k^T materialised in a float32 workspace, a row softmax, P v;
+- forward "naive": S = scale q k^T materialised in a float32 workspace, a row softmax, P v
+  (float32, float16, bfloat16, float64; 16-bit computed in float32);
 - forward "tiled": FlashAttention 1's online softmax over K/V tiles in shared memory, O(seqlen)
-  memory;
-- backward "naive": P recomputed from lse into a workspace, then dV, dS, dQ, dK one kernel each.
+  memory, scalar FMA (the same four dtypes);
+- forward "mma": FlashAttention 2 on tensor cores (mma.sync m16n8k16, ldmatrix), each warp
+  owning 16 query rows, S and P in registers (float16 and bfloat16, sm_80 and newer);
+- forward "pipelined": "mma" with cp.async double-buffered K/V tiles, a swizzled shared-memory
+  layout, exp2 and masks only on the tiles that need them;
+- backward "naive": P recomputed from lse into a workspace, then dV, dS, dQ, dK one kernel each;
+- backward "mma": FlashAttention 2's backward on tensor cores: a block per key tile sums dK and
+  dV in registers, dQ through float32 atomics (float16 and bfloat16, sm_80+, head_dim <= 128).
 
-version=None runs "tiled" forward and "naive" backward, a provisional choice until the
-benchmark has measured the rungs. On the CPU every version name runs the reference.
+version=None runs "pipelined" where it can (16-bit inputs on sm_80+), else "tiled", and the
+"mma" backward where it can, else "naive": a provisional choice until the benchmark has
+measured the rungs. On the CPU
+every version name runs the reference.
 """
 import math
 from pathlib import Path
@@ -45,8 +53,8 @@ __all__ = ["attention", "sdpa", "attention_forward", "attention_backward", "VERS
 # Each op's ladder of kernel versions; test_attention.py holds it against the extension's
 # tables (the `versions` op).
 VERSIONS = {
-    "attention_forward": ("naive", "tiled"),
-    "attention_backward": ("naive",),
+    "attention_forward": ("naive", "tiled", "mma", "pipelined"),
+    "attention_backward": ("naive", "mma"),
 }
 
 

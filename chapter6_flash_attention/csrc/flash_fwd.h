@@ -1,0 +1,55 @@
+// The tensor-core forward's tile shapes and entry points, without the kernel: what the dispatch
+// (flash_fwd_dispatch.cu) sees. CUDA-only (included by .cu files). run_flash_fwd is defined in
+// flash_fwd_kernel.cuh and explicitly
+// instantiated once per dtype and head dim (flash_fwd_<dtype>_hdim<d>.cu), so no file but those
+// compiles a kernel, and they compile in parallel.
+#pragma once
+
+#include "../attention.h"
+
+#include <cuda_runtime_api.h>
+
+namespace flash_attention {
+
+// ------------------------------------------------------------------------------------------
+// Kernel traits: the tile shape per head dim, FlashAttention 2's Flash_fwd_kernel_traits in
+// miniature. Every warp owns 16 query rows (one m16 tile), so kBlockM = 16 * kNWarps.
+// Registers per thread, the limit that picks these: the output accumulators (d / 8 n8 tiles of 4
+// floats: 64 at d = 128) and the scores of one key tile (kBlockN / 8 tiles of 4: 32 at 64 keys).
+//   d <= 64:  8 warps x 16 = 128 rows, 128 keys per tile (S: 64 registers, O: 16-32)
+//   d = 96, 128: 128 rows, 64 keys (S: 32, O: 48-64)
+//   d = 256: 4 warps, 64 rows, 64 keys (O: 128 registers; 8 warps would not leave room for two
+//            blocks' shared memory either)
+// ------------------------------------------------------------------------------------------
+template <int kHeadDim_, bool kPipelined_>
+struct FwdTraits {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr bool kPipelined = kPipelined_;
+  static constexpr int kNWarps = kHeadDim == 256 ? 4 : 8;
+  static constexpr int kThreads = kNWarps * 32;
+  static constexpr int kBlockM = 16 * kNWarps;
+  static constexpr int kBlockN = kHeadDim <= 64 ? 128 : 64;
+  static constexpr int kStages = kPipelined ? 2 : 1;
+  static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
+  static constexpr bool kSwizzle = kPipelined && kChunks % 8 == 0;
+  static constexpr int kRowStride = kSwizzle ? kHeadDim : kHeadDim + 8;  // elements
+  static constexpr int kQElems = kBlockM * kRowStride;
+  static constexpr int kKVElems = kBlockN * kRowStride;
+  static constexpr int kSmemBytes = (kQElems + 2 * kStages * kKVElems) * 2;
+  static_assert(kHeadDim % 16 == 0, "head_dim must be a whole number of k16 steps");
+
+  // The element offset of (row, col) in a tile; col is a multiple of 8 wherever a 16-byte access
+  // (ldmatrix row, copy chunk) starts, and then the whole chunk is contiguous.
+  __device__ static __forceinline__ int offset(int row, int col) {
+    if constexpr (kSwizzle) {
+      return row * kHeadDim + (((col >> 3) ^ (row & 7)) << 3) + (col & 7);
+    } else {
+      return row * kRowStride + col;
+    }
+  }
+};
+
+template <typename T, int D, bool kPipelined>
+cudaError_t run_flash_fwd(const AttentionParams& p, cudaStream_t stream);
+
+}  // namespace flash_attention

@@ -1,0 +1,269 @@
+// Chapter 6, forward rungs 3 and 4: FlashAttention 2 on tensor cores (mma.sync m16n8k16,
+// bfloat16 or float16 in, float32 accumulate). Included only by the instantiation files
+// flash_fwd_<dtype>_hdim<d>.cu, one per dtype and head dim, so that the build compiles them in
+// parallel and a change of one head dim's tiles rebuilds one file.
+//
+// What changes from rung 2 ("tiled", attention_tiled_kernels.cu):
+//   - the FlashAttention 2 work split: a block owns kBlockM query rows, and each of its warps
+//     owns 16 of them outright. A warp computes its rows' scores S = Q K^T for a tile of kBlockN
+//     keys with mma.sync into registers, and its rows' statistics need only the four lanes that
+//     share a row (two shuffles); warps never exchange scores, so there is no P tile in shared
+//     memory and no barrier between the softmax and P V;
+//   - S becomes P in registers (mma.cuh: the C layout of two n8 tiles is the A layout of one
+//     k16 tile), so P V reads only V from shared memory;
+//   - Q, K and V stay 16-bit in shared memory (rung 2 converted them to float32): half the bytes
+//     per tile, and ldmatrix loads them straight into mma's operand layout.
+//
+// Rung 3, "mma" (kPipelined = false): the loads are synchronous (16-byte loads into registers,
+// then stores to shared memory, then a barrier), each row is padded by 16 bytes so that the 8
+// rows one ldmatrix reads start in 8 different bank groups, and every tile is masked and every
+// exponential is expf of a scaled score.
+//
+// Rung 4, "pipelined" (kPipelined = true), the memory pipeline:
+//   - cp.async double buffering: K and V for tile n + 1 are copied while tile n computes; the
+//     copies bypass registers and the warps do not wait on them until the next trip;
+//   - an XOR swizzle in place of the padding (16-byte chunk c of row r stored at chunk c ^ (r % 8)):
+//     conflict-free for ldmatrix and for the copies alike, and no wasted bytes, which is what lets
+//     head dim 256 double-buffer within an A100's 163 KiB (head dims 32 and 96, whose rows are not
+//     a multiple of 8 chunks, keep the padding);
+//   - exp2 with log2(e) folded into the scale: exp2f is one MUFU.EX2, expf a multiply first;
+//   - masks only where they can bite: the last tile (keys past seqlen_k) and, when causal, the
+//     tiles that cross the diagonal. Tiles entirely above the diagonal were already never
+//     visited (the key loop stops at the last key the block's last row sees), from rung 2 on.
+//
+// The output is written straight from the accumulators, two elements (4 bytes) per lane per
+// n8 tile; FlashAttention 2 stages it through shared memory for 16-byte stores, one of the
+// things the tuning rung may measure.
+//
+// No torch headers: this file builds with a bare `nvcc -c`.
+#pragma once
+
+#include "../attention.h"
+#include "flash_fwd.h"
+#include "flash_tiles.cuh"
+#include "mma.cuh"
+
+#include <course/cuda_utils.h>
+
+#include <climits>
+#include <cstdint>
+
+namespace flash_attention {
+
+template <typename T, typename K>
+__global__ void __launch_bounds__(K::kThreads)
+    flash_fwd_kernel(const AttentionParams p, unsigned q_tiles, float score_scale) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  constexpr int kD = K::kHeadDim;
+  constexpr int kNTiles = K::kBlockN / 8;  // n8 score tiles per key tile
+  constexpr int kDTiles = kD / 8;          // n8 output tiles
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* q_s = reinterpret_cast<T*>(smem);
+  T* k_s = q_s + K::kQElems;
+  T* v_s = k_s + K::kStages * K::kKVElems;
+
+  // The grid is flattened (query tiles fastest), as in rung 2, so batch * heads may exceed 65535.
+  const int64_t tile = blockIdx.x % q_tiles;
+  const int64_t bh = blockIdx.x / q_tiles;
+  const int64_t b = bh / p.heads;
+  const int64_t h = bh % p.heads;
+  const int64_t hk = h / (p.heads / p.heads_kv);  // GQA: the kv head this query head reads
+  const int64_t m0 = tile * K::kBlockM;
+  const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
+  const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
+  const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
+
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int g = lane / 4;  // mma.cuh's group: this lane's rows are g and g + 8 of the warp's 16
+  const int t = lane % 4;
+  const int64_t row0 = m0 + warp * 16 + g;
+  const int64_t diag = p.seqlen_k - p.seqlen_q;  // key j is visible to row i iff j <= i + diag
+
+  // Keys any row of the block sees: the last valid row sees the most (rung 2's causal skipping).
+  const int64_t last_row = (m0 + K::kBlockM < p.seqlen_q ? m0 + K::kBlockM : p.seqlen_q) - 1;
+  const int64_t n_keys = visible_keys(last_row, p.seqlen_q, p.seqlen_k, p.causal);
+  const int n_tiles = static_cast<int>((n_keys + K::kBlockN - 1) / K::kBlockN);
+
+  float acc_o[kDTiles][4];
+#pragma unroll
+  for (int d = 0; d < kDTiles; ++d) acc_o[d][0] = acc_o[d][1] = acc_o[d][2] = acc_o[d][3] = 0.f;
+  // Per row (g and g + 8): the running maximum of the scaled scores (log2 units on rung 4) and
+  // this lane's share of the running sum of exponentials (the four lanes of a row add theirs up
+  // once, at the end).
+  float row_max[2] = {-INFINITY, -INFINITY};
+  float row_sum[2] = {0.f, 0.f};
+
+  // No visible key (n_tiles == 0: causal rows above every key, or seqlen_k == 0): nothing to load,
+  // and the epilogue writes o = 0, lse = -inf.
+  if (n_tiles > 0) {
+    load_tile<K, K::kBlockM>(q_s, q, p.q_seq_stride, m0, p.seqlen_q);
+    load_tile<K, K::kBlockN>(k_s, k, p.k_seq_stride, 0, p.seqlen_k);
+    load_tile<K, K::kBlockN>(v_s, v, p.v_seq_stride, 0, p.seqlen_k);
+    if constexpr (K::kPipelined) mma::cp_async_commit();
+  }
+
+  for (int n = 0; n < n_tiles; ++n) {
+    const int stage = K::kPipelined ? n % 2 : 0;
+    const int64_t n0 = static_cast<int64_t>(n) * K::kBlockN;
+    if constexpr (K::kPipelined) {
+      // Tile n + 1 into the other stage, whose last readers (tile n - 1) passed the barrier at
+      // the end of the previous trip; then wait for tile n only (one batch may stay in flight).
+      if (n + 1 < n_tiles) {
+        const int next = (n + 1) % 2;
+        load_tile<K, K::kBlockN>(k_s + next * K::kKVElems, k, p.k_seq_stride, n0 + K::kBlockN, p.seqlen_k);
+        load_tile<K, K::kBlockN>(v_s + next * K::kKVElems, v, p.v_seq_stride, n0 + K::kBlockN, p.seqlen_k);
+        mma::cp_async_commit();
+        mma::cp_async_wait<1>();
+      } else {
+        mma::cp_async_wait<0>();
+      }
+    } else if (n > 0) {
+      load_tile<K, K::kBlockN>(k_s, k, p.k_seq_stride, n0, p.seqlen_k);
+      load_tile<K, K::kBlockN>(v_s, v, p.v_seq_stride, n0, p.seqlen_k);
+    }
+    // Each thread waited for (or made) its own copies only: the barrier makes every thread's
+    // part of Q and of tile n visible to all the warps that read it.
+    __syncthreads();
+    const T* k_tile = k_s + stage * K::kKVElems;
+    const T* v_tile = v_s + stage * K::kKVElems;
+
+    // S = Q K^T for the warp's 16 rows and the tile's kBlockN keys, k16 step by k16 step over d.
+    float s[kNTiles][4];
+#pragma unroll
+    for (int j = 0; j < kNTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      uint32_t a[4];  // Q rows warp*16 + 0..15, d kk*16 + 0..15: lanes 0-15 rows, 16-31 the right half
+      mma::ldmatrix_x4(a, mma::smem_address(q_s + K::offset(warp * 16 + lane % 16, kk * 16 + (lane / 16) * 8)));
+#pragma unroll
+      for (int j = 0; j < kNTiles / 2; ++j) {
+        // Keys j*16 + 0..15 as two n8 B operands: matrices (keys 0-7, d 0-7), (keys 0-7, d 8-15),
+        // (keys 8-15, d 0-7), (keys 8-15, d 8-15) -> b0, b1 of tile 2j, then of tile 2j + 1.
+        uint32_t bk[4];
+        mma::ldmatrix_x4(bk, mma::smem_address(k_tile + K::offset(j * 16 + lane % 8 + (lane / 16) * 8,
+                                                                  kk * 16 + ((lane / 8) % 2) * 8)));
+        mma::mma_16816<T>(s[2 * j], a, bk[0], bk[1]);
+        mma::mma_16816<T>(s[2 * j + 1], a, bk[2], bk[3]);
+      }
+    }
+
+    // Scale (into log2 units on rung 4), then mask: in that order, so that a negative scale
+    // cannot turn a masked -inf into +inf. Score s[j][e] is row row0 + 8 * (e / 2), key
+    // n0 + 8j + 2t + e % 2.
+    bool mask = true;
+    if constexpr (K::kPipelined) {
+      mask = n0 + K::kBlockN > p.seqlen_k || (p.causal && n0 + K::kBlockN - 1 > m0 + diag);
+    }
+#pragma unroll
+    for (int j = 0; j < kNTiles; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[j][e] *= score_scale;
+        if (mask) {
+          const int64_t key = n0 + 8 * j + 2 * t + e % 2;
+          const int64_t row = row0 + 8 * (e / 2);
+          if (key >= p.seqlen_k || (p.causal && key > row + diag)) s[j][e] = -INFINITY;
+        }
+      }
+    }
+
+    // The online softmax (chapter 3), per row: the new maximum over the four lanes of the row,
+    // the old sums and outputs rescaled by exp(old max - new max), then the tile's exponentials.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = row_max[r];
+#pragma unroll
+      for (int j = 0; j < kNTiles; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      // A row that has seen no visible key yet keeps max -inf: subtract 0 instead, so that its
+      // masked scores give exp(-inf) = 0 rather than exp(-inf + inf) = NaN.
+      const float m_use = mx == -INFINITY ? 0.f : mx;
+      float corr = 0.f;  // old max -inf: the old sum and output are 0, nothing to rescale
+      if (row_max[r] != -INFINITY) corr = K::kPipelined ? exp2f(row_max[r] - mx) : expf(row_max[r] - mx);
+      row_max[r] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < kNTiles; ++j) {
+#pragma unroll
+        for (int e = 2 * r; e < 2 * r + 2; ++e) {
+          s[j][e] = K::kPipelined ? exp2f(s[j][e] - m_use) : expf(s[j][e] - m_use);
+          sum += s[j][e];
+        }
+      }
+      row_sum[r] = row_sum[r] * corr + sum;
+#pragma unroll
+      for (int d = 0; d < kDTiles; ++d) {
+        acc_o[d][2 * r] *= corr;
+        acc_o[d][2 * r + 1] *= corr;
+      }
+    }
+
+    // O += P V: P from the score registers (mma.cuh), V through ldmatrix.trans.
+#pragma unroll
+    for (int kk = 0; kk < K::kBlockN / 16; ++kk) {
+      const uint32_t a[4] = {mma::pack2<T>(s[2 * kk][0], s[2 * kk][1]), mma::pack2<T>(s[2 * kk][2], s[2 * kk][3]),
+                             mma::pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                             mma::pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+      for (int dp = 0; dp < kD / 16; ++dp) {
+        // Keys kk*16 + 0..15 (P V's k), d dp*16 + 0..15 as two n8 tiles: matrices (keys 0-7,
+        // d 0-7), (keys 8-15, d 0-7), (keys 0-7, d 8-15), (keys 8-15, d 8-15), transposed.
+        uint32_t bv[4];
+        mma::ldmatrix_x4_trans(bv, mma::smem_address(v_tile + K::offset(kk * 16 + lane % 8 + ((lane / 8) % 2) * 8,
+                                                                        dp * 16 + (lane / 16) * 8)));
+        mma::mma_16816<T>(acc_o[2 * dp], a, bv[0], bv[1]);
+        mma::mma_16816<T>(acc_o[2 * dp + 1], a, bv[2], bv[3]);
+      }
+    }
+    // Every warp is done reading this stage before the next trip refills it (rung 3: the same
+    // buffer at the top of the next trip; rung 4: this stage two trips on, by the copies issued
+    // at the top of the next one).
+    __syncthreads();
+  }
+
+  // o = acc / l and lse = max + log(l) per row; a row with no visible key (l = 0) gets o = 0 and
+  // lse = -inf (attention.h). The shuffles come before any branch on the row: all 32 lanes.
+  T* o = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride;
+  auto* lse = static_cast<float*>(p.lse) + bh * p.seqlen_q;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = row_sum[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const int64_t row = row0 + 8 * r;
+    if (row < p.seqlen_q) {  // the last block's rows past the end computed on zero rows of Q
+      T* o_row = o + row * p.o_seq_stride;
+#pragma unroll
+      for (int d = 0; d < kDTiles; ++d) {
+        *reinterpret_cast<uint32_t*>(o_row + d * 8 + 2 * t) =
+            mma::pack2<T>(acc_o[d][2 * r] * inv, acc_o[d][2 * r + 1] * inv);
+      }
+      // The maximum is in units of scale * s (rung 3) or log2(e) * scale * s (rung 4).
+      constexpr float kToNatural = K::kPipelined ? 0.69314718055994531f : 1.f;
+      if (t == 0) lse[row] = l > 0.f ? row_max[r] * kToNatural + logf(l) : -INFINITY;
+    }
+  }
+#endif  // __CUDA_ARCH__ >= 800: older GPUs never launch it (the glue checks the capability)
+}
+
+template <typename T, int D, bool kPipelined>
+cudaError_t run_flash_fwd(const AttentionParams& p, cudaStream_t stream) {
+  using K = FwdTraits<D, kPipelined>;
+  const int64_t q_tiles = course::ceil_div(p.seqlen_q, static_cast<int64_t>(K::kBlockM));
+  const int64_t blocks = q_tiles * p.batch * p.heads;
+  if (blocks == 0) return cudaSuccess;
+  if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
+  auto kernel = flash_fwd_kernel<T, K>;
+  // Above 48 KiB a kernel must ask for its dynamic shared memory (every tile shape here does).
+  COURSE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSmemBytes));
+  const double log2e = 1.4426950408889634;
+  const float score_scale = static_cast<float>(kPipelined ? p.scale * log2e : p.scale);
+  kernel<<<static_cast<unsigned>(blocks), K::kThreads, K::kSmemBytes, stream>>>(p, static_cast<unsigned>(q_tiles),
+                                                                              score_scale);
+  return cudaGetLastError();
+}
+
+}  // namespace flash_attention
