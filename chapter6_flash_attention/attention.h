@@ -161,17 +161,19 @@ cudaError_t launch_attention_forward_mma(const AttentionParams& params, bool pip
 // The dynamic shared memory one block of those kernels takes (0 for an unsupported head dim):
 // the glue compares it with what the GPU allows a block.
 int64_t attention_forward_mma_smem_bytes(int64_t head_dim, bool pipelined);
-//   backward "mma" (csrc/flash_bwd_*.cu): FlashAttention 2's backward on tensor cores, the same
-//     dtypes, GPUs and strides as the forward's, head_dim 32-128 (attention_backward_mma_head_dim).
-//     `workspace`: attention_backward_mma_workspace bytes, zeroed by the caller (dQ's float32 sums,
-//     then D = rowsum(dO * O)).
-cudaError_t launch_attention_backward_mma(const AttentionBackwardParams& params, void* workspace,
+//   backward "mma" and "mma_dqpass" (csrc/flash_bwd_*.cu): FlashAttention 2's backward on tensor
+//     cores, the same dtypes, GPUs and strides as the forward's, head_dim 32-128
+//     (attention_backward_mma_head_dim). dq_atomic: dQ summed across key tiles with float32
+//     atomics ("mma"), else by a second, deterministic pass over the keys ("mma_dqpass").
+//     `workspace`: attention_backward_mma_workspace bytes, zeroed by the caller (dQ's float32
+//     sums when dq_atomic, then D = rowsum(dO * O)).
+cudaError_t launch_attention_backward_mma(const AttentionBackwardParams& params, bool dq_atomic, void* workspace,
                                           cudaStream_t stream);
 bool attention_backward_mma_head_dim(int64_t head_dim);
 int64_t attention_backward_mma_smem_bytes(int64_t head_dim);
-inline int64_t attention_backward_mma_workspace(const AttentionBackwardParams& g) {
+inline int64_t attention_backward_mma_workspace(const AttentionBackwardParams& g, bool dq_atomic) {
   const AttentionParams& p = g.fwd;
-  return p.batch * p.heads * p.seqlen_q * (p.head_dim + 1) * 4;
+  return p.batch * p.heads * p.seqlen_q * ((dq_atomic ? p.head_dim : 0) + 1) * 4;
 }
 }  // namespace flash_attention
 #endif

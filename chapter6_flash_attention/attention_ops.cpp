@@ -43,14 +43,14 @@ constexpr const char* kBackward = "attention_backward";
 // whatever version= names (the names are parsed on every device, so a typo fails on the CPU as
 // it would on CUDA).
 enum class ForwardVersion { kNaive, kTiled, kMma, kPipelined };
-enum class BackwardVersion { kNaive, kMma };
+enum class BackwardVersion { kNaive, kMma, kMmaDqPass };
 
 constexpr ::course::NamedVersion<ForwardVersion> kForwardVersions[] = {{"naive", ForwardVersion::kNaive},
                                                                       {"tiled", ForwardVersion::kTiled},
                                                                       {"mma", ForwardVersion::kMma},
                                                                       {"pipelined", ForwardVersion::kPipelined}};
-constexpr ::course::NamedVersion<BackwardVersion> kBackwardVersions[] = {{"naive", BackwardVersion::kNaive},
-                                                                        {"mma", BackwardVersion::kMma}};
+constexpr ::course::NamedVersion<BackwardVersion> kBackwardVersions[] = {
+    {"naive", BackwardVersion::kNaive}, {"mma", BackwardVersion::kMma}, {"mma_dqpass", BackwardVersion::kMmaDqPass}};
 
 bool tensor_core_rung(ForwardVersion v) { return v == ForwardVersion::kMma || v == ForwardVersion::kPipelined; }
 
@@ -81,7 +81,9 @@ BackwardVersion default_backward([[maybe_unused]] const Tensor& q) {
 #ifdef WITH_CUDA
   if (q.is_cuda() && half_dtype(q) && attention_backward_mma_head_dim(q.size(3)) &&
       device_attribute(q, cudaDevAttrComputeCapabilityMajor) >= 8) {
-    return BackwardVersion::kMma;
+    // torch.use_deterministic_algorithms(True) asks for the same bits on every run: the dQ
+    // pass instead of the atomics.
+    return at::globalContext().deterministicAlgorithms() ? BackwardVersion::kMmaDqPass : BackwardVersion::kMma;
   }
 #endif
   return BackwardVersion::kNaive;
@@ -232,10 +234,12 @@ void backward_cuda(BackwardVersion v, const AttentionBackwardParams& g, const Te
       C10_CUDA_CHECK(launch_attention_backward_naive(g, scratch.mutable_data_ptr(), stream));
       return;
     }
-    case BackwardVersion::kMma: {
+    case BackwardVersion::kMma:
+    case BackwardVersion::kMmaDqPass: {
       // dQ's float32 sums start at 0: every key tile adds into them.
-      const Tensor scratch = at::zeros({attention_backward_mma_workspace(g)}, q.options().dtype(at::kByte));
-      C10_CUDA_CHECK(launch_attention_backward_mma(g, scratch.mutable_data_ptr(), stream));
+      const bool atomic = v == BackwardVersion::kMma;
+      const Tensor scratch = at::zeros({attention_backward_mma_workspace(g, atomic)}, q.options().dtype(at::kByte));
+      C10_CUDA_CHECK(launch_attention_backward_mma(g, atomic, scratch.mutable_data_ptr(), stream));
       return;
     }
   }
@@ -336,8 +340,8 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward_impl(const Tensor& grad_ou
   // others read any strides. The copies, where made, live until the launch is queued.
   Tensor qa = q, ka = k, va = v, goa = grad_out;
 #ifdef WITH_CUDA
-  if (q.is_cuda() && v_ == BackwardVersion::kMma) {
-    check_tensor_core_rung(op, "mma", q, /*backward=*/true);
+  if (q.is_cuda() && (v_ == BackwardVersion::kMma || v_ == BackwardVersion::kMmaDqPass)) {
+    check_tensor_core_rung(op, ::course::version_name(kBackwardVersions, v_), q, /*backward=*/true);
     qa = aligned_for_copies(q), ka = aligned_for_copies(k), va = aligned_for_copies(v);
     goa = aligned_for_copies(grad_out);
   }

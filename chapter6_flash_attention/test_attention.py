@@ -422,7 +422,7 @@ MISUSES = {
     "backward unknown version": (lambda: flash_attention.attention_backward(
         _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5), 0.5,
         version="v2"),
-        r"attention_backward: unknown version 'v2'; expected one of naive, mma \(or None"),
+        r"attention_backward: unknown version 'v2'; expected one of naive, mma, mma_dqpass \(or None"),
 }
 
 
@@ -491,8 +491,8 @@ def skip_unless_takes(version, dtype):
 
 
 def takes_backward(version, dtype, head_dim):
-    """Whether backward rung `version` runs dtype at head_dim (the tensor-core one: <= 128)."""
-    return version != "mma" or (takes("mma", dtype) and head_dim <= 128)
+    """Whether backward rung `version` runs dtype at head_dim (the tensor-core ones: <= 128)."""
+    return version not in ("mma", "mma_dqpass") or (takes("mma", dtype) and head_dim <= 128)
 
 
 def rounding_bounds(q, k, v, grad_out, causal):
@@ -611,7 +611,7 @@ def check_cuda_backward(q, k, v, causal, version, what):
     dq, dk, dv = flash_attention.attention_backward(grad_out, q, k, v, out, lse, scale, causal, version=version)
     leaves = tuple(t.detach().cpu().double().requires_grad_() for t in (q, k, v))
     expected = torch.autograd.grad(reference(*leaves, causal)[0], leaves, grad_out.cpu().double())
-    bounds = rounding_bounds(q, k, v, grad_out, causal) if version == "mma" else (0.0, 0.0, 0.0)
+    bounds = rounding_bounds(q, k, v, grad_out, causal) if version in ("mma", "mma_dqpass") else (0.0, 0.0, 0.0)
     for name, g, e, bound in zip("qkv", (dq, dk, dv), expected, bounds):
         assert g.dtype == dtype and g.shape == e.shape, (what, name)
         scale_ = max(e.abs().max().item(), 1.0) if e.numel() else 1.0
@@ -779,7 +779,32 @@ def test_cuda_default_dispatch(dtype):
     wanted = "flash_fwd_kernel" if takes("pipelined", dtype) else "forward_tiled_kernel"
     assert any(wanted in n for n in names) and not any("scores_kernel" in n for n in names), names
     if wanted == "flash_fwd_kernel":
-        assert any("Lb1E" in n for n in names), names  # FwdTraits<d, kPipelined = true>
+        assert any("FwdTraits<64, true>" in n for n in names), names  # kPipelined, demangled
+
+
+@pytest.mark.cuda
+def test_cuda_deterministic_backward():
+    """mma_dqpass has one writer per dQ element: the same bits run after run, and version=None
+    takes it when torch.use_deterministic_algorithms(True) asks for that."""
+    require_cuda()
+    if not takes_backward("mma_dqpass", torch.bfloat16, 64):
+        pytest.skip("the tensor-core backward needs sm_80")
+    from coursekit.pytest_plugin import launched_kernels
+    q, k, v = make_qkv(2, 4, 2, 300, 300, 64, dtype=torch.bfloat16, device="cuda")
+    out, lse = flash_attention.attention_forward(q, k, v, 0.125, True)
+    go = torch.randn_like(out)
+    first = flash_attention.attention_backward(go, q, k, v, out, lse, 0.125, True, version="mma_dqpass")
+    for _ in range(3):
+        again = flash_attention.attention_backward(go, q, k, v, out, lse, 0.125, True, version="mma_dqpass")
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        _, names = launched_kernels(lambda: flash_attention.attention_backward(go, q, k, v, out, lse, 0.125, True),
+                                    "flash_attention")
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert any("flash_bwd_dq_kernel" in n for n in names), names
 
 
 @pytest.mark.cuda

@@ -541,6 +541,7 @@ def parse_args(argv=None):
     for field in ("steps", "layers", "heads", "head_dim", "context", "batch", "seed"):
         p.add_argument(f"--{field.replace('_', '-')}", type=int, help=f"override the preset's {field}")
     p.add_argument("--lr", type=float, help="override the preset's peak learning rate")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: 1 for --quick on the CPU, else torch's)")
     p.add_argument("--no-save", action="store_true", help="print only; write no results file or figure")
     return p.parse_args(argv)
 
@@ -559,9 +560,16 @@ def main(argv=None):
         check_config(config)
     except ValueError as e:
         sys.exit(f"train_tiny_gpt.py: {e}")
+    # The --quick model's ops are tiny (8 x 64 tokens of 64 features): on a 2-core machine shared
+    # with other work, torch's second thread cost more in synchronisation than it saved (13-20 ms a
+    # step with one thread, 60-740 ms with two, same losses), so the quick CPU run takes one.
+    threads = args.threads or (1 if config.device == "cpu" and args.quick else None)
+    if threads:
+        torch.set_num_threads(threads)
     corpus = load_corpus()
     print(f"corpus: {len(corpus.files)} READMEs, {len(corpus.train) + len(corpus.val):,} characters, "
-          f"vocabulary {len(corpus.chars)}; training flash then sdpa, {config.steps} steps each on {config.device}")
+          f"vocabulary {len(corpus.chars)}; training flash then sdpa, {config.steps} steps each on {config.device}"
+          + (f" (torch threads: {torch.get_num_threads()})" if config.device == "cpu" else ""))
     runs, comparison = train_both(config, corpus)
     sample = generate(runs["flash"]["model"], corpus, config)
     wall_s = time.perf_counter() - started

@@ -65,10 +65,11 @@ __global__ void __launch_bounds__(kThreads) bwd_dq_kernel(const AttentionBackwar
 }
 
 template <typename T>
-cudaError_t launch(const AttentionBackwardParams& g, void* workspace, cudaStream_t stream) {
+cudaError_t launch(const AttentionBackwardParams& g, bool dq_atomic, void* workspace, cudaStream_t stream) {
   const AttentionParams& p = g.fwd;
-  auto* dq_accum = static_cast<float*>(workspace);
-  float* d_rows = dq_accum + p.batch * p.heads * p.seqlen_q * p.head_dim;
+  // The workspace: dQ's float32 sums (atomic rung only), then D.
+  float* dq_accum = dq_atomic ? static_cast<float*>(workspace) : nullptr;
+  float* d_rows = static_cast<float*>(workspace) + (dq_atomic ? p.batch * p.heads * p.seqlen_q * p.head_dim : 0);
   const int64_t rows = p.batch * p.heads * p.seqlen_q;
   if (rows > 0) {
     bwd_row_dot_kernel<T><<<blocks_for(rows, kThreads / 32), kThreads, 0, stream>>>(g, d_rows);
@@ -81,7 +82,7 @@ cudaError_t launch(const AttentionBackwardParams& g, void* workspace, cudaStream
     case 128: COURSE_CUDA_TRY((run_flash_bwd<T, 128>(g, dq_accum, d_rows, stream))); break;
     default: return cudaErrorInvalidValue;  // the glue checks attention_backward_mma_head_dim first
   }
-  if (rows > 0) {
+  if (dq_atomic && rows > 0) {
     bwd_dq_kernel<T><<<blocks_for(rows * p.head_dim, kThreads * 4), kThreads, 0, stream>>>(g, dq_accum);
   }
   return cudaGetLastError();
@@ -103,10 +104,11 @@ int64_t attention_backward_mma_smem_bytes(int64_t head_dim) {
   }
 }
 
-cudaError_t launch_attention_backward_mma(const AttentionBackwardParams& g, void* workspace, cudaStream_t stream) {
+cudaError_t launch_attention_backward_mma(const AttentionBackwardParams& g, bool dq_atomic, void* workspace,
+                                          cudaStream_t stream) {
   switch (g.fwd.dtype) {
-    case DType::kBFloat16: return launch<__nv_bfloat16>(g, workspace, stream);
-    case DType::kFloat16: return launch<__half>(g, workspace, stream);
+    case DType::kBFloat16: return launch<__nv_bfloat16>(g, dq_atomic, workspace, stream);
+    case DType::kFloat16: return launch<__half>(g, dq_atomic, workspace, stream);
     default: return cudaErrorInvalidValue;  // the glue sends float32 and float64 to "naive"
   }
 }

@@ -26,7 +26,10 @@ CUDA rungs (head_dim 32, 64, 96, 128 or 256):
   layout, exp2 and masks only on the tiles that need them;
 - backward "naive": P recomputed from lse into a workspace, then dV, dS, dQ, dK one kernel each;
 - backward "mma": FlashAttention 2's backward on tensor cores: a block per key tile sums dK and
-  dV in registers, dQ through float32 atomics (float16 and bfloat16, sm_80+, head_dim <= 128).
+  dV in registers, dQ through float32 atomics (float16 and bfloat16, sm_80+, head_dim <= 128);
+- backward "mma_dqpass": the same dK and dV, and dQ from a second pass over the keys instead of
+  atomics: the same bits on every run (version=None takes it under
+  torch.use_deterministic_algorithms(True)).
 
 version=None runs "pipelined" where it can (16-bit inputs on sm_80+), else "tiled", and the
 "mma" backward where it can, else "naive": a provisional choice until the benchmark has
@@ -54,7 +57,7 @@ __all__ = ["attention", "sdpa", "attention_forward", "attention_backward", "VERS
 # tables (the `versions` op).
 VERSIONS = {
     "attention_forward": ("naive", "tiled", "mma", "pipelined"),
-    "attention_backward": ("naive", "mma"),
+    "attention_backward": ("naive", "mma", "mma_dqpass"),
 }
 
 
