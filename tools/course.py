@@ -188,12 +188,17 @@ def job_test(args):
 
 def run_benchmarks(steps, chapter):
     """The chapter's benchmark, its launch-shape tuning script if it has one (tune_*.py: the
-    measurements a version=None dispatch table was read from) and its build lab if it has one
-    (build_lab.py, chapter 5: the extension built under each build configuration)."""
+    measurements a version=None dispatch table was read from), its build lab if it has one
+    (build_lab.py, chapter 5: the extension built under each build configuration) and its
+    training run if it has one (train_*.py, chapter 6: a model trained on the chapter's op and
+    on PyTorch's, curves compared; --quick without a GPU, where the full run would take hours)."""
+    import torch
     scripts = sorted(chapter.glob("tune_*.py")) + sorted(chapter.glob("build_lab.py"))
-    for script in scripts + [next(chapter.glob("bench_*.py"))]:
-        kind = {"tune": "tuning", "build": "build lab"}.get(script.name.split("_")[0], "benchmark")
-        steps.run(f"{chapter.name} {kind}", [sys.executable, script.name], cwd=chapter, echo=True)
+    for script in scripts + [next(chapter.glob("bench_*.py"))] + sorted(chapter.glob("train_*.py")):
+        kind = {"tune": "tuning", "build": "build lab", "train": "training"}.get(script.name.split("_")[0],
+                                                                                 "benchmark")
+        extra = ["--quick"] if kind == "training" and not torch.cuda.is_available() else []
+        steps.run(f"{chapter.name} {kind}", [sys.executable, script.name, *extra], cwd=chapter, echo=True)
 
 
 def job_main(args):
