@@ -165,8 +165,9 @@ def nvcc_compile(steps):
     # cores). A failing arch names itself in the log (ptxas and the error lines say sm_NN).
     gencodes = [f"-gencode=arch=compute_{arch},code=sm_{arch}" for arch in NVCC_ARCHS]
     archs = ",".join(f"sm_{arch}" for arch in NVCC_ARCHS)
-    for cu in sorted(ROOT.glob("chapter*/*.cu")):
-        steps.run(f"nvcc {cu.parent.name}/{cu.name} {archs}",
+    # chapter*/csrc/ too: chapter 6 keeps one instantiation per dtype and head dim there.
+    for cu in sorted(ROOT.glob("chapter*/*.cu")) + sorted(ROOT.glob("chapter*/csrc/*.cu")):
+        steps.run(f"nvcc {cu.relative_to(ROOT)} {archs}",
                   [nvcc, "-c", "-std=c++17", *gencodes, "--threads", str(os.cpu_count() or 1),
                    "-I", ROOT / "common" / "include", "-I", cu.parent, "-o", os.devnull, cu])
 
