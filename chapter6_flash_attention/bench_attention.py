@@ -559,14 +559,14 @@ def print_table(record):
     print(f"\n{CHAPTER} on {results.label(record)}; {c['mm_dtype']} matmul {c['mm_TFLOPs']:.1f} TFLOP/s, "
           f"copy {c['copy_GBps']:.0f} GB/s; x {BASELINE} = its time / ours; run {record.get('wall_s', 0):.0f} s")
     print(f"TFLOP/s, {dtype}, batch x seqlen = {s['tokens']}, heads x head_dim = {s['hidden']}")
-    print(f"{'pass':<9}{'causal':<7}{'d':>4}  {'variant':<20}" + "".join(f"{n:>8}" for n in s["seqlens"])
+    print(f"{'pass':<9}{'causal':<7}{'d':>4}  {'variant':<20}" + "".join(f" {n:>8}" for n in s["seqlens"])
           + f"  x {BASELINE} at {s['seqlens'][-1]}")
     timing = results.rows(record, op="attention", dtype=dtype)
     keys = dict.fromkeys((r["pass"], r["causal"], r["head_dim"], results.column(r)) for r in timing)
     for p, causal, d, variant in keys:
         mine = {r["seqlen"]: r for r in timing if (r["pass"], r["causal"], r["head_dim"], results.column(r))
                 == (p, causal, d, variant)}
-        cells = "".join(f"{mine[n]['TFLOPs']:>8.3g}" if n in mine else f"{'-':>8}" for n in s["seqlens"])
+        cells = "".join(f" {mine[n]['TFLOPs']:>8.3g}" if n in mine else f" {'-':>8}" for n in s["seqlens"])
         last = mine.get(s["seqlens"][-1], {}).get("speedup_vs_torch")
         print(f"{p:<9}{str(causal):<7}{d:>4}  {variant[:19]:<20}{cells}  {'' if last is None else f'{last:.2f}'}")
     mem = results.rows(record, op="attention_memory")
