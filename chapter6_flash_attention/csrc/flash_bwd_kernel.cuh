@@ -117,27 +117,8 @@ __global__ void __launch_bounds__(K::kThreads)
 #pragma unroll
         for (int e = 0; e < 4; ++e) st[j][e] = dpt[j][e] = 0.f;
       }
-#pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk) {
-        uint32_t ak[4];
-        uint32_t av[4];
-        mma::ldmatrix_x4(ak, mma::smem_address(k_s + K::offset(warp * 16 + lane % 16, kk * 16 + (lane / 16) * 8)));
-        mma::ldmatrix_x4(av, mma::smem_address(v_s + K::offset(warp * 16 + lane % 16, kk * 16 + (lane / 16) * 8)));
-#pragma unroll
-        for (int j = 0; j < kMTiles / 2; ++j) {
-          // Rows j*16 + 0..15 of Q (for S^T) and of dO (for dP^T) as n8 B operands, as K in the forward.
-          const int row = j * 16 + lane % 8 + (lane / 16) * 8;
-          const int col = kk * 16 + ((lane / 8) % 2) * 8;
-          uint32_t bq[4];
-          uint32_t bo[4];
-          mma::ldmatrix_x4(bq, mma::smem_address(q_s + K::offset(row, col)));
-          mma::ldmatrix_x4(bo, mma::smem_address(do_s + K::offset(row, col)));
-          mma::mma_16816<T>(st[2 * j], ak, bq[0], bq[1]);
-          mma::mma_16816<T>(st[2 * j + 1], ak, bq[2], bq[3]);
-          mma::mma_16816<T>(dpt[2 * j], av, bo[0], bo[1]);
-          mma::mma_16816<T>(dpt[2 * j + 1], av, bo[2], bo[3]);
-        }
-      }
+      mma::gemm_nt<T, K, kD, K::kBlockM>(st, k_s, warp * 16, q_s, 0, lane);
+      mma::gemm_nt<T, K, kD, K::kBlockM>(dpt, v_s, warp * 16, do_s, 0, lane);
 
       // P^T and dS^T in place: element st[j][e] is key n0 + 16w + gr + 8(e / 2), query row
       // m0 + 8j + 2t + e % 2.
@@ -156,30 +137,8 @@ __global__ void __launch_bounds__(K::kThreads)
       }
 
       // dV_w += P^T dO and dK_w += dS^T Q, the k dimension being the tile's query rows.
-#pragma unroll
-      for (int kk = 0; kk < K::kBlockM / 16; ++kk) {
-        const uint32_t ap[4] = {mma::pack2<T>(st[2 * kk][0], st[2 * kk][1]), mma::pack2<T>(st[2 * kk][2], st[2 * kk][3]),
-                                mma::pack2<T>(st[2 * kk + 1][0], st[2 * kk + 1][1]),
-                                mma::pack2<T>(st[2 * kk + 1][2], st[2 * kk + 1][3])};
-        const uint32_t as[4] = {mma::pack2<T>(dpt[2 * kk][0], dpt[2 * kk][1]),
-                                mma::pack2<T>(dpt[2 * kk][2], dpt[2 * kk][3]),
-                                mma::pack2<T>(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]),
-                                mma::pack2<T>(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])};
-#pragma unroll
-        for (int dp = 0; dp < kD / 16; ++dp) {
-          // Rows kk*16 + 0..15 (k), columns dp*16 + 0..15 (two n8 tiles), transposed: as V in the forward.
-          const int row = kk * 16 + lane % 8 + ((lane / 8) % 2) * 8;
-          const int col = dp * 16 + (lane / 16) * 8;
-          uint32_t bo[4];
-          uint32_t bq[4];
-          mma::ldmatrix_x4_trans(bo, mma::smem_address(do_s + K::offset(row, col)));
-          mma::ldmatrix_x4_trans(bq, mma::smem_address(q_s + K::offset(row, col)));
-          mma::mma_16816<T>(dv[2 * dp], ap, bo[0], bo[1]);
-          mma::mma_16816<T>(dv[2 * dp + 1], ap, bo[2], bo[3]);
-          mma::mma_16816<T>(dk[2 * dp], as, bq[0], bq[1]);
-          mma::mma_16816<T>(dk[2 * dp + 1], as, bq[2], bq[3]);
-        }
-      }
+      mma::gemm_rs<T, K, K::kBlockM, kD>(dv, st, do_s, 0, lane);
+      mma::gemm_rs<T, K, K::kBlockM, kD>(dk, dpt, q_s, 0, lane);
 
       if constexpr (kDqAtomic) {
         // dS^T to shared memory, rounded to T as the mma will read it: row 16w + gr (+8) of the
@@ -330,26 +289,8 @@ __global__ void __launch_bounds__(K::kThreads)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.f;
     }
-#pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {
-      uint32_t aq[4];
-      uint32_t ao[4];
-      mma::ldmatrix_x4(aq, mma::smem_address(q_s + K::offset(warp * 16 + lane % 16, kk * 16 + (lane / 16) * 8)));
-      mma::ldmatrix_x4(ao, mma::smem_address(do_s + K::offset(warp * 16 + lane % 16, kk * 16 + (lane / 16) * 8)));
-#pragma unroll
-      for (int j = 0; j < kNTiles / 2; ++j) {
-        const int key = j * 16 + lane % 8 + (lane / 16) * 8;
-        const int col = kk * 16 + ((lane / 8) % 2) * 8;
-        uint32_t bk[4];
-        uint32_t bv[4];
-        mma::ldmatrix_x4(bk, mma::smem_address(k_s + K::offset(key, col)));
-        mma::ldmatrix_x4(bv, mma::smem_address(v_s + K::offset(key, col)));
-        mma::mma_16816<T>(s[2 * j], aq, bk[0], bk[1]);
-        mma::mma_16816<T>(s[2 * j + 1], aq, bk[2], bk[3]);
-        mma::mma_16816<T>(dp[2 * j], ao, bv[0], bv[1]);
-        mma::mma_16816<T>(dp[2 * j + 1], ao, bv[2], bv[3]);
-      }
-    }
+    mma::gemm_nt<T, K, kD, K::kBlockN>(s, q_s, warp * 16, k_s, 0, lane);
+    mma::gemm_nt<T, K, kD, K::kBlockN>(dp, do_s, warp * 16, v_s, 0, lane);
     // dS in place of dP: element [j][e] is row row0 + 8(e / 2), key n0 + 8j + 2t + e % 2.
 #pragma unroll
     for (int j = 0; j < kNTiles; ++j) {
@@ -362,20 +303,7 @@ __global__ void __launch_bounds__(K::kThreads)
         dp[j][e] = pr * (dp[j][e] - dr[e / 2]);
       }
     }
-#pragma unroll
-    for (int kk = 0; kk < K::kBlockN / 16; ++kk) {
-      const uint32_t a[4] = {mma::pack2<T>(dp[2 * kk][0], dp[2 * kk][1]), mma::pack2<T>(dp[2 * kk][2], dp[2 * kk][3]),
-                             mma::pack2<T>(dp[2 * kk + 1][0], dp[2 * kk + 1][1]),
-                             mma::pack2<T>(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
-#pragma unroll
-      for (int dq = 0; dq < kD / 16; ++dq) {
-        uint32_t bk[4];
-        mma::ldmatrix_x4_trans(bk, mma::smem_address(k_s + K::offset(kk * 16 + lane % 8 + ((lane / 8) % 2) * 8,
-                                                                     dq * 16 + (lane / 16) * 8)));
-        mma::mma_16816<T>(acc[2 * dq], a, bk[0], bk[1]);
-        mma::mma_16816<T>(acc[2 * dq + 1], a, bk[2], bk[3]);
-      }
-    }
+    mma::gemm_rs<T, K, K::kBlockN, kD>(acc, dp, k_s, 0, lane);
     // Every warp is done with K and V before the next trip overwrites them.
     __syncthreads();
   }

@@ -128,25 +128,11 @@ __global__ void __launch_bounds__(K::kThreads)
     const T* k_tile = k_s + stage * K::kKVElems;
     const T* v_tile = v_s + stage * K::kKVElems;
 
-    // S = Q K^T for the warp's 16 rows and the tile's kBlockN keys, k16 step by k16 step over d.
+    // S = Q K^T for the warp's 16 rows and the tile's kBlockN keys.
     float s[kNTiles][4];
 #pragma unroll
     for (int j = 0; j < kNTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {
-      uint32_t a[4];  // Q rows warp*16 + 0..15, d kk*16 + 0..15: lanes 0-15 rows, 16-31 the right half
-      mma::ldmatrix_x4(a, mma::smem_address(q_s + K::offset(warp * 16 + lane % 16, kk * 16 + (lane / 16) * 8)));
-#pragma unroll
-      for (int j = 0; j < kNTiles / 2; ++j) {
-        // Keys j*16 + 0..15 as two n8 B operands: matrices (keys 0-7, d 0-7), (keys 0-7, d 8-15),
-        // (keys 8-15, d 0-7), (keys 8-15, d 8-15) -> b0, b1 of tile 2j, then of tile 2j + 1.
-        uint32_t bk[4];
-        mma::ldmatrix_x4(bk, mma::smem_address(k_tile + K::offset(j * 16 + lane % 8 + (lane / 16) * 8,
-                                                                  kk * 16 + ((lane / 8) % 2) * 8)));
-        mma::mma_16816<T>(s[2 * j], a, bk[0], bk[1]);
-        mma::mma_16816<T>(s[2 * j + 1], a, bk[2], bk[3]);
-      }
-    }
+    mma::gemm_nt<T, K, kD, K::kBlockN>(s, q_s, warp * 16, k_tile, 0, lane);
 
     // Scale (into log2 units on rung 4), then mask: in that order, so that a negative scale
     // cannot turn a masked -inf into +inf. Score s[j][e] is row row0 + 8 * (e / 2), key
@@ -201,22 +187,7 @@ __global__ void __launch_bounds__(K::kThreads)
     }
 
     // O += P V: P from the score registers (mma.cuh), V through ldmatrix.trans.
-#pragma unroll
-    for (int kk = 0; kk < K::kBlockN / 16; ++kk) {
-      const uint32_t a[4] = {mma::pack2<T>(s[2 * kk][0], s[2 * kk][1]), mma::pack2<T>(s[2 * kk][2], s[2 * kk][3]),
-                             mma::pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                             mma::pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-#pragma unroll
-      for (int dp = 0; dp < kD / 16; ++dp) {
-        // Keys kk*16 + 0..15 (P V's k), d dp*16 + 0..15 as two n8 tiles: matrices (keys 0-7,
-        // d 0-7), (keys 8-15, d 0-7), (keys 0-7, d 8-15), (keys 8-15, d 8-15), transposed.
-        uint32_t bv[4];
-        mma::ldmatrix_x4_trans(bv, mma::smem_address(v_tile + K::offset(kk * 16 + lane % 8 + ((lane / 8) % 2) * 8,
-                                                                        dp * 16 + (lane / 16) * 8)));
-        mma::mma_16816<T>(acc_o[2 * dp], a, bv[0], bv[1]);
-        mma::mma_16816<T>(acc_o[2 * dp + 1], a, bv[2], bv[3]);
-      }
-    }
+    mma::gemm_rs<T, K, K::kBlockN, kD>(acc_o, s, v_tile, 0, lane);
     // Every warp is done reading this stage before the next trip refills it (rung 3: the same
     // buffer at the top of the next trip; rung 4: this stage two trips on, by the copies issued
     // at the top of the next one).

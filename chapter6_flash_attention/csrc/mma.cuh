@@ -116,5 +116,59 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   return bits;
 }
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+
+// The two warp-level products every tensor-core kernel of the chapter is made of (FlashAttention
+// 2 calls them gemm and gemm_rs). Tiles are 16-bit, in shared memory, one row per token with the
+// head dim contiguous (Q, K, V, dO as they are stored), addressed through L::offset(row, col)
+// (padded or swizzled: flash_fwd.h); accumulators are float32 C fragments, acc[j] the n8 tile of
+// columns 8j..8j+7.
+//
+// gemm_nt: acc (16 x kN) += A B^T, A = rows a_row..a_row+15 of tile a, B = rows b_row..b_row+kN-1
+// of tile b, both over kK columns. The S = Q K^T shape: A through ldmatrix (matrices rows 0-7 /
+// 8-15 x cols 0-7 / 8-15), B through ldmatrix as well, since a row of b is a column of B^T
+// (matrices: rows 0-7 x cols 0-7 -> b0 of tile 2j, cols 8-15 -> b1, rows 8-15 -> tile 2j + 1).
+template <typename T, typename L, int kK, int kN>
+__device__ __forceinline__ void gemm_nt(float (&acc)[kN / 8][4], const T* a, int a_row, const T* b, int b_row,
+                                        int lane) {
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    uint32_t af[4];
+    ldmatrix_x4(af, smem_address(a + L::offset(a_row + lane % 16, kk * 16 + (lane / 16) * 8)));
+#pragma unroll
+    for (int j = 0; j < kN / 16; ++j) {
+      uint32_t bf[4];
+      ldmatrix_x4(bf, smem_address(b + L::offset(b_row + j * 16 + lane % 8 + (lane / 16) * 8,
+                                                 kk * 16 + ((lane / 8) % 2) * 8)));
+      mma_16816<T>(acc[2 * j], af, bf[0], bf[1]);
+      mma_16816<T>(acc[2 * j + 1], af, bf[2], bf[3]);
+    }
+  }
+}
+
+// gemm_rs: acc (16 x kN) += A B, A (16 x kK) in registers as the C fragments s of an earlier
+// product (rounded to T here: the C-to-A identity above), B = rows b_row..b_row+kK-1 of tile b,
+// its first kN columns. The O += P V shape: B's k runs down the tile's rows, so ldmatrix.trans
+// (matrices: rows 0-7 x cols 0-7 -> b0 of tile 2j, rows 8-15 -> b1, cols 8-15 -> tile 2j + 1).
+template <typename T, typename L, int kK, int kN>
+__device__ __forceinline__ void gemm_rs(float (&acc)[kN / 8][4], const float (&s)[kK / 8][4], const T* b,
+                                        int b_row, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    const uint32_t af[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
+                            pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+    for (int j = 0; j < kN / 16; ++j) {
+      uint32_t bf[4];
+      ldmatrix_x4_trans(bf, smem_address(b + L::offset(b_row + kk * 16 + lane % 8 + ((lane / 8) % 2) * 8,
+                                                       j * 16 + (lane / 16) * 8)));
+      mma_16816<T>(acc[2 * j], af, bf[0], bf[1]);
+      mma_16816<T>(acc[2 * j + 1], af, bf[2], bf[3]);
+    }
+  }
+}
+
+#endif  // __CUDA_ARCH__ >= 800
+
 }  // namespace mma
 }  // namespace flash_attention
