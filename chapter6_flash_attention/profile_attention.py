@@ -1,0 +1,510 @@
+"""Hardware-counter evidence for the lesson's ladder, read with Nsight Compute (ncu).
+
+    python profile_attention.py              run ncu over this script's --workload, write
+                                             results/<device-slug>/chapter6_flash_attention_profile.json
+    python profile_attention.py --workload   what ncu profiles: every call runs once unprofiled
+                                             (cuDNN builds its plan, the allocator fills), then once
+                                             between cudaProfilerStart and cudaProfilerStop
+    python profile_attention.py --only REGEX profile only the calls whose label matches, e.g.
+                                             --only 'forward\\.(mma|pipelined)\\.d128', and print
+                                             their table without writing the results file
+
+Without a CUDA GPU, or without ncu on PATH, it says so and exits 0 having written nothing (a CPU
+machine runs the chapter's tests, not its profile).
+
+Two questions the benchmark's TFLOP/s cannot answer:
+1. What each rung's resources allow: its tile (the block size and grid), registers per thread,
+   static and dynamic shared memory per block, and how many blocks of it an SM can hold, limited
+   by registers, by shared memory, by warps or by the block slots (ncu's
+   launch__occupancy_limit_*): the smallest names the limit that binds. Then the occupancy the
+   kernel really reached.
+2. Why each rung gains what it gains: how busy the tensor pipe was (mma.sync runs on the HMMA
+   pipe, Hopper included; cuDNN's Hopper kernels use wgmma, the GMMA pipe), the FMA, ALU and XU
+   (exp) pipes for the scalar rungs, shared-memory bank conflicts of loads (ldmatrix included)
+   and stores, ldmatrix and shared-load instruction counts, DRAM busy, and where the warps
+   stall: on global memory (long scoreboard), on shared memory or the XU (short scoreboard), at
+   __syncthreads (barrier), on a full shared-memory queue (MIO throttle), on a busy math pipe,
+   on fixed-latency dependencies (wait).
+
+The workload, bfloat16, batch 4, 16 heads, seqlen 2048: the forward of every rung of
+flash_attention.VERSIONS["attention_forward"] and of sdpa_flash and sdpa_cudnn (SDPA pinned to
+one backend; a backend that refuses is skipped and the reason recorded), at head_dim 64 and 128,
+not causal; the causal forward of "pipelined" and sdpa_flash at head_dim 128; the backward of
+every rung of VERSIONS["attention_backward"] (the op alone, from the default forward's out and
+lse) and of sdpa_flash (torch.autograd.grad through F.scaled_dot_product_attention, its forward
+run beforehand), at both head dims. The naive rungs materialise the 4 x 16 x 2048 x 2048 float32
+scores (1 GiB): slow, and kept, since the lesson compares against them.
+
+Which kernels belong to which call: ncu reports kernels in launch order, and a call launches a
+varying number of them (the naive forward 3, the tensor-core backwards 3, SDPA a few, with any
+fill kernels PyTorch adds). Counting launches per call, as chapter 4's profile does, would break
+the day one of them changes; instead the workload launches a marker before each profiled call,
+torch.cuda._sleep's one-thread `spin_kernel`, which no call launches, and every kernel up to the
+next marker is that call's. The workload records its plan (the calls it ran, in order, and the
+ones it skipped) in a file the profiler reads back. Each call is also an NVTX range named by its
+label (as "forward.pipelined.d128.full"), for a full report of one rung in the Nsight Compute GUI:
+
+    ncu --profile-from-start off --nvtx --nvtx-include "forward.pipelined.d128.full/" \\
+        --set full -o pipelined_d128 python profile_attention.py --workload
+
+Counters, not timings: ncu replays each kernel once per metric pass with the caches flushed and
+the clocks left as they are (--clock-control none, as the other chapters' profiles); durations
+and TFLOP/s "under ncu" are of one such replay.
+"""
+import argparse
+import csv
+import io
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent / "common")]
+
+CHAPTER = "chapter6_flash_attention_profile"
+DTYPE = "bfloat16"
+BATCH, HEADS, SEQLEN = 4, 16, 2048
+HEAD_DIMS = (64, 128)
+SDPA_FORWARD = ("sdpa_flash", "sdpa_cudnn")
+SDPA_BACKWARD = ("sdpa_flash",)
+CAUSAL_HEAD_DIM = 128
+CAUSAL_FORWARD = ("pipelined", "sdpa_flash")
+MARKER = "spin_kernel"   # at::cuda::sleep's kernel: torch.cuda._sleep(cycles), one thread
+MARKER_CYCLES = 1000     # about a microsecond: a marker, not a delay
+NO_GPU = ("profile_attention: no CUDA GPU is visible, so there is nothing for Nsight Compute to "
+          "profile; nothing written. Run it on a GPU machine (the GPU pass's profile stage does).")
+NO_NCU = ("profile_attention: ncu (Nsight Compute) is not on PATH; nothing written. Install Nsight "
+          "Compute (it ships with the CUDA toolkit) or put its folder on PATH.")
+
+# ncu metric name -> the short name a row carries.
+METRICS = {
+    "gpu__time_duration.sum": "duration_ns",
+    # The launch: the tile (block), the grid, and what a block holds.
+    "launch__block_size": "block",
+    "launch__grid_size": "grid",
+    "launch__registers_per_thread": "registers",
+    "launch__shared_mem_per_block_static": "smem_static_bytes",
+    "launch__shared_mem_per_block_dynamic": "smem_dynamic_bytes",
+    "launch__shared_mem_config_size": "smem_config_bytes",
+    "launch__waves_per_multiprocessor": "waves_per_sm",
+    # Blocks per SM each resource allows; the smallest binds (binding_limit).
+    "launch__occupancy_limit_registers": "occ_limit_registers",
+    "launch__occupancy_limit_shared_mem": "occ_limit_shared_mem",
+    "launch__occupancy_limit_warps": "occ_limit_warps",
+    "launch__occupancy_limit_blocks": "occ_limit_blocks",
+    "sm__maximum_warps_per_active_cycle_pct": "theoretical_occupancy_pct",
+    "sm__warps_active.avg.pct_of_peak_sustained_active": "achieved_occupancy_pct",
+    # Pipes: tensor cores (mma.sync: HMMA; Hopper's wgmma: GMMA), FMA, ALU, XU (exp2).
+    "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active": "tensor_pipe_pct",
+    "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active": "tensor_gmma_pipe_pct",
+    "sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active": "fma_pipe_pct",
+    "sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active": "alu_pipe_pct",
+    "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active": "xu_pipe_pct",
+    "sm__inst_issued.avg.pct_of_peak_sustained_active": "issue_busy_pct",
+    "smsp__inst_executed.sum": "instructions",
+    # Shared memory: bank conflicts and wavefronts of loads (ldmatrix counts as a load) and
+    # stores, and the instructions that asked for them.
+    "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum": "smem_bank_conflicts",
+    "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum": "smem_ld_bank_conflicts",
+    "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum": "smem_st_bank_conflicts",
+    "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum": "smem_ld_wavefronts",
+    "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum": "smem_st_wavefronts",
+    "smsp__inst_executed_op_shared_ld.sum": "smem_ld_instructions",
+    "smsp__inst_executed_op_ldsm.sum": "ldsm_instructions",
+    "dram__throughput.avg.pct_of_peak_sustained_elapsed": "dram_busy_pct",
+    # Where the warps wait, per issued instruction.
+    "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio": "stall_long_scoreboard",
+    "smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio": "stall_short_scoreboard",
+    "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio": "stall_barrier",
+    "smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio": "stall_mio_throttle",
+    "smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio": "stall_lg_throttle",
+    "smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio": "stall_math_pipe_throttle",
+    "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio": "stall_wait",
+    "smsp__average_warps_issue_stalled_no_instruction_per_issue_active.ratio": "stall_no_instruction",
+    "smsp__average_warps_issue_stalled_not_selected_per_issue_active.ratio": "stall_not_selected",
+}
+# Names not yet collected on this course's H100 by another chapter's profile: if ncu rejects one
+# (an older ncu, another GPU: the GMMA pipe exists only on sm_90), the run is retried without it.
+UNSURE = {
+    "launch__shared_mem_config_size", "launch__waves_per_multiprocessor",
+    "sm__maximum_warps_per_active_cycle_pct",
+    "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
+    "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
+    "smsp__inst_executed_op_ldsm.sum",
+    "smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio",
+    "smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio",
+    "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio",
+    "smsp__average_warps_issue_stalled_no_instruction_per_issue_active.ratio",
+    "smsp__average_warps_issue_stalled_not_selected_per_issue_active.ratio",
+}
+REQUIRED = {"gpu__time_duration.sum"}  # never dropped: a row without a duration is no row
+OCCUPANCY_LIMITS = {"occ_limit_registers": "registers", "occ_limit_shared_mem": "shared_mem",
+                    "occ_limit_warps": "warps", "occ_limit_blocks": "blocks"}
+# "not selected" is a warp that was ready while another issued: spare parallelism, not a wait,
+# so it never counts as the top stall.
+NOT_A_WAIT = {"stall_not_selected"}
+# Units ncu may print when it scales a value (--print-units auto); the command asks for base
+# units, so these are a fallback. ncu's byte prefixes are decimal (1 Kbyte = 1000 bytes).
+UNIT_SCALE = {"nsecond": 1.0, "usecond": 1e3, "msecond": 1e6, "second": 1e9,
+              "byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12}
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan, the parsing and the arithmetic: pure functions (test_profile_attention.py holds them)
+# ---------------------------------------------------------------------------------------------
+def runs(forward_versions, backward_versions):
+    """Every call the workload makes, in order: {"pass", "variant", "head_dim", "causal"}."""
+    out = [{"pass": "forward", "variant": v, "head_dim": d, "causal": False}
+           for d in HEAD_DIMS for v in (*forward_versions, *SDPA_FORWARD)]
+    out += [{"pass": "forward", "variant": v, "head_dim": CAUSAL_HEAD_DIM, "causal": True}
+            for v in CAUSAL_FORWARD]
+    out += [{"pass": "backward", "variant": v, "head_dim": d, "causal": False}
+            for d in HEAD_DIMS for v in (*backward_versions, *SDPA_BACKWARD)]
+    return out
+
+
+def label(run):
+    """A call's name, its NVTX range too: forward.pipelined.d128.causal."""
+    return f"{run['pass']}.{run['variant']}.d{run['head_dim']}.{'causal' if run['causal'] else 'full'}"
+
+
+def parse_value(text, unit=""):
+    """One "Metric Value" cell -> float in the metric's base unit, or None where ncu has none
+    ("n/a", empty, anything not a number)."""
+    try:
+        value = float((text or "").strip().replace(",", ""))
+    except ValueError:
+        return None
+    return value * UNIT_SCALE.get((unit or "").split("/")[0].strip(), 1.0)
+
+
+def parse_csv(text, metrics):
+    """ncu --csv output (the details page: one line per kernel and metric) -> one dict per
+    profiled kernel in launch order: {"id", "kernel": demangled name, <short name>: value}.
+    Lines before the header ("==PROF==", the application's own output) and lines that are not
+    a kernel's row are skipped; a metric ncu did not report is absent, one it reported as n/a
+    is None."""
+    start = text.find('"ID"')
+    if start < 0:
+        return []
+    kernels = {}
+    for row in csv.DictReader(io.StringIO(text[start:])):
+        kid = (row.get("ID") or "").strip()
+        name = row.get("Metric Name")
+        if not kid.isdigit() or name is None or row.get("Kernel Name") is None:
+            continue
+        k = kernels.setdefault(int(kid), {"id": int(kid), "kernel": row["Kernel Name"]})
+        k[metrics.get(name, name)] = parse_value(row.get("Metric Value"), row.get("Metric Unit"))
+    return [kernels[i] for i in sorted(kernels)]
+
+
+def is_marker(kernel):
+    return MARKER in kernel["kernel"]
+
+
+def split_by_marker(kernels, labels):
+    """The kernels of each call: a marker opens a call, every kernel up to the next marker is
+    its. ValueError when the profile and the plan disagree (kernels before the first marker, a
+    marker count that is not the call count, a call that launched nothing)."""
+    groups = []
+    for k in kernels:
+        if is_marker(k):
+            groups.append([])
+        elif not groups:
+            raise ValueError(f"kernel {k['kernel'][:80]!r} was profiled before the first marker")
+        else:
+            groups[-1].append(k)
+    if len(groups) != len(labels):
+        raise ValueError(f"the profile has {len(groups)} markers ({MARKER}) but the plan has "
+                         f"{len(labels)} calls")
+    for name, group in zip(labels, groups):
+        if not group:
+            raise ValueError(f"{name}: no kernel between its marker and the next")
+    return groups
+
+
+def binding_limit(kernel):
+    """(which resource binds, blocks per SM it allows): the smallest of ncu's occupancy limits,
+    every resource that ties for it named ("registers+shared_mem"); (None, None) without them."""
+    known = {name: kernel.get(field) for field, name in OCCUPANCY_LIMITS.items()
+             if kernel.get(field) is not None}
+    if not known:
+        return None, None
+    low = min(known.values())
+    return "+".join(name for name, v in known.items() if v == low), low
+
+
+def top_stall(kernel):
+    """(reason, warps stalled per issued instruction) of the largest stall, or (None, None)."""
+    stalls = {f[len("stall_"):]: v for f, v in kernel.items()
+              if f.startswith("stall_") and f not in NOT_A_WAIT and v is not None}
+    if not stalls:
+        return None, None
+    reason = max(stalls, key=stalls.get)
+    return reason, stalls[reason]
+
+
+def main_kernel(kernels):
+    """The call's longest kernel: whose resources and counters the row reports."""
+    return max(kernels, key=lambda k: k.get("duration_ns") or 0.0)
+
+
+def run_flops(run):
+    """The chapter's own FLOP count for a call (bench_attention.attention_flops)."""
+    from bench_attention import attention_flops
+    return attention_flops(BATCH, HEADS, SEQLEN, SEQLEN, run["head_dim"], run["causal"], run["pass"])
+
+
+def tflops(flops, duration_ns):
+    return flops / duration_ns / 1e3 if duration_ns else None
+
+
+def summarize_call(run, kernels, flops):
+    """One results row: the call, every kernel it launched, the main kernel's counters, and what
+    the lesson reads off them (TFLOP/s, shared memory in KiB, the binding limit, the top stall,
+    the load conflict degree)."""
+    main = main_kernel(kernels)
+    total = sum(k.get("duration_ns") or 0.0 for k in kernels)
+    bound, blocks = binding_limit(main)
+    stall, stall_ratio = top_stall(main)
+    static, dynamic = main.get("smem_static_bytes"), main.get("smem_dynamic_bytes")
+    smem = None if static is None and dynamic is None else (static or 0) + (dynamic or 0)
+    warps_per_block = -(-int(main["block"]) // 32) if main.get("block") else None
+    # ncu's own shared-load requests (its SharedMemoryConflicts rule): shared loads + ldmatrix.
+    ld_requests = (main.get("smem_ld_instructions") or 0) + (main.get("ldsm_instructions") or 0)
+    row = {"op": "attention", "variant": run["variant"], "pass": run["pass"], "dtype": DTYPE,
+           "shape": [BATCH, HEADS, SEQLEN, run["head_dim"]], "batch": BATCH, "heads": HEADS,
+           "seqlen": SEQLEN, "head_dim": run["head_dim"], "causal": run["causal"], "label": label(run)}
+    row.update({f: v for f, v in main.items() if f not in ("id", "kernel")})
+    row.update({
+        "main_kernel": main["kernel"], "main_duration_ns": main.get("duration_ns"),
+        "launches": len(kernels), "duration_ns": total,
+        "kernels": [{f: v for f, v in k.items() if f != "id"} for k in kernels],
+        "flops": flops, "TFLOPs_under_ncu": tflops(flops, total),
+        "smem_per_block_KiB": None if smem is None else smem / 1024,
+        "occupancy_bound_by": bound, "blocks_per_sm": blocks,
+        "resident_warps_per_sm": None if blocks is None or warps_per_block is None else blocks * warps_per_block,
+        "smem_ld_wavefronts_per_request": (main["smem_ld_wavefronts"] / ld_requests
+                                           if ld_requests and main.get("smem_ld_wavefronts") is not None else None),
+        "top_stall": stall, "top_stall_ratio": stall_ratio,
+    })
+    return row
+
+
+def _fmt(value, spec, width=0):
+    """value formatted by spec and right-aligned in width; "-" where ncu gave none."""
+    return ("-" if value is None else format(value, spec)).rjust(width)
+
+
+def format_table(rows):
+    """The per-rung table the lesson quotes, one line per call."""
+    lines = [f"{'pass':<9}{'variant':<12}{'d':>4} {'causal':<7}{'kern':>4}{'ms':>8}{'TFLOP/s':>8}"
+             f"{'regs':>5}{'smemKiB':>8}  {'blk/SM bound':<18}{'occ%':>5}{'tc%':>5}{'confl ld/st':>14}  top stall"]
+    for r in rows:
+        bound = "-" if r.get("blocks_per_sm") is None else f"{r['blocks_per_sm']:.0f} {r['occupancy_bound_by']}"
+        conflicts = f"{_fmt(r.get('smem_ld_bank_conflicts'), '.3g')}/{_fmt(r.get('smem_st_bank_conflicts'), '.3g')}"
+        stall = "-" if r.get("top_stall") is None else f"{r['top_stall']} {r['top_stall_ratio']:.2f}"
+        lines.append(f"{r['pass']:<9}{r['variant'][:11]:<12}{r['head_dim']:>4} {str(r['causal']):<7}"
+                     f"{r['launches']:>4}{_fmt(r['duration_ns'] / 1e6, '.3f', 8)}{_fmt(r['TFLOPs_under_ncu'], '.1f', 8)}"
+                     f"{_fmt(r.get('registers'), '.0f', 5)}{_fmt(r.get('smem_per_block_KiB'), '.1f', 8)}  "
+                     f"{bound[:17]:<18}{_fmt(r.get('achieved_occupancy_pct'), '.0f', 5)}"
+                     f"{_fmt(r.get('tensor_pipe_pct'), '.0f', 5)}{conflicts:>14}  {stall}")
+    return "\n".join(lines)
+
+
+def ncu_version(text):
+    """`ncu --version` -> its "Version ..." line (the whole text, stripped, if there is none)."""
+    for line in text.splitlines():
+        if line.strip().lower().startswith("version"):
+            return line.strip()
+    return text.strip()
+
+
+def rejected_metrics(output, metrics):
+    """The metrics of `metrics` that an ncu ==ERROR== or ==WARNING== line names, by full name or
+    by base name (the part before the first dot, as in "sm__pipe_tensor_op_gmma_cycles_active")."""
+    found = []
+    for line in output.splitlines():
+        if "==ERROR==" not in line and "==WARNING==" not in line:
+            continue
+        for m in metrics:
+            base = m.split(".")[0]
+            if m not in found and re.search(rf"(?<![\w.]){re.escape(base)}(?!\w)", line):
+                found.append(m)
+    return found
+
+
+def metric_error(output):
+    """Whether ncu failed over a metric (an ==ERROR== line that speaks of metrics)."""
+    return any("==ERROR==" in line and "metric" in line.lower() for line in output.splitlines())
+
+
+# ---------------------------------------------------------------------------------------------
+# The workload (what ncu profiles; GPU only)
+# ---------------------------------------------------------------------------------------------
+def make_call(run, tensors, scale):
+    """The callable of one run. A backward's forward runs here, before any profiled range."""
+    import torch
+
+    import flash_attention
+    from bench_attention import SDPA_BACKENDS, sdpa_call
+    q, k, v, dy = tensors
+    variant, causal = run["variant"], run["causal"]
+    sdpa = sdpa_call(SDPA_BACKENDS[variant], causal) if variant.startswith("sdpa_") else None
+    if run["pass"] == "forward":
+        if sdpa is not None:
+            return lambda: sdpa(q, k, v)
+        return lambda: flash_attention.attention_forward(q, k, v, scale, causal, version=variant)
+    if sdpa is not None:
+        leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
+        out = sdpa(*leaves)
+        return lambda: torch.autograd.grad(out, leaves, dy, retain_graph=True)
+    out, lse = flash_attention.attention_forward(q, k, v, scale, causal)
+    return lambda: flash_attention.attention_backward(dy, q, k, v, out, lse, scale, causal, version=variant)
+
+
+def workload(plan_path=None, only=None):
+    import torch
+    if not torch.cuda.is_available():
+        print(NO_GPU)
+        return
+    import warnings
+
+    import flash_attention
+    from bench_attention import first_line, make_inputs
+    todo = runs(flash_attention.VERSIONS["attention_forward"], flash_attention.VERSIONS["attention_backward"])
+    if only:
+        todo = [r for r in todo if re.search(only, label(r))]
+    inputs = {d: make_inputs(BATCH, HEADS, SEQLEN, d, getattr(torch, DTYPE), "cuda", seed=0)
+              for d in sorted({r["head_dim"] for r in todo})}
+    calls, skipped = [], []
+    for run in todo:  # build and run each call once, unprofiled; what refuses is skipped
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                call = make_call(run, inputs[run["head_dim"]], run["head_dim"] ** -0.5)
+                call()
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001  (a backend that refuses skips its call, not the run)
+                told = [first_line(w.message) for w in caught if issubclass(w.category, UserWarning)]
+                reason = first_line(e) + (" [" + "; ".join(dict.fromkeys(told)) + "]" if told else "")
+                skipped.append({"label": label(run), **run, "reason": reason})
+                print(f"profile_attention: {label(run)} skipped: {reason}", file=sys.stderr)
+                torch.cuda.synchronize()
+                continue
+        calls.append((run, call))
+    torch.cuda.synchronize()
+    # Hand the warm-up's cached blocks (the naive rungs' 1 GiB score workspaces) back to the
+    # driver: ncu saves and restores device memory around each replay pass, and what the
+    # allocator no longer holds is memory it need not copy.
+    torch.cuda.empty_cache()
+    torch.cuda.profiler.start()
+    for run, call in calls:
+        torch.cuda._sleep(MARKER_CYCLES)  # the marker: the kernels up to the next one are this call's
+        torch.cuda.nvtx.range_push(label(run))
+        call()
+        torch.cuda.nvtx.range_pop()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    if plan_path:
+        Path(plan_path).write_text(json.dumps({"runs": [run for run, _ in calls], "skipped": skipped}))
+
+
+# ---------------------------------------------------------------------------------------------
+# The profiler side
+# ---------------------------------------------------------------------------------------------
+def ncu_command(ncu, metrics, plan_path, only=None):
+    return [ncu, "--csv", "--print-units", "base", "--clock-control", "none",
+            "--profile-from-start", "off", "--metrics", ",".join(metrics),
+            sys.executable, str(Path(__file__).resolve()), "--workload", "--plan", str(plan_path)] + (
+        ["--only", only] if only else [])
+
+
+def run_ncu(ncu, only=None):
+    """ncu over the workload: (its stdout, the plan, the command, the metrics it collected, the
+    metrics dropped). A metric ncu rejects is dropped and the run repeated (at most twice);
+    any other failure ends the run."""
+    metrics, dropped = dict(METRICS), []
+    for _ in range(3):
+        with tempfile.TemporaryDirectory() as tmp:
+            plan_path = Path(tmp) / "plan.json"
+            cmd = ncu_command(ncu, list(metrics), plan_path, only)
+            print("running", shlex.join(cmd), flush=True)
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            plan = json.loads(plan_path.read_text()) if plan_path.exists() else None
+        output = proc.stdout + "\n" + proc.stderr
+        if proc.returncode == 0 and plan is not None:
+            return proc.stdout, plan, cmd, metrics, dropped
+        named = [m for m in rejected_metrics(output, metrics) if m not in REQUIRED]
+        retry = named or ([m for m in metrics if m in UNSURE] if metric_error(output) else [])
+        if proc.returncode == 0 or not retry:
+            break
+        print(f"ncu failed over metrics; retrying without {', '.join(retry)}", flush=True)
+        for m in retry:
+            metrics.pop(m)
+            dropped.append(m)
+    sys.exit(f"ncu failed ({proc.returncode}; plan {'written' if plan else 'not written'}):\n"
+             f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", action="store_true", help="run only what ncu profiles")
+    parser.add_argument("--plan", help="--workload: write the calls it ran (and skipped) here")
+    parser.add_argument("--only", help="profile only the calls whose label matches this regex")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.workload:
+        workload(args.plan, args.only)
+        return 0
+    import torch
+    if not torch.cuda.is_available():
+        print(NO_GPU)
+        return 0
+    ncu = shutil.which("ncu")
+    if ncu is None:
+        print(NO_NCU)
+        return 0
+    version = ncu_version(subprocess.run([ncu, "--version"], capture_output=True, text=True).stdout)
+    stdout, plan, cmd, metrics, dropped = run_ncu(ncu, args.only)
+    kernels = parse_csv(stdout, metrics)
+    try:
+        groups = split_by_marker(kernels, [label(r) for r in plan["runs"]])
+    except ValueError as e:
+        sys.exit(f"{e}; profiled kernels: " + ", ".join(k["kernel"][:60] for k in kernels))
+    if not plan["runs"]:
+        sys.exit(f"no call ran (--only {args.only!r}?); skipped: {plan['skipped']}")
+    rows = [summarize_call(run, ks, run_flops(run)) for run, ks in zip(plan["runs"], groups)]
+    measured = [k for k in kernels if not is_marker(k)]
+    missing = [m for m, f in metrics.items() if all(k.get(f) is None for k in measured)]
+    path = None
+    if not args.only:  # a subset would overwrite the whole profile's record
+        from coursekit import results
+        path = results.write_results(
+            CHAPTER, rows, {}, tool="ncu --clock-control none", metrics=list(metrics),
+            ncu_version=version, command=shlex.join(cmd), metrics_dropped=dropped,
+            metrics_missing=missing, skipped=plan["skipped"],
+            attribution=f"a {MARKER} marker kernel launched before each call",
+            workload={"dtype": DTYPE, "batch": BATCH, "heads": HEADS, "seqlen": SEQLEN,
+                      "head_dims": list(HEAD_DIMS)})
+    for note in plan["skipped"]:
+        print(f"skipped {note['label']}: {note['reason'][:160]}")
+    if dropped or missing:
+        print(f"metrics ncu rejected: {dropped or 'none'}; reported by no kernel: {missing or 'none'}")
+    print(f"\n{CHAPTER}, {DTYPE} {BATCH}x{HEADS}x{SEQLEN}, under ncu ({version}); the main (longest) "
+          "kernel's counters, ms and TFLOP/s of all the call's kernels")
+    print(format_table(rows))
+    print(f"wrote {path}" if path else "nothing written: --only profiles a subset")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,330 @@
+"""Tests of profile_attention.py on the CPU: how it reads ncu's CSV, gives each call its kernels,
+names the binding occupancy limit, derives TFLOP/s from the chapter's FLOP count, retries
+without a metric ncu rejects, writes its record, and that it exits 0 with a message where there
+is no GPU or no ncu. The ncu text here is written by hand in the format `ncu --csv --print-units
+base --metrics ...` prints (the details page: one line per kernel and metric)."""
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+import profile_attention as P
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE.parent / "results"
+
+HEADER = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
+          '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"\n')
+MARKER_NAME = "at::cuda::<unnamed>::spin_kernel(long)"
+FWD = ("void flash_attention::flash_fwd_kernel<__nv_bfloat16, flash_attention::FwdTraits<128, true>>"
+       "(flash_attention::AttentionParams, unsigned int, float)")
+BWD_PRE = "void flash_attention::flash_bwd_preprocess_kernel<__nv_bfloat16, 64>(flash_attention::AttentionBackwardParams)"
+BWD_MAIN = ("void flash_attention::flash_bwd_kernel<__nv_bfloat16, flash_attention::BwdTraits<64>>"
+            "(flash_attention::AttentionBackwardParams, float *, const float *, unsigned int, float)")
+BWD_DQ = "void flash_attention::flash_bwd_convert_dq_kernel<__nv_bfloat16, 64>(flash_attention::AttentionBackwardParams)"
+
+# Two kernels, out of order, between ncu's and the application's own lines: a value with a
+# thousands separator, one ncu could not collect (n/a), a time in microseconds and a size in
+# Kbyte (as --print-units auto would print them), and a metric the script does not name.
+TWO_KERNELS = (
+    '==PROF== Connected to process 4242 (/usr/bin/python3.12)\n'
+    'profile_attention: something the application printed\n'
+    + HEADER +
+    '"1","4242","python3.12","127.0.0.1","' + FWD + '","1","7","(256, 1, 1)","(16, 64, 1)","0","9.0",'
+    '"Command line profiler metrics","gpu__time_duration.sum","usecond","1.50"\n'
+    '"1","4242","python3.12","127.0.0.1","' + FWD + '","1","7","(256, 1, 1)","(16, 64, 1)","0","9.0",'
+    '"Command line profiler metrics","launch__shared_mem_per_block_dynamic","Kbyte/block","49.152"\n'
+    '"0","4242","python3.12","127.0.0.1","' + MARKER_NAME + '","1","7","(1, 1, 1)","(1, 1, 1)","0","9.0",'
+    '"Command line profiler metrics","gpu__time_duration.sum","nsecond","2,112"\n'
+    '"0","4242","python3.12","127.0.0.1","' + MARKER_NAME + '","1","7","(1, 1, 1)","(1, 1, 1)","0","9.0",'
+    '"Command line profiler metrics","l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum","","1,024"\n'
+    '"0","4242","python3.12","127.0.0.1","' + MARKER_NAME + '","1","7","(1, 1, 1)","(1, 1, 1)","0","9.0",'
+    '"Command line profiler metrics","sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",'
+    '"%","n/a"\n'
+    '"0","4242","python3.12","127.0.0.1","' + MARKER_NAME + '","1","7","(1, 1, 1)","(1, 1, 1)","0","9.0",'
+    '"Command line profiler metrics","smsp__cycles_active.avg","cycle","17"\n'
+    '==PROF== Disconnected from process 4242\n')
+
+
+def csv_line(kid, kernel, metric, unit, value):
+    return (f'"{kid}","4242","python3.12","127.0.0.1","{kernel}","1","7","(128, 1, 1)","(32, 64, 1)","0",'
+            f'"9.0","Command line profiler metrics","{metric}","{unit}","{value}"\n')
+
+
+def ncu_text(kernels):
+    """ncu's CSV for [(name, {metric: value})], IDs in launch order, base units."""
+    lines = ["==PROF== Connected to process 4242\n", HEADER]
+    for kid, (name, values) in enumerate(kernels):
+        for metric, value in values.items():
+            lines.append(csv_line(kid, name, metric, "", value))
+    return "".join(lines) + "==PROF== Disconnected from process 4242\n"
+
+
+def test_csv_rows_become_kernels_in_launch_order():
+    kernels = P.parse_csv(TWO_KERNELS, P.METRICS)
+    assert [k["kernel"] for k in kernels] == [MARKER_NAME, FWD]
+    marker, fwd = kernels
+    assert marker["id"] == 0 and fwd["id"] == 1
+    assert marker["duration_ns"] == 2112.0                # "2,112" nsecond
+    assert marker["smem_ld_bank_conflicts"] == 1024.0     # short name, separator dropped
+    assert "tensor_pipe_pct" in marker and marker["tensor_pipe_pct"] is None  # n/a
+    assert marker["smsp__cycles_active.avg"] == 17.0      # unnamed metrics keep ncu's name
+    assert fwd["duration_ns"] == pytest.approx(1500.0)    # 1.50 usecond
+    assert fwd["smem_dynamic_bytes"] == pytest.approx(49152.0)  # 49.152 Kbyte/block, decimal
+    assert "registers" not in fwd                         # never reported: absent, not None
+
+
+def test_text_without_a_header_has_no_kernels():
+    assert P.parse_csv("==PROF== Connected to process 1\n==ERROR== something\n", P.METRICS) == []
+
+
+@pytest.mark.parametrize("text,unit,expected", [
+    ("1,024", "", 1024.0), ("3.5", "%", 3.5), ("n/a", "%", None), ("", "byte", None),
+    ("2", "msecond", 2e6), ("1.5", "Mbyte", 1.5e6), ("7", "register/thread", 7.0),
+    ("8", "byte/block", 8.0)])
+def test_values_are_read_in_base_units(text, unit, expected):
+    assert P.parse_value(text, unit) == expected
+
+
+def k(name, **fields):
+    return {"kernel": name, **fields}
+
+
+def test_each_call_gets_the_kernels_after_its_marker():
+    m = k(MARKER_NAME)
+    a, b, c = k(BWD_PRE), k(BWD_MAIN), k(BWD_DQ)
+    d = k(FWD)
+    groups = P.split_by_marker([m, a, b, c, m, d], ["backward.mma.d64.full", "forward.pipelined.d128.full"])
+    assert groups == [[a, b, c], [d]]
+
+
+@pytest.mark.parametrize("kernels,labels,message", [
+    ([k(FWD), k(MARKER_NAME), k(FWD)], ["x"], "before the first marker"),
+    ([k(MARKER_NAME), k(FWD)], ["x", "y"], "1 markers .* 2 calls"),
+    ([k(MARKER_NAME), k(FWD), k(MARKER_NAME)], ["x", "y"], "y: no kernel"),
+])
+def test_a_profile_that_disagrees_with_the_plan_is_refused(kernels, labels, message):
+    with pytest.raises(ValueError, match=message):
+        P.split_by_marker(kernels, labels)
+
+
+@pytest.mark.parametrize("limits,expected", [
+    ({"occ_limit_registers": 2, "occ_limit_shared_mem": 1, "occ_limit_warps": 4, "occ_limit_blocks": 32},
+     ("shared_mem", 1)),
+    ({"occ_limit_registers": 1, "occ_limit_shared_mem": 2, "occ_limit_warps": 2, "occ_limit_blocks": 32},
+     ("registers", 1)),
+    ({"occ_limit_registers": 2, "occ_limit_shared_mem": 2, "occ_limit_warps": 8, "occ_limit_blocks": 32},
+     ("registers+shared_mem", 2)),
+    ({"occ_limit_registers": None, "occ_limit_shared_mem": 3, "occ_limit_warps": 8}, ("shared_mem", 3)),
+    ({"occ_limit_registers": None}, (None, None)),
+])
+def test_the_smallest_occupancy_limit_binds(limits, expected):
+    assert P.binding_limit(k(FWD, **limits)) == expected
+
+
+def test_top_stall_is_a_wait_not_spare_parallelism():
+    kern = k(FWD, stall_not_selected=9.0, stall_barrier=1.5, stall_short_scoreboard=2.5,
+             stall_long_scoreboard=None)
+    assert P.top_stall(kern) == ("short_scoreboard", 2.5)
+    assert P.top_stall(k(FWD, stall_not_selected=3.0)) == (None, None)
+
+
+def test_flops_are_the_chapters_formula():
+    b, h, s = P.BATCH, P.HEADS, P.SEQLEN
+    causal_fwd = {"pass": "forward", "variant": "pipelined", "head_dim": 128, "causal": True}
+    full_bwd = {"pass": "backward", "variant": "mma", "head_dim": 64, "causal": False}
+    assert P.run_flops(causal_fwd) == 4 * b * h * s * s * 128 // 2
+    assert P.run_flops(full_bwd) == 4 * b * h * s * s * 64 * 5 // 2
+    # 2e12 FLOPs in one millisecond: 2000 TFLOP/s.
+    assert P.tflops(2e12, 1e6) == pytest.approx(2000.0)
+    assert P.tflops(1e12, 0) is None
+
+
+def test_a_call_row_sums_its_kernels_and_reads_its_longest():
+    run = {"pass": "backward", "variant": "mma", "head_dim": 64, "causal": False}
+    kernels = [
+        k(BWD_PRE, id=1, duration_ns=20_000.0, registers=32.0, block=256.0),
+        k(BWD_MAIN, id=2, duration_ns=900_000.0, registers=168.0, block=128.0, smem_static_bytes=0.0,
+          smem_dynamic_bytes=45_568.0, occ_limit_registers=2.0, occ_limit_shared_mem=4.0,
+          occ_limit_warps=16.0, occ_limit_blocks=32.0, achieved_occupancy_pct=11.9, tensor_pipe_pct=41.0,
+          smem_ld_bank_conflicts=0.0, smem_st_bank_conflicts=262_144.0, smem_ld_wavefronts=3_000.0,
+          smem_ld_instructions=500.0, ldsm_instructions=1_000.0, stall_barrier=0.8,
+          stall_long_scoreboard=0.3, stall_not_selected=5.0),
+        k(BWD_DQ, id=3, duration_ns=80_000.0, registers=24.0, block=256.0),
+    ]
+    flops = 1e12
+    row = P.summarize_call(run, kernels, flops)
+    assert row["label"] == "backward.mma.d64.full"
+    assert (row["op"], row["variant"], row["pass"], row["dtype"]) == ("attention", "mma", "backward", "bfloat16")
+    assert row["shape"] == [P.BATCH, P.HEADS, P.SEQLEN, 64] and row["head_dim"] == 64 and row["causal"] is False
+    assert row["launches"] == 3
+    assert row["duration_ns"] == 1_000_000.0 and row["main_duration_ns"] == 900_000.0
+    assert row["main_kernel"] == BWD_MAIN and row["registers"] == 168.0
+    assert row["TFLOPs_under_ncu"] == pytest.approx(1000.0)  # 1e12 FLOPs in the call's 1 ms
+    assert row["smem_per_block_KiB"] == pytest.approx(44.5)
+    assert (row["occupancy_bound_by"], row["blocks_per_sm"]) == ("registers", 2.0)
+    assert row["resident_warps_per_sm"] == 8.0                 # 2 blocks of 4 warps
+    assert row["smem_ld_wavefronts_per_request"] == pytest.approx(2.0)  # 3000 / (500 + 1000)
+    assert (row["top_stall"], row["top_stall_ratio"]) == ("barrier", 0.8)
+    assert [kk["kernel"] for kk in row["kernels"]] == [BWD_PRE, BWD_MAIN, BWD_DQ]
+    assert all("id" not in kk for kk in row["kernels"])
+    json.dumps(row)  # a results row
+
+
+def test_a_row_tolerates_counters_ncu_did_not_give():
+    row = P.summarize_call({"pass": "forward", "variant": "naive", "head_dim": 64, "causal": False},
+                           [k(FWD, duration_ns=None)], 1e9)
+    assert row["duration_ns"] == 0 and row["TFLOPs_under_ncu"] is None
+    assert row["smem_per_block_KiB"] is None and row["blocks_per_sm"] is None and row["top_stall"] is None
+    assert "naive" in P.format_table([row])
+
+
+def test_the_plan_covers_every_rung_and_the_causal_runs():
+    plan = P.runs(("naive", "tiled", "mma", "pipelined"), ("naive", "mma", "mma_dqpass"))
+    labels = [P.label(r) for r in plan]
+    assert len(labels) == len(set(labels)) == 2 * (4 + 2) + 2 + 2 * (3 + 1)
+    assert "forward.sdpa_cudnn.d64.full" in labels and "backward.sdpa_flash.d128.full" in labels
+    assert "backward.mma_dqpass.d64.full" in labels
+    causal = [P.label(r) for r in plan if r["causal"]]
+    assert causal == ["forward.pipelined.d128.causal", "forward.sdpa_flash.d128.causal"]
+
+
+def test_ncu_named_metrics_are_found_by_full_or_base_name():
+    out = ("==PROF== Connected to process 1\n"
+           "==ERROR== Failed to find metric sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active\n"
+           "==WARNING== Metric smsp__inst_executed_op_ldsm is not available on this device\n"
+           "sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active mentioned outside an ncu message\n"
+           "==ERROR== unknown metric sm__inst_executed_pipe_alu_heavy\n")
+    found = P.rejected_metrics(out, P.METRICS)
+    assert found == ["sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
+                     "smsp__inst_executed_op_ldsm.sum"]
+    assert P.metric_error(out) and not P.metric_error("==ERROR== ERR_NVGPUCTRPERM - no permission\n")
+
+
+def test_ncu_version_line():
+    text = ("NVIDIA (R) Nsight Compute Command Line Profiler\nCopyright (c) 2018-2025 NVIDIA Corporation\n"
+            "Version 2025.3.0.0 (build 36273991) (public-release)\n")
+    assert P.ncu_version(text) == "Version 2025.3.0.0 (build 36273991) (public-release)"
+
+
+class FakeNcu:
+    """subprocess.run as the script calls it: `ncu --version`, then ncu over the workload, which
+    rejects the metrics in `rejects` with an ==ERROR== line, and otherwise writes the plan and
+    prints `csv`."""
+
+    def __init__(self, csv_text, plan, rejects=()):
+        self.csv, self.plan, self.rejects, self.commands = csv_text, plan, set(rejects), []
+
+    def __call__(self, cmd, capture_output=True, text=True):
+        self.commands.append(cmd)
+        if "--version" in cmd:
+            return types.SimpleNamespace(returncode=0, stdout="Version 2025.3.0.0 (build 1)\n", stderr="")
+        metrics = cmd[cmd.index("--metrics") + 1].split(",")
+        bad = [m for m in metrics if m in self.rejects]
+        if bad:
+            return types.SimpleNamespace(returncode=1, stdout="", stderr=f"==ERROR== Failed to find metric {bad[0]}\n")
+        Path(cmd[cmd.index("--plan") + 1]).write_text(json.dumps(self.plan))
+        return types.SimpleNamespace(returncode=0, stdout=self.csv, stderr="")
+
+
+GMMA = "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active"
+PLAN = {"runs": [{"pass": "forward", "variant": "pipelined", "head_dim": 128, "causal": True},
+                 {"pass": "backward", "variant": "mma", "head_dim": 64, "causal": False}],
+        "skipped": [{"label": "forward.sdpa_cudnn.d64.full", "pass": "forward", "variant": "sdpa_cudnn",
+                     "head_dim": 64, "causal": False, "reason": "No available kernel"}]}
+PROFILE = ncu_text([
+    (MARKER_NAME, {"gpu__time_duration.sum": "1,984"}),
+    (FWD, {"gpu__time_duration.sum": "500,000", "launch__registers_per_thread": "255",
+           "launch__occupancy_limit_registers": "1", "launch__occupancy_limit_shared_mem": "2",
+           "launch__occupancy_limit_warps": "8", "launch__occupancy_limit_blocks": "32",
+           "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active": "61.5"}),
+    (MARKER_NAME, {"gpu__time_duration.sum": "1,984"}),
+    (BWD_PRE, {"gpu__time_duration.sum": "10,000"}),
+    (BWD_MAIN, {"gpu__time_duration.sum": "2,000,000", "launch__registers_per_thread": "168"}),
+    (BWD_DQ, {"gpu__time_duration.sum": "40,000"}),
+])
+
+
+def test_a_rejected_metric_is_dropped_and_the_run_repeated(monkeypatch):
+    fake = FakeNcu(PROFILE, PLAN, rejects={GMMA})
+    monkeypatch.setattr(P.subprocess, "run", fake)
+    stdout, plan, cmd, metrics, dropped = P.run_ncu("/opt/ncu/ncu")
+    assert len(fake.commands) == 2 and dropped == [GMMA]
+    assert GMMA in fake.commands[0][fake.commands[0].index("--metrics") + 1]
+    assert GMMA not in cmd[cmd.index("--metrics") + 1] and GMMA not in metrics
+    assert plan == PLAN and stdout == PROFILE
+    assert cmd[-3:-1] == ["--workload", "--plan"] and "--profile-from-start" in cmd
+
+
+def test_a_failure_that_is_not_a_metric_is_not_retried(monkeypatch):
+    calls = []
+
+    def fail(cmd, capture_output=True, text=True):
+        calls.append(cmd)
+        return types.SimpleNamespace(returncode=1, stdout="", stderr="==ERROR== ERR_NVGPUCTRPERM\n")
+    monkeypatch.setattr(P.subprocess, "run", fail)
+    with pytest.raises(SystemExit, match="ERR_NVGPUCTRPERM"):
+        P.run_ncu("/opt/ncu/ncu")
+    assert len(calls) == 1
+
+
+def test_the_gpu_path_writes_one_row_per_call(monkeypatch, capsys):
+    """main() end to end with ncu faked: the record it writes and the table it prints."""
+    import torch
+    from coursekit import results
+    fake = FakeNcu(PROFILE, PLAN, rejects={GMMA})
+    written = {}
+
+    def write_results(chapter, rows, ceilings, **extra):
+        written.update(chapter=chapter, rows=rows, ceilings=ceilings, **extra)
+        return Path("results/fake/chapter6_flash_attention_profile.json")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(P.shutil, "which", lambda name: "/opt/ncu/ncu" if name == "ncu" else None)
+    monkeypatch.setattr(P.subprocess, "run", fake)
+    monkeypatch.setattr(results, "write_results", write_results)
+    assert P.main([]) == 0
+    assert written["chapter"] == "chapter6_flash_attention_profile"
+    assert written["ncu_version"] == "Version 2025.3.0.0 (build 1)"
+    assert written["command"].startswith("/opt/ncu/ncu --csv --print-units base")
+    assert written["metrics_dropped"] == [GMMA] and GMMA not in written["metrics"]
+    assert written["skipped"] == PLAN["skipped"]
+    fwd, bwd = written["rows"]
+    assert (fwd["label"], fwd["launches"], fwd["duration_ns"]) == ("forward.pipelined.d128.causal", 1, 500_000.0)
+    assert (fwd["occupancy_bound_by"], fwd["blocks_per_sm"], fwd["tensor_pipe_pct"]) == ("registers", 1.0, 61.5)
+    assert fwd["TFLOPs_under_ncu"] == pytest.approx(P.run_flops(PLAN["runs"][0]) / 500_000 / 1e3)
+    assert (bwd["label"], bwd["launches"], bwd["duration_ns"]) == ("backward.mma.d64.full", 3, 2_050_000.0)
+    assert bwd["main_kernel"] == BWD_MAIN and bwd["registers"] == 168.0
+    out = capsys.readouterr().out
+    assert "skipped forward.sdpa_cudnn.d64.full" in out and "1 registers" in out and "wrote" in out
+
+
+def test_no_ncu_is_a_message_not_a_failure(monkeypatch, capsys):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(P.shutil, "which", lambda name: None)
+
+    def no_run(*a, **kw):
+        raise AssertionError("nothing should run without ncu")
+    monkeypatch.setattr(P.subprocess, "run", no_run)
+    assert P.main([]) == 0
+    assert "ncu (Nsight Compute) is not on PATH; nothing written" in capsys.readouterr().out
+
+
+def recorded_profiles():
+    return {p: p.stat().st_mtime_ns for p in RESULTS.glob("*/chapter6_flash_attention_profile.json")}
+
+
+@pytest.mark.parametrize("args", [[], ["--workload"]])
+def test_without_a_gpu_it_says_so_and_exits_0(args):
+    before = recorded_profiles()
+    # No GPU visible even on a GPU machine: this is the CPU path, not a real profile.
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, str(HERE / "profile_attention.py"), *args], cwd=HERE, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "no CUDA GPU is visible" in proc.stdout and "nothing written" in proc.stdout
+    assert recorded_profiles() == before
