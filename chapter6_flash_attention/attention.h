@@ -154,13 +154,15 @@ cudaError_t launch_attention_forward_naive(const AttentionParams& params, void* 
 cudaError_t launch_attention_forward_tiled(const AttentionParams& params, cudaStream_t stream);
 cudaError_t launch_attention_backward_naive(const AttentionBackwardParams& params, void* workspace,
                                             cudaStream_t stream);
-//   forward "mma" and "pipelined" (csrc/flash_fwd_*.cu): FlashAttention 2 on tensor cores,
-//     bfloat16 and float16 only, sm_80 and newer; every stride of q, k, v and o a multiple of 8
-//     elements and every pointer 16-byte aligned (16-byte copies). The glue checks all of it.
-cudaError_t launch_attention_forward_mma(const AttentionParams& params, bool pipelined, cudaStream_t stream);
+//   forward "mma", "pipelined" and "tuned" (csrc/flash_fwd_*.cu): FlashAttention 2 on tensor
+//     cores, bfloat16 and float16 only, sm_80 and newer; every stride of q, k, v and o a multiple
+//     of 8 elements and every pointer 16-byte aligned (16-byte copies). The glue checks all of it.
+//     The rungs differ in their loads and tile shapes (csrc/flash_fwd.h), not in what they compute.
+enum class MmaForward { kMma, kPipelined, kTuned };
+cudaError_t launch_attention_forward_mma(const AttentionParams& params, MmaForward rung, cudaStream_t stream);
 // The dynamic shared memory one block of those kernels takes (0 for an unsupported head dim):
 // the glue compares it with what the GPU allows a block.
-int64_t attention_forward_mma_smem_bytes(int64_t head_dim, bool pipelined);
+int64_t attention_forward_mma_smem_bytes(int64_t head_dim, MmaForward rung);
 //   backward "mma" and "mma_dqpass" (csrc/flash_bwd_*.cu): FlashAttention 2's backward on tensor
 //     cores, the same dtypes, GPUs and strides as the forward's, head_dim 32-128
 //     (attention_backward_mma_head_dim). dq_atomic: dQ summed across key tiles with float32

@@ -42,24 +42,37 @@ constexpr const char* kBackward = "attention_backward";
 // The ladders. The CPU reference is not a rung: it is what the rungs are held to, and it runs
 // whatever version= names (the names are parsed on every device, so a typo fails on the CPU as
 // it would on CUDA).
-enum class ForwardVersion { kNaive, kTiled, kMma, kPipelined };
+enum class ForwardVersion { kNaive, kTiled, kMma, kPipelined, kTuned };
 enum class BackwardVersion { kNaive, kMma, kMmaDqPass };
 
 constexpr ::course::NamedVersion<ForwardVersion> kForwardVersions[] = {{"naive", ForwardVersion::kNaive},
                                                                       {"tiled", ForwardVersion::kTiled},
                                                                       {"mma", ForwardVersion::kMma},
-                                                                      {"pipelined", ForwardVersion::kPipelined}};
+                                                                      {"pipelined", ForwardVersion::kPipelined},
+                                                                      {"tuned", ForwardVersion::kTuned}};
 constexpr ::course::NamedVersion<BackwardVersion> kBackwardVersions[] = {
     {"naive", BackwardVersion::kNaive}, {"mma", BackwardVersion::kMma}, {"mma_dqpass", BackwardVersion::kMmaDqPass}};
 
-bool tensor_core_rung(ForwardVersion v) { return v == ForwardVersion::kMma || v == ForwardVersion::kPipelined; }
+bool tensor_core_rung(ForwardVersion v) {
+  return v == ForwardVersion::kMma || v == ForwardVersion::kPipelined || v == ForwardVersion::kTuned;
+}
+
+#ifdef WITH_CUDA
+// The tensor-core rungs by name, for the checks, which know the version by its name.
+MmaForward mma_rung(const std::string& name) {
+  return name == "mma" ? MmaForward::kMma : name == "pipelined" ? MmaForward::kPipelined : MmaForward::kTuned;
+}
+#endif
 
 bool half_dtype(const Tensor& t) { return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16; }
 
-// version=None. Provisional, until bench_attention.py has measured the rungs: the tensor-core
-// forward where it runs (16-bit inputs on sm_80 and newer), else the tiled one, which moves
-// O(seqlen) bytes where the naive one moves O(seqlen^2); the backward has one rung.
-// CONVENTIONS 5 wants a dispatch by measured thresholds; this is the placeholder for it.
+// version=None: the last tensor-core forward rung where it runs (16-bit inputs on sm_80 and
+// newer), else the tiled one, which moves O(seqlen) bytes where the naive one moves O(seqlen^2).
+// In the H100 results (results/nvidia-h100-80gb-hbm3/chapter6_flash_attention.json) each
+// tensor-core rung beats the one before at every seqlen, head_dim and mask measured, so there is
+// no size threshold to dispatch on. The backward: "mma_dqpass" beat "mma" (atomics) at head_dim
+// 64, both masks, and at 128 causal, and trailed it by about 2% at 128 without the mask; it also
+// gives the same bits on every run, so it is the default.
 #ifdef WITH_CUDA
 // One attribute of q's GPU (cudaDeviceGetAttribute is a lookup, not a driver round trip).
 int device_attribute(const Tensor& q, cudaDeviceAttr attr) {
@@ -72,7 +85,7 @@ int device_attribute(const Tensor& q, cudaDeviceAttr attr) {
 ForwardVersion default_forward([[maybe_unused]] const Tensor& q) {
 #ifdef WITH_CUDA
   if (q.is_cuda() && half_dtype(q) && device_attribute(q, cudaDevAttrComputeCapabilityMajor) >= 8) {
-    return ForwardVersion::kPipelined;
+    return ForwardVersion::kTuned;
   }
 #endif
   return ForwardVersion::kTiled;
@@ -81,9 +94,8 @@ BackwardVersion default_backward([[maybe_unused]] const Tensor& q) {
 #ifdef WITH_CUDA
   if (q.is_cuda() && half_dtype(q) && attention_backward_mma_head_dim(q.size(3)) &&
       device_attribute(q, cudaDevAttrComputeCapabilityMajor) >= 8) {
-    // torch.use_deterministic_algorithms(True) asks for the same bits on every run: the dQ
-    // pass instead of the atomics.
-    return at::globalContext().deterministicAlgorithms() ? BackwardVersion::kMmaDqPass : BackwardVersion::kMma;
+    // Deterministic as well, so torch.use_deterministic_algorithms(True) needs nothing else.
+    return BackwardVersion::kMmaDqPass;
   }
 #endif
   return BackwardVersion::kNaive;
@@ -187,8 +199,13 @@ void forward_cuda(ForwardVersion v, const AttentionParams& p, const Tensor& q, c
       C10_CUDA_CHECK(launch_attention_forward_tiled(p, stream));
       return;
     case ForwardVersion::kMma:
+      C10_CUDA_CHECK(launch_attention_forward_mma(p, MmaForward::kMma, stream));
+      return;
     case ForwardVersion::kPipelined:
-      C10_CUDA_CHECK(launch_attention_forward_mma(p, v == ForwardVersion::kPipelined, stream));
+      C10_CUDA_CHECK(launch_attention_forward_mma(p, MmaForward::kPipelined, stream));
+      return;
+    case ForwardVersion::kTuned:
+      C10_CUDA_CHECK(launch_attention_forward_mma(p, MmaForward::kTuned, stream));
       return;
   }
 }
@@ -209,7 +226,7 @@ void check_tensor_core_rung(const char* op, const std::string& name, const Tenso
                 ": use version='naive'");
   }
   const int64_t smem = backward ? attention_backward_mma_smem_bytes(q.size(3))
-                                : attention_forward_mma_smem_bytes(q.size(3), name == "pipelined");
+                                : attention_forward_mma_smem_bytes(q.size(3), mma_rung(name));
   const int64_t allowed = device_attribute(q, cudaDevAttrMaxSharedMemoryPerBlockOptin);
   TORCH_CHECK(smem <= allowed, op, ": version '", name, "' at head_dim ", std::to_string(q.size(3)), " takes ",
               std::to_string(smem / 1024), " KiB of shared memory per block; this GPU (", std::to_string(major),

@@ -29,7 +29,7 @@ Two questions the benchmark's TFLOP/s cannot answer:
 The workload, bfloat16, batch 4, 16 heads, seqlen 2048: the forward of every rung of
 flash_attention.VERSIONS["attention_forward"] and of sdpa_flash and sdpa_cudnn (SDPA pinned to
 one backend; a backend that refuses is skipped and the reason recorded), at head_dim 64 and 128,
-not causal; the causal forward of "pipelined" and sdpa_flash at head_dim 128; the backward of
+not causal; the causal forward of "tuned" and sdpa_flash at head_dim 128; the backward of
 every rung of VERSIONS["attention_backward"] (the op alone, from the default forward's out and
 lse) and of sdpa_flash (torch.autograd.grad through F.scaled_dot_product_attention, its forward
 run beforehand), at both head dims. The naive rungs materialise the 4 x 16 x 2048 x 2048 float32
@@ -73,7 +73,7 @@ HEAD_DIMS = (64, 128)
 SDPA_FORWARD = ("sdpa_flash", "sdpa_cudnn")
 SDPA_BACKWARD = ("sdpa_flash",)
 CAUSAL_HEAD_DIM = 128
-CAUSAL_FORWARD = ("pipelined", "sdpa_flash")
+CAUSAL_FORWARD = ("tuned", "sdpa_flash")
 MARKER = "spin_kernel"   # at::cuda::sleep's kernel: torch.cuda._sleep(cycles), one thread
 MARKER_CYCLES = 1000     # about a microsecond: a marker, not a delay
 NO_GPU = ("profile_attention: no CUDA GPU is visible, so there is nothing for Nsight Compute to "

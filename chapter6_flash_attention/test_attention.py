@@ -408,7 +408,7 @@ MISUSES = {
                          r"attention_forward: q's last dim \(head_dim\) is not contiguous \(stride 5\)"),
     "unknown version": (lambda: flash_attention.attention(_t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8),
                                                           version="v1"),
-                        r"attention_forward: unknown version 'v1'; expected one of naive, tiled, mma, pipelined \(or None"),
+                        r"attention_forward: unknown version 'v1'; expected one of naive, tiled, mma, pipelined, tuned \(or None"),
     "backward lse dtype": (lambda: flash_attention.attention_backward(
         _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8),
         _t(1, 2, 5, dtype=torch.float64), 0.5),
@@ -470,7 +470,7 @@ BACKWARD_VERSIONS = flash_attention.VERSIONS["attention_backward"]
 CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # The tensor-core rungs take the 16-bit types only, on sm_80 and newer (mma.sync m16n8k16 in
 # bfloat16 and cp.async); the glue refuses anything else with a message (tested below).
-TENSOR_CORE_VERSIONS = ("mma", "pipelined")
+TENSOR_CORE_VERSIONS = ("mma", "pipelined", "tuned")
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -770,16 +770,16 @@ def test_cuda_no_keys_and_empty(dtype):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=dtype_id)
 def test_cuda_default_dispatch(dtype):
-    """version=None (provisional, attention_ops.cpp): the pipelined tensor-core forward where it
-    runs (16-bit on sm_80+), else the tiled one; one kernel either way, never the naive three."""
+    """version=None (attention_ops.cpp): the tuned tensor-core forward where it runs (16-bit on
+    sm_80+), else the tiled one; one kernel either way, never the naive three."""
     require_cuda()
     from coursekit.pytest_plugin import launched_kernels
     q, k, v = make_qkv(1, 2, 2, 64, 64, 64, dtype=dtype, device="cuda")
     _, names = launched_kernels(lambda: flash_attention.attention(q, k, v), "flash_attention")
-    wanted = "flash_fwd_kernel" if takes("pipelined", dtype) else "forward_tiled_kernel"
+    wanted = "flash_fwd_kernel" if takes("tuned", dtype) else "forward_tiled_kernel"
     assert any(wanted in n for n in names) and not any("scores_kernel" in n for n in names), names
     if wanted == "flash_fwd_kernel":
-        assert any("FwdTraits<64, true>" in n for n in names), names  # kPipelined, demangled
+        assert any("FwdTraits<64, (flash_attention::MmaForward)2>" in n for n in names), names  # kTuned, demangled
 
 
 @pytest.mark.cuda
@@ -821,16 +821,16 @@ def test_cuda_tensor_core_refusals(version, dtype):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("call", ["forward_naive", "forward_tiled", "forward_pipelined", "forward_default", "backward"])
+@pytest.mark.parametrize("call", ["forward_naive", "forward_tiled", "forward_tuned", "forward_default", "backward"])
 def test_cuda_opcheck(call):
     require_cuda()
     q, k, v = make_qkv(2, 4, 2, 9, 12, 32, device="cuda", requires_grad=True)
     out, lse = flash_attention.attention_forward(q.detach(), k.detach(), v.detach(), 0.25, True)
     version = {"forward_naive": "naive", "forward_tiled": "tiled"}.get(call)
-    if call == "forward_pipelined":  # the tensor-core rung, in its dtype
+    if call == "forward_tuned":  # the last tensor-core rung, in its dtype
         q = q.detach().to(torch.bfloat16).requires_grad_()
         k, v = (t.detach().to(torch.bfloat16).requires_grad_() for t in (k, v))
-        version = "pipelined"
+        version = "tuned"
     if call == "backward":
         torch.library.opcheck(OPS.attention_backward.default,
                               (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, 0.25, True, None))

@@ -12,22 +12,34 @@
 namespace flash_attention {
 
 // ------------------------------------------------------------------------------------------
-// Kernel traits: the tile shape per head dim, FlashAttention 2's Flash_fwd_kernel_traits in
-// miniature. Every warp owns 16 query rows (one m16 tile), so kBlockM = 16 * kNWarps.
-// Registers per thread, the limit that picks these: the output accumulators (d / 8 n8 tiles of 4
-// floats: 64 at d = 128) and the scores of one key tile (kBlockN / 8 tiles of 4: 32 at 64 keys).
+// Kernel traits: the tile shape per head dim and rung, FlashAttention 2's Flash_fwd_kernel_traits
+// in miniature. A warp owns kWarpRows query rows (kWarpMTiles m16 tiles), so
+// kBlockM = kWarpRows * kNWarps. Registers per thread are the limit that picks these: the output
+// accumulators (d / 8 n8 tiles of 4 floats per m16 tile: 64 at d = 128) and the scores of one
+// key tile (kBlockN / 8 tiles of 4 per m16 tile: 32 at 64 keys).
+//
+// Rungs "mma" and "pipelined": 16 rows per warp, the simplest split.
 //   d <= 64:  8 warps x 16 = 128 rows, 128 keys per tile (S: 64 registers, O: 16-32)
 //   d = 96, 128: 128 rows, 64 keys (S: 32, O: 48-64)
 //   d = 256: 4 warps, 64 rows, 64 keys (O: 128 registers; 8 warps would not leave room for two
 //            blocks' shared memory either)
+// Rung "tuned": 32 rows per warp (two m16 tiles) and 4 warps, FlashAttention 2's shapes for these
+// head dims. Every K and V fragment a warp reads from shared memory now feeds two mma
+// instructions, which halves shared-memory traffic per FLOP; the price is twice the registers per
+// thread (d = 128: S 64 + O 128), so a block has 4 warps and an SM holds two blocks. d = 256 keeps
+// the pipelined shape: two m16 tiles of its O would need 256 registers.
 // ------------------------------------------------------------------------------------------
-template <int kHeadDim_, bool kPipelined_>
+template <int kHeadDim_, MmaForward kRung_>
 struct FwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr bool kPipelined = kPipelined_;
-  static constexpr int kNWarps = kHeadDim == 256 ? 4 : 8;
+  static constexpr MmaForward kRung = kRung_;
+  static constexpr bool kPipelined = kRung != MmaForward::kMma;
+  static constexpr bool kTuned = kRung == MmaForward::kTuned && kHeadDim <= 128;
+  static constexpr int kWarpMTiles = kTuned ? 2 : 1;
+  static constexpr int kWarpRows = 16 * kWarpMTiles;
+  static constexpr int kNWarps = kTuned || kHeadDim == 256 ? 4 : 8;
   static constexpr int kThreads = kNWarps * 32;
-  static constexpr int kBlockM = 16 * kNWarps;
+  static constexpr int kBlockM = kWarpRows * kNWarps;
   static constexpr int kBlockN = kHeadDim <= 64 ? 128 : 64;
   static constexpr int kStages = kPipelined ? 2 : 1;
   static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
@@ -49,7 +61,7 @@ struct FwdTraits {
   }
 };
 
-template <typename T, int D, bool kPipelined>
+template <typename T, int D, MmaForward kRung>
 cudaError_t run_flash_fwd(const AttentionParams& p, cudaStream_t stream);
 
 }  // namespace flash_attention

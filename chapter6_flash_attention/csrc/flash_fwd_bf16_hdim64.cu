@@ -1,8 +1,9 @@
-// The tensor-core forward (rungs "mma" and "pipelined") for __nv_bfloat16, head dim 64: one file per
+// The tensor-core forward (rungs "mma", "pipelined" and "tuned") for __nv_bfloat16, head dim 64: one file per
 // dtype and head dim, so that the build compiles them in parallel (FlashAttention 2's layout).
 #include "flash_fwd_kernel.cuh"
 
 namespace flash_attention {
-template cudaError_t run_flash_fwd<__nv_bfloat16, 64, false>(const AttentionParams&, cudaStream_t);
-template cudaError_t run_flash_fwd<__nv_bfloat16, 64, true>(const AttentionParams&, cudaStream_t);
+template cudaError_t run_flash_fwd<__nv_bfloat16, 64, MmaForward::kMma>(const AttentionParams&, cudaStream_t);
+template cudaError_t run_flash_fwd<__nv_bfloat16, 64, MmaForward::kPipelined>(const AttentionParams&, cudaStream_t);
+template cudaError_t run_flash_fwd<__nv_bfloat16, 64, MmaForward::kTuned>(const AttentionParams&, cudaStream_t);
 }  // namespace flash_attention

@@ -31,6 +31,11 @@
 //     tiles that cross the diagonal. Tiles entirely above the diagonal were already never
 //     visited (the key loop stops at the last key the block's last row sees), from rung 2 on.
 //
+// Rung 5, "tuned" (FwdTraits' kTuned): the pipelined kernel with FlashAttention 2's tile shapes,
+// each warp owning 32 query rows (two m16 tiles) in blocks of 4 warps, so each K and V fragment
+// read from shared memory feeds two mma instructions (flash_fwd.h says what it costs). The code
+// below is written for kMT m16 tiles per warp; rungs 3 and 4 are kMT = 1.
+//
 // The output is written straight from the accumulators, two elements (4 bytes) per lane per
 // n8 tile; FlashAttention 2 stages it through shared memory for 16-byte stores, one of the
 // things the tuning rung may measure.
@@ -55,6 +60,7 @@ __global__ void __launch_bounds__(K::kThreads)
     flash_fwd_kernel(const AttentionParams p, unsigned q_tiles, float score_scale) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   constexpr int kD = K::kHeadDim;
+  constexpr int kMT = K::kWarpMTiles;      // m16 tiles of query rows per warp
   constexpr int kNTiles = K::kBlockN / 8;  // n8 score tiles per key tile
   constexpr int kDTiles = kD / 8;          // n8 output tiles
   extern __shared__ __align__(16) unsigned char smem[];
@@ -75,9 +81,10 @@ __global__ void __launch_bounds__(K::kThreads)
 
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  const int g = lane / 4;  // mma.cuh's group: this lane's rows are g and g + 8 of the warp's 16
+  const int g = lane / 4;  // mma.cuh's group: in each m16 tile this lane's rows are g and g + 8
   const int t = lane % 4;
-  const int64_t row0 = m0 + warp * 16 + g;
+  const int warp_row = warp * K::kWarpRows;       // the warp's first row in the block's tile
+  const int64_t row0 = m0 + warp_row + g;         // this lane's row in m16 tile 0
   const int64_t diag = p.seqlen_k - p.seqlen_q;  // key j is visible to row i iff j <= i + diag
 
   // Keys any row of the block sees: the last valid row sees the most (rung 2's causal skipping).
@@ -85,14 +92,22 @@ __global__ void __launch_bounds__(K::kThreads)
   const int64_t n_keys = visible_keys(last_row, p.seqlen_q, p.seqlen_k, p.causal);
   const int n_tiles = static_cast<int>((n_keys + K::kBlockN - 1) / K::kBlockN);
 
-  float acc_o[kDTiles][4];
+  float acc_o[kMT][kDTiles][4];
 #pragma unroll
-  for (int d = 0; d < kDTiles; ++d) acc_o[d][0] = acc_o[d][1] = acc_o[d][2] = acc_o[d][3] = 0.f;
-  // Per row (g and g + 8): the running maximum of the scaled scores (log2 units on rung 4) and
-  // this lane's share of the running sum of exponentials (the four lanes of a row add theirs up
-  // once, at the end).
-  float row_max[2] = {-INFINITY, -INFINITY};
-  float row_sum[2] = {0.f, 0.f};
+  for (int m = 0; m < kMT; ++m) {
+#pragma unroll
+    for (int d = 0; d < kDTiles; ++d) acc_o[m][d][0] = acc_o[m][d][1] = acc_o[m][d][2] = acc_o[m][d][3] = 0.f;
+  }
+  // Per row (m16 tile m, rows g and g + 8): the running maximum of the scaled scores (log2 units
+  // from rung 4 on) and this lane's share of the running sum of exponentials (the four lanes of a
+  // row add theirs up once, at the end).
+  float row_max[kMT][2];
+  float row_sum[kMT][2];
+#pragma unroll
+  for (int m = 0; m < kMT; ++m) {
+    row_max[m][0] = row_max[m][1] = -INFINITY;
+    row_sum[m][0] = row_sum[m][1] = 0.f;
+  }
 
   // No visible key (n_tiles == 0: causal rows above every key, or seqlen_k == 0): nothing to load,
   // and the epilogue writes o = 0, lse = -inf.
@@ -128,28 +143,44 @@ __global__ void __launch_bounds__(K::kThreads)
     const T* k_tile = k_s + stage * K::kKVElems;
     const T* v_tile = v_s + stage * K::kKVElems;
 
-    // S = Q K^T for the warp's 16 rows and the tile's kBlockN keys.
-    float s[kNTiles][4];
+    // S = Q K^T for the warp's rows and the tile's kBlockN keys.
+    float s[kMT][kNTiles][4];
 #pragma unroll
-    for (int j = 0; j < kNTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-    mma::gemm_nt<T, K, kD, K::kBlockN>(s, q_s, warp * 16, k_tile, 0, lane);
+    for (int m = 0; m < kMT; ++m) {
+#pragma unroll
+      for (int j = 0; j < kNTiles; ++j) s[m][j][0] = s[m][j][1] = s[m][j][2] = s[m][j][3] = 0.f;
+    }
+    mma::gemm_nt<T, K, kD, K::kBlockN>(s, q_s, warp_row, k_tile, 0, lane);
 
-    // Scale (into log2 units on rung 4), then mask: in that order, so that a negative scale
-    // cannot turn a masked -inf into +inf. Score s[j][e] is row row0 + 8 * (e / 2), key
-    // n0 + 8j + 2t + e % 2.
+    // Scale (into log2 units from rung 4 on), then mask: in that order, so that a negative scale
+    // cannot turn a masked -inf into +inf. Score s[m][j][e] is row row0 + 16m + 8 * (e / 2), key
+    // n0 + 8j + 2t + e % 2. From rung 4 on only the tiles a mask can bite are masked: the last
+    // (keys past seqlen_k) and, when causal, those crossing the diagonal, judged for the warp's
+    // own first row (its rows see the fewest keys).
     bool mask = true;
     if constexpr (K::kPipelined) {
-      mask = n0 + K::kBlockN > p.seqlen_k || (p.causal && n0 + K::kBlockN - 1 > m0 + diag);
+      mask = n0 + K::kBlockN > p.seqlen_k || (p.causal && n0 + K::kBlockN - 1 > m0 + warp_row + diag);
     }
 #pragma unroll
-    for (int j = 0; j < kNTiles; ++j) {
+    for (int m = 0; m < kMT; ++m) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        s[j][e] *= score_scale;
+      for (int r = 0; r < 2; ++r) {
+        // The row's first masked column of the tile, worked out once per row in 64 bits, so
+        // that the per-score test is one 32-bit compare against a column known at compile
+        // time but for 2t.
+        int col_limit = K::kBlockN;
         if (mask) {
-          const int64_t key = n0 + 8 * j + 2 * t + e % 2;
-          const int64_t row = row0 + 8 * (e / 2);
-          if (key >= p.seqlen_k || (p.causal && key > row + diag)) s[j][e] = -INFINITY;
+          int64_t limit = p.seqlen_k - n0;
+          if (p.causal) limit = min(limit, row0 + 16 * m + 8 * r + diag - n0 + 1);
+          col_limit = static_cast<int>(max(int64_t{0}, min(limit, int64_t{K::kBlockN})));
+        }
+#pragma unroll
+        for (int j = 0; j < kNTiles; ++j) {
+#pragma unroll
+          for (int e = 2 * r; e < 2 * r + 2; ++e) {
+            s[m][j][e] *= score_scale;
+            if (8 * j + 2 * t + e % 2 >= col_limit) s[m][j][e] = -INFINITY;
+          }
         }
       }
     }
@@ -157,40 +188,45 @@ __global__ void __launch_bounds__(K::kThreads)
     // The online softmax (chapter 3), per row: the new maximum over the four lanes of the row,
     // the old sums and outputs rescaled by exp(old max - new max), then the tile's exponentials.
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = row_max[r];
+    for (int m = 0; m < kMT; ++m) {
 #pragma unroll
-      for (int j = 0; j < kNTiles; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      // A row that has seen no visible key yet keeps max -inf: subtract 0 instead, so that its
-      // masked scores give exp(-inf) = 0 rather than exp(-inf + inf) = NaN.
-      const float m_use = mx == -INFINITY ? 0.f : mx;
-      float corr = 0.f;  // old max -inf: the old sum and output are 0, nothing to rescale
-      if (row_max[r] != -INFINITY) corr = K::kPipelined ? exp2f(row_max[r] - mx) : expf(row_max[r] - mx);
-      row_max[r] = mx;
-      float sum = 0.f;
+      for (int r = 0; r < 2; ++r) {
+        float mx = row_max[m][r];
 #pragma unroll
-      for (int j = 0; j < kNTiles; ++j) {
-#pragma unroll
-        for (int e = 2 * r; e < 2 * r + 2; ++e) {
-          s[j][e] = K::kPipelined ? exp2f(s[j][e] - m_use) : expf(s[j][e] - m_use);
-          sum += s[j][e];
+        for (int j = 0; j < kNTiles; ++j) mx = fmaxf(mx, fmaxf(s[m][j][2 * r], s[m][j][2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        // A row that has seen no visible key yet keeps max -inf: subtract 0 instead, so that its
+        // masked scores give exp(-inf) = 0 rather than exp(-inf + inf) = NaN.
+        const float m_use = mx == -INFINITY ? 0.f : mx;
+        float corr = 0.f;  // old max -inf: the old sum and output are 0, nothing to rescale
+        if (row_max[m][r] != -INFINITY) {
+          corr = K::kPipelined ? exp2f(row_max[m][r] - mx) : expf(row_max[m][r] - mx);
         }
-      }
-      row_sum[r] = row_sum[r] * corr + sum;
+        row_max[m][r] = mx;
+        float sum = 0.f;
 #pragma unroll
-      for (int d = 0; d < kDTiles; ++d) {
-        acc_o[d][2 * r] *= corr;
-        acc_o[d][2 * r + 1] *= corr;
+        for (int j = 0; j < kNTiles; ++j) {
+#pragma unroll
+          for (int e = 2 * r; e < 2 * r + 2; ++e) {
+            s[m][j][e] = K::kPipelined ? exp2f(s[m][j][e] - m_use) : expf(s[m][j][e] - m_use);
+            sum += s[m][j][e];
+          }
+        }
+        row_sum[m][r] = row_sum[m][r] * corr + sum;
+#pragma unroll
+        for (int d = 0; d < kDTiles; ++d) {
+          acc_o[m][d][2 * r] *= corr;
+          acc_o[m][d][2 * r + 1] *= corr;
+        }
       }
     }
 
     // O += P V: P from the score registers (mma.cuh), V through ldmatrix.trans.
     mma::gemm_rs<T, K, K::kBlockN, kD>(acc_o, s, v_tile, 0, lane);
     // Every warp is done reading this stage before the next trip refills it (rung 3: the same
-    // buffer at the top of the next trip; rung 4: this stage two trips on, by the copies issued
-    // at the top of the next one).
+    // buffer at the top of the next trip; from rung 4 on: this stage two trips on, by the copies
+    // issued at the top of the next one).
     __syncthreads();
   }
 
@@ -199,30 +235,33 @@ __global__ void __launch_bounds__(K::kThreads)
   T* o = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride;
   auto* lse = static_cast<float*>(p.lse) + bh * p.seqlen_q;
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float l = row_sum[r];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    const int64_t row = row0 + 8 * r;
-    if (row < p.seqlen_q) {  // the last block's rows past the end computed on zero rows of Q
-      T* o_row = o + row * p.o_seq_stride;
+  for (int m = 0; m < kMT; ++m) {
 #pragma unroll
-      for (int d = 0; d < kDTiles; ++d) {
-        *reinterpret_cast<uint32_t*>(o_row + d * 8 + 2 * t) =
-            mma::pack2<T>(acc_o[d][2 * r] * inv, acc_o[d][2 * r + 1] * inv);
+    for (int r = 0; r < 2; ++r) {
+      float l = row_sum[m][r];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const int64_t row = row0 + 16 * m + 8 * r;
+      if (row < p.seqlen_q) {  // the last block's rows past the end computed on zero rows of Q
+        T* o_row = o + row * p.o_seq_stride;
+#pragma unroll
+        for (int d = 0; d < kDTiles; ++d) {
+          *reinterpret_cast<uint32_t*>(o_row + d * 8 + 2 * t) =
+              mma::pack2<T>(acc_o[m][d][2 * r] * inv, acc_o[m][d][2 * r + 1] * inv);
+        }
+        // The maximum is in units of scale * s (rung 3) or log2(e) * scale * s (rungs 4, 5).
+        constexpr float kToNatural = K::kPipelined ? 0.69314718055994531f : 1.f;
+        if (t == 0) lse[row] = l > 0.f ? row_max[m][r] * kToNatural + logf(l) : -INFINITY;
       }
-      // The maximum is in units of scale * s (rung 3) or log2(e) * scale * s (rung 4).
-      constexpr float kToNatural = K::kPipelined ? 0.69314718055994531f : 1.f;
-      if (t == 0) lse[row] = l > 0.f ? row_max[r] * kToNatural + logf(l) : -INFINITY;
     }
   }
 #endif  // __CUDA_ARCH__ >= 800: older GPUs never launch it (the glue checks the capability)
 }
 
-template <typename T, int D, bool kPipelined>
+template <typename T, int D, MmaForward kRung>
 cudaError_t run_flash_fwd(const AttentionParams& p, cudaStream_t stream) {
-  using K = FwdTraits<D, kPipelined>;
+  using K = FwdTraits<D, kRung>;
   const int64_t q_tiles = course::ceil_div(p.seqlen_q, static_cast<int64_t>(K::kBlockM));
   const int64_t blocks = q_tiles * p.batch * p.heads;
   if (blocks == 0) return cudaSuccess;
@@ -231,7 +270,7 @@ cudaError_t run_flash_fwd(const AttentionParams& p, cudaStream_t stream) {
   // Above 48 KiB a kernel must ask for its dynamic shared memory (every tile shape here does).
   COURSE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSmemBytes));
   const double log2e = 1.4426950408889634;
-  const float score_scale = static_cast<float>(kPipelined ? p.scale * log2e : p.scale);
+  const float score_scale = static_cast<float>(K::kPipelined ? p.scale * log2e : p.scale);
   kernel<<<static_cast<unsigned>(blocks), K::kThreads, K::kSmemBytes, stream>>>(p, static_cast<unsigned>(q_tiles),
                                                                               score_scale);
   return cudaGetLastError();

@@ -124,48 +124,82 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
 // (padded or swizzled: flash_fwd.h); accumulators are float32 C fragments, acc[j] the n8 tile of
 // columns 8j..8j+7.
 //
-// gemm_nt: acc (16 x kN) += A B^T, A = rows a_row..a_row+15 of tile a, B = rows b_row..b_row+kN-1
-// of tile b, both over kK columns. The S = Q K^T shape: A through ldmatrix (matrices rows 0-7 /
-// 8-15 x cols 0-7 / 8-15), B through ldmatrix as well, since a row of b is a column of B^T
-// (matrices: rows 0-7 x cols 0-7 -> b0 of tile 2j, cols 8-15 -> b1, rows 8-15 -> tile 2j + 1).
-template <typename T, typename L, int kK, int kN>
-__device__ __forceinline__ void gemm_nt(float (&acc)[kN / 8][4], const T* a, int a_row, const T* b, int b_row,
-                                        int lane) {
+// gemm_nt: acc[m] (16 x kN) += A_m B^T for kMT row tiles m, A_m = rows a_row + 16m .. +15 of
+// tile a, B = rows b_row..b_row+kN-1 of tile b, both over kK columns. The S = Q K^T shape: A
+// through ldmatrix (matrices rows 0-7 / 8-15 x cols 0-7 / 8-15), B through ldmatrix as well, since
+// a row of b is a column of B^T (matrices: rows 0-7 x cols 0-7 -> b0 of tile 2j, cols 8-15 -> b1,
+// rows 8-15 -> tile 2j + 1). With kMT > 1 each B fragment read from shared memory feeds kMT
+// mma instructions: a warp owning 32 rows reads K once per 32 rows instead of once per 16, which
+// halves the shared-memory bytes per tensor-core FLOP (the tuned forward rung).
+template <typename T, typename L, int kK, int kN, int kMT>
+__device__ __forceinline__ void gemm_nt(float (&acc)[kMT][kN / 8][4], const T* a, int a_row, const T* b,
+                                        int b_row, int lane) {
 #pragma unroll
   for (int kk = 0; kk < kK / 16; ++kk) {
-    uint32_t af[4];
-    ldmatrix_x4(af, smem_address(a + L::offset(a_row + lane % 16, kk * 16 + (lane / 16) * 8)));
+    uint32_t af[kMT][4];
+#pragma unroll
+    for (int m = 0; m < kMT; ++m) {
+      ldmatrix_x4(af[m], smem_address(a + L::offset(a_row + 16 * m + lane % 16, kk * 16 + (lane / 16) * 8)));
+    }
 #pragma unroll
     for (int j = 0; j < kN / 16; ++j) {
       uint32_t bf[4];
       ldmatrix_x4(bf, smem_address(b + L::offset(b_row + j * 16 + lane % 8 + (lane / 16) * 8,
                                                  kk * 16 + ((lane / 8) % 2) * 8)));
-      mma_16816<T>(acc[2 * j], af, bf[0], bf[1]);
-      mma_16816<T>(acc[2 * j + 1], af, bf[2], bf[3]);
+#pragma unroll
+      for (int m = 0; m < kMT; ++m) {
+        mma_16816<T>(acc[m][2 * j], af[m], bf[0], bf[1]);
+        mma_16816<T>(acc[m][2 * j + 1], af[m], bf[2], bf[3]);
+      }
     }
   }
 }
 
-// gemm_rs: acc (16 x kN) += A B, A (16 x kK) in registers as the C fragments s of an earlier
-// product (rounded to T here: the C-to-A identity above), B = rows b_row..b_row+kK-1 of tile b,
-// its first kN columns. The O += P V shape: B's k runs down the tile's rows, so ldmatrix.trans
-// (matrices: rows 0-7 x cols 0-7 -> b0 of tile 2j, rows 8-15 -> b1, cols 8-15 -> tile 2j + 1).
+// One row tile (16 x kN): the shape of every warp of the backward and of the first two forward
+// rungs.
 template <typename T, typename L, int kK, int kN>
-__device__ __forceinline__ void gemm_rs(float (&acc)[kN / 8][4], const float (&s)[kK / 8][4], const T* b,
+__device__ __forceinline__ void gemm_nt(float (&acc)[kN / 8][4], const T* a, int a_row, const T* b, int b_row,
+                                        int lane) {
+  gemm_nt<T, L, kK, kN, 1>(reinterpret_cast<float(&)[1][kN / 8][4]>(acc), a, a_row, b, b_row, lane);
+}
+
+// gemm_rs: acc[m] (16 x kN) += A_m B, A_m (16 x kK) in registers as the C fragments s[m] of an
+// earlier product (rounded to T here: the C-to-A identity above), B = rows b_row..b_row+kK-1 of
+// tile b, its first kN columns. The O += P V shape: B's k runs down the tile's rows, so
+// ldmatrix.trans (matrices: rows 0-7 x cols 0-7 -> b0 of tile 2j, rows 8-15 -> b1, cols 8-15 ->
+// tile 2j + 1). As in gemm_nt, each B fragment serves kMT row tiles.
+template <typename T, typename L, int kK, int kN, int kMT>
+__device__ __forceinline__ void gemm_rs(float (&acc)[kMT][kN / 8][4], const float (&s)[kMT][kK / 8][4], const T* b,
                                         int b_row, int lane) {
 #pragma unroll
   for (int kk = 0; kk < kK / 16; ++kk) {
-    const uint32_t af[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
-                            pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+    uint32_t af[kMT][4];
+#pragma unroll
+    for (int m = 0; m < kMT; ++m) {
+      af[m][0] = pack2<T>(s[m][2 * kk][0], s[m][2 * kk][1]);
+      af[m][1] = pack2<T>(s[m][2 * kk][2], s[m][2 * kk][3]);
+      af[m][2] = pack2<T>(s[m][2 * kk + 1][0], s[m][2 * kk + 1][1]);
+      af[m][3] = pack2<T>(s[m][2 * kk + 1][2], s[m][2 * kk + 1][3]);
+    }
 #pragma unroll
     for (int j = 0; j < kN / 16; ++j) {
       uint32_t bf[4];
       ldmatrix_x4_trans(bf, smem_address(b + L::offset(b_row + kk * 16 + lane % 8 + ((lane / 8) % 2) * 8,
                                                        j * 16 + (lane / 16) * 8)));
-      mma_16816<T>(acc[2 * j], af, bf[0], bf[1]);
-      mma_16816<T>(acc[2 * j + 1], af, bf[2], bf[3]);
+#pragma unroll
+      for (int m = 0; m < kMT; ++m) {
+        mma_16816<T>(acc[m][2 * j], af[m], bf[0], bf[1]);
+        mma_16816<T>(acc[m][2 * j + 1], af[m], bf[2], bf[3]);
+      }
     }
   }
+}
+
+template <typename T, typename L, int kK, int kN>
+__device__ __forceinline__ void gemm_rs(float (&acc)[kN / 8][4], const float (&s)[kK / 8][4], const T* b,
+                                        int b_row, int lane) {
+  gemm_rs<T, L, kK, kN, 1>(reinterpret_cast<float(&)[1][kN / 8][4]>(acc),
+                           reinterpret_cast<const float(&)[1][kK / 8][4]>(s), b, b_row, lane);
 }
 
 #endif  // __CUDA_ARCH__ >= 800
