@@ -71,8 +71,8 @@ bool half_dtype(const Tensor& t) { return t.scalar_type() == at::kHalf || t.scal
 // In the H100 results (results/nvidia-h100-80gb-hbm3/chapter6_flash_attention.json) each
 // tensor-core rung beats the one before at every seqlen, head_dim and mask measured, so there is
 // no size threshold to dispatch on. The backward: "mma_dqpass" beat "mma" (atomics) at head_dim
-// 64, both masks, and at 128 causal, and trailed it by about 2% at 128 without the mask; it also
-// gives the same bits on every run, so it is the default.
+// 64, both masks, and at 128 causal, and was within 3% of it either way at 128 without the mask;
+// it also gives the same bits on every run, so it is the default.
 #ifdef WITH_CUDA
 // One attribute of q's GPU (cudaDeviceGetAttribute is a lookup, not a driver round trip).
 int device_attribute(const Tensor& q, cudaDeviceAttr attr) {
