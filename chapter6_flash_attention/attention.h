@@ -159,7 +159,10 @@ cudaError_t launch_attention_backward_naive(const AttentionBackwardParams& param
 //     of 8 elements and every pointer 16-byte aligned (16-byte copies). The glue checks all of it.
 //     The rungs differ in their loads and tile shapes (csrc/flash_fwd.h), not in what they compute.
 enum class MmaForward { kMma, kPipelined, kTuned };
-cudaError_t launch_attention_forward_mma(const AttentionParams& params, MmaForward rung, cudaStream_t stream);
+//     With splits > 1 (rung "tuned" only) the keys are cut into that many ranges (split-KV, below)
+//     and `workspace` holds attention_forward_split_workspace bytes.
+cudaError_t launch_attention_forward_mma(const AttentionParams& params, MmaForward rung, cudaStream_t stream,
+                                         int64_t splits = 1, void* workspace = nullptr);
 // The dynamic shared memory one block of those kernels takes (0 for an unsupported head dim):
 // the glue compares it with what the GPU allows a block.
 int64_t attention_forward_mma_smem_bytes(int64_t head_dim, MmaForward rung);
@@ -173,6 +176,32 @@ cudaError_t launch_attention_backward_mma(const AttentionBackwardParams& params,
                                           cudaStream_t stream);
 bool attention_backward_mma_head_dim(int64_t head_dim);
 int64_t attention_backward_mma_smem_bytes(int64_t head_dim);
+// Split-KV (flash-decoding): when the grid of (batch, head, query tile) blocks cannot fill the
+// GPU, the keys are cut into `splits` ranges and each block does one range of one query tile.
+// Split s writes its rows' partial output o_s (normalised by its own sum) in float32 and its
+// lse_s (natural log; -inf: the range held no visible key, and o_s = 0); the combine merges
+//   lse = log sum_s exp(lse_s),   o = sum_s exp(lse_s - lse) o_s
+// the online softmax's rescaling done once, across splits instead of across key tiles. Used by
+// the forward's rung "split_kv" and by the paged decode's v3 (paged.h). Row r of the partials is
+// (b * heads + h) * seqlen + i and goes to out + b * out_batch_stride + h * out_head_stride +
+// i * out_seq_stride; the merged lse (if lse is not null) to lse[r].
+struct SplitCombineParams {
+  DType dtype;  // of out: float16 or bfloat16
+  const float* o_partial;    // [splits][rows][head_dim]
+  const float* lse_partial;  // [splits][rows]
+  int64_t splits, rows, head_dim;
+  int64_t heads, seqlen;
+  void* out;
+  int64_t out_batch_stride, out_head_stride, out_seq_stride;
+  float* lse;
+};
+cudaError_t launch_split_combine(const SplitCombineParams& params, cudaStream_t stream);
+// The forward's split count for rung "split_kv" on a GPU of `sms` multiprocessors (1 when the
+// grid already fills it), and the workspace it takes: splits * rows * (head_dim + 1) floats.
+int64_t attention_forward_splits(const AttentionParams& params, int sms);
+inline int64_t attention_forward_split_workspace(const AttentionParams& p, int64_t splits) {
+  return splits > 1 ? splits * p.batch * p.heads * p.seqlen_q * (p.head_dim + 1) * 4 : 0;
+}
 inline int64_t attention_backward_mma_workspace(const AttentionBackwardParams& g, bool dq_atomic) {
   const AttentionParams& p = g.fwd;
   return p.batch * p.heads * p.seqlen_q * ((dq_atomic ? p.head_dim : 0) + 1) * 4;

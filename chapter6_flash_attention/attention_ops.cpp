@@ -42,23 +42,26 @@ constexpr const char* kBackward = "attention_backward";
 // The ladders. The CPU reference is not a rung: it is what the rungs are held to, and it runs
 // whatever version= names (the names are parsed on every device, so a typo fails on the CPU as
 // it would on CUDA).
-enum class ForwardVersion { kNaive, kTiled, kMma, kPipelined, kTuned };
+enum class ForwardVersion { kNaive, kTiled, kMma, kPipelined, kTuned, kSplitKv };
 enum class BackwardVersion { kNaive, kMma, kMmaDqPass };
 
 constexpr ::course::NamedVersion<ForwardVersion> kForwardVersions[] = {{"naive", ForwardVersion::kNaive},
                                                                       {"tiled", ForwardVersion::kTiled},
                                                                       {"mma", ForwardVersion::kMma},
                                                                       {"pipelined", ForwardVersion::kPipelined},
-                                                                      {"tuned", ForwardVersion::kTuned}};
+                                                                      {"tuned", ForwardVersion::kTuned},
+                                                                      {"split_kv", ForwardVersion::kSplitKv}};
 constexpr ::course::NamedVersion<BackwardVersion> kBackwardVersions[] = {
     {"naive", BackwardVersion::kNaive}, {"mma", BackwardVersion::kMma}, {"mma_dqpass", BackwardVersion::kMmaDqPass}};
 
 bool tensor_core_rung(ForwardVersion v) {
-  return v == ForwardVersion::kMma || v == ForwardVersion::kPipelined || v == ForwardVersion::kTuned;
+  return v == ForwardVersion::kMma || v == ForwardVersion::kPipelined || v == ForwardVersion::kTuned ||
+         v == ForwardVersion::kSplitKv;
 }
 
 #ifdef WITH_CUDA
-// The tensor-core rungs by name, for the checks, which know the version by its name.
+// The tensor-core rungs by name, for the checks, which know the version by its name ("split_kv"
+// runs the tuned kernel).
 MmaForward mma_rung(const std::string& name) {
   return name == "mma" ? MmaForward::kMma : name == "pipelined" ? MmaForward::kPipelined : MmaForward::kTuned;
 }
@@ -69,8 +72,9 @@ bool half_dtype(const Tensor& t) { return t.scalar_type() == at::kHalf || t.scal
 // version=None: the last tensor-core forward rung where it runs (16-bit inputs on sm_80 and
 // newer), else the tiled one, which moves O(seqlen) bytes where the naive one moves O(seqlen^2).
 // In the H100 results (results/nvidia-h100-80gb-hbm3/chapter6_flash_attention.json) each
-// tensor-core rung beats the one before at every seqlen, head_dim and mask measured, so there is
-// no size threshold to dispatch on. The backward: "mma_dqpass" beat "mma" (atomics) at head_dim
+// tensor-core rung beats the one before at every seqlen, head_dim and mask measured. The last,
+// "split_kv", is "tuned" wherever the grid fills the GPU (attention_forward_splits returns 1), so
+// the size threshold is that heuristic's, not a second one here. The backward: "mma_dqpass" beat "mma" (atomics) at head_dim
 // 64, both masks, and at 128 causal, and was within 3% of it either way at 128 without the mask;
 // it also gives the same bits on every run, so it is the default.
 #ifdef WITH_CUDA
@@ -85,7 +89,7 @@ int device_attribute(const Tensor& q, cudaDeviceAttr attr) {
 ForwardVersion default_forward([[maybe_unused]] const Tensor& q) {
 #ifdef WITH_CUDA
   if (q.is_cuda() && half_dtype(q) && device_attribute(q, cudaDevAttrComputeCapabilityMajor) >= 8) {
-    return ForwardVersion::kTuned;
+    return ForwardVersion::kSplitKv;
   }
 #endif
   return ForwardVersion::kTiled;
@@ -207,6 +211,12 @@ void forward_cuda(ForwardVersion v, const AttentionParams& p, const Tensor& q, c
     case ForwardVersion::kTuned:
       C10_CUDA_CHECK(launch_attention_forward_mma(p, MmaForward::kTuned, stream));
       return;
+    case ForwardVersion::kSplitKv: {
+      const int64_t splits = attention_forward_splits(p, device_attribute(q, cudaDevAttrMultiProcessorCount));
+      const Tensor partials = workspace(attention_forward_split_workspace(p, splits), q);
+      C10_CUDA_CHECK(launch_attention_forward_mma(p, MmaForward::kTuned, stream, splits, partials.mutable_data_ptr()));
+      return;
+    }
   }
 }
 

@@ -26,6 +26,10 @@ recorded once; sdpa_math is skipped where its float32 score matrices would pass 
 every rung of flash_attention.VERSIONS and `default` (version=None). speedup_vs_torch is against
 sdpa_flash at the same row (the record's "baseline" field says so).
 
+Split-KV rows (op attention_split_kv, CUDA only): 1, 16 and 128 query rows of 16 heads against
+4K-128K keys, where one (batch, head, query tile) block per head leaves 116 of 132 SMs idle; the
+rows give GB/s over q, k, v and o, the bytes such a call cannot avoid, and TFLOP/s beside them.
+
 Timing: CUDA graphs (bench.time_cuda_graph), CUDA events around each replay, median of 20
 replays; a graph that fails to capture falls back to events and the row says so. Backward rows
 of SDPA, and the row of ours marked call=autograd, time torch.autograd.grad of the output over a
@@ -322,6 +326,63 @@ def bench_timing(device, mm, s, notes):
 
 
 # ---------------------------------------------------------------------------------------------
+# Split-KV: a few query rows against a long context
+# ---------------------------------------------------------------------------------------------
+SPLIT_KV = {"batch": 1, "heads": 16, "head_dim": 128, "dtype": "bfloat16",
+            "seqlen_q": [1, 16, 128], "seqlen_k": [4096, 16384, 65536, 131072]}
+
+
+def attention_bytes(batch, heads, seqlen_q, seqlen_k, head_dim, itemsize):
+    """The least a forward moves: q and o once, k and v once (heads_kv == heads here). With few
+    query rows it is all k and v: the row is memory bound, and bandwidth is its measure."""
+    return (2 * seqlen_q + 2 * seqlen_k) * batch * heads * head_dim * itemsize
+
+
+def bench_split_kv(device, ceilings, notes):
+    """Rung "split_kv" where it exists for: batch 1, 16 heads, 1 to 128 query rows (one query
+    tile or less: 16 blocks for 132 SMs without splitting) against 4K-128K keys, not causal
+    (SDPA aligns a causal mask top-left, this chapter bottom-right, and the two differ when
+    s_q != s_k). "tuned" is the same kernel unsplit; sdpa_flash is the baseline."""
+    if device != "cuda":
+        notes.skip("attention_split_kv", "split-KV rows run on CUDA only (the rung is a CUDA kernel)", device)
+        return []
+    c = SPLIT_KV
+    b, h, d = c["batch"], c["heads"], c["head_dim"]
+    dtype = getattr(torch, c["dtype"])
+    rows = []
+    for n_k in c["seqlen_k"]:
+        g = torch.Generator(device=device).manual_seed(1)
+        k, v = (torch.randn(b, h, n_k, d, generator=g, device=device, dtype=dtype) for _ in range(2))
+        for n_q in c["seqlen_q"]:
+            q = torch.randn(b, h, n_q, d, generator=g, device=device, dtype=dtype)
+            where = f"split_kv s_q={n_q} s_k={n_k}"
+            calls = [("sdpa_flash", lambda: sdpa_call(SDPBackend.FLASH_ATTENTION, False)(q, k, v)),
+                     ("sdpa_cudnn", lambda: sdpa_call(SDPBackend.CUDNN_ATTENTION, False)(q, k, v))]
+            calls += [(ver, lambda ver=ver: flash_attention.attention(q, k, v, version=ver))
+                      for ver in ("tuned", "split_kv", None)]
+            nbytes = attention_bytes(b, h, n_q, n_k, d, q.element_size())
+            flops = attention_flops(b, h, n_q, n_k, d, False)
+            t_base = None
+            for variant, fn in calls:
+                variant = variant or "default"
+                est = attempt(notes, variant, where, lambda: probe(fn, device))
+                t = est is not None and attempt(notes, variant, where, lambda: timed(device, fn, est))
+                if not t:
+                    continue
+                if variant == BASELINE:
+                    t_base = t["median_ms"]
+                rows.append(bench.bandwidth_row(
+                    "attention_split_kv", variant, dtype, [b, h, n_q, n_k, d], nbytes, t, ceilings["copy_GBps"],
+                    t_base, **{"pass": "forward", "causal": False, "head_dim": d, "batch": b, "heads": h,
+                               "seqlen_q": n_q, "seqlen_k": n_k, "flops": flops,
+                               "TFLOPs": bench.tflops(flops, t["median_ms"])}))
+            del q
+        del k, v
+        torch.cuda.empty_cache()
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
 # Memory: what each forward allocates beyond its inputs
 # ---------------------------------------------------------------------------------------------
 def forward_calls(device, causal):
@@ -569,6 +630,17 @@ def print_table(record):
         cells = "".join(f" {mine[n]['TFLOPs']:>8.3g}" if n in mine else f" {'-':>8}" for n in s["seqlens"])
         last = mine.get(s["seqlens"][-1], {}).get("speedup_vs_torch")
         print(f"{p:<9}{str(causal):<7}{d:>4}  {variant[:19]:<20}{cells}  {'' if last is None else f'{last:.2f}'}")
+    split = results.rows(record, op="attention_split_kv")
+    if split:
+        variants = list(dict.fromkeys(results.column(r) for r in split))
+        print(f"\nsplit-KV: {split[0]['dtype']}, batch {split[0]['batch']}, {split[0]['heads']} heads, "
+              f"d {split[0]['head_dim']}, not causal; GB/s of q, k, v and o (% of copy)")
+        print(f"{'s_q':>5}{'s_k':>8}" + "".join(f" {v[:14]:>16}" for v in variants))
+        for n_q, n_k in dict.fromkeys((r["seqlen_q"], r["seqlen_k"]) for r in split):
+            got = {results.column(r): r for r in split if (r["seqlen_q"], r["seqlen_k"]) == (n_q, n_k)}
+            print(f"{n_q:>5}{n_k:>8}" + "".join(
+                f" {got[v]['GBps']:>8.0f} ({got[v]['pct_of_copy']:>3.0f}%)" if v in got else f" {'-':>16}"
+                for v in variants))
     mem = results.rows(record, op="attention_memory")
     if mem:
         print(f"\nforward memory over the inputs, {mem[0]['dtype']} {shape_text(mem[0]['shape'])} "
@@ -601,6 +673,7 @@ def main():
     notes = Notes()
     tensor_MiB = s["tokens"] * s["hidden"] * torch.empty((), dtype=getattr(torch, s["dtypes"][0])).element_size() / 2**20
     rows = bench_timing(device, ceilings["mm_TFLOPs"], s, notes)
+    rows += bench_split_kv(device if not quick else "quick", ceilings, notes)
     rows += bench_memory(device, s["memory"], notes)
     if device != "cuda":
         notes.skip("attention_memory", "memory rows need CUDA (torch.cuda.max_memory_allocated)", "cpu")

@@ -5,7 +5,7 @@
 CPP_SOURCES = ["attention_ops.cpp", "attention_cpu.cpp"]
 # The tensor-core rungs (csrc/): one file per pass, dtype and head dim, as FlashAttention 2
 # splits its instantiations, so that ninja compiles them side by side.
-TENSOR_CORE_SOURCES = ["csrc/flash_fwd_dispatch.cu", "csrc/flash_bwd_dispatch.cu"] + [
+TENSOR_CORE_SOURCES = ["csrc/flash_fwd_dispatch.cu", "csrc/flash_bwd_dispatch.cu", "csrc/split_combine.cu"] + [
     f"csrc/flash_fwd_{dtype}_hdim{d}.cu" for dtype in ("bf16", "fp16") for d in (32, 64, 96, 128, 256)] + [
     f"csrc/flash_bwd_{dtype}_hdim{d}.cu" for dtype in ("bf16", "fp16") for d in (32, 64, 96, 128)]
 CUDA_SOURCES = ["attention_naive_kernels.cu", "attention_tiled_kernels.cu"] + TENSOR_CORE_SOURCES

@@ -408,7 +408,7 @@ MISUSES = {
                          r"attention_forward: q's last dim \(head_dim\) is not contiguous \(stride 5\)"),
     "unknown version": (lambda: flash_attention.attention(_t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8),
                                                           version="v1"),
-                        r"attention_forward: unknown version 'v1'; expected one of naive, tiled, mma, pipelined, tuned \(or None"),
+                        r"attention_forward: unknown version 'v1'; expected one of naive, tiled, mma, pipelined, tuned, split_kv \(or None"),
     "backward lse dtype": (lambda: flash_attention.attention_backward(
         _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8),
         _t(1, 2, 5, dtype=torch.float64), 0.5),
@@ -470,7 +470,7 @@ BACKWARD_VERSIONS = flash_attention.VERSIONS["attention_backward"]
 CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # The tensor-core rungs take the 16-bit types only, on sm_80 and newer (mma.sync m16n8k16 in
 # bfloat16 and cp.async); the glue refuses anything else with a message (tested below).
-TENSOR_CORE_VERSIONS = ("mma", "pipelined", "tuned")
+TENSOR_CORE_VERSIONS = ("mma", "pipelined", "tuned", "split_kv")
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -771,7 +771,8 @@ def test_cuda_no_keys_and_empty(dtype):
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=dtype_id)
 def test_cuda_default_dispatch(dtype):
     """version=None (attention_ops.cpp): the tuned tensor-core forward where it runs (16-bit on
-    sm_80+), else the tiled one; one kernel either way, never the naive three."""
+    sm_80+), split along the keys when the grid is small and the keys many, else the tiled one;
+    never the naive three."""
     require_cuda()
     from coursekit.pytest_plugin import launched_kernels
     q, k, v = make_qkv(1, 2, 2, 64, 64, 64, dtype=dtype, device="cuda")
@@ -779,7 +780,37 @@ def test_cuda_default_dispatch(dtype):
     wanted = "flash_fwd_kernel" if takes("tuned", dtype) else "forward_tiled_kernel"
     assert any(wanted in n for n in names) and not any("scores_kernel" in n for n in names), names
     if wanted == "flash_fwd_kernel":
-        assert any("FwdTraits<64, (flash_attention::MmaForward)2>" in n for n in names), names  # kTuned, demangled
+        # kTuned, demangled; 64 keys are one tile: nothing to split, no combine
+        assert any("FwdTraits<64, (flash_attention::MmaForward)2>, false>" in n for n in names), names
+        assert not any("split_combine_kernel" in n for n in names), names
+        # one query tile of 4 heads against 8192 keys: 4 blocks for 132 SMs, so the keys are split
+        q, k, v = make_qkv(1, 4, 4, 1, 8192, 64, dtype=dtype, device="cuda")
+        _, names = launched_kernels(lambda: flash_attention.attention(q, k, v), "flash_attention")
+        assert any("FwdTraits<64, (flash_attention::MmaForward)2>, true>" in n for n in names), names
+        assert any("split_combine_kernel" in n for n in names), names
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+def test_cuda_split_kv_long_keys(dtype, head_dim):
+    """Rung "split_kv" where it splits most: a few query rows against thousands of keys (decoding,
+    a prompt chunk against its cache), causal or not, GQA, a partial last key tile, and a causal
+    case whose early splits see keys that its later rows' splits do not. Against the reference,
+    and against "tuned", which computes the same rows without splitting."""
+    require_cuda()
+    skip_unless_takes("split_kv", dtype)
+    for heads, heads_kv, seqlen_q, seqlen_k in [(4, 1, 1, 5001), (8, 2, 77, 4099), (2, 2, 300, 2000)]:
+        for causal in (False, True):
+            q, k, v = cuda_inputs(heads, heads_kv, seqlen_q, seqlen_k, head_dim, dtype, batch=1)
+            what = f"split_kv {dtype_id(dtype)} h{heads}/{heads_kv} s{seqlen_q}x{seqlen_k} d{head_dim} causal={causal}"
+            check_cuda_forward(q, k, v, causal, "split_kv", what)
+            split = flash_attention.attention(q, k, v, causal=causal, return_lse=True, version="split_kv")
+            whole = flash_attention.attention(q, k, v, causal=causal, return_lse=True, version="tuned")
+            # the same exponentials, merged across splits in float32 instead of across tiles
+            torch.testing.assert_close(split[1], whole[1], rtol=1e-5, atol=1e-5, msg=lambda m: f"{what} lse: {m}")
+            torch.testing.assert_close(split[0].float(), whole[0].float(), **dict(zip(("rtol", "atol"),
+                                       forward_tol(dtype, "split_kv", v))), msg=lambda m: f"{what}: {m}")
 
 
 @pytest.mark.cuda
@@ -841,9 +872,10 @@ def test_cuda_opcheck(call):
 @pytest.mark.cuda
 def test_cuda_graph_capture():
     """Every rung replays inside a CUDA graph: no host sync, the naive rungs' workspaces taken
-    from the graph's pool through the caching allocator, the current stream honoured."""
+    from the graph's pool through the caching allocator, the current stream honoured. 600 keys
+    for 8 query tiles: "split_kv" splits them, so its partials' workspace is captured too."""
     require_cuda()
-    q, k, v = make_qkv(2, 4, 2, 100, 77, 64, dtype=torch.bfloat16, device="cuda")
+    q, k, v = make_qkv(2, 4, 2, 100, 600, 64, dtype=torch.bfloat16, device="cuda")
     grad_out = torch.randn(2, 4, 100, 64, device="cuda").to(torch.bfloat16)
 
     def step():

@@ -23,11 +23,18 @@ namespace flash_attention {
 // Registers bind: dK and dV rows are 2 * d / 8 n8 tiles of 4 floats (64 each at d = 128), and
 // S^T and dP^T of a 64-row query tile 32 each. That is why kBlockM is 64 and head dim 256
 // (dK and dV alone would take 256 registers) stays on the naive backward.
+//
+// The memory pipeline (the forward's rung 4, applied to both kernels of the backward): the tiles
+// a kernel walks are copied with cp.async into two stages, the next while the current computes:
+// Q and dO (and their rows' lse and D) for the dK/dV kernel, K and V for the dQ kernel. So a
+// block holds six tiles: at d = 128, 6 x 17 KiB plus dS^T, 112 KiB, two blocks on an H100 SM
+// (228 KiB) and one on an A100's (164 KiB).
 // ------------------------------------------------------------------------------------------
 template <int kHeadDim_>
 struct BwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr bool kPipelined = false;  // synchronous tile loads (flash_tiles.cuh)
+  static constexpr bool kPipelined = true;  // cp.async tile copies (flash_tiles.cuh)
+  static constexpr int kStages = 2;
   static constexpr int kNWarps = 4;
   static constexpr int kThreads = kNWarps * 32;
   static constexpr int kBlockN = 16 * kNWarps;  // keys per block: 16 per warp
@@ -37,8 +44,10 @@ struct BwdTraits {
   static_assert(kBlockM == kBlockN, "one tile size for Q, dO, K and V");
   static constexpr int kTileElems = kBlockN * kRowStride;
   static constexpr int kDsStride = kBlockM + 8;  // dS^T: kBlockN rows (keys) of kBlockM (query rows)
-  // Q, dO, K, V tiles, dS^T (16-bit), then lse and D of the query tile (float32).
-  static constexpr int kSmemBytes = (4 * kTileElems + kBlockN * kDsStride) * 2 + 2 * kBlockM * 4;
+  // Six tiles (the walked pair in two stages, the held pair once), dS^T (16-bit), then lse and D
+  // of the query tile in two stages (float32).
+  static constexpr int kSmemBytes =
+      ((2 * kStages + 2) * kTileElems + kBlockN * kDsStride) * 2 + 2 * kStages * kBlockM * 4;
   static_assert(kHeadDim % 16 == 0 && kHeadDim <= 128, "the tensor-core backward takes head_dim 32-128");
 
   __device__ static __forceinline__ int offset(int row, int col) { return row * kRowStride + col; }

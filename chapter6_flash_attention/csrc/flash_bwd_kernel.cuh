@@ -19,9 +19,9 @@
 // float32 dQ with atomicAdd. The C-to-A register identity of the forward (mma.cuh) serves twice
 // here: P^T and dS^T are A operands straight from the accumulators.
 //
-// The loads are synchronous and every tile is masked: the pipelining of the forward's rung 4 is
-// the next step for this pass. dQ's atomics make the float32 sums' order, and so dQ's last bits,
-// vary from run to run.
+// The loads are cp.async copies, double-buffered (flash_bwd.h), and only the (query tile, key
+// tile) pairs a mask can bite are masked: the forward's rung 4, applied here. dQ's atomics make
+// the float32 sums' order, and so dQ's last bits, vary from run to run.
 //
 // No torch headers: this file builds with a bare `nvcc -c`.
 #pragma once
@@ -38,6 +38,47 @@
 
 namespace flash_attention {
 
+// Which scores of a (query tile, key tile) pair are visible, in tile coordinates (row rc, key kc):
+// worked out once per pair in 64 bits, then one or two 32-bit compares per score. Only the pairs a
+// mask can bite are masked (the forward's rung 4): a key tile running past seqlen_k and, causal, a
+// pair crossing the diagonal. Rows past seqlen_q need no mask: their lse is +inf (load_row_stats),
+// so their P is 0 whatever the score.
+struct TileMask {
+  bool active;    // false: every score of the pair is visible
+  bool causal;
+  int key_limit;  // keys kc >= key_limit are past seqlen_k
+  int diag;       // causal: key kc is visible to row rc iff kc <= rc + diag
+  __device__ __forceinline__ bool visible(int rc, int kc) const {
+    return !active || (kc < key_limit && (!causal || kc <= rc + diag));
+  }
+};
+
+template <typename K>
+__device__ __forceinline__ TileMask tile_mask(const AttentionParams& p, int64_t m0, int64_t n0) {
+  const int64_t diag = m0 + p.seqlen_k - p.seqlen_q - n0;
+  TileMask m;
+  m.causal = p.causal;
+  m.active = n0 + K::kBlockN > p.seqlen_k || (p.causal && K::kBlockN - 1 > diag);
+  // Clamped into int: a limit beyond the tile's edges decides nothing more.
+  m.key_limit = static_cast<int>(min(p.seqlen_k - n0, int64_t{K::kBlockN}));
+  m.diag = static_cast<int>(max(min(diag, int64_t{K::kBlockN}), int64_t{-K::kBlockM - 1}));
+  return m;
+}
+
+// Query row `row` of head bh's lse and D, as the P and dS formulas use them: lse in log2 units,
+// and +inf for rows past the end and rows without a visible key (lse -inf), so that their
+// exp2(s - lse) is 0 whatever the mask says.
+struct RowStats {
+  float lse2, d;
+};
+__device__ __forceinline__ RowStats row_stats(const AttentionParams& p, const float* d_rows, int64_t bh,
+                                              int64_t row) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  if (row >= p.seqlen_q) return {INFINITY, 0.f};
+  const float lse = static_cast<const float*>(p.lse)[bh * p.seqlen_q + row];
+  return {lse == -INFINITY ? INFINITY : lse * kLog2e, d_rows[bh * p.seqlen_q + row]};
+}
+
 // kDqAtomic: this kernel also adds each key tile's dQ into the float32 sums (rung "mma");
 // without it, it computes dK and dV only and flash_bwd_dq_kernel below makes dQ (rung
 // "mma_dqpass").
@@ -49,16 +90,15 @@ __global__ void __launch_bounds__(K::kThreads)
   constexpr int kD = K::kHeadDim;
   constexpr int kMTiles = K::kBlockM / 8;  // n8 tiles of S^T (query rows as n)
   constexpr int kDTiles = kD / 8;
-  constexpr float kLog2e = 1.4426950408889634f;
   const AttentionParams& p = g.fwd;
   extern __shared__ __align__(16) unsigned char smem[];
-  T* q_s = reinterpret_cast<T*>(smem);
-  T* do_s = q_s + K::kTileElems;
-  T* k_s = do_s + K::kTileElems;
+  T* q_s = reinterpret_cast<T*>(smem);  // two stages
+  T* do_s = q_s + K::kStages * K::kTileElems;  // two stages
+  T* k_s = do_s + K::kStages * K::kTileElems;
   T* v_s = k_s + K::kTileElems;
   T* ds_s = v_s + K::kTileElems;
-  float* lse_s = reinterpret_cast<float*>(ds_s + K::kBlockN * K::kDsStride);
-  float* dr_s = lse_s + K::kBlockM;
+  float* lse_s = reinterpret_cast<float*>(ds_s + K::kBlockN * K::kDsStride);  // two stages
+  float* dr_s = lse_s + K::kStages * K::kBlockM;                             // two stages
 
   // Flattened grid, key tiles fastest: (key tile, batch, kv head).
   const int64_t tile = blockIdx.x % k_tiles;
@@ -71,12 +111,9 @@ __global__ void __launch_bounds__(K::kThreads)
   const int lane = threadIdx.x % 32;
   const int gr = lane / 4;  // mma.cuh's g
   const int t = lane % 4;
-  const int64_t diag = p.seqlen_k - p.seqlen_q;
 
   const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
   const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
-  load_tile<K, K::kBlockN>(k_s, k, p.k_seq_stride, n0, p.seqlen_k);
-  load_tile<K, K::kBlockN>(v_s, v, p.v_seq_stride, n0, p.seqlen_k);
 
   float dk[kDTiles][4];
   float dv[kDTiles][4];
@@ -86,110 +123,149 @@ __global__ void __launch_bounds__(K::kThreads)
     for (int e = 0; e < 4; ++e) dk[d][e] = dv[d][e] = 0.f;
   }
 
-  // The first query row that sees any key of the tile: causal rows above it see none of them.
+  // The steps: every query tile, from the first that sees a key of this tile (causal rows above it
+  // see none of them), of every query head that reads this kv head; step i is head
+  // hk * group + i / tiles_per_head, tile i % tiles_per_head.
   const int64_t m_first = first_visible_row(n0, p.seqlen_q, p.seqlen_k, p.causal);
   const int64_t m_begin = m_first / K::kBlockM * K::kBlockM;
-
-  for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
-    const int64_t bh = b * p.heads + h;
+  const int64_t tiles_per_head = course::ceil_div(p.seqlen_q - m_begin, static_cast<int64_t>(K::kBlockM));
+  const int64_t steps = group * tiles_per_head;
+  // Step i's Q and dO copied into stage `stage`, and the row statistics thread x < kBlockM keeps
+  // for row x of the step's tile (plain loads into registers, stored to the stage's shared memory
+  // one trip later, by which time they have long arrived: a store right after the load would
+  // wait out the global memory's latency).
+  static_assert(K::kThreads >= K::kBlockM, "one row's statistics per thread");
+  auto load_step = [&](int64_t i, int stage) {
+    const int64_t h = hk * group + i / tiles_per_head;
+    const int64_t m0 = m_begin + i % tiles_per_head * K::kBlockM;
     const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
     const T* dout = static_cast<const T*>(g.dout) + b * g.do_batch_stride + h * g.do_head_stride;
-    float* dq = kDqAtomic ? dq_accum + bh * p.seqlen_q * kD : nullptr;
-    for (int64_t m0 = m_begin; m0 < p.seqlen_q; m0 += K::kBlockM) {
-      load_tile<K, K::kBlockM>(q_s, q, p.q_seq_stride, m0, p.seqlen_q);
-      load_tile<K, K::kBlockM>(do_s, dout, g.do_seq_stride, m0, p.seqlen_q);
-      for (int i = threadIdx.x; i < K::kBlockM; i += K::kThreads) {
-        const int64_t row = m0 + i;
-        // lse in log2 units; +inf for rows past the end and rows without a visible key (lse
-        // -inf), so that their exp2(s - lse) is 0 whatever the mask says.
-        const float lse = row < p.seqlen_q ? static_cast<const float*>(p.lse)[bh * p.seqlen_q + row] : INFINITY;
-        lse_s[i] = lse == -INFINITY ? INFINITY : lse * kLog2e;
-        dr_s[i] = row < p.seqlen_q ? d_rows[bh * p.seqlen_q + row] : 0.f;
-      }
-      // The tiles (K and V on the first trip too) and the row statistics, visible to every warp.
-      __syncthreads();
+    load_tile<K, K::kBlockM>(q_s + stage * K::kTileElems, q, p.q_seq_stride, m0, p.seqlen_q);
+    load_tile<K, K::kBlockM>(do_s + stage * K::kTileElems, dout, g.do_seq_stride, m0, p.seqlen_q);
+    return threadIdx.x < K::kBlockM ? row_stats(p, d_rows, b * p.heads + h, m0 + threadIdx.x) : RowStats{};
+  };
+  auto stash_stats = [&](const RowStats& r, int stage) {
+    if (threadIdx.x < K::kBlockM) {
+      lse_s[stage * K::kBlockM + threadIdx.x] = r.lse2;
+      dr_s[stage * K::kBlockM + threadIdx.x] = r.d;
+    }
+  };
 
-      // S^T = K_w Q^T: the warp's 16 keys x the tile's 64 rows.
-      float st[kMTiles][4];
-      float dpt[kMTiles][4];
+  // K, V and the first step's tiles in one batch of copies.
+  load_tile<K, K::kBlockN>(k_s, k, p.k_seq_stride, n0, p.seqlen_k);
+  load_tile<K, K::kBlockN>(v_s, v, p.v_seq_stride, n0, p.seqlen_k);
+  if (steps > 0) stash_stats(load_step(0, 0), 0);
+  mma::cp_async_commit();
+
+  for (int64_t i = 0; i < steps; ++i) {
+    const int stage = static_cast<int>(i % 2);
+    const int64_t h = hk * group + i / tiles_per_head;
+    const int64_t m0 = m_begin + i % tiles_per_head * K::kBlockM;
+    const int64_t bh = b * p.heads + h;
+    // Step i + 1 into the other stage, whose last readers (step i - 1) passed the barrier at the
+    // end of the previous trip; then wait for step i's copies only (one batch may stay in flight).
+    RowStats next{};
+    if (i + 1 < steps) {
+      next = load_step(i + 1, 1 - stage);
+      mma::cp_async_commit();
+      mma::cp_async_wait<1>();
+    } else {
+      mma::cp_async_wait<0>();
+    }
+    // Each thread waited for its own copies only: the barrier makes every thread's part of this
+    // step's tiles and row statistics (and K and V, on the first trip) visible to all the warps.
+    __syncthreads();
+    const T* qt = q_s + stage * K::kTileElems;
+    const T* dot = do_s + stage * K::kTileElems;
+    const float* lse_t = lse_s + stage * K::kBlockM;
+    const float* dr_t = dr_s + stage * K::kBlockM;
+
+    // S^T = K_w Q^T: the warp's 16 keys x the tile's 64 rows.
+    float st[kMTiles][4];
+    float dpt[kMTiles][4];
+#pragma unroll
+    for (int j = 0; j < kMTiles; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) st[j][e] = dpt[j][e] = 0.f;
+    }
+    mma::gemm_nt<T, K, kD, K::kBlockM>(st, k_s, warp * 16, qt, 0, lane);
+    mma::gemm_nt<T, K, kD, K::kBlockM>(dpt, v_s, warp * 16, dot, 0, lane);
+
+    // P^T and dS^T in place: element st[j][e] is key 16w + gr + 8(e / 2) of the tile, query row
+    // 8j + 2t + e % 2.
+    const TileMask mask = tile_mask<K>(p, m0, n0);
+#pragma unroll
+    for (int j = 0; j < kMTiles; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int rc = 8 * j + 2 * t + e % 2;
+        const float pt = mask.visible(rc, 16 * warp + gr + 8 * (e / 2)) ? exp2f(st[j][e] * scale_log2 - lse_t[rc]) : 0.f;
+        st[j][e] = pt;
+        dpt[j][e] = pt * (dpt[j][e] - dr_t[rc]);  // dS^T
+      }
+    }
+
+    // dV_w += P^T dO and dK_w += dS^T Q, the k dimension being the tile's query rows.
+    mma::gemm_rs<T, K, K::kBlockM, kD>(dv, st, dot, 0, lane);
+    mma::gemm_rs<T, K, K::kBlockM, kD>(dk, dpt, qt, 0, lane);
+
+    if constexpr (kDqAtomic) {
+      float* dq = dq_accum + bh * p.seqlen_q * kD;
+      // dS^T to shared memory, rounded to T as the mma will read it: row 16w + gr (+8) of the
+      // tile's keys, columns 8j + 2t and + 1 (one 4-byte store).
 #pragma unroll
       for (int j = 0; j < kMTiles; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) st[j][e] = dpt[j][e] = 0.f;
-      }
-      mma::gemm_nt<T, K, kD, K::kBlockM>(st, k_s, warp * 16, q_s, 0, lane);
-      mma::gemm_nt<T, K, kD, K::kBlockM>(dpt, v_s, warp * 16, do_s, 0, lane);
-
-      // P^T and dS^T in place: element st[j][e] is key n0 + 16w + gr + 8(e / 2), query row
-      // m0 + 8j + 2t + e % 2.
-#pragma unroll
-      for (int j = 0; j < kMTiles; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = 8 * j + 2 * t + e % 2;
-          const int64_t key = n0 + 16 * warp + gr + 8 * (e / 2);
-          const int64_t row = m0 + i;
-          const bool visible = key < p.seqlen_k && (!p.causal || key <= row + diag);
-          const float pt = visible ? exp2f(st[j][e] * scale_log2 - lse_s[i]) : 0.f;
-          st[j][e] = pt;
-          dpt[j][e] = pt * (dpt[j][e] - dr_s[i]);  // dS^T
-        }
-      }
-
-      // dV_w += P^T dO and dK_w += dS^T Q, the k dimension being the tile's query rows.
-      mma::gemm_rs<T, K, K::kBlockM, kD>(dv, st, do_s, 0, lane);
-      mma::gemm_rs<T, K, K::kBlockM, kD>(dk, dpt, q_s, 0, lane);
-
-      if constexpr (kDqAtomic) {
-        // dS^T to shared memory, rounded to T as the mma will read it: row 16w + gr (+8) of the
-        // tile's keys, columns 8j + 2t and + 1 (one 4-byte store).
-#pragma unroll
-        for (int j = 0; j < kMTiles; ++j) {
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            *reinterpret_cast<uint32_t*>(ds_s + (16 * warp + gr + 8 * r) * K::kDsStride + 8 * j + 2 * t) =
-                mma::pack2<T>(dpt[j][2 * r], dpt[j][2 * r + 1]);
-          }
-        }
-        // Every warp's dS^T rows are in shared memory before any warp reads a column of them.
-        __syncthreads();
-
-        // dQ rows 16w..16w+15 of the tile += dS K over the block's 64 keys, d in n8 tiles.
-        float acc[kDTiles][4];
-#pragma unroll
-        for (int d = 0; d < kDTiles; ++d) acc[d][0] = acc[d][1] = acc[d][2] = acc[d][3] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < K::kBlockN / 16; ++kk) {
-          // A = dS (rows x keys) from the dS^T tile (keys x rows), read transposed: matrices
-          // (keys 0-7, rows 0-7), (keys 0-7, rows 8-15), (keys 8-15, rows 0-7), (keys 8-15, rows 8-15).
-          uint32_t a[4];
-          mma::ldmatrix_x4_trans(a, mma::smem_address(ds_s + (kk * 16 + lane % 8 + (lane / 16) * 8) * K::kDsStride +
-                                                      warp * 16 + ((lane / 8) % 2) * 8));
-#pragma unroll
-          for (int dp = 0; dp < kD / 16; ++dp) {
-            uint32_t bk[4];
-            mma::ldmatrix_x4_trans(bk, mma::smem_address(k_s + K::offset(kk * 16 + lane % 8 + ((lane / 8) % 2) * 8,
-                                                                         dp * 16 + (lane / 16) * 8)));
-            mma::mma_16816<T>(acc[2 * dp], a, bk[0], bk[1]);
-            mma::mma_16816<T>(acc[2 * dp + 1], a, bk[2], bk[3]);
-          }
-        }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const int64_t row = m0 + 16 * warp + gr + 8 * r;
-          if (row < p.seqlen_q) {  // the tile's rows past the end were zeros: nothing to add
+          *reinterpret_cast<uint32_t*>(ds_s + (16 * warp + gr + 8 * r) * K::kDsStride + 8 * j + 2 * t) =
+              mma::pack2<T>(dpt[j][2 * r], dpt[j][2 * r + 1]);
+        }
+      }
+      // Every warp's dS^T rows are in shared memory before any warp reads a column of them.
+      __syncthreads();
+
+      // dQ rows 16w..16w+15 of the tile += dS K over the block's 64 keys, d in n8 tiles.
+      float acc[kDTiles][4];
 #pragma unroll
-            for (int d = 0; d < kDTiles; ++d) {
-              atomicAdd(dq + row * kD + 8 * d + 2 * t, acc[d][2 * r]);
-              atomicAdd(dq + row * kD + 8 * d + 2 * t + 1, acc[d][2 * r + 1]);
-            }
+      for (int d = 0; d < kDTiles; ++d) acc[d][0] = acc[d][1] = acc[d][2] = acc[d][3] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < K::kBlockN / 16; ++kk) {
+        // A = dS (rows x keys) from the dS^T tile (keys x rows), read transposed: matrices
+        // (keys 0-7, rows 0-7), (keys 0-7, rows 8-15), (keys 8-15, rows 0-7), (keys 8-15, rows 8-15).
+        uint32_t a[4];
+        mma::ldmatrix_x4_trans(a, mma::smem_address(ds_s + (kk * 16 + lane % 8 + (lane / 16) * 8) * K::kDsStride +
+                                                    warp * 16 + ((lane / 8) % 2) * 8));
+#pragma unroll
+        for (int dp = 0; dp < kD / 16; ++dp) {
+          uint32_t bk[4];
+          mma::ldmatrix_x4_trans(bk, mma::smem_address(k_s + K::offset(kk * 16 + lane % 8 + ((lane / 8) % 2) * 8,
+                                                                       dp * 16 + (lane / 16) * 8)));
+          mma::mma_16816<T>(acc[2 * dp], a, bk[0], bk[1]);
+          mma::mma_16816<T>(acc[2 * dp + 1], a, bk[2], bk[3]);
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int64_t row = m0 + 16 * warp + gr + 8 * r;
+        if (row < p.seqlen_q) {  // the tile's rows past the end were zeros: nothing to add
+#pragma unroll
+          for (int d = 0; d < kDTiles; ++d) {
+            atomicAdd(dq + row * kD + 8 * d + 2 * t, acc[d][2 * r]);
+            atomicAdd(dq + row * kD + 8 * d + 2 * t + 1, acc[d][2 * r + 1]);
           }
         }
       }
-      // Every warp is done with this tile's Q, dO (and dS^T) before the next trip overwrites them.
-      __syncthreads();
     }
+    // Step i + 1's row statistics into the other stage (read by no one since step i - 1).
+    if (i + 1 < steps) stash_stats(next, 1 - stage);
+    // Every warp is done with this stage's Q, dO and row statistics (and dS^T) before the copies
+    // of step i + 2, issued at the top of the next trip, overwrite them; and the statistics just
+    // stashed are visible to every warp at the top of the next trip.
+    __syncthreads();
   }
+  // No step (no row sees these keys): K and V's copies may still be in flight; they must land
+  // before the block's shared memory is handed to another block.
+  mma::cp_async_wait<0>();
 
   // dK = scale dS^T Q and dV, summed over the group's query heads, once per key.
   const float scale = static_cast<float>(p.scale);
@@ -212,9 +288,10 @@ __global__ void __launch_bounds__(K::kThreads)
 }
 
 // The deterministic dQ (rung "mma_dqpass"): FlashAttention 2's other option. A block owns 64
-// query rows of one head, each warp 16 of them, and walks the key tiles as the forward does,
-// recomputing S and P, and dP = dO V^T, then dQ_w += dS K in registers: one writer per dQ
-// element, so no atomics and the same bits on every run, for a second pass over K and V.
+// query rows of one head, each warp 16 of them, and walks the key tiles as the forward does
+// (K and V double-buffered through cp.async, as in the forward's rung 4), recomputing S and P,
+// and dP = dO V^T, then dQ_w += dS K in registers: one writer per dQ element, so no atomics and
+// the same bits on every run, for a second pass over K and V.
 //   S   = Q_w K^T    A: Q rows (ldmatrix)     B: K rows (ldmatrix, n-major)
 //   dP  = dO_w V^T   A: dO rows (ldmatrix)    B: V rows (ldmatrix, n-major)
 //   dS  = P * (dP - D),   P = exp2(S scale log2(e) - lse log2(e)), 0 where not visible
@@ -227,13 +304,12 @@ __global__ void __launch_bounds__(K::kThreads)
   constexpr int kD = K::kHeadDim;
   constexpr int kNTiles = K::kBlockN / 8;
   constexpr int kDTiles = kD / 8;
-  constexpr float kLog2e = 1.4426950408889634f;
   const AttentionParams& p = g.fwd;
   extern __shared__ __align__(16) unsigned char smem[];
   T* q_s = reinterpret_cast<T*>(smem);
   T* do_s = q_s + K::kTileElems;
-  T* k_s = do_s + K::kTileElems;
-  T* v_s = k_s + K::kTileElems;
+  T* k_s = do_s + K::kTileElems;                 // two stages
+  T* v_s = k_s + K::kStages * K::kTileElems;    // two stages
 
   const int64_t tile = blockIdx.x % q_tiles;
   const int64_t bh = blockIdx.x / q_tiles;
@@ -246,41 +322,46 @@ __global__ void __launch_bounds__(K::kThreads)
   const int gr = lane / 4;
   const int t = lane % 4;
   const int64_t row0 = m0 + warp * 16 + gr;
-  const int64_t diag = p.seqlen_k - p.seqlen_q;
 
   const int64_t last_row = (m0 + K::kBlockM < p.seqlen_q ? m0 + K::kBlockM : p.seqlen_q) - 1;
   const int64_t n_keys = visible_keys(last_row, p.seqlen_q, p.seqlen_k, p.causal);
   const int n_tiles = static_cast<int>((n_keys + K::kBlockN - 1) / K::kBlockN);
 
-  // This lane's two rows: lse in log2 units (+inf past the end or with no visible key, so that
-  // P is 0 there) and D.
-  float lse2[2];
-  float dr[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int64_t row = row0 + 8 * r;
-    const float lse = row < p.seqlen_q ? static_cast<const float*>(p.lse)[bh * p.seqlen_q + row] : INFINITY;
-    lse2[r] = lse == -INFINITY ? INFINITY : lse * kLog2e;
-    dr[r] = row < p.seqlen_q ? d_rows[bh * p.seqlen_q + row] : 0.f;
-  }
+  // This lane's two rows' lse (log2 units) and D.
+  const RowStats stats[2] = {row_stats(p, d_rows, bh, row0), row_stats(p, d_rows, bh, row0 + 8)};
   float acc[kDTiles][4];
 #pragma unroll
   for (int d = 0; d < kDTiles; ++d) acc[d][0] = acc[d][1] = acc[d][2] = acc[d][3] = 0.f;
 
+  const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
+  const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
+  // Q, dO and the first K and V tiles in one batch of copies.
   if (n_tiles > 0) {
     const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
     const T* dout = static_cast<const T*>(g.dout) + b * g.do_batch_stride + h * g.do_head_stride;
     load_tile<K, K::kBlockM>(q_s, q, p.q_seq_stride, m0, p.seqlen_q);
     load_tile<K, K::kBlockM>(do_s, dout, g.do_seq_stride, m0, p.seqlen_q);
+    load_tile<K, K::kBlockN>(k_s, k, p.k_seq_stride, 0, p.seqlen_k);
+    load_tile<K, K::kBlockN>(v_s, v, p.v_seq_stride, 0, p.seqlen_k);
+    mma::cp_async_commit();
   }
-  const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
-  const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
   for (int n = 0; n < n_tiles; ++n) {
+    const int stage = n % 2;
     const int64_t n0 = static_cast<int64_t>(n) * K::kBlockN;
-    load_tile<K, K::kBlockN>(k_s, k, p.k_seq_stride, n0, p.seqlen_k);
-    load_tile<K, K::kBlockN>(v_s, v, p.v_seq_stride, n0, p.seqlen_k);
-    // The tiles (Q and dO on the first trip too), visible to every warp.
+    // Tile n + 1 into the other stage (its last readers, tile n - 1, passed the barrier at the end
+    // of the previous trip); then wait for tile n only.
+    if (n + 1 < n_tiles) {
+      load_tile<K, K::kBlockN>(k_s + (1 - stage) * K::kTileElems, k, p.k_seq_stride, n0 + K::kBlockN, p.seqlen_k);
+      load_tile<K, K::kBlockN>(v_s + (1 - stage) * K::kTileElems, v, p.v_seq_stride, n0 + K::kBlockN, p.seqlen_k);
+      mma::cp_async_commit();
+      mma::cp_async_wait<1>();
+    } else {
+      mma::cp_async_wait<0>();
+    }
+    // Every thread's copies of tile n (and of Q and dO, on the first trip) visible to every warp.
     __syncthreads();
+    const T* kt = k_s + stage * K::kTileElems;
+    const T* vt = v_s + stage * K::kTileElems;
 
     float s[kNTiles][4];
     float dp[kNTiles][4];
@@ -289,22 +370,22 @@ __global__ void __launch_bounds__(K::kThreads)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.f;
     }
-    mma::gemm_nt<T, K, kD, K::kBlockN>(s, q_s, warp * 16, k_s, 0, lane);
-    mma::gemm_nt<T, K, kD, K::kBlockN>(dp, do_s, warp * 16, v_s, 0, lane);
-    // dS in place of dP: element [j][e] is row row0 + 8(e / 2), key n0 + 8j + 2t + e % 2.
+    mma::gemm_nt<T, K, kD, K::kBlockN>(s, q_s, warp * 16, kt, 0, lane);
+    mma::gemm_nt<T, K, kD, K::kBlockN>(dp, do_s, warp * 16, vt, 0, lane);
+    // dS in place of dP: element [j][e] is row 16w + gr + 8(e / 2) of the tile, key 8j + 2t + e % 2.
+    const TileMask mask = tile_mask<K>(p, m0, n0);
 #pragma unroll
     for (int j = 0; j < kNTiles; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int64_t key = n0 + 8 * j + 2 * t + e % 2;
-        const int64_t row = row0 + 8 * (e / 2);
-        const bool visible = key < p.seqlen_k && (!p.causal || key <= row + diag);
-        const float pr = visible ? exp2f(s[j][e] * scale_log2 - lse2[e / 2]) : 0.f;
-        dp[j][e] = pr * (dp[j][e] - dr[e / 2]);
+        const bool visible = mask.visible(16 * warp + gr + 8 * (e / 2), 8 * j + 2 * t + e % 2);
+        const float pr = visible ? exp2f(s[j][e] * scale_log2 - stats[e / 2].lse2) : 0.f;
+        dp[j][e] = pr * (dp[j][e] - stats[e / 2].d);
       }
     }
-    mma::gemm_rs<T, K, K::kBlockN, kD>(acc, dp, k_s, 0, lane);
-    // Every warp is done with K and V before the next trip overwrites them.
+    mma::gemm_rs<T, K, K::kBlockN, kD>(acc, dp, kt, 0, lane);
+    // Every warp is done with this stage's K and V before the copies of tile n + 2, issued at the
+    // top of the next trip, overwrite them.
     __syncthreads();
   }
 

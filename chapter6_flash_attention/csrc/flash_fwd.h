@@ -61,7 +61,15 @@ struct FwdTraits {
   }
 };
 
+// Split-KV (rung "split_kv", attention.h): `splits` key ranges per query tile, their float32
+// partials in `workspace` (attention_forward_split_workspace bytes), merged by
+// launch_split_combine. splits == 1: the kernel writes o and lse itself and workspace is unused.
+struct FwdSplit {
+  int64_t splits = 1;
+  float* workspace = nullptr;
+};
+
 template <typename T, int D, MmaForward kRung>
-cudaError_t run_flash_fwd(const AttentionParams& p, cudaStream_t stream);
+cudaError_t run_flash_fwd(const AttentionParams& p, const FwdSplit& split, cudaStream_t stream);
 
 }  // namespace flash_attention

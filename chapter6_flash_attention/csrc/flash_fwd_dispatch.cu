@@ -2,34 +2,37 @@
 // arguments of one of the instantiations in flash_fwd_<dtype>_hdim<d>.cu.
 #include "flash_fwd.h"
 
+#include <course/cuda_utils.h>
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cmath>
 
 namespace flash_attention {
 namespace {
 
 template <typename T, MmaForward kRung>
-cudaError_t with_head_dim(const AttentionParams& p, cudaStream_t stream) {
+cudaError_t with_head_dim(const AttentionParams& p, const FwdSplit& split, cudaStream_t stream) {
   switch (p.head_dim) {
-    case 32: return run_flash_fwd<T, 32, kRung>(p, stream);
-    case 64: return run_flash_fwd<T, 64, kRung>(p, stream);
-    case 96: return run_flash_fwd<T, 96, kRung>(p, stream);
-    case 128: return run_flash_fwd<T, 128, kRung>(p, stream);
-    case 256: return run_flash_fwd<T, 256, kRung>(p, stream);
+    case 32: return run_flash_fwd<T, 32, kRung>(p, split, stream);
+    case 64: return run_flash_fwd<T, 64, kRung>(p, split, stream);
+    case 96: return run_flash_fwd<T, 96, kRung>(p, split, stream);
+    case 128: return run_flash_fwd<T, 128, kRung>(p, split, stream);
+    case 256: return run_flash_fwd<T, 256, kRung>(p, split, stream);
     default: return cudaErrorInvalidValue;  // the glue checks kCudaHeadDims first
   }
 }
 
 template <MmaForward kRung>
-cudaError_t with_dtype(const AttentionParams& p, cudaStream_t stream) {
+cudaError_t with_dtype(const AttentionParams& p, const FwdSplit& split, cudaStream_t stream) {
   switch (p.dtype) {
-    case DType::kBFloat16: return with_head_dim<__nv_bfloat16, kRung>(p, stream);
-    case DType::kFloat16: return with_head_dim<__half, kRung>(p, stream);
+    case DType::kBFloat16: return with_head_dim<__nv_bfloat16, kRung>(p, split, stream);
+    case DType::kFloat16: return with_head_dim<__half, kRung>(p, split, stream);
     default: return cudaErrorInvalidValue;  // the glue sends float32 and float64 to the scalar rungs
   }
 }
-
-}  // namespace
 
 template <int D>
 int64_t smem_bytes(MmaForward rung) {
@@ -40,6 +43,15 @@ int64_t smem_bytes(MmaForward rung) {
   }
   return 0;
 }
+
+// The split rung's tile shape (its kernel is the tuned one): query rows and keys per tile.
+template <int D>
+void tuned_tiles(int64_t* rows, int64_t* keys) {
+  *rows = FwdTraits<D, MmaForward::kTuned>::kBlockM;
+  *keys = FwdTraits<D, MmaForward::kTuned>::kBlockN;
+}
+
+}  // namespace
 
 int64_t attention_forward_mma_smem_bytes(int64_t head_dim, MmaForward rung) {
   switch (head_dim) {
@@ -52,12 +64,53 @@ int64_t attention_forward_mma_smem_bytes(int64_t head_dim, MmaForward rung) {
   }
 }
 
-cudaError_t launch_attention_forward_mma(const AttentionParams& p, MmaForward rung, cudaStream_t stream) {
+// How many key ranges make the tuned grid fill the GPU (FlashAttention 2 decides the same way,
+// in its num_splits_heuristic): with `blocks` (batch, head, query tile) blocks, s splits make
+// blocks * s blocks, which run in waves of `slots` (two tuned blocks per SM: flash_fwd.h). The
+// last wave of a grid is partly idle, so s is judged by the fraction of its waves' slots it keeps
+// busy, waves / ceil(waves), and the fewest splits within 15% of the best fraction win: each
+// split costs its partials' float32 writes and a share of the combine. A grid that already fills
+// 80% of one wave is not split, nor are keys too few for two tiles per split.
+int64_t attention_forward_splits(const AttentionParams& p, int sms) {
+  int64_t rows = 0, keys = 0;
+  switch (p.head_dim) {
+    case 32: tuned_tiles<32>(&rows, &keys); break;
+    case 64: tuned_tiles<64>(&rows, &keys); break;
+    case 96: tuned_tiles<96>(&rows, &keys); break;
+    case 128: tuned_tiles<128>(&rows, &keys); break;
+    case 256: tuned_tiles<256>(&rows, &keys); break;
+    default: return 1;
+  }
+  const int64_t blocks = p.batch * p.heads * course::ceil_div(p.seqlen_q, rows);
+  const int64_t slots = 2 * static_cast<int64_t>(sms);
+  const int64_t key_tiles = course::ceil_div(p.seqlen_k, keys);
+  if (blocks == 0 || 5 * blocks >= 4 * slots) return 1;
+  const int64_t most = std::min<int64_t>({128, key_tiles / 2, course::ceil_div(4 * slots, blocks)});
+  auto busy = [&](int64_t s) {
+    const double waves = static_cast<double>(blocks * s) / static_cast<double>(slots);
+    return waves / std::ceil(waves);
+  };
+  double best = 0.0;
+  for (int64_t s = 1; s <= most; ++s) best = std::max(best, busy(s));
+  for (int64_t s = 1; s <= most; ++s) {
+    if (busy(s) >= 0.85 * best) return s;
+  }
+  return 1;
+}
+
+cudaError_t launch_attention_forward_mma(const AttentionParams& p, MmaForward rung, cudaStream_t stream,
+                                         int64_t splits, void* workspace) {
   if (p.batch * p.heads * p.seqlen_q == 0) return cudaSuccess;
+  FwdSplit split;
+  if (splits > 1) {
+    if (rung != MmaForward::kTuned || workspace == nullptr) return cudaErrorInvalidValue;
+    split.splits = splits;
+    split.workspace = static_cast<float*>(workspace);
+  }
   switch (rung) {
-    case MmaForward::kMma: return with_dtype<MmaForward::kMma>(p, stream);
-    case MmaForward::kPipelined: return with_dtype<MmaForward::kPipelined>(p, stream);
-    case MmaForward::kTuned: return with_dtype<MmaForward::kTuned>(p, stream);
+    case MmaForward::kMma: return with_dtype<MmaForward::kMma>(p, split, stream);
+    case MmaForward::kPipelined: return with_dtype<MmaForward::kPipelined>(p, split, stream);
+    case MmaForward::kTuned: return with_dtype<MmaForward::kTuned>(p, split, stream);
   }
   return cudaErrorInvalidValue;
 }

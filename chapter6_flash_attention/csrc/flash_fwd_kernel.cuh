@@ -36,6 +36,12 @@
 // read from shared memory feeds two mma instructions (flash_fwd.h says what it costs). The code
 // below is written for kMT m16 tiles per warp; rungs 3 and 4 are kMT = 1.
 //
+// Rung 6, "split_kv" (flash-decoding), the same kernel: when batch x heads x query tiles leaves
+// SMs idle (a short query against a long context: decoding, a chunk of a prompt against its cache),
+// the keys are cut into ranges (`splits`, attention_forward_splits) and each block does one range
+// of one query tile, so the grid fills the GPU; its rows' outputs and lse go to a float32
+// workspace, and split_combine.cu merges them. With one split it is rung 5.
+//
 // The output is written straight from the accumulators, two elements (4 bytes) per lane per
 // n8 tile; FlashAttention 2 stages it through shared memory for 16-byte stores, one of the
 // things the tuning rung may measure.
@@ -55,9 +61,12 @@
 
 namespace flash_attention {
 
-template <typename T, typename K>
+// kSplit: rung "split_kv"'s instantiation, which takes a range of the keys and writes partials
+// (a template argument, so that the other rungs' kernels keep every register for the main loop).
+template <typename T, typename K, bool kSplit>
 __global__ void __launch_bounds__(K::kThreads)
-    flash_fwd_kernel(const AttentionParams p, unsigned q_tiles, float score_scale) {
+    flash_fwd_kernel(const AttentionParams p, unsigned q_tiles, float score_scale, unsigned splits_arg,
+                     float* __restrict__ o_split) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   constexpr int kD = K::kHeadDim;
   constexpr int kMT = K::kWarpMTiles;      // m16 tiles of query rows per warp
@@ -68,9 +77,12 @@ __global__ void __launch_bounds__(K::kThreads)
   T* k_s = q_s + K::kQElems;
   T* v_s = k_s + K::kStages * K::kKVElems;
 
-  // The grid is flattened (query tiles fastest), as in rung 2, so batch * heads may exceed 65535.
+  // The grid is flattened (query tiles fastest, then splits), as in rung 2, so batch * heads may
+  // exceed 65535. Without split-KV, splits is 1 and split 0.
+  const unsigned splits = kSplit ? splits_arg : 1;
   const int64_t tile = blockIdx.x % q_tiles;
-  const int64_t bh = blockIdx.x / q_tiles;
+  const unsigned split = (blockIdx.x / q_tiles) % splits;
+  const int64_t bh = blockIdx.x / q_tiles / splits;
   const int64_t b = bh / p.heads;
   const int64_t h = bh % p.heads;
   const int64_t hk = h / (p.heads / p.heads_kv);  // GQA: the kv head this query head reads
@@ -90,7 +102,12 @@ __global__ void __launch_bounds__(K::kThreads)
   // Keys any row of the block sees: the last valid row sees the most (rung 2's causal skipping).
   const int64_t last_row = (m0 + K::kBlockM < p.seqlen_q ? m0 + K::kBlockM : p.seqlen_q) - 1;
   const int64_t n_keys = visible_keys(last_row, p.seqlen_q, p.seqlen_k, p.causal);
-  const int n_tiles = static_cast<int>((n_keys + K::kBlockN - 1) / K::kBlockN);
+  // Split-KV (rung "split_kv"): this block takes the split-th of ceil(tiles / splits) key tiles;
+  // the last splits of a causal block may get none.
+  const int all_tiles = static_cast<int>((n_keys + K::kBlockN - 1) / K::kBlockN);
+  const int per_split = (all_tiles + static_cast<int>(splits) - 1) / static_cast<int>(splits);
+  const int n_begin = kSplit ? min(all_tiles, static_cast<int>(split) * per_split) : 0;
+  const int n_end = kSplit ? min(all_tiles, n_begin + per_split) : all_tiles;
 
   float acc_o[kMT][kDTiles][4];
 #pragma unroll
@@ -109,23 +126,24 @@ __global__ void __launch_bounds__(K::kThreads)
     row_sum[m][0] = row_sum[m][1] = 0.f;
   }
 
-  // No visible key (n_tiles == 0: causal rows above every key, or seqlen_k == 0): nothing to load,
-  // and the epilogue writes o = 0, lse = -inf.
-  if (n_tiles > 0) {
+  // No visible key (no tile: causal rows above every key, seqlen_k == 0, or a split past the
+  // block's last tile): nothing to load, and the epilogue writes o = 0, lse = -inf.
+  if (n_begin < n_end) {
+    const int64_t first = static_cast<int64_t>(n_begin) * K::kBlockN;
     load_tile<K, K::kBlockM>(q_s, q, p.q_seq_stride, m0, p.seqlen_q);
-    load_tile<K, K::kBlockN>(k_s, k, p.k_seq_stride, 0, p.seqlen_k);
-    load_tile<K, K::kBlockN>(v_s, v, p.v_seq_stride, 0, p.seqlen_k);
+    load_tile<K, K::kBlockN>(k_s, k, p.k_seq_stride, first, p.seqlen_k);
+    load_tile<K, K::kBlockN>(v_s, v, p.v_seq_stride, first, p.seqlen_k);
     if constexpr (K::kPipelined) mma::cp_async_commit();
   }
 
-  for (int n = 0; n < n_tiles; ++n) {
-    const int stage = K::kPipelined ? n % 2 : 0;
+  for (int n = n_begin; n < n_end; ++n) {
+    const int stage = K::kPipelined ? (n - n_begin) % 2 : 0;
     const int64_t n0 = static_cast<int64_t>(n) * K::kBlockN;
     if constexpr (K::kPipelined) {
       // Tile n + 1 into the other stage, whose last readers (tile n - 1) passed the barrier at
       // the end of the previous trip; then wait for tile n only (one batch may stay in flight).
-      if (n + 1 < n_tiles) {
-        const int next = (n + 1) % 2;
+      if (n + 1 < n_end) {
+        const int next = 1 - stage;
         load_tile<K, K::kBlockN>(k_s + next * K::kKVElems, k, p.k_seq_stride, n0 + K::kBlockN, p.seqlen_k);
         load_tile<K, K::kBlockN>(v_s + next * K::kKVElems, v, p.v_seq_stride, n0 + K::kBlockN, p.seqlen_k);
         mma::cp_async_commit();
@@ -133,7 +151,7 @@ __global__ void __launch_bounds__(K::kThreads)
       } else {
         mma::cp_async_wait<0>();
       }
-    } else if (n > 0) {
+    } else if (n > n_begin) {
       load_tile<K, K::kBlockN>(k_s, k, p.k_seq_stride, n0, p.seqlen_k);
       load_tile<K, K::kBlockN>(v_s, v, p.v_seq_stride, n0, p.seqlen_k);
     }
@@ -234,6 +252,11 @@ __global__ void __launch_bounds__(K::kThreads)
   // lse = -inf (attention.h). The shuffles come before any branch on the row: all 32 lanes.
   T* o = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride;
   auto* lse = static_cast<float*>(p.lse) + bh * p.seqlen_q;
+  // Split-KV: the partial output in float32 and the split's lse go to the workspace
+  // (attention.h's SplitCombineParams layout), for the combine kernel to merge.
+  const int64_t rows = p.batch * p.heads * p.seqlen_q;
+  float* o_part = kSplit ? o_split + (split * rows + bh * p.seqlen_q) * kD : nullptr;
+  float* lse_part = kSplit ? o_split + splits * rows * kD + split * rows + bh * p.seqlen_q : nullptr;
 #pragma unroll
   for (int m = 0; m < kMT; ++m) {
 #pragma unroll
@@ -244,15 +267,24 @@ __global__ void __launch_bounds__(K::kThreads)
       const float inv = l > 0.f ? 1.f / l : 0.f;
       const int64_t row = row0 + 16 * m + 8 * r;
       if (row < p.seqlen_q) {  // the last block's rows past the end computed on zero rows of Q
-        T* o_row = o + row * p.o_seq_stride;
-#pragma unroll
-        for (int d = 0; d < kDTiles; ++d) {
-          *reinterpret_cast<uint32_t*>(o_row + d * 8 + 2 * t) =
-              mma::pack2<T>(acc_o[m][d][2 * r] * inv, acc_o[m][d][2 * r + 1] * inv);
-        }
-        // The maximum is in units of scale * s (rung 3) or log2(e) * scale * s (rungs 4, 5).
+        // The maximum is in units of scale * s (rung 3) or log2(e) * scale * s (rungs 4-6).
         constexpr float kToNatural = K::kPipelined ? 0.69314718055994531f : 1.f;
-        if (t == 0) lse[row] = l > 0.f ? row_max[m][r] * kToNatural + logf(l) : -INFINITY;
+        if constexpr (kSplit) {
+#pragma unroll
+          for (int d = 0; d < kDTiles; ++d) {
+            *reinterpret_cast<float2*>(o_part + row * kD + d * 8 + 2 * t) =
+                make_float2(acc_o[m][d][2 * r] * inv, acc_o[m][d][2 * r + 1] * inv);
+          }
+          if (t == 0) lse_part[row] = l > 0.f ? row_max[m][r] * kToNatural + logf(l) : -INFINITY;
+        } else {
+          T* o_row = o + row * p.o_seq_stride;
+#pragma unroll
+          for (int d = 0; d < kDTiles; ++d) {
+            *reinterpret_cast<uint32_t*>(o_row + d * 8 + 2 * t) =
+                mma::pack2<T>(acc_o[m][d][2 * r] * inv, acc_o[m][d][2 * r + 1] * inv);
+          }
+          if (t == 0) lse[row] = l > 0.f ? row_max[m][r] * kToNatural + logf(l) : -INFINITY;
+        }
       }
     }
   }
@@ -260,20 +292,40 @@ __global__ void __launch_bounds__(K::kThreads)
 }
 
 template <typename T, int D, MmaForward kRung>
-cudaError_t run_flash_fwd(const AttentionParams& p, cudaStream_t stream) {
+cudaError_t run_flash_fwd(const AttentionParams& p, const FwdSplit& split, cudaStream_t stream) {
   using K = FwdTraits<D, kRung>;
   const int64_t q_tiles = course::ceil_div(p.seqlen_q, static_cast<int64_t>(K::kBlockM));
-  const int64_t blocks = q_tiles * p.batch * p.heads;
+  const int64_t blocks = q_tiles * p.batch * p.heads * split.splits;
   if (blocks == 0) return cudaSuccess;
   if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
-  auto kernel = flash_fwd_kernel<T, K>;
+  // Only the tuned rung has a split instantiation (launch_attention_forward_mma refuses the others).
+  float* o_split = nullptr;
+  auto kernel = flash_fwd_kernel<T, K, false>;
+  if constexpr (kRung == MmaForward::kTuned) {
+    if (split.splits > 1) {
+      o_split = split.workspace;
+      kernel = flash_fwd_kernel<T, K, true>;
+    }
+  }
   // Above 48 KiB a kernel must ask for its dynamic shared memory (every tile shape here does).
   COURSE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSmemBytes));
   const double log2e = 1.4426950408889634;
   const float score_scale = static_cast<float>(K::kPipelined ? p.scale * log2e : p.scale);
-  kernel<<<static_cast<unsigned>(blocks), K::kThreads, K::kSmemBytes, stream>>>(p, static_cast<unsigned>(q_tiles),
-                                                                              score_scale);
-  return cudaGetLastError();
+  kernel<<<static_cast<unsigned>(blocks), K::kThreads, K::kSmemBytes, stream>>>(
+      p, static_cast<unsigned>(q_tiles), score_scale, static_cast<unsigned>(split.splits), o_split);
+  COURSE_CUDA_TRY(cudaGetLastError());
+  if (o_split == nullptr) return cudaSuccess;
+  const int64_t rows = p.batch * p.heads * p.seqlen_q;
+  SplitCombineParams c{};
+  c.dtype = p.dtype;
+  c.o_partial = o_split;
+  c.lse_partial = o_split + split.splits * rows * D;
+  c.splits = split.splits, c.rows = rows, c.head_dim = D;
+  c.heads = p.heads, c.seqlen = p.seqlen_q;
+  c.out = p.o;
+  c.out_batch_stride = p.o_batch_stride, c.out_head_stride = p.o_head_stride, c.out_seq_stride = p.o_seq_stride;
+  c.lse = static_cast<float*>(p.lse);
+  return launch_split_combine(c, stream);
 }
 
 }  // namespace flash_attention

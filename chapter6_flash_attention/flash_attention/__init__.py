@@ -26,13 +26,17 @@ CUDA rungs (head_dim 32, 64, 96, 128 or 256):
   layout, exp2 and masks only on the tiles that need them;
 - forward "tuned": "pipelined" with FlashAttention 2's tile shapes: each warp owns 32 query rows
   (two m16 tiles), so each K and V fragment read from shared memory feeds two mma instructions;
+- forward "split_kv": "tuned" with the keys cut into ranges when batch x heads x query tiles
+  cannot fill the GPU (flash-decoding): each range writes a float32 partial output and its lse,
+  and a combine kernel merges them;
 - backward "naive": P recomputed from lse into a workspace, then dV, dS, dQ, dK one kernel each;
 - backward "mma": FlashAttention 2's backward on tensor cores: a block per key tile sums dK and
   dV in registers, dQ through float32 atomics (float16 and bfloat16, sm_80+, head_dim <= 128);
 - backward "mma_dqpass": the same dK and dV, and dQ from a second pass over the keys instead of
   atomics: the same bits on every run.
 
-version=None runs "tuned" where it can (16-bit inputs on sm_80+), else "tiled", and the
+version=None runs "split_kv" where it can (16-bit inputs on sm_80+; it splits only when the grid
+would leave SMs idle, and is "tuned" otherwise), else "tiled", and the
 "mma_dqpass" backward where it can, else "naive" (attention_ops.cpp says which measurements pick
 these). On the CPU every version name runs the reference.
 """
@@ -56,7 +60,7 @@ __all__ = ["attention", "sdpa", "attention_forward", "attention_backward", "VERS
 # Each op's ladder of kernel versions; test_attention.py holds it against the extension's
 # tables (the `versions` op).
 VERSIONS = {
-    "attention_forward": ("naive", "tiled", "mma", "pipelined", "tuned"),
+    "attention_forward": ("naive", "tiled", "mma", "pipelined", "tuned", "split_kv"),
     "attention_backward": ("naive", "mma", "mma_dqpass"),
 }
 
