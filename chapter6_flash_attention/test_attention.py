@@ -932,13 +932,14 @@ def test_cuda_device_mix():
 @pytest.mark.parametrize("version", FORWARD_VERSIONS)
 def test_sanitizer_small_forward(version):
     """Partial tiles at both ends, rows that see no key, GQA, the smallest and largest head
-    dims (the largest tiles and the 64-thread float64 shape), one strided view."""
+    dims (the largest tiles and the 64-thread float64 shape), one strided view; 5 rows against
+    600 keys make "split_kv" split (and its combine run)."""
     require_cuda()
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         if not takes(version, dtype):
             continue
         for head_dim in (32, 96, 256):
-            for seqlen_q, seqlen_k in ((1, 1), (17, 33), (70, 17)):
+            for seqlen_q, seqlen_k in ((1, 1), (17, 33), (70, 17), (5, 600)):
                 q, k, v = make_qkv(1, 4, 2, seqlen_q, seqlen_k, head_dim, dtype=dtype, device="cuda")
                 check_cuda_forward(q, k, v, True, version, f"{version} {dtype_id(dtype)} d{head_dim}")
     dtype = torch.bfloat16 if version in TENSOR_CORE_VERSIONS else torch.float32
