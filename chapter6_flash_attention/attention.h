@@ -158,9 +158,9 @@ cudaError_t launch_attention_backward_naive(const AttentionBackwardParams& param
 //     cores, bfloat16 and float16 only, sm_80 and newer; every stride of q, k, v and o a multiple
 //     of 8 elements and every pointer 16-byte aligned (16-byte copies). The glue checks all of it.
 //     The rungs differ in their loads and tile shapes (csrc/flash_fwd.h), not in what they compute.
-enum class MmaForward { kMma, kPipelined, kTuned };
-//     With splits > 1 (rung "tuned" only) the keys are cut into that many ranges (split-KV, below)
-//     and `workspace` holds attention_forward_split_workspace bytes.
+enum class MmaForward { kMma, kPipelined, kTuned, kSplitKv };
+//     Rung "split_kv" (kSplitKv) cuts the keys into `splits` ranges (split-KV, below), with
+//     `workspace` holding attention_forward_split_workspace bytes; with splits <= 1 it runs "tuned".
 cudaError_t launch_attention_forward_mma(const AttentionParams& params, MmaForward rung, cudaStream_t stream,
                                          int64_t splits = 1, void* workspace = nullptr);
 // The dynamic shared memory one block of those kernels takes (0 for an unsupported head dim):

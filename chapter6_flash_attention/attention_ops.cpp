@@ -61,7 +61,7 @@ bool tensor_core_rung(ForwardVersion v) {
 
 #ifdef WITH_CUDA
 // The tensor-core rungs by name, for the checks, which know the version by its name ("split_kv"
-// runs the tuned kernel).
+// runs the tuned kernel when it does not split, and the tuned kernel's shared memory is the larger).
 MmaForward mma_rung(const std::string& name) {
   return name == "mma" ? MmaForward::kMma : name == "pipelined" ? MmaForward::kPipelined : MmaForward::kTuned;
 }
@@ -214,7 +214,7 @@ void forward_cuda(ForwardVersion v, const AttentionParams& p, const Tensor& q, c
     case ForwardVersion::kSplitKv: {
       const int64_t splits = attention_forward_splits(p, device_attribute(q, cudaDevAttrMultiProcessorCount));
       const Tensor partials = workspace(attention_forward_split_workspace(p, splits), q);
-      C10_CUDA_CHECK(launch_attention_forward_mma(p, MmaForward::kTuned, stream, splits, partials.mutable_data_ptr()));
+      C10_CUDA_CHECK(launch_attention_forward_mma(p, MmaForward::kSplitKv, stream, splits, partials.mutable_data_ptr()));
       return;
     }
   }

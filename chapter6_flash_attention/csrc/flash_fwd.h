@@ -28,16 +28,22 @@ namespace flash_attention {
 // instructions, which halves shared-memory traffic per FLOP; the price is twice the registers per
 // thread (d = 128: S 64 + O 128), so a block has 4 warps and an SM holds two blocks. d = 256 keeps
 // the pipelined shape: two m16 tiles of its O would need 256 registers.
+//
+// Rung "split_kv": the pipelined shape, 4 warps x 16 = 64 rows. It runs when the grid is small,
+// typically a few query rows against a long context (decoding): a 128-row tile would multiply
+// mostly zero rows of Q, and at one real row the mma work per byte of K and V read would make the
+// kernel compute bound on padding; 64 rows halve that, and double the blocks to split.
 // ------------------------------------------------------------------------------------------
 template <int kHeadDim_, MmaForward kRung_>
 struct FwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr MmaForward kRung = kRung_;
   static constexpr bool kPipelined = kRung != MmaForward::kMma;
+  static constexpr bool kSplit = kRung == MmaForward::kSplitKv;  // writes partials (attention.h)
   static constexpr bool kTuned = kRung == MmaForward::kTuned && kHeadDim <= 128;
   static constexpr int kWarpMTiles = kTuned ? 2 : 1;
   static constexpr int kWarpRows = 16 * kWarpMTiles;
-  static constexpr int kNWarps = kTuned || kHeadDim == 256 ? 4 : 8;
+  static constexpr int kNWarps = kTuned || kSplit || kHeadDim == 256 ? 4 : 8;
   static constexpr int kThreads = kNWarps * 32;
   static constexpr int kBlockM = kWarpRows * kNWarps;
   static constexpr int kBlockN = kHeadDim <= 64 ? 128 : 64;
@@ -63,7 +69,7 @@ struct FwdTraits {
 
 // Split-KV (rung "split_kv", attention.h): `splits` key ranges per query tile, their float32
 // partials in `workspace` (attention_forward_split_workspace bytes), merged by
-// launch_split_combine. splits == 1: the kernel writes o and lse itself and workspace is unused.
+// launch_split_combine. Only the kSplitKv instantiation takes splits > 1; the others ignore it.
 struct FwdSplit {
   int64_t splits = 1;
   float* workspace = nullptr;

@@ -10,4 +10,6 @@ template cudaError_t run_flash_fwd<__nv_bfloat16, 256, MmaForward::kPipelined>(c
                                                                                cudaStream_t);
 template cudaError_t run_flash_fwd<__nv_bfloat16, 256, MmaForward::kTuned>(const AttentionParams&, const FwdSplit&,
                                                                            cudaStream_t);
+template cudaError_t run_flash_fwd<__nv_bfloat16, 256, MmaForward::kSplitKv>(const AttentionParams&, const FwdSplit&,
+                                                                             cudaStream_t);
 }  // namespace flash_attention

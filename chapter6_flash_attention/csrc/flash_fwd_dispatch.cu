@@ -40,15 +40,20 @@ int64_t smem_bytes(MmaForward rung) {
     case MmaForward::kMma: return FwdTraits<D, MmaForward::kMma>::kSmemBytes;
     case MmaForward::kPipelined: return FwdTraits<D, MmaForward::kPipelined>::kSmemBytes;
     case MmaForward::kTuned: return FwdTraits<D, MmaForward::kTuned>::kSmemBytes;
+    case MmaForward::kSplitKv: return FwdTraits<D, MmaForward::kSplitKv>::kSmemBytes;
   }
   return 0;
 }
 
-// The split rung's tile shape (its kernel is the tuned one): query rows and keys per tile.
+// Query rows per tile of the tuned rung (which runs unless splitting pays) and of the split one,
+// and keys per tile of the split one.
+struct SplitTiles {
+  int64_t tuned_rows, split_rows, split_keys;
+};
 template <int D>
-void tuned_tiles(int64_t* rows, int64_t* keys) {
-  *rows = FwdTraits<D, MmaForward::kTuned>::kBlockM;
-  *keys = FwdTraits<D, MmaForward::kTuned>::kBlockN;
+SplitTiles split_tiles() {
+  return {FwdTraits<D, MmaForward::kTuned>::kBlockM, FwdTraits<D, MmaForward::kSplitKv>::kBlockM,
+          FwdTraits<D, MmaForward::kSplitKv>::kBlockN};
 }
 
 }  // namespace
@@ -64,27 +69,28 @@ int64_t attention_forward_mma_smem_bytes(int64_t head_dim, MmaForward rung) {
   }
 }
 
-// How many key ranges make the tuned grid fill the GPU (FlashAttention 2 decides the same way,
-// in its num_splits_heuristic): with `blocks` (batch, head, query tile) blocks, s splits make
-// blocks * s blocks, which run in waves of `slots` (two tuned blocks per SM: flash_fwd.h). The
-// last wave of a grid is partly idle, so s is judged by the fraction of its waves' slots it keeps
-// busy, waves / ceil(waves), and the fewest splits within 15% of the best fraction win: each
-// split costs its partials' float32 writes and a share of the combine. A grid that already fills
-// 80% of one wave is not split, nor are keys too few for two tiles per split.
+// How many key ranges make the grid fill the GPU (FlashAttention 2 decides the same way, in its
+// num_splits_heuristic). A grid of tuned blocks that already fills 80% of one wave (two blocks per
+// SM: flash_fwd.h) is not split. Otherwise the split rung's `blocks` (batch, head, 64-row tile)
+// blocks times s splits run in waves of `slots`; the last wave of a grid is partly idle, so s is
+// judged by the fraction of its waves' slots it keeps busy, waves / ceil(waves), and the fewest
+// splits within 15% of the best fraction win: each split costs its partials' float32 writes and a
+// share of the combine. Keys too few for two tiles per split are not split either.
 int64_t attention_forward_splits(const AttentionParams& p, int sms) {
-  int64_t rows = 0, keys = 0;
+  SplitTiles tiles{};
   switch (p.head_dim) {
-    case 32: tuned_tiles<32>(&rows, &keys); break;
-    case 64: tuned_tiles<64>(&rows, &keys); break;
-    case 96: tuned_tiles<96>(&rows, &keys); break;
-    case 128: tuned_tiles<128>(&rows, &keys); break;
-    case 256: tuned_tiles<256>(&rows, &keys); break;
+    case 32: tiles = split_tiles<32>(); break;
+    case 64: tiles = split_tiles<64>(); break;
+    case 96: tiles = split_tiles<96>(); break;
+    case 128: tiles = split_tiles<128>(); break;
+    case 256: tiles = split_tiles<256>(); break;
     default: return 1;
   }
-  const int64_t blocks = p.batch * p.heads * course::ceil_div(p.seqlen_q, rows);
   const int64_t slots = 2 * static_cast<int64_t>(sms);
-  const int64_t key_tiles = course::ceil_div(p.seqlen_k, keys);
-  if (blocks == 0 || 5 * blocks >= 4 * slots) return 1;
+  const int64_t tuned_blocks = p.batch * p.heads * course::ceil_div(p.seqlen_q, tiles.tuned_rows);
+  if (tuned_blocks == 0 || 5 * tuned_blocks >= 4 * slots) return 1;
+  const int64_t blocks = p.batch * p.heads * course::ceil_div(p.seqlen_q, tiles.split_rows);
+  const int64_t key_tiles = course::ceil_div(p.seqlen_k, tiles.split_keys);
   const int64_t most = std::min<int64_t>({128, key_tiles / 2, course::ceil_div(4 * slots, blocks)});
   auto busy = [&](int64_t s) {
     const double waves = static_cast<double>(blocks * s) / static_cast<double>(slots);
@@ -102,8 +108,10 @@ cudaError_t launch_attention_forward_mma(const AttentionParams& p, MmaForward ru
                                          int64_t splits, void* workspace) {
   if (p.batch * p.heads * p.seqlen_q == 0) return cudaSuccess;
   FwdSplit split;
-  if (splits > 1) {
-    if (rung != MmaForward::kTuned || workspace == nullptr) return cudaErrorInvalidValue;
+  if (rung == MmaForward::kSplitKv) {
+    // One range is rung "tuned" exactly, so the split kernel runs only when it splits.
+    if (splits <= 1) return with_dtype<MmaForward::kTuned>(p, split, stream);
+    if (workspace == nullptr) return cudaErrorInvalidValue;
     split.splits = splits;
     split.workspace = static_cast<float*>(workspace);
   }
@@ -111,6 +119,7 @@ cudaError_t launch_attention_forward_mma(const AttentionParams& p, MmaForward ru
     case MmaForward::kMma: return with_dtype<MmaForward::kMma>(p, split, stream);
     case MmaForward::kPipelined: return with_dtype<MmaForward::kPipelined>(p, split, stream);
     case MmaForward::kTuned: return with_dtype<MmaForward::kTuned>(p, split, stream);
+    case MmaForward::kSplitKv: return with_dtype<MmaForward::kSplitKv>(p, split, stream);
   }
   return cudaErrorInvalidValue;
 }

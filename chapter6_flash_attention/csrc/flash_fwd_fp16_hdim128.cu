@@ -10,4 +10,6 @@ template cudaError_t run_flash_fwd<__half, 128, MmaForward::kPipelined>(const At
                                                                         cudaStream_t);
 template cudaError_t run_flash_fwd<__half, 128, MmaForward::kTuned>(const AttentionParams&, const FwdSplit&,
                                                                     cudaStream_t);
+template cudaError_t run_flash_fwd<__half, 128, MmaForward::kSplitKv>(const AttentionParams&, const FwdSplit&,
+                                                                      cudaStream_t);
 }  // namespace flash_attention

@@ -10,4 +10,6 @@ template cudaError_t run_flash_fwd<__half, 96, MmaForward::kPipelined>(const Att
                                                                        cudaStream_t);
 template cudaError_t run_flash_fwd<__half, 96, MmaForward::kTuned>(const AttentionParams&, const FwdSplit&,
                                                                    cudaStream_t);
+template cudaError_t run_flash_fwd<__half, 96, MmaForward::kSplitKv>(const AttentionParams&, const FwdSplit&,
+                                                                     cudaStream_t);
 }  // namespace flash_attention

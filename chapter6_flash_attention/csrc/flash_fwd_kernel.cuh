@@ -39,8 +39,9 @@
 // Rung 6, "split_kv" (flash-decoding), the same kernel: when batch x heads x query tiles leaves
 // SMs idle (a short query against a long context: decoding, a chunk of a prompt against its cache),
 // the keys are cut into ranges (`splits`, attention_forward_splits) and each block does one range
-// of one query tile, so the grid fills the GPU; its rows' outputs and lse go to a float32
-// workspace, and split_combine.cu merges them. With one split it is rung 5.
+// of one 64-row query tile (flash_fwd.h says why 64), so the grid fills the GPU; its rows' outputs
+// and lse go to a float32 workspace, and split_combine.cu merges them. Where the grid fills the GPU
+// without splitting, the dispatch runs rung 5 instead.
 //
 // The output is written straight from the accumulators, two elements (4 bytes) per lane per
 // n8 tile; FlashAttention 2 stages it through shared memory for 16-byte stores, one of the
@@ -61,9 +62,7 @@
 
 namespace flash_attention {
 
-// kSplit: rung "split_kv"'s instantiation, which takes a range of the keys and writes partials
-// (a template argument, so that the other rungs' kernels keep every register for the main loop).
-template <typename T, typename K, bool kSplit>
+template <typename T, typename K>
 __global__ void __launch_bounds__(K::kThreads)
     flash_fwd_kernel(const AttentionParams p, unsigned q_tiles, float score_scale, unsigned splits_arg,
                      float* __restrict__ o_split) {
@@ -72,6 +71,9 @@ __global__ void __launch_bounds__(K::kThreads)
   constexpr int kMT = K::kWarpMTiles;      // m16 tiles of query rows per warp
   constexpr int kNTiles = K::kBlockN / 8;  // n8 score tiles per key tile
   constexpr int kDTiles = kD / 8;          // n8 output tiles
+  // Rung "split_kv" takes a range of the keys and writes partials; the others keep every register
+  // for the main loop.
+  constexpr bool kSplit = K::kSplit;
   extern __shared__ __align__(16) unsigned char smem[];
   T* q_s = reinterpret_cast<T*>(smem);
   T* k_s = q_s + K::kQElems;
@@ -295,32 +297,26 @@ template <typename T, int D, MmaForward kRung>
 cudaError_t run_flash_fwd(const AttentionParams& p, const FwdSplit& split, cudaStream_t stream) {
   using K = FwdTraits<D, kRung>;
   const int64_t q_tiles = course::ceil_div(p.seqlen_q, static_cast<int64_t>(K::kBlockM));
-  const int64_t blocks = q_tiles * p.batch * p.heads * split.splits;
+  const int64_t splits = K::kSplit ? split.splits : 1;
+  const int64_t blocks = q_tiles * p.batch * p.heads * splits;
   if (blocks == 0) return cudaSuccess;
   if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
-  // Only the tuned rung has a split instantiation (launch_attention_forward_mma refuses the others).
-  float* o_split = nullptr;
-  auto kernel = flash_fwd_kernel<T, K, false>;
-  if constexpr (kRung == MmaForward::kTuned) {
-    if (split.splits > 1) {
-      o_split = split.workspace;
-      kernel = flash_fwd_kernel<T, K, true>;
-    }
-  }
+  float* o_split = K::kSplit ? split.workspace : nullptr;
+  auto kernel = flash_fwd_kernel<T, K>;
   // Above 48 KiB a kernel must ask for its dynamic shared memory (every tile shape here does).
   COURSE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSmemBytes));
   const double log2e = 1.4426950408889634;
   const float score_scale = static_cast<float>(K::kPipelined ? p.scale * log2e : p.scale);
   kernel<<<static_cast<unsigned>(blocks), K::kThreads, K::kSmemBytes, stream>>>(
-      p, static_cast<unsigned>(q_tiles), score_scale, static_cast<unsigned>(split.splits), o_split);
+      p, static_cast<unsigned>(q_tiles), score_scale, static_cast<unsigned>(splits), o_split);
   COURSE_CUDA_TRY(cudaGetLastError());
   if (o_split == nullptr) return cudaSuccess;
   const int64_t rows = p.batch * p.heads * p.seqlen_q;
   SplitCombineParams c{};
   c.dtype = p.dtype;
   c.o_partial = o_split;
-  c.lse_partial = o_split + split.splits * rows * D;
-  c.splits = split.splits, c.rows = rows, c.head_dim = D;
+  c.lse_partial = o_split + splits * rows * D;
+  c.splits = splits, c.rows = rows, c.head_dim = D;
   c.heads = p.heads, c.seqlen = p.seqlen_q;
   c.out = p.o;
   c.out_batch_stride = p.o_batch_stride, c.out_head_stride = p.o_head_stride, c.out_seq_stride = p.o_seq_stride;

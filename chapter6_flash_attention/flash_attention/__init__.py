@@ -128,3 +128,9 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
         raise RuntimeError(f"sdpa: query has {query.shape[1]} heads but key has {key.shape[1]}; pass "
                            "enable_gqa=True for grouped-query attention")
     return attention(query, key, value, causal=is_causal, scale=scale)
+
+
+from .paged import reshape_and_cache, copy_blocks, paged_attention  # noqa: E402
+from .radix import RadixCache  # noqa: E402
+
+__all__ += ["reshape_and_cache", "copy_blocks", "paged_attention", "RadixCache"]
