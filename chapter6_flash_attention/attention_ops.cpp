@@ -7,6 +7,7 @@
 // checked) device, so the checks cannot drift apart between backends. Inputs are passed by
 // strides, never copied: only the last dim must be contiguous.
 #include "attention.h"
+#include "paged.h"
 
 #include <ATen/ATen.h>
 #include <course/checks.h>
@@ -74,9 +75,9 @@ bool half_dtype(const Tensor& t) { return t.scalar_type() == at::kHalf || t.scal
 // In the H100 results (results/nvidia-h100-80gb-hbm3/chapter6_flash_attention.json) each
 // tensor-core rung beats the one before at every seqlen, head_dim and mask measured. The last,
 // "split_kv", is "tuned" wherever the grid fills the GPU (attention_forward_splits returns 1), so
-// the size threshold is that heuristic's, not a second one here. The backward: "mma_dqpass" beat "mma" (atomics) at head_dim
-// 64, both masks, and at 128 causal, and was within 3% of it either way at 128 without the mask;
-// it also gives the same bits on every run, so it is the default.
+// the size threshold is that heuristic's, not a second one here. The backward: "mma_dqpass"
+// matched or beat "mma" (atomics) at every head_dim, mask and seqlen of the sweep once both were
+// pipelined; it also gives the same bits on every run, so it is the default.
 #ifdef WITH_CUDA
 // One attribute of q's GPU (cudaDeviceGetAttribute is a lookup, not a driver round trip).
 int device_attribute(const Tensor& q, cudaDeviceAttr attr) {
@@ -111,8 +112,10 @@ std::vector<std::string> versions(c10::string_view op) {
   const std::string_view name = ::course::as_std(op);
   if (name == kForward) return ::course::version_names(kForwardVersions);
   if (name == kBackward) return ::course::version_names(kBackwardVersions);
+  std::vector<std::string> paged;
+  if (paged_versions(name, &paged)) return paged;
   TORCH_CHECK(false, "versions: unknown op '", std::string(name),
-              "' (flash_attention has attention_forward and attention_backward)");
+              "' (flash_attention has attention_forward, attention_backward and paged_attention)");
 }
 
 // The accumulation type, which the log-sum-exp is kept in (attention.h).

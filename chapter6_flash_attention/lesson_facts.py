@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))
 from coursekit import results  # noqa: E402
 
 # The issue's targets against sdpa_flash (FlashAttention 2 inside PyTorch), per configuration.
-FORWARD_RUNGS = ("mma", "pipelined", "tuned")
+FORWARD_RUNGS = ("mma", "pipelined", "tuned", "split_kv")
 BACKWARD_RUNGS = ("mma", "mma_dqpass")
 
 
@@ -62,6 +62,25 @@ def target_table(record):
     return "\n".join(lines)
 
 
+def split_kv_table(record):
+    """Per (query rows, keys): split_kv's GB/s and % of copy, tuned's (the same kernel unsplit),
+    and split_kv's speed against sdpa_flash."""
+    rows = results.rows(record, op="attention_split_kv")
+    if not rows:
+        return "(not measured)"
+    lines = ["| s_q | s_k | split_kv GB/s (% of copy) | tuned (% of copy) | sdpa_flash (% of copy) | "
+             "split_kv x sdpa_flash |", "|---|---|---|---|---|---|"]
+    for n_q, n_k in dict.fromkeys((r["seqlen_q"], r["seqlen_k"]) for r in rows):
+        got = {r["variant"]: r for r in rows if (r["seqlen_q"], r["seqlen_k"]) == (n_q, n_k)}
+        if not all(v in got for v in ("split_kv", "tuned", "sdpa_flash")):
+            continue
+        sk, tu, fl = got["split_kv"], got["tuned"], got["sdpa_flash"]
+        lines.append(f"| {n_q} | {n_k} | {sk['GBps']:.0f} ({sk['pct_of_copy']:.0f}%) | {tu['pct_of_copy']:.0f}% | "
+                     f"{fl['pct_of_copy']:.0f}% | {fl['median_ms'] / sk['median_ms']:.2f} |")
+    lines += ["", f"{_where(record)}; copy {record['ceilings']['copy_GBps']:.0f} GB/s in the same run."]
+    return "\n".join(lines)
+
+
 def memory_line(record):
     rows = {r["variant"]: r for r in results.rows(record, op="attention_memory") if not r.get("grad")}
     ours = rows.get("tuned") or rows.get("default")
@@ -98,4 +117,5 @@ def tiny_gpt_line(record):
             f"({gpt['device']['name']}, {gpt['date'][:10]})")
 
 
-FACTS = {"target_table": target_table, "memory": memory_line, "error": error_line, "tiny_gpt": tiny_gpt_line}
+FACTS = {"target_table": target_table, "split_kv": split_kv_table, "memory": memory_line, "error": error_line,
+         "tiny_gpt": tiny_gpt_line}

@@ -55,13 +55,19 @@ EXTENSION = load_extension("flash_attention", "flash_attention", __file__)
 
 import torch  # noqa: E402
 
-__all__ = ["attention", "sdpa", "attention_forward", "attention_backward", "VERSIONS", "EXTENSION"]
+# The serving half of the chapter: the paged KV cache, decode attention over it, the prefix tree.
+from .paged import copy_blocks, paged_attention, reshape_and_cache  # noqa: E402
+from .radix import RadixCache  # noqa: E402
+
+__all__ = ["attention", "sdpa", "attention_forward", "attention_backward", "reshape_and_cache", "copy_blocks",
+           "paged_attention", "RadixCache", "VERSIONS", "EXTENSION"]
 
 # Each op's ladder of kernel versions; test_attention.py holds it against the extension's
 # tables (the `versions` op).
 VERSIONS = {
     "attention_forward": ("naive", "tiled", "mma", "pipelined", "tuned", "split_kv"),
     "attention_backward": ("naive", "mma", "mma_dqpass"),
+    "paged_attention": ("per_head", "per_kv_head", "split_kv"),
 }
 
 
@@ -128,9 +134,3 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
         raise RuntimeError(f"sdpa: query has {query.shape[1]} heads but key has {key.shape[1]}; pass "
                            "enable_gqa=True for grouped-query attention")
     return attention(query, key, value, causal=is_causal, scale=scale)
-
-
-from .paged import reshape_and_cache, copy_blocks, paged_attention  # noqa: E402
-from .radix import RadixCache  # noqa: E402
-
-__all__ += ["reshape_and_cache", "copy_blocks", "paged_attention", "RadixCache"]
