@@ -2,7 +2,7 @@
 # The glue and the CPU reference; the CUDA kernels one file per rung family (the naive forward
 # and backward share their simple kernels; the tiled forward is its own file, so the two
 # compile in parallel and a learner reads one rung at a time).
-CPP_SOURCES = ["attention_ops.cpp", "attention_cpu.cpp", "paged_ops.cpp", "paged_cpu.cpp"]
+CPP_SOURCES = ["attention_ops.cpp", "attention_cpu.cpp"]
 # The tensor-core rungs (csrc/): one file per pass, dtype and head dim, as FlashAttention 2
 # splits its instantiations, so that ninja compiles them side by side.
 TENSOR_CORE_SOURCES = ["csrc/flash_fwd_dispatch.cu", "csrc/flash_bwd_dispatch.cu", "csrc/split_combine.cu"] + [
