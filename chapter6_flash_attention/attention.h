@@ -182,8 +182,7 @@ int64_t attention_backward_mma_smem_bytes(int64_t head_dim);
 // lse_s (natural log; -inf: the range held no visible key, and o_s = 0); the combine merges
 //   lse = log sum_s exp(lse_s),   o = sum_s exp(lse_s - lse) o_s
 // the online softmax's rescaling done once, across splits instead of across key tiles. Used by
-// the forward's rung "split_kv" (and written for decoding over a paged KV cache as well: nothing
-// in it knows how the partials were made). Row r of the partials is
+// the forward's rung "split_kv" and by the paged decode's v3 (paged.h). Row r of the partials is
 // (b * heads + h) * seqlen + i and goes to out + b * out_batch_stride + h * out_head_stride +
 // i * out_seq_stride; the merged lse (if lse is not null) to lse[r].
 struct SplitCombineParams {

@@ -7,6 +7,7 @@
 // checked) device, so the checks cannot drift apart between backends. Inputs are passed by
 // strides, never copied: only the last dim must be contiguous.
 #include "attention.h"
+#include "paged.h"
 
 #include <ATen/ATen.h>
 #include <course/checks.h>
@@ -111,8 +112,10 @@ std::vector<std::string> versions(c10::string_view op) {
   const std::string_view name = ::course::as_std(op);
   if (name == kForward) return ::course::version_names(kForwardVersions);
   if (name == kBackward) return ::course::version_names(kBackwardVersions);
+  std::vector<std::string> paged;
+  if (paged_versions(name, &paged)) return paged;
   TORCH_CHECK(false, "versions: unknown op '", std::string(name),
-              "' (flash_attention has attention_forward and attention_backward)");
+              "' (flash_attention has attention_forward, attention_backward and paged_attention)");
 }
 
 // The accumulation type, which the log-sum-exp is kept in (attention.h).

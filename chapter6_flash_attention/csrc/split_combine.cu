@@ -1,5 +1,5 @@
-// The split-KV combine (attention.h, SplitCombineParams): the last step of flash-decoding, after
-// the forward's rung "split_kv" (and of any decode kernel that leaves partials in this layout).
+// The split-KV combine (attention.h, SplitCombineParams): the last step of flash-decoding, shared
+// by the forward's rung "split_kv" and the paged decode's v3.
 //
 // Each split of a row left a partial output o_s, normalised by its own sum, and lse_s, the log of
 // that sum (in the units of the scores). The row's softmax over all its keys is then

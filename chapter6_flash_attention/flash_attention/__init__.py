@@ -55,13 +55,19 @@ EXTENSION = load_extension("flash_attention", "flash_attention", __file__)
 
 import torch  # noqa: E402
 
-__all__ = ["attention", "sdpa", "attention_forward", "attention_backward", "VERSIONS", "EXTENSION"]
+# The serving half of the chapter: the paged KV cache, decode attention over it, the prefix tree.
+from .paged import copy_blocks, paged_attention, reshape_and_cache  # noqa: E402
+from .radix import RadixCache  # noqa: E402
+
+__all__ = ["attention", "sdpa", "attention_forward", "attention_backward", "reshape_and_cache", "copy_blocks",
+           "paged_attention", "RadixCache", "VERSIONS", "EXTENSION"]
 
 # Each op's ladder of kernel versions; test_attention.py holds it against the extension's
 # tables (the `versions` op).
 VERSIONS = {
     "attention_forward": ("naive", "tiled", "mma", "pipelined", "tuned", "split_kv"),
     "attention_backward": ("naive", "mma", "mma_dqpass"),
+    "paged_attention": ("per_head", "per_kv_head", "split_kv"),
 }
 
 

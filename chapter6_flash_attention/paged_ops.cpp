@@ -1,0 +1,566 @@
+// Torch glue for the serving half (paged.h): the schemas of reshape_and_cache, copy_blocks,
+// paged_attention and match_prefix, their checks, and one implementation per op that serves the
+// CPU, CUDA and Meta keys and picks the backend from the (already checked) device, as
+// attention_ops.cpp does for training. The `flash_attention` library is defined there; these ops
+// join it with TORCH_LIBRARY_FRAGMENT.
+//
+// Two kinds of checks:
+// - what the host knows for free (ranks, shapes, dtypes, devices, strides): always;
+// - what lives in the tensors' values (block ids in the tables, context lengths, slots): reading
+//   those back from a GPU is a device-to-host copy, which waits for every kernel queued before it
+//   (a sync per call, and illegal while a CUDA graph is being captured). paged_attention and
+//   reshape_and_cache make them when check_tables / check_slots is true, the default, so that a
+//   learner's bad table is a clear error and not a silently wrong answer. The kernels are
+//   memory-safe without them (paged.h), so a server passes false: its scheduler built the tables
+//   and slot mappings on the host, from its own block allocator, and checked them there before
+//   the one copy to the GPU; vLLM and SGLang read nothing back for this reason. On the CPU the
+//   checks read host memory and cost next to nothing.
+//   copy_blocks always checks its mapping (a destination named twice, or also a source, makes the
+//   result depend on the order of the copies): it runs at copy-on-write only, rarely enough that
+//   its sync does not matter. match_prefix checks its tree and lengths on the CPU; on CUDA see
+//   match_prefix_impl.
+#include "paged.h"
+
+#include <ATen/ATen.h>
+#include <course/checks.h>
+#include <course/on_cuda.h>
+#include <course/versions.h>
+#include <torch/library.h>
+
+#ifdef WITH_CUDA
+#include <c10/cuda/CUDAException.h>
+#include <cuda_runtime_api.h>
+#endif
+
+#include <algorithm>
+#include <initializer_list>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <vector>
+
+namespace flash_attention {
+namespace {
+
+using at::Tensor;
+using ::course::OptVersion;
+using ::course::shape_of;
+
+constexpr const char* kPackage = "flash_attention";
+constexpr const char* kReshapeAndCache = "reshape_and_cache";
+constexpr const char* kCopyBlocks = "copy_blocks";
+constexpr const char* kPagedAttention = "paged_attention";
+constexpr const char* kMatchPrefix = "match_prefix";
+
+// The decode ladder (paged.h). The CPU reference is not a rung: it runs whatever version= names,
+// and the names are parsed on every device, so a typo fails on the CPU as it would on CUDA.
+constexpr ::course::NamedVersion<PagedVersion> kPagedVersions[] = {{"per_head", PagedVersion::kPerHead},
+                                                                  {"per_kv_head", PagedVersion::kPerKvHead},
+                                                                  {"split_kv", PagedVersion::kSplitKv}};
+
+// A size or stride for a message: "?" where torch.compile's dynamic shapes made it symbolic.
+std::string str(const c10::SymInt& v) {
+  const auto known = v.maybe_as_int();
+  return known ? std::to_string(*known) : std::string("?");
+}
+
+// "16, 32", from one of paged.h's lists.
+template <size_t N>
+std::string listed(const int (&values)[N]) {
+  std::string list;
+  for (int v : values) list += (list.empty() ? "" : ", ") + std::to_string(v);
+  return list;
+}
+
+template <size_t N>
+bool is_listed(const int (&values)[N], int64_t value) {
+  for (int v : values) {
+    if (v == value) return true;
+  }
+  return false;
+}
+
+// Every tensor argument: defined, on a device the ops serve, of rank `rank` (named by `dims`).
+void check_rank(const char* op, const char* name, const Tensor& t, int64_t rank, const char* dims) {
+  TORCH_CHECK(t.defined(), op, ": ", name, " is an undefined tensor");
+  ::course::check_device_supported(op, name, t);
+  TORCH_CHECK(t.dim() == rank, op, ": ", name, " has shape ", shape_of(t), " (", std::to_string(t.dim()),
+              " dims); it must have ", std::to_string(rank), ": ", dims);
+}
+
+// An integer argument (tables, lengths, slots, the tree's arrays): exactly `dtype`, on ref's device.
+void check_index(const char* op, const char* name, const Tensor& t, int64_t rank, const char* dims,
+                 at::ScalarType dtype, const char* ref_name, const Tensor& ref) {
+  check_rank(op, name, t, rank, dims);
+  ::course::check_dtype_in(op, name, t, {dtype});
+  ::course::check_same_device(op, name, t, ref_name, ref);
+}
+
+// Values go in by strides, but their rows (head_dim) are read as runs of contiguous elements.
+void check_last_dim_contiguous(const char* op, const char* name, const Tensor& t) {
+  const int64_t last = t.dim() - 1;
+  TORCH_CHECK(t.sym_stride(last) == 1 || t.sym_size(last) == 1, op, ": ", name,
+              "'s last dim (head_dim) is not contiguous (stride ", str(t.sym_stride(last)),
+              "); other dims may be strided, the last must not: pass ", name, ".contiguous()");
+}
+
+// Index arrays are small next to the cache: any layout is copied to the one the kernels index
+// (rows of contiguous ids) rather than refused.
+Tensor rows_contiguous(const Tensor& t) { return t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous(); }
+
+// key_cache and value_cache: one (num_blocks, block_size, heads_kv, head_dim) layout, any of the
+// four floating dtypes. Contiguous, because the kernels compute every address from a block id
+// (paged.h), and refused rather than copied, because two of the ops write the cache in place.
+void check_caches(const char* op, const Tensor& key_cache, const Tensor& value_cache) {
+  constexpr const char* dims = "(num_blocks, block_size, heads_kv, head_dim)";
+  check_rank(op, "key_cache", key_cache, 4, dims);
+  check_rank(op, "value_cache", value_cache, 4, dims);
+  ::course::check_floating(op, "key_cache", key_cache);
+  ::course::check_same_device(op, "value_cache", value_cache, "key_cache", key_cache);
+  ::course::check_same_dtype(op, "value_cache", value_cache, "key_cache", key_cache);
+  TORCH_CHECK(key_cache.sym_sizes() == value_cache.sym_sizes(), op, ": key_cache has shape ", shape_of(key_cache),
+              " but value_cache has shape ", shape_of(value_cache), " (one value per key: they must match)");
+  for (const auto& [name, cache] : {std::pair<const char*, const Tensor&>{"key_cache", key_cache},
+                                    std::pair<const char*, const Tensor&>{"value_cache", value_cache}}) {
+    TORCH_CHECK(cache.is_contiguous(), op, ": ", name, " is not contiguous; the cache is addressed as one ", dims,
+                " array from its block ids (and written in place, so a contiguous copy would not do)");
+  }
+  TORCH_CHECK(key_cache.sym_size(1) >= 1 && key_cache.sym_size(2) >= 1 && key_cache.sym_size(3) >= 1, op,
+              ": key_cache has shape ", shape_of(key_cache), "; block_size, heads_kv and head_dim must be at least 1");
+}
+
+KVCacheLayout layout_of(const Tensor& key_cache) {
+  return {::course::to_dtype(key_cache.scalar_type()), key_cache.size(0), key_cache.size(1), key_cache.size(2),
+          key_cache.size(3)};
+}
+
+// ---------------------------------------------------------------------------------------
+// Value checks. Each computes its verdicts on the data's device with torch ops and reads them
+// back in one copy (on CUDA the one sync the check costs); only a failing check reads more, to
+// name the first offending element.
+// ---------------------------------------------------------------------------------------
+std::vector<bool> read_flags(std::initializer_list<Tensor> flags) {
+  const Tensor host = at::stack(std::vector<Tensor>(flags)).to(at::kCPU);
+  const bool* values = host.const_data_ptr<bool>();
+  return std::vector<bool>(values, values + host.numel());
+}
+
+// The index of the first true element of a 1-D mask that has one.
+int64_t first_true(const Tensor& mask) { return mask.nonzero().select(0, 0).select(0, 0).item<int64_t>(); }
+
+int64_t value_at(const Tensor& t, int64_t i) { return t.select(0, i).item<int64_t>(); }
+
+// The first value of `sorted` (ascending) that `repeats` marks as equal to the one before it.
+int64_t repeated_value(const Tensor& sorted, const Tensor& repeats) {
+  return value_at(sorted.slice(0, 1), first_true(repeats));
+}
+
+// The table entries a sequence's context uses are ids of the cache's blocks, and no context is
+// negative or longer than its row covers.
+void check_table_values(const char* op, const Tensor& tables, const Tensor& context_lens, const KVCacheLayout& cache) {
+  const int64_t max_blocks = tables.size(1);
+  const int64_t covered = max_blocks * cache.block_size;
+  const Tensor lens = context_lens.to(at::kLong);
+  const Tensor bad_len = (lens < 0) | (lens > covered);
+  const Tensor used = at::arange(max_blocks, lens.options()).mul(cache.block_size).unsqueeze(0) < lens.unsqueeze(1);
+  const Tensor bad_id = used & ((tables < 0) | (tables >= cache.num_blocks));
+  const std::vector<bool> fails = read_flags({bad_len.any(), bad_id.any()});
+  if (fails[0]) {
+    const int64_t b = first_true(bad_len);
+    const int64_t len = value_at(lens, b);
+    TORCH_CHECK(len >= 0, op, ": context_lens[", std::to_string(b), "] is ", std::to_string(len),
+                "; a context length cannot be negative");
+    TORCH_CHECK(false, op, ": context_lens[", std::to_string(b), "] is ", std::to_string(len),
+                " but its block_tables row covers ", std::to_string(max_blocks), " blocks x block_size ",
+                std::to_string(cache.block_size), " = ", std::to_string(covered), " tokens");
+  }
+  if (fails[1]) {
+    const int64_t b = first_true(bad_id.any(1));
+    const int64_t column = first_true(bad_id.select(0, b));
+    TORCH_CHECK(false, op, ": block_tables[", std::to_string(b), "][", std::to_string(column), "] is ",
+                std::to_string(value_at(tables.select(0, b), column)), ", not a block of the cache (num_blocks ",
+                std::to_string(cache.num_blocks), "), and context_lens[", std::to_string(b), "] = ",
+                std::to_string(value_at(lens, b)), " uses it");
+  }
+}
+
+// Every slot is -1 (a padding token) or a slot of the cache, and no slot is written twice (two
+// tokens racing for one slot would leave whichever the GPU wrote last).
+void check_slot_values(const char* op, const Tensor& slots, int64_t num_slots) {
+  const Tensor outside = (slots < -1) | (slots >= num_slots);
+  const Tensor sorted = std::get<0>(slots.sort());
+  const Tensor next = sorted.slice(0, 1);
+  const Tensor repeats = (next == sorted.slice(0, 0, -1)) & (next >= 0);
+  const std::vector<bool> fails = read_flags({outside.any(), repeats.any()});
+  if (fails[0]) {
+    const int64_t i = first_true(outside);
+    TORCH_CHECK(false, op, ": slot_mapping[", std::to_string(i), "] is ", std::to_string(value_at(slots, i)),
+                ", outside the cache's ", std::to_string(num_slots),
+                " slots (num_blocks x block_size); -1 marks a padding token");
+  }
+  TORCH_CHECK(!fails[1], op, ": slot_mapping writes slot ", std::to_string(repeated_value(sorted, repeats)),
+              " twice; each token needs a slot of its own");
+}
+
+// Every pair names blocks of the cache, no destination appears twice, and none is also a source:
+// then the copies are independent and their order cannot matter (paged.h).
+void check_mapping_values(const char* op, const Tensor& mapping, int64_t num_blocks) {
+  const Tensor src = mapping.select(1, 0);
+  const Tensor dst = mapping.select(1, 1);
+  const Tensor outside = ((mapping < 0) | (mapping >= num_blocks)).any(1);
+  const Tensor sorted = std::get<0>(dst.sort());
+  const Tensor repeats = sorted.slice(0, 1) == sorted.slice(0, 0, -1);
+  const Tensor also_source = at::isin(dst, src);
+  const std::vector<bool> fails = read_flags({outside.any(), repeats.any(), also_source.any()});
+  auto pair = [&](int64_t i) {
+    return "block_mapping[" + std::to_string(i) + "] = (" + std::to_string(value_at(src, i)) + ", " +
+           std::to_string(value_at(dst, i)) + ")";
+  };
+  TORCH_CHECK(!fails[0], op, ": ", pair(first_true(outside)), " names a block outside the cache (num_blocks ",
+              std::to_string(num_blocks), ")");
+  TORCH_CHECK(!fails[1], op, ": block ", std::to_string(repeated_value(sorted, repeats)),
+              " is the destination of two pairs of block_mapping; each destination may appear once");
+  TORCH_CHECK(!fails[2], op, ": ", pair(first_true(also_source)),
+              " copies into a block that is also a source in block_mapping; the result would depend on the order "
+              "of the copies (make such chains separate calls)");
+}
+
+// ---------------------------------------------------------------------------------------
+// reshape_and_cache: key and value (tokens, heads_kv, head_dim) into the caches at slot_mapping.
+// ---------------------------------------------------------------------------------------
+void reshape_and_cache_impl(const Tensor& key, const Tensor& value, const Tensor& key_cache, const Tensor& value_cache,
+                            const Tensor& slot_mapping, bool check_slots) {
+  const char* op = kReshapeAndCache;
+  check_caches(op, key_cache, value_cache);
+  for (const auto& [name, t] : {std::pair<const char*, const Tensor&>{"key", key},
+                                std::pair<const char*, const Tensor&>{"value", value}}) {
+    check_rank(op, name, t, 3, "(tokens, heads_kv, head_dim)");
+    ::course::check_same_device(op, name, t, "key_cache", key_cache);
+    ::course::check_same_dtype(op, name, t, "key_cache", key_cache);
+    check_last_dim_contiguous(op, name, t);
+  }
+  TORCH_CHECK(key.sym_sizes() == value.sym_sizes(), op, ": key has shape ", shape_of(key), " but value has shape ",
+              shape_of(value), " (they must match: one value per key)");
+  TORCH_CHECK(key.sym_size(1) == key_cache.sym_size(2) && key.sym_size(2) == key_cache.sym_size(3), op,
+              ": key has shape ", shape_of(key), " but the cache ", shape_of(key_cache),
+              " holds (heads_kv, head_dim) = (", str(key_cache.sym_size(2)), ", ", str(key_cache.sym_size(3)),
+              ") per token");
+  check_index(op, "slot_mapping", slot_mapping, 1, "(tokens,)", at::kLong, "key_cache", key_cache);
+  TORCH_CHECK(slot_mapping.sym_size(0) == key.sym_size(0), op, ": slot_mapping has ", str(slot_mapping.sym_size(0)),
+              " slots for ", str(key.sym_size(0)), " tokens (one slot per token; -1 skips a token)");
+  if (key_cache.is_meta()) return;
+  const KVCacheLayout cache = layout_of(key_cache);
+  const Tensor slots = slot_mapping.contiguous();
+  if (check_slots) check_slot_values(op, slots, cache.num_blocks * cache.block_size);
+  if (key.size(0) == 0) return;
+  ReshapeAndCacheParams p{};
+  p.cache = cache;
+  p.key = key.const_data_ptr();
+  p.value = value.const_data_ptr();
+  p.key_cache = key_cache.mutable_data_ptr();
+  p.value_cache = value_cache.mutable_data_ptr();
+  p.slot_mapping = slots.const_data_ptr<int64_t>();
+  p.tokens = key.size(0);
+  p.key_token_stride = key.stride(0), p.key_head_stride = key.stride(1);
+  p.value_token_stride = value.stride(0), p.value_head_stride = value.stride(1);
+  if (key_cache.is_cuda()) {
+    COURSE_ON_CUDA(op, kPackage, key_cache, C10_CUDA_CHECK(launch_reshape_and_cache(p, stream)));
+  } else {
+    reshape_and_cache_cpu(p);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// copy_blocks: block_mapping (pairs, 2) of (src, dst) block ids, both caches.
+// ---------------------------------------------------------------------------------------
+void copy_blocks_impl(const Tensor& key_cache, const Tensor& value_cache, const Tensor& block_mapping) {
+  const char* op = kCopyBlocks;
+  check_caches(op, key_cache, value_cache);
+  check_index(op, "block_mapping", block_mapping, 2, "(pairs, 2), a (src, dst) pair of block ids per row", at::kLong,
+              "key_cache", key_cache);
+  TORCH_CHECK(block_mapping.sym_size(1) == 2, op, ": block_mapping has shape ", shape_of(block_mapping),
+              "; it must be (pairs, 2), a (src, dst) pair of block ids per row");
+  if (key_cache.is_meta()) return;
+  const Tensor mapping = block_mapping.contiguous();
+  if (mapping.size(0) == 0) return;
+  const KVCacheLayout cache = layout_of(key_cache);
+  check_mapping_values(op, mapping, cache.num_blocks);  // a sync on CUDA: see the top of the file
+  CopyBlocksParams p{};
+  p.cache = cache;
+  p.key_cache = key_cache.mutable_data_ptr();
+  p.value_cache = value_cache.mutable_data_ptr();
+  p.block_mapping = mapping.const_data_ptr<int64_t>();
+  p.pairs = mapping.size(0);
+  if (key_cache.is_cuda()) {
+    COURSE_ON_CUDA(op, kPackage, key_cache, C10_CUDA_CHECK(launch_copy_blocks(p, stream)));
+  } else {
+    copy_blocks_cpu(p);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// paged_attention: out (batch, heads, head_dim), contiguous, query's dtype.
+// ---------------------------------------------------------------------------------------
+#ifdef WITH_CUDA
+// version=None: per_kv_head, which reads each K/V row once for its whole group of query heads
+// where per_head reads it once per query head, unless the (sequence, kv head) grid is too small
+// to fill the GPU and the tables are long enough to cut: paged_attention_splits, from the table
+// width known on the host, says how many splits (1: no split, and split_kv would be per_kv_head
+// plus a workspace). per_head is the ladder's first rung, never the default.
+void paged_attention_cuda(std::optional<PagedVersion> named, const PagedAttentionParams& p, const Tensor& query,
+                          cudaStream_t stream) {
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, query.device().index()));
+  const int64_t splits = paged_attention_splits(p, sms);
+  const PagedVersion version = named.value_or(splits > 1 ? PagedVersion::kSplitKv : PagedVersion::kPerKvHead);
+  const int64_t used_splits = version == PagedVersion::kSplitKv ? splits : 1;
+  // The partials come from torch's caching allocator, never from the launcher: stream-ordered,
+  // freed at the end of this scope once the stream has passed it, and from the graph's pool
+  // inside a CUDA graph capture (attention_ops.cpp's workspaces likewise).
+  const Tensor partials = at::empty({paged_attention_workspace(p, used_splits)}, query.options().dtype(at::kByte));
+  C10_CUDA_CHECK(launch_paged_attention(p, version, used_splits, partials.mutable_data_ptr(), stream));
+}
+#endif
+
+Tensor paged_attention_impl(const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+                            const Tensor& block_tables, const Tensor& context_lens, double scale, OptVersion version,
+                            bool check_tables) {
+  const char* op = kPagedAttention;
+  check_rank(op, "query", query, 3, "(batch, heads, head_dim), one decode token per sequence");
+  check_caches(op, key_cache, value_cache);
+  // The reference computes in the input's type, float32 and float64 only (attention_ops.cpp says
+  // why); the kernels take all four. Meta tensors carry no device of their own: any passes.
+  if (query.device().is_cpu()) {
+    ::course::check_dtype_in(op, "query", query, {at::kFloat, at::kDouble});
+  } else {
+    ::course::check_floating(op, "query", query);
+  }
+  ::course::check_same_device(op, "key_cache", key_cache, "query", query);
+  ::course::check_same_dtype(op, "key_cache", key_cache, "query", query);
+  check_last_dim_contiguous(op, "query", query);
+  TORCH_CHECK(query.sym_size(2) == key_cache.sym_size(3), op, ": query has head_dim ", str(query.sym_size(2)),
+              " but key_cache and value_cache have head_dim ", str(key_cache.sym_size(3)), " (they must be equal)");
+  TORCH_CHECK(query.sym_size(1) % key_cache.sym_size(2) == 0, op, ": query has ", str(query.sym_size(1)),
+              " heads and the cache has ", str(key_cache.sym_size(2)), " kv heads; the query heads must be a whole ",
+              "multiple of the kv heads (grouped-query attention: each kv head serves heads / heads_kv query heads)");
+  check_index(op, "block_tables", block_tables, 2, "(batch, max_blocks)", at::kInt, "query", query);
+  check_index(op, "context_lens", context_lens, 1, "(batch,)", at::kInt, "query", query);
+  TORCH_CHECK(block_tables.sym_size(0) == query.sym_size(0), op, ": block_tables has ", str(block_tables.sym_size(0)),
+              " rows for a batch of ", str(query.sym_size(0)), " (one row of block ids per sequence)");
+  TORCH_CHECK(context_lens.sym_size(0) == query.sym_size(0), op, ": context_lens has ",
+              str(context_lens.sym_size(0)), " lengths for a batch of ", str(query.sym_size(0)));
+  if (query.is_cuda()) {
+    TORCH_CHECK(is_listed(kPagedHeadDims, query.size(2)), op, ": head_dim ", std::to_string(query.size(2)),
+                " is not supported on CUDA (supported: ", listed(kPagedHeadDims), ")");
+    TORCH_CHECK(is_listed(kPagedBlockSizes, key_cache.size(1)), op, ": block_size ",
+                std::to_string(key_cache.size(1)), " is not supported on CUDA (supported: ", listed(kPagedBlockSizes),
+                ")");
+  }
+  [[maybe_unused]] const auto named = ::course::parse_version(op, version, kPagedVersions);  // a typo fails on Meta too
+  Tensor out = at::empty_symint(query.sym_sizes(), query.options());
+  if (query.is_meta()) return out;
+  const KVCacheLayout cache = layout_of(key_cache);
+  const Tensor tables = rows_contiguous(block_tables);
+  const Tensor lens = context_lens.contiguous();
+  if (check_tables) check_table_values(op, tables, lens, cache);  // a sync on CUDA: see the top of the file
+  if (out.numel() == 0) return out;
+  PagedAttentionParams p{};
+  p.cache = cache;
+  p.q = query.const_data_ptr();
+  p.key_cache = key_cache.const_data_ptr();
+  p.value_cache = value_cache.const_data_ptr();
+  p.block_tables = tables.const_data_ptr<int32_t>();
+  p.context_lens = lens.const_data_ptr<int32_t>();
+  p.out = out.mutable_data_ptr();
+  p.batch = query.size(0);
+  p.heads = query.size(1);
+  p.max_blocks = tables.size(1);
+  p.q_batch_stride = query.stride(0), p.q_head_stride = query.stride(1);
+  p.block_table_stride = tables.stride(0);
+  p.scale = scale;
+  if (query.is_cuda()) {
+    COURSE_ON_CUDA(op, kPackage, query, paged_attention_cuda(named, p, query, stream));
+  } else {
+    paged_attention_cpu(p);
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------
+// match_prefix: (matched_tokens (requests,), matched_blocks (requests, max_match_blocks)), int32;
+// the entries of matched_blocks past a request's match are -1.
+// ---------------------------------------------------------------------------------------
+
+// The tree's values (RadixTreeView's rules, paged.h), on the CPU: every span inside `tokens` and
+// `block_ids`, every node but the root at least one block long (so each step of the walk
+// consumes a block and the walk ends, whatever the links), every child list inside child_index
+// and naming nodes other than the root, sorted by first token, and no two children of a node
+// with the same first block (the lookup could not choose).
+void check_tree_values(const char* op, const RadixTreeView& t, int64_t tokens, int64_t block_ids, int64_t links) {
+  auto node_str = [](int64_t n) { return "node " + std::to_string(n); };
+  TORCH_CHECK(t.span_blocks[0] == 0, op, ": node 0 (the root) has span_blocks ", std::to_string(t.span_blocks[0]),
+              "; the root's span is empty");
+  for (int64_t n = 0; n < t.num_nodes; ++n) {
+    const int64_t span = t.span_blocks[n];
+    TORCH_CHECK(n == 0 || span >= 1, op, ": ", node_str(n), " has span_blocks ", std::to_string(span),
+                "; every node but the root holds at least one block");
+    TORCH_CHECK(t.token_start[n] >= 0 && t.token_start[n] + span * t.block_size <= tokens, op, ": ", node_str(n),
+                "'s tokens [", std::to_string(t.token_start[n]), ", +", std::to_string(span * t.block_size),
+                ") fall outside tokens (", std::to_string(tokens), " ids)");
+    TORCH_CHECK(t.block_start[n] >= 0 && t.block_start[n] + span <= block_ids, op, ": ", node_str(n),
+                "'s blocks [", std::to_string(t.block_start[n]), ", +", std::to_string(span),
+                ") fall outside block_ids (", std::to_string(block_ids), " ids)");
+    const int64_t first = t.child_start[n];
+    const int64_t count = t.child_count[n];
+    TORCH_CHECK(first >= 0 && count >= 0 && first + count <= links, op, ": ", node_str(n), "'s children [",
+                std::to_string(first), ", +", std::to_string(count), ") fall outside child_index (",
+                std::to_string(links), " entries)");
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t child = t.child_index[first + i];
+      TORCH_CHECK(child >= 1 && child < t.num_nodes, op, ": ", node_str(n), "'s child ", std::to_string(i), " is ",
+                  std::to_string(child), ", not a node of the tree other than the root (1 to ",
+                  std::to_string(t.num_nodes - 1), ")");
+    }
+  }
+  // Every child's first block is now known to lie inside tokens.
+  for (int64_t n = 0; n < t.num_nodes; ++n) {
+    const int64_t first = t.child_start[n];
+    const int64_t count = t.child_count[n];
+    for (int64_t i = 1; i < count; ++i) {
+      const int32_t* block = t.tokens + t.token_start[t.child_index[first + i]];
+      for (int64_t j = i - 1; j >= 0; --j) {
+        const int32_t* earlier = t.tokens + t.token_start[t.child_index[first + j]];
+        if (earlier[0] != block[0]) {
+          TORCH_CHECK(earlier[0] < block[0], op, ": ", node_str(n), "'s children are not sorted by first token (",
+                      std::to_string(earlier[0]), " before ", std::to_string(block[0]), ")");
+          break;  // sorted: the earlier children start with smaller tokens still
+        }
+        TORCH_CHECK(!std::equal(block, block + t.block_size, earlier), op, ": ", node_str(n),
+                    "'s children ", std::to_string(j), " and ", std::to_string(i),
+                    " start with the same block; a node's children must differ in their first block");
+      }
+    }
+  }
+}
+
+std::tuple<Tensor, Tensor> match_prefix_impl(const Tensor& tokens, const Tensor& token_start,
+                                             const Tensor& span_blocks, const Tensor& block_start,
+                                             const Tensor& block_ids, const Tensor& child_start,
+                                             const Tensor& child_count, const Tensor& child_index, int64_t block_size,
+                                             const Tensor& queries, const Tensor& query_lens,
+                                             int64_t max_match_blocks) {
+  const char* op = kMatchPrefix;
+  check_rank(op, "queries", queries, 2, "(requests, max_query_len) token ids");
+  ::course::check_dtype_in(op, "queries", queries, {at::kInt});
+  check_index(op, "query_lens", query_lens, 1, "(requests,)", at::kInt, "queries", queries);
+  TORCH_CHECK(query_lens.sym_size(0) == queries.sym_size(0), op, ": query_lens has ", str(query_lens.sym_size(0)),
+              " lengths for ", str(queries.sym_size(0)), " requests");
+  // The flat tree (paged.h's RadixTreeView): per-node arrays of num_nodes entries, the others flat.
+  const struct {
+    const char* name;
+    const Tensor& t;
+    at::ScalarType dtype;
+    bool per_node;
+  } tree[] = {{"tokens", tokens, at::kInt, false},         {"token_start", token_start, at::kLong, true},
+              {"span_blocks", span_blocks, at::kInt, true}, {"block_start", block_start, at::kLong, true},
+              {"block_ids", block_ids, at::kInt, false},    {"child_start", child_start, at::kLong, true},
+              {"child_count", child_count, at::kInt, true}, {"child_index", child_index, at::kInt, false}};
+  for (const auto& a : tree) {
+    check_index(op, a.name, a.t, 1, a.per_node ? "(num_nodes,)" : "a flat array", a.dtype, "queries", queries);
+    TORCH_CHECK(!a.per_node || a.t.sym_size(0) == token_start.sym_size(0), op, ": ", a.name, " has ",
+                str(a.t.sym_size(0)), " entries but token_start has ", str(token_start.sym_size(0)),
+                "; every per-node array has one entry per node");
+  }
+  TORCH_CHECK(token_start.sym_size(0) >= 1, op, ": the tree has no nodes; even an empty tree has its root, node 0");
+  TORCH_CHECK(block_size >= 1, op, ": block_size is ", std::to_string(block_size), "; it must be at least 1");
+  TORCH_CHECK(max_match_blocks >= 0, op, ": max_match_blocks is ", std::to_string(max_match_blocks),
+              "; it cannot be negative");
+  const auto int32 = queries.options().dtype(at::kInt);
+  Tensor matched_tokens = at::empty_symint({queries.sym_size(0)}, int32);
+  Tensor matched_blocks = at::full_symint({queries.sym_size(0), max_match_blocks}, -1, int32);
+  if (queries.is_meta()) return {matched_tokens, matched_blocks};
+  const Tensor rows = rows_contiguous(queries);
+  Tensor lens = query_lens.contiguous();
+  std::vector<Tensor> flat;  // contiguous copies where needed, alive until the launch is queued
+  for (const auto& a : tree) flat.push_back(a.t.contiguous());
+  MatchPrefixParams p{};
+  p.tree.num_nodes = token_start.size(0);
+  p.tree.block_size = block_size;
+  p.tree.tokens = flat[0].const_data_ptr<int32_t>();
+  p.tree.token_start = flat[1].const_data_ptr<int64_t>();
+  p.tree.span_blocks = flat[2].const_data_ptr<int32_t>();
+  p.tree.block_start = flat[3].const_data_ptr<int64_t>();
+  p.tree.block_ids = flat[4].const_data_ptr<int32_t>();
+  p.tree.child_start = flat[5].const_data_ptr<int64_t>();
+  p.tree.child_count = flat[6].const_data_ptr<int32_t>();
+  p.tree.child_index = flat[7].const_data_ptr<int32_t>();
+  p.queries = rows.const_data_ptr<int32_t>();
+  p.requests = rows.size(0);
+  p.query_stride = rows.stride(0);
+  p.matched_tokens = matched_tokens.mutable_data_ptr<int32_t>();
+  p.matched_blocks = matched_blocks.mutable_data_ptr<int32_t>();
+  p.max_match_blocks = max_match_blocks;
+  if (queries.is_cuda()) {
+    // On the GPU neither the tree nor the lengths are read back: the lookup is the hot, batched
+    // part of serving, and a sync per lookup would undo the point of running it there. The tree
+    // is RadixCache's mirror, right by construction and checked on the CPU by the tests; a
+    // length past its row is clamped on the device (one small kernel, no sync), so that the
+    // kernel never reads beyond a row whatever the lengths say.
+    lens = lens.clamp(0, rows.size(1));
+    p.query_lens = lens.const_data_ptr<int32_t>();
+    COURSE_ON_CUDA(op, kPackage, queries, C10_CUDA_CHECK(launch_match_prefix(p, stream)));
+  } else {
+    check_tree_values(op, p.tree, tokens.size(0), block_ids.size(0), child_index.size(0));
+    const int32_t* len = lens.const_data_ptr<int32_t>();
+    for (int64_t r = 0; r < p.requests; ++r) {
+      TORCH_CHECK(len[r] >= 0 && len[r] <= rows.size(1), op, ": query_lens[", std::to_string(r), "] is ",
+                  std::to_string(len[r]), " but the rows of queries hold ", std::to_string(rows.size(1)), " tokens");
+    }
+    p.query_lens = len;
+    match_prefix_cpu(p);
+  }
+  return {matched_tokens, matched_blocks};
+}
+
+void register_backend_kernels(torch::Library& m) {
+  m.impl(kReshapeAndCache, &reshape_and_cache_impl);
+  m.impl(kCopyBlocks, &copy_blocks_impl);
+  m.impl(kPagedAttention, &paged_attention_impl);
+  m.impl(kMatchPrefix, &match_prefix_impl);
+}
+
+}  // namespace
+
+// For the library's one `versions` op (attention_ops.cpp).
+bool paged_versions(std::string_view op, std::vector<std::string>* names) {
+  if (op != kPagedAttention) return false;
+  *names = ::course::version_names(kPagedVersions);
+  return true;
+}
+
+}  // namespace flash_attention
+
+// The schemas tell the truth about aliasing: reshape_and_cache and copy_blocks write the caches in
+// place (Tensor(a!)), return nothing, and torch.compile functionalizes them; pt2_compliant_tag
+// promises that, with the Meta kernels, and test_paged.py holds each op to it with opcheck.
+TORCH_LIBRARY_FRAGMENT(flash_attention, m) {
+  const std::vector<at::Tag> pt2 = {at::Tag::pt2_compliant_tag};
+  m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+        "Tensor slot_mapping, bool check_slots=True) -> ()",
+        pt2);
+  m.def("copy_blocks(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor block_mapping) -> ()", pt2);
+  m.def("paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+        "Tensor context_lens, float scale, str? version=None, bool check_tables=True) -> Tensor",
+        pt2);
+  m.def("match_prefix(Tensor tokens, Tensor token_start, Tensor span_blocks, Tensor block_start, Tensor block_ids, "
+        "Tensor child_start, Tensor child_count, Tensor child_index, int block_size, Tensor queries, "
+        "Tensor query_lens, int max_match_blocks) -> (Tensor matched_tokens, Tensor matched_blocks)",
+        pt2);
+}
+
+// CUDA is registered in every build, as in attention_ops.cpp: a CUDA tensor meets the checks and
+// then a clear error in a CPU-only build, not the dispatcher's "no kernel for CUDA".
+TORCH_LIBRARY_IMPL(flash_attention, CPU, m) { flash_attention::register_backend_kernels(m); }
+TORCH_LIBRARY_IMPL(flash_attention, CUDA, m) { flash_attention::register_backend_kernels(m); }
+TORCH_LIBRARY_IMPL(flash_attention, Meta, m) { flash_attention::register_backend_kernels(m); }
