@@ -33,6 +33,7 @@
 #endif
 
 #include <algorithm>
+#include <cstdint>
 #include <initializer_list>
 #include <optional>
 #include <string>
@@ -356,6 +357,14 @@ Tensor paged_attention_impl(const Tensor& query, const Tensor& key_cache, const 
     TORCH_CHECK(is_listed(kPagedBlockSizes, key_cache.size(1)), op, ": block_size ",
                 std::to_string(key_cache.size(1)), " is not supported on CUDA (supported: ", listed(kPagedBlockSizes),
                 ")");
+    // The kernel reads K/V rows with 16-byte cp.async; a contiguous cache from torch is aligned,
+    // a view starting mid-allocation (cache[1:] of an odd-sized pool, say) may not be.
+    for (const auto& [name, cache] : {std::pair<const char*, const Tensor&>{"key_cache", key_cache},
+                                      std::pair<const char*, const Tensor&>{"value_cache", value_cache}}) {
+      TORCH_CHECK(reinterpret_cast<std::uintptr_t>(cache.const_data_ptr()) % 16 == 0, op, ": ", name,
+                  " does not start at a 16-byte aligned address; the CUDA kernel reads it in 16-byte pieces ",
+                  "(pass a cache that owns its storage, or .clone() the view)");
+    }
   }
   [[maybe_unused]] const auto named = ::course::parse_version(op, version, kPagedVersions);  // a typo fails on Meta too
   Tensor out = at::empty_symint(query.sym_sizes(), query.options());

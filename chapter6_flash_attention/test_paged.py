@@ -1094,6 +1094,10 @@ def test_cuda_misuse():
     key_cache = torch.randn(6, 16, 2, 64, device="cuda")
     with pytest.raises(RuntimeError, match=r"paged_attention: key_cache is on cuda:0 but query is on cpu"):
         flash_attention.paged_attention(q.cpu(), key_cache, key_cache, args["block_tables"], args["context_lens"])
+    # contiguous but starting 4 bytes into its storage: the kernel's 16-byte loads would fault
+    shifted = torch.zeros(key_cache.numel() + 1, device="cuda")[1:].view(key_cache.shape)
+    with pytest.raises(RuntimeError, match=r"paged_attention: key_cache does not start at a 16-byte aligned address"):
+        flash_attention.paged_attention(q, shifted, key_cache, cuda["block_tables"], cuda["context_lens"])
     # the value checks on the GPU (each a sync)
     with pytest.raises(RuntimeError, match=r"paged_attention: context_lens\[1\] is 40 but its block_tables row "
                                            r"covers 2 blocks x block_size 16 = 32 tokens"):

@@ -192,14 +192,20 @@ def run_benchmarks(steps, chapter):
     measurements a version=None dispatch table was read from), its build lab if it has one
     (build_lab.py, chapter 5: the extension built under each build configuration) and its
     training run if it has one (train_*.py, chapter 6: a model trained on the chapter's op and
-    on PyTorch's, curves compared; --quick without a GPU, where the full run would take hours)."""
+    on PyTorch's, curves compared; --quick without a GPU, where the full run would take hours)
+    and its generator if it has one (generate.py, chapter 6's serving half: greedy decoding over
+    the paged cache against SDPA's). Every bench_*.py runs (chapter 6 has one per half)."""
     import torch
     scripts = sorted(chapter.glob("tune_*.py")) + sorted(chapter.glob("build_lab.py"))
-    for script in scripts + [next(chapter.glob("bench_*.py"))] + sorted(chapter.glob("train_*.py")):
-        kind = {"tune": "tuning", "build": "build lab", "train": "training"}.get(script.name.split("_")[0],
-                                                                                 "benchmark")
-        extra = ["--quick"] if kind == "training" and not torch.cuda.is_available() else []
-        steps.run(f"{chapter.name} {kind}", [sys.executable, script.name, *extra], cwd=chapter, echo=True)
+    benches = sorted(chapter.glob("bench_*.py"))
+    for script in (scripts + benches + sorted(chapter.glob("train_*.py")) + sorted(chapter.glob("generate.py"))):
+        kind = {"tune": "tuning", "build": "build lab", "train": "training",
+                "generate.py": "generator"}.get(script.name.split("_")[0], "benchmark")
+        if kind == "benchmark" and len(benches) > 1:
+            kind = f"benchmark {script.stem.removeprefix('bench_')}"
+        quick = kind in ("training", "generator") and not torch.cuda.is_available()
+        steps.run(f"{chapter.name} {kind}", [sys.executable, script.name, *(["--quick"] if quick else [])],
+                  cwd=chapter, echo=True)
 
 
 def job_main(args):
