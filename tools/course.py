@@ -10,6 +10,7 @@ the virtualenv (scripts/env.sh) and install what is missing (tools/ensure_env.py
 """
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -36,8 +37,9 @@ def chapters():
 
 def notebooks():
     numbers = {c.name.split("_")[0].removeprefix("chapter").zfill(2) for c in chapters()}
+    # 06b_inference.ipynb is chapter 6's too: the number is the name's leading digits.
     return sorted(nb for nb in (ROOT / "notebooks").glob("*.ipynb")
-                  if nb.name.split("_")[0] in numbers)
+                  if re.match(r"\d*", nb.name).group().zfill(2) in numbers)
 
 
 class Steps:

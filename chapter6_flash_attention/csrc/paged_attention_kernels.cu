@@ -63,7 +63,7 @@
 // skipped without a copy (its tokens add nothing), and rows past the context are never read.
 // q and out are read and written element by element (q may be any strided, misaligned view);
 // the cache is read in 16-byte vectors, so the launcher refuses caches that are not 16-byte
-// aligned (cudaErrorInvalidValue; the glue should check that first).
+// aligned (cudaErrorInvalidValue; paged_ops.cpp checks it first, by name).
 //
 // Everything accumulates in float32 (float64 for float64 inputs) and rounds once, at the store.
 // cp.async only on sm_80 and newer; sm_75 copies into the same slots with a load and a store, and
