@@ -15,9 +15,10 @@
 //   and slot mappings on the host, from its own block allocator, and checked them there before
 //   the one copy to the GPU; vLLM and SGLang read nothing back for this reason. On the CPU the
 //   checks read host memory and cost next to nothing.
-//   copy_blocks always checks its mapping (a destination named twice, or also a source, makes the
-//   result depend on the order of the copies): it runs at copy-on-write only, rarely enough that
-//   its sync does not matter. match_prefix checks its tree and lengths on the CPU; on CUDA see
+//   copy_blocks does the same with check_mapping (a destination named twice, or also a source,
+//   makes the result depend on the order of the copies): it runs at copy-on-write only, rarely
+//   enough that a learner's checked call costs little, and a server's unchecked one can sit in a
+//   CUDA graph. match_prefix checks its tree and lengths on the CPU; on CUDA see
 //   match_prefix_impl.
 #include "paged.h"
 
@@ -275,7 +276,8 @@ void reshape_and_cache_impl(const Tensor& key, const Tensor& value, const Tensor
 // ---------------------------------------------------------------------------------------
 // copy_blocks: block_mapping (pairs, 2) of (src, dst) block ids, both caches.
 // ---------------------------------------------------------------------------------------
-void copy_blocks_impl(const Tensor& key_cache, const Tensor& value_cache, const Tensor& block_mapping) {
+void copy_blocks_impl(const Tensor& key_cache, const Tensor& value_cache, const Tensor& block_mapping,
+                      bool check_mapping) {
   const char* op = kCopyBlocks;
   check_caches(op, key_cache, value_cache);
   check_index(op, "block_mapping", block_mapping, 2, "(pairs, 2), a (src, dst) pair of block ids per row", at::kLong,
@@ -286,7 +288,7 @@ void copy_blocks_impl(const Tensor& key_cache, const Tensor& value_cache, const 
   const Tensor mapping = block_mapping.contiguous();
   if (mapping.size(0) == 0) return;
   const KVCacheLayout cache = layout_of(key_cache);
-  check_mapping_values(op, mapping, cache.num_blocks);  // a sync on CUDA: see the top of the file
+  if (check_mapping) check_mapping_values(op, mapping, cache.num_blocks);  // a sync on CUDA: see the top of the file
   CopyBlocksParams p{};
   p.cache = cache;
   p.key_cache = key_cache.mutable_data_ptr();
@@ -558,7 +560,8 @@ TORCH_LIBRARY_FRAGMENT(flash_attention, m) {
   m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
         "Tensor slot_mapping, bool check_slots=True) -> ()",
         pt2);
-  m.def("copy_blocks(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor block_mapping) -> ()", pt2);
+  m.def("copy_blocks(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor block_mapping, bool check_mapping=True) -> ()",
+        pt2);
   m.def("paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor context_lens, float scale, str? version=None, bool check_tables=True) -> Tensor",
         pt2);

@@ -1,125 +1,300 @@
-"""Tests of bench_paged.py's arithmetic and of its CPU path at tiny sizes: the unique bytes every
-decode GB/s rests on, the shuffled block tables, the grid (the issue's configurations, the memory
-cap of the sweeps), the guard that refuses to time a wrong kernel, the prefix tree it builds, and
-rows that carry the fields the results contract asks for."""
+"""Tests of bench_paged.py: the napkin math every GB/s rests on, the grid and its memory cap, the
+block tables and the paged cache built from them, the float32 witness and the guard that stops a
+wrong kernel from being timed, the targets' arithmetic, the prefix tree's build, and one whole
+--quick run (the CPU path at tiny sizes on a CPU machine, a smoke run on a GPU), whose record must
+hold every section with the fields the results contract asks for."""
+import json
 import math
+import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import bench_paged as B
+import flash_attention
+from coursekit import results
+
+GiB = 2**30
 
 
-def test_decode_bytes_count_each_cached_element_once():
-    # 3 + 5 tokens x 2 kv heads x 4 dims, K and V, plus q and out (2 sequences x 6 heads x 4 dims)
-    assert B.decode_bytes([3, 5], 6, 2, 4, 2) == ((3 + 5) * 2 * 2 + 2 * 6 * 2) * 4 * 2
-    # the query heads do not multiply the cache's bytes: that is the GQA lesson
-    assert B.decode_bytes([100], 32, 8, 128, 2) - B.decode_bytes([100], 8, 8, 128, 2) == 2 * 24 * 128 * 2
+# ---------------------------------------------------------------------------------------------
+# Napkin math and the grid
+# ---------------------------------------------------------------------------------------------
+def test_decode_bytes_counts_unique_kv_once_plus_q_and_out():
+    # Two sequences of 3 and 5 tokens, 4 query heads over 2 kv heads, d 8, 2 bytes an element:
+    # K and V of 8 tokens x 2 kv heads, then q and out of 2 x 4 heads, all of 8 elements.
+    assert B.decode_bytes([3, 5], 4, 2, 8, 2) == (8 * 2 * 2 + 2 * 4 * 2) * 8 * 2
+    # More query heads over the same kv heads add only q and out, never K/V traffic.
+    more_heads = B.decode_bytes([4096] * 64, 32, 8, 128, 2) - B.decode_bytes([4096] * 64, 8, 8, 128, 2)
+    assert more_heads == 2 * 64 * (32 - 8) * 128 * 2
 
 
-def test_random_tables_scatter_a_pool_without_reuse():
-    lens = [1, 16, 17, 40]
-    tables, num_blocks = B.random_tables(lens, 16, seed=3)
-    used = [b for row, n in zip(tables, lens) for b in row[:-(-n // 16)]]
-    assert sorted(used) == list(range(num_blocks))        # every block once: no sharing, no gaps
-    assert {len(row) for row in tables} == {3}            # padded to the widest row
-    assert used != sorted(used)                           # shuffled: not the contiguous layout
+def test_decode_bytes_at_the_first_target_is_one_gib_of_kv():
+    kv = B.kv_cache_bytes(64, 4096, 8, 128, 2)
+    assert kv == GiB
+    assert B.decode_bytes([4096] * 64, 32, 8, 128, 2) == kv + 2 * 64 * 32 * 128 * 2
 
 
-def test_grid_is_the_issues():
+def test_memory_cap_keeps_8_gib_and_drops_more():
+    c = B.decode_config(16, 131072, 32, 8)
+    assert B.kv_cache_bytes(16, 131072, 8, 128, 2) == 8 * GiB and B.within_cap(c, 8.0)
+    assert not B.within_cap(B.decode_config(64, 65536, 32, 8), 8.0)
+    assert B.within_cap(B.decode_config(64, 65536, 32, 8, dtype="float16"), 16.0)
+    assert not B.within_cap(B.decode_config(1, 1024, 8, 2, dtype="float32"), 1 / 1024)
+
+
+def test_split_sweep_is_the_issues_without_points_over_the_cap():
     s = B.sizes_for("cuda", quick=False)
-    targets = {c["target"]: c for c in s["paged"]}
-    assert set(B.TARGETS) <= set(targets)
-    for name, c in B.TARGET_CONFIGS.items():
-        assert {k: targets[name][k] for k in c} == c
-        assert (targets[name]["dtype"], targets[name]["head_dim"], targets[name]["block_size"]) == ("bfloat16", 128, 16)
-    assert [c["heads_kv"] for c in s["gqa"]] == [32, 16, 8, 4]
-    # the split-KV sweep keeps only what fits the cap, and keeps the batch-1 long context
+    points = {(c["batch"], c["context"]) for c in s["split"]}
+    grid = {(b, n) for b in (1, 4, 16, 64) for n in (1024, 4096, 16384, 65536, 131072)}
+    assert points == grid - {(64, 65536), (64, 131072)}
     for c in s["split"]:
-        assert B.kv_cache_bytes(c["batch"], c["context"], c["heads_kv"], c["head_dim"], 2) <= B.KV_CAP_GiB * 2**30
-    assert any(c["batch"] == 1 and c["context"] == 131072 for c in s["split"])
-    assert not any(c["batch"] == 64 and c["context"] == 131072 for c in s["split"])
-    assert (s["match"]["requests"], s["match"]["tokens"], s["match"]["nodes"]) == (4096, 2048, 100_000)
+        assert (c["heads"], c["heads_kv"], c["head_dim"], c["dtype"]) == (32, 8, 128, "bfloat16")
+        assert c["sweep"] == "split_kv"
+
+
+def test_target_configurations_are_the_issues():
+    t = {c["config"]: c for c in B.sizes_for("cuda", quick=False)["targets"]}
+    assert list(t) == list("abcdefgh")
+    base = dict(heads=32, heads_kv=8, head_dim=128, block_size=16, dtype="bfloat16", mixed=False)
+    want = {"a": dict(batch=64, context=4096), "b": dict(batch=16, context=32768),
+            "c": dict(batch=1, context=131072), "d": dict(batch=64, context=4096, heads_kv=32),
+            "e": dict(batch=64, context=8192, mixed=True), "f": dict(batch=64, context=4096, block_size=32),
+            "g": dict(batch=64, context=4096, dtype="float16"), "h": dict(batch=64, context=4096, head_dim=64)}
+    for name, fields in want.items():
+        expected = {**base, **fields}
+        assert {k: t[name][k] for k in expected} == expected, name
+    assert set(B.TARGETS) == set("abcde")
+    assert B.TARGETS["a"] == B.TARGETS["b"] == {"pct_of_copy": 90, "speedup": 0.95}
+
+
+def test_gqa_bars_sweep_kv_heads():
+    gqa = B.sizes_for("cuda", quick=False)["gqa"]
+    assert [c["heads_kv"] for c in gqa] == [32, 16, 8, 4]
+    assert {(c["batch"], c["context"], c["heads"]) for c in gqa} == {(64, 4096, 32)}
+
+
+def test_variants():
+    a, d, e = (next(c for c in B.sizes_for("cuda", quick=False)["targets"] if c["config"] == x) for x in "ade")
+    assert B.variants_of(a, "cuda") == ("sdpa_contiguous", "sdpa_gathered", "repeat_kv", *B.RUNGS, "default")
+    # No GQA: repeat_kv would be sdpa_contiguous plus a copy; mixed lengths: left out (docstring).
+    assert "repeat_kv" not in B.variants_of(d, "cuda") and "repeat_kv" not in B.variants_of(e, "cuda")
+    assert B.variants_of(a, "cpu") == ("sdpa_contiguous", "sdpa_gathered", "repeat_kv", "cpu")
+    for c in B.sizes_for("cuda", quick=False)["split"]:
+        assert B.variants_of(c, "cuda") == ("sdpa_contiguous", "per_kv_head", "split_kv", "default")
 
 
 def test_mixed_lengths_are_seeded_and_in_range():
-    c = B.config(64, 8192, 32, 8, mixed=True)
-    lens = B.context_lengths(c, seed=0)
-    assert lens == B.context_lengths(c, seed=0) and len(lens) == 64
+    c = B.decode_config(64, 8192, 32, 8, mixed=True)
+    lens = B.context_lens_for(c, seed=0)
+    assert lens == B.context_lens_for(c, seed=0) and len(lens) == 64
     assert min(lens) >= 1 and max(lens) <= 8192 and len(set(lens)) > 32
 
 
-def test_decode_inputs_gather_the_pages_in_order():
-    c = B.config(3, 40, 4, 2, head_dim=8, dtype="float32", mixed=True)
-    x = B.DecodeInputs(c, "cpu")
-    for b, n in enumerate(x.lens):
-        for t in range(n):
-            block, row = x.tables[b, t // 16].item(), t % 16
-            assert torch.equal(x.k[b, :, t], x.key_cache[block, row]), (b, t)
-            assert torch.equal(x.v[b, :, t], x.value_cache[block, row]), (b, t)
+# ---------------------------------------------------------------------------------------------
+# The paged cache
+# ---------------------------------------------------------------------------------------------
+def test_block_tables_deal_every_block_once_out_of_order():
+    lens = [1, 16, 17, 100, 0, 33]
+    tables, pool = B.block_tables_for(lens, 16, seed=3)
+    blocks = [-(-n // 16) for n in lens]
+    assert tables.dtype == torch.int32 and tables.shape == (len(lens), max(blocks))
+    assert pool == sum(blocks)
+    used = [tables[b, :n] for b, n in enumerate(blocks)]
+    assert sorted(torch.cat(used).tolist()) == list(range(pool))
+    assert all(int(tables[b, n:].abs().sum()) == 0 for b, n in enumerate(blocks))
+    # Shuffled: a sequence's pages are not the next blocks of the pool in order.
+    long, _ = B.block_tables_for([4096], 16, seed=0)
+    assert not torch.equal(long[0], torch.arange(256, dtype=torch.int32))
 
 
-def test_a_wrong_kernel_is_not_timed(monkeypatch):
-    c = B.config(2, 50, 4, 2, head_dim=8, dtype="float32", target="t")
-    real = B.flash_attention.paged_attention
-    monkeypatch.setattr(B.flash_attention, "paged_attention", lambda *a, **k: real(*a, **k) + 1)
-    with pytest.raises(AssertionError, match="not timing a wrong kernel"):
+@pytest.mark.parametrize("mixed, context", [(False, 96), (True, 70)])
+def test_paged_cache_holds_the_unpaged_kv(mixed, context):
+    """Reading the pages back through the tables gives the unpaged K and V, token for token."""
+    c = B.decode_config(3, context, 4, 2, head_dim=16, dtype="float64", mixed=mixed)
+    case = B.make_case(c, "cpu", seed=1)
+    hkv, d = c["heads_kv"], c["head_dim"]
+    for name in ("k", "v"):
+        for b, n in enumerate(case["lens"]):
+            pages = case[name + "_cache"][case["block_tables"][b].long()]          # (width, bs, hkv, d)
+            tokens = pages.reshape(-1, hkv, d)[:n].transpose(0, 1)                 # (hkv, n, d)
+            torch.testing.assert_close(tokens, case[name][b, :, :n], rtol=0, atol=0)
+    if mixed:
+        assert case["mask"].shape == (3, 1, 1, case["n"]) and int(case["mask"].sum()) == sum(case["lens"])
+    else:
+        assert case["mask"] is None and case["n"] == context
+
+
+def test_reference_decode_matches_sdpa_with_gqa_and_lengths():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 8, 16, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(3, 2, 40, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    lens = [40, 7, 1]
+    got = B.reference_decode(q, k, v, lens)
+    mask = (torch.arange(40)[None, :] < torch.tensor(lens)[:, None])[:, None, None, :]
+    want = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, enable_gqa=True).squeeze(2)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_check_close_raises_on_a_wrong_or_nan_output():
+    ref = torch.randn(4, 8, 16)
+    assert B.check_close(ref + 1e-3, ref.bfloat16(), torch.bfloat16, "ok") < 2e-2
+    with pytest.raises(AssertionError, match="outside"):
+        B.check_close(ref + 0.5, ref, torch.bfloat16, "shifted")
+    nan = ref.clone()
+    nan[1, 2, 3] = float("nan")
+    with pytest.raises(AssertionError, match=r"first at \(1, 2, 3\)"):
+        B.check_close(nan, ref, torch.float32, "nan")
+
+
+def test_the_guard_stops_a_wrong_kernel_before_it_is_timed(monkeypatch):
+    real = flash_attention.paged_attention
+    monkeypatch.setattr(flash_attention, "paged_attention", lambda *a, **kw: real(*a, **kw) * 1.5)
+    timed = []
+    monkeypatch.setattr(B, "measure", lambda *a, **kw: timed.append(a[1]) or None)
+    c = B.decode_config(2, 64, 4, 2, head_dim=16, dtype="float32")
+    with pytest.raises(AssertionError, match="cpu vs float32 reference"):
         B.bench_decode("cpu", [c], {"copy_GBps": 1.0}, B.Notes())
+    assert "cpu" not in timed and timed  # the SDPA rows before it were timed, the wrong one was not
 
 
-def test_cpu_decode_rows_follow_the_contract():
-    configs = [B.config(2, 37, 4, 2, head_dim=8, dtype="float32", target="t"),
-               B.config(3, 20, 4, 1, head_dim=8, dtype="float32", mixed=True, sweep="split_kv")]
-    rows = B.bench_decode("cpu", configs, {"copy_GBps": 10.0}, B.Notes())
-    assert {r["variant"] for r in rows} == {"cpu", B.BASELINE, "sdpa_gathered", "repeat_kv"}
-    for r in rows:
-        assert r["op"] == "paged_attention" and r["shape"] == [r["batch"], r["heads"], r["heads_kv"], r["context"],
-                                                               r["head_dim"]]
-        assert r["bytes"] == B.decode_bytes([r["context"]] * r["batch"], r["heads"], r["heads_kv"], r["head_dim"], 4) \
-            if not r["mixed"] else r["bytes"] > 0
-        assert math.isfinite(r["pct_of_copy"]) and r["pct_of_copy"] > 0 and r["reps"] >= 20
-        assert r["max_abs_err"] < 1e-4
-        base = next(x for x in rows if x["variant"] == B.BASELINE and x["shape"] == r["shape"])
-        assert math.isclose(r["speedup_vs_torch"], base["median_ms"] / r["median_ms"])
+def test_the_cache_ops_guard_catches_a_write_that_does_nothing(monkeypatch):
+    monkeypatch.setattr(flash_attention, "reshape_and_cache", lambda *a, **kw: None)
+    co = {"tokens": [32], "num_blocks": 8, "pairs": 2, "heads_kv": 2, "head_dim": 8, "block_size": 16,
+          "dtype": "float32"}
+    with pytest.raises(AssertionError, match="reshape_and_cache"):
+        B.bench_cache_ops("cpu", co, {"copy_GBps": 1.0}, B.Notes())
 
 
-def test_cpu_cache_op_rows_check_what_they_wrote():
-    s = B.sizes_for("cpu", quick=True)["cache_ops"]
-    rows = B.bench_cache_ops("cpu", s, {"copy_GBps": 10.0}, B.Notes())
-    assert {(r["op"], r["variant"]) for r in rows} == {("reshape_and_cache", "cpu"), ("reshape_and_cache", "torch_index_copy"),
-                                                       ("copy_blocks", "cpu"), ("copy_blocks", "torch_index")}
-    for r in rows:
-        assert r["bytes"] > 0 and r["pct_of_copy"] > 0 and "speedup_vs_torch" in r
+def test_cache_op_bytes():
+    # 100 tokens, 2 of them padding, rows of 4 KiB: K and V read and written, then the slots.
+    assert B.cache_op_bytes(100, 2, 4096) == 98 * 4096 * 4 + 800
+    assert B.copy_blocks_bytes(2048, 32768) == 2 * 2048 * 32768 * 2 + 2048 * 16
+    slots = B.slot_mapping_for(200, 1000, torch.Generator().manual_seed(0))
+    real = slots[slots >= 0]
+    assert int((slots == -1).sum()) == len(range(0, 200, B.PAD_EVERY)) and len(set(real.tolist())) == len(real)
 
 
-def test_tree_grows_to_its_size_and_lookups_match():
-    s = {"requests": 30, "tokens": 96, "nodes": 300, "block_size": 16, "vocab": 50}
-    tree, pool = B.build_tree(s)
-    nodes = tree.flat_tree("cpu")[1].numel()
-    assert 300 <= nodes < 300 + 2 * max(100, 300 // 50) + 2
-    queries = B.lookup_batch(pool, s)
-    assert queries.shape == (30, 96) and queries.dtype == torch.int32
-    tokens, blocks = tree.match_prefix(queries)
-    for r in range(30):
-        n, ids = tree.match_prefix_reference(queries[r])
-        assert tokens[r].item() == n and blocks[r, :len(ids)].tolist() == ids
-    # the full-match third reaches at least its whole cached blocks
-    assert (tokens[::3] > 0).all()
+# ---------------------------------------------------------------------------------------------
+# Targets and the prefix tree
+# ---------------------------------------------------------------------------------------------
+def _row(config, variant, pct, speedup):
+    return {"op": "paged_attention", "sweep": "targets", "config": config, "variant": variant,
+            "pct_of_copy": pct, "speedup_vs_torch": speedup}
 
 
-def test_quick_run_writes_a_complete_record(tmp_path, monkeypatch):
-    from coursekit import results
-    monkeypatch.setattr(results, "RESULTS_DIR", tmp_path)
-    monkeypatch.setattr("sys.argv", ["bench_paged.py", "--quick"])
-    B.main()
-    path = next(tmp_path.glob("*/chapter6_paged_attention.json"))
-    import json
-    record = json.loads(path.read_text())
-    ops = {r["op"] for r in record["benchmarks"]}
-    assert ops == {"paged_attention", "reshape_and_cache", "copy_blocks", "match_prefix"}
-    assert {r.get("sweep") for r in record["benchmarks"] if r["op"] == "paged_attention"} == {None, "gqa", "split_kv"}
-    for key in ("device", "torch", "commit", "date", "ceilings", "wall_s", "baseline"):
-        assert key in record
+def test_targets_need_both_bounds_and_a_row():
+    rows = [_row("a", "default", 91.0, 0.94), _row("b", "default", 95.0, 1.2), _row("c", "default", 85.0, 3.0),
+            _row("d", "per_kv_head", 99.0, 1.0), _row("e", "default", 79.9, 2.0),
+            {"op": "match_prefix", "variant": "cuda", "speedup_vs_cpu": 12.0}]
+    got = {t["target"]: t for t in B.evaluate_targets(rows, "default")}
+    assert {k: t["met"] for k, t in got.items()} == {"a": False, "b": True, "c": True, "d": False, "e": False,
+                                                     "match_prefix": True}
+    assert got["d"]["pct_of_copy"] is None  # only another variant's row: the target is not met
+    assert not B.evaluate_targets(rows[:1], "default")[-1]["met"]  # no cuda lookup row
+
+
+def test_tree_build_reaches_its_nodes_and_requests_mix_their_kinds():
+    m = {"requests": 60, "tokens": 128, "nodes": 300, "roots": 4, "block_size": 16, "vocab": 1000}
+    cache, seqs, info = B.build_tree(m, seed=5)
+    assert info["nodes"] >= 300 and info["nodes"] == len(cache.flat_tree("cpu")[1]) == B.count_nodes(cache)
+    assert info["inserts"] == len(seqs) and all(len(s) == 128 for s in seqs)
+    queries, lengths = B.make_requests(seqs, m, seed=5)
+    assert queries.shape == (60, 128) and queries.dtype == torch.int32 and lengths.dtype == torch.int32
+    got = torch.ops.flash_attention.match_prefix(*cache.flat_tree("cpu"), 16, queries, lengths, 8)
+    assert B.same_matches(got, B.expected_matches(cache, queries, lengths, 8))
+    matched, whole = got[0], lengths // 16 * 16
+    assert int(((matched == whole) & (matched > 0)).sum()) > 0 and int((matched == 0).sum()) > 0
+    assert int(((matched > 0) & (matched < whole)).sum()) > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# One whole --quick run
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def quick_record(tmp_path_factory):
+    out = tmp_path_factory.mktemp("results")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(results, "RESULTS_DIR", out)
+        mp.setattr(sys, "argv", ["bench_paged.py", "--quick"])
+        record = B.main()
+    files = list(out.glob(f"*/{B.CHAPTER}.json"))
+    assert len(files) == 1
+    assert json.loads(files[0].read_text()) == record
+    return record, files[0].parent
+
+
+def test_quick_record_follows_the_contract(quick_record):
+    record, _ = quick_record
+    for key in ("chapter", "device", "torch", "cuda", "commit", "date", "ceilings", "benchmarks"):
+        assert key in record, key
+    assert record["chapter"] == "chapter6_paged_attention" and record["ceilings"]["copy_GBps"] > 0
+    assert record["baseline"] == "sdpa_contiguous" and record["wall_s"] > 0
+    for r in record["benchmarks"]:
+        for key in ("op", "variant", "dtype", "shape", "median_ms"):
+            assert key in r, (key, r)
+        assert r["median_ms"] > 0 and r["reps"] >= 20
+
+
+def test_quick_record_has_every_section(quick_record):
+    record, _ = quick_record
+    rows = record["benchmarks"]
+    ours = "default" if record["device"]["capability"] else "cpu"
+    for sweep in ("targets", "gqa", "split_kv"):
+        got = results.rows(record, op="paged_attention", sweep=sweep)
+        assert {r["variant"] for r in got} >= {"sdpa_contiguous", ours}, sweep
+    assert {r["variant"] for r in results.rows(record, op="reshape_and_cache")} == {"torch_index_copy", ours}
+    assert {r["variant"] for r in results.rows(record, op="copy_blocks")} == {"torch_index", ours}
+    assert len({r["shape"][0] for r in results.rows(record, op="reshape_and_cache")}) == 2
+    targets = {r["config"] for r in results.rows(record, op="paged_attention", sweep="targets")}
+    assert targets >= set("abcdefh")
+    assert results.rows(record, op="match_prefix", variant="cpu")
+    assert any(r["op"] == "paged_attention" and r["variant"] == "sdpa_gathered" for r in rows)
+
+
+def test_quick_rows_carry_their_fields(quick_record):
+    record, _ = quick_record
+    fields = ("batch", "context", "heads", "heads_kv", "head_dim", "block_size", "dtype", "variant", "sweep",
+              "bytes", "GBps", "pct_of_copy", "max_abs_err_fp32", "context_tokens")
+    for r in results.rows(record, op="paged_attention"):
+        for f in fields:
+            assert f in r, (f, r)
+        assert math.isfinite(r["pct_of_copy"]) and r["pct_of_copy"] > 0
+        assert r["bytes"] == B.decode_bytes([r["context"]] * r["batch"], r["heads"], r["heads_kv"], r["head_dim"],
+                                            B.itemsize(r["dtype"])) or r["mixed"]
+        atol = B.TOLERANCE[getattr(torch, r["dtype"])][0]
+        assert r["checked_against"] == "sdpa_contiguous" and r["max_abs_err"] < atol
+        assert math.isclose(r["speedup_vs_torch"], next(
+            x for x in results.rows(record, op="paged_attention", variant="sdpa_contiguous")
+            if all(x[k] == r[k] for k in ("sweep", "batch", "context", "heads_kv", "head_dim", "block_size",
+                                          "dtype"))
+        )["median_ms"] / r["median_ms"])
+    for r in record["benchmarks"]:
+        if r["op"] in ("reshape_and_cache", "copy_blocks"):
+            assert math.isfinite(r["pct_of_copy"]) and r["pct_of_copy"] > 0 and r["bytes"] > 0
+
+
+def test_quick_match_prefix_agrees(quick_record):
+    record, _ = quick_record
     match = results.rows(record, op="match_prefix")
-    assert match and all(r["requests_per_s"] > 0 for r in match)
-    assert (path.parent / "chapter6_paged_attention_targets.png").exists()
+    assert match and all(r["matches_reference"] is True and r["requests_per_s"] > 0 for r in match)
+    assert all(r["full_matches"] > 0 and r["partial_matches"] > 0 and r["no_matches"] > 0 for r in match)
+    for r in match:
+        if r["variant"] == "cuda":
+            assert r["matches_cpu"] is True and r["speedup_vs_cpu"] > 0 and r["mirror_upload_ms"] > 0
+    tree = record["match_prefix_tree"]
+    assert tree["nodes"] >= record["sizes"]["match"]["nodes"] and tree["build_s"] > 0
+
+
+def test_quick_targets_and_figures(quick_record):
+    record, out_dir = quick_record
+    targets = record["targets"]
+    assert [t["target"] for t in targets] == [*B.TARGETS, "match_prefix"]
+    for t in targets:
+        assert isinstance(t["met"], bool)
+        if t["op"] == "paged_attention":
+            assert t["pct_of_copy"] is not None and t["pct_of_copy"] > 0, t
+    for name in ("targets", "split_kv", "gqa", "cache_ops_match_prefix"):
+        assert (out_dir / f"{B.CHAPTER}_{name}.png").stat().st_size > 0, name

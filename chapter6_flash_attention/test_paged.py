@@ -374,6 +374,17 @@ def test_copy_blocks(dtype):
     assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
 
 
+def test_copy_blocks_unchecked_mapping_skips_outside_pairs():
+    """check_mapping=False: a pair naming a block outside the cache is skipped (paged.h), never
+    read or written; the valid pairs still copy."""
+    key_cache, value_cache = make_cache(10, 3, 2, 5)
+    mapping = torch.tensor([[1, 4], [2, 10], [-3, 5], [7, 6]])
+    good = mapping[[0, 3]]
+    expected_k, expected_v = expected_after_copy(key_cache, good), expected_after_copy(value_cache, good)
+    flash_attention.copy_blocks(key_cache, value_cache, mapping, check_mapping=False)
+    assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
+
+
 def test_copy_blocks_empty_mapping():
     key_cache, value_cache = make_cache(4, 3, 2, 5)
     before = key_cache.clone(), value_cache.clone()
@@ -617,12 +628,15 @@ def _opcheck_calls(device="cpu"):
                                       (query, key_cache, value_cache, tables, lens, 0.125, "per_kv_head", False)),
         "reshape_and_cache": (OPS.reshape_and_cache.default, (key, key * 2, key_cache, value_cache, slots, True)),
         "copy_blocks": (OPS.copy_blocks.default,
-                        (key_cache, value_cache, random_mapping(num_blocks, 3).to(device))),
+                        (key_cache, value_cache, random_mapping(num_blocks, 3).to(device), True)),
+        "copy_blocks_unchecked": (OPS.copy_blocks.default,
+                                  (key_cache, value_cache, random_mapping(num_blocks, 3).to(device), False)),
         "match_prefix": (OPS.match_prefix.default, (*tree, 4, queries.to(device), query_lens.to(device), 5)),
     }
 
 
-OPCHECK_CALLS = ["paged_attention", "paged_attention_unchecked", "reshape_and_cache", "copy_blocks", "match_prefix"]
+OPCHECK_CALLS = ["paged_attention", "paged_attention_unchecked", "reshape_and_cache", "copy_blocks",
+                 "copy_blocks_unchecked", "match_prefix"]
 
 
 @pytest.mark.parametrize("call", OPCHECK_CALLS)
@@ -1056,6 +1070,13 @@ def test_cuda_copy_blocks(dtype):
         flash_attention.copy_blocks(key_cache, value_cache, mapping)
         flash_attention.copy_blocks(*gpu, mapping.cuda())
         assert torch.equal(gpu[0].cpu(), key_cache) and torch.equal(gpu[1].cpu(), value_cache), pairs
+    # unchecked, with pairs outside the cache among them: skipped on the GPU as on the CPU
+    key_cache, value_cache = make_cache(100, 16, 2, 64, dtype)
+    gpu = key_cache.cuda(), value_cache.cuda()
+    mapping = torch.cat([random_mapping(100, 9), torch.tensor([[3, 100], [-1, 50], [1 << 40, 60]])])
+    flash_attention.copy_blocks(key_cache, value_cache, mapping, check_mapping=False)
+    flash_attention.copy_blocks(*gpu, mapping.cuda(), check_mapping=False)
+    assert torch.equal(gpu[0].cpu(), key_cache) and torch.equal(gpu[1].cpu(), value_cache)
 
 
 @pytest.mark.cuda
@@ -1171,6 +1192,8 @@ def test_sanitizer_small_paged():
     key = torch.randn(20, 2, 64, device="cuda").to(torch.bfloat16)
     flash_attention.reshape_and_cache(key, key, key_cache, value_cache, random_slots(20, 128, padding=3).cuda())
     flash_attention.copy_blocks(key_cache, value_cache, random_mapping(8, 3).cuda())
+    flash_attention.copy_blocks(key_cache, value_cache, torch.tensor([[1, 9], [-2, 3], [2, 5]]).cuda(),
+                                check_mapping=False)
     cache, inserted, _ = random_radix(4, 10, 2, 24)
     cache.match_prefix(lookup_requests(inserted, 2, 4, 8), device="cuda")
     torch.cuda.synchronize()

@@ -37,15 +37,17 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *, check
     torch.ops.flash_attention.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, check_slots)
 
 
-def copy_blocks(key_cache, value_cache, block_mapping):
+def copy_blocks(key_cache, value_cache, block_mapping, *, check_mapping=True):
     """For each row (src, dst) of block_mapping (int64, (pairs, 2)), make block dst of both caches
     a copy of block src, in place: copy-on-write of a shared block before a sequence appends.
 
     No destination may appear twice or also as a source (then the copies are independent and
-    their order cannot matter); ids must be blocks of the cache. Checked every call: it reads the
-    mapping back, a device sync on CUDA, which copy-on-write's rarity makes affordable.
+    their order cannot matter); ids must be blocks of the cache. check_mapping=True refuses a
+    mapping that breaks either rule; it reads the mapping back, a device sync on CUDA. A server
+    whose allocator built the mapping on the host passes False: the kernel skips a pair that
+    names a block outside the cache, so it stays memory-safe either way.
     """
-    torch.ops.flash_attention.copy_blocks(key_cache, value_cache, block_mapping)
+    torch.ops.flash_attention.copy_blocks(key_cache, value_cache, block_mapping, check_mapping)
 
 
 def _default_scale(query):
