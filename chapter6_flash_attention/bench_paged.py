@@ -45,6 +45,12 @@ Rows (op, then variant):
 - paged_attention, sweep "split_kv": 32/8 heads, d 128, bf16, batch 1, 4, 16, 64 x context 1K to
   128K, without the points whose K+V cache passes 8 GiB (batch 64 at 64K and 128K): per_kv_head,
   split_kv, default, sdpa_contiguous. Where splitting starts to pay, and whether default follows.
+- paged_attention, sweep "num_splits": configs a, b and e, and a at 4 kv heads (config "group 8"),
+  with split_kv at num_splits = SPLIT_COUNTS (rows: variant split_kv, field num_splits), default
+  and sdpa_contiguous. default picks its count from what the host knows (batch, heads, the table's
+  width); a server also knows every context length on the host, and this sweep shows what a
+  count chosen with them would buy, mixed lengths above all (config e: one wave of blocks whose
+  lengths differ 8000-fold).
 - reshape_and_cache: 65536 tokens (a prefill's worth) and 256 (a decode step's), 8 kv heads, d 128,
   bf16, block_size 16, every 97th slot -1 (padding); bytes = K and V of the real tokens read and
   written, plus the slots. Baseline torch_index_copy: the real tokens picked out (index_select)
@@ -137,6 +143,7 @@ TOLERANCE = {torch.bfloat16: (2e-2, 2e-2), torch.float16: (1e-2, 1e-2),
 # The issue's targets, held to `default` (to `cpu` on a CPU run, where they are only a record).
 TARGETS = {"a": {"pct_of_copy": 90, "speedup": 0.95}, "b": {"pct_of_copy": 90, "speedup": 0.95},
            "c": {"pct_of_copy": 85}, "d": {"pct_of_copy": 90}, "e": {"pct_of_copy": 80}}
+SPLIT_COUNTS = (1, 2, 3, 4, 6, 8, 16)  # the num_splits sweep: split_kv with the count named
 MATCH_TARGET = 1.0    # match_prefix: cuda at least this many times faster than the CPU reference
 
 
@@ -199,6 +206,10 @@ def sizes_for(device, quick):
                 "targets": target_configs((64, 4096, 32, 8), 8192, {"b": (16, 32768), "c": (1, 131072)}),
                 "gqa": [decode_config(64, 4096, 32, hkv, sweep="gqa") for hkv in (32, 16, 8, 4)],
                 "split": [c for c in split if within_cap(c, cap)],
+                "num_splits": [decode_config(64, 4096, 32, 8, sweep="num_splits", config="a"),
+                               decode_config(16, 32768, 32, 8, sweep="num_splits", config="b"),
+                               decode_config(64, 8192, 32, 8, mixed=True, sweep="num_splits", config="e"),
+                               decode_config(64, 4096, 32, 4, sweep="num_splits", config="group 8")],
                 "cache_ops": {"tokens": [65536, 256], "num_blocks": 16384, "pairs": 2048, "heads_kv": 8,
                               "head_dim": 128, "block_size": 16, "dtype": "bfloat16"},
                 "match": {"requests": 4096, "tokens": 2048, "nodes": 100_000, "roots": 64,
@@ -210,6 +221,8 @@ def sizes_for(device, quick):
                 "targets": target_configs((8, 1024, 32, 8), 2048, {"b": (2, 8192), "c": (1, 16384)}),
                 "gqa": [decode_config(8, 1024, 32, hkv, sweep="gqa") for hkv in (32, 16, 8, 4)],
                 "split": [c for c in split if within_cap(c, cap)],
+                "num_splits": [decode_config(8, 1024, 32, 8, sweep="num_splits", config="a"),
+                               decode_config(8, 2048, 32, 8, mixed=True, sweep="num_splits", config="e")],
                 "cache_ops": {"tokens": [4096, 256], "num_blocks": 2048, "pairs": 256, "heads_kv": 8,
                               "head_dim": 128, "block_size": 16, "dtype": "bfloat16"},
                 "match": {"requests": 512, "tokens": 512, "nodes": 5000, "roots": 16,
@@ -223,6 +236,7 @@ def sizes_for(device, quick):
             "targets": [c for c in targets if c["config"] != "g"],
             "gqa": [decode_config(4, 256, 8, hkv, dtype="float32", sweep="gqa") for hkv in (8, 4, 2, 1)],
             "split": [c for c in split if within_cap(c, cap)],
+            "num_splits": [],  # the CPU reference does not split
             "cache_ops": {"tokens": [512, 16], "num_blocks": 256, "pairs": 32, "heads_kv": 2, "head_dim": 64,
                           "block_size": 16, "dtype": "float32"},
             "match": {"requests": 64, "tokens": 256, "nodes": 2000, "roots": 8, "block_size": 16, "vocab": 32000}}
@@ -232,9 +246,10 @@ def variants_of(c, device):
     """The variants one configuration is measured with, sdpa_contiguous first (the reference of
     the guard and of speedup_vs_torch). On the CPU the course's op is the reference, one row "cpu"."""
     ours = {"targets": RUNGS + ("default",), "gqa": ("per_head", "per_kv_head", "default"),
-            "split_kv": ("per_kv_head", "split_kv", "default")}[c["sweep"]]
+            "split_kv": ("per_kv_head", "split_kv", "default"),
+            "num_splits": ("default",) + tuple(f"split_kv:{n}" for n in SPLIT_COUNTS)}[c["sweep"]]
     torch_ = {"targets": TORCH_DECODE, "gqa": ("sdpa_contiguous", "repeat_kv"),
-              "split_kv": ("sdpa_contiguous",)}[c["sweep"]]
+              "split_kv": ("sdpa_contiguous",), "num_splits": ("sdpa_contiguous",)}[c["sweep"]]
     if c["heads"] == c["heads_kv"] or c["mixed"]:
         torch_ = tuple(v for v in torch_ if v != "repeat_kv")
     return torch_ + (ours if device == "cuda" else ("cpu",))
@@ -385,8 +400,9 @@ def decode_calls(c, case, device):
         g = h // hkv
         return sdpa(case["k"].repeat_interleave(g, dim=1), case["v"].repeat_interleave(g, dim=1), False)
 
-    def ours(version, check):
-        return lambda: flash_attention.paged_attention(q, kc, vc, tables, lens, version=version, check_tables=check)
+    def ours(version, check, num_splits=0):
+        return lambda: flash_attention.paged_attention(q, kc, vc, tables, lens, version=version, check_tables=check,
+                                                       num_splits=num_splits)
 
     out = []
     for variant in variants_of(c, device):
@@ -396,6 +412,10 @@ def decode_calls(c, case, device):
             fn = gathered
         elif variant == "repeat_kv":
             fn = repeated
+        elif ":" in variant:  # split_kv:n, the num_splits sweep
+            n = int(variant.partition(":")[2])
+            out.append((variant, ours("split_kv", False, n), ours("split_kv", True, n)))
+            continue
         else:
             version = None if variant in ("default", "cpu") else variant
             out.append((variant, ours(version, False), ours(version, True)))
@@ -447,8 +467,10 @@ def decode_rows(device, c, ceilings, notes):
             continue
         if variant == BASELINE:
             t_base = t["median_ms"]
+        name, _, n = variant.partition(":")  # split_kv:n is variant split_kv with num_splits n
         rows.append(bench.bandwidth_row(
-            "paged_attention", variant, dtype, shape, nbytes, t, ceilings["copy_GBps"], t_base, **fields,
+            "paged_attention", name, dtype, shape, nbytes, t, ceilings["copy_GBps"], t_base, **fields,
+            **({"num_splits": int(n)} if n else {}),
             max_abs_err=err, max_abs_err_fp32=err32,
             checked_against=BASELINE if ref is not None else "float32 reference"))
     return rows
@@ -850,6 +872,30 @@ def plot_split(axes, record, batches):
         ax.legend(fontsize=7)
 
 
+def plot_num_splits(ax, record):
+    """% of copy against the count named, one line per configuration; its default and SDPA as
+    markers at the right."""
+    rs = results.rows(record, op="paged_attention", sweep="num_splits")
+    for i, c in enumerate(dict.fromkeys(r["config"] for r in rs)):
+        mine = [r for r in rs if r["config"] == c]
+        pts = sorted((r["num_splits"], r["pct_of_copy"]) for r in mine if "num_splits" in r)
+        line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3,
+                        label=f"{c}: {config_label(mine[0])}")
+        for r in mine:
+            if r["variant"] == "default":
+                ax.axhline(r["pct_of_copy"], color=line.get_color(), linewidth=5, alpha=0.25)
+            elif r["variant"] == BASELINE:
+                ax.axhline(r["pct_of_copy"], color=line.get_color(), linestyle="--", linewidth=1)
+    ax.set_xscale("log", base=2)
+    ax.axhline(100, color="grey", linestyle=":")
+    ax.set_xlabel("num_splits (split_kv)")
+    ax.set_ylabel("% of copy over the unique K/V bytes")
+    ax.set_title(f"split count named by the caller (band: default, dashed: sdpa_contiguous): {results.label(record)}",
+                 fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+
+
 def plot_cache_ops(ax, record):
     """Two bars per measurement: PyTorch's index ops, then the course's op."""
     rs = [r for r in record["benchmarks"] if r["op"] in ("reshape_and_cache", "copy_blocks")]
@@ -893,6 +939,10 @@ def make_figures(record, out_dir):
         plot_split(axes[0], record, batches)
         fig.suptitle(f"split-KV crossover: {results.label(record)}", fontsize=10)
         figures.append(plots.save(fig, out_dir / f"{CHAPTER}_split_kv.png"))
+    if results.rows(record, op="paged_attention", sweep="num_splits"):
+        fig, ax = plt.subplots(figsize=(9, 4.5))
+        plot_num_splits(ax, record)
+        figures.append(plots.save(fig, out_dir / f"{CHAPTER}_num_splits.png"))
     if results.rows(record, op="paged_attention", sweep="gqa"):
         fig, ax = plt.subplots(figsize=(9, 4.5))
         plot_gqa(ax, record)
@@ -943,6 +993,17 @@ def print_table(record):
                      for v in ordered(r["variant"] for r in split if r["batch"] == b)):
             got = {r["context"]: r["pct_of_copy"] for r in split if (r["batch"], r["variant"]) == (b, v)}
             print(f"{b:>5}  {v:<18}" + "".join(f"{fmt(got.get(n), '8.1f', '       -')}" for n in ctx))
+    by_count = results.rows(record, op="paged_attention", sweep="num_splits")
+    if by_count:
+        counts = sorted(dict.fromkeys(r["num_splits"] for r in by_count if "num_splits" in r))
+        print("\nnum_splits: % copy of split_kv with the count named, against default and sdpa_contiguous")
+        print(f"{'config':<34}" + "".join(f"{n:>7}" for n in counts) + f"{'default':>9}{'sdpa':>7}")
+        for c in dict.fromkeys(r["config"] for r in by_count):
+            mine = [r for r in by_count if r["config"] == c]
+            got = {r["num_splits"]: r["pct_of_copy"] for r in mine if "num_splits" in r}
+            other = {r["variant"]: r["pct_of_copy"] for r in mine if "num_splits" not in r}
+            print(f"{c + ' ' + config_label(mine[0]):<34}" + "".join(fmt(got.get(n), '7.1f', '      -') for n in counts)
+                  + fmt(other.get("default"), "9.1f", "        -") + fmt(other.get(BASELINE), "7.1f", "      -"))
     ops = [r for r in record["benchmarks"] if r["op"] in ("reshape_and_cache", "copy_blocks")]
     if ops:
         print(f"\n{'cache op':<34}{'variant':<18}{'us':>10}{'GB/s':>9}{'% copy':>8}{'x torch':>8}")
@@ -983,7 +1044,7 @@ def main():
     ceilings = bench.copy_ceiling(device, n=2**28 if full else 2**20)
     notes = Notes()
     rows = []
-    for name in ("targets", "gqa", "split"):
+    for name in ("targets", "gqa", "split", "num_splits"):
         print(f"paged_attention, {name}: {len(s[name])} configurations")
         rows += bench_decode(device, s[name], ceilings, notes)
     print("reshape_and_cache, copy_blocks")

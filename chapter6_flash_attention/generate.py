@@ -367,7 +367,7 @@ class Choices:
         self.tokens, self.top, self.margin = [], [], []
 
     def add(self, logits):
-        top2 = logits.float().topk(2, dim=-1).values
+        top2 = logits.double().topk(2, dim=-1).values  # exact for every dtype: float32 would round float64's
         token = logits.argmax(dim=-1)
         self.tokens.append(token)
         self.top.append(top2[:, 0])
@@ -916,8 +916,10 @@ def print_table(record):
         if cmp["diverged"]:
             margins = sorted(max(d["reference_margin"], d["run_margin"]) for d in cmp["diverged"])
             line += f"; margins where they diverged {margins[0]:.2g} to {margins[-1]:.2g}"
-        rule = "no allowance" if cmp["tie_bound"] == 0 else f"tie bound {cmp['tie_bound']:g}"
-        gate = "" if cmp["passed"] is None else f" ({rule}): {'PASS' if cmp['passed'] else 'FAIL'}"
+        gate = ""
+        if cmp["passed"] is not None:
+            rule = "no allowance" if cmp["tie_bound"] == 0 else f"tie bound {cmp['tie_bound']:g}"
+            gate = f" ({rule}): {'PASS' if cmp['passed'] else 'FAIL'}"
         print(f"{line}: {cmp['verdict'].upper()}{gate}")
 
 

@@ -99,6 +99,9 @@ struct PagedAttentionParams {
   int64_t block_table_stride;
   double scale;
 };
+// The most context ranges split_kv cuts a (sequence, kv head) into: the combine keeps one float
+// weight per range in shared memory, and past a GPU's worth of blocks more ranges only add partials.
+constexpr int64_t kPagedMaxSplits = 128;
 
 // The tokens sequence b can see: its context length, clamped to what its table row covers and
 // to 0 from below. Host and device alike, so that the reference and the kernels agree on the
@@ -177,7 +180,9 @@ cudaError_t launch_copy_blocks(const CopyBlocksParams& params, cudaStream_t stre
 cudaError_t launch_match_prefix(const MatchPrefixParams& params, cudaStream_t stream);
 
 // The splits v3 uses for these inputs on a GPU with `sms` multiprocessors (1: v3 is v2), from the
-// table's width, known on the host, not from context_lens, which lives on the device.
+// table's width, known on the host, not from context_lens, which lives on the device. A caller
+// that knows more (a server's scheduler knows every length on the host) names its own count,
+// 1 to kPagedMaxSplits (paged_attention's num_splits).
 int64_t paged_attention_splits(const PagedAttentionParams& params, int sms);
 // Workspace bytes (float32 partial outputs and lse) for `splits` splits; 0 when splits == 1.
 inline int64_t paged_attention_workspace(const PagedAttentionParams& p, int64_t splits) {

@@ -310,12 +310,13 @@ void copy_blocks_impl(const Tensor& key_cache, const Tensor& value_cache, const 
 // where per_head reads it once per query head, unless the (sequence, kv head) grid is too small
 // to fill the GPU and the tables are long enough to cut: paged_attention_splits, from the table
 // width known on the host, says how many splits (1: no split, and split_kv would be per_kv_head
-// plus a workspace). per_head is the ladder's first rung, never the default.
+// plus a workspace). per_head is the ladder's first rung, never the default. num_splits > 0
+// replaces the count (the glue has checked it against the version and the dtype).
 void paged_attention_cuda(std::optional<PagedVersion> named, const PagedAttentionParams& p, const Tensor& query,
-                          cudaStream_t stream) {
+                          int64_t num_splits, cudaStream_t stream) {
   int sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, query.device().index()));
-  const int64_t splits = paged_attention_splits(p, sms);
+  const int64_t splits = num_splits > 0 ? num_splits : paged_attention_splits(p, sms);
   const PagedVersion version = named.value_or(splits > 1 ? PagedVersion::kSplitKv : PagedVersion::kPerKvHead);
   const int64_t used_splits = version == PagedVersion::kSplitKv ? splits : 1;
   // The partials come from torch's caching allocator, never from the launcher: stream-ordered,
@@ -328,7 +329,7 @@ void paged_attention_cuda(std::optional<PagedVersion> named, const PagedAttentio
 
 Tensor paged_attention_impl(const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
                             const Tensor& block_tables, const Tensor& context_lens, double scale, OptVersion version,
-                            bool check_tables) {
+                            bool check_tables, int64_t num_splits) {
   const char* op = kPagedAttention;
   check_rank(op, "query", query, 3, "(batch, heads, head_dim), one decode token per sequence");
   check_caches(op, key_cache, value_cache);
@@ -368,7 +369,19 @@ Tensor paged_attention_impl(const Tensor& query, const Tensor& key_cache, const 
                   "(pass a cache that owns its storage, or .clone() the view)");
     }
   }
-  [[maybe_unused]] const auto named = ::course::parse_version(op, version, kPagedVersions);  // a typo fails on Meta too
+  const auto named = ::course::parse_version(op, version, kPagedVersions);  // a typo fails on Meta too
+  // num_splits: 0 lets the shapes decide; n > 0 cuts every context into n ranges (split_kv only,
+  // and on CUDA only the 16-bit types, the combine's). The CPU reference never splits: it takes
+  // the same values and ignores them, so a call moves between devices unchanged.
+  TORCH_CHECK(num_splits >= 0 && num_splits <= kPagedMaxSplits, op, ": num_splits is ", std::to_string(num_splits),
+              "; it must be 0 (chosen from the shapes) or 1 to ", std::to_string(kPagedMaxSplits));
+  TORCH_CHECK(num_splits <= 1 || !named.has_value() || *named == PagedVersion::kSplitKv, op, ": num_splits is ",
+              std::to_string(num_splits), " but version '", std::string(version->data(), version->size()),
+              "' does not split the context (use version='split_kv' or None)");
+  TORCH_CHECK(num_splits <= 1 || !query.is_cuda() || query.scalar_type() == at::kHalf ||
+                  query.scalar_type() == at::kBFloat16,
+              op, ": num_splits is ", std::to_string(num_splits), " but query is ", query.scalar_type(),
+              "; on CUDA only float16 and bfloat16 split (the combine writes those)");
   Tensor out = at::empty_symint(query.sym_sizes(), query.options());
   if (query.is_meta()) return out;
   const KVCacheLayout cache = layout_of(key_cache);
@@ -391,7 +404,7 @@ Tensor paged_attention_impl(const Tensor& query, const Tensor& key_cache, const 
   p.block_table_stride = tables.stride(0);
   p.scale = scale;
   if (query.is_cuda()) {
-    COURSE_ON_CUDA(op, kPackage, query, paged_attention_cuda(named, p, query, stream));
+    COURSE_ON_CUDA(op, kPackage, query, paged_attention_cuda(named, p, query, num_splits, stream));
   } else {
     paged_attention_cpu(p);
   }
@@ -563,7 +576,7 @@ TORCH_LIBRARY_FRAGMENT(flash_attention, m) {
   m.def("copy_blocks(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor block_mapping, bool check_mapping=True) -> ()",
         pt2);
   m.def("paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale, str? version=None, bool check_tables=True) -> Tensor",
+        "Tensor context_lens, float scale, str? version=None, bool check_tables=True, int num_splits=0) -> Tensor",
         pt2);
   m.def("match_prefix(Tensor tokens, Tensor token_start, Tensor span_blocks, Tensor block_start, Tensor block_ids, "
         "Tensor child_start, Tensor child_count, Tensor child_index, int block_size, Tensor queries, "

@@ -83,6 +83,11 @@ def test_variants():
     assert B.variants_of(a, "cpu") == ("sdpa_contiguous", "sdpa_gathered", "repeat_kv", "cpu")
     for c in B.sizes_for("cuda", quick=False)["split"]:
         assert B.variants_of(c, "cuda") == ("sdpa_contiguous", "per_kv_head", "split_kv", "default")
+    counts = tuple(f"split_kv:{n}" for n in B.SPLIT_COUNTS)
+    for c in B.sizes_for("cuda", quick=False)["num_splits"]:
+        assert B.variants_of(c, "cuda") == ("sdpa_contiguous", "default", *counts)
+    assert {c["config"] for c in B.sizes_for("cuda", quick=False)["num_splits"]} == {"a", "b", "e", "group 8"}
+    assert B.sizes_for("cpu", quick=True)["num_splits"] == []  # the CPU reference ignores num_splits
 
 
 def test_mixed_lengths_are_seeded_and_in_range():
@@ -298,3 +303,20 @@ def test_quick_targets_and_figures(quick_record):
             assert t["pct_of_copy"] is not None and t["pct_of_copy"] > 0, t
     for name in ("targets", "split_kv", "gqa", "cache_ops_match_prefix"):
         assert (out_dir / f"{B.CHAPTER}_{name}.png").stat().st_size > 0, name
+
+
+def test_num_splits_table_and_figure(quick_record, tmp_path, capsys):
+    """The num_splits section from its rows (on a CPU machine the sweep does not run: rows made
+    from the record's own targets rows stand in)."""
+    record, _ = quick_record
+    record = json.loads(json.dumps(record))
+    if not results.rows(record, op="paged_attention", sweep="num_splits"):
+        base = [r for r in results.rows(record, op="paged_attention", sweep="targets") if r["config"] in "ae"]
+        for r in base:
+            extra = {"num_splits": 2} if r["variant"] not in ("sdpa_contiguous", "default") else {}
+            record["benchmarks"].append({**r, "sweep": "num_splits", **extra})
+    B.print_table(record)
+    out = capsys.readouterr().out
+    assert "num_splits: % copy of split_kv" in out
+    B.make_figures(record, tmp_path)
+    assert (tmp_path / f"{B.CHAPTER}_num_splits.png").stat().st_size > 0

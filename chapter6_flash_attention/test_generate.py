@@ -308,6 +308,11 @@ def test_results_file(tmp_path, monkeypatch, capsys):
 def test_command_line_exit_status(monkeypatch, capsys):
     assert G.main(["--quick", "--device", "cpu", "--no-save"]) == 0
     assert "IDENTICAL (no allowance): PASS" in capsys.readouterr().out
+    # A second dtype is compared and reported, not gated (as bf16 on CUDA).
+    assert G.main(["--quick", "--device", "cpu", "--no-save", "--dtypes", "float64,float32"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    [line] = [x for x in lines if x.startswith("float32: ")]
+    assert "PASS" not in line and "FAIL" not in line
     monkeypatch.setitem(G.OPS, "paged_attention", broken_context_lens)
     assert G.main(["--quick", "--device", "cpu", "--no-save"]) == 1
     assert "FAIL" in capsys.readouterr().out

@@ -273,6 +273,15 @@ def test_cpu_accepts_every_version_name(version):
     assert torch.equal(out, flash_attention.paged_attention(query, key_cache, value_cache, tables, lens))
 
 
+def test_cpu_takes_num_splits_and_does_not_split():
+    """num_splits is checked on the CPU as on CUDA, then ignored: the reference never splits."""
+    tables, lens, num_blocks = make_tables([9, 2], 4)
+    key_cache, value_cache = make_cache(num_blocks, 4, 2, 8, torch.float64)
+    query = torch.randn(2, 4, 8, dtype=torch.float64)
+    out = flash_attention.paged_attention(query, key_cache, value_cache, tables, lens, num_splits=5)
+    assert torch.equal(out, flash_attention.paged_attention(query, key_cache, value_cache, tables, lens))
+
+
 def test_versions_table_lists_the_paged_ladder():
     assert "paged_attention" in flash_attention.VERSIONS, "flash_attention.VERSIONS has no paged_attention entry"
     assert list(flash_attention.VERSIONS["paged_attention"]) == OPS.versions("paged_attention")
@@ -623,9 +632,11 @@ def _opcheck_calls(device="cpu"):
     tables, lens = tables.to(device), lens.to(device)
     return {
         "paged_attention": (OPS.paged_attention.default,
-                            (query, key_cache, value_cache, tables, lens, 0.125, None, True)),
+                            (query, key_cache, value_cache, tables, lens, 0.125, None, True, 0)),
         "paged_attention_unchecked": (OPS.paged_attention.default,
-                                      (query, key_cache, value_cache, tables, lens, 0.125, "per_kv_head", False)),
+                                      (query, key_cache, value_cache, tables, lens, 0.125, "per_kv_head", False, 0)),
+        "paged_attention_num_splits": (OPS.paged_attention.default,
+                                       (query, key_cache, value_cache, tables, lens, 0.125, "split_kv", False, 3)),
         "reshape_and_cache": (OPS.reshape_and_cache.default, (key, key * 2, key_cache, value_cache, slots, True)),
         "copy_blocks": (OPS.copy_blocks.default,
                         (key_cache, value_cache, random_mapping(num_blocks, 3).to(device), True)),
@@ -635,7 +646,8 @@ def _opcheck_calls(device="cpu"):
     }
 
 
-OPCHECK_CALLS = ["paged_attention", "paged_attention_unchecked", "reshape_and_cache", "copy_blocks",
+OPCHECK_CALLS = ["paged_attention", "paged_attention_unchecked", "paged_attention_num_splits", "reshape_and_cache",
+                 "copy_blocks",
                  "copy_blocks_unchecked", "match_prefix"]
 
 
@@ -678,8 +690,9 @@ def _attn_args(**change):
     return args
 
 
-def _attn(version=None, check_tables=True, **change):
-    return lambda: flash_attention.paged_attention(**_attn_args(**change), version=version, check_tables=check_tables)
+def _attn(version=None, check_tables=True, num_splits=0, **change):
+    return lambda: flash_attention.paged_attention(**_attn_args(**change), version=version, check_tables=check_tables,
+                                                   num_splits=num_splits)
 
 
 def _cache_args(**change):
@@ -770,6 +783,12 @@ MISUSES = {
                             r"paged_attention: context_lens has 3 lengths for a batch of 2"),
     "device mix": (_attn(block_tables=torch.zeros(2, 2, dtype=torch.int32, device="meta")),
                    r"paged_attention: block_tables is on meta but query is on cpu"),
+    "num_splits negative": (_attn(num_splits=-1),
+                            r"paged_attention: num_splits is -1; it must be 0 \(chosen from the shapes\) or 1 to 128"),
+    "num_splits too many": (_attn(num_splits=129), r"paged_attention: num_splits is 129; it must be 0"),
+    "num_splits unsplit rung": (_attn(version="per_kv_head", num_splits=4),
+                                r"paged_attention: num_splits is 4 but version 'per_kv_head' does not split the "
+                                r"context \(use version='split_kv' or None\)"),
     "unknown version": (_attn(version="v2"),
                         r"paged_attention: unknown version 'v2'; expected one of per_head, per_kv_head, split_kv "
                         r"\(or None"),
@@ -920,7 +939,7 @@ def cuda_tol(dtype, value_cache):
 
 
 def check_cuda_paged(lens, heads, heads_kv, head_dim, block_size, dtype, version, what, check_tables=True,
-                     tables=None):
+                     tables=None, num_splits=0):
     if tables is None:
         tables, context_lens, num_blocks = make_tables(lens, block_size)
     else:
@@ -930,7 +949,7 @@ def check_cuda_paged(lens, heads, heads_kv, head_dim, block_size, dtype, version
     ref = reference_paged_attention(query, key_cache, value_cache, tables, context_lens)
     poison_allocator(torch.empty(query.shape, dtype=dtype, device="cuda"))
     out = flash_attention.paged_attention(query, key_cache, value_cache, tables.cuda(), context_lens.cuda(),
-                                          version=version, check_tables=check_tables)
+                                          version=version, check_tables=check_tables, num_splits=num_splits)
     assert out.device.type == "cuda" and out.dtype == dtype and out.shape == ref.shape, what
     rtol, atol = cuda_tol(dtype, value_cache)
     torch.testing.assert_close(out.cpu().double(), ref, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
@@ -985,6 +1004,30 @@ def test_cuda_split_kv_matches_unsplit(dtype):
         torch.testing.assert_close(split, unsplit, rtol=rtol, atol=1e-3, msg=lambda m: f"{lens}: {m}")
         default = flash_attention.paged_attention(*args)
         assert torch.equal(default, split) or torch.equal(default, unsplit), f"{lens}: version=None is neither rung"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+def test_cuda_num_splits(dtype):
+    """num_splits=n cuts every context into n ranges whatever the shapes: more ranges than a short
+    context has blocks (empty ranges, lse -inf), more than the table has, mixed lengths, context
+    0. Each count against the reference, and 1 is per_kv_head bit for bit (no combine)."""
+    require_cuda()
+    for lens in ([0, 1, 15, 16, 17, 300, 2047, 5000], [0, 3, 20]):  # the second: 2 blocks wide
+        tables, context_lens, num_blocks = make_tables(lens, 16)
+        key_cache, value_cache = make_cache(num_blocks, 16, 2, 128, dtype, "cuda")
+        query = torch.randn(len(lens), 8, 128, device="cuda").to(dtype)
+        args = (query, key_cache, value_cache, tables.cuda(), context_lens.cuda())
+        ref = reference_paged_attention(query, key_cache, value_cache, tables, context_lens)
+        rtol, atol = cuda_tol(dtype, value_cache)
+        unsplit = flash_attention.paged_attention(*args, version="per_kv_head")
+        assert torch.equal(flash_attention.paged_attention(*args, version="split_kv", num_splits=1), unsplit)
+        for n in (2, 3, 7, 64, 128):
+            for version in ("split_kv", None):
+                out = flash_attention.paged_attention(*args, version=version, num_splits=n)
+                torch.testing.assert_close(out.cpu().double(), ref, rtol=rtol, atol=atol,
+                                           msg=lambda m: f"{lens} {n}: {m}")
+                assert torch.all(out[0] == 0), (lens, n)
 
 
 @pytest.mark.cuda
@@ -1127,6 +1170,10 @@ def test_cuda_misuse():
     with pytest.raises(RuntimeError, match=r"paged_attention: block_tables\[0\]\[0\] is 6, not a block"):
         flash_attention.paged_attention(q, key_cache, key_cache, torch.tensor([[6, 0], [1, 2]], dtype=torch.int32,
                                                                               device="cuda"), cuda["context_lens"])
+    with pytest.raises(RuntimeError, match=r"paged_attention: num_splits is 2 but query is Float; on CUDA only "
+                                           r"float16 and bfloat16 split"):
+        flash_attention.paged_attention(q, key_cache, key_cache, cuda["block_tables"], cuda["context_lens"],
+                                        num_splits=2)
     with pytest.raises(RuntimeError, match=r"reshape_and_cache: slot_mapping writes slot 7 twice"):
         flash_attention.reshape_and_cache(torch.randn(2, 2, 64, device="cuda"), torch.randn(2, 2, 64, device="cuda"),
                                           key_cache, key_cache.clone(), torch.tensor([7, 7], device="cuda"))
@@ -1188,6 +1235,7 @@ def test_sanitizer_small_paged():
         check_cuda_paged(edge_lengths(16) + [700], 8, 2, 64, 16, torch.bfloat16, version, f"{version}")
         check_cuda_paged([40, 5000, -7], 8, 1, 128, 32, torch.float16, version, f"{version} unchecked",
                          check_tables=False, tables=torch.tensor([[0, 99], [1, 2], [-5, 3]], dtype=torch.int32))
+    check_cuda_paged([0, 3, 40, 700], 8, 2, 64, 16, torch.bfloat16, "split_kv", "num_splits 9", num_splits=9)
     key_cache, value_cache = nan_cache(8, 16, 2, 64, torch.bfloat16, "cuda")
     key = torch.randn(20, 2, 64, device="cuda").to(torch.bfloat16)
     flash_attention.reshape_and_cache(key, key, key_cache, value_cache, random_slots(20, 128, padding=3).cuda())

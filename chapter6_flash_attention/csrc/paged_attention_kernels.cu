@@ -103,7 +103,6 @@ constexpr int kMaxGroupTile = 8;
 // of its time on the block's start (the context length, the first table entry, then the first
 // K/V rows: three memory round trips before any byte streams) and on its partials.
 constexpr int64_t kMinSplitTokens = 256;
-constexpr int64_t kMaxSplits = 128;
 constexpr double kLog2e = 1.4426950408889634;
 
 // 2^x in the accumulation type. float32: one MUFU.EX2 (ex2.approx.ftz: relative error ~2^-22,
@@ -597,7 +596,7 @@ bool is_16bit(DType dtype) { return dtype == DType::kBFloat16 || dtype == DType:
 //   - each split adds partials the combine must merge, and the combine's time grows with the
 //     splits (about 1 us per split on an H100), so more splits than fill the GPU cost time.
 // A grid of more blocks than SMs is not split (2 * sms / blocks rounds to 1). Each range is at least
-// kMinSplitTokens long and there are at most kMaxSplits. Only the 16-bit types split: the combine
+// kMinSplitTokens long and there are at most kPagedMaxSplits. Only the 16-bit types split: the combine
 // writes float16 and bfloat16 (float32 and float64 are the ladder's correctness dtypes).
 int64_t paged_attention_splits(const PagedAttentionParams& p, int sms) {
   if (!is_16bit(p.cache.dtype) || p.batch <= 0 || p.heads <= 0 || p.cache.heads_kv <= 0 || sms <= 0) return 1;
@@ -605,7 +604,7 @@ int64_t paged_attention_splits(const PagedAttentionParams& p, int sms) {
   const int64_t group = p.heads / p.cache.heads_kv;
   const int64_t blocks = p.batch * p.cache.heads_kv * course::ceil_div(group, int64_t{group_tile(group)});
   const int64_t by_length = p.max_blocks * p.cache.block_size / kMinSplitTokens;
-  return std::max<int64_t>(1, std::min({2 * static_cast<int64_t>(sms) / blocks, by_length, kMaxSplits}));
+  return std::max<int64_t>(1, std::min({2 * static_cast<int64_t>(sms) / blocks, by_length, kPagedMaxSplits}));
 }
 
 cudaError_t launch_paged_attention(const PagedAttentionParams& p, PagedVersion version, int64_t splits,

@@ -58,7 +58,7 @@ def _default_scale(query):
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, context_lens, *, scale=None, version=None,
-                    check_tables=True):
+                    check_tables=True, num_splits=0):
     """Decode attention over the paged cache: out[b, h] = softmax_j(scale * query[b, h] . k_j) v_j
     over the context_lens[b] tokens sequence b has cached.
 
@@ -77,8 +77,13 @@ def paged_attention(query, key_cache, value_cache, block_tables, context_lens, *
     check_tables=True refuses a used table entry outside the cache and a context length that is
     negative or longer than its row covers (a device sync on CUDA, and impossible inside a CUDA
     graph capture: pass False there, with tables already known good).
+
+    num_splits: 0 (split_kv picks the count from the shapes the host knows: batch, heads, the
+    table's width), or 1 to 128 ranges per context for split_kv or None, as FlashAttention's
+    flash_attn_with_kvcache(num_splits=...): a server that knows its lengths on the host can
+    choose. On CUDA only float16 and bfloat16 split; the CPU reference ignores it.
     """
     if scale is None:
         scale = _default_scale(query)
     return torch.ops.flash_attention.paged_attention(query, key_cache, value_cache, block_tables, context_lens,
-                                                     scale, version, check_tables)
+                                                     scale, version, check_tables, num_splits)
