@@ -1035,9 +1035,10 @@ def print_table(record):
         print(f"  {t['target']} ({t['variant']}): {want}; measured {got}: {'met' if t['met'] else 'NOT met'}")
 
 
-def main():
+def measure_all(device, quick):
+    """Every measurement of a run: (rows, ceilings, extra), what main() writes and the notebook
+    (notebooks/06b_inference.ipynb) keeps in memory."""
     started = time.perf_counter()
-    device, quick = bench.start(__doc__)
     s = sizes_for(device, quick)
     full = device == "cuda" and not quick
     # copy_ceiling warms the GPU up first (an idle H100 sits at a low clock).
@@ -1075,6 +1076,12 @@ def main():
                         "for the 256-token reshape_and_cache",
                         "max_call_ms": MAX_CALL_MS},
              "wall_s": time.perf_counter() - started}
+    return rows, ceilings, extra
+
+
+def main():
+    device, quick = bench.start(__doc__)
+    rows, ceilings, extra = measure_all(device, quick)
     return results.publish(CHAPTER, rows, ceilings, extra, make_figures, print_table)
 
 

@@ -276,17 +276,24 @@ def blocks_without_sharing(requests, config):
 # ---------------------------------------------------------------------------------------------
 # The model
 # ---------------------------------------------------------------------------------------------
+def wide(x):
+    """x in float32 if it is a 16-bit type, else as it is: the norms and the rotation compute in
+    at least float32, and in float64 for the float64 run (a float32 step there would round both
+    backends' nearly equal values apart by float32's 6e-8, not float64's 1e-16)."""
+    return x.float() if x.element_size() < 4 else x
+
+
 def rms_norm(x, weight):
-    xf = x.float()
+    xf = wide(x)
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + RMS_EPS)).to(x.dtype) * weight
 
 
 def rotate(x, cos, sin):
     """Rotary embedding of x (tokens, heads, head_dim) at the positions cos and sin (tokens,
     head_dim / 2) were taken at: feature pairs (i, i + head_dim / 2) turned by position x
-    frequency (the "rotate half" layout), computed in float32."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    cos, sin = cos[:, None], sin[:, None]
+    frequency (the "rotate half" layout), computed in at least float32 (wide)."""
+    x1, x2 = wide(x).chunk(2, dim=-1)
+    cos, sin = cos[:, None].to(x1.dtype), sin[:, None].to(x1.dtype)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
@@ -334,8 +341,8 @@ class Decoder:
         max_pos = c.prefix_tokens + max(c.suffix_max, c.block_size) + c.new_tokens
         freqs = ROPE_BASE ** (-torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim)
         angles = torch.arange(max_pos, dtype=torch.float64)[:, None] * freqs
-        self.cos = angles.cos().float().to(device)
-        self.sin = angles.sin().float().to(device)
+        self.cos = angles.cos().to(device)
+        self.sin = angles.sin().to(device)
 
     def forward(self, tokens, positions, attend, last_only=False):
         """Logits (n, vocab), or (1, vocab) of the last token with last_only (a prefill needs no

@@ -2,8 +2,9 @@
 
 tools/report.py fills each <!-- results:NAME:begin -->...<!-- results:NAME:end --> block of
 README.md with FACTS[NAME](record), so the prose always matches results/ (no typed numbers).
-record is the newest GPU record of bench_attention.py; the tiny GPT's record
-(train_tiny_gpt.py) is read here from its own file.
+record is the newest GPU record of bench_attention.py; the tiny GPT's (train_tiny_gpt.py), the
+serving benchmark's (bench_paged.py) and the generator's (generate.py) are read here from their
+own files.
 """
 import sys
 from pathlib import Path
@@ -117,5 +118,173 @@ def tiny_gpt_line(record):
             f"({gpt['device']['name']}, {gpt['date'][:10]})")
 
 
+# ---------------------------------------------------------------------------------------------
+# Part 2, serving: bench_paged.py's record (chapter6_paged_attention) and generate.py's
+# ---------------------------------------------------------------------------------------------
+def _paged():
+    return results.load_recorded_gpu("chapter6_paged_attention")
+
+
+def _label(r):
+    n = f"mixed in [1, {r['context_range'][1]}]" if r.get("mixed") else f"{r['context']}"
+    extra = "".join(f", {x}" for x in (f"d {r['head_dim']}" if r["head_dim"] != 128 else "",
+                                       f"block {r['block_size']}" if r["block_size"] != 16 else "",
+                                       r["dtype"] if r["dtype"] != "bfloat16" else "") if x)
+    return f"batch {r['batch']}, context {n}, {r['heads']}/{r['heads_kv']} heads{extra}"
+
+
+def paged_targets(_record):
+    """The issue's configurations: every rung and PyTorch's two baselines, % of copy, and the
+    target held to default."""
+    rec = _paged()
+    if not rec:
+        return "(not recorded yet)"
+    rows = results.rows(rec, op="paged_attention", sweep="targets")
+    targets = {t["target"]: t for t in rec["targets"]}
+    cols = ("per_head", "per_kv_head", "split_kv", "default", "sdpa_contiguous", "sdpa_gathered")
+    lines = ["| config | " + " | ".join(f"`{c}`" for c in cols) + " | default x sdpa_contiguous | target | met |",
+             "|---|" + "---|" * (len(cols) + 3)]
+    for c in dict.fromkeys(r["config"] for r in rows):
+        got = {r["variant"]: r for r in rows if r["config"] == c}
+        cells = [f"{got[v]['pct_of_copy']:.1f}%" if v in got else "-" for v in cols]
+        t = targets.get(c)
+        want = "-" if t is None else f">= {t['min_pct_of_copy']}%" + (
+            f", >= {t['min_speedup_vs_sdpa_contiguous']}x" if t["min_speedup_vs_sdpa_contiguous"] else "")
+        speed = got.get("default", {}).get("speedup_vs_torch")
+        lines.append(f"| {c}: {_label(got['default'] if 'default' in got else next(iter(got.values())))} | "
+                     + " | ".join(cells) + f" | {'-' if speed is None else f'{speed:.2f}x'} | {want} | "
+                     + ("-" if t is None else "yes" if t["met"] else "**no**") + " |")
+    lines += ["", f"{_where(rec)}; copy {rec['ceilings']['copy_GBps']:.0f} GB/s in the same run; % of copy over "
+                  "the unique K/V bytes (plus q and out)."]
+    return "\n".join(lines)
+
+
+def paged_gqa(_record):
+    rec = _paged()
+    rows = results.rows(rec, op="paged_attention", sweep="gqa") if rec else []
+    if not rows:
+        return "(not recorded yet)"
+    kv = sorted(dict.fromkeys(r["heads_kv"] for r in rows), reverse=True)
+    variants = [v for v in ("per_head", "per_kv_head", "default", "sdpa_contiguous", "repeat_kv")
+                if any(r["variant"] == v for r in rows)]
+    lines = ["| variant | " + " | ".join(f"{rows[0]['heads']}/{n} (group {rows[0]['heads'] // n})" for n in kv)
+             + " |", "|---|" + "---|" * len(kv)]
+    for v in variants:
+        got = {r["heads_kv"]: r["pct_of_copy"] for r in rows if r["variant"] == v}
+        lines.append(f"| `{v}` | " + " | ".join(f"{got[n]:.1f}%" if n in got else "-" for n in kv) + " |")
+    lines += ["", f"{_where(rec)}; % of copy over each configuration's own unique K/V bytes."]
+    return "\n".join(lines)
+
+
+def paged_split(_record):
+    rec = _paged()
+    rows = results.rows(rec, op="paged_attention", sweep="split_kv") if rec else []
+    if not rows:
+        return "(not recorded yet)"
+    ctx = sorted(dict.fromkeys(r["context"] for r in rows))
+    lines = ["| batch | variant | " + " | ".join(f"{n // 1024}K" for n in ctx) + " |",
+             "|---|---|" + "---|" * len(ctx)]
+    for b in dict.fromkeys(r["batch"] for r in rows):
+        for v in ("per_kv_head", "split_kv", "default", "sdpa_contiguous"):
+            got = {r["context"]: r["pct_of_copy"] for r in rows if r["batch"] == b and r["variant"] == v}
+            if got:
+                lines.append(f"| {b} | `{v}` | " + " | ".join(f"{got[n]:.0f}%" if n in got else "-" for n in ctx)
+                             + " |")
+    lines += ["", f"{_where(rec)}; % of copy."]
+    return "\n".join(lines)
+
+
+def paged_num_splits(_record):
+    rec = _paged()
+    rows = results.rows(rec, op="paged_attention", sweep="num_splits") if rec else []
+    if not rows:
+        return "(not recorded yet)"
+    counts = sorted(dict.fromkeys(r["num_splits"] for r in rows if "num_splits" in r))
+    lines = ["| config | " + " | ".join(f"{n}" for n in counts) + " | default | `sdpa_contiguous` |",
+             "|---|" + "---|" * (len(counts) + 2)]
+    for c in dict.fromkeys(r["config"] for r in rows):
+        mine = [r for r in rows if r["config"] == c]
+        got = {r["num_splits"]: r["pct_of_copy"] for r in mine if "num_splits" in r}
+        best = max(got, key=got.get)
+        other = {r["variant"]: r["pct_of_copy"] for r in mine if "num_splits" not in r}
+        cells = [(f"**{got[n]:.1f}%**" if n == best else f"{got[n]:.1f}%") if n in got else "-" for n in counts]
+        lines.append(f"| {c}: {_label(mine[0])} | " + " | ".join(cells)
+                     + f" | {other.get('default', float('nan')):.1f}% | {other.get('sdpa_contiguous', float('nan')):.1f}% |")
+    lines += ["", f"{_where(rec)}; % of copy of `split_kv` with `num_splits` named, the best in bold."]
+    return "\n".join(lines)
+
+
+def paged_cache_ops(_record):
+    rec = _paged()
+    rows = [r for r in rec["benchmarks"] if r["op"] in ("reshape_and_cache", "copy_blocks")] if rec else []
+    if not rows:
+        return "(not recorded yet)"
+    lines = ["| op | size | ours: µs, % of copy | PyTorch's index ops: µs, % of copy | x PyTorch |", "|---|---|---|---|---|"]
+    for op, n in dict.fromkeys((r["op"], r["shape"][0]) for r in rows):
+        got = [r for r in rows if (r["op"], r["shape"][0]) == (op, n)]
+        ours = next((r for r in got if not r["variant"].startswith("torch")), None)
+        base = next((r for r in got if r["variant"].startswith("torch")), None)
+        if not (ours and base):
+            continue
+        size = f"{n} tokens" if op == "reshape_and_cache" else f"{n} block pairs"
+        lines.append(f"| `{op}` | {size} | {ours['median_ms'] * 1e3:.1f}, {ours['pct_of_copy']:.1f}% | "
+                     f"{base['median_ms'] * 1e3:.1f}, {base['pct_of_copy']:.1f}% | "
+                     f"{base['median_ms'] / ours['median_ms']:.2f}x |")
+    lines += ["", f"{_where(rec)}."]
+    return "\n".join(lines)
+
+
+def paged_match(_record):
+    rec = _paged()
+    rows = {r["variant"]: r for r in results.rows(rec, op="match_prefix")} if rec else {}
+    if "cuda" not in rows or "cpu" not in rows:
+        return "(not recorded yet)"
+    g, c = rows["cuda"], rows["cpu"]
+    same = "the same matches as the CPU reference" if g.get("matches_cpu") else "**matches that differ from the CPU**"
+    return (f"Measured: {g['requests']} requests × {g['tokens']} tokens against a tree of {g['nodes']:,} nodes "
+            f"({g['full_matches']} full matches, {g['partial_matches']} partial, {g['no_matches']} none): the CUDA "
+            f"lookup takes {g['median_ms']:.3f} ms ({g['requests_per_s']:.3g} requests/s), the C++ reference on the "
+            f"CPU {c['median_ms']:.1f} ms ({c['requests_per_s']:.3g} requests/s), {g['speedup_vs_cpu']:.0f}x, with "
+            f"{same}; uploading the mirror once after a change takes {g['mirror_upload_ms']:.1f} ms ({_where(rec)}).")
+
+
+def generate_line(_record):
+    gen = results.load_recorded_gpu("chapter6_generate")
+    if not gen:
+        return "(not recorded yet)"
+    cfg, share = gen["config"], gen["sharing"]
+    rows = {(r["dtype"], r["backend"], r["op"]): r for r in gen["benchmarks"]}
+    gate = gen["comparison"][gen["match_dtype"]]
+    parts = [f"{cfg['groups'] * cfg['per_group']} requests in {cfg['groups']} groups sharing a "
+             f"{(cfg['common_blocks'] + cfg['group_blocks']) * cfg['block_size']}-token prefix, "
+             f"{cfg['new_tokens']} new tokens each, on {gen['device']['name']} ({gen['date'][:10]}): "
+             f"in {gen['match_dtype']} the paged run's greedy tokens were **{gate['verdict']}** to SDPA's "
+             f"({gate['identical_requests']}/{gate['requests']} requests, {gate['agreeing_tokens']}/{gate['tokens']} "
+             f"tokens; smallest greedy margin {gate['min_reference_margin']:.2g}, largest difference of a chosen "
+             f"logit {gate['max_top_logit_diff']:.2g})"]
+    for dtype in cfg["dtypes"]:
+        dec, ref = rows.get((dtype, "paged", "generate_decode")), rows.get((dtype, "sdpa", "generate_decode"))
+        pre = rows.get((dtype, "paged", "generate_prefill"))
+        if dec and ref and pre:
+            parts.append(f"{dtype}: decode {dec['tokens_per_s']:,.0f} tokens/s ({dec['ms_per_step']:.2f} ms a step "
+                         f"of all requests; SDPA with a padded contiguous cache {ref['tokens_per_s']:,.0f}), prefill "
+                         f"{pre['tokens_per_s']:,.0f} prompt tokens/s of which it computed "
+                         f"{pre['computed_tokens']:,} of {pre['prompt_tokens']:,}")
+    other = [d for d in cfg["dtypes"] if d != gen["match_dtype"]]
+    for d in other:
+        c = gen["comparison"][d]
+        parts.append(f"in {d} (not gated) {c['identical_requests']}/{c['requests']} requests stayed identical to "
+                     f"SDPA's and {c['agreeing_tokens']}/{c['tokens']} tokens agreed before each request's first "
+                     "divergence")
+    saved = ", ".join(f"{b / 2**20:.1f} MiB in {d}" for d, b in share["bytes_saved"].items())
+    parts.append(f"sharing kept {share['blocks_with_sharing']} blocks where {share['blocks_without_sharing']} "
+                 f"would be needed without it, {share['blocks_saved']} saved ({saved} over the model's "
+                 f"{cfg['layers']} layers), and the prefill skipped {share['prefix_tokens_skipped']:,} of "
+                 f"{share['prompt_tokens']:,} prompt tokens")
+    return "; ".join(parts) + "."
+
+
 FACTS = {"target_table": target_table, "split_kv": split_kv_table, "memory": memory_line, "error": error_line,
-         "tiny_gpt": tiny_gpt_line}
+         "tiny_gpt": tiny_gpt_line, "paged_targets": paged_targets, "paged_gqa": paged_gqa,
+         "paged_split": paged_split, "paged_num_splits": paged_num_splits, "paged_cache_ops": paged_cache_ops,
+         "paged_match": paged_match, "generate": generate_line}

@@ -593,8 +593,14 @@ bool is_16bit(DType dtype) { return dtype == DType::kBFloat16 || dtype == DType:
 //     fraction of the bandwidth while the rest of the GPU waits (batch 8 x 8 kv heads at 16K
 //     tokens: 8 splits, 512 blocks, 86% of copy; 9 splits, 576 blocks, 59%). Two per SM is within
 //     one wave for every group (4 resident up to group 4, 2 at group 8);
-//   - each split adds partials the combine must merge, and the combine's time grows with the
-//     splits (about 1 us per split on an H100), so more splits than fill the GPU cost time.
+//   - each split adds partials the combine must read back (splits x rows x (head_dim + 1) floats)
+//     and a range start (three memory round trips before its bytes stream), so more splits than
+//     fill the GPU cost time: batch 64 x 4096 tokens, already one full wave, loses ~3% of copy
+//     at 2 splits and ~7% at 16 (bench_paged.py's num_splits sweep).
+// The table's width stands for every context: with mixed lengths one wave of blocks ends with
+// its longest sequence, and splitting would even the load out (the same sweep: 71% of copy
+// unsplit, 92% at 8 splits), but only context_lens says so, and it is on the device. A caller
+// that holds the lengths on the host names the count (num_splits) instead.
 // A grid of more blocks than SMs is not split (2 * sms / blocks rounds to 1). Each range is at least
 // kMinSplitTokens long and there are at most kPagedMaxSplits. Only the 16-bit types split: the combine
 // writes float16 and bfloat16 (float32 and float64 are the ladder's correctness dtypes).
