@@ -11,6 +11,7 @@ one and the build has CUDA kernels.
 5. gradients
 6. the sdpa drop-in: one line of a module changes
 7. torch.compile traces it whole
+8. serving: a paged KV cache, decode attention over it, prefixes shared through the radix tree
 """
 import math
 import sys
@@ -156,10 +157,10 @@ class SelfAttention(torch.nn.Module):
 def drop_in():
     print("\n6. the sdpa drop-in: swap one line of a module")
     torch.manual_seed(1)
-    plain = SelfAttention(64, 4)
-    ours = SelfAttention(64, 4, attn=flash_attention.sdpa)  # the swapped line
+    plain = SelfAttention(128, 4)  # head_dim 32: the smallest the CUDA kernels take (section 7 runs it there)
+    ours = SelfAttention(128, 4, attn=flash_attention.sdpa)  # the swapped line
     ours.load_state_dict(plain.state_dict())
-    x = torch.randn(2, 30, 64)
+    x = torch.randn(2, 30, 128)
     torch.testing.assert_close(ours(x), plain(x), rtol=1e-5, atol=2e-5)
     ours(x).square().mean().backward()
     plain(x).square().mean().backward()
@@ -192,6 +193,49 @@ def compiled(module, x, on_cuda):
     print(f"   backend={backend}, fullgraph=True: one graph, forward and backward, same output")
 
 
+def serving(on_cuda):
+    print("\n8. serving: decode attention over a paged KV cache")
+    device = "cuda" if on_cuda else "cpu"
+    dtype = torch.bfloat16 if on_cuda else torch.float32  # CUDA: the serving dtype; CPU: the reference's
+    block_size, heads, heads_kv, d = 16, 8, 2, 64
+    lens = [5, 40, 16]                                    # three sequences, three lengths
+    blocks = [-(-n // block_size) for n in lens]
+    num_blocks = sum(blocks) + 4
+    key_cache = torch.zeros(num_blocks, block_size, heads_kv, d, dtype=dtype, device=device)
+    value_cache = torch.zeros_like(key_cache)
+    # The allocator hands out blocks in any order: sequence b's token t sits at slot
+    # table[b][t // block_size] * block_size + t % block_size.
+    pool = torch.randperm(num_blocks).tolist()
+    tables = torch.full((len(lens), max(blocks)), -1, dtype=torch.int32)
+    slots, keys, values = [], [], []
+    for b, n in enumerate(lens):
+        tables[b, :blocks[b]] = torch.tensor(pool[:blocks[b]], dtype=torch.int32)
+        pool = pool[blocks[b]:]
+        slots += [int(tables[b, t // block_size]) * block_size + t % block_size for t in range(n)]
+        keys.append(torch.randn(n, heads_kv, d, dtype=dtype, device=device))
+        values.append(torch.randn(n, heads_kv, d, dtype=dtype, device=device))
+    # The prefill's K and V of all sequences go into their slots in one call.
+    flash_attention.reshape_and_cache(torch.cat(keys), torch.cat(values), key_cache, value_cache,
+                                      torch.tensor(slots, device=device))
+    query = torch.randn(len(lens), heads, d, dtype=dtype, device=device)
+    out = flash_attention.paged_attention(query, key_cache, value_cache, tables.to(device),
+                                          torch.tensor(lens, dtype=torch.int32, device=device))
+    for b, n in enumerate(lens):
+        # Each sequence alone, contiguous, through SDPA with GQA: what the paged op must equal.
+        ref = F.scaled_dot_product_attention(query[b, :, None].float(), keys[b].transpose(0, 1).float(),
+                                             values[b].transpose(0, 1).float(), enable_gqa=True)[:, 0]
+        torch.testing.assert_close(out[b].float(), ref, rtol=2e-2, atol=2e-2)
+    print(f"   paged_attention over {lens} cached tokens in shuffled blocks of {block_size} ({device}, "
+          f"{str(dtype).removeprefix('torch.')}): the same as SDPA over each sequence's contiguous K/V")
+    cache = flash_attention.RadixCache(block_size)
+    system = list(range(100, 132))                        # a 32-token system prompt: 2 blocks
+    cache.insert(system + [7] * 16, [10, 11, 12])
+    matched, ids = cache.match_prefix([system + [9] * 20, [1, 2, 3] * 10], device=device)
+    print(f"   RadixCache: a new request with the same system prompt matches {int(matched[0])} tokens in "
+          f"blocks {[i for i in ids[0].tolist() if i >= 0]}, an unrelated one {int(matched[1])}: its "
+          "prefill can skip them and share the blocks")
+
+
 def main():
     torch.manual_seed(0)
     print(f"flash_attention from the {flash_attention.EXTENSION['route']} build; "
@@ -203,6 +247,7 @@ def main():
     gradients()
     module, x = drop_in()
     compiled(module, x, on_cuda)
+    serving(on_cuda)
     print("\nThe tour ran to the end.")
 
 

@@ -152,7 +152,7 @@ def paged_targets(_record):
             f", >= {t['min_speedup_vs_sdpa_contiguous']}x" if t["min_speedup_vs_sdpa_contiguous"] else "")
         speed = got.get("default", {}).get("speedup_vs_torch")
         lines.append(f"| {c}: {_label(got['default'] if 'default' in got else next(iter(got.values())))} | "
-                     + " | ".join(cells) + f" | {'-' if speed is None else f'{speed:.2f}x'} | {want} | "
+                     + " | ".join(cells) + f" | {'-' if speed is None else f'{speed:.3f}x'} | {want} | "
                      + ("-" if t is None else "yes" if t["met"] else "**no**") + " |")
     lines += ["", f"{_where(rec)}; copy {rec['ceilings']['copy_GBps']:.0f} GB/s in the same run; % of copy over "
                   "the unique K/V bytes (plus q and out)."]
