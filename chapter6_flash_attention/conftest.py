@@ -1,6 +1,8 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))
 pytest_plugins = ["coursekit.pytest_plugin"]
 
@@ -9,3 +11,15 @@ def pytest_report_header(config):
     import flash_attention
     from coursekit.pytest_plugin import extension_header
     return extension_header(flash_attention)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """torch on one CPU thread for a module's tests: the end-to-end scripts' quick models
+    (train_tiny_gpt.py, generate.py) are so small that one thread beats two on a 2-core machine
+    (both scripts' main() say so too)."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

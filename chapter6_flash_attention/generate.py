@@ -398,27 +398,6 @@ def to_device(values, dtype, device):
     return t
 
 
-class Stopwatch:
-    """Seconds between start() and stop(); on CUDA the queue is drained at both edges, so the
-    time is the GPU's work and not only the host's launching of it."""
-
-    def __init__(self, device):
-        self.device, self.seconds, self.t0 = device, 0.0, None
-
-    def _sync(self):
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-
-    def start(self):
-        self._sync()
-        self.t0 = time.perf_counter()
-
-    def stop(self):
-        self._sync()
-        self.seconds += time.perf_counter() - self.t0
-        return self.seconds
-
-
 @contextlib.contextmanager
 def exact_float32():
     """float32 matmuls in float32, not TF32 (10 mantissa bits would be rounding ~1e-3), for a
@@ -554,7 +533,7 @@ def run_paged(model, requests, config, dtype):
     allocator = BlockAllocator(pool_blocks)
     radix = flash_attention.RadixCache(bs)
     seqs = [Sequence(r) for r in requests]
-    first, prefill_clock = Choices(), Stopwatch(device)
+    first, prefill_clock = Choices(), bench.Stopwatch(device)
     duplicates = 0
 
     def prefill(s):
@@ -633,7 +612,7 @@ def run_paged(model, requests, config, dtype):
         tables_host[b, :len(s.table)] = torch.tensor(s.table, dtype=torch.int32)
     tables = to_device(tables_host, torch.int32, device)  # on the CPU tables_host itself
     tokens = torch.cat(first.tokens)
-    later, decode_clock = Choices(), Stopwatch(device)
+    later, decode_clock = Choices(), bench.Stopwatch(device)
     decode_clock.start()
     for _ in range(steps):
         grown = False
@@ -699,7 +678,7 @@ def run_sdpa(model, requests, config, dtype):
     # Zeros, not NaN: a masked key gets weight 0, but 0 x NaN would still be NaN.
     keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(c.layers)]
     values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(c.layers)]
-    first, prefill_clock = Choices(), Stopwatch(device)
+    first, prefill_clock = Choices(), bench.Stopwatch(device)
 
     prefill_clock.start()
     for b, r in enumerate(requests):
@@ -720,7 +699,7 @@ def run_sdpa(model, requests, config, dtype):
     lengths = [len(r.prompt) for r in requests]
     rows = torch.arange(batch, device=device)
     tokens = torch.cat(first.tokens)
-    later, decode_clock = Choices(), Stopwatch(device)
+    later, decode_clock = Choices(), bench.Stopwatch(device)
     decode_clock.start()
     for _ in range(steps):
         width = max(lengths) + 1

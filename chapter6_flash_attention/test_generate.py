@@ -14,13 +14,7 @@ import generate as G
 from coursekit.pytest_plugin import require_cuda
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The quick model's ops are tiny: one thread beats two (generate.main says so too).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def quick_config(device="cpu", **overrides):

@@ -20,13 +20,7 @@ def tiny_config(**overrides):
     return T.make_config(device="cpu", **{**TINY, **overrides})
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Models this small run faster on one thread than on two (train_tiny_gpt.main says by how much).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")

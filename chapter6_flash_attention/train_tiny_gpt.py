@@ -313,28 +313,6 @@ def autocast(config):
     return torch.autocast(config.device, dtype=getattr(torch, config.dtype), enabled=config.dtype != "float32")
 
 
-class Stopwatch:
-    """Wall time of the intervals between start() and stop(); on CUDA the queue is drained at each
-    edge, so the time is the GPU's work and not only the host's launching of it."""
-
-    def __init__(self, device):
-        self.device, self.seconds, self.t0 = device, 0.0, None
-
-    def _sync(self):
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-
-    def start(self):
-        self._sync()
-        self.t0 = time.perf_counter()
-
-    def stop(self):
-        if self.t0 is not None:
-            self._sync()
-            self.seconds += time.perf_counter() - self.t0
-            self.t0 = None
-
-
 @torch.no_grad()
 def evaluate(model, batches, config):
     model.eval()
@@ -358,7 +336,7 @@ def train(config, backend, corpus):
     val_gen = torch.Generator().manual_seed(config.seed + 1)
     val_batches = [batch_at(val_data, sample_offsets(val_data, config.batch, config.context, val_gen), config.context)
                    for _ in range(config.eval_batches)]
-    losses, val_losses, clock = [], [(0, evaluate(model, val_batches, config))], Stopwatch(config.device)
+    losses, val_losses, clock = [], [(0, evaluate(model, val_batches, config))], bench.Stopwatch(config.device)
     for step in range(config.steps):
         if step == config.timing_warmup:
             clock.start()

@@ -154,6 +154,29 @@ def warm_up_gpu(seconds=1.0):
         torch.cuda.synchronize()
 
 
+class Stopwatch:
+    """Wall time of the intervals between start() and stop(), summed in .seconds; on CUDA the
+    queue is drained at each edge, so the time is the GPU's work and not only the host's
+    launching of it. For end-to-end runs (a training loop, a generator), not for one kernel."""
+
+    def __init__(self, device):
+        self.device, self.seconds, self.t0 = device, 0.0, None
+
+    def _sync(self):
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def start(self):
+        self._sync()
+        self.t0 = time.perf_counter()
+
+    def stop(self):
+        if self.t0 is not None:
+            self._sync()
+            self.seconds += time.perf_counter() - self.t0
+            self.t0 = None
+
+
 def copy_ceiling(device, n=2**28, dtype=torch.float32):
     """Device-to-device copy bandwidth (bytes read + bytes written): the memory ceiling.
     Measured first in every benchmark, after warming the GPU up."""
