@@ -909,24 +909,11 @@ def print_table(record):
         print(f"{line}: {cmp['verdict'].upper()}{gate}")
 
 
-def local_record(rows, extra):
-    """The record as results.write_results would make it, without the file (--no-save, or a
-    results folder that cannot be written)."""
-    return {"device": bench.device_info(), "date": time.strftime("%Y-%m-%d"), "benchmarks": rows, **extra}
-
-
 def save(config, runs, comparisons, wall_s, write=True):
     """The results file through coursekit (results/<device-slug>/), then the table. A failure to
     write is reported, not raised: the comparison, and the exit status, stand anyway."""
     rows, extra = result_rows(runs, config), make_record_extra(config, runs, comparisons, wall_s)
-    if write:
-        try:
-            return results.publish(NAME, rows, {}, extra, lambda record, out_dir: [], print_table)
-        except OSError as e:
-            print(f"could not write results under {results.RESULTS_DIR}: {e}")
-    record = local_record(rows, extra)
-    print_table(record)
-    return record
+    return results.publish_or_print(NAME, rows, extra, lambda record, out_dir: [], print_table, write)
 
 
 def parse_args(argv=None):

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import flash_attention
-from coursekit.pytest_plugin import dtype_id, poison_allocator, require_cuda
+from coursekit.pytest_plugin import capture_and_replay, dtype_id, poison_allocator, require_cuda
 
 OPS = torch.ops.flash_attention
 CPU_DTYPES = (torch.float32, torch.float64)
@@ -888,16 +888,7 @@ def test_cuda_graph_capture():
                         flash_attention.attention_backward(grad_out, q, k, v, out, lse, 0.125, True, version=version)]
         return results
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        expected = step()  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
-    graph.replay()
-    torch.cuda.synchronize()
+    captured, expected = capture_and_replay(step)
     for a, e in zip(captured, expected):
         if isinstance(a, tuple):  # a backward's gradient
             (version, a), (_, e) = a, e

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import flash_attention
-from coursekit.pytest_plugin import DTYPES, dtype_id, poison_allocator, require_cuda
+from coursekit.pytest_plugin import DTYPES, capture_and_replay, dtype_id, poison_allocator, require_cuda
 
 OPS = torch.ops.flash_attention
 CPU_DTYPES = (torch.float32, torch.float64)
@@ -1211,16 +1211,7 @@ def test_cuda_graph_capture():
                                                 check_tables=False) for v in PAGED_VERSIONS + (None,)]
         return outs + list(radix.match_prefix(queries, query_lens, device="cuda"))
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        expected = step()  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
-    graph.replay()
-    torch.cuda.synchronize()
+    captured, expected = capture_and_replay(step)
     for a, e in zip(captured, expected):
         assert torch.equal(a, e)
 

@@ -491,24 +491,11 @@ def make_record_extra(config, corpus, runs, comparison, sample, wall_s):
             "wall_s": wall_s}
 
 
-def local_record(rows, extra):
-    """The record as results.write_results would make it, without the file: for --no-save and for
-    a results folder that cannot be written."""
-    return {"device": bench.device_info(), "date": time.strftime("%Y-%m-%d"), "benchmarks": rows, **extra}
-
-
 def save(config, corpus, runs, comparison, sample, wall_s, write=True):
     """The results file and figure through coursekit (results/<device-slug>/), then the table. A
     failure to write is reported, not raised: the comparison, and the exit status, stand anyway."""
     rows, extra = result_rows(runs, config), make_record_extra(config, corpus, runs, comparison, sample, wall_s)
-    if write:
-        try:
-            return results.publish(NAME, rows, {}, extra, make_figures, print_table)
-        except OSError as e:
-            print(f"could not write results under {results.RESULTS_DIR}: {e}")
-    record = local_record(rows, extra)
-    print_table(record)
-    return record
+    return results.publish_or_print(NAME, rows, extra, make_figures, print_table, write)
 
 
 def parse_args(argv=None):

@@ -64,6 +64,24 @@ def assert_within(out, expected, bound, what=""):
                              f"allowed {bound[at].item():.3g}")
 
 
+def capture_and_replay(step):
+    """(captured, expected): step() once eagerly on a side stream (the warm-up a capture needs:
+    lazy initialisation and allocator growth happen outside it), then captured into a CUDA graph
+    and replayed once. A kernel that syncs, allocates outside the graph's pool or ignores the
+    current stream fails the capture or gives other results than the eager call."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        expected = step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    return captured, expected
+
+
 def require_cuda():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU visible")

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import subprocess
+import time
 
 import torch
 
@@ -65,6 +66,20 @@ def publish(chapter, rows, ceilings, extra, make_figures, print_table):
     figures = make_figures(record, path.parent)
     print_table(record)
     print("wrote", path, *figures, sep="\n  ")
+    return record
+
+
+def publish_or_print(chapter, rows, extra, make_figures, print_table, write=True):
+    """publish() for the end-to-end scripts (a training run, a generator): no ceilings, and a
+    results folder that cannot be written (or write=False, their --no-save) is reported, not
+    raised, so that the run's verdict and exit status stand; the table is printed either way."""
+    if write:
+        try:
+            return publish(chapter, rows, {}, extra, make_figures, print_table)
+        except OSError as e:
+            print(f"could not write results under {RESULTS_DIR}: {e}")
+    record = {"device": device_info(), "date": time.strftime("%Y-%m-%d"), "benchmarks": rows, **extra}
+    print_table(record)
     return record
 
 
