@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 import fusion
-from coursekit.pytest_plugin import (DTYPES, assert_within, dtype_id, floor, poison_allocator, require_cuda,
-                                     shape_id)
+from coursekit.pytest_plugin import (DTYPES, assert_within, capture_and_replay, dtype_id, floor, poison_allocator,
+                                     require_cuda, shape_id)
 from fusion import _elementwise
 
 EW_VERSIONS = _elementwise.VERSIONS
@@ -749,16 +749,7 @@ def test_cuda_graph_capture(dtype):
     weight = torch.randn(24, 1000, device="cuda").to(dtype)
     b2 = torch.randn(24, device="cuda").to(dtype)
     args = (x, bias, dy, mask, weight, b2)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        expected = _every_op(*args)  # warm-up, off the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = _every_op(*args)
-    graph.replay()
-    torch.cuda.synchronize()
+    captured, expected = capture_and_replay(lambda: _every_op(*args))
     for i, (c, e) in enumerate(zip(captured, expected)):
         assert torch.equal(c, e), i
 

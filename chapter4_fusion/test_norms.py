@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import fusion
-from coursekit.pytest_plugin import DTYPES, dtype_id, poison_allocator, require_cuda
+from coursekit.pytest_plugin import DTYPES, capture_and_replay, dtype_id, poison_allocator, require_cuda
 
 VERSIONS = fusion.VERSIONS
 NORM_OPS = ("layer_norm", "rms_norm")
@@ -465,16 +465,7 @@ def test_cuda_graph_capture():
         z, h = fusion.fused_add_rms_norm(x, r, w)
         return y, dx, dw, db, z, h
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        expected = step()  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
-    graph.replay()
-    torch.cuda.synchronize()
+    captured, expected = capture_and_replay(step)
     for a, e in zip(captured, expected):
         assert torch.equal(a, e)
 

@@ -53,16 +53,16 @@ Rows (op, then variant):
   lengths differ 8000-fold).
 - reshape_and_cache: 65536 tokens (a prefill's worth) and 256 (a decode step's), 8 kv heads, d 128,
   bf16, block_size 16, every 97th slot -1 (padding); bytes = K and V of the real tokens read and
-  written, plus the slots. Baseline torch_index_copy: the real tokens picked out (index_select)
+  written, plus the slots. Baseline torch (eager PyTorch): the real tokens picked out (index_select)
   and index_copy_'d into the cache viewed as (slots, heads_kv, head_dim), K and V.
 - copy_blocks: 2048 (src, dst) pairs of distinct blocks of a 16384-block cache; bytes = 2 caches x
-  pairs x block bytes x 2 (read + write), plus the mapping. Baseline torch_index: kc[dst] = kc[src]
+  pairs x block bytes x 2 (read + write), plus the mapping. Baseline torch: kc[dst] = kc[src]
   for both caches.
 - match_prefix: 4096 requests x 2048 tokens against a RadixCache of ~100k nodes (block_size 16),
   built by inserting 2048-token sequences that branch from random earlier ones (each branching
   insert adds a leaf, and splits an edge when it branches inside one: ~2 nodes), a third of the
   requests inserted sequences (full matches), a third a prefix of one then fresh tokens (partial),
-  a third fresh tokens (no match). Variants: cuda (the op on the GPU; inputs and the tree's mirror
+  a third fresh tokens (no match). Variants: default (the op on the GPU; inputs and the tree's mirror
   already there: the lookup alone; the mirror's one-time upload is the row's mirror_upload_ms) and
   cpu (the C++ reference on the CPU, wall clock; it validates the tree on every call). Requests per
   second; the CUDA result must equal the CPU result (matches_cpu), and the CPU result the Python
@@ -144,7 +144,7 @@ TOLERANCE = {torch.bfloat16: (2e-2, 2e-2), torch.float16: (1e-2, 1e-2),
 TARGETS = {"a": {"pct_of_copy": 90, "speedup": 0.95}, "b": {"pct_of_copy": 90, "speedup": 0.95},
            "c": {"pct_of_copy": 85}, "d": {"pct_of_copy": 90}, "e": {"pct_of_copy": 80}}
 SPLIT_COUNTS = (1, 2, 3, 4, 6, 8, 16)  # the num_splits sweep: split_kv with the count named
-MATCH_TARGET = 1.0    # match_prefix: cuda at least this many times faster than the CPU reference
+MATCH_TARGET = 1.0    # match_prefix: default (the op on the GPU) at least this many times faster than the CPU reference
 
 
 # ---------------------------------------------------------------------------------------------
@@ -553,13 +553,13 @@ def bench_cache_ops(device, co, ceilings, notes):
                                  "a wrong result is not timed")
         nbytes = cache_op_bytes(tokens, padding, row_bytes)
         t_base = None
-        for variant, call in (("torch_index_copy", torch_index_copy), (ours_name, ours) if ran else (None, None)):
+        for variant, call in (("torch", torch_index_copy), (ours_name, ours) if ran else (None, None)):
             if variant is None:
                 continue
             t = measure(notes, variant, where, device, lambda call=call: call(0), sets=sets, call=call)
             if t is None:
                 continue
-            t_base = t_base or (t["median_ms"] if variant == "torch_index_copy" else None)
+            t_base = t_base or (t["median_ms"] if variant == "torch" else None)
             rows.append(bench.bandwidth_row("reshape_and_cache", variant, dtype, [tokens, hkv, d], nbytes, t,
                                             ceilings["copy_GBps"], t_base, tokens=tokens, padding=padding, **common))
         data.clear()  # this size's input sets, before the next size's
@@ -583,13 +583,13 @@ def bench_cache_ops(device, co, ceilings, notes):
                              "a wrong result is not timed")
     nbytes = copy_blocks_bytes(pairs, bs * row_bytes)
     t_base = None
-    for variant, call in (("torch_index", torch_index), (ours_name, copy_ours) if ran else (None, None)):
+    for variant, call in (("torch", torch_index), (ours_name, copy_ours) if ran else (None, None)):
         if variant is None:
             continue
         t = measure(notes, variant, where, device, call)
         if t is None:
             continue
-        t_base = t_base or (t["median_ms"] if variant == "torch_index" else None)
+        t_base = t_base or (t["median_ms"] if variant == "torch" else None)
         rows.append(bench.bandwidth_row("copy_blocks", variant, dtype, [pairs, bs, hkv, d], nbytes, t,
                                         ceilings["copy_GBps"], t_base, pairs=pairs, **common))
     return rows
@@ -730,7 +730,7 @@ def bench_match(device, m, notes):
     if t_cpu is not None:
         rows.append(row("cpu", t_cpu))
     if device != "cuda":
-        notes.skip("cuda", "no CUDA device: the lookup on the GPU is not measured", where)
+        notes.skip("default", "no CUDA device: the lookup on the GPU is not measured", where)
         return rows, info
     q_dev, len_dev = queries.to(device), lengths.to(device)
     torch.cuda.synchronize()
@@ -742,15 +742,15 @@ def bench_match(device, m, notes):
     def on_gpu():
         return torch.ops.flash_attention.match_prefix(*tree_dev, bs, q_dev, len_dev, max_blocks)
 
-    got = attempt(notes, "cuda", where, on_gpu)
+    got = attempt(notes, "default", where, on_gpu)
     if got is None:
         return rows, info
     if not same_matches(got, got_cpu):
         raise AssertionError(f"{where}: the CUDA lookup disagrees with the CPU reference")
-    t = measure(notes, "cuda", where, device, on_gpu)
+    t = measure(notes, "default", where, device, on_gpu)
     if t is not None:
         more = {"speedup_vs_cpu": t_cpu["median_ms"] / t["median_ms"]} if t_cpu else {}
-        rows.append(row("cuda", t, matches_cpu=True, mirror_upload_ms=upload_ms,
+        rows.append(row("default", t, matches_cpu=True, mirror_upload_ms=upload_ms,
                         mirror_MiB=sum(a.numel() * a.element_size() for a in tree_dev) / 2**20, **more))
     return rows, info
 
@@ -772,9 +772,9 @@ def evaluate_targets(rows, variant):
         out.append({"target": config, "op": "paged_attention", "variant": variant,
                     "min_pct_of_copy": t["pct_of_copy"], "min_speedup_vs_sdpa_contiguous": t.get("speedup"),
                     "pct_of_copy": pct, "speedup_vs_sdpa_contiguous": speedup, "met": met})
-    r = next((r for r in rows if r["op"] == "match_prefix" and r["variant"] == "cuda"), None)
+    r = next((r for r in rows if r["op"] == "match_prefix" and r["variant"] == "default"), None)
     speedup = r.get("speedup_vs_cpu") if r else None
-    out.append({"target": "match_prefix", "op": "match_prefix", "variant": "cuda", "min_speedup_vs_cpu": MATCH_TARGET,
+    out.append({"target": "match_prefix", "op": "match_prefix", "variant": "default", "min_speedup_vs_cpu": MATCH_TARGET,
                 "speedup_vs_cpu": speedup, "met": speedup is not None and speedup > MATCH_TARGET})
     return out
 
@@ -916,7 +916,7 @@ def plot_cache_ops(ax, record):
 def plot_match(ax, record):
     rs = results.rows(record, op="match_prefix")
     ax.bar(range(len(rs)), [r["requests_per_s"] for r in rs],
-           color=["tab:orange" if r["variant"] == "cuda" else "grey" for r in rs])
+           color=["tab:orange" if r["variant"] == "default" else "grey" for r in rs])
     ax.set_xticks(range(len(rs)), [r["variant"] for r in rs])
     for i, r in enumerate(rs):
         ax.annotate(f"{r['requests_per_s']:.3g}/s\n{r['median_ms']:.3g} ms", (i, r["requests_per_s"]),
@@ -1025,7 +1025,7 @@ def print_table(record):
     print(f"\nthe issue's targets, held to {ours}{aside}")
     for t in record.get("targets", []):
         if t["op"] == "match_prefix":
-            print(f"  match_prefix: cuda > {t['min_speedup_vs_cpu']:g}x the CPU reference; measured "
+            print(f"  match_prefix: default (CUDA) > {t['min_speedup_vs_cpu']:g}x the CPU reference; measured "
                   f"{fmt(t['speedup_vs_cpu'], '.2f')}x: {'met' if t['met'] else 'NOT met'}")
             continue
         want = f">= {t['min_pct_of_copy']}% of copy" + (

@@ -237,9 +237,9 @@ def paged_cache_ops(_record):
 def paged_match(_record):
     rec = _paged()
     rows = {r["variant"]: r for r in results.rows(rec, op="match_prefix")} if rec else {}
-    if "cuda" not in rows or "cpu" not in rows:
+    if "default" not in rows or "cpu" not in rows:
         return "(not recorded yet)"
-    g, c = rows["cuda"], rows["cpu"]
+    g, c = rows["default"], rows["cpu"]
     same = "the same matches as the CPU reference" if g.get("matches_cpu") else "**matches that differ from the CPU**"
     return (f"Measured: {g['requests']} requests × {g['tokens']} tokens against a tree of {g['nodes']:,} nodes "
             f"({g['full_matches']} full matches, {g['partial_matches']} partial, {g['no_matches']} none): the CUDA "
