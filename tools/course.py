@@ -11,6 +11,7 @@ the virtualenv (scripts/env.sh) and install what is missing (tools/ensure_env.py
 import argparse
 import os
 import re
+import runpy
 import shutil
 import subprocess
 import sys
@@ -157,6 +158,20 @@ def execute_notebooks(steps, inplace):
                   str(nb)] + (["--inplace"] if inplace else []))
 
 
+def cuda_files(chapter):
+    """Every .cu of a chapter, in any folder (chapter 6's csrc/ parts, the experiments, chapter 5's
+    labs), but none under a build folder."""
+    return sorted(cu for cu in chapter.rglob("*.cu") if "build" not in cu.relative_to(chapter).parts)
+
+
+def include_dirs(chapter):
+    """What both build routes put on a chapter's include path (coursekit.build.include_dirs, with
+    the folders its sources.py names in INCLUDE_DIRS): the sweep compiles each .cu as they do."""
+    from coursekit import build
+    names = runpy.run_path(str(chapter / "sources.py")) if (chapter / "sources.py").exists() else {}
+    return build.include_dirs(chapter, names.get("INCLUDE_DIRS", ()))
+
+
 def nvcc_compile(steps):
     nvcc = shutil.which("nvcc")
     if nvcc is None:
@@ -167,11 +182,13 @@ def nvcc_compile(steps):
     # cores). A failing arch names itself in the log (ptxas and the error lines say sm_NN).
     gencodes = [f"-gencode=arch=compute_{arch},code=sm_{arch}" for arch in NVCC_ARCHS]
     archs = ",".join(f"sm_{arch}" for arch in NVCC_ARCHS)
-    # chapter*/csrc/ too: chapter 6 keeps one instantiation per dtype and head dim there.
-    for cu in sorted(ROOT.glob("chapter*/*.cu")) + sorted(ROOT.glob("chapter*/csrc/*.cu")):
-        steps.run(f"nvcc {cu.relative_to(ROOT)} {archs}",
-                  [nvcc, "-c", "-std=c++17", *gencodes, "--threads", str(os.cpu_count() or 1),
-                   "-I", ROOT / "common" / "include", "-I", cu.parent, "-o", os.devnull, cu])
+    for chapter in chapters():
+        includes = [flag for d in include_dirs(chapter) for flag in ("-I", d)]
+        for cu in cuda_files(chapter):
+            # The file's own folder too: an experiment or a lab includes the header beside it.
+            steps.run(f"nvcc {cu.relative_to(ROOT)} {archs}",
+                      [nvcc, "-c", "-std=c++17", *gencodes, "--threads", str(os.cpu_count() or 1),
+                       *includes, "-I", cu.parent, "-o", os.devnull, cu])
 
 
 def job_test(args):
@@ -192,21 +209,22 @@ def job_test(args):
 def run_benchmarks(steps, chapter):
     """The chapter's benchmark, its launch-shape tuning script if it has one (tune_*.py: the
     measurements a version=None dispatch table was read from), its build lab if it has one
-    (build_lab.py, chapter 5: the extension built under each build configuration) and its
+    (labs/build_lab.py, chapter 5: the extension built under each build configuration) and its
     training run if it has one (train_*.py, chapter 6: a model trained on the chapter's op and
     on PyTorch's, curves compared; --quick without a GPU, where the full run would take hours)
-    and its generator if it has one (generate.py, chapter 6's serving half: greedy decoding over
-    the paged cache against SDPA's). Every bench_*.py runs (chapter 6 has one per half)."""
+    and its generator if it has one (generate_*.py, chapter 6's serving half: greedy decoding
+    over the paged cache against SDPA's). Every bench_*.py runs (chapter 6 has one per half)."""
     import torch
-    scripts = sorted(chapter.glob("tune_*.py")) + sorted(chapter.glob("build_lab.py"))
+    scripts = sorted(chapter.glob("tune_*.py")) + sorted(chapter.glob("labs/build_lab.py"))
     benches = sorted(chapter.glob("bench_*.py"))
-    for script in (scripts + benches + sorted(chapter.glob("train_*.py")) + sorted(chapter.glob("generate.py"))):
+    for script in scripts + benches + sorted(chapter.glob("train_*.py")) + sorted(chapter.glob("generate_*.py")):
         kind = {"tune": "tuning", "build": "build lab", "train": "training",
-                "generate.py": "generator"}.get(script.name.split("_")[0], "benchmark")
+                "generate": "generator"}.get(script.name.split("_")[0], "benchmark")
         if kind == "benchmark" and len(benches) > 1:
             kind = f"benchmark {script.stem.removeprefix('bench_')}"
         quick = kind in ("training", "generator") and not torch.cuda.is_available()
-        steps.run(f"{chapter.name} {kind}", [sys.executable, script.name, *(["--quick"] if quick else [])],
+        steps.run(f"{chapter.name} {kind}",
+                  [sys.executable, script.relative_to(chapter), *(["--quick"] if quick else [])],
                   cwd=chapter, echo=True)
 
 

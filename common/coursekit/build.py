@@ -4,6 +4,7 @@ import os
 import site
 import sys
 import sysconfig
+from pathlib import Path
 
 from . import COMMON_INCLUDE
 
@@ -91,11 +92,15 @@ def compile_flags(with_cuda, debug=None):
     return flags
 
 
-def include_dirs(chapter_dir):
-    return [str(COMMON_INCLUDE), str(chapter_dir)]
+def include_dirs(chapter_dir, source_roots=()):
+    """The include path of a chapter's build: the course's shared headers, the chapter folder, and
+    the folders the chapter's sources.py names in INCLUDE_DIRS (chapter 6: csrc/, so that every
+    file includes "attention/attention.h" the same way, and no include climbs out of its folder).
+    The nvcc sweep of tools/course.py compiles each .cu with this same path."""
+    return [str(COMMON_INCLUDE), str(chapter_dir)] + [str(Path(chapter_dir) / d) for d in source_roots]
 
 
-def make_extension(name, chapter_dir, cpp_sources, cuda_sources, package):
+def make_extension(name, chapter_dir, cpp_sources, cuda_sources, package, source_roots=()):
     """A CUDAExtension when CUDA is usable, else a CppExtension (with the reason printed)."""
     from torch.utils.cpp_extension import CppExtension, CUDAExtension
 
@@ -106,7 +111,7 @@ def make_extension(name, chapter_dir, cpp_sources, cuda_sources, package):
     print(f"[{package}] building the {kind} extension: {reason}", file=sys.stderr)
     cls = CUDAExtension if with_cuda else CppExtension
     sources = list(cpp_sources) + (list(cuda_sources) if with_cuda else [])
-    return cls(name, sources=sources, include_dirs=include_dirs(chapter_dir),
+    return cls(name, sources=sources, include_dirs=include_dirs(chapter_dir, source_roots),
                extra_compile_args=compile_flags(with_cuda))
 
 
@@ -132,9 +137,10 @@ def build_py_with_loader(package):
     return BuildPyWithLoader
 
 
-def chapter_setup(package, description, chapter_dir, cpp_sources, cuda_sources):
+def chapter_setup(package, description, chapter_dir, cpp_sources, cuda_sources, source_roots=()):
     """The whole of every chapter's setup.py: the package, its `_C` extension (CUDA or
-    CPU-only, see make_extension) and the shared loader shipped inside it."""
+    CPU-only, see make_extension) and the shared loader shipped inside it. source_roots: the
+    folders of sources.py's INCLUDE_DIRS (see include_dirs)."""
     torch = import_torch(package)
     from setuptools import setup
     from torch.utils.cpp_extension import BuildExtension
@@ -145,7 +151,7 @@ def chapter_setup(package, description, chapter_dir, cpp_sources, cuda_sources):
         description=description,
         packages=[package],
         ext_modules=[make_extension(f"{package}._C", chapter_dir, cpp_sources, cuda_sources,
-                                    package)],
+                                    package, source_roots)],
         cmdclass={"build_ext": BuildExtension, "build_py": build_py_with_loader(package)},
         # _C links against this torch's C++ ABI (mangled names, class layouts), which changes
         # between releases: the wheel works only beside the torch it was compiled against. The

@@ -79,8 +79,10 @@ def build_dir_for(chapter_dir, with_cuda):
     return Path(chapter_dir) / "build" / tag
 
 
-def load_chapter(name, chapter_dir, cpp_sources, cuda_sources, *, verbose=None, quiet=False):
-    """Build (if needed) and load the chapter's extension into this process.
+def load_chapter(name, chapter_dir, cpp_sources, cuda_sources, *, source_roots=(), verbose=None,
+                 quiet=False):
+    """Build (if needed) and load the chapter's extension into this process. source_roots: the
+    folders of sources.py's INCLUDE_DIRS (build.include_dirs).
 
     Returns a dict: so_path, seconds, rebuilt (did ninja do any work), with_cuda, build_dir.
     The library registers its ops with the dispatcher (TORCH_LIBRARY), so nothing is imported
@@ -111,8 +113,8 @@ def load_chapter(name, chapter_dir, cpp_sources, cuda_sources, *, verbose=None, 
     before = so_path.stat().st_mtime_ns if so_path.exists() else None
     flags = build.compile_flags(with_cuda)
     start = time.perf_counter()
-    cpp.load(name=name, sources=sources, extra_cflags=flags["cxx"],
-             extra_cuda_cflags=flags.get("nvcc"), extra_include_paths=build.include_dirs(chapter_dir),
+    cpp.load(name=name, sources=sources, extra_cflags=flags["cxx"], extra_cuda_cflags=flags.get("nvcc"),
+             extra_include_paths=build.include_dirs(chapter_dir, source_roots),
              build_directory=str(out_dir), with_cuda=with_cuda, is_python_module=False,
              verbose=verbose)
     seconds = time.perf_counter() - start
