@@ -86,7 +86,7 @@ NO_KERNELS = "no CUDA kernels in this build yet"
 
 
 # ---------------------------------------------------------------------------------------------
-# Napkin math and the grid: pure functions (test_bench.py holds them)
+# Napkin math and the grid: pure functions (test_bench_attention.py holds them)
 # ---------------------------------------------------------------------------------------------
 def attention_flops(batch, heads, seqlen_q, seqlen_k, head_dim, causal, pass_="forward"):
     """FLOPs credited to one call: 4 b h s_q s_k d forward, halved for a square causal mask,

@@ -79,9 +79,9 @@ slots and blocks filled with NaN first. The block tables are random permutations
 no sequence's pages are contiguous or in order.
 
 The course's ops are timed as a server calls them: paged_attention with check_tables=False,
-reshape_and_cache with check_slots=False and copy_blocks with check_mapping=False (paged_ops.cpp:
-a checked call reads the tables, slots or mapping back, a device sync per call, which a CUDA graph
-cannot capture; the guard's one call per variant is checked).
+reshape_and_cache with check_slots=False and copy_blocks with check_mapping=False
+(csrc/serving/serving_ops.cpp: a checked call reads the tables, slots or mapping back, a device sync
+per call, which a CUDA graph cannot capture; the guard's one call per variant is checked).
 
 Timing: as bench_attention.py, CUDA graphs (bench.time_cuda_graph) of as many calls as make a
 replay last >= 2 ms (1 to 8), CUDA events around each replay, median of 20 replays; one input set,

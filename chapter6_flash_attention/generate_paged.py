@@ -80,11 +80,11 @@ warm-up run of a few requests per backend and dtype; wall clock on the CPU. Pref
 prompt tokens served per second (the paged run computes fewer; computed_tokens_per_s says how
 many it computed); decode tokens/s counts the tokens the decode steps produce.
 
-    python generate.py            GPU: 64 requests in 8 groups, prefix 256, suffixes 16-200,
-                                  128 new tokens; float64 (exact match) then bfloat16
-    python generate.py --quick    CPU and CI: 2 layers, dim 64, 4/2 heads x 16, block 8,
-                                  6 requests in 2 groups, 8 new tokens, float64 (seconds)
-    python generate.py --dtypes float64,float32,bfloat16   any dtypes, the gated one first
+    python generate_paged.py            GPU: 64 requests in 8 groups, prefix 256, suffixes
+                                        16-200, 128 new tokens; float64 (exact match) then bfloat16
+    python generate_paged.py --quick    CPU and CI: 2 layers, dim 64, 4/2 heads x 16, block 8,
+                                        6 requests in 2 groups, 8 new tokens, float64 (seconds)
+    python generate_paged.py --dtypes float64,float32,bfloat16   any dtypes, the gated one first
 
 Writes results/<device-slug>/chapter6_generate.json; --no-save skips it.
 """
@@ -106,7 +106,7 @@ from coursekit import bench, results  # noqa: E402
 import flash_attention  # noqa: E402
 
 NAME = "chapter6_generate"
-# paged_attention's CUDA kernels are instantiated for these (paged.h: kPagedHeadDims,
+# paged_attention's CUDA kernels are instantiated for these (csrc/serving/serving.h: kPagedHeadDims,
 # kPagedBlockSizes); attention's CUDA rungs take both head dims too. The CPU takes any.
 CUDA_HEAD_DIMS = (64, 128)
 CUDA_BLOCK_SIZES = (16, 32)
@@ -940,7 +940,7 @@ def main(argv=None):
     try:
         check_config(config)
     except ValueError as e:
-        sys.exit(f"generate.py: {e}")
+        sys.exit(f"generate_paged.py: {e}")
     # The --quick model's ops are tiny: one thread beats two on a shared 2-core machine.
     threads = args.threads or (1 if config.device == "cpu" and args.quick else None)
     if threads:

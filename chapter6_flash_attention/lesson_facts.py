@@ -1,10 +1,10 @@
 """Measured numbers quoted in this chapter's README, computed from the results files.
 
 tools/report.py fills each <!-- results:NAME:begin -->...<!-- results:NAME:end --> block of
-README.md with FACTS[NAME](record), so the prose always matches results/ (no typed numbers).
-record is the newest GPU record of bench_attention.py; the tiny GPT's (train_tiny_gpt.py), the
-serving benchmark's (bench_paged.py) and the generator's (generate.py) are read here from their
-own files.
+README.md with FACTS[NAME](record), so the prose always matches results/ (no typed numbers). record
+is the newest GPU record of bench_attention.py; the tiny GPT's (train_tiny_gpt.py), the serving
+benchmark's (bench_paged.py) and the generator's (generate_paged.py) are read here from their own
+files.
 """
 import sys
 from pathlib import Path
@@ -119,7 +119,7 @@ def tiny_gpt_line(record):
 
 
 # ---------------------------------------------------------------------------------------------
-# Part 2, serving: bench_paged.py's record (chapter6_paged_attention) and generate.py's
+# Part 2, serving: bench_paged.py's record (chapter6_paged_attention) and generate_paged.py's
 # ---------------------------------------------------------------------------------------------
 def _paged():
     return results.load_recorded_gpu("chapter6_paged_attention")

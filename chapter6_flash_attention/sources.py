@@ -1,13 +1,35 @@
-"""The extension's sources, listed once for both build routes (setup.py and load_jit.py)."""
-# The glue and the CPU reference; the CUDA kernels one file per rung family (the naive forward
-# and backward share their simple kernels; the tiled forward is its own file, so the two
-# compile in parallel and a learner reads one rung at a time).
-CPP_SOURCES = ["attention_ops.cpp", "attention_cpu.cpp", "paged_ops.cpp", "paged_cpu.cpp"]
-# The tensor-core rungs (csrc/): one file per pass, dtype and head dim, as FlashAttention 2
-# splits its instantiations, so that ninja compiles them side by side.
-TENSOR_CORE_SOURCES = ["csrc/flash_fwd_dispatch.cu", "csrc/flash_bwd_dispatch.cu", "csrc/split_combine.cu"] + [
-    f"csrc/flash_fwd_{dtype}_hdim{d}.cu" for dtype in ("bf16", "fp16") for d in (32, 64, 96, 128, 256)] + [
-    f"csrc/flash_bwd_{dtype}_hdim{d}.cu" for dtype in ("bf16", "fp16") for d in (32, 64, 96, 128)]
-# The serving half (paged.h): cache writes and copies, the decode ladder, the prefix lookup.
-PAGED_SOURCES = ["csrc/paged_cache_kernels.cu", "csrc/paged_attention_kernels.cu", "csrc/radix_match_kernels.cu"]
-CUDA_SOURCES = ["attention_naive_kernels.cu", "attention_tiled_kernels.cu"] + TENSOR_CORE_SOURCES + PAGED_SOURCES
+"""The extension's sources, listed once for both build routes (setup.py and load_jit.py).
+
+The C++ and CUDA live under csrc/, one folder per part of the chapter, each with its own
+torch-free header, CPU reference, glue and kernels; csrc/flash_attention_ops.cpp defines the
+`flash_attention` library that both parts register their ops into. Every file includes by its
+path under csrc/ ("attention/attention.h"), which INCLUDE_DIRS puts on the include path of both
+routes and of the test command's nvcc sweep. A part is one more list here and one more line in
+CUDA_SOURCES.
+"""
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+INCLUDE_DIRS = ["csrc"]
+
+LIBRARY_SOURCES = ["csrc/flash_attention_ops.cpp"]
+
+# Part 1, training (csrc/attention/): the forward and backward ladders. The scalar rungs one file
+# per rung family (the naive forward and backward share their simple kernels; the tiled forward
+# is its own file, so the two compile in parallel and a learner reads one rung at a time); the
+# tensor-core rungs' dispatch, and their instantiations one file per pass, dtype and head dim, as
+# FlashAttention 2 splits its own, so that ninja compiles them side by side
+# (csrc/attention/generate_instantiations.py writes them from attention.h's head-dim lists).
+ATTENTION_CPP = ["csrc/attention/attention_ops.cpp", "csrc/attention/attention_cpu.cpp"]
+ATTENTION_CUDA = ["csrc/attention/attention_naive_kernels.cu", "csrc/attention/attention_tiled_kernels.cu",
+                  "csrc/attention/flash_fwd_dispatch.cu", "csrc/attention/flash_bwd_dispatch.cu",
+                  "csrc/attention/split_combine.cu"] + sorted(
+    str(p.relative_to(HERE)) for p in (HERE / "csrc" / "attention" / "instantiations").glob("*.cu"))
+
+# Part 2, serving (csrc/serving/): cache writes and copies, the decode ladder, the prefix lookup.
+SERVING_CPP = ["csrc/serving/serving_ops.cpp", "csrc/serving/serving_cpu.cpp"]
+SERVING_CUDA = ["csrc/serving/paged_cache_kernels.cu", "csrc/serving/paged_attention_kernels.cu",
+                "csrc/serving/radix_match_kernels.cu"]
+
+CPP_SOURCES = LIBRARY_SOURCES + ATTENTION_CPP + SERVING_CPP
+CUDA_SOURCES = ATTENTION_CUDA + SERVING_CUDA

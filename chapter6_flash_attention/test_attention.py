@@ -371,6 +371,23 @@ def test_versions_table_matches_dispatch():
         OPS.versions("softmax")
 
 
+@pytest.mark.parametrize("sms", [1, 46, 108, 132])
+def test_backward_grids_follow_the_sm_count(sms):
+    """The tensor-core backward's grid-stride kernels (D = rowsum(dO * O), the atomic rung's dQ)
+    take their grid from the GPU's SM count (attention.h's grid_stride_blocks, through the op of
+    the same name), so any machine can hold the rule to a T4's 46, an A100's 108 and an H100's
+    132: one block per `per_block` items up to 8 blocks per SM, never fewer than one."""
+    most = 8 * sms
+    for work, per_block in [(0, 8), (1, 8), (8 * most - 1, 8), (8 * most, 8), (8 * most + 1, 8),
+                            (2**31, 1024), (7, 1)]:
+        want = max(1, min(-(-work // per_block), most))
+        assert OPS.grid_stride_blocks(work, per_block, sms) == want, (work, per_block, sms)
+    # 2^24 rows of D, a warp (8 per 256-thread block) each: every SM gets its 8 blocks.
+    assert OPS.grid_stride_blocks(2**24, 8, sms) == most
+    with pytest.raises(RuntimeError, match=r"grid_stride_blocks: per_block and sms must be >= 1"):
+        OPS.grid_stride_blocks(10, 8, 0)
+
+
 def _t(*shape, dtype=torch.float32, device="cpu"):
     return torch.randn(shape, dtype=dtype, device=device)
 
@@ -770,9 +787,9 @@ def test_cuda_no_keys_and_empty(dtype):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=dtype_id)
 def test_cuda_default_dispatch(dtype):
-    """version=None (attention_ops.cpp): the tuned tensor-core forward where it runs (16-bit on
-    sm_80+), split along the keys when the grid is small and the keys many, else the tiled one;
-    never the naive three."""
+    """version=None (csrc/attention/attention_ops.cpp): the tuned tensor-core forward where it runs
+    (16-bit on sm_80+), split along the keys when the grid is small and the keys many, else the
+    tiled one; never the naive three."""
     require_cuda()
     from coursekit.pytest_plugin import launched_kernels
     q, k, v = make_qkv(1, 2, 2, 64, 64, 64, dtype=dtype, device="cuda")

@@ -1,6 +1,6 @@
-"""Tests of generate.py, in seconds on the CPU (and on a GPU when one is visible): greedy tokens
-over the paged cache equal SDPA's over a contiguous one, prefix sharing saves blocks and skips
-exactly the cached part of the prefill, every block comes back and none is held by two owners,
+"""Tests of generate_paged.py, in seconds on the CPU (and on a GPU when one is visible): greedy
+tokens over the paged cache equal SDPA's over a contiguous one, prefix sharing saves blocks and
+skips exactly the cached part of the prefill, every block comes back and none is held by two owners,
 and a deliberately broken kernel call makes the match fail."""
 import functools
 import json
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import flash_attention
-import generate as G
+import generate_paged as G
 from coursekit.pytest_plugin import require_cuda
 
 
@@ -91,8 +91,8 @@ def test_cuda_low_precision_run_is_reported():
     config, runs, comparisons = quick_run("cuda")
     for dtype in config.dtypes[1:]:
         cmp = comparisons[dtype]
-        # Reported, not required to match (generate.py's docstring says why); but the tokens are
-        # the model's: most of the first tokens, from prompts alone, must agree.
+        # Reported, not required to match (generate_paged.py's docstring says why); but the tokens
+        # are the model's: most of the first tokens, from prompts alone, must agree.
         assert 0 <= cmp["agreeing_tokens"] <= cmp["tokens"]
         first = runs[dtype]["paged"]["choices"]["tokens"][:, 0] == runs[dtype]["sdpa"]["choices"]["tokens"][:, 0]
         assert first.float().mean() >= 0.5, dtype

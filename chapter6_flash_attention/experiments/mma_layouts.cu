@@ -1,8 +1,8 @@
-// Checks the two warp-level products of csrc/mma.cuh (gemm_nt, gemm_rs) and the fragment
+// Checks the two warp-level products of csrc/attention/mma.cuh (gemm_nt, gemm_rs) and the fragment
 // layouts they rely on, one warp, against a CPU reference: the smallest program that can tell a
 // wrong ldmatrix address or fragment order from a wrong softmax or mask in the full kernels.
 //
-//   nvcc -std=c++17 -arch=sm_80 -I../../common/include -I.. -o /tmp/mma_layouts mma_layouts.cu
+//   nvcc -std=c++17 -arch=sm_80 -I../../common/include -I../csrc -o /tmp/mma_layouts mma_layouts.cu
 //   /tmp/mma_layouts          (prints the largest error of each product; exit 1 on a mismatch)
 //
 // 1. gemm_nt: C (16 x 64) = A B^T, A = 16 rows of a 16 x kK tile, B = 64 rows of a 64 x kK tile
@@ -10,7 +10,7 @@
 // 2. gemm_rs: D (16 x kK) = C' B, C' = the first product rounded to bfloat16 in registers
 //    (the C-to-A identity), B = the 64 x kK tile read transposed (the forward's O = P V).
 // Both over a padded and a swizzled tile layout, as the mma and pipelined rungs store them.
-#include "../csrc/mma.cuh"
+#include "attention/mma.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

@@ -36,9 +36,9 @@ CUDA rungs (head_dim 32, 64, 96, 128 or 256):
   atomics: the same bits on every run.
 
 version=None runs "split_kv" where it can (16-bit inputs on sm_80+; it splits only when the grid
-would leave SMs idle, and is "tuned" otherwise), else "tiled", and the
-"mma_dqpass" backward where it can, else "naive" (attention_ops.cpp says which measurements pick
-these). On the CPU every version name runs the reference.
+would leave SMs idle, and is "tuned" otherwise), else "tiled", and the "mma_dqpass" backward where
+it can, else "naive" (csrc/attention/attention_ops.cpp says which measurements pick these). On the
+CPU every version name runs the reference.
 """
 import math
 from pathlib import Path

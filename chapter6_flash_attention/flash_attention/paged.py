@@ -13,9 +13,10 @@ tokens (its own included).
 
 Checks that read tensor values (block ids, lengths, slots) are a device sync on CUDA; they run by
 default (check_tables=True, check_slots=True) so a bad table is a clear error, and a server that
-built and checked its tables on the host turns them off (paged_ops.cpp says more). The kernels
-never read or write outside the cache either way: a block id outside the cache adds no tokens, a
-context is clamped to what its table row covers, a slot outside the cache is skipped like -1.
+built and checked its tables on the host turns them off (csrc/serving/serving_ops.cpp says more).
+The kernels never read or write outside the cache either way: a block id outside the cache adds no
+tokens, a context is clamped to what its table row covers, a slot outside the cache is skipped like
+-1.
 """
 import math
 

@@ -14,10 +14,11 @@ Why the work is split the way it is:
   prefill, once per memory shortage), they chase pointers through a small tree, allocate and free
   nodes, split edges and keep LRU order: control flow and allocation, which a GPU does badly and
   which is easy to get right, and to read, in Python.
-- the lookup goes to the GPU (flash_attention's match_prefix op). Every scheduling step looks up
-  a whole batch of requests, each independently: the hot, batched, data-parallel part, and on
-  the device it needs no copy of the prompts back to the host. The tree is mirrored into flat
-  arrays (paged.h's RadixTreeView) once per change and reused by every lookup until the next.
+- the lookup goes to the GPU (flash_attention's match_prefix op). Every scheduling step looks up a
+  whole batch of requests, each independently: the hot, batched, data-parallel part, and on the
+  device it needs no copy of the prompts back to the host. The tree is mirrored into flat arrays
+  (csrc/serving/serving.h's RadixTreeView) once per change and reused by every lookup until the
+  next.
 
 Recency for eviction is what insert and lock record: a request that uses a matched prefix locks
 it for as long as its blocks are read, and that is the access that counts. The GPU lookup alone
@@ -159,7 +160,7 @@ class RadixCache:
 
     def _longest_prefix(self, tokens, limit):
         """(the deepest node the match reaches, the matched blocks' ids), at most `limit` blocks:
-        the block-by-block walk of paged.h's match_prefix, over the Python tree."""
+        the block-by-block walk of csrc/serving/serving.h's match_prefix, over the Python tree."""
         bs = self.block_size
         node = reached = self.root
         blocks = []
@@ -224,10 +225,11 @@ class RadixCache:
 
     # -- lookup ------------------------------------------------------------------------------
     def flat_tree(self, device="cpu"):
-        """The tree as paged.h's RadixTreeView arrays on `device`: (tokens, token_start,
-        span_blocks, block_start, block_ids, child_start, child_count, child_index). Built on the
-        host once per change to the tree and copied once per device; node 0 is the root, and
-        every node's children are sorted by their first block (by first token, then the rest)."""
+        """The tree as csrc/serving/serving.h's RadixTreeView arrays on `device`: (tokens,
+        token_start, span_blocks, block_start, block_ids, child_start, child_count, child_index).
+        Built on the host once per change to the tree and copied once per device; node 0 is the
+        root, and every node's children are sorted by their first block (by first token, then the
+        rest)."""
         device = _device(device)
         if device not in self._mirrors:
             cpu = torch.device("cpu")

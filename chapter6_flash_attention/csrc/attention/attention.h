@@ -27,6 +27,8 @@
 #pragma once
 
 #include <course/dtype.h>
+#include <course/index_math.h>
+#include <course/static_switch.h>
 
 #include <cstdint>
 
@@ -34,18 +36,16 @@ namespace flash_attention {
 
 using DType = ::course::DType;
 
-// Head dims the CUDA kernels are instantiated for (the tiled rung takes each as a template
-// parameter: its tile shapes and the registers a row of O takes depend on it; the naive rungs
-// would take any, but one list for the whole ladder keeps version= a pure speed choice). The one
-// list; the glue checks CUDA inputs against it. The CPU reference takes any head_dim >= 1.
-constexpr int kCudaHeadDims[] = {32, 64, 96, 128, 256};
-
-inline bool cuda_head_dim_supported(int64_t head_dim) {
-  for (int d : kCudaHeadDims) {
-    if (d == head_dim) return true;
-  }
-  return false;
-}
+// Head dims the CUDA kernels are instantiated for (the tiled and tensor-core rungs take each as a
+// template parameter: their tile shapes and the registers a row of O takes depend on it; the naive
+// rungs would take any, but one list for the whole ladder keeps version= a pure speed choice), and
+// the subset the tensor-core backward takes (its dK and dV rows live in registers: 256 would not
+// fit). The one place each list is written: the glue checks CUDA inputs against them, every
+// launcher's head-dim switch (course::with_listed) runs over them, and
+// generate_instantiations.py reads them to write one instantiation file per pass, dtype and head
+// dim. The CPU reference takes any head_dim >= 1.
+inline constexpr int kCudaHeadDims[] = {32, 64, 96, 128, 256};
+inline constexpr int kMmaBackwardHeadDims[] = {32, 64, 96, 128};
 
 // The log-sum-exp is kept in the accumulation type: float32, float64 for float64 inputs (as
 // chapter 4 keeps its norms' statistics). A (batch, heads, seqlen_q) contiguous tensor:
@@ -130,6 +130,20 @@ inline int64_t attention_backward_naive_workspace(const AttentionBackwardParams&
   return (p.batch * p.heads * p.seqlen_q * p.seqlen_k + p.batch * p.heads * p.seqlen_q) * acc_bytes(p.dtype);
 }
 
+// The grid of a grid-stride kernel (the tensor-core backward's D = rowsum(dO * O) and dQ
+// kernels): a block per `per_block` items while that keeps at most kGridStrideBlocksPerSm blocks
+// per SM of a GPU with `sms` multiprocessors, then that many, each looping over the rest; at least
+// one. Eight 256-thread blocks are 2048 threads, every thread slot of an sm_80 or sm_90 SM, so the
+// grid fills the GPU it runs on, whatever its SM count (the launcher asks the device,
+// course::sm_count). Plain C++ so that the CPU tests hold the rule with made-up SM counts (the
+// `grid_stride_blocks` op).
+inline constexpr int64_t kGridStrideBlocksPerSm = 8;
+inline int64_t grid_stride_blocks(int64_t work, int64_t per_block, int sms) {
+  const int64_t most = kGridStrideBlocksPerSm * (sms > 0 ? sms : 1);
+  const int64_t blocks = ::course::ceil_div(work, per_block);
+  return blocks < 1 ? 1 : (blocks < most ? blocks : most);
+}
+
 // The CPU reference (attention_cpu.cpp): float32 and float64.
 void attention_forward_cpu(const AttentionParams& params);
 void attention_backward_cpu(const AttentionBackwardParams& params);
@@ -154,10 +168,11 @@ cudaError_t launch_attention_forward_naive(const AttentionParams& params, void* 
 cudaError_t launch_attention_forward_tiled(const AttentionParams& params, cudaStream_t stream);
 cudaError_t launch_attention_backward_naive(const AttentionBackwardParams& params, void* workspace,
                                             cudaStream_t stream);
-//   forward "mma", "pipelined" and "tuned" (csrc/flash_fwd_*.cu): FlashAttention 2 on tensor
-//     cores, bfloat16 and float16 only, sm_80 and newer; every stride of q, k, v and o a multiple
-//     of 8 elements and every pointer 16-byte aligned (16-byte copies). The glue checks all of it.
-//     The rungs differ in their loads and tile shapes (csrc/flash_fwd.h), not in what they compute.
+//   forward "mma", "pipelined" and "tuned" (flash_fwd_dispatch.cu, instantiations/flash_fwd_*.cu):
+//     FlashAttention 2 on tensor cores, bfloat16 and float16 only, sm_80 and newer; every stride of
+//     q, k, v and o a multiple of 8 elements and every pointer 16-byte aligned (16-byte copies).
+//     The glue checks all of it. The rungs differ in their loads and tile shapes (flash_fwd.h), not
+//     in what they compute.
 enum class MmaForward { kMma, kPipelined, kTuned, kSplitKv };
 //     Rung "split_kv" (kSplitKv) cuts the keys into `splits` ranges (split-KV, below), with
 //     `workspace` holding attention_forward_split_workspace bytes; with splits <= 1 it runs "tuned".
@@ -166,25 +181,25 @@ cudaError_t launch_attention_forward_mma(const AttentionParams& params, MmaForwa
 // The dynamic shared memory one block of those kernels takes (0 for an unsupported head dim):
 // the glue compares it with what the GPU allows a block.
 int64_t attention_forward_mma_smem_bytes(int64_t head_dim, MmaForward rung);
-//   backward "mma" and "mma_dqpass" (csrc/flash_bwd_*.cu): FlashAttention 2's backward on tensor
-//     cores, the same dtypes, GPUs and strides as the forward's, head_dim 32-128
-//     (attention_backward_mma_head_dim). dq_atomic: dQ summed across key tiles with float32
-//     atomics ("mma"), else by a second, deterministic pass over the keys ("mma_dqpass").
-//     `workspace`: attention_backward_mma_workspace bytes, zeroed by the caller (dQ's float32
-//     sums when dq_atomic, then D = rowsum(dO * O)).
+//   backward "mma" and "mma_dqpass" (flash_bwd_dispatch.cu, instantiations/flash_bwd_*.cu):
+//     FlashAttention 2's backward on tensor cores, the same dtypes, GPUs and strides as the
+//     forward's, head_dim 32-128 (kMmaBackwardHeadDims). dq_atomic: dQ summed across key
+//     tiles with float32 atomics ("mma"), else by a second, deterministic pass over the keys
+//     ("mma_dqpass"). `workspace`: attention_backward_mma_workspace bytes, zeroed by the caller
+//     (dQ's float32 sums when dq_atomic, then D = rowsum(dO * O)).
 cudaError_t launch_attention_backward_mma(const AttentionBackwardParams& params, bool dq_atomic, void* workspace,
                                           cudaStream_t stream);
-bool attention_backward_mma_head_dim(int64_t head_dim);
 int64_t attention_backward_mma_smem_bytes(int64_t head_dim);
 // Split-KV (flash-decoding): when the grid of (batch, head, query tile) blocks cannot fill the
 // GPU, the keys are cut into `splits` ranges and each block does one range of one query tile.
 // Split s writes its rows' partial output o_s (normalised by its own sum) in float32 and its
 // lse_s (natural log; -inf: the range held no visible key, and o_s = 0); the combine merges
 //   lse = log sum_s exp(lse_s),   o = sum_s exp(lse_s - lse) o_s
-// the online softmax's rescaling done once, across splits instead of across key tiles. Used by
-// the forward's rung "split_kv" and by the paged decode's v3 (paged.h). Row r of the partials is
-// (b * heads + h) * seqlen + i and goes to out + b * out_batch_stride + h * out_head_stride +
-// i * out_seq_stride; the merged lse (if lse is not null) to lse[r].
+// the online softmax's rescaling done once, across splits instead of across key tiles. Used by the
+// forward's rung "split_kv" and by the paged decode's v3 (serving/serving.h). Row r of the partials
+// is (b * heads + h) * seqlen + i and goes to
+// out + b * out_batch_stride + h * out_head_stride + i * out_seq_stride; the merged lse (if lse is
+// not null) to lse[r].
 struct SplitCombineParams {
   DType dtype;  // of out: float16 or bfloat16
   const float* o_partial;    // [splits][rows][head_dim]

@@ -9,7 +9,7 @@
 // float64 (course::CpuAcc): float32 accumulation is what the GPU kernels will do, so the CPU
 // answer has the error profile a learner should expect from them, and float64 end to end keeps
 // gradcheck's finite differences meaningful.
-#include "attention.h"
+#include "attention/attention.h"
 
 #include <course/cpu_dtype.h>
 

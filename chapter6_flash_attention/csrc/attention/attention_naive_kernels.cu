@@ -20,7 +20,7 @@
 // Rows that see no key (attention.h) give O = 0, lse = -inf and no gradient.
 //
 // No torch headers: this file builds with a bare `nvcc -c`.
-#include "attention.h"
+#include "attention/attention.h"
 
 #include <course/cuda_utils.h>
 #include <course/numeric.cuh>

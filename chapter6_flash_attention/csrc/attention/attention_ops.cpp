@@ -1,13 +1,15 @@
-// Torch glue for attention: the `flash_attention` library's schemas, input checks, the
-// CPU/CUDA/Meta kernels, the autograd Function and registration with the dispatcher (chapter 5's
-// pattern: every piece declared to the dispatcher, so torch.compile traces forward and backward
-// without a graph break and torch.library.opcheck can test each piece against the others).
+// Torch glue for the training half (attention.h): the schemas of attention_forward and
+// attention_backward, their input checks, the CPU/CUDA/Meta kernels, the autograd Function and
+// registration with the dispatcher (chapter 5's pattern: every piece declared to the dispatcher,
+// so torch.compile traces forward and backward without a graph break and torch.library.opcheck
+// can test each piece against the others). The `flash_attention` library itself is defined in
+// flash_attention_ops.cpp; these ops join it with TORCH_LIBRARY_FRAGMENT.
 //
 // One implementation per op serves every backend and picks the backend from the (already
 // checked) device, so the checks cannot drift apart between backends. Inputs are passed by
 // strides, never copied: only the last dim must be contiguous.
-#include "attention.h"
-#include "paged.h"
+#include "attention/attention.h"
+#include "flash_attention_ops.h"
 
 #include <ATen/ATen.h>
 #include <course/checks.h>
@@ -23,6 +25,7 @@
 #endif
 
 #include <cmath>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -34,6 +37,8 @@ namespace {
 using at::Tensor;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
+using ::course::is_listed;
+using ::course::list_text;
 using ::course::OptVersion;
 using ::course::shape_of;
 
@@ -97,25 +102,13 @@ ForwardVersion default_forward([[maybe_unused]] const Tensor& q) {
 }
 BackwardVersion default_backward([[maybe_unused]] const Tensor& q) {
 #ifdef WITH_CUDA
-  if (q.is_cuda() && half_dtype(q) && attention_backward_mma_head_dim(q.size(3)) &&
+  if (q.is_cuda() && half_dtype(q) && is_listed(kMmaBackwardHeadDims, q.size(3)) &&
       device_attribute(q, cudaDevAttrComputeCapabilityMajor) >= 8) {
     // Deterministic as well, so torch.use_deterministic_algorithms(True) needs nothing else.
     return BackwardVersion::kMmaDqPass;
   }
 #endif
   return BackwardVersion::kNaive;
-}
-
-// Every course library has a `versions` op (coursekit.loader recognises a loaded library by
-// it; flash_attention.VERSIONS is tested against it).
-std::vector<std::string> versions(c10::string_view op) {
-  const std::string_view name = ::course::as_std(op);
-  if (name == kForward) return ::course::version_names(kForwardVersions);
-  if (name == kBackward) return ::course::version_names(kBackwardVersions);
-  std::vector<std::string> paged;
-  if (paged_versions(name, &paged)) return paged;
-  TORCH_CHECK(false, "versions: unknown op '", std::string(name),
-              "' (flash_attention has attention_forward, attention_backward and paged_attention)");
 }
 
 // The accumulation type, which the log-sum-exp is kept in (attention.h).
@@ -133,13 +126,6 @@ void check_dtype(const char* op, const char* name, const Tensor& t) {
   } else {
     ::course::check_floating(op, name, t);
   }
-}
-
-// "32, 64, ...", from attention.h's one list.
-std::string cuda_head_dims() {
-  std::string list;
-  for (int d : kCudaHeadDims) list += (list.empty() ? "" : ", ") + std::to_string(d);
-  return list;
 }
 
 // A (batch, heads, seqlen, head_dim) tensor of the kind every tensor argument is.
@@ -180,8 +166,8 @@ void check_qkv(const char* op, const Tensor& q, const Tensor& k, const Tensor& v
               "have ", std::to_string(heads_kv), "; the query heads must be a whole multiple of the kv heads ",
               "(grouped-query attention: each kv head serves heads / heads_kv query heads)");
   if (q.is_cuda()) {
-    TORCH_CHECK(cuda_head_dim_supported(q.size(3)), op, ": head_dim ", std::to_string(q.size(3)),
-                " is not supported on CUDA (supported: ", cuda_head_dims(), ")");
+    TORCH_CHECK(is_listed(kCudaHeadDims, q.size(3)), op, ": head_dim ", std::to_string(q.size(3)),
+                " is not supported on CUDA (supported: ", list_text(kCudaHeadDims), ")");
   }
 }
 
@@ -234,9 +220,9 @@ void check_tensor_core_rung(const char* op, const std::string& name, const Tenso
               "(mma.sync m16n8k16 in 16-bit types and cp.async); this GPU is ", std::to_string(major), ".",
               std::to_string(minor), ": use version='tiled'");
   if (backward) {
-    TORCH_CHECK(attention_backward_mma_head_dim(q.size(3)), op, ": version '", name, "' takes head_dim 32, 64, ",
-                "96 or 128 (its dK and dV rows live in registers); head_dim is ", std::to_string(q.size(3)),
-                ": use version='naive'");
+    TORCH_CHECK(is_listed(kMmaBackwardHeadDims, q.size(3)), op, ": version '", name, "' takes head_dim ",
+                list_text(kMmaBackwardHeadDims), " (its dK and dV rows live in registers); head_dim is ",
+                std::to_string(q.size(3)), ": use version='naive'");
   }
   const int64_t smem = backward ? attention_backward_mma_smem_bytes(q.size(3))
                                 : attention_forward_mma_smem_bytes(q.size(3), mma_rung(name));
@@ -437,26 +423,42 @@ std::tuple<Tensor, Tensor> attention_forward_autograd(const Tensor& q, const Ten
   return {out[0], out[1]};
 }
 
+// The grid rule of the tensor-core backward's grid-stride kernels (attention.h), as an op so that
+// the tests can hold it to made-up SM counts on any machine, a GPU's or not.
+int64_t grid_stride_blocks_op(int64_t work, int64_t per_block, int64_t sms) {
+  TORCH_CHECK(per_block >= 1 && sms >= 1, "grid_stride_blocks: per_block and sms must be >= 1 (got ",
+              std::to_string(per_block), " and ", std::to_string(sms), ")");
+  return grid_stride_blocks(work, per_block, static_cast<int>(sms));
+}
+
 void register_backend_kernels(torch::Library& m) {
   m.impl("attention_forward", &attention_forward_impl);
   m.impl("attention_backward", &attention_backward_impl);
 }
 
 }  // namespace
+
+// For the library's one `versions` op (flash_attention_ops.cpp).
+std::optional<std::vector<std::string>> attention_versions(std::string_view op) {
+  if (op == kForward) return ::course::version_names(kForwardVersions);
+  if (op == kBackward) return ::course::version_names(kBackwardVersions);
+  return std::nullopt;
+}
+
 }  // namespace flash_attention
 
 // pt2_compliant_tag: the ops promise what torch.compile relies on (schemas that tell the truth
 // about aliasing, Meta kernels, registered autograd); test_attention.py holds them to it with
 // torch.library.opcheck.
-TORCH_LIBRARY(flash_attention, m) {
+TORCH_LIBRARY_FRAGMENT(flash_attention, m) {
   const std::vector<at::Tag> pt2 = {at::Tag::pt2_compliant_tag};
-  m.def("versions(str op) -> str[]", &flash_attention::versions);
   m.def("attention_forward(Tensor q, Tensor k, Tensor v, float scale, bool causal=False, str? version=None)"
         " -> (Tensor out, Tensor lse)",
         pt2);
   m.def("attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float scale, "
         "bool causal=False, str? version=None) -> (Tensor dq, Tensor dk, Tensor dv)",
         pt2);
+  m.def("grid_stride_blocks(int work, int per_block, int sms) -> int", &flash_attention::grid_stride_blocks_op);
 }
 
 // CUDA is registered in every build: in a CPU-only build a CUDA tensor gets the checks and then

@@ -23,14 +23,14 @@
 // Shared memory holds A as well, converted once at the load, so the inner loops never convert.
 //
 // No torch headers: this file builds with a bare `nvcc -c`.
-#include "attention.h"
+#include "attention/attention.h"
 
 #include <course/cuda_utils.h>
 #include <course/numeric.cuh>
 #include <course/reduce.cuh>
+#include <course/static_switch.h>
 
 #include <climits>
-#include <utility>
 
 namespace flash_attention {
 namespace {
@@ -251,25 +251,16 @@ cudaError_t forward_tiled(const AttentionParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// Calls f(std::integral_constant<int, d>{}) for the runtime head dim, from attention.h's list.
-template <int I = 0, typename F>
-cudaError_t with_head_dim(int64_t head_dim, F&& f) {
-  constexpr int kCount = sizeof(kCudaHeadDims) / sizeof(kCudaHeadDims[0]);
-  if constexpr (I == kCount) {
-    return cudaErrorInvalidValue;  // the glue checked the list: unreachable from Python
-  } else {
-    if (head_dim == kCudaHeadDims[I]) return f(std::integral_constant<int, kCudaHeadDims[I]>{});
-    return with_head_dim<I + 1>(head_dim, std::forward<F>(f));
-  }
-}
-
 }  // namespace
 
 cudaError_t launch_attention_forward_tiled(const AttentionParams& p, cudaStream_t stream) {
   // No query rows: nothing to write (and grid size 0 is not a valid launch).
   if (p.batch * p.heads * p.seqlen_q == 0) return cudaSuccess;
   return course::with_dtype(p.dtype, [&](auto tag) {
-    return with_head_dim(p.head_dim, [&](auto d) { return forward_tiled<decltype(tag), decltype(d)::value>(p, stream); });
+    // The glue checked kCudaHeadDims: a head dim outside it reaches here only from C++.
+    return course::with_listed<kCudaHeadDims>(p.head_dim, cudaErrorInvalidValue, [&](auto d) {
+      return forward_tiled<decltype(tag), decltype(d)::value>(p, stream);
+    });
   });
 }
 

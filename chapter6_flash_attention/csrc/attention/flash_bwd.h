@@ -1,10 +1,10 @@
 // The tensor-core backward's tile shapes and entry points, without the kernel: what the dispatch
 // (flash_bwd_dispatch.cu) sees. CUDA-only (included by .cu files). run_flash_bwd is defined in
 // flash_bwd_kernel.cuh and explicitly instantiated once per dtype and head dim
-// (flash_bwd_<dtype>_hdim<d>.cu).
+// (instantiations/flash_bwd_<dtype>_hdim<d>.cu).
 #pragma once
 
-#include "../attention.h"
+#include "attention/attention.h"
 
 #include <cuda_runtime_api.h>
 

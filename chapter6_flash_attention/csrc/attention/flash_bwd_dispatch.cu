@@ -1,10 +1,12 @@
-// The tensor-core backward's three launches: D = rowsum(dO * O) per query row, the main kernel
-// (one of the instantiations in flash_bwd_<dtype>_hdim<d>.cu), and dQ from its float32 sums.
-#include "flash_bwd.h"
+// The tensor-core backward's three launches: D = rowsum(dO * O) per query row, the main kernel (one
+// of the instantiations in instantiations/flash_bwd_<dtype>_hdim<d>.cu), and dQ from its float32
+// sums.
+#include "attention/flash_bwd.h"
 
 #include <course/cuda_utils.h>
 #include <course/numeric.cuh>
 #include <course/reduce.cuh>
+#include <course/static_switch.h>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -15,13 +17,6 @@ namespace flash_attention {
 namespace {
 
 constexpr int kThreads = 256;
-// Enough blocks of grid-stride work to fill an H100 (132 SMs) several times over.
-constexpr int64_t kMaxBlocks = 132 * 8;
-
-unsigned blocks_for(int64_t work, int64_t per_block) {
-  const int64_t blocks = course::ceil_div(work, per_block);
-  return static_cast<unsigned>(blocks < 1 ? 1 : (blocks < kMaxBlocks ? blocks : kMaxBlocks));
-}
 
 // D[(b * heads + h) * seqlen_q + i] = sum over d of dO * O in float32, one warp per row (the
 // lanes take every 32nd element of the row, then a warp sum): the dS = P (dP - D) term, read
@@ -71,37 +66,30 @@ cudaError_t launch(const AttentionBackwardParams& g, bool dq_atomic, void* works
   float* dq_accum = dq_atomic ? static_cast<float*>(workspace) : nullptr;
   float* d_rows = static_cast<float*>(workspace) + (dq_atomic ? p.batch * p.heads * p.seqlen_q * p.head_dim : 0);
   const int64_t rows = p.batch * p.heads * p.seqlen_q;
+  // The two grid-stride kernels' grids come from this GPU's SM count (attention.h).
+  int sms = 0;
+  COURSE_CUDA_TRY(course::sm_count(&sms));
   if (rows > 0) {
-    bwd_row_dot_kernel<T><<<blocks_for(rows, kThreads / 32), kThreads, 0, stream>>>(g, d_rows);
+    const int64_t blocks = grid_stride_blocks(rows, kThreads / 32, sms);
+    bwd_row_dot_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(g, d_rows);
     COURSE_CUDA_TRY(cudaGetLastError());
   }
-  switch (p.head_dim) {
-    case 32: COURSE_CUDA_TRY((run_flash_bwd<T, 32>(g, dq_accum, d_rows, stream))); break;
-    case 64: COURSE_CUDA_TRY((run_flash_bwd<T, 64>(g, dq_accum, d_rows, stream))); break;
-    case 96: COURSE_CUDA_TRY((run_flash_bwd<T, 96>(g, dq_accum, d_rows, stream))); break;
-    case 128: COURSE_CUDA_TRY((run_flash_bwd<T, 128>(g, dq_accum, d_rows, stream))); break;
-    default: return cudaErrorInvalidValue;  // the glue checks attention_backward_mma_head_dim first
-  }
+  // The glue checks kMmaBackwardHeadDims first: the fallback answers a call from C++ alone.
+  COURSE_CUDA_TRY(course::with_listed<kMmaBackwardHeadDims>(p.head_dim, cudaErrorInvalidValue, [&](auto d) {
+    return run_flash_bwd<T, decltype(d)::value>(g, dq_accum, d_rows, stream);
+  }));
   if (dq_atomic && rows > 0) {
-    bwd_dq_kernel<T><<<blocks_for(rows * p.head_dim, kThreads * 4), kThreads, 0, stream>>>(g, dq_accum);
+    const int64_t blocks = grid_stride_blocks(rows * p.head_dim, kThreads * 4, sms);
+    bwd_dq_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(g, dq_accum);
   }
   return cudaGetLastError();
 }
 
 }  // namespace
 
-bool attention_backward_mma_head_dim(int64_t head_dim) {
-  return head_dim == 32 || head_dim == 64 || head_dim == 96 || head_dim == 128;
-}
-
 int64_t attention_backward_mma_smem_bytes(int64_t head_dim) {
-  switch (head_dim) {
-    case 32: return BwdTraits<32>::kSmemBytes;
-    case 64: return BwdTraits<64>::kSmemBytes;
-    case 96: return BwdTraits<96>::kSmemBytes;
-    case 128: return BwdTraits<128>::kSmemBytes;
-    default: return 0;
-  }
+  return course::with_listed<kMmaBackwardHeadDims>(
+      head_dim, int64_t{0}, [](auto d) -> int64_t { return BwdTraits<decltype(d)::value>::kSmemBytes; });
 }
 
 cudaError_t launch_attention_backward_mma(const AttentionBackwardParams& g, bool dq_atomic, void* workspace,

@@ -1,5 +1,5 @@
-// Chapter 6, backward rung 2: "mma", FlashAttention 2's backward on tensor cores. Included only
-// by the instantiation files flash_bwd_<dtype>_hdim<d>.cu.
+// Chapter 6, backward rung 2: "mma", FlashAttention 2's backward on tensor cores. Included only by
+// the instantiation files instantiations/flash_bwd_<dtype>_hdim<d>.cu.
 //
 // The derivation (attention.h): with P = exp(S - lse) recomputed from the forward's lse and
 // D = rowsum(dO * O) (flash_bwd_dispatch.cu's preprocess kernel),
@@ -26,10 +26,10 @@
 // No torch headers: this file builds with a bare `nvcc -c`.
 #pragma once
 
-#include "../attention.h"
-#include "flash_bwd.h"
-#include "flash_tiles.cuh"
-#include "mma.cuh"
+#include "attention/attention.h"
+#include "attention/flash_bwd.h"
+#include "attention/flash_tiles.cuh"
+#include "attention/mma.cuh"
 
 #include <course/cuda_utils.h>
 

@@ -1,11 +1,11 @@
 // The tensor-core forward's tile shapes and entry points, without the kernel: what the dispatch
 // (flash_fwd_dispatch.cu) sees. CUDA-only (included by .cu files). run_flash_fwd is defined in
-// flash_fwd_kernel.cuh and explicitly
-// instantiated once per dtype and head dim (flash_fwd_<dtype>_hdim<d>.cu), so no file but those
-// compiles a kernel, and they compile in parallel.
+// flash_fwd_kernel.cuh and explicitly instantiated once per dtype and head dim
+// (instantiations/flash_fwd_<dtype>_hdim<d>.cu), so no file but those compiles a kernel, and they
+// compile in parallel.
 #pragma once
 
-#include "../attention.h"
+#include "attention/attention.h"
 
 #include <cuda_runtime_api.h>
 

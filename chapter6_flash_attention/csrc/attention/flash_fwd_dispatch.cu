@@ -1,8 +1,9 @@
 // The tensor-core forward's dispatch: the runtime dtype and head dim become the template
-// arguments of one of the instantiations in flash_fwd_<dtype>_hdim<d>.cu.
-#include "flash_fwd.h"
+// arguments of one of the instantiations in instantiations/flash_fwd_<dtype>_hdim<d>.cu.
+#include "attention/flash_fwd.h"
 
 #include <course/cuda_utils.h>
+#include <course/static_switch.h>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -13,16 +14,13 @@
 namespace flash_attention {
 namespace {
 
+// The glue checks kCudaHeadDims (and sends float32 and float64 to the scalar rungs) first: the
+// fallbacks below answer only a launcher called from C++ with what nobody compiled.
 template <typename T, MmaForward kRung>
 cudaError_t with_head_dim(const AttentionParams& p, const FwdSplit& split, cudaStream_t stream) {
-  switch (p.head_dim) {
-    case 32: return run_flash_fwd<T, 32, kRung>(p, split, stream);
-    case 64: return run_flash_fwd<T, 64, kRung>(p, split, stream);
-    case 96: return run_flash_fwd<T, 96, kRung>(p, split, stream);
-    case 128: return run_flash_fwd<T, 128, kRung>(p, split, stream);
-    case 256: return run_flash_fwd<T, 256, kRung>(p, split, stream);
-    default: return cudaErrorInvalidValue;  // the glue checks kCudaHeadDims first
-  }
+  return course::with_listed<kCudaHeadDims>(p.head_dim, cudaErrorInvalidValue, [&](auto d) {
+    return run_flash_fwd<T, decltype(d)::value, kRung>(p, split, stream);
+  });
 }
 
 template <MmaForward kRung>
@@ -30,7 +28,7 @@ cudaError_t with_dtype(const AttentionParams& p, const FwdSplit& split, cudaStre
   switch (p.dtype) {
     case DType::kBFloat16: return with_head_dim<__nv_bfloat16, kRung>(p, split, stream);
     case DType::kFloat16: return with_head_dim<__half, kRung>(p, split, stream);
-    default: return cudaErrorInvalidValue;  // the glue sends float32 and float64 to the scalar rungs
+    default: return cudaErrorInvalidValue;
   }
 }
 
@@ -59,14 +57,8 @@ SplitTiles split_tiles() {
 }  // namespace
 
 int64_t attention_forward_mma_smem_bytes(int64_t head_dim, MmaForward rung) {
-  switch (head_dim) {
-    case 32: return smem_bytes<32>(rung);
-    case 64: return smem_bytes<64>(rung);
-    case 96: return smem_bytes<96>(rung);
-    case 128: return smem_bytes<128>(rung);
-    case 256: return smem_bytes<256>(rung);
-    default: return 0;
-  }
+  return course::with_listed<kCudaHeadDims>(head_dim, int64_t{0},
+                                            [&](auto d) { return smem_bytes<decltype(d)::value>(rung); });
 }
 
 // How many key ranges make the grid fill the GPU (FlashAttention 2 decides the same way, in its
@@ -77,15 +69,9 @@ int64_t attention_forward_mma_smem_bytes(int64_t head_dim, MmaForward rung) {
 // splits within 15% of the best fraction win: each split costs its partials' float32 writes and a
 // share of the combine. Keys too few for two tiles per split are not split either.
 int64_t attention_forward_splits(const AttentionParams& p, int sms) {
-  SplitTiles tiles{};
-  switch (p.head_dim) {
-    case 32: tiles = split_tiles<32>(); break;
-    case 64: tiles = split_tiles<64>(); break;
-    case 96: tiles = split_tiles<96>(); break;
-    case 128: tiles = split_tiles<128>(); break;
-    case 256: tiles = split_tiles<256>(); break;
-    default: return 1;
-  }
+  const SplitTiles tiles = course::with_listed<kCudaHeadDims>(
+      p.head_dim, SplitTiles{}, [](auto d) { return split_tiles<decltype(d)::value>(); });
+  if (tiles.tuned_rows == 0) return 1;  // a head dim nobody compiled: nothing to split
   const int64_t slots = 2 * static_cast<int64_t>(sms);
   const int64_t tuned_blocks = p.batch * p.heads * course::ceil_div(p.seqlen_q, tiles.tuned_rows);
   if (tuned_blocks == 0 || 5 * tuned_blocks >= 4 * slots) return 1;

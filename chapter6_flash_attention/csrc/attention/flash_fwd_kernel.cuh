@@ -1,7 +1,7 @@
-// Chapter 6, forward rungs 3 and 4: FlashAttention 2 on tensor cores (mma.sync m16n8k16,
-// bfloat16 or float16 in, float32 accumulate). Included only by the instantiation files
-// flash_fwd_<dtype>_hdim<d>.cu, one per dtype and head dim, so that the build compiles them in
-// parallel and a change of one head dim's tiles rebuilds one file.
+// Chapter 6, forward rungs 3 and 4: FlashAttention 2 on tensor cores (mma.sync m16n8k16, bfloat16
+// or float16 in, float32 accumulate). Included only by the instantiation files
+// instantiations/flash_fwd_<dtype>_hdim<d>.cu, one per dtype and head dim, so that the build
+// compiles them in parallel and a change of one head dim's tiles rebuilds one file.
 //
 // What changes from rung 2 ("tiled", attention_tiled_kernels.cu):
 //   - the FlashAttention 2 work split: a block owns kBlockM query rows, and each of its warps
@@ -50,10 +50,10 @@
 // No torch headers: this file builds with a bare `nvcc -c`.
 #pragma once
 
-#include "../attention.h"
-#include "flash_fwd.h"
-#include "flash_tiles.cuh"
-#include "mma.cuh"
+#include "attention/attention.h"
+#include "attention/flash_fwd.h"
+#include "attention/flash_tiles.cuh"
+#include "attention/mma.cuh"
 
 #include <course/cuda_utils.h>
 

@@ -3,7 +3,7 @@
 // chunks per row, its layout (K::offset: padded or swizzled) and whether copies are cp.async.
 #pragma once
 
-#include "mma.cuh"
+#include "attention/mma.cuh"
 
 #include <cstdint>
 

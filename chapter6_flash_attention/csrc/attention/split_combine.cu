@@ -18,7 +18,7 @@
 // fills the GPU (attention_forward_splits, paged_attention_splits).
 //
 // No torch headers: this file builds with a bare `nvcc -c`.
-#include "../attention.h"
+#include "attention/attention.h"
 
 #include <course/cuda_utils.h>
 #include <course/dtype.h>

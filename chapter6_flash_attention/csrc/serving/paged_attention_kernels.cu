@@ -1,4 +1,4 @@
-// Chapter 6, serving half: decode attention over the paged KV cache (paged.h), the ladder
+// Chapter 6, serving half: decode attention over the paged KV cache (serving.h), the ladder
 // per_head (v1) -> per_kv_head (v2) -> split_kv (v3).
 //
 // Napkin math. A decode step has one query token per sequence and reads every cached K and V
@@ -45,7 +45,7 @@
 //   for Llama-style 8 kv heads: v2 streams at 5% of copy). The context is cut into `splits` ranges
 //   of whole cache blocks (paged_attention_splits says how many); each block does one range and
 //   writes float32 partials (normalized by its own sum) and their lse to the workspace, which
-//   launch_split_combine (csrc/split_combine.cu) merges. The partials cost splits * rows *
+//   launch_split_combine (attention/split_combine.cu) merges. The partials cost splits * rows *
 //   (head_dim + 1) * 4 bytes, next to nothing against the K/V they summarize.
 //
 // Group sizes: the kernel is instantiated for kGroup = 1, 2, 4 and 8. Any group = heads / heads_kv
@@ -56,35 +56,35 @@
 //
 // block_size is a runtime value: it enters only the address of a tile's first row, and a tile
 // never crosses a cache block as long as kTileTokens (2 to 16) divides it, which holds for
-// paged.h's 16 and 32. A template parameter would double the instantiations for nothing.
+// serving.h's 16 and 32. A template parameter would double the instantiations for nothing.
 //
-// Memory safety whatever the inputs (paged.h): a sequence sees paged_context(...) tokens, so its
+// Memory safety whatever the inputs (serving.h): a sequence sees paged_context(...) tokens, so its
 // table row is read only below max_blocks; a tile whose block id lies outside [0, num_blocks) is
 // skipped without a copy (its tokens add nothing), and rows past the context are never read.
 // q and out are read and written element by element (q may be any strided, misaligned view);
 // the cache is read in 16-byte vectors, so the launcher refuses caches that are not 16-byte
-// aligned (cudaErrorInvalidValue; paged_ops.cpp checks it first, by name).
+// aligned (cudaErrorInvalidValue; serving_ops.cpp checks it first, by name).
 //
 // Everything accumulates in float32 (float64 for float64 inputs) and rounds once, at the store.
 // cp.async only on sm_80 and newer; sm_75 copies into the same slots with a load and a store, and
 // converts bf16 with cuda_bf16.h, so the file compiles for sm_75 as it does for sm_80 and sm_90.
 //
 // No torch headers: this file builds with a bare `nvcc -c`.
-#include "../attention.h"
-#include "../paged.h"
-#include "mma.cuh"
+#include "attention/attention.h"
+#include "attention/mma.cuh"
+#include "serving/serving.h"
 
 #include <course/cuda_utils.h>
 #include <course/dtype.h>
 #include <course/numeric.cuh>
 #include <course/reduce.cuh>
+#include <course/static_switch.h>
 
 #include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
-#include <utility>
 
 namespace flash_attention {
 namespace {
@@ -370,7 +370,7 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeShape<T, D, kGroup>::kMi
     // is an asm statement without a memory clobber, and the reads of tile t's slots below must
     // not be hoisted above it.
     __syncwarp();
-    // A block id outside the cache: its tokens are absent (paged.h), and nothing was copied.
+    // A block id outside the cache: its tokens are absent (serving.h), and nothing was copied.
     if (in_cache(id)) {
       const int stage = n % 2;
       const int64_t first_token = token_begin + static_cast<int64_t>(t) * kTile;
@@ -540,7 +540,7 @@ template <typename T, int D, int kGroup>
 cudaError_t run_paged_attention(const PagedAttentionParams& p, int group, int splits, float* workspace,
                                 cudaStream_t stream) {
   using S = DecodeShape<T, D, kGroup>;
-  // A tile of kTileTokens must not cross a cache block (paged.h's sizes 16 and 32 are fine).
+  // A tile of kTileTokens must not cross a cache block (serving.h's sizes 16 and 32 are fine).
   if (p.cache.block_size % S::kTileTokens != 0) return cudaErrorInvalidValue;
   DecodeLaunch launch{};
   launch.group = group;
@@ -554,18 +554,6 @@ cudaError_t run_paged_attention(const PagedAttentionParams& p, int group, int sp
   if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
   paged_attention_kernel<T, D, kGroup><<<static_cast<unsigned>(blocks), kDecodeThreads, 0, stream>>>(p, launch);
   return cudaGetLastError();
-}
-
-// Calls f(std::integral_constant<int, d>{}) for the runtime head dim, from paged.h's list.
-template <int I = 0, typename F>
-cudaError_t with_head_dim(int64_t head_dim, F&& f) {
-  constexpr int kCount = sizeof(kPagedHeadDims) / sizeof(kPagedHeadDims[0]);
-  if constexpr (I == kCount) {
-    return cudaErrorInvalidValue;  // the glue checks the list first
-  } else {
-    if (head_dim == kPagedHeadDims[I]) return f(std::integral_constant<int, kPagedHeadDims[I]>{});
-    return with_head_dim<I + 1>(head_dim, std::forward<F>(f));
-  }
 }
 
 template <typename T, int D>
@@ -633,7 +621,8 @@ cudaError_t launch_paged_attention(const PagedAttentionParams& p, PagedVersion v
 
   COURSE_CUDA_TRY(course::with_dtype(cache.dtype, [&](auto tag) {
     using T = decltype(tag);
-    return with_head_dim(cache.head_dim, [&](auto d) {
+    // The glue checked kPagedHeadDims: a head dim outside it reaches here only from C++.
+    return course::with_listed<kPagedHeadDims>(cache.head_dim, cudaErrorInvalidValue, [&](auto d) {
       return with_group_tile<T, decltype(d)::value>(p, tile, static_cast<int>(group), used_splits, partials, stream);
     });
   }));

@@ -1,5 +1,5 @@
 // Chapter 6, serving half: writing the paged KV cache (reshape_and_cache) and copying its blocks
-// (copy_blocks), paged.h's layout: key_cache and value_cache (num_blocks, block_size, heads_kv,
+// (copy_blocks), serving.h's layout: key_cache and value_cache (num_blocks, block_size, heads_kv,
 // head_dim), contiguous.
 //
 // Both are copies, so they move bytes, not values: one kernel per word size serves all four
@@ -13,15 +13,15 @@
 // The word: 16 bytes where every address allows it, else the widest power of two that divides
 // every pointer, stride and row length in bytes (8, 4, down to the element size). The cache is
 // contiguous and usually 16-byte aligned; the new key and value of reshape_and_cache are any view
-// with a contiguous last dim (a slice of a fused QKV projection, one element off), which paged.h
+// with a contiguous last dim (a slice of a fused QKV projection, one element off), which serving.h
 // does not promise to align, so the launcher looks at the actual addresses and picks the word.
 //
-// Memory safety whatever the inputs (paged.h): a slot outside [0, num_blocks * block_size) is
+// Memory safety whatever the inputs (serving.h): a slot outside [0, num_blocks * block_size) is
 // skipped like the padding slot -1, and a copy whose source or destination lies outside the cache
 // is skipped; neither reads nor writes anything.
 //
 // No torch headers: this file builds with a bare `nvcc -c`.
-#include "../paged.h"
+#include "serving/serving.h"
 
 #include <course/cuda_utils.h>
 #include <course/dtype.h>
@@ -134,7 +134,7 @@ __global__ void __launch_bounds__(kCopyThreads) copy_blocks_kernel(const CopyBlo
   const int64_t chunk = blockIdx.x % chunks;
   const int64_t src = p.block_mapping[2 * pair];
   const int64_t dst = p.block_mapping[2 * pair + 1];
-  // An id outside the cache skips the pair (paged.h); src == dst has nothing to copy.
+  // An id outside the cache skips the pair (serving.h); src == dst has nothing to copy.
   if (src < 0 || src >= p.cache.num_blocks || dst < 0 || dst >= p.cache.num_blocks || src == dst) return;
   const Word* key_src = static_cast<const Word*>(p.key_cache) + src * block_words;
   const Word* value_src = static_cast<const Word*>(p.value_cache) + src * block_words;

@@ -1,4 +1,4 @@
-// Chapter 6, serving half: the radix-tree prefix lookup on the GPU (paged.h's match_prefix over
+// Chapter 6, serving half: the radix-tree prefix lookup on the GPU (serving.h's match_prefix over
 // the flat RadixTreeView that flash_attention/radix.py mirrors its trie into).
 //
 // Every scheduling step of a server looks up the prompts of the requests it admits, to reuse the
@@ -12,7 +12,7 @@
 // request's next token, then tries the run of children that share it, block against block (two
 // children may share a first token and differ later in their first block). The matching child's
 // edge is then followed block by block; a block that differs ends the match inside the edge (the
-// tree shares only whole blocks: paged.h). All lanes take the same branches: every value they
+// tree shares only whole blocks: serving.h). All lanes take the same branches: every value they
 // branch on is loaded by all of them from the same address.
 //
 // The napkin math is latency, not bandwidth: a lookup is a chain of dependent loads (child list,
@@ -27,7 +27,7 @@
 // consumes a block of the request, and there are at most max_match_blocks steps.
 //
 // No torch headers: this file builds with a bare `nvcc -c`.
-#include "../paged.h"
+#include "serving/serving.h"
 
 #include <course/cuda_utils.h>
 

@@ -1,6 +1,6 @@
 // Plain C++ interface of chapter 6's serving half: the paged KV cache, decode attention over it,
-// and the radix-tree prefix lookup. Between the glue (paged_ops.cpp), the CPU reference
-// (paged_cpu.cpp) and the CUDA kernels (csrc/paged_*.cu), as attention.h is for the training
+// and the radix-tree prefix lookup. Between the glue (serving_ops.cpp), the CPU reference
+// (serving_cpu.cpp) and the CUDA kernels (paged_*.cu), as attention/attention.h is for the training
 // half: no torch, no CUDA types in the declarations every side compiles.
 //
 // The KV cache (vLLM's PagedAttention): key_cache and value_cache are each
@@ -22,30 +22,23 @@
 // max_blocks * block_size tokens of a sequence whatever context_lens says; a slot outside the
 // cache is skipped like the padding slot -1. The glue raises a clear error for those inputs
 // first, on the host where that costs nothing (shapes, dtypes) and, for the values in device
-// tensors, only when asked to (reading them back is a device sync; paged_ops.cpp says more).
+// tensors, only when asked to (reading them back is a device sync; serving_ops.cpp says more).
 #pragma once
 
 #include <course/dtype.h>
 
 #include <cstdint>
-#include <string>
-#include <string_view>
-#include <vector>
 
 namespace flash_attention {
 
-// attention.h's alias too (a repeated alias of the same type is allowed): this header is
+// attention/attention.h's alias too (a repeated alias of the same type is allowed): this header is
 // complete on its own, whichever of the two a file includes first.
 using DType = ::course::DType;
 
-// The paged ops' version ladders by op name (paged_ops.cpp), for the library's one `versions` op
-// (attention_ops.cpp): false when `op` is none of them.
-bool paged_versions(std::string_view op, std::vector<std::string>* names);
-
 // Block sizes the CUDA kernels are instantiated for (the CPU reference takes any >= 1).
-constexpr int kPagedBlockSizes[] = {16, 32};
+inline constexpr int kPagedBlockSizes[] = {16, 32};
 // Head dims of the decode kernels (the CPU reference takes any >= 1).
-constexpr int kPagedHeadDims[] = {64, 128};
+inline constexpr int kPagedHeadDims[] = {64, 128};
 
 struct KVCacheLayout {
   DType dtype;
@@ -161,7 +154,7 @@ struct MatchPrefixParams {
 // the CUDA-only section: the glue's version table names the rungs in CPU-only builds too.
 enum class PagedVersion { kPerHead, kPerKvHead, kSplitKv };
 
-// The CPU reference (paged_cpu.cpp): every function in float32 and float64 where it touches
+// The CPU reference (serving_cpu.cpp): every function in float32 and float64 where it touches
 // values, and the 16-bit types as well for the cache writes and copies (bytes, not arithmetic).
 void reshape_and_cache_cpu(const ReshapeAndCacheParams& params);
 void copy_blocks_cpu(const CopyBlocksParams& params);
@@ -173,7 +166,7 @@ void match_prefix_cpu(const MatchPrefixParams& params);
 #if defined(__CUDACC__) || defined(WITH_CUDA)
 #include <cuda_runtime_api.h>
 namespace flash_attention {
-// The CUDA side (csrc/paged_*.cu). Each launcher runs on `stream`, returns the first launch
+// The CUDA side (paged_*.cu). Each launcher runs on `stream`, returns the first launch
 // error, never synchronizes or allocates.
 cudaError_t launch_reshape_and_cache(const ReshapeAndCacheParams& params, cudaStream_t stream);
 cudaError_t launch_copy_blocks(const CopyBlocksParams& params, cudaStream_t stream);

@@ -1,17 +1,17 @@
-// The CPU reference of the serving half (paged.h): the cache writes and copies, decode attention
+// The CPU reference of the serving half (serving.h): the cache writes and copies, decode attention
 // over the paged cache, and the radix-tree prefix lookup, in the plainest C++ that computes them,
-// on the same params as the CUDA launchers. Like attention_cpu.cpp it favours being obviously
-// right over being fast: serial, one sequence and head at a time, a two-pass softmax.
+// on the same params as the CUDA launchers. Like attention/attention_cpu.cpp it favours being
+// obviously right over being fast: serial, one sequence and head at a time, a two-pass softmax.
 //
-// It follows paged.h's memory-safety rules to the letter, because it is also what the kernels'
+// It follows serving.h's memory-safety rules to the letter, because it is also what the kernels'
 // behaviour on unchecked inputs is tested against: a block id outside [0, num_blocks) adds no
 // tokens, a context is clamped by paged_context, a slot outside the cache is skipped as -1 is, a
 // copy naming a block outside the cache is skipped.
 //
-// Torch-free (only header-only types from course/cpu_dtype.h), as attention_cpu.cpp. The cache
-// writes and copies move bytes, so they serve every dtype without a template; attention computes
-// in the input's own type (course::CpuAcc), the error profile of the float32 kernels.
-#include "paged.h"
+// Torch-free (only header-only types from course/cpu_dtype.h), as attention/attention_cpu.cpp. The
+// cache writes and copies move bytes, so they serve every dtype without a template; attention
+// computes in the input's own type (course::CpuAcc), the error profile of the float32 kernels.
+#include "serving/serving.h"
 
 #include <course/cpu_dtype.h>
 
@@ -55,7 +55,7 @@ A dot(const T* a, const T* b, int64_t n) {
 }
 
 // Sequence b's visible tokens as slots (block * block_size + row), in order: the tokens of blocks
-// outside the cache are left out, so they add nothing to the softmax (paged.h).
+// outside the cache are left out, so they add nothing to the softmax (serving.h).
 void visible_slots(const PagedAttentionParams& p, int64_t b, std::vector<int64_t>* slots) {
   const KVCacheLayout& cache = p.cache;
   const int32_t* table = p.block_tables + b * p.block_table_stride;

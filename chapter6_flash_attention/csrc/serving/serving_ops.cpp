@@ -1,8 +1,8 @@
-// Torch glue for the serving half (paged.h): the schemas of reshape_and_cache, copy_blocks,
+// Torch glue for the serving half (serving.h): the schemas of reshape_and_cache, copy_blocks,
 // paged_attention and match_prefix, their checks, and one implementation per op that serves the
 // CPU, CUDA and Meta keys and picks the backend from the (already checked) device, as
-// attention_ops.cpp does for training. The `flash_attention` library is defined there; these ops
-// join it with TORCH_LIBRARY_FRAGMENT.
+// attention/attention_ops.cpp does for training. The `flash_attention` library is defined in
+// flash_attention_ops.cpp; these ops join it with TORCH_LIBRARY_FRAGMENT.
 //
 // Two kinds of checks:
 // - what the host knows for free (ranks, shapes, dtypes, devices, strides): always;
@@ -11,7 +11,7 @@
 //   (a sync per call, and illegal while a CUDA graph is being captured). paged_attention and
 //   reshape_and_cache make them when check_tables / check_slots is true, the default, so that a
 //   learner's bad table is a clear error and not a silently wrong answer. The kernels are
-//   memory-safe without them (paged.h), so a server passes false: its scheduler built the tables
+//   memory-safe without them (serving.h), so a server passes false: its scheduler built the tables
 //   and slot mappings on the host, from its own block allocator, and checked them there before
 //   the one copy to the GPU; vLLM and SGLang read nothing back for this reason. On the CPU the
 //   checks read host memory and cost next to nothing.
@@ -20,11 +20,13 @@
 //   enough that a learner's checked call costs little, and a server's unchecked one can sit in a
 //   CUDA graph. match_prefix checks its tree and lengths on the CPU; on CUDA see
 //   match_prefix_impl.
-#include "paged.h"
+#include "flash_attention_ops.h"
+#include "serving/serving.h"
 
 #include <ATen/ATen.h>
 #include <course/checks.h>
 #include <course/on_cuda.h>
+#include <course/static_switch.h>
 #include <course/versions.h>
 #include <torch/library.h>
 
@@ -46,6 +48,8 @@ namespace flash_attention {
 namespace {
 
 using at::Tensor;
+using ::course::is_listed;
+using ::course::list_text;
 using ::course::OptVersion;
 using ::course::shape_of;
 
@@ -55,7 +59,7 @@ constexpr const char* kCopyBlocks = "copy_blocks";
 constexpr const char* kPagedAttention = "paged_attention";
 constexpr const char* kMatchPrefix = "match_prefix";
 
-// The decode ladder (paged.h). The CPU reference is not a rung: it runs whatever version= names,
+// The decode ladder (serving.h). The CPU reference is not a rung: it runs whatever version= names,
 // and the names are parsed on every device, so a typo fails on the CPU as it would on CUDA.
 constexpr ::course::NamedVersion<PagedVersion> kPagedVersions[] = {{"per_head", PagedVersion::kPerHead},
                                                                   {"per_kv_head", PagedVersion::kPerKvHead},
@@ -65,22 +69,6 @@ constexpr ::course::NamedVersion<PagedVersion> kPagedVersions[] = {{"per_head", 
 std::string str(const c10::SymInt& v) {
   const auto known = v.maybe_as_int();
   return known ? std::to_string(*known) : std::string("?");
-}
-
-// "16, 32", from one of paged.h's lists.
-template <size_t N>
-std::string listed(const int (&values)[N]) {
-  std::string list;
-  for (int v : values) list += (list.empty() ? "" : ", ") + std::to_string(v);
-  return list;
-}
-
-template <size_t N>
-bool is_listed(const int (&values)[N], int64_t value) {
-  for (int v : values) {
-    if (v == value) return true;
-  }
-  return false;
 }
 
 // Every tensor argument: defined, on a device the ops serve, of rank `rank` (named by `dims`).
@@ -113,7 +101,7 @@ Tensor rows_contiguous(const Tensor& t) { return t.size(-1) <= 1 || t.stride(-1)
 
 // key_cache and value_cache: one (num_blocks, block_size, heads_kv, head_dim) layout, any of the
 // four floating dtypes. Contiguous, because the kernels compute every address from a block id
-// (paged.h), and refused rather than copied, because two of the ops write the cache in place.
+// (serving.h), and refused rather than copied, because two of the ops write the cache in place.
 void check_caches(const char* op, const Tensor& key_cache, const Tensor& value_cache) {
   constexpr const char* dims = "(num_blocks, block_size, heads_kv, head_dim)";
   check_rank(op, "key_cache", key_cache, 4, dims);
@@ -206,7 +194,7 @@ void check_slot_values(const char* op, const Tensor& slots, int64_t num_slots) {
 }
 
 // Every pair names blocks of the cache, no destination appears twice, and none is also a source:
-// then the copies are independent and their order cannot matter (paged.h).
+// then the copies are independent and their order cannot matter (serving.h).
 void check_mapping_values(const char* op, const Tensor& mapping, int64_t num_blocks) {
   const Tensor src = mapping.select(1, 0);
   const Tensor dst = mapping.select(1, 1);
@@ -321,7 +309,7 @@ void paged_attention_cuda(std::optional<PagedVersion> named, const PagedAttentio
   const int64_t used_splits = version == PagedVersion::kSplitKv ? splits : 1;
   // The partials come from torch's caching allocator, never from the launcher: stream-ordered,
   // freed at the end of this scope once the stream has passed it, and from the graph's pool
-  // inside a CUDA graph capture (attention_ops.cpp's workspaces likewise).
+  // inside a CUDA graph capture (attention/attention_ops.cpp's workspaces likewise).
   const Tensor partials = at::empty({paged_attention_workspace(p, used_splits)}, query.options().dtype(at::kByte));
   C10_CUDA_CHECK(launch_paged_attention(p, version, used_splits, partials.mutable_data_ptr(), stream));
 }
@@ -333,8 +321,9 @@ Tensor paged_attention_impl(const Tensor& query, const Tensor& key_cache, const 
   const char* op = kPagedAttention;
   check_rank(op, "query", query, 3, "(batch, heads, head_dim), one decode token per sequence");
   check_caches(op, key_cache, value_cache);
-  // The reference computes in the input's type, float32 and float64 only (attention_ops.cpp says
-  // why); the kernels take all four. Meta tensors carry no device of their own: any passes.
+  // The reference computes in the input's type, float32 and float64 only
+  // (attention/attention_ops.cpp says why); the kernels take all four. Meta tensors carry no device
+  // of their own: any passes.
   if (query.device().is_cpu()) {
     ::course::check_dtype_in(op, "query", query, {at::kFloat, at::kDouble});
   } else {
@@ -356,9 +345,9 @@ Tensor paged_attention_impl(const Tensor& query, const Tensor& key_cache, const 
               str(context_lens.sym_size(0)), " lengths for a batch of ", str(query.sym_size(0)));
   if (query.is_cuda()) {
     TORCH_CHECK(is_listed(kPagedHeadDims, query.size(2)), op, ": head_dim ", std::to_string(query.size(2)),
-                " is not supported on CUDA (supported: ", listed(kPagedHeadDims), ")");
+                " is not supported on CUDA (supported: ", list_text(kPagedHeadDims), ")");
     TORCH_CHECK(is_listed(kPagedBlockSizes, key_cache.size(1)), op, ": block_size ",
-                std::to_string(key_cache.size(1)), " is not supported on CUDA (supported: ", listed(kPagedBlockSizes),
+                std::to_string(key_cache.size(1)), " is not supported on CUDA (supported: ", list_text(kPagedBlockSizes),
                 ")");
     // The kernel reads K/V rows with 16-byte cp.async; a contiguous cache from torch is aligned,
     // a view starting mid-allocation (cache[1:] of an odd-sized pool, say) may not be.
@@ -416,7 +405,7 @@ Tensor paged_attention_impl(const Tensor& query, const Tensor& key_cache, const 
 // the entries of matched_blocks past a request's match are -1.
 // ---------------------------------------------------------------------------------------
 
-// The tree's values (RadixTreeView's rules, paged.h), on the CPU: every span inside `tokens` and
+// The tree's values (RadixTreeView's rules, serving.h), on the CPU: every span inside `tokens` and
 // `block_ids`, every node but the root at least one block long (so each step of the walk
 // consumes a block and the walk ends, whatever the links), every child list inside child_index
 // and naming nodes other than the root, sorted by first token, and no two children of a node
@@ -480,7 +469,7 @@ std::tuple<Tensor, Tensor> match_prefix_impl(const Tensor& tokens, const Tensor&
   check_index(op, "query_lens", query_lens, 1, "(requests,)", at::kInt, "queries", queries);
   TORCH_CHECK(query_lens.sym_size(0) == queries.sym_size(0), op, ": query_lens has ", str(query_lens.sym_size(0)),
               " lengths for ", str(queries.sym_size(0)), " requests");
-  // The flat tree (paged.h's RadixTreeView): per-node arrays of num_nodes entries, the others flat.
+  // The flat tree (serving.h's RadixTreeView): per-node arrays of num_nodes entries, the others flat.
   const struct {
     const char* name;
     const Tensor& t;
@@ -556,11 +545,10 @@ void register_backend_kernels(torch::Library& m) {
 
 }  // namespace
 
-// For the library's one `versions` op (attention_ops.cpp).
-bool paged_versions(std::string_view op, std::vector<std::string>* names) {
-  if (op != kPagedAttention) return false;
-  *names = ::course::version_names(kPagedVersions);
-  return true;
+// For the library's one `versions` op (flash_attention_ops.cpp).
+std::optional<std::vector<std::string>> serving_versions(std::string_view op) {
+  if (op == kPagedAttention) return ::course::version_names(kPagedVersions);
+  return std::nullopt;
 }
 
 }  // namespace flash_attention
@@ -584,8 +572,8 @@ TORCH_LIBRARY_FRAGMENT(flash_attention, m) {
         pt2);
 }
 
-// CUDA is registered in every build, as in attention_ops.cpp: a CUDA tensor meets the checks and
-// then a clear error in a CPU-only build, not the dispatcher's "no kernel for CUDA".
+// CUDA is registered in every build, as in attention/attention_ops.cpp: a CUDA tensor meets the
+// checks and then a clear error in a CPU-only build, not the dispatcher's "no kernel for CUDA".
 TORCH_LIBRARY_IMPL(flash_attention, CPU, m) { flash_attention::register_backend_kernels(m); }
 TORCH_LIBRARY_IMPL(flash_attention, CUDA, m) { flash_attention::register_backend_kernels(m); }
 TORCH_LIBRARY_IMPL(flash_attention, Meta, m) { flash_attention::register_backend_kernels(m); }
