@@ -22,7 +22,7 @@ Three measurements, each with the napkin math that says what to expect.
     python bench_extensions.py --quick   small sizes: CPU machines, smoke runs
 
 Writes results/<device-slug>/chapter5_pytorch_extensions.json and the plots beside it.
-build_lab.py measures the build side (chapter5_pytorch_extensions_build.json).
+labs/build_lab.py measures the build side (chapter5_pytorch_extensions_build.json).
 """
 import statistics
 import sys

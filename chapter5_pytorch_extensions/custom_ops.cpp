@@ -23,7 +23,7 @@
 
 // Not <torch/extension.h>, the tutorial's include: that is all of libtorch's C++ API (torch/all.h:
 // nn, optim, data loaders, serialization) plus the Python bindings, and this file was the cold
-// build's critical path (build_lab.py on the H100 machine: 41 of the build's 42 s). The two
+// build's critical path (labs/build_lab.py on the H100 machine: 41 of the build's 42 s). The two
 // headers it uses parse in about half the time (the lesson's build section).
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/utils/pybind.h>

@@ -3,8 +3,8 @@
 tools/report.py fills each <!-- results:NAME:begin -->...<!-- results:NAME:end --> block of
 README.md with FACTS[NAME](record), so the prose always matches results/ (no typed numbers).
 record is the newest GPU record of bench_extensions.py, with the build lab's record
-(build_lab.py) under record["build_lab"] and the GPU pass's package_check.py findings under
-record["packaging"].
+(labs/build_lab.py) under record["build_lab"] and the GPU pass's labs/package_check.py findings
+under record["packaging"].
 """
 import sys
 from pathlib import Path
@@ -124,7 +124,7 @@ def build_table(record):
     """Every build-lab configuration: seconds, against the issue's target and the notes' claim."""
     lab = record.get("build_lab")
     if not lab:
-        return "(no build-lab results recorded yet: run build_lab.py on the GPU machine)"
+        return "(no build-lab results recorded yet: run labs/build_lab.py on the GPU machine)"
     lines = ["| configuration | route | seconds | target | the notes claimed | slowest step | status |",
              "|---|---|---|---|---|---|---|"]
     for r in lab["benchmarks"]:
@@ -145,10 +145,10 @@ def build_table(record):
 
 def packaging_table(record):
     """What each wheel carries (cuobjdump) and whether it ran from PTX alone, from the GPU
-    pass's package_check.py findings."""
+    pass's labs/package_check.py findings."""
     found = record.get("packaging")
     if not found or not found.get("archs"):
-        return "_(no CUDA wheel inspected yet: the GPU pass runs package_check.py)_"
+        return "_(no CUDA wheel inspected yet: the GPU pass runs labs/package_check.py)_"
     sizes = {"default": (found.get("wheel") or {}).get("bytes"), "arch_list": found.get("arch_wheel_bytes")}
     lines = ["| build | TORCH_CUDA_ARCH_LIST | SASS | PTX | wheel | under CUDA_FORCE_PTX_JIT=1 |",
              "|---|---|---|---|---|---|"]

@@ -13,7 +13,7 @@ import pytest
 import new_op
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
+REPO = HERE.parents[1]  # labs/ -> the chapter -> the repository
 # Unusual on purpose: the end-to-end test installs it into this interpreter and removes it.
 E2E_NAME = "course_tmpl_op"
 

@@ -1,15 +1,15 @@
 """Chapter 5, debugging a kernel: compute-sanitizer, cuda-gdb, device-side asserts and DSA,
 on a kernel with an off-by-one (off_by_one.cu; README.md next to this file is the walkthrough).
 
-    python debugging/debug_lab.py build             build the three variants (or, without a CUDA
-                                                    build of torch, nvcc-compile the kernels)
-    python debugging/debug_lab.py run --broken      the broken kernel against PyTorch: it "passes"
-    python debugging/debug_lab.py run --fixed       the fixed one; --n N to try other sizes
-    python debugging/debug_lab.py sanitize          compute-sanitizer memcheck on both kernels
-    python debugging/debug_lab.py gdb               cuda-gdb stops inside the broken kernel
-    python debugging/debug_lab.py dsa               a device assert firing, its cost, and what
-                                                    TORCH_USE_CUDA_DSA does in the installed torch
-    python debugging/debug_lab.py all --out FILE    sanitize, gdb and dsa into one transcript
+    python labs/debugging/debug_lab.py build         build the three variants (or, without a CUDA
+                                                     build of torch, nvcc-compile the kernels)
+    python labs/debugging/debug_lab.py run --broken  the broken kernel against PyTorch: it "passes"
+    python labs/debugging/debug_lab.py run --fixed   the fixed one; --n N to try other sizes
+    python labs/debugging/debug_lab.py sanitize      compute-sanitizer memcheck on both kernels
+    python labs/debugging/debug_lab.py gdb           cuda-gdb stops inside the broken kernel
+    python labs/debugging/debug_lab.py dsa           a device assert firing, its cost, and what
+                                                     TORCH_USE_CUDA_DSA does in the installed torch
+    python labs/debugging/debug_lab.py all --out FILE    sanitize, gdb and dsa into one transcript
 
 Nothing here is part of the chapter's build or package: it builds only when run, into
 chapter5_pytorch_extensions/build/debugging/, three times over the same two sources:
@@ -33,7 +33,7 @@ import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-CHAPTER = HERE.parent
+CHAPTER = HERE.parents[1]  # labs/debugging/ -> the chapter
 ROOT = CHAPTER.parent
 sys.path.insert(0, str(ROOT / "common"))
 
@@ -117,7 +117,7 @@ def gpu_or_say_why(what, report):
     why = (f"torch {torch.__version__} is a CPU-only build" if torch.version.cuda is None
            else f"torch {torch.__version__} sees no CUDA device")
     report.say(f"{what}: needs a CUDA GPU ({why}); nothing to run here. "
-               "`python debugging/debug_lab.py build` still checks that the kernels compile.")
+               "`python labs/debugging/debug_lab.py build` still checks that the kernels compile.")
     return False
 
 
@@ -357,7 +357,7 @@ def cmd_run(args, report):
             report.say(f"The broken kernel matched PyTorch and still wrote relu(0 * scale + bias) = {past_end} one "
                        "float past the end of y. With a fresh y that float belongs to nobody the test looks at "
                        "(the allocator's rounding slack, or another tensor): the check passes, and memory is "
-                       "corrupted. `python debugging/debug_lab.py sanitize` names the thread and the source line.")
+                       "corrupted. `python labs/debugging/debug_lab.py sanitize` names the thread and the source line.")
         elif n % BLOCK == 0:
             report.say(f"n is a multiple of {BLOCK}: no thread has i == n, so the bug has nowhere to run. Try "
                        f"--n {n + 1}.")
@@ -850,7 +850,7 @@ def cmd_dsa(args, report):
 def header(report):
     from coursekit.results import git_commit
     info = bench.device_info()
-    report.say("Chapter 5, debugging a kernel: transcript of `python debugging/debug_lab.py all`")
+    report.say("Chapter 5, debugging a kernel: transcript of `python labs/debugging/debug_lab.py all`")
     report.say(f"date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}")
     report.say(f"commit: {git_commit()}")
     report.say(f"device: {info['name']} (capability {info['capability']}, {info['sms']} SMs)")

@@ -1,12 +1,12 @@
 """Package the chapter as a wheel, install it into a fresh virtualenv, test it there, and show
 what is inside it.
 
-    python package_check.py                        wheel, fresh venv, the six tests, inspection
-    python package_check.py --arch-list "8.0;9.0+PTX"   the second (distribution) build's archs
-    python package_check.py --arch-list ""         no second build
-    python package_check.py --keep DIR             keep the wheels, venvs and copies in DIR
-    python package_check.py --json FILE            write the findings as JSON
-    python package_check.py --show-isolation       also show, offline, what build isolation does
+    python labs/package_check.py                   wheel, fresh venv, the six tests, inspection
+    python labs/package_check.py --arch-list "8.0;9.0+PTX"   the second (distribution) build's archs
+    python labs/package_check.py --arch-list ""    no second build
+    python labs/package_check.py --keep DIR        keep the wheels, venvs and copies in DIR
+    python labs/package_check.py --json FILE       write the findings as JSON
+    python labs/package_check.py --show-isolation  also show, offline, what build isolation does
 
 Steps:
 1. `pip wheel --no-build-isolation --no-deps .` in the chapter. pip builds a local folder in
@@ -44,8 +44,10 @@ from pathlib import Path
 # (setuptools puts its _vendor folder on it): what the fresh venv borrows is taken from here.
 START_PATH = list(sys.path)
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+# A side lab of the chapter (labs/): what it packages is the chapter, one folder up.
+LABS = Path(__file__).resolve().parent
+CHAPTER_DIR = LABS.parent
+ROOT = CHAPTER_DIR.parent
 sys.path.insert(1, str(ROOT / "common"))
 from coursekit.results import git_commit  # noqa: E402  (COURSE_GIT_COMMIT where .git is absent)
 PACKAGE = "custom_ops"
@@ -73,7 +75,7 @@ def run(cmd, cwd, env=None, tail=8, check=True):
     and check is set: a failed compile's error is near the end of pip's log), and return
     (returncode, output)."""
     shown_cmd = " ".join("'<script>'" if "\n" in str(c) else str(c) for c in cmd)
-    print(f"$ {shown_cmd}" + (f"    (in {cwd})" if cwd != HERE else ""), flush=True)
+    print(f"$ {shown_cmd}" + (f"    (in {cwd})" if cwd != CHAPTER_DIR else ""), flush=True)
     proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, encoding="utf-8", errors="replace")
     lines = proc.stdout.splitlines()
@@ -158,9 +160,9 @@ def build_wheel(chapter, dist, env=None):
 
 
 def step_build(state, work):
-    before = object_times(HERE)
-    wheel, arch_list, _ = build_wheel(HERE, work / "dist")
-    after = object_times(HERE)
+    before = object_times(CHAPTER_DIR)
+    wheel, arch_list, _ = build_wheel(CHAPTER_DIR, work / "dist")
+    after = object_times(CHAPTER_DIR)
     reused = sum(1 for p, t in after.items() if before.get(p) == t)
     if not before:
         how = ("compiled from scratch: there was no build/ yet (`pip install --no-build-isolation "
@@ -179,9 +181,9 @@ def copy_sources(tree):
     other flags leaves the chapter's own build/ (and what `pip install .` reuses) untouched."""
     skip = shutil.ignore_patterns("build", "dist", "*.egg-info", "__pycache__", ".benchmarks",
                                   ".pytest_cache", "*.so", "results", "tests")
-    shutil.copytree(HERE, tree / HERE.name, ignore=skip)
+    shutil.copytree(CHAPTER_DIR, tree / CHAPTER_DIR.name, ignore=skip)
     shutil.copytree(ROOT / "common", tree / "common", ignore=skip)
-    return tree / HERE.name
+    return tree / CHAPTER_DIR.name
 
 
 # ----------------------------------------------------------------------------- inspecting wheels
@@ -287,14 +289,14 @@ def step_torch_pin(state, work):
 
 def outer_site_dirs(venv_python):
     """This interpreter's package folders that the venv does not already have, minus source
-    trees of the repo (the chapter folder is sys.path[0] when this script runs)."""
-    _, out = run([venv_python, "-c", "import sys, json; print(json.dumps(sys.path))"], cwd=HERE,
-                 env=clean_env(), tail=0)
+    trees of the repo (labs/, this script's folder, is sys.path[0] when it runs)."""
+    _, out = run([venv_python, "-c", "import sys, json; print(json.dumps(sys.path))"],
+                 cwd=CHAPTER_DIR, env=clean_env(), tail=0)
     have = {str(Path(p).resolve()) for p in json.loads(out.strip().splitlines()[-1]) if p}
     dirs = []
     for entry in START_PATH:
         p = Path(entry or ".").resolve()
-        if not p.is_dir() or str(p) in have or p == ROOT or p.parent == ROOT:
+        if not p.is_dir() or str(p) in have or p in (ROOT, LABS) or p.parent == ROOT:
             continue
         if str(p) not in dirs:
             dirs.append(str(p))
@@ -315,10 +317,10 @@ def make_venv(path):
     venv (borrowed through the .pth) and installs into the venv's prefix."""
     if path.exists():
         shutil.rmtree(path)
-    run([sys.executable, "-m", "venv", "--without-pip", path], cwd=HERE, tail=4)
+    run([sys.executable, "-m", "venv", "--without-pip", path], cwd=CHAPTER_DIR, tail=4)
     python = path / ("Scripts" if os.name == "nt" else "bin") / "python"
     _, out = run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                 cwd=HERE, env=clean_env(), tail=0)
+                 cwd=CHAPTER_DIR, env=clean_env(), tail=0)
     purelib = Path(out.strip().splitlines()[-1])
     borrowed = outer_site_dirs(python)
     (purelib / "_borrowed_site.pth").write_text("".join(d + "\n" for d in borrowed))
@@ -331,7 +333,7 @@ def install_wheel(python, wheel):
     # visible through the .pth; without it pip would call the wheel installed already, and
     # --force-reinstall would try to uninstall that outer copy first.
     run([python, "-m", "pip", "install", "--no-deps", "--no-index", "--ignore-installed",
-         "--no-warn-script-location", "--disable-pip-version-check", wheel], cwd=HERE,
+         "--no-warn-script-location", "--disable-pip-version-check", wheel], cwd=CHAPTER_DIR,
         env=clean_env(), tail=2)
 
 
@@ -364,7 +366,7 @@ def step_import(state, work):
           f"{found['torch_file']}")
     venv = state["venv_purelib"].resolve()
     if venv not in where.parents:
-        source = " (the source tree)" if HERE in where.parents else ""
+        source = " (the source tree)" if CHAPTER_DIR in where.parents else ""
         raise Failed(f"custom_ops came from {where.parent}{source}, not the venv's {venv}")
     if venv not in lib.parents:
         raise Failed(f"the library came from {lib}, not the venv's {venv}")
@@ -380,7 +382,7 @@ def step_tests(state, work):
     # it runs anywhere the package is installed; outside the repo nothing else can answer.
     run_dir = work / "run"
     run_dir.mkdir(exist_ok=True)
-    shutil.copy2(HERE / "test_custom_ops.py", run_dir)
+    shutil.copy2(CHAPTER_DIR / "test_custom_ops.py", run_dir)
     rc, out = run([state["venv_python"], "test_custom_ops.py"], cwd=run_dir,
                   env=clean_env(COURSE_EXT_ROUTE="installed"), tail=3, check=False)
     imported = next((ln for ln in out.splitlines() if "imported custom_ops" in ln), "")
@@ -411,7 +413,7 @@ def arch_key(arch):
 
 def list_device_code(cuobjdump, lib):
     """(SASS archs, PTX archs) in a library, as 'sm_90' and 'compute_90' names."""
-    rc, out = run([cuobjdump, "--list-elf", "--list-ptx", lib], cwd=HERE, tail=20, check=False)
+    rc, out = run([cuobjdump, "--list-elf", "--list-ptx", lib], cwd=CHAPTER_DIR, tail=20, check=False)
     if rc != 0 and "does not contain device code" not in out:
         raise Failed(f"cuobjdump exited {rc}")
     # Lines read 'ELF file    1: <name>.sm_90.cubin' and 'PTX file    1: <name>.sm_90.ptx'.
@@ -569,7 +571,7 @@ def step_isolation(state, work):
     nothing.mkdir(exist_ok=True)
     base = [sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "--no-index",
             "--disable-pip-version-check", "-v"]
-    _, out = run(base + ["--find-links", nothing, "."], cwd=HERE, env=env, tail=0, check=False)
+    _, out = run(base + ["--find-links", nothing, "."], cwd=CHAPTER_DIR, env=env, tail=0, check=False)
     fetch = next((ln.strip() for ln in out.splitlines() if "No matching distribution" in ln), None)
     print(f"1. no index: {fetch or 'no such error (did pip find setuptools somewhere?)'}")
     # Python <= 3.11's ensurepip carries a setuptools wheel: a local source for the build
@@ -581,7 +583,7 @@ def step_isolation(state, work):
         bundled = None
     hidden = None
     if bundled is not None and list(bundled.glob("setuptools-*.whl")):
-        _, out = run(base + ["--find-links", bundled, "."], cwd=HERE, env=env, tail=0, check=False)
+        _, out = run(base + ["--find-links", bundled, "."], cwd=CHAPTER_DIR, env=env, tail=0, check=False)
         hidden = next((ln.strip() for ln in out.splitlines() if "build isolation hid torch" in ln),
                       None)
         print(f"2. setuptools from {bundled}: "
@@ -608,7 +610,7 @@ def torch_facts():
 def findings(state, steps):
     wheel = state.get("wheel")
     return {
-        "chapter": HERE.name, "commit": git_commit(),
+        "chapter": CHAPTER_DIR.name, "commit": git_commit(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "python": sys.version.split()[0], "pip": dist_version("pip"),
         "torch": {k: state["torch"][k] for k in ("version", "cuda", "device")},

@@ -1,7 +1,7 @@
 """Start a new PyTorch C++/CUDA extension project from the course's template.
 
-    python new_op.py my_op --dest ~/src          writes ~/src/my_op/
-    python new_op.py my_op --dest ~/src --force  writes over the template's files there
+    python labs/new_op.py my_op --dest ~/src          writes ~/src/my_op/
+    python labs/new_op.py my_op --dest ~/src --force  writes over the template's files there
 
 The project stands alone (it needs torch and, for its CUDA kernels, the CUDA toolkit; nothing
 from this course) and builds and passes its tests as generated, on CPU and on GPU. Its example

@@ -25,12 +25,12 @@ arch instead; its row says so. A configuration that needs CUDA is recorded as sk
 reason, where torch or the toolkit cannot build CUDA; the others then build the CPU-only
 extension, so the lab runs end to end on a laptop too.
 
-    python build_lab.py                        every configuration (the default)
-    python build_lab.py --list                 the configurations, their targets and claims
-    python build_lab.py --configs jit_default,jit_reload_unchanged
-    python build_lab.py --repeat 3             each configuration 3 times, the median reported
-    python build_lab.py --budget-s 1800        more time before expensive rows are capped/skipped
-    python build_lab.py --keep                 keep the temporary folder (sources, builds, logs)
+    python labs/build_lab.py                   every configuration (the default)
+    python labs/build_lab.py --list            the configurations, their targets and claims
+    python labs/build_lab.py --configs jit_default,jit_reload_unchanged
+    python labs/build_lab.py --repeat 3        each configuration 3 times, the median reported
+    python labs/build_lab.py --budget-s 1800   more time before expensive rows are capped/skipped
+    python labs/build_lab.py --keep            keep the temporary folder (sources, builds, logs)
 
 Writes results/<device-slug>/chapter5_pytorch_extensions_build.json, the bar chart
 chapter5_pytorch_extensions_build.png beside it, and prints the table last.
@@ -49,9 +49,10 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-COMMON = HERE.parent / "common"
-sys.path[:0] = [str(HERE), str(COMMON)]
+# A side lab of the chapter (labs/): the extension it builds is the chapter's, one folder up.
+CHAPTER_DIR = Path(__file__).resolve().parents[1]
+COMMON = CHAPTER_DIR.parent / "common"
+sys.path[:0] = [str(CHAPTER_DIR), str(COMMON)]
 
 CHAPTER = "chapter5_pytorch_extensions_build"
 NAME = "custom_ops_jit"  # load_jit.py's module name, so the JIT builds compile what it compiles
@@ -406,9 +407,9 @@ class Lab:
         self.src = root / "src"
         self.src.mkdir(parents=True)
         from sources import CPP_SOURCES, CUDA_SOURCES
-        for name in CPP_SOURCES + CUDA_SOURCES + [p.name for p in HERE.glob("*.h")] + \
-                [p.name for p in HERE.glob("*.cuh")]:
-            shutil.copy2(HERE / name, self.src / name)
+        for name in CPP_SOURCES + CUDA_SOURCES + [p.name for p in CHAPTER_DIR.glob("*.h")] + \
+                [p.name for p in CHAPTER_DIR.glob("*.cuh")]:
+            shutil.copy2(CHAPTER_DIR / name, self.src / name)
         (root / "logs").mkdir()
         self.persistent_dir = None
         self.persistent_error = None
