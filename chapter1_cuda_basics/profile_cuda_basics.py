@@ -65,11 +65,12 @@ def main():
     from coursekit import ncu, results
     # Our namespace and torch.add's kernel, not just "elementwise_": torch's randn runs a kernel
     # named distribution_elementwise_grid_stride_kernel.
-    import cuda_basics
-    kernels = ncu.workload_or_profile(__doc__, __file__, workload,
+    profile = ncu.workload_or_profile(__doc__, __file__, workload,
                                       "cuda_basics::|vectorized_elementwise_kernel", METRICS)
-    if kernels is None:
+    if profile is None:
         return
+    kernels = profile.kernels
+    import cuda_basics
     rows = []
     expected = [(d, v) for d in DTYPES for v in cuda_basics.VERSIONS["vector_add"]]
     launches = [(d, n, v) for d in DTYPES for n in LAUNCH_SIZES for v in LAUNCH_VARIANTS]
@@ -89,8 +90,7 @@ def main():
                      "sectors_per_request": k["load_sectors"] / k["load_requests"],
                      "dram_bytes_over_minimum": (k["dram_read_bytes"] + k["dram_write_bytes"])
                      / (3 * N * size)})
-    path = results.write_results("chapter1_cuda_basics_profile", rows, {},
-                                 tool="ncu --clock-control none", metrics=list(METRICS))
+    path = results.write_results("chapter1_cuda_basics_profile", rows, {}, **profile.provenance())
     print(f"{'dtype':<10}{'version':<13}{'sectors/req':>12}{'ld instr':>11}{'DRAM/min':>9}"
           f"{'DRAM %':>8}{'occup %':>8}")
     for r in rows:

@@ -85,9 +85,10 @@ def alignment_runs():
 
 def main():
     from coursekit import ncu, results
-    kernels = ncu.workload_or_profile(__doc__, __file__, workload, "memory_ops::", METRICS)
-    if kernels is None:
+    profile = ncu.workload_or_profile(__doc__, __file__, workload, "memory_ops::", METRICS)
+    if profile is None:
         return
+    kernels = profile.kernels
     import memory_ops
     expected = [(d, v) for d in DTYPES for v in memory_ops.VERSIONS["transpose"]]
     runs = alignment_runs()
@@ -128,8 +129,7 @@ def main():
                      "store_sectors_per_request": k["store_sectors"] / k["store_requests"],
                      "dram_bytes_over_minimum": (k["dram_read_bytes"] + k["dram_write_bytes"])
                      / (2 * SIDE * SIDE * size)})
-    path = results.write_results("chapter2_memory_profile", rows, {},
-                                 tool="ncu --clock-control none", metrics=list(METRICS))
+    path = results.write_results("chapter2_memory_profile", rows, {}, **profile.provenance())
     print(f"{'dtype':<10}{'version':<9}{'smem ld conflicts':>18}{'smem st conflicts':>18}"
           f"{'wavefr/ld':>10}{'st sect/req':>12}{'DRAM/min':>9}{'us':>9}")
     for r in rows:

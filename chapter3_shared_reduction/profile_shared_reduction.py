@@ -53,9 +53,10 @@ def workload():
 
 def main():
     from coursekit import ncu, results
-    kernels = ncu.workload_or_profile(__doc__, __file__, workload, "shared_reduction::", METRICS)
-    if kernels is None:
+    profile = ncu.workload_or_profile(__doc__, __file__, workload, "shared_reduction::", METRICS)
+    if profile is None:
         return
+    kernels = profile.kernels
     import shared_reduction as sr
     # Every launch of a rung is one row: v1-v6 launch once per level, v7-v9 twice, v1 of
     # softmax three kernels. They come back in launch order; the kernel names say which is which.
@@ -89,8 +90,7 @@ def main():
                      "dram_busy_pct": ks[0]["dram_busy_pct"],
                      "dram_bytes_over_minimum": (total["dram_read_bytes"] + total["dram_write_bytes"]) / minimum,
                      "GBps_under_ncu": minimum / total["duration_ns"]})
-    path = results.write_results("chapter3_shared_reduction_profile", rows, {},
-                                 tool="ncu --clock-control none", metrics=list(METRICS))
+    path = results.write_results("chapter3_shared_reduction_profile", rows, {}, **profile.provenance())
     print(f"{'op':<8}{'dtype':<9}{'rung':<6}{'launches':>9}{'instr/elem':>11}{'smem wf/elem':>13}{'conflicts':>10}"
           f"{'thr/instr':>10}{'occup%':>8}{'DRAM/min':>9}{'DRAM%':>7}{'us':>9}")
     for r in rows:

@@ -104,9 +104,10 @@ def workload():
 
 def main():
     from coursekit import ncu, results
-    kernels = ncu.workload_or_profile(__doc__, __file__, workload, ".*", METRICS, from_start=False)
-    if kernels is None:
+    profile = ncu.workload_or_profile(__doc__, __file__, workload, ".*", METRICS, from_start=False)
+    if profile is None:
         return
+    kernels = profile.kernels
     plan = [(run, 1) for run in ACT_RUNS] + [(run, NORM_LAUNCHES) for run in NORM_RUNS]
     if sum(n for _, n in plan) != len(kernels):
         sys.exit(f"profiled {len(kernels)} kernels, the plan has {sum(n for _, n in plan)}: "
@@ -123,8 +124,7 @@ def main():
                      "dram_bytes_over_minimum": (main_kernel["dram_read_bytes"] + main_kernel["dram_write_bytes"])
                      / nbytes,
                      "GBps_under_ncu": nbytes / main_kernel["duration_ns"]})
-    path = results.write_results("chapter4_fusion_profile", rows, {}, tool="ncu --clock-control none",
-                                 metrics=list(METRICS))
+    path = results.write_results("chapter4_fusion_profile", rows, {}, **profile.provenance())
     print(f"{'op':<15}{'shape':<12}{'var':<14}{'regs':>5}{'occ%':>6}{'instr/el':>9}{'issue%':>7}{'fma%':>6}"
           f"{'alu%':>6}{'xu%':>6}{'DRAM%':>7}{'mem':>6}{'bar':>6}{'lsuq':>6}{'us':>8}{'+us':>6}")
     for r in rows:

@@ -30,7 +30,7 @@ Split-KV rows (op attention_split_kv, CUDA only): 1, 16 and 128 query rows of 16
 4K-128K keys, where one (batch, head, query tile) block per head leaves 116 of 132 SMs idle; the
 rows give GB/s over q, k, v and o, the bytes such a call cannot avoid, and TFLOP/s beside them.
 
-Timing: CUDA graphs (bench.time_cuda_graph), CUDA events around each replay, median of 20
+Timing: CUDA graphs (bench.time_probed), CUDA events around each replay, median of 20
 replays; a graph that fails to capture falls back to events and the row says so. Backward rows
 of SDPA, and the row of ours marked call=autograd, time torch.autograd.grad of the output over a
 retained graph (bench.backward_call); the backward rungs and `default` time the backward op
@@ -57,7 +57,6 @@ Writes results/<device-slug>/chapter6_flash_attention.json and the plots beside 
 import math
 import sys
 import time
-import warnings
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -80,9 +79,6 @@ SDPA_BACKENDS = {  # convention names (CONVENTIONS.md section 5) -> the backend 
 }
 MATH_BUDGET_GiB = 20  # the math backend's score matrices above this are not run (H100: 80 GB)
 MAX_CALL_MS = 100.0   # a call slower than this is skipped, not timed (keeps the run in minutes)
-REPLAY_MS = 2.0       # a graph replay this long makes the replay's own launch cost negligible
-MAX_CALLS = 8         # bench.time_cuda_graph's default calls per replay: the most we ask for
-NO_KERNELS = "no CUDA kernels in this build yet"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,12 +100,6 @@ def math_bytes(batch, heads, seqlen_q, seqlen_k, pass_="forward"):
     backward adds the gradient of each (two more)."""
     matrices = 4 if pass_ == "backward" else 2
     return matrices * 4 * batch * heads * seqlen_q * seqlen_k
-
-
-def calls_per_replay(est_ms, target_ms=REPLAY_MS, most=MAX_CALLS):
-    """How many calls one graph replay holds: enough to last target_ms (so the replay's launch,
-    a few microseconds, is noise), at most `most`, at least one."""
-    return max(1, min(most, math.ceil(target_ms / max(est_ms, 1e-3))))
 
 
 def sizes_for(device, quick):
@@ -140,78 +130,9 @@ def configs(s):
             for n in s["seqlens"]]
 
 
-def first_line(e):
-    text = str(e).strip()
-    return text.splitlines()[0][:300] if text else type(e).__name__
-
-
 # ---------------------------------------------------------------------------------------------
-# Skips: each variant's reason recorded once, with the first place it happened
+# The sweep: every variant of every row, probed, then timed (bench.probe, bench.time_probed)
 # ---------------------------------------------------------------------------------------------
-class Notes:
-    def __init__(self):
-        self.skipped = []
-        self._seen = set()
-
-    def skip(self, variant, reason, where):
-        # "no CUDA kernels" names the op and device after the phrase: one note for all of them.
-        key = (variant, NO_KERNELS if NO_KERNELS in reason else reason)
-        if key in self._seen:
-            return
-        self._seen.add(key)
-        self.skipped.append({"variant": variant, "reason": reason, "first_at": where})
-        print(f"  {variant} skipped ({where}): {reason}")
-
-
-def attempt(notes, variant, where, make):
-    """make() under a record of warnings: the callable, or None with the reason noted. SDPA says
-    why it refused a backend in warnings ("Flash attention requires ...") before raising "No
-    available kernel", so the warnings are the reason when there are any."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            return make()
-        except Exception as e:  # noqa: BLE001  (any refusal or failure skips the row, not the run)
-            told = [first_line(w.message) for w in caught if issubclass(w.category, UserWarning)]
-            reason = first_line(e) + (" [" + "; ".join(dict.fromkeys(told)) + "]" if told else "")
-            notes.skip(variant, reason, where)
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            return None
-
-
-# ---------------------------------------------------------------------------------------------
-# Timing
-# ---------------------------------------------------------------------------------------------
-def sync(device):
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def probe(fn, device):
-    """One call to warm up (cuDNN builds its plan, the caching allocator fills), one timed by
-    the wall clock: the estimate that sizes the graph and skips what is too slow to time."""
-    fn()
-    sync(device)
-    t0 = time.perf_counter()
-    fn()
-    sync(device)
-    return (time.perf_counter() - t0) * 1e3
-
-
-def timed(device, fn, est_ms):
-    """bench.default_timer with the calls per replay sized by the probe: on the GPU a CUDA graph
-    (events if the capture fails, as default_timer does); on the CPU the wall clock."""
-    if device != "cuda":
-        return bench.time_cpu(fn, warmup=0)  # the probe's two calls were the warm-up
-    try:
-        return bench.time_cuda_graph(lambda i: fn(), 1, min_calls=calls_per_replay(est_ms))
-    except RuntimeError as e:
-        print(f"  graph capture failed ({first_line(e)[:120]}); timing with events")
-        torch.cuda.synchronize()
-        return {**bench.time_cuda(fn), "timer": "events (graph capture failed)"}
-
-
 def sdpa_call(backend, causal):
     """F.scaled_dot_product_attention pinned to one backend. The context is entered inside the
     call, so a graph captures the pinned kernel and a backward sees the forward's choice."""
@@ -301,8 +222,8 @@ def bench_timing(device, mm, s, notes):
                     notes.skip(variant, f"its float32 score matrices would need > {MATH_BUDGET_GiB} GiB",
                                f"{where}, estimated {need:.0f} GiB")
                     continue
-                fn = attempt(notes, variant, where, make)
-                est = fn and attempt(notes, variant, where, lambda: probe(fn, device))
+                fn = bench.attempt(notes, variant, where, make)
+                est = fn and bench.attempt(notes, variant, where, lambda: bench.probe(fn, device))
                 if est is None:
                     continue
                 if est > MAX_CALL_MS:
@@ -310,7 +231,7 @@ def bench_timing(device, mm, s, notes):
                     notes.skip(variant, f"one call took over {MAX_CALL_MS:.0f} ms (here {est:.0f} ms); "
                                         "not timed at this and larger sizes", where)
                     continue
-                t = attempt(notes, variant, where, lambda: timed(device, fn, est))
+                t = bench.attempt(notes, variant, where, lambda: bench.time_probed(device, fn, est))
                 del fn
                 if t is None:
                     continue
@@ -365,8 +286,7 @@ def bench_split_kv(device, ceilings, notes):
             t_base = None
             for variant, fn in calls:
                 variant = variant or "default"
-                est = attempt(notes, variant, where, lambda: probe(fn, device))
-                t = est is not None and attempt(notes, variant, where, lambda: timed(device, fn, est))
+                t = bench.probe_and_time(notes, variant, where, device, fn)
                 if not t:
                     continue
                 if variant == BASELINE:
@@ -416,7 +336,7 @@ def bench_memory(device, m, notes):
             q, k, v = (t.requires_grad_(grad) for t in (q, k, v))
             # A first call outside the measurement: workspaces that a library allocates once
             # per process (cuBLAS's, cuDNN's plan) are not what one more forward costs.
-            if attempt(notes, variant, where, lambda: f(q, k, v)) is None:
+            if bench.attempt(notes, variant, where, lambda: f(q, k, v)) is None:
                 continue
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
@@ -490,7 +410,7 @@ def bench_error(device, e, notes):
                             {t: max_abs_err(g, ref_grads[t]) for t, g in zip(("dq", "dk", "dv"), grads)})
                 # A forward rung's gradient comes from the default backward: only its output
                 # error is its own; the backward rungs below are measured one by one.
-                got = attempt(notes, variant, where, run)
+                got = bench.attempt(notes, variant, where, run)
                 if got is not None:
                     found[variant] = {"forward": got[0]}
                     if variant not in flash_attention.VERSIONS.get("attention_forward", ()):
@@ -502,7 +422,7 @@ def bench_error(device, e, notes):
                         o, lse = flash_attention.attention_forward(q, k, v, scale, causal)
                         grads = flash_attention.attention_backward(dy, q, k, v, o, lse, scale, causal, version=ver)
                         return {t: max_abs_err(g, ref_grads[t]) for t, g in zip(("dq", "dk", "dv"), grads)}
-                    got = attempt(notes, ver, where, run_bwd)
+                    got = bench.attempt(notes, ver, where, run_bwd)
                     if got is not None:
                         found.setdefault(ver, {})["backward"] = got
             base = found.get(BASELINE, {})
@@ -670,7 +590,7 @@ def main():
     mm_dtype = torch.bfloat16 if device == "cuda" else torch.float32
     ceilings.update(bench.matmul_ceiling(device, n=8192 if full else 4096 if device == "cuda" else 256,
                                          dtype=mm_dtype))
-    notes = Notes()
+    notes = bench.Notes()
     tensor_MiB = s["tokens"] * s["hidden"] * torch.empty((), dtype=getattr(torch, s["dtypes"][0])).element_size() / 2**20
     rows = bench_timing(device, ceilings["mm_TFLOPs"], s, notes)
     rows += bench_split_kv(device if not quick else "quick", ceilings, notes)

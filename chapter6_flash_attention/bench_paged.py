@@ -83,7 +83,7 @@ reshape_and_cache with check_slots=False and copy_blocks with check_mapping=Fals
 (csrc/serving/serving_ops.cpp: a checked call reads the tables, slots or mapping back, a device sync
 per call, which a CUDA graph cannot capture; the guard's one call per variant is checked).
 
-Timing: as bench_attention.py, CUDA graphs (bench.time_cuda_graph) of as many calls as make a
+Timing: as bench_attention.py, CUDA graphs (bench.time_probed) of as many calls as make a
 replay last >= 2 ms (1 to 8), CUDA events around each replay, median of 20 replays; one input set,
 since every paged configuration moves >= 256 MiB (the H100's L2 is 50 MB); the 256-token
 reshape_and_cache (1 MiB of K and V) rotates bench.rotation_sets(...) = ~100 input sets instead.
@@ -122,7 +122,6 @@ sys.path[:0] = [str(HERE), str(HERE.parent / "common")]
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from bench_attention import Notes, attempt, calls_per_replay, first_line, probe  # noqa: E402
 from coursekit import bench, plots, results  # noqa: E402
 
 import flash_attention  # noqa: E402
@@ -278,30 +277,6 @@ def block_tables_for(context_lens, block_size, seed=0):
     return tables, total
 
 
-def calls_time(device, fn, est_ms, *, sets=1, call=None):
-    """bench_attention.timed with input sets: on the GPU a CUDA graph of max(sets, calls for
-    2 ms) calls of call(i) (events if the capture fails); on the CPU the wall clock."""
-    if device != "cuda":
-        return bench.time_cpu(fn, warmup=0)  # the probe's calls were the warm-up
-    try:
-        return bench.time_cuda_graph(call or (lambda i: fn()), sets, min_calls=calls_per_replay(est_ms))
-    except RuntimeError as e:
-        print(f"  graph capture failed ({first_line(e)[:120]}); timing with events")
-        torch.cuda.synchronize()
-        return {**bench.time_cuda(fn), "timer": "events (graph capture failed)"}
-
-
-def measure(notes, variant, where, device, fn, **how):
-    """probe, then time, or None with the reason noted (a refusal, or a call over MAX_CALL_MS)."""
-    est = attempt(notes, variant, where, lambda: probe(fn, device))
-    if est is None:
-        return None
-    if est > MAX_CALL_MS:
-        notes.skip(variant, f"one call took over {MAX_CALL_MS:.0f} ms (here {est:.0f} ms); not timed", where)
-        return None
-    return attempt(notes, variant, where, lambda: calls_time(device, fn, est, **how))
-
-
 def free(device):
     if device == "cuda":
         torch.cuda.synchronize()
@@ -451,7 +426,7 @@ def decode_rows(device, c, ceilings, notes):
     fields = config_fields(c, case)
     rows, ref, t_base = [], None, None
     for variant, fn, check in decode_calls(c, case, device):
-        got = attempt(notes, variant, where, check)
+        got = bench.attempt(notes, variant, where, check)
         if got is None:
             continue
         got = got.reshape(ref32.shape)
@@ -462,7 +437,7 @@ def decode_rows(device, c, ceilings, notes):
         err32 = check_close(got, ref32, dtype, f"{where} {variant} vs float32 reference")
         err = check_close(got, ref, dtype, f"{where} {variant} vs {BASELINE}") if ref is not None else None
         del got
-        t = measure(notes, variant, where, device, fn)
+        t = bench.probe_and_time(notes, variant, where, device, fn, max_call_ms=MAX_CALL_MS)
         if t is None:
             continue
         if variant == BASELINE:
@@ -546,7 +521,7 @@ def bench_cache_ops(device, co, ceilings, notes):
         x0 = data[0]
         kflat.index_fill_(0, x0["dst"], float("nan"))
         vflat.index_fill_(0, x0["dst"], float("nan"))
-        ran = attempt(notes, ours_name, where, lambda: ours(0, check=True) or True)
+        ran = bench.attempt(notes, ours_name, where, lambda: ours(0, check=True) or True)
         if ran and not (torch.equal(kflat[x0["dst"]], x0["key"][x0["keep"]]) and
                         torch.equal(vflat[x0["dst"]], x0["value"][x0["keep"]])):
             raise AssertionError(f"{where}: the cache does not hold the tokens at their slots after one call; "
@@ -556,7 +531,8 @@ def bench_cache_ops(device, co, ceilings, notes):
         for variant, call in (("torch", torch_index_copy), (ours_name, ours) if ran else (None, None)):
             if variant is None:
                 continue
-            t = measure(notes, variant, where, device, lambda call=call: call(0), sets=sets, call=call)
+            t = bench.probe_and_time(notes, variant, where, device, lambda call=call: call(0), sets=sets, call=call,
+                                     max_call_ms=MAX_CALL_MS)
             if t is None:
                 continue
             t_base = t_base or (t["median_ms"] if variant == "torch" else None)
@@ -577,7 +553,7 @@ def bench_cache_ops(device, co, ceilings, notes):
         vc[dst] = vc[src]
 
     kc[dst], vc[dst] = float("nan"), float("nan")
-    ran = attempt(notes, ours_name, where, lambda: copy_ours(check=True) or True)
+    ran = bench.attempt(notes, ours_name, where, lambda: copy_ours(check=True) or True)
     if ran and not (torch.equal(kc[dst], kc[src]) and torch.equal(vc[dst], vc[src])):
         raise AssertionError(f"{where}: the destination blocks are not copies of their sources after one call; "
                              "a wrong result is not timed")
@@ -586,7 +562,7 @@ def bench_cache_ops(device, co, ceilings, notes):
     for variant, call in (("torch", torch_index), (ours_name, copy_ours) if ran else (None, None)):
         if variant is None:
             continue
-        t = measure(notes, variant, where, device, call)
+        t = bench.probe_and_time(notes, variant, where, device, call, max_call_ms=MAX_CALL_MS)
         if t is None:
             continue
         t_base = t_base or (t["median_ms"] if variant == "torch" else None)
@@ -726,7 +702,7 @@ def bench_match(device, m, notes):
         return {"op": "match_prefix", "variant": variant, "dtype": "int32", "shape": [m["requests"], m["tokens"]],
                 **t, "requests_per_s": m["requests"] / (t["median_ms"] * 1e-3), **fields, **more}
 
-    t_cpu = measure(notes, "cpu", where, "cpu", on_cpu)
+    t_cpu = bench.probe_and_time(notes, "cpu", where, "cpu", on_cpu, max_call_ms=MAX_CALL_MS)
     if t_cpu is not None:
         rows.append(row("cpu", t_cpu))
     if device != "cuda":
@@ -742,12 +718,12 @@ def bench_match(device, m, notes):
     def on_gpu():
         return torch.ops.flash_attention.match_prefix(*tree_dev, bs, q_dev, len_dev, max_blocks)
 
-    got = attempt(notes, "default", where, on_gpu)
+    got = bench.attempt(notes, "default", where, on_gpu)
     if got is None:
         return rows, info
     if not same_matches(got, got_cpu):
         raise AssertionError(f"{where}: the CUDA lookup disagrees with the CPU reference")
-    t = measure(notes, "default", where, device, on_gpu)
+    t = bench.probe_and_time(notes, "default", where, device, on_gpu, max_call_ms=MAX_CALL_MS)
     if t is not None:
         more = {"speedup_vs_cpu": t_cpu["median_ms"] / t["median_ms"]} if t_cpu else {}
         rows.append(row("default", t, matches_cpu=True, mirror_upload_ms=upload_ms,
@@ -1043,7 +1019,7 @@ def measure_all(device, quick):
     full = device == "cuda" and not quick
     # copy_ceiling warms the GPU up first (an idle H100 sits at a low clock).
     ceilings = bench.copy_ceiling(device, n=2**28 if full else 2**20)
-    notes = Notes()
+    notes = bench.Notes()
     rows = []
     for name in ("targets", "gqa", "split", "num_splits"):
         print(f"paged_attention, {name}: {len(s[name])} configurations")

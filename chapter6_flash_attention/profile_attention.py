@@ -48,23 +48,18 @@ label (as "forward.pipelined.d128.full"), for a full report of one rung in the N
         --set full -o pipelined_d128 python profile_attention.py --workload
 
 Counters, not timings: ncu replays each kernel once per metric pass with the caches flushed and
-the clocks left as they are (--clock-control none, as the other chapters' profiles); durations
+the clocks left as they are (--clock-control none, coursekit.ncu as for every chapter); durations
 and TFLOP/s "under ncu" are of one such replay.
 """
 import argparse
-import csv
-import io
 import json
 import re
-import shlex
-import shutil
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "common")]
+from coursekit import ncu  # noqa: E402
 
 CHAPTER = "chapter6_flash_attention_profile"
 DTYPE = "bfloat16"
@@ -74,12 +69,6 @@ SDPA_FORWARD = ("sdpa_flash", "sdpa_cudnn")
 SDPA_BACKWARD = ("sdpa_flash",)
 CAUSAL_HEAD_DIM = 128
 CAUSAL_FORWARD = ("tuned", "sdpa_flash")
-MARKER = "spin_kernel"   # at::cuda::sleep's kernel: torch.cuda._sleep(cycles), one thread
-MARKER_CYCLES = 1000     # about a microsecond: a marker, not a delay
-NO_GPU = ("profile_attention: no CUDA GPU is visible, so there is nothing for Nsight Compute to "
-          "profile; nothing written. Run it on a GPU machine (the GPU pass's profile stage does).")
-NO_NCU = ("profile_attention: ncu (Nsight Compute) is not on PATH; nothing written. Install Nsight "
-          "Compute (it ships with the CUDA toolkit) or put its folder on PATH.")
 
 # ncu metric name -> the short name a row carries.
 METRICS = {
@@ -142,20 +131,15 @@ UNSURE = {
     "smsp__average_warps_issue_stalled_no_instruction_per_issue_active.ratio",
     "smsp__average_warps_issue_stalled_not_selected_per_issue_active.ratio",
 }
-REQUIRED = {"gpu__time_duration.sum"}  # never dropped: a row without a duration is no row
 OCCUPANCY_LIMITS = {"occ_limit_registers": "registers", "occ_limit_shared_mem": "shared_mem",
                     "occ_limit_warps": "warps", "occ_limit_blocks": "blocks"}
 # "not selected" is a warp that was ready while another issued: spare parallelism, not a wait,
 # so it never counts as the top stall.
 NOT_A_WAIT = {"stall_not_selected"}
-# Units ncu may print when it scales a value (--print-units auto); the command asks for base
-# units, so these are a fallback. ncu's byte prefixes are decimal (1 Kbyte = 1000 bytes).
-UNIT_SCALE = {"nsecond": 1.0, "usecond": 1e3, "msecond": 1e6, "second": 1e9,
-              "byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12}
 
 
 # ---------------------------------------------------------------------------------------------
-# The plan, the parsing and the arithmetic: pure functions (test_profile_attention.py holds them)
+# The plan and the arithmetic: pure functions (test_profile_attention.py holds them)
 # ---------------------------------------------------------------------------------------------
 def runs(forward_versions, backward_versions):
     """Every call the workload makes, in order: {"pass", "variant", "head_dim", "causal"}."""
@@ -171,61 +155,6 @@ def runs(forward_versions, backward_versions):
 def label(run):
     """A call's name, its NVTX range too: forward.pipelined.d128.causal."""
     return f"{run['pass']}.{run['variant']}.d{run['head_dim']}.{'causal' if run['causal'] else 'full'}"
-
-
-def parse_value(text, unit=""):
-    """One "Metric Value" cell -> float in the metric's base unit, or None where ncu has none
-    ("n/a", empty, anything not a number)."""
-    try:
-        value = float((text or "").strip().replace(",", ""))
-    except ValueError:
-        return None
-    return value * UNIT_SCALE.get((unit or "").split("/")[0].strip(), 1.0)
-
-
-def parse_csv(text, metrics):
-    """ncu --csv output (the details page: one line per kernel and metric) -> one dict per
-    profiled kernel in launch order: {"id", "kernel": demangled name, <short name>: value}.
-    Lines before the header ("==PROF==", the application's own output) and lines that are not
-    a kernel's row are skipped; a metric ncu did not report is absent, one it reported as n/a
-    is None."""
-    start = text.find('"ID"')
-    if start < 0:
-        return []
-    kernels = {}
-    for row in csv.DictReader(io.StringIO(text[start:])):
-        kid = (row.get("ID") or "").strip()
-        name = row.get("Metric Name")
-        if not kid.isdigit() or name is None or row.get("Kernel Name") is None:
-            continue
-        k = kernels.setdefault(int(kid), {"id": int(kid), "kernel": row["Kernel Name"]})
-        k[metrics.get(name, name)] = parse_value(row.get("Metric Value"), row.get("Metric Unit"))
-    return [kernels[i] for i in sorted(kernels)]
-
-
-def is_marker(kernel):
-    return MARKER in kernel["kernel"]
-
-
-def split_by_marker(kernels, labels):
-    """The kernels of each call: a marker opens a call, every kernel up to the next marker is
-    its. ValueError when the profile and the plan disagree (kernels before the first marker, a
-    marker count that is not the call count, a call that launched nothing)."""
-    groups = []
-    for k in kernels:
-        if is_marker(k):
-            groups.append([])
-        elif not groups:
-            raise ValueError(f"kernel {k['kernel'][:80]!r} was profiled before the first marker")
-        else:
-            groups[-1].append(k)
-    if len(groups) != len(labels):
-        raise ValueError(f"the profile has {len(groups)} markers ({MARKER}) but the plan has "
-                         f"{len(labels)} calls")
-    for name, group in zip(labels, groups):
-        if not group:
-            raise ValueError(f"{name}: no kernel between its marker and the next")
-    return groups
 
 
 def binding_limit(kernel):
@@ -317,33 +246,6 @@ def format_table(rows):
     return "\n".join(lines)
 
 
-def ncu_version(text):
-    """`ncu --version` -> its "Version ..." line (the whole text, stripped, if there is none)."""
-    for line in text.splitlines():
-        if line.strip().lower().startswith("version"):
-            return line.strip()
-    return text.strip()
-
-
-def rejected_metrics(output, metrics):
-    """The metrics of `metrics` that an ncu ==ERROR== or ==WARNING== line names, by full name or
-    by base name (the part before the first dot, as in "sm__pipe_tensor_op_gmma_cycles_active")."""
-    found = []
-    for line in output.splitlines():
-        if "==ERROR==" not in line and "==WARNING==" not in line:
-            continue
-        for m in metrics:
-            base = m.split(".")[0]
-            if m not in found and re.search(rf"(?<![\w.]){re.escape(base)}(?!\w)", line):
-                found.append(m)
-    return found
-
-
-def metric_error(output):
-    """Whether ncu failed over a metric (an ==ERROR== line that speaks of metrics)."""
-    return any("==ERROR==" in line and "metric" in line.lower() for line in output.splitlines())
-
-
 # ---------------------------------------------------------------------------------------------
 # The workload (what ncu profiles; GPU only)
 # ---------------------------------------------------------------------------------------------
@@ -369,14 +271,13 @@ def make_call(run, tensors, scale):
 
 
 def workload(plan_path=None, only=None):
-    import torch
-    if not torch.cuda.is_available():
-        print(NO_GPU)
-        return
     import warnings
 
+    import torch
+
     import flash_attention
-    from bench_attention import first_line, make_inputs
+    from bench_attention import make_inputs
+    from coursekit import bench
     todo = runs(flash_attention.VERSIONS["attention_forward"], flash_attention.VERSIONS["attention_backward"])
     if only:
         todo = [r for r in todo if re.search(only, label(r))]
@@ -391,8 +292,7 @@ def workload(plan_path=None, only=None):
                 call()
                 torch.cuda.synchronize()
             except Exception as e:  # noqa: BLE001  (a backend that refuses skips its call, not the run)
-                told = [first_line(w.message) for w in caught if issubclass(w.category, UserWarning)]
-                reason = first_line(e) + (" [" + "; ".join(dict.fromkeys(told)) + "]" if told else "")
+                reason = bench.refusal(e, caught)
                 skipped.append({"label": label(run), **run, "reason": reason})
                 print(f"profile_attention: {label(run)} skipped: {reason}", file=sys.stderr)
                 torch.cuda.synchronize()
@@ -405,7 +305,7 @@ def workload(plan_path=None, only=None):
     torch.cuda.empty_cache()
     torch.cuda.profiler.start()
     for run, call in calls:
-        torch.cuda._sleep(MARKER_CYCLES)  # the marker: the kernels up to the next one are this call's
+        ncu.marker()  # the kernels up to the next marker are this call's
         torch.cuda.nvtx.range_push(label(run))
         call()
         torch.cuda.nvtx.range_pop()
@@ -416,42 +316,8 @@ def workload(plan_path=None, only=None):
 
 
 # ---------------------------------------------------------------------------------------------
-# The profiler side
+# The profiler side (coursekit.ncu runs ncu and reads its CSV)
 # ---------------------------------------------------------------------------------------------
-def ncu_command(ncu, metrics, plan_path, only=None):
-    return [ncu, "--csv", "--print-units", "base", "--clock-control", "none",
-            "--profile-from-start", "off", "--metrics", ",".join(metrics),
-            sys.executable, str(Path(__file__).resolve()), "--workload", "--plan", str(plan_path)] + (
-        ["--only", only] if only else [])
-
-
-def run_ncu(ncu, only=None):
-    """ncu over the workload: (its stdout, the plan, the command, the metrics it collected, the
-    metrics dropped). A metric ncu rejects is dropped and the run repeated (at most twice);
-    any other failure ends the run."""
-    metrics, dropped = dict(METRICS), []
-    for _ in range(3):
-        with tempfile.TemporaryDirectory() as tmp:
-            plan_path = Path(tmp) / "plan.json"
-            cmd = ncu_command(ncu, list(metrics), plan_path, only)
-            print("running", shlex.join(cmd), flush=True)
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            plan = json.loads(plan_path.read_text()) if plan_path.exists() else None
-        output = proc.stdout + "\n" + proc.stderr
-        if proc.returncode == 0 and plan is not None:
-            return proc.stdout, plan, cmd, metrics, dropped
-        named = [m for m in rejected_metrics(output, metrics) if m not in REQUIRED]
-        retry = named or ([m for m in metrics if m in UNSURE] if metric_error(output) else [])
-        if proc.returncode == 0 or not retry:
-            break
-        print(f"ncu failed over metrics; retrying without {', '.join(retry)}", flush=True)
-        for m in retry:
-            metrics.pop(m)
-            dropped.append(m)
-    sys.exit(f"ncu failed ({proc.returncode}; plan {'written' if plan else 'not written'}):\n"
-             f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-
-
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", action="store_true", help="run only what ncu profiles")
@@ -462,44 +328,37 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    why = ncu.unavailable("profile_attention", need_ncu=not args.workload)
+    if why is not None:
+        print(why)
+        return 0
     if args.workload:
         workload(args.plan, args.only)
         return 0
-    import torch
-    if not torch.cuda.is_available():
-        print(NO_GPU)
-        return 0
-    ncu = shutil.which("ncu")
-    if ncu is None:
-        print(NO_NCU)
-        return 0
-    version = ncu_version(subprocess.run([ncu, "--version"], capture_output=True, text=True).stdout)
-    stdout, plan, cmd, metrics, dropped = run_ncu(ncu, args.only)
-    kernels = parse_csv(stdout, metrics)
+    profile = ncu.run(Path(__file__).resolve(), METRICS, args=["--only", args.only] if args.only else [],
+                      from_start=False, unsure=UNSURE, plan=True)
+    plan = profile.plan
     try:
-        groups = split_by_marker(kernels, [label(r) for r in plan["runs"]])
+        groups = ncu.split_by_marker(profile.kernels, [label(r) for r in plan["runs"]])
     except ValueError as e:
-        sys.exit(f"{e}; profiled kernels: " + ", ".join(k["kernel"][:60] for k in kernels))
+        sys.exit(f"{e}; profiled kernels: " + ", ".join(k["kernel"][:60] for k in profile.kernels))
     if not plan["runs"]:
         sys.exit(f"no call ran (--only {args.only!r}?); skipped: {plan['skipped']}")
     rows = [summarize_call(run, ks, run_flops(run)) for run, ks in zip(plan["runs"], groups)]
-    measured = [k for k in kernels if not is_marker(k)]
-    missing = [m for m, f in metrics.items() if all(k.get(f) is None for k in measured)]
     path = None
     if not args.only:  # a subset would overwrite the whole profile's record
         from coursekit import results
         path = results.write_results(
-            CHAPTER, rows, {}, tool="ncu --clock-control none", metrics=list(metrics),
-            ncu_version=version, command=shlex.join(cmd), metrics_dropped=dropped,
-            metrics_missing=missing, skipped=plan["skipped"],
-            attribution=f"a {MARKER} marker kernel launched before each call",
+            CHAPTER, rows, {}, **profile.provenance(), skipped=plan["skipped"],
+            attribution=f"a {ncu.MARKER} marker kernel launched before each call",
             workload={"dtype": DTYPE, "batch": BATCH, "heads": HEADS, "seqlen": SEQLEN,
                       "head_dims": list(HEAD_DIMS)})
     for note in plan["skipped"]:
         print(f"skipped {note['label']}: {note['reason'][:160]}")
-    if dropped or missing:
-        print(f"metrics ncu rejected: {dropped or 'none'}; reported by no kernel: {missing or 'none'}")
-    print(f"\n{CHAPTER}, {DTYPE} {BATCH}x{HEADS}x{SEQLEN}, under ncu ({version}); the main (longest) "
+    if profile.dropped or profile.missing():
+        print(f"metrics ncu rejected: {profile.dropped or 'none'}; reported by no kernel: "
+              f"{profile.missing() or 'none'}")
+    print(f"\n{CHAPTER}, {DTYPE} {BATCH}x{HEADS}x{SEQLEN}, under ncu ({profile.version}); the main (longest) "
           "kernel's counters, ms and TFLOP/s of all the call's kernels")
     print(format_table(rows))
     print(f"wrote {path}" if path else "nothing written: --only profiles a subset")

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import bench_attention as B
+from coursekit import bench
 
 
 def test_forward_flops_are_two_matmuls():
@@ -47,11 +48,6 @@ def test_math_budget_keeps_short_and_drops_long_sequences():
                 assert not fits, c
 
 
-@pytest.mark.parametrize("est_ms, calls", [(0.0, 8), (0.1, 8), (0.5, 4), (0.7, 3), (2.0, 1), (50.0, 1)])
-def test_calls_per_replay(est_ms, calls):
-    assert B.calls_per_replay(est_ms) == calls
-
-
 def test_grid_is_the_issues():
     s = B.sizes_for("cuda", quick=False)
     grid = B.configs(s)
@@ -60,26 +56,6 @@ def test_grid_is_the_issues():
     assert {c["dtype"] for c in grid} == {"bfloat16", "float16"}
     for c in grid:
         assert c["batch"] * c["seqlen"] == 16384 and c["heads"] * c["head_dim"] == 2048, c
-
-
-def test_notes_record_each_reason_once():
-    notes = B.Notes()
-    for op in ("attention_forward", "attention_backward"):
-        notes.skip("default", f"flash_attention: {B.NO_KERNELS} ({op} was called with tensors on cuda:0)", op)
-    notes.skip("sdpa_cudnn", "No available kernel", "s=512")
-    notes.skip("sdpa_cudnn", "No available kernel", "s=1024")
-    assert [(n["variant"], n["first_at"]) for n in notes.skipped] == [
-        ("default", "attention_forward"), ("sdpa_cudnn", "s=512")]
-
-
-def test_attempt_turns_a_refusal_into_a_note():
-    notes = B.Notes()
-
-    def refuse():
-        raise RuntimeError("flash_attention: no CUDA kernels in this build yet (attention_forward ...)")
-    assert B.attempt(notes, "v1", "here", refuse) is None
-    assert B.attempt(notes, "v1", "here", lambda: 3) == 3
-    assert len(notes.skipped) == 1 and B.NO_KERNELS in notes.skipped[0]["reason"]
 
 
 @pytest.mark.parametrize("causal", (False, True))
@@ -104,7 +80,7 @@ TINY = {"seqlens": [16, 32], "tokens": 64, "hidden": 32, "head_dims": [16], "dty
 
 
 def test_cpu_timing_rows_follow_the_contract():
-    notes = B.Notes()
+    notes = bench.Notes()
     rows = B.bench_timing("cpu", 0.1, TINY, notes)
     # sdpa_cudnn and sdpa_efficient have no CPU kernel: skipped, with a reason, once each.
     assert {n["variant"] for n in notes.skipped} == {"sdpa_cudnn", "sdpa_efficient"}
@@ -121,7 +97,7 @@ def test_cpu_timing_rows_follow_the_contract():
 
 
 def test_cpu_error_rows():
-    rows = B.bench_error("cpu", TINY["error"], B.Notes())
+    rows = B.bench_error("cpu", TINY["error"], bench.Notes())
     ours = [r for r in rows if r["variant"] == "cpu"]
     assert {(r["pass"], r["causal"]) for r in ours} == {(p, c) for p in ("forward", "backward") for c in (False, True)}
     for r in ours:
@@ -131,16 +107,16 @@ def test_cpu_error_rows():
 
 def test_a_slow_variant_is_not_probed_again_at_longer_sequences(monkeypatch):
     monkeypatch.setattr(B, "MAX_CALL_MS", 0.0)  # every call is "too slow"
-    notes = B.Notes()
+    notes = bench.Notes()
     probed = []
-    real_probe = B.probe
+    real_probe = bench.probe
     # Counted when the probe returns: SDPA's refusals of cudnn and efficient on the CPU raise
     # inside it, at every size (a refusal costs nothing, a slow call does).
     def counting_probe(fn, device):
         ms = real_probe(fn, device)
         probed.append(ms)
         return ms
-    monkeypatch.setattr(B, "probe", counting_probe)
+    monkeypatch.setattr(bench, "probe", counting_probe)
     assert B.bench_timing("cpu", 0.1, TINY, notes) == []
     # Three variants run on the CPU, in 2 causal x 2 passes, probed at the first seqlen only.
     assert len(probed) == 3 * 2 * 2

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import bench_paged as B
 import flash_attention
-from coursekit import results
+from coursekit import bench, results
 
 GiB = 2**30
 
@@ -158,10 +158,10 @@ def test_the_guard_stops_a_wrong_kernel_before_it_is_timed(monkeypatch):
     real = flash_attention.paged_attention
     monkeypatch.setattr(flash_attention, "paged_attention", lambda *a, **kw: real(*a, **kw) * 1.5)
     timed = []
-    monkeypatch.setattr(B, "measure", lambda *a, **kw: timed.append(a[1]) or None)
+    monkeypatch.setattr(bench, "probe_and_time", lambda *a, **kw: timed.append(a[1]) or None)
     c = B.decode_config(2, 64, 4, 2, head_dim=16, dtype="float32")
     with pytest.raises(AssertionError, match="cpu vs float32 reference"):
-        B.bench_decode("cpu", [c], {"copy_GBps": 1.0}, B.Notes())
+        B.bench_decode("cpu", [c], {"copy_GBps": 1.0}, bench.Notes())
     assert "cpu" not in timed and timed  # the SDPA rows before it were timed, the wrong one was not
 
 
@@ -170,7 +170,7 @@ def test_the_cache_ops_guard_catches_a_write_that_does_nothing(monkeypatch):
     co = {"tokens": [32], "num_blocks": 8, "pairs": 2, "heads_kv": 2, "head_dim": 8, "block_size": 16,
           "dtype": "float32"}
     with pytest.raises(AssertionError, match="reshape_and_cache"):
-        B.bench_cache_ops("cpu", co, {"copy_GBps": 1.0}, B.Notes())
+        B.bench_cache_ops("cpu", co, {"copy_GBps": 1.0}, bench.Notes())
 
 
 def test_cache_op_bytes():

@@ -1,21 +1,19 @@
-"""Tests of profile_attention.py on the CPU: how it reads ncu's CSV, gives each call its kernels,
-names the binding occupancy limit, derives TFLOP/s from the chapter's FLOP count, retries
-without a metric ncu rejects, writes its record, and that it exits 0 with a message where there
-is no GPU or no ncu. The ncu text here is written by hand in the format `ncu --csv --print-units
-base --metrics ...` prints (the details page: one line per kernel and metric)."""
+"""Tests of profile_attention.py on the CPU: how it gives each call its kernels, names the
+binding occupancy limit and the top stall, derives TFLOP/s from the chapter's FLOP count, and
+writes its record (main() end to end with ncu faked), and that it exits 0 with a message where
+there is no ncu. coursekit.ncu's own tests (common/tests/test_ncu.py) hold the parsing, the
+retries without a rejected metric and the no-GPU path of every chapter's profile script. The ncu
+text here is written by hand in the format `ncu --csv --print-units base --metrics ...` prints
+(the details page: one line per kernel and metric)."""
 import json
-import os
+import shutil
 import subprocess
-import sys
-import types
 from pathlib import Path
 
 import pytest
 
 import profile_attention as P
-
-HERE = Path(__file__).resolve().parent
-RESULTS = HERE.parent / "results"
+from coursekit.pytest_plugin import FakeNcu
 
 HEADER = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
           '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"\n')
@@ -26,29 +24,6 @@ BWD_PRE = "void flash_attention::flash_bwd_preprocess_kernel<__nv_bfloat16, 64>(
 BWD_MAIN = ("void flash_attention::flash_bwd_kernel<__nv_bfloat16, flash_attention::BwdTraits<64>>"
             "(flash_attention::AttentionBackwardParams, float *, const float *, unsigned int, float)")
 BWD_DQ = "void flash_attention::flash_bwd_convert_dq_kernel<__nv_bfloat16, 64>(flash_attention::AttentionBackwardParams)"
-
-# Two kernels, out of order, between ncu's and the application's own lines: a value with a
-# thousands separator, one ncu could not collect (n/a), a time in microseconds and a size in
-# Kbyte (as --print-units auto would print them), and a metric the script does not name.
-TWO_KERNELS = (
-    '==PROF== Connected to process 4242 (/usr/bin/python3.12)\n'
-    'profile_attention: something the application printed\n'
-    + HEADER +
-    '"1","4242","python3.12","127.0.0.1","' + FWD + '","1","7","(256, 1, 1)","(16, 64, 1)","0","9.0",'
-    '"Command line profiler metrics","gpu__time_duration.sum","usecond","1.50"\n'
-    '"1","4242","python3.12","127.0.0.1","' + FWD + '","1","7","(256, 1, 1)","(16, 64, 1)","0","9.0",'
-    '"Command line profiler metrics","launch__shared_mem_per_block_dynamic","Kbyte/block","49.152"\n'
-    '"0","4242","python3.12","127.0.0.1","' + MARKER_NAME + '","1","7","(1, 1, 1)","(1, 1, 1)","0","9.0",'
-    '"Command line profiler metrics","gpu__time_duration.sum","nsecond","2,112"\n'
-    '"0","4242","python3.12","127.0.0.1","' + MARKER_NAME + '","1","7","(1, 1, 1)","(1, 1, 1)","0","9.0",'
-    '"Command line profiler metrics","l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum","","1,024"\n'
-    '"0","4242","python3.12","127.0.0.1","' + MARKER_NAME + '","1","7","(1, 1, 1)","(1, 1, 1)","0","9.0",'
-    '"Command line profiler metrics","sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",'
-    '"%","n/a"\n'
-    '"0","4242","python3.12","127.0.0.1","' + MARKER_NAME + '","1","7","(1, 1, 1)","(1, 1, 1)","0","9.0",'
-    '"Command line profiler metrics","smsp__cycles_active.avg","cycle","17"\n'
-    '==PROF== Disconnected from process 4242\n')
-
 
 def csv_line(kid, kernel, metric, unit, value):
     return (f'"{kid}","4242","python3.12","127.0.0.1","{kernel}","1","7","(128, 1, 1)","(32, 64, 1)","0",'
@@ -64,52 +39,8 @@ def ncu_text(kernels):
     return "".join(lines) + "==PROF== Disconnected from process 4242\n"
 
 
-def test_csv_rows_become_kernels_in_launch_order():
-    kernels = P.parse_csv(TWO_KERNELS, P.METRICS)
-    assert [k["kernel"] for k in kernels] == [MARKER_NAME, FWD]
-    marker, fwd = kernels
-    assert marker["id"] == 0 and fwd["id"] == 1
-    assert marker["duration_ns"] == 2112.0                # "2,112" nsecond
-    assert marker["smem_ld_bank_conflicts"] == 1024.0     # short name, separator dropped
-    assert "tensor_pipe_pct" in marker and marker["tensor_pipe_pct"] is None  # n/a
-    assert marker["smsp__cycles_active.avg"] == 17.0      # unnamed metrics keep ncu's name
-    assert fwd["duration_ns"] == pytest.approx(1500.0)    # 1.50 usecond
-    assert fwd["smem_dynamic_bytes"] == pytest.approx(49152.0)  # 49.152 Kbyte/block, decimal
-    assert "registers" not in fwd                         # never reported: absent, not None
-
-
-def test_text_without_a_header_has_no_kernels():
-    assert P.parse_csv("==PROF== Connected to process 1\n==ERROR== something\n", P.METRICS) == []
-
-
-@pytest.mark.parametrize("text,unit,expected", [
-    ("1,024", "", 1024.0), ("3.5", "%", 3.5), ("n/a", "%", None), ("", "byte", None),
-    ("2", "msecond", 2e6), ("1.5", "Mbyte", 1.5e6), ("7", "register/thread", 7.0),
-    ("8", "byte/block", 8.0)])
-def test_values_are_read_in_base_units(text, unit, expected):
-    assert P.parse_value(text, unit) == expected
-
-
 def k(name, **fields):
     return {"kernel": name, **fields}
-
-
-def test_each_call_gets_the_kernels_after_its_marker():
-    m = k(MARKER_NAME)
-    a, b, c = k(BWD_PRE), k(BWD_MAIN), k(BWD_DQ)
-    d = k(FWD)
-    groups = P.split_by_marker([m, a, b, c, m, d], ["backward.mma.d64.full", "forward.pipelined.d128.full"])
-    assert groups == [[a, b, c], [d]]
-
-
-@pytest.mark.parametrize("kernels,labels,message", [
-    ([k(FWD), k(MARKER_NAME), k(FWD)], ["x"], "before the first marker"),
-    ([k(MARKER_NAME), k(FWD)], ["x", "y"], "1 markers .* 2 calls"),
-    ([k(MARKER_NAME), k(FWD), k(MARKER_NAME)], ["x", "y"], "y: no kernel"),
-])
-def test_a_profile_that_disagrees_with_the_plan_is_refused(kernels, labels, message):
-    with pytest.raises(ValueError, match=message):
-        P.split_by_marker(kernels, labels)
 
 
 @pytest.mark.parametrize("limits,expected", [
@@ -193,44 +124,6 @@ def test_the_plan_covers_every_rung_and_the_causal_runs():
     assert causal == ["forward.tuned.d128.causal", "forward.sdpa_flash.d128.causal"]
 
 
-def test_ncu_named_metrics_are_found_by_full_or_base_name():
-    out = ("==PROF== Connected to process 1\n"
-           "==ERROR== Failed to find metric sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active\n"
-           "==WARNING== Metric smsp__inst_executed_op_ldsm is not available on this device\n"
-           "sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active mentioned outside an ncu message\n"
-           "==ERROR== unknown metric sm__inst_executed_pipe_alu_heavy\n")
-    found = P.rejected_metrics(out, P.METRICS)
-    assert found == ["sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
-                     "smsp__inst_executed_op_ldsm.sum"]
-    assert P.metric_error(out) and not P.metric_error("==ERROR== ERR_NVGPUCTRPERM - no permission\n")
-
-
-def test_ncu_version_line():
-    text = ("NVIDIA (R) Nsight Compute Command Line Profiler\nCopyright (c) 2018-2025 NVIDIA Corporation\n"
-            "Version 2025.3.0.0 (build 36273991) (public-release)\n")
-    assert P.ncu_version(text) == "Version 2025.3.0.0 (build 36273991) (public-release)"
-
-
-class FakeNcu:
-    """subprocess.run as the script calls it: `ncu --version`, then ncu over the workload, which
-    rejects the metrics in `rejects` with an ==ERROR== line, and otherwise writes the plan and
-    prints `csv`."""
-
-    def __init__(self, csv_text, plan, rejects=()):
-        self.csv, self.plan, self.rejects, self.commands = csv_text, plan, set(rejects), []
-
-    def __call__(self, cmd, capture_output=True, text=True):
-        self.commands.append(cmd)
-        if "--version" in cmd:
-            return types.SimpleNamespace(returncode=0, stdout="Version 2025.3.0.0 (build 1)\n", stderr="")
-        metrics = cmd[cmd.index("--metrics") + 1].split(",")
-        bad = [m for m in metrics if m in self.rejects]
-        if bad:
-            return types.SimpleNamespace(returncode=1, stdout="", stderr=f"==ERROR== Failed to find metric {bad[0]}\n")
-        Path(cmd[cmd.index("--plan") + 1]).write_text(json.dumps(self.plan))
-        return types.SimpleNamespace(returncode=0, stdout=self.csv, stderr="")
-
-
 GMMA = "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active"
 PLAN = {"runs": [{"pass": "forward", "variant": "pipelined", "head_dim": 128, "causal": True},
                  {"pass": "backward", "variant": "mma", "head_dim": 64, "causal": False}],
@@ -249,29 +142,6 @@ PROFILE = ncu_text([
 ])
 
 
-def test_a_rejected_metric_is_dropped_and_the_run_repeated(monkeypatch):
-    fake = FakeNcu(PROFILE, PLAN, rejects={GMMA})
-    monkeypatch.setattr(P.subprocess, "run", fake)
-    stdout, plan, cmd, metrics, dropped = P.run_ncu("/opt/ncu/ncu")
-    assert len(fake.commands) == 2 and dropped == [GMMA]
-    assert GMMA in fake.commands[0][fake.commands[0].index("--metrics") + 1]
-    assert GMMA not in cmd[cmd.index("--metrics") + 1] and GMMA not in metrics
-    assert plan == PLAN and stdout == PROFILE
-    assert cmd[-3:-1] == ["--workload", "--plan"] and "--profile-from-start" in cmd
-
-
-def test_a_failure_that_is_not_a_metric_is_not_retried(monkeypatch):
-    calls = []
-
-    def fail(cmd, capture_output=True, text=True):
-        calls.append(cmd)
-        return types.SimpleNamespace(returncode=1, stdout="", stderr="==ERROR== ERR_NVGPUCTRPERM\n")
-    monkeypatch.setattr(P.subprocess, "run", fail)
-    with pytest.raises(SystemExit, match="ERR_NVGPUCTRPERM"):
-        P.run_ncu("/opt/ncu/ncu")
-    assert len(calls) == 1
-
-
 def test_the_gpu_path_writes_one_row_per_call(monkeypatch, capsys):
     """main() end to end with ncu faked: the record it writes and the table it prints."""
     import torch
@@ -283,8 +153,8 @@ def test_the_gpu_path_writes_one_row_per_call(monkeypatch, capsys):
         written.update(chapter=chapter, rows=rows, ceilings=ceilings, **extra)
         return Path("results/fake/chapter6_flash_attention_profile.json")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(P.shutil, "which", lambda name: "/opt/ncu/ncu" if name == "ncu" else None)
-    monkeypatch.setattr(P.subprocess, "run", fake)
+    monkeypatch.setattr(shutil, "which", lambda name: "/opt/ncu/ncu" if name == "ncu" else None)
+    monkeypatch.setattr(subprocess, "run", fake)
     monkeypatch.setattr(results, "write_results", write_results)
     assert P.main([]) == 0
     assert written["chapter"] == "chapter6_flash_attention_profile"
@@ -305,26 +175,12 @@ def test_the_gpu_path_writes_one_row_per_call(monkeypatch, capsys):
 def test_no_ncu_is_a_message_not_a_failure(monkeypatch, capsys):
     import torch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(P.shutil, "which", lambda name: None)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
 
     def no_run(*a, **kw):
         raise AssertionError("nothing should run without ncu")
-    monkeypatch.setattr(P.subprocess, "run", no_run)
+    monkeypatch.setattr(subprocess, "run", no_run)
     assert P.main([]) == 0
     assert "ncu (Nsight Compute) is not on PATH; nothing written" in capsys.readouterr().out
 
 
-def recorded_profiles():
-    return {p: p.stat().st_mtime_ns for p in RESULTS.glob("*/chapter6_flash_attention_profile.json")}
-
-
-@pytest.mark.parametrize("args", [[], ["--workload"]])
-def test_without_a_gpu_it_says_so_and_exits_0(args):
-    before = recorded_profiles()
-    # No GPU visible even on a GPU machine: this is the CPU path, not a real profile.
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, str(HERE / "profile_attention.py"), *args], cwd=HERE, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    assert "no CUDA GPU is visible" in proc.stdout and "nothing written" in proc.stdout
-    assert recorded_profiles() == before

@@ -129,13 +129,14 @@ def jit_build(steps, chapter):
 
 
 def package_check(steps, chapter, record=False):
-    """A chapter that ships as a wheel (chapter 5's package_check.py): build it, install it into
-    a fresh virtualenv, run the chapter's standalone tests there and list its device code. Runs
-    after pip_install, whose build/ the wheel build reuses. record=True (the GPU pass) keeps
+    """A chapter that ships as a wheel (chapter 5's labs/package_check.py): build it, install it
+    into a fresh virtualenv, run the chapter's standalone tests there and list its device code.
+    Runs after pip_install, whose build/ the wheel build reuses. record=True (the GPU pass) keeps
     its findings (arch lists, sizes, PTX JIT) in results/<device>/ for the lesson."""
-    if not (chapter / "package_check.py").exists():
+    script = Path("labs") / "package_check.py"
+    if not (chapter / script).exists():
         return
-    cmd = [sys.executable, "package_check.py"]
+    cmd = [sys.executable, script]
     if record:
         from coursekit import results
         out = results.RESULTS_DIR / results.device_slug()

@@ -1,10 +1,13 @@
 """Benchmark harness: CUDA-event timing with warm-up, median and spread of >= 20 runs; for
 problems small enough to sit in L2 or to be dominated by launch time, CUDA-graph replays over
-rotating input sets; the copy ceiling measured in the same run. Bandwidth rows follow the
-results contract of CONVENTIONS.md section 5."""
+rotating input sets; the copy ceiling measured in the same run; for sweeps whose variants may
+refuse a shape (chapter 6), notes of what was skipped and why, and a probe that sizes each graph.
+Bandwidth rows follow the results contract of CONVENTIONS.md section 5."""
 import argparse
+import math
 import statistics
 import time
+import warnings
 
 import torch
 
@@ -304,6 +307,109 @@ def backward_call(f, inputs, dy):
     else:
         out = f(*inputs)
     return lambda: torch.autograd.grad(out, inputs, dy, retain_graph=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sweeps over variants that may refuse or take too long (chapter 6's benchmarks and profile): a
+# refusal is noted once with where it first happened, never a crash of the run; each call is
+# probed once before it is timed, and the probe sizes its graph.
+# ---------------------------------------------------------------------------------------------
+REPLAY_MS = 2.0  # a graph replay this long makes the replay's own launch cost negligible
+GRAPH_CALLS = 8  # time_cuda_graph's default calls per replay: the most a probed call asks for
+NO_KERNELS = "no CUDA kernels in this build yet"  # what a CPU-only build says to a CUDA tensor
+
+
+def first_line(e):
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
+
+
+def refusal(e, caught):
+    """Why a call refused, in one line: its exception's first line, then the UserWarnings it
+    gave first. SDPA says why it refused a backend in warnings ("Flash attention requires ...")
+    before it raises "No available kernel", so the warnings are the reason when there are any."""
+    told = [first_line(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    return first_line(e) + (" [" + "; ".join(dict.fromkeys(told)) + "]" if told else "")
+
+
+class Notes:
+    """The variants a sweep skipped: each reason recorded once, with the first place it happened
+    (`skipped`, a list the results file keeps)."""
+
+    def __init__(self):
+        self.skipped = []
+        self._seen = set()
+
+    def skip(self, variant, reason, where):
+        # "no CUDA kernels" names the op and device after the phrase: one note for all of them.
+        key = (variant, NO_KERNELS if NO_KERNELS in reason else reason)
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        self.skipped.append({"variant": variant, "reason": reason, "first_at": where})
+        print(f"  {variant} skipped ({where}): {reason}")
+
+
+def attempt(notes, variant, where, make):
+    """make() under a record of warnings: its value, or None with the reason noted."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            return make()
+        except Exception as e:  # noqa: BLE001  (any refusal or failure skips the row, not the run)
+            notes.skip(variant, refusal(e, caught), where)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            return None
+
+
+def sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def probe(fn, device):
+    """One call to warm up (cuDNN builds its plan, the caching allocator fills), one timed by
+    the wall clock, in ms: the estimate that sizes the graph and skips what is too slow to time."""
+    fn()
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def calls_per_replay(est_ms, target_ms=REPLAY_MS, most=GRAPH_CALLS):
+    """How many calls one graph replay holds: enough to last target_ms (so the replay's launch,
+    a few microseconds, is noise), at most `most`, at least one."""
+    return max(1, min(most, math.ceil(target_ms / max(est_ms, 1e-3))))
+
+
+def time_probed(device, fn, est_ms, *, sets=1, call=None):
+    """default_timer with the calls per replay sized by the probe's est_ms: on the GPU a CUDA
+    graph of max(sets, calls_per_replay) calls of call(i) over `sets` input sets (fn() when call
+    is None; CUDA events if the capture fails, as default_timer does); on the CPU the wall clock,
+    without a warm-up (the probe's two calls were one)."""
+    if device != "cuda":
+        return time_cpu(fn, warmup=0)
+    try:
+        return time_cuda_graph(call or (lambda i: fn()), sets, min_calls=calls_per_replay(est_ms))
+    except RuntimeError as e:
+        print(f"  graph capture failed ({first_line(e)[:120]}); timing with events")
+        torch.cuda.synchronize()
+        return {**time_cuda(fn), "timer": "events (graph capture failed)"}
+
+
+def probe_and_time(notes, variant, where, device, fn, *, max_call_ms=math.inf, **how):
+    """probe, then time_probed (`how`: its sets and call), or None with the reason noted: a
+    refusal, or one call slower than max_call_ms, which is skipped rather than timed."""
+    est = attempt(notes, variant, where, lambda: probe(fn, device))
+    if est is None:
+        return None
+    if est > max_call_ms:
+        notes.skip(variant, f"one call took over {max_call_ms:.0f} ms (here {est:.0f} ms); not timed", where)
+        return None
+    return attempt(notes, variant, where, lambda: time_probed(device, fn, est, **how))
 
 
 def start(doc):

@@ -120,3 +120,30 @@ def ptx_kernels(cu_file, out_dir, arch="sm_80"):
                     str(cu_file)], check=True)
     entries = re.split(r"\.entry ", ptx.read_text())[1:]
     return {body.split("(", 1)[0]: body for body in entries}
+
+
+class FakeNcu:
+    """subprocess.run as coursekit.ncu calls it, for tests of a profile script on a machine
+    without ncu: `ncu --version`, then ncu over the workload, which rejects the metrics in
+    `rejects` with an ==ERROR== line (or fails with `error`), else writes `plan` where --plan
+    says (as the workload would) and prints `csv_text`. Every command it saw is in .commands."""
+
+    def __init__(self, csv_text, plan=None, rejects=(), error=None):
+        self.csv, self.plan, self.rejects, self.error, self.commands = csv_text, plan, set(rejects), error, []
+
+    def __call__(self, cmd, capture_output=True, text=True):
+        import json
+        import types
+        from pathlib import Path
+
+        self.commands.append(cmd)
+        if "--version" in cmd:
+            return types.SimpleNamespace(returncode=0, stdout="Version 2025.3.0.0 (build 1)\n", stderr="")
+        if self.error:
+            return types.SimpleNamespace(returncode=1, stdout="", stderr=self.error)
+        bad = [m for m in cmd[cmd.index("--metrics") + 1].split(",") if m in self.rejects]
+        if bad:
+            return types.SimpleNamespace(returncode=1, stdout="", stderr=f"==ERROR== Failed to find metric {bad[0]}\n")
+        if "--plan" in cmd:
+            Path(cmd[cmd.index("--plan") + 1]).write_text(json.dumps(self.plan))
+        return types.SimpleNamespace(returncode=0, stdout=self.csv, stderr="")

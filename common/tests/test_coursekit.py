@@ -10,7 +10,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "common"), str(ROOT / "tools")]
-from coursekit import build, jit, loader, ncu, results  # noqa: E402
+from coursekit import build, jit, loader, results  # noqa: E402
 
 import report  # noqa: E402
 
@@ -182,18 +182,6 @@ def test_committed_readme_numbers_match_the_results_files():
         for p, text in before.items():
             p.write_text(text)
     assert changed == [], f"run tools/report.py: stale numbers in {changed}"
-
-
-def test_ncu_csv_is_parsed_per_kernel_in_launch_order():
-    csv_text = ('==PROF== Connected to process 1\n'
-                '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
-                '"1","k_b","dram__bytes_read.sum","byte","2,048"\n'
-                '"0","k_a","dram__bytes_read.sum","byte","1,024"\n'
-                '"0","k_a","gpu__time_duration.sum","ns",""\n')
-    kernels = ncu.parse(csv_text, {"dram__bytes_read.sum": "dram_read_bytes"})
-    assert [k["kernel"] for k in kernels] == ["k_a", "k_b"]
-    assert kernels[0]["dram_read_bytes"] == 1024.0 and kernels[1]["dram_read_bytes"] == 2048.0
-    assert kernels[0]["gpu__time_duration.sum"] is None
 
 
 def test_loader_rejects_an_unknown_route(monkeypatch, tmp_path):

@@ -1,0 +1,58 @@
+"""Tests of coursekit.bench's sweep helpers on the CPU: the notes of what a sweep skipped, a
+refusal turned into a note, the probe that sizes each graph, and the probed timing."""
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "common"))
+from coursekit import bench  # noqa: E402
+
+
+@pytest.mark.parametrize("est_ms, calls", [(0.0, 8), (0.1, 8), (0.5, 4), (0.7, 3), (2.0, 1), (50.0, 1)])
+def test_calls_per_replay(est_ms, calls):
+    assert bench.calls_per_replay(est_ms) == calls
+
+
+def test_notes_record_each_reason_once():
+    notes = bench.Notes()
+    for op in ("attention_forward", "attention_backward"):
+        notes.skip("default", f"flash_attention: {bench.NO_KERNELS} ({op} was called with tensors on cuda:0)", op)
+    notes.skip("sdpa_cudnn", "No available kernel", "s=512")
+    notes.skip("sdpa_cudnn", "No available kernel", "s=1024")
+    assert [(n["variant"], n["first_at"]) for n in notes.skipped] == [
+        ("default", "attention_forward"), ("sdpa_cudnn", "s=512")]
+
+
+def test_attempt_turns_a_refusal_into_a_note():
+    notes = bench.Notes()
+
+    def refuse():
+        raise RuntimeError("flash_attention: no CUDA kernels in this build yet (attention_forward ...)")
+    assert bench.attempt(notes, "v1", "here", refuse) is None
+    assert bench.attempt(notes, "v1", "here", lambda: 3) == 3
+    assert len(notes.skipped) == 1 and bench.NO_KERNELS in notes.skipped[0]["reason"]
+
+
+def test_a_refusal_names_the_warnings_it_gave_first():
+    """SDPA warns why before it raises "No available kernel": the note carries both, once each."""
+    notes = bench.Notes()
+
+    def refuse():
+        for _ in range(2):
+            warnings.warn("Flash attention requires q, k, v to have the same last dimension")
+        raise RuntimeError("No available kernel.  Aborting execution.\nsecond line")
+    bench.attempt(notes, "sdpa_flash", "d=48", refuse)
+    assert notes.skipped[0]["reason"] == ("No available kernel.  Aborting execution. [Flash attention requires "
+                                          "q, k, v to have the same last dimension]")
+    assert bench.first_line(ValueError()) == "ValueError"
+
+
+def test_probe_and_time_on_the_cpu():
+    calls = []
+    notes = bench.Notes()
+    t = bench.probe_and_time(notes, "v1", "here", "cpu", lambda: calls.append(1))
+    assert t["reps"] == bench.MIN_REPS and len(calls) == 2 + bench.MIN_REPS  # the probe's two, then the reps
+    assert bench.probe_and_time(notes, "slow", "there", "cpu", lambda: None, max_call_ms=-1.0) is None
+    assert notes.skipped[0]["variant"] == "slow" and "not timed" in notes.skipped[0]["reason"]
