@@ -555,7 +555,8 @@ std::optional<std::vector<std::string>> serving_versions(std::string_view op) {
 
 // The schemas tell the truth about aliasing: reshape_and_cache and copy_blocks write the caches in
 // place (Tensor(a!)), return nothing, and torch.compile functionalizes them; pt2_compliant_tag
-// promises that, with the Meta kernels, and test_paged.py holds each op to it with opcheck.
+// promises that, with the Meta kernels, and the test_paged_*.py files hold each op to it with
+// opcheck.
 TORCH_LIBRARY_FRAGMENT(flash_attention, m) {
   const std::vector<at::Tag> pt2 = {at::Tag::pt2_compliant_tag};
   m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
