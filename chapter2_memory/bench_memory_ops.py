@@ -29,7 +29,7 @@ import memory_ops  # noqa: E402
 CHAPTER = "chapter2_memory"
 SECTOR_BYTES = 32  # DRAM and L2 move 32-byte sectors (every NVIDIA GPU since Maxwell)
 DTYPES = (torch.float32, torch.bfloat16)
-# Every op here is differentiable; the benchmark times its forward pass (CONVENTIONS section 5).
+# Every op here is differentiable; the benchmark times its forward pass (CONTRIBUTING.md, section 5).
 FORWARD = {"pass": "forward"}
 
 

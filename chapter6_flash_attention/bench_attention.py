@@ -72,7 +72,7 @@ import flash_attention  # noqa: E402
 
 CHAPTER = "chapter6_flash_attention"
 BASELINE = "sdpa_flash"  # what speedup_vs_torch divides by: the fastest SDPA backend on Hopper
-SDPA_BACKENDS = {  # convention names (CONVENTIONS.md section 5) -> the backend pinned
+SDPA_BACKENDS = {  # convention names (CONTRIBUTING.md, section 5) -> the backend pinned
     "sdpa_flash": SDPBackend.FLASH_ATTENTION,
     "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
     "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,

@@ -412,7 +412,7 @@ def generate(model, corpus, config, prompt="The ", temperature=0.8):
 # Results: rows, record, figure, table
 # ---------------------------------------------------------------------------------------------
 def result_rows(runs, config):
-    """One row per backend (CONVENTIONS.md section 5): variant "default" is flash_attention's
+    """One row per backend (CONTRIBUTING.md, section 5): variant "default" is flash_attention's
     version=None dispatch, "sdpa" PyTorch's own; speedup_vs_torch is tokens/s over SDPA's."""
     rows = []
     for backend, variant in (("flash", "default"), ("sdpa", "sdpa")):

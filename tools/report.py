@@ -31,7 +31,7 @@ def course_rows(record):
 
 
 def is_baseline(variant):
-    """PyTorch's own rows (CONVENTIONS.md section 5): eager, torch.compile, the SDPA backends."""
+    """PyTorch's own rows (CONTRIBUTING.md, section 5): eager, torch.compile, the SDPA backends."""
     return variant.startswith("torch") or variant.startswith("sdpa_")
 
 
