@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU verification pass (CONVENTIONS.md section 6); needs a CUDA GPU.
+# The GPU verification pass (CONTRIBUTING.md, section 6); needs a CUDA GPU.
 # Makes .venv/ on first use (reusing an installed torch) and installs only what is missing.
 set -euo pipefail
 cd "$(dirname "$0")"

@@ -170,7 +170,7 @@ def print_table(record, big):
 
 
 def print_sweep_summary(record):
-    """The issue's bar, per size: the best rung and the default against torch.add."""
+    """This chapter's bar, per size: the best rung and the default against torch.add."""
     rows = [r for r in record["benchmarks"] if r.get("sweep") and r["op"] == "vector_add"]
     rungs = set(cuda_basics.VERSIONS["vector_add"])
     print(f"\nvector_add sweep: x torch.add (higher is faster) of the best rung and of the default")

@@ -144,7 +144,7 @@ def _rungs(by):
 
 
 def sweep_bar(record):
-    """The issue's bar: at every sweep size, the best rung and the default against torch.add."""
+    """This chapter's bar: at every sweep size, the best rung and the default against torch.add."""
     parts = []
     for dtype in ("float32", "bfloat16"):
         at = {n: by for (d, n), by in _sweep(record).items() if d == dtype}
@@ -232,6 +232,20 @@ def misaligned(record):
     worst = min(((by["default"]["speedup_vs_torch"], n, d) for (d, n), by in sweep.items()))
     return "; ".join(parts) + (f". Lowest default against torch.add on x[1:]: {worst[0]:.2f}x "
                                f"({worst[2]} {_pow(worst[1])})")
+
+
+def torch_header(_record):
+    """What one #include <torch/extension.h> costs a .cu file's compile: chapter 5's build lab
+    times the same kernel file with and without it (nvcc -c, one arch)."""
+    from coursekit import results
+    lab = results.load_recorded_gpu("chapter5_pytorch_extensions_build")
+    by = {r["variant"]: r for r in lab["benchmarks"]} if lab else {}
+    free, with_h = by.get("nvcc_cu_torch_free"), by.get("nvcc_cu_with_torch_h")
+    if not (free and with_h and free.get("seconds") and with_h.get("seconds")):
+        return "(not measured yet: chapter 5's build_lab.py on a GPU machine measures it)"
+    return (f"{with_h['seconds']:.0f} s with the include against {free['seconds']:.1f} s without "
+            f"({with_h['seconds'] / free['seconds']:.0f}x; nvcc -c, TORCH_CUDA_ARCH_LIST="
+            f"{free['arch_list']}, chapter 5's build lab, {_where(lab)})")
 
 
 FACTS = {name: fn for name, fn in list(globals().items())

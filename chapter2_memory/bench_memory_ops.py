@@ -29,7 +29,7 @@ import memory_ops  # noqa: E402
 CHAPTER = "chapter2_memory"
 SECTOR_BYTES = 32  # DRAM and L2 move 32-byte sectors (every NVIDIA GPU since Maxwell)
 DTYPES = (torch.float32, torch.bfloat16)
-# Every op here is differentiable; the benchmark times its forward pass (CONVENTIONS section 5).
+# Every op here is differentiable; the benchmark times its forward pass (CONTRIBUTING.md, section 5).
 FORWARD = {"pass": "forward"}
 
 
@@ -38,7 +38,7 @@ def element_size(dtype):
 
 
 def sizes_for(device, quick):
-    """Problem sizes: the issue's on a GPU; small enough for a 2-core CPU otherwise."""
+    """Problem sizes: the lesson's on a GPU; small enough for a 2-core CPU otherwise."""
     if device == "cuda" and not quick:
         return {"copy_bytes": 2**30, "square": 16384, "batched": [64, 1024, 1024],
                 "odd": [8191, 8193], "odd_sweep": [[1823, 781], [4097, 1000], [4095, 4097]],

@@ -111,7 +111,7 @@ def column_sweep(record):
 
 
 def target_misses(record):
-    """Every softmax/log_softmax measurement where version=None misses the issue's targets:
+    """Every softmax/log_softmax measurement where version=None misses this chapter's targets:
     forward >= 90% of copy and >= 1.0x torch and torch.compile; backward >= 85% of copy."""
     misses = []
     for r in results.rows(record, variant="default", dim=-1, sweep=True):

@@ -278,7 +278,7 @@ def bench_linear(device, mm, s):
         x = torch.randn(m, k, device=device, dtype=dtype)
         eager = lambda x, w, b: F.gelu(F.linear(x, w, b))  # noqa: E731
         variants = with_baselines(device, ("linear", m), eager, (x, w, b), [])
-        # Parts of the eager chain, as torch rows with a `call` field (CONVENTIONS section 5).
+        # Parts of the eager chain, as torch rows with a `call` field (CONTRIBUTING.md, section 5).
         variants.insert(1, ("torch", lambda: F.linear(x, w, b), {"call": "F.linear"}))
         # The GEMM our op runs (no bias: the epilogue adds it), to split our time into GEMM and
         # epilogue and to see whether cuBLAS picks another kernel without the bias.

@@ -117,10 +117,11 @@ struct SwigluBackwardParams {
 };
 
 // ---------------------------------------------------------------------------------------
-// version=None. No GPU measurements of this family are recorded yet, so the dispatch takes the
-// top rung everywhere: the vectorized kernels fall back to one element per thread by
-// themselves when the rows or the pointers do not allow 16-byte accesses, and the scalar
-// fallback still keeps the bias in registers across rows, which v2 does not.
+// version=None takes the top rung everywhere: in the H100 results (chapter4_fusion.json) it is
+// within 0.95x of the fastest rung at every measured shape and dtype, which
+// test_recorded_results_hold_the_dispatch holds it to. No size threshold is needed because the vectorized kernels fall back to one element
+// per thread by themselves when the rows or the pointers do not allow 16-byte accesses, and the
+// scalar fallback still keeps the bias in registers across rows, which v2 does not.
 // ---------------------------------------------------------------------------------------
 inline BsrVersion default_bsr(int64_t /*rows*/, int64_t /*n*/, int /*elem_bytes*/) {
   return BsrVersion::kVectorized;

@@ -107,6 +107,27 @@ def linear_table(record):
     return "\n".join(lines)
 
 
+ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def epilogue_cost(record):
+    """At the largest M of the linear_activation sweep: the GEMM alone (torch.mm), what each of
+    our epilogues adds to it, and one pass over the M x N output (a read and a write) at the copy
+    rate measured in the same run, as a share of the GEMM."""
+    lin = results.rows(record, op="linear_activation")
+    m = max(r["shape"][0] for r in lin)
+    by = {results.column(r): r for r in lin if r["shape"][0] == m}
+    gemm = by["torch (torch.mm)"]
+    _, _, n = gemm["shape"]
+    out_bytes = m * n * ELEMENT_BYTES[gemm["dtype"]]
+    pass_ms = 2 * out_bytes / (record["ceilings"]["copy_GBps"] * 1e9) * 1e3
+    added = ", ".join(f"`{v}` {by[v]['median_ms'] / gemm['median_ms'] - 1:+.0%}"
+                      for v in ("fused_epilogue", "unfused") if v in by)
+    return (f"at M = {m}: `torch.mm` alone {gemm['median_ms']:.2f} ms; over it, {added}; one pass "
+            f"over the {out_bytes / 2**20:.0f} MiB output at the copy rate {pass_ms * 1e3:.0f} us, "
+            f"{pass_ms / gemm['median_ms']:.0%} of the GEMM ({_where(record)})")
+
+
 def profile_table(record):
     """The ncu counters of profile_fusion.py: ours against Inductor's kernel for the activation
     forwards, and the norm backward's row kernel (+ its two column sums)."""
@@ -126,7 +147,7 @@ def profile_table(record):
     return "\n".join(lines)
 
 
-TARGETS = [  # (op, match, floor % of copy or None, x torch, x compile) from the issue
+TARGETS = [  # (op, match, floor % of copy or None, x torch, x compile): this chapter's targets
     ("fused_bias_scale_relu", {"pass": "forward", "save": "mask", "sweep": False}, 95, 3.0, 0.97),
     ("fused_bias_scale_relu", {"pass": "backward", "save": "mask"}, None, 2.0, 0.95),
     ("bias_gelu", {}, None, 2.0, 0.97),
@@ -143,7 +164,7 @@ TARGETS = [  # (op, match, floor % of copy or None, x torch, x compile) from the
 
 
 def target_misses(record):
-    """Every measurement where version=None misses the issue's target for its op."""
+    """Every measurement where version=None misses this chapter's target for its op."""
     misses, checked = [], 0
     for op, match, floor, vs_torch, vs_compile in TARGETS:
         for d in results.rows(record, op=op, variant="default", call=None, **match):
@@ -174,7 +195,7 @@ def envelope(record):
     return "Where it does not hold: " + "; ".join(problems) + "."
 
 
-FACTS = {"ceilings": ceilings, "bsr_table": bsr_table, "bsr_save": bsr_save,
+FACTS = {"ceilings": ceilings, "epilogue_cost": epilogue_cost, "bsr_table": bsr_table, "bsr_save": bsr_save,
          "activation_table": activation_table, "norm_table": norm_table,
          "linear_table": linear_table, "target_misses": target_misses, "envelope": envelope,
          "profile_table": profile_table}

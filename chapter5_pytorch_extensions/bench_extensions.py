@@ -12,8 +12,8 @@ Three measurements, each with the napkin math that says what to expect.
    binding, the dispatcher, the checks, the launch) is timed with a CPU clock around many
    calls and one synchronize, per route, against a native one-kernel op with the same inputs
    (torch.add(x, bias, alpha=scale)); with and without autograd recording.
-3. timing: the outline's own benchmark (time.time() around 100 calls after a warm-up, one
-   synchronize) against the course's harness, at the outline's size (1024x2048, 8 MiB: it
+3. timing: a naive benchmark, as it is often written (time.time() around 100 calls after a
+   warm-up, one synchronize), against the course's harness, at that snippet's size (1024x2048, 8 MiB: it
    fits in the 50 MB L2 of an H100) and at 16384^2. The harness times a CUDA graph of calls
    over input sets that together exceed the L2, so neither the host's launch rate nor a warm
    cache decides the number.
@@ -269,10 +269,10 @@ def bench_call_overhead(device, s):
 
 
 # ---------------------------------------------------------------------------------------------
-# 3. The outline's time.time() benchmark against the harness
+# 3. The naive time.time() benchmark against the harness
 # ---------------------------------------------------------------------------------------------
-def outline_timing_ms(fn, device, num_iters=100):
-    """The outline's snippet as it is written: warm-up, time.time() around num_iters calls,
+def naive_timing_ms(fn, device, num_iters=100):
+    """The naive snippet as it is written (the README quotes it): warm-up, time.time() around num_iters calls,
     one synchronize, the mean."""
     for _ in range(10):
         fn()
@@ -299,8 +299,8 @@ def bench_timing_methods(device, s, repeats=5):
             xs = [x] + [torch.randn_like(x) for _ in range(sets - 1)]
         per_method = {}
         for variant, fn in calls.items():
-            naive = [outline_timing_ms(lambda: fn(x, bias), device) for _ in range(repeats)]
-            per_method.setdefault("time.time (outline)", {})[variant] = {
+            naive = [naive_timing_ms(lambda: fn(x, bias), device) for _ in range(repeats)]
+            per_method.setdefault("time.time (naive loop)", {})[variant] = {
                 "median_ms": statistics.median(naive), "min_ms": min(naive), "max_ms": max(naive),
                 "runs_ms": naive, "reps": repeats}
             if device == "cuda":

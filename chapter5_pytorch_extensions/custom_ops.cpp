@@ -1,4 +1,4 @@
-// Route 1, the classic one (PyTorch's C++ extension tutorial, and the outline's): a pybind11
+// Route 1, the classic one (PyTorch's C++ extension tutorial's): a pybind11
 // module whose functions Python calls directly, with the backward wired in C++ by a
 // torch::autograd::Function. Nothing here is registered with the dispatcher: the functions
 // call kernel_glue.cpp (checks, launch) directly.

@@ -103,8 +103,13 @@ def overhead_sentence(record):
         f" over `torch.add` per call ({_where(record)})"
 
 
+def _method(name):
+    """A timing method's name in the table: every time.time() variant is the naive loop."""
+    return "time.time (naive loop)" if name.startswith("time.time") else name
+
+
 def timing_table(record):
-    """The outline's time.time() loop against the harness, for eager and the fused op."""
+    """The naive time.time() loop against the harness, for eager and the fused op."""
     rows = results.rows(record, op="timing")
     lines = ["| size | method | eager ms | fused op ms | speedup |", "|---|---|---|---|---|"]
     for r in (r for r in rows if r["variant"] == "torch_library"):
@@ -114,18 +119,18 @@ def timing_table(record):
         if "runs_ms" in r:
             spread = (f" ({len(r['runs_ms'])} runs: {min(t['runs_ms']):.3f}-{max(t['runs_ms']):.3f} and "
                       f"{min(r['runs_ms']):.3f}-{max(r['runs_ms']):.3f})")
-        lines.append(f"| {results.format_shape(r['shape'])} | {r['method']}{spread} | "
+        lines.append(f"| {results.format_shape(r['shape'])} | {_method(r['method'])}{spread} | "
                      f"{t['median_ms']:.4f} | {r['median_ms']:.4f} | {r['speedup_vs_torch']:.2f}x |")
     lines += ["", f"float32; {_where(record)}."]
     return "\n".join(lines)
 
 
 def build_table(record):
-    """Every build-lab configuration: seconds, against the issue's target and the notes' claim."""
+    """Every build-lab configuration: seconds, against this chapter's target and the commonly quoted claim."""
     lab = record.get("build_lab")
     if not lab:
         return "(no build-lab results recorded yet: run labs/build_lab.py on the GPU machine)"
-    lines = ["| configuration | route | seconds | target | the notes claimed | slowest step | status |",
+    lines = ["| configuration | route | seconds | target | claimed | slowest step | status |",
              "|---|---|---|---|---|---|---|"]
     for r in lab["benchmarks"]:
         seconds = f"{r['seconds']:.2f}" if r.get("seconds") is not None else "-"

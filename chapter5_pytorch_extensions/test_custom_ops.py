@@ -1,4 +1,4 @@
-"""The outline's test suite: six checks of custom_ops, runnable three ways.
+"""The first test suite a learner meets: six checks of custom_ops, runnable three ways.
 
     python test_custom_ops.py                   all six, with a summary; exits 1 if any failed
     python -c "from test_custom_ops import test_fused_op_forward; test_fused_op_forward()"
@@ -186,7 +186,7 @@ def benchmark_fused_op():
     _passed("Benchmark ran and the result is correct (timings are reported, not asserted)")
 
 
-# pytest collects test_* names; the outline calls it benchmark_fused_op.
+# pytest collects test_* names; the standalone suite calls it benchmark_fused_op.
 test_performance_benchmark = benchmark_fused_op
 
 

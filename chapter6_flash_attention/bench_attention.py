@@ -17,7 +17,7 @@ Napkin math, for q (batch, heads, s_q, head_dim) against k, v (batch, heads, s_k
   of the ceiling at long sequences (causal less, for its half-empty diagonal tiles) and little
   at short ones; fp16 rows are held to the same bf16 ceiling (one tensor-core rate for both).
 
-The grid (the chapter's issue): seqlen 512 ... 16384 with batch * seqlen = 16384 tokens and
+The grid (the lesson's): seqlen 512 ... 16384 with batch * seqlen = 16384 tokens and
 heads * head_dim = 2048, so every row does the same projection-sized work and only the
 attention shape changes; head_dim 64 and 128; causal and not; bf16 and fp16; forward and
 backward. Variants: sdpa_flash, sdpa_cudnn, sdpa_efficient, sdpa_math (SDPA pinned to one
@@ -71,7 +71,7 @@ import flash_attention  # noqa: E402
 
 CHAPTER = "chapter6_flash_attention"
 BASELINE = "sdpa_flash"  # what speedup_vs_torch divides by: the fastest SDPA backend on Hopper
-SDPA_BACKENDS = {  # convention names (CONVENTIONS.md section 5) -> the backend pinned
+SDPA_BACKENDS = {  # convention names (CONTRIBUTING.md, section 5) -> the backend pinned
     "sdpa_flash": SDPBackend.FLASH_ATTENTION,
     "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
     "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
@@ -103,7 +103,7 @@ def math_bytes(batch, heads, seqlen_q, seqlen_k, pass_="forward"):
 
 
 def sizes_for(device, quick):
-    """The sweep, and the shapes of the memory and accuracy rows. The GPU grid is the issue's;
+    """The sweep, and the shapes of the memory and accuracy rows. The GPU grid is the lesson's;
     the CPU one runs the reference (float32, one query row at a time) in seconds."""
     if device == "cuda" and not quick:
         return {"seqlens": [512, 1024, 2048, 4096, 8192, 16384], "tokens": 16384, "hidden": 2048,
@@ -358,7 +358,7 @@ def bench_memory(device, m, notes):
 
 
 # ---------------------------------------------------------------------------------------------
-# Accuracy: max abs error against float64, the issue's criterion (ours <= 2x sdpa_flash's)
+# Accuracy: max abs error against float64, this chapter's criterion (ours <= 2x sdpa_flash's)
 # ---------------------------------------------------------------------------------------------
 def reference64(q, k, v, causal):
     """softmax(scale q k^T) v in float64 with the bottom-right causal mask (top-left too here:
@@ -571,7 +571,7 @@ def print_table(record):
     err = results.rows(record, op="attention_error")
     if err:
         print(f"\nmax abs error vs float64, {shape_text(err[0]['shape'])} "
-              f"(issue's criterion: ours <= 2x {BASELINE}'s)")
+              f"(this chapter's criterion: ours <= 2x {BASELINE}'s)")
         for r in err:
             ratio = f"{r['ratio_vs_sdpa_flash']:.2f}x" if "ratio_vs_sdpa_flash" in r else "-"
             print(f"  {r['dtype']:<9}{r['pass']:<9}{'causal' if r['causal'] else 'full':<7}{r['variant']:<20}"

@@ -21,7 +21,7 @@ for. Batch 64 x 4096 tokens x 8 kv heads x 128 in bf16 is 1 GiB of K and V: 0.33
 so 90% of copy is ~0.37 ms.
 
 Rows (op, then variant):
-- paged_attention, field sweep "targets": the issue's configurations, field config "a" to "h"
+- paged_attention, field sweep "targets": the lesson's configurations, field config "a" to "h"
   (bf16, head_dim 128, block_size 16, 32 query heads unless said): a batch 64 x context 4096 over
   8 kv heads; b 16 x 32768; c 1 x 131072 (the split-KV case); d 64 x 4096 over 32 kv heads (no
   GQA); e 64 sequences of uniform random length in [1, 8192] (seeded); f = a with block_size 32;
@@ -66,7 +66,7 @@ Rows (op, then variant):
   already there: the lookup alone; the mirror's one-time upload is the row's mirror_upload_ms) and
   cpu (the C++ reference on the CPU, wall clock; it validates the tree on every call). Requests per
   second; the CUDA result must equal the CPU result (matches_cpu), and the CPU result the Python
-  tree walk (matches_reference). The issue's target: CUDA faster than the CPU reference.
+  tree walk (matches_reference). This chapter's target: CUDA faster than the CPU reference.
 
 Correctness guard: before a paged_attention variant is timed, its output is compared with
 sdpa_contiguous's (and every output with a float32 reference computed from the same cache):
@@ -139,7 +139,7 @@ LONG_TAILS = 0.1      # ... and this share anywhere along the sequence
 # out (half an ulp: 2^-9 relative in bf16) and of the probabilities SDPA keeps in 16 bits.
 TOLERANCE = {torch.bfloat16: (2e-2, 2e-2), torch.float16: (1e-2, 1e-2),
              torch.float32: (1e-4, 1e-4), torch.float64: (1e-9, 1e-9)}
-# The issue's targets, held to `default` (to `cpu` on a CPU run, where they are only a record).
+# This chapter's targets, held to `default` (to `cpu` on a CPU run, where they are only a record).
 TARGETS = {"a": {"pct_of_copy": 90, "speedup": 0.95}, "b": {"pct_of_copy": 90, "speedup": 0.95},
            "c": {"pct_of_copy": 85}, "d": {"pct_of_copy": 90}, "e": {"pct_of_copy": 80}}
 SPLIT_COUNTS = (1, 2, 3, 4, 6, 8, 16)  # the num_splits sweep: split_kv with the count named
@@ -194,7 +194,7 @@ def target_configs(base, mixed_context, big):
 
 
 def sizes_for(device, quick):
-    """Every measurement of the run. The GPU's is the issue's; --quick on a GPU is a smoke run at
+    """Every measurement of the run. The GPU's is the lesson's; --quick on a GPU is a smoke run at
     small sizes; the CPU runs the float32 reference at sizes it does in seconds (its split-KV cap
     is 8 MiB, so that the cap leaves points out there too)."""
     if device == "cuda" and not quick:
@@ -432,8 +432,8 @@ def decode_rows(device, c, ceilings, notes):
         got = got.reshape(ref32.shape)
         if variant == BASELINE:
             ref = got
-        # Against the float32 witness always, and against sdpa_contiguous (the issue's
-        # reference) where SDPA ran; both raise on a mismatch.
+        # Against the float32 witness always, and against sdpa_contiguous (the lesson's
+        # baseline) where SDPA ran; both raise on a mismatch.
         err32 = check_close(got, ref32, dtype, f"{where} {variant} vs float32 reference")
         err = check_close(got, ref, dtype, f"{where} {variant} vs {BASELINE}") if ref is not None else None
         del got
@@ -732,7 +732,7 @@ def bench_match(device, m, notes):
 
 
 # ---------------------------------------------------------------------------------------------
-# Targets: the issue's numbers against the record
+# Targets: this chapter's numbers against the record
 # ---------------------------------------------------------------------------------------------
 def evaluate_targets(rows, variant):
     """One entry per target: its bounds, what `variant` measured, and whether it met them (a
@@ -810,7 +810,7 @@ def plot_targets(ax, record):
     ax.set_xticks(range(len(configs)), labels, fontsize=7)
     ax.axhline(100, color="grey", linestyle=":")
     ax.set_ylabel("% of copy over the unique K/V bytes")
-    ax.set_title(f"decode at the issue's configurations: {results.label(record)}", fontsize=9)
+    ax.set_title(f"decode at the lesson's configurations: {results.label(record)}", fontsize=9)
     ax.legend(fontsize=7, ncol=4)
     ax.grid(axis="y", alpha=0.3)
 
@@ -998,7 +998,7 @@ def print_table(record):
             print(f"  {r['variant']:<6}{r['median_ms']:>10.3f} ms {r['requests_per_s']:>12.3g} requests/s{extra}")
     ours = record["targets"][0]["variant"] if record.get("targets") else "default"
     aside = "" if ours == "default" else " (a CPU run: a record, not a goal)"
-    print(f"\nthe issue's targets, held to {ours}{aside}")
+    print(f"\nthis chapter's targets, held to {ours}{aside}")
     for t in record.get("targets", []):
         if t["op"] == "match_prefix":
             print(f"  match_prefix: default (CUDA) > {t['min_speedup_vs_cpu']:g}x the CPU reference; measured "

@@ -822,7 +822,7 @@ def sharing_summary(config, runs):
 # Results: rows, record, table
 # ---------------------------------------------------------------------------------------------
 def result_rows(runs, config):
-    """Two rows per dtype and backend (CONVENTIONS.md section 5): prefill and decode. Variant
+    """Two rows per dtype and backend (CONTRIBUTING.md, section 5): prefill and decode. Variant
     "default" is the chapter's ops at version=None, "sdpa" PyTorch's; speedup_vs_torch is
     tokens/s over SDPA's in the same dtype."""
     rows = []

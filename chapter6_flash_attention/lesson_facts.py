@@ -12,7 +12,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))
 from coursekit import results  # noqa: E402
 
-# The issue's targets against sdpa_flash (FlashAttention 2 inside PyTorch), per configuration.
+# This chapter's targets against sdpa_flash (FlashAttention 2 inside PyTorch), per configuration.
 FORWARD_RUNGS = ("mma", "pipelined", "tuned", "split_kv")
 BACKWARD_RUNGS = ("mma", "mma_dqpass")
 
@@ -33,7 +33,7 @@ def target_ratio(pass_, head_dim, causal, seqlen):
 
 def target_table(record):
     """Per pass, head dim and mask (bfloat16): the best rung's TFLOP/s and its ratio to
-    sdpa_flash at the shortest and the longest seqlen, against the issue's target."""
+    sdpa_flash at the shortest and the longest seqlen, against this chapter's target."""
     lines = ["| pass | d | causal | rung | TFLOP/s (s = 512 / 16384) | x sdpa_flash | target | met |",
              "|---|---|---|---|---|---|---|---|"]
     for pass_, rungs in (("forward", FORWARD_RUNGS), ("backward", BACKWARD_RUNGS)):
@@ -106,6 +106,44 @@ def error_line(record):
             f"causal={worst['causal']}) ({_where(record)})")
 
 
+def _profile():
+    return results.load_recorded_gpu("chapter6_flash_attention_profile")
+
+
+def profile_table(_record):
+    """profile_attention.py's ncu counters, one row per call: the call's longest kernel's
+    resources (registers, shared memory, the blocks an SM holds and what binds them), how busy
+    its tensor pipe was and where its warps stalled most."""
+    prof = _profile()
+    if not prof:
+        return "(no ncu profile recorded yet: profile_attention.py on a GPU records it)"
+    lines = ["| pass | d | causal | variant | kernels | ms under ncu | registers | shared KiB | blocks / SM "
+             "(bound by) | tensor pipe busy | top stall (warps per issue) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in prof["benchmarks"]:
+        stall = "-" if r.get("top_stall") is None else f"{r['top_stall']} ({r['top_stall_ratio']:.2f})"
+        tensor = "-" if r.get("tensor_pipe_pct") is None else f"{r['tensor_pipe_pct']:.0f}%"
+        lines.append(f"| {r['pass']} | {r['head_dim']} | {r['causal']} | `{r['variant']}` | {r['launches']} | "
+                     f"{r['duration_ns'] / 1e6:.3f} | {r['registers']:.0f} | {r['smem_per_block_KiB']:.0f} | "
+                     f"{r['blocks_per_sm']:.0f} ({r['occupancy_bound_by']}) | {tensor} | {stall} |")
+    w = prof["workload"]
+    lines += ["", f"ncu, {w['dtype']} {w['batch']} x {w['heads']} heads x {w['seqlen']}; per call its longest "
+                  f"kernel's counters, the time of all its kernels; {_where(prof)}."]
+    return "\n".join(lines)
+
+
+def profile_backward(_record):
+    """How busy the tensor pipe was in each backward at the largest profiled head dim."""
+    prof = _profile()
+    rows = [r for r in prof["benchmarks"] if r["pass"] == "backward"] if prof else []
+    if not rows:
+        return "(not profiled yet)"
+    d = max(r["head_dim"] for r in rows)
+    by = {r["variant"]: r for r in rows if r["head_dim"] == d and r.get("tensor_pipe_pct") is not None}
+    return ", ".join(f"`{v}` {by[v]['tensor_pipe_pct']:.0f}%" for v in ("mma_dqpass", "mma", "sdpa_flash")
+                     if v in by) + f" of the time at d = {d}"
+
+
 def tiny_gpt_line(record):
     gpt = results.load_recorded_gpu("chapter6_tiny_gpt")
     if not gpt:
@@ -134,7 +172,7 @@ def _label(r):
 
 
 def paged_targets(_record):
-    """The issue's configurations: every rung and PyTorch's two baselines, % of copy, and the
+    """This chapter's decode configurations: every rung and PyTorch's two baselines, % of copy, and the
     target held to default."""
     rec = _paged()
     if not rec:
@@ -285,6 +323,7 @@ def generate_line(_record):
 
 
 FACTS = {"target_table": target_table, "split_kv": split_kv_table, "memory": memory_line, "error": error_line,
+         "profile_table": profile_table, "profile_backward": profile_backward,
          "tiny_gpt": tiny_gpt_line, "paged_targets": paged_targets, "paged_gqa": paged_gqa,
          "paged_split": paged_split, "paged_num_splits": paged_num_splits, "paged_cache_ops": paged_cache_ops,
          "paged_match": paged_match, "generate": generate_line}

@@ -37,7 +37,7 @@ def test_math_estimate_counts_float32_matrices():
 
 
 def test_math_budget_keeps_short_and_drops_long_sequences():
-    """On the issue's grid the math backend runs at every seqlen up to 2048 (forward and
+    """On the lesson's grid the math backend runs at every seqlen up to 2048 (forward and
     backward, both head dims) and never at 16384, where one score matrix alone is 8+ GiB."""
     for c in B.configs(B.sizes_for("cuda", quick=False)):
         for p in ("forward", "backward"):
@@ -48,7 +48,7 @@ def test_math_budget_keeps_short_and_drops_long_sequences():
                 assert not fits, c
 
 
-def test_grid_is_the_issues():
+def test_grid_is_the_lessons():
     s = B.sizes_for("cuda", quick=False)
     grid = B.configs(s)
     assert s["seqlens"] == [512, 1024, 2048, 4096, 8192, 16384]

@@ -44,7 +44,7 @@ def test_memory_cap_keeps_8_gib_and_drops_more():
     assert not B.within_cap(B.decode_config(1, 1024, 8, 2, dtype="float32"), 1 / 1024)
 
 
-def test_split_sweep_is_the_issues_without_points_over_the_cap():
+def test_split_sweep_is_the_lessons_without_points_over_the_cap():
     s = B.sizes_for("cuda", quick=False)
     points = {(c["batch"], c["context"]) for c in s["split"]}
     grid = {(b, n) for b in (1, 4, 16, 64) for n in (1024, 4096, 16384, 65536, 131072)}
@@ -54,7 +54,7 @@ def test_split_sweep_is_the_issues_without_points_over_the_cap():
         assert c["sweep"] == "split_kv"
 
 
-def test_target_configurations_are_the_issues():
+def test_target_configurations_are_the_lessons():
     t = {c["config"]: c for c in B.sizes_for("cuda", quick=False)["targets"]}
     assert list(t) == list("abcdefgh")
     base = dict(heads=32, heads_kv=8, head_dim=128, block_size=16, dtype="bfloat16", mixed=False)

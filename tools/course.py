@@ -6,7 +6,8 @@ the virtualenv (scripts/env.sh) and install what is missing (tools/ensure_env.py
     ./run_tests.sh    test: build every chapter (pip and JIT), run every test suite, execute
                       every notebook, compile every .cu with nvcc for sm_75, sm_80 and sm_90
     ./gpu_pass.sh     gpu-pass: on a CUDA machine, both builds, all tests with CUDA on both
-                      routes, compute-sanitizer (4 tools), benchmarks, results, notebooks
+                      routes, compute-sanitizer (4 tools), benchmarks and results, the ncu
+                      profiles, the notebooks executed in place, the README tables
 """
 import argparse
 import os

@@ -7,8 +7,8 @@ reduction), each with its backward, on CPU and CUDA, in float32, float16, bfloat
 compares is how they are bound to PyTorch:
 
 1. ``pybind11`` (custom_ops.cpp): ``PYBIND11_MODULE`` functions that Python calls directly, the
-   backward a ``torch::autograd::Function`` in C++. The classic extension and the outline's
-   route: the fewest layers between Python and the kernel, but an opaque builtin to PyTorch.
+   backward a ``torch::autograd::Function`` in C++. The classic extension, as
+   PyTorch's C++ extension tutorial writes it: the fewest layers between Python and the kernel, but an opaque builtin to PyTorch.
    torch.compile breaks the graph at it, fake tensors cannot pass through it, so torch.export
    and torch.library.opcheck cannot take it.
 2. ``torch_library`` (library_ops.cpp), the course's route and this package's public API:

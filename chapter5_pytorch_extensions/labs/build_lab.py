@@ -1,10 +1,11 @@
 """Chapter 5 build lab: how long this chapter's extension takes to build, one configuration at a time.
 
-The course's build-tooling notes claim, for one kernel: 180 s with no optimization, 35 s with
-ninja, 12 s with TORCH_CUDA_ARCH_LIST pinned, 8 s with MAX_JOBS, under 1 s on a ccache hit.
+Build-speed advice for extensions often comes with figures like these, for one kernel: 180 s
+with no optimization, 35 s with ninja, 12 s with TORCH_CUDA_ARCH_LIST pinned, 8 s with MAX_JOBS,
+under 1 s on a ccache hit (the "claims" below).
 This lab builds the chapter's real extension (the files of sources.py, with coursekit.build's
 include dirs, flags and CUDA decision) under each configuration and records what it took, so
-the lesson's table is generated from measurements instead of copied from the notes.
+the lesson's table is generated from measurements instead of copied from the claims.
 
 Method. Every build runs in a fresh Python process, so no in-process cache (torch's extension
 versioner, an already loaded library) can help it, and into a fresh temporary build folder,
@@ -18,7 +19,7 @@ which would turn "cold" builds into cache hits; TORCH_NO_COMPILER_WRAPPER=1 and
 CCACHE_DISABLE=1 in the child's environment stop that.
 
 `--list` prints the configurations in the order they run: cheap ones first, so a run cut short
-by its time budget (--budget-s) loses only the slowest rows. The slowest of all, the notes' "no
+by its time budget (--budget-s) loses only the slowest rows. The slowest of all, the claimed "no
 optimization" (setup.py without ninja, every arch, one file after another), is estimated from
 the per-file times measured before it and, if it would not fit the budget, built for the pinned
 arch instead; its row says so. A configuration that needs CUDA is recorded as skipped, with the
@@ -82,14 +83,14 @@ class Config:
     use_ninja: bool = True
     hide_ninja: bool = False
     torch_header: bool = False
-    target_s: float = None      # the issue's target
-    claim_s: float = None       # the notes' number for this configuration
-    claim: str = None           # the notes' words for it
+    target_s: float = None      # this chapter's target
+    claim_s: float = None       # the claimed number for this configuration
+    claim: str = None           # the claim's words
     claim_cuda: bool = False    # the claim is about the CUDA build (an arch choice is part of it)
 
 
 CONFIGS = [
-    Config("jit_no_ninja", "jit", "load() with ninja hidden from PATH (the notes: it falls back "
+    Config("jit_no_ninja", "jit", "load() with ninja hidden from PATH (the claim: it falls back "
            "to setuptools)", hide_ninja=True),
     Config("jit_default", "jit", "the course's JIT route (load_jit.py) from cold: ninja, pinned "
            "arch, MAX_JOBS = cores, a persistent folder", folder="persistent", target_s=30,
@@ -118,13 +119,13 @@ CONFIGS = [
     Config("setuptools_ninja", "setuptools", "setup.py build_ext with ninja, MAX_JOBS = cores",
            arch=None),
     Config("setuptools_no_ninja", "setuptools", "setup.py build_ext without ninja: one file after "
-           "another (with every arch: the notes' 'no optimization')", arch=None, use_ninja=False,
+           "another (with every arch: the claimed 'no optimization')", arch=None, use_ninja=False,
            claim_s=180,
            claim="Baseline (no optimization): 180 s", claim_cuda=True),
 ]
 BY_NAME = {c.name: c for c in CONFIGS}
 
-# (name, baseline, faster, the notes' claimed speedup (low, high) or None, the notes' words)
+# (name, baseline, faster, the claimed speedup (low, high) or None, the claim's words)
 COMPARISONS = [
     ("ninja", "setuptools_no_ninja", "setuptools_ninja", (5, 10), "Ninja: 5-10x faster builds"),
     ("arch pinned", "jit_all_arches", "jit_default", (2, 3), "TORCH_CUDA_ARCH_LIST: 2-3x faster"),
@@ -245,7 +246,7 @@ def cuda_arch_lists():
     the H100: 9.0). "all" is every arch this torch was built for, as a distributable wheel
     compiles. Torch's own default is neither: with TORCH_CUDA_ARCH_LIST unset and a GPU
     visible, cpp_extension already compiles for the visible GPU only (plus its PTX), so "all
-    arches by default" in the notes is what a build machine without a GPU, or a build that
+    arches by default" in the claims is what a build machine without a GPU, or a build that
     sets the full list on purpose, pays; the slow case is measured with the full list, set
     explicitly."""
     import torch
@@ -566,9 +567,9 @@ class Lab:
 
     def setuptools_arch(self):
         """The arch list of the setuptools pair, chosen once so both build the same thing: every
-        arch (the notes' 'no optimization') unless the estimate says the pair would overrun the
+        arch (the claimed 'no optimization') unless the estimate says the pair would overrun the
         time budget or the serial build the per-child timeout; then the pinned arch, and the
-        rows say so (the serial row is then a lower bound of the notes' baseline)."""
+        rows say so (the serial row is then a lower bound of the claimed baseline)."""
         if self.setuptools_plan is None:
             pending = [c for c in self.selected if c.route == "setuptools" and c.name not in self.done]
             guesses = [self.estimate(c.use_ninja, "all") for c in pending]
@@ -586,7 +587,7 @@ class Lab:
                                         f"arch the pair was estimated at {sum(guesses):.0f} s"
                                         f"{serial_note} against {remaining:.0f} s of budget left "
                                         f"and a {self.timeout_s:.0f} s timeout per build; the "
-                                        "serial row is then a lower bound of the notes' "
+                                        "serial row is then a lower bound of the claimed "
                                         "'no optimization'")
         return self.setuptools_plan
 
@@ -709,7 +710,7 @@ class Lab:
         except Exception as e:  # noqa: BLE001  (one broken configuration must not end the lab)
             row.update(status="failed", detail=f"{type(e).__name__}: {e}")
         if row.get("capped") or (cfg.claim_cuda and not self.with_cuda):
-            row["claim_s"] = None  # not the configuration the notes timed
+            row["claim_s"] = None  # not the configuration the claim timed
         self.done.add(cfg.name)
         self.report(row)
         return row
@@ -766,8 +767,8 @@ ROUTE_COLORS = {"jit": "tab:blue", "setuptools": "tab:orange", "nvcc": "tab:gree
 
 def plot_build_times(ax, record):
     """Seconds of the build call per configuration, in run order, with the child process's
-    whole time (import torch included) as a pale bar behind it, the issue's target as a red
-    bar end and the notes' claim as a black diamond. Log scale: an unchanged reload and a
+    whole time (import torch included) as a pale bar behind it, the chapter's target as a red
+    bar end and the claim as a black diamond. Log scale: an unchanged reload and a
     serial build are three orders of magnitude apart."""
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
@@ -805,8 +806,8 @@ def plot_build_times(ax, record):
     handles = [Patch(color=c, label=f"build call ({route})") for route, c in ROUTE_COLORS.items()
                if any(r["route"] == route and r["status"] == "ok" for r in rows)]
     handles += [Patch(color="lightgrey", label="child process (import torch included)"),
-                Line2D([], [], marker="|", ms=12, mew=2.5, ls="", color="tab:red", label="target (issue)"),
-                Line2D([], [], marker="D", ms=5, ls="", color="black", label="claim (build-tooling notes)")]
+                Line2D([], [], marker="|", ms=12, mew=2.5, ls="", color="tab:red", label="target"),
+                Line2D([], [], marker="D", ms=5, ls="", color="black", label="claim")]
     ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
 
 
@@ -828,7 +829,7 @@ def print_table(record):
     host = record.get("host", {})
     found = record.get("comparisons", [])
     if found:
-        print(f"\n{'comparison':<20}{'baseline -> optimized':<50}{'measured':>9}{'notes':>10}")
+        print(f"\n{'comparison':<20}{'baseline -> optimized':<50}{'measured':>9}{'claimed':>10}")
         for c in found:
             claimed = "-" if not c["claim_speedup"] else "-".join(f"{x:g}" for x in c["claim_speedup"]) + "x"
             print(f"{c['name']:<20}{c['baseline'] + ' -> ' + c['optimized']:<50}"

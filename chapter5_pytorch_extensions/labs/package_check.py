@@ -16,7 +16,7 @@ Steps:
 3. A fresh virtualenv that sees this interpreter's packages (torch, pip) behind its own
    site-packages; the wheel is installed into it.
 4. `import custom_ops` there, from an empty folder, must come from the venv's site-packages.
-5. The outline's six tests (a copy of test_custom_ops.py, run outside the repo) in the venv.
+5. The six standalone tests (a copy of test_custom_ops.py, run outside the repo) in the venv.
 6. With CUDA: `cuobjdump --list-elf --list-ptx` on the wheel's library, for the default build
    and for a rebuild with TORCH_CUDA_ARCH_LIST=--arch-list in a copy of the sources; and, with a
    GPU, CUDA_FORCE_PTX_JIT=1 to show which wheel a newer GPU could still run. On CPU these are
@@ -51,7 +51,7 @@ ROOT = CHAPTER_DIR.parent
 sys.path.insert(1, str(ROOT / "common"))
 from coursekit.results import git_commit  # noqa: E402  (COURSE_GIT_COMMIT where .git is absent)
 PACKAGE = "custom_ops"
-# The outline's standalone suite: `python test_custom_ops.py` must end with this line.
+# The standalone suite: `python test_custom_ops.py` must end with this line.
 EXPECTED_TOTAL = "Total: 6/6 tests passed"
 # The course's GPUs (T4, A100, H100: coursekit.build.SUPPORTED_ARCHS) as SASS, plus PTX of the
 # newest, which the driver can compile for any later GPU: the list a wheel for others would use.

@@ -2,7 +2,7 @@
 problems small enough to sit in L2 or to be dominated by launch time, CUDA-graph replays over
 rotating input sets; the copy ceiling measured in the same run; for sweeps whose variants may
 refuse a shape (chapter 6), notes of what was skipped and why, and a probe that sizes each graph.
-Bandwidth rows follow the results contract of CONVENTIONS.md section 5."""
+Bandwidth rows follow the results contract of CONTRIBUTING.md, section 5."""
 import argparse
 import math
 import statistics
@@ -208,7 +208,7 @@ def tflops(flops, ms):
 
 
 def _row(op, variant, dtype, shape, timing, torch_ms, extra, work, rate, pct, ceiling):
-    """A results row (CONVENTIONS.md section 5): `work` (bytes or flops) at `rate` per second,
+    """A results row (CONTRIBUTING.md, section 5): `work` (bytes or flops) at `rate` per second,
     as `pct` of the ceiling measured in the same run, and the speedup over torch's time."""
     row = {"op": op, "variant": variant, "dtype": str(dtype).replace("torch.", ""),
            "shape": list(shape), **work, **timing, **rate}

@@ -1,5 +1,5 @@
 """Results files: results/<device-slug>/<chapter>.json, written only by benchmark code.
-The contract (CONVENTIONS.md section 5): chapter, device, torch, cuda, commit, date,
+The contract (CONTRIBUTING.md, section 5): chapter, device, torch, cuda, commit, date,
 ceilings, benchmarks; anything else is extra."""
 import datetime
 import json
@@ -121,7 +121,7 @@ def label(record):
 
 
 # Fields of a row that are figures or bookkeeping, not part of what was measured: two rows
-# that differ only in these (and the variant) measured the same thing (CONVENTIONS section 5).
+# that differ only in these (and the variant) measured the same thing (CONTRIBUTING.md, section 5).
 FIGURE_FIELDS = {"variant", "dispatch", "median_ms", "min_ms", "max_ms", "p10_ms", "p90_ms",
                  "reps", "GBps", "pct_of_copy", "speedup_vs_torch", "calls_per_replay",
                  "input_sets", "TFLOPs", "pct_of_mm", "repeat", "other_median_ms", "timer"}

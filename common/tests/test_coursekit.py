@@ -184,6 +184,32 @@ def test_committed_readme_numbers_match_the_results_files():
     assert changed == [], f"run tools/report.py: stale numbers in {changed}"
 
 
+def test_every_chapter_headline_picks_its_rows():
+    """The top README's headline of each chapter is named on purpose (report.HEADLINES) and, where
+    the results exist, picks exactly one row of the course's variant per dtype, with a PyTorch
+    baseline measured beside it."""
+    chapters = sorted(p.parent.name for p in ROOT.glob("chapter*/setup.py"))
+    assert sorted(report.HEADLINES) == chapters
+    for chapter, headlines in report.HEADLINES.items():
+        for headline in headlines:
+            record = results.load_recorded_gpu(headline.results)
+            if record is None:
+                continue
+            picked = report.headline_rows(record, headline)
+            assert picked, (chapter, headline.what)
+            for dtype, (ours, base) in picked.items():
+                same = [r for r in results.rows(record, **headline.match)
+                        if r["dtype"] == dtype and r["variant"] == headline.ours and not r.get("call")]
+                assert len(same) == 1, (chapter, headline.what, dtype, len(same))
+                assert base is not None and report.is_baseline(base["variant"]), (chapter, dtype)
+
+
+def test_baselines_are_pytorchs_rows_only():
+    assert all(map(report.is_baseline, ("torch", "torch.compile", "torch.transpose(-2,-1)",
+                                        "sdpa_flash", "sdpa_cudnn", "sdpa")))
+    assert not any(map(report.is_baseline, ("torch_library", "default", "v1", "split_kv", "cpu")))
+
+
 def test_loader_rejects_an_unknown_route(monkeypatch, tmp_path):
     monkeypatch.setenv("COURSE_EXT_ROUTE", "pip")
     with pytest.raises(ImportError, match=r"nope: COURSE_EXT_ROUTE='pip'; use installed, jit or auto"):

@@ -117,8 +117,9 @@ at::ScalarType lse_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDoub
 // The CPU reference computes in the input's own type and exists in float32 and float64 only
 // (16-bit attention on the CPU would be a different reference: rounding P to the dtype or not).
 // The scalar CUDA rungs take all four floating types (16-bit computed in float32); float64 is
-// there so that gradcheck runs on the GPU too (CONVENTIONS 4). The tensor-core rungs will take
-// the 16-bit types only, and the dispatch will send the others to the scalar rungs.
+// there so that gradcheck runs on the GPU too (CONTRIBUTING.md, section 4). The tensor-core rungs
+// (mma, pipelined, tuned, split_kv; mma and mma_dqpass backward) take the 16-bit types only, and
+// version=None sends the others to the scalar rungs.
 // meta tensors carry no device of their own: any of the four passes.
 void check_dtype(const char* op, const char* name, const Tensor& t) {
   if (t.device().is_cpu()) {

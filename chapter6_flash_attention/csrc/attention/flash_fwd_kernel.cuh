@@ -1,5 +1,5 @@
-// Chapter 6, forward rungs 3 and 4: FlashAttention 2 on tensor cores (mma.sync m16n8k16, bfloat16
-// or float16 in, float32 accumulate). Included only by the instantiation files
+// Chapter 6, forward rungs 3 to 6: FlashAttention 2 on tensor cores (mma.sync m16n8k16,
+// bfloat16 or float16 in, float32 accumulate). Included only by the instantiation files
 // instantiations/flash_fwd_<dtype>_hdim<d>.cu, one per dtype and head dim, so that the build
 // compiles them in parallel and a change of one head dim's tiles rebuilds one file.
 //
@@ -26,7 +26,10 @@
 //     conflict-free for ldmatrix and for the copies alike, and no wasted bytes, which is what lets
 //     head dim 256 double-buffer within an A100's 163 KiB (head dims 32 and 96, whose rows are not
 //     a multiple of 8 chunks, keep the padding);
-//   - exp2 with log2(e) folded into the scale: exp2f is one MUFU.EX2, expf a multiply first;
+//   - exp2 with log2(e) folded into the scale: without --use_fast_math (the course builds without
+//     it) exp2f compiles to the MUFU.EX2 plus a compare and two predicated multiplies that keep
+//     results below 2^-126 as denormals, four instructions; expf is about twice that (a range
+//     reduction with log2(e) split in two FMAs before its MUFU.EX2);
 //   - masks only where they can bite: the last tile (keys past seqlen_k) and, when causal, the
 //     tiles that cross the diagonal. Tiles entirely above the diagonal were already never
 //     visited (the key loop stops at the last key the block's last row sees), from rung 2 on.
@@ -44,8 +47,8 @@
 // without splitting, the dispatch runs rung 5 instead.
 //
 // The output is written straight from the accumulators, two elements (4 bytes) per lane per
-// n8 tile; FlashAttention 2 stages it through shared memory for 16-byte stores, one of the
-// things the tuning rung may measure.
+// n8 tile; FlashAttention 2 stages it through shared memory for 16-byte stores, which no rung
+// here does (not measured).
 //
 // No torch headers: this file builds with a bare `nvcc -c`.
 #pragma once

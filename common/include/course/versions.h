@@ -35,7 +35,7 @@ std::vector<std::string> version_names(const NamedVersion<Version> (&table)[N]) 
 }
 
 // The rung a `version=` string names, or nullopt for None: the chapter's own dispatch then picks
-// by size, dtype, alignment and shape (CONVENTIONS section 5). The same names are accepted on
+// by size, dtype, alignment and shape (CONTRIBUTING.md, section 3). The same names are accepted on
 // every device, so a typo fails on the CPU exactly as it would on CUDA.
 template <typename Version, size_t N>
 std::optional<Version> parse_version(const char* op, OptVersion version,
