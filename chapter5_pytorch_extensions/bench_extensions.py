@@ -390,7 +390,14 @@ def make_figures(record, out_dir):
         fig, ax = plt.subplots(figsize=(6.5, 4))
         plot_timing(ax, record)
         figures.append(plots.save(fig, out_dir / f"{CHAPTER}_timing.png"))
-    return figures
+    return figures + plots.cpu_vs_recorded(record, out_dir, CHAPTER, plot_comparison)
+
+
+def plot_comparison(ax, record):
+    """The panel a CPU run is drawn beside the recorded GPU run with: the fused op's forward in
+    float32, every route."""
+    shape = results.rows(record, op="fused_op")[0]["shape"]
+    plots.plot_bars(ax, subset(record, **{"pass": "forward"}), "fused_op", "float32", shape)
 
 
 def print_table(record):
