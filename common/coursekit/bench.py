@@ -218,8 +218,10 @@ def tflops(flops, ms):
 # other load slowed the ceiling. On the H100 the highest rows were 1.5x the copy (chapter 2's
 # working-set rows, inside the 50 MB L2 on purpose). A median more than SPREAD_LIMIT times the
 # fastest tenth of its repeats (p10) says that most repeats were slowed by something else: on
-# the H100 no row came near it (p90 / p10 was 1.35 at most), while on a 2-core machine under a
-# load average of 7 a 2^22-element torch.add ran 1.8 ms in its p10 and 18 ms in its p90.
+# the H100 no row's median was more than 1.34x its p10 (chapter 5's host-timed call overhead;
+# kernels 1.21x), while on a 2-core machine under a load average of 7 a 2^22-element torch.add
+# ran 1.8 ms in its p10 and 18 ms in its p90, and chapter 1's own vector_add, 1.7 ms in its
+# p10, had a median of 6.5 ms.
 CEILING_MARGIN = 2.0
 SPREAD_LIMIT = 1.5
 

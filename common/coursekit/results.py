@@ -71,9 +71,10 @@ def publish(chapter, rows, ceilings, extra, make_figures, print_table):
     return record
 
 
-# A row's figures: what for_print blanks out when bench.untrusted gave a reason.
+# A row's figures: what for_print blanks out when bench.untrusted gave a reason (the last three:
+# chapter 5's call-overhead rows).
 FIGURES = ("median_ms", "min_ms", "max_ms", "p10_ms", "p90_ms", "GBps", "pct_of_copy", "TFLOPs",
-           "pct_of_mm", "speedup_vs_torch")
+           "pct_of_mm", "speedup_vs_torch", "us_per_call", "us_over_native", "gpu_us_per_call")
 
 
 def for_print(record):
