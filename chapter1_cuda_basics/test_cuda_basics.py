@@ -9,7 +9,7 @@ from torch.testing import assert_close
 
 import cuda_basics
 from coursekit import results
-from coursekit.pytest_plugin import (DTYPES, dtype_id, launched_kernels, poison_allocator,
+from coursekit.pytest_plugin import (DTYPES, assert_misplaced, dtype_id, launched_kernels, poison_allocator,
                                      ptx_kernels, require_cuda)
 from cuda_basics import VERSIONS
 
@@ -261,9 +261,7 @@ MISPLACED = {
 
 @pytest.mark.parametrize("call", list(MISPLACED))
 def test_misplaced_arguments_raise_type_error(call, device):
-    fn, message = MISPLACED[call]
-    with pytest.raises(TypeError, match=message):
-        fn(torch.randn(8, device=device))
+    assert_misplaced(*MISPLACED[call], torch.randn(8, device=device))
 
 
 @pytest.mark.cuda

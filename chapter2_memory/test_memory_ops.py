@@ -11,7 +11,7 @@ import torch
 
 import memory_ops
 from coursekit import results
-from coursekit.pytest_plugin import (DTYPES, dtype_id, launched_kernels, poison_allocator,
+from coursekit.pytest_plugin import (DTYPES, assert_misplaced, dtype_id, launched_kernels, poison_allocator,
                                      ptx_kernels, require_cuda, shape_id)
 from memory_ops import VERSIONS
 
@@ -527,6 +527,4 @@ MISPLACED = {
 
 @pytest.mark.parametrize("call", list(MISPLACED))
 def test_misplaced_arguments_raise_type_error(call, device):
-    fn, message = MISPLACED[call]
-    with pytest.raises(TypeError, match=message):
-        fn(torch.randn(4, 4, device=device))
+    assert_misplaced(*MISPLACED[call], torch.randn(4, 4, device=device))

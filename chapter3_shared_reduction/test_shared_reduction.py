@@ -19,8 +19,8 @@ import torch
 
 import shared_reduction
 from coursekit import results
-from coursekit.pytest_plugin import (DTYPES, dtype_id, floor, launched_kernels, poison_allocator,
-                                     require_cuda, shape_id)
+from coursekit.pytest_plugin import (DTYPES, assert_misplaced, dtype_id, floor, launched_kernels,
+                                     poison_allocator, require_cuda, shape_id)
 from shared_reduction import LADDERS, VERSIONS
 
 REDUCE_OPS = ("sum", "amax")
@@ -1076,6 +1076,4 @@ MISPLACED = {
 
 @pytest.mark.parametrize("call", list(MISPLACED))
 def test_misplaced_arguments_raise_type_error(call, device):
-    fn, message = MISPLACED[call]
-    with pytest.raises(TypeError, match=message):
-        fn(torch.randn(4, 4, device=device))
+    assert_misplaced(*MISPLACED[call], torch.randn(4, 4, device=device))

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 import fusion
-from coursekit.pytest_plugin import (DTYPES, assert_within, capture_and_replay, dtype_id, floor, poison_allocator,
-                                     require_cuda, shape_id)
+from coursekit.pytest_plugin import (DTYPES, assert_misplaced, assert_within, capture_and_replay, dtype_id, floor,
+                                     poison_allocator, require_cuda, shape_id)
 from fusion import _elementwise
 
 EW_VERSIONS = _elementwise.VERSIONS
@@ -840,6 +840,4 @@ MISPLACED = {
 
 @pytest.mark.parametrize("call", list(MISPLACED))
 def test_misplaced_arguments_raise_type_error(call, device):
-    fn, message = MISPLACED[call]
-    with pytest.raises(TypeError, match=message):
-        fn(torch.randn(4, 8, device=device), torch.randn(8, device=device))
+    assert_misplaced(*MISPLACED[call], torch.randn(4, 8, device=device), torch.randn(8, device=device))

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 import fusion
-from coursekit.pytest_plugin import DTYPES, capture_and_replay, dtype_id, poison_allocator, require_cuda
+from coursekit.pytest_plugin import (DTYPES, assert_misplaced, capture_and_replay, dtype_id, poison_allocator,
+                                     require_cuda)
 
 VERSIONS = fusion.VERSIONS
 NORM_OPS = ("layer_norm", "rms_norm")
@@ -518,6 +519,4 @@ MISPLACED = {
 
 @pytest.mark.parametrize("call", list(MISPLACED))
 def test_misplaced_arguments_raise_type_error(call, device):
-    fn, message = MISPLACED[call]
-    with pytest.raises(TypeError, match=message):
-        fn(torch.randn(4, 8, device=device), torch.randn(8, device=device))
+    assert_misplaced(*MISPLACED[call], torch.randn(4, 8, device=device), torch.randn(8, device=device))

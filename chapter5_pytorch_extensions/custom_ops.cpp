@@ -159,48 +159,52 @@ struct type_caster<custom_ops::pybind_route::AnyObject> {
 };
 }  // namespace pybind11::detail
 
+namespace custom_ops::pybind_route {
+namespace {
+
+constexpr const char* kMisuse = "Any other arguments: a TypeError that names the function and the wrong argument.";
+
+// The misuse overload of function(x: tensor).
+template <typename Result>
+void def_misuse(pybind11::module_& m, const char* function, const char* x) {
+  m.def(
+      function, [function, x](const AnyObject& got) -> Result { refuse(function, {{x, Kind::tensor, got}}); },
+      kMisuse, pybind11::arg(x));
+}
+
+// The misuse overload of function(a: tensor, b: tensor, scale: number).
+template <typename Result>
+void def_misuse(pybind11::module_& m, const char* function, const char* a, const char* b, const char* scale) {
+  m.def(
+      function,
+      [=](const AnyObject& got_a, const AnyObject& got_b, const AnyObject& got_scale) -> Result {
+        refuse(function, {{a, Kind::tensor, got_a}, {b, Kind::tensor, got_b}, {scale, Kind::number, got_scale}});
+      },
+      kMisuse, pybind11::arg(a), pybind11::arg(b), pybind11::arg(scale));
+}
+
+}  // namespace
+}  // namespace custom_ops::pybind_route
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   using namespace custom_ops::pybind_route;
-  constexpr const char* kMisuse = "Any other arguments: a TypeError that names the function and the wrong argument.";
   m.doc() = "Chapter 5, route 1: the kernels bound with pybind11, autograd in C++ (custom_ops.cpp).";
   m.def("fused_op_forward", &fused_op_forward,
         "relu(input * scale + bias), differentiable in input and bias (a C++ autograd Function).",
         py::arg("input"), py::arg("bias"), py::arg("scale"));
-  m.def(
-      "fused_op_forward",
-      [](const AnyObject& input, const AnyObject& bias, const AnyObject& scale) -> Tensor {
-        refuse("fused_op_forward", {{"input", Kind::tensor, input}, {"bias", Kind::tensor, bias},
-                                    {"scale", Kind::number, scale}});
-      },
-      kMisuse, py::arg("input"), py::arg("bias"), py::arg("scale"));
+  def_misuse<at::Tensor>(m, "fused_op_forward", "input", "bias", "scale");
   m.def("custom_relu", &relu_forward, "relu(x), differentiable.", py::arg("x"));
-  m.def(
-      "custom_relu", [](const AnyObject& x) -> Tensor { refuse("custom_relu", {{"x", Kind::tensor, x}}); },
-      kMisuse, py::arg("x"));
+  def_misuse<at::Tensor>(m, "custom_relu", "x");
   m.def("reduce_sum", &reduce_sum_forward, "The sum of every element of x as a 0-d tensor, differentiable.",
         py::arg("x"));
-  m.def(
-      "reduce_sum", [](const AnyObject& x) -> Tensor { refuse("reduce_sum", {{"x", Kind::tensor, x}}); },
-      kMisuse, py::arg("x"));
+  def_misuse<at::Tensor>(m, "reduce_sum", "x");
   m.def("fused_op_raw", &custom_ops::fused_op,
         "fused_op's kernel without autograd: relu(input * scale + bias). Route 3 wraps it.", py::arg("input"),
         py::arg("bias"), py::arg("scale"));
-  m.def(
-      "fused_op_raw",
-      [](const AnyObject& input, const AnyObject& bias, const AnyObject& scale) -> Tensor {
-        refuse("fused_op_raw", {{"input", Kind::tensor, input}, {"bias", Kind::tensor, bias},
-                                {"scale", Kind::number, scale}});
-      },
-      kMisuse, py::arg("input"), py::arg("bias"), py::arg("scale"));
+  def_misuse<at::Tensor>(m, "fused_op_raw", "input", "bias", "scale");
   m.def("fused_op_backward_raw", &custom_ops::fused_op_backward,
         "fused_op's backward kernel: (grad_input, grad_bias) from the upstream grad and the forward's output.",
         py::arg("grad"), py::arg("output"), py::arg("scale"));
-  m.def(
-      "fused_op_backward_raw",
-      [](const AnyObject& grad, const AnyObject& output, const AnyObject& scale) -> std::tuple<Tensor, Tensor> {
-        refuse("fused_op_backward_raw", {{"grad", Kind::tensor, grad}, {"output", Kind::tensor, output},
-                                         {"scale", Kind::number, scale}});
-      },
-      kMisuse, py::arg("grad"), py::arg("output"), py::arg("scale"));
+  def_misuse<std::tuple<at::Tensor, at::Tensor>>(m, "fused_op_backward_raw", "grad", "output", "scale");
 }
