@@ -125,7 +125,7 @@ _KIND_NAMES = {torch.Tensor: "a tensor", float: "a number (float)", int: "an int
                bool: "a bool", torch.dtype: "a torch.dtype", None: "None"}
 
 
-def check_arguments(op, **arguments):
+def check_arguments(op, /, **arguments):
     """Raise a TypeError naming the op and the argument where a tensor was passed for a number,
     or anything but a tensor for a tensor. arguments: name=(value, kind) in the op's order, kind
     torch.Tensor, float, int (a number), str, bool or torch.dtype, or a tuple of them with None

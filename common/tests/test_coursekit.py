@@ -213,6 +213,7 @@ def test_check_arguments_names_the_op_and_the_argument():
     x = torch.randn(3, 4)
     loader.check_arguments("saxpy", alpha=(2.0, float), x=(x, torch.Tensor), y=(x, torch.Tensor))
     loader.check_arguments("sum", x=(x, torch.Tensor), dim=(None, (int, None)), keepdim=(False, bool))
+    loader.check_arguments("default_choice", op=("sum", str), x=(x, torch.Tensor))  # an argument named op
     with pytest.raises(TypeError, match=r"^saxpy: alpha must be a number \(float\), got a tensor of dtype "
                                         r"float32 and shape \[3, 4\] on cpu \(the arguments, in order: alpha, x, y\)$"):
         loader.check_arguments("saxpy", alpha=(x, float), x=(x, torch.Tensor), y=(x, torch.Tensor))
