@@ -11,7 +11,6 @@ ceiling is memory bandwidth, measured here as a device-to-device copy in the sam
 Writes results/<device-slug>/chapter1_cuda_basics.json and the plots beside it; on a CPU-only
 machine also a figure with the recorded GPU results next to the CPU measurement.
 """
-import argparse
 import json
 import os
 import subprocess
@@ -156,7 +155,12 @@ def make_figures(record, out_dir, big):
     for ax, op in zip(axes, OPS):
         plots.plot_bars(ax, record, op, "float32", [big])
     bars_png = plots.save(fig, out_dir / f"{CHAPTER}_ladder.png")
-    return [sweep_png, bars_png]
+    return [sweep_png, bars_png] + plots.cpu_vs_recorded(record, out_dir, CHAPTER, plot_comparison)
+
+
+def plot_comparison(ax, record):
+    """The panel a CPU run is drawn beside the recorded GPU run with: the vector_add sweep."""
+    plots.plot_sweep(ax, aligned_sweep(record), "vector_add", "float32", title=results.label(record))
 
 
 def print_table(record, big):
@@ -192,13 +196,11 @@ def print_sweep_summary(record):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small sizes (CPU, smoke runs)")
+    parser = bench.arguments(__doc__)
     parser.add_argument("--no-build-times", action="store_true")
     args = parser.parse_args()
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = bench.setup(args)
     quick = args.quick or device == "cpu"
     big = 2**22 if quick else 2**28
     sweep_sizes = [2**k for k in range(12 if quick else 16, (22 if quick else 28) + 1, 2 if quick else 1)]
@@ -206,9 +208,6 @@ def main():
     # On a misaligned view v3 and v4 fall back to v2 by themselves and v5 runs its scalar form:
     # v1, v2, v5 and the default are what is worth timing there.
     scalar_variants = ["v1", "v2", "v5", "default"] if device == "cuda" else ["cpu"]
-    if device == "cpu":
-        print("No CUDA GPU: benchmarking the CPU path at small sizes; GPU numbers come from "
-              "the recorded results.")
 
     ceilings = bench.copy_ceiling(device, n=big)
     ceiling = ceilings["copy_GBps"]
@@ -235,16 +234,8 @@ def main():
     path = results.write_results(CHAPTER, rows, ceilings, **extra)
     record = json.loads(path.read_text())
     figures = make_figures(record, path.parent, big)
-    if device == "cpu":
-        recorded = results.load_recorded_gpu(CHAPTER)
-        if recorded is not None:
-            fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-            plots.plot_sweep(axes[0], aligned_sweep(record), "vector_add", "float32",
-                             title=f"measured here: {results.label(record)}")
-            plots.plot_sweep(axes[1], aligned_sweep(recorded), "vector_add", "float32",
-                             title=f"recorded: {results.label(recorded)}")
-            figures.append(plots.save(fig, path.parent / f"{CHAPTER}_cpu_vs_recorded.png"))
-    print_table(record, big)
+    print_table(results.for_print(record), big)
+    results.print_untrusted(record)
     if device == "cuda":
         print_sweep_summary(record)
     if "build" in extra:

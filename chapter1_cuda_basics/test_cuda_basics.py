@@ -9,7 +9,7 @@ from torch.testing import assert_close
 
 import cuda_basics
 from coursekit import results
-from coursekit.pytest_plugin import (DTYPES, dtype_id, launched_kernels, poison_allocator,
+from coursekit.pytest_plugin import (DTYPES, assert_misplaced, dtype_id, launched_kernels, poison_allocator,
                                      ptx_kernels, require_cuda)
 from cuda_basics import VERSIONS
 
@@ -245,6 +245,23 @@ def test_misuse_raises_clear_error(misuse, device):
     call, message = MISUSES[misuse]
     with pytest.raises(RuntimeError, match=message):
         call(device)
+
+
+# A tensor where a number goes, or a number where a tensor goes (arguments in the wrong order):
+# a TypeError from the Python API naming the op and the argument, before anything runs.
+MISPLACED = {
+    "saxpy(x, y, alpha)": (lambda x: cuda_basics.saxpy(x, x, 2.0), r"^saxpy: alpha must be a number \(float\), "
+                           r"got a tensor of dtype float32 and shape \[8\] on \w+ \(the arguments, in order: alpha, x, y\)$"),
+    "vector_add(x, 2.0)": (lambda x: cuda_basics.vector_add(x, 2.0), r"^vector_add: b must be a tensor, got a float"),
+    "relu(2.0)": (lambda x: cuda_basics.relu(2.0), r"^relu: x must be a tensor, got a float"),
+    "default_choice(x, dtype)": (lambda x: cuda_basics.default_choice(x, x.dtype),
+                                 r"^default_choice: numel must be an integer, got a tensor"),
+}
+
+
+@pytest.mark.parametrize("call", list(MISPLACED))
+def test_misplaced_arguments_raise_type_error(call, device):
+    assert_misplaced(*MISPLACED[call], torch.randn(8, device=device))
 
 
 @pytest.mark.cuda

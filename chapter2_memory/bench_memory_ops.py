@@ -218,7 +218,13 @@ def make_figures(record, out_dir):
     plots.plot_sweep(axes[2], record, "transpose", "float32", x=lambda r: r["shape"][0],
                      xlabel="matrix side (square float32)")
     figures.append(plots.save(fig, out_dir / f"{CHAPTER}_memory.png"))
-    return figures
+    return figures + plots.cpu_vs_recorded(record, out_dir, CHAPTER, plot_comparison)
+
+
+def plot_comparison(ax, record):
+    """The panel a CPU run is drawn beside the recorded GPU run with: transpose, square float32."""
+    side = record["sizes"]["square"]
+    plots.plot_bars(ax, record, "transpose", "float32", [side, side])
 
 
 def plot_strided(ax, record):

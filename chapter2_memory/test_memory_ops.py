@@ -11,7 +11,7 @@ import torch
 
 import memory_ops
 from coursekit import results
-from coursekit.pytest_plugin import (DTYPES, dtype_id, launched_kernels, poison_allocator,
+from coursekit.pytest_plugin import (DTYPES, assert_misplaced, dtype_id, launched_kernels, poison_allocator,
                                      ptx_kernels, require_cuda, shape_id)
 from memory_ops import VERSIONS
 
@@ -513,3 +513,18 @@ def test_wide_kernels_use_128bit_accesses(tmp_path):
     # one instantiation per element size
     assert checked == {"copy_vectorized": 3, "transpose_wide_tiles_any_alignment": 3,
                        "transpose_wide_tiles": 3}
+
+
+# A tensor where a number goes and the other way round: a TypeError naming the op and the argument.
+MISPLACED = {
+    "strided_copy(x, tensor)": (lambda x: memory_ops.strided_copy(x, x), r"^strided_copy: stride must be an integer, got a tensor"),
+    "strided_copy(2, x)": (lambda x: memory_ops.strided_copy(2, x), r"^strided_copy: x must be a tensor, got an int"),
+    "transpose(2.0)": (lambda x: memory_ops.transpose(2.0), r"^transpose: x must be a tensor, got a float"),
+    "copy([x])": (lambda x: memory_ops.copy([x]), r"^copy: x must be a tensor, got a list"),
+    "default_choice(x, op)": (lambda x: memory_ops.default_choice(x, "transpose"), r"^default_choice: op must be a str, got a tensor"),
+}
+
+
+@pytest.mark.parametrize("call", list(MISPLACED))
+def test_misplaced_arguments_raise_type_error(call, device):
+    assert_misplaced(*MISPLACED[call], torch.randn(4, 4, device=device))

@@ -244,7 +244,13 @@ def make_figures(record, out_dir):
     axes[0].set_ylabel("GB/s (bytes read)")
     axes[1].set_ylabel("GB/s (bytes read)")
     figures.append(plots.save(fig, out_dir / f"{CHAPTER}_rows.png"))
-    return figures
+    return figures + plots.cpu_vs_recorded(record, out_dir, CHAPTER, plot_comparison)
+
+
+def plot_comparison(ax, record):
+    """The panel a CPU run is drawn beside the recorded GPU run with: sum(x) of the whole
+    tensor, float32."""
+    plots.plot_bars(ax, subset(record, dim=None), "sum", "float32", [record["sizes"]["whole"]])
 
 
 def print_table(record):

@@ -19,8 +19,8 @@ import torch
 
 import shared_reduction
 from coursekit import results
-from coursekit.pytest_plugin import (DTYPES, dtype_id, floor, launched_kernels, poison_allocator,
-                                     require_cuda, shape_id)
+from coursekit.pytest_plugin import (DTYPES, assert_misplaced, dtype_id, floor, launched_kernels,
+                                     poison_allocator, require_cuda, shape_id)
 from shared_reduction import LADDERS, VERSIONS
 
 REDUCE_OPS = ("sum", "amax")
@@ -1059,3 +1059,21 @@ def test_sanitizer_small_softmax_backward_and_atomic_sum():
         x = torch.randn(n + 1, device="cuda")[1:]
         exact = reference_sum(x)
         assert_within(shared_reduction.atomic_sum(x), exact, sum_bound(x, None, False, exact))
+
+
+# A tensor where a number goes and the other way round: a TypeError naming the op and the argument.
+MISPLACED = {
+    "sum(x, tensor)": (lambda x: shared_reduction.sum(x, x), r"^sum: dim must be an integer or None, got a tensor"),
+    "amax(2.0)": (lambda x: shared_reduction.amax(2.0), r"^amax: x must be a tensor, got a float"),
+    "softmax(x, 1.0)": (lambda x: shared_reduction.softmax(x, 1.0), r"^softmax: dim must be an integer, got a float"),
+    "log_softmax(-1, x)": (lambda x: shared_reduction.log_softmax(-1, x), r"^log_softmax: x must be a tensor, got an int"),
+    "softmax_backward(x, -1, x)": (lambda x: shared_reduction.softmax_backward(x, -1, x),
+                                   r"^softmax_backward: y must be a tensor, got an int"),
+    "atomic_sum(1.0)": (lambda x: shared_reduction.atomic_sum(1.0), r"^atomic_sum: x must be a tensor, got a float"),
+    "default_choice(x, op)": (lambda x: shared_reduction.default_choice(x, "sum"), r"^default_choice: op must be a str, got a tensor"),
+}
+
+
+@pytest.mark.parametrize("call", list(MISPLACED))
+def test_misplaced_arguments_raise_type_error(call, device):
+    assert_misplaced(*MISPLACED[call], torch.randn(4, 4, device=device))

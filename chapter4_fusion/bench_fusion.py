@@ -339,7 +339,14 @@ def make_figures(record, out_dir):
     ax.set_title(f"gelu(x @ W.T + b): {results.label(record)}")
     ax.legend(fontsize=8)
     figures.append(plots.save(fig, out_dir / f"{CHAPTER}_linear.png"))
-    return figures
+    return figures + plots.cpu_vs_recorded(record, out_dir, CHAPTER, plot_comparison)
+
+
+def plot_comparison(ax, record):
+    """The panel a CPU run is drawn beside the recorded GPU run with: relu(x * s + bias)
+    forward, float32."""
+    plots.plot_bars(ax, subset(record, **{"pass": "forward", "save": "mask"}), "fused_bias_scale_relu",
+                    "float32", record["sizes"]["bsr"])
 
 
 def print_table(record):

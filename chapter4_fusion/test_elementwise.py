@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 import fusion
-from coursekit.pytest_plugin import (DTYPES, assert_within, capture_and_replay, dtype_id, floor, poison_allocator,
-                                     require_cuda, shape_id)
+from coursekit.pytest_plugin import (DTYPES, assert_misplaced, assert_within, capture_and_replay, dtype_id, floor,
+                                     poison_allocator, require_cuda, shape_id)
 from fusion import _elementwise
 
 EW_VERSIONS = _elementwise.VERSIONS
@@ -818,3 +818,26 @@ def test_sanitizer_small(dtype):
             for version in EW_VERSIONS["linear_activation"]:
                 assert_within(fusion.linear_activation(xv, weight, b2, "silu", version=version), ref,
                               linear_bound(xv, weight, b2, ref, dtype), f"linear {version}")
+
+
+# A tensor where a number goes and the other way round: a TypeError naming the op and the argument.
+MISPLACED = {
+    "fused_bias_scale_relu(x, 2.0, bias)": (lambda x, b: fusion.fused_bias_scale_relu(x, 2.0, b),
+                                            r"^fused_bias_scale_relu: bias must be a tensor, got a float"),
+    "fused_bias_scale_relu(x, bias, x)": (lambda x, b: fusion.fused_bias_scale_relu(x, b, x),
+                                          r"^fused_bias_scale_relu: scale must be a number \(float\), got a tensor "
+                                          r"of dtype float32 and shape \[4, 8\]"),
+    "fused_bias_scale_relu_backward(x, x, b, b)": (lambda x, b: fusion.fused_bias_scale_relu_backward(x, x, b, b),
+                                                   r"^fused_bias_scale_relu_backward: scale must be a number"),
+    "bias_gelu(x, 1.0)": (lambda x, b: fusion.bias_gelu(x, 1.0), r"^bias_gelu: bias must be a tensor, got a float"),
+    "bias_silu(x, 0.5)": (lambda x, b: fusion.bias_silu(x, 0.5), r"^bias_silu: bias must be a tensor, got a float"),
+    "swiglu([x])": (lambda x, b: fusion.swiglu([x]), r"^swiglu: x must be a tensor, got a list"),
+    "linear_activation(x, x, b, x)": (lambda x, b: fusion.linear_activation(x, x, b, x),
+                                      r"^linear_activation: activation must be a str, got a tensor"),
+    "default_choice(x, op)": (lambda x, b: fusion.default_choice(x, "swiglu"), r"^default_choice: op must be a str, got a tensor"),
+}
+
+
+@pytest.mark.parametrize("call", list(MISPLACED))
+def test_misplaced_arguments_raise_type_error(call, device):
+    assert_misplaced(*MISPLACED[call], torch.randn(4, 8, device=device), torch.randn(8, device=device))

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 import fusion
-from coursekit.pytest_plugin import DTYPES, capture_and_replay, dtype_id, poison_allocator, require_cuda
+from coursekit.pytest_plugin import (DTYPES, assert_misplaced, capture_and_replay, dtype_id, poison_allocator,
+                                     require_cuda)
 
 VERSIONS = fusion.VERSIONS
 NORM_OPS = ("layer_norm", "rms_norm")
@@ -501,3 +502,21 @@ def test_sanitizer_small_backward(version):
                 refs = reference_grads(op, x, w, b, dy, default_eps(op))
                 for out, ref in zip(kernel_grads(op, x, w, b, dy, default_eps(op), version), refs):
                     assert_grad(out, ref, dtype)
+
+
+# A tensor where a number goes and the other way round: a TypeError naming the op and the argument.
+MISPLACED = {
+    "layer_norm(x, w, 1e-5, b)": (lambda x, w: fusion.layer_norm(x, w, 1e-5, w), r"^layer_norm: bias must be a tensor, got a float"),
+    "rms_norm(x, w, w)": (lambda x, w: fusion.rms_norm(x, w, w), r"^rms_norm: eps must be a number \(float\), got a tensor"),
+    "fused_add_rms_norm(x, w, 1e-6)": (lambda x, w: fusion.fused_add_rms_norm(x, w, 1e-6),
+                                       r"^fused_add_rms_norm: weight must be a tensor, got a float"),
+    "rms_norm_backward(x, x, w, 1.0)": (lambda x, w: fusion.rms_norm_backward(x, x, w, 1.0),
+                                        r"^rms_norm_backward: rstd must be a tensor, got a float"),
+    "norm_default_choice(x, op)": (lambda x, w: fusion.norm_default_choice(x, "rms_norm"),
+                                   r"^norm_default_choice: op must be a str, got a tensor"),
+}
+
+
+@pytest.mark.parametrize("call", list(MISPLACED))
+def test_misplaced_arguments_raise_type_error(call, device):
+    assert_misplaced(*MISPLACED[call], torch.randn(4, 8, device=device), torch.randn(8, device=device))

@@ -263,6 +263,8 @@ def bench_call_overhead(device, s):
                     # What the GPU spends per call, from a graph (no host in the loop): the
                     # floor under the host's number.
                     row["gpu_us_per_call"] = bench.time_cuda_graph(lambda i: fn(), 1)["median_ms"] * 1e3
+                if bench.untrusted(t):
+                    row["untrusted"] = bench.untrusted(t)
                 rows.append(row)
             del x, bias
     return rows
@@ -390,7 +392,14 @@ def make_figures(record, out_dir):
         fig, ax = plt.subplots(figsize=(6.5, 4))
         plot_timing(ax, record)
         figures.append(plots.save(fig, out_dir / f"{CHAPTER}_timing.png"))
-    return figures
+    return figures + plots.cpu_vs_recorded(record, out_dir, CHAPTER, plot_comparison)
+
+
+def plot_comparison(ax, record):
+    """The panel a CPU run is drawn beside the recorded GPU run with: the fused op's forward in
+    float32, every route."""
+    shape = results.rows(record, op="fused_op")[0]["shape"]
+    plots.plot_bars(ax, subset(record, **{"pass": "forward"}), "fused_op", "float32", shape)
 
 
 def print_table(record):
@@ -401,11 +410,17 @@ def print_table(record):
     for r in results.rows(record, op="fused_op"):
         print(f"{r['op']:<14}{r['pass']:<10}{r['dtype']:<10}{r['variant']:<16}{r['median_ms']:10.4f}"
               f"{r['GBps']:9.0f}{r.get('pct_of_copy', 0):7.1f}{r['speedup_vs_torch']:9.2f}")
-    print(f"\n{'call_overhead':<14}{'elements':>10}{'grad':>6}  {'variant':<28}{'us/call':>9}{'+us':>8}{'gpu us':>8}")
-    for r in results.rows(record, op="call_overhead"):
-        gpu = f"{r['gpu_us_per_call']:8.2f}" if "gpu_us_per_call" in r else f"{'-':>8}"
-        print(f"{'':<14}{results.format_shape([r['numel']]):>10}{str(r['grad']):>6}  {results.column(r):<28}"
-              f"{r['us_per_call']:9.2f}{r['us_over_native']:8.2f}{gpu}")
+    # Columns as wide as their widest cell, two spaces apart: on a busy CPU a call can take
+    # tens of milliseconds, whose microseconds would otherwise run into the next column.
+    cells = [[results.format_shape([r["numel"]]), str(r["grad"]), results.column(r), f"{r['us_per_call']:.2f}",
+              f"{r['us_over_native']:.2f}", f"{r['gpu_us_per_call']:.2f}" if "gpu_us_per_call" in r else "-"]
+             for r in results.rows(record, op="call_overhead")]
+    head = ["elements", "grad", "variant", "us/call", "+us", "gpu us"]
+    widths = [max(len(row[i]) for row in cells + [head]) for i in range(len(head))]
+    print("\ncall_overhead")
+    for row in [head] + cells:
+        print("  " + "  ".join(cell.ljust(w) if i == 2 else cell.rjust(w)
+                               for i, (cell, w) in enumerate(zip(row, widths))))
     print(f"\n{'timing':<14}{'shape':>12}  {'method':<32}{'torch ms':>10}{'ours ms':>10}{'x torch':>9}")
     for r in results.rows(record, op="timing", variant="torch_library"):
         t = next(q for q in results.rows(record, op="timing", variant="torch", method=r["method"])

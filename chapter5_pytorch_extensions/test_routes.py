@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import custom_ops
-from coursekit.pytest_plugin import DTYPES, assert_within, dtype_id, floor, require_cuda, shape_id
+from coursekit.pytest_plugin import DTYPES, assert_misplaced, assert_within, dtype_id, floor, require_cuda, shape_id
 from custom_ops import _C
 
 ROUTES = custom_ops.ROUTES
@@ -684,3 +684,44 @@ def test_sanitizer_small(dtype):
         x = torch.randn(n, device="cuda").to(dtype)
         torch.testing.assert_close(custom_ops.reduce_sum(x).double(), x.double().sum(), rtol=2e-2, atol=2e-1)
     torch.cuda.synchronize()
+
+
+# A tensor where a number goes and the other way round. The public API checks in Python; the
+# pybind11 functions have an overload for it (custom_ops.cpp), so that the TypeError names the
+# function and the argument and describes a tensor by its dtype and shape, never its values.
+MISPLACED = {
+    "fused_op_forward(x, bias, x)": (lambda x, b: custom_ops.fused_op_forward(x, b, x),
+                                     r"^fused_op_forward: scale must be a number \(float\), got a tensor of dtype "
+                                     r"float32 and shape \[64, 40\] on \w+ \(the arguments, in order: input, bias, scale\)$"),
+    "custom_relu(2.0)": (lambda x, b: custom_ops.custom_relu(2.0), r"^custom_relu: x must be a tensor, got a float"),
+    "reduce_sum([x])": (lambda x, b: custom_ops.reduce_sum([x]), r"^reduce_sum: x must be a tensor, got a list"),
+    "FusedOpLayer(40, x)": (lambda x, b: custom_ops.FusedOpLayer(40, x), r"^FusedOpLayer: scale must be a number"),
+    "pybind11 fused_op_forward(x, bias, x)": (lambda x, b: _C.fused_op_forward(x, b, x),
+                                              r"^fused_op_forward: scale must be a number \(float\), got a tensor of "
+                                              r"dtype Float and shape \[64, 40\] on \w+ \(the arguments, in order: "
+                                              r"input, bias, scale\)$"),
+    "pybind11 fused_op_forward(x, 2.0, bias)": (lambda x, b: _C.fused_op_forward(x, 2.0, b),
+                                                r"^fused_op_forward: bias must be a tensor, got a float"),
+    "pybind11 custom_relu('x')": (lambda x, b: _C.custom_relu("x"), r"^custom_relu: x must be a tensor, got a str"),
+    "pybind11 reduce_sum(1)": (lambda x, b: _C.reduce_sum(1), r"^reduce_sum: x must be a tensor, got an int"),
+    "pybind11 fused_op_raw(x, bias, None)": (lambda x, b: _C.fused_op_raw(x, b, None),
+                                             r"^fused_op_raw: scale must be a number \(float\), got a NoneType"),
+    "pybind11 fused_op_backward_raw(x, 1.0, 1.0)": (lambda x, b: _C.fused_op_backward_raw(x, 1.0, 1.0),
+                                                    r"^fused_op_backward_raw: output must be a tensor, got a float"),
+}
+
+
+@pytest.mark.parametrize("call", list(MISPLACED))
+def test_misplaced_arguments_raise_type_error(call, device):
+    assert_misplaced(*MISPLACED[call], torch.randn(64, 40, device=device), torch.randn(40, device=device))
+
+
+def test_pybind11_takes_what_converts_to_a_float(device):
+    # The misuse overload runs only after the typed function failed with conversions too: an
+    # int, a NumPy float or a one-element tensor still reaches the kernel as the scale.
+    import numpy as np
+    x, bias = torch.randn(8, 40, device=device), torch.randn(40, device=device)
+    expected = _C.fused_op_forward(x, bias, 2.0)
+    for scale in (2, np.float32(2.0), torch.tensor(2.0)):
+        assert torch.equal(_C.fused_op_forward(x, bias, scale), expected), type(scale)
+    assert torch.equal(_C.fused_op_forward(input=x, bias=bias, scale=2), expected)

@@ -528,7 +528,14 @@ def make_figures(record, out_dir):
         for ax, p in zip(axes, ("forward", "backward")):
             plot_error(ax, record, p)
         figures.append(plots.save(fig, out_dir / f"{CHAPTER}_error.png"))
-    return figures
+    return figures + plots.cpu_vs_recorded(record, out_dir, CHAPTER, plot_comparison)
+
+
+def plot_comparison(ax, record):
+    """The panel a CPU run is drawn beside the recorded GPU run with: the forward, not causal,
+    at the first head dim the record measured."""
+    plot_tflops(ax, record, "forward", record["sizes"]["head_dims"][0], False)
+    ax.set_title(f"{ax.get_title()}\n{results.label(record)}", fontsize=9)
 
 
 def print_table(record):

@@ -933,7 +933,7 @@ def make_figures(record, out_dir):
             plot_match(axes[1], record)
         fig.suptitle(results.label(record), fontsize=10)
         figures.append(plots.save(fig, out_dir / f"{CHAPTER}_cache_ops_match_prefix.png"))
-    return figures
+    return figures + plots.cpu_vs_recorded(record, out_dir, CHAPTER, plot_targets, figsize=(18, 5))
 
 
 def fmt(value, spec, missing="-"):

@@ -45,16 +45,24 @@ def notebooks():
 
 
 class Steps:
-    """Runs commands, logs each to LOG_DIR, and keeps a pass/fail table for the summary."""
+    """Runs commands, logs each to LOG_DIR, and keeps a pass/fail table for the summary.
 
-    def __init__(self):
+    brief=True (the main job): one line per step while it runs, its output only in its log
+    unless it fails; the summary is what a newcomer reads, not hundreds of lines of tables."""
+
+    def __init__(self, brief=False):
         self.table = []
         self.tests = {"passed": 0, "failed": 0, "skipped": 0}
+        self.brief = brief
         LOG_DIR.mkdir(parents=True, exist_ok=True)
 
     def run(self, name, cmd, cwd=ROOT, env=None, junit=None, echo=False):
         log = LOG_DIR / (name.replace(" ", "_").replace("/", "-") + ".log")
-        print(f"\n=== {name}\n$ {' '.join(map(str, cmd))}", flush=True)
+        echo = echo and not self.brief
+        if self.brief:
+            print(f"{name} ...", end=" ", flush=True)
+        else:
+            print(f"\n=== {name}\n$ {' '.join(map(str, cmd))}", flush=True)
         if junit:
             Path(junit).unlink(missing_ok=True)  # a crashed run must not report an old file
         start = time.perf_counter()
@@ -69,7 +77,11 @@ class Steps:
                     print(line, end="", flush=True)
             rc = proc.wait()
         seconds = time.perf_counter() - start
-        if not echo:
+        if self.brief:
+            print(f"{'ok' if rc == 0 else f'FAILED ({rc})'} in {seconds:.0f} s (log: {display(log)})", flush=True)
+            if rc:
+                print("".join(tail), end="", flush=True)
+        elif not echo:
             print("".join(tail[-(25 if rc else 3):]), end="", flush=True)
         if rc != 0:
             first_error = next((ln for ln in open(log) if "error:" in ln or "Error:" in ln), None)
@@ -102,6 +114,12 @@ class Steps:
             print(f"tests: {t['passed']} passed, {t['failed'] + failed_steps} failed, "
                   f"{t['skipped']} skipped")
         return failed_steps == 0 and t["failed"] == 0
+
+
+def display(path):
+    """A path as the summary prints it: relative to the repository root when inside it."""
+    path = Path(path)
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def extensions(chapter):
@@ -193,8 +211,34 @@ def nvcc_compile(steps):
                        *includes, "-I", cu.parent, "-o", os.devnull, cu])
 
 
+def tree_status():
+    """`git status --porcelain` of the checkout, untracked files listed one by one (what git
+    ignores, build/ and results/cpu-*/ among them, left out): a set of lines, or None where the
+    tree has no git (copied without its .git)."""
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return set(out.splitlines())
+
+
+def check_tree_unchanged(steps, before):
+    """A step that fails when the job left files in the checkout that git would show (a wheel
+    built into a source folder, say): the test command must leave `git status` as it found it."""
+    after = tree_status()
+    if before is None or after is None:
+        return
+    new = sorted(after - before)
+    for line in new:
+        print(f"left in the tree: {line}")
+    steps.table.append(("git status unchanged by the tests", "ok" if not new else f"FAILED ({len(new)} new)",
+                        "-", ", ".join(line[3:] for line in new[:3]) + (" ..." if len(new) > 3 else "")))
+
+
 def job_test(args):
     steps = Steps()
+    status_before = tree_status()
     junit = LOG_DIR / "common.xml"
     steps.run("common helpers pytest", [sys.executable, "-m", "pytest", "-q", "-p",
               "no:cacheprovider", f"--junitxml={junit}", "common/tests"], junit=junit)
@@ -205,6 +249,7 @@ def job_test(args):
         jit_build(steps, chapter)
     execute_notebooks(steps, inplace=False)
     nvcc_compile(steps)
+    check_tree_unchanged(steps, status_before)
     return steps.summary()
 
 
@@ -232,17 +277,44 @@ def run_benchmarks(steps, chapter):
 
 def job_main(args):
     import torch
-    steps = Steps()
+    steps = Steps(brief=True)
+    started = time.time()
     if not torch.cuda.is_available():
         print("No CUDA GPU here: running every chapter's CPU path; plots show the recorded "
               "GPU results beside it.")
+    print(f"Each step's output (examples, benchmark tables) goes to its log in {display(LOG_DIR)}/.\n")
     for chapter in chapters():
         pip_install(steps, chapter)
         steps.run(f"{chapter.name} example", [sys.executable, "example_usage.py"], cwd=chapter,
                   echo=True)
         run_benchmarks(steps, chapter)
     steps.run("report", [sys.executable, str(ROOT / "tools" / "report.py")], echo=True)
-    return steps.summary()
+    ok = steps.summary()
+    print_written(started)
+    return ok
+
+
+def print_written(since):
+    """What the main job wrote under results/: each results file with its rows and how many of
+    them the benchmark harness could not trust (other load on the machine), then the figures."""
+    import json
+    written = sorted(p for p in (ROOT / "results").glob("*/*") if p.stat().st_mtime >= since)
+    for folder in sorted({p.parent for p in written}):
+        here = [p for p in written if p.parent == folder]
+        print(f"\nwritten to {display(folder)}/:")
+        for path in (p for p in here if p.suffix == ".json"):
+            try:
+                rows = json.loads(path.read_text()).get("benchmarks", [])
+            except (ValueError, AttributeError):
+                rows = []
+            untrusted = sum(1 for r in rows if isinstance(r, dict) and r.get("untrusted"))
+            print(f"  {path.name}: {len(rows)} rows" +
+                  (f", {untrusted} not trusted (their reasons are in the benchmark's log)" if untrusted else ""))
+        figures = [p.name for p in here if p.suffix == ".png"]
+        compared = [name for name in figures if name.endswith("_cpu_vs_recorded.png")]
+        if figures:
+            print(f"  {len(figures)} figures (.png)" + (f", the CPU run beside the recorded GPU run in "
+                                                        f"{', '.join(compared)}" if compared else ""))
 
 
 GPU_STAGES = ("build", "test", "sanitize", "bench", "profile", "notebooks")

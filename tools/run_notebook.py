@@ -2,14 +2,24 @@
 
     python tools/run_notebook.py notebooks/01_cuda_basics.ipynb            check only
     python tools/run_notebook.py notebooks/01_cuda_basics.ipynb --inplace  also save outputs
+
+Needs nbformat, nbclient and ipykernel, which `python tools/ensure_env.py test` installs where
+they are missing (./run_tests.sh does; ./run_course.sh does not).
 """
 import argparse
+import importlib.util
 import sys
 import time
 from pathlib import Path
 
-import nbformat
-from nbclient import NotebookClient
+try:
+    import nbformat
+    from nbclient import NotebookClient
+    if importlib.util.find_spec("ipykernel") is None:  # the kernel the cells run in
+        raise ModuleNotFoundError("No module named 'ipykernel'")
+except ModuleNotFoundError as e:
+    sys.exit(f"run_notebook.py: {e}. Install what running notebooks needs with "
+             "`python tools/ensure_env.py test` (in the repository root, after `source scripts/env.sh`)")
 
 
 def main():

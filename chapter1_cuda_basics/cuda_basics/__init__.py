@@ -23,11 +23,11 @@ VERSIONS = {"vector_add": _LADDER, "saxpy": _LADDER, "relu": _LADDER}
 
 
 try:  # installed: setup.py ships the shared loader inside the package
-    from ._loader import load_extension
+    from ._loader import check_arguments, load_extension
 except ImportError:  # the course checkout: the loader's one home, common/coursekit
     import sys
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "common"))
-    from coursekit.loader import load_extension
+    from coursekit.loader import check_arguments, load_extension
 
 # How the ops library was loaded: route (installed, jit or preloaded) and where from.
 EXTENSION = load_extension("cuda_basics", "cuda_basics", __file__)
@@ -35,16 +35,19 @@ EXTENSION = load_extension("cuda_basics", "cuda_basics", __file__)
 
 def vector_add(a, b, *, version=None):
     """a + b for two tensors of the same shape, dtype and device."""
+    check_arguments("vector_add", a=(a, torch.Tensor), b=(b, torch.Tensor))
     return torch.ops.cuda_basics.vector_add(a, b, version)
 
 
 def saxpy(alpha, x, y, *, version=None):
     """alpha * x + y ("single-precision a x plus y", BLAS level 1) for a Python float alpha."""
+    check_arguments("saxpy", alpha=(alpha, float), x=(x, torch.Tensor), y=(y, torch.Tensor))
     return torch.ops.cuda_basics.saxpy(float(alpha), x, y, version)
 
 
 def relu(x, *, version=None):
     """max(x, 0) elementwise; NaN stays NaN, as in torch.relu."""
+    check_arguments("relu", x=(x, torch.Tensor))
     return torch.ops.cuda_basics.relu(x, version)
 
 
@@ -54,4 +57,5 @@ def default_choice(numel, dtype, *, aligned=True):
     on a misaligned view (aligned=False, as for x[1:]) "scalar" (v5 loading the same elements
     one by one) or, for small 2-byte views, "per_element" (v1). The rules live in
     elementwise.h, section "version=None"."""
+    check_arguments("default_choice", numel=(numel, int), dtype=(dtype, torch.dtype))
     return tuple(torch.ops.cuda_basics.default_choice(int(numel), dtype, bool(aligned)))

@@ -23,11 +23,11 @@ __all__ = ["copy", "strided_copy", "transpose", "default_choice", "VERSIONS", "E
 VERSIONS = {"copy": ("v1", "v2"), "transpose": ("v1", "v2", "v3", "v4", "v5")}
 
 try:  # installed: setup.py ships the shared loader inside the package
-    from ._loader import load_extension
+    from ._loader import check_arguments, load_extension
 except ImportError:  # the course checkout: the loader's one home, common/coursekit
     import sys
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "common"))
-    from coursekit.loader import load_extension
+    from coursekit.loader import check_arguments, load_extension
 
 # How the ops library was loaded: route (installed, jit or preloaded) and where from.
 EXTENSION = load_extension("memory_ops", "memory_ops", __file__)
@@ -35,11 +35,13 @@ EXTENSION = load_extension("memory_ops", "memory_ops", __file__)
 
 def copy(x, *, version=None):
     """A new contiguous tensor with x's values: device-to-device copy, the bandwidth ceiling."""
+    check_arguments("copy", x=(x, torch.Tensor))
     return torch.ops.memory_ops.copy(x, version)
 
 
 def strided_copy(x, stride):
     """x.flatten()[::stride] as a new contiguous 1-D tensor: reads every stride-th element."""
+    check_arguments("strided_copy", x=(x, torch.Tensor), stride=(stride, int))
     return torch.ops.memory_ops.strided_copy(x, int(stride))
 
 
@@ -47,10 +49,12 @@ def default_choice(op, x):
     """What `op(x, version=None)` runs: the rung's name, or "copy" for a transpose whose input
     already holds the transpose in memory order (x.t() of a contiguous matrix). The rules live
     in memory.h (default_transpose)."""
+    check_arguments("default_choice", op=(op, str), x=(x, torch.Tensor))
     return torch.ops.memory_ops.default_choice(op, x)
 
 
 def transpose(x, *, version=None):
     """A 2-D (rows, cols) tensor as a contiguous (cols, rows) one; a 3-D (batch, rows, cols)
     tensor as a contiguous (batch, cols, rows) one: x.transpose(-2, -1).contiguous()."""
+    check_arguments("transpose", x=(x, torch.Tensor))
     return torch.ops.memory_ops.transpose(x, version)

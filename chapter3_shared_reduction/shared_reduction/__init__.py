@@ -38,11 +38,11 @@ VERSIONS = {"sum": LADDERS["whole"] + LADDERS["rows"] + LADDERS["columns"],
             "softmax": _SOFTMAX, "log_softmax": _SOFTMAX}
 
 try:  # installed: setup.py ships the shared loader inside the package
-    from ._loader import load_extension
+    from ._loader import check_arguments, load_extension
 except ImportError:  # the course checkout: the loader's one home, common/coursekit
     import sys
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "common"))
-    from coursekit.loader import load_extension
+    from coursekit.loader import check_arguments, load_extension
 
 # How the ops library was loaded: route (installed, jit or preloaded) and where from.
 EXTENSION = load_extension("shared_reduction", "shared_reduction", __file__)
@@ -53,28 +53,34 @@ _sum = sum  # the builtin, before this module's sum shadows it
 def sum(x, dim=None, keepdim=False, *, version=None):  # noqa: A001
     """torch.sum(x) for dim=None (a 0-d tensor), torch.sum(x, dim, keepdim) for an int dim.
     Differentiable. version names a rung of the ladder for the call's layout (LADDERS)."""
+    check_arguments("sum", x=(x, torch.Tensor), dim=(dim, (int, None)), keepdim=(keepdim, bool))
     return torch.ops.shared_reduction.sum(x, dim, keepdim, version)
 
 
 def amax(x, dim=None, keepdim=False, *, version=None):
     """torch.amax over every element (dim=None) or one dim; NaN propagates. Differentiable
     (the gradient is shared evenly among tied maxima, as torch.amax's)."""
+    check_arguments("amax", x=(x, torch.Tensor), dim=(dim, (int, None)), keepdim=(keepdim, bool))
     return torch.ops.shared_reduction.amax(x, dim, keepdim, version)
 
 
 def softmax(x, dim=-1, *, version=None):
     """torch.softmax(x, dim). Differentiable, with its own backward kernel."""
+    check_arguments("softmax", x=(x, torch.Tensor), dim=(dim, int))
     return torch.ops.shared_reduction.softmax(x, dim, version)
 
 
 def log_softmax(x, dim=-1, *, version=None):
     """torch.log_softmax(x, dim). Differentiable, with its own backward kernel."""
+    check_arguments("log_softmax", x=(x, torch.Tensor), dim=(dim, int))
     return torch.ops.shared_reduction.log_softmax(x, dim, version)
 
 
 def softmax_backward(grad, y, dim=-1, log=False):
     """The backward kernel alone: dx = y * (grad - sum(grad * y)) for softmax (y its output),
     dx = grad - exp(y) * sum(grad) for log_softmax (log=True, y its output)."""
+    check_arguments("softmax_backward", grad=(grad, torch.Tensor), y=(y, torch.Tensor), dim=(dim, int),
+                    log=(log, bool))
     return torch.ops.shared_reduction.softmax_backward(grad, y, dim, log)
 
 
@@ -82,10 +88,12 @@ def atomic_sum(x):
     """A float32 sum of every element in which each block adds its partial to the result with
     a floating-point atomicAdd: the demo of what atomics do to determinism. On the GPU its last
     bits vary from run to run; on the CPU it is an ordinary sum. Not differentiable."""
+    check_arguments("atomic_sum", x=(x, torch.Tensor))
     return torch.ops.shared_reduction.atomic_sum(x)
 
 
 def default_choice(op, x, dim=None):
     """The rung `op(x, dim, version=None)` runs (op: sum, amax, softmax, log_softmax or
     softmax_backward), decided from shape and dtype alone; the rules live in reduction.h."""
+    check_arguments("default_choice", op=(op, str), x=(x, torch.Tensor), dim=(dim, (int, None)))
     return torch.ops.shared_reduction.default_choice(op, x, dim)

@@ -16,11 +16,11 @@ the version is only validated.
 from pathlib import Path
 
 try:  # installed: setup.py ships the shared loader inside the package
-    from ._loader import load_extension
+    from ._loader import check_arguments, load_extension
 except ImportError:  # the course checkout: the loader's one home, common/coursekit
     import sys
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "common"))
-    from coursekit.loader import load_extension
+    from coursekit.loader import check_arguments, load_extension
 
 # How the ops library was loaded: route (installed, jit or preloaded) and where from.
 EXTENSION = load_extension("fusion", "fusion", __file__)
@@ -39,6 +39,7 @@ VERSIONS = {**_ELEMENTWISE_VERSIONS, **_NORM_VERSIONS}
 def default_choice(op, x):
     """The rung version=None runs for `op` (a key of VERSIONS) on a tensor like x: its shape,
     dtype and alignment decide. The benchmark records it beside every `default` row."""
+    check_arguments("default_choice", op=(op, str), x=(x, torch.Tensor))
     if op in _NORM_VERSIONS:
         return torch.ops.fusion.norm_default_choice(op, x)
     return torch.ops.fusion.elementwise_default_choice(op, x)

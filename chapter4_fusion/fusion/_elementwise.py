@@ -14,6 +14,8 @@ import math
 
 import torch
 
+from . import check_arguments  # the shared loader's type checks, imported by the package first
+
 __all__ = ["fused_bias_scale_relu", "fused_bias_scale_relu_backward", "fused_bias_scale_relu_saved", "saved_bytes",
            "bias_gelu", "bias_silu", "swiglu", "linear_activation", "elementwise_default_choice", "SAVE_CHOICES",
            "ACTIVATIONS"]
@@ -54,6 +56,7 @@ def fused_bias_scale_relu(x, bias, scale, *, save="mask", version=None):
     recomputed), "mask" one bit per element written by the forward (an int32 tensor of
     [rows, ceil(n / 32)] words). Nothing is kept, and no mask written, when no gradient is needed.
     """
+    check_arguments("fused_bias_scale_relu", x=(x, torch.Tensor), bias=(bias, torch.Tensor), scale=(scale, float))
     return torch.ops.fusion.fused_bias_scale_relu(x, bias, float(scale), save=save, version=version)
 
 
@@ -62,6 +65,8 @@ def fused_bias_scale_relu_backward(grad, saved, bias, scale, save="mask", versio
     dx = grad * (z > 0) * scale and dbias = the sum of grad * (z > 0) over every leading dim,
     z = x * scale + bias. saved is what the forward kept under `save`: y, x, or the mask
     (torch.ops.fusion.fused_bias_scale_relu_forward returns (y, mask))."""
+    check_arguments("fused_bias_scale_relu_backward", grad=(grad, torch.Tensor), saved=(saved, torch.Tensor),
+                    bias=(bias, torch.Tensor), scale=(scale, float))
     return torch.ops.fusion.fused_bias_scale_relu_backward(grad, saved, bias, float(scale), save, version)
 
 
@@ -69,6 +74,7 @@ def fused_bias_scale_relu_saved(x, bias, scale, save="mask", *, version=None):
     """What fused_bias_scale_relu's forward keeps for its backward under `save`: y, x itself,
     or the mask its forward kernel writes. The `saved` argument of
     fused_bias_scale_relu_backward."""
+    check_arguments("fused_bias_scale_relu_saved", x=(x, torch.Tensor), bias=(bias, torch.Tensor), scale=(scale, float))
     y, mask = torch.ops.fusion.fused_bias_scale_relu_forward(x, bias, float(scale), save, version)
     return {"y": y, "x": x, "mask": mask}[save]
 
@@ -87,17 +93,20 @@ def saved_bytes(x, save):
 def bias_gelu(x, bias, approximate="none", *, version=None):
     """gelu(x + bias), as torch.nn.functional.gelu(x + bias, approximate=approximate)
     ("none": the erf form, "tanh": the tanh approximation). Differentiable in x and bias."""
+    check_arguments("bias_gelu", x=(x, torch.Tensor), bias=(bias, torch.Tensor), approximate=(approximate, str))
     return torch.ops.fusion.bias_gelu(x, bias, approximate, version=version)
 
 
 def bias_silu(x, bias, *, version=None):
     """silu(x + bias) = (x + bias) * sigmoid(x + bias). Differentiable in x and bias."""
+    check_arguments("bias_silu", x=(x, torch.Tensor), bias=(bias, torch.Tensor))
     return torch.ops.fusion.bias_silu(x, bias, version=version)
 
 
 def swiglu(x, *, version=None):
     """silu(a) * b where a, b = x.chunk(2, dim=-1): the last dim must be even; the result has
     half of it. Differentiable."""
+    check_arguments("swiglu", x=(x, torch.Tensor))
     return torch.ops.fusion.swiglu(x, version=version)
 
 
@@ -106,10 +115,13 @@ def linear_activation(x, weight, bias, activation, *, version=None):
     weight [out_features, in_features], bias [out_features]. The GEMM is cuBLAS (the CPU BLAS
     on the CPU) through ATen; the bias and the activation are one epilogue kernel on its
     output. Differentiable in x, weight and bias (the backward keeps x @ weight.T + bias)."""
+    check_arguments("linear_activation", x=(x, torch.Tensor), weight=(weight, torch.Tensor), bias=(bias, torch.Tensor),
+                    activation=(activation, str))
     return torch.ops.fusion.linear_activation(x, weight, bias, activation, version=version)
 
 
 def elementwise_default_choice(op, x):
     """The rung `op(x, ..., version=None)` runs, from x's shape and dtype alone (op: a key of
     VERSIONS; for linear_activation, x stands for the GEMM's output)."""
+    check_arguments("elementwise_default_choice", op=(op, str), x=(x, torch.Tensor))
     return torch.ops.fusion.elementwise_default_choice(op, x)

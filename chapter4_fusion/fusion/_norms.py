@@ -22,6 +22,8 @@ reports it). On the CPU there is one C++ implementation and the version is only 
 """
 import torch
 
+from . import check_arguments  # the shared loader's type checks, imported by the package first
+
 __all__ = ["layer_norm", "rms_norm", "fused_add_rms_norm", "layer_norm_forward", "rms_norm_forward",
            "fused_add_rms_norm_forward", "layer_norm_backward", "rms_norm_backward",
            "norm_default_choice"]
@@ -41,12 +43,15 @@ VERSIONS = {
 def layer_norm(x, weight, bias, eps=1e-5, *, version=None):
     """torch.nn.functional.layer_norm(x, (x.shape[-1],), weight, bias, eps). Differentiable in
     x, weight and bias."""
+    check_arguments("layer_norm", x=(x, torch.Tensor), weight=(weight, torch.Tensor),
+                    bias=(bias, torch.Tensor), eps=(eps, float))
     return torch.ops.fusion.layer_norm(x, weight, bias, eps, version)
 
 
 def rms_norm(x, weight, eps=1e-6, *, version=None):
     """torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps). Differentiable in x and
     weight."""
+    check_arguments("rms_norm", x=(x, torch.Tensor), weight=(weight, torch.Tensor), eps=(eps, float))
     return torch.ops.fusion.rms_norm(x, weight, eps, version)
 
 
@@ -54,37 +59,49 @@ def fused_add_rms_norm(x, residual, weight, eps=1e-6, *, version=None):
     """(rms_norm(h, weight, eps), h) with h = x + residual rounded to x's dtype: the residual
     add and the norm of an LLM decoder layer in one pass. Differentiable in x, residual and
     weight (and through both outputs)."""
+    check_arguments("fused_add_rms_norm", x=(x, torch.Tensor), residual=(residual, torch.Tensor),
+                    weight=(weight, torch.Tensor), eps=(eps, float))
     return torch.ops.fusion.fused_add_rms_norm(x, residual, weight, eps, version)
 
 
 def layer_norm_forward(x, weight, bias, eps=1e-5, *, version=None):
     """layer_norm that also returns the saved statistics: (y, mean, rstd), mean and rstd of
     shape x.shape[:-1] in float32 (float64 for float64 x)."""
+    check_arguments("layer_norm_forward", x=(x, torch.Tensor), weight=(weight, torch.Tensor),
+                    bias=(bias, torch.Tensor), eps=(eps, float))
     return torch.ops.fusion.layer_norm_forward(x, weight, bias, eps, version)
 
 
 def rms_norm_forward(x, weight, eps=1e-6, *, version=None):
     """rms_norm that also returns rstd: (y, rstd)."""
+    check_arguments("rms_norm_forward", x=(x, torch.Tensor), weight=(weight, torch.Tensor), eps=(eps, float))
     return torch.ops.fusion.rms_norm_forward(x, weight, eps, version)
 
 
 def fused_add_rms_norm_forward(x, residual, weight, eps=1e-6, *, version=None):
     """fused_add_rms_norm that also returns rstd: (y, x + residual, rstd)."""
+    check_arguments("fused_add_rms_norm_forward", x=(x, torch.Tensor), residual=(residual, torch.Tensor),
+                    weight=(weight, torch.Tensor), eps=(eps, float))
     return torch.ops.fusion.fused_add_rms_norm_forward(x, residual, weight, eps, version)
 
 
 def layer_norm_backward(dy, x, weight, mean, rstd, *, version=None):
     """The backward kernel alone: (dx, dweight, dbias) from layer_norm_forward's mean and rstd."""
+    check_arguments("layer_norm_backward", dy=(dy, torch.Tensor), x=(x, torch.Tensor),
+                    weight=(weight, torch.Tensor), mean=(mean, torch.Tensor), rstd=(rstd, torch.Tensor))
     return torch.ops.fusion.layer_norm_backward(dy, x, weight, mean, rstd, version)
 
 
 def rms_norm_backward(dy, x, weight, rstd, *, version=None):
     """The backward kernel alone: (dx, dweight) from rms_norm_forward's rstd (for
     fused_add_rms_norm, x is the saved sum x + residual and dx its gradient)."""
+    check_arguments("rms_norm_backward", dy=(dy, torch.Tensor), x=(x, torch.Tensor),
+                    weight=(weight, torch.Tensor), rstd=(rstd, torch.Tensor))
     return torch.ops.fusion.rms_norm_backward(dy, x, weight, rstd, version)
 
 
 def norm_default_choice(op, x):
     """The rung version=None runs for op on x (layer_norm, rms_norm, fused_add_rms_norm,
     layer_norm_backward, rms_norm_backward); the benchmark records it."""
+    check_arguments("norm_default_choice", op=(op, str), x=(x, torch.Tensor))
     return torch.ops.fusion.norm_default_choice(op, x)

@@ -37,10 +37,10 @@ from pathlib import Path
 import torch
 
 try:  # installed: setup.py ships the shared loader inside the package
-    from ._loader import check_tensor_args, installed_library, load_extension
+    from ._loader import check_arguments, check_tensor_args, installed_library, load_extension
 except ImportError:  # the course checkout: the loader's one home, common/coursekit
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "common"))
-    from coursekit.loader import check_tensor_args, installed_library, load_extension
+    from coursekit.loader import check_arguments, check_tensor_args, installed_library, load_extension
 
 # How the ops library was loaded: route (installed, jit or preloaded) and where from.
 EXTENSION = load_extension("custom_ops", "custom_ops", __file__)
@@ -100,11 +100,13 @@ def fused_op_forward(input, bias, scale):
     Python number. Returns a new contiguous tensor of input's shape and dtype. The backward
     keeps the output (not the input) to know where the ReLU let the gradient through.
     """
+    check_arguments("fused_op_forward", input=(input, torch.Tensor), bias=(bias, torch.Tensor), scale=(scale, float))
     return _ops.fused_op(input, bias, scale)
 
 
 def custom_relu(x):
     """relu(x) in one kernel, differentiable (NaN passes through, as in torch.relu)."""
+    check_arguments("custom_relu", x=(x, torch.Tensor))
     return _ops.custom_relu(x)
 
 
@@ -115,6 +117,7 @@ def reduce_sum(x):
     block adds them), accumulated in float32 (float64 for float64). Deterministic: the same
     input gives the same bits every run. An empty x sums to 0.
     """
+    check_arguments("reduce_sum", x=(x, torch.Tensor))
     return _ops.reduce_sum(x)
 
 

@@ -2,6 +2,8 @@
 import torch
 from torch import nn
 
+from . import check_arguments  # the shared loader's type checks, imported by the package first
+
 
 class FusedOpLayer(nn.Module):
     """y = relu(x * scale + bias) over the last dim of x, with a learnable bias.
@@ -14,6 +16,7 @@ class FusedOpLayer(nn.Module):
     """
 
     def __init__(self, features, scale=1.0, *, device=None, dtype=None):
+        check_arguments("FusedOpLayer", features=(features, int), scale=(scale, float))
         super().__init__()
         self.features = features
         self.scale = float(scale)
@@ -22,6 +25,7 @@ class FusedOpLayer(nn.Module):
     def forward(self, x):
         # custom_ops.fused_op_forward's op, called directly: this module is imported before
         # the package's functions are defined.
+        check_arguments("FusedOpLayer.forward", x=(x, torch.Tensor))
         return torch.ops.custom_ops.fused_op(x, self.bias, self.scale)
 
     def extra_repr(self):

@@ -119,7 +119,7 @@ def main(argv=None):
     print(f"wrote {project}/")
     for _, relative in template_files():
         print(f"  {render(relative, args.name)}")
-    print(f"\nnext:\n  cd {project}\n  python -m pip install --no-build-isolation .\n  pytest")
+    print(f"\nnext:\n  cd {project}\n  python -m pip install --no-build-isolation .\n  python -m pytest")
     return 0
 
 

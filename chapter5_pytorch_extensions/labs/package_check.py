@@ -165,7 +165,7 @@ def step_build(state, work):
     after = object_times(CHAPTER_DIR)
     reused = sum(1 for p, t in after.items() if before.get(p) == t)
     if not before:
-        how = ("compiled from scratch: there was no build/ yet (`pip install --no-build-isolation "
+        how = ("compiled from scratch: there was no build/ yet (`python -m pip install --no-build-isolation "
                "--no-deps .` first leaves one that this reuses)")
     elif reused == len(after):
         how = f"reused all {reused} objects of the in-tree build/ left by an earlier pip install"

@@ -21,7 +21,7 @@ E2E_NAME = "course_tmpl_op"
 def expected_files(name):
     return {".gitignore", "README.md", "setup.py", "pyproject.toml", "load_jit.py", f"{name}/__init__.py",
             f"csrc/{name}.h", f"csrc/{name}_kernel.cu", f"csrc/{name}_cpu.cpp", f"csrc/{name}.cpp",
-            f"tests/test_{name}.py"}
+            f"tests/test_{name}.py", "tests/conftest.py"}
 
 
 def tree(folder):
@@ -153,11 +153,15 @@ def test_generated_project_installs_and_passes_its_tests(tmp_path):
 
     run(pip + ["install", "--no-build-isolation", "--no-deps", "--disable-pip-version-check", "."])
     try:
-        # -P keeps the project folder off sys.path, so `import course_tmpl_op` in its tests
-        # reaches the installed package rather than the checkout (which would JIT-build).
-        where = run([sys.executable, "-P", "-c", f"import {E2E_NAME}; print({E2E_NAME}.__file__)"]).strip()
-        assert project not in Path(where).parents, f"imported the checkout ({where}), not the installed package"
-        output = run([sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider"])
+        # The commands of the generated README, in the project folder, which Python puts first on
+        # sys.path: the checkout's package is imported, and must load the installed library (not
+        # JIT-build the checkout), and pytest's header must say so.
+        route = run([sys.executable, "-c", f"import {E2E_NAME}; print({E2E_NAME}.EXTENSION['route'])"]).strip()
+        assert route.splitlines()[-1] == "installed", f"loaded by the {route!r} route, not the installed library"
+        output = run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider"])  # no -q: it hides the header
+        header = re.search(rf"^{E2E_NAME} extension: route=(\w+) (\S+)", output, re.M)
+        assert header, f"no route line in pytest's header:\n{output[:3000]}"
+        assert header.group(1) == "installed" and project not in Path(header.group(2)).parents, header.group(0)
         summary = output.strip().splitlines()[-1]
         assert re.search(r"\b\d+ passed\b", summary) and "failed" not in summary and "error" not in summary, summary
         if cuda_build_expected():

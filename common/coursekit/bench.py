@@ -190,7 +190,8 @@ def copy_ceiling(device, n=2**28, dtype=torch.float32):
     timing = time_fn(lambda: dst.copy_(src), device)
     nbytes = 2 * n * src.element_size()
     return {"copy_GBps": gbps(nbytes, timing["median_ms"]), "copy_elements": n,
-            "copy_dtype": str(dtype).replace("torch.", ""), "copy_median_ms": timing["median_ms"]}
+            "copy_dtype": str(dtype).replace("torch.", ""), "copy_median_ms": timing["median_ms"],
+            **_flag("copy", timing)}
 
 
 def matmul_ceiling(device, n=8192, dtype=torch.bfloat16):
@@ -200,11 +201,47 @@ def matmul_ceiling(device, n=8192, dtype=torch.bfloat16):
     b = torch.randn(n, n, dtype=dtype, device=device)
     timing = time_fn(lambda: a @ b, device)
     return {"mm_TFLOPs": tflops(2 * n**3, timing["median_ms"]), "mm_n": n,
-            "mm_dtype": str(dtype).replace("torch.", ""), "mm_median_ms": timing["median_ms"]}
+            "mm_dtype": str(dtype).replace("torch.", ""), "mm_median_ms": timing["median_ms"],
+            **_flag("mm", timing)}
+
+
+def _flag(ceiling, timing):
+    """{"<ceiling>_untrusted": reason} for a ceiling whose repeats spread too wide, else {}."""
+    reason = untrusted(timing)
+    return {f"{ceiling}_untrusted": reason} if reason else {}
 
 
 def tflops(flops, ms):
     return flops / (ms * 1e-3) / 1e12
+
+
+# When a measurement cannot be trusted. A row more than CEILING_MARGIN times the ceiling
+# measured in the same run did not measure what the ceiling did: its data sat in a cache (the
+# GPU sweeps rotate their inputs so that it cannot; a CPU's caches hold a small sweep point), or
+# other load slowed the ceiling. On the H100 the highest rows were 1.5x the copy (chapter 2's
+# working-set rows, inside the 50 MB L2 on purpose). A median more than SPREAD_LIMIT times the
+# fastest tenth of its repeats (p10) says that most repeats were slowed by something else: on
+# the H100 no row's median was more than 1.34x its p10 (chapter 5's host-timed call overhead;
+# kernels 1.21x), while on a 2-core machine under a load average of 7 a 2^22-element torch.add
+# ran 1.8 ms in its p10 and 18 ms in its p90, and chapter 1's own vector_add, 1.7 ms in its
+# p10, had a median of 6.5 ms.
+CEILING_MARGIN = 2.0
+SPREAD_LIMIT = 1.5
+
+
+def untrusted(timing, pct_of_ceiling=None):
+    """Why a measurement's figures cannot be trusted, or None: the ceiling check above, and the
+    spread of its repeats. Rows carry the reason as `untrusted`, the ceilings as
+    `copy_untrusted` / `mm_untrusted`; tables print no figure for such a row
+    (results.for_print) and list the reasons instead."""
+    reasons = []
+    if pct_of_ceiling is not None and pct_of_ceiling > 100.0 * CEILING_MARGIN:
+        reasons.append(f"{pct_of_ceiling / 100:.1f}x the ceiling measured in the same run (the data "
+                       "sat in a cache, or other load slowed the ceiling)")
+    if timing.get("p10_ms") and timing["median_ms"] / timing["p10_ms"] > SPREAD_LIMIT:
+        reasons.append(f"the median is {timing['median_ms'] / timing['p10_ms']:.1f}x the fastest tenth of "
+                       f"{timing['reps']} repeats (other load on the machine?)")
+    return "; ".join(reasons) or None
 
 
 def _row(op, variant, dtype, shape, timing, torch_ms, extra, work, rate, pct, ceiling):
@@ -217,6 +254,9 @@ def _row(op, variant, dtype, shape, timing, torch_ms, extra, work, rate, pct, ce
     if torch_ms is not None:
         row["speedup_vs_torch"] = torch_ms / timing["median_ms"]
     row.update(extra)
+    reason = untrusted(timing, row.get(pct))
+    if reason:
+        row["untrusted"] = reason
     return row
 
 
@@ -412,14 +452,38 @@ def probe_and_time(notes, variant, where, device, fn, *, max_call_ms=math.inf, *
     return attempt(notes, variant, where, lambda: time_probed(device, fn, est, **how))
 
 
-def start(doc):
-    """The command line of a chapter's benchmark (`--quick`: small sizes, for CPU machines and
-    smoke runs) and the device it runs on: (device, quick)."""
+# torch's CPU threads for a benchmark on a machine without a GPU. One, as the end-to-end scripts'
+# quick runs take (chapter6_flash_attention/train_tiny_gpt.py): on a 2-core machine shared with
+# other work, torch's pool of two fought that work and itself for the cores, and the copy
+# ceiling of chapter 1's benchmark came out at 1.1 GB/s in one run and 124 GB/s in the next,
+# its rows at up to 65x "% of copy". One thread does not make a loaded machine quiet (the checks
+# above still flag most rows there), but it is what every row, the ceiling's too, can count on.
+CPU_THREADS = 1
+
+
+def arguments(doc):
+    """The command line every benchmark shares: --quick and --threads. A benchmark with flags of
+    its own adds them to this parser and hands the parsed arguments to setup()."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes (CPU, smoke runs)")
-    args = parser.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        print("No CUDA GPU: benchmarking the CPU path at small sizes; GPU numbers come from the "
-              "recorded results.")
-    return device, args.quick
+    parser.add_argument("--threads", type=int, default=CPU_THREADS,
+                        help=f"torch CPU threads when there is no GPU (default {CPU_THREADS}; 0: torch's own choice)")
+    return parser
+
+
+def setup(args):
+    """The device a benchmark runs on; without a GPU, torch's CPU threads pinned to --threads."""
+    if torch.cuda.is_available():
+        return "cuda"
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print("No CUDA GPU: benchmarking the CPU path at small sizes on "
+          f"{torch.get_num_threads()} torch thread(s); GPU numbers come from the recorded results.")
+    return "cpu"
+
+
+def start(doc):
+    """The command line of a chapter's benchmark (`--quick`: small sizes, for CPU machines and
+    smoke runs; `--threads`) and the device it runs on: (device, quick)."""
+    args = arguments(doc).parse_args()
+    return setup(args), args.quick

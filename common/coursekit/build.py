@@ -28,9 +28,11 @@ def import_torch(package):
         import torch
     except ModuleNotFoundError:
         sys.exit(f"[{package}] No module named 'torch': install torch into this environment first "
-                 "(see the README's prerequisites), then `pip install --no-build-isolation .`")
+                 "(the README's prerequisites; in the course's checkout, `source scripts/env.sh` and "
+                 "`python tools/ensure_env.py main` in the repository root make the course's environment, "
+                 "with torch), then `python -m pip install --no-build-isolation .`")
     print(f"[{package}] pip's build isolation hid torch; building against the environment's "
-          f"torch {torch.__version__} at {torch.__file__}. Use `pip install --no-build-isolation .` "
+          f"torch {torch.__version__} at {torch.__file__}. Use `python -m pip install --no-build-isolation .` "
           "to skip the isolated environment.", file=sys.stderr)
     return torch
 

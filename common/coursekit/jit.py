@@ -91,7 +91,7 @@ def load_chapter(name, chapter_dir, cpp_sources, cuda_sources, *, source_roots=(
     import torch.utils.cpp_extension as cpp
 
     if not cpp.is_ninja_available():
-        raise RuntimeError("Ninja is required to load C++ extensions: `pip install ninja` (torch "
+        raise RuntimeError("Ninja is required to load C++ extensions: `python -m pip install ninja` (torch "
                            "shells out to the ninja binary; without it every build is serial "
                            "and starts from scratch)")
     if verbose is None:

@@ -12,6 +12,7 @@ Routes, chosen by COURSE_EXT_ROUTE=installed|jit|auto (default auto):
 - auto: installed if there is one, else jit.
 """
 import importlib.util
+import numbers
 import os
 from pathlib import Path
 
@@ -62,7 +63,7 @@ def load_extension(package, namespace, package_file):
             return {"route": "installed", "so_path": str(library)}
         if route == "installed":
             raise ImportError(f"{package}: no installed extension found; run "
-                              f"`pip install --no-build-isolation .` in the chapter folder")
+                              f"`python -m pip install --no-build-isolation .` in the chapter folder")
     if not (chapter / "load_jit.py").exists():
         raise ImportError(f"{package}: no compiled extension and no sources at {chapter} to "
                           "JIT-build from")
@@ -91,3 +92,52 @@ def check_tensor_args(op, **tensors):
         if t.dtype != first.dtype:
             raise RuntimeError(f"{op}: {first_name} is {first.dtype} but {name} is {t.dtype} "
                                "(no implicit type promotion)")
+
+
+def describe(value):
+    """What an argument is, for an error message: a tensor's dtype, shape and device (never its
+    values, which could be millions of numbers), or another object's type."""
+    if isinstance(value, torch.Tensor):
+        return (f"a tensor of dtype {str(value.dtype).removeprefix('torch.')} and shape "
+                f"{list(value.shape)} on {value.device}")
+    if value is None:
+        return "None"
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+def _fits(value, kind):
+    if kind is None:
+        return value is None
+    if kind in (torch.Tensor, str, bool, torch.dtype):
+        return isinstance(value, kind)
+    # A number: a Python (or NumPy) one, or torch.compile's symbolic stand-in for one. Never a
+    # tensor, not even a one-element tensor that float() would accept: its value lives on the
+    # tensor's device, and reading it there is a sync the caller should see themselves (.item()).
+    if isinstance(value, torch.Tensor):
+        return False
+    if kind is int:
+        return isinstance(value, (numbers.Integral, torch.SymInt))
+    return isinstance(value, (numbers.Real, torch.SymInt, torch.SymFloat))
+
+
+_KIND_NAMES = {torch.Tensor: "a tensor", float: "a number (float)", int: "an integer", str: "a str",
+               bool: "a bool", torch.dtype: "a torch.dtype", None: "None"}
+
+
+def check_arguments(op, /, **arguments):
+    """Raise a TypeError naming the op and the argument where a tensor was passed for a number,
+    or anything but a tensor for a tensor. arguments: name=(value, kind) in the op's order, kind
+    torch.Tensor, float, int (a number), str, bool or torch.dtype, or a tuple of them with None
+    for an optional argument.
+
+    Without this, the same misuse fails three ways, none of them saying which argument was
+    wrong: float(tensor) raises "only one element tensors can be converted to Python scalars",
+    the dispatcher raises a RuntimeError, and a pybind11 function prints every argument's
+    values."""
+    for name, (value, kind) in arguments.items():
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if not any(_fits(value, k) for k in kinds):
+            wanted = " or ".join(_KIND_NAMES[k] for k in kinds)
+            raise TypeError(f"{op}: {name} must be {wanted}, got {describe(value)} "
+                            f"(the arguments, in order: {', '.join(arguments)})")

@@ -1,7 +1,7 @@
 """Plots drawn from results records (never from numbers typed in)."""
 import matplotlib.pyplot as plt
 
-from .results import column, format_shape, label, rows
+from .results import column, format_shape, label, load_recorded_gpu, rows
 
 
 def plot_sweep(ax, record, op, dtype, variants=None, title=None, x=None, xlabel="elements",
@@ -70,3 +70,21 @@ def save(fig, path):
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def cpu_vs_recorded(record, out_dir, chapter, panel, figsize=(13, 4.5)):
+    """On a run without a GPU, <chapter>_cpu_vs_recorded.png: panel(ax, record) drawn from this
+    run beside the same panel drawn from the newest recorded GPU results of `chapter`, so that a
+    learner without a GPU sees both. panel draws from what its record holds (sizes differ: the
+    CPU runs small ones). Returns [the figure's path], or [] on a GPU run or where no GPU results
+    are recorded."""
+    if record["device"].get("capability") is not None:
+        return []
+    recorded = load_recorded_gpu(chapter)
+    if recorded is None:
+        return []
+    fig, axes = plt.subplots(1, 2, figsize=figsize)
+    for ax, shown, where in zip(axes, (record, recorded), ("measured here", "recorded")):
+        panel(ax, shown)
+        ax.set_title(f"{where}: {ax.get_title()}", fontsize=9)
+    return [save(fig, out_dir / f"{chapter}_cpu_vs_recorded.png")]

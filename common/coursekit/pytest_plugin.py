@@ -82,6 +82,15 @@ def capture_and_replay(step):
     return captured, expected
 
 
+def assert_misplaced(call, message, *inputs):
+    """call(*inputs) puts a tensor where a number goes or the other way round: it must raise the
+    TypeError of the Python API's argument check (coursekit.loader.check_arguments) matching
+    message, with no tensor's values in it."""
+    with pytest.raises(TypeError, match=message) as raised:
+        call(*inputs)
+    assert "tensor([" not in str(raised.value), f"a tensor's values in the message: {raised.value}"
+
+
 def require_cuda():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU visible")

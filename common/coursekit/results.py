@@ -60,13 +60,47 @@ def write_results(chapter, benchmarks, ceilings, **extra):
 
 def publish(chapter, rows, ceilings, extra, make_figures, print_table):
     """The end of every benchmark: the results file, the figures drawn from it (from the file,
-    as the notebooks draw them), the table printed, and where it all went."""
+    as the notebooks draw them), the table printed (with no figure for a row the harness could
+    not trust), and where it all went."""
     path = write_results(chapter, rows, ceilings, **extra)
     record = json.loads(path.read_text())
     figures = make_figures(record, path.parent)
-    print_table(record)
+    print_table(for_print(record))
+    print_untrusted(record)
     print("wrote", path, *figures, sep="\n  ")
     return record
+
+
+# A row's figures: what for_print blanks out when bench.untrusted gave a reason (the last three:
+# chapter 5's call-overhead rows).
+FIGURES = ("median_ms", "min_ms", "max_ms", "p10_ms", "p90_ms", "GBps", "pct_of_copy", "TFLOPs",
+           "pct_of_mm", "speedup_vs_torch", "us_per_call", "us_over_native", "gpu_us_per_call")
+
+
+def for_print(record):
+    """The record as a table should show it: every row marked `untrusted` with its figures set to
+    NaN, which any number format prints as `nan`, where a number would mislead. The results file
+    keeps the measured numbers and the reason."""
+    blank = {k: float("nan") for k in FIGURES}
+    return {**record, "benchmarks": [{**r, **{k: v for k, v in blank.items() if k in r}}
+                                     if r.get("untrusted") else r for r in record["benchmarks"]]}
+
+
+def print_untrusted(record, show=8):
+    """Say which rows a table printed as `nan`, and why (the first `show` of them)."""
+    for key, reason in record.get("ceilings", {}).items():
+        if key.endswith("_untrusted"):
+            print(f"\nthe {key.removesuffix('_untrusted')} ceiling cannot be trusted: {reason}; every "
+                  "% of it printed is suspect")
+    flagged = [r for r in record["benchmarks"] if r.get("untrusted")]
+    if not flagged:
+        return
+    print(f"\n{len(flagged)} of {len(record['benchmarks'])} rows printed as nan: the harness cannot trust "
+          "their figures (the results file keeps them, with the reason in `untrusted`):")
+    for r in flagged[:show]:
+        print(f"  {r['op']} {r['dtype']} {format_shape(r['shape'])} {column(r)}: {r['untrusted']}")
+    if len(flagged) > show:
+        print(f"  ... and {len(flagged) - show} more")
 
 
 def publish_or_print(chapter, rows, extra, make_figures, print_table, write=True):
@@ -124,7 +158,8 @@ def label(record):
 # that differ only in these (and the variant) measured the same thing (CONTRIBUTING.md, section 5).
 FIGURE_FIELDS = {"variant", "dispatch", "median_ms", "min_ms", "max_ms", "p10_ms", "p90_ms",
                  "reps", "GBps", "pct_of_copy", "speedup_vs_torch", "calls_per_replay",
-                 "input_sets", "TFLOPs", "pct_of_mm", "repeat", "other_median_ms", "timer"}
+                 "input_sets", "TFLOPs", "pct_of_mm", "repeat", "other_median_ms", "timer",
+                 "untrusted"}
 
 
 def column(row):

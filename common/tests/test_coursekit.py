@@ -10,7 +10,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "common"), str(ROOT / "tools")]
-from coursekit import build, jit, loader, results  # noqa: E402
+from coursekit import bench, build, jit, loader, results  # noqa: E402
 
 import report  # noqa: E402
 
@@ -219,5 +219,104 @@ def test_loader_rejects_an_unknown_route(monkeypatch, tmp_path):
 def test_loader_explains_a_missing_installed_build(monkeypatch, tmp_path):
     monkeypatch.setenv("COURSE_EXT_ROUTE", "installed")
     (tmp_path / "nope").mkdir()
-    with pytest.raises(ImportError, match=r"nope: no installed extension found; run `pip install"):
+    with pytest.raises(ImportError, match=r"nope: no installed extension found; run `python -m pip install"):
         loader.load_extension("nope", "nope_namespace", tmp_path / "nope" / "__init__.py")
+
+
+def test_check_arguments_names_the_op_and_the_argument():
+    x = torch.randn(3, 4)
+    loader.check_arguments("saxpy", alpha=(2.0, float), x=(x, torch.Tensor), y=(x, torch.Tensor))
+    loader.check_arguments("sum", x=(x, torch.Tensor), dim=(None, (int, None)), keepdim=(False, bool))
+    loader.check_arguments("default_choice", op=("sum", str), x=(x, torch.Tensor))  # an argument named op
+    with pytest.raises(TypeError, match=r"^saxpy: alpha must be a number \(float\), got a tensor of dtype "
+                                        r"float32 and shape \[3, 4\] on cpu \(the arguments, in order: alpha, x, y\)$"):
+        loader.check_arguments("saxpy", alpha=(x, float), x=(x, torch.Tensor), y=(x, torch.Tensor))
+    # A one-element tensor too: its value lives on its device.
+    with pytest.raises(TypeError, match=r"alpha must be a number \(float\), got a tensor of dtype float32 and shape \[\]"):
+        loader.check_arguments("saxpy", alpha=(torch.tensor(2.0), float))
+    with pytest.raises(TypeError, match=r"^relu: x must be a tensor, got a float "):
+        loader.check_arguments("relu", x=(2.0, torch.Tensor))
+    with pytest.raises(TypeError, match=r"dim must be an integer or None, got a float"):
+        loader.check_arguments("sum", dim=(1.0, (int, None)))
+
+
+def test_untrusted_rows_are_flagged_and_printed_without_figures(capsys):
+    steady = {"median_ms": 1.0, "min_ms": 0.9, "max_ms": 1.2, "p10_ms": 0.95, "p90_ms": 1.1, "reps": 20}
+    slowed = {**steady, "median_ms": 6.0, "p90_ms": 18.0}
+    good = bench.bandwidth_row("copy", "torch", torch.float32, [8], 8e6, steady, ceiling_GBps=10.0)
+    noisy = bench.bandwidth_row("copy", "cpu", torch.float32, [8], 8e6, slowed, ceiling_GBps=10.0)
+    cached = bench.bandwidth_row("copy", "v1", torch.float32, [8], 8e6, steady, ceiling_GBps=1.0)
+    assert "untrusted" not in good
+    assert "median is 6.3x the fastest tenth" in noisy["untrusted"]
+    assert "8.0x the ceiling" in cached["untrusted"]
+    assert bench.untrusted(slowed) and not bench.untrusted(steady)
+    record = {"ceilings": {"copy_GBps": 10.0, "copy_untrusted": "reason"}, "benchmarks": [good, noisy, cached]}
+    shown = results.for_print(record)
+    assert shown["benchmarks"][0] == good and record["benchmarks"][1]["GBps"] == noisy["GBps"]
+    assert all(f"{r['GBps']:8.0f}".strip() == "nan" for r in shown["benchmarks"][1:])
+    results.print_untrusted(record)
+    out = capsys.readouterr().out
+    assert "the copy ceiling cannot be trusted: reason" in out
+    assert "2 of 3 rows printed as nan" in out and "copy float32 2^3 cpu: the median" in out
+
+
+def test_benchmarks_pin_torch_threads_without_a_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    before = torch.get_num_threads()
+    try:
+        args = bench.arguments("doc").parse_args([])
+        assert bench.setup(args) == "cpu" and torch.get_num_threads() == bench.CPU_THREADS == 1
+        torch.set_num_threads(before)
+        bench.setup(bench.arguments("doc").parse_args(["--threads", "0"]))  # 0: torch's own choice
+        assert torch.get_num_threads() == before
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_cpu_run_is_drawn_beside_the_recorded_gpu_run(monkeypatch, tmp_path):
+    from coursekit import plots
+    monkeypatch.setattr(results, "RESULTS_DIR", tmp_path)
+    row = {"op": "copy", "variant": "torch", "dtype": "float32", "shape": [8], "GBps": 1.0}
+
+    def record(name, capability, date):
+        return {"device": {"name": name, "capability": capability}, "date": date,
+                "ceilings": {"copy_GBps": 2.0}, "benchmarks": [row]}
+
+    gpu = record("NVIDIA H100", "9.0", "2026-11-01T00:00:00+00:00")
+    (tmp_path / "nvidia-h100").mkdir()
+    (tmp_path / "nvidia-h100" / "chapterX.json").write_text(json.dumps(gpu))
+    drawn = []
+
+    def panel(ax, shown):
+        drawn.append(shown["device"]["name"])
+        ax.set_title(results.label(shown))
+
+    cpu = record("CPU x86_64", None, "2026-11-02T00:00:00+00:00")
+    (path,) = plots.cpu_vs_recorded(cpu, tmp_path, "chapterX", panel)
+    assert path.name == "chapterX_cpu_vs_recorded.png" and path.exists()
+    assert drawn == ["CPU x86_64", "NVIDIA H100"]
+    assert plots.cpu_vs_recorded(gpu, tmp_path, "chapterX", panel) == []  # a GPU run: nothing
+    assert plots.cpu_vs_recorded(cpu, tmp_path, "chapterY", panel) == []  # nothing recorded
+
+
+def test_every_benchmark_draws_the_cpu_run_beside_the_recorded_one():
+    """The README promises <chapter>_cpu_vs_recorded.png for every chapter on a CPU run."""
+    for script in sorted(ROOT.glob("chapter*/bench_*.py")):
+        assert "plots.cpu_vs_recorded(" in script.read_text(), script.relative_to(ROOT)
+
+
+def test_test_job_reports_files_it_left_in_the_tree(monkeypatch, tmp_path):
+    import course
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    monkeypatch.setattr(course, "ROOT", tmp_path)
+    monkeypatch.setattr(course, "LOG_DIR", tmp_path / "logs")
+    (tmp_path / ".gitignore").write_text("logs/\n")
+    (tmp_path / "mine.txt").write_text("there before\n")
+    steps = course.Steps()
+    before = course.tree_status()
+    course.check_tree_unchanged(steps, before)
+    (tmp_path / "chapter").mkdir()
+    (tmp_path / "chapter" / "x-0.1-cp310-abi3-linux_x86_64.whl").write_text("")
+    course.check_tree_unchanged(steps, before)
+    assert steps.table[0][1] == "ok"
+    assert steps.table[1][1] == "FAILED (1 new)" and "chapter/x-0.1" in steps.table[1][3]

@@ -216,7 +216,7 @@ def build_and_load(build, verbose=False):
 
     if build not in _loaded:
         if not cpp.is_ninja_available():
-            raise RuntimeError("ninja is required to build the debugging lab: `pip install ninja`")
+            raise RuntimeError("ninja is required to build the debugging lab: `python -m pip install ninja`")
         course_build.pin_cuda_arch()
         jit.use_ccache()
         out = build_dir(build)

@@ -117,7 +117,7 @@ inline std::string shape_of(const at::Tensor& t) {
 // The error a CUDA tensor meets in an extension that was built without its CUDA kernels.
 inline void fail_no_cuda_kernels(const char* op, const char* package) {
   TORCH_CHECK(false, op, ": this build of ", package, " has no CUDA kernels; reinstall it on a "
-              "machine with the CUDA toolkit (USE_CUDA=1 pip install .)");
+              "machine with the CUDA toolkit (USE_CUDA=1 python -m pip install --no-build-isolation .)");
 }
 
 }  // namespace course
