@@ -215,8 +215,8 @@ def test_readme_commands(readme):
 
 
 def test_generated_project_readme_commands(tmp_path):
-    """chapter 5's new_op.py writes a README of its own: its commands, in the project it made."""
-    sys.path.insert(0, str(ROOT / "chapter5_pytorch_extensions"))
+    """chapter 5's labs/new_op.py writes a README of its own: its commands, in the project it made."""
+    sys.path.insert(0, str(ROOT / "chapter5_pytorch_extensions" / "labs"))
     try:
         import new_op
     finally:
