@@ -55,6 +55,9 @@ wall time is recorded in the results (wall_s) to check this against.
 Writes results/<device-slug>/chapter6_flash_attention.json and the plots beside it.
 """
 import math
+import re
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -70,7 +73,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 import flash_attention  # noqa: E402
 
 CHAPTER = "chapter6_flash_attention"
-BASELINE = "sdpa_flash"  # what speedup_vs_torch divides by: the fastest SDPA backend on Hopper
+# What speedup_vs_torch divides by: the strongest SDPA backend on Hopper, cuDNN's (wgmma and TMA,
+# FlashAttention 3's machinery), which the part 3 rungs are held to.
+BASELINE = "sdpa_cudnn"
 SDPA_BACKENDS = {  # convention names (CONTRIBUTING.md, section 5) -> the backend pinned
     "sdpa_flash": SDPBackend.FLASH_ATTENTION,
     "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -299,6 +304,107 @@ def bench_split_kv(device, ceilings, notes):
             del q
         del k, v
         torch.cuda.empty_cache()
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Part 3's experiments: the Hopper GEMM against torch.mm, the forward's configurations
+# ---------------------------------------------------------------------------------------------
+EXPERIMENTS = HERE / "experiments"
+GEMM_N = 8192
+
+
+def hopper_experiments_runnable(device):
+    """Why the experiments cannot run here, or None: they are torch-free CUDA programs that this
+    benchmark compiles with nvcc for sm_90a and runs on a Hopper GPU."""
+    if device != "cuda":
+        return "the Hopper experiments run on CUDA only"
+    if torch.cuda.get_device_capability() != (9, 0):
+        return f"the Hopper experiments need compute capability 9.0 (this GPU: {torch.cuda.get_device_capability()})"
+    if shutil.which("nvcc") is None:
+        return "nvcc is not on PATH (the experiments are compiled by this benchmark)"
+    return None
+
+
+def build_experiments(out_dir):
+    """nvcc the GEMM program and the forward's check (with the Hopper kernels it links), every
+    translation unit in parallel; returns {name: executable}."""
+    from coursekit.build import include_dirs
+    import sources
+    out_dir.mkdir(parents=True, exist_ok=True)
+    flags = ["-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a"] + [
+        f"-I{d}" for d in include_dirs(HERE, sources.INCLUDE_DIRS)]
+    units = {"hopper_gemm": [EXPERIMENTS / "hopper_gemm.cu"],
+             "hopper_forward_check": [EXPERIMENTS / "hopper_forward_check.cu"] + [HERE / s for s in sources.HOPPER_SOURCES]}
+    jobs = []
+    for name, files in units.items():
+        for f in files:
+            obj = out_dir / f"{name}-{f.stem}.o"
+            jobs.append((name, obj, subprocess.Popen(["nvcc", *flags, "-c", "-o", str(obj), str(f)],
+                                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+    for name, obj, job in jobs:
+        log, _ = job.communicate()
+        if job.returncode != 0:
+            raise RuntimeError(f"nvcc failed on {obj.name}: {log[-2000:]}")
+    exes = {}
+    for name in units:
+        exes[name] = out_dir / name
+        objs = [str(obj) for n, obj, _ in jobs if n == name]
+        subprocess.run(["nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-o", str(exes[name]), *objs], check=True)
+    return exes
+
+
+def bench_hopper_experiments(device, mm, notes):
+    """Rung 0 of part 3, experiments/hopper_gemm.cu: its checks, then its 8192^3 time against
+    torch.mm (cuBLAS) at the same size, measured here beside it (op gemm_hopper; the program times
+    itself with CUDA events, median of 30). And experiments/hopper_forward_check.cu: every rung
+    against its float64 reference, then --variants, the forward's configurations beside the rungs
+    (op attention_hopper_config, timed by the program, median of 20 events); what the rungs' tile,
+    stage and schedule choices were measured from."""
+    why = hopper_experiments_runnable(device)
+    if why:
+        notes.skip("hopper experiments", why, device)
+        return []
+    rows = []
+    exes = bench.attempt(notes, "hopper experiments", "nvcc", lambda: build_experiments(HERE / "build" / "experiments"))
+    if not exes:
+        return rows
+    gemm = subprocess.run([str(exes["hopper_gemm"]), "30"], capture_output=True, text=True, timeout=300)
+    checked = gemm.returncode == 0 and "MISMATCH" not in gemm.stdout
+    a, b = (torch.randn(GEMM_N, GEMM_N, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    cublas = {"A B^T": bench.time_fn(lambda: a @ b.t(), device), "A B": bench.time_fn(lambda: a @ b, device)}
+    flops = 2 * GEMM_N**3
+    for line in gemm.stdout.splitlines():
+        m = re.match(r"time 8192\^3 B (K-major|MN-major): ([0-9.]+) ms", line)
+        if not m:
+            continue
+        layout = "A B^T" if m.group(1) == "K-major" else "A B"
+        ours = {"median_ms": float(m.group(2)), "timer": "CUDA events in the program, median of 30"}
+        base = cublas[layout]
+        common = {"layout": layout, "b_major": m.group(1), "checked": checked}
+        rows.append(bench.flops_row("gemm_hopper", "torch.mm", torch.bfloat16, [GEMM_N] * 3, flops, base, mm,
+                                    base["median_ms"], **common))
+        rows.append(bench.flops_row("gemm_hopper", "hopper_gemm", torch.bfloat16, [GEMM_N] * 3, flops, ours, mm,
+                                    base["median_ms"], **common))
+    if not checked:
+        notes.skip("hopper_gemm", "its checks failed: " + gemm.stdout[-500:], "experiments/hopper_gemm.cu")
+    check = subprocess.run([str(exes["hopper_forward_check"]), "--variants"], capture_output=True, text=True,
+                           timeout=600)
+    for line in check.stdout.splitlines():
+        m = re.match(r"variant (.+?)\s+d(\d+)\s+b(\d+) h(\d+) s(\d+)\s*/(\d+)\s+(full|causal)\s+rel ([0-9.e+-]+)"
+                     r".*?(ok|MISMATCH)(?:\s+([0-9.]+) ms)?", line)
+        if not m or m.group(10) is None:
+            continue
+        name, d, b, h, n = m.group(1).strip(), *(int(m.group(i)) for i in (2, 3, 4, 5))
+        causal = m.group(7) == "causal"
+        t = {"median_ms": float(m.group(10)), "timer": "CUDA events in the program, median of 20"}
+        rows.append(bench.flops_row("attention_hopper_config", name, torch.bfloat16, [b, h, n, d],
+                                    attention_flops(b, h, n, n, d, causal), t, mm, None,
+                                    **{"pass": "forward", "causal": causal, "head_dim": d, "seqlen": n,
+                                       "rel_err": float(m.group(8)), "checked": m.group(9) == "ok"}))
+    if check.returncode != 0:
+        notes.skip("attention_hopper_config", "a configuration failed its check: " + check.stdout[-500:],
+                   "experiments/hopper_forward_check.cu --variants")
     return rows
 
 
@@ -599,7 +705,10 @@ def main():
                                          dtype=mm_dtype))
     notes = bench.Notes()
     tensor_MiB = s["tokens"] * s["hidden"] * torch.empty((), dtype=getattr(torch, s["dtypes"][0])).element_size() / 2**20
-    rows = bench_timing(device, ceilings["mm_TFLOPs"], s, notes)
+    # Part 3's experiments first: they compile for a minute, and a failure shows before the sweep.
+    rows = bench.attempt(notes, "hopper experiments", "experiments/", lambda: bench_hopper_experiments(
+        device if not quick else "quick", ceilings["mm_TFLOPs"], notes)) or []
+    rows += bench_timing(device, ceilings["mm_TFLOPs"], s, notes)
     rows += bench_split_kv(device if not quick else "quick", ceilings, notes)
     rows += bench_memory(device, s["memory"], notes)
     if device != "cuda":

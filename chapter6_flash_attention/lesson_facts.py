@@ -322,8 +322,113 @@ def generate_line(_record):
     return "; ".join(parts) + "."
 
 
+# ---------------------------------------------------------------------------------------------
+# Part 3 (Hopper): against sdpa_cudnn, the strongest PyTorch backend on Hopper
+# ---------------------------------------------------------------------------------------------
+HOPPER_RUNGS = ("tuned", "wgmma", "warp_specialized", "pingpong")
+
+
+def _ratios(record, variant, pass_, dtype="bfloat16"):
+    """{(head_dim, causal, seqlen): (ours, sdpa_cudnn)} rows of the sweep for `variant`."""
+    got = {}
+    for r in results.rows(record, op="attention", variant=variant, dtype=dtype, **{"pass": pass_}):
+        base = results.rows(record, op="attention", variant="sdpa_cudnn", dtype=dtype, head_dim=r["head_dim"],
+                            causal=r["causal"], seqlen=r["seqlen"], **{"pass": pass_})
+        if base and not r.get("call"):
+            got[(r["head_dim"], r["causal"], r["seqlen"])] = (r, base[0])
+    return got
+
+
+def hopper_targets(record):
+    """This part's targets against the measurement: version=None against sdpa_cudnn over the
+    whole sweep (bf16), the worst shape named."""
+    lines = ["| what | target | measured | met |", "|---|---|---|---|"]
+
+    def worst(pass_, keep=lambda key: True):
+        pairs = {k: b["median_ms"] / o["median_ms"] for k, (o, b) in _ratios(record, "default", pass_).items()
+                 if keep(k)}
+        if not pairs:
+            return None
+        key = min(pairs, key=pairs.get)
+        return pairs[key], key
+    for what, target, pass_, keep in (
+            ("forward, every sweep shape", 0.9, "forward", lambda k: True),
+            ("forward, d128 non-causal, seqlen >= 4096", 1.0, "forward", lambda k: k[0] == 128 and not k[1] and k[2] >= 4096),
+            ("backward, every sweep shape", 0.9, "backward", lambda k: True)):
+        w = worst(pass_, keep)
+        if w is None:
+            continue
+        ratio, (d, causal, n) = w
+        lines.append(f"| {what} | default >= {target}x sdpa_cudnn | {ratio:.2f}x worst (d{d} "
+                     f"{'causal' if causal else 'full'} s={n}) | {'yes' if ratio >= target else 'no'} |")
+    lines += ["", f"{_where(record)}; bf16, batch x seqlen = {record['sizes']['tokens']}, heads x head_dim = "
+              f"{record['sizes']['hidden']}; x = sdpa_cudnn's time / ours."]
+    return "\n".join(lines)
+
+
+def hopper_rungs(record):
+    """Each forward rung at the longest and a middle sequence, head_dim 64 and 128, causal and not:
+    TFLOP/s and x sdpa_cudnn (bf16), beside sdpa_flash and sdpa_cudnn themselves."""
+    seqlens = record["sizes"]["seqlens"]
+    picks = [n for n in (4096, seqlens[-1]) if n in seqlens]
+    head = " | ".join(f"d{d} {'causal' if c else 'full'} s={n}" for d in (64, 128) for c in (False, True) for n in picks)
+    lines = [f"| rung | {head} |", "|---|" + "---|" * (4 * len(picks))]
+    for variant in ("sdpa_flash", "sdpa_cudnn") + HOPPER_RUNGS + ("default",):
+        cells = []
+        for d in (64, 128):
+            for c in (False, True):
+                for n in picks:
+                    got = results.rows(record, op="attention", variant=variant, dtype="bfloat16", head_dim=d,
+                                       causal=c, seqlen=n, **{"pass": "forward"})
+                    base = results.rows(record, op="attention", variant="sdpa_cudnn", dtype="bfloat16", head_dim=d,
+                                        causal=c, seqlen=n, **{"pass": "forward"})
+                    if got and base:
+                        cells.append(f"{got[0]['TFLOPs']:.0f} ({base[0]['median_ms'] / got[0]['median_ms']:.2f}x)")
+                    else:
+                        cells.append("-")
+        lines.append(f"| `{variant}` | " + " | ".join(cells) + " |")
+    lines += ["", f"{_where(record)}; forward TFLOP/s (x sdpa_cudnn)."]
+    return "\n".join(lines)
+
+
+def hopper_gemm(record):
+    """Rung 0: the Hopper GEMM program against torch.mm at 8192^3, both timed in the same run."""
+    rows = results.rows(record, op="gemm_hopper")
+    if not rows:
+        return "(no Hopper GEMM rows in the newest results: they need a Hopper GPU and nvcc)"
+    parts = []
+    for layout in dict.fromkeys(r["layout"] for r in rows):
+        got = {r["variant"]: r for r in rows if r["layout"] == layout}
+        ours, mm = got["hopper_gemm"], got["torch.mm"]
+        parts.append(f"C = {layout} ({ours['b_major']} B): `hopper_gemm` {ours['TFLOPs']:.0f} TFLOP/s against "
+                     f"torch.mm's {mm['TFLOPs']:.0f}, {ours['speedup_vs_torch']:.2f}x cuBLAS"
+                     f"{'' if ours['checked'] else ' (its checks FAILED)'}")
+    return "; ".join(parts) + f" ({_where(record)})."
+
+
+def hopper_configs(record):
+    """experiments/hopper_forward_check.cu --variants: each configuration's TFLOP/s, per head dim and
+    mask, at the program's timing shapes (bf16)."""
+    rows = results.rows(record, op="attention_hopper_config")
+    if not rows:
+        return "(no configuration rows in the newest results: they need a Hopper GPU and nvcc)"
+    shapes = list(dict.fromkeys((r["head_dim"], r["causal"], r["shape"][0], r["shape"][1], r["seqlen"]) for r in rows))
+    lines = ["| configuration | " + " | ".join(f"d{d} {'causal' if c else 'full'} (b{b} h{h} s{n})"
+                                              for d, c, b, h, n in shapes) + " |",
+             "|---|" + "---|" * len(shapes)]
+    for name in dict.fromkeys(r["variant"] for r in rows):
+        cells = []
+        for d, c, b, h, n in shapes:
+            got = [r for r in rows if r["variant"] == name and (r["head_dim"], r["causal"], r["seqlen"]) == (d, c, n)]
+            cells.append(f"{got[0]['TFLOPs']:.0f}" if got else "")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", f"{_where(record)}; TFLOP/s, bf16, timed by the program (CUDA events, median of 20)."]
+    return "\n".join(lines)
+
+
 FACTS = {"target_table": target_table, "split_kv": split_kv_table, "memory": memory_line, "error": error_line,
          "profile_table": profile_table, "profile_backward": profile_backward,
          "tiny_gpt": tiny_gpt_line, "paged_targets": paged_targets, "paged_gqa": paged_gqa,
          "paged_split": paged_split, "paged_num_splits": paged_num_splits, "paged_cache_ops": paged_cache_ops,
-         "paged_match": paged_match, "generate": generate_line}
+         "paged_match": paged_match, "generate": generate_line, "hopper_targets": hopper_targets,
+         "hopper_rungs": hopper_rungs, "hopper_gemm": hopper_gemm, "hopper_configs": hopper_configs}

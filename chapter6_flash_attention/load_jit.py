@@ -14,14 +14,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "common"))
 from coursekit import jit  # noqa: E402
 
-from sources import CPP_SOURCES, CUDA_SOURCES, INCLUDE_DIRS  # noqa: E402
+from sources import CPP_SOURCES, CUDA_SOURCES, HOPPER_SOURCES, INCLUDE_DIRS  # noqa: E402
 
 NAME = "flash_attention_jit"
 
 
 def build(verbose=None, quiet=False):
-    return jit.load_chapter(NAME, HERE, CPP_SOURCES, CUDA_SOURCES, source_roots=INCLUDE_DIRS, verbose=verbose,
-                            quiet=quiet)
+    return jit.load_chapter(NAME, HERE, CPP_SOURCES, CUDA_SOURCES, source_roots=INCLUDE_DIRS,
+                            hopper_sources=HOPPER_SOURCES, verbose=verbose, quiet=quiet)
 
 
 def smoke_check(device):

@@ -68,7 +68,7 @@ HEAD_DIMS = (64, 128)
 SDPA_FORWARD = ("sdpa_flash", "sdpa_cudnn")
 SDPA_BACKWARD = ("sdpa_flash",)
 CAUSAL_HEAD_DIM = 128
-CAUSAL_FORWARD = ("tuned", "sdpa_flash")
+CAUSAL_FORWARD = ("tuned", "pingpong", "sdpa_flash", "sdpa_cudnn")
 
 # ncu metric name -> the short name a row carries.
 METRICS = {
@@ -91,6 +91,10 @@ METRICS = {
     # Pipes: tensor cores (mma.sync: HMMA; Hopper's wgmma: GMMA), FMA, ALU, XU (exp2).
     "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active": "tensor_pipe_pct",
     "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active": "tensor_gmma_pipe_pct",
+    # every tensor pipe together (HMMA and GMMA): the one figure that compares part 1 with part 3
+    "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active": "tensor_any_pipe_pct",
+    "sm__inst_executed_pipe_tensor_op_gmma.sum": "gmma_instructions",
+    "smsp__inst_executed_pipe_xu.sum": "xu_instructions",
     "sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active": "fma_pipe_pct",
     "sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active": "alu_pipe_pct",
     "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active": "xu_pipe_pct",
@@ -124,6 +128,8 @@ UNSURE = {
     "sm__maximum_warps_per_active_cycle_pct",
     "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
     "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
+    "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active",
+    "sm__inst_executed_pipe_tensor_op_gmma.sum", "smsp__inst_executed_pipe_xu.sum",
     "smsp__inst_executed_op_ldsm.sum",
     "smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio",
     "smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio",

@@ -11,8 +11,8 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "common")]
 from coursekit.build import chapter_setup  # noqa: E402
 
-from sources import CPP_SOURCES, CUDA_SOURCES, INCLUDE_DIRS  # noqa: E402
+from sources import CPP_SOURCES, CUDA_SOURCES, HOPPER_SOURCES, INCLUDE_DIRS  # noqa: E402
 
 chapter_setup("flash_attention", "Chapter 6 of the CUDA course: FlashAttention (forward and "
               "backward, causal, grouped-query) as a PyTorch extension", HERE, CPP_SOURCES,
-              CUDA_SOURCES, source_roots=INCLUDE_DIRS)
+              CUDA_SOURCES, source_roots=INCLUDE_DIRS, hopper_sources=HOPPER_SOURCES)

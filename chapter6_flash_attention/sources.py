@@ -5,7 +5,8 @@ torch-free header, CPU reference, glue and kernels; csrc/flash_attention_ops.cpp
 `flash_attention` library that both parts register their ops into. Every file includes by its
 path under csrc/ ("attention/attention.h"), which INCLUDE_DIRS puts on the include path of both
 routes and of the test command's nvcc sweep. A part is one more list here and one more line in
-CUDA_SOURCES.
+CUDA_SOURCES; part 3's Hopper kernels are HOPPER_SOURCES, which the build compiles only when its
+arch list has 9.0.
 """
 from pathlib import Path
 
@@ -30,6 +31,13 @@ ATTENTION_CUDA = ["csrc/attention/attention_naive_kernels.cu", "csrc/attention/a
 SERVING_CPP = ["csrc/serving/serving_ops.cpp", "csrc/serving/serving_cpu.cpp"]
 SERVING_CUDA = ["csrc/serving/paged_cache_kernels.cu", "csrc/serving/paged_attention_kernels.cu",
                 "csrc/serving/radix_match_kernels.cu"]
+
+# Part 3, Hopper (csrc/hopper/): the forward on TMA, mbarriers, wgmma and warp specialization. The
+# build compiles these only when the arch list has 9.0, and then for sm_90a (coursekit.build
+# hopper_build); the attention glue learns it from COURSE_HOPPER. One instantiation file per dtype
+# and head dim, as in part 1.
+HOPPER_SOURCES = ["csrc/hopper/flash_fwd_hopper_dispatch.cu"] + sorted(
+    str(p.relative_to(HERE)) for p in (HERE / "csrc" / "hopper").glob("flash_fwd_hopper_*_hdim*.cu"))
 
 CPP_SOURCES = LIBRARY_SOURCES + ATTENTION_CPP + SERVING_CPP
 CUDA_SOURCES = ATTENTION_CUDA + SERVING_CUDA

@@ -425,7 +425,7 @@ MISUSES = {
                          r"attention_forward: q's last dim \(head_dim\) is not contiguous \(stride 5\)"),
     "unknown version": (lambda: flash_attention.attention(_t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8),
                                                           version="v1"),
-                        r"attention_forward: unknown version 'v1'; expected one of naive, tiled, mma, pipelined, tuned, split_kv \(or None"),
+                        r"attention_forward: unknown version 'v1'; expected one of naive, tiled, mma, pipelined, tuned, split_kv, wgmma, warp_specialized, pingpong \(or None"),
     "backward lse dtype": (lambda: flash_attention.attention_backward(
         _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8),
         _t(1, 2, 5, dtype=torch.float64), 0.5),
@@ -488,28 +488,39 @@ CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # The tensor-core rungs take the 16-bit types only, on sm_80 and newer (mma.sync m16n8k16 in
 # bfloat16 and cp.async); the glue refuses anything else with a message (tested below).
 TENSOR_CORE_VERSIONS = ("mma", "pipelined", "tuned", "split_kv")
+# Part 3's rungs: sm_90a kernels, in builds whose arch list had 9.0, on compute capability 9.0 only,
+# at head_dim 64, 128 and 256 (test_cuda_hopper_refusals holds the refusals elsewhere).
+HOPPER_VERSIONS = ("wgmma", "warp_specialized", "pingpong")
+HOPPER_HEAD_DIMS = (64, 128, 256)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def takes(version, dtype):
-    """Whether forward rung `version` runs dtype on this GPU (call after require_cuda)."""
+def hopper_runs():
+    return torch.cuda.get_device_capability() == (9, 0) and flash_attention.hopper_kernels_built()
+
+
+def takes(version, dtype, head_dim):
+    """Whether forward rung `version` runs dtype at head_dim on this GPU (call after require_cuda)."""
+    if version in HOPPER_VERSIONS:
+        return dtype in HALF_DTYPES and head_dim in HOPPER_HEAD_DIMS and hopper_runs()
     if version not in TENSOR_CORE_VERSIONS:
         return True
     return dtype in HALF_DTYPES and torch.cuda.get_device_capability()[0] >= 8
 
 
-def forward_versions(dtype):
-    return [v for v in FORWARD_VERSIONS if takes(v, dtype)]
+def forward_versions(dtype, head_dim):
+    return [v for v in FORWARD_VERSIONS if takes(v, dtype, head_dim)]
 
 
-def skip_unless_takes(version, dtype):
-    if not takes(version, dtype):
-        pytest.skip(f"{version} does not take {dtype_id(dtype)} on this GPU (test_cuda_tensor_core_refusals)")
+def skip_unless_takes(version, dtype, head_dim):
+    if not takes(version, dtype, head_dim):
+        pytest.skip(f"{version} does not take {dtype_id(dtype)} at head_dim {head_dim} on this GPU "
+                    "(test_cuda_tensor_core_refusals, test_cuda_hopper_refusals)")
 
 
 def takes_backward(version, dtype, head_dim):
     """Whether backward rung `version` runs dtype at head_dim (the tensor-core ones: <= 128)."""
-    return version not in ("mma", "mma_dqpass") or (takes("mma", dtype) and head_dim <= 128)
+    return version not in ("mma", "mma_dqpass") or (takes("mma", dtype, head_dim) and head_dim <= 128)
 
 
 def rounding_bounds(q, k, v, grad_out, causal):
@@ -553,7 +564,7 @@ UNIT_ROUNDOFF = {torch.float16: 2 ** -11, torch.bfloat16: 2 ** -8}
 
 def forward_tol(dtype, version, v):
     rtol, atol = CUDA_FORWARD_TOL[dtype]
-    if version in TENSOR_CORE_VERSIONS or (version is None and dtype in HALF_DTYPES):
+    if version in TENSOR_CORE_VERSIONS + HOPPER_VERSIONS or (version is None and dtype in HALF_DTYPES):
         atol += UNIT_ROUNDOFF[dtype] * v.detach().abs().max().item()
     return rtol, atol
 
@@ -645,7 +656,7 @@ def check_cuda_backward(q, k, v, causal, version, what):
 @pytest.mark.parametrize("version", FORWARD_VERSIONS)
 def test_cuda_forward_matches_reference(version, dtype, causal, head_dim):
     require_cuda()
-    skip_unless_takes(version, dtype)
+    skip_unless_takes(version, dtype, head_dim)
     for heads, heads_kv, seqlen_q, seqlen_k in CUDA_SHAPES:
         q, k, v = cuda_inputs(heads, heads_kv, seqlen_q, seqlen_k, head_dim, dtype)
         check_cuda_forward(q, k, v, causal, version,
@@ -659,7 +670,7 @@ def test_cuda_forward_matches_reference(version, dtype, causal, head_dim):
 def test_cuda_forward_other_head_dims(version, dtype, head_dim):
     """The rest of kCudaHeadDims: their own tile shapes (and, for float64 at 256, 64 threads)."""
     require_cuda()
-    skip_unless_takes(version, dtype)
+    skip_unless_takes(version, dtype, head_dim)
     for heads, heads_kv, seqlen_q, seqlen_k in [(2, 1, 129, 129), (2, 2, 17, 300), (2, 2, 300, 17)]:
         for causal in (False, True):
             q, k, v = cuda_inputs(heads, heads_kv, seqlen_q, seqlen_k, head_dim, dtype)
@@ -707,7 +718,7 @@ def test_cuda_strided_views(causal, dtype):
     bv = torch.randn(b, 1, s, d, device="cuda").to(dtype)
     q, k, v = bq.transpose(1, 2), bk[..., 1:d + 1], bv.expand(b, 2, s, d)
     assert not q.is_contiguous() and not k.is_contiguous() and v.stride(1) == 0
-    for version in forward_versions(dtype):
+    for version in forward_versions(dtype, d):
         out, lse = flash_attention.attention(q, k, v, causal=causal, return_lse=True, version=version)
         out_c, lse_c = flash_attention.attention(q.contiguous(), k.contiguous(), v.contiguous(), causal=causal,
                                                  return_lse=True, version=version)
@@ -729,7 +740,7 @@ def test_cuda_strided_views(causal, dtype):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("version", [v for v in FORWARD_VERSIONS if v not in TENSOR_CORE_VERSIONS])
+@pytest.mark.parametrize("version", [v for v in FORWARD_VERSIONS if v not in TENSOR_CORE_VERSIONS + HOPPER_VERSIONS])
 @pytest.mark.parametrize("shape,causal", [
     ((1, 2, 2, 5, 5, 32), False),
     ((1, 2, 2, 5, 5, 32), True),
@@ -754,7 +765,7 @@ def test_cuda_rows_without_visible_keys(dtype):
     NaN, in every rung (the tiled rung's whole first tiles see nothing)."""
     require_cuda()
     q, k, v = make_qkv(1, 2, 2, 70, 3, 32, dtype=dtype, device="cuda")
-    for version in forward_versions(dtype):
+    for version in forward_versions(dtype, 32):
         out, lse = flash_attention.attention(q, k, v, causal=True, return_lse=True, version=version)
         assert torch.all(out[:, :, :67] == 0) and torch.all(lse[:, :, :67] == -math.inf), version
         assert torch.all(lse[:, :, 67:].isfinite()), version
@@ -769,13 +780,13 @@ def test_cuda_rows_without_visible_keys(dtype):
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=dtype_id)
 def test_cuda_no_keys_and_empty(dtype):
     require_cuda()
-    for version in forward_versions(dtype):
+    for version in forward_versions(dtype, 32):
         q, k, v = make_qkv(2, 2, 2, 5, 0, 32, dtype=dtype, device="cuda")
         out, lse = flash_attention.attention(q, k, v, return_lse=True, version=version)
         assert torch.equal(out, torch.zeros_like(out)) and torch.all(lse == -math.inf), version
     for shape in [(0, 2, 2, 5, 5, 32), (1, 2, 2, 0, 5, 32), (2, 0, 1, 4, 4, 32), (2, 2, 2, 5, 0, 32)]:
         q, k, v = make_qkv(*shape, dtype=dtype, device="cuda", requires_grad=True)
-        for version in forward_versions(dtype):
+        for version in forward_versions(dtype, 32):
             out = flash_attention.attention(q, k, v, version=version)
             dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
             assert out.shape == q.shape and dq.shape == q.shape
@@ -788,18 +799,21 @@ def test_cuda_no_keys_and_empty(dtype):
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=dtype_id)
 def test_cuda_default_dispatch(dtype):
     """version=None (csrc/attention/attention_ops.cpp): the tuned tensor-core forward where it runs
-    (16-bit on sm_80+), split along the keys when the grid is small and the keys many, else the
-    tiled one; never the naive three."""
+    (16-bit on sm_80+; on Hopper part 3's rung, test_cuda_hopper_default_dispatch), split along
+    the keys when the grid is small and the keys many, else the tiled one; never the naive three."""
     require_cuda()
     from coursekit.pytest_plugin import launched_kernels
     q, k, v = make_qkv(1, 2, 2, 64, 64, 64, dtype=dtype, device="cuda")
     _, names = launched_kernels(lambda: flash_attention.attention(q, k, v), "flash_attention")
-    wanted = "flash_fwd_kernel" if takes("tuned", dtype) else "forward_tiled_kernel"
+    wanted = "flash_fwd_kernel" if takes("tuned", dtype, 64) else "forward_tiled_kernel"
+    if takes("pingpong", dtype, 64):  # Hopper: part 3's rung (test_cuda_hopper_default_dispatch)
+        wanted = "flash_fwd_hopper_kernel"
     assert any(wanted in n for n in names) and not any("scores_kernel" in n for n in names), names
     if wanted == "flash_fwd_kernel":
         # kTuned, demangled; 64 keys are one tile: nothing to split, no combine
         assert any("FwdTraits<64, (flash_attention::MmaForward)2>" in n for n in names), names
         assert not any("split_combine_kernel" in n for n in names), names
+    if wanted != "forward_tiled_kernel":
         # one query tile of 4 heads against 8192 keys: 4 blocks for 132 SMs, so the keys are split
         q, k, v = make_qkv(1, 4, 4, 1, 8192, 64, dtype=dtype, device="cuda")
         _, names = launched_kernels(lambda: flash_attention.attention(q, k, v), "flash_attention")
@@ -816,7 +830,7 @@ def test_cuda_split_kv_long_keys(dtype, head_dim):
     case whose early splits see keys that its later rows' splits do not. Against the reference,
     and against "tuned", which computes the same rows without splitting."""
     require_cuda()
-    skip_unless_takes("split_kv", dtype)
+    skip_unless_takes("split_kv", dtype, head_dim)
     for heads, heads_kv, seqlen_q, seqlen_k in [(4, 1, 1, 5001), (8, 2, 77, 4099), (2, 2, 300, 2000)]:
         for causal in (False, True):
             q, k, v = cuda_inputs(heads, heads_kv, seqlen_q, seqlen_k, head_dim, dtype, batch=1)
@@ -897,7 +911,7 @@ def test_cuda_graph_capture():
 
     def step():
         results = []
-        for version in forward_versions(torch.bfloat16):
+        for version in forward_versions(torch.bfloat16, 64):
             results += flash_attention.attention_forward(q, k, v, 0.125, True, version=version)
         out, lse = results[-2], results[-1]
         for version in [v for v in BACKWARD_VERSIONS if takes_backward(v, torch.bfloat16, 64)]:
@@ -944,15 +958,19 @@ def test_sanitizer_small_forward(version):
     600 keys make "split_kv" split (and its combine run)."""
     require_cuda()
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-        if not takes(version, dtype):
-            continue
-        for head_dim in (32, 96, 256):
+        # 32, 96, 256 for part 1's rungs; part 3's take 64 and 256 of these
+        for head_dim in (32, 64, 96, 256) if version in HOPPER_VERSIONS else (32, 96, 256):
+            if not takes(version, dtype, head_dim):
+                continue
             for seqlen_q, seqlen_k in ((1, 1), (17, 33), (70, 17), (5, 600)):
                 q, k, v = make_qkv(1, 4, 2, seqlen_q, seqlen_k, head_dim, dtype=dtype, device="cuda")
                 check_cuda_forward(q, k, v, True, version, f"{version} {dtype_id(dtype)} d{head_dim}")
-    dtype = torch.bfloat16 if version in TENSOR_CORE_VERSIONS else torch.float32
-    base = torch.randn(1, 33, 2, 32 + 1, device="cuda").to(dtype)
-    q = base[..., 1:].transpose(1, 2)  # misaligned by one element, seq stride 66
+    d = 64 if version in HOPPER_VERSIONS else 32
+    dtype = torch.bfloat16 if version in TENSOR_CORE_VERSIONS + HOPPER_VERSIONS else torch.float32
+    if not takes(version, dtype, d):
+        return
+    base = torch.randn(1, 33, 2, d + 1, device="cuda").to(dtype)
+    q = base[..., 1:].transpose(1, 2)  # misaligned by one element, seq stride 2 (d + 1)
     check_cuda_forward(q, q, q, False, version, f"{version} strided")
 
 
@@ -967,3 +985,169 @@ def test_sanitizer_small_backward(version):
         for seqlen_q, seqlen_k in ((1, 1), (17, 33), (40, 17), (70, 130)):
             q, k, v = make_qkv(1, 4, 2, seqlen_q, seqlen_k, 32, dtype=dtype, device="cuda")
             check_cuda_backward(q, k, v, True, version, f"{version} {dtype_id(dtype)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# 11. Part 3: the Hopper rungs (TMA, mbarriers, wgmma, warp specialization)
+# ---------------------------------------------------------------------------------------------
+def skip_unless_hopper():
+    require_cuda()
+    if not hopper_runs():
+        pytest.skip("part 3's rungs need a Hopper GPU (compute capability 9.0) and a build whose arch list had 9.0")
+
+
+# CUDA_SHAPES and 4097, a tile past 4096, in the square, decode-like and wide cases.
+HOPPER_SHAPES = CUDA_SHAPES + [(2, 1, 4097, 4097), (4, 2, 129, 4097), (2, 2, 4097, 129)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_dim", HOPPER_HEAD_DIMS)
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+def test_cuda_hopper_forward(dtype, causal, head_dim):
+    """Every Hopper rung against the float64 reference, at lengths around the 128-row and
+    64/128-key tiles, 4097, seqlen_q != seqlen_k both ways, GQA and multi-query (the rungs share a
+    reference per input: the 4097-long ones cost seconds each on the CPU)."""
+    skip_unless_hopper()
+    for heads, heads_kv, seqlen_q, seqlen_k in HOPPER_SHAPES:
+        q, k, v = cuda_inputs(heads, heads_kv, seqlen_q, seqlen_k, head_dim, dtype,
+                              batch=1 if max(seqlen_q, seqlen_k) > 1000 else 2)
+        ref, ref_lse = cpu_reference(q, k, v, causal)
+        for version in HOPPER_VERSIONS:
+            what = f"{version} {dtype_id(dtype)} h{heads}/{heads_kv} s{seqlen_q}x{seqlen_k} d{head_dim}"
+            poison_allocator(torch.empty(q.shape, dtype=dtype, device="cuda"))
+            out, lse = flash_attention.attention(q, k, v, causal=causal, return_lse=True, version=version)
+            rtol, atol = forward_tol(dtype, version, v)
+            torch.testing.assert_close(out.cpu().double(), ref, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+            finite = ref_lse.isfinite()
+            assert torch.equal(lse.cpu().isneginf(), ref_lse.isneginf()), what
+            torch.testing.assert_close(lse.cpu().double()[finite], ref_lse[finite], rtol=1e-5, atol=5e-5,
+                                       msg=lambda m: f"{what} lse: {m}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+def test_cuda_hopper_error_within_twice_sdpa_flash(dtype, causal, head_dim):
+    """The rungs' error against float64 (root mean square over the output) is at most twice what
+    SDPA's flash backend makes on the same inputs: P rounded to 16 bits before P V, as there, and
+    the approximate exp2 (ex2.approx, 2 ulp of float32) invisible at that scale."""
+    skip_unless_hopper()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    q, k, v = cuda_inputs(8, 8, 1000, 1000, head_dim, dtype)
+    ref = cpu_reference(q, k, v, causal)[0]
+
+    def rms(out):
+        return (out.cpu().double() - ref).pow(2).mean().sqrt().item()
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        flash = rms(F.scaled_dot_product_attention(q, k, v, is_causal=causal))  # square: same mask
+    for version in HOPPER_VERSIONS:
+        ours = rms(flash_attention.attention(q, k, v, causal=causal, version=version))
+        assert ours <= 2 * flash, f"{version}: rms error {ours:.3g} against sdpa_flash's {flash:.3g}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+def test_cuda_hopper_strided_views(causal):
+    """q from a (b, s, h, d) projection and k with padded rows are read by the tensor maps in
+    place; v expanded over the kv heads (stride 0, which a tensor map cannot describe) is copied
+    first. Same bits as contiguous copies, and the reference's values."""
+    skip_unless_hopper()
+    b, h, s, d = 2, 4, 300, 64
+    q = torch.randn(b, s, h, d, device="cuda").to(torch.bfloat16).transpose(1, 2)
+    k = torch.randn(b, 2, s, d + 16, device="cuda").to(torch.bfloat16)[..., 8:d + 8]
+    v = torch.randn(b, 1, s, d, device="cuda").to(torch.bfloat16).expand(b, 2, s, d)
+    ref = cpu_reference(q, k, v, causal)[0]
+    for version in HOPPER_VERSIONS:
+        out = flash_attention.attention(q, k, v, causal=causal, version=version)
+        assert torch.equal(out, flash_attention.attention(q.contiguous(), k.contiguous(), v.contiguous(),
+                                                          causal=causal, version=version)), version
+        rtol, atol = forward_tol(torch.bfloat16, version, v)
+        torch.testing.assert_close(out.cpu().double(), ref, rtol=rtol, atol=atol)
+
+
+@pytest.mark.cuda
+def test_cuda_hopper_default_dispatch():
+    """version=None on Hopper: "pingpong" at head_dim 64 and 128, "warp_specialized" at 256
+    (csrc/attention/attention_ops.cpp); "split_kv" where the keys would be split, where the scale
+    is not positive, and at head dims the Hopper rungs do not take."""
+    skip_unless_hopper()
+    from coursekit.pytest_plugin import launched_kernels
+
+    def kernels(q, k, v, **kwargs):
+        return launched_kernels(lambda: flash_attention.attention(q, k, v, **kwargs), "flash_attention")[1]
+    # 4 x 16 heads x 8 query tiles: 512 blocks, enough that nothing is split
+    for head_dim, rung in ((64, 2), (128, 2), (256, 1)):  # HopperForward: 1 warp-specialized, 2 ping-pong
+        q, k, v = make_qkv(4, 16, 16, 1024, 1024, head_dim, dtype=torch.bfloat16, device="cuda")
+        names = kernels(q, k, v, causal=True)
+        assert any(f"HopperFwdTraits<{head_dim}, (flash_attention::HopperForward){rung}>" in n for n in names), names
+        names = kernels(q, k, v, scale=-0.1)
+        assert any("flash_fwd_kernel" in n for n in names) and not any("hopper" in n for n in names), names
+    q, k, v = make_qkv(1, 4, 4, 1, 8192, 64, dtype=torch.bfloat16, device="cuda")
+    assert any("split_combine_kernel" in n for n in kernels(q, k, v))
+    q, k, v = make_qkv(4, 16, 16, 1024, 1024, 96, dtype=torch.bfloat16, device="cuda")
+    assert not any("hopper" in n for n in kernels(q, k, v))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("version", HOPPER_VERSIONS)
+def test_cuda_hopper_refusals(version):
+    """Each Hopper rung refuses, by name and with the way out, what it cannot run: another dtype,
+    a build without its kernels, another GPU, another head dim, a scale that is not positive."""
+    require_cuda()
+    q, k, v = make_qkv(1, 2, 2, 16, 16, 64, dtype=torch.float32, device="cuda")
+    with pytest.raises(RuntimeError, match=rf"attention_forward: version '{version}' runs on tensor cores and "
+                                           r"takes float16 and bfloat16; q is Float"):
+        flash_attention.attention(q, k, v, version=version)
+    q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+    if not flash_attention.hopper_kernels_built():
+        with pytest.raises(RuntimeError, match=rf"version '{version}' is a Hopper kernel \(sm_90a\), and this build "
+                                               r"of flash_attention has none.*use version='tuned'"):
+            flash_attention.attention(q, k, v, version=version)
+        return
+    if torch.cuda.get_device_capability() != (9, 0):
+        with pytest.raises(RuntimeError, match=rf"version '{version}' needs a Hopper GPU, compute capability 9.0 "
+                                               r".*this GPU is \d+\.\d+: use version='tuned'"):
+            flash_attention.attention(q, k, v, version=version)
+        return
+    q96, k96, v96 = make_qkv(1, 2, 2, 16, 16, 96, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(RuntimeError, match=rf"version '{version}' takes head_dim 64, 128 or 256 .*head_dim is 96"):
+        flash_attention.attention(q96, k96, v96, version=version)
+    with pytest.raises(RuntimeError, match=rf"version '{version}' takes scale > 0 .*scale is -0\.5"):
+        flash_attention.attention(q, k, v, scale=-0.5, version=version)
+
+
+@pytest.mark.cuda
+def test_cuda_hopper_opcheck_and_compile():
+    """The Hopper rung through the dispatcher's contract (opcheck) and inside torch.compile with
+    the default dispatch, which picks it."""
+    skip_unless_hopper()
+    q, k, v = make_qkv(2, 4, 2, 129, 200, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    torch.library.opcheck(OPS.attention_forward.default, (q, k, v, 0.125, True, "pingpong"))
+    compiled = torch.compile(lambda a, b, c: flash_attention.attention(a, b, c, causal=True), backend="aot_eager",
+                             fullgraph=True)
+    expected = flash_attention.attention(q, k, v, causal=True, version="pingpong")
+    assert torch.equal(compiled(q, k, v), expected)
+
+
+@pytest.mark.cuda
+def test_cuda_hopper_sass_has_hgmma():
+    """The Hopper rungs really run on the warpgroup tensor-core instructions: in the loaded
+    library's SASS every flash_fwd_hopper_kernel holds HGMMA (wgmma) and UTMALDG (TMA) and no
+    HMMA (mma.sync, the Ampere path)."""
+    skip_unless_hopper()
+    import shutil
+    import subprocess
+    cuobjdump = shutil.which("cuobjdump")
+    if cuobjdump is None:
+        pytest.skip("cuobjdump (CUDA toolkit) is not on PATH")
+    library = flash_attention.EXTENSION.get("so_path")
+    if library is None:
+        pytest.skip(f"the library was loaded by route {flash_attention.EXTENSION['route']}, without a path")
+    sass = subprocess.run([cuobjdump, "-sass", library], capture_output=True, text=True, check=True).stdout
+    kernels = [chunk for chunk in sass.split("Function : ")[1:] if "flash_fwd_hopper_kernel" in chunk.split("\n")[0]]
+    assert len(kernels) >= 18, f"{len(kernels)} Hopper kernels in the SASS (3 rungs x 2 dtypes x 3 head dims)"
+    for body in kernels:
+        name = body.split("\n")[0]
+        assert "HGMMA" in body and "UTMALDG" in body and "HMMA" not in body, name

@@ -29,16 +29,27 @@ CUDA rungs (head_dim 32, 64, 96, 128 or 256):
 - forward "split_kv": "tuned" with the keys cut into ranges when batch x heads x query tiles
   cannot fill the GPU (flash-decoding): each range writes a float32 partial output and its lse,
   and a combine kernel merges them;
+- forward "wgmma" (part 3, Hopper only: compute capability 9.0, head_dim 64, 128 or 256, scale > 0):
+  Q, K and V tiles brought by the tensor memory accelerator (TMA) into a shared-memory ring that
+  completes on mbarriers, S = Q K^T and O += P V by wgmma (warpgroup products read from shared
+  memory; P from registers);
+- forward "warp_specialized": "wgmma" with a producer warpgroup that only issues the copies and
+  two consumer warpgroups that only compute, registers moved to them with setmaxnreg;
+- forward "pingpong": each consumer warpgroup issues one tile's P V and the next tile's Q K^T
+  together, in turns with the other, so one's softmax runs while the other's products keep the
+  tensor cores busy; a third shared-memory stage where it fits;
 - backward "naive": P recomputed from lse into a workspace, then dV, dS, dQ, dK one kernel each;
 - backward "mma": FlashAttention 2's backward on tensor cores: a block per key tile sums dK and
   dV in registers, dQ through float32 atomics (float16 and bfloat16, sm_80+, head_dim <= 128);
 - backward "mma_dqpass": the same dK and dV, and dQ from a second pass over the keys instead of
   atomics: the same bits on every run.
 
-version=None runs "split_kv" where it can (16-bit inputs on sm_80+; it splits only when the grid
-would leave SMs idle, and is "tuned" otherwise), else "tiled", and the "mma_dqpass" backward where
-it can, else "naive" (csrc/attention/attention_ops.cpp says which measurements pick these). On the
-CPU every version name runs the reference.
+version=None runs, for 16-bit inputs: on a Hopper GPU "pingpong" (head_dim 64 and 128) or
+"warp_specialized" (256) unless the grid is small enough to split the keys; otherwise "split_kv"
+(sm_80+; it splits only when the grid would leave SMs idle, and is "tuned" otherwise); float32 and
+float64 run "tiled". The backward runs "mma_dqpass" where it can, else "naive"
+(csrc/attention/attention_ops.cpp says which measurements pick these). On the CPU every version
+name runs the reference.
 """
 import math
 from pathlib import Path
@@ -59,16 +70,23 @@ import torch  # noqa: E402
 from .paged import copy_blocks, paged_attention, reshape_and_cache  # noqa: E402
 from .radix import RadixCache  # noqa: E402
 
-__all__ = ["attention", "sdpa", "attention_forward", "attention_backward", "reshape_and_cache", "copy_blocks",
-           "paged_attention", "RadixCache", "VERSIONS", "EXTENSION"]
+__all__ = ["attention", "sdpa", "attention_forward", "attention_backward", "hopper_kernels_built",
+           "reshape_and_cache", "copy_blocks", "paged_attention", "RadixCache", "VERSIONS", "EXTENSION"]
 
 # Each op's ladder of kernel versions; test_attention.py holds it against the extension's
 # tables (the `versions` op).
 VERSIONS = {
-    "attention_forward": ("naive", "tiled", "mma", "pipelined", "tuned", "split_kv"),
+    "attention_forward": ("naive", "tiled", "mma", "pipelined", "tuned", "split_kv", "wgmma", "warp_specialized",
+                          "pingpong"),
     "attention_backward": ("naive", "mma", "mma_dqpass"),
     "paged_attention": ("per_head", "per_kv_head", "split_kv"),
 }
+
+
+def hopper_kernels_built():
+    """Whether this build of the extension holds the Hopper rungs (its TORCH_CUDA_ARCH_LIST had
+    9.0, compiled as sm_90a). They run only on a GPU of compute capability 9.0."""
+    return torch.ops.flash_attention.hopper_kernels_built()
 
 
 def _default_scale(q):

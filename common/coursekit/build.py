@@ -79,18 +79,53 @@ def pin_cuda_arch():
     return os.environ["TORCH_CUDA_ARCH_LIST"]
 
 
-def compile_flags(with_cuda, debug=None):
+def hopper_arch_list(arch_list):
+    """(arch list with Hopper's 9.0 written 9.0a, whether it names Hopper at all).
+
+    wgmma and setmaxnreg exist only in the sm_90a target ("a": architecture-specific, not
+    forward-compatible), and code built for it runs only on compute capability 9.0, which is all
+    a 9.0 entry ever ran on: so a chapter with Hopper kernels builds every file for 9.0a in place
+    of 9.0, and other GPUs lose nothing."""
+    archs, hopper = [], False
+    for arch in arch_list.replace(",", ";").replace(" ", ";").split(";"):
+        if not arch:
+            continue
+        base, ptx = (arch[:-4], "+PTX") if arch.endswith("+PTX") else (arch, "")
+        if base in ("9.0", "9.0a"):
+            base, hopper = "9.0a", True
+        archs.append(base + ptx)
+    return ";".join(archs), hopper
+
+
+def hopper_build(with_cuda, hopper_sources, package):
+    """Whether this build compiles the chapter's Hopper sources (sm_90a kernels): only a CUDA
+    build whose arch list has 9.0, which it then rewrites to 9.0a (hopper_arch_list). Other builds
+    leave the files out; the glue then refuses the Hopper rungs by name (COURSE_HOPPER unset)."""
+    if not (with_cuda and hopper_sources):
+        return False
+    archs, hopper = hopper_arch_list(pin_cuda_arch())
+    if hopper:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = archs
+    else:
+        print(f"[{package}] TORCH_CUDA_ARCH_LIST={archs} has no 9.0: the Hopper kernels are left out",
+              file=sys.stderr)
+    return hopper
+
+
+def compile_flags(with_cuda, debug=None, hopper=False):
     """extra_compile_args for both routes. DEBUG=1: -O0 -g, and -G for device code (without
     it ptxas still optimizes the kernels and cuda-gdb shows their locals as optimized out)."""
     if debug is None:
         debug = os.environ.get("DEBUG", "0") == "1"
     cxx = ["-O0", "-g"] if debug else ["-O3"]
-    flags = {"cxx": cxx + (["-DWITH_CUDA"] if with_cuda else [])}
+    # COURSE_HOPPER: the Hopper kernels are compiled in (hopper_build), for the glue to know.
+    defines = (["-DWITH_CUDA"] if with_cuda else []) + (["-DCOURSE_HOPPER"] if hopper else [])
+    flags = {"cxx": cxx + defines}
     if with_cuda:
         # -lineinfo maps SASS back to source lines for ncu and compute-sanitizer at no runtime
         # cost, so release builds keep it too. No --use_fast_math: it would change results.
         # -G carries its own line table (nvcc warns when -lineinfo is given beside it).
-        flags["nvcc"] = (["-O0", "-g", "-G"] if debug else ["-O3", "-lineinfo"]) + ["-DWITH_CUDA"]
+        flags["nvcc"] = (["-O0", "-g", "-G"] if debug else ["-O3", "-lineinfo"]) + defines
     return flags
 
 
@@ -102,19 +137,21 @@ def include_dirs(chapter_dir, source_roots=()):
     return [str(COMMON_INCLUDE), str(chapter_dir)] + [str(Path(chapter_dir) / d) for d in source_roots]
 
 
-def make_extension(name, chapter_dir, cpp_sources, cuda_sources, package, source_roots=()):
-    """A CUDAExtension when CUDA is usable, else a CppExtension (with the reason printed)."""
+def make_extension(name, chapter_dir, cpp_sources, cuda_sources, package, source_roots=(), hopper_sources=()):
+    """A CUDAExtension when CUDA is usable, else a CppExtension (with the reason printed).
+    hopper_sources: compiled only where the arch list has 9.0 (hopper_build)."""
     from torch.utils.cpp_extension import CppExtension, CUDAExtension
 
     with_cuda, reason = cuda_decision(package)
     kind = "CUDA + CPU" if with_cuda else "CPU-only"
+    hopper = hopper_build(with_cuda, hopper_sources, package)
     if with_cuda:
         reason += f"; TORCH_CUDA_ARCH_LIST={pin_cuda_arch()}"
     print(f"[{package}] building the {kind} extension: {reason}", file=sys.stderr)
     cls = CUDAExtension if with_cuda else CppExtension
-    sources = list(cpp_sources) + (list(cuda_sources) if with_cuda else [])
+    sources = list(cpp_sources) + (list(cuda_sources) if with_cuda else []) + (list(hopper_sources) if hopper else [])
     return cls(name, sources=sources, include_dirs=include_dirs(chapter_dir, source_roots),
-               extra_compile_args=compile_flags(with_cuda))
+               extra_compile_args=compile_flags(with_cuda, hopper=hopper))
 
 
 def build_py_with_loader(package):
@@ -139,7 +176,7 @@ def build_py_with_loader(package):
     return BuildPyWithLoader
 
 
-def chapter_setup(package, description, chapter_dir, cpp_sources, cuda_sources, source_roots=()):
+def chapter_setup(package, description, chapter_dir, cpp_sources, cuda_sources, source_roots=(), hopper_sources=()):
     """The whole of every chapter's setup.py: the package, its `_C` extension (CUDA or
     CPU-only, see make_extension) and the shared loader shipped inside it. source_roots: the
     folders of sources.py's INCLUDE_DIRS (see include_dirs)."""
@@ -153,7 +190,7 @@ def chapter_setup(package, description, chapter_dir, cpp_sources, cuda_sources, 
         description=description,
         packages=[package],
         ext_modules=[make_extension(f"{package}._C", chapter_dir, cpp_sources, cuda_sources,
-                                    package, source_roots)],
+                                    package, source_roots, hopper_sources)],
         cmdclass={"build_ext": BuildExtension, "build_py": build_py_with_loader(package)},
         # _C links against this torch's C++ ABI (mangled names, class layouts), which changes
         # between releases: the wheel works only beside the torch it was compiled against. The

@@ -79,10 +79,11 @@ def build_dir_for(chapter_dir, with_cuda):
     return Path(chapter_dir) / "build" / tag
 
 
-def load_chapter(name, chapter_dir, cpp_sources, cuda_sources, *, source_roots=(), verbose=None,
-                 quiet=False):
+def load_chapter(name, chapter_dir, cpp_sources, cuda_sources, *, source_roots=(), hopper_sources=(),
+                 verbose=None, quiet=False):
     """Build (if needed) and load the chapter's extension into this process. source_roots: the
-    folders of sources.py's INCLUDE_DIRS (build.include_dirs).
+    folders of sources.py's INCLUDE_DIRS (build.include_dirs); hopper_sources: sm_90a files,
+    compiled only where the arch list has 9.0 (build.hopper_build).
 
     Returns a dict: so_path, seconds, rebuilt (did ninja do any work), with_cuda, build_dir.
     The library registers its ops with the dispatcher (TORCH_LIBRARY), so nothing is imported
@@ -98,6 +99,7 @@ def load_chapter(name, chapter_dir, cpp_sources, cuda_sources, *, source_roots=(
         verbose = os.environ.get("COURSE_VERBOSE_BUILD", "0") == "1"
     chapter_dir = Path(chapter_dir).resolve()
     with_cuda, reason = build.cuda_decision(name)
+    hopper = build.hopper_build(with_cuda, hopper_sources, name)
     arch = build.pin_cuda_arch() if with_cuda else None
     os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
     ccache = use_ccache()
@@ -109,9 +111,11 @@ def load_chapter(name, chapter_dir, cpp_sources, cuda_sources, *, source_roots=(
     sources = [str(chapter_dir / s) for s in cpp_sources]
     if with_cuda:
         sources += [str(chapter_dir / s) for s in cuda_sources]
+    if hopper:
+        sources += [str(chapter_dir / s) for s in hopper_sources]
     so_path = out_dir / f"{name}.so"
     before = so_path.stat().st_mtime_ns if so_path.exists() else None
-    flags = build.compile_flags(with_cuda)
+    flags = build.compile_flags(with_cuda, hopper=hopper)
     start = time.perf_counter()
     cpp.load(name=name, sources=sources, extra_cflags=flags["cxx"], extra_cuda_cflags=flags.get("nvcc"),
              extra_include_paths=build.include_dirs(chapter_dir, source_roots),

@@ -20,6 +20,8 @@
 #include <torch/library.h>
 
 #ifdef WITH_CUDA
+#include "hopper/flash_fwd_hopper.h"
+
 #include <c10/cuda/CUDAException.h>
 #include <cuda_runtime_api.h>
 #endif
@@ -48,7 +50,7 @@ constexpr const char* kBackward = "attention_backward";
 // The ladders. The CPU reference is not a rung: it is what the rungs are held to, and it runs
 // whatever version= names (the names are parsed on every device, so a typo fails on the CPU as
 // it would on CUDA).
-enum class ForwardVersion { kNaive, kTiled, kMma, kPipelined, kTuned, kSplitKv };
+enum class ForwardVersion { kNaive, kTiled, kMma, kPipelined, kTuned, kSplitKv, kWgmma, kWarpSpecialized, kPingpong };
 enum class BackwardVersion { kNaive, kMma, kMmaDqPass };
 
 constexpr ::course::NamedVersion<ForwardVersion> kForwardVersions[] = {{"naive", ForwardVersion::kNaive},
@@ -56,13 +58,20 @@ constexpr ::course::NamedVersion<ForwardVersion> kForwardVersions[] = {{"naive",
                                                                       {"mma", ForwardVersion::kMma},
                                                                       {"pipelined", ForwardVersion::kPipelined},
                                                                       {"tuned", ForwardVersion::kTuned},
-                                                                      {"split_kv", ForwardVersion::kSplitKv}};
+                                                                      {"split_kv", ForwardVersion::kSplitKv},
+                                                                      {"wgmma", ForwardVersion::kWgmma},
+                                                                      {"warp_specialized", ForwardVersion::kWarpSpecialized},
+                                                                      {"pingpong", ForwardVersion::kPingpong}};
 constexpr ::course::NamedVersion<BackwardVersion> kBackwardVersions[] = {
     {"naive", BackwardVersion::kNaive}, {"mma", BackwardVersion::kMma}, {"mma_dqpass", BackwardVersion::kMmaDqPass}};
 
 bool tensor_core_rung(ForwardVersion v) {
   return v == ForwardVersion::kMma || v == ForwardVersion::kPipelined || v == ForwardVersion::kTuned ||
          v == ForwardVersion::kSplitKv;
+}
+// Part 3's rungs (csrc/hopper/): sm_90a only.
+bool hopper_rung(ForwardVersion v) {
+  return v == ForwardVersion::kWgmma || v == ForwardVersion::kWarpSpecialized || v == ForwardVersion::kPingpong;
 }
 
 #ifdef WITH_CUDA
@@ -71,18 +80,27 @@ bool tensor_core_rung(ForwardVersion v) {
 MmaForward mma_rung(const std::string& name) {
   return name == "mma" ? MmaForward::kMma : name == "pipelined" ? MmaForward::kPipelined : MmaForward::kTuned;
 }
+HopperForward hopper_kind(ForwardVersion v) {
+  return v == ForwardVersion::kWgmma              ? HopperForward::kWgmma
+         : v == ForwardVersion::kWarpSpecialized ? HopperForward::kWarpSpecialized
+                                                 : HopperForward::kPingpong;
+}
 #endif
 
 bool half_dtype(const Tensor& t) { return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16; }
 
-// version=None: the last tensor-core forward rung where it runs (16-bit inputs on sm_80 and
-// newer), else the tiled one, which moves O(seqlen) bytes where the naive one moves O(seqlen^2).
-// In the H100 results (results/nvidia-h100-80gb-hbm3/chapter6_flash_attention.json) each
-// tensor-core rung beats the one before at every seqlen, head_dim and mask measured. The last,
-// "split_kv", is "tuned" wherever the grid fills the GPU (attention_forward_splits returns 1), so
-// the size threshold is that heuristic's, not a second one here. The backward: "mma_dqpass"
-// matched or beat "mma" (atomics) at every head_dim, mask and seqlen of the sweep once both were
-// pipelined; it also gives the same bits on every run, so it is the default.
+// version=None: the fastest forward rung that runs. On a Hopper GPU (compute capability 9.0, in a
+// build with the sm_90a kernels) that is part 3's: "pingpong" at head_dim 64 and 128, where its
+// third shared-memory stage fits, "warp_specialized" at 256, where it does not and two stages
+// leave ping-pong slower (experiments/hopper_forward_check.cu --variants, NOTES.md). Elsewhere, and
+// wherever the Hopper rungs do not apply (other head dims, a scale <= 0) it is "split_kv" (16-bit
+// inputs on sm_80 and newer), else "tiled", which moves O(seqlen) bytes where "naive" moves
+// O(seqlen^2). Each tensor-core rung of part 1 beats the one before at every seqlen, head_dim and
+// mask measured, and "split_kv" is "tuned" wherever the grid fills the GPU: when it would split
+// (attention_forward_splits > 1: a few query rows against many keys) it also wins over the Hopper
+// rungs, whose 128-row tiles would run mostly empty. The backward: "mma_dqpass" matched or beat
+// "mma" (atomics) at every head_dim, mask and seqlen of the sweep once both were pipelined; it also
+// gives the same bits on every run, so it is the default.
 #ifdef WITH_CUDA
 // One attribute of q's GPU (cudaDeviceGetAttribute is a lookup, not a driver round trip).
 int device_attribute(const Tensor& q, cudaDeviceAttr attr) {
@@ -90,11 +108,22 @@ int device_attribute(const Tensor& q, cudaDeviceAttr attr) {
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, attr, q.device().index()));
   return value;
 }
+bool hopper_gpu(const Tensor& q) {
+  return device_attribute(q, cudaDevAttrComputeCapabilityMajor) == 9 &&
+         device_attribute(q, cudaDevAttrComputeCapabilityMinor) == 0;
+}
 #endif
 
-ForwardVersion default_forward([[maybe_unused]] const Tensor& q) {
+// p: the call's sizes, scale and mask (its pointers are not read here).
+ForwardVersion default_forward([[maybe_unused]] const Tensor& q, [[maybe_unused]] const AttentionParams& p) {
 #ifdef WITH_CUDA
   if (q.is_cuda() && half_dtype(q) && device_attribute(q, cudaDevAttrComputeCapabilityMajor) >= 8) {
+#ifdef COURSE_HOPPER
+    if (hopper_gpu(q) && attention_forward_hopper_head_dim(p.head_dim) && p.scale > 0.0 &&
+        attention_forward_splits(p, device_attribute(q, cudaDevAttrMultiProcessorCount)) == 1) {
+      return p.head_dim <= 128 ? ForwardVersion::kPingpong : ForwardVersion::kWarpSpecialized;
+    }
+#endif
     return ForwardVersion::kSplitKv;
   }
 #endif
@@ -207,6 +236,13 @@ void forward_cuda(ForwardVersion v, const AttentionParams& p, const Tensor& q, c
       C10_CUDA_CHECK(launch_attention_forward_mma(p, MmaForward::kSplitKv, stream, splits, partials.mutable_data_ptr()));
       return;
     }
+    case ForwardVersion::kWgmma:
+    case ForwardVersion::kWarpSpecialized:
+    case ForwardVersion::kPingpong:
+#ifdef COURSE_HOPPER
+      C10_CUDA_CHECK(launch_attention_forward_hopper(p, hopper_kind(v), stream));
+#endif
+      return;  // without the sm_90a kernels check_hopper_rung has refused the call already
   }
 }
 
@@ -234,13 +270,48 @@ void check_tensor_core_rung(const char* op, const std::string& name, const Tenso
               " KiB: use version='mma' or 'tiled'");
 }
 
+// What part 3's rungs need, each refused with the way out: a build that has them, a Hopper GPU,
+// a head dim of whole 64-column chunks, a positive scale.
+void check_hopper_rung(const char* op, ForwardVersion v, const Tensor& q, double scale) {
+  const std::string name = ::course::version_name(kForwardVersions, v);
+  TORCH_CHECK(half_dtype(q), op, ": version '", name, "' runs on tensor cores and takes float16 and bfloat16; q is ",
+              q.scalar_type(), " (float32 and float64 run on versions 'naive' and 'tiled')");
+#ifndef COURSE_HOPPER
+  TORCH_CHECK(false, op, ": version '", name, "' is a Hopper kernel (sm_90a), and this build of flash_attention ",
+              "has none: it was compiled for a TORCH_CUDA_ARCH_LIST without 9.0. Rebuild with 9.0 in the list ",
+              "(the default on a Hopper GPU), or use version='tuned'");
+#endif
+  const int major = device_attribute(q, cudaDevAttrComputeCapabilityMajor);
+  const int minor = device_attribute(q, cudaDevAttrComputeCapabilityMinor);
+  TORCH_CHECK(major == 9 && minor == 0, op, ": version '", name, "' needs a Hopper GPU, compute capability 9.0 ",
+              "(wgmma, TMA and setmaxnreg; sm_90a code runs on no other); this GPU is ", std::to_string(major), ".",
+              std::to_string(minor), ": use version='tuned'");
+  TORCH_CHECK(attention_forward_hopper_head_dim(q.size(3)), op, ": version '", name,
+              "' takes head_dim 64, 128 or 256 (whole 64-column chunks, the width of its 128-byte swizzle); ",
+              "head_dim is ", std::to_string(q.size(3)), ": use version='tuned'");
+  TORCH_CHECK(scale > 0.0, op, ": version '", name, "' takes scale > 0 (its softmax keeps each row's maximum ",
+              "of the unscaled scores, which is the maximum of the scaled ones only for a positive scale); scale ",
+              "is ", std::to_string(scale), ": use version='tuned'");
+#ifdef COURSE_HOPPER
+  const int64_t smem = attention_forward_hopper_smem_bytes(q.size(3), hopper_kind(v));
+  const int64_t allowed = device_attribute(q, cudaDevAttrMaxSharedMemoryPerBlockOptin);
+  TORCH_CHECK(smem <= allowed, op, ": version '", name, "' at head_dim ", std::to_string(q.size(3)), " takes ",
+              std::to_string(smem / 1024), " KiB of shared memory per block; this GPU allows ",
+              std::to_string(allowed / 1024), " KiB: use version='tuned'");
+#endif
+}
+
 // The tensor-core rungs copy 16 bytes at a time: every stride that is stepped (dims of size > 1)
 // a multiple of 8 elements and the data 16-byte aligned. A view that is not (an odd slice of a
 // sequence, a storage offset) is copied once, contiguous; views of (batch, seqlen, heads, d)
 // projections, the common case, pass as they are.
-Tensor aligned_for_copies(const Tensor& t) {
+// Part 3's TMA copies also need every stepped stride non-zero (a tensor map describes memory,
+// not a broadcast): an expanded view (k.expand for grouped heads) is copied there too.
+Tensor aligned_for_copies(const Tensor& t, bool tma = false) {
   bool ok = reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
-  for (int dim = 0; dim < 3; ++dim) ok = ok && (t.size(dim) == 1 || t.stride(dim) % 8 == 0);
+  for (int dim = 0; dim < 3; ++dim) {
+    ok = ok && (t.size(dim) == 1 || (t.stride(dim) % 8 == 0 && (!tma || t.stride(dim) != 0)));
+  }
   return ok ? t : t.clone(at::MemoryFormat::Contiguous);
 }
 
@@ -301,13 +372,19 @@ std::tuple<Tensor, Tensor> attention_forward_impl(const Tensor& q, const Tensor&
                                 q.options().dtype(lse_dtype(q.scalar_type())));
   const auto named = ::course::parse_version(op, version, kForwardVersions);  // a typo fails on Meta too
   if (q.is_meta()) return {out, lse};
-  [[maybe_unused]] const ForwardVersion v_ = named.value_or(default_forward(q));
+  [[maybe_unused]] const ForwardVersion v_ =
+      named.value_or(default_forward(q, make_params(q, k, v, out, lse, scale, causal)));
   if (out.numel() == 0) return {out, lse};
   if (q.is_cuda()) {
 #ifdef WITH_CUDA
-    if (tensor_core_rung(v_)) {
-      check_tensor_core_rung(op, ::course::version_name(kForwardVersions, v_), q);
-      const Tensor qa = aligned_for_copies(q), ka = aligned_for_copies(k), va = aligned_for_copies(v);
+    if (tensor_core_rung(v_) || hopper_rung(v_)) {
+      if (hopper_rung(v_)) {
+        check_hopper_rung(op, v_, q, scale);
+      } else {
+        check_tensor_core_rung(op, ::course::version_name(kForwardVersions, v_), q);
+      }
+      const bool tma = hopper_rung(v_);
+      const Tensor qa = aligned_for_copies(q, tma), ka = aligned_for_copies(k, tma), va = aligned_for_copies(v, tma);
       const AttentionParams p = make_params(qa, ka, va, out, lse, scale, causal);
       FLASH_ATTENTION_ON_CUDA(op, q, forward_cuda(v_, p, q, stream));
       return {out, lse};
@@ -424,6 +501,16 @@ std::tuple<Tensor, Tensor> attention_forward_autograd(const Tensor& q, const Ten
   return {out[0], out[1]};
 }
 
+// Whether this build holds part 3's sm_90a kernels (its arch list had 9.0): the tests and the
+// benchmark ask, rather than guess from the GPU.
+bool hopper_kernels_built_op() {
+#ifdef COURSE_HOPPER
+  return true;
+#else
+  return false;
+#endif
+}
+
 // The grid rule of the tensor-core backward's grid-stride kernels (attention.h), as an op so that
 // the tests can hold it to made-up SM counts on any machine, a GPU's or not.
 int64_t grid_stride_blocks_op(int64_t work, int64_t per_block, int64_t sms) {
@@ -460,6 +547,7 @@ TORCH_LIBRARY_FRAGMENT(flash_attention, m) {
         "bool causal=False, str? version=None) -> (Tensor dq, Tensor dk, Tensor dv)",
         pt2);
   m.def("grid_stride_blocks(int work, int per_block, int sms) -> int", &flash_attention::grid_stride_blocks_op);
+  m.def("hopper_kernels_built() -> bool", &flash_attention::hopper_kernels_built_op);
 }
 
 // CUDA is registered in every build: in a CPU-only build a CUDA tensor gets the checks and then

@@ -1,0 +1,66 @@
+// The Hopper forward's dispatch: the runtime dtype, head dim and rung become the template
+// arguments of one of the instantiations in flash_fwd_hopper_<dtype>_hdim<d>.cu.
+#include "hopper/flash_fwd_hopper.h"
+#include "hopper/flash_fwd_hopper_kernel.cuh"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace flash_attention {
+
+template <typename T, int D, HopperForward kRung>
+cudaError_t run_flash_fwd_hopper(const AttentionParams& p, cudaStream_t stream);
+
+namespace {
+
+template <typename T, int D>
+cudaError_t with_rung(const AttentionParams& p, HopperForward rung, cudaStream_t stream) {
+  switch (rung) {
+    case HopperForward::kWgmma: return run_flash_fwd_hopper<T, D, HopperForward::kWgmma>(p, stream);
+    case HopperForward::kWarpSpecialized: return run_flash_fwd_hopper<T, D, HopperForward::kWarpSpecialized>(p, stream);
+    case HopperForward::kPingpong: return run_flash_fwd_hopper<T, D, HopperForward::kPingpong>(p, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+template <typename T>
+cudaError_t with_head_dim(const AttentionParams& p, HopperForward rung, cudaStream_t stream) {
+  switch (p.head_dim) {
+    case 64: return with_rung<T, 64>(p, rung, stream);
+    case 128: return with_rung<T, 128>(p, rung, stream);
+    case 256: return with_rung<T, 256>(p, rung, stream);
+    default: return cudaErrorInvalidValue;  // the glue checks attention_forward_hopper_head_dim first
+  }
+}
+
+template <int D>
+int64_t smem_bytes(HopperForward rung) {
+  switch (rung) {
+    case HopperForward::kWgmma: return HopperFwdTraits<D, HopperForward::kWgmma>::kSmemBytes;
+    case HopperForward::kWarpSpecialized: return HopperFwdTraits<D, HopperForward::kWarpSpecialized>::kSmemBytes;
+    case HopperForward::kPingpong: return HopperFwdTraits<D, HopperForward::kPingpong>::kSmemBytes;
+  }
+  return 0;
+}
+
+}  // namespace
+
+int64_t attention_forward_hopper_smem_bytes(int64_t head_dim, HopperForward rung) {
+  switch (head_dim) {
+    case 64: return smem_bytes<64>(rung);
+    case 128: return smem_bytes<128>(rung);
+    case 256: return smem_bytes<256>(rung);
+    default: return 0;
+  }
+}
+
+cudaError_t launch_attention_forward_hopper(const AttentionParams& p, HopperForward rung, cudaStream_t stream) {
+  if (p.batch * p.heads * p.seqlen_q == 0) return cudaSuccess;
+  switch (p.dtype) {
+    case DType::kBFloat16: return with_head_dim<__nv_bfloat16>(p, rung, stream);
+    case DType::kFloat16: return with_head_dim<__half>(p, rung, stream);
+    default: return cudaErrorInvalidValue;  // the glue sends only the 16-bit types here
+  }
+}
+
+}  // namespace flash_attention

@@ -1,0 +1,545 @@
+// Chapter 6, part 3: FlashAttention's forward on Hopper (sm_90a): TMA, mbarriers, wgmma, warp
+// specialization and the ping-pong of two consumer warpgroups. The algorithm is rung 5's
+// (csrc/flash_fwd_kernel.cuh: the online softmax over key tiles, S and P in registers, bottom-right
+// causal mask, lse out); what changes is who moves the data and who multiplies:
+//
+//   - the tensor memory accelerator (TMA) copies whole tiles of Q, K and V, 64 columns (128 bytes)
+//     per copy, into shared memory with the 128-byte swizzle, and completes them on mbarriers: no
+//     thread computes an address or holds a register for the copies, and rows past the end of the
+//     sequence arrive as zeros;
+//   - a block is two consumer warpgroups of 64 query rows each (128 rows). Each computes its
+//     S = Q K^T with wgmma (m64 x kBlockN x 16 per instruction, Q and K read by the tensor cores
+//     straight from shared memory: no ldmatrix), runs the online softmax on the accumulator
+//     registers (the same C layout as mma.sync's, so rung 5's row statistics carry over: four lanes
+//     a row, two shuffles), and adds O += P V with P from registers as wgmma's A operand and V read
+//     transposed from shared memory.
+//
+// The rungs (flash_fwd_hopper.h), one idea each:
+//   kWgmma            all 8 warps compute; thread 0 also issues the copies, two stages ahead,
+//                     after a block barrier says a stage is free;
+//   kWarpSpecialized  a third warpgroup, the producer, issues the copies and nothing else, waiting
+//                     on per-stage "empty" barriers the consumers arrive on; it gives its registers
+//                     away (setmaxnreg 24) so that the consumers can hold 240 each;
+//   kPingpong         each consumer warpgroup sends tile n - 1's P V and tile n's Q K^T to the
+//                     tensor cores together, in a turn it takes from the other warpgroup (two
+//                     named barriers), then runs tile n's softmax with nothing in flight: the
+//                     turns keep the two warpgroups half a period apart, so one's exponentials
+//                     run while the other's products keep the tensor cores busy. A third stage
+//                     keeps the producer ahead of the earlier requests.
+// HopperFwdConfig also holds FlashAttention 3's intra-warpgroup overlap (kOverlap: tile n's softmax
+// while tile n - 1's P V runs), which lost 10-20% here: ptxas schedules the wait for the P V group
+// (WARPGROUP.DEPBAR) right after the maximum, ahead of the exponentials it was meant to overlap,
+// so the warpgroup waits anyway and holds P and O live through the softmax (README, part 3).
+//
+// No torch headers: this file builds with a bare nvcc for sm_90a (and to empty kernels for any
+// other target, which the glue never launches).
+#pragma once
+
+#include "attention/attention.h"
+#include "hopper/flash_fwd_hopper.h"
+#include "hopper/hopper.cuh"
+#include "hopper/tensor_map.h"
+
+#include <course/cuda_utils.h>
+
+#include <climits>
+#include <cstdint>
+#include <type_traits>
+
+namespace flash_attention {
+
+// The knobs of one configuration of the kernel; the rungs (HopperFwdTraits, below) are points of
+// this space, and experiments/hopper_forward_check.cu times others.
+template <int kHeadDim_, int kBlockN_, int kStages_, bool kWarpSpecialized_, bool kJoint_, bool kPingpong_,
+          bool kOverlap_ = false>
+struct HopperFwdConfig {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = 128;  // two consumer warpgroups x 64 rows (wgmma's m64)
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static constexpr bool kWarpSpecialized = kWarpSpecialized_;
+  static constexpr bool kJoint = kJoint_;        // tile n - 1's P V and tile n's Q K^T issued together
+  static constexpr bool kPingpong = kPingpong_;  // the consumer warpgroups take turns issuing products
+  static constexpr bool kOverlap = kOverlap_;    // tile n's softmax while tile n - 1's P V runs (FA3)
+  static constexpr int kChunks = kHeadDim / 64;  // 64-column chunks: one TMA box, one swizzle width
+  static constexpr int kConsumerThreads = 256;
+  static constexpr int kProducerThreads = kWarpSpecialized ? 128 : 0;
+  static constexpr int kThreads = kConsumerThreads + kProducerThreads;
+  static constexpr int kQBytes = kBlockM * kHeadDim * 2;
+  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one stage of K (or of V)
+  static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + 1024;  // + 1024-byte alignment
+  // setmaxnreg: 128 x 24 + 256 x 240 = 64,512 of the SM's 65,536 registers.
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  static_assert(kHeadDim % 64 == 0, "the 128-byte swizzle holds 64 columns of 16-bit elements");
+  static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an sm_90 block may take");
+  static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "P V steps over 16 keys; TMA boxes hold up to 256 rows");
+  static_assert(kWarpSpecialized || !(kJoint || kPingpong || kOverlap), "these schedules assume a producer");
+  static_assert(!kPingpong || kJoint || kOverlap, "a turn holds one iteration's two products");
+};
+
+// Kernel traits per rung. Registers pick the tile: a consumer thread holds kBlockN / 2 floats of
+// S (64 at 128 keys), head_dim / 2 of O (64 at d = 128), and P as kBlockN / 4 packed pairs; at
+// d = 256 O alone is 128 floats, so the key tile halves to 64. Shared memory: Q (kBlockM x d) plus
+// two stages of K and V: 160 KiB at d = 128, 193 KiB at d = 256 (a block may take 227 KiB).
+// Rung "pingpong" takes a third stage where it fits (d = 64 and 128: 112 and 225 KiB): a warpgroup
+// now asks for tile n - 1's V and tile n's K in the same turn, so the producer must run a tile
+// further ahead (measured on an H200, d = 128, s = 8192: 547 TFLOP/s with two stages, 659 with
+// three; experiments/hopper_forward_check.cu --variants).
+constexpr int kHopperSmemLimit = 227 * 1024;  // what sm_90 lets one block opt in to
+template <int kHeadDim>
+constexpr int hopper_block_n() {
+  return kHeadDim == 256 ? 64 : 128;
+}
+template <int kHeadDim>
+constexpr int hopper_pingpong_stages() {
+  return 128 * kHeadDim * 2 + 3 * 2 * hopper_block_n<kHeadDim>() * kHeadDim * 2 + 1024 <= kHopperSmemLimit ? 3 : 2;
+}
+template <int kHeadDim, HopperForward kRung>
+struct HopperFwdTraits
+    : HopperFwdConfig<kHeadDim, hopper_block_n<kHeadDim>(),
+                      kRung == HopperForward::kPingpong ? hopper_pingpong_stages<kHeadDim>() : 2,
+                      kRung != HopperForward::kWgmma, kRung == HopperForward::kPingpong,
+                      kRung == HopperForward::kPingpong> {};
+
+#if COURSE_HOPPER_DEVICE
+namespace hopper_fwd {
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  } else {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+}
+
+}  // namespace hopper_fwd
+#endif
+
+template <typename T, typename K>
+__global__ void __launch_bounds__(K::kThreads, 1)
+    flash_fwd_hopper_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
+                            const __grid_constant__ CUtensorMap map_v, const AttentionParams p, unsigned q_tiles,
+                            float scale_log2) {
+#if COURSE_HOPPER_DEVICE
+  using namespace hopper;
+  using namespace hopper_fwd;
+  constexpr int kD = K::kHeadDim, kBN = K::kBlockN, kBM = K::kBlockM, kStages = K::kStages;
+  constexpr int kSRegs = kBN / 2;  // S: one m64 x kBlockN accumulator tile per warpgroup
+  constexpr int kORegs = kD / 2;   // O: m64 x d
+  constexpr int kPSteps = kBN / 16;  // k16 steps of P V
+  extern __shared__ unsigned char smem_raw[];
+  // The swizzle pattern repeats every 1024 bytes and the descriptors assume atoms there.
+  unsigned char* smem =
+      reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  unsigned char* q_s = smem;                          // [chunk][kBlockM rows][64]
+  unsigned char* k_s = q_s + K::kQBytes;              // [stage][chunk][kBlockN rows][64]
+  unsigned char* v_s = k_s + kStages * K::kKVBytes;   // same
+  __shared__ uint64_t q_full, k_full[kStages], v_full[kStages], kv_empty[kStages];
+
+  // The block's (batch, head, query tile). Causal blocks with the most keys (the last tiles) are
+  // launched first, so the short ones fill the tail of the grid.
+  const int64_t tile_index = blockIdx.x % q_tiles;
+  const int64_t tile = p.causal ? q_tiles - 1 - tile_index : tile_index;
+  const int64_t bh = blockIdx.x / q_tiles;
+  const int b = static_cast<int>(bh / p.heads);
+  const int h = static_cast<int>(bh % p.heads);
+  const int hk = static_cast<int>(h / (p.heads / p.heads_kv));  // GQA
+  const int64_t m0 = tile * kBM;
+  const int64_t diag = p.seqlen_k - p.seqlen_q;  // key j is visible to row i iff j <= i + diag
+  const int64_t last_row = (m0 + kBM < p.seqlen_q ? m0 + kBM : p.seqlen_q) - 1;
+  const int n_tiles = static_cast<int>((visible_keys(last_row, p.seqlen_q, p.seqlen_k, p.causal) + kBN - 1) / kBN);
+
+  if (threadIdx.x == 0) {
+    prefetch_tensor_map(&map_q);
+    prefetch_tensor_map(&map_k);
+    prefetch_tensor_map(&map_v);
+    mbarrier_init(&q_full, 1);
+    for (int s = 0; s < kStages; ++s) {
+      mbarrier_init(&k_full[s], 1);   // the producer's arrive, with the tile's bytes
+      mbarrier_init(&v_full[s], 1);
+      mbarrier_init(&kv_empty[s], 8); // one arrive per consumer warp once it is done with the stage
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();  // the barriers are initialised before anyone waits on them
+
+  // The copies. K and V complete on separate barriers, so that S = Q K^T starts before V lands.
+  auto load_q = [&] {
+    mbarrier_arrive_expect_tx(&q_full, K::kQBytes);
+#pragma unroll
+    for (int c = 0; c < K::kChunks; ++c) {
+      tma_load_4d(q_s + c * kBM * 128, &map_q, &q_full, c * 64, static_cast<int>(m0), h, b);
+    }
+  };
+  auto load_kv = [&](int i) {
+    const int stage = i % kStages;
+    const int n0 = i * kBN;
+    mbarrier_arrive_expect_tx(&k_full[stage], K::kKVBytes);
+#pragma unroll
+    for (int c = 0; c < K::kChunks; ++c) {
+      tma_load_4d(k_s + stage * K::kKVBytes + c * kBN * 128, &map_k, &k_full[stage], c * 64, n0, hk, b);
+    }
+    mbarrier_arrive_expect_tx(&v_full[stage], K::kKVBytes);
+#pragma unroll
+    for (int c = 0; c < K::kChunks; ++c) {
+      tma_load_4d(v_s + stage * K::kKVBytes + c * kBN * 128, &map_v, &v_full[stage], c * 64, n0, hk, b);
+    }
+  };
+
+  if constexpr (K::kWarpSpecialized) {
+    if (threadIdx.x < K::kProducerThreads) {
+      // The producer: one thread issues every copy; the stage of tile i is free once the 8
+      // consumer warps have arrived on its empty barrier for tile i - kStages.
+      setmaxnreg_dec<K::kProducerRegs>();
+      if (threadIdx.x == 0 && n_tiles > 0) {
+        load_q();
+        for (int i = 0; i < n_tiles; ++i) {
+          if (i >= kStages) mbarrier_wait(&kv_empty[i % kStages], ((i / kStages) - 1) & 1);
+          load_kv(i);
+        }
+      }
+      return;
+    }
+    setmaxnreg_inc<K::kConsumerRegs>();
+  } else if (threadIdx.x == 0 && n_tiles > 0) {
+    load_q();
+    for (int i = 0; i < n_tiles && i < kStages; ++i) load_kv(i);
+  }
+
+  // ---------------------------------------------------------------- the consumers
+  const int ct = threadIdx.x - K::kProducerThreads;
+  const int wg = ct / 128;  // consumer warpgroup: rows 64 wg .. 64 wg + 63 of the block's tile
+  const int warp = (ct % 128) / 32;
+  const int lane = ct % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int64_t row0 = m0 + wg * 64 + warp * 16 + g;  // this lane's rows: row0 and row0 + 8
+  const unsigned char* q_wg = q_s + wg * 64 * 128;
+
+  float o[kORegs];
+#pragma unroll
+  for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
+  float s[kSRegs];
+  uint32_t pf[kPSteps][4];  // P as wgmma's A fragments, one k16 step of keys each
+  float row_max[2] = {-INFINITY, -INFINITY};  // raw scores (not scaled): scale > 0
+  float row_sum[2] = {0.f, 0.f};              // this lane's share; the row's four lanes add at the end
+
+  // S = Q K^T for this warpgroup's 64 rows and the stage's kBlockN keys: d / 16 instructions, each
+  // reading a k16 slice of Q and of K (32 bytes further inside a 64-column chunk, or the next chunk).
+  auto issue_qk = [&](int stage) {
+    const unsigned char* k_tile = k_s + stage * K::kKVBytes;
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      const int chunk = kk / 4, col = (kk % 4) * 32;
+      const uint64_t da = smem_desc_sw128(q_wg + chunk * kBM * 128 + col, 16, 1024);
+      const uint64_t db = smem_desc_sw128(k_tile + chunk * kBN * 128 + col, 16, 1024);
+      Wgmma<T, kBN>::ss(s, da, db, kk > 0);  // the first step overwrites S: no zeroing
+    }
+    wgmma_commit();
+  };
+  // O += P V: kBlockN / 16 instructions, P's k16 fragment from registers, V's 16 rows (2048 bytes
+  // further per step) read transposed, its 64-column chunks kBlockN rows apart.
+  auto issue_pv = [&](int stage) {
+    const unsigned char* v_tile = v_s + stage * K::kKVBytes;
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kPSteps; ++kk) {
+      const uint64_t db = smem_desc_sw128(v_tile + kk * 16 * 128, kBN * 128, 1024);
+      Wgmma<T, kD>::template rs<1>(o, pf[kk], db, 1);
+    }
+    wgmma_commit();
+  };
+
+  // The online softmax of tile i on S (rung 5's, on wgmma's accumulator layout: register r of S is
+  // row g + 8 * ((r >> 1) & 1), key 8 * (r >> 2) + 2t + (r & 1) of the tile). Leaves exp2 of the
+  // scaled scores in S and returns, per row half, the factor the old O and sums must be multiplied
+  // by. scale * log2(e) is folded into one FFMA per score: exp2(s * c - max * c).
+  // kMask (a compile-time tag): only the tiles a mask can bite (the last one past seqlen_k, those
+  // crossing the causal diagonal) mask, and the caller runs them in a loop of their own, so that no
+  // branch sits inside the overlapped region: at a branch's join ptxas stops tracking which wgmma
+  // groups are still running and waits for all of them (seen in the SASS: a WARPGROUP.DEPBAR 0
+  // right after the mask's if, before the exponentials it was meant to overlap).
+  auto softmax = [&](auto mask_tag, int i, float (&corr)[2]) {
+    if constexpr (decltype(mask_tag)::value) {
+      const int64_t n0 = static_cast<int64_t>(i) * kBN;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        // The row's first masked key in the tile, in 64 bits once, then a 32-bit compare per score.
+        int64_t limit = p.seqlen_k - n0;
+        if (p.causal) limit = min(limit, row0 + 8 * r + diag - n0 + 1);
+        const int col_limit = static_cast<int>(max(int64_t{0}, min(limit, int64_t{kBN})));
+#pragma unroll
+        for (int j = 0; j < kSRegs; ++j) {
+          if (((j >> 1) & 1) == r && 8 * (j >> 2) + 2 * t + (j & 1) >= col_limit) s[j] = -INFINITY;
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = row_max[r];
+#pragma unroll
+      for (int j = 0; j < kSRegs; ++j) {
+        if (((j >> 1) & 1) == r) mx = fmaxf(mx, s[j]);
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      // A row with no visible key so far keeps max -inf: subtract 0, so exp2(-inf) = 0, not NaN.
+      const float neg_max = mx == -INFINITY ? 0.f : -mx * scale_log2;
+      corr[r] = row_max[r] == -INFINITY ? 0.f : exp2_approx((row_max[r] - mx) * scale_log2);
+      row_max[r] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < kSRegs; ++j) {
+        if (((j >> 1) & 1) == r) {
+          s[j] = exp2_approx(fmaf(s[j], scale_log2, neg_max));
+          sum += s[j];
+        }
+      }
+      row_sum[r] = row_sum[r] * corr[r] + sum;
+    }
+  };
+  auto rescale_o = [&](const float (&corr)[2]) {
+#pragma unroll
+    for (int j = 0; j < kORegs; ++j) o[j] *= corr[(j >> 1) & 1];
+  };
+  // S's C layout is P's A layout (mma.cuh): n8 tiles 2kk and 2kk + 1 are k16 step kk.
+  auto pack_p = [&] {
+#pragma unroll
+    for (int kk = 0; kk < kPSteps; ++kk) {
+      pf[kk][0] = pack2<T>(s[8 * kk + 0], s[8 * kk + 1]);
+      pf[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
+      pf[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
+      pf[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+  };
+  // A consumer warp is done with a stage (its products completed): one arrive per warp.
+  auto release = [&](int stage) {
+    if (lane == 0) mbarrier_arrive(&kv_empty[stage]);
+  };
+
+  if (n_tiles > 0) mbarrier_wait(&q_full, 0);
+  // Tiles 0 .. n_full - 1 need no mask for any row of the block: every key in them exists and,
+  // when causal, is visible to the block's first row (the one that sees the fewest).
+  int64_t full_tiles = p.seqlen_k / kBN;
+  if (p.causal) full_tiles = min(full_tiles, max(int64_t{0}, m0 + diag + 1) / kBN);
+  const int n_full = static_cast<int>(min(full_tiles, static_cast<int64_t>(n_tiles)));
+  const std::false_type unmasked;
+  const std::true_type masked;
+
+  // Ping-pong: warpgroup wg issues its products after bar.sync on hardware barrier 1 + wg and then
+  // lets the other go (bar.arrive on the other's barrier); 256 = its 128 threads syncing plus the
+  // other's 128 arriving. Warpgroup 0 goes first (warpgroup 1 arrives once up front) and warpgroup
+  // 1 skips its last hand-over, so each barrier sees as many arrivals as syncs. Both warpgroups
+  // take the same number of turns: they walk the same key tiles.
+  auto take_turn = [&] {
+    if constexpr (K::kPingpong) named_barrier_sync(1 + wg, 256);
+  };
+  auto pass_turn = [&](bool last) {
+    if constexpr (K::kPingpong) {
+      if (!(last && wg == 1)) named_barrier_arrive(2 - wg, 256);
+    }
+  };
+  if constexpr (K::kPingpong) {
+    if (wg == 1 && n_tiles > 0) named_barrier_arrive(1, 256);
+  }
+
+  if constexpr (!K::kJoint && !K::kOverlap) {
+    // Each tile in order: product, softmax, product.
+    auto step = [&](auto mask_tag, int i) {
+      const int stage = i % kStages;
+      const uint32_t parity = (i / kStages) & 1;
+      mbarrier_wait(&k_full[stage], parity);
+      issue_qk(stage);
+      wgmma_wait<0>();
+      fence_operands(s);
+      float corr[2];
+      softmax(mask_tag, i, corr);
+      rescale_o(corr);
+      pack_p();
+      mbarrier_wait(&v_full[stage], parity);
+      issue_pv(stage);
+      wgmma_wait<0>();
+      fence_operands(o);
+      fence_operands(pf);
+      if constexpr (K::kWarpSpecialized) {
+        release(stage);
+      } else {
+        // Every warp is past its products on this stage before thread 0 refills it.
+        __syncthreads();
+        if (threadIdx.x == 0 && i + kStages < n_tiles) load_kv(i + kStages);
+      }
+    };
+    for (int i = 0; i < n_full; ++i) step(unmasked, i);
+    for (int i = n_full; i < n_tiles; ++i) step(masked, i);
+  } else if (K::kJoint && n_tiles > 0) {
+    // Tile i - 1's P V and tile i's Q K^T go to the tensor cores together (one turn when the
+    // warpgroups take turns), then one wait, then tile i's softmax with nothing in flight. Each
+    // warpgroup's tensor-core work is one burst per tile, and the other warpgroup's burst fills the
+    // tensor cores while this one runs its exponentials.
+    mbarrier_wait(&k_full[0], 0);
+    take_turn();
+    issue_qk(0);
+    pass_turn(false);
+    wgmma_wait<0>();
+    fence_operands(s);
+    float corr[2];
+    if (n_full > 0) {
+      softmax(unmasked, 0, corr);  // O is still 0: nothing to rescale
+    } else {
+      softmax(masked, 0, corr);
+    }
+    pack_p();
+    auto step = [&](auto mask_tag, int i) {
+      const int stage = i % kStages, prev = (i - 1) % kStages;
+      mbarrier_wait(&v_full[prev], ((i - 1) / kStages) & 1);
+      mbarrier_wait(&k_full[stage], (i / kStages) & 1);
+      take_turn();
+      issue_pv(prev);
+      issue_qk(stage);
+      pass_turn(false);
+      wgmma_wait<0>();
+      fence_operands(o);
+      fence_operands(pf);
+      fence_operands(s);
+      release(prev);
+      softmax(mask_tag, i, corr);
+      rescale_o(corr);
+      pack_p();
+    };
+    for (int i = 1; i < n_full; ++i) step(unmasked, i);
+    for (int i = n_full > 1 ? n_full : 1; i < n_tiles; ++i) step(masked, i);
+    const int last = (n_tiles - 1) % kStages;
+    mbarrier_wait(&v_full[last], ((n_tiles - 1) / kStages) & 1);
+    take_turn();
+    issue_pv(last);
+    pass_turn(true);
+    wgmma_wait<0>();
+    fence_operands(o);
+    fence_operands(pf);
+    release(last);
+  } else if (n_tiles > 0) {
+    // Intra-warpgroup overlap: tile i's Q K^T is issued with tile i - 1's P V, and tile i's
+    // softmax runs while P V is still on the tensor cores.
+    mbarrier_wait(&k_full[0], 0);
+    take_turn();
+    issue_qk(0);
+    pass_turn(false);
+    wgmma_wait<0>();
+    fence_operands(s);
+    float corr[2];
+    if (n_full > 0) {
+      softmax(unmasked, 0, corr);  // O is still 0: nothing to rescale
+    } else {
+      softmax(masked, 0, corr);
+    }
+    pack_p();
+    auto step = [&](auto mask_tag, int i) {
+      const int stage = i % kStages, prev = (i - 1) % kStages;
+      mbarrier_wait(&k_full[stage], (i / kStages) & 1);
+      take_turn();
+      issue_qk(stage);  // tile i's scores ...
+      mbarrier_wait(&v_full[prev], ((i - 1) / kStages) & 1);
+      issue_pv(prev);   // ... queued behind tile i - 1's P V
+      pass_turn(false);
+      wgmma_wait<1>();  // S of tile i is in (groups complete in order); P V may still run
+      fence_operands(s);
+      softmax(mask_tag, i, corr);
+      fence_operands(s);
+      fence_operands(row_sum);
+      fence_operands(corr);
+      wgmma_wait<0>();
+      fence_operands(o);
+      fence_operands(pf);  // P's registers stayed live until P V read them
+      release(prev);
+      rescale_o(corr);
+      pack_p();
+    };
+    for (int i = 1; i < n_full; ++i) step(unmasked, i);
+    for (int i = n_full > 1 ? n_full : 1; i < n_tiles; ++i) step(masked, i);
+    const int last = (n_tiles - 1) % kStages;
+    mbarrier_wait(&v_full[last], ((n_tiles - 1) / kStages) & 1);
+    take_turn();
+    issue_pv(last);
+    pass_turn(true);
+    wgmma_wait<0>();
+    fence_operands(o);
+    fence_operands(pf);
+    release(last);
+  }
+
+  // o = acc / l and lse = max * scale + log(l); a row with no visible key (l = 0) gets o = 0 and
+  // lse = -inf (attention.h). Shuffles before any branch on the row: all 32 lanes take part.
+  T* out = static_cast<T*>(p.o) + static_cast<int64_t>(b) * p.o_batch_stride + static_cast<int64_t>(h) * p.o_head_stride;
+  float* lse = static_cast<float*>(p.lse) + bh * p.seqlen_q;
+  const float scale = scale_log2 * 0.69314718055994531f;  // back to natural units
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = row_sum[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const int64_t row = row0 + 8 * r;
+    if (row < p.seqlen_q) {  // the last tile's rows past the end computed on zero rows of Q
+      T* o_row = out + row * p.o_seq_stride;
+#pragma unroll
+      for (int j = 2 * r; j < kORegs; j += 4) {
+        *reinterpret_cast<uint32_t*>(o_row + 8 * (j >> 2) + 2 * t) = pack2<T>(o[j] * inv, o[j + 1] * inv);
+      }
+      if (t == 0) lse[row] = l > 0.f ? row_max[r] * scale + logf(l) : -INFINITY;
+    }
+  }
+#endif  // COURSE_HOPPER_DEVICE: other targets compile an empty kernel the glue never launches
+}
+
+// A 4-D tensor map over a (batch, heads, seqlen, head_dim) view with element strides, boxes of 64
+// columns by `rows` rows of one head. A dim of size 1 is never stepped, so its stride (which a view
+// may leave at any value) is replaced by a valid one; a dim of size 0 (no keys) becomes 1 and is
+// never read.
+inline cudaError_t make_bhsd_map(CUtensorMap* map, const void* base, int64_t batch, int64_t heads, int64_t seqlen,
+                                 int64_t head_dim, int64_t batch_stride, int64_t head_stride, int64_t seq_stride,
+                                 int rows) {
+  const uint64_t dims[4] = {static_cast<uint64_t>(head_dim), static_cast<uint64_t>(seqlen > 0 ? seqlen : 1),
+                            static_cast<uint64_t>(heads), static_cast<uint64_t>(batch)};
+  uint64_t strides[3];
+  const int64_t elem_strides[3] = {seq_stride, head_stride, batch_stride};
+  uint64_t inner = static_cast<uint64_t>(head_dim) * 2;
+  for (int i = 0; i < 3; ++i) {
+    strides[i] = dims[i + 1] == 1 ? inner : static_cast<uint64_t>(elem_strides[i]) * 2;
+    inner = strides[i];
+  }
+  const uint32_t box[4] = {64, static_cast<uint32_t>(rows), 1, 1};
+  return hopper::make_tensor_map_16bit(map, base, 4, dims, strides, box);
+}
+
+// Launches one configuration (the rungs' instantiation files and the experiments call this).
+template <typename T, typename K>
+cudaError_t run_flash_fwd_hopper_config(const AttentionParams& p, cudaStream_t stream) {
+  const int64_t q_tiles = course::ceil_div(p.seqlen_q, static_cast<int64_t>(K::kBlockM));
+  const int64_t blocks = q_tiles * p.batch * p.heads;
+  if (blocks == 0) return cudaSuccess;
+  if (blocks > INT_MAX || p.seqlen_q > INT_MAX || p.seqlen_k > INT_MAX) return cudaErrorInvalidConfiguration;
+  CUtensorMap map_q, map_k, map_v;
+  COURSE_CUDA_TRY(make_bhsd_map(&map_q, p.q, p.batch, p.heads, p.seqlen_q, K::kHeadDim, p.q_batch_stride,
+                                p.q_head_stride, p.q_seq_stride, K::kBlockM));
+  COURSE_CUDA_TRY(make_bhsd_map(&map_k, p.k, p.batch, p.heads_kv, p.seqlen_k, K::kHeadDim, p.k_batch_stride,
+                                p.k_head_stride, p.k_seq_stride, K::kBlockN));
+  COURSE_CUDA_TRY(make_bhsd_map(&map_v, p.v, p.batch, p.heads_kv, p.seqlen_k, K::kHeadDim, p.v_batch_stride,
+                                p.v_head_stride, p.v_seq_stride, K::kBlockN));
+  auto kernel = flash_fwd_hopper_kernel<T, K>;
+  COURSE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSmemBytes));
+  const float scale_log2 = static_cast<float>(p.scale * 1.4426950408889634);
+  kernel<<<static_cast<unsigned>(blocks), K::kThreads, K::kSmemBytes, stream>>>(map_q, map_k, map_v, p,
+                                                                                static_cast<unsigned>(q_tiles),
+                                                                                scale_log2);
+  return cudaGetLastError();
+}
+
+template <typename T, int D, HopperForward kRung>
+cudaError_t run_flash_fwd_hopper(const AttentionParams& p, cudaStream_t stream) {
+  return run_flash_fwd_hopper_config<T, HopperFwdTraits<D, kRung>>(p, stream);
+}
+
+}  // namespace flash_attention

@@ -1,0 +1,273 @@
+// Hopper's asynchronous machinery, one small named wrapper per PTX instruction, each with why it
+// is there. Everything a chapter 6 part 3 kernel (and experiments/hopper_gemm.cu) issues that
+// CUDA C++ has no word for lives here, so that the kernels read as the algorithm.
+//
+//   TMA       the tensor memory accelerator: one thread asks for a whole tile
+//             (cp.async.bulk.tensor) described by a CUtensorMap made on the host; the copy engine
+//             writes it into shared memory, swizzled, and zero-fills what lies outside the tensor.
+//   mbarrier  a barrier object in shared memory that counts arrivals *and* bytes: the TMA unit
+//             "arrives" with the bytes it wrote (complete_tx), so waiting on it means "the tile is
+//             there". It flips a phase bit each time it completes; waiters name the parity they
+//             wait for, so one barrier serves every trip around a ring of stages.
+//   wgmma     a matrix product issued by a warpgroup (4 consecutive warps, 128 threads) and run
+//             asynchronously by the tensor cores: B (and A, or A from registers) read straight
+//             from shared memory through a 64-bit descriptor, accumulators in registers. Issue,
+//             commit a group, and wait for groups later: the warps can compute meanwhile.
+//   setmaxnreg  moves registers between warpgroups of one block: a producer that only issues
+//             copies gives its registers to the consumers that hold the accumulators.
+//
+// sm_90a only (wgmma and setmaxnreg need the "a" target; TMA and mbarrier would run on any
+// sm_90). The callers compile these only under COURSE_HOPPER_DEVICE (below), so the same source
+// builds, empty, for sm_75 and sm_80.
+#pragma once
+
+#include <cuda.h>  // CUtensorMap (a 128-byte opaque struct; no driver library is linked for it)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+// True in the device pass for sm_90a, the only target whose code may issue these instructions.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define COURSE_HOPPER_DEVICE 1
+#else
+#define COURSE_HOPPER_DEVICE 0
+#endif
+
+namespace hopper {
+
+#if COURSE_HOPPER_DEVICE
+
+// The 32-bit shared-memory address every shared::cta operand takes.
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// ------------------------------------------------------------------------------------------
+// mbarrier
+// ------------------------------------------------------------------------------------------
+// `count` arrivals complete a phase (besides the transaction bytes expected on it).
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+// The initialised barriers must be visible to the copy engine (another proxy) before any copy
+// completes on them; a __syncthreads() after this publishes them to the block's threads.
+__device__ __forceinline__ void fence_barrier_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+// One arrival that also tells the barrier to expect `bytes` more from the copy engine: the phase
+// completes when the arrivals are in *and* the bytes have landed.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+// Wait until the phase with this parity has completed. try_wait suspends the thread for a
+// while inside the instruction before it reports "not yet", so the loop does not hammer shared
+// memory. Parity, not a phase count: trip n of a ring of S stages waits for parity (n / S) & 1.
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+  const uint32_t addr = smem_addr(bar);
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n"
+        ".reg .pred ready;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 ready, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, ready;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(addr), "r"(parity)
+        : "memory");
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// TMA: tiles from global to shared memory, completing on an mbarrier
+// ------------------------------------------------------------------------------------------
+// The tensor map lives in kernel parameter space (a __grid_constant__ parameter): its generic
+// address is what the instruction takes. Coordinates are in elements, innermost first; rows
+// outside the tensor arrive as zeros (attention relies on it for the last, partial tile).
+__device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
+          smem_addr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(smem_addr(bar))
+      : "memory");
+}
+__device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1, int c2,
+                                            int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+      "[%6];" ::"r"(smem_addr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_addr(bar))
+      : "memory");
+}
+
+// ------------------------------------------------------------------------------------------
+// wgmma: descriptors, fences, groups
+// ------------------------------------------------------------------------------------------
+// A shared-memory matrix descriptor for a tile stored with the 128-byte swizzle (what TMA writes
+// with CU_TENSOR_MAP_SWIZZLE_128B): rows of 64 16-bit elements (128 bytes), 8 rows to a 1024-byte
+// swizzle atom, atoms 1024-byte aligned.
+//   K-major operand (the reduction dim contiguous: Q and K for S = Q K^T): `sbo` = 1024, the
+//     stride from one 8-row group to the next; `lbo` is unused. Step k16 of a 64-wide row
+//     advances the start address by 32 bytes: the hardware applies the swizzle to the full
+//     address, so a start inside an atom reads the right chunks.
+//   MN-major operand (V for O = P V: the keys are the reduction dim, the head dim contiguous):
+//     `lbo` = the stride between 64-wide column chunks, `sbo` = 1024 between 8-row groups of keys;
+//     wgmma is told to transpose it (tnspB = 1), which 16-bit types allow.
+// Bits: start address >> 4 in 0-13, lbo >> 4 in 16-29, sbo >> 4 in 32-45, swizzle mode in 62-63
+// (1 = 128 bytes); the base offset (49-51) stays 0 because every atom is 1024-byte aligned.
+__device__ __forceinline__ uint64_t smem_desc_sw128(const void* start, uint32_t lbo_bytes, uint32_t sbo_bytes) {
+  uint64_t desc = (smem_addr(start) & 0x3FFFFu) >> 4;
+  desc |= static_cast<uint64_t>((lbo_bytes & 0x3FFFFu) >> 4) << 16;
+  desc |= static_cast<uint64_t>((sbo_bytes & 0x3FFFFu) >> 4) << 32;
+  desc |= 1ull << 62;
+  return desc;
+}
+// Registers that a wgmma reads or writes must not be touched by ordinary instructions between
+// its issue and the wait for its group; the fence orders the accumulators' last ordinary writes
+// before the asynchronous reads.
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+// Wait until at most `kPending` committed groups are still running.
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
+}
+// The compiler sees a wgmma's accumulators as written when it issues, not when its group
+// completes: this empty statement "uses and redefines" each one, so no read of them is moved
+// above the wait (after it) or write below the issue (before it). CUTLASS does the same.
+template <int kN>
+__device__ __forceinline__ void fence_operands(float (&d)[kN]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// The same for A fragments held in registers (wgmma_rs reads them asynchronously too: without
+// this the compiler may reuse their registers for temporaries before the product has read them).
+template <int kN>
+__device__ __forceinline__ void fence_operands(uint32_t (&a)[kN][4]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// wgmma.mma_async m64nNk16, float32 accumulators
+// ------------------------------------------------------------------------------------------
+// d: the warpgroup's 64 x N accumulator tile, N / 2 floats per thread in mma.sync's C layout
+// (warp w of the group holds rows 16w..16w+15; register i is row g + 8 * ((i >> 1) & 1), column
+// 8 * (i >> 2) + 2t + (i & 1), with g = lane / 4, t = lane % 4). accumulate = 0 overwrites d.
+//   ss: A (64 x 16) and B (N x 16) both from shared memory, A K-major, B transposed if kTransB.
+//   rs: A from registers in mma.sync's A layout (4 x 32 bits: rows g and g + 8, columns
+//       2t, 2t + 1 and 2t + 8, 2t + 9), B from shared memory, transposed if kTransB.
+// Inline assembly takes only literal strings, hence the operand lists written out.
+#define COURSE_WGMMA_D32                                                                                      \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
+  "%23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define COURSE_WGMMA_D64                                                                                       \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "  \
+  "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, " \
+  "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define COURSE_WGMMA_D88                                                                                       \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "  \
+  "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, " \
+  "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, " \
+  "%65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, " \
+  "%86, %87}"
+#define COURSE_WGMMA_D128                                                                                      \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "  \
+  "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, " \
+  "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, " \
+  "%65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, " \
+  "%86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, "  \
+  "%106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, " \
+  "%124, %125, %126, %127}"
+#define COURSE_F8(i)                                                                                   \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
+      "+f"(d[i + 7])
+#define COURSE_F32(i) COURSE_F8(i), COURSE_F8(i + 8), COURSE_F8(i + 16), COURSE_F8(i + 24)
+#define COURSE_F64 COURSE_F32(0), COURSE_F32(32)
+#define COURSE_F88 COURSE_F64, COURSE_F8(64), COURSE_F8(72), COURSE_F8(80)
+#define COURSE_F128 COURSE_F64, COURSE_F32(64), COURSE_F32(96)
+
+// The instruction for element type T (bfloat16 or float16) and width N, as static members so that
+// the kernels name them Wgmma<T, N>::ss(...) and Wgmma<T, N>::rs<kTransB>(...). The operand
+// numbers after the accumulators (A, B, ...) are written out per N: inline assembly cannot add.
+template <typename T, int N>
+struct Wgmma;
+
+#define COURSE_WGMMA(CTYPE, TY, N, REGS, DLIST, SA, SB, SP, ST, RA0, RA1, RA2, RA3, RB, RP, RT)                 \
+  template <>                                                                                                 \
+  struct Wgmma<CTYPE, N> {                                                                                    \
+    template <int kTransB = 0>                                                                                \
+    __device__ static __forceinline__ void ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b,              \
+                                              int accumulate) {                                               \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #SP ", 0;\n"                                          \
+                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " REGS ", %" #SA ", %" #SB   \
+                   ", p, 1, 1, 0, %" #ST ";\n}\n"                                                              \
+                   : DLIST                                                                                    \
+                   : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransB));                               \
+    }                                                                                                         \
+    template <int kTransB>                                                                                    \
+    __device__ static __forceinline__ void rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b,       \
+                                              int accumulate) {                                               \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #RP ", 0;\n"                                          \
+                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " REGS ", {%" #RA0 ", %" #RA1 \
+                   ", %" #RA2 ", %" #RA3 "}, %" #RB ", p, 1, 1, %" #RT ";\n}\n"                                  \
+                   : DLIST                                                                                    \
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate), "n"(kTransB));  \
+    }                                                                                                         \
+  };
+
+#define COURSE_WGMMA_WIDTHS(CTYPE, TY)                                                                         \
+  COURSE_WGMMA(CTYPE, TY, 64, COURSE_WGMMA_D32, COURSE_F32(0), 32, 33, 34, 35, 32, 33, 34, 35, 36, 37, 38)          \
+  COURSE_WGMMA(CTYPE, TY, 128, COURSE_WGMMA_D64, COURSE_F64, 64, 65, 66, 67, 64, 65, 66, 67, 68, 69, 70)            \
+  COURSE_WGMMA(CTYPE, TY, 176, COURSE_WGMMA_D88, COURSE_F88, 88, 89, 90, 91, 88, 89, 90, 91, 92, 93, 94)            \
+  COURSE_WGMMA(CTYPE, TY, 256, COURSE_WGMMA_D128, COURSE_F128, 128, 129, 130, 131, 128, 129, 130, 131, 132, 133, 134)
+
+COURSE_WGMMA_WIDTHS(__nv_bfloat16, "bf16")
+COURSE_WGMMA_WIDTHS(__half, "f16")
+#undef COURSE_WGMMA_WIDTHS
+#undef COURSE_WGMMA
+
+// ------------------------------------------------------------------------------------------
+// Registers, named barriers, the exponential
+// ------------------------------------------------------------------------------------------
+// Give registers back (a producer warpgroup that only issues copies) or take them (consumers
+// holding accumulators). Takes effect only when the kernel starts under a register cap
+// (__launch_bounds__(threads, 1)) and each warpgroup's role is one branch; ptxas says so (C7508)
+// when it ignores it. The counts are per thread, multiples of 8, from 24 to 256.
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegs));
+}
+// Hardware barriers 1..15 for subsets of the block (0 is __syncthreads): `threads` counts every
+// thread that syncs or arrives on it. sync waits; arrive signals and goes on (the ping-pong of
+// two consumer warpgroups hands the tensor cores back and forth with these).
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+// 2^x on the special-function unit, one MUFU.EX2. exp2f without fast-math compiles to that plus
+// a compare and two predicated multiplies that keep results below 2^-126 exact; softmax weights
+// that small are far below bfloat16's resolution next to the row's largest (which is 1), so the
+// flush to zero (ftz) and the instruction's 2-ulp error are invisible in the output.
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+#endif  // COURSE_HOPPER_DEVICE
+}  // namespace hopper

@@ -1,0 +1,400 @@
+// Checks the Hopper forward rungs (csrc/hopper/) against a float64 CPU reference at every launch
+// shape that matters (sequence lengths around the tile sizes, seqlen_q != seqlen_k, causal, GQA,
+// head dims 64/128/256, both 16-bit types, (b, s, h, d) views), then times them: the harness that
+// finds a descriptor or barrier bug without building the extension. No torch.
+//
+//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I../../common/include -I../csrc \
+//        -o /tmp/hopper_forward_check hopper_forward_check.cu ../csrc/hopper/flash_fwd_hopper_dispatch.cu \
+//        ../csrc/hopper/flash_fwd_hopper_{bf16,fp16}_hdim{64,128,256}.cu
+//   /tmp/hopper_forward_check             every rung at every shape (exit 1 on a mismatch), then timings
+//   /tmp/hopper_forward_check --variants  other configurations (tile, stages, overlap, ping-pong), timed
+//   /tmp/hopper_forward_check --profile "ws n128" 128    one launch of a variant, for ncu
+#include "hopper/flash_fwd_hopper.h"
+#include "hopper/flash_fwd_hopper_kernel.cuh"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace fa = flash_attention;
+
+#define CHECK_CUDA(call)                                                                              \
+  do {                                                                                                \
+    cudaError_t err_ = (call);                                                                        \
+    if (err_ != cudaSuccess) {                                                                        \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(err_)); \
+      std::exit(2);                                                                                   \
+    }                                                                                                 \
+  } while (0)
+
+struct Config {
+  int b, h, hk, sq, sk, d;
+  bool causal, bshd;  // bshd: q, k, v, o stored (batch, seqlen, heads, head_dim), read through strides
+  bool fp16;
+};
+
+static const char* rung_name(fa::HopperForward r) {
+  switch (r) {
+    case fa::HopperForward::kWgmma: return "wgmma";
+    case fa::HopperForward::kWarpSpecialized: return "warp_specialized";
+    case fa::HopperForward::kPingpong: return "pingpong";
+  }
+  return "?";
+}
+
+static float to_float(uint16_t bits, bool fp16) {
+  if (fp16) {
+    __half_raw r;
+    r.x = bits;
+    return __half2float(__half(r));
+  }
+  __nv_bfloat16_raw r;
+  r.x = bits;
+  return __bfloat162float(__nv_bfloat16(r));
+}
+static uint16_t from_float(float x, bool fp16) {
+  if (fp16) return static_cast<__half_raw>(__float2half(x)).x;
+  return static_cast<__nv_bfloat16_raw>(__float2bfloat16(x)).x;
+}
+
+// A tensor of (b, heads, s, d) elements in either layout, with its element strides.
+struct Tensor4 {
+  int b, heads, s, d;
+  bool bshd;
+  int64_t sb, sh, ss;
+  std::vector<uint16_t> host;
+  uint16_t* dev = nullptr;
+  Tensor4(int b_, int h_, int s_, int d_, bool bshd_) : b(b_), heads(h_), s(s_), d(d_), bshd(bshd_) {
+    if (bshd) {
+      ss = static_cast<int64_t>(heads) * d, sh = d, sb = static_cast<int64_t>(s) * heads * d;
+    } else {
+      ss = d, sh = static_cast<int64_t>(s) * d, sb = static_cast<int64_t>(heads) * s * d;
+    }
+    host.resize(static_cast<size_t>(b) * heads * s * d);
+    CHECK_CUDA(cudaMalloc(&dev, std::max<size_t>(host.size(), 1) * 2));
+  }
+  ~Tensor4() { cudaFree(dev); }
+  size_t at(int bi, int hi, int si, int di) const { return bi * sb + hi * sh + si * ss + di; }
+};
+
+// o_i = sum_j softmax(scale * q_i . k_j) v_j over row i's visible keys, in float64.
+static void reference_row(const Config& c, const Tensor4& q, const Tensor4& k, const Tensor4& v, int bi, int hi,
+                          int i, std::vector<double>& out, double& lse) {
+  const int hki = hi / (c.h / c.hk);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.d));
+  int64_t visible = c.sk;
+  if (c.causal) visible = std::max<int64_t>(0, std::min<int64_t>(c.sk, i + c.sk - c.sq + 1));
+  std::vector<double> s(visible);
+  double mx = -INFINITY;
+  for (int64_t j = 0; j < visible; ++j) {
+    double dot = 0.0;
+    for (int e = 0; e < c.d; ++e) {
+      dot += static_cast<double>(to_float(q.host[q.at(bi, hi, i, e)], c.fp16)) *
+             to_float(k.host[k.at(bi, hki, static_cast<int>(j), e)], c.fp16);
+    }
+    s[j] = dot * scale;
+    mx = std::max(mx, s[j]);
+  }
+  double sum = 0.0;
+  for (auto& x : s) sum += (x = std::exp(x - mx));
+  out.assign(c.d, 0.0);
+  for (int64_t j = 0; j < visible; ++j) {
+    for (int e = 0; e < c.d; ++e) out[e] += s[j] / sum * to_float(v.host[v.at(bi, hki, static_cast<int>(j), e)], c.fp16);
+  }
+  lse = visible > 0 ? mx + std::log(sum) : -INFINITY;
+}
+
+static fa::AttentionParams make_params(const Config& c, const Tensor4& q, const Tensor4& k, const Tensor4& v,
+                                       const Tensor4& o, float* lse) {
+  fa::AttentionParams p{};
+  p.dtype = c.fp16 ? fa::DType::kFloat16 : fa::DType::kBFloat16;
+  p.q = q.dev, p.k = k.dev, p.v = v.dev, p.o = o.dev, p.lse = lse;
+  p.batch = c.b, p.heads = c.h, p.heads_kv = c.hk, p.seqlen_q = c.sq, p.seqlen_k = c.sk, p.head_dim = c.d;
+  p.q_batch_stride = q.sb, p.q_head_stride = q.sh, p.q_seq_stride = q.ss;
+  p.k_batch_stride = k.sb, p.k_head_stride = k.sh, p.k_seq_stride = k.ss;
+  p.v_batch_stride = v.sb, p.v_head_stride = v.sh, p.v_seq_stride = v.ss;
+  p.o_batch_stride = o.sb, p.o_head_stride = o.sh, p.o_seq_stride = o.ss;
+  p.scale = 1.0 / std::sqrt(static_cast<double>(c.d));
+  p.causal = c.causal;
+  return p;
+}
+
+// Every rung on fresh random inputs; the output is NaN-poisoned first (an unwritten element fails).
+// Rows checked against float64: all of them for small problems, else a random sample plus each
+// tile's first and last rows. Returns false on a mismatch.
+static bool check(const Config& c, std::mt19937& rng) {
+  Tensor4 q(c.b, c.h, c.sq, c.d, c.bshd), k(c.b, c.hk, c.sk, c.d, c.bshd), v(c.b, c.hk, c.sk, c.d, c.bshd);
+  Tensor4 o(c.b, c.h, c.sq, c.d, c.bshd);
+  std::normal_distribution<float> dist(0.f, 1.f);
+  for (Tensor4* t : {&q, &k, &v}) {
+    for (auto& x : t->host) x = from_float(dist(rng), c.fp16);
+    CHECK_CUDA(cudaMemcpy(t->dev, t->host.data(), t->host.size() * 2, cudaMemcpyHostToDevice));
+  }
+  const size_t rows = static_cast<size_t>(c.b) * c.h * c.sq;
+  float* lse_dev;
+  CHECK_CUDA(cudaMalloc(&lse_dev, std::max<size_t>(rows, 1) * 4));
+  std::vector<int> sample;
+  if (rows <= 768) {
+    for (size_t r = 0; r < rows; ++r) sample.push_back(static_cast<int>(r));
+  } else {
+    std::uniform_int_distribution<int> pick(0, static_cast<int>(rows) - 1);
+    for (int n = 0; n < 256; ++n) sample.push_back(pick(rng));
+    for (int i : {0, 63, 64, 127, 128, c.sq - 1}) {
+      if (i >= 0 && i < c.sq) sample.push_back((c.b - 1) * c.h * c.sq + (c.h - 1) * c.sq + i);
+    }
+  }
+  std::vector<std::vector<double>> ref(sample.size());
+  std::vector<double> ref_lse(sample.size());
+  for (size_t n = 0; n < sample.size(); ++n) {
+    const int r = sample[n], bi = r / (c.h * c.sq), hi = (r / c.sq) % c.h, i = r % c.sq;
+    reference_row(c, q, k, v, bi, hi, i, ref[n], ref_lse[n]);
+  }
+  bool ok = true;
+  for (auto rung : {fa::HopperForward::kWgmma, fa::HopperForward::kWarpSpecialized, fa::HopperForward::kPingpong}) {
+    CHECK_CUDA(cudaMemset(o.dev, 0xFF, o.host.size() * 2));  // NaN in both 16-bit types
+    CHECK_CUDA(cudaMemset(lse_dev, 0xFF, std::max<size_t>(rows, 1) * 4));
+    const fa::AttentionParams p = make_params(c, q, k, v, o, lse_dev);
+    CHECK_CUDA(fa::launch_attention_forward_hopper(p, rung, nullptr));
+    CHECK_CUDA(cudaDeviceSynchronize());
+    std::vector<uint16_t> out(o.host.size());
+    std::vector<float> lse(rows);
+    CHECK_CUDA(cudaMemcpy(out.data(), o.dev, out.size() * 2, cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(lse.data(), lse_dev, rows * 4, cudaMemcpyDeviceToHost));
+    size_t unwritten = 0;
+    for (auto x : out) unwritten += std::isnan(to_float(x, c.fp16)) ? 1 : 0;
+    double err = 0.0, norm = 0.0, lse_err = 0.0;
+    for (size_t n = 0; n < sample.size(); ++n) {
+      const int r = sample[n], bi = r / (c.h * c.sq), hi = (r / c.sq) % c.h, i = r % c.sq;
+      for (int e = 0; e < c.d; ++e) {
+        const double diff = to_float(out[o.at(bi, hi, i, e)], c.fp16) - ref[n][e];
+        err += diff * diff;
+        norm += ref[n][e] * ref[n][e];
+      }
+      const double l = lse[r];
+      if (std::isinf(ref_lse[n])) {
+        lse_err = std::max(lse_err, l == ref_lse[n] ? 0.0 : INFINITY);
+      } else {
+        lse_err = std::max(lse_err, std::fabs(l - ref_lse[n]));
+      }
+    }
+    const double rel = norm > 0 ? std::sqrt(err / norm) : std::sqrt(err);
+    // 16-bit P and output rounding: a few 2^-9 (bfloat16) or 2^-12 (float16) in the norm.
+    const double bound = c.fp16 ? 2e-3 : 1e-2;
+    const bool pass = unwritten == 0 && rel < bound && lse_err < 1e-3;
+    ok = ok && pass;
+    std::printf("%-16s %s b%d h%d/%d sq%-5d sk%-5d d%-3d %s%s rel %.2e lse %.1e unwritten %zu %s\n", rung_name(rung),
+                c.fp16 ? "fp16" : "bf16", c.b, c.h, c.hk, c.sq, c.sk, c.d, c.causal ? "causal " : "full   ",
+                c.bshd ? "bshd" : "bhsd", rel, lse_err, unwritten, pass ? "ok" : "MISMATCH");
+  }
+  CHECK_CUDA(cudaFree(lse_dev));
+  return ok;
+}
+
+static void time_config(const Config& c) {
+  Tensor4 q(c.b, c.h, c.sq, c.d, c.bshd), k(c.b, c.hk, c.sk, c.d, c.bshd), v(c.b, c.hk, c.sk, c.d, c.bshd);
+  Tensor4 o(c.b, c.h, c.sq, c.d, c.bshd);
+  std::mt19937 rng(3);
+  std::normal_distribution<float> dist(0.f, 1.f);
+  for (Tensor4* t : {&q, &k, &v}) {
+    for (auto& x : t->host) x = from_float(dist(rng), c.fp16);
+    CHECK_CUDA(cudaMemcpy(t->dev, t->host.data(), t->host.size() * 2, cudaMemcpyHostToDevice));
+  }
+  float* lse;
+  CHECK_CUDA(cudaMalloc(&lse, static_cast<size_t>(c.b) * c.h * c.sq * 4));
+  const fa::AttentionParams p = make_params(c, q, k, v, o, lse);
+  double flops = 4.0 * c.b * c.h * static_cast<double>(c.sq) * c.sk * c.d;
+  if (c.causal) flops /= 2;
+  cudaEvent_t start, stop;
+  CHECK_CUDA(cudaEventCreate(&start));
+  CHECK_CUDA(cudaEventCreate(&stop));
+  for (auto rung : {fa::HopperForward::kWgmma, fa::HopperForward::kWarpSpecialized, fa::HopperForward::kPingpong}) {
+    for (int i = 0; i < 3; ++i) CHECK_CUDA(fa::launch_attention_forward_hopper(p, rung, nullptr));
+    std::vector<float> times;
+    for (int i = 0; i < 20; ++i) {
+      CHECK_CUDA(cudaEventRecord(start));
+      CHECK_CUDA(fa::launch_attention_forward_hopper(p, rung, nullptr));
+      CHECK_CUDA(cudaEventRecord(stop));
+      CHECK_CUDA(cudaEventSynchronize(stop));
+      float ms;
+      CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+      times.push_back(ms);
+    }
+    std::sort(times.begin(), times.end());
+    const double ms = times[times.size() / 2];
+    std::printf("time %-16s b%d h%d/%d s%d d%d %s: %.3f ms %.1f TFLOP/s\n", rung_name(rung), c.b, c.h, c.hk, c.sq,
+                c.d, c.causal ? "causal" : "full", ms, flops / (ms * 1e-3) / 1e12);
+  }
+  CHECK_CUDA(cudaFree(lse));
+}
+
+// ------------------------------------------------------------------------------------------
+// --variants: configurations beside the rungs (key tile, stages, overlap, ping-pong), checked on a
+// few shapes and timed; what the rungs' choices in flash_fwd_hopper_kernel.cuh were measured from.
+// ------------------------------------------------------------------------------------------
+using Launch = cudaError_t (*)(const fa::AttentionParams&, cudaStream_t);
+struct Variant {
+  const char* name;
+  int d;
+  Launch launch;
+};
+template <int D, int N, int S, bool kJoint, bool kPingpong, bool kOverlap = false>
+cudaError_t launch_variant(const fa::AttentionParams& p, cudaStream_t stream) {
+  using K = fa::HopperFwdConfig<D, N, S, true, kJoint, kPingpong, kOverlap>;
+  return fa::run_flash_fwd_hopper_config<__nv_bfloat16, K>(p, stream);
+}
+static const Variant kVariants[] = {
+    {"ws n128", 128, launch_variant<128, 128, 2, false, false>},
+    {"ws n128 3st", 128, launch_variant<128, 128, 3, false, false>},
+    {"joint n128", 128, launch_variant<128, 128, 2, true, false>},
+    {"joint+pingpong n128", 128, launch_variant<128, 128, 2, true, true>},
+    {"joint+pingpong n128 3st", 128, launch_variant<128, 128, 3, true, true>},
+    {"overlap+pingpong n128", 128, launch_variant<128, 128, 2, false, true, true>},
+    {"overlap n128", 128, launch_variant<128, 128, 2, false, false, true>},
+    {"ws n176", 128, launch_variant<128, 176, 2, false, false>},
+    {"joint+pingpong n176", 128, launch_variant<128, 176, 2, true, true>},
+    {"ws n128", 64, launch_variant<64, 128, 2, false, false>},
+    {"ws n128 3st", 64, launch_variant<64, 128, 3, false, false>},
+    {"joint n128", 64, launch_variant<64, 128, 2, true, false>},
+    {"joint+pingpong n128", 64, launch_variant<64, 128, 2, true, true>},
+    {"joint+pingpong n128 3st", 64, launch_variant<64, 128, 3, true, true>},
+    {"ws n64", 256, launch_variant<256, 64, 2, false, false>},
+    {"joint n64", 256, launch_variant<256, 64, 2, true, false>},
+    {"joint+pingpong n64", 256, launch_variant<256, 64, 2, true, true>},
+};
+
+// One variant on one shape against the float64 reference (sampled rows), then timed.
+static bool check_variant(const Variant& var, const Config& c, bool timed) {
+  Tensor4 q(c.b, c.h, c.sq, c.d, c.bshd), k(c.b, c.hk, c.sk, c.d, c.bshd), v(c.b, c.hk, c.sk, c.d, c.bshd);
+  Tensor4 o(c.b, c.h, c.sq, c.d, c.bshd);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> dist(0.f, 1.f);
+  for (Tensor4* t : {&q, &k, &v}) {
+    for (auto& x : t->host) x = from_float(dist(rng), c.fp16);
+    CHECK_CUDA(cudaMemcpy(t->dev, t->host.data(), t->host.size() * 2, cudaMemcpyHostToDevice));
+  }
+  const size_t rows = static_cast<size_t>(c.b) * c.h * c.sq;
+  float* lse;
+  CHECK_CUDA(cudaMalloc(&lse, rows * 4));
+  CHECK_CUDA(cudaMemset(o.dev, 0xFF, o.host.size() * 2));
+  const fa::AttentionParams p = make_params(c, q, k, v, o, lse);
+  CHECK_CUDA(var.launch(p, nullptr));
+  CHECK_CUDA(cudaDeviceSynchronize());
+  std::vector<uint16_t> out(o.host.size());
+  CHECK_CUDA(cudaMemcpy(out.data(), o.dev, out.size() * 2, cudaMemcpyDeviceToHost));
+  double err = 0.0, norm = 0.0;
+  std::uniform_int_distribution<int> pick(0, static_cast<int>(rows) - 1);
+  for (int n = 0; n < 48; ++n) {
+    const int r = pick(rng), bi = r / (c.h * c.sq), hi = (r / c.sq) % c.h, i = r % c.sq;
+    std::vector<double> ref;
+    double ref_lse;
+    reference_row(c, q, k, v, bi, hi, i, ref, ref_lse);
+    for (int e = 0; e < c.d; ++e) {
+      const double diff = to_float(out[o.at(bi, hi, i, e)], false) - ref[e];
+      err += diff * diff;
+      norm += ref[e] * ref[e];
+    }
+  }
+  size_t unwritten = 0;
+  for (auto x : out) unwritten += std::isnan(to_float(x, false)) ? 1 : 0;
+  const double rel = std::sqrt(err / norm);
+  const bool pass = unwritten == 0 && rel < 1e-2;
+  double ms = 0.0;
+  if (timed && pass) {
+    cudaEvent_t start, stop;
+    CHECK_CUDA(cudaEventCreate(&start));
+    CHECK_CUDA(cudaEventCreate(&stop));
+    for (int i = 0; i < 3; ++i) CHECK_CUDA(var.launch(p, nullptr));
+    std::vector<float> times;
+    for (int i = 0; i < 20; ++i) {
+      CHECK_CUDA(cudaEventRecord(start));
+      CHECK_CUDA(var.launch(p, nullptr));
+      CHECK_CUDA(cudaEventRecord(stop));
+      CHECK_CUDA(cudaEventSynchronize(stop));
+      float t;
+      CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
+      times.push_back(t);
+    }
+    std::sort(times.begin(), times.end());
+    ms = times[times.size() / 2];
+  }
+  double flops = 4.0 * c.b * c.h * static_cast<double>(c.sq) * c.sk * c.d / (c.causal ? 2 : 1);
+  std::printf("variant %-26s d%-3d b%d h%d s%-5d/%-5d %s rel %.2e unwritten %zu %s", var.name, c.d, c.b, c.h, c.sq,
+              c.sk, c.causal ? "causal" : "full  ", rel, unwritten, pass ? "ok" : "MISMATCH");
+  if (timed && pass) std::printf("  %.3f ms %.1f TFLOP/s", ms, flops / (ms * 1e-3) / 1e12);
+  std::printf("\n");
+  CHECK_CUDA(cudaFree(lse));
+  return pass;
+}
+
+static int run_variants() {
+  bool ok = true;
+  for (const Variant& var : kVariants) {
+    ok = check_variant(var, {1, 2, 1, 1000, 1000, var.d, true, false, false}, false) && ok;
+    ok = check_variant(var, {1, 2, 1, 129, 4097, var.d, false, true, false}, false) && ok;
+    const int s = var.d == 64 ? 2048 : 8192, b = var.d == 64 ? 8 : 2, h = var.d == 256 ? 8 : 16;
+    ok = check_variant(var, {b, h, h, s, s, var.d, false, false, false}, true) && ok;
+    ok = check_variant(var, {b, h, h, s, s, var.d, true, false, false}, true) && ok;
+  }
+  return ok ? 0 : 1;
+}
+
+// --profile NAME D: one launch of that variant at the timing shape, for ncu.
+static int profile_variant(const char* name, int d) {
+  for (const Variant& var : kVariants) {
+    if (std::string(var.name) == name && var.d == d) {
+      const int s = d == 64 ? 2048 : 8192, b = d == 64 ? 8 : 2, h = d == 256 ? 8 : 16;
+      return check_variant(var, {b, h, h, s, s, d, false, false, false}, false) ? 0 : 1;
+    }
+  }
+  std::printf("no variant %s at d%d\n", name, d);
+  return 1;
+}
+
+int main(int argc, char** argv) {
+  int major = 0;
+  CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
+  if (major != 9) {
+    std::printf("this program needs a Hopper GPU (compute capability 9.0)\n");
+    return 0;
+  }
+  std::mt19937 rng(11);
+  bool ok = true;
+  if (argc > 1 && std::string(argv[1]) == "--variants") return run_variants();
+  if (argc > 3 && std::string(argv[1]) == "--profile") return profile_variant(argv[2], std::atoi(argv[3]));
+  const bool quick = argc > 1 && std::string(argv[1]) == "--quick";
+  std::vector<Config> configs;
+  for (int d : {64, 128, 256}) {
+    for (bool causal : {false, true}) {
+      for (auto [sq, sk] : {std::pair{1, 1}, {17, 17}, {127, 127}, {128, 128}, {129, 129}, {1000, 1000},
+                            {1, 1000}, {129, 4097}, {1000, 129}}) {
+        configs.push_back({1, 2, 1, sq, sk, d, causal, false, false});
+      }
+    }
+    configs.push_back({2, 4, 2, 4097, 4097, d, true, true, false});   // GQA, (b, s, h, d) views
+    configs.push_back({2, 4, 4, 300, 300, d, false, false, true});    // float16
+    configs.push_back({1, 3, 3, 0, 0, d, false, false, false});       // empty
+  }
+  for (const Config& c : configs) {
+    if (quick && c.sq > 1000) continue;
+    ok = check(c, rng) && ok;
+  }
+  std::printf(ok ? "all checks passed\n" : "SOME CHECKS FAILED\n");
+  if (!ok) return 1;
+  for (const Config& c : {Config{2, 16, 16, 8192, 8192, 128, false, false, false},
+                          Config{2, 16, 16, 8192, 8192, 128, true, false, false},
+                          Config{4, 32, 8, 4096, 4096, 128, true, false, false},
+                          Config{8, 16, 16, 2048, 2048, 64, true, false, false},
+                          Config{2, 16, 16, 8192, 8192, 64, false, false, false},
+                          Config{2, 8, 8, 8192, 8192, 256, false, false, false}}) {
+    time_config(c);
+  }
+  return 0;
+}
