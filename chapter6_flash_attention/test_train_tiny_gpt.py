@@ -127,13 +127,16 @@ def test_training_curves_match_and_fall(trained):
     assert comparison["max_abs_diff"] <= T.TOLERANCE["float32"]
 
 
-def test_broken_attention_is_caught(corpus, trained, monkeypatch):
+def test_broken_attention_is_caught(corpus, monkeypatch):
     """The tolerance can fail: flash attention that forgot causal=True lets every position see
-    the next character, and the curve leaves SDPA's by more than the tolerance within 10 steps."""
-    config, runs, _ = trained
+    the next character, and over 30 steps the curve leaves SDPA's by well more than the tolerance
+    (after 10 it was past the tolerance but, with some versions of the corpus, which is the
+    course's own READMEs, not yet by twice it)."""
+    config = tiny_config(steps=30, eval_every=10)
+    sdpa = T.train(config, "sdpa", corpus)
     monkeypatch.setitem(T.BACKENDS, "flash", lambda q, k, v: flash_attention.attention(q, k, v, causal=False))
     broken = T.train(config, "flash", corpus)
-    comparison = T.compare(broken, runs["sdpa"], T.TOLERANCE[config.dtype])
+    comparison = T.compare(broken, sdpa, T.TOLERANCE[config.dtype])
     assert not comparison["match"]
     assert comparison["max_abs_diff"] > 2 * T.TOLERANCE[config.dtype]
 
