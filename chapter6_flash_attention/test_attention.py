@@ -470,6 +470,35 @@ def test_any_head_dim_on_cpu():
     assert_forward(flash_attention.attention(q, k, v, causal=True), reference(q, k, v, True)[0], torch.float64)
 
 
+def test_dispatch_rule_on_any_gpu():
+    """version=None's rule (csrc/attention/attention_ops.cpp), asked with made-up devices on this
+    machine: part 3's rungs on a Hopper with the sm_90a kernels built, split_kv where the grid is too
+    small for the GPU's SM count, the tensor-core rungs from sm_80, tiled below or for 32-bit."""
+    rule = flash_attention.dispatch_rule
+    hopper = dict(cuda=True, capability=(9, 0), sms=132, hopper_built=True)
+    big = (4, 16, 1024, 128)
+    assert rule("attention_forward", big, dtype=torch.bfloat16, **hopper) == "pingpong"
+    assert rule("attention_forward", big[:3] + (64,), dtype=torch.float16, **hopper) == "pingpong"
+    assert rule("attention_forward", big[:3] + (256,), dtype=torch.bfloat16, **hopper) == "warp_specialized"
+    assert rule("attention_forward", big[:3] + (96,), dtype=torch.bfloat16, **hopper) == "split_kv"
+    assert rule("attention_forward", big, dtype=torch.bfloat16, scale=-0.1, **hopper) == "split_kv"
+    assert rule("attention_forward", big, dtype=torch.bfloat16, **{**hopper, "hopper_built": False}) == "split_kv"
+    assert rule("attention_forward", big, dtype=torch.float32, **hopper) == "tiled"
+    # a few query rows against many keys: the split rung, Hopper or not
+    assert rule("attention_forward", (1, 4, 1, 128), (1, 4, 8192, 128), dtype=torch.bfloat16, **hopper) == "split_kv"
+    assert rule("attention_forward", big, dtype=torch.bfloat16, cuda=True, capability=(8, 0), sms=108) == "split_kv"
+    assert rule("attention_forward", big, dtype=torch.bfloat16, cuda=True, capability=(7, 5), sms=40) == "tiled"
+    assert rule("attention_forward", big, dtype=torch.bfloat16, cuda=False) == "tiled"
+    # the SM count decides: 2 x 16 heads x 2 query tiles = 64 blocks fill 80% of 40 SMs' two slots
+    # each, not of 132's, where the Hopper rung gives way to splitting the keys
+    mid = (2, 16, 256, 128)
+    assert rule("attention_forward", mid, dtype=torch.bfloat16, **{**hopper, "sms": 40}) == "pingpong"
+    assert rule("attention_forward", mid, dtype=torch.bfloat16, **hopper) == "split_kv"
+    assert rule("attention_backward", big, dtype=torch.bfloat16, **hopper) == "mma_dqpass"
+    assert rule("attention_backward", big[:3] + (256,), dtype=torch.bfloat16, **hopper) == "naive"
+    assert rule("attention_backward", big, dtype=torch.float64, **hopper) == "naive"
+
+
 def test_meta_tensors_give_shapes():
     q, k, v = (torch.empty(2, 8, 33, 48, device="meta", dtype=torch.bfloat16) for _ in range(3))
     out, lse = flash_attention.attention(q, k[:, :2], v[:, :2], return_lse=True)

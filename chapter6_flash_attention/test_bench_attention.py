@@ -121,3 +121,52 @@ def test_a_slow_variant_is_not_probed_again_at_longer_sequences(monkeypatch):
     # Three variants run on the CPU, in 2 causal x 2 passes, probed at the first seqlen only.
     assert len(probed) == 3 * 2 * 2
     assert all("s=16" in n["first_at"] for n in notes.skipped if "ms" in n["reason"])
+
+
+def test_recorded_results_hold_the_dispatch():
+    """version=None is never meaningfully slower than the best rung in the committed GPU results.
+    Each default row ran the rung the extension's rule names for its shape on the recorded GPU
+    (flash_attention.dispatch_rule, asked with the record's device; the benchmark's own dispatch
+    field, where it wrote one, must agree). That rung's row, timed beside the others, is held to
+    0.95x the fastest rung of the shape: the choice. The default row itself, the same kernel timed
+    once more, is held to 0.9x its rung's row: at an H200's power cap two timings of one kernel in
+    one run differed by up to 6% (bench_attention.next_to_its_rung), so this catches a dispatch
+    path that adds work, not the clock's drift."""
+    import flash_attention
+    from coursekit import results
+    record = results.load_recorded_gpu("chapter6_flash_attention")
+    assert record is not None, "no recorded GPU results: run bench_attention.py on a GPU"
+    device = record["device"]
+    facts = dict(cuda=True, capability=tuple(int(x) for x in device["capability"].split(".")), sms=device["sms"],
+                 hopper_built="pingpong" in record["versions"]["attention_forward"])
+    rungs = {v for op in ("attention_forward", "attention_backward") for v in flash_attention.VERSIONS[op]}
+    groups = {}
+    for r in record["benchmarks"]:
+        if r["op"] in ("attention", "attention_split_kv") and not r.get("call"):
+            groups.setdefault(results.measurement_key(r), {})[r["variant"]] = r
+    problems, checked = [], 0
+    for rows in groups.values():
+        default = rows.get("default")
+        if default is None:
+            continue
+        b, h = default["shape"][:2]
+        d = default["head_dim"]
+        q_shape = (b, h, default.get("seqlen_q", default.get("seqlen")), d)
+        k_shape = (b, h, default.get("seqlen_k", default.get("seqlen")), d)
+        op = "attention_forward" if default["pass"] == "forward" else "attention_backward"
+        rung = flash_attention.dispatch_rule(op, q_shape, k_shape, dtype=getattr(torch, default["dtype"]),
+                                             causal=default["causal"], **facts)
+        assert default.get("dispatch", rung) == rung, default
+        where = f"{default['op']} {default['dtype']} {default['shape']} {default['pass']} causal={default['causal']}"
+        measured = {v: r["median_ms"] for v, r in rows.items() if v in rungs}
+        if rung not in measured:
+            problems.append(f"{where}: the rung version=None runs, {rung}, has no row")
+            continue
+        best = min(measured, key=measured.get)
+        if measured[best] / measured[rung] < 0.95:
+            problems.append(f"{where}: version=None runs {rung}, {measured[best] / measured[rung]:.3f}x {best}")
+        if measured[rung] / default["median_ms"] < 0.9:
+            problems.append(f"{where}: the default row is {measured[rung] / default['median_ms']:.3f}x its rung {rung}")
+        checked += 1
+    assert checked > 0
+    assert problems == []

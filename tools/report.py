@@ -122,6 +122,12 @@ def course_table():
     return "\n".join(lines)
 
 
+def speedup(row):
+    # A baseline timed before the row it divides by (chapter 6's sdpa_flash, before sdpa_cudnn)
+    # has no speedup of its own.
+    return f"{row['speedup_vs_torch']:.3f}" if "speedup_vs_torch" in row else "-"
+
+
 def chapter_table(record):
     lines = [f"Measured on {results.label(record)}, torch {record['torch']}, CUDA "
              f"{record['cuda']}, commit `{record['commit'][:12]}`; copy ceiling measured in the "
@@ -142,7 +148,7 @@ def chapter_table(record):
         op = r["op"] + (f" ({', '.join(details)})" if details else "")
         lines.append(f"| {op} | {r['dtype']} | {size} | "
                      f"{bold}{variant}{bold} | {r['median_ms']:.3f} | {r['GBps']:.0f} | "
-                     f"{r['pct_of_copy']:.1f} | {r['speedup_vs_torch']:.3f} |")
+                     f"{r['pct_of_copy']:.1f} | {speedup(r)} |")
     if "build" in record:
         b = record["build"]
         lines += ["", f"JIT build of the chapter (ninja, MAX_JOBS={b['max_jobs']}, "

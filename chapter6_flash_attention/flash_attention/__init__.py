@@ -70,8 +70,9 @@ import torch  # noqa: E402
 from .paged import copy_blocks, paged_attention, reshape_and_cache  # noqa: E402
 from .radix import RadixCache  # noqa: E402
 
-__all__ = ["attention", "sdpa", "attention_forward", "attention_backward", "hopper_kernels_built",
-           "reshape_and_cache", "copy_blocks", "paged_attention", "RadixCache", "VERSIONS", "EXTENSION"]
+__all__ = ["attention", "sdpa", "attention_forward", "attention_backward", "hopper_kernels_built", "default_choice",
+           "dispatch_rule", "reshape_and_cache", "copy_blocks", "paged_attention", "RadixCache", "VERSIONS",
+           "EXTENSION"]
 
 # Each op's ladder of kernel versions; test_attention.py holds it against the extension's
 # tables (the `versions` op).
@@ -87,6 +88,34 @@ def hopper_kernels_built():
     """Whether this build of the extension holds the Hopper rungs (its TORCH_CUDA_ARCH_LIST had
     9.0, compiled as sm_90a). They run only on a GPU of compute capability 9.0."""
     return torch.ops.flash_attention.hopper_kernels_built()
+
+
+def dispatch_rule(op, q_shape, k_shape=None, *, dtype, cuda, capability=(0, 0), sms=0, hopper_built=False,
+                  scale=None, causal=False):
+    """The rung version=None runs for inputs of these shapes and dtype on a device described by the
+    rest: the extension's own rule (csrc/attention/attention_ops.cpp), asked with any facts, so
+    that a GPU other than this machine's (or a recorded one) can be asked about here."""
+    b, h, s_q, d = q_shape
+    _, h_kv, s_k, _ = q_shape if k_shape is None else k_shape
+    half = dtype in (torch.float16, torch.bfloat16)
+    if op == "attention_forward":
+        scale = 1.0 / math.sqrt(d) if scale is None else scale
+        return torch.ops.flash_attention.forward_rule(b, h, h_kv, s_q, s_k, d, scale, causal, cuda, half,
+                                                      capability[0], capability[1], sms, hopper_built)
+    if op == "attention_backward":
+        return torch.ops.flash_attention.backward_rule(d, cuda, half, capability[0])
+    raise ValueError(f"dispatch_rule: unknown op {op!r} (attention_forward or attention_backward)")
+
+
+def default_choice(op, q, k=None, *, scale=None, causal=False):
+    """The rung version=None runs for q (and k: q's shape when not given) on q's device: what the
+    benchmark records as a default row's dispatch."""
+    cuda = q.device.type == "cuda"
+    props = torch.cuda.get_device_properties(q.device) if cuda else None
+    return dispatch_rule(op, tuple(q.shape), None if k is None else tuple(k.shape), dtype=q.dtype, cuda=cuda,
+                         capability=(props.major, props.minor) if cuda else (0, 0),
+                         sms=props.multi_processor_count if cuda else 0,
+                         hopper_built=cuda and hopper_kernels_built(), scale=scale, causal=causal)
 
 
 def _default_scale(q):

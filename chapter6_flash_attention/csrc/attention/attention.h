@@ -30,6 +30,8 @@
 #include <course/index_math.h>
 #include <course/static_switch.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 namespace flash_attention {
@@ -46,6 +48,8 @@ using DType = ::course::DType;
 // dim. The CPU reference takes any head_dim >= 1.
 inline constexpr int kCudaHeadDims[] = {32, 64, 96, 128, 256};
 inline constexpr int kMmaBackwardHeadDims[] = {32, 64, 96, 128};
+// Part 3's Hopper forward (csrc/hopper/): whole 64-column chunks, the width of its 128-byte swizzle.
+inline constexpr int kHopperHeadDims[] = {64, 128, 256};
 
 // The log-sum-exp is kept in the accumulation type: float32, float64 for float64 inputs (as
 // chapter 4 keeps its norms' statistics). A (batch, heads, seqlen_q) contiguous tensor:
@@ -148,6 +152,46 @@ inline int64_t grid_stride_blocks(int64_t work, int64_t per_block, int sms) {
 void attention_forward_cpu(const AttentionParams& params);
 void attention_backward_cpu(const AttentionBackwardParams& params);
 
+// The tile sizes the split-KV rule below reads, per head dim: query rows of rung "tuned"'s tile,
+// of rung "split_kv"'s, and keys of "split_kv"'s (csrc/attention/flash_fwd.h's FwdTraits; its
+// dispatch static_asserts that they agree). Here, torch- and CUDA-free, so that version=None's rule
+// can be asked on any machine (flash_attention.default_choice, the recorded-results test).
+struct ForwardTiles {
+  int64_t tuned_rows, split_rows, split_keys;
+};
+constexpr ForwardTiles forward_tiles(int64_t head_dim) {
+  return {head_dim <= 128 ? 128 : 64, 64, head_dim <= 64 ? 128 : 64};
+}
+
+// How many key ranges make the forward's grid fill a GPU of `sms` multiprocessors (rung
+// "split_kv"; 1: no split). FlashAttention 2 decides the same way, in its num_splits_heuristic: a
+// grid of tuned blocks that already fills 80% of one wave (two blocks per SM) is not split.
+// Otherwise the split rung's (batch, head, 64-row tile) blocks times s splits run in waves of
+// `slots`; the last wave of a grid is partly idle, so s is judged by the fraction of its waves'
+// slots it keeps busy, waves / ceil(waves), and the fewest splits within 15% of the best fraction
+// win: each split costs its partials' float32 writes and a share of the combine. Keys too few for
+// two tiles per split are not split either.
+inline int64_t attention_forward_splits(const AttentionParams& p, int sms) {
+  if (!::course::is_listed(kCudaHeadDims, p.head_dim)) return 1;  // a head dim nobody compiled
+  const ForwardTiles tiles = forward_tiles(p.head_dim);
+  const int64_t slots = 2 * static_cast<int64_t>(sms);
+  const int64_t tuned_blocks = p.batch * p.heads * ::course::ceil_div(p.seqlen_q, tiles.tuned_rows);
+  if (tuned_blocks == 0 || 5 * tuned_blocks >= 4 * slots) return 1;
+  const int64_t blocks = p.batch * p.heads * ::course::ceil_div(p.seqlen_q, tiles.split_rows);
+  const int64_t key_tiles = ::course::ceil_div(p.seqlen_k, tiles.split_keys);
+  const int64_t most = std::min<int64_t>({128, key_tiles / 2, ::course::ceil_div(4 * slots, blocks)});
+  auto busy = [&](int64_t s) {
+    const double waves = static_cast<double>(blocks * s) / static_cast<double>(slots);
+    return waves / std::ceil(waves);
+  };
+  double best = 0.0;
+  for (int64_t s = 1; s <= most; ++s) best = std::max(best, busy(s));
+  for (int64_t s = 1; s <= most; ++s) {
+    if (busy(s) >= 0.85 * best) return s;
+  }
+  return 1;
+}
+
 }  // namespace flash_attention
 
 #if defined(__CUDACC__) || defined(WITH_CUDA)
@@ -211,9 +255,8 @@ struct SplitCombineParams {
   float* lse;
 };
 cudaError_t launch_split_combine(const SplitCombineParams& params, cudaStream_t stream);
-// The forward's split count for rung "split_kv" on a GPU of `sms` multiprocessors (1 when the
-// grid already fills it), and the workspace it takes: splits * rows * (head_dim + 1) floats.
-int64_t attention_forward_splits(const AttentionParams& params, int sms);
+// The workspace rung "split_kv" takes for `splits` key ranges (attention_forward_splits, above):
+// splits * rows * (head_dim + 1) floats.
 inline int64_t attention_forward_split_workspace(const AttentionParams& p, int64_t splits) {
   return splits > 1 ? splits * p.batch * p.heads * p.seqlen_q * (p.head_dim + 1) * 4 : 0;
 }

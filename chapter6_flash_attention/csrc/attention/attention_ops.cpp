@@ -108,37 +108,51 @@ int device_attribute(const Tensor& q, cudaDeviceAttr attr) {
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, attr, q.device().index()));
   return value;
 }
-bool hopper_gpu(const Tensor& q) {
-  return device_attribute(q, cudaDevAttrComputeCapabilityMajor) == 9 &&
-         device_attribute(q, cudaDevAttrComputeCapabilityMinor) == 0;
-}
 #endif
 
-// p: the call's sizes, scale and mask (its pointers are not read here).
-ForwardVersion default_forward([[maybe_unused]] const Tensor& q, [[maybe_unused]] const AttentionParams& p) {
+// What version=None reads about the machine, and the rule it follows with it: pure functions, so
+// that flash_attention.default_choice can say which rung a call runs and the tests can hold the
+// rule to any GPU (a made-up SM count, a Hopper or not) on any machine, this one included.
+struct DispatchFacts {
+  bool cuda = false, half = false;
+  int cc_major = 0, cc_minor = 0, sms = 0;
+  bool hopper_built = false;
+};
+ForwardVersion forward_rule(const AttentionParams& p, const DispatchFacts& f) {
+  if (!(f.cuda && f.half && f.cc_major >= 8)) return ForwardVersion::kTiled;
+  if (f.hopper_built && f.cc_major == 9 && f.cc_minor == 0 && is_listed(kHopperHeadDims, p.head_dim) &&
+      p.scale > 0.0 && attention_forward_splits(p, f.sms) == 1) {
+    return p.head_dim <= 128 ? ForwardVersion::kPingpong : ForwardVersion::kWarpSpecialized;
+  }
+  return ForwardVersion::kSplitKv;
+}
+BackwardVersion backward_rule(int64_t head_dim, const DispatchFacts& f) {
+  // Deterministic as well, so torch.use_deterministic_algorithms(True) needs nothing else.
+  return f.cuda && f.half && f.cc_major >= 8 && is_listed(kMmaBackwardHeadDims, head_dim) ? BackwardVersion::kMmaDqPass
+                                                                                         : BackwardVersion::kNaive;
+}
+
+// The facts of q's device.
+DispatchFacts facts_of([[maybe_unused]] const Tensor& q) {
+  DispatchFacts f;
+  f.half = half_dtype(q);
 #ifdef WITH_CUDA
-  if (q.is_cuda() && half_dtype(q) && device_attribute(q, cudaDevAttrComputeCapabilityMajor) >= 8) {
+  if (q.is_cuda()) {
+    f.cuda = true;
+    f.cc_major = device_attribute(q, cudaDevAttrComputeCapabilityMajor);
+    f.cc_minor = device_attribute(q, cudaDevAttrComputeCapabilityMinor);
+    f.sms = device_attribute(q, cudaDevAttrMultiProcessorCount);
 #ifdef COURSE_HOPPER
-    if (hopper_gpu(q) && attention_forward_hopper_head_dim(p.head_dim) && p.scale > 0.0 &&
-        attention_forward_splits(p, device_attribute(q, cudaDevAttrMultiProcessorCount)) == 1) {
-      return p.head_dim <= 128 ? ForwardVersion::kPingpong : ForwardVersion::kWarpSpecialized;
-    }
+    f.hopper_built = true;
 #endif
-    return ForwardVersion::kSplitKv;
   }
 #endif
-  return ForwardVersion::kTiled;
+  return f;
 }
-BackwardVersion default_backward([[maybe_unused]] const Tensor& q) {
-#ifdef WITH_CUDA
-  if (q.is_cuda() && half_dtype(q) && is_listed(kMmaBackwardHeadDims, q.size(3)) &&
-      device_attribute(q, cudaDevAttrComputeCapabilityMajor) >= 8) {
-    // Deterministic as well, so torch.use_deterministic_algorithms(True) needs nothing else.
-    return BackwardVersion::kMmaDqPass;
-  }
-#endif
-  return BackwardVersion::kNaive;
-}
+
+// p: the call's sizes, scale and mask (its pointers are not read here).
+ForwardVersion default_forward(const Tensor& q, const AttentionParams& p) { return forward_rule(p, facts_of(q)); }
+BackwardVersion default_backward(const Tensor& q) { return backward_rule(q.size(3), facts_of(q)); }
 
 // The accumulation type, which the log-sum-exp is kept in (attention.h).
 at::ScalarType lse_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
@@ -501,6 +515,23 @@ std::tuple<Tensor, Tensor> attention_forward_autograd(const Tensor& q, const Ten
   return {out[0], out[1]};
 }
 
+// version=None's rules as ops, for flash_attention.default_choice and dispatch_rule: the facts of a
+// device passed in, so that any GPU can be asked about on any machine.
+std::string forward_rule_op(int64_t batch, int64_t heads, int64_t heads_kv, int64_t seqlen_q, int64_t seqlen_k,
+                            int64_t head_dim, double scale, bool causal, bool cuda, bool half, int64_t cc_major,
+                            int64_t cc_minor, int64_t sms, bool hopper_built) {
+  AttentionParams p{};
+  p.batch = batch, p.heads = heads, p.heads_kv = heads_kv, p.seqlen_q = seqlen_q, p.seqlen_k = seqlen_k;
+  p.head_dim = head_dim, p.scale = scale, p.causal = causal;
+  const DispatchFacts f{cuda, half, static_cast<int>(cc_major), static_cast<int>(cc_minor), static_cast<int>(sms),
+                        hopper_built};
+  return ::course::version_name(kForwardVersions, forward_rule(p, f));
+}
+std::string backward_rule_op(int64_t head_dim, bool cuda, bool half, int64_t cc_major) {
+  const DispatchFacts f{cuda, half, static_cast<int>(cc_major), 0, 0, false};
+  return ::course::version_name(kBackwardVersions, backward_rule(head_dim, f));
+}
+
 // Whether this build holds part 3's sm_90a kernels (its arch list had 9.0): the tests and the
 // benchmark ask, rather than guess from the GPU.
 bool hopper_kernels_built_op() {
@@ -548,6 +579,10 @@ TORCH_LIBRARY_FRAGMENT(flash_attention, m) {
         pt2);
   m.def("grid_stride_blocks(int work, int per_block, int sms) -> int", &flash_attention::grid_stride_blocks_op);
   m.def("hopper_kernels_built() -> bool", &flash_attention::hopper_kernels_built_op);
+  m.def("forward_rule(int batch, int heads, int heads_kv, int seqlen_q, int seqlen_k, int head_dim, float scale, "
+        "bool causal, bool cuda, bool half, int cc_major, int cc_minor, int sms, bool hopper_built) -> str",
+        &flash_attention::forward_rule_op);
+  m.def("backward_rule(int head_dim, bool cuda, bool half, int cc_major) -> str", &flash_attention::backward_rule_op);
 }
 
 // CUDA is registered in every build: in a CPU-only build a CUDA tensor gets the checks and then

@@ -19,10 +19,8 @@ namespace flash_attention {
 //                     runs under the other's products; a third shared-memory stage where it fits.
 enum class HopperForward { kWgmma, kWarpSpecialized, kPingpong };
 
-// Head dims the Hopper rungs take: whole 64-column chunks (the 128-byte swizzle's width).
-inline bool attention_forward_hopper_head_dim(int64_t head_dim) {
-  return head_dim == 64 || head_dim == 128 || head_dim == 256;
-}
+// Head dims the Hopper rungs take: attention.h's kHopperHeadDims.
+inline bool attention_forward_hopper_head_dim(int64_t head_dim) { return ::course::is_listed(kHopperHeadDims, head_dim); }
 
 // Shared memory one block takes (the glue compares it with the GPU's per-block limit).
 int64_t attention_forward_hopper_smem_bytes(int64_t head_dim, HopperForward rung);
