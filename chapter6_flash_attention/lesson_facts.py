@@ -426,9 +426,68 @@ def hopper_configs(record):
     return "\n".join(lines)
 
 
+def _hopper_file(record, name):
+    """A text file the part 3 GPU runs wrote beside the record (same device slug), or None."""
+    path = results.RESULTS_DIR / results.device_slug(record["device"]) / name
+    return path if path.exists() else None
+
+
+def hopper_profile(record):
+    """profile_attention.py --only on the Hopper rungs, tuned and sdpa_cudnn at d128 (its printed
+    table, results/<gpu>/chapter6_hopper_profile.txt): time and TFLOP/s under ncu, registers,
+    shared memory, the tensor pipes' busy share, the top stall."""
+    path = _hopper_file(record, "chapter6_hopper_profile.txt")
+    if path is None:
+        return "(no Hopper profile recorded beside the newest results)"
+    lines = ["| variant | causal | ms under ncu | TFLOP/s | registers | shared KiB | tensor pipes busy | top stall (warps per issue) |",
+             "|---|---|---|---|---|---|---|---|"]
+    header = None
+    for line in path.read_text().splitlines():
+        if line.startswith("chapter6_flash_attention_profile,"):
+            header = line.split(";")[0]
+        f = line.split()
+        if len(f) >= 16 and f[0] == "forward":
+            # the profile's table cuts names at 11 characters: the variant it begins
+            f[1] = next((v for v in HOPPER_RUNGS + ("sdpa_cudnn", "sdpa_flash") if v.startswith(f[1])), f[1])
+            lines.append(f"| `{f[1]}` | {f[3]} | {f[5]} | {float(f[6]):.0f} | {f[7]} | {f[8]} | {f[12]}% | "
+                         f"{f[14]} {f[15]} |")
+    lines += ["", f"{header or 'ncu'}; `{path.relative_to(results.RESULTS_DIR.parent)}` ({record['device']['name']})."]
+    return "\n".join(lines)
+
+
+def hopper_power(record):
+    """experiments/power_probe.py: 4-second bursts of each forward at b2 h16 s8192 d128, its
+    TFLOP/s beside the SM clock and power nvidia-smi logged during the burst."""
+    probe = _hopper_file(record, "chapter6_hopper_power_probe.txt")
+    smi = _hopper_file(record, "chapter6_hopper_power_probe_smi.csv")
+    if probe is None or smi is None:
+        return "(no power probe recorded beside the newest results)"
+    import csv
+    def seconds(hms):
+        h, m, sec = (float(x) for x in hms.split(":"))
+        return 3600 * h + 60 * m + sec
+    samples = []
+    for row in list(csv.reader(smi.open()))[1:]:
+        if len(row) >= 3:
+            samples.append((seconds(row[0].split()[1]), float(row[1].split()[0]), float(row[2].split()[0])))
+    bursts = [line.split() for line in probe.read_text().splitlines() if "TFLOP/s" in line]
+    lines = ["| burst | variant | TFLOP/s | SM clock (MHz) | power (W) |", "|---|---|---|---|---|"]
+    for i, f in enumerate(bursts):
+        end = seconds(f[0])  # each line is printed as its 4-second burst ends
+        start = seconds(bursts[i - 1][0]) if i else end - 4.0
+        during = [(c, w) for t, c, w in samples if start <= t < end]
+        clock = sum(c for c, _ in during) / len(during) if during else float("nan")
+        power = sum(w for _, w in during) / len(during) if during else float("nan")
+        lines.append(f"| {i + 1} | `{f[1]}` | {f[-2]} | {clock:.0f} | {power:.0f} |")
+    lines += ["", f"{record['device']['name']}; `experiments/power_probe.py` and nvidia-smi every 0.5 s "
+              "(results/<gpu>/chapter6_hopper_power_probe.txt, _smi.csv)."]
+    return "\n".join(lines)
+
+
 FACTS = {"target_table": target_table, "split_kv": split_kv_table, "memory": memory_line, "error": error_line,
          "profile_table": profile_table, "profile_backward": profile_backward,
          "tiny_gpt": tiny_gpt_line, "paged_targets": paged_targets, "paged_gqa": paged_gqa,
          "paged_split": paged_split, "paged_num_splits": paged_num_splits, "paged_cache_ops": paged_cache_ops,
          "paged_match": paged_match, "generate": generate_line, "hopper_targets": hopper_targets,
-         "hopper_rungs": hopper_rungs, "hopper_gemm": hopper_gemm, "hopper_configs": hopper_configs}
+         "hopper_rungs": hopper_rungs, "hopper_gemm": hopper_gemm, "hopper_configs": hopper_configs,
+         "hopper_profile": hopper_profile, "hopper_power": hopper_power}
