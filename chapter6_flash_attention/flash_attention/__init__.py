@@ -1,4 +1,4 @@
-"""FlashAttention, forward and backward: softmax(scale * Q K^T) V without the seqlen^2 matrix.
+"""FlashAttention, forward and backward, on Ampere's and Hopper's tensor cores, and decode attention over a paged KV cache.
 
 Chapter 6 of the course. Layout (batch, heads, seqlen, head_dim), as
 torch.nn.functional.scaled_dot_product_attention; q, k and v may be any strided views whose last
