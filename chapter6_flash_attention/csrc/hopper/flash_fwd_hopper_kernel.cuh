@@ -374,55 +374,10 @@ __global__ void __launch_bounds__(K::kThreads, 1)
     };
     for (int i = 0; i < n_full; ++i) step(unmasked, i);
     for (int i = n_full; i < n_tiles; ++i) step(masked, i);
-  } else if (K::kJoint && n_tiles > 0) {
-    // Tile i - 1's P V and tile i's Q K^T go to the tensor cores together (one turn when the
-    // warpgroups take turns), then one wait, then tile i's softmax with nothing in flight. Each
-    // warpgroup's tensor-core work is one burst per tile, and the other warpgroup's burst fills the
-    // tensor cores while this one runs its exponentials.
-    mbarrier_wait(&k_full[0], 0);
-    take_turn();
-    issue_qk(0);
-    pass_turn(false);
-    wgmma_wait<0>();
-    fence_operands(s);
-    float corr[2];
-    if (n_full > 0) {
-      softmax(unmasked, 0, corr);  // O is still 0: nothing to rescale
-    } else {
-      softmax(masked, 0, corr);
-    }
-    pack_p();
-    auto step = [&](auto mask_tag, int i) {
-      const int stage = i % kStages, prev = (i - 1) % kStages;
-      mbarrier_wait(&v_full[prev], ((i - 1) / kStages) & 1);
-      mbarrier_wait(&k_full[stage], (i / kStages) & 1);
-      take_turn();
-      issue_pv(prev);
-      issue_qk(stage);
-      pass_turn(false);
-      wgmma_wait<0>();
-      fence_operands(o);
-      fence_operands(pf);
-      fence_operands(s);
-      release(prev);
-      softmax(mask_tag, i, corr);
-      rescale_o(corr);
-      pack_p();
-    };
-    for (int i = 1; i < n_full; ++i) step(unmasked, i);
-    for (int i = n_full > 1 ? n_full : 1; i < n_tiles; ++i) step(masked, i);
-    const int last = (n_tiles - 1) % kStages;
-    mbarrier_wait(&v_full[last], ((n_tiles - 1) / kStages) & 1);
-    take_turn();
-    issue_pv(last);
-    pass_turn(true);
-    wgmma_wait<0>();
-    fence_operands(o);
-    fence_operands(pf);
-    release(last);
   } else if (n_tiles > 0) {
-    // Intra-warpgroup overlap: tile i's Q K^T is issued with tile i - 1's P V, and tile i's
-    // softmax runs while P V is still on the tensor cores.
+    // The two schedules that carry tile i - 1's P V into tile i's turn (kJoint: rung "pingpong";
+    // kOverlap: FlashAttention 3's intra-warpgroup overlap, kept for the measurements). The first
+    // tile's Q K^T and softmax open both, the last tile's P V closes both.
     mbarrier_wait(&k_full[0], 0);
     take_turn();
     issue_qk(0);
@@ -438,22 +393,43 @@ __global__ void __launch_bounds__(K::kThreads, 1)
     pack_p();
     auto step = [&](auto mask_tag, int i) {
       const int stage = i % kStages, prev = (i - 1) % kStages;
-      mbarrier_wait(&k_full[stage], (i / kStages) & 1);
-      take_turn();
-      issue_qk(stage);  // tile i's scores ...
-      mbarrier_wait(&v_full[prev], ((i - 1) / kStages) & 1);
-      issue_pv(prev);   // ... queued behind tile i - 1's P V
-      pass_turn(false);
-      wgmma_wait<1>();  // S of tile i is in (groups complete in order); P V may still run
-      fence_operands(s);
-      softmax(mask_tag, i, corr);
-      fence_operands(s);
-      fence_operands(row_sum);
-      fence_operands(corr);
-      wgmma_wait<0>();
-      fence_operands(o);
-      fence_operands(pf);  // P's registers stayed live until P V read them
-      release(prev);
+      if constexpr (!K::kOverlap) {
+        // kJoint: tile i - 1's P V and tile i's Q K^T go to the tensor cores together (one turn
+        // when the warpgroups take turns), then one wait, then tile i's softmax with nothing in
+        // flight: each warpgroup's tensor-core work is one burst per tile, and the other
+        // warpgroup's burst fills the tensor cores while this one runs its exponentials.
+        mbarrier_wait(&v_full[prev], ((i - 1) / kStages) & 1);
+        mbarrier_wait(&k_full[stage], (i / kStages) & 1);
+        take_turn();
+        issue_pv(prev);
+        issue_qk(stage);
+        pass_turn(false);
+        wgmma_wait<0>();
+        fence_operands(o);
+        fence_operands(pf);
+        fence_operands(s);
+        release(prev);
+        softmax(mask_tag, i, corr);
+      } else {
+        // kOverlap: tile i's Q K^T, then tile i - 1's P V; the softmax of tile i is meant to run
+        // while P V is still on the tensor cores (ptxas places the wait before it: NOTES.md).
+        mbarrier_wait(&k_full[stage], (i / kStages) & 1);
+        take_turn();
+        issue_qk(stage);
+        mbarrier_wait(&v_full[prev], ((i - 1) / kStages) & 1);
+        issue_pv(prev);
+        pass_turn(false);
+        wgmma_wait<1>();  // S of tile i is in (groups complete in order); P V may still run
+        fence_operands(s);
+        softmax(mask_tag, i, corr);
+        fence_operands(s);
+        fence_operands(row_sum);
+        fence_operands(corr);
+        wgmma_wait<0>();
+        fence_operands(o);
+        fence_operands(pf);  // P's registers stayed live until P V read them
+        release(prev);
+      }
       rescale_o(corr);
       pack_p();
     };
