@@ -85,6 +85,38 @@ struct Tensor4 {
   size_t at(int bi, int hi, int si, int di) const { return bi * sb + hi * sh + si * ss + di; }
 };
 
+// N(0, 1) inputs rounded to the 16-bit type, on the host (for the reference) and on the device.
+static void fill_random(std::initializer_list<Tensor4*> tensors, std::mt19937& rng, bool fp16) {
+  std::normal_distribution<float> dist(0.f, 1.f);
+  for (Tensor4* t : tensors) {
+    for (auto& x : t->host) x = from_float(dist(rng), fp16);
+    CHECK_CUDA(cudaMemcpy(t->dev, t->host.data(), t->host.size() * 2, cudaMemcpyHostToDevice));
+  }
+}
+
+// The median of 20 timed calls after 3 untimed ones, CUDA events around each, in ms.
+template <typename Launch>
+static double median_ms(Launch launch) {
+  for (int i = 0; i < 3; ++i) CHECK_CUDA(launch());
+  cudaEvent_t start, stop;
+  CHECK_CUDA(cudaEventCreate(&start));
+  CHECK_CUDA(cudaEventCreate(&stop));
+  std::vector<float> times;
+  for (int i = 0; i < 20; ++i) {
+    CHECK_CUDA(cudaEventRecord(start));
+    CHECK_CUDA(launch());
+    CHECK_CUDA(cudaEventRecord(stop));
+    CHECK_CUDA(cudaEventSynchronize(stop));
+    float ms;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+    times.push_back(ms);
+  }
+  CHECK_CUDA(cudaEventDestroy(start));
+  CHECK_CUDA(cudaEventDestroy(stop));
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
 // o_i = sum_j softmax(scale * q_i . k_j) v_j over row i's visible keys, in float64.
 static void reference_row(const Config& c, const Tensor4& q, const Tensor4& k, const Tensor4& v, int bi, int hi,
                           int i, std::vector<double>& out, double& lse) {
@@ -133,11 +165,7 @@ static fa::AttentionParams make_params(const Config& c, const Tensor4& q, const 
 static bool check(const Config& c, std::mt19937& rng) {
   Tensor4 q(c.b, c.h, c.sq, c.d, c.bshd), k(c.b, c.hk, c.sk, c.d, c.bshd), v(c.b, c.hk, c.sk, c.d, c.bshd);
   Tensor4 o(c.b, c.h, c.sq, c.d, c.bshd);
-  std::normal_distribution<float> dist(0.f, 1.f);
-  for (Tensor4* t : {&q, &k, &v}) {
-    for (auto& x : t->host) x = from_float(dist(rng), c.fp16);
-    CHECK_CUDA(cudaMemcpy(t->dev, t->host.data(), t->host.size() * 2, cudaMemcpyHostToDevice));
-  }
+  fill_random({&q, &k, &v}, rng, c.fp16);
   const size_t rows = static_cast<size_t>(c.b) * c.h * c.sq;
   float* lse_dev;
   CHECK_CUDA(cudaMalloc(&lse_dev, std::max<size_t>(rows, 1) * 4));
@@ -202,33 +230,14 @@ static void time_config(const Config& c) {
   Tensor4 q(c.b, c.h, c.sq, c.d, c.bshd), k(c.b, c.hk, c.sk, c.d, c.bshd), v(c.b, c.hk, c.sk, c.d, c.bshd);
   Tensor4 o(c.b, c.h, c.sq, c.d, c.bshd);
   std::mt19937 rng(3);
-  std::normal_distribution<float> dist(0.f, 1.f);
-  for (Tensor4* t : {&q, &k, &v}) {
-    for (auto& x : t->host) x = from_float(dist(rng), c.fp16);
-    CHECK_CUDA(cudaMemcpy(t->dev, t->host.data(), t->host.size() * 2, cudaMemcpyHostToDevice));
-  }
+  fill_random({&q, &k, &v}, rng, c.fp16);
   float* lse;
   CHECK_CUDA(cudaMalloc(&lse, static_cast<size_t>(c.b) * c.h * c.sq * 4));
   const fa::AttentionParams p = make_params(c, q, k, v, o, lse);
   double flops = 4.0 * c.b * c.h * static_cast<double>(c.sq) * c.sk * c.d;
   if (c.causal) flops /= 2;
-  cudaEvent_t start, stop;
-  CHECK_CUDA(cudaEventCreate(&start));
-  CHECK_CUDA(cudaEventCreate(&stop));
   for (auto rung : {fa::HopperForward::kWgmma, fa::HopperForward::kWarpSpecialized, fa::HopperForward::kPingpong}) {
-    for (int i = 0; i < 3; ++i) CHECK_CUDA(fa::launch_attention_forward_hopper(p, rung, nullptr));
-    std::vector<float> times;
-    for (int i = 0; i < 20; ++i) {
-      CHECK_CUDA(cudaEventRecord(start));
-      CHECK_CUDA(fa::launch_attention_forward_hopper(p, rung, nullptr));
-      CHECK_CUDA(cudaEventRecord(stop));
-      CHECK_CUDA(cudaEventSynchronize(stop));
-      float ms;
-      CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
-      times.push_back(ms);
-    }
-    std::sort(times.begin(), times.end());
-    const double ms = times[times.size() / 2];
+    const double ms = median_ms([&] { return fa::launch_attention_forward_hopper(p, rung, nullptr); });
     std::printf("time %-16s b%d h%d/%d s%d d%d %s: %.3f ms %.1f TFLOP/s\n", rung_name(rung), c.b, c.h, c.hk, c.sq,
                 c.d, c.causal ? "causal" : "full", ms, flops / (ms * 1e-3) / 1e12);
   }
@@ -275,11 +284,7 @@ static bool check_variant(const Variant& var, const Config& c, bool timed) {
   Tensor4 q(c.b, c.h, c.sq, c.d, c.bshd), k(c.b, c.hk, c.sk, c.d, c.bshd), v(c.b, c.hk, c.sk, c.d, c.bshd);
   Tensor4 o(c.b, c.h, c.sq, c.d, c.bshd);
   std::mt19937 rng(5);
-  std::normal_distribution<float> dist(0.f, 1.f);
-  for (Tensor4* t : {&q, &k, &v}) {
-    for (auto& x : t->host) x = from_float(dist(rng), c.fp16);
-    CHECK_CUDA(cudaMemcpy(t->dev, t->host.data(), t->host.size() * 2, cudaMemcpyHostToDevice));
-  }
+  fill_random({&q, &k, &v}, rng, c.fp16);
   const size_t rows = static_cast<size_t>(c.b) * c.h * c.sq;
   float* lse;
   CHECK_CUDA(cudaMalloc(&lse, rows * 4));
@@ -307,24 +312,7 @@ static bool check_variant(const Variant& var, const Config& c, bool timed) {
   const double rel = std::sqrt(err / norm);
   const bool pass = unwritten == 0 && rel < 1e-2;
   double ms = 0.0;
-  if (timed && pass) {
-    cudaEvent_t start, stop;
-    CHECK_CUDA(cudaEventCreate(&start));
-    CHECK_CUDA(cudaEventCreate(&stop));
-    for (int i = 0; i < 3; ++i) CHECK_CUDA(var.launch(p, nullptr));
-    std::vector<float> times;
-    for (int i = 0; i < 20; ++i) {
-      CHECK_CUDA(cudaEventRecord(start));
-      CHECK_CUDA(var.launch(p, nullptr));
-      CHECK_CUDA(cudaEventRecord(stop));
-      CHECK_CUDA(cudaEventSynchronize(stop));
-      float t;
-      CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
-      times.push_back(t);
-    }
-    std::sort(times.begin(), times.end());
-    ms = times[times.size() / 2];
-  }
+  if (timed && pass) ms = median_ms([&] { return var.launch(p, nullptr); });
   double flops = 4.0 * c.b * c.h * static_cast<double>(c.sq) * c.sk * c.d / (c.causal ? 2 : 1);
   std::printf("variant %-26s d%-3d b%d h%d s%-5d/%-5d %s rel %.2e unwritten %zu %s", var.name, c.d, c.b, c.h, c.sq,
               c.sk, c.causal ? "causal" : "full  ", rel, unwritten, pass ? "ok" : "MISMATCH");
