@@ -9,6 +9,7 @@ import io
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 
 def parse(csv_text, metrics):
@@ -45,11 +46,19 @@ def profile(script, kernel_regex, metrics, from_start=True):
 def workload_or_profile(doc, script, workload, kernel_regex, metrics, from_start=True):
     """The command line of every profile_*.py. With --workload: run the workload (what ncu
     profiles, in this process) and return None. Without: profile `script --workload` under
-    ncu and return the kernels (see profile)."""
+    ncu and return the kernels (see profile). Without a CUDA GPU: say so and return None, a
+    message and not a failure, as chapter 6's profile_attention.py does."""
     parser = argparse.ArgumentParser(description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", action="store_true", help="run only what ncu profiles")
-    if parser.parse_args().workload:
+    args = parser.parse_args()
+    import torch
+    if not torch.cuda.is_available():
+        # Both halves launch CUDA kernels; without a GPU torch would fail deep in the workload.
+        print(f"{Path(script).name} profiles CUDA kernels with Nsight Compute; no CUDA GPU is visible, "
+              "nothing written")
+        return None
+    if args.workload:
         workload()
         return None
     return profile(script, kernel_regex, metrics, from_start)
