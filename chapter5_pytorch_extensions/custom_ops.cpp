@@ -96,7 +96,7 @@ Tensor reduce_sum_forward(const Tensor& x) { return ReduceSumFunction::apply(x);
 // argument and what it got. pybind11 tries every overload once without implicit conversions and
 // then once more with them; AnyObject fits only in that second pass, so the overload runs only
 // after the typed function failed even with conversions (an int scale still reaches the typed
-// function, converted), and a call that fits takes the path it took before.
+// function, converted), and a call that fits is taken by the typed function in the first pass.
 struct AnyObject {
   pybind11::object object;
 };

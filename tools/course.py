@@ -320,8 +320,8 @@ def print_written(since):
         figures = [p.name for p in here if p.suffix == ".png"]
         compared = [name for name in figures if name.endswith("_cpu_vs_recorded.png")]
         if figures:
-            print(f"  {len(figures)} figures (.png)" + (f", the CPU run beside the recorded GPU run in "
-                                                        f"{', '.join(compared)}" if compared else ""))
+            print(f"  {len(figures)} figures (.png)" + (f", {len(compared)} of them *_cpu_vs_recorded.png: the CPU "
+                                                        "run beside the recorded GPU run" if compared else ""))
 
 
 GPU_STAGES = ("build", "test", "sanitize", "bench", "profile", "notebooks")

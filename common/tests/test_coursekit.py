@@ -320,3 +320,27 @@ def test_test_job_reports_files_it_left_in_the_tree(monkeypatch, tmp_path):
     course.check_tree_unchanged(steps, before)
     assert steps.table[0][1] == "ok"
     assert steps.table[1][1] == "FAILED (1 new)" and "chapter/x-0.1" in steps.table[1][3]
+
+
+def test_main_job_prints_a_line_per_step_and_keeps_the_output_in_the_log(monkeypatch, tmp_path, capsys):
+    import course
+    monkeypatch.setattr(course, "LOG_DIR", tmp_path)
+    steps = course.Steps(brief=True)
+    assert steps.run("table", [sys.executable, "-c", "for i in range(50): print('row', i)"], echo=True)
+    out = capsys.readouterr().out
+    assert out.startswith("table ... ok in ") and out.count("\n") == 1, out
+    assert (tmp_path / "table.log").read_text().count("row") == 50
+    assert not steps.run("broken", [sys.executable, "-c", "print('why'); raise SystemExit(3)"])
+    out = capsys.readouterr().out
+    assert "broken ... FAILED (3)" in out and "why" in out  # a failure shows its last lines
+
+
+@pytest.mark.parametrize("argv", [[], ["--workload"]])
+def test_profile_scripts_without_a_gpu_say_so(monkeypatch, capsys, argv):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["profile_x.py", *argv])
+
+    def workload():
+        raise AssertionError("no CUDA kernel can run here")
+    assert ncu.workload_or_profile("doc", "profile_x.py", workload, ".*", {}) is None
+    assert "no CUDA GPU is visible, nothing written" in capsys.readouterr().out

@@ -169,6 +169,15 @@ def check_readme(readme, text=None):
             python = python_part(cmd)
             if python is None or len(python) < 2:
                 continue
+            if python[1:3] == ["-m", "pip"]:
+                # pip reads a bare folder name as the name of a package on an index: a local
+                # project is `.` or a path with a slash (./stable_abi).
+                for j, arg in enumerate(python[3:], 3):
+                    takes_value = python[j - 1] in ("-w", "--wheel-dir", "-r", "-c", "-f", "--find-links", "-t")
+                    if not arg.startswith("-") and not takes_value and "/" not in arg and arg != "." \
+                            and resolve(arg, bases) is not None:
+                        problems.append(f"{where}: pip reads `{arg}` as a package name; write ./{arg}")
+                continue
             if python[1:3] == ["-m", "pytest"]:
                 args = python[3:]
                 for j, arg in enumerate(args):
@@ -231,11 +240,13 @@ def test_the_checks_catch_what_they_should(tmp_path):
     (tmp_path / "tool.py").write_text("import argparse\np = argparse.ArgumentParser()\n"
                                       "p.add_argument('--quick', action='store_true')\np.parse_args()\n")
     readme = tmp_path / "README.md"
+    (tmp_path / "sub").mkdir()
     text = ("```bash\npython tool.py --quick          # fine\npython tool.py --slow\n"
             "python missing.py\npip install .\nCOURSE_EXT_ROUTE=jit pytest -q\n"
-            "python -m pytest no_such_dir\n```\nThen run `pytest -k x`.\n")
+            "python -m pytest no_such_dir\npython -m pip wheel -w build ./sub   # fine\n"
+            "python -m pip wheel -w build sub\n```\nThen run `pytest -k x`.\n")
     problems = check_readme(readme, text)
     for needle in ("no option --slow", "missing.py` does not exist", "bare `pip`", "bare `pytest`",
-                   "no_such_dir` does not exist", "inline `pytest -k x`"):
+                   "no_such_dir` does not exist", "inline `pytest -k x`", "pip reads `sub` as a package name"):
         assert sum(needle in p for p in problems) == 1, (needle, problems)
-    assert len(problems) == 6, "\n".join(problems)
+    assert len(problems) == 7, "\n".join(problems)
