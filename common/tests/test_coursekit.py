@@ -333,14 +333,3 @@ def test_main_job_prints_a_line_per_step_and_keeps_the_output_in_the_log(monkeyp
     assert not steps.run("broken", [sys.executable, "-c", "print('why'); raise SystemExit(3)"])
     out = capsys.readouterr().out
     assert "broken ... FAILED (3)" in out and "why" in out  # a failure shows its last lines
-
-
-@pytest.mark.parametrize("argv", [[], ["--workload"]])
-def test_profile_scripts_without_a_gpu_say_so(monkeypatch, capsys, argv):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(sys, "argv", ["profile_x.py", *argv])
-
-    def workload():
-        raise AssertionError("no CUDA kernel can run here")
-    assert ncu.workload_or_profile("doc", "profile_x.py", workload, ".*", {}) is None
-    assert "no CUDA GPU is visible, nothing written" in capsys.readouterr().out
