@@ -1,7 +1,8 @@
 // What the softmax forward (softmax_kernels.cu) and backward (softmax_backward_kernels.cu)
 // kernels share beyond the course-wide row machinery of <course/rows.cuh> (a row held in
 // registers, the reduction across the threads of a row, the streamed row map): the dispatch
-// over this chapter's compile-time shapes, and the cooperative launch of split rows.
+// over this chapter's compile-time shapes, written once for both directions (run_row_plan), and
+// the cooperative launch of split rows.
 // Torch-free, like the kernels.
 #pragma once
 
@@ -66,6 +67,51 @@ cudaError_t launch_cooperative(void (*kernel)(KernelArgs...), int64_t grid, int 
   void* arg_ptrs[] = {static_cast<void*>(&args)...};
   return cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(kernel), dim3(grid_for(grid)),
                                      dim3(threads), arg_ptrs, 0, stream);
+}
+
+// The plan of a row as launches, written once for the forward and the backward. The plan's shape
+// and the rows' access path become compile-time constants handed to the direction's own
+// launches: resident(shape, access) and split(shape, access) receive integral constants (each
+// launches its kernel, through launch_resident and launch_split below); a row that cannot be
+// held in registers runs streamed().
+template <typename T, bool kBackward, typename Resident, typename Split, typename Streamed>
+cudaError_t run_row_plan(const RowPlan& plan, Access access, Resident&& resident, Split&& split,
+                         Streamed&& streamed) {
+  if constexpr (sizeof(T) == 8) {  // float64 is always streamed (plan_row), never instantiated
+    return streamed();
+  } else {
+    if (plan.kind == RowPlanKind::kStreamed) return streamed();
+    return with_shape<T, kBackward>(plan.shape, [&](auto shape) {
+      constexpr int kShape = decltype(shape)::value;
+      return with_access(access, [&](auto acc) -> cudaError_t {
+        if (plan.kind == RowPlanKind::kResident) return resident(shape, acc);
+        if constexpr (kResidentShapes[kShape].threads != kSplitThreads) {
+          return cudaErrorInvalidValue;  // plan_row splits over kSplitThreads-thread shapes only
+        } else {
+          return split(shape, acc);
+        }
+      });
+    });
+  }
+}
+
+// A resident kernel over `rows` rows: kRowsPerBlock rows of kThreadsPerRow threads per block.
+template <int kThreadsPerRow, typename... KernelArgs, typename... Args>
+cudaError_t launch_resident(void (*kernel)(KernelArgs...), int64_t rows, cudaStream_t stream, Args... args) {
+  constexpr int kRows = kRowsPerBlock<kThreadsPerRow>;
+  kernel<<<grid_for(course::ceil_div(rows, int64_t{kRows})), kThreadsPerRow * kRows, 0, stream>>>(args...);
+  return cudaGetLastError();
+}
+
+// A split kernel over `rows` rows of `splits` blocks each: the cooperative grid split_grid sizes,
+// or streamed() when the GPU cannot hold one row's blocks at once.
+template <typename Streamed, typename... KernelArgs, typename... Args>
+cudaError_t launch_split(void (*kernel)(KernelArgs...), int64_t splits, int64_t rows, cudaStream_t stream,
+                         Streamed&& streamed, Args... args) {
+  int64_t grid = 0;
+  COURSE_CUDA_TRY(split_grid(kernel, kSplitThreads, splits, rows, &grid));
+  if (grid == 0) return streamed();  // too few SMs for one row
+  return launch_cooperative(kernel, grid, kSplitThreads, stream, args...);
 }
 
 }  // namespace rows
