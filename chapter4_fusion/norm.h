@@ -53,8 +53,9 @@ struct NormShape {
 
 // The forward holds x (and for fused_add_rms_norm the sum) as stored: at most 4 vectors, 16
 // registers, per thread. 1024 x 4 holds 32768 2-byte or 16384 4-byte elements; longer rows
-// are streamed (v2's kernel).
-constexpr NormShape kForwardShapes[] = {{32, 1}, {32, 2}, {32, 4}, {128, 4}, {256, 4}, {512, 4}, {1024, 4}};
+// are streamed (v2's kernel). 64 x 4 exists for hidden 2048 in bf16 (4096 in float32), a row of
+// every other LLM: without it the row took 128 threads, half of them holding padding.
+constexpr NormShape kForwardShapes[] = {{32, 1}, {32, 2}, {32, 4}, {64, 4}, {128, 4}, {256, 4}, {512, 4}, {1024, 4}};
 constexpr int kNumForwardShapes = sizeof(kForwardShapes) / sizeof(kForwardShapes[0]);
 
 // The backward holds x, dy and weight as stored plus two float accumulators per element it

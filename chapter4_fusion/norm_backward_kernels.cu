@@ -116,19 +116,22 @@ __global__ void __launch_bounds__(kThreads)
 // Writes one block's partial column sums: acc[j][l] of each thread, for the column
 // tile_index(j, l, t), summed over the block's kSlots rows in slot order through shared memory
 // (one vector of the tile at a time, to keep the buffer at kBackwardBlock x kLanes values).
-template <bool kVectorized, int kThreadsPerRow, int kVectors, int kLanes, typename A>
+template <Access kAccess, int kThreadsPerRow, int kVectors, int kLanes, typename A>
 __device__ __forceinline__ void write_partial(const A (&acc)[kVectors][kLanes], A* __restrict__ partial, int64_t n,
                                               A* combine) {
   constexpr int kBlock = kThreadsPerRow * kSlots<kThreadsPerRow>;
   const int t = threadIdx.x % kThreadsPerRow;
   const int slot = threadIdx.x / kThreadsPerRow;
+  const RowSpan columns{n, 0, n};  // the row of partials: n columns from its start
 #pragma unroll
   for (int j = 0; j < kVectors; ++j) {
     if constexpr (kSlots<kThreadsPerRow> == 1) {
 #pragma unroll
       for (int l = 0; l < kLanes; ++l) {
-        const int64_t i = tile_index<kVectorized, kThreadsPerRow, kLanes>(j, l, t);
-        if (i < n) partial[i] = acc[j][l];  // columns past the row end are padding
+        // columns past the row end are padding
+        if (tile_valid<kAccess, kThreadsPerRow, kVectors, kLanes>(j, l, t, columns)) {
+          partial[tile_index<kAccess, kThreadsPerRow, kVectors, kLanes>(j, l, t, columns)] = acc[j][l];
+        }
       }
     } else {
       // The previous vector's sums (or the last slot_reduce) may still be reading `combine`.
@@ -140,11 +143,10 @@ __device__ __forceinline__ void write_partial(const A (&acc)[kVectors][kLanes], 
       if (slot == 0) {
 #pragma unroll
         for (int l = 0; l < kLanes; ++l) {
-          const int64_t i = tile_index<kVectorized, kThreadsPerRow, kLanes>(j, l, t);
-          if (i < n) {  // columns past the row end are padding
+          if (tile_valid<kAccess, kThreadsPerRow, kVectors, kLanes>(j, l, t, columns)) {  // not padding
             A total = A(0);
             for (int s = 0; s < kSlots<kThreadsPerRow>; ++s) total += combine[l * kBlock + s * kThreadsPerRow + t];
-            partial[i] = total;
+            partial[tile_index<kAccess, kThreadsPerRow, kVectors, kLanes>(j, l, t, columns)] = total;
           }
         }
       }
@@ -158,8 +160,10 @@ __device__ __forceinline__ void write_partial(const A (&acc)[kVectors][kLanes], 
 // Each thread also owns the same columns of every row it takes, so its share of dweight and
 // dbias accumulates in registers across rows and leaves the block once, as one partial row
 // (write_partial): the column sums cost a few hundred rows of n floats, not a pass over x and
-// dy. Rows longer than the largest shape run v1's kernel.
-template <typename T, bool kCentered, int kThreadsPerRow, int kVectors, bool kVectorized>
+// dy. Rows longer than the largest shape run v1's kernel. Rows that start mid-vector read
+// single elements (Access::kScalar), which keeps every thread on the same columns of every row:
+// its dweight and dbias sums need that, and a row's head would move them from row to row.
+template <typename T, bool kCentered, int kThreadsPerRow, int kVectors, Access kAccess>
 __global__ void __launch_bounds__(kThreadsPerRow * kSlots<kThreadsPerRow>)
     norm_backward_resident(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ weight,
                            const typename Acc<T>::type* __restrict__ mean, const typename Acc<T>::type* __restrict__ rstd,
@@ -174,7 +178,8 @@ __global__ void __launch_bounds__(kThreadsPerRow * kSlots<kThreadsPerRow>)
   const T zero = from_acc<T>(A(0));
   const int t = threadIdx.x % kThreadsPerRow;
   T w[kVectors][kLanes];
-  load_tile<kVectorized, kThreadsPerRow, kVectors>(weight, n, t, zero, w);
+  static_assert(kAccess != Access::kChunks, "a thread's columns must not move from row to row");
+  load_tile<kAccess, kThreadsPerRow, kVectors>(weight, RowSpan{n, 0, n}, t, zero, w);
   A dw[kVectors][kLanes];
   A db[kVectors][kLanes];
 #pragma unroll
@@ -191,8 +196,9 @@ __global__ void __launch_bounds__(kThreadsPerRow * kSlots<kThreadsPerRow>)
     const int64_t row = r < rows ? r : 0;
     T xv[kVectors][kLanes];
     T dyv[kVectors][kLanes];
-    load_tile<kVectorized, kThreadsPerRow, kVectors>(x + row * n, len, t, zero, xv);
-    load_tile<kVectorized, kThreadsPerRow, kVectors>(dy + row * n, len, t, zero, dyv);
+    const RowSpan span{len, 0, len};
+    load_tile<kAccess, kThreadsPerRow, kVectors>(x + row * n, span, t, zero, xv);
+    load_tile<kAccess, kThreadsPerRow, kVectors>(dy + row * n, span, t, zero, dyv);
     const A mu = kCentered ? mean[row] : A(0);
     const A rs = rstd[row];
     A sum_g = A(0);
@@ -220,10 +226,10 @@ __global__ void __launch_bounds__(kThreadsPerRow * kSlots<kThreadsPerRow>)
         dyv[j][l] = from_acc<T>(rs * (to_acc(dyv[j][l]) * to_acc(w[j][l]) - mean_g - xhat * mean_gx));
       }
     }
-    store_tile<kVectorized, kThreadsPerRow, kVectors>(dx + row * n, len, t, dyv);
+    store_tile<kAccess, kThreadsPerRow, kVectors>(dx + row * n, span, t, dyv);
   }
-  write_partial<kVectorized, kThreadsPerRow, kVectors>(dw, dweight_partial + blockIdx.x * n, n, combine);
-  if constexpr (kCentered) write_partial<kVectorized, kThreadsPerRow, kVectors>(db, dbias_partial + blockIdx.x * n, n, combine);
+  write_partial<kAccess, kThreadsPerRow, kVectors>(dw, dweight_partial + blockIdx.x * n, n, combine);
+  if constexpr (kCentered) write_partial<kAccess, kThreadsPerRow, kVectors>(db, dbias_partial + blockIdx.x * n, n, combine);
 }
 
 // ===========================================================================================
@@ -280,13 +286,13 @@ cudaError_t run_backward(const NormBackwardParams& p, cudaStream_t stream, int64
   const int shape = p.version == NormBackwardVersion::kResident ? backward_shape(p.n, sizeof(T)) : -1;
   if constexpr (sizeof(T) != 8) {
     if (shape >= 0) {
-      const bool vectorized = rows_vectorized<T>(p.n, {p.dy, p.x, p.weight, p.dx});
+      const Access access = row_access<T>(p.n, {p.dy, p.x, p.dx}, {p.weight});
       return with_backward_shape<T>(shape, [&](auto s) {
         constexpr NormShape kShape = kBackwardShapes[decltype(s)::value];
         constexpr int kRows = kSlots<kShape.threads>;
         return with_flag(centered, [&](auto c) {
-          return with_vectorized(vectorized, [&](auto vec) {
-            auto* kernel = norm_backward_resident<T, decltype(c)::value, kShape.threads, kShape.vectors, decltype(vec)::value>;
+          return with_access</*kAllowChunks=*/false>(access, [&](auto a) {
+            auto* kernel = norm_backward_resident<T, decltype(c)::value, kShape.threads, kShape.vectors, decltype(a)::value>;
             COURSE_CUDA_TRY(backward_grid(kernel, kShape.threads * kRows, kRows, p.rows, &grid));
             if (grid_only != nullptr) {
               *grid_only = grid;

@@ -22,7 +22,8 @@ __all__ = ["fused_bias_scale_relu", "fused_bias_scale_relu_backward", "fused_bia
 #   fused_bias_scale_relu           v1 three kernels (scale, add bias, relu: eager's three trips
 #                                   through memory), v2 one fused kernel with scalar accesses,
 #                                   v3 16-byte accesses with the bias loaded once per thread and
-#                                   reused by every row it visits;
+#                                   reused by every row it visits, v4 one 16-byte vector per
+#                                   thread over the flat array, the bias gathered by column;
 #   fused_bias_scale_relu_backward  v1 g = dy * (z > 0) written out, dx = g * scale, then a
 #                                   column sum of g; v2 one pass writing dx and per-block column
 #                                   partials of g, then a small deterministic column sum;
@@ -32,7 +33,7 @@ __all__ = ["fused_bias_scale_relu", "fused_bias_scale_relu_backward", "fused_bia
 #                                   activation kernel ("unfused") or one bias + activation
 #                                   kernel ("fused_epilogue").
 VERSIONS = {
-    "fused_bias_scale_relu": ("v1", "v2", "v3"),
+    "fused_bias_scale_relu": ("v1", "v2", "v3", "v4"),
     "fused_bias_scale_relu_backward": ("v1", "v2"),
     "bias_gelu": ("v1", "v2"),
     "bias_silu": ("v1", "v2"),
@@ -103,7 +104,7 @@ def swiglu(x, *, version=None):
 
 def linear_activation(x, weight, bias, activation, *, version=None):
     """act(x @ weight.T + bias), activation one of "relu", "gelu", "gelu_tanh", "silu";
-    weight [out_features, in_features], bias [out_features]. The GEMM is cuBLAS (the CPU BLAS
+    weight [out_features, in_features], bias [out_features] or None (as F.linear's). The GEMM is cuBLAS (the CPU BLAS
     on the CPU) through ATen; the bias and the activation are one epilogue kernel on its
     output. Differentiable in x, weight and bias (the backward keeps x @ weight.T + bias)."""
     return torch.ops.fusion.linear_activation(x, weight, bias, activation, version=version)
