@@ -1052,11 +1052,11 @@ def test_recorded_shapes_sweep_holds_the_target():
     record = shapes.load("chapter3_shared_reduction")
     assert record is not None, "no recorded shapes sweep: run bench_shared_reduction.py --shapes on a GPU"
     sms = record["device"]["sms"]
-    for r in record["benchmarks"]:
-        if r["variant"] == "default" and "dispatch" in r:
-            x = torch.empty(r["shape"], dtype=getattr(torch, r["dtype"]), device="meta")
-            op = "softmax_backward" if r["pass"] == "backward" else r["op"]
-            assert r["dispatch"] == shared_reduction.default_choice(op, x, r.get("dim", -1), sms=sms), r
+
+    def choice(r):
+        op = "softmax_backward" if r["pass"] == "backward" else r["op"]
+        return shared_reduction.default_choice(op, shapes.meta_like(r), r.get("dim", -1), sms=sms)
+    assert shapes.stale_dispatch(record, choice) == []
     assert shapes.gaps(record) == []
 
 

@@ -289,13 +289,21 @@ def run(chapter, cases, device, bench_file, quick=False, jobs=None, ops=""):
         jobs = jobs if jobs is not None else int(os.environ.get("COURSE_COMPILE_JOBS", min(8, (os.cpu_count() or 2) // 2)))
         precompile(cases, bench_file, quick, jobs, ops)
     rows, start = [], time.perf_counter()
+    # COURSE_SHAPES_DEADLINE (seconds since the epoch): stop taking new cases then and write what
+    # was measured, marked incomplete (a time-boxed run on a borrowed GPU).
+    deadline = float(os.environ.get("COURSE_SHAPES_DEADLINE", "inf"))
+    measured = 0
     for k, case in enumerate(cases):
+        if time.time() > deadline:
+            print(f"deadline reached after {measured} of {len(cases)} cases")
+            break
         rows += measure(case, device, ceilings["copy_GBps"])
+        measured += 1
         if device == "cuda" and (k % 16 == 15 or case.bytes > 2**28):
             torch.cuda.empty_cache()
     seconds = time.perf_counter() - start
     extra = {"min_bytes": MIN_BYTES, "max_sets": MAX_SETS, "sweep_seconds": round(seconds, 1),
-             "ops": sorted({c.op for c in cases}),
+             "ops": sorted({c.op for c in cases}), "complete": measured == len(cases),
              "timing": {"statistic": "median", "reps": REPS,
                         "method": "perf_counter" if device != "cuda" else
                         "CUDA-graph replays of calls rotating over input sets (at most "
@@ -351,6 +359,19 @@ def gaps(record, ratio=0.95, ops=None, min_bytes=MIN_BYTES):
             problems.append(f"{where(default)}: default {default['median_ms'] * 1e3:.1f} us is {r:.3f}x "
                             f"{best['variant']} ({best['median_ms'] * 1e3:.1f} us)")
     return problems
+
+
+def stale_dispatch(record, choice):
+    """Default rows whose recorded dispatch is not what choice(row) says the code picks today
+    (results older than the dispatch): human-readable, empty when every one still holds."""
+    return [f"{where(r)}: recorded {r['dispatch']}, today {choice(r)}" for r in record["benchmarks"]
+            if r.get("sweep") == SWEEP and r["variant"] == "default" and "dispatch" in r
+            and r["dispatch"] != choice(r)]
+
+
+def meta_like(row):
+    """A meta tensor of a row's shape and dtype: what a dispatch rule needs to answer for it."""
+    return torch.empty(row["shape"], dtype=getattr(torch, row["dtype"]), device="meta")
 
 
 def extremes(record, ops=None, min_bytes=MIN_BYTES):
