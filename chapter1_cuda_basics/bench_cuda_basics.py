@@ -237,7 +237,7 @@ def main():
     shapes.add_arguments(parser)
     args = parser.parse_args()
     if args.shapes:
-        shapes.main(CHAPTER, shape_cases, __file__, shapes_figures, args.quick, args.ops)
+        shapes.main(CHAPTER, shape_cases, __file__, shapes_figures, args.quick, args.ops, args.dtypes)
         return
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -295,7 +295,7 @@ def main():
               f"after touching the .cu {b['touched_cu_s']:.1f} s")
     print("wrote", path, *figures, sep="\n  ")
     if not args.no_shapes:
-        shapes.main(CHAPTER, shape_cases, __file__, shapes_figures, quick, args.ops)
+        shapes.main(CHAPTER, shape_cases, __file__, shapes_figures, quick, args.ops, args.dtypes)
 
 
 if __name__ == "__main__":

@@ -311,7 +311,7 @@ def print_table(record):
 def main():
     device, quick, args = shapes.start(__doc__)
     if args.shapes:
-        shapes.main(CHAPTER, shape_cases, __file__, shapes_figures, quick, args.ops)
+        shapes.main(CHAPTER, shape_cases, __file__, shapes_figures, quick, args.ops, args.dtypes)
         return
     s = sizes_for(device, quick)
     variants = [*memory_ops.VERSIONS["transpose"], "default"] if device == "cuda" else ["cpu"]
@@ -346,7 +346,7 @@ def main():
                         "replays on the same buffers (hot L2 by design)"}}
     results.publish(CHAPTER, rows, ceilings, extra, make_figures, print_table)
     if not args.no_shapes:
-        shapes.main(CHAPTER, shape_cases, __file__, shapes_figures, quick, args.ops)
+        shapes.main(CHAPTER, shape_cases, __file__, shapes_figures, quick, args.ops, args.dtypes)
 
 
 if __name__ == "__main__":

@@ -332,7 +332,7 @@ def print_table(record):
 def main():
     device, quick, args = shapes.start(__doc__)
     if args.shapes:
-        shapes.main(CHAPTER, shape_cases, __file__, shapes_figures, quick, args.ops)
+        shapes.main(CHAPTER, shape_cases, __file__, shapes_figures, quick, args.ops, args.dtypes)
         return
     torch._dynamo.config.cache_size_limit = 256
     s = sizes_for(device, quick)
@@ -346,7 +346,7 @@ def main():
                         "(2^26-2^28 elements)"}}
     results.publish(CHAPTER, rows, ceilings, extra, make_figures, print_table)
     if not args.no_shapes:
-        shapes.main(CHAPTER, shape_cases, __file__, shapes_figures, quick, args.ops)
+        shapes.main(CHAPTER, shape_cases, __file__, shapes_figures, quick, args.ops, args.dtypes)
 
 
 if __name__ == "__main__":

@@ -390,13 +390,13 @@ __global__ void __launch_bounds__(kThreads) reduce_column_loop(const T* __restri
 // coalesced 16-byte row loads, and the reduced dimension split over more blocks (combined in
 // order by the last to arrive) when the tiles alone cannot fill the GPU.
 //
-// column_narrow: the same kernel when the tensor is narrower than a tile (a (1000003, 3) sum
-// over dim 0, a bias of 64 columns). column_split would give each row to a warp whose lanes
-// mostly have no column, and split the million rows over thousands of blocks whose partials the
-// last block then added one by one. Instead a warp lays its lanes over 32 / lanes rows at once
-// (every lane a column), each block takes one range of the reduced dim with many row groups in
-// flight, the grid is one resident wave, and the last block adds the ranges' partials with all
-// its threads (course::column_tile_lanes says how many lanes a row keeps).
+//
+// A tensor narrower than a tile (a (1000003, 3) sum over dim 0, a bias of 64 columns) would
+// give each row to a warp whose lanes mostly have no column, and split the million rows over
+// thousands of blocks whose partials the last block then adds. The launcher then lays each warp
+// over 32 / lanes rows at once, every lane a column (course::column_tile_lanes says how many
+// lanes a row keeps), makes the grid one resident wave so each block has many row groups in
+// flight, and the last block adds the ranges' partials with all its threads.
 
 // ===========================================================================================
 // The atomic counter-example: v9's loop and block reduction, then one floating-point
@@ -423,8 +423,8 @@ __global__ void __launch_bounds__(kThreads) sum_atomic(const float* __restrict__
 struct Plan {
   int64_t blocks = 1;      // grid of the first (or only) launch
   int64_t splits = 1;      // split_row, v10 and the column tiles: blocks per row / ranges per tile
-  int64_t segment = 0;     // column_split, column_narrow: rows per range
-  int lanes = 32;          // column_split 32; column_narrow the lanes a row of the tile keeps
+  int64_t segment = 0;     // column_split: rows per range
+  int lanes = 32;          // column_split: lanes a row of the tile keeps (32, or fewer for narrow tensors)
   int64_t levels_ws = 0;   // v1-v9: accumulator slots for the partials of every level
 };
 
@@ -466,16 +466,15 @@ cudaError_t make_plan(const ReduceParams& p, Plan* plan) {
       }
       break;
     case Layout::kColumns:
-      if (p.version == ReduceVersion::kColumnSplit || p.version == ReduceVersion::kColumnNarrow) {
+      if (p.version == ReduceVersion::kColumnSplit) {
         const T* x = static_cast<const T*>(p.x);
-        const bool narrow = p.version == ReduceVersion::kColumnNarrow;
-        plan->lanes = narrow ? course::column_tile_lanes(p.inner, course::column_lanes(x, p.inner)) : 32;
+        plan->lanes = course::column_tile_lanes(p.inner, course::column_lanes(x, p.inner));
+        const bool narrow = plan->lanes < 32;
         const int64_t tiles = p.outer * course::column_tiles<T>(x, p.inner, plan->lanes);
-        // column_split: twice the resident blocks, so the tail of a wave is short; every range
-        // at least 64 rows (8 per warp) so a block has work to amortize its combine.
-        // column_narrow: one resident wave, every range at least two unrolled steps of the
-        // block's row groups, so each block keeps loads in flight for a while and the last one
-        // has few partials to add.
+        // Wide tiles: twice the resident blocks, so the tail of a wave is short; every range at
+        // least 64 rows (8 per warp) so a block has work to amortize its combine. Narrow tiles:
+        // one resident wave, every range at least two unrolled steps of the block's row groups,
+        // so each block keeps loads in flight for a while and the last one has fewer partials.
         const int64_t rows_per_step = int64_t{course::kColumnWarps} * (32 / plan->lanes) * course::kColumnUnroll;
         const int64_t want = course::ceil_div((narrow ? 1 : 2) * resident_blocks, tiles);
         const int64_t min_range = narrow ? 2 * rows_per_step : 64;

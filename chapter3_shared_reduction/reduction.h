@@ -30,7 +30,7 @@ enum class ReduceVersion {
   // rows (inner == 1)
   kBlockPerRow, kWarpPerRow, kRowsPerWarp, kSplitRow,
   // columns (inner > 1)
-  kColumnLoop, kColumnSplit, kColumnNarrow,
+  kColumnLoop, kColumnSplit,
 };
 
 enum class Layout { kWhole, kRows, kColumns };
@@ -83,7 +83,10 @@ struct ResidentShape {
   int threads;
   int vectors;
 };
-constexpr ResidentShape kResidentShapes[] = {{16, 1},  {32, 1},  {32, 2},  {32, 4},  {32, 8},
+// 64 x 4 serves rows of 1025-2048 2-byte elements (and 513-1024 in the float32 backward), which
+// took 128 x 4 before it, three quarters of every thread's vectors padding (a row of 1025 bf16
+// ran at 0.67x torch.softmax on an H200).
+constexpr ResidentShape kResidentShapes[] = {{16, 1},  {32, 1},  {32, 2},  {32, 4},  {32, 8},  {64, 4},
                                              {128, 4}, {256, 4}, {512, 4}, {256, 8}, {512, 8}};
 constexpr int kNumResidentShapes = sizeof(kResidentShapes) / sizeof(kResidentShapes[0]);
 
@@ -125,9 +128,20 @@ constexpr int64_t resident_capacity(ResidentShape s, int elem_bytes) {
 }
 
 // How a softmax row of n elements runs: held by one resident shape (index into
-// kResidentShapes), split over `blocks` blocks of the largest shape that fits, or streamed
-// (read twice, v3) when neither is possible.
-enum class RowPlanKind { kResident, kSplit, kStreamed };
+// kResidentShapes); held in one block's shared memory (a 2-byte row too long for registers,
+// when there are rows enough for every SM); split over `blocks` blocks of the largest shape
+// that fits; or streamed (read twice, v3) when none of these is possible.
+enum class RowPlanKind { kResident, kShared, kSplit, kStreamed };
+
+// The shared-memory row: one block of kSharedThreads threads per row, the row parked in shared
+// memory as loaded (each thread its own 16-byte slots, so no barrier guards them), read back
+// twice (the sum, the write). One read from DRAM and no waiting on other blocks, where a split
+// row's blocks wait for each other; it needs a block of shared memory per row (y and dy both in
+// the backward: 2 x 50257 bf16 is 201 KB, of the 227 KB an H100 or H200 block may ask for), and
+// at least one row per SM, or split rows keep more SMs busy. 2-byte dtypes only: float32 splits
+// at four blocks of 32 KB per SM and stays near the copy rate (README, softmax table).
+constexpr int kSharedThreads = 1024;
+constexpr int64_t kSharedRowBytes = 112 * 1024;  // per array: x (forward); y and dy (backward)
 struct RowPlan {
   RowPlanKind kind;
   int shape;       // kResident, kSplit: index into kResidentShapes
@@ -135,8 +149,9 @@ struct RowPlan {
 };
 
 // float64 is streamed in every rung from v3 on: it is here for gradcheck, and holding rows of
-// doubles in registers would only add instantiations. sms: the GPU's SM count (device_sms).
-inline RowPlan plan_row(int64_t n, int elem_bytes, bool allow_split, bool backward, int sms) {
+// doubles in registers would only add instantiations. sms: the GPU's SM count (device_sms);
+// rows: how many rows the call has (0: the plan of one row alone).
+inline RowPlan plan_row(int64_t n, int elem_bytes, bool allow_split, bool backward, int sms, int64_t rows = 0) {
   if (elem_bytes == 8) return {RowPlanKind::kStreamed, 0, 0};
   int split_shape = 0;
   for (int i = 0; i < kNumResidentShapes; ++i) {
@@ -148,6 +163,9 @@ inline RowPlan plan_row(int64_t n, int elem_bytes, bool allow_split, bool backwa
     if (!keeps_raw(s, elem_bytes, backward) && n <= resident_capacity(s, elem_bytes)) {
       return {RowPlanKind::kResident, i, 1};
     }
+  }
+  if (allow_split && elem_bytes == 2 && n * elem_bytes <= kSharedRowBytes && rows >= sms) {
+    return {RowPlanKind::kShared, 0, 1};
   }
   const int64_t blocks = course::ceil_div(n, resident_capacity(kResidentShapes[split_shape], elem_bytes));
   if (allow_split && blocks <= int64_t{sms} * split_blocks_per_sm(elem_bytes, backward)) {
@@ -198,18 +216,19 @@ constexpr int64_t kWarpRowMax = 2048;
 // With fewer rows than this many per SM, one block per row cannot fill the GPU: rows are split
 // (four 256-thread blocks per SM: 528 rows on an H100's 132 SMs, 160 on a T4's 40).
 constexpr int64_t kSplitRowsPerSm = 4;
-// Columns: a tile narrower than a warp (fewer columns than 32 lanes of vectors hold) lays the
-// warp over several rows (column_narrow); an input with at least this many outputs per SM
-// thread slot and a short reduced dim gives every output a thread of its own (column_loop):
-// 2048 threads per SM on sm_80/sm_90, so 270336 outputs on an H100.
-constexpr int64_t kColumnLoopMaxN = 64;
+// Columns: an input with at least this many outputs per SM thread slot and a reduced dim shorter
+// than 64 gives every output a thread of its own (column_loop): 2048 threads per SM on sm_80/sm_90,
+// so 270336 outputs on an H100. At 64 rows column_split was already ahead (64 x 1048576 float32
+// on the H100: 95 us against 100). Otherwise column_split, whose tiles lay a warp over several rows
+// when the tensor is narrower than a warp of columns (course/column_reduce.cuh).
+constexpr int64_t kColumnLoopBelowN = 64;
 constexpr int64_t kColumnLoopOutputsPerSm = 2048;
 
-inline ReduceVersion default_reduce(int64_t outer, int64_t n, int64_t inner, bool whole, int sms, int column_cols) {
+inline ReduceVersion default_reduce(int64_t outer, int64_t n, int64_t inner, bool whole, int sms) {
   if (whole) return ReduceVersion::kOnePass;
   if (inner > 1) {
-    if (n <= kColumnLoopMaxN && outer * inner >= int64_t{sms} * kColumnLoopOutputsPerSm) return ReduceVersion::kColumnLoop;
-    return course::column_tile_lanes(inner, column_cols) < 32 ? ReduceVersion::kColumnNarrow : ReduceVersion::kColumnSplit;
+    if (n < kColumnLoopBelowN && outer * inner >= int64_t{sms} * kColumnLoopOutputsPerSm) return ReduceVersion::kColumnLoop;
+    return ReduceVersion::kColumnSplit;
   }
   if (n < kRowsPerWarpBelow) return ReduceVersion::kRowsPerWarp;
   if (n <= kWarpRowMax) return ReduceVersion::kWarpPerRow;

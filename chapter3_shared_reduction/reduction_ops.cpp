@@ -41,7 +41,6 @@ constexpr ::course::NamedVersion<ReduceVersion> kReduceVersions[] = {
     {"block_per_row", ReduceVersion::kBlockPerRow}, {"warp_per_row", ReduceVersion::kWarpPerRow},
     {"rows_per_warp", ReduceVersion::kRowsPerWarp}, {"split_row", ReduceVersion::kSplitRow},
     {"column_loop", ReduceVersion::kColumnLoop},  {"column_split", ReduceVersion::kColumnSplit},
-    {"column_narrow", ReduceVersion::kColumnNarrow},
 };
 constexpr ::course::NamedVersion<SoftmaxVersion> kSoftmaxVersions[] = {
     {"v1", SoftmaxVersion::kThreePasses}, {"v2", SoftmaxVersion::kBlockPerRow},
@@ -157,17 +156,8 @@ std::string rungs_of(Layout l) {
   return list;
 }
 
-// Columns per lane the column tiles would read for x (course::column_lanes: a 16-byte vector
-// when every row of inner elements starts on a 16-byte boundary, else one). A tensor without
-// memory (meta) counts as a fresh allocation, which is aligned.
-int column_cols(const Tensor& x, int64_t inner) {
-  const int lanes = 16 / static_cast<int>(x.element_size());
-  const bool aligned = x.is_meta() || ::course::is_aligned(x.const_data_ptr(), 16);
-  return inner % lanes == 0 && aligned ? lanes : 1;
-}
-
-ReduceVersion dispatch_reduce(const ReduceShape& s, const Tensor& x, int sms) {
-  return default_reduce(s.outer, s.n, s.inner, s.whole, sms, s.whole || s.inner == 1 ? 1 : column_cols(x, s.inner));
+ReduceVersion dispatch_reduce(const ReduceShape& s, int sms) {
+  return default_reduce(s.outer, s.n, s.inner, s.whole, sms);
 }
 
 // The rung a call runs: the requested one, which must belong to the ladder of the call's
@@ -175,7 +165,7 @@ ReduceVersion dispatch_reduce(const ReduceShape& s, const Tensor& x, int sms) {
 ReduceVersion pick_reduce(const char* op, const ReduceShape& s, OptVersion version, const Tensor& x) {
   const std::optional<ReduceVersion> requested = ::course::parse_version(op, version, kReduceVersions);
   const Layout layout = layout_of_shape(s);
-  if (!requested.has_value()) return dispatch_reduce(s, x, ::course::device_sms(x));
+  if (!requested.has_value()) return dispatch_reduce(s, ::course::device_sms(x));
   const Layout rung_layout = layout_of(*requested);
   TORCH_CHECK(rung_layout == layout, op, ": version '", std::string(::course::as_std(*version)),
               "' is a rung of the ", ladder_name(rung_layout), " ladder, but this call reduces ",
@@ -211,9 +201,8 @@ Tensor reduce_impl(const char* op, ReduceOp kind, const Tensor& x, std::optional
     return at::empty_symint(reduced_sizes(x, s, keepdim), x.options());
   }
   const ReduceShape s = reduce_shape(op, x, dim);
-  // The kernels read the contiguous tensor: its alignment is what the dispatch looks at.
   const Tensor xc = x.contiguous();
-  const ReduceVersion v = pick_reduce(op, s, version, xc);
+  const ReduceVersion v = pick_reduce(op, s, version, x);
   Tensor out = at::empty_symint(reduced_sizes(x, s, keepdim), x.options());
   if (out.numel() == 0) return out;
   if (s.n == 0) {
@@ -319,16 +308,15 @@ Tensor softmax_backward_impl(const Tensor& grad, const Tensor& y, int64_t dim, b
   return rows_back(out, y, d);
 }
 
-// What op(x, dim, version=None) runs on a GPU of `sms` SMs, from shape, dtype and alignment
-// alone (any device, meta included: a meta tensor counts as aligned).
+// What op(x, dim, version=None) runs on a GPU of `sms` SMs, from shape and dtype alone (any
+// device, meta included).
 std::string default_choice(c10::string_view op_name, const Tensor& x, std::optional<int64_t> dim, int64_t sms) {
   const auto name = ::course::as_std(op_name);
   check_input("default_choice", "x", x);
   TORCH_CHECK(sms >= 1, "default_choice: sms must be >= 1, got ", std::to_string(sms));
   if (name == "sum" || name == "amax") {
     const ReduceShape s = reduce_shape("default_choice", x, dim);
-    const Tensor xc = x.is_meta() ? x : x.contiguous();
-    return ::course::version_name(kReduceVersions, dispatch_reduce(s, xc, static_cast<int>(sms)));
+    return ::course::version_name(kReduceVersions, dispatch_reduce(s, static_cast<int>(sms)));
   }
   const int64_t d = wrap_dim("default_choice", dim.value_or(-1), x.dim());
   const int64_t n = x.dim() == 0 ? 1 : x.size(d);
@@ -338,8 +326,15 @@ std::string default_choice(c10::string_view op_name, const Tensor& x, std::optio
   }
   TORCH_CHECK(name == "softmax_backward", "default_choice: unknown op '", std::string(name),
               "' (sum, amax, softmax, log_softmax, softmax_backward)");
-  const RowPlan plan = plan_row(n, elem, true, true, static_cast<int>(sms));
-  return plan.kind == RowPlanKind::kResident ? "resident" : (plan.kind == RowPlanKind::kSplit ? "split" : "streamed");
+  const int64_t rows = x.dim() == 0 || n == 0 ? 1 : x.numel() / n;
+  const RowPlan plan = plan_row(n, elem, true, true, static_cast<int>(sms), rows);
+  switch (plan.kind) {
+    case RowPlanKind::kResident: return "resident";
+    case RowPlanKind::kShared: return "shared";
+    case RowPlanKind::kSplit: return "split";
+    case RowPlanKind::kStreamed: break;
+  }
+  return "streamed";
 }
 
 // ---------------------------------------------------------------------------------------

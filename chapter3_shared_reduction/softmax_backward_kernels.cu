@@ -120,6 +120,60 @@ __global__ void __launch_bounds__(kResidentShapes[kShape].threads, split_blocks_
   }
 }
 
+// Rows parked in shared memory (RowPlanKind::kShared): the forward's softmax_shared with two
+// rows, y and dy, each in 16-byte slots from its first boundary on (dy starts as far from one as
+// y: row_access checked), one reduction, dx written from the slots. Each thread reads back only
+// what it wrote: no barrier but the reduction's.
+template <typename T, bool kLog, Access kAccess>
+__global__ void __launch_bounds__(kSharedThreads)
+    softmax_backward_shared(const T* __restrict__ y, const T* __restrict__ dy, T* __restrict__ dx, int64_t rows,
+                            int64_t n, int64_t slots) {
+  using A = typename Acc<T>::type;
+  using V = course::Vec16<T>;
+  constexpr int kLanes = V::kLanes;
+  extern __shared__ int4 parked_words[];
+  __shared__ A smem[32];
+  const int t = threadIdx.x;
+  V* parked_y = reinterpret_cast<V*>(parked_words);
+  V* parked_g = parked_y + slots;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const int64_t offset = r * n;
+    const RowSpan span = row_span<kAccess>(y + offset, n);
+    const int64_t vectors = (span.body_end - span.head) / kLanes;
+    const V* yv = reinterpret_cast<const V*>(y + offset + span.head);
+    const V* gv = reinterpret_cast<const V*>(dy + offset + span.head);
+    A dot = A(0);
+    for (int64_t j = t; j < vectors; j += kSharedThreads) {
+      const V a = course::load16(yv + j);
+      const V b = course::load16(gv + j);
+      course::store16(parked_y + j, a);
+      course::store16(parked_g + j, b);
+#pragma unroll
+      for (int l = 0; l < kLanes; ++l) dot += dot_term<kLog>(to_acc(a.v[l]), to_acc(b.v[l]));
+    }
+    const int64_t tail = span.len - span.body_end;
+    const int64_t head_i = t;
+    const int64_t tail_i = span.body_end + t;
+    const A head_y = t < span.head ? to_acc(y[offset + head_i]) : A(0);
+    const A head_g = t < span.head ? to_acc(dy[offset + head_i]) : A(0);
+    const A tail_y = t < tail ? to_acc(y[offset + tail_i]) : A(0);
+    const A tail_g = t < tail ? to_acc(dy[offset + tail_i]) : A(0);
+    dot += dot_term<kLog>(head_y, head_g) + dot_term<kLog>(tail_y, tail_g);  // 0 where absent
+    const A total = course::block_reduce<kSharedThreads>(dot, SumOp<A>(), smem);
+    V* xv = reinterpret_cast<V*>(dx + offset + span.head);
+    for (int64_t j = t; j < vectors; j += kSharedThreads) {
+      const V a = course::load16(parked_y + j);
+      const V b = course::load16(parked_g + j);
+      V out;
+#pragma unroll
+      for (int l = 0; l < kLanes; ++l) out.v[l] = from_acc<T>(grad_input<kLog>(to_acc(a.v[l]), to_acc(b.v[l]), total));
+      course::store16(xv + j, out);
+    }
+    if (t < span.head) dx[offset + head_i] = from_acc<T>(grad_input<kLog>(head_y, head_g, total));
+    if (t < tail) dx[offset + tail_i] = from_acc<T>(grad_input<kLog>(tail_y, tail_g, total));
+  }
+}
+
 // Streamed: one block per row reads y and dy twice (the sum, then dx). float64, and rows
 // longer than split blocks can hold.
 template <typename T, bool kLog>
@@ -150,7 +204,7 @@ template <typename T, bool kLog>
 cudaError_t run_backward(const SoftmaxBackwardParams& p, cudaStream_t stream) {
   int sms = 0;
   COURSE_CUDA_TRY(course::sm_count(&sms));
-  const RowPlan plan = plan_row(p.n, sizeof(T), true, true, sms);
+  const RowPlan plan = plan_row(p.n, sizeof(T), true, true, sms, p.rows);
   const T* y = static_cast<const T*>(p.y);
   const T* dy = static_cast<const T*>(p.dy);
   T* dx = static_cast<T*>(p.dx);
@@ -162,6 +216,11 @@ cudaError_t run_backward(const SoftmaxBackwardParams& p, cudaStream_t stream) {
         return launch_resident<s.threads>(
             softmax_backward_resident<T, s.threads, s.vectors, kLog, decltype(access)::value>, p.rows, stream, y,
             dy, dx, p.rows, p.n);
+      },
+      [&](auto access) {
+        const int64_t slots = parked_bytes<T>(p.n) / 16;
+        return launch_shared(softmax_backward_shared<T, kLog, decltype(access)::value>, p.rows, 2 * slots * 16, stream,
+                             streamed, y, dy, dx, p.rows, p.n, slots);
       },
       [&](auto shape, auto access) {
         return launch_split(softmax_backward_split<T, decltype(shape)::value, kLog, decltype(access)::value>,
@@ -179,7 +238,7 @@ cudaError_t softmax_backward_workspace(const SoftmaxBackwardParams& p, Workspace
     *ws = Workspace{};
     int sms = 0;
     COURSE_CUDA_TRY(course::sm_count(&sms));
-    const RowPlan plan = plan_row(p.n, sizeof(T), true, true, sms);
+    const RowPlan plan = plan_row(p.n, sizeof(T), true, true, sms, p.rows);
     if (plan.kind == RowPlanKind::kSplit) {
       ws->bytes = p.rows * plan.blocks * static_cast<int64_t>(sizeof(typename Acc<T>::type));
       ws->counters = p.rows;

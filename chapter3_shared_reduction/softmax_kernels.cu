@@ -291,9 +291,12 @@ struct PackedTile {
   }
 };
 
-// The tile a thread keeps for shape kThreads x kVectors (keeps_raw in reduction.h).
+// The tile a thread keeps for shape kThreads x kVectors (keeps_raw in reduction.h). Rows read
+// element by element (kScalar: x and y misaligned differently, a rare view) keep floats: 64
+// single loads packed two to a word took ptxas past 128 registers (960 bytes of spills), and
+// 64 floats fit.
 template <typename T, Access kAccess, int kThreads, int kVectors>
-using Tile = std::conditional_t<keeps_raw({kThreads, kVectors}, sizeof(T), false),
+using Tile = std::conditional_t<keeps_raw({kThreads, kVectors}, sizeof(T), false) && kAccess != Access::kScalar,
                                 PackedTile<T, kAccess, kThreads, kVectors>, FloatTile<T, kAccess, kThreads, kVectors>>;
 
 // v4: the row held in registers. kThreads threads per row (a warp, or a block of 128-512)
@@ -389,6 +392,72 @@ __global__ void __launch_bounds__(kResidentShapes[kShape].threads,
   }
 }
 
+// v5, a row parked in shared memory (RowPlanKind::kShared, reduction.h): a 2-byte row too long
+// for one block's registers (16385 to 57344 elements: the vocabularies of Llama 2 and GPT-2)
+// when there are rows enough for every SM. One block of kSharedThreads per row copies the row
+// from DRAM into shared memory as loaded, keeping the maximum on the way; reads it back for the
+// sum of exponentials; reads it again to write y. One read and one write of DRAM, and no block
+// waits for another (the split rows' cost). Each thread reads back only the 16-byte slots it
+// wrote, so the passes need no barrier of their own; the two block reductions have theirs.
+// The slots start at the row's first 16-byte boundary (lead puts it on one in shared memory);
+// the few elements before it and after the last whole vector stay in registers.
+template <typename T, bool kLog, Access kAccess>
+__global__ void __launch_bounds__(kSharedThreads)
+    softmax_shared(const T* __restrict__ x, T* __restrict__ y, int64_t rows, int64_t n) {
+  using A = typename Acc<T>::type;
+  using V = course::Vec16<T>;
+  constexpr int kLanes = V::kLanes;
+  extern __shared__ int4 parked_words[];
+  __shared__ A smem[32];
+  const MaxOp<A> max_op;
+  const int t = threadIdx.x;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const T* xr = x + r * n;
+    T* yr = y + r * n;
+    const RowSpan span = row_span<kAccess>(xr, n);
+    const int64_t vectors = (span.body_end - span.head) / kLanes;
+    // The row's vector j sits in slot j of `parked`: shared memory is 16-byte aligned.
+    V* parked = reinterpret_cast<V*>(parked_words);
+    const V* xv = reinterpret_cast<const V*>(xr + span.head);
+    A m = max_op.identity();
+    for (int64_t j = t; j < vectors; j += kSharedThreads) {
+      const V w = course::load16(xv + j);
+      course::store16(parked + j, w);
+#pragma unroll
+      for (int l = 0; l < kLanes; ++l) m = max_op(m, to_acc(w.v[l]));
+    }
+    // Head and tail: thread t holds element t of each, fewer than kLanes of either.
+    const int64_t tail = span.len - span.body_end;
+    const A head_v = t < span.head ? to_acc(xr[t]) : max_op.identity();
+    const A tail_v = t < tail ? to_acc(xr[span.body_end + t]) : max_op.identity();
+    m = course::block_reduce<kSharedThreads>(max_op(m, max_op(head_v, tail_v)), max_op, smem);
+    A s = A(0);
+    for (int64_t j = t; j < vectors; j += kSharedThreads) {
+      const V w = course::load16(parked + j);
+#pragma unroll
+      for (int l = 0; l < kLanes; ++l) s += exp(to_acc(w.v[l]) - m);
+    }
+    if (t < span.head) s += exp(head_v - m);
+    if (t < tail) s += exp(tail_v - m);
+    s = course::block_reduce<kSharedThreads>(s, SumOp<A>(), smem);
+    // y as FloatTile computes it: exp(x - m) * (1 / s), or (x - m) + (-log s).
+    const A k = kLog ? -::log(s) : A(1) / s;
+    V* yv = reinterpret_cast<V*>(yr + span.head);
+    for (int64_t j = t; j < vectors; j += kSharedThreads) {
+      const V w = course::load16(parked + j);
+      V out;
+#pragma unroll
+      for (int l = 0; l < kLanes; ++l) {
+        const A d = to_acc(w.v[l]) - m;
+        out.v[l] = from_acc<T>(kLog ? d + k : exp(d) * k);
+      }
+      course::store16(yv + j, out);
+    }
+    if (t < span.head) yr[t] = from_acc<T>(kLog ? (head_v - m) + k : exp(head_v - m) * k);
+    if (t < tail) yr[span.body_end + t] = from_acc<T>(kLog ? (tail_v - m) + k : exp(tail_v - m) * k);
+  }
+}
+
 // ===========================================================================================
 // Launchers
 // ===========================================================================================
@@ -402,12 +471,12 @@ cudaError_t launch_streamed(const SoftmaxParams& p, cudaStream_t stream) {
 }
 
 // v4 and v5 (float64 is streamed, see plan_row): softmax_rows.cuh's run_row_plan picks the
-// kernel, as it does for the backward.
+// kernel (resident, shared-memory row, split), as it does for the backward.
 template <typename T, bool kLog>
 cudaError_t launch_in_registers(const SoftmaxParams& p, cudaStream_t stream) {
   int sms = 0;
   COURSE_CUDA_TRY(course::sm_count(&sms));
-  const RowPlan plan = plan_row(p.n, sizeof(T), p.version == SoftmaxVersion::kSplitRow, false, sms);
+  const RowPlan plan = plan_row(p.n, sizeof(T), p.version == SoftmaxVersion::kSplitRow, false, sms, p.rows);
   const T* x = static_cast<const T*>(p.x);
   T* y = static_cast<T*>(p.y);
   using A = typename Acc<T>::type;
@@ -422,6 +491,10 @@ cudaError_t launch_in_registers(const SoftmaxParams& p, cudaStream_t stream) {
           return launch_resident<s.threads>(softmax_resident<T, s.threads, s.vectors, kLog, decltype(access)::value>,
                                             p.rows, stream, x, y, p.rows, p.n);
         }
+      },
+      [&](auto access) {
+        return launch_shared(softmax_shared<T, kLog, decltype(access)::value>, p.rows, parked_bytes<T>(p.n), stream,
+                             streamed, x, y, p.rows, p.n);
       },
       [&](auto shape, auto access) {
         return launch_split(softmax_split<T, decltype(shape)::value, kLog, decltype(access)::value>, plan.blocks,
@@ -470,7 +543,7 @@ cudaError_t softmax_workspace(const SoftmaxParams& p, Workspace* ws) {
     } else if (p.version == SoftmaxVersion::kSplitRow) {
       int sms = 0;
       COURSE_CUDA_TRY(course::sm_count(&sms));
-      const RowPlan plan = plan_row(p.n, sizeof(decltype(tag)), true, false, sms);
+      const RowPlan plan = plan_row(p.n, sizeof(decltype(tag)), true, false, sms, p.rows);
       if (plan.kind == RowPlanKind::kSplit) {
         ws->bytes = p.rows * plan.blocks * static_cast<int64_t>(sizeof(MaxSum<A>));
         ws->counters = p.rows;

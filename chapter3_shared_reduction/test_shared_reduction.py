@@ -384,6 +384,7 @@ SOFTMAX_CASES = [
     ((7, 1), -1), ((7, 31), -1), ((7, 33), -1), ((7, 129), -1), ((5, 777), -1), ((5, 1000), -1),
     ((5, 1025), -1), ((3, 4097), -1), ((3, 8193), -1), ((2, 16385), -1), ((2, 32769), -1),
     ((2, 2**20 + 3), -1),
+    ((140, 20001), -1),  # 2-byte rows for every SM, too long for registers: parked in shared memory
     ((300, 33), -1),  # many rows: several warps per block, the last block partial
     ((0, 33), -1),  # no rows
     ((), -1), ((), 0),  # 0-d, as torch allows
@@ -475,7 +476,7 @@ def test_softmax_rows_sum_to_one(version, dtype, device):
 # 5. softmax_backward against torch's backward formulas
 # ---------------------------------------------------------------------------------------------
 BACKWARD_CASES = [((7, 1), -1), ((7, 31), -1), ((7, 33), -1), ((5, 1000), -1), ((3, 4097), -1),
-                  ((3, 8193), -1), ((2, 16385), -1), ((2, 40000), -1), ((2, 2**20 + 3), -1),
+                  ((3, 8193), -1), ((2, 16385), -1), ((2, 40000), -1), ((2, 2**20 + 3), -1), ((140, 20001), -1),
                   ((0, 33), -1), ((), -1), ((4, 7, 33), 1), ((4, 7, 33), 0)]
 
 
@@ -862,19 +863,19 @@ DEFAULT_CASES = {
     "whole": ("sum", (1000,), torch.float32, None, "v10"),
     "whole_3d": ("amax", (3, 4, 5), torch.bfloat16, None, "v10"),
     "whole_long": ("sum", (2**20 + 3,), torch.float16, None, "v10"),
-    # inner > 1: columns. A tile narrower than a warp of columns (16-byte vectors when rows
-    # are whole vectors, else single columns) lays the warp over several rows: column_narrow;
-    # from 32 lanes of columns on, column_split; a short reduced dim under many outputs,
+    # inner > 1: columns: column_split (whose tiles lay a warp over several rows when the tensor
+    # is narrower than a warp of columns), except a short reduced dim under many outputs,
     # column_loop (one thread an output: 132 SMs x 2048 of them)
-    "columns_inner_2": ("sum", (4, 2), torch.float32, 0, "column_narrow"),
-    "columns_3d": ("amax", (3, 4, 5), torch.float32, 1, "column_narrow"),
-    "columns_long": ("sum", (5000, 3), torch.float32, 0, "column_narrow"),
-    "columns_64_vectors": ("sum", (1000, 64), torch.float32, 0, "column_narrow"),  # 16 lanes of 4
+    "columns_inner_2": ("sum", (4, 2), torch.float32, 0, "column_split"),
+    "columns_3d": ("amax", (3, 4, 5), torch.float32, 1, "column_split"),
+    "columns_long": ("sum", (5000, 3), torch.float32, 0, "column_split"),
+    "columns_64_vectors": ("sum", (1000, 64), torch.float32, 0, "column_split"),  # 16 lanes of 4
     "columns_128_vectors": ("sum", (100, 128), torch.float32, 0, "column_split"),  # 32 lanes of 4
-    "columns_31_single": ("amax", (100, 31), torch.float32, 0, "column_narrow"),  # 31 lanes of 1
+    "columns_31_single": ("amax", (100, 31), torch.float32, 0, "column_split"),  # 31 lanes of 1
     "columns_33_single": ("sum", (100, 33), torch.bfloat16, 0, "column_split"),  # 33 lanes of 1
     "columns_loop": ("sum", (100003, 16, 3), torch.float32, 1, "column_loop"),  # 300009 outputs
-    "columns_loop_n_65": ("sum", (5000, 65, 60), torch.float32, 1, "column_narrow"),
+    "columns_loop_n_63": ("sum", (5000, 63, 60), torch.float32, 1, "column_loop"),
+    "columns_loop_n_64": ("sum", (5000, 64, 60), torch.float32, 1, "column_split"),
     # inner == 1 through trailing size-1 dims: rows
     "rows_trailing_ones": ("sum", (3, 4, 1), torch.float32, 1, "rows_per_warp"),
     # row length: < 32 rows_per_warp, up to 2048 warp_per_row
@@ -934,9 +935,13 @@ SMS_CASES = {
     "h100_rows_528": ("sum", (528, 4096), torch.bfloat16, -1, 132, "block_per_row"),
     # a thread per output once the outputs fill every SM's 2048 threads
     "t4_loop": ("sum", (40960, 16, 2), torch.float32, 1, 40, "column_loop"),
-    "t4_loop_fewer": ("sum", (40959, 16, 2), torch.float32, 1, 40, "column_narrow"),
+    "t4_loop_fewer": ("sum", (40959, 16, 2), torch.float32, 1, 40, "column_split"),
     # a split row needs all its blocks resident: SMs x 2 for the 2-byte backward (256 x 4 x 8
     # = 8192 elements a block), else it is streamed: 3 blocks fit 2 SMs, 5 do not
+    # a 2-byte row too long for registers is parked in one block's shared memory when there
+    # is a row for every SM, else split over blocks
+    "h100_shared": ("softmax_backward", (132, 32000), torch.bfloat16, -1, 132, "shared"),
+    "h100_fewer_rows_split": ("softmax_backward", (131, 32000), torch.bfloat16, -1, 132, "split"),
     "two_sms_split": ("softmax_backward", (1, 16385), torch.bfloat16, -1, 2, "split"),
     "two_sms_streamed": ("softmax_backward", (1, 40000), torch.bfloat16, -1, 2, "streamed"),
 }
@@ -965,14 +970,17 @@ def test_default_choice_uses_the_gpus_sm_count():
 
 # (op, shape, dtype, the kernel name must contain): the new paths, launched. Odd rows take
 # Access::kChunks (course/rows.cuh), a 2-byte split row the 256 x 8 shape of 16-bit values, a
-# narrow column the column tiles with lanes over rows.
+# narrow column the column tiles (with lanes over rows).
 LAUNCH_CASES = {
     "softmax_chunks_f32": ("softmax", (64, 777), torch.float32, "softmax_resident<float, 32, 8, false, (course::rows::Access)2>"),
     "softmax_chunks_bf16": ("log_softmax", (64, 777), torch.bfloat16, "softmax_resident<__nv_bfloat16, 32, 4, true, (course::rows::Access)2>"),
-    "softmax_split_raw_bf16": ("softmax", (2, 50257), torch.bfloat16, "softmax_split<__nv_bfloat16, 8, false, (course::rows::Access)2>"),
-    "softmax_split_raw_f16": ("softmax", (2, 32768), torch.float16, "softmax_split<__half, 8, false, (course::rows::Access)1>"),
+    "softmax_split_raw_bf16": ("softmax", (2, 50257), torch.bfloat16, "softmax_split<__nv_bfloat16, 9, false, (course::rows::Access)2>"),
+    "softmax_split_raw_f16": ("softmax", (2, 32768), torch.float16, "softmax_split<__half, 9, false, (course::rows::Access)1>"),
+    "softmax_shared_bf16": ("log_softmax", (264, 32000), torch.bfloat16, "softmax_shared<__nv_bfloat16, true, (course::rows::Access)1>"),
+    "backward_shared_f16": ("softmax_backward", (264, 20001), torch.float16, "softmax_backward_shared<__half, false, (course::rows::Access)2>"),
+    "softmax_64_threads": ("softmax", (64, 1025), torch.bfloat16, "softmax_resident<__nv_bfloat16, 64, 4, false, (course::rows::Access)2>"),
     "backward_chunks": ("softmax_backward", (64, 4099), torch.bfloat16, "softmax_backward_resident<__nv_bfloat16, 256, 4, false, (course::rows::Access)2>"),
-    "column_narrow": ("sum", (100003, 3), torch.float32, "column_reduce_tiles<1, float"),
+    "column_split": ("sum", (100003, 3), torch.float32, "column_reduce_tiles<1, float"),
 }
 
 

@@ -49,7 +49,7 @@ template <typename Act>
 constexpr int kForwardRows = std::is_same_v<Act, GeluErf> ? 4 : 1;
 template <typename Act>
 constexpr int kForwardMinBlocks = 2048 / kTileThreads / (std::is_same_v<Act, GeluErf> ? 2 : 1);
-// Rows that are not whole vectors move single elements, eight rows of them in flight
+// Rows that the tiles take as single elements move eight of them in flight
 // (course::launch_bias_act_tiles).
 
 // ---------------------------------------------------------------------------------------
@@ -110,12 +110,13 @@ __global__ void bias_act_warp_kernel(const T* x, const T* bias, typename course:
 }
 
 // ---------------------------------------------------------------------------------------
-// v3 of fused_bias_scale_relu, v2 of bias_gelu / bias_silu, linear's fused epilogue: the column
-// tiles (course::bias_act_tile_kernel). Against v2: 16-byte loads and stores (a quarter to an
-// eighth of the memory instructions), the bias loaded once per thread instead of once per
-// element, no division per element. v4 of fused_bias_scale_relu, and the path of v2 and the
-// epilogue for rows that are not whole vectors: the flat kernel (course::bias_act_flat_kernel),
-// one vector per thread over the flat array with the bias gathered by column.
+// v3 of fused_bias_scale_relu, v2 of bias_gelu / bias_silu, linear's fused epilogue: 16-byte
+// accesses, in one of two kernels (course/bias_act.cuh). The column tiles
+// (bias_act_tile_kernel): against v2, 16-byte loads and stores (a quarter to an eighth of the
+// memory instructions), the bias loaded once per thread instead of once per element, no division
+// per element. The flat kernel (bias_act_flat_kernel): one vector per thread over the flat
+// array, the bias gathered by column, where the tiles would leave lanes idle or rows are not
+// whole vectors.
 // ---------------------------------------------------------------------------------------
 template <typename T>
 course::BiasAct<T> bias_act_args(const BiasActParams& p) {
@@ -123,27 +124,11 @@ course::BiasAct<T> bias_act_args(const BiasActParams& p) {
           static_cast<T*>(p.y), static_cast<T*>(p.pre), p.mask, p.rows, p.n};
 }
 
-template <typename T, typename Act, bool kMask>
-cudaError_t launch_bias_act_tiles(const BiasActParams& p, cudaStream_t stream) {
-  return course::launch_bias_act_tiles<T, Act, kMask, kForwardRows<Act>, kForwardMinBlocks<Act>>(bias_act_args<T>(p),
-                                                                                                  stream);
-}
-
-template <typename T, typename Act, bool kMask>
-cudaError_t launch_bias_act_flat(const BiasActParams& p, cudaStream_t stream) {
-  return course::launch_bias_act_flat<T, Act, kMask>(bias_act_args<T>(p), stream);
-}
-
-// The fused kernel a call takes: the column tiles while rows are whole aligned vectors (the
-// bias kept in registers across rows), else the flat kernel, which moves whole vectors anyway;
-// the tiles' single elements only where the flat kernel cannot pair the operands' vectors.
+// The fused forward a call takes (course::launch_bias_act): the column tiles, or the flat kernel
+// where the tiles would leave lanes idle or rows are not whole vectors.
 template <typename T, typename Act, bool kMask>
 cudaError_t launch_bias_act_fused(const BiasActParams& p, cudaStream_t stream) {
-  const course::BiasAct<T> args = bias_act_args<T>(p);
-  if (vectorizable<T>(p.n, {p.x, p.bias, p.y, p.pre}) || !course::flat_applies(args)) {
-    return launch_bias_act_tiles<T, Act, kMask>(p, stream);
-  }
-  return course::launch_bias_act_flat<T, Act, kMask>(args, stream);
+  return course::launch_bias_act<T, Act, kMask, kForwardRows<Act>, kForwardMinBlocks<Act>>(bias_act_args<T>(p), stream);
 }
 
 template <typename T, typename Act, bool kMask>

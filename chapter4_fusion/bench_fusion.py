@@ -341,8 +341,13 @@ def shape_cases(device, quick):
                     like = [torch.randn(tokens, hidden, dtype=dtype, device=device) for _ in range(1 + rows_like)]
                     return (*like, *[torch.randn(hidden, dtype=dtype, device=device) for _ in range(params)])
                 choice = "rms_norm" if op == "fused_add_rms_norm" else op
+                # The norms' forward rungs beside the default, to read the dispatch from.
+                rungs = {}
+                if op in ("layer_norm", "rms_norm") and device == "cuda":
+                    rungs = {v: (lambda *a, v=v, op=op: NORMS[op][0](*a, version=v) if op == "layer_norm"
+                                 else fusion.rms_norm(*a, EPS, version=v)) for v in fusion.VERSIONS[op]}
                 cases.append(shapes.Case(op, dtype, (tokens, hidden), fwd * n * size, make, ours, eager,
-                                         dispatch=fusion.default_choice(op, meta)))
+                                         dispatch=fusion.default_choice(op, meta), rungs=rungs))
                 cases.append(shapes.Case(op, dtype, (tokens, hidden), bwd * n * size, make, ours, eager,
                                          backward=True, grads=grads,
                                          dispatch=fusion.default_choice(f"{choice}_backward" if op != "bias_gelu"
@@ -428,7 +433,7 @@ def print_table(record):
 def main():
     device, quick, args = shapes.start(__doc__)
     if args.shapes:
-        shapes.main(CHAPTER, shape_cases, __file__, shapes_figures, quick, args.ops)
+        shapes.main(CHAPTER, shape_cases, __file__, shapes_figures, quick, args.ops, args.dtypes)
         return
     torch._dynamo.config.cache_size_limit = 256
     s = sizes_for(device, quick)
@@ -450,7 +455,7 @@ def main():
                         "backward rungs and their default time the backward op alone"}}
     results.publish(CHAPTER, rows, ceilings, extra, make_figures, print_table)
     if not args.no_shapes:
-        shapes.main(CHAPTER, shape_cases, __file__, shapes_figures, quick, args.ops)
+        shapes.main(CHAPTER, shape_cases, __file__, shapes_figures, quick, args.ops, args.dtypes)
 
 
 if __name__ == "__main__":

@@ -39,8 +39,7 @@ using ::course::mask_words_per_row;
 enum class BsrVersion {
   kThreeKernels,  // v1: scale, add bias, relu: eager's three trips through memory
   kFused,         // v2: one kernel, scalar loads, a warp per 32 adjacent columns of a row
-  kVectorized,    // v3: 16-byte loads, the bias tile loaded once per thread and reused by every row
-  kFlat,          // v4: one 16-byte vector per thread over the flat array, the bias gathered by column
+  kVectorized,    // v3: 16-byte loads: the bias tile kept by every thread across rows, or the flat map
 };
 
 // The backward ladder of fused_bias_scale_relu (and the kernel every other backward here uses).
@@ -116,16 +115,12 @@ struct SwigluBackwardParams {
 };
 
 // ---------------------------------------------------------------------------------------
-// version=None.
-//   fused_bias_scale_relu: v4, the flat kernel, at every shape: every lane has a vector at any
-//     row length (v3's tiles leave a quarter to a half of a block idle at hidden 768 or 3072),
-//     and rows that are not whole vectors still move as aligned vectors. Its launcher falls
-//     back to v3's tiles by itself where the flat kernel cannot run (a mask on rows that are
-//     not whole 32-bit words, operands at different distances from a 16-byte boundary).
-//   The backward, bias_gelu, bias_silu, swiglu, linear: the top rung (their vectorized kernels
-//   fall back to the flat kernel or to single elements by themselves).
+// version=None: the top rung everywhere. Its launchers choose the kernel by themselves from the
+// shape and the pointers: v3's between the column tiles and the flat kernel
+// (course::launch_bias_act), the vectorized kernels of the other ops between 16-byte and
+// single-element accesses.
 // ---------------------------------------------------------------------------------------
-inline BsrVersion default_bsr(int64_t /*rows*/, int64_t /*n*/, int /*elem_bytes*/) { return BsrVersion::kFlat; }
+inline BsrVersion default_bsr(int64_t /*rows*/, int64_t /*n*/, int /*elem_bytes*/) { return BsrVersion::kVectorized; }
 inline BackwardVersion default_backward(int64_t /*rows*/, int64_t /*n*/, int /*elem_bytes*/) {
   return BackwardVersion::kFused;
 }

@@ -139,11 +139,11 @@ cudaError_t launch_swiglu_tiles(int64_t rows, int64_t half, std::initializer_lis
 //   v1  three kernels, scale, add bias, relu (+ mask): eager's 6 b bytes per element, and each
 //       intermediate rounded to the dtype as eager rounds it;
 //   v2  one kernel (bias_act_warp_kernel): 2 b bytes, scalar accesses, a warp per mask word;
-//   v3  one kernel (bias_act_tile_kernel): 16-byte accesses, the bias held in registers across
-//       rows: the copy kernel's access pattern, for rows of whole vectors;
-//   v4  one kernel (bias_act_flat_kernel): one 16-byte vector per thread over the flat array,
-//       the bias gathered by column: every lane busy at any hidden size, whole vectors at any
-//       row length (v3 moves single elements once rows are not whole vectors).
+//   v3  one kernel with 16-byte accesses: the column tiles (bias_act_tile_kernel, the bias held
+//       in registers across rows: the copy kernel's access pattern) while rows are whole vectors
+//       that fill the tiles, else the flat kernel (bias_act_flat_kernel: one 16-byte vector per
+//       thread over the flat array, the bias gathered by column: every lane busy at any hidden
+//       size, whole vectors at any row length).
 // ---------------------------------------------------------------------------------------
 cudaError_t launch_bias_scale_relu(const BiasActParams& p, BsrVersion version, cudaStream_t stream) {
   return with_dtype(p.dtype, [&](auto tag) -> cudaError_t {
@@ -162,15 +162,9 @@ cudaError_t launch_bias_scale_relu(const BiasActParams& p, BsrVersion version, c
         return mask ? launch_bias_act_warps<T, Relu, true>(x, bias, p.scale, y, p.mask, p.rows, p.n, stream)
                     : launch_bias_act_warps<T, Relu, false>(x, bias, p.scale, y, nullptr, p.rows, p.n, stream);
       case BsrVersion::kVectorized:
-        return mask ? launch_bias_act_tiles<T, Relu, true>(p, stream) : launch_bias_act_tiles<T, Relu, false>(p, stream);
-      case BsrVersion::kFlat:
         break;
     }
-    // The flat kernel where it applies (course::flat_applies), else v3's tiles.
-    if (!course::flat_applies(bias_act_args<T>(p))) {
-      return mask ? launch_bias_act_tiles<T, Relu, true>(p, stream) : launch_bias_act_tiles<T, Relu, false>(p, stream);
-    }
-    return mask ? launch_bias_act_flat<T, Relu, true>(p, stream) : launch_bias_act_flat<T, Relu, false>(p, stream);
+    return mask ? launch_bias_act_fused<T, Relu, true>(p, stream) : launch_bias_act_fused<T, Relu, false>(p, stream);
   });
 }
 

@@ -35,8 +35,7 @@ using ::course::OptVersion;
 
 // The version tables: fusion.VERSIONS is tested against them through the `versions` op.
 constexpr NamedVersion<BsrVersion> kBsrVersions[] = {
-    {"v1", BsrVersion::kThreeKernels}, {"v2", BsrVersion::kFused}, {"v3", BsrVersion::kVectorized},
-    {"v4", BsrVersion::kFlat}};
+    {"v1", BsrVersion::kThreeKernels}, {"v2", BsrVersion::kFused}, {"v3", BsrVersion::kVectorized}};
 constexpr NamedVersion<BackwardVersion> kBackwardVersions[] = {{"v1", BackwardVersion::kSeparate},
                                                                {"v2", BackwardVersion::kFused}};
 constexpr NamedVersion<ActVersion> kActVersions[] = {{"v1", ActVersion::kUnfused}, {"v2", ActVersion::kFused}};

@@ -449,7 +449,7 @@ def print_table(record):
 def main():
     device, quick, args = shapes.start(__doc__)
     if args.shapes:
-        shapes.main(CHAPTER, shape_cases, __file__, shapes_figures, quick, args.ops)
+        shapes.main(CHAPTER, shape_cases, __file__, shapes_figures, quick, args.ops, args.dtypes)
         return
     torch.manual_seed(0)
     s = sizes_for(device, quick)
@@ -464,7 +464,7 @@ def main():
              "host_cpu": bench.host_cpu(), "bindings": bindings}
     results.publish(CHAPTER, rows, ceilings, extra, make_figures, print_table)
     if not args.no_shapes:
-        shapes.main(CHAPTER, shape_cases, __file__, shapes_figures, quick, args.ops)
+        shapes.main(CHAPTER, shape_cases, __file__, shapes_figures, quick, args.ops, args.dtypes)
 
 
 if __name__ == "__main__":

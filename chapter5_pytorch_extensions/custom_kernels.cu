@@ -70,14 +70,15 @@ struct Relu {
 // ---------------------------------------------------------------------------------------
 // fused_op: y = relu(x * scale + bias), one read of x and one write of y per element.
 // ---------------------------------------------------------------------------------------
-// course::bias_act_flat_kernel: the flat array as 16-byte vectors, one per thread, one pass, the
-// bias of every element gathered by its column (one 16-byte load when rows are whole vectors,
-// from L1). Every lane busy at any row length, and a row that starts mid-vector (n not a
-// multiple of 8 bfloat16) still moves as whole aligned vectors. Measured on the H100
+// course::launch_bias_act: the column tiles (a thread keeps 16-byte packs of the same columns
+// for every row, their bias in registers) while rows are whole vectors that fill the tiles,
+// else the flat kernel (16-byte vectors, one per thread, the bias gathered by column): every
+// lane busy at any row length, and a row that starts mid-vector (n not a multiple of 8 bfloat16)
+// still moves as whole aligned vectors. Measured on the H100
 // (results/<gpu>/chapter5_pytorch_extensions.json at commit 66d95f3): a flat grid-stride loop
 // with scalar accesses ran at 89% of copy in float32 and 57% in bfloat16, 0.88x and 0.57x
-// torch.compile; the column tiles that replaced it lost to torch.compile at hidden sizes that
-// leave a tile's lanes idle and at rows that are not whole vectors (chapter 4's v4 says how).
+// torch.compile; the column tiles alone lost to torch.compile at hidden sizes that leave a
+// tile's lanes idle and at rows that are not whole vectors (chapter 4's v3 says how).
 template <typename T>
 course::BiasAct<T> fused_op_args(const FusedOpParams& p) {
   return {static_cast<const T*>(p.x), static_cast<const T*>(p.bias), static_cast<typename Acc<T>::type>(p.scale),
@@ -170,11 +171,7 @@ cudaError_t launch_fused_op(const FusedOpParams& p, cudaStream_t stream) {
   if (p.rows * p.n == 0) return cudaSuccess;  // nothing to write, and n may be 0: no division by it
   return course::with_dtype(p.dtype, [&](auto tag) -> cudaError_t {
     using T = decltype(tag);
-    const course::BiasAct<T> args = fused_op_args<T>(p);
-    // The column tiles where the flat kernel cannot pair x's vectors with y's (a view of x that
-    // starts mid-vector): single elements, eight rows of them in flight.
-    if (!course::flat_applies(args)) return course::launch_bias_act_tiles<T, Relu, false>(args, stream);
-    return course::launch_bias_act_flat<T, Relu, false>(args, stream);
+    return course::launch_bias_act<T, Relu, false>(fused_op_args<T>(p), stream);
   });
 }
 

@@ -23,11 +23,11 @@ __all__ = ["sum", "amax", "softmax", "log_softmax", "atomic_sum", "softmax_backw
 #            modern ones: warp shuffles (v8), 128-bit loads (v9), one pass (v10);
 #   rows:    dim reduces adjacent elements (dim=-1 of a contiguous tensor);
 #   columns: dim reduces elements `inner` apart (dim=0 of a matrix), coalesced across inner;
-#            column_narrow lays a warp over several rows when inner is narrower than a tile.
+#            column_split lays a warp over several rows when inner is narrower than a tile.
 LADDERS = {
     "whole": ("v1", "v2", "v3", "v4", "v5", "v6", "v7", "v8", "v9", "v10"),
     "rows": ("block_per_row", "warp_per_row", "rows_per_warp", "split_row"),
-    "columns": ("column_loop", "column_split", "column_narrow"),
+    "columns": ("column_loop", "column_split"),
 }
 # softmax and log_softmax share one ladder: v1 three passes (three kernels), v2 one block per
 # row (row read three times), v3 online softmax (read twice), v4 the row held in registers

@@ -21,9 +21,10 @@ __all__ = ["fused_bias_scale_relu", "fused_bias_scale_relu_backward", "fused_bia
 # The ladders (test_elementwise.py holds this table against the extension's dispatch):
 #   fused_bias_scale_relu           v1 three kernels (scale, add bias, relu: eager's three trips
 #                                   through memory), v2 one fused kernel with scalar accesses,
-#                                   v3 16-byte accesses with the bias loaded once per thread and
-#                                   reused by every row it visits, v4 one 16-byte vector per
-#                                   thread over the flat array, the bias gathered by column;
+#                                   v3 16-byte accesses: the bias loaded once per thread and reused
+#                                   by every row it visits, or (where that would leave lanes idle,
+#                                   or rows are not whole vectors) one vector per thread over the
+#                                   flat array with the bias gathered by column;
 #   fused_bias_scale_relu_backward  v1 g = dy * (z > 0) written out, dx = g * scale, then a
 #                                   column sum of g; v2 one pass writing dx and per-block column
 #                                   partials of g, then a small deterministic column sum;
@@ -33,7 +34,7 @@ __all__ = ["fused_bias_scale_relu", "fused_bias_scale_relu_backward", "fused_bia
 #                                   activation kernel ("unfused") or one bias + activation
 #                                   kernel ("fused_epilogue").
 VERSIONS = {
-    "fused_bias_scale_relu": ("v1", "v2", "v3", "v4"),
+    "fused_bias_scale_relu": ("v1", "v2", "v3"),
     "fused_bias_scale_relu_backward": ("v1", "v2"),
     "bias_gelu": ("v1", "v2"),
     "bias_silu": ("v1", "v2"),

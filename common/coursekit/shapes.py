@@ -15,8 +15,8 @@ output written once), so GB/s and % of copy compare variants by time.
 
 Timing: a CUDA graph of calls rotating over input sets (bench.time_cuda_graph), so small
 problems are not measured with their inputs still in the L2 from the previous call, with at
-most MAX_SETS sets (inputs below ~400 KB then rotate through less than twice the L2; such shapes
-move less than MIN_BYTES and are shown, not held to the target).
+most MAX_SETS sets (inputs below ~1.6 MB then rotate through less than twice the L2: such
+shapes are partly served from the L2, as in a model whose activations are that small).
 
 torch.compile: one compile per op, pass, dtype and every size but the first (rows, tokens), which
 is marked dynamic, as torch.compile itself does for a model whose batch changes from call to
@@ -59,7 +59,7 @@ ROWS_ELEMENTS = 2**26
 # The target holds shapes that move at least this much; below it a call is a few microseconds of
 # launch and latency for every variant.
 MIN_BYTES = 2**20
-MAX_SETS = 256
+MAX_SETS = 64
 
 
 def dtypes(quick):
@@ -99,9 +99,12 @@ class Case:
     the inputs that torch.compile treats as sizes that change; fields go into every row."""
 
     def __init__(self, op, dtype, shape, nbytes, make, default, eager, *, backward=False, grads=(),
-                 dispatch=None, dynamic=(0,), **fields):
+                 dispatch=None, dynamic=(0,), rungs=None, **fields):
         self.op, self.dtype, self.shape, self.bytes = op, dtype, list(shape), int(nbytes)
         self.make, self.default, self.eager = make, default, eager
+        # rungs: {version: callable}, rows of the ladder beside the default, where a sweep should
+        # show which rung a shape wants (the dispatch is then read from them)
+        self.rungs = rungs or {}
         self.backward, self.grads, self.dispatch, self.dynamic = backward, tuple(grads), dispatch, tuple(dynamic)
         self.fields = fields
 
@@ -125,8 +128,10 @@ def _set_bytes(inputs):
 
 
 def _mark_dynamic(inputs, dims):
+    """The dynamic dims of the inputs that have rows: a 1-D parameter (a bias, a weight) is one
+    row of the hidden size, which stays a constant in the kernel as in a model."""
     for t in inputs:
-        if torch.is_tensor(t):
+        if torch.is_tensor(t) and t.dim() > 1:
             for d in dims:
                 if d < t.dim() and t.shape[d] > 1:  # a size of 1 is always specialized
                     torch._dynamo.mark_dynamic(t, d)
@@ -196,6 +201,7 @@ def measure(case, device, ceiling):
         variants.append(("torch.compile", None, {"compile": "dims " + ",".join(map(str, case.dynamic)) + " dynamic"
                                                   if case.dynamic else "static"}))
     variants.append(("default", case.default, {"dispatch": case.dispatch} if case.dispatch else {}))
+    variants += [(name, fn, {}) for name, fn in case.rungs.items()]
     rows, t_torch = [], None
     for variant, fn, extra in variants:
         try:
@@ -239,10 +245,7 @@ def _worker_cases(bench_file, device, quick, libraries, ops):
         # Autotuning here would run beside the other workers on one GPU: the main process
         # autotunes by itself, alone, from the kernels compiled here.
         torch._inductor.config.autotune_local_cache = False
-        cases = module.shape_cases(device, quick)
-        if ops:
-            cases = [c for c in cases if c.op in set(ops.split(","))]
-        _worker_state = cases
+        _worker_state = select(module.shape_cases(device, quick), *ops)
     return _worker_state
 
 
@@ -260,7 +263,7 @@ def _precompile_one(args):
         return f"{case.op} {case.shape}: {str(e).splitlines()[0][:160] if str(e) else type(e).__name__}"
 
 
-def precompile(cases, bench_file, quick, jobs, ops="", device="cuda"):
+def precompile(cases, bench_file, quick, jobs, ops=("", ""), device="cuda"):
     """Compile every compile key's first case in `jobs` worker processes, so that the main
     process finds the generated kernels in Inductor's caches (on disk) instead of spending
     seconds per shape compiling them one after the other. Only compilation moves to the
@@ -281,7 +284,7 @@ def precompile(cases, bench_file, quick, jobs, ops="", device="cuda"):
           + (f"; {len(failed)} failed (compiled again below): {failed[:3]}" if failed else ""))
 
 
-def run(chapter, cases, device, bench_file, quick=False, jobs=None, ops=""):
+def run(chapter, cases, device, bench_file, quick=False, jobs=None, ops=("", "")):
     """Measure every case and write results/<slug>/<chapter>_shapes.json; returns the record."""
     configure_dynamo()
     ceilings = bench.copy_ceiling(device, n=2**28 if device == "cuda" and not quick else 2**20)
@@ -303,7 +306,8 @@ def run(chapter, cases, device, bench_file, quick=False, jobs=None, ops=""):
             torch.cuda.empty_cache()
     seconds = time.perf_counter() - start
     extra = {"min_bytes": MIN_BYTES, "max_sets": MAX_SETS, "sweep_seconds": round(seconds, 1),
-             "ops": sorted({c.op for c in cases}), "complete": measured == len(cases),
+             "ops": sorted({c.op for c in cases}), "dtypes": sorted({str(c.dtype).replace("torch.", "") for c in cases}),
+             "complete": measured == len(cases),
              "timing": {"statistic": "median", "reps": REPS,
                         "method": "perf_counter" if device != "cuda" else
                         "CUDA-graph replays of calls rotating over input sets (at most "
@@ -441,6 +445,7 @@ def add_arguments(parser):
     parser.add_argument("--shapes", action="store_true", help="only the shapes sweep")
     parser.add_argument("--no-shapes", action="store_true", help="everything but the shapes sweep")
     parser.add_argument("--ops", default="", help="comma-separated ops of the shapes sweep (default: all)")
+    parser.add_argument("--dtypes", default="", help="comma-separated dtypes of the shapes sweep (default: all)")
 
 
 def start(doc):
@@ -456,16 +461,22 @@ def start(doc):
     return device, args.quick or device == "cpu", args
 
 
-def main(chapter, shape_cases, bench_file, make_figures=None, quick=False, ops=""):
+def select(cases, ops="", dtypes=""):
+    """The cases of the ops and dtypes named (comma-separated; empty: all)."""
+    if ops:
+        cases = [c for c in cases if c.op in set(ops.split(","))]
+    if dtypes:
+        cases = [c for c in cases if str(c.dtype).replace("torch.", "") in set(dtypes.split(","))]
+    return cases
+
+
+def main(chapter, shape_cases, bench_file, make_figures=None, quick=False, ops="", dtypes=""):
     """What a chapter's `bench_*.py --shapes` runs: the sweep, its record and its figures.
-    ops: a comma-separated list to measure only those ops (a partial record)."""
+    ops, dtypes: comma-separated lists to measure only those (a partial record)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     quick = quick or device == "cpu"
-    cases = shape_cases(device, quick)
-    if ops:
-        keep = set(ops.split(","))
-        cases = [c for c in cases if c.op in keep]
-    record = run(chapter, cases, device, bench_file, quick, ops=ops)
+    cases = select(shape_cases(device, quick), ops, dtypes)
+    record = run(chapter, cases, device, bench_file, quick, ops=(ops, dtypes))
     out_dir = results.RESULTS_DIR / results.device_slug(record["device"])
     figures = make_figures(record, out_dir) if make_figures else []
     problems = gaps(record)

@@ -153,10 +153,17 @@ struct Tiling {
   int64_t slots;   // gridDim.y * ty: the distinct first rows, one partial row each
 };
 
-inline cudaError_t make_tiling(int64_t rows, int64_t packs_per_row, int min_tx, int64_t max_slots,
-                               Tiling* t, int rows_per_thread = 2) {
+// Packs of a row a tile spans: the power of two at or above the row's packs, at least min_tx,
+// at most a block. Lanes past the row's end in the last tile have nothing to do.
+inline int tile_width(int64_t packs_per_row, int min_tx) {
   int tx = min_tx;
   while (tx < kTileThreads && tx < packs_per_row) tx *= 2;
+  return tx;
+}
+
+inline cudaError_t make_tiling(int64_t rows, int64_t packs_per_row, int min_tx, int64_t max_slots,
+                               Tiling* t, int rows_per_thread = 2) {
+  const int tx = tile_width(packs_per_row, min_tx);
   const int ty = kTileThreads / tx;
   const int64_t column_tiles = ceil_div(packs_per_row, static_cast<int64_t>(tx));
   int64_t row_tiles = 0;
@@ -414,6 +421,21 @@ cudaError_t launch_bias_act_flat(const BiasAct<T>& p, cudaStream_t stream) {
                                                                                      p.mask, total, p.n, head);
   }
   return cudaGetLastError();
+}
+
+// The forward a call takes: the column tiles while rows are whole aligned vectors that fill
+// every tile (the bias then stays in registers across rows), else the flat kernel, which keeps
+// every lane busy and moves whole vectors at any row length (hidden 768 in bf16 is 96 packs, a
+// tile of 128 with a quarter of its lanes idle; hidden 4099 is no whole number of vectors); the
+// tiles' single elements only where the flat kernel cannot pair the operands' vectors.
+template <typename T, typename Act, bool kMask, int kRows = 1, int kMinBlocks = 2048 / kTileThreads>
+cudaError_t launch_bias_act(const BiasAct<T>& p, cudaStream_t stream) {
+  constexpr int kLanes = Vec16<T>::kLanes;
+  const int64_t packs = p.n / kLanes;
+  const bool full_tiles = vectorizable<T>(p.n, {p.x, p.bias, p.y, p.pre}) &&
+                          packs % tile_width(packs, kMask ? 32 / kLanes : 1) == 0;
+  if (full_tiles || !flat_applies(p)) return launch_bias_act_tiles<T, Act, kMask, kRows, kMinBlocks>(p, stream);
+  return launch_bias_act_flat<T, Act, kMask>(p, stream);
 }
 
 // ---------------------------------------------------------------------------------------

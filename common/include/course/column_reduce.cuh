@@ -132,19 +132,36 @@ __global__ void __launch_bounds__(kColumnThreads) column_reduce_tiles(
     __syncthreads();  // every thread sees warp 0's `last`
     if (last) {
       // The whole block combines the tile's partials: `groups` threads per column each fold every
-      // groups-th range, then one thread per column adds the groups, both in a fixed order.
-      // __ldcg reads through L2: this SM's L1 is not coherent with the other SMs' writes.
+      // groups-th range, then one thread per column adds the groups, both in a fixed order. A
+      // thread keeps kChains sums, range s going to chain s / groups % kChains, so kChains loads
+      // are in flight at once: with one chain, each load waited for the last (a dependent chain
+      // of L2 round trips, one per range: with 132 ranges it took longer than the reading of the
+      // tensor). __ldcg reads through L2: this SM's L1 is not coherent with the other SMs' writes.
+      constexpr int kChains = 8;
       const int groups = kColumnThreads / width;
       const int column = threadIdx.x % width;
       const int group = threadIdx.x / width;
       const int64_t tile_c0 = (t % tiles) * width;
       const bool has_column = group < groups && tile_c0 + column < inner;
-      A total = Op::identity();
+      A chain[kChains];
+#pragma unroll
+      for (int k = 0; k < kChains; ++k) chain[k] = Op::identity();
       if (has_column) {
-        for (unsigned s = group; s < splits; s += groups) {
-          total = op(total, __ldcg(&partial[(s * outer + o) * inner + tile_c0 + column]));
+        const A* first = partial + o * inner + tile_c0 + column;
+        const int64_t stride = outer * inner;  // from one range's partials to the next's
+        unsigned s = group;
+        for (; s + (kChains - 1) * groups < splits; s += kChains * groups) {
+#pragma unroll
+          for (int k = 0; k < kChains; ++k) chain[k] = op(chain[k], __ldcg(first + (s + k * groups) * stride));
+        }
+#pragma unroll
+        for (int k = 0; k < kChains - 1; ++k) {  // the last few ranges, fewer than kChains per thread
+          if (s + k * groups < splits) chain[k] = op(chain[k], __ldcg(first + (s + k * groups) * stride));
         }
       }
+      A total = chain[0];
+#pragma unroll
+      for (int k = 1; k < kChains; ++k) total = op(total, chain[k]);
       A* fold = &smem[0][0];  // kColumnThreads values; the block's sums above are done with
       fold[threadIdx.x] = total;
       __syncthreads();  // every group's sum is in shared memory before the adds read them

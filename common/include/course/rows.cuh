@@ -26,8 +26,10 @@
 namespace course {
 namespace rows {
 
-// Blocks of half-warp or one-warp rows hold 128 threads (8 or 4 rows); larger shapes one row.
-template <int kThreads> constexpr int kRowsPerBlock = kThreads < 128 ? 128 / kThreads : 1;
+// Blocks of half-warp or one-warp rows hold 128 threads (8 or 4 rows); larger shapes one row: a
+// row of several warps reduces across the whole block (row_reduce's block_reduce), which two
+// rows in one block would mix.
+template <int kThreads> constexpr int kRowsPerBlock = kThreads <= 32 ? 128 / kThreads : 1;
 
 // Combines v across the threads of one row: shuffles alone for a (half-)warp row, a block
 // reduction otherwise.
