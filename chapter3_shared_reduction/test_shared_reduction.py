@@ -694,7 +694,8 @@ MISUSES = {
                                                     torch.randn(3, 5, device=d)),
         r"softmax_backward: grad has shape \[3, 4\] but y has shape \[3, 5\]"),
     "atomic_sum half": (lambda d: shared_reduction.atomic_sum(torch.randn(5, device=d).half()),
-                        r"atomic_sum: x has dtype Half, which is not supported"),
+                        r"atomic_sum: x has dtype Half, which is not supported \(x is a Half tensor on "
+                        r"(the CPU|CUDA); supported: Float\)"),  # the device named beside the dtype
     "atomic_sum double": (lambda d: shared_reduction.atomic_sum(torch.randn(5, device=d).double()),
                           r"atomic_sum: x has dtype Double, which is not supported"),
     "unknown version": (lambda d: shared_reduction.sum(torch.randn(3, 3, device=d), version="v11"),
@@ -997,7 +998,9 @@ def test_new_paths_launch_their_kernels(case):
         call = lambda: getattr(shared_reduction, op)(x, 0)  # noqa: E731
     else:
         call = lambda: getattr(shared_reduction, op)(x)  # noqa: E731
-    _, kernels = launched_kernels(call, "shared_reduction")
+    # The column tiles are course::column_reduce_tiles (common/include/course), the rest this
+    # chapter's own.
+    _, kernels = launched_kernels(call, "course::" if expected.startswith("column_reduce") else "shared_reduction")
     assert any(expected in k for k in kernels), kernels
 
 
@@ -1058,14 +1061,13 @@ def test_recorded_shapes_sweep_holds_the_target():
     1 MiB, version=None at least 0.95x the faster of eager and torch.compile, with the choice the
     dispatch makes today recorded beside it."""
     record = shapes.load("chapter3_shared_reduction")
-    assert record is not None, "no recorded shapes sweep: run bench_shared_reduction.py --shapes on a GPU"
-    sms = record["device"]["sms"]
+    sms = record["device"]["sms"] if record else 0
 
     def choice(r):
         op = "softmax_backward" if r["pass"] == "backward" else r["op"]
         return shared_reduction.default_choice(op, shapes.meta_like(r), r.get("dim", -1), sms=sms)
     assert shapes.stale_dispatch(record, choice) == []
-    assert shapes.gaps(record) == []
+    shapes.expect_target(record, "bench_shared_reduction.py --shapes")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -365,9 +365,32 @@ def gaps(record, ratio=0.95, ops=None, min_bytes=MIN_BYTES):
     return problems
 
 
+def expect_target(record, command):
+    """What a chapter's test_recorded_shapes_sweep_holds_the_target ends with: passes when the
+    committed sweep holds the target everywhere; otherwise an expected failure (pytest.xfail)
+    that names how many shapes miss it and the worst of them, so that the suite stays green
+    while the misses stay in its report (pytest -rx) and in the chapter's lesson. No sweep
+    recorded yet is such a failure too: `command` on a GPU records it."""
+    import pytest
+
+    if record is None:
+        pytest.xfail(f"no recorded shapes sweep: run {command} on a GPU")
+    problems = gaps(record)
+    partial = "" if record.get("complete", True) else (
+        f" (a partial sweep: {', '.join(record.get('ops', []))} in {', '.join(record.get('dtypes', []))})")
+    if problems:
+        worst = min(ratios(record, None, MIN_BYTES), key=lambda t: t[0])
+        pytest.xfail(f"{len(problems)} shapes below 0.95x the faster of eager and torch.compile{partial}; "
+                     f"worst {where(worst[1])} at {worst[0]:.2f}x {worst[2]['variant']}: the target is not met")
+    assert partial == "", f"the sweep holds the target where it was measured, but is partial{partial}"
+
+
 def stale_dispatch(record, choice):
     """Default rows whose recorded dispatch is not what choice(row) says the code picks today
-    (results older than the dispatch): human-readable, empty when every one still holds."""
+    (results older than the dispatch): human-readable, empty when every one still holds (or
+    no sweep is recorded)."""
+    if record is None:
+        return []
     return [f"{where(r)}: recorded {r['dispatch']}, today {choice(r)}" for r in record["benchmarks"]
             if r.get("sweep") == SWEEP and r["variant"] == "default" and "dispatch" in r
             and r["dispatch"] != choice(r)]
@@ -438,6 +461,29 @@ def plot(ax, record, op, pass_name="forward", title=None, x=None, xlabel=None, m
 def load(chapter):
     """The newest recorded GPU shapes sweep of a chapter, or None."""
     return results.load_recorded_gpu(f"{chapter}_shapes")
+
+
+def lesson_block(chapter, ops=None, worst=6):
+    """A chapter README's shapes-sweep paragraph (lesson_facts.py): the summary sentence, the
+    worst shapes against the faster of eager and torch.compile, and the plot."""
+    record = load(chapter)
+    if record is None:
+        return f"Shapes sweep: {summary(None)}."
+    slug = results.device_slug(record["device"])
+    lines = [f"Shapes sweep (`--shapes`, "
+             f"{len([r for r in record['benchmarks'] if r.get('sweep') == SWEEP])} rows"
+             + ("" if record.get("complete", True) else ", a partial run: " + ", ".join(record.get("ops", []))
+                + " in " + ", ".join(record.get("dtypes", [])))
+             + f"): {summary(record, ops)}.", ""]
+    rs = sorted(ratios(record, ops, MIN_BYTES), key=lambda t: t[0])
+    if rs:
+        lines += ["| worst shapes | dispatch | default us | faster of eager / compile us | ratio |", "|---|---|---|---|---|"]
+        for r, d, b in rs[:worst]:
+            lines.append(f"| {where(d)} | {d.get('dispatch', '-')} | {d['median_ms'] * 1e3:.1f} | "
+                         f"{b['median_ms'] * 1e3:.1f} ({b['variant']}) | {r:.2f}x |")
+        lines.append("")
+    lines.append(f"![ratio against shape](../results/{slug}/{chapter}_shapes.png)")
+    return "\n".join(lines)
 
 
 def add_arguments(parser):
