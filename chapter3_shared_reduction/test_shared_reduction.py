@@ -694,8 +694,8 @@ MISUSES = {
                                                     torch.randn(3, 5, device=d)),
         r"softmax_backward: grad has shape \[3, 4\] but y has shape \[3, 5\]"),
     "atomic_sum half": (lambda d: shared_reduction.atomic_sum(torch.randn(5, device=d).half()),
-                        r"atomic_sum: x has dtype Half, which is not supported \(x is a Half tensor on "
-                        r"(the CPU|CUDA); supported: Float\)"),  # the device named beside the dtype
+                        r"atomic_sum: x has dtype Half, which is not supported \(supported: Float\) "
+                        r"for a tensor on (the CPU|CUDA)"),  # the device named beside the dtype
     "atomic_sum double": (lambda d: shared_reduction.atomic_sum(torch.randn(5, device=d).double()),
                           r"atomic_sum: x has dtype Double, which is not supported"),
     "unknown version": (lambda d: shared_reduction.sum(torch.randn(3, 3, device=d), version="v11"),

@@ -64,7 +64,7 @@ inline void check_dtype_in(const char* op, const char* name, const at::Tensor& t
   std::string list;
   for (auto s : allowed) list += (list.empty() ? "" : ", ") + std::string(c10::toString(s));
   TORCH_CHECK(false, op, ": ", name, " has dtype ", t.scalar_type(), ", which is not supported (",
-              name, " is a ", t.scalar_type(), " tensor on ", device_words(t), "; supported: ", list, ")");
+              "supported: ", list, ") for a tensor on ", device_words(t));
 }
 
 // For an op whose CUDA kernels take the 16-bit dtypes but whose CPU path does not: on the CPU,
