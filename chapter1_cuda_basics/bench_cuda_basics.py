@@ -7,6 +7,7 @@ ceiling is memory bandwidth, measured here as a device-to-device copy in the sam
     python bench_cuda_basics.py                  full run (2^28 elements on a GPU)
     python bench_cuda_basics.py --quick          small sizes: CPU machines, smoke runs
     python bench_cuda_basics.py --no-build-times skip the cold/cached/touched JIT builds
+    python bench_cuda_basics.py --shapes         only the shapes sweep (tokens x hidden sizes)
 
 Writes results/<device-slug>/chapter1_cuda_basics.json and the plots beside it; on a CPU-only
 machine also a figure with the recorded GPU results next to the CPU measurement.
@@ -21,7 +22,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "common")]
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
-from coursekit import bench, plots, results  # noqa: E402
+from coursekit import bench, plots, results, shapes  # noqa: E402
 
 import cuda_basics  # noqa: E402
 
@@ -108,6 +109,43 @@ def bench_op(op, dtype, n, device, variants, ceiling, sweep=False, view=None):
         out.append(bench.bandwidth_row(op, variant, dtype, [n], nbytes, timing, ceiling,
                                        t_torch["median_ms"], **extra, **dispatch))
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The shapes sweep (coursekit/shapes.py): vector_add and relu at tokens x hidden sizes of real
+# models, odd hidden sizes included, against eager and torch.compile. The kernels see a flat
+# array, so a shape matters here only through its element count and its tail (n % 8 elements
+# past the last 16-byte vector).
+# ---------------------------------------------------------------------------------------------
+def shape_cases(device, quick):
+    cases = []
+    for dtype in shapes.dtypes(quick):
+        size = torch.empty((), dtype=dtype).element_size()
+        for tokens, hidden in shapes.token_shapes(quick):
+            n = tokens * hidden
+            shape = (tokens, hidden)
+            dispatch = cuda_basics.default_choice(n, dtype, aligned=True)[0]
+
+            def pair(shape=shape, dtype=dtype):
+                return (torch.randn(shape, dtype=dtype, device=device), torch.randn(shape, dtype=dtype, device=device))
+
+            def one(shape=shape, dtype=dtype):
+                return (torch.randn(shape, dtype=dtype, device=device),)
+            cases.append(shapes.Case("vector_add", dtype, shape, 3 * n * size, pair, cuda_basics.vector_add,
+                                     torch.add, dispatch=dispatch))
+            cases.append(shapes.Case("relu", dtype, shape, 2 * n * size, one, cuda_basics.relu, torch.relu,
+                                     dispatch=dispatch))
+            # relu's backward reads dy and x, writes dx: threshold_backward in both.
+            cases.append(shapes.Case("relu", dtype, shape, 3 * n * size, one, cuda_basics.relu, torch.relu,
+                                     backward=True, grads=(0,)))
+    return cases
+
+
+def shapes_figures(record, out_dir):
+    fig, axes = plt.subplots(1, 3, figsize=(18, 4.5))
+    for ax, (op, p) in zip(axes, (("vector_add", "forward"), ("relu", "forward"), ("relu", "backward"))):
+        shapes.plot(ax, record, op, p, x=lambda r: r["shape"][0] * r["shape"][1], xlabel="elements (tokens x hidden)")
+    return [plots.save(fig, out_dir / f"{CHAPTER}_shapes.png")]
 
 
 def measure_build_times():
@@ -198,7 +236,11 @@ def print_sweep_summary(record):
 def main():
     parser = bench.arguments(__doc__)
     parser.add_argument("--no-build-times", action="store_true")
+    shapes.add_arguments(parser)
     args = parser.parse_args()
+    if args.shapes:
+        shapes.main(CHAPTER, shape_cases, __file__, shapes_figures, args.quick, args.ops, args.dtypes)
+        return
 
     device = bench.setup(args)
     quick = args.quick or device == "cpu"
@@ -243,6 +285,8 @@ def main():
         print(f"JIT build: cold {b['cold_s']:.1f} s, cached {b['cached_s']:.2f} s, "
               f"after touching the .cu {b['touched_cu_s']:.1f} s")
     print("wrote", path, *figures, sep="\n  ")
+    if not args.no_shapes:
+        shapes.main(CHAPTER, shape_cases, __file__, shapes_figures, quick, args.ops, args.dtypes)
 
 
 if __name__ == "__main__":

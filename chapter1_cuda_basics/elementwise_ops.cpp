@@ -194,10 +194,12 @@ class ReluFunction : public torch::autograd::Function<ReluFunction> {
     at::AutoDispatchBelowADInplaceOrView guard;
     return op.call(x, version);
   }
-  // d relu(x)/dx = 1 where x > 0, else 0 (0 at x == 0, as torch.relu's backward).
+  // d relu(x)/dx = 1 where x > 0, else 0 (0 at x == 0), and the incoming gradient where x is
+  // NaN: torch.relu's backward, threshold_backward, zeroes exactly the elements with x <= 0, and
+  // NaN <= 0 is false. One kernel, where at::where(x > 0, ...) took two and zeroed NaN's.
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const Tensor x = ctx->get_saved_variables()[0];
-    return {at::where(x > 0, grads[0], at::zeros({}, grads[0].options())), Tensor()};
+    return {at::threshold_backward(grads[0], x, 0), Tensor()};
   }
 };
 

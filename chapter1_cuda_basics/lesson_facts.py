@@ -250,3 +250,18 @@ def torch_header(_record):
 
 FACTS = {name: fn for name, fn in list(globals().items())
          if callable(fn) and not name.startswith("_")}
+
+
+# The shapes sweep (bench_*.py --shapes; coursekit/shapes.py): its own results file.
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))
+from coursekit import shapes as _shapes  # noqa: E402
+
+
+def _shapes_sweep(record):
+    return _shapes.lesson_block("chapter1_cuda_basics")
+
+
+FACTS["shapes_sweep"] = _shapes_sweep

@@ -8,7 +8,7 @@ import torch
 from torch.testing import assert_close
 
 import cuda_basics
-from coursekit import results
+from coursekit import results, shapes
 from coursekit.pytest_plugin import (DTYPES, assert_misplaced, dtype_id, launched_kernels, poison_allocator,
                                      ptx_kernels, require_cuda)
 from cuda_basics import VERSIONS
@@ -135,6 +135,19 @@ def test_low_precision_gradients(op, dtype, device):
         assert_close(ours_grads[1], y.grad, **tolerances(dtype))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_relu_gradient_passes_at_nan(dtype, device):
+    """torch.relu's backward (threshold_backward) zeroes the gradient where x <= 0, and NaN <= 0
+    is false: at a NaN input the gradient passes. relu's backward here is that same op."""
+    x = torch.tensor([float("nan"), -1.0, 0.0, 2.0], dtype=dtype, device=device)
+    dy = torch.tensor([3.0, 4.0, 5.0, 6.0], dtype=dtype, device=device)
+    xg, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    (dx,) = torch.autograd.grad(cuda_basics.relu(xg), xg, dy)
+    (ex,) = torch.autograd.grad(torch.relu(xr), xr, dy)
+    assert_close(dx, ex, rtol=0, atol=0)
+    assert dx[0] == 3.0 and dx[1] == 0.0 and dx[2] == 0.0 and dx[3] == 6.0
+
+
 def test_versions_table_matches_dispatch():
     for op in OPS:
         assert list(VERSIONS[op]) == torch.ops.cuda_basics.versions(op), op
@@ -211,6 +224,18 @@ def test_recorded_results_hold_the_dispatch():
                                                   aligned=r.get("view") is None)[0]
             assert r.get("dispatch") == expected, (r["shape"], r["dtype"], r.get("view"))
     assert results.default_gaps(record, rungs) == []
+
+
+def test_recorded_shapes_sweep_holds_the_target():
+    """The shapes sweep (bench_cuda_basics.py --shapes): at every tokens x hidden shape that moves
+    at least 1 MiB, version=None at least 0.95x the faster of torch and torch.compile, with the
+    choice the dispatch makes today recorded beside it."""
+    record = shapes.load("chapter1_cuda_basics")
+
+    def choice(r):
+        return cuda_basics.default_choice(r["shape"][0] * r["shape"][1], getattr(torch, r["dtype"]), aligned=True)[0]
+    assert shapes.stale_dispatch(record, choice) == []
+    shapes.expect_target(record, "bench_cuda_basics.py --shapes")
 
 
 # Every misuse raises a RuntimeError naming the op and the problem.

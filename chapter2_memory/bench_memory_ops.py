@@ -12,6 +12,7 @@ read once plus each output element written once:
 
     python bench_memory_ops.py           full run on a GPU (16384^2 transposes, 1 GiB copies)
     python bench_memory_ops.py --quick   small sizes: CPU machines, smoke runs
+    python bench_memory_ops.py --shapes  only the shapes sweep (the layout changes of models)
 
 Writes results/<device-slug>/chapter2_memory.json and the plots beside it.
 """
@@ -22,7 +23,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "common")]
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
-from coursekit import bench, plots, results  # noqa: E402
+from coursekit import bench, plots, results, shapes  # noqa: E402
 
 import memory_ops  # noqa: E402
 
@@ -196,6 +197,48 @@ def bench_host_to_device(sizes):
     return rows
 
 
+# ---------------------------------------------------------------------------------------------
+# The shapes sweep (coursekit/shapes.py). Models change layouts between attention's heads and
+# its tokens: (b, s, h, d) to (b, h, s, d). transpose swaps the last two dims of a 2-D or 3-D
+# tensor, so the sweep measures what it takes: the batched swap (b, s, h * d) -> (b, h * d, s)
+# and the 2-D (b * s, h * d) -> (h * d, b * s), at LLM sizes, and odd shapes (an embedding's
+# 50257 x 768, tall and thin tensors). The 4-D permute itself moves whole rows of d elements
+# and needs no tile (each row is a contiguous copy): it is not this op's problem.
+# ---------------------------------------------------------------------------------------------
+TRANSPOSE_SHAPES = [
+    (8, 2048, 4096), (4, 4096, 5120), (1, 8192, 8192), (32, 1024, 2048),
+    (16384, 4096), (8192, 5120), (32768, 1024), (4096, 14336),
+    (50257, 768), (4097, 1000), (8191, 8193), (777, 4099), (1000003, 3), (3, 1000003),
+]
+QUICK_TRANSPOSE_SHAPES = [(2, 129, 64), (777, 131)]
+
+
+def shape_cases(device, quick):
+    cases = []
+    for dtype in shapes.dtypes(quick):
+        for shape in (QUICK_TRANSPOSE_SHAPES if quick else TRANSPOSE_SHAPES):
+            numel = 1
+            for d in shape:
+                numel *= d
+
+            def make(shape=shape, dtype=dtype):
+                return (torch.randn(shape, device=device).to(dtype),)
+
+            def eager(x):
+                return x.transpose(-2, -1).contiguous()
+            dispatch = memory_ops.default_choice("transpose", torch.empty(shape, dtype=dtype))
+            cases.append(shapes.Case("transpose", dtype, shape, 2 * numel * element_size(dtype), make,
+                                     memory_ops.transpose, eager, dispatch=dispatch, dynamic=()))
+    return cases
+
+
+def shapes_figures(record, out_dir):
+    fig, ax = plt.subplots(figsize=(9, 5))
+    shapes.plot(ax, record, "transpose", x=lambda r: r["shape"][-2] * r["shape"][-1],
+                xlabel="rows x cols of the swapped dims")
+    return [plots.save(fig, out_dir / f"{CHAPTER}_shapes.png")]
+
+
 def make_figures(record, out_dir):
     s = record["sizes"]
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -272,7 +315,10 @@ def print_table(record):
 
 
 def main():
-    device, quick = bench.start(__doc__)
+    device, quick, args = shapes.start(__doc__)
+    if args.shapes:
+        shapes.main(CHAPTER, shape_cases, __file__, shapes_figures, quick, args.ops, args.dtypes)
+        return
     s = sizes_for(device, quick)
     variants = [*memory_ops.VERSIONS["transpose"], "default"] if device == "cuda" else ["cpu"]
 
@@ -305,6 +351,8 @@ def main():
                         "rotating inputs (> 2x L2 per pass); working-set sweep: CUDA-graph "
                         "replays on the same buffers (hot L2 by design)"}}
     results.publish(CHAPTER, rows, ceilings, extra, make_figures, print_table)
+    if not args.no_shapes:
+        shapes.main(CHAPTER, shape_cases, __file__, shapes_figures, quick, args.ops, args.dtypes)
 
 
 if __name__ == "__main__":

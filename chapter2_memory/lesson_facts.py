@@ -299,3 +299,18 @@ def v5_counters(record):
 
 FACTS = {name: fn for name, fn in list(globals().items())
          if callable(fn) and not name.startswith("_")}
+
+
+# The shapes sweep (bench_*.py --shapes; coursekit/shapes.py): its own results file.
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))
+from coursekit import shapes as _shapes  # noqa: E402
+
+
+def _shapes_sweep(record):
+    return _shapes.lesson_block("chapter2_memory")
+
+
+FACTS["shapes_sweep"] = _shapes_sweep

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import memory_ops
-from coursekit import results
+from coursekit import results, shapes
 from coursekit.pytest_plugin import (DTYPES, assert_misplaced, dtype_id, launched_kernels, poison_allocator,
                                      ptx_kernels, require_cuda, shape_id)
 from memory_ops import VERSIONS
@@ -310,6 +310,17 @@ def test_recorded_results_hold_the_dispatch():
     # copy's ladder is measured as a plain copy and as the L2 working-set sweep.
     for op, ops in (("copy", ("copy", "copy_working_set")), ("transpose", ("transpose",))):
         assert results.default_gaps(record, VERSIONS[op], ops=ops) == []
+
+
+def test_recorded_shapes_sweep_holds_the_target():
+    """The shapes sweep (bench_memory_ops.py --shapes): at every layout change that moves at
+    least 1 MiB, version=None at least 0.95x the faster of torch and torch.compile, with the
+    choice the dispatch makes today recorded beside it."""
+    record = shapes.load("chapter2_memory")
+    # Strides and alignment decide: an uninitialized CPU tensor of the shape (fresh: aligned).
+    choice = lambda r: memory_ops.default_choice("transpose", torch.empty(r["shape"], dtype=getattr(torch, r["dtype"])))  # noqa: E731
+    assert shapes.stale_dispatch(record, choice) == []
+    shapes.expect_target(record, "bench_memory_ops.py --shapes")
 
 
 def test_bank_model_predicts_the_recorded_wavefronts():

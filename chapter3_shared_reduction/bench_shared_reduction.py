@@ -8,6 +8,8 @@ traffic); its backward reads y and dy and writes dx (3 * n * size).
 
     python bench_shared_reduction.py           full run on a GPU (2^28-element problems)
     python bench_shared_reduction.py --quick   small sizes: CPU machines, smoke runs
+    python bench_shared_reduction.py --shapes  only the shapes sweep (vocabularies, odd rows,
+                                               narrow columns), against eager and torch.compile
 
 Writes results/<device-slug>/chapter3_shared_reduction.json and the plots beside it.
 """
@@ -18,7 +20,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "common")]
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
-from coursekit import bench, plots, results  # noqa: E402
+from coursekit import bench, plots, results, shapes  # noqa: E402
 from coursekit.results import subset  # noqa: E402  (the notebooks reach it as B.subset)
 
 import shared_reduction as sr  # noqa: E402
@@ -213,6 +215,68 @@ def atomic_demo(device, s):
     return demo
 
 
+# ---------------------------------------------------------------------------------------------
+# The shapes sweep (coursekit/shapes.py): softmax and log_softmax over the row lengths models
+# have (vocabularies, lengths one past a power of two, odd and prime lengths) at 2^26 elements
+# and at 64, 8 and 1 rows, forward and backward; sum and amax over a last dim, a first dim and a
+# middle dim, the narrow columns (3, 7, 64) of a tall tensor among them.
+# ---------------------------------------------------------------------------------------------
+REDUCE_SHAPES = [  # (shape, dim)
+    ((1000003, 3), 0), ((1000003, 7), 0), ((2**20, 64), 0), ((8191, 4099), 0), ((16384, 4096), 0),
+    ((100003, 16, 3), 1), ((64, 1000, 7), 1), ((8, 2048, 4096), 1),
+    ((4096, 4099), -1), ((86367, 777), -1), ((2048, 50257), -1), ((2**26 + 3,), None),
+]
+QUICK_REDUCE_SHAPES = [((1003, 3), 0), ((33, 777), -1)]
+
+
+def shape_cases(device, quick):
+    cases = []
+    for dtype in shapes.dtypes(quick):
+        size = element_size(dtype)
+        for shape, dim in (QUICK_REDUCE_SHAPES if quick else REDUCE_SHAPES):
+            numel = 1
+            for d in shape:
+                numel *= d
+            meta = torch.empty(shape, dtype=dtype, device="meta")
+            outputs = 1 if dim is None else numel // shape[dim]
+            for op, eager in (("sum", torch.sum), ("amax", torch.amax)):
+                def make(shape=shape, dtype=dtype):
+                    return (torch.randn(shape, dtype=dtype, device=device),)
+
+                def ours(x, op=op, dim=dim):
+                    return getattr(sr, op)(x, dim)
+
+                def theirs(x, eager=eager, dim=dim):
+                    return eager(x) if dim is None else eager(x, dim)
+                cases.append(shapes.Case(op, dtype, shape, (numel + outputs) * size, make, ours, theirs,
+                                         dispatch=sr.default_choice(op, meta, dim), dynamic=(), dim=dim))
+        for rows, n in shapes.row_shapes(quick):
+            meta = torch.empty(rows, n, dtype=dtype, device="meta")
+            for op, (ours, eager, _) in SOFTMAX_OPS.items():
+                def make(rows=rows, n=n, dtype=dtype):
+                    return (torch.randn(rows, n, dtype=dtype, device=device),)
+
+                def theirs(x, eager=eager):
+                    return eager(x, -1)
+                cases.append(shapes.Case(op, dtype, (rows, n), 2 * rows * n * size, make, ours, theirs,
+                                         dispatch=sr.default_choice(op, meta, -1)))
+                cases.append(shapes.Case(op, dtype, (rows, n), 3 * rows * n * size, make, ours, theirs,
+                                         backward=True, grads=(0,),
+                                         dispatch=sr.default_choice("softmax_backward", meta, -1)))
+    return cases
+
+
+def shapes_figures(record, out_dir):
+    fig, axes = plt.subplots(2, 3, figsize=(21, 9))
+    panels = [("softmax", "forward"), ("softmax", "backward"), ("log_softmax", "forward"),
+              ("log_softmax", "backward"), ("sum", "forward"), ("amax", "forward")]
+    for ax, (op, p) in zip(axes.flat, panels):
+        x = (lambda r: r["shape"][-1]) if op.endswith("softmax") else (lambda r: max(r["shape"]) // min(r["shape"]))
+        shapes.plot(ax, record, op, p, x=x,
+                    xlabel="row length" if op.endswith("softmax") else "longest dim / shortest dim")
+    return [plots.save(fig, out_dir / f"{CHAPTER}_shapes.png")]
+
+
 def make_figures(record, out_dir):
     s = record["sizes"]
     figures = []
@@ -272,7 +336,10 @@ def print_table(record):
 
 
 def main():
-    device, quick = bench.start(__doc__)
+    device, quick, args = shapes.start(__doc__)
+    if args.shapes:
+        shapes.main(CHAPTER, shape_cases, __file__, shapes_figures, quick, args.ops, args.dtypes)
+        return
     torch._dynamo.config.cache_size_limit = 256
     s = sizes_for(device, quick)
     ceilings = bench.copy_ceiling(device, n=s["whole"])
@@ -284,6 +351,8 @@ def main():
                         "CUDA events, eager back-to-back launches; every problem far above the L2 "
                         "(2^26-2^28 elements)"}}
     results.publish(CHAPTER, rows, ceilings, extra, make_figures, print_table)
+    if not args.no_shapes:
+        shapes.main(CHAPTER, shape_cases, __file__, shapes_figures, quick, args.ops, args.dtypes)
 
 
 if __name__ == "__main__":

@@ -212,3 +212,14 @@ FACTS = {"ceiling": ceiling, "harris_table": harris_table, "harris_profile": har
          "row_sweep": row_sweep, "column_sweep": column_sweep, "target_misses": target_misses,
          "softmax_dram": softmax_dram, "softmax_table": softmax_table,
          "split": split, "backward": backward, "envelope": envelope}
+
+
+# The shapes sweep (bench_*.py --shapes; coursekit/shapes.py): its own results file.
+from coursekit import shapes as _shapes  # noqa: E402
+
+
+def _shapes_sweep(record):
+    return _shapes.lesson_block("chapter3_shared_reduction")
+
+
+FACTS["shapes_sweep"] = _shapes_sweep

@@ -38,6 +38,8 @@ constexpr int kWarpsPerBlock = kThreads / 32;
 constexpr int kUnroll = 4;
 // The grid's y dimension is limited to 65535; kernels that put rows there loop over the rest.
 constexpr int64_t kMaxGridY = 65535;
+// Column splits: blocks per SM the ranges of a split column reduction aim at (plan_reduce).
+constexpr int64_t kColumnBlocksPerSm = 4;
 constexpr int64_t kMaxGridX = INT_MAX;
 
 unsigned clamp_grid(int64_t blocks, int64_t limit = kMaxGridX) {
@@ -389,6 +391,14 @@ __global__ void __launch_bounds__(kThreads) reduce_column_loop(const T* __restri
 // chapter 4's bias and weight gradients use too: a tile of 32 x 4 adjacent columns per block,
 // coalesced 16-byte row loads, and the reduced dimension split over more blocks (combined in
 // order by the last to arrive) when the tiles alone cannot fill the GPU.
+//
+//
+// A tensor narrower than a tile (a (1000003, 3) sum over dim 0, a bias of 64 columns) would
+// give each row to a warp whose lanes mostly have no column, and split the million rows over
+// thousands of blocks whose partials the last block then adds. The launcher then lays each warp
+// over 32 / lanes rows at once, every lane a column (course::column_tile_lanes says how many
+// lanes a row keeps), makes the grid one resident wave so each block has many row groups in
+// flight, and the last block adds the ranges' partials with all its threads.
 
 // ===========================================================================================
 // The atomic counter-example: v9's loop and block reduction, then one floating-point
@@ -414,8 +424,9 @@ __global__ void __launch_bounds__(kThreads) sum_atomic(const float* __restrict__
 // How a launch is laid out; computed the same way for the workspace query and the launch.
 struct Plan {
   int64_t blocks = 1;      // grid of the first (or only) launch
-  int64_t splits = 1;      // split_row, v10 and column_split: blocks per row / ranges per tile
+  int64_t splits = 1;      // split_row, v10 and the column tiles: blocks per row / ranges per tile
   int64_t segment = 0;     // column_split: rows per range
+  int lanes = 32;          // column_split: lanes a row of the tile keeps (32, or fewer for narrow tensors)
   int64_t levels_ws = 0;   // v1-v9: accumulator slots for the partials of every level
 };
 
@@ -458,11 +469,23 @@ cudaError_t make_plan(const ReduceParams& p, Plan* plan) {
       break;
     case Layout::kColumns:
       if (p.version == ReduceVersion::kColumnSplit) {
-        const int64_t tiles = p.outer * course::column_tiles<T>(static_cast<const T*>(p.x), p.inner);
-        // Twice the resident blocks, so the tail of a wave is short; every range at least 64
-        // rows (8 per warp) so a block has work to amortize its combine.
-        const int64_t want = course::ceil_div(2 * resident_blocks, tiles);
-        plan->splits = std::max<int64_t>(1, std::min({want, course::ceil_div(p.n, int64_t{64}), kMaxGridY}));
+        const T* x = static_cast<const T*>(p.x);
+        plan->lanes = course::column_tile_lanes(p.inner, course::column_lanes(x, p.inner));
+        const bool narrow = plan->lanes < 32;
+        const int64_t tiles = p.outer * course::column_tiles<T>(x, p.inner, plan->lanes);
+        // Ranges enough for kColumnBlocksPerSm blocks per SM (each keeps 8 warps x 4 row groups
+        // of loads in flight, 64 KB an SM at 4 blocks: enough for DRAM), not more: every range
+        // is a partial that the tile's last block folds after all others are done (and an
+        // arrival on one counter), so a grid of several resident waves (2112 blocks for a
+        // 16384 x 4096 bfloat16 sum on the H200: 79 us, torch.compile's split 36 us) ends in a
+        // long serial tail. Every range at least 64 rows (8 per warp); narrow tiles at least two
+        // unrolled steps of the block's row groups.
+        int sms = 0;
+        COURSE_CUDA_TRY(course::sm_count(&sms));
+        const int64_t rows_per_step = int64_t{course::kColumnWarps} * (32 / plan->lanes) * course::kColumnUnroll;
+        const int64_t want = course::ceil_div(kColumnBlocksPerSm * sms, tiles);
+        const int64_t min_range = narrow ? 2 * rows_per_step : 64;
+        plan->splits = std::max<int64_t>(1, std::min({want, course::ceil_div(p.n, min_range), kMaxGridY}));
         plan->segment = course::ceil_div(p.n, plan->splits);
         plan->splits = course::ceil_div(p.n, plan->segment);
         plan->blocks = tiles;
@@ -603,7 +626,7 @@ cudaError_t run_columns(const ReduceParams& p, const Plan& plan, cudaStream_t st
   }
   const dim3 grid(clamp_grid(plan.blocks), static_cast<unsigned>(plan.splits));
   return course::launch_column_reduce<T, Op>(x, p.outer, p.n, p.inner, grid, plan.segment,
-                                             static_cast<A*>(p.workspace), p.counters, out, stream);
+                                             static_cast<A*>(p.workspace), p.counters, out, stream, plan.lanes);
 }
 
 template <typename T, typename Op>

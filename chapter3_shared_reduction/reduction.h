@@ -76,41 +76,72 @@ enum class SoftmaxVersion {
 
 // How a row is mapped onto threads when it is held in registers (v4, v5, backward):
 // `threads` threads per row (16: half a warp, 32: a warp, several rows per block; more: one row
-// per block), each holding `vectors` 16-byte vectors of the row. kResidentShapes lists the
+// per block), each holding `vectors` 16-byte vectors of it. kResidentShapes lists the
 // instantiated ones, smallest first; a dtype uses those that fit its register budget
 // (shape_fits).
 struct ResidentShape {
   int threads;
   int vectors;
 };
-constexpr ResidentShape kResidentShapes[] = {{16, 1},  {32, 1},  {32, 2},  {32, 4},  {32, 8},
+// 64 x 4 serves rows of 1025-2048 2-byte elements (and 513-1024 in the float32 backward), which
+// took 128 x 4 before it, three quarters of every thread's vectors padding (a row of 1025 bf16
+// ran at 0.67x torch.softmax on an H200).
+constexpr ResidentShape kResidentShapes[] = {{16, 1},  {32, 1},  {32, 2},  {32, 4},  {32, 8},  {64, 4},
                                              {128, 4}, {256, 4}, {512, 4}, {256, 8}, {512, 8}};
 constexpr int kNumResidentShapes = sizeof(kResidentShapes) / sizeof(kResidentShapes[0]);
 
-// The forward keeps the row as float32 values (each exponential is computed once and kept),
-// at most 32 per thread: float32 takes every shape, 2-byte dtypes those of <= 4 vectors. The
-// backward keeps y and dy as stored, 16-byte vectors, at most 4 of each per thread. Both keep
-// the register file at <= 64 registers per thread, two 512-thread blocks per SM.
+// What the forward keeps of its row. While the row fits one block as float32 values, at most 32
+// per thread, it keeps the exponentials, each computed once. A split row's block in a 2-byte
+// dtype instead keeps its chunk as loaded, 16-bit, two to a register: 256 x 8 vectors, twice the
+// elements of the float chunk, so each wait for the other blocks of the row covers twice the
+// bytes; exp is then computed again at the write (two per element, against the 16 per clock an
+// SM's special-function units give; the copy rate needs about 4 elements per clock per SM).
+// float32 keeps floats everywhere.
+constexpr bool keeps_raw(ResidentShape s, int elem_bytes, bool backward) {
+  return !backward && elem_bytes == 2 && s.vectors * (16 / elem_bytes) > 32;
+}
+
+// The raw shape: a split row's block only.
+constexpr int kRawThreads = 256;
+
+// The forward keeps its row as float32 values (at most 32 per thread) or, for a 2-byte split
+// row, as 8 raw vectors (keeps_raw); the backward keeps y and dy as stored, 16-byte vectors, at
+// most 4 of each per thread.
 constexpr bool shape_fits(ResidentShape s, int elem_bytes, bool backward) {
-  return backward ? s.vectors <= 4 : s.vectors * (16 / elem_bytes) <= 32;
+  return backward ? s.vectors <= 4
+                  : (s.vectors * (16 / elem_bytes) <= 32 || (elem_bytes == 2 && s.vectors == 8 && s.threads == kRawThreads));
 }
 
 // Rows longer than one block holds are split over several blocks of kSplitThreads threads (v5),
-// the largest such shape that fits the dtype (256 x 8 vectors in float32, 256 x 4 in 2-byte
-// dtypes: four or three blocks per SM), all of which must be resident at once: at most
-// kMaxSplitBlocks per row (132 SMs x 4 blocks hold 528; a smaller GPU that cannot hold one
-// row's blocks makes the launcher fall back to v3's streaming kernel).
-constexpr int64_t kMaxSplitBlocks = 512;
+// the largest such shape that fits the dtype (256 x 8 vectors: float32 values, or 16-bit ones in
+// 2-byte dtypes; the backward 256 x 4), all of which must be resident at once. How many that is
+// depends on the GPU: SMs x the blocks per SM each split kernel is compiled to fit (its
+// __launch_bounds__: four in float32, two in 2-byte dtypes, whose 16-bit chunk takes 128
+// registers a thread). A row needing more than that is streamed (v3's kernel) instead; the
+// launcher checks the real occupancy again and streams too if it falls short.
 constexpr int kSplitThreads = 256;
+
+constexpr int split_blocks_per_sm(int elem_bytes, bool /*backward*/) { return elem_bytes == 2 ? 2 : 4; }
 
 constexpr int64_t resident_capacity(ResidentShape s, int elem_bytes) {
   return static_cast<int64_t>(s.threads) * s.vectors * (16 / elem_bytes);
 }
 
 // How a softmax row of n elements runs: held by one resident shape (index into
-// kResidentShapes), split over `blocks` blocks of the largest shape that fits, or streamed
-// (read twice, v3) when neither is possible.
-enum class RowPlanKind { kResident, kSplit, kStreamed };
+// kResidentShapes); held in one block's shared memory (a 2-byte row too long for registers,
+// when there are rows enough for every SM); split over `blocks` blocks of the largest shape
+// that fits; or streamed (read twice, v3) when none of these is possible.
+enum class RowPlanKind { kResident, kShared, kSplit, kStreamed };
+
+// The shared-memory row: one block of kSharedThreads threads per row, the row parked in shared
+// memory as loaded (each thread its own 16-byte slots, so no barrier guards them), read back
+// twice (the sum, the write). One read from DRAM and no waiting on other blocks, where a split
+// row's blocks wait for each other; it needs a block of shared memory per row (y and dy both in
+// the backward: 2 x 50257 bf16 is 201 KB, of the 227 KB an H100 or H200 block may ask for), and
+// at least one row per SM, or split rows keep more SMs busy. 2-byte dtypes only: float32 splits
+// at four blocks of 32 KB per SM and stays near the copy rate (README, softmax table).
+constexpr int kSharedThreads = 1024;
+constexpr int64_t kSharedRowBytes = 112 * 1024;  // per array: x (forward); y and dy (backward)
 struct RowPlan {
   RowPlanKind kind;
   int shape;       // kResident, kSplit: index into kResidentShapes
@@ -118,17 +149,28 @@ struct RowPlan {
 };
 
 // float64 is streamed in every rung from v3 on: it is here for gradcheck, and holding rows of
-// doubles in registers would only add instantiations.
-inline RowPlan plan_row(int64_t n, int elem_bytes, bool allow_split, bool backward) {
+// doubles in registers would only add instantiations. sms: the GPU's SM count (device_sms);
+// rows: how many rows the call has (0: the plan of one row alone).
+inline RowPlan plan_row(int64_t n, int elem_bytes, bool allow_split, bool backward, int sms, int64_t rows = 0) {
   if (elem_bytes == 8) return {RowPlanKind::kStreamed, 0, 0};
   int split_shape = 0;
   for (int i = 0; i < kNumResidentShapes; ++i) {
-    if (!shape_fits(kResidentShapes[i], elem_bytes, backward)) continue;
-    if (kResidentShapes[i].threads == kSplitThreads) split_shape = i;
-    if (n <= resident_capacity(kResidentShapes[i], elem_bytes)) return {RowPlanKind::kResident, i, 1};
+    const ResidentShape s = kResidentShapes[i];
+    if (!shape_fits(s, elem_bytes, backward)) continue;
+    if (s.threads == kSplitThreads) split_shape = i;  // the largest such shape fitting the dtype
+    // Held by one block: the first shape that holds the row, as float32 values (raw shapes are
+    // for split rows only).
+    if (!keeps_raw(s, elem_bytes, backward) && n <= resident_capacity(s, elem_bytes)) {
+      return {RowPlanKind::kResident, i, 1};
+    }
+  }
+  if (allow_split && elem_bytes == 2 && n * elem_bytes <= kSharedRowBytes && rows >= sms) {
+    return {RowPlanKind::kShared, 0, 1};
   }
   const int64_t blocks = course::ceil_div(n, resident_capacity(kResidentShapes[split_shape], elem_bytes));
-  if (allow_split && blocks <= kMaxSplitBlocks) return {RowPlanKind::kSplit, split_shape, blocks};
+  if (allow_split && blocks <= int64_t{sms} * split_blocks_per_sm(elem_bytes, backward)) {
+    return {RowPlanKind::kSplit, split_shape, blocks};
+  }
   return {RowPlanKind::kStreamed, 0, 0};
 }
 
@@ -164,26 +206,39 @@ struct Workspace {
 
 // ---------------------------------------------------------------------------------------
 // version=None: the one place where the chapter decides (README, "version=None", shows the
-// measurements the thresholds come from).
+// measurements the thresholds come from). sms is the SM count of the GPU the call runs on
+// (read off the device by the glue; default_choice takes it as an argument, so any machine can
+// ask what a GPU of any size would run).
 // ---------------------------------------------------------------------------------------
 // Rows shorter than this share a warp (rows_per_warp); up to kWarpRowMax they get a warp each.
 constexpr int64_t kRowsPerWarpBelow = 32;
 constexpr int64_t kWarpRowMax = 2048;
-// With fewer rows than this, one block per row cannot fill the GPU: rows are split.
-constexpr int64_t kSplitRowsBelow = 528;  // 132 SMs x 4 blocks of 256 threads
+// With fewer rows than this many per SM, one block per row cannot fill the GPU: rows are split
+// (four 256-thread blocks per SM: 528 rows on an H100's 132 SMs, 160 on a T4's 40).
+constexpr int64_t kSplitRowsPerSm = 4;
+// Columns: an input with at least this many outputs per SM thread slot and a reduced dim shorter
+// than 64 gives every output a thread of its own (column_loop): 2048 threads per SM on sm_80/sm_90,
+// so 270336 outputs on an H100. At 64 rows column_split was already ahead (64 x 1048576 float32
+// on the H100: 95 us against 100). Otherwise column_split, whose tiles lay a warp over several rows
+// when the tensor is narrower than a warp of columns (course/column_reduce.cuh).
+constexpr int64_t kColumnLoopBelowN = 64;
+constexpr int64_t kColumnLoopOutputsPerSm = 2048;
 
-inline ReduceVersion default_reduce(int64_t outer, int64_t n, int64_t inner, bool whole) {
+inline ReduceVersion default_reduce(int64_t outer, int64_t n, int64_t inner, bool whole, int sms) {
   if (whole) return ReduceVersion::kOnePass;
-  if (inner > 1) return ReduceVersion::kColumnSplit;
+  if (inner > 1) {
+    if (n < kColumnLoopBelowN && outer * inner >= int64_t{sms} * kColumnLoopOutputsPerSm) return ReduceVersion::kColumnLoop;
+    return ReduceVersion::kColumnSplit;
+  }
   if (n < kRowsPerWarpBelow) return ReduceVersion::kRowsPerWarp;
   if (n <= kWarpRowMax) return ReduceVersion::kWarpPerRow;
-  if (outer < kSplitRowsBelow) return ReduceVersion::kSplitRow;
+  if (outer < int64_t{sms} * kSplitRowsPerSm) return ReduceVersion::kSplitRow;
   return ReduceVersion::kBlockPerRow;
 }
 
 // Softmax: v4 while a row fits one block's registers, v5 beyond.
 inline SoftmaxVersion default_softmax(int64_t n, int elem_bytes) {
-  const RowPlan plan = plan_row(n, elem_bytes, /*allow_split=*/false, /*backward=*/false);
+  const RowPlan plan = plan_row(n, elem_bytes, /*allow_split=*/false, /*backward=*/false, /*sms=*/0);
   return plan.kind == RowPlanKind::kResident ? SoftmaxVersion::kResidentRow : SoftmaxVersion::kSplitRow;
 }
 

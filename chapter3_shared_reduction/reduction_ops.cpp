@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <course/checks.h>
 #include <course/dispatch.h>
+#include <course/on_cuda.h>
 #include <course/versions.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
@@ -155,12 +156,16 @@ std::string rungs_of(Layout l) {
   return list;
 }
 
+ReduceVersion dispatch_reduce(const ReduceShape& s, int sms) {
+  return default_reduce(s.outer, s.n, s.inner, s.whole, sms);
+}
+
 // The rung a call runs: the requested one, which must belong to the ladder of the call's
-// layout, or the dispatch's.
+// layout, or the dispatch's (for the SM count of x's GPU).
 ReduceVersion pick_reduce(const char* op, const ReduceShape& s, OptVersion version, const Tensor& x) {
   const std::optional<ReduceVersion> requested = ::course::parse_version(op, version, kReduceVersions);
   const Layout layout = layout_of_shape(s);
-  if (!requested.has_value()) return default_reduce(s.outer, s.n, s.inner, s.whole);
+  if (!requested.has_value()) return dispatch_reduce(s, ::course::device_sms(x));
   const Layout rung_layout = layout_of(*requested);
   TORCH_CHECK(rung_layout == layout, op, ": version '", std::string(::course::as_std(*version)),
               "' is a rung of the ", ladder_name(rung_layout), " ladder, but this call reduces ",
@@ -196,6 +201,7 @@ Tensor reduce_impl(const char* op, ReduceOp kind, const Tensor& x, std::optional
     return at::empty_symint(reduced_sizes(x, s, keepdim), x.options());
   }
   const ReduceShape s = reduce_shape(op, x, dim);
+  const Tensor xc = x.contiguous();
   const ReduceVersion v = pick_reduce(op, s, version, x);
   Tensor out = at::empty_symint(reduced_sizes(x, s, keepdim), x.options());
   if (out.numel() == 0) return out;
@@ -205,7 +211,6 @@ Tensor reduce_impl(const char* op, ReduceOp kind, const Tensor& x, std::optional
                 "): the maximum of nothing is undefined");
     return out.zero_();  // the empty sum
   }
-  const Tensor xc = x.contiguous();
   ReduceParams p{kind, v, to_dtype(x.scalar_type()), xc.const_data_ptr(), out.mutable_data_ptr(),
                  s.outer, s.n, s.inner, nullptr, nullptr};
   run(op, xc, p, SHARED_REDUCTION_CUDA(reduce_workspace), SHARED_REDUCTION_CUDA(launch_reduce), reduce_cpu);
@@ -303,13 +308,15 @@ Tensor softmax_backward_impl(const Tensor& grad, const Tensor& y, int64_t dim, b
   return rows_back(out, y, d);
 }
 
-// What op(x, dim, version=None) runs, from shape and dtype alone (any device, meta included).
-std::string default_choice(c10::string_view op_name, const Tensor& x, std::optional<int64_t> dim) {
+// What op(x, dim, version=None) runs on a GPU of `sms` SMs, from shape and dtype alone (any
+// device, meta included).
+std::string default_choice(c10::string_view op_name, const Tensor& x, std::optional<int64_t> dim, int64_t sms) {
   const auto name = ::course::as_std(op_name);
   check_input("default_choice", "x", x);
+  TORCH_CHECK(sms >= 1, "default_choice: sms must be >= 1, got ", std::to_string(sms));
   if (name == "sum" || name == "amax") {
     const ReduceShape s = reduce_shape("default_choice", x, dim);
-    return ::course::version_name(kReduceVersions, default_reduce(s.outer, s.n, s.inner, s.whole));
+    return ::course::version_name(kReduceVersions, dispatch_reduce(s, static_cast<int>(sms)));
   }
   const int64_t d = wrap_dim("default_choice", dim.value_or(-1), x.dim());
   const int64_t n = x.dim() == 0 ? 1 : x.size(d);
@@ -319,8 +326,15 @@ std::string default_choice(c10::string_view op_name, const Tensor& x, std::optio
   }
   TORCH_CHECK(name == "softmax_backward", "default_choice: unknown op '", std::string(name),
               "' (sum, amax, softmax, log_softmax, softmax_backward)");
-  const RowPlan plan = plan_row(n, elem, true, true);
-  return plan.kind == RowPlanKind::kResident ? "resident" : (plan.kind == RowPlanKind::kSplit ? "split" : "streamed");
+  const int64_t rows = x.dim() == 0 || n == 0 ? 1 : x.numel() / n;
+  const RowPlan plan = plan_row(n, elem, true, true, static_cast<int>(sms), rows);
+  switch (plan.kind) {
+    case RowPlanKind::kResident: return "resident";
+    case RowPlanKind::kShared: return "shared";
+    case RowPlanKind::kSplit: return "split";
+    case RowPlanKind::kStreamed: break;
+  }
+  return "streamed";
 }
 
 // ---------------------------------------------------------------------------------------
@@ -474,7 +488,7 @@ TORCH_LIBRARY(shared_reduction, m) {
   m.def("softmax_backward(Tensor grad, Tensor y, int dim, bool log) -> Tensor");
   m.def("atomic_sum(Tensor x) -> Tensor");
   m.def("versions(str op) -> str[]", &versions);
-  m.def("default_choice(str op, Tensor x, int? dim) -> str", &default_choice);
+  m.def("default_choice(str op, Tensor x, int? dim, int sms) -> str", &default_choice);
 }
 
 // One implementation per op serves CPU, CUDA and Meta: each picks the backend from the

@@ -51,14 +51,16 @@ __device__ __forceinline__ void tile_grad(const T (&y)[kVectors][kLanes], T (&dy
 }
 
 // Rows that fit: y and dy each held as kVectors 16-byte vectors per thread, as stored (4
-// registers per vector in every dtype), one reduction, dx written from the registers.
-template <typename T, int kThreadsPerRow, int kVectors, bool kLog, bool kVectorized>
+// registers per vector in every dtype), one reduction, dx written from the registers. Rows that
+// start mid-vector move as 16-byte chunks from their first boundary on (Access::kChunks).
+template <typename T, int kThreadsPerRow, int kVectors, bool kLog, Access kAccess>
 __global__ void __launch_bounds__(kThreadsPerRow * kRowsPerBlock<kThreadsPerRow>)
     softmax_backward_resident(const T* __restrict__ y, const T* __restrict__ dy, T* __restrict__ dx,
                               int64_t rows, int64_t n) {
   using A = typename Acc<T>::type;
   constexpr int kLanes = course::Vec16<T>::kLanes;
   constexpr int kRows = kRowsPerBlock<kThreadsPerRow>;
+  constexpr int kSlots = kTileVectors<kAccess, kVectors>;
   __shared__ A smem[32];
   const int t = threadIdx.x % kThreadsPerRow;
   // The whole block steps together (see softmax_resident in softmax_kernels.cu).
@@ -67,14 +69,15 @@ __global__ void __launch_bounds__(kThreadsPerRow * kRowsPerBlock<kThreadsPerRow>
     const int64_t r = first + threadIdx.x / kThreadsPerRow;
     const int64_t len = r < rows ? n : 0;
     const int64_t offset = (r < rows ? r : 0) * n;
-    T yv[kVectors][kLanes];
-    T gv[kVectors][kLanes];
+    const RowSpan span = row_span<kAccess>(y + offset, len);
+    T yv[kSlots][kLanes];
+    T gv[kSlots][kLanes];
     // Padding is 0 in both: it adds nothing to either sum and is never stored.
-    load_tile<kVectorized, kThreadsPerRow, kVectors>(y + offset, len, t, from_acc<T>(0.0f), yv);
-    load_tile<kVectorized, kThreadsPerRow, kVectors>(dy + offset, len, t, from_acc<T>(0.0f), gv);
+    load_tile<kAccess, kThreadsPerRow, kVectors>(y + offset, span, t, from_acc<T>(0.0f), yv);
+    load_tile<kAccess, kThreadsPerRow, kVectors>(dy + offset, span, t, from_acc<T>(0.0f), gv);
     const A total = row_reduce<kThreadsPerRow>(tile_dot<kLog>(yv, gv), SumOp<A>(), smem);
     tile_grad<kLog>(yv, gv, total);
-    store_tile<kVectorized, kThreadsPerRow, kVectors>(dx + offset, len, t, gv);
+    store_tile<kAccess, kThreadsPerRow, kVectors>(dx + offset, span, t, gv);
   }
 }
 
@@ -82,9 +85,8 @@ __global__ void __launch_bounds__(kThreadsPerRow * kRowsPerBlock<kThreadsPerRow>
 // explains the persistent, co-resident grid); each block's partial is its chunk's sum. Four
 // 256-thread blocks per SM cap a thread at 64 registers, which 2-byte dtypes exceed (nvcc keeps
 // each 16-bit element of y and dy in a register of its own, and spilled): they run two.
-template <typename T, int kShape, bool kLog, bool kVectorized>
-__global__ void __launch_bounds__(kResidentShapes[kShape].threads,
-                                  (sizeof(T) == 2 ? 512 : 1024) / kResidentShapes[kShape].threads)
+template <typename T, int kShape, bool kLog, Access kAccess>
+__global__ void __launch_bounds__(kResidentShapes[kShape].threads, split_blocks_per_sm(sizeof(T), true))
     softmax_backward_split(const T* __restrict__ y, const T* __restrict__ dy, T* __restrict__ dx, int64_t rows,
                            int64_t n, int64_t splits, typename Acc<T>::type* __restrict__ partial,
                            unsigned* __restrict__ arrived) {
@@ -92,6 +94,7 @@ __global__ void __launch_bounds__(kResidentShapes[kShape].threads,
   constexpr int kThreadsPerRow = kResidentShapes[kShape].threads;
   constexpr int kVectors = kResidentShapes[kShape].vectors;
   constexpr int kLanes = course::Vec16<T>::kLanes;
+  constexpr int kSlots = kTileVectors<kAccess, kVectors>;
   constexpr int64_t kChunk = static_cast<int64_t>(kThreadsPerRow) * kVectors * kLanes;
   __shared__ A smem[32];
   const int t = threadIdx.x;
@@ -100,10 +103,11 @@ __global__ void __launch_bounds__(kResidentShapes[kShape].threads,
     const int64_t begin = (item % splits) * kChunk;
     const int64_t len = n - begin < kChunk ? n - begin : kChunk;
     const int64_t offset = r * n + begin;
-    T yv[kVectors][kLanes];
-    T gv[kVectors][kLanes];
-    load_tile<kVectorized, kThreadsPerRow, kVectors>(y + offset, len, t, from_acc<T>(0.0f), yv);
-    load_tile<kVectorized, kThreadsPerRow, kVectors>(dy + offset, len, t, from_acc<T>(0.0f), gv);
+    const RowSpan span = row_span<kAccess>(y + offset, len);
+    T yv[kSlots][kLanes];
+    T gv[kSlots][kLanes];
+    load_tile<kAccess, kThreadsPerRow, kVectors>(y + offset, span, t, from_acc<T>(0.0f), yv);
+    load_tile<kAccess, kThreadsPerRow, kVectors>(dy + offset, span, t, from_acc<T>(0.0f), gv);
     const A s = row_reduce<kThreadsPerRow>(tile_dot<kLog>(yv, gv), SumOp<A>(), smem);
     if (t == 0) partial[item] = s;
     course::arrive_and_wait(&arrived[r], static_cast<unsigned>(splits));
@@ -112,7 +116,61 @@ __global__ void __launch_bounds__(kResidentShapes[kShape].threads,
     for (int64_t k = t % 32; k < splits; k += 32) total += __ldcg(&partial[r * splits + k]);
     total = course::warp_reduce(total, SumOp<A>());
     tile_grad<kLog>(yv, gv, total);
-    store_tile<kVectorized, kThreadsPerRow, kVectors>(dx + offset, len, t, gv);
+    store_tile<kAccess, kThreadsPerRow, kVectors>(dx + offset, span, t, gv);
+  }
+}
+
+// Rows parked in shared memory (RowPlanKind::kShared): the forward's softmax_shared with two
+// rows, y and dy, each in 16-byte slots from its first boundary on (dy starts as far from one as
+// y: row_access checked), one reduction, dx written from the slots. Each thread reads back only
+// what it wrote: no barrier but the reduction's.
+template <typename T, bool kLog, Access kAccess>
+__global__ void __launch_bounds__(kSharedThreads)
+    softmax_backward_shared(const T* __restrict__ y, const T* __restrict__ dy, T* __restrict__ dx, int64_t rows,
+                            int64_t n, int64_t slots) {
+  using A = typename Acc<T>::type;
+  using V = course::Vec16<T>;
+  constexpr int kLanes = V::kLanes;
+  extern __shared__ int4 parked_words[];
+  __shared__ A smem[32];
+  const int t = threadIdx.x;
+  V* parked_y = reinterpret_cast<V*>(parked_words);
+  V* parked_g = parked_y + slots;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const int64_t offset = r * n;
+    const RowSpan span = row_span<kAccess>(y + offset, n);
+    const int64_t vectors = (span.body_end - span.head) / kLanes;
+    const V* yv = reinterpret_cast<const V*>(y + offset + span.head);
+    const V* gv = reinterpret_cast<const V*>(dy + offset + span.head);
+    A dot = A(0);
+    for (int64_t j = t; j < vectors; j += kSharedThreads) {
+      const V a = course::load16(yv + j);
+      const V b = course::load16(gv + j);
+      course::store16(parked_y + j, a);
+      course::store16(parked_g + j, b);
+#pragma unroll
+      for (int l = 0; l < kLanes; ++l) dot += dot_term<kLog>(to_acc(a.v[l]), to_acc(b.v[l]));
+    }
+    const int64_t tail = span.len - span.body_end;
+    const int64_t head_i = t;
+    const int64_t tail_i = span.body_end + t;
+    const A head_y = t < span.head ? to_acc(y[offset + head_i]) : A(0);
+    const A head_g = t < span.head ? to_acc(dy[offset + head_i]) : A(0);
+    const A tail_y = t < tail ? to_acc(y[offset + tail_i]) : A(0);
+    const A tail_g = t < tail ? to_acc(dy[offset + tail_i]) : A(0);
+    dot += dot_term<kLog>(head_y, head_g) + dot_term<kLog>(tail_y, tail_g);  // 0 where absent
+    const A total = course::block_reduce<kSharedThreads>(dot, SumOp<A>(), smem);
+    V* xv = reinterpret_cast<V*>(dx + offset + span.head);
+    for (int64_t j = t; j < vectors; j += kSharedThreads) {
+      const V a = course::load16(parked_y + j);
+      const V b = course::load16(parked_g + j);
+      V out;
+#pragma unroll
+      for (int l = 0; l < kLanes; ++l) out.v[l] = from_acc<T>(grad_input<kLog>(to_acc(a.v[l]), to_acc(b.v[l]), total));
+      course::store16(xv + j, out);
+    }
+    if (t < span.head) dx[offset + head_i] = from_acc<T>(grad_input<kLog>(head_y, head_g, total));
+    if (t < tail) dx[offset + tail_i] = from_acc<T>(grad_input<kLog>(tail_y, tail_g, total));
   }
 }
 
@@ -141,48 +199,35 @@ cudaError_t launch_streamed(const SoftmaxBackwardParams& p, cudaStream_t stream)
   return cudaGetLastError();
 }
 
+// The same plan and dispatch as the forward (run_row_plan, softmax_rows.cuh).
 template <typename T, bool kLog>
 cudaError_t run_backward(const SoftmaxBackwardParams& p, cudaStream_t stream) {
-  if constexpr (sizeof(T) == 8) {
-    return launch_streamed<T, kLog>(p, stream);
-  } else {
-    const RowPlan plan = plan_row(p.n, sizeof(T), true, true);
-    const T* y = static_cast<const T*>(p.y);
-    const T* dy = static_cast<const T*>(p.dy);
-    T* dx = static_cast<T*>(p.dx);
-    const bool vectorized = rows_vectorized<T>(p.n, {p.y, p.dy, p.dx});
-    if (plan.kind == RowPlanKind::kResident) {
-      return with_shape<T, true>(plan.shape, [&](auto shape) {
-        return with_vectorized(vectorized, [&](auto vec) {
-          constexpr ResidentShape s = kResidentShapes[decltype(shape)::value];
-          constexpr int kRows = kRowsPerBlock<s.threads>;
-          softmax_backward_resident<T, s.threads, s.vectors, kLog, decltype(vec)::value>
-              <<<grid_for(course::ceil_div(p.rows, int64_t{kRows})), s.threads * kRows, 0, stream>>>(y, dy, dx, p.rows,
-                                                                                                  p.n);
-          return cudaGetLastError();
-        });
-      });
-    }
-    if (plan.kind == RowPlanKind::kSplit) {
-      return with_shape<T, true>(plan.shape, [&](auto shape) {
-        return with_vectorized(vectorized, [&](auto vec) {
-          constexpr int kShape = decltype(shape)::value;
-          constexpr int threads = kResidentShapes[kShape].threads;
-          if constexpr (threads != kSplitThreads) {
-            return cudaErrorInvalidValue;  // plan_row splits over kSplitThreads-thread shapes only
-          } else {
-          auto* kernel = softmax_backward_split<T, kShape, kLog, decltype(vec)::value>;
-          int64_t grid = 0;
-          COURSE_CUDA_TRY(split_grid(kernel, threads, plan.blocks, p.rows, &grid));
-          if (grid == 0) return launch_streamed<T, kLog>(p, stream);  // too few SMs for one row
-          return launch_cooperative(kernel, grid, threads, stream, y, dy, dx, p.rows, p.n, plan.blocks,
-                                    static_cast<typename Acc<T>::type*>(p.workspace), p.counters);
-          }
-        });
-      });
-    }
-    return launch_streamed<T, kLog>(p, stream);
-  }
+  int sms = 0;
+  COURSE_CUDA_TRY(course::sm_count(&sms));
+  const RowPlan plan = plan_row(p.n, sizeof(T), true, true, sms, p.rows);
+  const T* y = static_cast<const T*>(p.y);
+  const T* dy = static_cast<const T*>(p.dy);
+  T* dx = static_cast<T*>(p.dx);
+  auto streamed = [&] { return launch_streamed<T, kLog>(p, stream); };
+  return run_row_plan<T, true>(
+      plan, row_access<T>(p.n, {p.y, p.dy, p.dx}),
+      [&](auto shape, auto access) {
+        constexpr ResidentShape s = kResidentShapes[decltype(shape)::value];
+        return launch_resident<s.threads>(
+            softmax_backward_resident<T, s.threads, s.vectors, kLog, decltype(access)::value>, p.rows, stream, y,
+            dy, dx, p.rows, p.n);
+      },
+      [&](auto access) {
+        const int64_t slots = parked_bytes<T>(p.n) / 16;
+        return launch_shared(softmax_backward_shared<T, kLog, decltype(access)::value>, p.rows, 2 * slots * 16, stream,
+                             streamed, y, dy, dx, p.rows, p.n, slots);
+      },
+      [&](auto shape, auto access) {
+        return launch_split(softmax_backward_split<T, decltype(shape)::value, kLog, decltype(access)::value>,
+                            plan.blocks, p.rows, stream, streamed, y, dy, dx, p.rows, p.n, plan.blocks,
+                            static_cast<typename Acc<T>::type*>(p.workspace), p.counters);
+      },
+      streamed);
 }
 
 }  // namespace
@@ -191,7 +236,9 @@ cudaError_t softmax_backward_workspace(const SoftmaxBackwardParams& p, Workspace
   return with_dtype(p.dtype, [&](auto tag) {
     using T = decltype(tag);
     *ws = Workspace{};
-    const RowPlan plan = plan_row(p.n, sizeof(T), true, true);
+    int sms = 0;
+    COURSE_CUDA_TRY(course::sm_count(&sms));
+    const RowPlan plan = plan_row(p.n, sizeof(T), true, true, sms, p.rows);
     if (plan.kind == RowPlanKind::kSplit) {
       ws->bytes = p.rows * plan.blocks * static_cast<int64_t>(sizeof(typename Acc<T>::type));
       ws->counters = p.rows;

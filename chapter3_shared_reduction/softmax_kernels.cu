@@ -118,61 +118,199 @@ __global__ void __launch_bounds__(kThreads) softmax_online(const T* __restrict__
   }
 }
 
-// The row in registers, shared by v4 and v5: its maximum, then each value replaced by
-// exp(x - shift) (softmax) or x - shift (log_softmax), returning the sum of the exponentials
-// over the caller's threads.
-template <int kVectors, int kLanes, typename A, bool kLog>
-__device__ __forceinline__ A exponentiate(A (&v)[kVectors][kLanes], A shift) {
-  A s = A(0);
+// The row in registers, shared by v4 and v5: a thread's tile of it, with the three steps of a
+// softmax on it (its maximum, its sum of exponentials, and the normalized values written out).
+// Two ways to keep the tile:
+//   FloatTile   the elements as float32 values, each replaced by its exponential (computed once);
+//   PackedTile  the elements as loaded, 16-bit, two to a 32-bit word (2-byte dtypes past the
+//               floats' capacity, keeps_raw in reduction.h): twice the elements per register,
+//               and exp computed again at the write. Words, not an array of 16-bit values: nvcc
+//               keeps each value of such an array in a register of its own, which doubled the
+//               registers and spilled.
+template <typename T, Access kAccess, int kThreads, int kVectors>
+struct FloatTile {
+  using A = typename Acc<T>::type;
+  static constexpr int kLanes = course::Vec16<T>::kLanes;
+  A v[kTileVectors<kAccess, kVectors>][kLanes];
+
+  __device__ __forceinline__ void load(const T* __restrict__ row, const RowSpan& span, int t) {
+    load_tile<kAccess, kThreads, kVectors>(row, span, t, MaxOp<A>::identity(), v);
+  }
+  __device__ __forceinline__ A max() const {
+    const MaxOp<A> op;
+    A m = op.identity();
 #pragma unroll
-  for (int j = 0; j < kVectors; ++j) {
+    for (const auto& vec : v) {
 #pragma unroll
-    for (int l = 0; l < kLanes; ++l) {
-      if constexpr (kLog) {
-        v[j][l] -= shift;
-        s += exp(v[j][l]);
+      for (A e : vec) m = op(m, e);
+    }
+    return m;
+  }
+  // The sum of exp(x - shift); each element becomes exp(x - shift) (softmax) or x - shift
+  // (log_softmax) on the way, so the write needs no exp.
+  template <bool kLog>
+  __device__ __forceinline__ A exponentiate(A shift) {
+    A s = A(0);
+#pragma unroll
+    for (auto& vec : v) {
+#pragma unroll
+      for (A& e : vec) {
+        if constexpr (kLog) {
+          e -= shift;
+          s += exp(e);
+        } else {
+          e = exp(e - shift);
+          s += e;
+        }
+      }
+    }
+    return s;
+  }
+  // y = e * k (softmax) or y = (x - shift) + k (log_softmax), written to `row`.
+  template <bool kLog>
+  __device__ __forceinline__ void store(T* __restrict__ row, const RowSpan& span, int t, A /*shift*/, A k) {
+#pragma unroll
+    for (auto& vec : v) {
+#pragma unroll
+      for (A& e : vec) e = kLog ? e + k : e * k;
+    }
+    store_tile<kAccess, kThreads, kVectors>(row, span, t, v);
+  }
+};
+
+// bfloat16 and float16 as float32 from half of a 32-bit word (hi: the upper half). The half is
+// taken out by a volatile instruction, which the compiler must repeat at every use: otherwise
+// it keeps each element's float (one register per element) from the max to the write, which is
+// what packing two elements to a register was meant to avoid (ptxas: 128 registers for the 512 x
+// 8 shape, against 64 with the halves taken out at every use).
+__device__ __forceinline__ uint32_t half_of(uint32_t w, bool hi) {
+  uint32_t out;
+  if (hi) {
+    asm volatile("and.b32 %0, %1, 0xffff0000;" : "=r"(out) : "r"(w));
+  } else {
+    asm volatile("shl.b32 %0, %1, 16;" : "=r"(out) : "r"(w));
+  }
+  return out;  // the half, in the upper 16 bits
+}
+__device__ __forceinline__ float from_bits(uint32_t w, bool hi, __nv_bfloat16) {
+  return __uint_as_float(half_of(w, hi));  // a bfloat16 is a float32's upper half
+}
+__device__ __forceinline__ float from_bits(uint32_t w, bool hi, __half) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(half_of(w, hi) >> 16)));
+}
+__device__ __forceinline__ uint32_t bits_of(__nv_bfloat16 v) { return __bfloat16_as_ushort(v); }
+__device__ __forceinline__ uint32_t bits_of(__half v) { return __half_as_ushort(v); }
+
+template <typename T, Access kAccess, int kThreads, int kVectors>
+struct PackedTile {
+  static_assert(sizeof(T) == 2, "packed tiles hold 2-byte dtypes");
+  using A = float;
+  static constexpr int kLanes = course::Vec16<T>::kLanes;
+  static constexpr int kSlots = kTileVectors<kAccess, kVectors>;
+  uint32_t w[kSlots][kLanes / 2];  // element l of slot j: the (l % 2) half of word l / 2
+
+  __device__ __forceinline__ float at(int j, int l) const { return from_bits(w[j][l / 2], l % 2 == 1, T{}); }
+
+  __device__ __forceinline__ void load(const T* __restrict__ row, const RowSpan& span, int t) {
+    const uint32_t pad = bits_of(from_acc<T>(-INFINITY));
+#pragma unroll
+    for (int j = 0; j < kSlots; ++j) {
+      if (kAccess != Access::kScalar && j < kVectors) {
+        if (tile_valid<kAccess, kThreads, kVectors, kLanes>(j, 0, t, span)) {
+          const int4 bits = *reinterpret_cast<const int4*>(row + tile_index<kAccess, kThreads, kVectors, kLanes>(j, 0, t, span));
+          w[j][0] = bits.x;
+          w[j][1] = bits.y;
+          w[j][2] = bits.z;
+          w[j][3] = bits.w;
+        } else {
+#pragma unroll
+          for (int k = 0; k < kLanes / 2; ++k) w[j][k] = pad | pad << 16;
+        }
       } else {
-        v[j][l] = exp(v[j][l] - shift);
-        s += v[j][l];
+#pragma unroll
+        for (int k = 0; k < kLanes / 2; ++k) {
+          uint32_t word = 0;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int l = 2 * k + h;
+            const uint32_t e = tile_valid<kAccess, kThreads, kVectors, kLanes>(j, l, t, span)
+                                   ? bits_of(row[tile_index<kAccess, kThreads, kVectors, kLanes>(j, l, t, span)])
+                                   : pad;
+            word |= e << (16 * h);
+          }
+          w[j][k] = word;
+        }
       }
     }
   }
-  return s;
-}
-
-template <int kVectors, int kLanes, typename A>
-__device__ __forceinline__ A tile_max(const A (&v)[kVectors][kLanes]) {
-  const MaxOp<A> op;
-  A m = op.identity();
+  __device__ __forceinline__ float max() const {
+    const MaxOp<float> op;
+    float m = op.identity();
 #pragma unroll
-  for (int j = 0; j < kVectors; ++j) {
+    for (int j = 0; j < kSlots; ++j) {
 #pragma unroll
-    for (int l = 0; l < kLanes; ++l) m = op(m, v[j][l]);
+      for (int l = 0; l < kLanes; ++l) m = op(m, at(j, l));
+    }
+    return m;
   }
-  return m;
-}
-
-// y = e * scale (softmax) or y = v + add (log_softmax), in place.
-template <int kVectors, int kLanes, typename A, bool kLog>
-__device__ __forceinline__ void finish(A (&v)[kVectors][kLanes], A k) {
+  template <bool kLog>
+  __device__ __forceinline__ float exponentiate(float shift) const {
+    float s = 0.0f;
 #pragma unroll
-  for (int j = 0; j < kVectors; ++j) {
+    for (int j = 0; j < kSlots; ++j) {
 #pragma unroll
-    for (int l = 0; l < kLanes; ++l) v[j][l] = kLog ? v[j][l] + k : v[j][l] * k;
+      for (int l = 0; l < kLanes; ++l) s += exp(at(j, l) - shift);
+    }
+    return s;
   }
-}
+  // y = exp(x - shift) * k (softmax) or (x - shift) + k (log_softmax), the arithmetic of
+  // FloatTile's two steps, computed vector by vector as it is written.
+  template <bool kLog>
+  __device__ __forceinline__ void store(T* __restrict__ row, const RowSpan& span, int t, float shift, float k) const {
+#pragma unroll
+    for (int j = 0; j < kSlots; ++j) {
+      course::Vec16<T> out;
+#pragma unroll
+      for (int l = 0; l < kLanes; ++l) {
+        const float d = at(j, l) - shift;
+        out.v[l] = from_acc<T>(kLog ? d + k : exp(d) * k);
+      }
+      if (kAccess != Access::kScalar && j < kVectors) {
+        if (tile_valid<kAccess, kThreads, kVectors, kLanes>(j, 0, t, span)) {
+          course::store16(reinterpret_cast<course::Vec16<T>*>(row + tile_index<kAccess, kThreads, kVectors, kLanes>(j, 0, t, span)), out);
+        }
+      } else {
+#pragma unroll
+        for (int l = 0; l < kLanes; ++l) {
+          if (tile_valid<kAccess, kThreads, kVectors, kLanes>(j, l, t, span)) {
+            row[tile_index<kAccess, kThreads, kVectors, kLanes>(j, l, t, span)] = out.v[l];
+          }
+        }
+      }
+    }
+  }
+};
+
+// The tile a thread keeps for shape kThreads x kVectors (keeps_raw in reduction.h). Rows read
+// element by element (kScalar: x and y misaligned differently, a rare view) keep floats: 64
+// single loads packed two to a word took ptxas past 128 registers (960 bytes of spills), and
+// 64 floats fit.
+template <typename T, Access kAccess, int kThreads, int kVectors>
+using Tile = std::conditional_t<keeps_raw({kThreads, kVectors}, sizeof(T), false) && kAccess != Access::kScalar,
+                                PackedTile<T, kAccess, kThreads, kVectors>, FloatTile<T, kAccess, kThreads, kVectors>>;
 
 // v4: the row held in registers. kThreads threads per row (a warp, or a block of 128-512)
 // each load kVectors 16-byte vectors of it once; the maximum, the exponentials, the sum and
 // the normalized values are all computed on those registers, and each element is written
-// once: one read and one write, the copy's traffic. The exponentials are computed once and
-// kept. Short rows get a warp each, so the reductions are shuffles alone. Rows longer than the
-// largest shape run v3's kernel.
-template <typename T, int kThreadsPerRow, int kVectors, bool kLog, bool kVectorized>
+// once: one read and one write, the copy's traffic. Short rows get a warp each, so the
+// reductions are shuffles alone. Rows longer than the largest shape run v3's kernel. Rows that
+// start mid-vector (a length that is not a multiple of 8 bf16 or 4 float32) still move as
+// 16-byte chunks from their first boundary on, with a few single elements at each end
+// (course::rows::Access::kChunks).
+template <typename T, int kThreadsPerRow, int kVectors, bool kLog, Access kAccess>
 __global__ void __launch_bounds__(kThreadsPerRow * kRowsPerBlock<kThreadsPerRow>)
     softmax_resident(const T* __restrict__ x, T* __restrict__ y, int64_t rows, int64_t n) {
   using A = typename Acc<T>::type;
-  constexpr int kLanes = course::Vec16<T>::kLanes;
   constexpr int kRows = kRowsPerBlock<kThreadsPerRow>;
   __shared__ A smem[32];
   const int t = threadIdx.x % kThreadsPerRow;
@@ -183,12 +321,12 @@ __global__ void __launch_bounds__(kThreadsPerRow * kRowsPerBlock<kThreadsPerRow>
     const int64_t r = first + threadIdx.x / kThreadsPerRow;
     const int64_t len = r < rows ? n : 0;
     const int64_t offset = (r < rows ? r : 0) * n;
-    A v[kVectors][kLanes];
-    load_tile<kVectorized, kThreadsPerRow, kVectors>(x + offset, len, t, MaxOp<A>::identity(), v);
-    const A m = row_reduce<kThreadsPerRow>(tile_max(v), MaxOp<A>(), smem);
-    const A s = row_reduce<kThreadsPerRow>(exponentiate<kVectors, kLanes, A, kLog>(v, m), SumOp<A>(), smem);
-    finish<kVectors, kLanes, A, kLog>(v, kLog ? -::log(s) : A(1) / s);
-    store_tile<kVectorized, kThreadsPerRow, kVectors>(y + offset, len, t, v);
+    const RowSpan span = row_span<kAccess>(x + offset, len);
+    Tile<T, kAccess, kThreadsPerRow, kVectors> tile;
+    tile.load(x + offset, span, t);
+    const A m = row_reduce<kThreadsPerRow>(tile.max(), MaxOp<A>(), smem);
+    const A s = row_reduce<kThreadsPerRow>(tile.template exponentiate<kLog>(m), SumOp<A>(), smem);
+    tile.template store<kLog>(y + offset, span, t, m, kLog ? -::log(s) : A(1) / s);
   }
 }
 
@@ -203,14 +341,16 @@ __global__ void __launch_bounds__(kThreadsPerRow * kRowsPerBlock<kThreadsPerRow>
 // b, b + grid, ... with item = row * splits + chunk, and the grid is a multiple of `splits`, so
 // all chunks of a row are taken in the same round by resident blocks.
 //
-// The wait is what keeps v5 below the copy rate at long rows: NOTES.md has the measurements,
-// and two attempts to hide it behind the next chunk's loads that did not pay.
+// The wait is what keeps v5 below the copy rate at long rows (NOTES.md has the measurements):
+// the fewer bytes a block holds, the more often it waits for the same bytes moved. 2-byte
+// dtypes therefore keep their chunk as loaded (keeps_raw: 256 x 8 vectors, as many elements as
+// float32's 256 x 8 holds twice over) and compute exp twice, rather than keep float
+// exponentials in half the elements.
 //
-// Four blocks per SM (64 registers) in float32; 2-byte dtypes, whose float copy of the chunk
-// sits beside 16-bit loads, run three.
-template <typename T, int kShape, bool kLog, bool kVectorized>
+// Four blocks per SM (64 registers) in float32; 2-byte dtypes run three.
+template <typename T, int kShape, bool kLog, Access kAccess>
 __global__ void __launch_bounds__(kResidentShapes[kShape].threads,
-                                  (sizeof(T) == 2 ? 768 : 1024) / kResidentShapes[kShape].threads)
+                                  split_blocks_per_sm(sizeof(T), false))
     softmax_split(const T* __restrict__ x, T* __restrict__ y, int64_t rows, int64_t n, int64_t splits,
                   MaxSum<typename Acc<T>::type>* __restrict__ partial, unsigned* __restrict__ arrived) {
   using A = typename Acc<T>::type;
@@ -226,13 +366,16 @@ __global__ void __launch_bounds__(kResidentShapes[kShape].threads,
     const int64_t begin = (item % splits) * kChunk;
     const int64_t len = n - begin < kChunk ? n - begin : kChunk;
     const int64_t offset = r * n + begin;
-    A v[kVectors][kLanes];
-    load_tile<kVectorized, kThreadsPerRow, kVectors>(x + offset, len, t, MaxOp<A>::identity(), v);
-    const A m = row_reduce<kThreadsPerRow>(tile_max(v), MaxOp<A>(), smem);
+    // kChunk is a whole number of vectors: every chunk of a row starts as far from a 16-byte
+    // boundary as the row does.
+    const RowSpan span = row_span<kAccess>(x + offset, len);
+    Tile<T, kAccess, kThreadsPerRow, kVectors> tile;
+    tile.load(x + offset, span, t);
+    const A m = row_reduce<kThreadsPerRow>(tile.max(), MaxOp<A>(), smem);
     // A chunk of only -inf is shifted by 0, so its exponentials are 0 rather than NaN and its
     // partial (-inf, 0) drops out of the combine.
     const A shift = m == course::negative_infinity<A>() ? A(0) : m;
-    const A s = row_reduce<kThreadsPerRow>(exponentiate<kVectors, kLanes, A, kLog>(v, shift), SumOp<A>(), smem);
+    const A s = row_reduce<kThreadsPerRow>(tile.template exponentiate<kLog>(shift), SumOp<A>(), smem);
     if (t == 0) partial[item] = {m, s};
     course::arrive_and_wait(&arrived[r], static_cast<unsigned>(splits));
     // Every warp of every block of the row folds the partials in the same order and then
@@ -244,8 +387,74 @@ __global__ void __launch_bounds__(kResidentShapes[kShape].threads,
       total = op(total, MaxSum<A>{__ldcg(&p->m), __ldcg(&p->s)});
     }
     total = course::warp_reduce(total, op);
-    finish<kVectors, kLanes, A, kLog>(v, kLog ? shift - total.m - ::log(total.s) : exp(shift - total.m) / total.s);
-    store_tile<kVectorized, kThreadsPerRow, kVectors>(y + offset, len, t, v);
+    tile.template store<kLog>(y + offset, span, t, shift,
+                              kLog ? shift - total.m - ::log(total.s) : exp(shift - total.m) / total.s);
+  }
+}
+
+// v5, a row parked in shared memory (RowPlanKind::kShared, reduction.h): a 2-byte row too long
+// for one block's registers (16385 to 57344 elements: the vocabularies of Llama 2 and GPT-2)
+// when there are rows enough for every SM. One block of kSharedThreads per row copies the row
+// from DRAM into shared memory as loaded, keeping the maximum on the way; reads it back for the
+// sum of exponentials; reads it again to write y. One read and one write of DRAM, and no block
+// waits for another (the split rows' cost). Each thread reads back only the 16-byte slots it
+// wrote, so the passes need no barrier of their own; the two block reductions have theirs.
+// The slots start at the row's first 16-byte boundary (lead puts it on one in shared memory);
+// the few elements before it and after the last whole vector stay in registers.
+template <typename T, bool kLog, Access kAccess>
+__global__ void __launch_bounds__(kSharedThreads)
+    softmax_shared(const T* __restrict__ x, T* __restrict__ y, int64_t rows, int64_t n) {
+  using A = typename Acc<T>::type;
+  using V = course::Vec16<T>;
+  constexpr int kLanes = V::kLanes;
+  extern __shared__ int4 parked_words[];
+  __shared__ A smem[32];
+  const MaxOp<A> max_op;
+  const int t = threadIdx.x;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const T* xr = x + r * n;
+    T* yr = y + r * n;
+    const RowSpan span = row_span<kAccess>(xr, n);
+    const int64_t vectors = (span.body_end - span.head) / kLanes;
+    // The row's vector j sits in slot j of `parked`: shared memory is 16-byte aligned.
+    V* parked = reinterpret_cast<V*>(parked_words);
+    const V* xv = reinterpret_cast<const V*>(xr + span.head);
+    A m = max_op.identity();
+    for (int64_t j = t; j < vectors; j += kSharedThreads) {
+      const V w = course::load16(xv + j);
+      course::store16(parked + j, w);
+#pragma unroll
+      for (int l = 0; l < kLanes; ++l) m = max_op(m, to_acc(w.v[l]));
+    }
+    // Head and tail: thread t holds element t of each, fewer than kLanes of either.
+    const int64_t tail = span.len - span.body_end;
+    const A head_v = t < span.head ? to_acc(xr[t]) : max_op.identity();
+    const A tail_v = t < tail ? to_acc(xr[span.body_end + t]) : max_op.identity();
+    m = course::block_reduce<kSharedThreads>(max_op(m, max_op(head_v, tail_v)), max_op, smem);
+    A s = A(0);
+    for (int64_t j = t; j < vectors; j += kSharedThreads) {
+      const V w = course::load16(parked + j);
+#pragma unroll
+      for (int l = 0; l < kLanes; ++l) s += exp(to_acc(w.v[l]) - m);
+    }
+    if (t < span.head) s += exp(head_v - m);
+    if (t < tail) s += exp(tail_v - m);
+    s = course::block_reduce<kSharedThreads>(s, SumOp<A>(), smem);
+    // y as FloatTile computes it: exp(x - m) * (1 / s), or (x - m) + (-log s).
+    const A k = kLog ? -::log(s) : A(1) / s;
+    V* yv = reinterpret_cast<V*>(yr + span.head);
+    for (int64_t j = t; j < vectors; j += kSharedThreads) {
+      const V w = course::load16(parked + j);
+      V out;
+#pragma unroll
+      for (int l = 0; l < kLanes; ++l) {
+        const A d = to_acc(w.v[l]) - m;
+        out.v[l] = from_acc<T>(kLog ? d + k : exp(d) * k);
+      }
+      course::store16(yv + j, out);
+    }
+    if (t < span.head) yr[t] = from_acc<T>(kLog ? (head_v - m) + k : exp(head_v - m) * k);
+    if (t < tail) yr[span.body_end + t] = from_acc<T>(kLog ? (tail_v - m) + k : exp(tail_v - m) * k);
   }
 }
 
@@ -261,48 +470,38 @@ cudaError_t launch_streamed(const SoftmaxParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// v4 and v5 for 2- and 4-byte dtypes (float64 is streamed, see plan_row).
+// v4 and v5 (float64 is streamed, see plan_row): softmax_rows.cuh's run_row_plan picks the
+// kernel (resident, shared-memory row, split), as it does for the backward.
 template <typename T, bool kLog>
 cudaError_t launch_in_registers(const SoftmaxParams& p, cudaStream_t stream) {
-  if constexpr (sizeof(T) == 8) {
-    return launch_streamed<T, kLog>(p, stream);
-  } else {
-    const RowPlan plan = plan_row(p.n, sizeof(T), p.version == SoftmaxVersion::kSplitRow, false);
-    const T* x = static_cast<const T*>(p.x);
-    T* y = static_cast<T*>(p.y);
-    const bool vectorized = rows_vectorized<T>(p.n, {p.x, p.y});
-    if (plan.kind == RowPlanKind::kResident) {
-      return with_shape<T, false>(plan.shape, [&](auto shape) {
-        return with_vectorized(vectorized, [&](auto vec) {
-          constexpr ResidentShape s = kResidentShapes[decltype(shape)::value];
-          constexpr int kRows = kRowsPerBlock<s.threads>;
-          softmax_resident<T, s.threads, s.vectors, kLog, decltype(vec)::value>
-              <<<row_grid(course::ceil_div(p.rows, int64_t{kRows})), s.threads * kRows, 0, stream>>>(x, y, p.rows, p.n);
-          return cudaGetLastError();
-        });
-      });
-    }
-    if (plan.kind == RowPlanKind::kSplit) {
-      return with_shape<T, false>(plan.shape, [&](auto shape) {
-        return with_vectorized(vectorized, [&](auto vec) {
-          constexpr int kShape = decltype(shape)::value;
-          constexpr int threads = kResidentShapes[kShape].threads;
-          if constexpr (threads != kSplitThreads) {
-            return cudaErrorInvalidValue;  // plan_row splits over kSplitThreads-thread shapes only
-          } else {
-          auto* kernel = softmax_split<T, kShape, kLog, decltype(vec)::value>;
-          int64_t grid = 0;
-          COURSE_CUDA_TRY(split_grid(kernel, threads, plan.blocks, p.rows, &grid));
-          if (grid == 0) return launch_streamed<T, kLog>(p, stream);  // too few SMs for one row
-          using A = typename Acc<T>::type;
-          return launch_cooperative(kernel, grid, threads, stream, x, y, p.rows, p.n, plan.blocks,
-                                    static_cast<MaxSum<A>*>(p.workspace), p.counters);
-          }
-        });
-      });
-    }
-    return launch_streamed<T, kLog>(p, stream);
-  }
+  int sms = 0;
+  COURSE_CUDA_TRY(course::sm_count(&sms));
+  const RowPlan plan = plan_row(p.n, sizeof(T), p.version == SoftmaxVersion::kSplitRow, false, sms, p.rows);
+  const T* x = static_cast<const T*>(p.x);
+  T* y = static_cast<T*>(p.y);
+  using A = typename Acc<T>::type;
+  auto streamed = [&] { return launch_streamed<T, kLog>(p, stream); };
+  return run_row_plan<T, false>(
+      plan, row_access<T>(p.n, {p.x, p.y}),
+      [&](auto shape, auto access) -> cudaError_t {
+        constexpr ResidentShape s = kResidentShapes[decltype(shape)::value];
+        if constexpr (keeps_raw(s, sizeof(T), false)) {
+          return cudaErrorInvalidValue;  // raw shapes serve split rows only (plan_row)
+        } else {
+          return launch_resident<s.threads>(softmax_resident<T, s.threads, s.vectors, kLog, decltype(access)::value>,
+                                            p.rows, stream, x, y, p.rows, p.n);
+        }
+      },
+      [&](auto access) {
+        return launch_shared(softmax_shared<T, kLog, decltype(access)::value>, p.rows, parked_bytes<T>(p.n), stream,
+                             streamed, x, y, p.rows, p.n);
+      },
+      [&](auto shape, auto access) {
+        return launch_split(softmax_split<T, decltype(shape)::value, kLog, decltype(access)::value>, plan.blocks,
+                            p.rows, stream, streamed, x, y, p.rows, p.n, plan.blocks,
+                            static_cast<MaxSum<A>*>(p.workspace), p.counters);
+      },
+      streamed);
 }
 
 template <typename T, bool kLog>
@@ -342,7 +541,9 @@ cudaError_t softmax_workspace(const SoftmaxParams& p, Workspace* ws) {
     if (p.version == SoftmaxVersion::kThreePasses) {
       ws->bytes = 2 * p.rows * static_cast<int64_t>(sizeof(A));
     } else if (p.version == SoftmaxVersion::kSplitRow) {
-      const RowPlan plan = plan_row(p.n, sizeof(decltype(tag)), true, false);
+      int sms = 0;
+      COURSE_CUDA_TRY(course::sm_count(&sms));
+      const RowPlan plan = plan_row(p.n, sizeof(decltype(tag)), true, false, sms, p.rows);
       if (plan.kind == RowPlanKind::kSplit) {
         ws->bytes = p.rows * plan.blocks * static_cast<int64_t>(sizeof(MaxSum<A>));
         ws->counters = p.rows;

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import shared_reduction
-from coursekit import results
+from coursekit import results, shapes
 from coursekit.pytest_plugin import (DTYPES, assert_misplaced, dtype_id, floor, launched_kernels,
                                      poison_allocator, require_cuda, shape_id)
 from shared_reduction import LADDERS, VERSIONS
@@ -381,9 +381,10 @@ def test_reduce_special_values(op, dtype, version, dim, device):
 # block holds, so v4 falls back and v5 splits (in 2 blocks; 32769 in 3); 2^20 + 3 splits
 # over 65 blocks.
 SOFTMAX_CASES = [
-    ((7, 1), -1), ((7, 31), -1), ((7, 33), -1), ((7, 129), -1), ((5, 1000), -1),
+    ((7, 1), -1), ((7, 31), -1), ((7, 33), -1), ((7, 129), -1), ((5, 777), -1), ((5, 1000), -1),
     ((5, 1025), -1), ((3, 4097), -1), ((3, 8193), -1), ((2, 16385), -1), ((2, 32769), -1),
     ((2, 2**20 + 3), -1),
+    ((140, 20001), -1),  # 2-byte rows for every SM, too long for registers: parked in shared memory
     ((300, 33), -1),  # many rows: several warps per block, the last block partial
     ((0, 33), -1),  # no rows
     ((), -1), ((), 0),  # 0-d, as torch allows
@@ -406,9 +407,8 @@ def test_softmax_matches_reference(op, version, dtype, case, device):
 @pytest.mark.parametrize("version", (*VERSIONS["softmax"], None), ids=str)
 @pytest.mark.parametrize("op", SOFTMAX_OPS)
 def test_softmax_longest_rows(op, version, dtype, device):
-    """One row of 2^21 + 1 elements: 129 blocks of the largest resident shape (16384
-    elements), more than v5 splits a row over (kMaxSplitBlocks = 128), so the call takes the
-    streamed fallback."""
+    """One row of 2^21 + 1 elements: 257 blocks of v5's split shape in float32, 129 in 2-byte
+    dtypes: split on a GPU whose SMs hold them all at once, streamed on one that does not."""
     check_softmax(op, torch.randn(1, 2**21 + 1, dtype=dtype, device=device), -1, version)
 
 
@@ -476,7 +476,7 @@ def test_softmax_rows_sum_to_one(version, dtype, device):
 # 5. softmax_backward against torch's backward formulas
 # ---------------------------------------------------------------------------------------------
 BACKWARD_CASES = [((7, 1), -1), ((7, 31), -1), ((7, 33), -1), ((5, 1000), -1), ((3, 4097), -1),
-                  ((3, 8193), -1), ((2, 16385), -1), ((2, 40000), -1), ((2, 2**20 + 3), -1),
+                  ((3, 8193), -1), ((2, 16385), -1), ((2, 40000), -1), ((2, 2**20 + 3), -1), ((140, 20001), -1),
                   ((0, 33), -1), ((), -1), ((4, 7, 33), 1), ((4, 7, 33), 0)]
 
 
@@ -694,7 +694,8 @@ MISUSES = {
                                                     torch.randn(3, 5, device=d)),
         r"softmax_backward: grad has shape \[3, 4\] but y has shape \[3, 5\]"),
     "atomic_sum half": (lambda d: shared_reduction.atomic_sum(torch.randn(5, device=d).half()),
-                        r"atomic_sum: x has dtype Half, which is not supported"),
+                        r"atomic_sum: x has dtype Half, which is not supported \(supported: Float\) "
+                        r"for a tensor on (the CPU|CUDA)"),  # the device named beside the dtype
     "atomic_sum double": (lambda d: shared_reduction.atomic_sum(torch.randn(5, device=d).double()),
                           r"atomic_sum: x has dtype Double, which is not supported"),
     "unknown version": (lambda d: shared_reduction.sum(torch.randn(3, 3, device=d), version="v11"),
@@ -863,10 +864,19 @@ DEFAULT_CASES = {
     "whole": ("sum", (1000,), torch.float32, None, "v10"),
     "whole_3d": ("amax", (3, 4, 5), torch.bfloat16, None, "v10"),
     "whole_long": ("sum", (2**20 + 3,), torch.float16, None, "v10"),
-    # inner > 1: columns, whatever n
+    # inner > 1: columns: column_split (whose tiles lay a warp over several rows when the tensor
+    # is narrower than a warp of columns), except a short reduced dim under many outputs,
+    # column_loop (one thread an output: 132 SMs x 2048 of them)
     "columns_inner_2": ("sum", (4, 2), torch.float32, 0, "column_split"),
     "columns_3d": ("amax", (3, 4, 5), torch.float32, 1, "column_split"),
     "columns_long": ("sum", (5000, 3), torch.float32, 0, "column_split"),
+    "columns_64_vectors": ("sum", (1000, 64), torch.float32, 0, "column_split"),  # 16 lanes of 4
+    "columns_128_vectors": ("sum", (100, 128), torch.float32, 0, "column_split"),  # 32 lanes of 4
+    "columns_31_single": ("amax", (100, 31), torch.float32, 0, "column_split"),  # 31 lanes of 1
+    "columns_33_single": ("sum", (100, 33), torch.bfloat16, 0, "column_split"),  # 33 lanes of 1
+    "columns_loop": ("sum", (100003, 16, 3), torch.float32, 1, "column_loop"),  # 300009 outputs
+    "columns_loop_n_63": ("sum", (5000, 63, 60), torch.float32, 1, "column_loop"),
+    "columns_loop_n_64": ("sum", (5000, 64, 60), torch.float32, 1, "column_split"),
     # inner == 1 through trailing size-1 dims: rows
     "rows_trailing_ones": ("sum", (3, 4, 1), torch.float32, 1, "rows_per_warp"),
     # row length: < 32 rows_per_warp, up to 2048 warp_per_row
@@ -883,7 +893,8 @@ DEFAULT_CASES = {
     "3d_rows": ("sum", (528, 1, 4000), torch.float16, 2, "block_per_row"),
     # softmax: v4 while a row fits one block's registers, else v5: 16384 elements in float32
     # and in 2-byte dtypes alike (reduction.h, shape_fits: the forward keeps every element as
-    # a float32, at most 32 per thread, so 2-byte dtypes stop at 512 threads x 4 vectors)
+    # a float32, at most 32 per thread, so 2-byte dtypes stop at 512 threads x 4 vectors; their
+    # 16-bit 256 x 8 shape serves split rows only)
     "softmax_f32_16384": ("softmax", (3, 16384), torch.float32, -1, "v4"),
     "softmax_f32_16385": ("softmax", (3, 16385), torch.float32, -1, "v5"),
     "softmax_bf16_16384": ("softmax", (2, 16384), torch.bfloat16, -1, "v4"),
@@ -911,6 +922,86 @@ def test_default_choice(case, device):
     else:
         out = check_softmax(op, x, dim, None)
         assert torch.equal(out, getattr(shared_reduction, op)(x, dim, version=expected))
+
+
+# The rules that depend on the GPU's size, asked for a GPU of `sms` SMs: what a learner on a T4
+# (40 SMs) or an A100 (108) gets. name: (op, shape, dtype, dim, sms, the rung or path).
+SMS_CASES = {
+    # rows longer than a warp's are split while there are fewer than 4 x SMs of them
+    "t4_rows_159": ("sum", (159, 4096), torch.float32, -1, 40, "split_row"),
+    "t4_rows_160": ("sum", (160, 4096), torch.float32, -1, 40, "block_per_row"),
+    "a100_rows_431": ("amax", (431, 4096), torch.float32, -1, 108, "split_row"),
+    "a100_rows_432": ("amax", (432, 4096), torch.float32, -1, 108, "block_per_row"),
+    "h100_rows_527": ("sum", (527, 4096), torch.bfloat16, -1, 132, "split_row"),
+    "h100_rows_528": ("sum", (528, 4096), torch.bfloat16, -1, 132, "block_per_row"),
+    # a thread per output once the outputs fill every SM's 2048 threads
+    "t4_loop": ("sum", (40960, 16, 2), torch.float32, 1, 40, "column_loop"),
+    "t4_loop_fewer": ("sum", (40959, 16, 2), torch.float32, 1, 40, "column_split"),
+    # a split row needs all its blocks resident: SMs x 2 for the 2-byte backward (256 x 4 x 8
+    # = 8192 elements a block), else it is streamed: 3 blocks fit 2 SMs, 5 do not
+    # a 2-byte row too long for registers is parked in one block's shared memory when there
+    # is a row for every SM, else split over blocks
+    "h100_shared": ("softmax_backward", (132, 32000), torch.bfloat16, -1, 132, "shared"),
+    "h100_fewer_rows_split": ("softmax_backward", (131, 32000), torch.bfloat16, -1, 132, "split"),
+    "two_sms_split": ("softmax_backward", (1, 16385), torch.bfloat16, -1, 2, "split"),
+    "two_sms_streamed": ("softmax_backward", (1, 40000), torch.bfloat16, -1, 2, "streamed"),
+}
+
+
+@pytest.mark.parametrize("case", list(SMS_CASES))
+def test_default_choice_reads_the_sm_count(case):
+    """The thresholds are counts per SM, read off the device (sms=None) or given (a meta tensor
+    and any SM count: the choice for a GPU this machine does not have)."""
+    op, shape, dtype, dim, sms, expected = SMS_CASES[case]
+    x = torch.empty(shape, dtype=dtype, device="meta")
+    assert shared_reduction.default_choice(op, x, dim, sms=sms) == expected
+
+
+@pytest.mark.cuda
+def test_default_choice_uses_the_gpus_sm_count():
+    """Without sms, default_choice asks x's GPU: the choice the launch makes there."""
+    require_cuda()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for rows, expected in ((4 * sms - 1, "split_row"), (4 * sms, "block_per_row")):
+        x = torch.randn(rows, 4096, device="cuda")
+        assert shared_reduction.default_choice("sum", x, -1) == expected
+        out = shared_reduction.sum(x, -1)
+        assert torch.equal(out, shared_reduction.sum(x, -1, version=expected))
+
+
+# (op, shape, dtype, the kernel name must contain): the new paths, launched. Odd rows take
+# Access::kChunks (course/rows.cuh), a 2-byte split row the 256 x 8 shape of 16-bit values, a
+# narrow column the column tiles (with lanes over rows).
+LAUNCH_CASES = {
+    "softmax_chunks_f32": ("softmax", (64, 777), torch.float32, "softmax_resident<float, 32, 8, false, (course::rows::Access)2>"),
+    "softmax_chunks_bf16": ("log_softmax", (64, 777), torch.bfloat16, "softmax_resident<__nv_bfloat16, 32, 4, true, (course::rows::Access)2>"),
+    "softmax_split_raw_bf16": ("softmax", (2, 50257), torch.bfloat16, "softmax_split<__nv_bfloat16, 9, false, (course::rows::Access)2>"),
+    "softmax_split_raw_f16": ("softmax", (2, 32768), torch.float16, "softmax_split<__half, 9, false, (course::rows::Access)1>"),
+    "softmax_shared_bf16": ("log_softmax", (264, 32000), torch.bfloat16, "softmax_shared<__nv_bfloat16, true, (course::rows::Access)1>"),
+    "backward_shared_f16": ("softmax_backward", (264, 20001), torch.float16, "softmax_backward_shared<__half, false, (course::rows::Access)2>"),
+    "softmax_64_threads": ("softmax", (64, 1025), torch.bfloat16, "softmax_resident<__nv_bfloat16, 64, 4, false, (course::rows::Access)2>"),
+    "backward_chunks": ("softmax_backward", (64, 4099), torch.bfloat16, "softmax_backward_resident<__nv_bfloat16, 256, 4, false, (course::rows::Access)2>"),
+    "column_split": ("sum", (100003, 3), torch.float32, "column_reduce_tiles<1, float"),
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", list(LAUNCH_CASES))
+def test_new_paths_launch_their_kernels(case):
+    require_cuda()
+    op, shape, dtype, expected = LAUNCH_CASES[case]
+    x = torch.randn(shape, dtype=dtype, device="cuda")
+    if op == "softmax_backward":
+        y = shared_reduction.softmax(x)
+        call = lambda: shared_reduction.softmax_backward(torch.randn_like(y), y)  # noqa: E731
+    elif op in REDUCE_OPS:
+        call = lambda: getattr(shared_reduction, op)(x, 0)  # noqa: E731
+    else:
+        call = lambda: getattr(shared_reduction, op)(x)  # noqa: E731
+    # The column tiles are course::column_reduce_tiles (common/include/course), the rest this
+    # chapter's own.
+    _, kernels = launched_kernels(call, "course::" if expected.startswith("column_reduce") else "shared_reduction")
+    assert any(expected in k for k in kernels), kernels
 
 
 def test_default_choice_accepts_meta_tensors():
@@ -944,6 +1035,7 @@ def test_recorded_results_hold_the_dispatch():
     fastest rung there. Fails on results older than the dispatch and on a regression."""
     record = results.load_recorded_gpu("chapter3_shared_reduction")
     assert record is not None, "no recorded GPU results: run bench_shared_reduction.py on a GPU"
+    sms = record["device"]["sms"]
     checked = 0
     for r in record["benchmarks"]:
         if r["variant"] != "default" or r["op"] not in VERSIONS:
@@ -957,11 +1049,25 @@ def test_recorded_results_hold_the_dispatch():
         # Shape and dtype decide: a meta tensor of the measured shape (2^28 elements would be
         # a GiB on the CPU) stands in for the GPU one.
         x = torch.empty(r["shape"], dtype=getattr(torch, r["dtype"]), device="meta")
-        assert r["dispatch"] == shared_reduction.default_choice(choice_op, x, r["dim"]), r
+        assert r["dispatch"] == shared_reduction.default_choice(choice_op, x, r["dim"], sms=sms), r
         checked += 1
     assert checked > 0, "no default rows: results older than the dispatch?"
     for op in VERSIONS:
         assert results.default_gaps(record, VERSIONS[op], ops=(op,)) == [], op
+
+
+def test_recorded_shapes_sweep_holds_the_target():
+    """The shapes sweep (bench_shared_reduction.py --shapes): at every shape that moves at least
+    1 MiB, version=None at least 0.95x the faster of eager and torch.compile, with the choice the
+    dispatch makes today recorded beside it."""
+    record = shapes.load("chapter3_shared_reduction")
+    sms = record["device"]["sms"] if record else 0
+
+    def choice(r):
+        op = "softmax_backward" if r["pass"] == "backward" else r["op"]
+        return shared_reduction.default_choice(op, shapes.meta_like(r), r.get("dim", -1), sms=sms)
+    assert shapes.stale_dispatch(record, choice) == []
+    shapes.expect_target(record, "bench_shared_reduction.py --shapes")
 
 
 # ---------------------------------------------------------------------------------------------

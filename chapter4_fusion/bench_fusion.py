@@ -13,6 +13,7 @@ are TFLOP/s against a plain bf16 matmul measured in the same run.
 
     python bench_fusion.py           full run on a GPU
     python bench_fusion.py --quick   small sizes: CPU machines, smoke runs
+    python bench_fusion.py --shapes  only the shapes sweep (tokens x hidden sizes of real models)
 
 Writes results/<device-slug>/chapter4_fusion.json and the plots beside it.
 """
@@ -24,7 +25,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent / "common")]
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from coursekit import bench, plots, results  # noqa: E402
+from coursekit import bench, plots, results, shapes  # noqa: E402
 from coursekit.results import subset  # noqa: E402  (the notebooks reach it as B.subset)
 
 import fusion  # noqa: E402
@@ -299,6 +300,81 @@ def bench_linear(device, mm, s):
 
 
 # ---------------------------------------------------------------------------------------------
+# The shapes sweep (coursekit/shapes.py): every op at tokens x hidden sizes of real models and at
+# odd hidden sizes, forward and backward, bf16, fp16 and fp32, against eager and torch.compile.
+# linear_activation is left to its own rows: a GEMM decides its time.
+# ---------------------------------------------------------------------------------------------
+def _add_rms_norm_eager(x, res, w):
+    h = x + res
+    return F.rms_norm(h, (h.shape[-1],), w, EPS), h
+
+
+def _swiglu_eager(x):
+    a, b = x.chunk(2, dim=-1)
+    return F.silu(a) * b
+
+
+# op: (ours, eager, operands of x's shape beside x, parameters of hidden, grads, bytes per
+# element of x's shape: forward, backward)
+SHAPE_OPS = {
+    "fused_bias_scale_relu": (lambda x, b: fusion.fused_bias_scale_relu(x, b, SCALE),
+                              lambda x, b: torch.relu(x * SCALE + b), 0, 1, (0, 1), 2, 3),
+    "bias_gelu": (lambda x, b: fusion.bias_gelu(x, b), lambda x, b: F.gelu(x + b), 0, 1, (0, 1), 2, 3),
+    "layer_norm": (lambda x, w, b: fusion.layer_norm(x, w, b, EPS),
+                   lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, EPS), 0, 2, (0, 1, 2), 2, 3),
+    "rms_norm": (lambda x, w: fusion.rms_norm(x, w, EPS), lambda x, w: F.rms_norm(x, (x.shape[-1],), w, EPS),
+                 0, 1, (0, 1), 2, 3),
+    "fused_add_rms_norm": (lambda x, r, w: fusion.fused_add_rms_norm(x, r, w, EPS), _add_rms_norm_eager, 1, 1,
+                           (0, 1, 2), 4, 4),
+}
+
+
+def shape_cases(device, quick):
+    cases = []
+    for dtype in shapes.dtypes(quick):
+        size = element_size(dtype)
+        for tokens, hidden in shapes.token_shapes(quick):
+            meta = torch.empty(tokens, hidden, dtype=dtype, device="meta")
+            n = tokens * hidden
+            for op, (ours, eager, rows_like, params, grads, fwd, bwd) in SHAPE_OPS.items():
+                def make(tokens=tokens, hidden=hidden, dtype=dtype, rows_like=rows_like, params=params):
+                    like = [torch.randn(tokens, hidden, dtype=dtype, device=device) for _ in range(1 + rows_like)]
+                    return (*like, *[torch.randn(hidden, dtype=dtype, device=device) for _ in range(params)])
+                choice = "rms_norm" if op == "fused_add_rms_norm" else op
+                # The norms' forward rungs beside the default, to read the dispatch from.
+                rungs = {}
+                if op in ("layer_norm", "rms_norm") and device == "cuda":
+                    rungs = {v: (lambda *a, v=v, op=op: NORMS[op][0](*a, version=v) if op == "layer_norm"
+                                 else fusion.rms_norm(*a, EPS, version=v)) for v in fusion.VERSIONS[op]}
+                cases.append(shapes.Case(op, dtype, (tokens, hidden), fwd * n * size, make, ours, eager,
+                                         dispatch=fusion.default_choice(op, meta), rungs=rungs))
+                cases.append(shapes.Case(op, dtype, (tokens, hidden), bwd * n * size, make, ours, eager,
+                                         backward=True, grads=grads,
+                                         dispatch=fusion.default_choice(f"{choice}_backward" if op != "bias_gelu"
+                                                                        else "fused_bias_scale_relu_backward", meta)))
+            # swiglu: x is [tokens, 2 * hidden], y [tokens, hidden]: read 2n, write n; the
+            # backward reads dy (n) and x (2n) and writes dx (2n).
+            wide = torch.empty(tokens, 2 * hidden, dtype=dtype, device="meta")
+
+            def make_wide(tokens=tokens, hidden=hidden, dtype=dtype):
+                return (torch.randn(tokens, 2 * hidden, dtype=dtype, device=device),)
+            cases.append(shapes.Case("swiglu", dtype, (tokens, 2 * hidden), 3 * n * size, make_wide, fusion.swiglu,
+                                     _swiglu_eager, dispatch=fusion.default_choice("swiglu", wide)))
+            cases.append(shapes.Case("swiglu", dtype, (tokens, 2 * hidden), 5 * n * size, make_wide, fusion.swiglu,
+                                     _swiglu_eager, backward=True, grads=(0,)))
+    return cases
+
+
+def shapes_figures(record, out_dir):
+    ops = list(SHAPE_OPS) + ["swiglu"]
+    fig, axes = plt.subplots(2, len(ops), figsize=(6 * len(ops), 9))
+    for col, op in enumerate(ops):
+        for row, p in enumerate(("forward", "backward")):
+            shapes.plot(axes[row, col], record, op, p, x=lambda r: r["shape"][-1], xlabel="hidden size")
+    return [plots.save(fig, out_dir / f"{CHAPTER}_shapes.png")]
+
+
+# ---------------------------------------------------------------------------------------------
 def make_figures(record, out_dir):
     s = record["sizes"]
     figures = []
@@ -362,7 +438,10 @@ def print_table(record):
 
 
 def main():
-    device, quick = bench.start(__doc__)
+    device, quick, args = shapes.start(__doc__)
+    if args.shapes:
+        shapes.main(CHAPTER, shape_cases, __file__, shapes_figures, quick, args.ops, args.dtypes)
+        return
     torch._dynamo.config.cache_size_limit = 256
     s = sizes_for(device, quick)
     ceilings = bench.copy_ceiling(device, n=2**28 if device == "cuda" and not quick else 2**20)
@@ -382,6 +461,8 @@ def main():
                         "call=autograd time autograd.grad over a retained graph; the norms' "
                         "backward rungs and their default time the backward op alone"}}
     results.publish(CHAPTER, rows, ceilings, extra, make_figures, print_table)
+    if not args.no_shapes:
+        shapes.main(CHAPTER, shape_cases, __file__, shapes_figures, quick, args.ops, args.dtypes)
 
 
 if __name__ == "__main__":

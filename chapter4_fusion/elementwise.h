@@ -8,6 +8,7 @@
 // bias, which broadcasts over the rows (every leading dim of x flattened into one).
 #pragma once
 
+#include <course/bias_act.h>
 #include <course/dtype.h>
 #include <course/index_math.h>
 
@@ -24,19 +25,21 @@ using DType = ::course::DType;
 enum class Activation { kRelu, kGeluErf, kGeluTanh, kSilu };
 
 // What fused_bias_scale_relu keeps for its backward, which needs only the sign of the
-// pre-activation z = x * scale + bias:
+// pre-activation z = x * scale + bias (course/bias_act.h, shared with chapter 5's fused_op):
 //   kOutput (save="y"):   y itself (y > 0 exactly where z > 0): n elements of the dtype;
 //   kInput (save="x"):    x, the sign recomputed from x * scale + bias: n elements, and the
 //                         backward reads the bias again (x is often kept alive anyway);
 //   kMask (save="mask"):  one bit per element, written by the forward: 4 ceil(n / 32) bytes a
 //                         row, n / 8 for rows of a multiple of 32 elements.
-enum class SaveKind { kOutput, kInput, kMask };
+// At a NaN z every choice lets the gradient through, as torch's threshold_backward does.
+using SaveKind = ::course::SaveKind;
+using ::course::mask_words_per_row;
 
 // fused_bias_scale_relu's forward ladder (elementwise_kernels.cu says what each rung changes).
 enum class BsrVersion {
   kThreeKernels,  // v1: scale, add bias, relu: eager's three trips through memory
   kFused,         // v2: one kernel, scalar loads, a warp per 32 adjacent columns of a row
-  kVectorized,    // v3: 16-byte loads, the bias tile loaded once per thread and reused by every row
+  kVectorized,    // v3: 16-byte loads: the bias tile kept by every thread across rows, or the flat map
 };
 
 // The backward ladder of fused_bias_scale_relu (and the kernel every other backward here uses).
@@ -56,11 +59,6 @@ enum class LinearVersion {
   kUnfused,        // GEMM, a bias kernel, an activation kernel
   kFusedEpilogue,  // GEMM, one bias + activation kernel
 };
-
-// The bit mask of fused_bias_scale_relu: bit c % 32 of word c / 32 of row r says z[r, c] > 0.
-// Every row starts a new word, so a row's bits never share a word with another row's and every
-// word has one writer.
-COURSE_HOST_DEVICE constexpr int64_t mask_words_per_row(int64_t n) { return (n + 31) / 32; }
 
 // y = act(x * scale + bias), over rows of n:
 //   bias  n elements, or null (no bias: linear's activation kernel after a separate bias kernel);
@@ -117,15 +115,13 @@ struct SwigluBackwardParams {
 };
 
 // ---------------------------------------------------------------------------------------
-// version=None takes the top rung everywhere: in the H100 results (chapter4_fusion.json) it is
-// within 0.95x of the fastest rung at every measured shape and dtype, which
-// test_recorded_results_hold_the_dispatch holds it to. No size threshold is needed because the vectorized kernels fall back to one element
-// per thread by themselves when the rows or the pointers do not allow 16-byte accesses, and the
-// scalar fallback still keeps the bias in registers across rows, which v2 does not.
+// version=None: the top rung everywhere (test_recorded_results_hold_the_dispatch holds it within
+// 0.95x of the fastest rung at every measured shape and dtype). Its launchers choose the kernel by
+// themselves from the shape and the pointers: v3's between the column tiles and the flat kernel
+// (course::launch_bias_act), the vectorized kernels of the other ops between 16-byte and
+// single-element accesses.
 // ---------------------------------------------------------------------------------------
-inline BsrVersion default_bsr(int64_t /*rows*/, int64_t /*n*/, int /*elem_bytes*/) {
-  return BsrVersion::kVectorized;
-}
+inline BsrVersion default_bsr(int64_t /*rows*/, int64_t /*n*/, int /*elem_bytes*/) { return BsrVersion::kVectorized; }
 inline BackwardVersion default_backward(int64_t /*rows*/, int64_t /*n*/, int /*elem_bytes*/) {
   return BackwardVersion::kFused;
 }

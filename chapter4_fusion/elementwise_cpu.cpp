@@ -48,7 +48,7 @@ void bias_act_cpu(const BiasActParams& p) {
             const A z = std::fma(static_cast<A>(x[r * p.n + c]), scale, bias ? static_cast<A>(bias[c]) : A(0));
             y[r * p.n + c] = static_cast<T>(Act::forward(z));
             if (pre != nullptr) pre[r * p.n + c] = static_cast<T>(z);
-            if (mask != nullptr && z > A(0)) mask[c / 32] |= 1u << (c % 32);
+            if (mask != nullptr && course::relu_passes(z)) mask[c / 32] |= 1u << (c % 32);
           }
         }
       });
@@ -81,11 +81,14 @@ void act_backward_cpu(const ActBackwardParams& p) {
               if (p.source == SaveKind::kInput) {
                 d = Act::derivative(std::fma(static_cast<A>(saved[i]), scale, bias ? static_cast<A>(bias[c]) : A(0)));
               } else if (p.source == SaveKind::kOutput) {
-                d = static_cast<A>(saved[i]) > A(0) ? A(1) : A(0);
+                d = course::relu_passes(static_cast<A>(saved[i])) ? A(1) : A(0);
               } else {
                 d = ((p.mask[r * words + c / 32] >> (c % 32)) & 1u) ? A(1) : A(0);
               }
-              const A g = static_cast<A>(dy[i]) * d;
+              // relu's 0-or-1 derivative selects dy (threshold_backward: 0, not inf * 0, where
+              // relu is flat); a smooth activation's multiplies, as the kernels do.
+              const bool gate = p.source != SaveKind::kInput || Act::kGates;
+              const A g = gate ? (d != A(0) ? static_cast<A>(dy[i]) : A(0)) : static_cast<A>(dy[i]) * d;
               dx[i] = static_cast<T>(g * scale);
               sum[c] += g;
             }

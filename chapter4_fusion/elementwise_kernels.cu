@@ -8,9 +8,10 @@
 // speed of a copy. The backward reads dy and the saved tensor (b bytes for y or x, 1/8 byte for
 // the mask) and writes dx: 2 b + 1/8 bytes with the mask against 3 b with y or x.
 //
-// The kernel templates live in activation.h (shared with linear_epilogue_kernels.cu); this file
-// strings them into the rungs and says what each changes.
-#include "activation.h"
+// The kernel templates live in activation_kernels.cuh and common/include/course/bias_act.cuh
+// (shared with linear_epilogue_kernels.cu and chapter 5); this file strings them into the rungs
+// and says what each changes.
+#include "activation_kernels.cuh"
 #include "elementwise.h"
 
 #include <course/column_reduce.cuh>
@@ -48,7 +49,7 @@ __global__ void mul_half_kernel(const T* x, T* y, int64_t rows, int64_t half) {
   }
 }
 
-// v2: one kernel on activation.h's column tiling (no bias to keep, but no division either):
+// v2: one kernel on course/bias_act.cuh's column tiling (no bias to keep, but no division either):
 // a thread reads a 16-byte pack of a and the matching pack of b, writes one pack of y.
 template <typename T, int L>
 __global__ void __launch_bounds__(kTileThreads)
@@ -59,11 +60,11 @@ __global__ void __launch_bounds__(kTileThreads)
   if (e >= half) return;  // past the row's end: no shuffles in this kernel, so leave
   const int64_t row_step = static_cast<int64_t>(gridDim.y) * ty;
   for (int64_t base = static_cast<int64_t>(blockIdx.y) * ty + threadIdx.x / tx; base < rows;
-       base += kRowsInFlight * row_step) {
-    Pack<T, L> av[kRowsInFlight];
-    Pack<T, L> bv[kRowsInFlight];
+       base += course::kRowsInFlight<L> * row_step) {
+    Pack<T, L> av[course::kRowsInFlight<L>];
+    Pack<T, L> bv[course::kRowsInFlight<L>];
 #pragma unroll
-    for (int u = 0; u < kRowsInFlight; ++u) {
+    for (int u = 0; u < course::kRowsInFlight<L>; ++u) {
       const int64_t r = base + u * row_step;
       if (r < rows) {  // the sweep's second row may lie past the last
         av[u] = load_pack<T, L>(x + r * 2 * half + e);
@@ -71,7 +72,7 @@ __global__ void __launch_bounds__(kTileThreads)
       }
     }
 #pragma unroll
-    for (int u = 0; u < kRowsInFlight; ++u) {
+    for (int u = 0; u < course::kRowsInFlight<L>; ++u) {
       const int64_t r = base + u * row_step;
       if (r < rows) {
         Pack<T, L> yv;
@@ -138,8 +139,11 @@ cudaError_t launch_swiglu_tiles(int64_t rows, int64_t half, std::initializer_lis
 //   v1  three kernels, scale, add bias, relu (+ mask): eager's 6 b bytes per element, and each
 //       intermediate rounded to the dtype as eager rounds it;
 //   v2  one kernel (bias_act_warp_kernel): 2 b bytes, scalar accesses, a warp per mask word;
-//   v3  one kernel (bias_act_tile_kernel): 16-byte accesses, the bias held in registers across
-//       rows, two rows in flight per thread: the copy kernel's access pattern.
+//   v3  one kernel with 16-byte accesses: the column tiles (bias_act_tile_kernel, the bias held
+//       in registers across rows: the copy kernel's access pattern) while rows are whole vectors
+//       that fill the tiles, else the flat kernel (bias_act_flat_kernel: one 16-byte vector per
+//       thread over the flat array, the bias gathered by column: every lane busy at any hidden
+//       size, whole vectors at any row length).
 // ---------------------------------------------------------------------------------------
 cudaError_t launch_bias_scale_relu(const BiasActParams& p, BsrVersion version, cudaStream_t stream) {
   return with_dtype(p.dtype, [&](auto tag) -> cudaError_t {
@@ -160,7 +164,7 @@ cudaError_t launch_bias_scale_relu(const BiasActParams& p, BsrVersion version, c
       case BsrVersion::kVectorized:
         break;
     }
-    return mask ? launch_bias_act_tiles<T, Relu, true>(p, stream) : launch_bias_act_tiles<T, Relu, false>(p, stream);
+    return mask ? launch_bias_act_fused<T, Relu, true>(p, stream) : launch_bias_act_fused<T, Relu, false>(p, stream);
   });
 }
 
@@ -177,7 +181,7 @@ cudaError_t launch_bias_activation(const BiasActParams& p, ActVersion version, c
                                            p.n, stream));
         return launch_bias_act_warps<T, Act, false>(y, nullptr, 1.0, y, nullptr, p.rows, p.n, stream);
       }
-      return launch_bias_act_tiles<T, Act, false>(p, stream);
+      return launch_bias_act_fused<T, Act, false>(p, stream);
     });
   });
 }

@@ -327,6 +327,15 @@ void check_linear(const char* op, const Tensor& x, const Tensor& weight, const T
               " but weight has shape ", shape_of(weight), "; bias must be 1-D with weight.size(0) elements");
 }
 
+// bias=None, as F.linear allows: zeros of out_features, made once per call, so the epilogue
+// keeps one path; the backward's dbias for them is computed and dropped by autograd.
+Tensor bias_or_zeros(const std::optional<Tensor>& bias, const Tensor& weight) {
+  if (bias.has_value() && bias->defined()) return *bias;
+  check_input(kLinear, "weight", weight);
+  TORCH_CHECK(weight.dim() == 2, kLinear, ": weight has shape ", shape_of(weight), "; it must be [out_features, in_features]");
+  return at::zeros_symint({weight.sym_size(0)}, weight.options());
+}
+
 std::vector<c10::SymInt> linear_sizes(const Tensor& x, const Tensor& weight) {
   std::vector<c10::SymInt> sizes(x.sym_sizes().begin(), x.sym_sizes().end());
   sizes.back() = weight.sym_size(0);
@@ -364,14 +373,14 @@ std::tuple<Tensor, Tensor> linear_forward(const Tensor& x, const Tensor& weight,
   return {y.view_symint(sizes), keep_z ? h.view_symint(sizes) : Tensor()};
 }
 
-Tensor linear_impl(const Tensor& x, const Tensor& weight, const Tensor& bias, c10::string_view activation,
+Tensor linear_impl(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias, c10::string_view activation,
                    OptVersion version) {
-  return std::get<0>(linear_forward(x, weight, bias, activation, version, false));
+  return std::get<0>(linear_forward(x, weight, bias_or_zeros(bias, weight), activation, version, false));
 }
 
-std::tuple<Tensor, Tensor> linear_forward_impl(const Tensor& x, const Tensor& weight, const Tensor& bias,
+std::tuple<Tensor, Tensor> linear_forward_impl(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias,
                                                c10::string_view activation, OptVersion version) {
-  return linear_forward(x, weight, bias, activation, version, true);
+  return linear_forward(x, weight, bias_or_zeros(bias, weight), activation, version, true);
 }
 
 // (dx, dweight, dbias): dz = dy * act'(z) and dbias in one kernel, then two GEMMs.
@@ -541,6 +550,14 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
 };
 
 Tensor bsr_autograd(const Tensor& x, const Tensor& bias, double scale, c10::string_view save, OptVersion version) {
+  // No input needs a gradient (or grad mode is off): nothing is kept for a backward, so no mask
+  // is written (a sixteenth more bytes in 2-byte dtypes, and rows that are not whole 32-bit words
+  // of mask would leave the flat kernel for the tiles' single elements), and no graph node.
+  if (!at::GradMode::is_enabled() || !(x.requires_grad() || bias.requires_grad())) {
+    static auto op = find_op<decltype(bsr_impl)>("fusion::fused_bias_scale_relu");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return op.call(x, bias, scale, save, version);
+  }
   return BsrFunction::apply(x, bias, scale, save, version);
 }
 Tensor bias_gelu_autograd(const Tensor& x, const Tensor& bias, c10::string_view approximate, OptVersion version) {
@@ -551,8 +568,9 @@ Tensor bias_silu_autograd(const Tensor& x, const Tensor& bias, OptVersion versio
   return BiasActFunction::apply(x, bias, std::string("silu"), version);
 }
 Tensor swiglu_autograd(const Tensor& x, OptVersion version) { return SwigluFunction::apply(x, version); }
-Tensor linear_autograd(const Tensor& x, const Tensor& weight, const Tensor& bias, c10::string_view activation,
-                       OptVersion version) {
+Tensor linear_autograd(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias_or,
+                       c10::string_view activation, OptVersion version) {
+  const Tensor bias = bias_or_zeros(bias_or, weight);
   // Inference (no input needs a gradient, or grad mode is off): no graph node, no saved z and
   // no second M x N buffer. The Function's bookkeeping was most of the op's host time, which a
   // GEMM of a few rows does not hide (chapter 5 measures per-call overhead).
@@ -592,8 +610,8 @@ TORCH_LIBRARY_FRAGMENT(fusion, m) {
   m.def("bias_activation_backward(Tensor grad, Tensor x, Tensor bias, str activation) -> (Tensor, Tensor)");
   m.def("swiglu(Tensor x, *, str? version=None) -> Tensor");
   m.def("swiglu_backward(Tensor grad, Tensor x) -> Tensor");
-  m.def("linear_activation(Tensor x, Tensor weight, Tensor bias, str activation, *, str? version=None) -> Tensor");
-  m.def("linear_activation_forward(Tensor x, Tensor weight, Tensor bias, str activation, str? version=None) "
+  m.def("linear_activation(Tensor x, Tensor weight, Tensor? bias, str activation, *, str? version=None) -> Tensor");
+  m.def("linear_activation_forward(Tensor x, Tensor weight, Tensor? bias, str activation, str? version=None) "
         "-> (Tensor, Tensor)");
   m.def("linear_activation_backward(Tensor grad, Tensor z, Tensor x, Tensor weight, str activation) "
         "-> (Tensor, Tensor, Tensor)");

@@ -199,3 +199,14 @@ FACTS = {"ceilings": ceilings, "epilogue_cost": epilogue_cost, "bsr_table": bsr_
          "activation_table": activation_table, "norm_table": norm_table,
          "linear_table": linear_table, "target_misses": target_misses, "envelope": envelope,
          "profile_table": profile_table}
+
+
+# The shapes sweep (bench_*.py --shapes; coursekit/shapes.py): its own results file.
+from coursekit import shapes as _shapes  # noqa: E402
+
+
+def _shapes_sweep(record):
+    return _shapes.lesson_block("chapter4_fusion")
+
+
+FACTS["shapes_sweep"] = _shapes_sweep

@@ -9,8 +9,8 @@
 // dense, ~3.3 TB/s) the GEMM costs ~2.6 ps per output element, the unfused epilogue ~2.4 ps
 // more and the fused one ~1.2 ps: fusing it saves up to a quarter of the layer's time.
 //
-// The kernel templates come from activation.h, instantiated here per activation.
-#include "activation.h"
+// The kernel templates come from activation_kernels.cuh, instantiated here per activation.
+#include "activation_kernels.cuh"
 #include "elementwise.h"
 
 #include <course/column_reduce.cuh>
@@ -23,7 +23,8 @@ namespace elementwise {
 //   unfused         add_bias_kernel writes z = h + bias into h, then bias_act_warp_kernel reads
 //                   z and writes y = act(z): two trips through memory after the GEMM;
 //   fused_epilogue  bias_act_tile_kernel reads h once and writes y (and z, when params.pre is
-//                   set), 16-byte accesses, the bias held in registers across rows.
+//                   set), 16-byte accesses, the bias held in registers across rows (the flat
+//                   kernel when rows are not whole vectors: launch_bias_act_fused).
 cudaError_t launch_linear_epilogue(const BiasActParams& p, LinearVersion version, cudaStream_t stream) {
   return with_dtype(p.dtype, [&](auto tag) -> cudaError_t {
     using T = decltype(tag);
@@ -38,7 +39,7 @@ cudaError_t launch_linear_epilogue(const BiasActParams& p, LinearVersion version
         return launch_bias_act_warps<T, Act, false>(z, nullptr, 1.0, static_cast<T*>(p.y), nullptr, p.rows, p.n,
                                                     stream);
       }
-      return launch_bias_act_tiles<T, Act, false>(p, stream);
+      return launch_bias_act_fused<T, Act, false>(p, stream);
     });
   });
 }

@@ -116,19 +116,22 @@ __global__ void __launch_bounds__(kThreads)
 // Writes one block's partial column sums: acc[j][l] of each thread, for the column
 // tile_index(j, l, t), summed over the block's kSlots rows in slot order through shared memory
 // (one vector of the tile at a time, to keep the buffer at kBackwardBlock x kLanes values).
-template <bool kVectorized, int kThreadsPerRow, int kVectors, int kLanes, typename A>
+template <Access kAccess, int kThreadsPerRow, int kVectors, int kLanes, typename A>
 __device__ __forceinline__ void write_partial(const A (&acc)[kVectors][kLanes], A* __restrict__ partial, int64_t n,
                                               A* combine) {
   constexpr int kBlock = kThreadsPerRow * kSlots<kThreadsPerRow>;
   const int t = threadIdx.x % kThreadsPerRow;
   const int slot = threadIdx.x / kThreadsPerRow;
+  const RowSpan columns{n, 0, n};  // the row of partials: n columns from its start
 #pragma unroll
   for (int j = 0; j < kVectors; ++j) {
     if constexpr (kSlots<kThreadsPerRow> == 1) {
 #pragma unroll
       for (int l = 0; l < kLanes; ++l) {
-        const int64_t i = tile_index<kVectorized, kThreadsPerRow, kLanes>(j, l, t);
-        if (i < n) partial[i] = acc[j][l];  // columns past the row end are padding
+        // columns past the row end are padding
+        if (tile_valid<kAccess, kThreadsPerRow, kVectors, kLanes>(j, l, t, columns)) {
+          partial[tile_index<kAccess, kThreadsPerRow, kVectors, kLanes>(j, l, t, columns)] = acc[j][l];
+        }
       }
     } else {
       // The previous vector's sums (or the last slot_reduce) may still be reading `combine`.
@@ -140,11 +143,10 @@ __device__ __forceinline__ void write_partial(const A (&acc)[kVectors][kLanes], 
       if (slot == 0) {
 #pragma unroll
         for (int l = 0; l < kLanes; ++l) {
-          const int64_t i = tile_index<kVectorized, kThreadsPerRow, kLanes>(j, l, t);
-          if (i < n) {  // columns past the row end are padding
+          if (tile_valid<kAccess, kThreadsPerRow, kVectors, kLanes>(j, l, t, columns)) {  // not padding
             A total = A(0);
             for (int s = 0; s < kSlots<kThreadsPerRow>; ++s) total += combine[l * kBlock + s * kThreadsPerRow + t];
-            partial[i] = total;
+            partial[tile_index<kAccess, kThreadsPerRow, kVectors, kLanes>(j, l, t, columns)] = total;
           }
         }
       }
@@ -156,10 +158,29 @@ __device__ __forceinline__ void write_partial(const A (&acc)[kVectors][kLanes], 
 // weight row too (loaded once per thread for all its rows). One pass: the two row sums, then dx
 // from the registers; x and dy are read once and dx written once, the least traffic there is.
 // Each thread also owns the same columns of every row it takes, so its share of dweight and
-// dbias accumulates in registers across rows and leaves the block once, as one partial row
-// (write_partial): the column sums cost a few hundred rows of n floats, not a pass over x and
-// dy. Rows longer than the largest shape run v1's kernel.
-template <typename T, bool kCentered, int kThreadsPerRow, int kVectors, bool kVectorized>
+// dbias accumulates across rows and leaves the block once, as one partial row (write_partial):
+// the column sums cost a few hundred rows of n floats, not a pass over x and dy. Rows that start
+// mid-vector read single elements (Access::kScalar), which keeps every thread on the same columns
+// of every row: its dweight and dbias sums need that, and a row's head would move them from row
+// to row.
+//
+// Where the sums live: in registers, up to 512-thread rows (8192 elements: 128 registers a
+// thread, two blocks of 512 or one of 1024 threads per SM). A 1024-thread row (hidden 12288 and
+// 16384: 16 elements a thread) has 64 registers a thread, and its 32 float sums spilled 200-700
+// bytes a thread there (ptxas -v): they live in shared memory instead (kSharedSums, 64 or 128 KB
+// of dynamic shared memory, one block per SM), each thread updating only its own words, so no
+// barrier guards them. Before this shape such rows ran v1's kernel, at 14% of copy on the H200.
+template <int kThreadsPerRow>
+constexpr bool kSharedSums = kThreadsPerRow >= 1024;
+
+template <typename T, bool kCentered, int kThreadsPerRow, int kVectors>
+constexpr int64_t shared_sums_bytes() {
+  return kSharedSums<kThreadsPerRow>
+             ? int64_t{kCentered ? 2 : 1} * kVectors * Vec16<T>::kLanes * kThreadsPerRow * int64_t{sizeof(typename Acc<T>::type)}
+             : 0;
+}
+
+template <typename T, bool kCentered, int kThreadsPerRow, int kVectors, Access kAccess>
 __global__ void __launch_bounds__(kThreadsPerRow * kSlots<kThreadsPerRow>)
     norm_backward_resident(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ weight,
                            const typename Acc<T>::type* __restrict__ mean, const typename Acc<T>::type* __restrict__ rstd,
@@ -169,18 +190,32 @@ __global__ void __launch_bounds__(kThreadsPerRow * kSlots<kThreadsPerRow>)
   constexpr int kLanes = Vec16<T>::kLanes;
   constexpr int kRows = kSlots<kThreadsPerRow>;
   constexpr int kBlock = kThreadsPerRow * kRows;
+  constexpr bool kShared = kSharedSums<kThreadsPerRow>;
   __shared__ A smem[32];
   __shared__ A combine[kRows > 1 ? kBlock * kLanes : 1];
+  // kShared: element (j, l) of thread t's dweight sum at [(j * kLanes + l) * kBlock + t] (a warp's
+  // 32 threads on 32 banks), dbias's after all of dweight's.
+  extern __shared__ __align__(16) unsigned char sums_bytes[];
+  A* const sums = reinterpret_cast<A*>(sums_bytes);
+  constexpr int kSumsPerThread = kVectors * kLanes;
   const T zero = from_acc<T>(A(0));
   const int t = threadIdx.x % kThreadsPerRow;
   T w[kVectors][kLanes];
-  load_tile<kVectorized, kThreadsPerRow, kVectors>(weight, n, t, zero, w);
-  A dw[kVectors][kLanes];
-  A db[kVectors][kLanes];
+  static_assert(kAccess != Access::kChunks, "a thread's columns must not move from row to row");
+  load_tile<kAccess, kThreadsPerRow, kVectors>(weight, RowSpan{n, 0, n}, t, zero, w);
+  A dw[kShared ? 1 : kVectors][kLanes];
+  A db[kShared ? 1 : kVectors][kLanes];
 #pragma unroll
   for (int j = 0; j < kVectors; ++j) {
 #pragma unroll
-    for (int l = 0; l < kLanes; ++l) dw[j][l] = db[j][l] = A(0);
+    for (int l = 0; l < kLanes; ++l) {
+      if constexpr (kShared) {
+        sums[(j * kLanes + l) * kBlock + threadIdx.x] = A(0);
+        if constexpr (kCentered) sums[(kSumsPerThread + j * kLanes + l) * kBlock + threadIdx.x] = A(0);
+      } else {
+        dw[j][l] = db[j][l] = A(0);
+      }
+    }
   }
   // The whole block steps together (its reductions need every thread); a slot past the last
   // row works on padding: x = dy = 0 adds nothing to dweight or dbias, and stores nothing.
@@ -191,8 +226,9 @@ __global__ void __launch_bounds__(kThreadsPerRow * kSlots<kThreadsPerRow>)
     const int64_t row = r < rows ? r : 0;
     T xv[kVectors][kLanes];
     T dyv[kVectors][kLanes];
-    load_tile<kVectorized, kThreadsPerRow, kVectors>(x + row * n, len, t, zero, xv);
-    load_tile<kVectorized, kThreadsPerRow, kVectors>(dy + row * n, len, t, zero, dyv);
+    const RowSpan span{len, 0, len};
+    load_tile<kAccess, kThreadsPerRow, kVectors>(x + row * n, span, t, zero, xv);
+    load_tile<kAccess, kThreadsPerRow, kVectors>(dy + row * n, span, t, zero, dyv);
     const A mu = kCentered ? mean[row] : A(0);
     const A rs = rstd[row];
     A sum_g = A(0);
@@ -206,8 +242,13 @@ __global__ void __launch_bounds__(kThreadsPerRow * kSlots<kThreadsPerRow>)
         const A g = d * to_acc(w[j][l]);
         sum_g += g;
         sum_gx += g * xhat;
-        dw[j][l] += d * xhat;
-        db[j][l] += d;
+        if constexpr (kShared) {
+          sums[(j * kLanes + l) * kBlock + threadIdx.x] += d * xhat;
+          if constexpr (kCentered) sums[(kSumsPerThread + j * kLanes + l) * kBlock + threadIdx.x] += d;
+        } else {
+          dw[j][l] += d * xhat;
+          db[j][l] += d;
+        }
       }
     }
     const A mean_gx = slot_reduce<kThreadsPerRow>(sum_gx, smem) / static_cast<A>(n);
@@ -220,10 +261,28 @@ __global__ void __launch_bounds__(kThreadsPerRow * kSlots<kThreadsPerRow>)
         dyv[j][l] = from_acc<T>(rs * (to_acc(dyv[j][l]) * to_acc(w[j][l]) - mean_g - xhat * mean_gx));
       }
     }
-    store_tile<kVectorized, kThreadsPerRow, kVectors>(dx + row * n, len, t, dyv);
+    store_tile<kAccess, kThreadsPerRow, kVectors>(dx + row * n, span, t, dyv);
   }
-  write_partial<kVectorized, kThreadsPerRow, kVectors>(dw, dweight_partial + blockIdx.x * n, n, combine);
-  if constexpr (kCentered) write_partial<kVectorized, kThreadsPerRow, kVectors>(db, dbias_partial + blockIdx.x * n, n, combine);
+  if constexpr (kShared) {
+    // One row per block (kRows == 1): each thread writes its own columns' sums, as write_partial
+    // does for one slot.
+    static_assert(kRows == 1, "shared sums serve one-row blocks");
+    const RowSpan columns{n, 0, n};
+#pragma unroll
+    for (int j = 0; j < kVectors; ++j) {
+#pragma unroll
+      for (int l = 0; l < kLanes; ++l) {
+        if (tile_valid<kAccess, kThreadsPerRow, kVectors, kLanes>(j, l, t, columns)) {
+          const int64_t c = tile_index<kAccess, kThreadsPerRow, kVectors, kLanes>(j, l, t, columns);
+          dweight_partial[blockIdx.x * n + c] = sums[(j * kLanes + l) * kBlock + threadIdx.x];
+          if constexpr (kCentered) dbias_partial[blockIdx.x * n + c] = sums[(kSumsPerThread + j * kLanes + l) * kBlock + threadIdx.x];
+        }
+      }
+    }
+  } else {
+    write_partial<kAccess, kThreadsPerRow, kVectors>(dw, dweight_partial + blockIdx.x * n, n, combine);
+    if constexpr (kCentered) write_partial<kAccess, kThreadsPerRow, kVectors>(db, dbias_partial + blockIdx.x * n, n, combine);
+  }
 }
 
 // ===========================================================================================
@@ -247,9 +306,10 @@ cudaError_t with_backward_shape(int shape, F&& f) {
 // several rows, so its partial row sums many rows), never more than there are rows, since
 // every block's partial row must be written.
 template <typename Kernel>
-cudaError_t backward_grid(Kernel kernel, int threads, int64_t rows_per_block, int64_t rows, int64_t* grid) {
+cudaError_t backward_grid(Kernel kernel, int threads, int64_t rows_per_block, int64_t rows, int64_t* grid,
+                          int64_t smem_bytes = 0) {
   int64_t resident = 0;
-  COURSE_CUDA_TRY(course::resident_grid(kernel, threads, &resident));
+  COURSE_CUDA_TRY(course::resident_grid(kernel, threads, &resident, static_cast<size_t>(smem_bytes)));
   const int64_t needed = course::ceil_div(rows, rows_per_block);
   *grid = needed < resident ? needed : resident;
   return cudaSuccess;
@@ -280,20 +340,28 @@ cudaError_t run_backward(const NormBackwardParams& p, cudaStream_t stream, int64
   const int shape = p.version == NormBackwardVersion::kResident ? backward_shape(p.n, sizeof(T)) : -1;
   if constexpr (sizeof(T) != 8) {
     if (shape >= 0) {
-      const bool vectorized = rows_vectorized<T>(p.n, {p.dy, p.x, p.weight, p.dx});
+      const Access access = row_access<T>(p.n, {p.dy, p.x, p.dx}, {p.weight});
       return with_backward_shape<T>(shape, [&](auto s) {
         constexpr NormShape kShape = kBackwardShapes[decltype(s)::value];
         constexpr int kRows = kSlots<kShape.threads>;
         return with_flag(centered, [&](auto c) {
-          return with_vectorized(vectorized, [&](auto vec) {
-            auto* kernel = norm_backward_resident<T, decltype(c)::value, kShape.threads, kShape.vectors, decltype(vec)::value>;
-            COURSE_CUDA_TRY(backward_grid(kernel, kShape.threads * kRows, kRows, p.rows, &grid));
+          return with_access</*kAllowChunks=*/false>(access, [&](auto a) {
+            constexpr bool kC = decltype(c)::value;
+            auto* kernel = norm_backward_resident<T, kC, kShape.threads, kShape.vectors, decltype(a)::value>;
+            constexpr int64_t kSums = shared_sums_bytes<T, kC, kShape.threads, kShape.vectors>();
+            if constexpr (kSums > 0) {
+              // Past 48 KB a kernel must ask for its dynamic shared memory (set before the
+              // occupancy query, which counts it).
+              COURSE_CUDA_TRY(cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
+                                                   cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSums)));
+            }
+            COURSE_CUDA_TRY(backward_grid(kernel, kShape.threads * kRows, kRows, p.rows, &grid, kSums));
             if (grid_only != nullptr) {
               *grid_only = grid;
               return cudaSuccess;
             }
-            kernel<<<grid_for(grid), kShape.threads * kRows, 0, stream>>>(dy, x, weight, mean, rstd, dx, dw_partial,
-                                                                           dw_partial + grid * p.n, p.rows, p.n);
+            kernel<<<grid_for(grid), kShape.threads * kRows, kSums, stream>>>(dy, x, weight, mean, rstd, dx, dw_partial,
+                                                                              dw_partial + grid * p.n, p.rows, p.n);
             return finish();
           });
         });

@@ -161,15 +161,18 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // v3: the row held in registers. kThreadsPerRow threads per row (a warp, several rows per
-// block, up to hidden 1024 in bf16; or a block of 128-1024 threads) each load kVectors
+// block, up to hidden 1024 in bf16; or a block of 64-512 threads) each load kVectors
 // 16-byte vectors of it once (course::rows::load_tile) and keep them as stored, 4 registers a
 // vector. The mean, the variance (two passes over registers: as exact as v1, no Welford
 // divisions) and y are all computed from those registers, and y is written once: one read, one
 // write, the copy's traffic. Warp rows reduce with shuffles alone. Longer rows run v2's kernel.
+// Rows that start mid-vector (hidden 777 or 4099 in bf16) move as 16-byte chunks from their
+// first boundary on, a few single elements at each end (Access::kChunks); weight and bias are
+// then read at those columns element by element, from L1.
 //
 // kAddResidual (fused_add_rms_norm): the residual is loaded beside x, the sum rounded to the
 // dtype (what the unfused add would store), written out, and normalized from the registers.
-template <typename T, bool kCentered, bool kAddResidual, int kThreadsPerRow, int kVectors, bool kVectorized>
+template <typename T, bool kCentered, bool kAddResidual, int kThreadsPerRow, int kVectors, Access kAccess>
 __global__ void __launch_bounds__(kThreadsPerRow * kRowsPerBlock<kThreadsPerRow>)
     norm_resident(const T* __restrict__ x, const T* __restrict__ residual, T* __restrict__ sum,
                   const T* __restrict__ weight, const T* __restrict__ bias, T* __restrict__ y,
@@ -178,6 +181,7 @@ __global__ void __launch_bounds__(kThreadsPerRow * kRowsPerBlock<kThreadsPerRow>
   using A = typename Acc<T>::type;
   constexpr int kLanes = Vec16<T>::kLanes;
   constexpr int kRows = kRowsPerBlock<kThreadsPerRow>;
+  constexpr int kSlots = kTileVectors<kAccess, kVectors>;
   __shared__ A smem[32];
   const T zero = from_acc<T>(A(0));
   const int t = threadIdx.x % kThreadsPerRow;
@@ -188,23 +192,24 @@ __global__ void __launch_bounds__(kThreadsPerRow * kRowsPerBlock<kThreadsPerRow>
     const int64_t r = first + threadIdx.x / kThreadsPerRow;
     const int64_t len = r < rows ? n : 0;
     const int64_t offset = (r < rows ? r : 0) * n;
-    T v[kVectors][kLanes];
-    load_tile<kVectorized, kThreadsPerRow, kVectors>(x + offset, len, t, zero, v);
+    const RowSpan span = row_span<kAccess>(x + offset, len);
+    T v[kSlots][kLanes];
+    load_tile<kAccess, kThreadsPerRow, kVectors>(x + offset, span, t, zero, v);
     if constexpr (kAddResidual) {
-      T res[kVectors][kLanes];
-      load_tile<kVectorized, kThreadsPerRow, kVectors>(residual + offset, len, t, zero, res);
+      T res[kSlots][kLanes];
+      load_tile<kAccess, kThreadsPerRow, kVectors>(residual + offset, span, t, zero, res);
 #pragma unroll
-      for (int j = 0; j < kVectors; ++j) {
+      for (int j = 0; j < kSlots; ++j) {
 #pragma unroll
         for (int l = 0; l < kLanes; ++l) v[j][l] = from_acc<T>(to_acc(v[j][l]) + to_acc(res[j][l]));
       }
-      store_tile<kVectorized, kThreadsPerRow, kVectors>(sum + offset, len, t, v);
+      store_tile<kAccess, kThreadsPerRow, kVectors>(sum + offset, span, t, v);
     }
     A mean = A(0);
     if constexpr (kCentered) {
       A s = A(0);
 #pragma unroll
-      for (int j = 0; j < kVectors; ++j) {
+      for (int j = 0; j < kSlots; ++j) {
 #pragma unroll
         for (int l = 0; l < kLanes; ++l) s += to_acc(v[j][l]);  // padding is 0: adds nothing
       }
@@ -212,12 +217,12 @@ __global__ void __launch_bounds__(kThreadsPerRow * kRowsPerBlock<kThreadsPerRow>
     }
     A ss = A(0);
 #pragma unroll
-    for (int j = 0; j < kVectors; ++j) {
+    for (int j = 0; j < kSlots; ++j) {
 #pragma unroll
       for (int l = 0; l < kLanes; ++l) {
         const A d = to_acc(v[j][l]) - mean;
         // Padding past the row is 0, which (0 - mean)^2 would count: only LayerNorm masks it.
-        if (!kCentered || tile_index<kVectorized, kThreadsPerRow, kLanes>(j, l, t) < len) ss += d * d;
+        if (!kCentered || tile_valid<kAccess, kThreadsPerRow, kVectors, kLanes>(j, l, t, span)) ss += d * d;
       }
     }
     const A rstd = reciprocal_sqrt(row_reduce<kThreadsPerRow>(ss, SumOp<A>(), smem) / static_cast<A>(n) + eps);
@@ -226,20 +231,21 @@ __global__ void __launch_bounds__(kThreadsPerRow * kRowsPerBlock<kThreadsPerRow>
       rstd_out[r] = rstd;
     }
     // weight and bias are one row shared by all rows: loaded per row from L1/L2 rather than
-    // kept, which would cost 8 more registers per vector for the life of the kernel.
-    T w[kVectors][kLanes];
-    T b[kVectors][kLanes];
-    load_tile<kVectorized, kThreadsPerRow, kVectors>(weight, len, t, zero, w);
-    if constexpr (kCentered) load_tile<kVectorized, kThreadsPerRow, kVectors>(bias, len, t, zero, b);
+    // kept, which would cost 8 more registers per vector for the life of the kernel, and one
+    // vector at a time (with kChunks they are single elements, a register each).
 #pragma unroll
-    for (int j = 0; j < kVectors; ++j) {
+    for (int j = 0; j < kSlots; ++j) {
+      T w[kLanes];
+      T b[kLanes];
+      load_slot<kAccess, kThreadsPerRow, kVectors, /*kColumns=*/true>(weight, span, t, j, zero, w);
+      if constexpr (kCentered) load_slot<kAccess, kThreadsPerRow, kVectors, /*kColumns=*/true>(bias, span, t, j, zero, b);
 #pragma unroll
       for (int l = 0; l < kLanes; ++l) {
-        v[j][l] = from_acc<T>(normalized<kCentered>(to_acc(v[j][l]), mean, rstd, to_acc(w[j][l]),
-                                                    kCentered ? to_acc(b[j][l]) : A(0)));
+        v[j][l] = from_acc<T>(normalized<kCentered>(to_acc(v[j][l]), mean, rstd, to_acc(w[l]),
+                                                    kCentered ? to_acc(b[l]) : A(0)));
       }
     }
-    store_tile<kVectorized, kThreadsPerRow, kVectors>(y + offset, len, t, v);
+    store_tile<kAccess, kThreadsPerRow, kVectors>(y + offset, span, t, v);
   }
 }
 
@@ -280,7 +286,7 @@ cudaError_t with_forward_shape(int shape, F&& f) {
 
 template <typename T>
 cudaError_t run_add(const T* x, const T* residual, T* out, int64_t numel, cudaStream_t stream) {
-  const bool vectorized = rows_vectorized<T>(numel, {x, residual, out});
+  const bool vectorized = row_access<T>(numel, {x, residual, out}) == Access::kVectors;
   const int64_t per_block = kThreads * (vectorized ? Vec16<T>::kLanes : 1);
   return with_flag(vectorized, [&](auto vec) {
     add_rounded<T, decltype(vec)::value>
@@ -290,7 +296,7 @@ cudaError_t run_add(const T* x, const T* residual, T* out, int64_t numel, cudaSt
 }
 
 // v3 (and fused_add_rms_norm v2) with the row shape kForwardShapes[kShape].
-template <typename T, int kShape, bool kVectorized>
+template <typename T, int kShape, Access kAccess>
 cudaError_t launch_resident(const NormParams& p, cudaStream_t stream) {
   using A = typename Acc<T>::type;
   constexpr int kThreadsPerRow = kForwardShapes[kShape].threads;
@@ -305,13 +311,13 @@ cudaError_t launch_resident(const NormParams& p, cudaStream_t stream) {
   A* rstd = static_cast<A*>(p.rstd);
   const A eps = static_cast<A>(p.eps);
   if (p.residual != nullptr) {
-    norm_resident<T, false, true, kThreadsPerRow, kVectors, kVectorized><<<grid, kThreadsPerRow * kRows, 0, stream>>>(
+    norm_resident<T, false, true, kThreadsPerRow, kVectors, kAccess><<<grid, kThreadsPerRow * kRows, 0, stream>>>(
         x, static_cast<const T*>(p.residual), static_cast<T*>(p.sum), weight, bias, y, mean, rstd, p.rows, p.n, eps);
   } else if (p.kind == NormKind::kLayerNorm) {
-    norm_resident<T, true, false, kThreadsPerRow, kVectors, kVectorized><<<grid, kThreadsPerRow * kRows, 0, stream>>>(
+    norm_resident<T, true, false, kThreadsPerRow, kVectors, kAccess><<<grid, kThreadsPerRow * kRows, 0, stream>>>(
         x, nullptr, nullptr, weight, bias, y, mean, rstd, p.rows, p.n, eps);
   } else {
-    norm_resident<T, false, false, kThreadsPerRow, kVectors, kVectorized><<<grid, kThreadsPerRow * kRows, 0, stream>>>(
+    norm_resident<T, false, false, kThreadsPerRow, kVectors, kAccess><<<grid, kThreadsPerRow * kRows, 0, stream>>>(
         x, nullptr, nullptr, weight, bias, y, mean, rstd, p.rows, p.n, eps);
   }
   return cudaGetLastError();
@@ -332,10 +338,10 @@ cudaError_t run_norm(const NormParams& p, cudaStream_t stream) {
   const int shape = (p.version == NormVersion::kResident || add) ? forward_shape(p.n, sizeof(T)) : -1;
   if constexpr (sizeof(T) != 8) {
     if (shape >= 0) {
-      const bool vectorized = rows_vectorized<T>(p.n, {p.x, p.residual, p.sum, p.weight, p.bias, p.y});
+      const Access access = row_access<T>(p.n, {p.x, p.residual, p.sum, p.y}, {p.weight, p.bias});
       return with_forward_shape(shape, [&](auto s) {
-        return with_vectorized(vectorized, [&](auto vec) {
-          return launch_resident<T, decltype(s)::value, decltype(vec)::value>(p, stream);
+        return with_access(access, [&](auto a) {
+          return launch_resident<T, decltype(s)::value, decltype(a)::value>(p, stream);
         });
       });
     }
@@ -345,10 +351,10 @@ cudaError_t run_norm(const NormParams& p, cudaStream_t stream) {
     COURSE_CUDA_TRY(run_add<T>(x, static_cast<const T*>(p.residual), static_cast<T*>(p.sum), p.rows * p.n, stream));
     x = static_cast<const T*>(p.sum);
   }
-  const bool vectorized = rows_vectorized<T>(p.n, {x, p.weight, p.bias, p.y});
+  const bool vectorized = row_access<T>(p.n, {x, p.y}, {p.weight, p.bias}) == Access::kVectors;
   const bool two_pass = p.version == NormVersion::kTwoPass;
   return with_flag(centered, [&](auto c) {
-    return with_vectorized(vectorized, [&](auto vec) {
+    return with_flag(vectorized, [&](auto vec) {
       constexpr bool kCentered = decltype(c)::value;
       constexpr bool kVec = decltype(vec)::value;
       if (two_pass) {

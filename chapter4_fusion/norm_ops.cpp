@@ -31,6 +31,7 @@ namespace norm {
 namespace {
 
 using at::Tensor;
+using OptTensor = std::optional<Tensor>;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 using ::course::OptVersion;
@@ -66,6 +67,18 @@ void check_param(const char* op, const char* name, const Tensor& p, const Tensor
   TORCH_CHECK(p.dim() == 1 && p.sym_size(0) == x.sym_size(-1), op, ": ", name, " has shape ",
               ::course::shape_str(p.sizes()), " but x's last dim (the normalized one) has size ",
               std::to_string(x.size(-1)), " (expected ", name, " of shape [", std::to_string(x.size(-1)), "])");
+}
+
+// weight and bias may be None, as in F.layer_norm and F.rms_norm: a missing weight is ones, a
+// missing bias zeros, made here once per call (n elements beside x's rows x n), so the kernels
+// keep one path. Their gradients are computed with the rest and dropped by autograd, as
+// gradients of tensors that require none are.
+Tensor param_or(const char* op, const char* name, const OptTensor& p, const Tensor& x, double fill) {
+  if (p.has_value() && p->defined()) {
+    check_param(op, name, *p, x);
+    return *p;
+  }
+  return fill == 0.0 ? at::zeros_symint({x.sym_size(-1)}, x.options()) : at::ones_symint({x.sym_size(-1)}, x.options());
 }
 
 // eps must be >= 0 (0 is allowed, as in torch; a row of equal values then divides by zero and
@@ -163,23 +176,23 @@ Forward norm_forward(const char* op, NormKind kind, const Tensor& x, const Tenso
   return f;
 }
 
-std::tuple<Tensor, Tensor, Tensor> layer_norm_forward_impl(const Tensor& x, const Tensor& weight, const Tensor& bias,
-                                                           double eps, OptVersion version) {
+std::tuple<Tensor, Tensor, Tensor> layer_norm_forward_impl(const Tensor& x, const OptTensor& weight_or,
+                                                           const OptTensor& bias_or, double eps, OptVersion version) {
   const char* op = "layer_norm";
   check_x(op, x);
-  check_param(op, "weight", weight, x);
-  check_param(op, "bias", bias, x);
+  const Tensor weight = param_or(op, "weight", weight_or, x, 1.0);
+  const Tensor bias = param_or(op, "bias", bias_or, x, 0.0);
   check_eps(op, eps);
   const NormVersion v = ::course::parse_version(op, version, kNormVersions).value_or(default_norm());
   Forward f = norm_forward(op, NormKind::kLayerNorm, x, nullptr, weight, &bias, eps, v);
   return {f.y, f.mean, f.rstd};
 }
 
-std::tuple<Tensor, Tensor> rms_norm_forward_impl(const Tensor& x, const Tensor& weight, double eps,
+std::tuple<Tensor, Tensor> rms_norm_forward_impl(const Tensor& x, const OptTensor& weight_or, double eps,
                                                  OptVersion version) {
   const char* op = "rms_norm";
   check_x(op, x);
-  check_param(op, "weight", weight, x);
+  const Tensor weight = param_or(op, "weight", weight_or, x, 1.0);
   check_eps(op, eps);
   const NormVersion v = ::course::parse_version(op, version, kNormVersions).value_or(default_norm());
   Forward f = norm_forward(op, NormKind::kRmsNorm, x, nullptr, weight, nullptr, eps, v);
@@ -187,7 +200,7 @@ std::tuple<Tensor, Tensor> rms_norm_forward_impl(const Tensor& x, const Tensor& 
 }
 
 std::tuple<Tensor, Tensor, Tensor> fused_add_rms_norm_forward_impl(const Tensor& x, const Tensor& residual,
-                                                                   const Tensor& weight, double eps,
+                                                                   const OptTensor& weight_or, double eps,
                                                                    OptVersion version) {
   const char* op = "fused_add_rms_norm";
   check_x(op, x);
@@ -197,7 +210,7 @@ std::tuple<Tensor, Tensor, Tensor> fused_add_rms_norm_forward_impl(const Tensor&
   TORCH_CHECK(residual.sym_sizes() == x.sym_sizes(), op, ": residual has shape ",
               ::course::shape_str(residual.sizes()), " but x has shape ", ::course::shape_str(x.sizes()),
               " (shapes must match; no broadcasting)");
-  check_param(op, "weight", weight, x);
+  const Tensor weight = param_or(op, "weight", weight_or, x, 1.0);
   check_eps(op, eps);
   const AddNormVersion v = ::course::parse_version(op, version, kAddVersions).value_or(default_add_norm());
   if (v == AddNormVersion::kFused) {
@@ -221,13 +234,13 @@ std::tuple<Tensor, Tensor, Tensor> fused_add_rms_norm_forward_impl(const Tensor&
   return {f.y, sum, f.rstd};
 }
 
-Tensor layer_norm_impl(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps, OptVersion version) {
+Tensor layer_norm_impl(const Tensor& x, const OptTensor& weight, const OptTensor& bias, double eps, OptVersion version) {
   return std::get<0>(layer_norm_forward_impl(x, weight, bias, eps, version));
 }
-Tensor rms_norm_impl(const Tensor& x, const Tensor& weight, double eps, OptVersion version) {
+Tensor rms_norm_impl(const Tensor& x, const OptTensor& weight, double eps, OptVersion version) {
   return std::get<0>(rms_norm_forward_impl(x, weight, eps, version));
 }
-std::tuple<Tensor, Tensor> fused_add_rms_norm_impl(const Tensor& x, const Tensor& residual, const Tensor& weight,
+std::tuple<Tensor, Tensor> fused_add_rms_norm_impl(const Tensor& x, const Tensor& residual, const OptTensor& weight,
                                                    double eps, OptVersion version) {
   auto out = fused_add_rms_norm_forward_impl(x, residual, weight, eps, version);
   return {std::get<0>(out), std::get<1>(out)};
@@ -249,7 +262,7 @@ void check_stat(const char* op, const char* name, const Tensor& s, const Tensor&
 }
 
 std::tuple<Tensor, Tensor, Tensor> norm_backward(const char* op, NormKind kind, const Tensor& dy, const Tensor& x,
-                                                 const Tensor& weight, const Tensor* mean, const Tensor& rstd,
+                                                 const OptTensor& weight_or, const Tensor* mean, const Tensor& rstd,
                                                  OptVersion version) {
   check_x(op, x);
   check_input(op, "dy", dy);
@@ -257,7 +270,7 @@ std::tuple<Tensor, Tensor, Tensor> norm_backward(const char* op, NormKind kind, 
   CHECK_SAME_DTYPE(op, dy, x);
   TORCH_CHECK(dy.sym_sizes() == x.sym_sizes(), op, ": dy has shape ", ::course::shape_str(dy.sizes()),
               " but x has shape ", ::course::shape_str(x.sizes()));
-  check_param(op, "weight", weight, x);
+  const Tensor weight = param_or(op, "weight", weight_or, x, 1.0);
   if (mean != nullptr) check_stat(op, "mean", *mean, x);
   check_stat(op, "rstd", rstd, x);
   const NormBackwardVersion v =
@@ -301,13 +314,13 @@ std::tuple<Tensor, Tensor, Tensor> norm_backward(const char* op, NormKind kind, 
   return {dx, dweight, dbias};
 }
 
-std::tuple<Tensor, Tensor, Tensor> layer_norm_backward_impl(const Tensor& dy, const Tensor& x, const Tensor& weight,
+std::tuple<Tensor, Tensor, Tensor> layer_norm_backward_impl(const Tensor& dy, const Tensor& x, const OptTensor& weight,
                                                             const Tensor& mean, const Tensor& rstd,
                                                             OptVersion version) {
   return norm_backward("layer_norm_backward", NormKind::kLayerNorm, dy, x, weight, &mean, rstd, version);
 }
 
-std::tuple<Tensor, Tensor> rms_norm_backward_impl(const Tensor& dy, const Tensor& x, const Tensor& weight,
+std::tuple<Tensor, Tensor> rms_norm_backward_impl(const Tensor& dy, const Tensor& x, const OptTensor& weight,
                                                   const Tensor& rstd, OptVersion version) {
   auto out = norm_backward("rms_norm_backward", NormKind::kRmsNorm, dy, x, weight, nullptr, rstd, version);
   return {std::get<0>(out), std::get<1>(out)};
@@ -404,32 +417,40 @@ class FusedAddRmsNormFunction : public torch::autograd::Function<FusedAddRmsNorm
   }
 };
 
-std::tuple<Tensor, Tensor, Tensor> layer_norm_forward_autograd(const Tensor& x, const Tensor& weight,
-                                                               const Tensor& bias, double eps, OptVersion version) {
-  auto out = LayerNormFunction::apply(x, weight, bias, eps, version);
+// A weight or bias of None reaches the Functions as the ones or zeros it stands for (param_or),
+// which require no gradient: autograd drops what the backward computes for them.
+std::tuple<Tensor, Tensor, Tensor> layer_norm_forward_autograd(const Tensor& x, const OptTensor& weight,
+                                                               const OptTensor& bias, double eps, OptVersion version) {
+  check_x("layer_norm", x);
+  auto out = LayerNormFunction::apply(x, param_or("layer_norm", "weight", weight, x, 1.0),
+                                      param_or("layer_norm", "bias", bias, x, 0.0), eps, version);
   return {out[0], out[1], out[2]};
 }
-Tensor layer_norm_autograd(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps, OptVersion version) {
-  return LayerNormFunction::apply(x, weight, bias, eps, version)[0];
+Tensor layer_norm_autograd(const Tensor& x, const OptTensor& weight, const OptTensor& bias, double eps,
+                           OptVersion version) {
+  return std::get<0>(layer_norm_forward_autograd(x, weight, bias, eps, version));
 }
-std::tuple<Tensor, Tensor> rms_norm_forward_autograd(const Tensor& x, const Tensor& weight, double eps,
+std::tuple<Tensor, Tensor> rms_norm_forward_autograd(const Tensor& x, const OptTensor& weight, double eps,
                                                      OptVersion version) {
-  auto out = RmsNormFunction::apply(x, weight, eps, version);
+  check_x("rms_norm", x);
+  auto out = RmsNormFunction::apply(x, param_or("rms_norm", "weight", weight, x, 1.0), eps, version);
   return {out[0], out[1]};
 }
-Tensor rms_norm_autograd(const Tensor& x, const Tensor& weight, double eps, OptVersion version) {
-  return RmsNormFunction::apply(x, weight, eps, version)[0];
+Tensor rms_norm_autograd(const Tensor& x, const OptTensor& weight, double eps, OptVersion version) {
+  return std::get<0>(rms_norm_forward_autograd(x, weight, eps, version));
 }
 std::tuple<Tensor, Tensor, Tensor> fused_add_rms_norm_forward_autograd(const Tensor& x, const Tensor& residual,
-                                                                       const Tensor& weight, double eps,
+                                                                       const OptTensor& weight, double eps,
                                                                        OptVersion version) {
-  auto out = FusedAddRmsNormFunction::apply(x, residual, weight, eps, version);
+  check_x("fused_add_rms_norm", x);
+  auto out = FusedAddRmsNormFunction::apply(x, residual, param_or("fused_add_rms_norm", "weight", weight, x, 1.0), eps,
+                                            version);
   return {out[0], out[1], out[2]};
 }
-std::tuple<Tensor, Tensor> fused_add_rms_norm_autograd(const Tensor& x, const Tensor& residual, const Tensor& weight,
+std::tuple<Tensor, Tensor> fused_add_rms_norm_autograd(const Tensor& x, const Tensor& residual, const OptTensor& weight,
                                                        double eps, OptVersion version) {
-  auto out = FusedAddRmsNormFunction::apply(x, residual, weight, eps, version);
-  return {out[0], out[1]};
+  auto out = fused_add_rms_norm_forward_autograd(x, residual, weight, eps, version);
+  return {std::get<0>(out), std::get<1>(out)};
 }
 
 }  // namespace
@@ -445,18 +466,18 @@ std::optional<std::vector<std::string>> norm_versions(std::string_view op) {
 }  // namespace fusion
 
 TORCH_LIBRARY_FRAGMENT(fusion, m) {
-  m.def("layer_norm(Tensor x, Tensor weight, Tensor bias, float eps=1e-05, str? version=None) -> Tensor");
-  m.def("rms_norm(Tensor x, Tensor weight, float eps=1e-06, str? version=None) -> Tensor");
-  m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps=1e-06, str? version=None)"
+  m.def("layer_norm(Tensor x, Tensor? weight, Tensor? bias, float eps=1e-05, str? version=None) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor? weight, float eps=1e-06, str? version=None) -> Tensor");
+  m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor? weight, float eps=1e-06, str? version=None)"
         " -> (Tensor, Tensor)");
-  m.def("layer_norm_forward(Tensor x, Tensor weight, Tensor bias, float eps=1e-05, str? version=None)"
+  m.def("layer_norm_forward(Tensor x, Tensor? weight, Tensor? bias, float eps=1e-05, str? version=None)"
         " -> (Tensor, Tensor, Tensor)");
-  m.def("rms_norm_forward(Tensor x, Tensor weight, float eps=1e-06, str? version=None) -> (Tensor, Tensor)");
-  m.def("fused_add_rms_norm_forward(Tensor x, Tensor residual, Tensor weight, float eps=1e-06, str? version=None)"
+  m.def("rms_norm_forward(Tensor x, Tensor? weight, float eps=1e-06, str? version=None) -> (Tensor, Tensor)");
+  m.def("fused_add_rms_norm_forward(Tensor x, Tensor residual, Tensor? weight, float eps=1e-06, str? version=None)"
         " -> (Tensor, Tensor, Tensor)");
-  m.def("layer_norm_backward(Tensor dy, Tensor x, Tensor weight, Tensor mean, Tensor rstd, str? version=None)"
+  m.def("layer_norm_backward(Tensor dy, Tensor x, Tensor? weight, Tensor mean, Tensor rstd, str? version=None)"
         " -> (Tensor, Tensor, Tensor)");
-  m.def("rms_norm_backward(Tensor dy, Tensor x, Tensor weight, Tensor rstd, str? version=None) -> (Tensor, Tensor)");
+  m.def("rms_norm_backward(Tensor dy, Tensor x, Tensor? weight, Tensor rstd, str? version=None) -> (Tensor, Tensor)");
   m.def("norm_default_choice(str op, Tensor x) -> str", &fusion::norm::norm_default_choice);
 }
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import fusion
 from coursekit.pytest_plugin import (DTYPES, assert_misplaced, assert_within, capture_and_replay, dtype_id, floor,
-                                     poison_allocator, require_cuda, shape_id)
+                                     launched_kernels, poison_allocator, require_cuda, shape_id)
 from fusion import _elementwise
 
 EW_VERSIONS = _elementwise.VERSIONS
@@ -618,6 +618,62 @@ def test_mixed_cpu_and_cuda_raise():
     with pytest.raises(RuntimeError, match=r"linear_activation: x is on cuda:\d but bias is on cpu"):
         fusion.linear_activation(torch.randn(3, 4, device="cuda"), torch.randn(5, 4, device="cuda"),
                                  torch.randn(5), "relu")
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float64), ids=dtype_id)
+@pytest.mark.parametrize("save", ("y", "x", "mask"))
+def test_relu_gradient_passes_at_nan(save, dtype, device):
+    """At a NaN input relu's gradient passes through, as torch's threshold_backward lets it
+    (the rule is "x <= 0 gives 0", and NaN <= 0 is false): dx is dy * scale there, not 0, and
+    dbias counts it. Where relu is flat an infinite dy gives 0, not inf * 0 = NaN."""
+    x, bias = bias_inputs((4, 96), dtype, device)  # no sign can flip between eager and fused
+    x[0, 3] = float("nan")
+    x[2, 50] = -16.0
+    bias[50] = 0.0
+    xg, bg = x.clone().requires_grad_(), bias.clone().requires_grad_()
+    dy = torch.randn(4, 96, dtype=dtype, device=device)
+    dy[2, 50] = float("inf")
+    fusion.fused_bias_scale_relu(xg, bg, SCALE, save=save).backward(dy)
+    xr, br = x.clone().requires_grad_(), bias.clone().requires_grad_()
+    torch.relu(xr * SCALE + br).backward(dy)
+    assert xg.grad[0, 3] == dy[0, 3] * SCALE and xr.grad[0, 3] == xg.grad[0, 3]
+    assert xg.grad[2, 50] == 0 and xr.grad[2, 50] == 0
+    torch.testing.assert_close(xg.grad, xr.grad, equal_nan=True)
+    torch.testing.assert_close(bg.grad.double(), br.grad.double(), equal_nan=True, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=dtype_id)
+def test_linear_activation_bias_may_be_none(dtype, device):
+    """bias=None as F.linear takes it; x's and weight's gradients flow."""
+    x = torch.randn(33, 64, dtype=dtype, device=device, requires_grad=True)
+    w = torch.randn(40, 64, dtype=dtype, device=device, requires_grad=True)
+    out = fusion.linear_activation(x, w, None, "gelu")
+    x64 = x.detach().double().requires_grad_()
+    w64 = w.detach().double().requires_grad_()
+    ref = F.gelu(F.linear(x64, w64))
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(out.double(), ref.detach(), rtol=tol, atol=tol)
+    out.sum().backward()
+    ref.sum().backward()
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=tol, atol=tol * 8)
+    torch.testing.assert_close(w.grad.double(), w64.grad, rtol=tol, atol=tol * 8)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16), ids=dtype_id)
+def test_flat_kernel_runs_where_it_applies(dtype):
+    """v3 (version=None) launches the column tiles where rows are whole vectors that fill them
+    (hidden 1024, 4096), the flat kernel where a tile would leave lanes idle (hidden 768) or rows
+    are not whole vectors (4099); a mask on rows that are not whole 32-bit words takes the
+    tiles' single elements."""
+    require_cuda()
+    for shape, mask, expected in (((64, 768), False, "bias_act_flat_kernel"), ((33, 4099), False, "bias_act_flat_kernel"),
+                                  ((64, 768), True, "bias_act_flat_kernel"), ((33, 4099), True, "bias_act_tile_kernel"),
+                                  ((64, 4096), False, "bias_act_tile_kernel"), ((64, 1024), True, "bias_act_tile_kernel")):
+        x, bias = bias_inputs(shape, dtype, "cuda")
+        x.requires_grad_(mask)  # the mask is written only when a gradient is needed
+        _, kernels = launched_kernels(lambda: fusion.fused_bias_scale_relu(x, bias, SCALE), "course")
+        assert any(expected in k for k in kernels), (shape, mask, kernels)
 
 
 # ---------------------------------------------------------------------------------------------

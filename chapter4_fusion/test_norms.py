@@ -1,5 +1,5 @@
 """Tests for chapter 4's norms: layer_norm, rms_norm, fused_add_rms_norm, forward and backward,
-every rung x dtype x hidden size (1, 3, 1000, 5123, 65536), CPU and CUDA.
+every rung x dtype x hidden size (1, 3, 777, 1000, 5123, 65536), CPU and CUDA.
 
 References are computed in float64 by PyTorch (F.layer_norm, F.rms_norm and autograd through
 them) from the same inputs, and compared with tolerances per dtype written next to them.
@@ -18,7 +18,7 @@ from coursekit.pytest_plugin import (DTYPES, assert_misplaced, capture_and_repla
 
 VERSIONS = fusion.VERSIONS
 NORM_OPS = ("layer_norm", "rms_norm")
-HIDDEN = (1, 3, 1000, 5123, 65536)
+HIDDEN = (1, 3, 777, 1000, 5123, 12288, 16001, 65536)  # 12288, 16001: the 1024-thread backward rows
 OPS = torch.ops.fusion
 
 
@@ -144,6 +144,60 @@ def test_forward_views(op, version, dtype, view, device):
     assert not x.is_contiguous() or x.data_ptr() % 16 != 0
     _, w, b, _ = make_inputs((1, x.shape[-1]), dtype, device)
     assert_forward(run(op, x, w, b, 1e-5, version), reference(op, x, w, b, 1e-5), dtype, view)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("given", ("weight", "bias", "neither"))
+@pytest.mark.parametrize("op", NORM_OPS)
+def test_weight_and_bias_may_be_none(op, given, dtype, device):
+    """weight=None and bias=None as F.layer_norm and F.rms_norm take them: no scale, no shift;
+    the gradients of x and of the parameters given flow, none are made up for the others."""
+    if op == "rms_norm" and given == "bias":
+        pytest.skip("rms_norm has no bias")
+    x, w, b, _ = make_inputs((5, 777), dtype, device)
+    w = w if given == "weight" else None
+    b = b if given == "bias" else None
+    xg = x.detach().requires_grad_()
+    params = [p.detach().requires_grad_() if p is not None else None for p in (w, b)]
+    n, eps = x.shape[-1], default_eps(op)
+    if op == "layer_norm":
+        out = fusion.layer_norm(xg, params[0], params[1], eps)
+        x64 = xg.detach().double().requires_grad_()
+        p64 = [p.detach().double().requires_grad_() if p is not None else None for p in params]
+        ref = F.layer_norm(x64, (n,), p64[0], p64[1], eps)
+    else:
+        out = fusion.rms_norm(xg, params[0], eps)
+        x64 = xg.detach().double().requires_grad_()
+        p64 = [p.detach().double().requires_grad_() if p is not None else None for p in params]
+        ref = F.rms_norm(x64, (n,), p64[0], eps)
+    assert_forward(out, ref.detach(), dtype, f"{op} with {given}")
+    dy = torch.randn_like(ref)
+    out.backward(dy.to(dtype))
+    ref.backward(dy)
+    assert_grad(xg.grad, x64.grad, dtype, f"{op} dx with {given}")
+    for p, q in zip(params, p64):
+        if p is not None:
+            assert_grad(p.grad, q.grad, dtype, f"{op} dparam with {given}")
+    if op == "rms_norm":
+        h, s = fusion.fused_add_rms_norm(x, x, None, eps)
+        ref = F.rms_norm((x.double() + x.double()).to(dtype).double(), (n,), None, eps)
+        assert_forward(h, ref, dtype, "fused_add_rms_norm without weight")
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=dtype_id)
+@pytest.mark.parametrize("version", (*VERSIONS["rms_norm"], None), ids=str)
+def test_rms_norm_of_a_row_with_inf_follows_torch(version, dtype, device):
+    """A row holding inf: mean(x^2) is inf, rstd 0, so y is NaN where the inf is (inf * 0) and
+    0 elsewhere, as F.rms_norm gives; a finite row beside it is untouched."""
+    x = torch.randn(3, 777, dtype=dtype, device=device)
+    x[0, 5] = float("inf")
+    x[1, 700] = -float("inf")
+    w = torch.randn(777, dtype=dtype, device=device)
+    out = fusion.rms_norm(x, w, 1e-6, version=version)
+    ref = F.rms_norm(x.float(), (777,), w.float(), 1e-6)
+    assert torch.equal(out[:2].float().isnan(), ref[:2].isnan())
+    assert torch.equal(out[:2].float().nan_to_num(), ref[:2].nan_to_num())
+    assert_forward(out[2:], F.rms_norm(x[2:].double(), (777,), w.double(), 1e-6), dtype, "finite row")
 
 
 def test_eps_is_used(device):

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))
-from coursekit import results  # noqa: E402
+from coursekit import results, shapes  # noqa: E402
 
 import fusion  # noqa: E402
 
@@ -29,3 +29,18 @@ def test_recorded_results_hold_the_dispatch():
     assert checked > 0, "no default rows with a dispatch: results older than the dispatch?"
     rungs = {v for ladder in fusion.VERSIONS.values() for v in ladder}
     assert results.default_gaps(record, rungs) == []
+
+
+def test_recorded_shapes_sweep_holds_the_target():
+    """The shapes sweep (bench_fusion.py --shapes): at every shape that moves at least 1 MiB,
+    version=None at least 0.95x the faster of eager and torch.compile, forward and backward,
+    with the choice the dispatch makes today recorded beside it."""
+    record = shapes.load("chapter4_fusion")
+
+    def choice(r):
+        if r["pass"] != "backward":
+            return fusion.default_choice(r["op"], shapes.meta_like(r))
+        op = {"bias_gelu": "fused_bias_scale_relu", "fused_add_rms_norm": "rms_norm"}.get(r["op"], r["op"])
+        return fusion.default_choice(op + "_backward", shapes.meta_like(r))
+    assert shapes.stale_dispatch(record, choice) == []
+    shapes.expect_target(record, "bench_fusion.py --shapes")

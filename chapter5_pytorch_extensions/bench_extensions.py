@@ -20,6 +20,8 @@ Three measurements, each with the napkin math that says what to expect.
 
     python bench_extensions.py           full run on a GPU
     python bench_extensions.py --quick   small sizes: CPU machines, smoke runs
+    python bench_extensions.py --shapes  only the shapes sweep: fused_op at tokens x hidden
+                                         sizes of real models, forward and backward
 
 Writes results/<device-slug>/chapter5_pytorch_extensions.json and the plots beside it.
 labs/build_lab.py measures the build side (chapter5_pytorch_extensions_build.json).
@@ -33,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "common")]
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
-from coursekit import bench, plots, results  # noqa: E402
+from coursekit import bench, plots, results, shapes  # noqa: E402
 from coursekit.results import subset  # noqa: E402  (the notebook reaches it as B.subset)
 
 import custom_ops  # noqa: E402
@@ -211,6 +213,36 @@ def bench_fused_op(device, ceiling, s):
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# 1b. The shapes sweep (coursekit/shapes.py): fused_op (the public op, route 2) at tokens x
+# hidden sizes of real models and odd hidden sizes, forward and backward, against eager and
+# torch.compile.
+# ---------------------------------------------------------------------------------------------
+def shape_cases(device, quick):
+    cases = []
+    for dtype in shapes.dtypes(quick):
+        size = torch.empty((), dtype=dtype).element_size()
+        for tokens, hidden in shapes.token_shapes(quick):
+            def make(tokens=tokens, hidden=hidden, dtype=dtype):
+                return (torch.randn(tokens, hidden, dtype=dtype, device=device),
+                        torch.randn(hidden, dtype=dtype, device=device))
+
+            def ours(x, b):
+                return custom_ops.fused_op_forward(x, b, SCALE)
+            n = tokens * hidden
+            cases.append(shapes.Case("fused_op", dtype, (tokens, hidden), 2 * n * size, make, ours, eager_fused))
+            cases.append(shapes.Case("fused_op", dtype, (tokens, hidden), 3 * n * size, make, ours, eager_fused,
+                                     backward=True, grads=(0, 1)))
+    return cases
+
+
+def shapes_figures(record, out_dir):
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.8))
+    for ax, p in zip(axes, ("forward", "backward")):
+        shapes.plot(ax, record, "fused_op", p, x=lambda r: r["shape"][-1], xlabel="hidden size")
+    return [plots.save(fig, out_dir / f"{CHAPTER}_shapes.png")]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -430,7 +462,10 @@ def print_table(record):
 
 
 def main():
-    device, quick = bench.start(__doc__)
+    device, quick, args = shapes.start(__doc__)
+    if args.shapes:
+        shapes.main(CHAPTER, shape_cases, __file__, shapes_figures, quick, args.ops, args.dtypes)
+        return
     torch.manual_seed(0)
     s = sizes_for(device, quick)
     bindings = probe_routes(device)
@@ -443,6 +478,8 @@ def main():
     extra = {"headline_op": "fused_op", "routes": ROUTES, "extension": custom_ops.EXTENSION["route"],
              "host_cpu": bench.host_cpu(), "bindings": bindings}
     results.publish(CHAPTER, rows, ceilings, extra, make_figures, print_table)
+    if not args.no_shapes:
+        shapes.main(CHAPTER, shape_cases, __file__, shapes_figures, quick, args.ops, args.dtypes)
 
 
 if __name__ == "__main__":

@@ -2,10 +2,11 @@
 // backward, and reduce_sum, a two-stage shared-memory block reduction.
 //
 // The lesson of this chapter is the binding, not the kernel: each op has one kernel, and all
-// three binding routes launch exactly these. fused_op's is the shape chapter 4's ladder ends on
-// (16-byte accesses, the bias kept in registers), because the benchmark holds it to
-// torch.compile's generated kernel; chapter 4 is where that shape is derived, and chapter 3
-// where the reduction gets its ladder.
+// three binding routes launch exactly these. fused_op's are the kernels chapter 4's ladder ends
+// on (common/include/course/bias_act.cuh: one 16-byte vector per thread with the bias gathered
+// by column, and the backward on the column tiles), because the benchmark holds them to
+// torch.compile's generated kernels; chapter 4 is where they are derived, and chapter 3 where
+// the reduction gets its ladder.
 //
 // Napkin math for fused_op on [rows, n] elements of b bytes: read x, write y, 2 b bytes per
 // element (the bias is n elements, read once per row but served from cache). Eager PyTorch's
@@ -15,6 +16,7 @@
 // No torch headers: this file builds with a bare `nvcc -c`.
 #include "custom_kernels.h"
 
+#include <course/bias_act.cuh>
 #include <course/column_reduce.cuh>
 #include <course/cuda_utils.h>
 #include <course/numeric.cuh>
@@ -39,9 +41,6 @@ constexpr int kThreads = 256;
 // device, so that reduce_sum adds in the same order, and gives the same bits, on every GPU.
 constexpr int64_t kMaxBlocks = 1024;
 
-// CUDA's limit on gridDim.y (gridDim.x allows 2^31 - 1).
-constexpr int64_t kMaxGridY = 65535;
-
 unsigned flat_blocks(int64_t work, int64_t per_block) {
   const int64_t blocks = ceil_div(work, per_block);
   return static_cast<unsigned>(blocks < kMaxBlocks ? blocks : kMaxBlocks);
@@ -53,116 +52,48 @@ __device__ __forceinline__ A relu(A z) {
   return z < A(0) ? A(0) : z;
 }
 
+// relu as the functor course/bias_act.cuh's kernels take (chapter 4's activation.h has the
+// others): its derivative is 0 or 1 (kGates), 1 where the gradient passes: z not <= 0, which
+// includes NaN, as torch's threshold_backward.
+struct Relu {
+  static constexpr bool kGates = true;
+  template <typename A, bool kFast = false>
+  __device__ static A forward(A z) {
+    return relu(z);
+  }
+  template <typename A, bool kFast = false>
+  __device__ static A derivative(A z) {
+    return course::relu_passes(z) ? A(1) : A(0);
+  }
+};
+
 // ---------------------------------------------------------------------------------------
 // fused_op: y = relu(x * scale + bias), one read of x and one write of y per element.
 // ---------------------------------------------------------------------------------------
-// The copy kernel's shape, where chapter 4's ladder for this op ends (its v3). A block is a tile
-// of tx adjacent packs of one row by ty = kThreads / tx rows, and each thread handles one pack
-// of one row per step down the rows:
-//   - a pack is one 16-byte vector when every row starts on a 16-byte boundary (n a whole
-//     number of vectors, x, bias and y aligned), else one element: a warp's loads are 512
-//     contiguous bytes, a quarter (float32) to an eighth (bfloat16) of the instructions of
-//     scalar accesses;
-//   - a thread keeps its columns for life, so it loads their bias once, into registers, and no
-//     element pays a division to find its column;
-//   - many short blocks rather than a grid-stride loop over one resident wave. Measured on the
-//     H100 (results/<gpu>/chapter5_pytorch_extensions.json at commit 66d95f3): a
-//     flat grid-stride loop with scalar accesses ran at 89% of copy in float32 and 57% in
-//     bfloat16, 0.88x and 0.57x torch.compile.
-template <typename T, int L>
-__global__ void __launch_bounds__(kThreads)
-    fused_op_kernel(const T* __restrict__ x, const T* __restrict__ bias, typename Acc<T>::type scale,
-                    T* __restrict__ y, int64_t rows, int64_t n, int tx) {
-  using A = typename Acc<T>::type;
-  const int ty = kThreads / tx;
-  const int64_t e = (static_cast<int64_t>(blockIdx.x) * tx + threadIdx.x % tx) * L;  // first element
-  // The last column tile may hang over the row's end (n not a multiple of the tile's width);
-  // no barrier or shuffle follows, so those threads may simply leave.
-  if (e >= n) return;
-  A b[L];
-  course::Vec16<T> v;
-  if constexpr (L > 1) {
-    v = course::load16(reinterpret_cast<const course::Vec16<T>*>(bias + e));
-#pragma unroll
-    for (int l = 0; l < L; ++l) b[l] = to_acc(v.v[l]);
-  } else {
-    b[0] = to_acc(bias[e]);
-  }
-  // gridDim.y stops at 65535 row tiles: larger row counts loop (one trip in the common case).
-  for (int64_t r = static_cast<int64_t>(blockIdx.y) * ty + threadIdx.x / tx; r < rows;
-       r += static_cast<int64_t>(gridDim.y) * ty) {
-    const int64_t i = r * n + e;
-    if constexpr (L > 1) {
-      v = course::load16(reinterpret_cast<const course::Vec16<T>*>(x + i));
-#pragma unroll
-      for (int l = 0; l < L; ++l) v.v[l] = from_acc<T>(relu(fma(to_acc(v.v[l]), scale, b[l])));
-      course::store16(reinterpret_cast<course::Vec16<T>*>(y + i), v);
-    } else {
-      y[i] = from_acc<T>(relu(fma(to_acc(x[i]), scale, b[0])));
-    }
-  }
-}
-
-template <typename T, int L>
-cudaError_t launch_fused_op_packs(const FusedOpParams& p, cudaStream_t stream) {
-  const int64_t packs = p.n / L;
-  int tx = 1;  // the narrowest power of two that covers the row's packs, at most the block
-  while (tx < kThreads && tx < packs) tx *= 2;
-  const int64_t ty = kThreads / tx;
-  const int64_t row_tiles = ceil_div(p.rows, ty);
-  const dim3 grid(static_cast<unsigned>(ceil_div(packs, static_cast<int64_t>(tx))),
-                  static_cast<unsigned>(row_tiles < kMaxGridY ? row_tiles : kMaxGridY));
-  fused_op_kernel<T, L><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(p.x), static_cast<const T*>(p.bias),
-                                                       static_cast<typename Acc<T>::type>(p.scale),
-                                                       static_cast<T*>(p.y), p.rows, p.n, tx);
-  return cudaGetLastError();
-}
-
-// The backward. A block is 32 columns x kSlotRows rows: lane threadIdx.x owns column
-// tile * 32 + threadIdx.x, so a warp reads 32 adjacent elements of one row (coalesced), and
-// each thread walks the rows of its slot (every gridDim.y * kSlotRows-th row), writing dx as it
-// goes and summing g for dbias in a register. Each (slot, column) partial has exactly one
-// writer: no atomics, and course::column_sum then adds the slots in a fixed order.
-constexpr int kSlotRows = kThreads / 32;
-
+// course::launch_bias_act: the column tiles (a thread keeps 16-byte packs of the same columns
+// for every row, their bias in registers) while rows are whole vectors that fill the tiles,
+// else the flat kernel (16-byte vectors, one per thread, the bias gathered by column): every
+// lane busy at any row length, and a row that starts mid-vector (n not a multiple of 8 bfloat16)
+// still moves as whole aligned vectors. Measured on the H100
+// (results/<gpu>/chapter5_pytorch_extensions.json at commit 66d95f3): a flat grid-stride loop
+// with scalar accesses ran at 89% of copy in float32 and 57% in bfloat16, 0.88x and 0.57x
+// torch.compile; the column tiles alone lost to torch.compile at hidden sizes that leave a
+// tile's lanes idle and at rows that are not whole vectors (chapter 4's v3 says how).
 template <typename T>
-__global__ void __launch_bounds__(kThreads)
-    fused_op_backward_kernel(const T* __restrict__ dy, const T* __restrict__ y, typename Acc<T>::type scale,
-                             T* __restrict__ dx, typename Acc<T>::type* __restrict__ partial, int64_t rows,
-                             int64_t n) {
-  using A = typename Acc<T>::type;
-  const int64_t slot = static_cast<int64_t>(blockIdx.y) * kSlotRows + threadIdx.y;
-  const int64_t slots = static_cast<int64_t>(gridDim.y) * kSlotRows;
-  const int64_t tiles = ceil_div(n, int64_t{32});
-  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const int64_t c = tile * 32 + threadIdx.x;
-    // The last tile of a row whose length is not a multiple of 32: lanes past the end have no
-    // column. No barrier or shuffle follows, so they may simply skip it.
-    if (c >= n) continue;
-    A acc = A(0);
-    for (int64_t r = slot; r < rows; r += slots) {
-      const int64_t i = r * n + c;
-      // y > 0 exactly where x * scale + bias > 0 (custom_kernels.h says why y is kept).
-      const A g = to_acc(y[i]) > A(0) ? to_acc(dy[i]) : A(0);
-      dx[i] = from_acc<T>(g * scale);
-      acc += g;
-    }
-    // Written even by slots past the last row (as 0), so column_sum never reads garbage.
-    partial[slot * n + c] = acc;
-  }
+course::BiasAct<T> fused_op_args(const FusedOpParams& p) {
+  return {static_cast<const T*>(p.x), static_cast<const T*>(p.bias), static_cast<typename Acc<T>::type>(p.scale),
+          static_cast<T*>(p.y), nullptr, nullptr, p.rows, p.n};
 }
 
-// The backward's grid: x over column tiles, y over row slots, kMaxBlocks blocks in all at
-// most; at least one slot, so that 0 rows still write dbias = 0.
-dim3 backward_grid(int64_t rows, int64_t n) {
-  const int64_t tiles = ceil_div(n, int64_t{32});
-  const int64_t gx = tiles < kMaxBlocks ? tiles : kMaxBlocks;
-  int64_t gy = kMaxBlocks / (gx > 0 ? gx : 1);
-  const int64_t wanted = ceil_div(rows, int64_t{kSlotRows});
-  if (gy > wanted) gy = wanted;
-  if (gy > kMaxGridY) gy = kMaxGridY;
-  if (gy < 1) gy = 1;
-  return dim3(static_cast<unsigned>(gx > 0 ? gx : 1), static_cast<unsigned>(gy));
+// The backward: course::act_backward_tile_kernel on y (y > 0 exactly where x * scale + bias >
+// 0: custom_kernels.h says why y is kept). A thread keeps 16-byte packs of the same columns for
+// every row it visits, writes dx, sums g for dbias in registers, and leaves one partial row per
+// slot; course::column_sum adds the slots in a fixed order. No atomics: deterministic.
+template <typename T>
+course::BiasActGrad<T> fused_op_grad_args(const FusedOpBackwardParams& p) {
+  return {static_cast<const T*>(p.dy), static_cast<const T*>(p.y), nullptr, nullptr,
+          static_cast<typename Acc<T>::type>(p.scale), static_cast<T*>(p.dx), static_cast<T*>(p.dbias),
+          p.rows, p.n, p.workspace};
 }
 
 // ---------------------------------------------------------------------------------------
@@ -182,7 +113,8 @@ __global__ void __launch_bounds__(kThreads)
   using A = typename Acc<T>::type;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < numel;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    dx[i] = to_acc(y[i]) > A(0) ? dy[i] : from_acc<T>(A(0));
+    // The gradient passes where y is not <= 0 (NaN included), as torch's threshold_backward.
+    dx[i] = course::relu_passes(to_acc(y[i])) ? dy[i] : from_acc<T>(A(0));
   }
 }
 
@@ -239,19 +171,13 @@ cudaError_t launch_fused_op(const FusedOpParams& p, cudaStream_t stream) {
   if (p.rows * p.n == 0) return cudaSuccess;  // nothing to write, and n may be 0: no division by it
   return course::with_dtype(p.dtype, [&](auto tag) -> cudaError_t {
     using T = decltype(tag);
-    constexpr int kLanes = course::Vec16<T>::kLanes;
-    const bool vector = p.n % kLanes == 0 && course::is_aligned(p.x, 16) && course::is_aligned(p.bias, 16) &&
-                        course::is_aligned(p.y, 16);
-    return vector ? launch_fused_op_packs<T, kLanes>(p, stream) : launch_fused_op_packs<T, 1>(p, stream);
+    return course::launch_bias_act<T, Relu, false>(fused_op_args<T>(p), stream);
   });
 }
 
 cudaError_t fused_op_backward_workspace(const FusedOpBackwardParams& p, int64_t* bytes) {
   return course::with_dtype(p.dtype, [&](auto tag) -> cudaError_t {
-    using A = typename Acc<decltype(tag)>::type;
-    const dim3 grid = backward_grid(p.rows, p.n);
-    *bytes = static_cast<int64_t>(grid.y) * kSlotRows * p.n * static_cast<int64_t>(sizeof(A));
-    return cudaSuccess;
+    return course::fused_backward_workspace(fused_op_grad_args<decltype(tag)>(p), bytes);
   });
 }
 
@@ -259,16 +185,7 @@ cudaError_t launch_fused_op_backward(const FusedOpBackwardParams& p, cudaStream_
   if (p.n == 0) return cudaSuccess;  // dx and dbias are both empty
   return course::with_dtype(p.dtype, [&](auto tag) -> cudaError_t {
     using T = decltype(tag);
-    using A = typename Acc<T>::type;
-    const dim3 grid = backward_grid(p.rows, p.n);
-    auto* partial = static_cast<A*>(p.workspace);
-    fused_op_backward_kernel<T><<<grid, dim3(32, kSlotRows), 0, stream>>>(
-        static_cast<const T*>(p.dy), static_cast<const T*>(p.y), static_cast<A>(p.scale), static_cast<T*>(p.dx),
-        partial, p.rows, p.n);
-    COURSE_CUDA_TRY(cudaGetLastError());
-    // dbias: the [slots, n] partials summed over the slots, rounded once to T.
-    return course::column_sum<A, T>(partial, static_cast<int64_t>(grid.y) * kSlotRows, p.n,
-                                    static_cast<T*>(p.dbias), stream);
+    return course::launch_fused_backward<T, Relu, course::SaveKind::kOutput>(fused_op_grad_args<T>(p), stream);
   });
 }
 

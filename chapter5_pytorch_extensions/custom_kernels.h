@@ -32,7 +32,9 @@ struct FusedOpParams {
 };
 
 // The backward of fused_op, from the output the forward returned:
-//   g = dy where y > 0, else 0;   dx = g * scale;   dbias[c] = sum over rows of g[r, c].
+//   g = dy where y is not <= 0 (y > 0, or NaN), else 0;   dx = g * scale;
+//   dbias[c] = sum over rows of g[r, c].
+// "Not <= 0" is torch's threshold_backward: at a NaN input relu's gradient passes.
 // Why y and not x or a bit mask: relu'(z) only needs the sign of z, and y > 0 exactly where
 // z > 0, so y answers it without the bias or the scale, and y costs nothing to keep (the
 // forward allocated it anyway, and the next layer usually keeps it alive). A mask would be a
@@ -49,7 +51,7 @@ struct FusedOpBackwardParams {
   int64_t rows, n;
 };
 
-// y = relu(x) elementwise; its backward dx = dy where y > 0, else 0 (y as above).
+// y = relu(x) elementwise; its backward dx = dy where y is not <= 0, else 0 (y as above).
 struct ReluParams {
   DType dtype;
   const void* x;

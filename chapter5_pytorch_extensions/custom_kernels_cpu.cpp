@@ -12,6 +12,7 @@
 // double).
 #include "custom_kernels.h"
 
+#include <course/bias_act.h>
 #include <course/cpu_dtype.h>
 
 #include <algorithm>
@@ -68,7 +69,8 @@ void fused_op_backward_cpu(const FusedOpBackwardParams& p) {
     for (int64_t r = 0; r < p.rows; ++r) {
       for (int64_t c = 0; c < p.n; ++c) {
         const int64_t i = r * p.n + c;
-        const A g = static_cast<A>(y[i]) > A(0) ? static_cast<A>(dy[i]) : A(0);
+        // The gradient passes where y is not <= 0, NaN included (torch's threshold_backward).
+        const A g = course::relu_passes(static_cast<A>(y[i])) ? static_cast<A>(dy[i]) : A(0);
         dx[i] = static_cast<T>(g * scale);
         sums[c] += g;
       }
@@ -94,7 +96,7 @@ void relu_backward_cpu(const ReluBackwardParams& p) {
     const T* dy = static_cast<const T*>(p.dy);
     const T* y = static_cast<const T*>(p.y);
     T* dx = static_cast<T*>(p.dx);
-    for (int64_t i = 0; i < p.numel; ++i) dx[i] = static_cast<A>(y[i]) > A(0) ? dy[i] : static_cast<T>(0);
+    for (int64_t i = 0; i < p.numel; ++i) dx[i] = course::relu_passes(static_cast<A>(y[i])) ? dy[i] : static_cast<T>(0);
   });
 }
 

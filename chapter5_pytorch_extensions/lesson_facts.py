@@ -171,3 +171,14 @@ def packaging_table(record):
 FACTS = {"bindings_table": bindings_table, "fused_table": fused_table, "overhead_table": overhead_table,
          "overhead_sentence": overhead_sentence, "timing_table": timing_table,
          "build_table": build_table, "packaging_table": packaging_table}
+
+
+# The shapes sweep (bench_*.py --shapes; coursekit/shapes.py): its own results file.
+from coursekit import shapes as _shapes  # noqa: E402
+
+
+def _shapes_sweep(record):
+    return _shapes.lesson_block("chapter5_pytorch_extensions")
+
+
+FACTS["shapes_sweep"] = _shapes_sweep

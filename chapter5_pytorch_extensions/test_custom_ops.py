@@ -87,6 +87,41 @@ def test_fused_op_gradients():
     _passed("Gradients match numerical differentiation and PyTorch")
 
 
+def test_fused_op_at_the_shapes_models_run():
+    _header("2b", "Fused Operation at model and odd hidden sizes, NaN inputs")
+    torch.manual_seed(4)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for shape in ((64, 768), (33, 777), (9, 4099), (2, 3, 96)):
+            x = torch.randn(shape, device=DEVICE).to(dtype)
+            x.view(-1)[5] = float("nan")
+            bias = torch.randn(shape[-1], device=DEVICE).to(dtype)
+            xg, bg = x.clone().requires_grad_(), bias.clone().requires_grad_()
+            out = custom_ops.fused_op_forward(xg, bg, 0.75)
+            xr, br = x.clone().requires_grad_(), bias.clone().requires_grad_()
+            ref = torch.relu(xr.float() * 0.75 + br.float())
+            # One rounding to the dtype apart (the kernel rounds once; eager in 16-bit rounds
+            # x * scale, the sum and the relu each): compared against the float32 result.
+            torch.testing.assert_close(out.float(), ref, equal_nan=True, rtol=1e-2 if dtype != torch.float32 else 1e-6,
+                                       atol=1e-2 if dtype != torch.float32 else 1e-5)
+            dy = torch.randn(shape, device=DEVICE).to(dtype)
+            dx, dbias = torch.autograd.grad(out, (xg, bg), dy)
+            ex, ebias = torch.autograd.grad(torch.relu(xr * 0.75 + br), (xr, br), dy)
+            # At the NaN the gradient passes through, as torch's threshold_backward lets it.
+            # Elsewhere compared where x * scale + bias is not so near 0 that eager's 16-bit
+            # rounding of x * scale can flip its sign (the kernel rounds z once).
+            z = x.double() * 0.75 + bias.double()
+            clear = (z.abs() > 0.05) | x.isnan()
+            torch.testing.assert_close(dx[clear], ex[clear], equal_nan=True)
+            assert bool(dx.view(-1)[5] == dy.view(-1)[5] * 0.75)
+            # dbias: the column sums of the gradient dx scaled (the same gate, summed in float).
+            # dx was rounded to the dtype after the scale: each term is off by up to one rounding.
+            rows = dx.reshape(-1, shape[-1]).double() / 0.75
+            eps = torch.finfo(dtype).eps
+            bound = 2 * eps * rows.abs().sum(0) + 4 * eps * dbias.double().abs() + 1e-6
+            assert bool(((dbias.double() - rows.sum(0)).abs() <= bound).all())
+    _passed("Forward and backward match PyTorch at hidden 768, 777, 4099 and 96, NaN included")
+
+
 def test_custom_relu():
     _header(3, "Custom ReLU")
     torch.manual_seed(3)
@@ -98,9 +133,12 @@ def test_custom_relu():
     (dx,) = torch.autograd.grad(out, x, dy)
     torch.testing.assert_close(dx, torch.where(x > 0, dy, 0.0), rtol=0, atol=0)
     print("Backward: the gradient passes exactly where x > 0")
-    nan = torch.tensor([float("nan"), -1.0, 2.0], device=DEVICE)
+    nan = torch.tensor([float("nan"), -1.0, 2.0], device=DEVICE, requires_grad=True)
     torch.testing.assert_close(custom_ops.custom_relu(nan), torch.relu(nan), equal_nan=True)
-    print("NaN passes through, as in torch.relu")
+    (dnan,) = torch.autograd.grad(custom_ops.custom_relu(nan), nan, torch.ones(3, device=DEVICE))
+    (enan,) = torch.autograd.grad(torch.relu(nan), nan, torch.ones(3, device=DEVICE))
+    torch.testing.assert_close(dnan, enan, rtol=0, atol=0)
+    print("NaN passes through, as in torch.relu, and so does its gradient (threshold_backward's rule)")
     xd = _away_from_zero((6, 5), dtype=torch.float64).requires_grad_()
     assert torch.autograd.gradcheck(custom_ops.custom_relu, (xd,))
     print("gradcheck (float64): True")

@@ -22,7 +22,8 @@ __all__ = ["sum", "amax", "softmax", "log_softmax", "atomic_sum", "softmax_backw
 #   whole:   dim=None, the tensor as one flat array: Harris's seven steps (v1-v7) and three
 #            modern ones: warp shuffles (v8), 128-bit loads (v9), one pass (v10);
 #   rows:    dim reduces adjacent elements (dim=-1 of a contiguous tensor);
-#   columns: dim reduces elements `inner` apart (dim=0 of a matrix), coalesced across inner.
+#   columns: dim reduces elements `inner` apart (dim=0 of a matrix), coalesced across inner;
+#            column_split lays a warp over several rows when inner is narrower than a tile.
 LADDERS = {
     "whole": ("v1", "v2", "v3", "v4", "v5", "v6", "v7", "v8", "v9", "v10"),
     "rows": ("block_per_row", "warp_per_row", "rows_per_warp", "split_row"),
@@ -38,11 +39,11 @@ VERSIONS = {"sum": LADDERS["whole"] + LADDERS["rows"] + LADDERS["columns"],
             "softmax": _SOFTMAX, "log_softmax": _SOFTMAX}
 
 try:  # installed: setup.py ships the shared loader inside the package
-    from ._loader import check_arguments, load_extension
+    from ._loader import check_arguments, device_sms, load_extension
 except ImportError:  # the course checkout: the loader's one home, common/coursekit
     import sys
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "common"))
-    from coursekit.loader import check_arguments, load_extension
+    from coursekit.loader import check_arguments, device_sms, load_extension
 
 # How the ops library was loaded: route (installed, jit or preloaded) and where from.
 EXTENSION = load_extension("shared_reduction", "shared_reduction", __file__)
@@ -92,8 +93,10 @@ def atomic_sum(x):
     return torch.ops.shared_reduction.atomic_sum(x)
 
 
-def default_choice(op, x, dim=None):
+def default_choice(op, x, dim=None, *, sms=None):
     """The rung `op(x, dim, version=None)` runs (op: sum, amax, softmax, log_softmax or
-    softmax_backward), decided from shape and dtype alone; the rules live in reduction.h."""
-    check_arguments("default_choice", op=(op, str), x=(x, torch.Tensor), dim=(dim, (int, None)))
-    return torch.ops.shared_reduction.default_choice(op, x, dim)
+    softmax_backward) on a GPU of `sms` SMs, decided from shape, dtype and alignment alone; the
+    rules live in reduction.h. sms=None: x's GPU (or the current one; an H100's 132 on a machine
+    without a GPU). A meta tensor stands in for any tensor of its shape and dtype."""
+    check_arguments("default_choice", op=(op, str), x=(x, torch.Tensor), dim=(dim, (int, None)), sms=(sms, (int, None)))
+    return torch.ops.shared_reduction.default_choice(op, x, dim, device_sms(x) if sms is None else sms)

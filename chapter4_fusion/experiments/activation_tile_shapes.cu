@@ -8,6 +8,7 @@
 //
 // Torch-free, like the kernels: it includes the chapter's header and launches its kernel.
 #include "../activation.h"
+#include <course/bias_act.cuh>
 
 #include <algorithm>
 #include <cstdio>
@@ -15,7 +16,7 @@
 
 namespace {
 
-using fusion::elementwise::bias_act_tile_kernel;
+using course::bias_act_tile_kernel;
 using T = __nv_bfloat16;
 constexpr int64_t kRows = 16384;
 constexpr int64_t kCols = 8192;

@@ -23,8 +23,10 @@ __all__ = ["fused_bias_scale_relu", "fused_bias_scale_relu_backward", "fused_bia
 # The ladders (test_elementwise.py holds this table against the extension's dispatch):
 #   fused_bias_scale_relu           v1 three kernels (scale, add bias, relu: eager's three trips
 #                                   through memory), v2 one fused kernel with scalar accesses,
-#                                   v3 16-byte accesses with the bias loaded once per thread and
-#                                   reused by every row it visits;
+#                                   v3 16-byte accesses: the bias loaded once per thread and reused
+#                                   by every row it visits, or (where that would leave lanes idle,
+#                                   or rows are not whole vectors) one vector per thread over the
+#                                   flat array with the bias gathered by column;
 #   fused_bias_scale_relu_backward  v1 g = dy * (z > 0) written out, dx = g * scale, then a
 #                                   column sum of g; v2 one pass writing dx and per-block column
 #                                   partials of g, then a small deterministic column sum;
@@ -112,10 +114,10 @@ def swiglu(x, *, version=None):
 
 def linear_activation(x, weight, bias, activation, *, version=None):
     """act(x @ weight.T + bias), activation one of "relu", "gelu", "gelu_tanh", "silu";
-    weight [out_features, in_features], bias [out_features]. The GEMM is cuBLAS (the CPU BLAS
+    weight [out_features, in_features], bias [out_features] or None (as F.linear's). The GEMM is cuBLAS (the CPU BLAS
     on the CPU) through ATen; the bias and the activation are one epilogue kernel on its
     output. Differentiable in x, weight and bias (the backward keeps x @ weight.T + bias)."""
-    check_arguments("linear_activation", x=(x, torch.Tensor), weight=(weight, torch.Tensor), bias=(bias, torch.Tensor),
+    check_arguments("linear_activation", x=(x, torch.Tensor), weight=(weight, torch.Tensor), bias=(bias, (torch.Tensor, None)),
                     activation=(activation, str))
     return torch.ops.fusion.linear_activation(x, weight, bias, activation, version=version)
 

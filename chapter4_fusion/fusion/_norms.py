@@ -1,7 +1,8 @@
 """LayerNorm, RMSNorm and fused_add_rms_norm: a row reduction fused with the map that needs it.
 
 Every op normalizes over the last dim of x (any leading shape, 1-D included) with weight (and
-bias) 1-D of that size, of x's dtype and device; float32, float16 and bfloat16 (float64 too, on
+bias) 1-D of that size, of x's dtype and device, or None (no scale, no shift: what
+torch.nn.functional.layer_norm and rms_norm do without them); float32, float16 and bfloat16 (float64 too, on
 the CPU and for gradcheck); 16-bit inputs compute in float32. Differentiable through C++
 autograd Functions whose backward is this chapter's own kernel; dweight and dbias are
 per-block partial column sums reduced in a fixed order (course::column_sum), so they are
@@ -40,55 +41,56 @@ VERSIONS = {
 }
 
 
-def layer_norm(x, weight, bias, eps=1e-5, *, version=None):
+def layer_norm(x, weight=None, bias=None, eps=1e-5, *, version=None):
     """torch.nn.functional.layer_norm(x, (x.shape[-1],), weight, bias, eps). Differentiable in
-    x, weight and bias."""
-    check_arguments("layer_norm", x=(x, torch.Tensor), weight=(weight, torch.Tensor),
-                    bias=(bias, torch.Tensor), eps=(eps, float))
+    x, weight and bias; weight and bias may be None."""
+    check_arguments("layer_norm", x=(x, torch.Tensor), weight=(weight, (torch.Tensor, None)),
+                    bias=(bias, (torch.Tensor, None)), eps=(eps, float))
     return torch.ops.fusion.layer_norm(x, weight, bias, eps, version)
 
 
-def rms_norm(x, weight, eps=1e-6, *, version=None):
+def rms_norm(x, weight=None, eps=1e-6, *, version=None):
     """torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps). Differentiable in x and
-    weight."""
-    check_arguments("rms_norm", x=(x, torch.Tensor), weight=(weight, torch.Tensor), eps=(eps, float))
+    weight; weight may be None. A row holding inf gives NaN where the inf is and 0 elsewhere,
+    as F.rms_norm's: mean(x^2) is inf, so rstd is 0, and inf * 0 is NaN."""
+    check_arguments("rms_norm", x=(x, torch.Tensor), weight=(weight, (torch.Tensor, None)), eps=(eps, float))
     return torch.ops.fusion.rms_norm(x, weight, eps, version)
 
 
-def fused_add_rms_norm(x, residual, weight, eps=1e-6, *, version=None):
+def fused_add_rms_norm(x, residual, weight=None, eps=1e-6, *, version=None):
     """(rms_norm(h, weight, eps), h) with h = x + residual rounded to x's dtype: the residual
     add and the norm of an LLM decoder layer in one pass. Differentiable in x, residual and
     weight (and through both outputs)."""
     check_arguments("fused_add_rms_norm", x=(x, torch.Tensor), residual=(residual, torch.Tensor),
-                    weight=(weight, torch.Tensor), eps=(eps, float))
+                    weight=(weight, (torch.Tensor, None)), eps=(eps, float))
     return torch.ops.fusion.fused_add_rms_norm(x, residual, weight, eps, version)
 
 
-def layer_norm_forward(x, weight, bias, eps=1e-5, *, version=None):
+def layer_norm_forward(x, weight=None, bias=None, eps=1e-5, *, version=None):
     """layer_norm that also returns the saved statistics: (y, mean, rstd), mean and rstd of
     shape x.shape[:-1] in float32 (float64 for float64 x)."""
-    check_arguments("layer_norm_forward", x=(x, torch.Tensor), weight=(weight, torch.Tensor),
-                    bias=(bias, torch.Tensor), eps=(eps, float))
+    check_arguments("layer_norm_forward", x=(x, torch.Tensor), weight=(weight, (torch.Tensor, None)),
+                    bias=(bias, (torch.Tensor, None)), eps=(eps, float))
     return torch.ops.fusion.layer_norm_forward(x, weight, bias, eps, version)
 
 
-def rms_norm_forward(x, weight, eps=1e-6, *, version=None):
+def rms_norm_forward(x, weight=None, eps=1e-6, *, version=None):
     """rms_norm that also returns rstd: (y, rstd)."""
-    check_arguments("rms_norm_forward", x=(x, torch.Tensor), weight=(weight, torch.Tensor), eps=(eps, float))
+    check_arguments("rms_norm_forward", x=(x, torch.Tensor), weight=(weight, (torch.Tensor, None)), eps=(eps, float))
     return torch.ops.fusion.rms_norm_forward(x, weight, eps, version)
 
 
-def fused_add_rms_norm_forward(x, residual, weight, eps=1e-6, *, version=None):
+def fused_add_rms_norm_forward(x, residual, weight=None, eps=1e-6, *, version=None):
     """fused_add_rms_norm that also returns rstd: (y, x + residual, rstd)."""
     check_arguments("fused_add_rms_norm_forward", x=(x, torch.Tensor), residual=(residual, torch.Tensor),
-                    weight=(weight, torch.Tensor), eps=(eps, float))
+                    weight=(weight, (torch.Tensor, None)), eps=(eps, float))
     return torch.ops.fusion.fused_add_rms_norm_forward(x, residual, weight, eps, version)
 
 
 def layer_norm_backward(dy, x, weight, mean, rstd, *, version=None):
     """The backward kernel alone: (dx, dweight, dbias) from layer_norm_forward's mean and rstd."""
     check_arguments("layer_norm_backward", dy=(dy, torch.Tensor), x=(x, torch.Tensor),
-                    weight=(weight, torch.Tensor), mean=(mean, torch.Tensor), rstd=(rstd, torch.Tensor))
+                    weight=(weight, (torch.Tensor, None)), mean=(mean, torch.Tensor), rstd=(rstd, torch.Tensor))
     return torch.ops.fusion.layer_norm_backward(dy, x, weight, mean, rstd, version)
 
 
@@ -96,7 +98,7 @@ def rms_norm_backward(dy, x, weight, rstd, *, version=None):
     """The backward kernel alone: (dx, dweight) from rms_norm_forward's rstd (for
     fused_add_rms_norm, x is the saved sum x + residual and dx its gradient)."""
     check_arguments("rms_norm_backward", dy=(dy, torch.Tensor), x=(x, torch.Tensor),
-                    weight=(weight, torch.Tensor), rstd=(rstd, torch.Tensor))
+                    weight=(weight, (torch.Tensor, None)), rstd=(rstd, torch.Tensor))
     return torch.ops.fusion.rms_norm_backward(dy, x, weight, rstd, version)
 
 

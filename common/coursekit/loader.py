@@ -141,3 +141,18 @@ def check_arguments(op, /, **arguments):
             wanted = " or ".join(_KIND_NAMES[k] for k in kinds)
             raise TypeError(f"{op}: {name} must be {wanted}, got {describe(value)} "
                             f"(the arguments, in order: {', '.join(arguments)})")
+
+
+# The H100's SM count: what a dispatch that depends on the GPU's size reports for a tensor that
+# is not on a GPU, on a machine without one (the glue's course::kReferenceSms, on_cuda.h).
+REFERENCE_SMS = 132
+
+
+def device_sms(x):
+    """The SM count version=None decides for on x: x's GPU, else the current GPU, else the
+    H100's (REFERENCE_SMS), the GPU the course's results were measured on."""
+    if x.is_cuda:
+        return torch.cuda.get_device_properties(x.device).multi_processor_count
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return REFERENCE_SMS

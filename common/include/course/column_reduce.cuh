@@ -3,12 +3,16 @@
 // gradient: chapter 3's `column_split` rung (sum(x, dim=0)) and chapter 4's dbias / dweight,
 // which reduce the per-block partial sums their fused backward kernels write.
 //
-// The layout: a block takes a tile of 32 x kCols adjacent columns, its 8 warps every 8th row of
-// the tile, each lane kCols adjacent columns (one 16-byte vector when the rows allow it). A
-// warp reads 512 contiguous bytes of a row per instruction, with kColumnUnroll rows in flight.
-// The 8 warps' sums meet in shared memory. When the tiles alone cannot fill the GPU, the reduced
-// dimension is also split into ranges (grid.y), each written as a partial and combined in order
-// by the last block of the tile to arrive. Every combine has a fixed order: deterministic.
+// The layout: a block takes a tile of `lanes` x kCols adjacent columns (lanes = 32 unless the
+// tensor is narrower), its 8 warps every 8th group of rows, each lane kCols adjacent columns (one
+// 16-byte vector when the rows allow it). With 32 lanes a warp reads 512 contiguous bytes of a
+// row per instruction; a narrower tile lays the warp over 32 / lanes rows at once, so that every
+// lane still has a column (an 8-column bfloat16 tensor: one vector per row, 32 rows per warp
+// instruction, where a warp per row would leave 31 lanes idle). kColumnUnroll row groups are
+// in flight per lane. The warps' sums meet in shared memory. When the tiles alone cannot fill
+// the GPU, the reduced dimension is also split into ranges (grid.y), each written as a partial,
+// and the last block of the tile to arrive combines them in order, its threads sharing the
+// partials of each column between them. Every combine has a fixed order: deterministic.
 //
 // Torch-free, like every kernel of the course.
 #pragma once
@@ -24,41 +28,46 @@
 namespace course {
 
 constexpr int kColumnWarps = 8;
+constexpr int kColumnThreads = 32 * kColumnWarps;
 constexpr int kColumnUnroll = 4;
 
 template <int kCols, typename T, typename Op, typename Out>
-__global__ void __launch_bounds__(32 * kColumnWarps) column_reduce_tiles(
-    const T* __restrict__ x, int64_t outer, int64_t n, int64_t inner, int64_t range,
+__global__ void __launch_bounds__(kColumnThreads) column_reduce_tiles(
+    const T* __restrict__ x, int64_t outer, int64_t n, int64_t inner, int64_t range, int lanes,
     typename Acc<T>::type* __restrict__ partial, unsigned* __restrict__ arrived, Out* __restrict__ out) {
   using A = typename Acc<T>::type;
-  constexpr int kTile = 32 * kCols;
+  constexpr int kTile = 32 * kCols;  // the widest tile; a narrower one uses the first lanes x kCols
   __shared__ A smem[kColumnWarps][kTile];
   __shared__ bool last;
   const Op op;
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
+  const int rows_per_warp = 32 / lanes;  // lanes is a power of two: 1, 2, ..., 32
+  const int sub = lane / lanes;          // which of the warp's rows this lane reads
+  const int width = lanes * kCols;       // columns of a tile
   const unsigned splits = gridDim.y;
-  const int64_t tiles = ceil_div(inner, static_cast<int64_t>(kTile));
+  const int64_t tiles = ceil_div(inner, static_cast<int64_t>(width));
   const int64_t k_begin = blockIdx.y * range;
   const int64_t k_end = k_begin + range < n ? k_begin + range : n;
+  const int64_t row_step = static_cast<int64_t>(kColumnWarps) * rows_per_warp;
   for (int64_t t = blockIdx.x; t < outer * tiles; t += gridDim.x) {
     const int64_t o = t / tiles;
-    const int64_t c0 = (t % tiles) * kTile + lane * kCols;  // this lane's first column
+    const int64_t c0 = (t % tiles) * width + lane % lanes * kCols;  // this lane's first column
     const T* base = x + o * n * inner + c0;
     A acc[kCols];
 #pragma unroll
     for (int c = 0; c < kCols; ++c) acc[c] = Op::identity();
     if (c0 < inner) {
+      int64_t k = k_begin + warp * rows_per_warp + sub;
       if constexpr (kCols > 1) {
         // Whole vectors only: the launcher picks kCols > 1 only when inner is a multiple of it
         // and the rows are 16-byte aligned.
         using V = Vec16<T>;
-        int64_t k = k_begin + warp;
-        for (; k + (kColumnUnroll - 1) * kColumnWarps < k_end; k += kColumnUnroll * kColumnWarps) {
+        for (; k + (kColumnUnroll - 1) * row_step < k_end; k += kColumnUnroll * row_step) {
           V v[kColumnUnroll];
 #pragma unroll
           for (int u = 0; u < kColumnUnroll; ++u) {
-            v[u] = load16(reinterpret_cast<const V*>(base + (k + u * kColumnWarps) * inner));
+            v[u] = load16(reinterpret_cast<const V*>(base + (k + u * row_step) * inner));
           }
 #pragma unroll
           for (int u = 0; u < kColumnUnroll; ++u) {
@@ -66,31 +75,41 @@ __global__ void __launch_bounds__(32 * kColumnWarps) column_reduce_tiles(
             for (int c = 0; c < kCols; ++c) acc[c] = op(acc[c], to_acc(v[u].v[c]));
           }
         }
-        for (; k < k_end; k += kColumnWarps) {
+        for (; k < k_end; k += row_step) {
           const V v = load16(reinterpret_cast<const V*>(base + k * inner));
 #pragma unroll
           for (int c = 0; c < kCols; ++c) acc[c] = op(acc[c], to_acc(v.v[c]));
         }
       } else {
-#pragma unroll 4
-        for (int64_t k = k_begin + warp; k < k_end; k += kColumnWarps) acc[0] = op(acc[0], to_acc(base[k * inner]));
+        for (; k + (kColumnUnroll - 1) * row_step < k_end; k += kColumnUnroll * row_step) {
+          T v[kColumnUnroll];
+#pragma unroll
+          for (int u = 0; u < kColumnUnroll; ++u) v[u] = base[(k + u * row_step) * inner];
+#pragma unroll
+          for (int u = 0; u < kColumnUnroll; ++u) acc[0] = op(acc[0], to_acc(v[u]));
+        }
+        for (; k < k_end; k += row_step) acc[0] = op(acc[0], to_acc(base[k * inner]));
       }
     }
     // A previous tile's combine may still be reading smem in a slower warp.
     __syncthreads();
 #pragma unroll
     for (int c = 0; c < kCols; ++c) smem[warp][lane * kCols + c] = acc[c];
-    __syncthreads();  // all 8 warps' sums are in shared memory before warp 0 adds them
-    if (warp == 0) {
+    __syncthreads();  // every warp's sums are in shared memory before warp 0 adds them
+    // Warp 0's first `lanes` lanes add, for their columns, every warp's rows in a fixed order.
+    const bool adder = warp == 0 && lane < lanes;
+    if (adder) {
 #pragma unroll
       for (int c = 0; c < kCols; ++c) {
-        A total = smem[0][lane * kCols + c];
-        for (int w = 1; w < kColumnWarps; ++w) total = op(total, smem[w][lane * kCols + c]);
+        A total = Op::identity();
+        for (int w = 0; w < kColumnWarps; ++w) {
+          for (int s = 0; s < rows_per_warp; ++s) total = op(total, smem[w][(s * lanes + lane) * kCols + c]);
+        }
         acc[c] = total;
       }
     }
     if (splits == 1) {
-      if (warp == 0) {
+      if (adder) {
 #pragma unroll
         for (int c = 0; c < kCols; ++c) {
           if (c0 + c < inner) out[o * inner + c0 + c] = from_acc<Out>(acc[c]);
@@ -99,9 +118,11 @@ __global__ void __launch_bounds__(32 * kColumnWarps) column_reduce_tiles(
       continue;
     }
     if (warp == 0) {
+      if (adder) {
 #pragma unroll
-      for (int c = 0; c < kCols; ++c) {
-        if (c0 + c < inner) partial[(blockIdx.y * outer + o) * inner + c0 + c] = acc[c];
+        for (int c = 0; c < kCols; ++c) {
+          if (c0 + c < inner) partial[(blockIdx.y * outer + o) * inner + c0 + c] = acc[c];
+        }
       }
       // Every lane's partials must be visible device-wide before the count that announces them.
       __threadfence();
@@ -109,14 +130,45 @@ __global__ void __launch_bounds__(32 * kColumnWarps) column_reduce_tiles(
       if (lane == 0) last = atomicAdd(&arrived[t], 1u) == splits - 1;
     }
     __syncthreads();  // every thread sees warp 0's `last`
-    if (last && warp == 0) {
+    if (last) {
+      // The whole block combines the tile's partials: `groups` threads per column each fold every
+      // groups-th range, then one thread per column adds the groups, both in a fixed order. A
+      // thread keeps kChains sums, range s going to chain s / groups % kChains, so kChains loads
+      // are in flight at once: with one chain, each load waited for the last (a dependent chain
+      // of L2 round trips, one per range: with 132 ranges it took longer than the reading of the
+      // tensor). __ldcg reads through L2: this SM's L1 is not coherent with the other SMs' writes.
+      constexpr int kChains = 8;
+      const int groups = kColumnThreads / width;
+      const int column = threadIdx.x % width;
+      const int group = threadIdx.x / width;
+      const int64_t tile_c0 = (t % tiles) * width;
+      const bool has_column = group < groups && tile_c0 + column < inner;
+      A chain[kChains];
 #pragma unroll
-      for (int c = 0; c < kCols; ++c) {
-        if (c0 + c < inner) {
-          A total = Op::identity();
-          for (unsigned s = 0; s < splits; ++s) total = op(total, __ldcg(&partial[(s * outer + o) * inner + c0 + c]));
-          out[o * inner + c0 + c] = from_acc<Out>(total);
+      for (int k = 0; k < kChains; ++k) chain[k] = Op::identity();
+      if (has_column) {
+        const A* first = partial + o * inner + tile_c0 + column;
+        const int64_t stride = outer * inner;  // from one range's partials to the next's
+        unsigned s = group;
+        for (; s + (kChains - 1) * groups < splits; s += kChains * groups) {
+#pragma unroll
+          for (int k = 0; k < kChains; ++k) chain[k] = op(chain[k], __ldcg(first + (s + k * groups) * stride));
         }
+#pragma unroll
+        for (int k = 0; k < kChains - 1; ++k) {  // the last few ranges, fewer than kChains per thread
+          if (s + k * groups < splits) chain[k] = op(chain[k], __ldcg(first + (s + k * groups) * stride));
+        }
+      }
+      A total = chain[0];
+#pragma unroll
+      for (int k = 1; k < kChains; ++k) total = op(total, chain[k]);
+      A* fold = &smem[0][0];  // kColumnThreads values; the block's sums above are done with
+      fold[threadIdx.x] = total;
+      __syncthreads();  // every group's sum is in shared memory before the adds read them
+      if (group == 0 && has_column) {
+        A sum = Op::identity();
+        for (int g = 0; g < groups; ++g) sum = op(sum, fold[g * width + column]);
+        out[o * inner + tile_c0 + column] = from_acc<Out>(sum);
       }
     }
   }
@@ -131,8 +183,8 @@ inline int column_lanes(const T* x, int64_t inner) {
 
 // Tiles of one (outer) slice: the blocks a launch needs before any split of the reduced dim.
 template <typename T>
-inline int64_t column_tiles(const T* x, int64_t inner) {
-  return ceil_div(inner, int64_t{32} * column_lanes(x, inner));
+inline int64_t column_tiles(const T* x, int64_t inner, int lanes = 32) {
+  return ceil_div(inner, int64_t{lanes} * column_lanes(x, inner));
 }
 
 // One launch over `grid` (x: tiles, persistent beyond INT_MAX; y: ranges of `range` rows).
@@ -141,28 +193,48 @@ inline int64_t column_tiles(const T* x, int64_t inner) {
 template <typename T, typename Op, typename Out = T>
 cudaError_t launch_column_reduce(const T* x, int64_t outer, int64_t n, int64_t inner, dim3 grid,
                                  int64_t range, typename Acc<T>::type* partial, unsigned* arrived,
-                                 Out* out, cudaStream_t stream) {
+                                 Out* out, cudaStream_t stream, int lanes = 32) {
   if (column_lanes(x, inner) > 1) {
-    column_reduce_tiles<Vec16<T>::kLanes, T, Op, Out><<<grid, 32 * kColumnWarps, 0, stream>>>(
-        x, outer, n, inner, range, partial, arrived, out);
+    column_reduce_tiles<Vec16<T>::kLanes, T, Op, Out><<<grid, kColumnThreads, 0, stream>>>(
+        x, outer, n, inner, range, lanes, partial, arrived, out);
   } else {
-    column_reduce_tiles<1, T, Op, Out><<<grid, 32 * kColumnWarps, 0, stream>>>(
-        x, outer, n, inner, range, partial, arrived, out);
+    column_reduce_tiles<1, T, Op, Out><<<grid, kColumnThreads, 0, stream>>>(
+        x, outer, n, inner, range, lanes, partial, arrived, out);
   }
   return cudaGetLastError();
 }
 
+// Lanes per column tile for a tensor of `inner` columns that gives the SMs a tile each where it
+// can: 32 (a warp across 512 contiguous bytes of a row) while that makes at least one tile per
+// SM, else halved down to the narrowest tile whose lanes still read a whole 32-byte sector of a
+// row together. Hidden 768 in float32 is 6 tiles of 32 lanes on a 132-SM GPU (6 blocks each
+// reading every row: 25 us for 2048 rows on the H200); 96 tiles of 2 lanes.
+template <typename T>
+inline cudaError_t filling_lanes(const T* x, int64_t inner, int* lanes) {
+  int sms = 0;
+  COURSE_CUDA_TRY(sm_count(&sms));
+  const int64_t bytes_per_lane = int64_t{column_lanes(x, inner)} * static_cast<int64_t>(sizeof(T));
+  const int64_t narrowest = bytes_per_lane >= 32 ? 1 : 32 / bytes_per_lane;
+  int l = 32;
+  while (l > narrowest && column_tiles(x, inner, l) < sms) l /= 2;
+  *lanes = l;
+  return cudaSuccess;
+}
+
 // out[c] = sum over r of x[r * cols + c], accumulated in Acc<T> and rounded to Out once: a
 // row-major [rows, cols] array reduced to one row, one block per tile and no split, so no
-// workspace. Meant for what the fused backward kernels leave (a few hundred rows of
+// workspace; narrow tiles (filling_lanes) when the columns alone make fewer tiles than SMs.
+// Meant for what the fused backward kernels leave (a few hundred to a few thousand rows of
 // per-block partial sums), not for tall inputs, which want chapter 3's split.
 template <typename T, typename Out>
 cudaError_t column_sum(const T* x, int64_t rows, int64_t cols, Out* out, cudaStream_t stream) {
   if (cols == 0) return cudaSuccess;
-  const int64_t tiles = column_tiles(x, cols);
+  int lanes = 32;
+  COURSE_CUDA_TRY(filling_lanes(x, cols, &lanes));
+  const int64_t tiles = column_tiles(x, cols, lanes);
   const dim3 grid(static_cast<unsigned>(tiles < INT_MAX ? tiles : INT_MAX), 1);
   return launch_column_reduce<T, SumOp<typename Acc<T>::type>, Out>(x, 1, rows, cols, grid, rows, nullptr,
-                                                                     nullptr, out, stream);
+                                                                     nullptr, out, stream, lanes);
 }
 
 }  // namespace course

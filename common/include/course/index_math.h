@@ -22,4 +22,14 @@ inline bool is_aligned(const void* p, uintptr_t bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }
 
+// Lanes of a warp that a column tile of `inner` columns keeps busy when each lane takes `cols`
+// adjacent columns: the power of two at or above inner / cols, at most 32. Below 32 a warp lays
+// itself over 32 / lanes rows at once (course/column_reduce.cuh); the glue's dispatch asks too.
+inline int column_tile_lanes(int64_t inner, int cols) {
+  const int64_t need = ceil_div<int64_t>(inner, cols);
+  int lanes = 1;
+  while (lanes < 32 && lanes < need) lanes *= 2;
+  return lanes;
+}
+
 }  // namespace course

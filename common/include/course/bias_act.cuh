@@ -1,0 +1,558 @@
+// The kernels of y = act(x * scale + bias) over a [rows, n] array, bias broadcast over the rows,
+// and of its backward (dx, and dbias the column sum of the gradient), for any activation functor
+// Act (a struct with `template <typename A, bool kFast> static A forward(A)` and `derivative`).
+// Chapter 4 derives them (fused_bias_scale_relu v3-v4, bias_gelu and bias_silu v2, linear's
+// epilogue; its activation.h has the functors) and chapter 5's fused_op runs them.
+//
+//   bias_act_tile_kernel   the column tiling: a thread keeps its columns for life, so it loads
+//                          their bias once; 16-byte accesses when every row starts on a 16-byte
+//                          boundary, single elements otherwise;
+//   bias_act_flat_kernel   one 16-byte vector per thread over the flat array, the bias of each
+//                          element gathered by its column: every lane busy at any row length,
+//                          and rows that start mid-vector (n not a multiple of the vector) still
+//                          read and write whole aligned vectors;
+//   act_backward_tile_kernel  the backward on the column tiling: dx written once, the gradient
+//                          summed per column in registers, course::column_sum over the few
+//                          thousand per-slot partials.
+//
+// nvcc only, torch-free, like every kernel of the course.
+#pragma once
+
+#include <course/bias_act.h>
+#include <course/column_reduce.cuh>
+#include <course/cuda_utils.h>
+#include <course/numeric.cuh>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <initializer_list>
+#include <type_traits>
+
+namespace course {
+
+// The functors' approximate exp and reciprocal where results are 16-bit (chapter 4's
+// activation.h says why rounding to 8 or 11 significant bits hides their error).
+template <typename T>
+constexpr bool kFastMath = sizeof(T) == 2;
+
+template <typename F>
+cudaError_t with_source(SaveKind source, F&& f) {
+  switch (source) {
+    case SaveKind::kOutput: return f(std::integral_constant<SaveKind, SaveKind::kOutput>{});
+    case SaveKind::kInput: return f(std::integral_constant<SaveKind, SaveKind::kInput>{});
+    case SaveKind::kMask: break;
+  }
+  return f(std::integral_constant<SaveKind, SaveKind::kMask>{});
+}
+
+// Every kernel's z = x * scale + bias is one fused multiply-add, written out so that the
+// forward's mask and the backward's recomputation from x (save="x") round z identically.
+__device__ __forceinline__ float fma_acc(float a, float b, float c) { return fmaf(a, b, c); }
+__device__ __forceinline__ double fma_acc(double a, double b, double c) { return fma(a, b, c); }
+
+// The operands, as the kernels see them. bias may be null (no bias: linear's activation kernel
+// after a separate bias kernel); pre, null or where z = x * scale + bias is stored as well (it
+// may be x itself); mask, null or rows * mask_words_per_row(n) words; y may be x (in place).
+template <typename T>
+struct BiasAct {
+  const T* x;
+  const T* bias;
+  typename Acc<T>::type scale;
+  T* y;
+  T* pre;
+  uint32_t* mask;
+  int64_t rows, n;
+};
+
+// The backward's: saved is x (kInput), y (kOutput) or unused (kMask); bias is read for kInput
+// only; dbias receives n elements; workspace holds fused_backward_workspace bytes.
+template <typename T>
+struct BiasActGrad {
+  const T* dy;
+  const T* saved;
+  const uint32_t* mask;
+  const T* bias;
+  typename Acc<T>::type scale;
+  T* dx;
+  T* dbias;
+  int64_t rows, n;
+  void* workspace;
+};
+
+// L adjacent elements of a row, the unit a thread loads, computes and stores: one 16-byte vector
+// (L = 16 / sizeof(T)) on the vector path, one element on the scalar path. Which one is a
+// template parameter, so neither path carries a runtime branch in its loop.
+template <typename T, int L>
+struct Pack {
+  T v[L];
+};
+
+template <typename T, int L>
+__device__ __forceinline__ Pack<T, L> load_pack(const T* p) {
+  Pack<T, L> out;
+  if constexpr (L == Vec16<T>::kLanes) {
+    const Vec16<T> v = load16(reinterpret_cast<const Vec16<T>*>(p));
+#pragma unroll
+    for (int l = 0; l < L; ++l) out.v[l] = v.v[l];
+  } else {
+    static_assert(L == 1, "a pack is one element or one 16-byte vector");
+    out.v[0] = *p;
+  }
+  return out;
+}
+
+template <typename T, int L>
+__device__ __forceinline__ void store_pack(T* p, const Pack<T, L>& in) {
+  if constexpr (L == Vec16<T>::kLanes) {
+    Vec16<T> v;
+#pragma unroll
+    for (int l = 0; l < L; ++l) v.v[l] = in.v[l];
+    store16(reinterpret_cast<Vec16<T>*>(p), v);
+  } else {
+    static_assert(L == 1, "a pack is one element or one 16-byte vector");
+    *p = in.v[0];
+  }
+}
+
+// The vector path of the tiles needs every row to start on a 16-byte boundary: every pointer
+// aligned and the row length a whole number of vectors. Null pointers (absent operands) do not
+// count.
+template <typename T>
+inline bool vectorizable(int64_t n, std::initializer_list<const void*> pointers) {
+  if (n % Vec16<T>::kLanes != 0) return false;
+  for (const void* p : pointers) {
+    if (p != nullptr && !is_aligned(p, 16)) return false;
+  }
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------
+// The column tiling of the fused kernels. A block of kTileThreads threads is a tile of tx
+// adjacent packs (columns) by ty = kTileThreads / tx rows; it walks down the rows with a
+// stride of gridDim.y * ty (make_tiling: a few rows per thread in the forward, many in the
+// backward). A thread keeps the same columns for its whole life, so it loads the bias of its
+// columns once and keeps it in registers for every row it visits (and, in the backward, sums its
+// columns' gradient over those rows in registers). Consecutive threads take consecutive packs
+// of one row: a warp reads 32 * 16 = 512 contiguous bytes per instruction.
+// ---------------------------------------------------------------------------------------
+constexpr int kTileThreads = 256;
+// Rows a backward thread loads before it computes any: two independent 16-byte loads of dy
+// (and two of what the forward saved) in flight per thread, to cover DRAM latency at the
+// occupancy its per-column sums leave. Single elements (rows that are not whole vectors) are
+// 8 to 16 times fewer bytes a load: eight rows of them.
+template <int L>
+constexpr int kRowsInFlight = L == 1 ? 8 : 2;
+// The backward's per-slot partial sums are reduced by course::column_sum, one block per column
+// tile that reads every slot: a few thousand slots at most keep that pass short.
+constexpr int64_t kMaxSlots = 4096;
+
+struct Tiling {
+  int tx;          // packs per row in a tile: a power of two, >= min_tx
+  dim3 grid;       // x: column tiles, y: row tiles of the first sweep
+  int64_t slots;   // gridDim.y * ty: the distinct first rows, one partial row each
+};
+
+// Packs of a row a tile spans: the power of two at or above the row's packs, at least min_tx,
+// at most a block. Lanes past the row's end in the last tile have nothing to do.
+inline int tile_width(int64_t packs_per_row, int min_tx) {
+  int tx = min_tx;
+  while (tx < kTileThreads && tx < packs_per_row) tx *= 2;
+  return tx;
+}
+
+inline cudaError_t make_tiling(int64_t rows, int64_t packs_per_row, int min_tx, int64_t max_slots,
+                               Tiling* t, int rows_per_thread = 2) {
+  const int tx = tile_width(packs_per_row, min_tx);
+  const int ty = kTileThreads / tx;
+  const int64_t column_tiles = ceil_div(packs_per_row, static_cast<int64_t>(tx));
+  int64_t row_tiles = 0;
+  if (max_slots == INT64_MAX) {
+    // No per-slot state (the forward kernels, swiglu's backward): one sweep of `rows_per_thread`
+    // rows per thread and as many blocks as that takes, the grid of a copy kernel. A grid sized
+    // to one resident wave ran well below copy on the H100: it counted 2048 threads per SM,
+    // while these kernels' 40-68 registers (ptxas -v) fit 768-1536, so the "one wave" ran as
+    // one and a fraction waves with the SMs idle in the last. Many short blocks leave no such
+    // tail; the bias, reloaded per thread, is an L1/L2 hit.
+    row_tiles = ceil_div(std::max<int64_t>(rows, 1), static_cast<int64_t>(ty) * rows_per_thread);
+  } else {
+    // Per-slot partial sums (the backward's bias gradient): as many row tiles as fill the GPU
+    // once with the column tiles, at most max_slots / ty, and a grid-stride loop over the rest,
+    // so each slot sums many rows in registers.
+    int64_t resident = 0;
+    COURSE_CUDA_TRY(resident_threads(&resident));
+    row_tiles = std::max<int64_t>(1, resident / kTileThreads / std::max<int64_t>(column_tiles, 1));
+    row_tiles = std::min(row_tiles, ceil_div(std::max<int64_t>(rows, 1), static_cast<int64_t>(ty)));
+    row_tiles = std::min(row_tiles, std::max<int64_t>(1, max_slots / ty));
+  }
+  row_tiles = std::min<int64_t>(row_tiles, 65535);  // gridDim.y's limit
+  t->tx = tx;
+  t->grid = dim3(static_cast<unsigned>(std::min<int64_t>(column_tiles, INT_MAX)), static_cast<unsigned>(row_tiles));
+  t->slots = row_tiles * ty;
+  return cudaSuccess;
+}
+
+// Blocks of `threads` for a grid-stride loop over `work` items: one resident wave at most.
+inline cudaError_t flat_blocks(int64_t work, int threads, unsigned* blocks) {
+  int64_t resident = 0;
+  COURSE_CUDA_TRY(resident_threads(&resident));
+  const int64_t wanted = ceil_div(std::max<int64_t>(work, 1), static_cast<int64_t>(threads));
+  *blocks = static_cast<unsigned>(std::max<int64_t>(1, std::min(wanted, resident / threads)));
+  return cudaSuccess;
+}
+
+constexpr int kFlatThreads = 256;
+
+// ---------------------------------------------------------------------------------------
+// The column tiles, forward: 16-byte accesses, the bias held in registers across rows, kRows
+// rows in flight per thread. The mask: a pack of L elements gives L bits; the 32 / L lanes whose
+// packs make one 32-bit word OR their bits together with shuffles, and the first of them stores
+// the word.
+// ---------------------------------------------------------------------------------------
+// kMinBlocks counts for sm_80/sm_90 (2048 threads per SM); sm_75 holds 1024, so its device pass
+// asks for half (the template arguments, and so the kernel's name, stay the same in every pass).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#define COURSE_MIN_BLOCKS(blocks) ((blocks) > 1 ? (blocks) / 2 : 1)
+#else
+#define COURSE_MIN_BLOCKS(blocks) (blocks)
+#endif
+template <typename T, typename Act, int L, bool kMask, int kRows, int kMinBlocks>
+__global__ void __launch_bounds__(kTileThreads, COURSE_MIN_BLOCKS(kMinBlocks))
+    bias_act_tile_kernel(const T* x, const T* bias, typename Acc<T>::type scale, T* y, T* pre,
+                         uint32_t* mask, int64_t rows, int64_t n, int tx) {
+  using A = typename Acc<T>::type;
+  const int ty = kTileThreads / tx;
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * tx + threadIdx.x % tx;  // pack index in a row
+  const int64_t e = col * L;                                                     // its first element
+  // The last column tile may hang over the row's end; its extra threads only join the shuffles.
+  const bool col_ok = e < n;
+  A b[L];
+#pragma unroll
+  for (int l = 0; l < L; ++l) b[l] = A(0);
+  if (col_ok && bias != nullptr) {
+    const Pack<T, L> bv = load_pack<T, L>(bias + e);
+#pragma unroll
+    for (int l = 0; l < L; ++l) b[l] = to_acc(bv.v[l]);
+  }
+  const int64_t row_in_tile = threadIdx.x / tx;
+  const int64_t row_step = static_cast<int64_t>(gridDim.y) * ty;
+  const int64_t words_per_row = mask_words_per_row(n);
+  // base is the same in every thread of the block, so every lane of a warp makes the same trips
+  // and reaches the mask's shuffles (which need all 32) together.
+  for (int64_t base = static_cast<int64_t>(blockIdx.y) * ty; base < rows; base += kRows * row_step) {
+    Pack<T, L> xv[kRows];
+    bool active[kRows];
+#pragma unroll
+    for (int u = 0; u < kRows; ++u) {
+      const int64_t r = base + row_in_tile + u * row_step;
+      active[u] = col_ok && r < rows;
+      if (active[u]) xv[u] = load_pack<T, L>(x + r * n + e);
+    }
+#pragma unroll
+    for (int u = 0; u < kRows; ++u) {
+      const int64_t r = base + row_in_tile + u * row_step;
+      uint32_t bits = 0;
+      if (active[u]) {
+        Pack<T, L> yv;
+        Pack<T, L> zv;
+#pragma unroll
+        for (int l = 0; l < L; ++l) {
+          const A z = fma_acc(to_acc(xv[u].v[l]), scale, b[l]);
+          yv.v[l] = from_acc<T>(Act::template forward<A, kFastMath<T>>(z));
+          zv.v[l] = from_acc<T>(z);
+          bits |= static_cast<uint32_t>(relu_passes(z)) << l;
+        }
+        store_pack<T, L>(y + r * n + e, yv);
+        // pre may be x itself (linear's in-place z): each element is read above before this
+        // thread, its only writer, stores it.
+        if (pre != nullptr) store_pack<T, L>(pre + r * n + e, zv);
+      }
+      if constexpr (kMask) {
+        constexpr int kGroup = 32 / L;  // lanes whose packs share one mask word
+        // tx is a multiple of kGroup (make_tiling's min_tx), so a group never straddles two rows
+        // and its first lane's pack starts a word.
+        bits <<= (col % kGroup) * L;
+#pragma unroll
+        for (int offset = kGroup / 2; offset > 0; offset /= 2) {
+          bits |= __shfl_xor_sync(0xffffffffu, bits, offset, kGroup);
+        }
+        if (active[u] && col % kGroup == 0) mask[r * words_per_row + col / kGroup] = bits;
+      }
+    }
+  }
+}
+
+// kRows and kMinBlocks: the activation's register budget (chapter 4's activation_kernels.cuh);
+// rows that are not whole vectors move single elements, eight rows of them in flight.
+template <typename T, typename Act, bool kMask, int kRows = 1, int kMinBlocks = 2048 / kTileThreads>
+cudaError_t launch_bias_act_tiles(const BiasAct<T>& p, cudaStream_t stream) {
+  const bool vector = vectorizable<T>(p.n, {p.x, p.bias, p.y, p.pre});
+  constexpr int kLanes = Vec16<T>::kLanes;
+  Tiling t;
+  if (vector) {
+    COURSE_CUDA_TRY(make_tiling(p.rows, p.n / kLanes, kMask ? 32 / kLanes : 1, INT64_MAX, &t, kRows));
+    bias_act_tile_kernel<T, Act, kLanes, kMask, kRows, kMinBlocks><<<t.grid, kTileThreads, 0, stream>>>(
+        p.x, p.bias, p.scale, p.y, p.pre, p.mask, p.rows, p.n, t.tx);
+  } else {
+    constexpr int kScalarRows = 8;
+    COURSE_CUDA_TRY(make_tiling(p.rows, p.n, kMask ? 32 : 1, INT64_MAX, &t, kScalarRows));
+    bias_act_tile_kernel<T, Act, 1, kMask, kScalarRows, 4><<<t.grid, kTileThreads, 0, stream>>>(
+        p.x, p.bias, p.scale, p.y, p.pre, p.mask, p.rows, p.n, t.tx);
+  }
+  return cudaGetLastError();
+}
+
+// ---------------------------------------------------------------------------------------
+// The flat forward: the flat [rows, n] array as 16-byte vectors, one per thread, 256 threads a
+// block, one pass: chapter 1's v5 with a bias. A vector's column is its first element's index
+// mod n (32-bit arithmetic while the array has fewer than 2^32 elements), and its bias is one
+// 16-byte load (n a whole number of vectors: a vector never crosses a row) or single elements
+// gathered at their columns, wrapping at the row's end (from L1: one row of bias serves every
+// row of x). What the column tiles leave on the table, this keeps: every lane has a vector at
+// any n (the tiles round a row up to a power of two of packs: hidden 768 in bf16 is 96 packs in
+// a tile of 128, a quarter of the lanes idle), and a row that starts mid-vector (hidden 4099)
+// still moves as whole aligned vectors: only the few elements before x's first 16-byte
+// boundary and after its last whole vector are single ones, for the whole array, not per row.
+// The mask: with n a multiple of 32 (every row a whole number of words) the mask of the array
+// is the flat array of its bits, and the lanes of one word OR theirs as in the tiles.
+// ---------------------------------------------------------------------------------------
+template <typename T>
+__device__ __forceinline__ int64_t column_of(int64_t i, int64_t n, bool narrow) {
+  return narrow ? static_cast<int64_t>(static_cast<uint32_t>(i) % static_cast<uint32_t>(n)) : i % n;
+}
+
+template <typename T, typename Act, bool kMask, bool kBiasVectors>
+__global__ void __launch_bounds__(kFlatThreads)
+    bias_act_flat_kernel(const T* __restrict__ x, const T* __restrict__ bias, typename Acc<T>::type scale,
+                         T* __restrict__ y, T* __restrict__ pre, uint32_t* __restrict__ mask, int64_t total,
+                         int64_t n, int head) {
+  using A = typename Acc<T>::type;
+  constexpr int L = Vec16<T>::kLanes;
+  const bool narrow = total <= static_cast<int64_t>(UINT32_MAX);
+  const int64_t vectors = (total - head) / L;
+  // The elements outside whole vectors (fewer than L before x's first 16-byte boundary, fewer
+  // than L after its last whole vector): block 0's first threads, one each.
+  if (blockIdx.x == 0) {
+    const int64_t tail = head + vectors * L;
+    if (threadIdx.x < head + (total - tail)) {
+      const int64_t i = threadIdx.x < head ? threadIdx.x : tail + (threadIdx.x - head);
+      const A z = fma_acc(to_acc(x[i]), scale, bias != nullptr ? to_acc(bias[column_of<T>(i, n, narrow)]) : A(0));
+      y[i] = from_acc<T>(Act::template forward<A, kFastMath<T>>(z));
+      if (pre != nullptr) pre[i] = from_acc<T>(z);
+    }
+  }
+  const int64_t v = static_cast<int64_t>(blockIdx.x) * kFlatThreads + threadIdx.x;
+  const bool active = v < vectors;
+  uint32_t bits = 0;
+  if (active) {
+    const int64_t first = head + v * L;
+    const int64_t c = column_of<T>(first, n, narrow);
+    const Vec16<T> xv = load16(reinterpret_cast<const Vec16<T>*>(x + first));
+    A b[L];
+    if constexpr (kBiasVectors) {
+      const Vec16<T> bv = load16(reinterpret_cast<const Vec16<T>*>(bias + c));
+#pragma unroll
+      for (int l = 0; l < L; ++l) b[l] = to_acc(bv.v[l]);
+    } else {
+#pragma unroll
+      for (int l = 0; l < L; ++l) {
+        int64_t cl = c + l;  // past the row's end the vector continues in the next row
+        cl = cl < n ? cl : (cl - n < n ? cl - n : cl % n);
+        b[l] = bias != nullptr ? to_acc(bias[cl]) : A(0);
+      }
+    }
+    Vec16<T> yv;
+    Vec16<T> zv;
+#pragma unroll
+    for (int l = 0; l < L; ++l) {
+      const A z = fma_acc(to_acc(xv.v[l]), scale, b[l]);
+      yv.v[l] = from_acc<T>(Act::template forward<A, kFastMath<T>>(z));
+      zv.v[l] = from_acc<T>(z);
+      bits |= static_cast<uint32_t>(relu_passes(z)) << l;
+    }
+    store16(reinterpret_cast<Vec16<T>*>(y + first), yv);
+    if (pre != nullptr) store16(reinterpret_cast<Vec16<T>*>(pre + first), zv);
+  }
+  if constexpr (kMask) {
+    // head == 0 and n % 32 == 0 here (flat_applies): vector v's bits are bits v * L % 32 on of
+    // word v * L / 32, and the number of vectors is a whole number of words, so a group of lanes
+    // is wholly active or wholly past the end.
+    constexpr int kGroup = 32 / L;
+    bits <<= (v % kGroup) * L;
+#pragma unroll
+    for (int offset = kGroup / 2; offset > 0; offset /= 2) bits |= __shfl_xor_sync(0xffffffffu, bits, offset, kGroup);
+    if (active && v % kGroup == 0) mask[v * L / 32] = bits;
+  }
+}
+
+// Elements before x's first 16-byte boundary; -1 when y or pre start at another distance from one
+// (the flat kernel then cannot pair x's vectors with theirs).
+template <typename T>
+inline int flat_head(const BiasAct<T>& p) {
+  const uintptr_t misaligned = reinterpret_cast<uintptr_t>(p.x) % 16;
+  if (reinterpret_cast<uintptr_t>(p.y) % 16 != misaligned) return -1;
+  if (p.pre != nullptr && reinterpret_cast<uintptr_t>(p.pre) % 16 != misaligned) return -1;
+  const int64_t head = misaligned ? (16 - static_cast<int64_t>(misaligned)) / static_cast<int64_t>(sizeof(T)) : 0;
+  return static_cast<int>(std::min(head, p.rows * p.n));
+}
+
+// Whether the flat kernel takes these operands: x, y and pre equally far from a 16-byte
+// boundary, and for a mask, every row a whole number of words from an aligned start.
+template <typename T>
+inline bool flat_applies(const BiasAct<T>& p) {
+  const int head = flat_head(p);
+  return head >= 0 && (p.mask == nullptr || (head == 0 && p.n % 32 == 0));
+}
+
+template <typename T, typename Act, bool kMask>
+cudaError_t launch_bias_act_flat(const BiasAct<T>& p, cudaStream_t stream) {
+  constexpr int L = Vec16<T>::kLanes;
+  const int head = flat_head(p);
+  if (head < 0 || (kMask && (head != 0 || p.n % 32 != 0))) return cudaErrorInvalidValue;  // flat_applies
+  const int64_t total = p.rows * p.n;
+  const int64_t vectors = (total - head) / L;
+  const unsigned blocks = static_cast<unsigned>(std::max<int64_t>(1, ceil_div(vectors, int64_t{kFlatThreads})));
+  const bool bias_vectors = head == 0 && p.n % L == 0 && (p.bias == nullptr || is_aligned(p.bias, 16));
+  if (bias_vectors && p.bias != nullptr) {
+    bias_act_flat_kernel<T, Act, kMask, true><<<blocks, kFlatThreads, 0, stream>>>(p.x, p.bias, p.scale, p.y, p.pre,
+                                                                                    p.mask, total, p.n, head);
+  } else {
+    bias_act_flat_kernel<T, Act, kMask, false><<<blocks, kFlatThreads, 0, stream>>>(p.x, p.bias, p.scale, p.y, p.pre,
+                                                                                     p.mask, total, p.n, head);
+  }
+  return cudaGetLastError();
+}
+
+// The forward a call takes: the column tiles while rows are whole aligned vectors that fill
+// every tile (the bias then stays in registers across rows), else the flat kernel, which keeps
+// every lane busy and moves whole vectors at any row length (hidden 768 in bf16 is 96 packs, a
+// tile of 128 with a quarter of its lanes idle; hidden 4099 is no whole number of vectors); the
+// tiles' single elements only where the flat kernel cannot pair the operands' vectors.
+template <typename T, typename Act, bool kMask, int kRows = 1, int kMinBlocks = 2048 / kTileThreads>
+cudaError_t launch_bias_act(const BiasAct<T>& p, cudaStream_t stream) {
+  constexpr int kLanes = Vec16<T>::kLanes;
+  const int64_t packs = p.n / kLanes;
+  const bool full_tiles = vectorizable<T>(p.n, {p.x, p.bias, p.y, p.pre}) &&
+                          packs % tile_width(packs, kMask ? 32 / kLanes : 1) == 0;
+  if (full_tiles || !flat_applies(p)) return launch_bias_act_tiles<T, Act, kMask, kRows, kMinBlocks>(p, stream);
+  return launch_bias_act_flat<T, Act, kMask>(p, stream);
+}
+
+// ---------------------------------------------------------------------------------------
+// The backward on the column tiles: one pass. Each thread keeps its columns for life: it reads
+// dy and what the forward saved, writes dx, and adds g into per-column float accumulators in
+// registers over every row it visits. At the end it writes them as one row of a [slots, n]
+// array of partial sums (every slot row written once: no zero fill, no atomics), which
+// course::column_sum then reduces in a fixed order: deterministic, and g never goes to memory.
+// ---------------------------------------------------------------------------------------
+template <typename T, typename Act, int L, SaveKind kSource>
+__global__ void __launch_bounds__(kTileThreads)
+    act_backward_tile_kernel(const T* dy, const T* saved, const uint32_t* mask, const T* bias,
+                             typename Acc<T>::type scale, T* dx, typename Acc<T>::type* partials,
+                             int64_t rows, int64_t n, int tx) {
+  using A = typename Acc<T>::type;
+  constexpr int kRows = kRowsInFlight<L>;
+  const int ty = kTileThreads / tx;
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * tx + threadIdx.x % tx;
+  const int64_t e = col * L;
+  // Threads past the row's end have no column; no shuffles here, so they may leave at once.
+  if (e >= n) return;
+  A b[L];
+#pragma unroll
+  for (int l = 0; l < L; ++l) b[l] = A(0);
+  if (kSource == SaveKind::kInput && bias != nullptr) {
+    const Pack<T, L> bv = load_pack<T, L>(bias + e);
+#pragma unroll
+    for (int l = 0; l < L; ++l) b[l] = to_acc(bv.v[l]);
+  }
+  A sum[L];
+#pragma unroll
+  for (int l = 0; l < L; ++l) sum[l] = A(0);
+  const int64_t slot = static_cast<int64_t>(blockIdx.y) * ty + threadIdx.x / tx;
+  const int64_t row_step = static_cast<int64_t>(gridDim.y) * ty;
+  const int64_t words_per_row = mask_words_per_row(n);
+  // Slots without a row (more slots than rows) still write their zero partials below.
+  for (int64_t base = slot; base < rows; base += kRows * row_step) {
+    Pack<T, L> dyv[kRows];
+    Pack<T, L> sv[kRows];
+    uint32_t bits[kRows];
+#pragma unroll
+    for (int u = 0; u < kRows; ++u) {
+      const int64_t r = base + u * row_step;
+      if (r < rows) {  // the sweep's later rows may lie past the last
+        dyv[u] = load_pack<T, L>(dy + r * n + e);
+        if constexpr (kSource == SaveKind::kMask) {
+          // L divides 32 and e is a multiple of L, so the pack's L bits sit in one word.
+          bits[u] = mask[r * words_per_row + e / 32] >> (e % 32);
+        } else {
+          sv[u] = load_pack<T, L>(saved + r * n + e);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kRows; ++u) {
+      const int64_t r = base + u * row_step;
+      if (r < rows) {
+        Pack<T, L> dxv;
+#pragma unroll
+        for (int l = 0; l < L; ++l) {
+          A d;
+          if constexpr (kSource == SaveKind::kInput) {
+            d = Act::template derivative<A, kFastMath<T>>(fma_acc(to_acc(sv[u].v[l]), scale, b[l]));
+          } else if constexpr (kSource == SaveKind::kOutput) {
+            d = relu_passes(to_acc(sv[u].v[l])) ? A(1) : A(0);
+          } else {
+            d = ((bits[u] >> l) & 1u) ? A(1) : A(0);
+          }
+          // A 0-or-1 derivative (relu's: Act::kGates, or a sign from y or the mask) selects dy
+          // or 0, not dy * 0: an infinite dy where relu is flat gives 0, as threshold_backward
+          // does, not NaN. A smooth activation's derivative multiplies.
+          constexpr bool kGate = kSource != SaveKind::kInput || Act::kGates;
+          const A g = kGate ? (d != A(0) ? to_acc(dyv[u].v[l]) : A(0)) : to_acc(dyv[u].v[l]) * d;
+          dxv.v[l] = from_acc<T>(g * scale);
+          sum[l] += g;
+        }
+        store_pack<T, L>(dx + r * n + e, dxv);
+      }
+    }
+  }
+#pragma unroll
+  for (int l = 0; l < L; ++l) partials[slot * n + e + l] = sum[l];
+}
+
+// The backward's tiling and scratch (the [slots, n] partial sums in the accumulation type).
+template <typename T>
+cudaError_t fused_backward_tiling(const BiasActGrad<T>& p, Tiling* t, bool* vector) {
+  *vector = vectorizable<T>(p.n, {p.dy, p.saved, p.bias, p.dx});
+  const int lanes = *vector ? Vec16<T>::kLanes : 1;
+  return make_tiling(p.rows, p.n / lanes, 1, kMaxSlots, t);
+}
+
+template <typename T>
+cudaError_t fused_backward_workspace(const BiasActGrad<T>& p, int64_t* bytes) {
+  Tiling t;
+  bool vector = false;
+  COURSE_CUDA_TRY(fused_backward_tiling<T>(p, &t, &vector));
+  *bytes = t.slots * p.n * static_cast<int64_t>(sizeof(typename Acc<T>::type));
+  return cudaSuccess;
+}
+
+template <typename T, typename Act, SaveKind kSource>
+cudaError_t launch_fused_backward(const BiasActGrad<T>& p, cudaStream_t stream) {
+  using A = typename Acc<T>::type;
+  Tiling t;
+  bool vector = false;
+  COURSE_CUDA_TRY(fused_backward_tiling<T>(p, &t, &vector));
+  A* partials = static_cast<A*>(p.workspace);
+  if (vector) {
+    act_backward_tile_kernel<T, Act, Vec16<T>::kLanes, kSource><<<t.grid, kTileThreads, 0, stream>>>(
+        p.dy, p.saved, p.mask, p.bias, p.scale, p.dx, partials, p.rows, p.n, t.tx);
+  } else {
+    act_backward_tile_kernel<T, Act, 1, kSource><<<t.grid, kTileThreads, 0, stream>>>(
+        p.dy, p.saved, p.mask, p.bias, p.scale, p.dx, partials, p.rows, p.n, t.tx);
+  }
+  COURSE_CUDA_TRY(cudaGetLastError());
+  return column_sum<A, T>(partials, t.slots, p.n, p.dbias, stream);
+}
+
+}  // namespace course
