@@ -560,10 +560,10 @@ def test_sanitizer_small_backward(version):
 
 # A tensor where a number goes and the other way round: a TypeError naming the op and the argument.
 MISPLACED = {
-    "layer_norm(x, w, 1e-5, b)": (lambda x, w: fusion.layer_norm(x, w, 1e-5, w), r"^layer_norm: bias must be a tensor, got a float"),
+    "layer_norm(x, w, 1e-5, b)": (lambda x, w: fusion.layer_norm(x, w, 1e-5, w), r"^layer_norm: bias must be a tensor or None, got a float"),
     "rms_norm(x, w, w)": (lambda x, w: fusion.rms_norm(x, w, w), r"^rms_norm: eps must be a number \(float\), got a tensor"),
     "fused_add_rms_norm(x, w, 1e-6)": (lambda x, w: fusion.fused_add_rms_norm(x, w, 1e-6),
-                                       r"^fused_add_rms_norm: weight must be a tensor, got a float"),
+                                       r"^fused_add_rms_norm: weight must be a tensor or None, got a float"),
     "rms_norm_backward(x, x, w, 1.0)": (lambda x, w: fusion.rms_norm_backward(x, x, w, 1.0),
                                         r"^rms_norm_backward: rstd must be a tensor, got a float"),
     "norm_default_choice(x, op)": (lambda x, w: fusion.norm_default_choice(x, "rms_norm"),
