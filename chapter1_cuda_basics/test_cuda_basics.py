@@ -276,7 +276,7 @@ def test_misuse_raises_clear_error(misuse, device):
 # a TypeError from the Python API naming the op and the argument, before anything runs.
 MISPLACED = {
     "saxpy(x, y, alpha)": (lambda x: cuda_basics.saxpy(x, x, 2.0), r"^saxpy: alpha must be a number \(float\), "
-                           r"got a tensor of dtype float32 and shape \[8\] on \w+ \(the arguments, in order: alpha, x, y\)$"),
+                           r"got a tensor of dtype float32 and shape \[8\] on \w+(:\d+)? \(the arguments, in order: alpha, x, y\)$"),
     "vector_add(x, 2.0)": (lambda x: cuda_basics.vector_add(x, 2.0), r"^vector_add: b must be a tensor, got a float"),
     "relu(2.0)": (lambda x: cuda_basics.relu(2.0), r"^relu: x must be a tensor, got a float"),
     "default_choice(x, dtype)": (lambda x: cuda_basics.default_choice(x, x.dtype),

@@ -692,13 +692,13 @@ def test_sanitizer_small(dtype):
 MISPLACED = {
     "fused_op_forward(x, bias, x)": (lambda x, b: custom_ops.fused_op_forward(x, b, x),
                                      r"^fused_op_forward: scale must be a number \(float\), got a tensor of dtype "
-                                     r"float32 and shape \[64, 40\] on \w+ \(the arguments, in order: input, bias, scale\)$"),
+                                     r"float32 and shape \[64, 40\] on \w+(:\d+)? \(the arguments, in order: input, bias, scale\)$"),
     "custom_relu(2.0)": (lambda x, b: custom_ops.custom_relu(2.0), r"^custom_relu: x must be a tensor, got a float"),
     "reduce_sum([x])": (lambda x, b: custom_ops.reduce_sum([x]), r"^reduce_sum: x must be a tensor, got a list"),
     "FusedOpLayer(40, x)": (lambda x, b: custom_ops.FusedOpLayer(40, x), r"^FusedOpLayer: scale must be a number"),
     "pybind11 fused_op_forward(x, bias, x)": (lambda x, b: _C.fused_op_forward(x, b, x),
                                               r"^fused_op_forward: scale must be a number \(float\), got a tensor of "
-                                              r"dtype Float and shape \[64, 40\] on \w+ \(the arguments, in order: "
+                                              r"dtype Float and shape \[64, 40\] on \w+(:\d+)? \(the arguments, in order: "
                                               r"input, bias, scale\)$"),
     "pybind11 fused_op_forward(x, 2.0, bias)": (lambda x, b: _C.fused_op_forward(x, 2.0, b),
                                                 r"^fused_op_forward: bias must be a tensor, got a float"),
