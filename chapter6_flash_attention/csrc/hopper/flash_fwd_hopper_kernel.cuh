@@ -51,16 +51,17 @@ namespace flash_attention {
 // The knobs of one configuration of the kernel; the rungs (HopperFwdTraits, below) are points of
 // this space, and experiments/hopper_forward_check.cu times others.
 template <int kHeadDim_, int kBlockN_, int kStages_, bool kWarpSpecialized_, bool kJoint_, bool kPingpong_,
-          bool kOverlap_ = false>
+          bool kOverlap_ = false, bool kPersistent_ = false>
 struct HopperFwdConfig {
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = 128;  // two consumer warpgroups x 64 rows (wgmma's m64)
+  static constexpr int kBlockM = kHopperBlockM;  // two consumer warpgroups x 64 rows (wgmma's m64)
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
   static constexpr bool kWarpSpecialized = kWarpSpecialized_;
   static constexpr bool kJoint = kJoint_;        // tile n - 1's P V and tile n's Q K^T issued together
   static constexpr bool kPingpong = kPingpong_;  // the consumer warpgroups take turns issuing products
   static constexpr bool kOverlap = kOverlap_;    // tile n's softmax while tile n - 1's P V runs (FA3)
+  static constexpr bool kPersistent = kPersistent_;  // a block per SM slot walks a tile schedule
   static constexpr int kChunks = kHeadDim / 64;  // 64-column chunks: one TMA box, one swizzle width
   static constexpr int kConsumerThreads = 256;
   static constexpr int kProducerThreads = kWarpSpecialized ? 128 : 0;
@@ -68,13 +69,18 @@ struct HopperFwdConfig {
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one stage of K (or of V)
   static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + 1024;  // + 1024-byte alignment
-  // setmaxnreg: 128 x 24 + 256 x 240 = 64,512 of the SM's 65,536 registers.
-  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  // setmaxnreg: 128 x 24 + 256 x 240 = 64,512 of the SM's 65,536 registers. The persistent
+  // producer also decodes tiles and draws them from a counter: at 24 registers ptxas spilled 24 bytes
+  // of its state, at 40 nothing, and 128 x 40 + 256 x 232 is the same 64,512 (the consumers showed
+  // no spill at 232 either, nvcc 13.0 -Xptxas -v).
+  static constexpr int kProducerRegs = kPersistent_ ? 40 : 24, kConsumerRegs = kPersistent_ ? 232 : 240;
   static_assert(kHeadDim % 64 == 0, "the 128-byte swizzle holds 64 columns of 16-bit elements");
   static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an sm_90 block may take");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "P V steps over 16 keys; TMA boxes hold up to 256 rows");
   static_assert(kWarpSpecialized || !(kJoint || kPingpong || kOverlap), "these schedules assume a producer");
   static_assert(!kPingpong || kJoint || kOverlap, "a turn holds one iteration's two products");
+  static_assert(!kPersistent || (kWarpSpecialized && !kOverlap), "the persistent loop is the producer's, on joint "
+                "or plain warp-specialized consumers");
 };
 
 // Kernel traits per rung. Registers pick the tile: a consumer thread holds kBlockN / 2 floats of
@@ -94,12 +100,19 @@ template <int kHeadDim>
 constexpr int hopper_pingpong_stages() {
   return 128 * kHeadDim * 2 + 3 * 2 * hopper_block_n<kHeadDim>() * kHeadDim * 2 + 1024 <= kHopperSmemLimit ? 3 : 2;
 }
+// Rung "persistent" runs the consumers of the dispatch's choice for each head dim: pingpong's where
+// its third stage fits (d = 64, 128), warp_specialized's where it does not (d = 256).
+template <int kHeadDim, HopperForward kRung>
+constexpr bool hopper_pingpong_rung() {
+  return kRung == HopperForward::kPingpong ||
+         (kRung == HopperForward::kPersistent && hopper_pingpong_stages<kHeadDim>() == 3);
+}
 template <int kHeadDim, HopperForward kRung>
 struct HopperFwdTraits
     : HopperFwdConfig<kHeadDim, hopper_block_n<kHeadDim>(),
-                      kRung == HopperForward::kPingpong ? hopper_pingpong_stages<kHeadDim>() : 2,
-                      kRung != HopperForward::kWgmma, kRung == HopperForward::kPingpong,
-                      kRung == HopperForward::kPingpong> {};
+                      hopper_pingpong_rung<kHeadDim, kRung>() ? hopper_pingpong_stages<kHeadDim>() : 2,
+                      kRung != HopperForward::kWgmma, hopper_pingpong_rung<kHeadDim, kRung>(),
+                      hopper_pingpong_rung<kHeadDim, kRung>(), false, kRung == HopperForward::kPersistent> {};
 
 #if COURSE_HOPPER_DEVICE
 namespace hopper_fwd {
@@ -540,11 +553,6 @@ cudaError_t run_flash_fwd_hopper_config(const AttentionParams& p, cudaStream_t s
                                                                                 static_cast<unsigned>(q_tiles),
                                                                                 scale_log2);
   return cudaGetLastError();
-}
-
-template <typename T, int D, HopperForward kRung>
-cudaError_t run_flash_fwd_hopper(const AttentionParams& p, cudaStream_t stream) {
-  return run_flash_fwd_hopper_config<T, HopperFwdTraits<D, kRung>>(p, stream);
 }
 
 }  // namespace flash_attention
