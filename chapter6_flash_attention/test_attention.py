@@ -452,9 +452,9 @@ def test_persistent_schedule_covers_every_tile_once(shape, causal):
 @pytest.mark.parametrize("shape", SCHEDULE_SHAPES[:5], ids=shape_id)
 def test_persistent_schedule_balances_the_blocks(shape):
     """Causal, on 132 blocks (an H100's or H200's SMs): drawing the next tile from a counter, in
-    this order, leaves the busiest block within 5% of the average block's work (plus the one tile
-    that cannot be split); the static assignment the kernel does not use falls further behind at
-    b2 h16 s8192 (tile_schedule.h: why the counter)."""
+    this order, leaves the busiest block within 5% of the average block's work plus one of the
+    shortest tiles (the order's last, which no block can split); the static assignment the kernel
+    does not use falls further behind at b2 h16 s8192 (tile_schedule.h: why the counter)."""
     b, h, hk, sq, sk, d = shape
     cost = tile_cost(tile_order(b, h, hk, sq, sk, d, True), sq, sk, d, True)
     work = block_work(cost, 132, dynamic=True)
