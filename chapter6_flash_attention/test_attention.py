@@ -1215,8 +1215,10 @@ def test_cuda_hopper_strided_views(causal):
 
 # (batch, heads, heads_kv, seqlen_q, seqlen_k): several tiles per block on any GPU of up to 132 SMs
 # (4 x 16 x 17 = 1088 tiles), GQA 4:1 with a partial last tile, causal rows that see no key in
-# the middle of a block's walk (seqlen_q - seqlen_k > 128), and one key.
-PERSISTENT_WALKS = [(4, 16, 16, 2049, 2049), (2, 32, 8, 1000, 1000), (3, 24, 6, 700, 300), (2, 64, 16, 129, 1)]
+# the middle of a block's walk (seqlen_q - seqlen_k > 128), one key, and none (no tile loads
+# anything: the blocks only hand out work items and store zeros).
+PERSISTENT_WALKS = [(4, 16, 16, 2049, 2049), (2, 32, 8, 1000, 1000), (3, 24, 6, 700, 300), (2, 64, 16, 129, 1),
+                    (2, 4, 2, 300, 0)]
 
 
 @pytest.mark.cuda
