@@ -20,7 +20,7 @@ namespace flash_attention {
 //                     runs under the other's products; a third shared-memory stage where it fits.
 //   kPersistent       the same consumers (pingpong's schedule where its third stage fits, else
 //                     warp_specialized's), in a grid of one block per SM slot that walks a list of
-//                     tiles (HopperTileSchedule, below): the producer loads the next tile's Q and
+//                     tiles (hopper/tile_schedule.h): the producer loads the next tile's Q and
 //                     first K/V stages while the consumers finish this tile and store its output.
 enum class HopperForward { kWgmma, kWarpSpecialized, kPingpong, kPersistent };
 

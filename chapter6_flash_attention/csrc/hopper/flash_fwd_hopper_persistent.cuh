@@ -2,8 +2,8 @@
 // block per SM slot, each walking a list of (batch, head, query tile) work items.
 //
 // Why. A block of the other rungs computes one 128-row tile and exits. Before its first product it
-// waits for Q and the first K/V stage to arrive (a few microseconds of copies with nothing else to
-// do), and after its last one it normalizes O and stores it with the tensor cores idle; at 512 keys a
+// waits for Q and the first K/V stage to arrive (the copies' latency, with nothing else to do),
+// and after its last one it normalizes O and stores it with the tensor cores idle; at 512 keys a
 // tile is four key tiles, and that prologue and epilogue are a large share of it. And the grid's
 // last wave runs on part of the GPU. Here the block stays: the producer warp loads tile i + 1's Q
 // and first K/V stages while the consumers finish tile i and store its output, so the prologue of
@@ -23,8 +23,10 @@
 //   - Q: one buffer, now two barriers each way, one per consumer warpgroup (its 64 rows are one TMA
 //     box of their own). A warpgroup releases its half (q_empty) once its last Q K^T of the tile has
 //     completed, before its last P V and the epilogue, and the producer refills that half for the
-//     next tile at once: the copy runs under the last P V and the stores. q_trips counts the tiles
-//     that loaded a Q (a tile whose rows see no key loads nothing), on both sides alike.
+//     next tile at once: the copy runs under the last P V and the stores (under the stores alone
+//     at d = 256, whose warp_specialized schedule has no product in flight to overlap before its
+//     last P V is done). q_trips counts the tiles that loaded a Q (a tile whose rows see no key
+//     loads nothing), on both sides alike.
 //   - the ping-pong turns: one turn sequence over the whole walk, not per tile. Warpgroup 1 gives
 //     warpgroup 0 the first turn once, every turn is passed on (the last turn of a tile hands the
 //     tensor cores to the other warpgroup's next tile), and warpgroup 0 takes one last, empty turn
