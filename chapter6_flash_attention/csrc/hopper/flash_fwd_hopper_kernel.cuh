@@ -249,7 +249,10 @@ __device__ __forceinline__ void store_o_lse(const float (&o)[K::kHeadDim / 2], c
       for (int j = 2 * r; j < K::kHeadDim / 2; j += 4) {
         *reinterpret_cast<uint32_t*>(o_row + 8 * (j >> 2) + 2 * t) = pack2<T>(o[j] * inv, o[j + 1] * inv);
       }
-      if (t == 0) lse[row] = l > 0.f ? row_max[r] * scale + logf(l) : -INFINITY;
+      // One explicit fma: left to the compiler, `max * scale + log(l)` is contracted in one kernel
+      // and not in another (it depends on what else uses the product), and the rungs that share
+      // this epilogue would disagree in lse's last bit while their o agrees bit for bit.
+      if (t == 0) lse[row] = l > 0.f ? __fmaf_rn(row_max[r], scale, logf(l)) : -INFINITY;
     }
   }
 }
