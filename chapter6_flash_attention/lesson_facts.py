@@ -325,7 +325,7 @@ def generate_line(_record):
 # ---------------------------------------------------------------------------------------------
 # Part 3 (Hopper): against sdpa_cudnn, the strongest PyTorch backend on Hopper
 # ---------------------------------------------------------------------------------------------
-HOPPER_RUNGS = ("tuned", "wgmma", "warp_specialized", "pingpong")
+HOPPER_RUNGS = ("tuned", "wgmma", "warp_specialized", "pingpong", "persistent")
 
 
 def _ratios(record, variant, pass_, dtype="bfloat16"):
@@ -386,7 +386,8 @@ def hopper_rungs(record):
                         cells.append(f"{got[0]['TFLOPs']:.0f} ({base[0]['median_ms'] / got[0]['median_ms']:.2f}x)")
                     else:
                         cells.append("-")
-        lines.append(f"| `{variant}` | " + " | ".join(cells) + " |")
+        if set(cells) != {"-"}:  # a rung newer than the results (not measured yet) gets no row
+            lines.append(f"| `{variant}` | " + " | ".join(cells) + " |")
     lines += ["", f"{_where(record)}; forward TFLOP/s (x sdpa_cudnn)."]
     return "\n".join(lines)
 
@@ -484,10 +485,33 @@ def hopper_power(record):
     return "\n".join(lines)
 
 
+def hopper_persistent(record):
+    """experiments/persistent_probe.py: pingpong, persistent and sdpa_cudnn at five shapes, each a
+    CUDA graph, interleaved over 7 rounds (results/<gpu>/chapter6_persistent_probe.txt)."""
+    import re
+    probe = _hopper_file(record, "chapter6_persistent_probe.txt")
+    if probe is None:
+        return "(no persistent probe recorded beside the newest results)"
+    text = probe.read_text().splitlines()
+    lines = ["| shape (bf16, forward) | `pingpong` TFLOP/s | `persistent` TFLOP/s | `sdpa_cudnn` TFLOP/s | "
+             "persistent / pingpong | persistent / cuDNN | same bits |", "|---|---|---|---|---|---|---|"]
+    for line in text:
+        cells = re.findall(r"([\d.]+|nan) \(([\d.]+|nan)\)", line)
+        ratios = re.findall(r"([\d.]+|nan)x", line)
+        if len(cells) == 3 and len(ratios) >= 2:
+            name = line[:30].strip()
+            lines.append(f"| {name} | " + " | ".join(c[0] for c in cells) +
+                         f" | {ratios[0]}x | {ratios[1]}x | {line.split()[-1]} |")
+    header = text[0].lstrip("# ") if text and text[0].startswith("#") else record["device"]["name"]
+    lines += ["", f"{header}; `experiments/persistent_probe.py` (results/<gpu>/chapter6_persistent_probe.txt)."]
+    return "\n".join(lines)
+
+
 FACTS = {"target_table": target_table, "split_kv": split_kv_table, "memory": memory_line, "error": error_line,
          "profile_table": profile_table, "profile_backward": profile_backward,
          "tiny_gpt": tiny_gpt_line, "paged_targets": paged_targets, "paged_gqa": paged_gqa,
          "paged_split": paged_split, "paged_num_splits": paged_num_splits, "paged_cache_ops": paged_cache_ops,
          "paged_match": paged_match, "generate": generate_line, "hopper_targets": hopper_targets,
          "hopper_rungs": hopper_rungs, "hopper_gemm": hopper_gemm, "hopper_configs": hopper_configs,
-         "hopper_profile": hopper_profile, "hopper_power": hopper_power}
+         "hopper_profile": hopper_profile, "hopper_power": hopper_power,
+         "hopper_persistent": hopper_persistent}

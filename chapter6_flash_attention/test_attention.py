@@ -388,6 +388,107 @@ def test_backward_grids_follow_the_sm_count(sms):
         OPS.grid_stride_blocks(10, 8, 0)
 
 
+def tile_order(batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim, causal, l2_bytes=50 * 2**20):
+    """The persistent rung's tile order: (batch, head, query tile) rows, in the order drawn."""
+    return OPS.hopper_tile_order(batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim, causal, l2_bytes)
+
+
+def tile_cost(order, seqlen_q, seqlen_k, head_dim, causal):
+    """Each tile's key tiles (128 keys, 64 at head_dim 256) plus one for its prologue and epilogue:
+    what a block spends on it, in units of one key tile."""
+    last_row = torch.clamp((order[:, 2] + 1) * 128, max=seqlen_q) - 1
+    keys = torch.full_like(last_row, seqlen_k)
+    if causal:
+        keys = torch.clamp(last_row + seqlen_k - seqlen_q + 1, min=0, max=seqlen_k)
+    block_n = 64 if head_dim == 256 else 128
+    return -(-keys // block_n) + 1
+
+
+def block_work(cost, blocks, dynamic):
+    """Each block's total cost when `blocks` blocks take the tiles in order: dynamic, the kernel's
+    way (block c starts with tile c, then whichever block is free first draws the next), or static
+    (block c takes tiles c, c + blocks, c + 2 blocks, ...)."""
+    import heapq
+    blocks = min(blocks, len(cost))
+    if not dynamic:
+        return torch.zeros(blocks, dtype=torch.long).index_add_(0, torch.arange(len(cost)) % blocks, cost)
+    free = [(int(c), b) for b, c in enumerate(cost[:blocks])]
+    heapq.heapify(free)
+    for c in cost[blocks:].tolist():
+        t, b = heapq.heappop(free)
+        heapq.heappush(free, (t + c, b))
+    return torch.tensor(sorted(t for t, _ in free))
+
+
+# (batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim): the timing shapes, GQA, a partial last
+# tile, decode-like and causal rows that see no key, fewer tiles than blocks, one tile, none.
+SCHEDULE_SHAPES = [(2, 16, 16, 8192, 8192, 128), (8, 16, 16, 2048, 2048, 64), (4, 32, 8, 4096, 4096, 128),
+                   (16, 16, 16, 512, 512, 64), (2, 8, 8, 8192, 8192, 256), (3, 6, 2, 1000, 1000, 256),
+                   (2, 4, 1, 129, 4097, 64), (2, 4, 4, 4097, 129, 128), (1, 1, 1, 1, 1, 64), (2, 4, 2, 0, 5, 64)]
+
+
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("shape", SCHEDULE_SHAPES, ids=shape_id)
+def test_persistent_schedule_covers_every_tile_once(shape, causal):
+    """The persistent rung's tile order (csrc/hopper/tile_schedule.h, through the hopper_tile_order
+    op, which decodes each index as the kernel does): every (batch, head, query tile) exactly once,
+    and, causal, longest first inside each L2 section (a run of the order whose keys never grow
+    covers whole heads: every query tile of each of its (batch, head) pairs)."""
+    b, h, hk, sq, sk, d = shape
+    order = tile_order(b, h, hk, sq, sk, d, causal)
+    q_tiles = -(-sq // 128)
+    assert order.shape == (b * h * q_tiles, 3)
+    ids = (order[:, 0] * h + order[:, 1]) * q_tiles + order[:, 2]
+    assert torch.equal(ids.sort().values, torch.arange(b * h * q_tiles)), "a tile missing or taken twice"
+    if not causal or len(order) == 0:
+        return
+    cost = tile_cost(order, sq, sk, d, causal)
+    cuts = [0] + (torch.nonzero(torch.diff(cost) > 0).flatten() + 1).tolist() + [len(cost)]
+    for lo, hi in zip(cuts, cuts[1:]):
+        pairs = (order[lo:hi, 0] * h + order[lo:hi, 1]).unique()
+        assert len(pairs) * q_tiles == hi - lo, f"tiles {lo}..{hi}: the keys grew inside a section"
+
+
+@pytest.mark.parametrize("shape", SCHEDULE_SHAPES[:5], ids=shape_id)
+def test_persistent_schedule_balances_the_blocks(shape):
+    """Causal, on 132 blocks (an H100's or H200's SMs): drawing the next tile from a counter, in
+    this order, leaves the busiest block within 5% of the average block's work plus one of the
+    shortest tiles (the order's last, which no block can split); the static assignment the kernel
+    does not use falls further behind at b2 h16 s8192 (tile_schedule.h: why the counter)."""
+    b, h, hk, sq, sk, d = shape
+    cost = tile_cost(tile_order(b, h, hk, sq, sk, d, True), sq, sk, d, True)
+    work = block_work(cost, 132, dynamic=True)
+    mean = cost.sum().item() / len(work)
+    assert work.max().item() <= 1.05 * mean + cost.min().item(), (work.max().item(), mean)
+    if shape == SCHEDULE_SHAPES[0]:
+        assert block_work(cost, 132, dynamic=False).max().item() > 1.1 * work.max().item()
+
+
+def test_persistent_schedule_keeps_kv_heads_together():
+    """GQA: an L2 section holds whole groups of query heads that share a K/V head, as many K/V heads
+    as half the L2 holds (K and V of one head: 2 x seqlen_k x head_dim x 2 bytes), the narrower
+    section first; with an L2 too small for one head's K and V, a section is one group."""
+    b, h, hk, s, d = 4, 32, 8, 4096, 128
+    l2 = 50 * 2**20
+    group, q_tiles = h // hk, s // 128
+    kv_heads_fit = (l2 // 2) // (2 * s * d * 2)  # 12 of the 32 (batch, K/V head) pairs
+    order = tile_order(b, h, hk, s, s, d, True, l2)
+    first = (b * hk) % kv_heads_fit  # 8: the narrower section
+    pairs, q_tile, start = [], [], 0
+    for width in [first] + [kv_heads_fit] * ((b * hk) // kv_heads_fit):  # in K/V heads
+        section = torch.arange(start, start + width * group)  # its (batch, head) pairs
+        pairs.append(section.repeat(q_tiles))  # the pair is the inner index ...
+        q_tile.append(torch.arange(q_tiles - 1, -1, -1).repeat_interleave(len(section)))  # longest first
+        start += width * group
+    assert torch.equal(order[:, 0] * h + order[:, 1], torch.cat(pairs))
+    assert torch.equal(order[:, 2], torch.cat(q_tile))
+    small = tile_order(b, h, hk, s, s, d, False, 2**20)
+    small_kv = small[:, 0] * hk + small[:, 1] // group
+    assert torch.equal(small_kv, torch.arange(b * hk).repeat_interleave(group * q_tiles))
+    with pytest.raises(RuntimeError, match=r"hopper_tile_order: needs .*heads a whole multiple of heads_kv"):
+        tile_order(1, 6, 4, 128, 128, 64, False)
+
+
 def _t(*shape, dtype=torch.float32, device="cpu"):
     return torch.randn(shape, dtype=dtype, device=device)
 
@@ -425,7 +526,7 @@ MISUSES = {
                          r"attention_forward: q's last dim \(head_dim\) is not contiguous \(stride 5\)"),
     "unknown version": (lambda: flash_attention.attention(_t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8),
                                                           version="v1"),
-                        r"attention_forward: unknown version 'v1'; expected one of naive, tiled, mma, pipelined, tuned, split_kv, wgmma, warp_specialized, pingpong \(or None"),
+                        r"attention_forward: unknown version 'v1'; expected one of naive, tiled, mma, pipelined, tuned, split_kv, wgmma, warp_specialized, pingpong, persistent \(or None"),
     "backward lse dtype": (lambda: flash_attention.attention_backward(
         _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8),
         _t(1, 2, 5, dtype=torch.float64), 0.5),
@@ -519,7 +620,7 @@ CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 TENSOR_CORE_VERSIONS = ("mma", "pipelined", "tuned", "split_kv")
 # Part 3's rungs: sm_90a kernels, in builds whose arch list had 9.0, on compute capability 9.0 only,
 # at head_dim 64, 128 and 256 (test_cuda_hopper_refusals holds the refusals elsewhere).
-HOPPER_VERSIONS = ("wgmma", "warp_specialized", "pingpong")
+HOPPER_VERSIONS = ("wgmma", "warp_specialized", "pingpong", "persistent")
 HOPPER_HEAD_DIMS = (64, 128, 256)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -1005,6 +1106,22 @@ def test_sanitizer_small_forward(version):
 
 @pytest.mark.cuda
 @pytest.mark.sanitize
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+def test_sanitizer_persistent_walk(causal):
+    """The persistent rung over more tiles than a GPU has SMs (3 x 48 heads x 3 query tiles = 432),
+    so that each block walks several: the barriers' phases, Q's halves and the turns carried from
+    one tile to the next, GQA 3:1, causal rows that see no key (seqlen_q - seqlen_k > 128), d = 64
+    (the ping-pong consumers) and 256 (warp_specialized's)."""
+    require_cuda()
+    for head_dim in (64, 256):
+        if not takes("persistent", torch.bfloat16, head_dim):
+            continue
+        q, k, v = make_qkv(3, 48, 16, 300, 150, head_dim, dtype=torch.bfloat16, device="cuda")
+        check_cuda_forward(q, k, v, causal, "persistent", f"persistent walk d{head_dim}")
+
+
+@pytest.mark.cuda
+@pytest.mark.sanitize
 @pytest.mark.parametrize("version", BACKWARD_VERSIONS)
 def test_sanitizer_small_backward(version):
     require_cuda()
@@ -1096,6 +1213,64 @@ def test_cuda_hopper_strided_views(causal):
         torch.testing.assert_close(out.cpu().double(), ref, rtol=rtol, atol=atol)
 
 
+# (batch, heads, heads_kv, seqlen_q, seqlen_k): several tiles per block on any GPU of up to 132 SMs
+# (4 x 16 x 17 = 1088 tiles), GQA 4:1 with a partial last tile, causal rows that see no key in
+# the middle of a block's walk (seqlen_q - seqlen_k > 128), one key, and none (no tile loads
+# anything: the blocks only hand out work items and store zeros).
+PERSISTENT_WALKS = [(4, 16, 16, 2049, 2049), (2, 32, 8, 1000, 1000), (3, 24, 6, 700, 300), (2, 64, 16, 129, 1),
+                    (2, 4, 2, 300, 0)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_dim", HOPPER_HEAD_DIMS)
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+def test_cuda_hopper_persistent_matches_its_consumers(dtype, causal, head_dim):
+    """The persistent rung runs the consumers of "pingpong" (d = 64, 128) or "warp_specialized"
+    (d = 256) over many tiles per block: the same bits as theirs, tile by tile, whatever order the
+    blocks drew the tiles in (so every carried barrier phase, Q half and ping-pong turn lined up),
+    on NaN-poisoned outputs, and a second call the same bits again."""
+    skip_unless_hopper()
+    consumers = "pingpong" if head_dim <= 128 else "warp_specialized"
+    for batch, heads, heads_kv, seqlen_q, seqlen_k in PERSISTENT_WALKS:
+        q, k, v = make_qkv(batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim, dtype=dtype, device="cuda")
+        what = f"{dtype_id(dtype)} b{batch} h{heads}/{heads_kv} s{seqlen_q}x{seqlen_k} d{head_dim}"
+        want, want_lse = flash_attention.attention(q, k, v, causal=causal, return_lse=True, version=consumers)
+        for _ in range(2):
+            poison_allocator(torch.empty(q.shape, dtype=dtype, device="cuda"))
+            poison_allocator(torch.empty(q.shape[:3], dtype=torch.float32, device="cuda"))
+            out, lse = flash_attention.attention(q, k, v, causal=causal, return_lse=True, version="persistent")
+            assert torch.equal(out, want), f"{what}: out differs from {consumers}'s"
+            assert torch.equal(lse, want_lse), f"{what}: lse differs from {consumers}'s"
+
+
+@pytest.mark.cuda
+def test_cuda_hopper_persistent_grid_and_graph():
+    """The persistent kernel is what runs (one launch, the tile counter's clear beside it), and it
+    replays from a CUDA graph: the counter is cleared by a captured memset before each replay, so
+    the second replay walks every tile again rather than finding the counter at its end."""
+    skip_unless_hopper()
+    from coursekit.pytest_plugin import launched_kernels
+    q, k, v = make_qkv(4, 16, 4, 1000, 1000, 128, dtype=torch.bfloat16, device="cuda")
+    names = launched_kernels(lambda: flash_attention.attention(q, k, v, causal=True, version="persistent"),
+                             "flash_attention")[1]
+    assert sum("flash_fwd_hopper_persistent_kernel" in n for n in names) == 1, names
+    want = flash_attention.attention(q, k, v, causal=True, version="pingpong")
+    captured, expected = capture_and_replay(lambda: flash_attention.attention(q, k, v, causal=True,
+                                                                              version="persistent"))
+    assert torch.equal(captured, want) and torch.equal(expected, want)
+    # Without the clear, a replay would find the counter past the end: each block would compute the
+    # tile it starts with (its own index) and stop, leaving the NaNs below in every other tile.
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attention.attention(q, k, v, causal=True, version="persistent")
+    for _ in range(2):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+
+
 @pytest.mark.cuda
 def test_cuda_hopper_default_dispatch():
     """version=None on Hopper: "pingpong" at head_dim 64 and 128, "warp_specialized" at 256
@@ -1175,8 +1350,8 @@ def test_cuda_hopper_sass_has_hgmma():
     if library is None:
         pytest.skip(f"the library was loaded by route {flash_attention.EXTENSION['route']}, without a path")
     sass = subprocess.run([cuobjdump, "-sass", library], capture_output=True, text=True, check=True).stdout
-    kernels = [chunk for chunk in sass.split("Function : ")[1:] if "flash_fwd_hopper_kernel" in chunk.split("\n")[0]]
-    assert len(kernels) >= 18, f"{len(kernels)} Hopper kernels in the SASS (3 rungs x 2 dtypes x 3 head dims)"
+    kernels = [chunk for chunk in sass.split("Function : ")[1:] if "flash_fwd_hopper_" in chunk.split("\n")[0]]
+    assert len(kernels) >= 24, f"{len(kernels)} Hopper kernels in the SASS (4 rungs x 2 dtypes x 3 head dims)"
     for body in kernels:
         name = body.split("\n")[0]
         assert "HGMMA" in body and "UTMALDG" in body and "HMMA" not in body, name

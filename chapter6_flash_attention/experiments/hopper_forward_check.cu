@@ -7,10 +7,11 @@
 //        -o /tmp/hopper_forward_check hopper_forward_check.cu ../csrc/hopper/flash_fwd_hopper_dispatch.cu \
 //        ../csrc/hopper/flash_fwd_hopper_{bf16,fp16}_hdim{64,128,256}.cu
 //   /tmp/hopper_forward_check             every rung at every shape (exit 1 on a mismatch), then timings
-//   /tmp/hopper_forward_check --variants  other configurations (tile, stages, overlap, ping-pong), timed
+//   /tmp/hopper_forward_check --variants  other configurations (tile, stages, overlap, ping-pong,
+//                                         persistent), timed
 //   /tmp/hopper_forward_check --profile "ws n128" 128    one launch of a variant, for ncu
 #include "hopper/flash_fwd_hopper.h"
-#include "hopper/flash_fwd_hopper_kernel.cuh"
+#include "hopper/flash_fwd_hopper_persistent.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -46,6 +47,7 @@ static const char* rung_name(fa::HopperForward r) {
     case fa::HopperForward::kWgmma: return "wgmma";
     case fa::HopperForward::kWarpSpecialized: return "warp_specialized";
     case fa::HopperForward::kPingpong: return "pingpong";
+    case fa::HopperForward::kPersistent: return "persistent";
   }
   return "?";
 }
@@ -63,6 +65,19 @@ static float to_float(uint16_t bits, bool fp16) {
 static uint16_t from_float(float x, bool fp16) {
   if (fp16) return static_cast<__half_raw>(__float2half(x)).x;
   return static_cast<__nv_bfloat16_raw>(__float2bfloat16(x)).x;
+}
+
+static constexpr fa::HopperForward kRungs[] = {fa::HopperForward::kWgmma, fa::HopperForward::kWarpSpecialized,
+                                               fa::HopperForward::kPingpong, fa::HopperForward::kPersistent};
+
+// The persistent rung's workspace (its tile counter, which the launcher clears): one for the program.
+static void* workspace() {
+  static void* counter = [] {
+    void* ptr = nullptr;
+    CHECK_CUDA(cudaMalloc(&ptr, fa::attention_forward_hopper_workspace(fa::HopperForward::kPersistent)));
+    return ptr;
+  }();
+  return counter;
 }
 
 // A tensor of (b, heads, s, d) elements in either layout, with its element strides.
@@ -186,11 +201,11 @@ static bool check(const Config& c, std::mt19937& rng) {
     reference_row(c, q, k, v, bi, hi, i, ref[n], ref_lse[n]);
   }
   bool ok = true;
-  for (auto rung : {fa::HopperForward::kWgmma, fa::HopperForward::kWarpSpecialized, fa::HopperForward::kPingpong}) {
+  for (auto rung : kRungs) {
     CHECK_CUDA(cudaMemset(o.dev, 0xFF, o.host.size() * 2));  // NaN in both 16-bit types
     CHECK_CUDA(cudaMemset(lse_dev, 0xFF, std::max<size_t>(rows, 1) * 4));
     const fa::AttentionParams p = make_params(c, q, k, v, o, lse_dev);
-    CHECK_CUDA(fa::launch_attention_forward_hopper(p, rung, nullptr));
+    CHECK_CUDA(fa::launch_attention_forward_hopper(p, rung, nullptr, workspace()));
     CHECK_CUDA(cudaDeviceSynchronize());
     std::vector<uint16_t> out(o.host.size());
     std::vector<float> lse(rows);
@@ -236,8 +251,8 @@ static void time_config(const Config& c) {
   const fa::AttentionParams p = make_params(c, q, k, v, o, lse);
   double flops = 4.0 * c.b * c.h * static_cast<double>(c.sq) * c.sk * c.d;
   if (c.causal) flops /= 2;
-  for (auto rung : {fa::HopperForward::kWgmma, fa::HopperForward::kWarpSpecialized, fa::HopperForward::kPingpong}) {
-    const double ms = median_ms([&] { return fa::launch_attention_forward_hopper(p, rung, nullptr); });
+  for (auto rung : kRungs) {
+    const double ms = median_ms([&] { return fa::launch_attention_forward_hopper(p, rung, nullptr, workspace()); });
     std::printf("time %-16s b%d h%d/%d s%d d%d %s: %.3f ms %.1f TFLOP/s\n", rung_name(rung), c.b, c.h, c.hk, c.sq,
                 c.d, c.causal ? "causal" : "full", ms, flops / (ms * 1e-3) / 1e12);
   }
@@ -254,10 +269,14 @@ struct Variant {
   int d;
   Launch launch;
 };
-template <int D, int N, int S, bool kJoint, bool kPingpong, bool kOverlap = false>
+template <int D, int N, int S, bool kJoint, bool kPingpong, bool kOverlap = false, bool kPersistent = false>
 cudaError_t launch_variant(const fa::AttentionParams& p, cudaStream_t stream) {
-  using K = fa::HopperFwdConfig<D, N, S, true, kJoint, kPingpong, kOverlap>;
-  return fa::run_flash_fwd_hopper_config<__nv_bfloat16, K>(p, stream);
+  using K = fa::HopperFwdConfig<D, N, S, true, kJoint, kPingpong, kOverlap, kPersistent>;
+  if constexpr (kPersistent) {
+    return fa::run_flash_fwd_hopper_persistent<__nv_bfloat16, K>(p, stream, workspace());
+  } else {
+    return fa::run_flash_fwd_hopper_config<__nv_bfloat16, K>(p, stream);
+  }
 }
 static const Variant kVariants[] = {
     {"ws n128", 128, launch_variant<128, 128, 2, false, false>},
@@ -269,14 +288,18 @@ static const Variant kVariants[] = {
     {"overlap n128", 128, launch_variant<128, 128, 2, false, false, true>},
     {"ws n176", 128, launch_variant<128, 176, 2, false, false>},
     {"joint+pingpong n176", 128, launch_variant<128, 176, 2, true, true>},
+    {"persistent joint+pingpong n128 3st", 128, launch_variant<128, 128, 3, true, true, false, true>},
+    {"persistent ws n128 3st", 128, launch_variant<128, 128, 3, false, false, false, true>},
     {"ws n128", 64, launch_variant<64, 128, 2, false, false>},
     {"ws n128 3st", 64, launch_variant<64, 128, 3, false, false>},
     {"joint n128", 64, launch_variant<64, 128, 2, true, false>},
     {"joint+pingpong n128", 64, launch_variant<64, 128, 2, true, true>},
     {"joint+pingpong n128 3st", 64, launch_variant<64, 128, 3, true, true>},
+    {"persistent joint+pingpong n128 3st", 64, launch_variant<64, 128, 3, true, true, false, true>},
     {"ws n64", 256, launch_variant<256, 64, 2, false, false>},
     {"joint n64", 256, launch_variant<256, 64, 2, true, false>},
     {"joint+pingpong n64", 256, launch_variant<256, 64, 2, true, true>},
+    {"persistent ws n64", 256, launch_variant<256, 64, 2, false, false, false, true>},
 };
 
 // One variant on one shape against the float64 reference (sampled rows), then timed.

@@ -38,6 +38,10 @@ CUDA rungs (head_dim 32, 64, 96, 128 or 256):
 - forward "pingpong": each consumer warpgroup issues one tile's P V and the next tile's Q K^T
   together, in turns with the other, so one's softmax runs while the other's products keep the
   tensor cores busy; a third shared-memory stage where it fits;
+- forward "persistent": the same consumers ("pingpong"'s at head_dim 64 and 128,
+  "warp_specialized"'s at 256) in a grid of one block per SM slot, each walking a static schedule
+  of query tiles (longest first when causal, the heads that share K and V together): the producer
+  loads the next tile's Q and first K/V while the consumers finish a tile and store its output;
 - backward "naive": P recomputed from lse into a workspace, then dV, dS, dQ, dK one kernel each;
 - backward "mma": FlashAttention 2's backward on tensor cores: a block per key tile sums dK and
   dV in registers, dQ through float32 atomics (float16 and bfloat16, sm_80+, head_dim <= 128);
@@ -78,7 +82,7 @@ __all__ = ["attention", "sdpa", "attention_forward", "attention_backward", "hopp
 # tables (the `versions` op).
 VERSIONS = {
     "attention_forward": ("naive", "tiled", "mma", "pipelined", "tuned", "split_kv", "wgmma", "warp_specialized",
-                          "pingpong"),
+                          "pingpong", "persistent"),
     "attention_backward": ("naive", "mma", "mma_dqpass"),
     "paged_attention": ("per_head", "per_kv_head", "split_kv"),
 }

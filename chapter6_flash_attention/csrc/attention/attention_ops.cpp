@@ -10,6 +10,7 @@
 // strides, never copied: only the last dim must be contiguous.
 #include "attention/attention.h"
 #include "flash_attention_ops.h"
+#include "hopper/tile_schedule.h"
 
 #include <ATen/ATen.h>
 #include <course/checks.h>
@@ -50,7 +51,9 @@ constexpr const char* kBackward = "attention_backward";
 // The ladders. The CPU reference is not a rung: it is what the rungs are held to, and it runs
 // whatever version= names (the names are parsed on every device, so a typo fails on the CPU as
 // it would on CUDA).
-enum class ForwardVersion { kNaive, kTiled, kMma, kPipelined, kTuned, kSplitKv, kWgmma, kWarpSpecialized, kPingpong };
+enum class ForwardVersion {
+  kNaive, kTiled, kMma, kPipelined, kTuned, kSplitKv, kWgmma, kWarpSpecialized, kPingpong, kPersistent
+};
 enum class BackwardVersion { kNaive, kMma, kMmaDqPass };
 
 constexpr ::course::NamedVersion<ForwardVersion> kForwardVersions[] = {{"naive", ForwardVersion::kNaive},
@@ -61,7 +64,8 @@ constexpr ::course::NamedVersion<ForwardVersion> kForwardVersions[] = {{"naive",
                                                                       {"split_kv", ForwardVersion::kSplitKv},
                                                                       {"wgmma", ForwardVersion::kWgmma},
                                                                       {"warp_specialized", ForwardVersion::kWarpSpecialized},
-                                                                      {"pingpong", ForwardVersion::kPingpong}};
+                                                                      {"pingpong", ForwardVersion::kPingpong},
+                                                                      {"persistent", ForwardVersion::kPersistent}};
 constexpr ::course::NamedVersion<BackwardVersion> kBackwardVersions[] = {
     {"naive", BackwardVersion::kNaive}, {"mma", BackwardVersion::kMma}, {"mma_dqpass", BackwardVersion::kMmaDqPass}};
 
@@ -71,7 +75,8 @@ bool tensor_core_rung(ForwardVersion v) {
 }
 // Part 3's rungs (csrc/hopper/): sm_90a only.
 bool hopper_rung(ForwardVersion v) {
-  return v == ForwardVersion::kWgmma || v == ForwardVersion::kWarpSpecialized || v == ForwardVersion::kPingpong;
+  return v == ForwardVersion::kWgmma || v == ForwardVersion::kWarpSpecialized || v == ForwardVersion::kPingpong ||
+         v == ForwardVersion::kPersistent;
 }
 
 #ifdef WITH_CUDA
@@ -83,7 +88,8 @@ MmaForward mma_rung(const std::string& name) {
 HopperForward hopper_kind(ForwardVersion v) {
   return v == ForwardVersion::kWgmma              ? HopperForward::kWgmma
          : v == ForwardVersion::kWarpSpecialized ? HopperForward::kWarpSpecialized
-                                                 : HopperForward::kPingpong;
+         : v == ForwardVersion::kPingpong        ? HopperForward::kPingpong
+                                                 : HopperForward::kPersistent;
 }
 #endif
 
@@ -100,7 +106,9 @@ bool half_dtype(const Tensor& t) { return t.scalar_type() == at::kHalf || t.scal
 // (attention_forward_splits > 1: a few query rows against many keys) it also wins over the Hopper
 // rungs, whose 128-row tiles would run mostly empty. The backward: "mma_dqpass" matched or beat
 // "mma" (atomics) at every head_dim, mask and seqlen of the sweep once both were pipelined; it also
-// gives the same bits on every run, so it is the default.
+// gives the same bits on every run, so it is the default. "persistent" (the pingpong and
+// warp_specialized consumers in a grid that walks a tile schedule) is not a default until the
+// benchmark has measured it against them.
 #ifdef WITH_CUDA
 // One attribute of q's GPU (cudaDeviceGetAttribute is a lookup, not a driver round trip).
 int device_attribute(const Tensor& q, cudaDeviceAttr attr) {
@@ -253,10 +261,16 @@ void forward_cuda(ForwardVersion v, const AttentionParams& p, const Tensor& q, c
     case ForwardVersion::kWgmma:
     case ForwardVersion::kWarpSpecialized:
     case ForwardVersion::kPingpong:
+    case ForwardVersion::kPersistent: {
 #ifdef COURSE_HOPPER
-      C10_CUDA_CHECK(launch_attention_forward_hopper(p, hopper_kind(v), stream));
+      // The persistent rung's tile counter (4 bytes from the caching allocator; the launcher clears it).
+      const int64_t bytes = attention_forward_hopper_workspace(hopper_kind(v));
+      const Tensor scratch = bytes > 0 ? workspace(bytes, q) : Tensor();
+      C10_CUDA_CHECK(launch_attention_forward_hopper(p, hopper_kind(v), stream,
+                                                     bytes > 0 ? scratch.mutable_data_ptr() : nullptr));
 #endif
       return;  // without the sm_90a kernels check_hopper_rung has refused the call already
+    }
   }
 }
 
@@ -550,6 +564,36 @@ int64_t grid_stride_blocks_op(int64_t work, int64_t per_block, int64_t sms) {
   return grid_stride_blocks(work, per_block, static_cast<int>(sms));
 }
 
+// The persistent rung's tile order (hopper/tile_schedule.h) for a problem on a GPU with an L2 of
+// `l2_bytes`, as an op so that the tests can hold it to made-up GPUs on any machine: one row per
+// tile in the order the blocks draw them, (batch, head, query tile).
+Tensor hopper_tile_order_op(int64_t batch, int64_t heads, int64_t heads_kv, int64_t seqlen_q, int64_t seqlen_k,
+                            int64_t head_dim, bool causal, int64_t l2_bytes) {
+  constexpr const char* op = "hopper_tile_order";
+  TORCH_CHECK(batch >= 0 && seqlen_q >= 0 && seqlen_k >= 0 && l2_bytes >= 0 && head_dim >= 1 && heads_kv >= 1 &&
+                  heads >= heads_kv && heads % heads_kv == 0,
+              op, ": needs batch, seqlen_q, seqlen_k and l2_bytes >= 0, head_dim >= 1 and heads a whole multiple of ",
+              "heads_kv (got batch ", std::to_string(batch), ", heads ", std::to_string(heads), "/",
+              std::to_string(heads_kv), ", seqlen ", std::to_string(seqlen_q), "/", std::to_string(seqlen_k),
+              ", head_dim ", std::to_string(head_dim), ", l2_bytes ", std::to_string(l2_bytes), ")");
+  const int64_t tiles = ::course::ceil_div(seqlen_q, int64_t{kHopperBlockM}) * batch * heads;
+  TORCH_CHECK(tiles <= (int64_t{1} << 24), op, ": at most 2^24 tiles here (got ", std::to_string(tiles), ")");
+  AttentionParams p{};
+  p.batch = batch, p.heads = heads, p.heads_kv = heads_kv, p.seqlen_q = seqlen_q, p.seqlen_k = seqlen_k;
+  p.head_dim = head_dim, p.causal = causal;
+  const HopperTileSchedule s = hopper_tile_schedule(p, l2_bytes);
+  Tensor order = at::empty({tiles, 3}, at::kLong);
+  auto rows = order.accessor<int64_t, 2>();
+  for (int index = 0; index < s.tiles; ++index) {
+    int pair = 0, q_tile = 0;
+    hopper_tile_at(s, index, &pair, &q_tile);
+    rows[index][0] = pair / heads;
+    rows[index][1] = pair % heads;
+    rows[index][2] = q_tile;
+  }
+  return order;
+}
+
 void register_backend_kernels(torch::Library& m) {
   m.impl("attention_forward", &attention_forward_impl);
   m.impl("attention_backward", &attention_backward_impl);
@@ -579,6 +623,9 @@ TORCH_LIBRARY_FRAGMENT(flash_attention, m) {
         pt2);
   m.def("grid_stride_blocks(int work, int per_block, int sms) -> int", &flash_attention::grid_stride_blocks_op);
   m.def("hopper_kernels_built() -> bool", &flash_attention::hopper_kernels_built_op);
+  m.def("hopper_tile_order(int batch, int heads, int heads_kv, int seqlen_q, int seqlen_k, int head_dim, "
+        "bool causal, int l2_bytes) -> Tensor",
+        &flash_attention::hopper_tile_order_op);
   m.def("forward_rule(int batch, int heads, int heads_kv, int seqlen_q, int seqlen_k, int head_dim, float scale, "
         "bool causal, bool cuda, bool half, int cc_major, int cc_minor, int sms, bool hopper_built) -> str",
         &flash_attention::forward_rule_op);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "attention/attention.h"
+#include "hopper/tile_schedule.h"
 
 #include <cuda_runtime_api.h>
 
@@ -17,7 +18,11 @@ namespace flash_attention {
 //   kPingpong         each consumer warpgroup issues tile n - 1's P V and tile n's Q K^T together,
 //                     in turns with the other warpgroup (named barriers), so that one's softmax
 //                     runs under the other's products; a third shared-memory stage where it fits.
-enum class HopperForward { kWgmma, kWarpSpecialized, kPingpong };
+//   kPersistent       the same consumers (pingpong's schedule where its third stage fits, else
+//                     warp_specialized's), in a grid of one block per SM slot that walks a list of
+//                     tiles (hopper/tile_schedule.h): the producer loads the next tile's Q and
+//                     first K/V stages while the consumers finish this tile and store its output.
+enum class HopperForward { kWgmma, kWarpSpecialized, kPingpong, kPersistent };
 
 // Head dims the Hopper rungs take: attention.h's kHopperHeadDims.
 inline bool attention_forward_hopper_head_dim(int64_t head_dim) { return ::course::is_listed(kHopperHeadDims, head_dim); }
@@ -25,11 +30,19 @@ inline bool attention_forward_hopper_head_dim(int64_t head_dim) { return ::cours
 // Shared memory one block takes (the glue compares it with the GPU's per-block limit).
 int64_t attention_forward_hopper_smem_bytes(int64_t head_dim, HopperForward rung);
 
+// Workspace bytes a rung needs: the persistent rung's tile counter (an int, which the launcher
+// clears before each launch, on the stream); none for the others.
+inline int64_t attention_forward_hopper_workspace(HopperForward rung) {
+  return rung == HopperForward::kPersistent ? static_cast<int64_t>(sizeof(int)) : 0;
+}
+
 // bfloat16 and float16, head_dim from attention_forward_hopper_head_dim, scale > 0 (the softmax
 // keeps each row's maximum of the raw scores, which is the maximum of the scaled ones only for a
 // positive scale), every stepped stride of q, k, v a multiple of 8 elements and the pointers
-// 16-byte aligned (TMA's rules; the glue checks and copies otherwise). Returns the first error
-// (cudaErrorNotSupported when the driver has no TMA encoder); never synchronizes or allocates.
-cudaError_t launch_attention_forward_hopper(const AttentionParams& params, HopperForward rung, cudaStream_t stream);
+// 16-byte aligned (TMA's rules; the glue checks and copies otherwise); `workspace` holds
+// attention_forward_hopper_workspace(rung) bytes (may be null where that is 0). Returns the first
+// error (cudaErrorNotSupported when the driver has no TMA encoder); never synchronizes or allocates.
+cudaError_t launch_attention_forward_hopper(const AttentionParams& params, HopperForward rung, cudaStream_t stream,
+                                            void* workspace = nullptr);
 
 }  // namespace flash_attention

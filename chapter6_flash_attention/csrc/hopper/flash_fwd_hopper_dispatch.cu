@@ -1,7 +1,7 @@
 // The Hopper forward's dispatch: the runtime dtype, head dim and rung become the template
 // arguments of one of the instantiations in flash_fwd_hopper_<dtype>_hdim<d>.cu.
 #include "hopper/flash_fwd_hopper.h"
-#include "hopper/flash_fwd_hopper_kernel.cuh"
+#include "hopper/flash_fwd_hopper_persistent.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -9,26 +9,29 @@
 namespace flash_attention {
 
 template <typename T, int D, HopperForward kRung>
-cudaError_t run_flash_fwd_hopper(const AttentionParams& p, cudaStream_t stream);
+cudaError_t run_flash_fwd_hopper(const AttentionParams& p, cudaStream_t stream, void* workspace);
 
 namespace {
 
 template <typename T, int D>
-cudaError_t with_rung(const AttentionParams& p, HopperForward rung, cudaStream_t stream) {
+cudaError_t with_rung(const AttentionParams& p, HopperForward rung, cudaStream_t stream, void* workspace) {
   switch (rung) {
-    case HopperForward::kWgmma: return run_flash_fwd_hopper<T, D, HopperForward::kWgmma>(p, stream);
-    case HopperForward::kWarpSpecialized: return run_flash_fwd_hopper<T, D, HopperForward::kWarpSpecialized>(p, stream);
-    case HopperForward::kPingpong: return run_flash_fwd_hopper<T, D, HopperForward::kPingpong>(p, stream);
+    case HopperForward::kWgmma: return run_flash_fwd_hopper<T, D, HopperForward::kWgmma>(p, stream, workspace);
+    case HopperForward::kWarpSpecialized:
+      return run_flash_fwd_hopper<T, D, HopperForward::kWarpSpecialized>(p, stream, workspace);
+    case HopperForward::kPingpong: return run_flash_fwd_hopper<T, D, HopperForward::kPingpong>(p, stream, workspace);
+    case HopperForward::kPersistent:
+      return run_flash_fwd_hopper<T, D, HopperForward::kPersistent>(p, stream, workspace);
   }
   return cudaErrorInvalidValue;
 }
 
 template <typename T>
-cudaError_t with_head_dim(const AttentionParams& p, HopperForward rung, cudaStream_t stream) {
+cudaError_t with_head_dim(const AttentionParams& p, HopperForward rung, cudaStream_t stream, void* workspace) {
   switch (p.head_dim) {
-    case 64: return with_rung<T, 64>(p, rung, stream);
-    case 128: return with_rung<T, 128>(p, rung, stream);
-    case 256: return with_rung<T, 256>(p, rung, stream);
+    case 64: return with_rung<T, 64>(p, rung, stream, workspace);
+    case 128: return with_rung<T, 128>(p, rung, stream, workspace);
+    case 256: return with_rung<T, 256>(p, rung, stream, workspace);
     default: return cudaErrorInvalidValue;  // the glue checks attention_forward_hopper_head_dim first
   }
 }
@@ -39,6 +42,7 @@ int64_t smem_bytes(HopperForward rung) {
     case HopperForward::kWgmma: return HopperFwdTraits<D, HopperForward::kWgmma>::kSmemBytes;
     case HopperForward::kWarpSpecialized: return HopperFwdTraits<D, HopperForward::kWarpSpecialized>::kSmemBytes;
     case HopperForward::kPingpong: return HopperFwdTraits<D, HopperForward::kPingpong>::kSmemBytes;
+    case HopperForward::kPersistent: return HopperFwdTraits<D, HopperForward::kPersistent>::kSmemBytes;
   }
   return 0;
 }
@@ -54,11 +58,12 @@ int64_t attention_forward_hopper_smem_bytes(int64_t head_dim, HopperForward rung
   }
 }
 
-cudaError_t launch_attention_forward_hopper(const AttentionParams& p, HopperForward rung, cudaStream_t stream) {
+cudaError_t launch_attention_forward_hopper(const AttentionParams& p, HopperForward rung, cudaStream_t stream,
+                                            void* workspace) {
   if (p.batch * p.heads * p.seqlen_q == 0) return cudaSuccess;
   switch (p.dtype) {
-    case DType::kBFloat16: return with_head_dim<__nv_bfloat16>(p, rung, stream);
-    case DType::kFloat16: return with_head_dim<__half>(p, rung, stream);
+    case DType::kBFloat16: return with_head_dim<__nv_bfloat16>(p, rung, stream, workspace);
+    case DType::kFloat16: return with_head_dim<__half>(p, rung, stream, workspace);
     default: return cudaErrorInvalidValue;  // the glue sends only the 16-bit types here
   }
 }

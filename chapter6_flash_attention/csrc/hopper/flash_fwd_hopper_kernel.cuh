@@ -51,16 +51,17 @@ namespace flash_attention {
 // The knobs of one configuration of the kernel; the rungs (HopperFwdTraits, below) are points of
 // this space, and experiments/hopper_forward_check.cu times others.
 template <int kHeadDim_, int kBlockN_, int kStages_, bool kWarpSpecialized_, bool kJoint_, bool kPingpong_,
-          bool kOverlap_ = false>
+          bool kOverlap_ = false, bool kPersistent_ = false>
 struct HopperFwdConfig {
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = 128;  // two consumer warpgroups x 64 rows (wgmma's m64)
+  static constexpr int kBlockM = kHopperBlockM;  // two consumer warpgroups x 64 rows (wgmma's m64)
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
   static constexpr bool kWarpSpecialized = kWarpSpecialized_;
   static constexpr bool kJoint = kJoint_;        // tile n - 1's P V and tile n's Q K^T issued together
   static constexpr bool kPingpong = kPingpong_;  // the consumer warpgroups take turns issuing products
   static constexpr bool kOverlap = kOverlap_;    // tile n's softmax while tile n - 1's P V runs (FA3)
+  static constexpr bool kPersistent = kPersistent_;  // a block per SM slot walks a tile schedule
   static constexpr int kChunks = kHeadDim / 64;  // 64-column chunks: one TMA box, one swizzle width
   static constexpr int kConsumerThreads = 256;
   static constexpr int kProducerThreads = kWarpSpecialized ? 128 : 0;
@@ -68,13 +69,18 @@ struct HopperFwdConfig {
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one stage of K (or of V)
   static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + 1024;  // + 1024-byte alignment
-  // setmaxnreg: 128 x 24 + 256 x 240 = 64,512 of the SM's 65,536 registers.
-  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  // setmaxnreg: 128 x 24 + 256 x 240 = 64,512 of the SM's 65,536 registers. The persistent
+  // producer also decodes tiles and draws them from a counter: at 24 registers ptxas spilled 24 bytes
+  // of its state, at 40 nothing, and 128 x 40 + 256 x 232 is the same 64,512 (the consumers showed
+  // no spill at 232 either, nvcc 13.0 -Xptxas -v).
+  static constexpr int kProducerRegs = kPersistent_ ? 40 : 24, kConsumerRegs = kPersistent_ ? 232 : 240;
   static_assert(kHeadDim % 64 == 0, "the 128-byte swizzle holds 64 columns of 16-bit elements");
   static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an sm_90 block may take");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "P V steps over 16 keys; TMA boxes hold up to 256 rows");
   static_assert(kWarpSpecialized || !(kJoint || kPingpong || kOverlap), "these schedules assume a producer");
   static_assert(!kPingpong || kJoint || kOverlap, "a turn holds one iteration's two products");
+  static_assert(!kPersistent || (kWarpSpecialized && !kOverlap), "the persistent loop is the producer's, on joint "
+                "or plain warp-specialized consumers");
 };
 
 // Kernel traits per rung. Registers pick the tile: a consumer thread holds kBlockN / 2 floats of
@@ -94,12 +100,19 @@ template <int kHeadDim>
 constexpr int hopper_pingpong_stages() {
   return 128 * kHeadDim * 2 + 3 * 2 * hopper_block_n<kHeadDim>() * kHeadDim * 2 + 1024 <= kHopperSmemLimit ? 3 : 2;
 }
+// Rung "persistent" runs the consumers of the dispatch's choice for each head dim: pingpong's where
+// its third stage fits (d = 64, 128), warp_specialized's where it does not (d = 256).
+template <int kHeadDim, HopperForward kRung>
+constexpr bool hopper_pingpong_rung() {
+  return kRung == HopperForward::kPingpong ||
+         (kRung == HopperForward::kPersistent && hopper_pingpong_stages<kHeadDim>() == 3);
+}
 template <int kHeadDim, HopperForward kRung>
 struct HopperFwdTraits
     : HopperFwdConfig<kHeadDim, hopper_block_n<kHeadDim>(),
-                      kRung == HopperForward::kPingpong ? hopper_pingpong_stages<kHeadDim>() : 2,
-                      kRung != HopperForward::kWgmma, kRung == HopperForward::kPingpong,
-                      kRung == HopperForward::kPingpong> {};
+                      hopper_pingpong_rung<kHeadDim, kRung>() ? hopper_pingpong_stages<kHeadDim>() : 2,
+                      kRung != HopperForward::kWgmma, hopper_pingpong_rung<kHeadDim, kRung>(),
+                      hopper_pingpong_rung<kHeadDim, kRung>(), false, kRung == HopperForward::kPersistent> {};
 
 #if COURSE_HOPPER_DEVICE
 namespace hopper_fwd {
@@ -112,6 +125,135 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   } else {
     const __half2 v = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<const uint32_t*>(&v);
+  }
+}
+
+// The per-tile math of the consumer warpgroups, shared by the one-tile kernel below and the
+// persistent one (flash_fwd_hopper_persistent.cuh): what a warpgroup does with a stage of K and V,
+// whoever decided which tile it is. Register arrays by reference; every function is inlined, so
+// they stay registers.
+
+// S = Q K^T for this warpgroup's 64 rows and the stage's kBlockN keys: d / 16 instructions, each
+// reading a k16 slice of Q and of K (32 bytes further inside a 64-column chunk, or the next chunk).
+template <typename T, typename K>
+__device__ __forceinline__ void issue_qk(float (&s)[K::kBlockN / 2], const unsigned char* q_wg,
+                                         const unsigned char* k_tile) {
+  hopper::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < K::kHeadDim / 16; ++kk) {
+    const int chunk = kk / 4, col = (kk % 4) * 32;
+    const uint64_t da = hopper::smem_desc_sw128(q_wg + chunk * K::kBlockM * 128 + col, 16, 1024);
+    const uint64_t db = hopper::smem_desc_sw128(k_tile + chunk * K::kBlockN * 128 + col, 16, 1024);
+    hopper::Wgmma<T, K::kBlockN>::ss(s, da, db, kk > 0);  // the first step overwrites S: no zeroing
+  }
+  hopper::wgmma_commit();
+}
+
+// O += P V: kBlockN / 16 instructions, P's k16 fragment from registers, V's 16 rows (2048 bytes
+// further per step) read transposed, its 64-column chunks kBlockN rows apart.
+template <typename T, typename K>
+__device__ __forceinline__ void issue_pv(float (&o)[K::kHeadDim / 2], const uint32_t (&pf)[K::kBlockN / 16][4],
+                                         const unsigned char* v_tile) {
+  hopper::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < K::kBlockN / 16; ++kk) {
+    const uint64_t db = hopper::smem_desc_sw128(v_tile + kk * 16 * 128, K::kBlockN * 128, 1024);
+    hopper::Wgmma<T, K::kHeadDim>::template rs<1>(o, pf[kk], db, 1);
+  }
+  hopper::wgmma_commit();
+}
+
+// The online softmax of key tile i on S (rung 5's, on wgmma's accumulator layout: register r of S
+// is row g + 8 * ((r >> 1) & 1), key 8 * (r >> 2) + 2t + (r & 1) of the tile). Leaves exp2 of the
+// scaled scores in S and returns, per row half, the factor the old O and sums must be multiplied
+// by. scale * log2(e) is folded into one FFMA per score: exp2(s * c - max * c).
+// kMask (a compile-time tag): only the tiles a mask can bite (the last one past seqlen_k, those
+// crossing the causal diagonal) mask, and the caller runs them in a loop of their own, so that no
+// branch sits inside the overlapped region: at a branch's join ptxas stops tracking which wgmma
+// groups are still running and waits for all of them (seen in the SASS: a WARPGROUP.DEPBAR 0
+// right after the mask's if, before the exponentials it was meant to overlap).
+template <typename K, typename MaskTag>
+__device__ __forceinline__ void online_softmax(MaskTag, float (&s)[K::kBlockN / 2], float (&row_max)[2],
+                                               float (&row_sum)[2], float (&corr)[2], const AttentionParams& p,
+                                               int64_t row0, int64_t diag, int i, int t, float scale_log2) {
+  constexpr int kSRegs = K::kBlockN / 2;
+  if constexpr (MaskTag::value) {
+    const int64_t n0 = static_cast<int64_t>(i) * K::kBlockN;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      // The row's first masked key in the tile, in 64 bits once, then a 32-bit compare per score.
+      int64_t limit = p.seqlen_k - n0;
+      if (p.causal) limit = min(limit, row0 + 8 * r + diag - n0 + 1);
+      const int col_limit = static_cast<int>(max(int64_t{0}, min(limit, int64_t{K::kBlockN})));
+#pragma unroll
+      for (int j = 0; j < kSRegs; ++j) {
+        if (((j >> 1) & 1) == r && 8 * (j >> 2) + 2 * t + (j & 1) >= col_limit) s[j] = -INFINITY;
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = row_max[r];
+#pragma unroll
+    for (int j = 0; j < kSRegs; ++j) {
+      if (((j >> 1) & 1) == r) mx = fmaxf(mx, s[j]);
+    }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    // A row with no visible key so far keeps max -inf: subtract 0, so exp2(-inf) = 0, not NaN.
+    const float neg_max = mx == -INFINITY ? 0.f : -mx * scale_log2;
+    corr[r] = row_max[r] == -INFINITY ? 0.f : hopper::exp2_approx((row_max[r] - mx) * scale_log2);
+    row_max[r] = mx;
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < kSRegs; ++j) {
+      if (((j >> 1) & 1) == r) {
+        s[j] = hopper::exp2_approx(fmaf(s[j], scale_log2, neg_max));
+        sum += s[j];
+      }
+    }
+    row_sum[r] = row_sum[r] * corr[r] + sum;
+  }
+}
+
+// S's C layout is P's A layout (mma.cuh): n8 tiles 2kk and 2kk + 1 are k16 step kk.
+template <typename T, typename K>
+__device__ __forceinline__ void pack_p(uint32_t (&pf)[K::kBlockN / 16][4], const float (&s)[K::kBlockN / 2]) {
+#pragma unroll
+  for (int kk = 0; kk < K::kBlockN / 16; ++kk) {
+    pf[kk][0] = pack2<T>(s[8 * kk + 0], s[8 * kk + 1]);
+    pf[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
+    pf[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
+    pf[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
+  }
+}
+
+// o = acc / l and lse = max * scale + log(l) for this lane's two rows of a tile; a row with no
+// visible key (l = 0) gets o = 0 and lse = -inf (attention.h). `out` and `lse` point at the tile's
+// (batch, head). Shuffles before any branch on the row: all 32 lanes take part.
+template <typename T, typename K>
+__device__ __forceinline__ void store_o_lse(const float (&o)[K::kHeadDim / 2], const float (&row_sum)[2],
+                                            const float (&row_max)[2], T* out, float* lse, int64_t row0,
+                                            const AttentionParams& p, int t, float scale_log2) {
+  const float scale = scale_log2 * 0.69314718055994531f;  // back to natural units
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = row_sum[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const int64_t row = row0 + 8 * r;
+    if (row < p.seqlen_q) {  // the last tile's rows past the end computed on zero rows of Q
+      T* o_row = out + row * p.o_seq_stride;
+#pragma unroll
+      for (int j = 2 * r; j < K::kHeadDim / 2; j += 4) {
+        *reinterpret_cast<uint32_t*>(o_row + 8 * (j >> 2) + 2 * t) = pack2<T>(o[j] * inv, o[j + 1] * inv);
+      }
+      // One explicit fma: left to the compiler, `max * scale + log(l)` is contracted in one kernel
+      // and not in another (it depends on what else uses the product), and the rungs that share
+      // this epilogue would disagree in lse's last bit while their o agrees bit for bit.
+      if (t == 0) lse[row] = l > 0.f ? __fmaf_rn(row_max[r], scale, logf(l)) : -INFINITY;
+    }
   }
 }
 
@@ -226,95 +368,17 @@ __global__ void __launch_bounds__(K::kThreads, 1)
   float row_max[2] = {-INFINITY, -INFINITY};  // raw scores (not scaled): scale > 0
   float row_sum[2] = {0.f, 0.f};              // this lane's share; the row's four lanes add at the end
 
-  // S = Q K^T for this warpgroup's 64 rows and the stage's kBlockN keys: d / 16 instructions, each
-  // reading a k16 slice of Q and of K (32 bytes further inside a 64-column chunk, or the next chunk).
-  auto issue_qk = [&](int stage) {
-    const unsigned char* k_tile = k_s + stage * K::kKVBytes;
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {
-      const int chunk = kk / 4, col = (kk % 4) * 32;
-      const uint64_t da = smem_desc_sw128(q_wg + chunk * kBM * 128 + col, 16, 1024);
-      const uint64_t db = smem_desc_sw128(k_tile + chunk * kBN * 128 + col, 16, 1024);
-      Wgmma<T, kBN>::ss(s, da, db, kk > 0);  // the first step overwrites S: no zeroing
-    }
-    wgmma_commit();
-  };
-  // O += P V: kBlockN / 16 instructions, P's k16 fragment from registers, V's 16 rows (2048 bytes
-  // further per step) read transposed, its 64-column chunks kBlockN rows apart.
-  auto issue_pv = [&](int stage) {
-    const unsigned char* v_tile = v_s + stage * K::kKVBytes;
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kPSteps; ++kk) {
-      const uint64_t db = smem_desc_sw128(v_tile + kk * 16 * 128, kBN * 128, 1024);
-      Wgmma<T, kD>::template rs<1>(o, pf[kk], db, 1);
-    }
-    wgmma_commit();
-  };
-
-  // The online softmax of tile i on S (rung 5's, on wgmma's accumulator layout: register r of S is
-  // row g + 8 * ((r >> 1) & 1), key 8 * (r >> 2) + 2t + (r & 1) of the tile). Leaves exp2 of the
-  // scaled scores in S and returns, per row half, the factor the old O and sums must be multiplied
-  // by. scale * log2(e) is folded into one FFMA per score: exp2(s * c - max * c).
-  // kMask (a compile-time tag): only the tiles a mask can bite (the last one past seqlen_k, those
-  // crossing the causal diagonal) mask, and the caller runs them in a loop of their own, so that no
-  // branch sits inside the overlapped region: at a branch's join ptxas stops tracking which wgmma
-  // groups are still running and waits for all of them (seen in the SASS: a WARPGROUP.DEPBAR 0
-  // right after the mask's if, before the exponentials it was meant to overlap).
+  // The per-tile math (hopper_fwd, above) on this warpgroup's registers.
+  auto issue_qk = [&](int stage) { hopper_fwd::issue_qk<T, K>(s, q_wg, k_s + stage * K::kKVBytes); };
+  auto issue_pv = [&](int stage) { hopper_fwd::issue_pv<T, K>(o, pf, v_s + stage * K::kKVBytes); };
   auto softmax = [&](auto mask_tag, int i, float (&corr)[2]) {
-    if constexpr (decltype(mask_tag)::value) {
-      const int64_t n0 = static_cast<int64_t>(i) * kBN;
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        // The row's first masked key in the tile, in 64 bits once, then a 32-bit compare per score.
-        int64_t limit = p.seqlen_k - n0;
-        if (p.causal) limit = min(limit, row0 + 8 * r + diag - n0 + 1);
-        const int col_limit = static_cast<int>(max(int64_t{0}, min(limit, int64_t{kBN})));
-#pragma unroll
-        for (int j = 0; j < kSRegs; ++j) {
-          if (((j >> 1) & 1) == r && 8 * (j >> 2) + 2 * t + (j & 1) >= col_limit) s[j] = -INFINITY;
-        }
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = row_max[r];
-#pragma unroll
-      for (int j = 0; j < kSRegs; ++j) {
-        if (((j >> 1) & 1) == r) mx = fmaxf(mx, s[j]);
-      }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      // A row with no visible key so far keeps max -inf: subtract 0, so exp2(-inf) = 0, not NaN.
-      const float neg_max = mx == -INFINITY ? 0.f : -mx * scale_log2;
-      corr[r] = row_max[r] == -INFINITY ? 0.f : exp2_approx((row_max[r] - mx) * scale_log2);
-      row_max[r] = mx;
-      float sum = 0.f;
-#pragma unroll
-      for (int j = 0; j < kSRegs; ++j) {
-        if (((j >> 1) & 1) == r) {
-          s[j] = exp2_approx(fmaf(s[j], scale_log2, neg_max));
-          sum += s[j];
-        }
-      }
-      row_sum[r] = row_sum[r] * corr[r] + sum;
-    }
+    online_softmax<K>(mask_tag, s, row_max, row_sum, corr, p, row0, diag, i, t, scale_log2);
   };
   auto rescale_o = [&](const float (&corr)[2]) {
 #pragma unroll
     for (int j = 0; j < kORegs; ++j) o[j] *= corr[(j >> 1) & 1];
   };
-  // S's C layout is P's A layout (mma.cuh): n8 tiles 2kk and 2kk + 1 are k16 step kk.
-  auto pack_p = [&] {
-#pragma unroll
-    for (int kk = 0; kk < kPSteps; ++kk) {
-      pf[kk][0] = pack2<T>(s[8 * kk + 0], s[8 * kk + 1]);
-      pf[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
-      pf[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
-      pf[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
-    }
-  };
+  auto pack_p = [&] { hopper_fwd::pack_p<T, K>(pf, s); };
   // A consumer warp is done with a stage (its products completed): one arrive per warp.
   auto release = [&](int stage) {
     if (lane == 0) mbarrier_arrive(&kv_empty[stage]);
@@ -446,27 +510,8 @@ __global__ void __launch_bounds__(K::kThreads, 1)
     release(last);
   }
 
-  // o = acc / l and lse = max * scale + log(l); a row with no visible key (l = 0) gets o = 0 and
-  // lse = -inf (attention.h). Shuffles before any branch on the row: all 32 lanes take part.
   T* out = static_cast<T*>(p.o) + static_cast<int64_t>(b) * p.o_batch_stride + static_cast<int64_t>(h) * p.o_head_stride;
-  float* lse = static_cast<float*>(p.lse) + bh * p.seqlen_q;
-  const float scale = scale_log2 * 0.69314718055994531f;  // back to natural units
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float l = row_sum[r];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    const int64_t row = row0 + 8 * r;
-    if (row < p.seqlen_q) {  // the last tile's rows past the end computed on zero rows of Q
-      T* o_row = out + row * p.o_seq_stride;
-#pragma unroll
-      for (int j = 2 * r; j < kORegs; j += 4) {
-        *reinterpret_cast<uint32_t*>(o_row + 8 * (j >> 2) + 2 * t) = pack2<T>(o[j] * inv, o[j + 1] * inv);
-      }
-      if (t == 0) lse[row] = l > 0.f ? row_max[r] * scale + logf(l) : -INFINITY;
-    }
-  }
+  store_o_lse<T, K>(o, row_sum, row_max, out, static_cast<float*>(p.lse) + bh * p.seqlen_q, row0, p, t, scale_log2);
 #endif  // COURSE_HOPPER_DEVICE: other targets compile an empty kernel the glue never launches
 }
 
@@ -511,11 +556,6 @@ cudaError_t run_flash_fwd_hopper_config(const AttentionParams& p, cudaStream_t s
                                                                                 static_cast<unsigned>(q_tiles),
                                                                                 scale_log2);
   return cudaGetLastError();
-}
-
-template <typename T, int D, HopperForward kRung>
-cudaError_t run_flash_fwd_hopper(const AttentionParams& p, cudaStream_t stream) {
-  return run_flash_fwd_hopper_config<T, HopperFwdTraits<D, kRung>>(p, stream);
 }
 
 }  // namespace flash_attention

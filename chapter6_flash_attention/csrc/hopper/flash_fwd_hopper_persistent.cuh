@@ -1,0 +1,373 @@
+// Chapter 6, part 3, rung "persistent": the forward of flash_fwd_hopper_kernel.cuh in a grid of one
+// block per SM slot, each walking a list of (batch, head, query tile) work items.
+//
+// Why. A block of the other rungs computes one 128-row tile and exits. Before its first product it
+// waits for Q and the first K/V stage to arrive (the copies' latency, with nothing else to do),
+// and after its last one it normalizes O and stores it with the tensor cores idle; at 512 keys a
+// tile is four key tiles, and that prologue and epilogue are a large share of it. And the grid's
+// last wave runs on part of the GPU. Here the block stays: the producer warp loads tile i + 1's Q
+// and first K/V stages while the consumers finish tile i and store its output, so the prologue of
+// every tile but the first hides under the epilogue of the one before, and the schedule
+// (HopperTileSchedule, tile_schedule.h: longest tiles first, the blocks drawing the next tile from
+// a counter) ends the grid on the shortest tiles.
+//
+// What carries across tiles, and why each is correct:
+//   - the work items: the producer thread draws them (atomicAdd on the launch's counter) and hands
+//     each to the consumers through a two-slot ring in shared memory (tile_full: the slot is
+//     written; tile_empty: all 256 consumer threads have read it), so it can publish tile i + 1
+//     while the consumers are on tile i. The index past the last tile ends both loops.
+//   - the K/V ring: producer and consumers count key tiles over the whole walk (kv_trips), not per
+//     work item, so stage (trip % kStages) and parity ((trip / kStages) & 1) continue where the last
+//     tile left them: each mbarrier completes its phases in the same order in which they are waited
+//     for, whichever tile a trip belongs to.
+//   - Q: one buffer, now two barriers each way, one per consumer warpgroup (its 64 rows are one TMA
+//     box of their own). A warpgroup releases its half (q_empty) once its last Q K^T of the tile has
+//     completed, before its last P V and the epilogue, and the producer refills that half for the
+//     next tile at once: the copy runs under the last P V and the stores (under the stores alone
+//     at d = 256, whose warp_specialized schedule has no product in flight to overlap before its
+//     last P V is done). q_trips counts the tiles that loaded a Q (a tile whose rows see no key
+//     loads nothing), on both sides alike.
+//   - the ping-pong turns: one turn sequence over the whole walk, not per tile. Warpgroup 1 gives
+//     warpgroup 0 the first turn once, every turn is passed on (the last turn of a tile hands the
+//     tensor cores to the other warpgroup's next tile), and warpgroup 0 takes one last, empty turn
+//     at the end, so each named barrier sees as many arrivals as syncs.
+// The consumers' math per key tile is the other rungs' (hopper_fwd::issue_qk, online_softmax, ...),
+// so the output is the same bits as theirs: rung "pingpong" at d = 64 and 128, "warp_specialized" at
+// d = 256 (the tests hold it to that).
+#pragma once
+
+#include "hopper/flash_fwd_hopper_kernel.cuh"
+
+namespace flash_attention {
+
+template <typename T, typename K>
+__global__ void __launch_bounds__(K::kThreads, 1)
+    flash_fwd_hopper_persistent_kernel(const __grid_constant__ CUtensorMap map_q,
+                                       const __grid_constant__ CUtensorMap map_k,
+                                       const __grid_constant__ CUtensorMap map_v, const AttentionParams p,
+                                       const HopperTileSchedule schedule, int* tile_counter, float scale_log2) {
+#if COURSE_HOPPER_DEVICE
+  using namespace hopper;
+  using namespace hopper_fwd;
+  static_assert(K::kPersistent, "the persistent schedule's traits");
+  constexpr int kBN = K::kBlockN, kBM = K::kBlockM, kStages = K::kStages;
+  constexpr int kHalfQBytes = K::kQBytes / 2;  // one consumer warpgroup's 64 rows of Q
+  extern __shared__ unsigned char smem_raw[];
+  // The swizzle pattern repeats every 1024 bytes and the descriptors assume atoms there.
+  unsigned char* smem =
+      reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  unsigned char* q_s = smem;                          // [chunk][kBlockM rows][64]: warpgroup w's rows at 64 w
+  unsigned char* k_s = q_s + K::kQBytes;              // [stage][chunk][kBlockN rows][64]
+  unsigned char* v_s = k_s + kStages * K::kKVBytes;   // same
+  __shared__ uint64_t q_full[2], q_empty[2], k_full[kStages], v_full[kStages], kv_empty[kStages];
+  __shared__ uint64_t tile_full[2], tile_empty[2];
+  __shared__ int tile_slot[2];  // the work items handed from the producer to the consumers
+
+  if (threadIdx.x == 0) {
+    prefetch_tensor_map(&map_q);
+    prefetch_tensor_map(&map_k);
+    prefetch_tensor_map(&map_v);
+    for (int w = 0; w < 2; ++w) {
+      mbarrier_init(&q_full[w], 1);   // the producer's arrive, with the half's bytes
+      mbarrier_init(&q_empty[w], 4);  // one arrive per warp of warpgroup w, its last Q K^T done
+      mbarrier_init(&tile_full[w], 1);                    // the producer wrote slot w
+      mbarrier_init(&tile_empty[w], K::kConsumerThreads);  // every consumer thread read it
+    }
+    for (int s = 0; s < kStages; ++s) {
+      mbarrier_init(&k_full[s], 1);
+      mbarrier_init(&v_full[s], 1);
+      mbarrier_init(&kv_empty[s], 8);  // one arrive per consumer warp once it is done with the stage
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();  // the barriers are initialised before anyone waits on them
+
+  // A work item by its index in the schedule's order, as both roles decode it.
+  const int64_t diag = p.seqlen_k - p.seqlen_q;  // key j is visible to row i iff j <= i + diag
+  struct Item {
+    int b, h, hk, n_tiles;
+    int64_t m0, pair;
+  };
+  auto item_at = [&](int64_t index) {
+    Item it;
+    int pair, q_tile;
+    hopper_tile_at(schedule, static_cast<int>(index), &pair, &q_tile);
+    it.pair = pair;
+    it.b = static_cast<int>(pair / p.heads);
+    it.h = static_cast<int>(pair % p.heads);
+    it.hk = static_cast<int>(it.h / (p.heads / p.heads_kv));  // GQA
+    it.m0 = static_cast<int64_t>(q_tile) * kBM;
+    const int64_t last_row = (it.m0 + kBM < p.seqlen_q ? it.m0 + kBM : p.seqlen_q) - 1;
+    it.n_tiles = static_cast<int>((visible_keys(last_row, p.seqlen_q, p.seqlen_k, p.causal) + kBN - 1) / kBN);
+    return it;
+  };
+
+  if (threadIdx.x < K::kProducerThreads) {
+    // The producer: one thread walks the same items as the consumers and issues every copy, as far
+    // ahead as the barriers let it: into tile i + 1 while the consumers are still on tile i.
+    setmaxnreg_dec<K::kProducerRegs>();
+    if (threadIdx.x == 0) {
+      uint32_t q_trips = 0, kv_trips = 0;
+      int index = blockIdx.x;  // the first round is the grid itself; the counter hands out the rest
+      for (uint32_t trip = 0;; ++trip) {
+        // Hand the index to the consumers: slot trip % 2 is free once they all read trip - 2's.
+        const int slot = trip & 1;
+        if (trip >= 2) mbarrier_wait(&tile_empty[slot], ((trip >> 1) - 1) & 1);
+        tile_slot[slot] = index;
+        mbarrier_arrive(&tile_full[slot]);  // release: the consumers' wait sees the write above
+        if (index >= schedule.tiles) break;  // the end, now published
+        const Item it = item_at(index);
+        if (it.n_tiles == 0) {  // rows that see no key: the consumers store zeros, nothing to load
+          index = atomicAdd(tile_counter, 1) + static_cast<int>(gridDim.x);
+          continue;
+        }
+        for (int w = 0; w < 2; ++w) {
+          // Warpgroup w's half of Q is free once its 4 warps' last Q K^T of the previous tile is done.
+          if (q_trips > 0) mbarrier_wait(&q_empty[w], (q_trips - 1) & 1);
+          mbarrier_arrive_expect_tx(&q_full[w], kHalfQBytes);
+#pragma unroll
+          for (int c = 0; c < K::kChunks; ++c) {
+            // Rows past seqlen_q (the whole half, for a tile of up to 64 rows) arrive as zeros.
+            tma_load_4d(q_s + c * kBM * 128 + w * 64 * 128, &map_q, &q_full[w], c * 64,
+                        static_cast<int>(it.m0) + 64 * w, it.h, it.b);
+          }
+        }
+        ++q_trips;
+        for (int i = 0; i < it.n_tiles; ++i, ++kv_trips) {
+          const int stage = kv_trips % kStages;
+          // The stage is free once the 8 consumer warps are done with trip kv_trips - kStages
+          // (of this tile or of the last one).
+          if (kv_trips >= kStages) mbarrier_wait(&kv_empty[stage], ((kv_trips / kStages) - 1) & 1);
+          // K and V complete on separate barriers, so that S = Q K^T starts before V lands.
+          mbarrier_arrive_expect_tx(&k_full[stage], K::kKVBytes);
+#pragma unroll
+          for (int c = 0; c < K::kChunks; ++c) {
+            tma_load_4d(k_s + stage * K::kKVBytes + c * kBN * 128, &map_k, &k_full[stage], c * 64, i * kBN, it.hk,
+                        it.b);
+          }
+          mbarrier_arrive_expect_tx(&v_full[stage], K::kKVBytes);
+#pragma unroll
+          for (int c = 0; c < K::kChunks; ++c) {
+            tma_load_4d(v_s + stage * K::kKVBytes + c * kBN * 128, &map_v, &v_full[stage], c * 64, i * kBN, it.hk,
+                        it.b);
+          }
+        }
+        // The next tile, drawn once this one's copies are all issued: as late as the producer can
+        // (the block is a couple of key tiles from done, and the others have drawn meanwhile) with
+        // time to spare (its Q waits for this tile's last Q K^T anyway).
+        index = atomicAdd(tile_counter, 1) + static_cast<int>(gridDim.x);
+      }
+    }
+    return;
+  }
+  setmaxnreg_inc<K::kConsumerRegs>();
+
+  // ---------------------------------------------------------------- the consumers
+  const int ct = threadIdx.x - K::kProducerThreads;
+  const int wg = ct / 128;  // consumer warpgroup: rows 64 wg .. 64 wg + 63 of each tile
+  const int warp = (ct % 128) / 32;
+  const int lane = ct % 32;
+  const int g = lane / 4, t = lane % 4;
+  const unsigned char* q_wg = q_s + wg * 64 * 128;
+
+  float o[K::kHeadDim / 2];
+  float s[kBN / 2];
+  uint32_t pf[kBN / 16][4];  // P as wgmma's A fragments, one k16 step of keys each
+  float row_max[2], row_sum[2];
+  int64_t row0 = 0;  // this lane's rows of the current tile: row0 and row0 + 8
+  uint32_t q_trips = 0, kv_trips = 0;  // the producer's counts, kept in step
+
+  auto issue_qk = [&](int stage) { hopper_fwd::issue_qk<T, K>(s, q_wg, k_s + stage * K::kKVBytes); };
+  auto issue_pv = [&](int stage) { hopper_fwd::issue_pv<T, K>(o, pf, v_s + stage * K::kKVBytes); };
+  auto softmax = [&](auto mask_tag, int i, float (&corr)[2]) {
+    online_softmax<K>(mask_tag, s, row_max, row_sum, corr, p, row0, diag, i, t, scale_log2);
+  };
+  auto rescale_o = [&](const float (&corr)[2]) {
+#pragma unroll
+    for (int j = 0; j < K::kHeadDim / 2; ++j) o[j] *= corr[(j >> 1) & 1];
+  };
+  auto pack_p = [&] { hopper_fwd::pack_p<T, K>(pf, s); };
+  // A consumer warp is done with a stage (its products completed): one arrive per warp.
+  auto release = [&](int stage) {
+    if (lane == 0) mbarrier_arrive(&kv_empty[stage]);
+  };
+  // Trip i of the current tile: its stage and the parity its barriers complete with.
+  auto stage_of = [&](int i) { return static_cast<int>((kv_trips + i) % kStages); };
+  auto parity_of = [&](int i) { return ((kv_trips + i) / kStages) & 1; };
+
+  // Ping-pong turns (the one-tile kernel's, carried over the walk: see the top of the file).
+  auto take_turn = [&] {
+    if constexpr (K::kPingpong) named_barrier_sync(1 + wg, 256);
+  };
+  auto pass_turn = [&] {
+    if constexpr (K::kPingpong) named_barrier_arrive(2 - wg, 256);
+  };
+  if constexpr (K::kPingpong) {
+    if (wg == 1) named_barrier_arrive(1, 256);
+  }
+  const std::false_type unmasked;
+  const std::true_type masked;
+
+  for (uint32_t trip = 0;; ++trip) {
+    const int slot = trip & 1;
+    mbarrier_wait(&tile_full[slot], (trip >> 1) & 1);
+    const int index = tile_slot[slot];
+    mbarrier_arrive(&tile_empty[slot]);  // this thread is done with the slot
+    if (index >= schedule.tiles) break;  // the walk is over, as for the producer
+    const Item it = item_at(index);
+    const int n_tiles = it.n_tiles;
+    row0 = it.m0 + wg * 64 + warp * 16 + g;
+#pragma unroll
+    for (int j = 0; j < K::kHeadDim / 2; ++j) o[j] = 0.f;
+    row_max[0] = row_max[1] = -INFINITY;  // raw scores (not scaled): scale > 0
+    row_sum[0] = row_sum[1] = 0.f;        // this lane's share; the row's four lanes add at the end
+
+    if (n_tiles > 0) {
+      mbarrier_wait(&q_full[wg], q_trips & 1);
+      ++q_trips;
+      // Tiles 0 .. n_full - 1 need no mask for any row of the block (as in the one-tile kernel).
+      int64_t full_tiles = p.seqlen_k / kBN;
+      if (p.causal) full_tiles = min(full_tiles, max(int64_t{0}, it.m0 + diag + 1) / kBN);
+      const int n_full = static_cast<int>(min(full_tiles, static_cast<int64_t>(n_tiles)));
+      // This warpgroup's half of Q is read for the last time: the producer may load the next tile's.
+      auto release_q = [&] {
+        if (lane == 0) mbarrier_arrive(&q_empty[wg]);
+      };
+
+      if constexpr (!K::kJoint) {
+        // warp_specialized's schedule (d = 256): each key tile in order, product, softmax, product.
+        auto step = [&](auto mask_tag, int i) {
+          const int stage = stage_of(i);
+          mbarrier_wait(&k_full[stage], parity_of(i));
+          issue_qk(stage);
+          wgmma_wait<0>();
+          fence_operands(s);
+          float corr[2];
+          softmax(mask_tag, i, corr);
+          rescale_o(corr);
+          pack_p();
+          mbarrier_wait(&v_full[stage], parity_of(i));
+          issue_pv(stage);
+          wgmma_wait<0>();
+          fence_operands(o);
+          fence_operands(pf);
+          release(stage);
+        };
+        for (int i = 0; i < n_full; ++i) step(unmasked, i);
+        for (int i = n_full; i < n_tiles; ++i) step(masked, i);
+        release_q();  // after the last P V here: no product is in flight to overlap with anyway
+      } else {
+        // pingpong's schedule (d = 64, 128): tile i - 1's P V and tile i's Q K^T in one turn.
+        mbarrier_wait(&k_full[stage_of(0)], parity_of(0));
+        take_turn();
+        issue_qk(stage_of(0));
+        pass_turn();
+        wgmma_wait<0>();
+        fence_operands(s);
+        float corr[2];
+        if (n_full > 0) {
+          softmax(unmasked, 0, corr);  // O is still 0: nothing to rescale
+        } else {
+          softmax(masked, 0, corr);
+        }
+        pack_p();
+        auto step = [&](auto mask_tag, int i) {
+          const int stage = stage_of(i), prev = stage_of(i - 1);
+          mbarrier_wait(&v_full[prev], parity_of(i - 1));
+          mbarrier_wait(&k_full[stage], parity_of(i));
+          take_turn();
+          issue_pv(prev);
+          issue_qk(stage);
+          pass_turn();
+          wgmma_wait<0>();
+          fence_operands(o);
+          fence_operands(pf);
+          fence_operands(s);
+          release(prev);
+          softmax(mask_tag, i, corr);
+          rescale_o(corr);
+          pack_p();
+        };
+        for (int i = 1; i < n_full; ++i) step(unmasked, i);
+        for (int i = n_full > 1 ? n_full : 1; i < n_tiles; ++i) step(masked, i);
+        // The last Q K^T has completed (the wait above): Q goes back before the last P V, so the
+        // next tile's Q arrives under that product and the stores below.
+        release_q();
+        const int last = stage_of(n_tiles - 1);
+        mbarrier_wait(&v_full[last], parity_of(n_tiles - 1));
+        take_turn();
+        issue_pv(last);
+        pass_turn();  // the other warpgroup's next turn may be its next tile's first Q K^T
+        wgmma_wait<0>();
+        fence_operands(o);
+        fence_operands(pf);
+        release(last);
+      }
+      kv_trips += n_tiles;
+    }
+
+    // The epilogue, while the producer's copies for the next tile are in flight.
+    T* out = static_cast<T*>(p.o) + static_cast<int64_t>(it.b) * p.o_batch_stride +
+             static_cast<int64_t>(it.h) * p.o_head_stride;
+    store_o_lse<T, K>(o, row_sum, row_max, out, static_cast<float*>(p.lse) + it.pair * p.seqlen_q, row0, p, t,
+                      scale_log2);
+  }
+  if constexpr (K::kPingpong) {
+    // The last turn warpgroup 1 passed (or its opening one, if no tile had keys) is taken here, so
+    // that barrier 1 ends with as many arrivals as syncs.
+    if (wg == 0) named_barrier_sync(1, 256);
+  }
+#endif  // COURSE_HOPPER_DEVICE: other targets compile an empty kernel the glue never launches
+}
+
+// The persistent grid: as many blocks as the GPU holds at once (its SM count times the blocks of
+// this kernel an SM fits: one, with 168 registers a thread and up to 225 KiB of shared memory),
+// never more than there are tiles. The device's SM count and L2 size are read here, per call
+// (attribute lookups, no driver round trip), for the GPU the caller's device guard selected.
+template <typename T, typename K>
+cudaError_t run_flash_fwd_hopper_persistent(const AttentionParams& p, cudaStream_t stream, void* workspace) {
+  const int64_t q_tiles = course::ceil_div(p.seqlen_q, static_cast<int64_t>(K::kBlockM));
+  const int64_t tiles = q_tiles * p.batch * p.heads;
+  if (tiles == 0) return cudaSuccess;
+  // INT_MAX less a grid: the counter's draws past the last tile (one per block) stay in an int.
+  if (tiles > INT_MAX / 2 || p.seqlen_q > INT_MAX || p.seqlen_k > INT_MAX) return cudaErrorInvalidConfiguration;
+  if (workspace == nullptr) return cudaErrorInvalidValue;  // the tile counter: the glue passes it
+  CUtensorMap map_q, map_k, map_v;
+  // Q in boxes of 64 rows: each consumer warpgroup's half has its own barriers.
+  COURSE_CUDA_TRY(make_bhsd_map(&map_q, p.q, p.batch, p.heads, p.seqlen_q, K::kHeadDim, p.q_batch_stride,
+                                p.q_head_stride, p.q_seq_stride, K::kBlockM / 2));
+  COURSE_CUDA_TRY(make_bhsd_map(&map_k, p.k, p.batch, p.heads_kv, p.seqlen_k, K::kHeadDim, p.k_batch_stride,
+                                p.k_head_stride, p.k_seq_stride, K::kBlockN));
+  COURSE_CUDA_TRY(make_bhsd_map(&map_v, p.v, p.batch, p.heads_kv, p.seqlen_k, K::kHeadDim, p.v_batch_stride,
+                                p.v_head_stride, p.v_seq_stride, K::kBlockN));
+  auto kernel = flash_fwd_hopper_persistent_kernel<T, K>;
+  COURSE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSmemBytes));
+  int device = 0, sms = 0, l2_bytes = 0, per_sm = 0;
+  COURSE_CUDA_TRY(cudaGetDevice(&device));
+  COURSE_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  COURSE_CUDA_TRY(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device));
+  COURSE_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, K::kThreads, K::kSmemBytes));
+  if (per_sm < 1) return cudaErrorInvalidConfiguration;  // cannot happen for a kernel the glue let through
+  const int64_t slots = static_cast<int64_t>(sms) * per_sm;
+  const int ctas = static_cast<int>(tiles < slots ? tiles : slots);
+  const HopperTileSchedule schedule = hopper_tile_schedule(p, l2_bytes);
+  // The counter starts at 0 every launch, in stream order (a graph capture records the memset).
+  int* counter = static_cast<int*>(workspace);
+  COURSE_CUDA_TRY(cudaMemsetAsync(counter, 0, sizeof(int), stream));
+  const float scale_log2 = static_cast<float>(p.scale * 1.4426950408889634);
+  kernel<<<static_cast<unsigned>(ctas), K::kThreads, K::kSmemBytes, stream>>>(map_q, map_k, map_v, p, schedule,
+                                                                              counter, scale_log2);
+  return cudaGetLastError();
+}
+
+// The rungs' entry point (the instantiation files): the persistent rung's kernel, or the one-tile one.
+template <typename T, int D, HopperForward kRung>
+cudaError_t run_flash_fwd_hopper(const AttentionParams& p, cudaStream_t stream, void* workspace) {
+  if constexpr (kRung == HopperForward::kPersistent) {
+    return run_flash_fwd_hopper_persistent<T, HopperFwdTraits<D, kRung>>(p, stream, workspace);
+  } else {
+    return run_flash_fwd_hopper_config<T, HopperFwdTraits<D, kRung>>(p, stream);
+  }
+}
+
+}  // namespace flash_attention

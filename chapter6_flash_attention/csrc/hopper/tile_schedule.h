@@ -1,0 +1,85 @@
+// Chapter 6, part 3: the persistent rung's tile schedule, plain C++ without CUDA types, so that the
+// kernel (flash_fwd_hopper_persistent.cuh), its launcher and the glue's hopper_tile_order op (which
+// the CPU tests ask) all follow the one rule, in any build.
+#pragma once
+
+#include "attention/attention.h"
+
+#include <cstdint>
+
+namespace flash_attention {
+
+// Query rows per block (two consumer warpgroups of wgmma's 64 rows), every Hopper rung.
+inline constexpr int kHopperBlockM = 128;
+
+// The persistent rung's tile schedule: the order in which the blocks take the (batch, head, query
+// tile) work items. Plain C++, so that the kernel, its launcher and the CPU tests (the
+// hopper_tile_order op) follow the one rule.
+//
+// The order (an index 0 .. tiles - 1):
+//   - L2 sections: the (batch, head) pairs are cut into sections of `section` consecutive pairs,
+//     whole groups of query heads that share a K/V head (GQA), as many K/V heads as fit in half the
+//     L2; a section's tiles all come before the next section's, so the blocks running together
+//     read the K and V of a few heads, which stay in L2 while every query tile of those heads
+//     streams over them (the other half of the L2 holds Q, O and the rest in flight). When the
+//     pairs do not divide into whole sections, the narrower one comes first, where its tiles mix
+//     with the next section's instead of running alone at the end.
+//   - inside a section the query tile is the outer index and the pair the inner one, and causal
+//     query tiles go longest first (the last tile of a head sees every key, the first one tile of
+//     them): the tiles taken at any time have about the same length, and the walk ends on the
+//     shortest ones.
+// The assignment is dynamic, FlashAttention 3's way: block c starts with index c, and each block
+// that starts a tile takes the next index from a counter in global memory (atomicAdd), which the
+// launcher clears before every launch. A block that drew short tiles takes more of them, so with
+// the longest first every block finishes within about one short tile of the others. A static
+// assignment (block c takes c, c + grid, c + 2 grid, ...) needs no counter, but where a section is
+// a few rounds of the grid long, a round mixes one section's shortest tiles with the next one's
+// longest, and the blocks that draw the long ones fall behind for good: replayed on the CPU with a
+// tile's key tiles as its cost, the busiest block had 1.2x the average's work at b2 h16 s8192
+// causal (test_attention.py replays both).
+struct HopperTileSchedule {
+  int q_tiles;   // kHopperBlockM-row query tiles per (batch, head)
+  int pairs;     // batch x heads
+  int section;   // (batch, head) pairs per L2 section: a multiple of heads / heads_kv
+  int first;     // pairs in the first section (the narrower one, when they do not divide)
+  int tiles;     // q_tiles x pairs
+  bool longest_first;  // causal
+};
+
+// The schedule of a problem with `l2_bytes` of L2 (the launcher passes the GPU's). Callers keep
+// q_tiles x batch x heads within an int (the launcher refuses larger).
+inline HopperTileSchedule hopper_tile_schedule(const AttentionParams& p, int64_t l2_bytes) {
+  HopperTileSchedule s{};
+  s.q_tiles = static_cast<int>((p.seqlen_q + kHopperBlockM - 1) / kHopperBlockM);
+  s.pairs = static_cast<int>(p.batch * p.heads);
+  s.tiles = s.q_tiles * s.pairs;
+  s.longest_first = p.causal;
+  const int64_t group = p.heads_kv > 0 ? p.heads / p.heads_kv : 1;  // query heads per K/V head
+  const int64_t kv_bytes = 2 * p.seqlen_k * p.head_dim * 2;       // K and V of one head, 16-bit
+  int64_t kv_heads = kv_bytes > 0 ? (l2_bytes / 2) / kv_bytes : s.pairs;
+  if (kv_heads < 1) kv_heads = 1;
+  const int64_t section = kv_heads * group;
+  s.section = static_cast<int>(section < s.pairs ? section : s.pairs);
+  if (s.section < 1) s.section = 1;
+  const int rest = s.pairs % s.section;
+  s.first = rest > 0 ? rest : s.section;
+  return s;
+}
+
+// The tile at `index` of the order (0 <= index < tiles): its pair (batch x heads + head) and query
+// tile.
+FLASH_ATTENTION_HD void hopper_tile_at(const HopperTileSchedule& s, int index, int* pair, int* q_tile) {
+  int first_pair = 0, width = s.first, in_section = index;
+  const int first_tiles = s.first * s.q_tiles;
+  if (index >= first_tiles) {  // one of the full sections after the first
+    const int sec = (index - first_tiles) / (s.section * s.q_tiles);
+    first_pair = s.first + sec * s.section;
+    width = s.section;
+    in_section = index - first_tiles - sec * s.section * s.q_tiles;
+  }
+  const int rank = in_section / width;
+  *pair = first_pair + in_section % width;
+  *q_tile = s.longest_first ? s.q_tiles - 1 - rank : rank;
+}
+
+}  // namespace flash_attention
