@@ -118,10 +118,13 @@ struct DispatchFacts {
   int cc_major = 0, cc_minor = 0, sms = 0;
   bool hopper_built = false;
 };
+// A window or a softcap (attention.h) runs on "tuned" and "split_kv" alone (their kernel is the
+// one that computes them), so such a call skips the Hopper rungs; on a GPU that cannot run those
+// two it gets "tiled", which refuses it with the way out.
 ForwardVersion forward_rule(const AttentionParams& p, const DispatchFacts& f) {
   if (!(f.cuda && f.half && f.cc_major >= 8)) return ForwardVersion::kTiled;
   if (f.hopper_built && f.cc_major == 9 && f.cc_minor == 0 && is_listed(kHopperHeadDims, p.head_dim) &&
-      p.scale > 0.0 && attention_forward_splits(p, f.sms) == 1) {
+      p.scale > 0.0 && !uses_window_or_softcap(p) && attention_forward_splits(p, f.sms) == 1) {
     return p.head_dim <= 128 ? ForwardVersion::kPingpong : ForwardVersion::kWarpSpecialized;
   }
   return ForwardVersion::kSplitKv;
@@ -214,6 +217,23 @@ void check_qkv(const char* op, const Tensor& q, const Tensor& k, const Tensor& v
                 " is not supported on CUDA (supported: ", list_text(kCudaHeadDims), ")");
   }
 }
+
+// window = (left, right), each a bound >= 0 or -1 (none), and softcap >= 0 (0: none), finite: a
+// NaN or infinite cap would silently give NaN or no cap at all.
+void check_window_softcap(const char* op, at::IntArrayRef window, double softcap) {
+  std::string got;
+  for (const int64_t w : window) got += (got.empty() ? "" : ", ") + std::to_string(w);
+  TORCH_CHECK(window.size() == 2 && window[0] >= -1 && window[1] >= -1, op,
+              ": window must be (left, right) with each >= 0 or -1, got (", got, ")");
+  TORCH_CHECK(softcap >= 0.0 && std::isfinite(softcap), op, ": softcap must be >= 0 and finite (0: no cap), got ",
+              std::to_string(softcap));
+}
+
+// The rungs that compute a window and a softcap: the forward's "tuned" and "split_kv" (one kernel),
+// the backward's "mma" and "mma_dqpass" (one kernel for dK and dV; dQ from it or from its second
+// pass). Every other rung refuses them with the way out; the CPU reference computes them all.
+bool takes_window_or_softcap(ForwardVersion v) { return v == ForwardVersion::kTuned || v == ForwardVersion::kSplitKv; }
+bool takes_window_or_softcap(BackwardVersion v) { return v == BackwardVersion::kMma || v == BackwardVersion::kMmaDqPass; }
 
 #define FLASH_ATTENTION_ON_CUDA(op, t, ...) COURSE_ON_CUDA(op, "flash_attention", t, __VA_ARGS__)
 
@@ -348,8 +368,9 @@ void backward_cuda(BackwardVersion v, const AttentionBackwardParams& g, const Te
 }
 #endif
 
+// window and softcap as checked by check_window_softcap; causal is the window's right = 0.
 AttentionParams make_params(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
-                            double scale, bool causal) {
+                            double scale, bool causal, at::IntArrayRef window, double softcap) {
   AttentionParams p{};
   p.dtype = ::course::to_dtype(q.scalar_type());
   p.q = q.const_data_ptr();
@@ -370,6 +391,9 @@ AttentionParams make_params(const Tensor& q, const Tensor& k, const Tensor& v, c
   p.o_batch_stride = out.stride(0), p.o_head_stride = out.stride(1), p.o_seq_stride = out.stride(2);
   p.scale = scale;
   p.causal = causal;
+  p.window_left = window[0];
+  p.window_right = causal ? 0 : window[1];
+  p.softcap = softcap;
   return p;
 }
 
@@ -378,16 +402,23 @@ AttentionParams make_params(const Tensor& q, const Tensor& k, const Tensor& v, c
 // dtype; lse is (batch, heads, seqlen_q), contiguous, in the accumulation type.
 // ---------------------------------------------------------------------------------------
 std::tuple<Tensor, Tensor> attention_forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, double scale,
-                                                  bool causal, OptVersion version) {
+                                                  bool causal, OptVersion version, at::IntArrayRef window,
+                                                  double softcap) {
   const char* op = kForward;
   check_qkv(op, q, k, v);
+  check_window_softcap(op, window, softcap);
   Tensor out = at::empty_symint(q.sym_sizes(), q.options());
   Tensor lse = at::empty_symint({q.sym_size(0), q.sym_size(1), q.sym_size(2)},
                                 q.options().dtype(lse_dtype(q.scalar_type())));
   const auto named = ::course::parse_version(op, version, kForwardVersions);  // a typo fails on Meta too
   if (q.is_meta()) return {out, lse};
-  [[maybe_unused]] const ForwardVersion v_ =
-      named.value_or(default_forward(q, make_params(q, k, v, out, lse, scale, causal)));
+  const AttentionParams sizes = make_params(q, k, v, out, lse, scale, causal, window, softcap);
+  [[maybe_unused]] const ForwardVersion v_ = named.value_or(default_forward(q, sizes));
+  if (q.is_cuda() && uses_window_or_softcap(sizes)) {
+    TORCH_CHECK(takes_window_or_softcap(v_), op, ": version '", ::course::version_name(kForwardVersions, v_),
+                "' takes no window or softcap; versions 'tuned' and 'split_kv' compute them (float16 and bfloat16, ",
+                "compute capability 8.0 or newer; version=None picks them there)");
+  }
   if (out.numel() == 0) return {out, lse};
   if (q.is_cuda()) {
 #ifdef WITH_CUDA
@@ -399,16 +430,14 @@ std::tuple<Tensor, Tensor> attention_forward_impl(const Tensor& q, const Tensor&
       }
       const bool tma = hopper_rung(v_);
       const Tensor qa = aligned_for_copies(q, tma), ka = aligned_for_copies(k, tma), va = aligned_for_copies(v, tma);
-      const AttentionParams p = make_params(qa, ka, va, out, lse, scale, causal);
+      const AttentionParams p = make_params(qa, ka, va, out, lse, scale, causal, window, softcap);
       FLASH_ATTENTION_ON_CUDA(op, q, forward_cuda(v_, p, q, stream));
       return {out, lse};
     }
 #endif
-    [[maybe_unused]] const AttentionParams p = make_params(q, k, v, out, lse, scale, causal);
-    FLASH_ATTENTION_ON_CUDA(op, q, forward_cuda(v_, p, q, stream));
+    FLASH_ATTENTION_ON_CUDA(op, q, forward_cuda(v_, sizes, q, stream));
   } else {
-    const AttentionParams p = make_params(q, k, v, out, lse, scale, causal);
-    attention_forward_cpu(p);
+    attention_forward_cpu(sizes);
   }
   return {out, lse};
 }
@@ -419,9 +448,11 @@ std::tuple<Tensor, Tensor> attention_forward_impl(const Tensor& q, const Tensor&
 // ---------------------------------------------------------------------------------------
 std::tuple<Tensor, Tensor, Tensor> attention_backward_impl(const Tensor& grad_out, const Tensor& q, const Tensor& k,
                                                            const Tensor& v, const Tensor& out, const Tensor& lse,
-                                                           double scale, bool causal, OptVersion version) {
+                                                           double scale, bool causal, OptVersion version,
+                                                           at::IntArrayRef window, double softcap) {
   const char* op = kBackward;
   check_qkv(op, q, k, v);
+  check_window_softcap(op, window, softcap);
   check_bhsd(op, "grad_out", grad_out);
   check_bhsd(op, "out", out);
   check_same(op, "grad_out", grad_out, "q", q);
@@ -442,6 +473,12 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward_impl(const Tensor& grad_ou
   Tensor dv = at::empty_symint(v.sym_sizes(), v.options());
   if (q.is_meta()) return {dq, dk, dv};
   [[maybe_unused]] const BackwardVersion v_ = named.value_or(default_backward(q));
+  if (q.is_cuda() && uses_window_or_softcap(make_params(q, k, v, out, lse, scale, causal, window, softcap))) {
+    TORCH_CHECK(takes_window_or_softcap(v_), op, ": version '", ::course::version_name(kBackwardVersions, v_),
+                "' takes no window or softcap; versions 'mma' and 'mma_dqpass' compute them (float16 and bfloat16, ",
+                "compute capability 8.0 or newer, head_dim ", list_text(kMmaBackwardHeadDims),
+                "; version=None picks 'mma_dqpass' there)");
+  }
   // The reference and the kernels index lse as a contiguous (batch, heads, seqlen_q) block.
   const Tensor lse_c = lse.contiguous();
   // The tensor-core rung copies Q, dO, K and V 16 bytes at a time (aligned_for_copies); the
@@ -455,7 +492,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward_impl(const Tensor& grad_ou
   }
 #endif
   AttentionBackwardParams g{};
-  g.fwd = make_params(qa, ka, va, out, lse_c, scale, causal);
+  g.fwd = make_params(qa, ka, va, out, lse_c, scale, causal, window, softcap);
   g.dout = goa.const_data_ptr();
   g.dq = dq.mutable_data_ptr();
   g.dk = dk.mutable_data_ptr();
@@ -483,16 +520,18 @@ using ::course::find_op;
 class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v, double scale,
-                               bool causal, OptVersion version) {
+                               bool causal, OptVersion version, at::IntArrayRef window, double softcap) {
     static auto op = find_op<decltype(attention_forward_impl)>("flash_attention::attention_forward");
     Tensor out, lse;
     {
       at::AutoDispatchBelowADInplaceOrView guard;
-      std::tie(out, lse) = op.call(q, k, v, scale, causal, version);
+      std::tie(out, lse) = op.call(q, k, v, scale, causal, version, window, softcap);
     }
     ctx->save_for_backward({q, k, v, out, lse});
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["causal"] = causal;
+    ctx->saved_data["window"] = window.vec();
+    ctx->saved_data["softcap"] = softcap;
     ctx->mark_non_differentiable({lse});
     return {out, lse};
   }
@@ -503,15 +542,18 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     // out.sum() hands back an expanded scalar (every stride 0): the one input whose last dim is
     // not ours to choose, so it alone may be copied.
     if (grad_out.sym_stride(3) != 1 && grad_out.sym_size(3) != 1) grad_out = grad_out.contiguous();
+    const std::vector<int64_t> window = ctx->saved_data["window"].toIntVector();
     auto [dq, dk, dv] = op.call(grad_out, s[0], s[1], s[2], s[3], s[4], ctx->saved_data["scale"].toDouble(),
-                                ctx->saved_data["causal"].toBool(), std::nullopt);
-    return {dq, dk, dv, Tensor(), Tensor(), Tensor()};
+                                ctx->saved_data["causal"].toBool(), std::nullopt, window,
+                                ctx->saved_data["softcap"].toDouble());
+    return {dq, dk, dv, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
 std::tuple<Tensor, Tensor> attention_forward_autograd(const Tensor& q, const Tensor& k, const Tensor& v, double scale,
-                                                      bool causal, OptVersion version) {
-  auto out = AttentionFunction::apply(q, k, v, scale, causal, version);
+                                                      bool causal, OptVersion version, at::IntArrayRef window,
+                                                      double softcap) {
+  auto out = AttentionFunction::apply(q, k, v, scale, causal, version, window, softcap);
   return {out[0], out[1]};
 }
 
@@ -519,10 +561,13 @@ std::tuple<Tensor, Tensor> attention_forward_autograd(const Tensor& q, const Ten
 // device passed in, so that any GPU can be asked about on any machine.
 std::string forward_rule_op(int64_t batch, int64_t heads, int64_t heads_kv, int64_t seqlen_q, int64_t seqlen_k,
                             int64_t head_dim, double scale, bool causal, bool cuda, bool half, int64_t cc_major,
-                            int64_t cc_minor, int64_t sms, bool hopper_built) {
+                            int64_t cc_minor, int64_t sms, bool hopper_built, at::IntArrayRef window,
+                            double softcap) {
+  check_window_softcap("forward_rule", window, softcap);
   AttentionParams p{};
   p.batch = batch, p.heads = heads, p.heads_kv = heads_kv, p.seqlen_q = seqlen_q, p.seqlen_k = seqlen_k;
   p.head_dim = head_dim, p.scale = scale, p.causal = causal;
+  p.window_left = window[0], p.window_right = causal ? 0 : window[1], p.softcap = softcap;
   const DispatchFacts f{cuda, half, static_cast<int>(cc_major), static_cast<int>(cc_minor), static_cast<int>(sms),
                         hopper_built};
   return ::course::version_name(kForwardVersions, forward_rule(p, f));
@@ -571,16 +616,19 @@ std::optional<std::vector<std::string>> attention_versions(std::string_view op) 
 // torch.library.opcheck.
 TORCH_LIBRARY_FRAGMENT(flash_attention, m) {
   const std::vector<at::Tag> pt2 = {at::Tag::pt2_compliant_tag};
-  m.def("attention_forward(Tensor q, Tensor k, Tensor v, float scale, bool causal=False, str? version=None)"
-        " -> (Tensor out, Tensor lse)",
+  // window and softcap come last, with defaults, so that calls written before they existed still work.
+  m.def("attention_forward(Tensor q, Tensor k, Tensor v, float scale, bool causal=False, str? version=None, "
+        "int[2] window=[-1, -1], float softcap=0.0) -> (Tensor out, Tensor lse)",
         pt2);
   m.def("attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float scale, "
-        "bool causal=False, str? version=None) -> (Tensor dq, Tensor dk, Tensor dv)",
+        "bool causal=False, str? version=None, int[2] window=[-1, -1], float softcap=0.0) "
+        "-> (Tensor dq, Tensor dk, Tensor dv)",
         pt2);
   m.def("grid_stride_blocks(int work, int per_block, int sms) -> int", &flash_attention::grid_stride_blocks_op);
   m.def("hopper_kernels_built() -> bool", &flash_attention::hopper_kernels_built_op);
   m.def("forward_rule(int batch, int heads, int heads_kv, int seqlen_q, int seqlen_k, int head_dim, float scale, "
-        "bool causal, bool cuda, bool half, int cc_major, int cc_minor, int sms, bool hopper_built) -> str",
+        "bool causal, bool cuda, bool half, int cc_major, int cc_minor, int sms, bool hopper_built, "
+        "int[2] window=[-1, -1], float softcap=0.0) -> str",
         &flash_attention::forward_rule_op);
   m.def("backward_rule(int head_dim, bool cuda, bool half, int cc_major) -> str", &flash_attention::backward_rule_op);
 }
