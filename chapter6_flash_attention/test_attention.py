@@ -597,8 +597,9 @@ def rounding_bounds(q, k, v, grad_out, causal, window=(-1, -1), softcap=0.0):
         scores, dcap = softcap * t, 1 - t * t
     p = torch.where(visible & finite, torch.exp(scores - lse.nan_to_num(neginf=0)[..., None]), torch.zeros(()))
     ds_uncapped = p * (go @ vr.transpose(-1, -2) - (go * out).sum(-1, keepdim=True))
-    # u + approx relative in P and so in dS; the derivative's own error, 2 * 2^-11 absolute at most
-    ds = ds_uncapped * dcap * (1 + approx / u) + ds_uncapped.abs() * 2 * approx / u
+    # u + approx relative in P and so in dS, and the derivative's own error, 2 t dt: 2 * 2^-11 absolute
+    derivative = 2 * TANH_APPROX_ERROR if approx else 0.0
+    ds = ds_uncapped.abs() * (dcap * (1 + approx / u) + derivative / u)
     p = p * (1 + approx / u)
 
     def per_kv_head(t):  # (b, heads, s, d) -> (b, heads_kv, s, d), summed over the group
@@ -695,6 +696,8 @@ def check_cuda_forward(q, k, v, causal, version, what, **features):
     assert torch.equal(lse.isneginf(), ref_lse.isneginf()), f"{what}: lse is -inf exactly where no key is visible"
     finite = ref_lse.isfinite()
     rtol, atol = CUDA_LSE_TOL[dtype]
+    # a log-sum-exp moves by at most the largest error of its terms: tanh.approx's, where it is used
+    atol += tanh_approx_error(dtype, features.get("softcap", 0.0))
     torch.testing.assert_close(lse.double()[finite], ref_lse[finite], rtol=rtol, atol=atol,
                                msg=lambda m: f"{what} lse: {m}")
     # the rows that see no key: exactly 0 (out[~finite] is (rows, head_dim))
@@ -1472,10 +1475,10 @@ def case_id(case):
 @pytest.mark.cuda
 @pytest.mark.parametrize("head_dim", (32, 64, 96, 128, 256))
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("version", WINDOW_SOFTCAP_FORWARD + (None,), ids=lambda v: v or "default")
+@pytest.mark.parametrize("version", WINDOW_SOFTCAP_FORWARD)
 def test_cuda_window_softcap_forward(version, dtype, head_dim):
-    """Each rung that takes a window and a softcap, and version=None (which must route them there,
-    Hopper included: part 3's rungs would refuse), against the float64 reference."""
+    """Each rung that takes a window and a softcap against the float64 reference (version=None:
+    test_cuda_window_softcap_default)."""
     require_cuda()
     skip_unless_takes("tuned", dtype, head_dim)
     for case in WINDOW_SOFTCAP_CASES:
@@ -1488,7 +1491,7 @@ def test_cuda_window_softcap_forward(version, dtype, head_dim):
 @pytest.mark.cuda
 @pytest.mark.parametrize("head_dim", (32, 64, 96, 128))
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("version", WINDOW_SOFTCAP_BACKWARD + (None,), ids=lambda v: v or "default")
+@pytest.mark.parametrize("version", WINDOW_SOFTCAP_BACKWARD)
 def test_cuda_window_softcap_backward(version, dtype, head_dim):
     """dQ, dK and dV of each backward rung that takes a window and a softcap (dS times the cap's
     derivative) against the float64 reference's autograd."""
@@ -1503,13 +1506,29 @@ def test_cuda_window_softcap_backward(version, dtype, head_dim):
 
 
 @pytest.mark.cuda
-def test_cuda_window_softcap_autograd():
-    """Through attention()'s autograd, version=None both ways: the gradients of a sliding-window,
-    softcapped causal call against the reference's, and split_kv against tuned on a split grid."""
+@pytest.mark.parametrize("head_dim", (64, 128))
+def test_cuda_window_softcap_default(head_dim):
+    """version=None, forward and backward, through attention()'s autograd: it runs the tensor-core
+    kernel of rung "split_kv" (on a Hopper too, where a plain call runs part 3's rungs), and the
+    gradients of a sliding-window, softcapped causal call match the reference's; split_kv and tuned
+    agree on a grid that splits."""
     require_cuda()
-    if not takes_backward("mma_dqpass", torch.bfloat16, 64):
+    if not takes_backward("mma_dqpass", torch.bfloat16, head_dim):
         pytest.skip("the tensor-core rungs need sm_80")
-    q, k, v = window_softcap_inputs(2, 1, 33, 900, 64, torch.bfloat16, 30.0, requires_grad=True)
+    from coursekit.pytest_plugin import launched_kernels
+    q, k, v = window_softcap_inputs(2, 1, 33, 900, head_dim, torch.bfloat16, 30.0, requires_grad=True)
+    assert flash_attention.default_choice("attention_forward", q, k, causal=True, window=(256, 0),
+                                          softcap=30.0) == "split_kv"
+    _, names = launched_kernels(lambda: flash_attention.attention(q, k, v, causal=True, window=(256, 0), softcap=30.0),
+                                "flash_attention")
+    assert any("flash_fwd_kernel" in n for n in names) and not any("hopper" in n for n in names), names
+    for case in WINDOW_SOFTCAP_CASES[::3]:
+        heads, heads_kv, seqlen_q, seqlen_k, window, causal, softcap = case
+        qc, kc, vc = window_softcap_inputs(heads, heads_kv, seqlen_q, seqlen_k, head_dim, torch.bfloat16, softcap)
+        check_cuda_forward(qc, kc, vc, causal, None, f"default d{head_dim} {case_id(case)}", window=window,
+                           softcap=softcap)
+        check_cuda_backward(qc, kc, vc, causal, None, f"default d{head_dim} {case_id(case)}", window=window,
+                            softcap=softcap)
     out = flash_attention.attention(q, k, v, causal=True, window=(256, 0), softcap=30.0)
     grad_out = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), grad_out)
