@@ -1600,3 +1600,143 @@ def test_sanitizer_window_softcap_backward(version):
         q, k, v = window_softcap_inputs(4, 2, seqlen_q, seqlen_k, 32, torch.bfloat16, softcap)
         check_cuda_backward(q, k, v, causal, version, f"{version} s{seqlen_q}x{seqlen_k} {window}",
                             window=window, softcap=softcap)
+
+
+# ---------------------------------------------------------------------------------------------
+# 13. attention_varlen: sequences of different lengths packed along one token dim (CPU reference)
+# ---------------------------------------------------------------------------------------------
+# (lengths of q, lengths of k) per sequence: equal, q shorter (a chunk against its cache) and
+# longer, one token, an empty query (its keys get zero gradients) and an empty key set (its rows
+# see nothing).
+VARLEN_BATCHES = [
+    ([5, 17, 1, 30], [5, 17, 1, 30]),
+    ([3, 0, 9, 12], [20, 4, 9, 0]),
+]
+
+
+def varlen_inputs(lens_q, lens_k, heads, heads_kv, head_dim, dtype=torch.float64, requires_grad=False):
+    q = torch.randn(sum(lens_q), heads, head_dim, dtype=torch.float64).to(dtype)
+    k = torch.randn(sum(lens_k), heads_kv, head_dim, dtype=torch.float64).to(dtype)
+    v = (torch.randn(sum(lens_k), heads_kv, head_dim, dtype=torch.float64) * 2 + 0.5).to(dtype)
+    cu_q = torch.tensor([0] + lens_q, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    cu_k = torch.tensor([0] + lens_k, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return tuple(t.requires_grad_(requires_grad) for t in (q, k, v)) + (cu_q, cu_k)
+
+
+def varlen_reference(q, k, v, cu_q, cu_k, causal, **features):
+    """The dense float64 reference of each sequence alone, packed back: (out, lse (heads, total_q))."""
+    outs, lses = [], []
+    for b in range(cu_q.numel() - 1):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        out, lse = reference(*(t[s].transpose(0, 1).unsqueeze(0) for t, s in ((q, qs), (k, ks), (v, ks))), causal,
+                             1.0 / math.sqrt(q.shape[-1]), **features)
+        outs.append(out[0].transpose(0, 1))
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("features", [dict(), dict(causal=True), dict(window=(4, 2)),
+                                      dict(causal=True, window=(6, -1), softcap=3.0)],
+                         ids=("full", "causal", "window", "causal_window_softcap"))
+@pytest.mark.parametrize("batch", range(len(VARLEN_BATCHES)))
+def test_varlen_matches_reference(batch, features, dtype):
+    lens_q, lens_k = VARLEN_BATCHES[batch]
+    features = dict(features)
+    causal = features.pop("causal", False)
+    q, k, v, cu_q, cu_k = varlen_inputs(lens_q, lens_k, 4, 2, 16, dtype, requires_grad=True)
+    out, lse = flash_attention.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                                return_lse=True, **features)
+    leaves = tuple(t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = varlen_reference(*leaves, cu_q, cu_k, causal, **features)
+    assert_forward(out, ref, dtype, "out")
+    assert lse.shape == (4, sum(lens_q)) and lse.dtype == lse_dtype(dtype)
+    assert_lse(lse, ref_lse, dtype, "lse")
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    expected = torch.autograd.grad(ref, leaves, grad_out.double())
+    for name, g, e in zip("qkv", grads, expected):
+        assert_grad(g, e, dtype, f"d{name}")
+
+
+def test_varlen_sequences_do_not_see_each_other():
+    """Changing one sequence's keys changes no other sequence's output: the packing is not a batch
+    of one long sequence (which is what a missing offset would compute)."""
+    q, k, v, cu_q, cu_k = varlen_inputs([6, 7], [8, 5], 2, 2, 8)
+    before = flash_attention.attention_varlen(q, k, v, cu_q, cu_k, 7, 8)
+    k2 = k.clone()
+    k2[8:] += 1.0
+    after = flash_attention.attention_varlen(q, k2, v, cu_q, cu_k, 7, 8)
+    assert torch.equal(before[:6], after[:6]) and not torch.equal(before[6:], after[6:])
+
+
+def test_varlen_gradcheck():
+    q, k, v, cu_q, cu_k = varlen_inputs([3, 0, 4], [5, 2, 3], 2, 1, 4, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda a, b, c: flash_attention.attention_varlen(a, b, c, cu_q, cu_k, 4, 5, causal=True, window=(2, -1),
+                                                         softcap=1.5), (q, k, v))
+
+
+def test_varlen_opcheck_and_compile():
+    q, k, v, cu_q, cu_k = varlen_inputs([3, 5], [4, 6], 4, 2, 8, torch.float32, requires_grad=True)
+    torch.library.opcheck(OPS.attention_varlen_forward.default, (q, k, v, cu_q, cu_k, 5, 6, 0.3, True, [2, -1], 2.0))
+    out, lse = OPS.attention_varlen_forward(q.detach(), k.detach(), v.detach(), cu_q, cu_k, 5, 6, 0.3)
+    torch.library.opcheck(OPS.attention_varlen_backward.default,
+                          (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, cu_q, cu_k, 5, 6, 0.3))
+    torch._dynamo.reset()
+
+    def block(q, k, v):
+        return flash_attention.attention_varlen(q, k, v, cu_q, cu_k, 5, 6, causal=True).square().sum()
+
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    grads = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+    for g, e in zip(grads, torch.autograd.grad(block(q, k, v), (q, k, v))):
+        torch.testing.assert_close(g, e)
+
+
+def _varlen(q_total=5, k_total=5, cu_q=(0, 2, 5), cu_k=(0, 3, 5), max_q=3, max_k=3, dtype=torch.float32,
+            cu_dtype=torch.int32, **kwargs):
+    return lambda: flash_attention.attention_varlen(
+        _t(q_total, 2, 8, dtype=dtype), _t(k_total, 2, 8, dtype=dtype), _t(k_total, 2, 8, dtype=dtype),
+        torch.tensor(cu_q, dtype=cu_dtype), torch.tensor(cu_k, dtype=cu_dtype), max_q, max_k, **kwargs)
+
+
+VARLEN_MISUSES = {
+    "4-D q": (lambda: flash_attention.attention_varlen(_t(1, 5, 2, 8), _t(5, 2, 8), _t(5, 2, 8),
+                                                       torch.tensor([0, 5], dtype=torch.int32),
+                                                       torch.tensor([0, 5], dtype=torch.int32), 5, 5),
+              r"attention_varlen_forward: q has shape \[1, 5, 2, 8\] \(4 dims\); it must have 3: "
+              r"\(total_tokens, heads, head_dim\)"),
+    "int64 cu_seqlens": (_varlen(cu_dtype=torch.int64),
+                         r"attention_varlen_forward: cu_seqlens_q has dtype Long but must be Int \(int32"),
+    "cu_seqlens lengths differ": (_varlen(cu_k=(0, 5)),
+                                  r"attention_varlen_forward: cu_seqlens_q has 3 entries but cu_seqlens_k has 2"),
+    "cu_seqlens not from 0": (_varlen(cu_q=(1, 2, 5)), r"attention_varlen_forward: cu_seqlens_q\[0\] is 1; it must be 0"),
+    "cu_seqlens decreasing": (_varlen(cu_k=(0, 3, 2)), r"attention_varlen_forward: cu_seqlens_k decreases at 2 "
+                                                       r"\(3 then 2\)"),
+    "cu_seqlens short of the total": (_varlen(cu_q=(0, 2, 4)), r"attention_varlen_forward: cu_seqlens_q ends at 4 "
+                                                                r"but the packed tensor has 5 tokens"),
+    "longer than max_seqlen": (_varlen(max_k=2), r"attention_varlen_forward: sequence 0 has 3 tokens \(cu_seqlens_k\) "
+                                                 r"but max_seqlen_k is 2"),
+    "negative max_seqlen": (_varlen(max_q=-1), r"attention_varlen_forward: max_seqlen_q and max_seqlen_k must be >= 0"),
+    "float16 on cpu": (_varlen(dtype=torch.float16), r"attention_varlen_forward: q has dtype Half, which is not "
+                                                     r"supported \(supported: Float, Double\)"),
+    "bad window": (_varlen(window=(-3, 0)), r"attention_varlen_forward: window must be \(left, right\) with each >= 0 "
+                                            r"or -1, got \(-3, 0\)"),
+}
+
+
+@pytest.mark.parametrize("misuse", list(VARLEN_MISUSES))
+def test_varlen_misuse_raises_clear_error(misuse):
+    call, message = VARLEN_MISUSES[misuse]
+    with pytest.raises(RuntimeError, match=message):
+        call()
+
+
+@pytest.mark.cuda
+def test_cuda_varlen_is_refused():
+    require_cuda()
+    q, k, v, cu_q, cu_k = varlen_inputs([3, 4], [3, 4], 2, 2, 32, torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"attention_varlen_forward: the packed \(varlen\) layout has no CUDA "
+                                           r"kernels yet"):
+        flash_attention.attention_varlen(q.cuda(), k.cuda(), v.cuda(), cu_q.cuda(), cu_k.cuda(), 4, 4)

@@ -78,7 +78,7 @@ import torch  # noqa: E402
 from .paged import copy_blocks, paged_attention, reshape_and_cache  # noqa: E402
 from .radix import RadixCache  # noqa: E402
 
-__all__ = ["attention", "sdpa", "attention_forward", "attention_backward", "hopper_kernels_built", "default_choice",
+__all__ = ["attention", "attention_varlen", "sdpa", "attention_forward", "attention_backward", "hopper_kernels_built", "default_choice",
            "dispatch_rule", "reshape_and_cache", "copy_blocks", "paged_attention", "RadixCache", "VERSIONS",
            "EXTENSION"]
 
@@ -166,6 +166,25 @@ def attention_backward(grad_out, q, k, v, out, lse, scale, causal=False, *, wind
     and softcap)."""
     return torch.ops.flash_attention.attention_backward(grad_out, q, k, v, out, lse, scale, causal, version,
                                                         list(window), softcap)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False, scale=None,
+                     window=(-1, -1), softcap=0.0, return_lse=False):
+    """attention() over sequences of different lengths packed along one token dim (FlashAttention
+    2's varlen API), differentiable in q, k and v.
+
+    q: (total_q, heads, head_dim); k, v: (total_k, heads_kv, head_dim). Sequence b is rows
+    cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q against rows cu_seqlens_k[b]:cu_seqlens_k[b + 1] of k
+    and v (cu_seqlens_*: int32, batch + 1 entries from 0 to the total), with its own bottom-right
+    causal mask and window; max_seqlen_q and max_seqlen_k bound the lengths (checked). Returns out,
+    shaped like q; with return_lse=True also lse, (heads, total_q). The CPU reference for now: CUDA
+    tensors are refused.
+    """
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1]) if q.dim() == 3 and q.shape[-1] > 0 else 1.0
+    out, lse = torch.ops.flash_attention.attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                                  max_seqlen_k, scale, causal, list(window), softcap)
+    return (out, lse) if return_lse else out
 
 
 def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
