@@ -20,6 +20,10 @@ softmax. The CPU reference computes both; on CUDA the forward rungs "tuned" and 
 backward rungs "mma" and "mma_dqpass" do (version=None picks them, Hopper included), and every
 other rung refuses them.
 
+attention_varlen takes sequences of different lengths packed along one token dim, (total_tokens,
+heads, head_dim), with int32 cumulative lengths cu_seqlens_q and cu_seqlens_k (FlashAttention 2's
+varlen API): the CPU reference for now, forward and backward; CUDA tensors are refused.
+
 What exists now: the C++ reference on the CPU (float32 computed in float32, float64 in
 float64), its C++ autograd, the Meta kernels that let torch.compile trace both passes, and the
 CUDA rungs (head_dim 32, 64, 96, 128 or 256):
