@@ -1712,7 +1712,8 @@ VARLEN_MISUSES = {
                          r"attention_varlen_forward: cu_seqlens_q has dtype Long but must be Int \(int32"),
     "cu_seqlens lengths differ": (_varlen(cu_k=(0, 5)),
                                   r"attention_varlen_forward: cu_seqlens_q has 3 entries but cu_seqlens_k has 2"),
-    "cu_seqlens not from 0": (_varlen(cu_q=(1, 2, 5)), r"attention_varlen_forward: cu_seqlens_q\[0\] is 1; it must be 0"),
+    "cu_seqlens not from 0": (_varlen(cu_q=(1, 2, 5)),
+                              r"attention_varlen_forward: cu_seqlens_q\[0\] is 1; it must be 0"),
     "cu_seqlens decreasing": (_varlen(cu_k=(0, 3, 2)), r"attention_varlen_forward: cu_seqlens_k decreases at 2 "
                                                        r"\(3 then 2\)"),
     "cu_seqlens short of the total": (_varlen(cu_q=(0, 2, 4)), r"attention_varlen_forward: cu_seqlens_q ends at 4 "

@@ -82,9 +82,9 @@ import torch  # noqa: E402
 from .paged import copy_blocks, paged_attention, reshape_and_cache  # noqa: E402
 from .radix import RadixCache  # noqa: E402
 
-__all__ = ["attention", "attention_varlen", "sdpa", "attention_forward", "attention_backward", "hopper_kernels_built", "default_choice",
-           "dispatch_rule", "reshape_and_cache", "copy_blocks", "paged_attention", "RadixCache", "VERSIONS",
-           "EXTENSION"]
+__all__ = ["attention", "attention_varlen", "sdpa", "attention_forward", "attention_backward", "hopper_kernels_built",
+           "default_choice", "dispatch_rule", "reshape_and_cache", "copy_blocks", "paged_attention", "RadixCache",
+           "VERSIONS", "EXTENSION"]
 
 # Each op's ladder of kernel versions; test_attention.py holds it against the extension's
 # tables (the `versions` op).

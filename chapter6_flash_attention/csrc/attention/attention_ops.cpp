@@ -233,7 +233,9 @@ void check_window_softcap(const char* op, at::IntArrayRef window, double softcap
 // the backward's "mma" and "mma_dqpass" (one kernel for dK and dV; dQ from it or from its second
 // pass). Every other rung refuses them with the way out; the CPU reference computes them all.
 bool takes_window_or_softcap(ForwardVersion v) { return v == ForwardVersion::kTuned || v == ForwardVersion::kSplitKv; }
-bool takes_window_or_softcap(BackwardVersion v) { return v == BackwardVersion::kMma || v == BackwardVersion::kMmaDqPass; }
+bool takes_window_or_softcap(BackwardVersion v) {
+  return v == BackwardVersion::kMma || v == BackwardVersion::kMmaDqPass;
+}
 
 #define FLASH_ATTENTION_ON_CUDA(op, t, ...) COURSE_ON_CUDA(op, "flash_attention", t, __VA_ARGS__)
 
