@@ -679,10 +679,11 @@ def cpu_reference(q, k, v, causal, scale=None, **features):
                      **features)
 
 
-def check_cuda_forward(q, k, v, causal, version, what, **features):
-    """features: window= and softcap=, passed to the call and the reference alike."""
+def check_cuda_forward(q, k, v, causal, version, what, ref=None, **features):
+    """features: window= and softcap=, passed to the call and the reference alike. ref: the
+    reference's (out, lse) when the caller has it already (several rungs on one input)."""
     dtype = q.dtype
-    ref, ref_lse = cpu_reference(q, k, v, causal, **features)
+    ref, ref_lse = cpu_reference(q, k, v, causal, **features) if ref is None else ref
     # NaN blocks of the outputs' sizes left in the caching allocator: any element a kernel does
     # not write stays NaN and fails below.
     poison_allocator(torch.empty(q.shape, dtype=dtype, device="cuda"))
@@ -704,19 +705,28 @@ def check_cuda_forward(q, k, v, causal, version, what, **features):
     assert torch.all(out.cpu()[~finite] == 0), f"{what}: a row without keys is not 0"
 
 
-def check_cuda_backward(q, k, v, causal, version, what, **features):
+def backward_reference(q, k, v, causal, grad_out, tensor_core, **features):
+    """The float64 reference's (dq, dk, dv) for grad_out, and the rounding bounds a tensor-core
+    backward is allowed on top of CUDA_GRAD_TOL (zeros for the scalar rungs)."""
+    leaves = tuple(t.detach().cpu().double().requires_grad_() for t in (q, k, v))
+    expected = torch.autograd.grad(reference(*leaves, causal, **features)[0], leaves, grad_out.cpu().double())
+    bounds = rounding_bounds(q, k, v, grad_out, causal, **features) if tensor_core else (0.0, 0.0, 0.0)
+    return expected, bounds
+
+
+def check_cuda_backward(q, k, v, causal, version, what, grad_out=None, ref=None, **features):
+    """ref: backward_reference's answer for this grad_out when the caller has it already."""
     dtype = q.dtype
     scale = 1 / math.sqrt(q.shape[-1])
     out, lse = flash_attention.attention_forward(q, k, v, scale, causal, **features)
-    grad_out = torch.randn_like(out, dtype=torch.float64).to(dtype)
+    if grad_out is None:
+        grad_out = torch.randn_like(out, dtype=torch.float64).to(dtype)
     for t in (q, k, v):
         poison_allocator(t)
     dq, dk, dv = flash_attention.attention_backward(grad_out, q, k, v, out, lse, scale, causal, version=version,
                                                     **features)
-    leaves = tuple(t.detach().cpu().double().requires_grad_() for t in (q, k, v))
-    expected = torch.autograd.grad(reference(*leaves, causal, **features)[0], leaves, grad_out.cpu().double())
     tensor_core = version in ("mma", "mma_dqpass") or (version is None and takes_backward("mma", dtype, q.shape[-1]))
-    bounds = rounding_bounds(q, k, v, grad_out, causal, **features) if tensor_core else (0.0, 0.0, 0.0)
+    expected, bounds = backward_reference(q, k, v, causal, grad_out, tensor_core, **features) if ref is None else ref
     for name, g, e, bound in zip("qkv", (dq, dk, dv), expected, bounds):
         assert g.dtype == dtype and g.shape == e.shape, (what, name)
         scale_ = max(e.abs().max().item(), 1.0) if e.numel() else 1.0
@@ -1475,34 +1485,38 @@ def case_id(case):
 @pytest.mark.cuda
 @pytest.mark.parametrize("head_dim", (32, 64, 96, 128, 256))
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("version", WINDOW_SOFTCAP_FORWARD)
-def test_cuda_window_softcap_forward(version, dtype, head_dim):
-    """Each rung that takes a window and a softcap against the float64 reference (version=None:
-    test_cuda_window_softcap_default)."""
+def test_cuda_window_softcap_forward(dtype, head_dim):
+    """Each rung that takes a window and a softcap ("tuned", "split_kv") against the float64
+    reference, computed once per input for both (version=None: test_cuda_window_softcap_default)."""
     require_cuda()
     skip_unless_takes("tuned", dtype, head_dim)
     for case in WINDOW_SOFTCAP_CASES:
         heads, heads_kv, seqlen_q, seqlen_k, window, causal, softcap = case
         q, k, v = window_softcap_inputs(heads, heads_kv, seqlen_q, seqlen_k, head_dim, dtype, softcap)
-        check_cuda_forward(q, k, v, causal, version, f"{version} {dtype_id(dtype)} d{head_dim} {case_id(case)}",
-                           window=window, softcap=softcap)
+        ref = cpu_reference(q, k, v, causal, window=window, softcap=softcap)
+        for version in WINDOW_SOFTCAP_FORWARD:
+            check_cuda_forward(q, k, v, causal, version, f"{version} {dtype_id(dtype)} d{head_dim} {case_id(case)}",
+                               ref=ref, window=window, softcap=softcap)
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("head_dim", (32, 64, 96, 128))
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("version", WINDOW_SOFTCAP_BACKWARD)
-def test_cuda_window_softcap_backward(version, dtype, head_dim):
-    """dQ, dK and dV of each backward rung that takes a window and a softcap (dS times the cap's
-    derivative) against the float64 reference's autograd."""
+def test_cuda_window_softcap_backward(dtype, head_dim):
+    """dQ, dK and dV of each backward rung that takes a window and a softcap ("mma", "mma_dqpass":
+    dS times the cap's derivative) against the float64 reference's autograd, computed once per
+    input and output gradient for both."""
     require_cuda()
     if not takes_backward("mma", dtype, head_dim):
         pytest.skip(f"the tensor-core backward does not take {dtype_id(dtype)} at head_dim {head_dim} on this GPU")
     for case in WINDOW_SOFTCAP_CASES:
         heads, heads_kv, seqlen_q, seqlen_k, window, causal, softcap = case
         q, k, v = window_softcap_inputs(heads, heads_kv, seqlen_q, seqlen_k, head_dim, dtype, softcap)
-        check_cuda_backward(q, k, v, causal, version, f"{version} {dtype_id(dtype)} d{head_dim} {case_id(case)}",
-                            window=window, softcap=softcap)
+        grad_out = torch.randn(q.shape, dtype=torch.float64).to(dtype).cuda()
+        ref = backward_reference(q, k, v, causal, grad_out, True, window=window, softcap=softcap)
+        for version in WINDOW_SOFTCAP_BACKWARD:
+            check_cuda_backward(q, k, v, causal, version, f"{version} {dtype_id(dtype)} d{head_dim} {case_id(case)}",
+                                grad_out=grad_out, ref=ref, window=window, softcap=softcap)
 
 
 @pytest.mark.cuda
