@@ -622,8 +622,8 @@ CUDA_FORWARD_TOL = {torch.float32: (2e-5, 5e-5), torch.float16: (2 ** -10, 1e-4)
 # error of at most u (2^-11 float16, 2^-8 bfloat16), so o = sum p_j v_j / l moves by at most
 # u * max |v_j|. That bound, added to atol, is what the tensor-core rungs are held to.
 UNIT_ROUNDOFF = {torch.float16: 2 ** -11, torch.bfloat16: 2 ** -8}
-# bfloat16 with softcap <= 8 takes tanh.approx.f32 (softcap.cuh): up to 2^-11 of tanh's value (the
-# PTX ISA's bound), so up to 2^-11 softcap in a capped score and relatively in its p; the same
+# bfloat16 with softcap <= 8 takes tanh.approx.f32 (softcap.cuh): an error of about 2^-11 (the PTX
+# ISA's bound), so about 2^-11 softcap in a capped score and relatively in its p; the same
 # u * max |v| argument bounds what that moves o by. Every other softcap computes tanh to float32
 # ulps.
 TANH_APPROX_ERROR = 2 ** -11

@@ -2,17 +2,18 @@
 // of each scaled score s), for flash_fwd_kernel.cuh and flash_bwd_kernel.cuh.
 //
 // Which tanh. tanh.approx.f32 is one MUFU.TANH, the price of the exponential each score already
-// pays; its error, though, is up to 2^-11 of tanh's value (the PTX ISA's bound), so a capped score
-// c moves by up to 2^-11 |c| < 2^-11 softcap, and p = exp(c - lse) by that much relatively. Rounding
-// P to bfloat16 for P V already costs every p up to 2^-8 (the bound test_attention.py holds the
-// tensor-core rungs to): the approximation stays inside that bound while 2^-11 softcap <= 2^-8,
-// softcap <= 8 (kTanhApproxMaxSoftcap), and for bfloat16 only (float16's 2^-11 leaves it no room).
-// Everywhere else (float16, and the caps of 30 and 50 that Grok and Gemma 2 use) tanh comes from
-// the exponential, 1 - 2 / (2^(2 x log2 e) + 1): one MUFU.EX2 and one MUFU.RCP, and an error of a
-// few float32 ulps of 1 (~1e-6 of softcap in c), far inside either bound. (tanhf would be exact to
-// an ulp or two, but it is a longer libdevice routine with branches on the argument's range.)
-// The kernels take the choice as a runtime flag (uniform across the grid): it costs a branch per
-// tile, not a second instantiation of every kernel.
+// pays; its error, though, is bounded only by about 2^-11 (the PTX ISA's figure; tanh itself is at
+// most 1), so a capped score c may move by about 2^-11 softcap, and p = exp(c - lse) by that much
+// relatively. Rounding P to bfloat16 for P V already costs every p up to 2^-8 (the bound
+// test_attention.py holds the tensor-core rungs to): the approximation stays inside that bound
+// while 2^-11 softcap <= 2^-8, softcap <= 8 (kTanhApproxMaxSoftcap), and for bfloat16 only
+// (float16's 2^-11 leaves it no room). Everywhere else (float16, and the caps of 30 and 50 that
+// Grok and Gemma 2 use) tanh comes from the exponential, 1 - 2 / (2^(2 x log2 e) + 1): one
+// MUFU.EX2 and one MUFU.RCP, and an error of a few float32 ulps of 1 (~1e-6 of softcap in c), far
+// inside either bound. (tanhf would be exact to an ulp or two, but it is a longer libdevice
+// routine with branches on the argument's range.) The kernels take the choice as a runtime flag
+// (uniform across the grid): it costs a branch per tile, not a second instantiation of every
+// kernel.
 #pragma once
 
 #include <cstdint>
