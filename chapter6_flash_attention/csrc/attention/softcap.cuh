@@ -11,9 +11,10 @@
 // Grok and Gemma 2 use) tanh comes from the exponential, 1 - 2 / (2^(2 x log2 e) + 1): one
 // MUFU.EX2 and one MUFU.RCP, and an error of a few float32 ulps of 1 (~1e-6 of softcap in c), far
 // inside either bound. (tanhf would be exact to an ulp or two, but it is a longer libdevice
-// routine with branches on the argument's range.) The kernels take the choice as a runtime flag
-// (uniform across the grid): it costs a branch per tile, not a second instantiation of every
-// kernel.
+// routine with branches on the argument's range.) The kernels' kWindowSoftcap instantiations take
+// the choice as a runtime flag (uniform across the grid): it costs a branch per tile, not one more
+// instantiation of every kernel; a call without a softcap or window runs the other instantiation,
+// which has no softcap code at all.
 #pragma once
 
 #include <cstdint>
