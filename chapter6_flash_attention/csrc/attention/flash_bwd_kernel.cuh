@@ -28,7 +28,10 @@
 // edge crosses, and with a softcap recomputes c = softcap * tanh(s scale / softcap) in place of the
 // scaled score, P = exp2(c log2(e) - lse log2(e)), and multiplies dS by the cap's derivative,
 //   dS = P * (dP - D) * (1 - tanh^2(s scale / softcap)),
-// so that dQ = scale dS K and dK = scale dS^T Q stay as they are.
+// so that dQ = scale dS K and dK = scale dS^T Q stay as they are. As in the forward, that code is
+// compiled in only where it is used: both kernels take kWindowSoftcap (FlashAttention 2's Is_local
+// and Is_softcap in one flag), and a call with neither runs the instantiation without it, whose
+// code is the kernels' as it was before they existed.
 //
 // No torch headers: this file builds with a bare `nvcc -c`.
 #pragma once
@@ -47,11 +50,23 @@
 namespace flash_attention {
 
 // Which scores of a (query tile, key tile) pair are visible, in tile coordinates (row rc, key kc):
-// worked out once per pair in 64 bits, then three 32-bit compares per score. Only the pairs a
-// mask can bite are masked (the forward's rung 4): a key tile running past seqlen_k and a pair
-// crossing the diagonal (causal) or either edge of a window. Rows past seqlen_q need no mask: their
-// lse is +inf (load_row_stats), so their P is 0 whatever the score.
+// worked out once per pair in 64 bits, then one or two 32-bit compares per score. Only the pairs a
+// mask can bite are masked (the forward's rung 4): a key tile running past seqlen_k and, causal, a
+// pair crossing the diagonal. Rows past seqlen_q need no mask: their lse is +inf (load_row_stats),
+// so their P is 0 whatever the score.
 struct TileMask {
+  bool active;    // false: every score of the pair is visible
+  bool causal;
+  int key_limit;  // keys kc >= key_limit are past seqlen_k
+  int diag;       // causal: key kc is visible to row rc iff kc <= rc + diag
+  __device__ __forceinline__ bool visible(int rc, int kc) const {
+    return !active || (kc < key_limit && (!causal || kc <= rc + diag));
+  }
+};
+
+// The same with a window (kWindowSoftcap): three compares per score, and a pair is masked where
+// the diagonal (causal) or either edge of the window crosses it.
+struct WindowTileMask {
   bool active;    // false: every score of the pair is visible
   int key_limit;  // keys kc >= key_limit are past seqlen_k
   int lo, hi;     // key kc is visible to row rc iff lo <= kc - rc <= hi (the window; causal: hi = diag)
@@ -60,23 +75,35 @@ struct TileMask {
   }
 };
 
-template <typename K>
-__device__ __forceinline__ TileMask tile_mask(const AttentionParams& p, int64_t m0, int64_t n0) {
+template <typename K, bool kWindowSoftcap>
+__device__ __forceinline__ auto tile_mask(const AttentionParams& p, int64_t m0, int64_t n0) {
   const int64_t diag = m0 + p.seqlen_k - p.seqlen_q - n0;
-  // kc - rc lies in [-(kBlockM - 1), kBlockN - 1]: bounds beyond that decide nothing more, so they
-  // are clamped into int there. No bound on a side: one past the range.
-  const int64_t lo = p.window_left < 0 ? -K::kBlockM : diag - p.window_left;
-  const int64_t hi = p.window_right < 0 ? K::kBlockN : diag + p.window_right;
-  TileMask m;
-  m.active = n0 + K::kBlockN > p.seqlen_k || K::kBlockN - 1 > hi || lo > -(K::kBlockM - 1);
-  m.key_limit = static_cast<int>(min(p.seqlen_k - n0, int64_t{K::kBlockN}));
-  m.lo = static_cast<int>(max(min(lo, int64_t{K::kBlockN}), int64_t{-K::kBlockM}));
-  m.hi = static_cast<int>(max(min(hi, int64_t{K::kBlockN}), int64_t{-K::kBlockM - 1}));
-  return m;
+  if constexpr (kWindowSoftcap) {
+    // kc - rc lies in [-(kBlockM - 1), kBlockN - 1]: bounds beyond that decide nothing more, so
+    // they are clamped into int there. No bound on a side: one past the range.
+    const int64_t lo = p.window_left < 0 ? -K::kBlockM : diag - p.window_left;
+    const int64_t hi = p.window_right < 0 ? K::kBlockN : diag + p.window_right;
+    WindowTileMask m;
+    m.active = n0 + K::kBlockN > p.seqlen_k || K::kBlockN - 1 > hi || lo > -(K::kBlockM - 1);
+    m.key_limit = static_cast<int>(min(p.seqlen_k - n0, int64_t{K::kBlockN}));
+    m.lo = static_cast<int>(max(min(lo, int64_t{K::kBlockN}), int64_t{-K::kBlockM}));
+    m.hi = static_cast<int>(max(min(hi, int64_t{K::kBlockN}), int64_t{-K::kBlockM - 1}));
+    return m;
+  } else {
+    TileMask m;
+    m.causal = p.causal;
+    m.active = n0 + K::kBlockN > p.seqlen_k || (p.causal && K::kBlockN - 1 > diag);
+    // Clamped into int: a limit beyond the tile's edges decides nothing more.
+    m.key_limit = static_cast<int>(min(p.seqlen_k - n0, int64_t{K::kBlockN}));
+    m.diag = static_cast<int>(max(min(diag, int64_t{K::kBlockN}), int64_t{-K::kBlockM - 1}));
+    return m;
+  }
 }
 
-// P (and the cap's derivative, 1 - tanh^2, in `dcap`; 1 without a softcap) of unscaled score s in a
-// row whose lse is lse2 (log2 units). `visible` false: P = 0.
+// The kWindowSoftcap instantiations' P (and the cap's derivative, 1 - tanh^2, in `dcap`; 1 without a
+// softcap) of unscaled score s in a row whose lse is lse2 (log2 units). `visible` false: P = 0.
+// The plain instantiations compute P inline, as they did before the softcap existed (written
+// through this helper with dcap = 1, the same arithmetic compiled to other instructions).
 __device__ __forceinline__ float recompute_p(float s, float lse2, bool visible, float scale_log2, const Softcap& cap,
                                              float* dcap) {
   float c = s * scale_log2;
@@ -105,8 +132,8 @@ __device__ __forceinline__ RowStats row_stats(const AttentionParams& p, const fl
 
 // kDqAtomic: this kernel also adds each key tile's dQ into the float32 sums (rung "mma");
 // without it, it computes dK and dV only and flash_bwd_dq_kernel below makes dQ (rung
-// "mma_dqpass").
-template <typename T, typename K, bool kDqAtomic>
+// "mma_dqpass"). kWindowSoftcap: a window and a softcap (`cap`) are computed (above).
+template <typename T, typename K, bool kDqAtomic, bool kWindowSoftcap>
 __global__ void __launch_bounds__(K::kThreads)
     flash_bwd_kernel(const AttentionBackwardParams g, float* __restrict__ dq_accum, const float* __restrict__ d_rows,
                      unsigned k_tiles, float scale_log2, const Softcap cap) {
@@ -152,9 +179,15 @@ __global__ void __launch_bounds__(K::kThreads)
   // of the last row that sees its last key (a window's left edge: rows below see none), of every
   // query head that reads this kv head; step i is head hk * group + i / tiles_per_head, tile
   // i % tiles_per_head.
-  const int64_t rows_end = row_end(min(n0 + K::kBlockN, p.seqlen_k) - 1, p);
-  const int64_t m_begin = min(row_begin(n0, p), rows_end) / K::kBlockM * K::kBlockM;
-  const int64_t tiles_per_head = course::ceil_div(rows_end - m_begin, static_cast<int64_t>(K::kBlockM));
+  int64_t m_begin, tiles_per_head;
+  if constexpr (kWindowSoftcap) {
+    const int64_t rows_end = row_end(min(n0 + K::kBlockN, p.seqlen_k) - 1, p);
+    m_begin = min(row_begin(n0, p), rows_end) / K::kBlockM * K::kBlockM;
+    tiles_per_head = course::ceil_div(rows_end - m_begin, static_cast<int64_t>(K::kBlockM));
+  } else {
+    m_begin = first_visible_row(n0, p.seqlen_q, p.seqlen_k, p.causal) / K::kBlockM * K::kBlockM;
+    tiles_per_head = course::ceil_div(p.seqlen_q - m_begin, static_cast<int64_t>(K::kBlockM));
+  }
   const int64_t steps = group * tiles_per_head;
   // Step i's Q and dO copied into stage `stage`, and the row statistics thread x < kBlockM keeps
   // for row x of the step's tile (plain loads into registers, stored to the stage's shared memory
@@ -219,17 +252,23 @@ __global__ void __launch_bounds__(K::kThreads)
 
     // P^T and dS^T in place: element st[j][e] is key 16w + gr + 8(e / 2) of the tile, query row
     // 8j + 2t + e % 2.
-    const TileMask mask = tile_mask<K>(p, m0, n0);
+    const auto mask = tile_mask<K, kWindowSoftcap>(p, m0, n0);
 #pragma unroll
     for (int j = 0; j < kMTiles; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int rc = 8 * j + 2 * t + e % 2;
-        float dcap;
-        const float pt =
-            recompute_p(st[j][e], lse_t[rc], mask.visible(rc, 16 * warp + gr + 8 * (e / 2)), scale_log2, cap, &dcap);
-        st[j][e] = pt;
-        dpt[j][e] = pt * (dpt[j][e] - dr_t[rc]) * dcap;  // dS^T
+        const bool visible = mask.visible(rc, 16 * warp + gr + 8 * (e / 2));
+        if constexpr (kWindowSoftcap) {
+          float dcap;
+          const float pt = recompute_p(st[j][e], lse_t[rc], visible, scale_log2, cap, &dcap);
+          st[j][e] = pt;
+          dpt[j][e] = pt * (dpt[j][e] - dr_t[rc]) * dcap;  // dS^T
+        } else {
+          const float pt = visible ? exp2f(st[j][e] * scale_log2 - lse_t[rc]) : 0.f;
+          st[j][e] = pt;
+          dpt[j][e] = pt * (dpt[j][e] - dr_t[rc]);  // dS^T
+        }
       }
     }
 
@@ -324,7 +363,7 @@ __global__ void __launch_bounds__(K::kThreads)
 //   dP  = dO_w V^T   A: dO rows (ldmatrix)    B: V rows (ldmatrix, n-major)
 //   dS  = P * (dP - D),   P = exp2(S scale log2(e) - lse log2(e)), 0 where not visible
 //   dQ += dS K       A: dS from the registers B: K (ldmatrix.trans, k-major)
-template <typename T, typename K>
+template <typename T, typename K, bool kWindowSoftcap>
 __global__ void __launch_bounds__(K::kThreads)
     flash_bwd_dq_kernel(const AttentionBackwardParams g, const float* __restrict__ d_rows, unsigned q_tiles,
                         float scale_log2, const Softcap cap) {
@@ -353,8 +392,9 @@ __global__ void __launch_bounds__(K::kThreads)
 
   // The key tiles any row of the tile sees (the forward's loop bounds): [n_first, n_end).
   const int64_t last_row = (m0 + K::kBlockM < p.seqlen_q ? m0 + K::kBlockM : p.seqlen_q) - 1;
-  const int64_t keys_end = key_end(last_row, p);
-  const int n_first = static_cast<int>(min(key_begin(m0, p), keys_end) / K::kBlockN);
+  const int64_t keys_end =
+      kWindowSoftcap ? key_end(last_row, p) : visible_keys(last_row, p.seqlen_q, p.seqlen_k, p.causal);
+  const int n_first = kWindowSoftcap ? static_cast<int>(min(key_begin(m0, p), keys_end) / K::kBlockN) : 0;
   const int n_end = static_cast<int>((keys_end + K::kBlockN - 1) / K::kBlockN);
 
   // This lane's two rows' lse (log2 units) and D.
@@ -404,15 +444,20 @@ __global__ void __launch_bounds__(K::kThreads)
     mma::gemm_nt<T, K, kD, K::kBlockN>(s, q_s, warp * 16, kt, 0, lane);
     mma::gemm_nt<T, K, kD, K::kBlockN>(dp, do_s, warp * 16, vt, 0, lane);
     // dS in place of dP: element [j][e] is row 16w + gr + 8(e / 2) of the tile, key 8j + 2t + e % 2.
-    const TileMask mask = tile_mask<K>(p, m0, n0);
+    const auto mask = tile_mask<K, kWindowSoftcap>(p, m0, n0);
 #pragma unroll
     for (int j = 0; j < kNTiles; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const bool visible = mask.visible(16 * warp + gr + 8 * (e / 2), 8 * j + 2 * t + e % 2);
-        float dcap;
-        const float pr = recompute_p(s[j][e], stats[e / 2].lse2, visible, scale_log2, cap, &dcap);
-        dp[j][e] = pr * (dp[j][e] - stats[e / 2].d) * dcap;
+        if constexpr (kWindowSoftcap) {
+          float dcap;
+          const float pr = recompute_p(s[j][e], stats[e / 2].lse2, visible, scale_log2, cap, &dcap);
+          dp[j][e] = pr * (dp[j][e] - stats[e / 2].d) * dcap;
+        } else {
+          const float pr = visible ? exp2f(s[j][e] * scale_log2 - stats[e / 2].lse2) : 0.f;
+          dp[j][e] = pr * (dp[j][e] - stats[e / 2].d);
+        }
       }
     }
     mma::gemm_rs<T, K, K::kBlockN, kD>(acc, dp, kt, 0, lane);
@@ -437,13 +482,13 @@ __global__ void __launch_bounds__(K::kThreads)
 #endif  // __CUDA_ARCH__ >= 800
 }
 
-template <typename T, int D>
-cudaError_t run_flash_bwd(const AttentionBackwardParams& g, float* dq_accum, const float* d_rows,
-                          cudaStream_t stream) {
-  using K = BwdTraits<D>;
+template <typename T, typename K, bool kWindowSoftcap>
+cudaError_t launch_flash_bwd(const AttentionBackwardParams& g, float* dq_accum, const float* d_rows,
+                             cudaStream_t stream) {
   const AttentionParams& p = g.fwd;
   const float scale_log2 = static_cast<float>(p.scale * 1.4426950408889634);
-  const Softcap cap = make_softcap(p.scale, p.softcap, p.dtype == DType::kBFloat16, /*log2_units=*/true);
+  const Softcap cap =
+      kWindowSoftcap ? make_softcap(p.scale, p.softcap, p.dtype == DType::kBFloat16, /*log2_units=*/true) : Softcap{};
   const int64_t k_tiles = course::ceil_div(p.seqlen_k, static_cast<int64_t>(K::kBlockN));
   const int64_t blocks = k_tiles * p.batch * p.heads_kv;
   const int64_t q_tiles = course::ceil_div(p.seqlen_q, static_cast<int64_t>(K::kBlockM));
@@ -451,20 +496,30 @@ cudaError_t run_flash_bwd(const AttentionBackwardParams& g, float* dq_accum, con
   if (blocks > INT_MAX || dq_blocks > INT_MAX) return cudaErrorInvalidConfiguration;
   if (blocks > 0) {
     // The dQ sums (dq_accum non-null: rung "mma") or not (rung "mma_dqpass").
-    auto kernel = dq_accum != nullptr ? flash_bwd_kernel<T, K, true> : flash_bwd_kernel<T, K, false>;
+    auto kernel = dq_accum != nullptr ? flash_bwd_kernel<T, K, true, kWindowSoftcap>
+                                      : flash_bwd_kernel<T, K, false, kWindowSoftcap>;
     COURSE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSmemBytes));
     kernel<<<static_cast<unsigned>(blocks), K::kThreads, K::kSmemBytes, stream>>>(
         g, dq_accum, d_rows, static_cast<unsigned>(k_tiles), scale_log2, cap);
     COURSE_CUDA_TRY(cudaGetLastError());
   }
   if (dq_accum == nullptr && dq_blocks > 0) {
-    auto kernel = flash_bwd_dq_kernel<T, K>;
+    auto kernel = flash_bwd_dq_kernel<T, K, kWindowSoftcap>;
     COURSE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSmemBytes));
     kernel<<<static_cast<unsigned>(dq_blocks), K::kThreads, K::kSmemBytes, stream>>>(
         g, d_rows, static_cast<unsigned>(q_tiles), scale_log2, cap);
     COURSE_CUDA_TRY(cudaGetLastError());
   }
   return cudaSuccess;
+}
+
+// The one place a call picks its instantiation, as in the forward: with a window or a softcap, the
+// kWindowSoftcap kernels; without, the plain ones.
+template <typename T, int D>
+cudaError_t run_flash_bwd(const AttentionBackwardParams& g, float* dq_accum, const float* d_rows,
+                          cudaStream_t stream) {
+  return uses_window_or_softcap(g.fwd) ? launch_flash_bwd<T, BwdTraits<D>, true>(g, dq_accum, d_rows, stream)
+                                       : launch_flash_bwd<T, BwdTraits<D>, false>(g, dq_accum, d_rows, stream);
 }
 
 }  // namespace flash_attention
