@@ -1562,6 +1562,38 @@ def test_cuda_window_softcap_default(head_dim):
 
 
 @pytest.mark.cuda
+def test_cuda_window_softcap_instantiation():
+    """A call with a window or a softcap runs the kWindowSoftcap instantiation of the kernels that
+    take them (flash_fwd_kernel.cuh, flash_bwd_kernel.cuh); a call with neither, causal and a
+    causal window's right bound included (causal is right = 0), runs the plain one, whose code is
+    the kernels' as it was before they existed."""
+    require_cuda()
+    if not takes_backward("mma_dqpass", torch.bfloat16, 64):
+        pytest.skip("the tensor-core rungs need sm_80")
+    import re
+    from coursekit.pytest_plugin import launched_kernels
+    # A few rows against many keys: split_kv splits this grid.
+    q, k, v = make_qkv(1, 4, 4, 3, 4096, 64, dtype=torch.bfloat16, device="cuda")
+    go = torch.randn_like(q)
+    cases = (({}, False), ({"causal": True}, False), ({"causal": True, "window": (-1, 64)}, False),
+             ({"window": (-1, 64)}, True), ({"window": (100, -1)}, True), ({"softcap": 5.0}, True))
+    for features, featured in cases:
+        causal = features.get("causal", False)
+        kw = {"window": features.get("window", (-1, -1)), "softcap": features.get("softcap", 0.0)}
+
+        def every_rung():  # both forward rungs and both backward rungs that take a window and softcap
+            for version in WINDOW_SOFTCAP_FORWARD:
+                out, lse = flash_attention.attention_forward(q, k, v, 0.125, causal, version=version, **kw)
+            for version in WINDOW_SOFTCAP_BACKWARD:
+                flash_attention.attention_backward(go, q, k, v, out, lse, 0.125, causal, version=version, **kw)
+        names = launched_kernels(every_rung, "flash_attention")[1]
+        for kernel in ("flash_fwd_kernel", "flash_bwd_kernel", "flash_bwd_dq_kernel"):
+            # The kWindowSoftcap argument (the last) of each launch of `kernel`.
+            found = [re.search(rf"{kernel}<.*, (true|false)>", n) for n in names]
+            assert {m.group(1) == "true" for m in found if m} == {featured}, (kernel, features, names)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("version", [v for v in FORWARD_VERSIONS if v not in WINDOW_SOFTCAP_FORWARD])
 def test_cuda_window_softcap_refusals(version):
     """The rungs that do not compute a window or a softcap refuse them by name, with the way out,
