@@ -50,17 +50,39 @@ def causal_mask(seqlen_q, seqlen_k, device="cpu"):
     return j <= i + seqlen_k - seqlen_q
 
 
-def reference(q, k, v, causal, scale=None):
+def visible_mask(seqlen_q, seqlen_k, causal, window=(-1, -1)):
+    """True where key j is visible to row i: the causal mask, and the window (left, right):
+    i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right, -1 unbounded, causal
+    being right = 0. Written from the definition, not from the extension's code."""
+    i = torch.arange(seqlen_q)[:, None]
+    j = torch.arange(seqlen_k)[None, :]
+    diag = seqlen_k - seqlen_q
+    left, right = window
+    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool)
+    if causal:
+        visible &= causal_mask(seqlen_q, seqlen_k)
+    if left >= 0:
+        visible &= j >= i + diag - left
+    if right >= 0:
+        visible &= j <= i + diag + right
+    return visible
+
+
+def reference(q, k, v, causal, scale=None, window=(-1, -1), softcap=0.0):
     """(out, lse) in float64, differentiable in q, k, v. Rows with no visible key give out 0,
     lse -inf and zero gradient: their scores are replaced by a constant before the softmax, so
-    nothing flows back through them (a softmax of all -inf would give NaN and NaN gradients)."""
+    nothing flows back through them (a softmax of all -inf would give NaN and NaN gradients).
+    softcap > 0 caps the scaled scores to softcap * tanh(s / softcap) first (autograd gives the
+    backward its derivative)."""
     q, k, v = q.double(), k.double(), v.double()
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = scale * q @ k.transpose(-1, -2)
-    visible = causal_mask(q.shape[2], k.shape[2]) if causal else torch.ones(q.shape[2], k.shape[2], dtype=torch.bool)
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    visible = visible_mask(q.shape[2], k.shape[2], causal, window)
     masked = scores.masked_fill(~visible, -math.inf)
     lse = torch.logsumexp(masked, dim=-1)
     empty = ~visible.any(dim=-1)[:, None]
@@ -653,22 +675,33 @@ def takes_backward(version, dtype, head_dim):
     return version not in ("mma", "mma_dqpass") or (takes("mma", dtype, head_dim) and head_dim <= 128)
 
 
-def rounding_bounds(q, k, v, grad_out, causal):
+def rounding_bounds(q, k, v, grad_out, causal, window=(-1, -1), softcap=0.0):
     """What rounding P and dS to the input type before their products can cost each gradient
     (the tensor-core backward does, as FlashAttention 2 does): u * the same products taken over
     absolute values, twice for dQ and dK (dS carries P's rounding and its own). float64 on the
-    CPU; dk and dv summed over each kv head's query heads, as the gradients are."""
+    CPU; dk and dv summed over each kv head's query heads, as the gradients are. With a softcap
+    that bfloat16 computes with tanh.approx.f32 (softcap.cuh), P also carries that tanh's error
+    (TANH_APPROX_ERROR * softcap, relative), and dS's factor 1 - tanh^2 twice it, absolute."""
     q, k, v, go = (t.detach().cpu().double() for t in (q, k, v, grad_out))
     u = UNIT_ROUNDOFF[grad_out.dtype]
+    approx = tanh_approx_error(grad_out.dtype, softcap)
     scale = 1.0 / math.sqrt(q.shape[-1])
     group = q.shape[1] // k.shape[1]
     kr, vr = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    out, lse = reference(q, k, v, causal)
-    visible = causal_mask(q.shape[2], k.shape[2]) if causal else torch.ones(q.shape[2], k.shape[2], dtype=torch.bool)
+    out, lse = reference(q, k, v, causal, window=window, softcap=softcap)
+    visible = visible_mask(q.shape[2], k.shape[2], causal, window)
     finite = lse.isfinite()[..., None]
-    p = torch.where(visible & finite, torch.exp(scale * q @ kr.transpose(-1, -2) - lse.nan_to_num(neginf=0)[..., None]),
-                    torch.zeros(()))
-    ds = p * (go @ vr.transpose(-1, -2) - (go * out).sum(-1, keepdim=True))
+    scores = scale * q @ kr.transpose(-1, -2)
+    dcap = torch.ones(())
+    if softcap > 0:
+        t = torch.tanh(scores / softcap)
+        scores, dcap = softcap * t, 1 - t * t
+    p = torch.where(visible & finite, torch.exp(scores - lse.nan_to_num(neginf=0)[..., None]), torch.zeros(()))
+    ds_uncapped = p * (go @ vr.transpose(-1, -2) - (go * out).sum(-1, keepdim=True))
+    # u + approx relative in P and so in dS, and the derivative's own error, 2 t dt: 2 * 2^-11 absolute
+    derivative = 2 * TANH_APPROX_ERROR if approx else 0.0
+    ds = ds_uncapped.abs() * (dcap * (1 + approx / u) + derivative / u)
+    p = p * (1 + approx / u)
 
     def per_kv_head(t):  # (b, heads, s, d) -> (b, heads_kv, s, d), summed over the group
         return t.unflatten(1, (k.shape[1], group)).sum(2)
@@ -690,12 +723,21 @@ CUDA_FORWARD_TOL = {torch.float32: (2e-5, 5e-5), torch.float16: (2 ** -10, 1e-4)
 # error of at most u (2^-11 float16, 2^-8 bfloat16), so o = sum p_j v_j / l moves by at most
 # u * max |v_j|. That bound, added to atol, is what the tensor-core rungs are held to.
 UNIT_ROUNDOFF = {torch.float16: 2 ** -11, torch.bfloat16: 2 ** -8}
+# bfloat16 with softcap <= 8 takes tanh.approx.f32 (softcap.cuh): an error of about 2^-11 (the PTX
+# ISA's bound), so about 2^-11 softcap in a capped score and relatively in its p; the same
+# u * max |v| argument bounds what that moves o by. Every other softcap computes tanh to float32
+# ulps.
+TANH_APPROX_ERROR = 2 ** -11
 
 
-def forward_tol(dtype, version, v):
+def tanh_approx_error(dtype, softcap):
+    return TANH_APPROX_ERROR * softcap if dtype == torch.bfloat16 and 0 < softcap <= 8 else 0.0
+
+
+def forward_tol(dtype, version, v, softcap=0.0):
     rtol, atol = CUDA_FORWARD_TOL[dtype]
     if version in TENSOR_CORE_VERSIONS + HOPPER_VERSIONS or (version is None and dtype in HALF_DTYPES):
-        atol += UNIT_ROUNDOFF[dtype] * v.detach().abs().max().item()
+        atol += (UNIT_ROUNDOFF[dtype] + tanh_approx_error(dtype, softcap)) * v.detach().abs().max().item()
     return rtol, atol
 
 
@@ -732,44 +774,60 @@ def cuda_inputs(heads, heads_kv, seqlen_q, seqlen_k, head_dim, dtype, batch=2, r
                     requires_grad=requires_grad)
 
 
-def cpu_reference(q, k, v, causal, scale=None):
+def cpu_reference(q, k, v, causal, scale=None, **features):
     """The float64 reference, on the CPU, of exactly the values the kernel read."""
-    return reference(q.detach().cpu().double(), k.detach().cpu().double(), v.detach().cpu().double(), causal, scale)
+    return reference(q.detach().cpu().double(), k.detach().cpu().double(), v.detach().cpu().double(), causal, scale,
+                     **features)
 
 
-def check_cuda_forward(q, k, v, causal, version, what):
+def check_cuda_forward(q, k, v, causal, version, what, ref=None, **features):
+    """features: window= and softcap=, passed to the call and the reference alike. ref: the
+    reference's (out, lse) when the caller has it already (several rungs on one input)."""
     dtype = q.dtype
-    ref, ref_lse = cpu_reference(q, k, v, causal)
+    ref, ref_lse = cpu_reference(q, k, v, causal, **features) if ref is None else ref
     # NaN blocks of the outputs' sizes left in the caching allocator: any element a kernel does
     # not write stays NaN and fails below.
     poison_allocator(torch.empty(q.shape, dtype=dtype, device="cuda"))
     poison_allocator(torch.empty(q.shape[:3], dtype=lse_dtype(dtype), device="cuda"))
-    out, lse = flash_attention.attention(q, k, v, causal=causal, return_lse=True, version=version)
+    out, lse = flash_attention.attention(q, k, v, causal=causal, return_lse=True, version=version, **features)
     assert out.device.type == "cuda" and lse.dtype == lse_dtype(dtype), what
-    rtol, atol = forward_tol(dtype, version, v)
+    rtol, atol = forward_tol(dtype, version, v, features.get("softcap", 0.0))
     assert out.dtype == dtype and out.shape == ref.shape, what
     torch.testing.assert_close(out.cpu().double(), ref, rtol=rtol, atol=atol, msg=lambda m: f"{what} out: {m}")
     lse = lse.cpu()
     assert torch.equal(lse.isneginf(), ref_lse.isneginf()), f"{what}: lse is -inf exactly where no key is visible"
     finite = ref_lse.isfinite()
     rtol, atol = CUDA_LSE_TOL[dtype]
+    # a log-sum-exp moves by at most the largest error of its terms: tanh.approx's, where it is used
+    atol += tanh_approx_error(dtype, features.get("softcap", 0.0))
     torch.testing.assert_close(lse.double()[finite], ref_lse[finite], rtol=rtol, atol=atol,
                                msg=lambda m: f"{what} lse: {m}")
     # the rows that see no key: exactly 0 (out[~finite] is (rows, head_dim))
     assert torch.all(out.cpu()[~finite] == 0), f"{what}: a row without keys is not 0"
 
 
-def check_cuda_backward(q, k, v, causal, version, what):
+def backward_reference(q, k, v, causal, grad_out, tensor_core, **features):
+    """The float64 reference's (dq, dk, dv) for grad_out, and the rounding bounds a tensor-core
+    backward is allowed on top of CUDA_GRAD_TOL (zeros for the scalar rungs)."""
+    leaves = tuple(t.detach().cpu().double().requires_grad_() for t in (q, k, v))
+    expected = torch.autograd.grad(reference(*leaves, causal, **features)[0], leaves, grad_out.cpu().double())
+    bounds = rounding_bounds(q, k, v, grad_out, causal, **features) if tensor_core else (0.0, 0.0, 0.0)
+    return expected, bounds
+
+
+def check_cuda_backward(q, k, v, causal, version, what, grad_out=None, ref=None, **features):
+    """ref: backward_reference's answer for this grad_out when the caller has it already."""
     dtype = q.dtype
     scale = 1 / math.sqrt(q.shape[-1])
-    out, lse = flash_attention.attention_forward(q, k, v, scale, causal)
-    grad_out = torch.randn_like(out, dtype=torch.float64).to(dtype)
+    out, lse = flash_attention.attention_forward(q, k, v, scale, causal, **features)
+    if grad_out is None:
+        grad_out = torch.randn_like(out, dtype=torch.float64).to(dtype)
     for t in (q, k, v):
         poison_allocator(t)
-    dq, dk, dv = flash_attention.attention_backward(grad_out, q, k, v, out, lse, scale, causal, version=version)
-    leaves = tuple(t.detach().cpu().double().requires_grad_() for t in (q, k, v))
-    expected = torch.autograd.grad(reference(*leaves, causal)[0], leaves, grad_out.cpu().double())
-    bounds = rounding_bounds(q, k, v, grad_out, causal) if version in ("mma", "mma_dqpass") else (0.0, 0.0, 0.0)
+    dq, dk, dv = flash_attention.attention_backward(grad_out, q, k, v, out, lse, scale, causal, version=version,
+                                                    **features)
+    tensor_core = version in ("mma", "mma_dqpass") or (version is None and takes_backward("mma", dtype, q.shape[-1]))
+    expected, bounds = backward_reference(q, k, v, causal, grad_out, tensor_core, **features) if ref is None else ref
     for name, g, e, bound in zip("qkv", (dq, dk, dv), expected, bounds):
         assert g.dtype == dtype and g.shape == e.shape, (what, name)
         scale_ = max(e.abs().max().item(), 1.0) if e.numel() else 1.0
@@ -1355,3 +1413,553 @@ def test_cuda_hopper_sass_has_hgmma():
     for body in kernels:
         name = body.split("\n")[0]
         assert "HGMMA" in body and "UTMALDG" in body and "HMMA" not in body, name
+
+
+# ---------------------------------------------------------------------------------------------
+# 12. Local attention and softcapping: window=(left, right) and softcap= (FlashAttention 2's API)
+# ---------------------------------------------------------------------------------------------
+# Every test of this section has "window_softcap" in its name: `pytest -k window_softcap` runs it.
+# The windows: one key (0, 0), one back, one tile's worth around every tile size (127, 128, 129
+# keys to the left), wider than any sequence here, left-only, right-only, and both sides.
+WINDOWS = [(0, 0), (1, 0), (127, 0), (128, 0), (129, 0), (1000, 1000), (5, -1), (-1, 3), (3, 7)]
+# square, seqlen_q < seqlen_k with GQA 2:1, seqlen_q > seqlen_k multi-query (rows above the diagonal
+# see no key when the window or the mask bounds the right)
+WINDOW_SHAPES = [(1, 2, 2, 150, 150, 16), (1, 4, 2, 40, 170, 8), (1, 2, 1, 170, 40, 8)]
+
+
+def window_id(window):
+    return "w{}_{}".format(*window).replace("-1", "x")
+
+
+def large_scores(q, k, factor=4.0):
+    """q and k scaled so that scores reach several times a softcap of 30 (|scale q . k| ~ 16 x
+    a unit normal): where the cap bites hardest."""
+    return (q * factor).detach().requires_grad_(q.requires_grad), (k * factor).detach().requires_grad_(k.requires_grad)
+
+
+def assert_lse(lse, ref_lse, dtype, what=""):
+    assert torch.equal(lse.isneginf(), ref_lse.isneginf()), f"{what}: lse is -inf exactly where no key is visible"
+    finite = ref_lse.isfinite()
+    torch.testing.assert_close(lse.double()[finite], ref_lse[finite], rtol=FORWARD_TOL[dtype][0],
+                               atol=FORWARD_TOL[dtype][1], msg=lambda m: f"{what} lse: {m}")
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("window", WINDOWS, ids=window_id)
+def test_window_softcap_forward_matches_reference(window, causal, dtype):
+    for shape in WINDOW_SHAPES:
+        q, k, v = make_qkv(*shape, dtype=dtype)
+        out, lse = flash_attention.attention(q, k, v, causal=causal, window=window, return_lse=True)
+        ref, ref_lse = reference(q, k, v, causal, window=window)
+        assert_forward(out, ref, dtype, f"{shape_id(shape)} {window}")
+        assert_lse(lse, ref_lse, dtype, f"{shape_id(shape)} {window}")
+        assert torch.all(out[~ref_lse.isfinite()] == 0)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("window", [(-1, -1), (20, 3)], ids=window_id)
+def test_window_softcap_large_scores(window, causal, dtype):
+    """softcap 30 against scores far beyond it: the reference's and the op's agree, and they are
+    not what the uncapped scores give (the cap is really applied)."""
+    for shape in WINDOW_SHAPES:
+        q, k = large_scores(*make_qkv(*shape, dtype=dtype)[:2])
+        v = make_qkv(*shape, dtype=dtype)[2]
+        out, lse = flash_attention.attention(q, k, v, causal=causal, window=window, softcap=30.0, return_lse=True)
+        ref, ref_lse = reference(q, k, v, causal, window=window, softcap=30.0)
+        assert_forward(out, ref, dtype, f"{shape_id(shape)} {window}")
+        assert_lse(lse, ref_lse, dtype, f"{shape_id(shape)} {window}")
+        uncapped = reference(q, k, v, causal, window=window)[0]
+        assert (uncapped - ref).abs().max() > 0.1, "the cap changes nothing at these scores: the test cannot fail"
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("softcap", (0.0, 30.0), ids=("nocap", "cap30"))
+@pytest.mark.parametrize("window", [(0, 0), (1, 0), (5, -1), (-1, 3), (3, 7)], ids=window_id)
+def test_window_softcap_backward_matches_reference(window, softcap, dtype):
+    for shape in WINDOW_SHAPES[1:]:
+        for causal in (False, True):
+            q, k, v = make_qkv(*shape, dtype=dtype, requires_grad=True)
+            if softcap:
+                q, k = large_scores(q, k, 2.0)
+            out = flash_attention.attention(q, k, v, causal=causal, window=window, softcap=softcap)
+            grad_out = torch.randn_like(out)
+            grads = torch.autograd.grad(out, (q, k, v), grad_out)
+            leaves = tuple(t.detach().double().requires_grad_() for t in (q, k, v))
+            ref = reference(*leaves, causal, window=window, softcap=softcap)[0]
+            expected = torch.autograd.grad(ref, leaves, grad_out.double())
+            for name, g, e in zip("qkv", grads, expected):
+                assert_grad(g, e, dtype, f"d{name} {shape_id(shape)} {window} causal={causal}")
+
+
+@pytest.mark.parametrize("shape,causal,window,softcap", [
+    ((1, 2, 1, 6, 9, 4), False, (2, 1), 1.5),
+    ((1, 2, 2, 7, 5, 4), True, (1, -1), 0.8),    # seqlen_q > seqlen_k: rows 0-1 see no key
+    ((1, 1, 1, 5, 8, 4), False, (-1, 0), 0.0),
+])
+def test_window_softcap_gradcheck(shape, causal, window, softcap):
+    """Finite differences of the CPU forward against its backward, with a cap small enough for
+    tanh to bend (scores ~1) and windows cutting every row."""
+    q, k, v = make_qkv(*shape, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda a, b, c: flash_attention.attention(a, b, c, causal=causal, window=window, softcap=softcap), (q, k, v))
+
+
+def test_window_softcap_defaults_and_causal():
+    """The defaults are the call without them, bit for bit; causal is the window's right = 0
+    (FlashAttention 2's rule), so a right bound given with causal=True changes nothing."""
+    q, k, v = make_qkv(1, 2, 2, 30, 41, 16)
+    for causal in (False, True):
+        assert torch.equal(flash_attention.attention(q, k, v, causal=causal),
+                           flash_attention.attention(q, k, v, causal=causal, window=(-1, -1), softcap=0.0))
+    assert torch.equal(flash_attention.attention(q, k, v, causal=True),
+                       flash_attention.attention(q, k, v, causal=True, window=(-1, 5)))
+    assert torch.equal(flash_attention.attention(q, k, v, causal=True, window=(3, 5)),
+                       flash_attention.attention(q, k, v, window=(3, 0)))
+
+
+@pytest.mark.parametrize("softcap", (0.0, 30.0), ids=("nocap", "cap30"))
+def test_window_softcap_rows_without_keys(softcap):
+    """seqlen_q 10 > seqlen_k 4 with window (-1, 0): row i sees keys j <= i - 6, so rows 0-5 see
+    none: O 0, lse -inf, and no gradient (no NaN) through them."""
+    q, k, v = make_qkv(1, 2, 2, 10, 4, 8, dtype=torch.float64, requires_grad=True)
+    out, lse = flash_attention.attention(q, k, v, window=(-1, 0), softcap=softcap, return_lse=True)
+    assert torch.all(out[:, :, :6] == 0) and torch.all(lse[:, :, :6] == -math.inf)
+    assert torch.all(lse[:, :, 6:].isfinite())
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert torch.all(dq[:, :, :6] == 0) and not any(g.isnan().any() for g in (dq, dk, dv))
+
+
+WINDOW_SOFTCAP_MISUSES = {
+    "window below -1": (lambda: flash_attention.attention(_t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8),
+                                                          window=(-2, 0)),
+                        r"attention_forward: window must be \(left, right\) with each >= 0 or -1, got \(-2, 0\)"),
+    "window right below -1": (lambda: flash_attention.attention(_t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8),
+                                                                window=(4, -3)),
+                              r"attention_forward: window must be \(left, right\) with each >= 0 or -1, got \(4, -3\)"),
+    "window of three": (lambda: flash_attention.attention(_t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8),
+                                                          window=(1, 2, 3)),
+                        r"attention_forward: window must be \(left, right\) with each >= 0 or -1, got \(1, 2, 3\)"),
+    "negative softcap": (lambda: flash_attention.attention(_t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8),
+                                                           softcap=-1.0),
+                         r"attention_forward: softcap must be >= 0 and finite \(0: no cap\), got -1"),
+    "nan softcap": (lambda: flash_attention.attention(_t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8),
+                                                      softcap=math.nan),
+                    r"attention_forward: softcap must be >= 0 and finite \(0: no cap\), got nan"),
+    "infinite softcap": (lambda: flash_attention.attention(_t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8),
+                                                           softcap=math.inf),
+                         r"attention_forward: softcap must be >= 0 and finite \(0: no cap\), got inf"),
+    "backward window": (lambda: flash_attention.attention_backward(
+        _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5), 0.5,
+        window=(0, -5)),
+        r"attention_backward: window must be \(left, right\) with each >= 0 or -1, got \(0, -5\)"),
+    "backward softcap": (lambda: flash_attention.attention_backward(
+        _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5), 0.5,
+        softcap=-0.5),
+        r"attention_backward: softcap must be >= 0 and finite \(0: no cap\), got -0.5"),
+    "rule window": (lambda: flash_attention.dispatch_rule("attention_forward", (1, 2, 5, 8), dtype=torch.float16,
+                                                          cuda=True, window=(-7, 0)),
+                    r"forward_rule: window must be \(left, right\) with each >= 0 or -1, got \(-7, 0\)"),
+}
+
+
+@pytest.mark.parametrize("misuse", list(WINDOW_SOFTCAP_MISUSES))
+def test_window_softcap_misuse_raises_clear_error(misuse):
+    call, message = WINDOW_SOFTCAP_MISUSES[misuse]
+    with pytest.raises(RuntimeError, match=message):
+        call()
+
+
+@pytest.mark.parametrize("call", ["forward", "backward"])
+def test_window_softcap_opcheck(call):
+    q, k, v = make_qkv(2, 4, 2, 9, 12, 16, requires_grad=True)
+    window, softcap = [3, 1], 2.5
+    if call == "forward":
+        torch.library.opcheck(OPS.attention_forward.default, (q, k, v, 0.25, True, None, window, softcap))
+    else:
+        out, lse = flash_attention.attention_forward(q.detach(), k.detach(), v.detach(), 0.25, False,
+                                                     window=window, softcap=softcap)
+        torch.library.opcheck(OPS.attention_backward.default, (torch.randn_like(out), q.detach(), k.detach(),
+                                                               v.detach(), out, lse, 0.25, False, None, window,
+                                                               softcap))
+
+
+def test_window_softcap_torch_compile():
+    torch._dynamo.reset()
+
+    def block(q, k, v):
+        return flash_attention.attention(q, k, v, causal=True, window=(4, 0), softcap=3.0).square().sum()
+
+    q, k, v = make_qkv(2, 4, 2, 11, 11, 16, requires_grad=True)
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    out = compiled(q, k, v)
+    grads = torch.autograd.grad(out, (q, k, v))
+    expected = block(q, k, v)
+    for g, e in zip(grads, torch.autograd.grad(expected, (q, k, v))):
+        torch.testing.assert_close(g, e)
+    torch.testing.assert_close(out, expected)
+
+
+def test_window_softcap_dispatch_rule():
+    """version=None with a window or a softcap runs the rungs that compute them: on a Hopper it
+    skips part 3's rungs for "split_kv" (which is "tuned" when it does not split); a plain causal
+    call, whatever right bound it carries, keeps them. Off sm_80 and for 32-bit it stays "tiled",
+    which refuses them (test_cuda_window_softcap_refusals); the backward's rule does not change."""
+    rule = flash_attention.dispatch_rule
+    hopper = dict(cuda=True, capability=(9, 0), sms=132, hopper_built=True)
+    big = (4, 16, 1024, 128)
+    assert rule("attention_forward", big, dtype=torch.bfloat16, **hopper) == "pingpong"
+    assert rule("attention_forward", big, dtype=torch.bfloat16, window=(256, 0), **hopper) == "split_kv"
+    assert rule("attention_forward", big, dtype=torch.bfloat16, window=(-1, 0), **hopper) == "split_kv"
+    assert rule("attention_forward", big, dtype=torch.bfloat16, softcap=30.0, **hopper) == "split_kv"
+    assert rule("attention_forward", big, dtype=torch.bfloat16, causal=True, window=(-1, 7), **hopper) == "pingpong"
+    assert rule("attention_forward", big, dtype=torch.bfloat16, causal=True, window=(64, 7), **hopper) == "split_kv"
+    assert rule("attention_forward", big, dtype=torch.float16, window=(8, 8), cuda=True, capability=(8, 0),
+                sms=108) == "split_kv"
+    assert rule("attention_forward", big, dtype=torch.float32, window=(8, 8), **hopper) == "tiled"
+    assert rule("attention_forward", big, dtype=torch.bfloat16, softcap=5.0, cuda=True, capability=(7, 5),
+                sms=40) == "tiled"
+    assert rule("attention_backward", big, dtype=torch.bfloat16, **hopper) == "mma_dqpass"
+
+
+# CUDA: (heads, heads_kv, seqlen_q, seqlen_k, window, causal, softcap), every window of WINDOWS (with
+# 127-129 around the 64- and 128-key tiles and the 64- and 128-row query tiles), GQA and multi-query,
+# seqlen_q on either side of seqlen_k, a grid small enough for "split_kv" to split, decoding, and the
+# softcap alone, at 30 (tanh from the exponential) and 5 (bfloat16's tanh.approx).
+WINDOW_SOFTCAP_CASES = [
+    (4, 2, 129, 129, (0, 0), False, 0.0),
+    (2, 2, 129, 129, (1, 0), True, 0.0),
+    (4, 1, 200, 200, (127, 0), False, 0.0),
+    (2, 2, 200, 200, (128, 0), True, 0.0),
+    (2, 2, 200, 200, (129, 0), False, 30.0),
+    (2, 2, 65, 65, (1000, 1000), False, 0.0),    # wider than the sequence
+    (2, 1, 70, 300, (16, -1), False, 0.0),       # left only, seqlen_q < seqlen_k
+    (2, 2, 300, 70, (-1, 5), False, 0.0),        # right only, seqlen_q > seqlen_k: rows 0-224 see no key
+    (4, 2, 33, 700, (100, 20), False, 30.0),     # few rows, many keys: "split_kv" splits
+    (2, 2, 1, 1000, (200, 0), True, 30.0),       # decoding with a sliding window
+    (2, 2, 150, 150, (-1, -1), False, 30.0),     # the softcap alone
+    (2, 2, 150, 150, (40, 40), True, 5.0),       # both, bfloat16's tanh.approx
+]
+WINDOW_SOFTCAP_FORWARD = ("tuned", "split_kv")
+WINDOW_SOFTCAP_BACKWARD = ("mma", "mma_dqpass")
+
+
+def window_softcap_inputs(heads, heads_kv, seqlen_q, seqlen_k, head_dim, dtype, softcap, requires_grad=False):
+    q, k, v = cuda_inputs(heads, heads_kv, seqlen_q, seqlen_k, head_dim, dtype)
+    if softcap:
+        q, k = large_scores(q, k)
+    return tuple(t.detach().requires_grad_(requires_grad) for t in (q, k, v))
+
+
+def case_id(case):
+    heads, heads_kv, seqlen_q, seqlen_k, window, causal, softcap = case
+    return f"h{heads}/{heads_kv} s{seqlen_q}x{seqlen_k} {window} causal={causal} softcap={softcap}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_dim", (32, 64, 96, 128, 256))
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+def test_cuda_window_softcap_forward(dtype, head_dim):
+    """Each rung that takes a window and a softcap ("tuned", "split_kv") against the float64
+    reference, computed once per input for both (version=None: test_cuda_window_softcap_default)."""
+    require_cuda()
+    skip_unless_takes("tuned", dtype, head_dim)
+    for case in WINDOW_SOFTCAP_CASES:
+        heads, heads_kv, seqlen_q, seqlen_k, window, causal, softcap = case
+        q, k, v = window_softcap_inputs(heads, heads_kv, seqlen_q, seqlen_k, head_dim, dtype, softcap)
+        ref = cpu_reference(q, k, v, causal, window=window, softcap=softcap)
+        for version in WINDOW_SOFTCAP_FORWARD:
+            check_cuda_forward(q, k, v, causal, version, f"{version} {dtype_id(dtype)} d{head_dim} {case_id(case)}",
+                               ref=ref, window=window, softcap=softcap)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_dim", (32, 64, 96, 128))
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+def test_cuda_window_softcap_backward(dtype, head_dim):
+    """dQ, dK and dV of each backward rung that takes a window and a softcap ("mma", "mma_dqpass":
+    dS times the cap's derivative) against the float64 reference's autograd, computed once per
+    input and output gradient for both."""
+    require_cuda()
+    if not takes_backward("mma", dtype, head_dim):
+        pytest.skip(f"the tensor-core backward does not take {dtype_id(dtype)} at head_dim {head_dim} on this GPU")
+    for case in WINDOW_SOFTCAP_CASES:
+        heads, heads_kv, seqlen_q, seqlen_k, window, causal, softcap = case
+        q, k, v = window_softcap_inputs(heads, heads_kv, seqlen_q, seqlen_k, head_dim, dtype, softcap)
+        grad_out = torch.randn(q.shape, dtype=torch.float64).to(dtype).cuda()
+        ref = backward_reference(q, k, v, causal, grad_out, True, window=window, softcap=softcap)
+        for version in WINDOW_SOFTCAP_BACKWARD:
+            check_cuda_backward(q, k, v, causal, version, f"{version} {dtype_id(dtype)} d{head_dim} {case_id(case)}",
+                                grad_out=grad_out, ref=ref, window=window, softcap=softcap)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_dim", (64, 128))
+def test_cuda_window_softcap_default(head_dim):
+    """version=None, forward and backward, through attention()'s autograd: it runs the tensor-core
+    kernel of rung "split_kv" (on a Hopper too, where a plain call runs part 3's rungs), and the
+    gradients of a sliding-window, softcapped causal call match the reference's; split_kv and tuned
+    agree on a grid that splits."""
+    require_cuda()
+    if not takes_backward("mma_dqpass", torch.bfloat16, head_dim):
+        pytest.skip("the tensor-core rungs need sm_80")
+    from coursekit.pytest_plugin import launched_kernels
+    q, k, v = window_softcap_inputs(2, 1, 33, 900, head_dim, torch.bfloat16, 30.0, requires_grad=True)
+    assert flash_attention.default_choice("attention_forward", q, k, causal=True, window=(256, 0),
+                                          softcap=30.0) == "split_kv"
+    _, names = launched_kernels(lambda: flash_attention.attention(q, k, v, causal=True, window=(256, 0), softcap=30.0),
+                                "flash_attention")
+    assert any("flash_fwd_kernel" in n for n in names) and not any("hopper" in n for n in names), names
+    for case in WINDOW_SOFTCAP_CASES[::3]:
+        heads, heads_kv, seqlen_q, seqlen_k, window, causal, softcap = case
+        qc, kc, vc = window_softcap_inputs(heads, heads_kv, seqlen_q, seqlen_k, head_dim, torch.bfloat16, softcap)
+        check_cuda_forward(qc, kc, vc, causal, None, f"default d{head_dim} {case_id(case)}", window=window,
+                           softcap=softcap)
+        check_cuda_backward(qc, kc, vc, causal, None, f"default d{head_dim} {case_id(case)}", window=window,
+                            softcap=softcap)
+    out = flash_attention.attention(q, k, v, causal=True, window=(256, 0), softcap=30.0)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    leaves = tuple(t.detach().cpu().double().requires_grad_() for t in (q, k, v))
+    expected = torch.autograd.grad(reference(*leaves, True, window=(256, 0), softcap=30.0)[0], leaves,
+                                   grad_out.cpu().double())
+    bounds = rounding_bounds(q, k, v, grad_out, True, window=(256, 0), softcap=30.0)
+    for name, g, e, bound in zip("qkv", grads, expected, bounds):
+        error = (g.cpu().double() - e).abs()
+        allowed = CUDA_GRAD_TOL[torch.bfloat16] * max(e.abs().max().item(), 1.0) + bound
+        assert torch.all(error <= allowed), f"d{name}: max error {error.max().item():.3g}"
+    split = flash_attention.attention(q, k, v, causal=True, window=(256, 0), softcap=30.0, version="split_kv",
+                                      return_lse=True)
+    whole = flash_attention.attention(q, k, v, causal=True, window=(256, 0), softcap=30.0, version="tuned",
+                                      return_lse=True)
+    torch.testing.assert_close(split[1], whole[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.cuda
+def test_cuda_window_softcap_instantiation():
+    """A call with a window or a softcap runs the kWindowSoftcap instantiation of the kernels that
+    take them (flash_fwd_kernel.cuh, flash_bwd_kernel.cuh); a call with neither, causal and a
+    causal window's right bound included (causal is right = 0), runs the plain one, whose code is
+    the kernels' as it was before they existed."""
+    require_cuda()
+    if not takes_backward("mma_dqpass", torch.bfloat16, 64):
+        pytest.skip("the tensor-core rungs need sm_80")
+    import re
+    from coursekit.pytest_plugin import launched_kernels
+    # A few rows against many keys: split_kv splits this grid.
+    q, k, v = make_qkv(1, 4, 4, 3, 4096, 64, dtype=torch.bfloat16, device="cuda")
+    go = torch.randn_like(q)
+    cases = (({}, False), ({"causal": True}, False), ({"causal": True, "window": (-1, 64)}, False),
+             ({"window": (-1, 64)}, True), ({"window": (100, -1)}, True), ({"softcap": 5.0}, True))
+    for features, featured in cases:
+        causal = features.get("causal", False)
+        kw = {"window": features.get("window", (-1, -1)), "softcap": features.get("softcap", 0.0)}
+
+        def every_rung():  # both forward rungs and both backward rungs that take a window and softcap
+            for version in WINDOW_SOFTCAP_FORWARD:
+                out, lse = flash_attention.attention_forward(q, k, v, 0.125, causal, version=version, **kw)
+            for version in WINDOW_SOFTCAP_BACKWARD:
+                flash_attention.attention_backward(go, q, k, v, out, lse, 0.125, causal, version=version, **kw)
+        names = launched_kernels(every_rung, "flash_attention")[1]
+        for kernel in ("flash_fwd_kernel", "flash_bwd_kernel", "flash_bwd_dq_kernel"):
+            # The kWindowSoftcap argument (the last) of each launch of `kernel`.
+            found = [re.search(rf"{kernel}<.*, (true|false)>", n) for n in names]
+            assert {m.group(1) == "true" for m in found if m} == {featured}, (kernel, features, names)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("version", [v for v in FORWARD_VERSIONS if v not in WINDOW_SOFTCAP_FORWARD])
+def test_cuda_window_softcap_refusals(version):
+    """The rungs that do not compute a window or a softcap refuse them by name, with the way out,
+    before any other check of theirs; so does version=None where it has no rung for them."""
+    require_cuda()
+    q, k, v = make_qkv(1, 2, 2, 16, 16, 64, dtype=torch.bfloat16, device="cuda")
+    message = (rf"attention_forward: version '{version}' takes no window or softcap; versions 'tuned' and "
+               r"'split_kv' compute them")
+    for features in (dict(window=(8, 0)), dict(softcap=30.0), dict(causal=False, window=(-1, 0))):
+        with pytest.raises(RuntimeError, match=message):
+            flash_attention.attention(q, k, v, version=version, **features)
+    # a plain causal call passes whatever right bound it carries (causal is right = 0)
+    if takes(version, torch.bfloat16, 64):
+        flash_attention.attention(q, k, v, causal=True, window=(-1, 3), version=version)
+    # the refusal comes before any work: any out and lse of the right shapes will do
+    out, lse = torch.zeros_like(q), torch.zeros(q.shape[:3], device="cuda")
+    with pytest.raises(RuntimeError, match=r"attention_backward: version 'naive' takes no window or softcap; "
+                                           r"versions 'mma' and 'mma_dqpass' compute them"):
+        flash_attention.attention_backward(torch.randn_like(out), q, k, v, out, lse, 0.125, False, window=(8, 0),
+                                           version="naive")
+    q32, k32, v32 = (t.float() for t in (q, k, v))
+    with pytest.raises(RuntimeError, match=r"attention_forward: version 'tiled' takes no window or softcap"):
+        flash_attention.attention(q32, k32, v32, softcap=30.0)
+
+
+@pytest.mark.cuda
+@pytest.mark.sanitize
+@pytest.mark.parametrize("version", WINDOW_SOFTCAP_FORWARD)
+def test_sanitizer_window_softcap_forward(version):
+    """Partial tiles, a window's edges inside and across tiles, rows without keys, GQA, a split
+    grid (5 rows against 600 keys), the smallest and the 64-key-tile head dims."""
+    require_cuda()
+    skip_unless_takes(version, torch.bfloat16, 32)
+    for head_dim in (32, 96):
+        for seqlen_q, seqlen_k, window, causal, softcap in ((17, 33, (3, 2), False, 0.0), (70, 17, (-1, 1), False, 5.0),
+                                                            (5, 600, (100, 0), True, 30.0)):
+            q, k, v = window_softcap_inputs(4, 2, seqlen_q, seqlen_k, head_dim, torch.bfloat16, softcap)
+            check_cuda_forward(q, k, v, causal, version, f"{version} d{head_dim} s{seqlen_q}x{seqlen_k} {window}",
+                               window=window, softcap=softcap)
+
+
+@pytest.mark.cuda
+@pytest.mark.sanitize
+@pytest.mark.parametrize("version", WINDOW_SOFTCAP_BACKWARD)
+def test_sanitizer_window_softcap_backward(version):
+    require_cuda()
+    if not takes_backward(version, torch.bfloat16, 32):
+        pytest.skip("the tensor-core backward needs sm_80")
+    for seqlen_q, seqlen_k, window, causal, softcap in ((17, 33, (3, 2), False, 0.0), (70, 17, (-1, 1), False, 5.0),
+                                                        (40, 130, (20, 0), True, 30.0)):
+        q, k, v = window_softcap_inputs(4, 2, seqlen_q, seqlen_k, 32, torch.bfloat16, softcap)
+        check_cuda_backward(q, k, v, causal, version, f"{version} s{seqlen_q}x{seqlen_k} {window}",
+                            window=window, softcap=softcap)
+
+
+# ---------------------------------------------------------------------------------------------
+# 13. attention_varlen: sequences of different lengths packed along one token dim (CPU reference)
+# ---------------------------------------------------------------------------------------------
+# (lengths of q, lengths of k) per sequence: equal, q shorter (a chunk against its cache) and
+# longer, one token, an empty query (its keys get zero gradients) and an empty key set (its rows
+# see nothing).
+VARLEN_BATCHES = [
+    ([5, 17, 1, 30], [5, 17, 1, 30]),
+    ([3, 0, 9, 12], [20, 4, 9, 0]),
+]
+
+
+def varlen_inputs(lens_q, lens_k, heads, heads_kv, head_dim, dtype=torch.float64, requires_grad=False):
+    q = torch.randn(sum(lens_q), heads, head_dim, dtype=torch.float64).to(dtype)
+    k = torch.randn(sum(lens_k), heads_kv, head_dim, dtype=torch.float64).to(dtype)
+    v = (torch.randn(sum(lens_k), heads_kv, head_dim, dtype=torch.float64) * 2 + 0.5).to(dtype)
+    cu_q = torch.tensor([0] + lens_q, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    cu_k = torch.tensor([0] + lens_k, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return tuple(t.requires_grad_(requires_grad) for t in (q, k, v)) + (cu_q, cu_k)
+
+
+def varlen_reference(q, k, v, cu_q, cu_k, causal, **features):
+    """The dense float64 reference of each sequence alone, packed back: (out, lse (heads, total_q))."""
+    outs, lses = [], []
+    for b in range(cu_q.numel() - 1):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        out, lse = reference(*(t[s].transpose(0, 1).unsqueeze(0) for t, s in ((q, qs), (k, ks), (v, ks))), causal,
+                             1.0 / math.sqrt(q.shape[-1]), **features)
+        outs.append(out[0].transpose(0, 1))
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("features", [dict(), dict(causal=True), dict(window=(4, 2)),
+                                      dict(causal=True, window=(6, -1), softcap=3.0)],
+                         ids=("full", "causal", "window", "causal_window_softcap"))
+@pytest.mark.parametrize("batch", range(len(VARLEN_BATCHES)))
+def test_varlen_matches_reference(batch, features, dtype):
+    lens_q, lens_k = VARLEN_BATCHES[batch]
+    features = dict(features)
+    causal = features.pop("causal", False)
+    q, k, v, cu_q, cu_k = varlen_inputs(lens_q, lens_k, 4, 2, 16, dtype, requires_grad=True)
+    out, lse = flash_attention.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                                return_lse=True, **features)
+    leaves = tuple(t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = varlen_reference(*leaves, cu_q, cu_k, causal, **features)
+    assert_forward(out, ref, dtype, "out")
+    assert lse.shape == (4, sum(lens_q)) and lse.dtype == lse_dtype(dtype)
+    assert_lse(lse, ref_lse, dtype, "lse")
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    expected = torch.autograd.grad(ref, leaves, grad_out.double())
+    for name, g, e in zip("qkv", grads, expected):
+        assert_grad(g, e, dtype, f"d{name}")
+
+
+def test_varlen_sequences_do_not_see_each_other():
+    """Changing one sequence's keys changes no other sequence's output: the packing is not a batch
+    of one long sequence (which is what a missing offset would compute)."""
+    q, k, v, cu_q, cu_k = varlen_inputs([6, 7], [8, 5], 2, 2, 8)
+    before = flash_attention.attention_varlen(q, k, v, cu_q, cu_k, 7, 8)
+    k2 = k.clone()
+    k2[8:] += 1.0
+    after = flash_attention.attention_varlen(q, k2, v, cu_q, cu_k, 7, 8)
+    assert torch.equal(before[:6], after[:6]) and not torch.equal(before[6:], after[6:])
+
+
+def test_varlen_gradcheck():
+    q, k, v, cu_q, cu_k = varlen_inputs([3, 0, 4], [5, 2, 3], 2, 1, 4, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda a, b, c: flash_attention.attention_varlen(a, b, c, cu_q, cu_k, 4, 5, causal=True, window=(2, -1),
+                                                         softcap=1.5), (q, k, v))
+
+
+def test_varlen_opcheck_and_compile():
+    q, k, v, cu_q, cu_k = varlen_inputs([3, 5], [4, 6], 4, 2, 8, torch.float32, requires_grad=True)
+    torch.library.opcheck(OPS.attention_varlen_forward.default, (q, k, v, cu_q, cu_k, 5, 6, 0.3, True, [2, -1], 2.0))
+    out, lse = OPS.attention_varlen_forward(q.detach(), k.detach(), v.detach(), cu_q, cu_k, 5, 6, 0.3)
+    torch.library.opcheck(OPS.attention_varlen_backward.default,
+                          (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, cu_q, cu_k, 5, 6, 0.3))
+    torch._dynamo.reset()
+
+    def block(q, k, v):
+        return flash_attention.attention_varlen(q, k, v, cu_q, cu_k, 5, 6, causal=True).square().sum()
+
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    grads = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+    for g, e in zip(grads, torch.autograd.grad(block(q, k, v), (q, k, v))):
+        torch.testing.assert_close(g, e)
+
+
+def _varlen(q_total=5, k_total=5, cu_q=(0, 2, 5), cu_k=(0, 3, 5), max_q=3, max_k=3, dtype=torch.float32,
+            cu_dtype=torch.int32, **kwargs):
+    return lambda: flash_attention.attention_varlen(
+        _t(q_total, 2, 8, dtype=dtype), _t(k_total, 2, 8, dtype=dtype), _t(k_total, 2, 8, dtype=dtype),
+        torch.tensor(cu_q, dtype=cu_dtype), torch.tensor(cu_k, dtype=cu_dtype), max_q, max_k, **kwargs)
+
+
+VARLEN_MISUSES = {
+    "4-D q": (lambda: flash_attention.attention_varlen(_t(1, 5, 2, 8), _t(5, 2, 8), _t(5, 2, 8),
+                                                       torch.tensor([0, 5], dtype=torch.int32),
+                                                       torch.tensor([0, 5], dtype=torch.int32), 5, 5),
+              r"attention_varlen_forward: q has shape \[1, 5, 2, 8\] \(4 dims\); it must have 3: "
+              r"\(total_tokens, heads, head_dim\)"),
+    "int64 cu_seqlens": (_varlen(cu_dtype=torch.int64),
+                         r"attention_varlen_forward: cu_seqlens_q has dtype Long but must be Int \(int32"),
+    "cu_seqlens lengths differ": (_varlen(cu_k=(0, 5)),
+                                  r"attention_varlen_forward: cu_seqlens_q has 3 entries but cu_seqlens_k has 2"),
+    "cu_seqlens not from 0": (_varlen(cu_q=(1, 2, 5)),
+                              r"attention_varlen_forward: cu_seqlens_q\[0\] is 1; it must be 0"),
+    "cu_seqlens decreasing": (_varlen(cu_k=(0, 3, 2)), r"attention_varlen_forward: cu_seqlens_k decreases at 2 "
+                                                       r"\(3 then 2\)"),
+    "cu_seqlens short of the total": (_varlen(cu_q=(0, 2, 4)), r"attention_varlen_forward: cu_seqlens_q ends at 4 "
+                                                                r"but the packed tensor has 5 tokens"),
+    "longer than max_seqlen": (_varlen(max_k=2), r"attention_varlen_forward: sequence 0 has 3 tokens \(cu_seqlens_k\) "
+                                                 r"but max_seqlen_k is 2"),
+    "negative max_seqlen": (_varlen(max_q=-1), r"attention_varlen_forward: max_seqlen_q and max_seqlen_k must be >= 0"),
+    "float16 on cpu": (_varlen(dtype=torch.float16), r"attention_varlen_forward: q has dtype Half, which is not "
+                                                     r"supported \(supported: Float, Double\)"),
+    "bad window": (_varlen(window=(-3, 0)), r"attention_varlen_forward: window must be \(left, right\) with each >= 0 "
+                                            r"or -1, got \(-3, 0\)"),
+}
+
+
+@pytest.mark.parametrize("misuse", list(VARLEN_MISUSES))
+def test_varlen_misuse_raises_clear_error(misuse):
+    call, message = VARLEN_MISUSES[misuse]
+    with pytest.raises(RuntimeError, match=message):
+        call()
+
+
+@pytest.mark.cuda
+def test_cuda_varlen_is_refused():
+    require_cuda()
+    q, k, v, cu_q, cu_k = varlen_inputs([3, 4], [3, 4], 2, 2, 32, torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"attention_varlen_forward: the packed \(varlen\) layout has no CUDA "
+                                           r"kernels yet"):
+        flash_attention.attention_varlen(q.cuda(), k.cuda(), v.cuda(), cu_q.cuda(), cu_k.cuda(), 4, 4)

@@ -12,6 +12,18 @@ key, as in decoding with a KV cache). For seqlen_q == seqlen_k that is the usual
 A row that sees no key (causal with seqlen_q > seqlen_k) returns zeros, lse -inf, and passes no
 gradient, as SDPA's CPU kernels do for a fully masked row.
 
+Local attention and softcapping, FlashAttention 2's API: window=(left, right) keeps key j for
+row i only when i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right (the same
+bottom-right alignment; -1 leaves a side unbounded; causal=True is right = 0, whatever the window
+says), and softcap > 0 replaces each scaled score s by softcap * tanh(s / softcap) before the
+softmax. The CPU reference computes both; on CUDA the forward rungs "tuned" and "split_kv" and the
+backward rungs "mma" and "mma_dqpass" do (version=None picks them, Hopper included), and every
+other rung refuses them.
+
+attention_varlen takes sequences of different lengths packed along one token dim, (total_tokens,
+heads, head_dim), with int32 cumulative lengths cu_seqlens_q and cu_seqlens_k (FlashAttention 2's
+varlen API): the CPU reference for now, forward and backward; CUDA tensors are refused.
+
 What exists now: the C++ reference on the CPU (float32 computed in float32, float64 in
 float64), its C++ autograd, the Meta kernels that let torch.compile trace both passes, and the
 CUDA rungs (head_dim 32, 64, 96, 128 or 256):
@@ -74,9 +86,9 @@ import torch  # noqa: E402
 from .paged import copy_blocks, paged_attention, reshape_and_cache  # noqa: E402
 from .radix import RadixCache  # noqa: E402
 
-__all__ = ["attention", "sdpa", "attention_forward", "attention_backward", "hopper_kernels_built", "default_choice",
-           "dispatch_rule", "reshape_and_cache", "copy_blocks", "paged_attention", "RadixCache", "VERSIONS",
-           "EXTENSION"]
+__all__ = ["attention", "attention_varlen", "sdpa", "attention_forward", "attention_backward", "hopper_kernels_built",
+           "default_choice", "dispatch_rule", "reshape_and_cache", "copy_blocks", "paged_attention", "RadixCache",
+           "VERSIONS", "EXTENSION"]
 
 # Each op's ladder of kernel versions; test_attention.py holds it against the extension's
 # tables (the `versions` op).
@@ -95,7 +107,7 @@ def hopper_kernels_built():
 
 
 def dispatch_rule(op, q_shape, k_shape=None, *, dtype, cuda, capability=(0, 0), sms=0, hopper_built=False,
-                  scale=None, causal=False):
+                  scale=None, causal=False, window=(-1, -1), softcap=0.0):
     """The rung version=None runs for inputs of these shapes and dtype on a device described by the
     rest: the extension's own rule (csrc/attention/attention_ops.cpp), asked with any facts, so
     that a GPU other than this machine's (or a recorded one) can be asked about here."""
@@ -105,13 +117,14 @@ def dispatch_rule(op, q_shape, k_shape=None, *, dtype, cuda, capability=(0, 0), 
     if op == "attention_forward":
         scale = 1.0 / math.sqrt(d) if scale is None else scale
         return torch.ops.flash_attention.forward_rule(b, h, h_kv, s_q, s_k, d, scale, causal, cuda, half,
-                                                      capability[0], capability[1], sms, hopper_built)
+                                                      capability[0], capability[1], sms, hopper_built,
+                                                      list(window), softcap)
     if op == "attention_backward":
         return torch.ops.flash_attention.backward_rule(d, cuda, half, capability[0])
     raise ValueError(f"dispatch_rule: unknown op {op!r} (attention_forward or attention_backward)")
 
 
-def default_choice(op, q, k=None, *, scale=None, causal=False):
+def default_choice(op, q, k=None, *, scale=None, causal=False, window=(-1, -1), softcap=0.0):
     """The rung version=None runs for q (and k: q's shape when not given) on q's device: what the
     benchmark records as a default row's dispatch."""
     cuda = q.device.type == "cuda"
@@ -119,7 +132,8 @@ def default_choice(op, q, k=None, *, scale=None, causal=False):
     return dispatch_rule(op, tuple(q.shape), None if k is None else tuple(k.shape), dtype=q.dtype, cuda=cuda,
                          capability=(props.major, props.minor) if cuda else (0, 0),
                          sms=props.multi_processor_count if cuda else 0,
-                         hopper_built=cuda and hopper_kernels_built(), scale=scale, causal=causal)
+                         hopper_built=cuda and hopper_kernels_built(), scale=scale, causal=causal, window=window,
+                         softcap=softcap)
 
 
 def _default_scale(q):
@@ -130,30 +144,55 @@ def _default_scale(q):
     return 1.0 / math.sqrt(q.shape[-1])
 
 
-def attention(q, k, v, *, causal=False, scale=None, version=None, return_lse=False):
-    """softmax(scale * q k^T [causal mask]) v, differentiable in q, k and v.
+def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0, version=None, return_lse=False):
+    """softmax(softcap(scale * q k^T) [causal and window masks]) v, differentiable in q, k and v.
 
     q: (batch, heads, seqlen_q, head_dim); k, v: (batch, heads_kv, seqlen_k, head_dim), with
     heads a multiple of heads_kv. scale defaults to 1 / sqrt(head_dim). Returns out, shaped and
     typed like q (contiguous); with return_lse=True also lse, (batch, heads, seqlen_q), the
     natural-log sum of exp(scale * q k^T) over each row's visible keys, in float32 (float64 for
     float64 inputs). lse is not differentiable.
+
+    window=(left, right): local attention, each side a bound >= 0 or -1 (unbounded); softcap > 0:
+    scores capped to softcap * tanh(score / softcap). The module docstring has the rule.
     """
     if scale is None:
         scale = _default_scale(q)
-    out, lse = torch.ops.flash_attention.attention_forward(q, k, v, scale, causal, version)
+    out, lse = torch.ops.flash_attention.attention_forward(q, k, v, scale, causal, version, list(window), softcap)
     return (out, lse) if return_lse else out
 
 
-def attention_forward(q, k, v, scale, causal=False, *, version=None):
+def attention_forward(q, k, v, scale, causal=False, *, window=(-1, -1), softcap=0.0, version=None):
     """The forward op alone: (out, lse), as attention(..., return_lse=True) with an explicit
     scale. Differentiable in q, k and v through out."""
-    return torch.ops.flash_attention.attention_forward(q, k, v, scale, causal, version)
+    return torch.ops.flash_attention.attention_forward(q, k, v, scale, causal, version, list(window), softcap)
 
 
-def attention_backward(grad_out, q, k, v, out, lse, scale, causal=False, *, version=None):
-    """The backward op alone: (dq, dk, dv) from the forward's out and lse."""
-    return torch.ops.flash_attention.attention_backward(grad_out, q, k, v, out, lse, scale, causal, version)
+def attention_backward(grad_out, q, k, v, out, lse, scale, causal=False, *, window=(-1, -1), softcap=0.0,
+                       version=None):
+    """The backward op alone: (dq, dk, dv) from the forward's out and lse (and the forward's window
+    and softcap)."""
+    return torch.ops.flash_attention.attention_backward(grad_out, q, k, v, out, lse, scale, causal, version,
+                                                        list(window), softcap)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False, scale=None,
+                     window=(-1, -1), softcap=0.0, return_lse=False):
+    """attention() over sequences of different lengths packed along one token dim (FlashAttention
+    2's varlen API), differentiable in q, k and v.
+
+    q: (total_q, heads, head_dim); k, v: (total_k, heads_kv, head_dim). Sequence b is rows
+    cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q against rows cu_seqlens_k[b]:cu_seqlens_k[b + 1] of k
+    and v (cu_seqlens_*: int32, batch + 1 entries from 0 to the total), with its own bottom-right
+    causal mask and window; max_seqlen_q and max_seqlen_k bound the lengths (checked). Returns out,
+    shaped like q; with return_lse=True also lse, (heads, total_q). The CPU reference for now: CUDA
+    tensors are refused.
+    """
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1]) if q.dim() == 3 and q.shape[-1] > 0 else 1.0
+    out, lse = torch.ops.flash_attention.attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                                  max_seqlen_k, scale, causal, list(window), softcap)
+    return (out, lse) if return_lse else out
 
 
 def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):

@@ -24,6 +24,18 @@
 // (torch 2.13, math and flash-for-CPU alike; its CausalBias warns of NaN, but the kernels write
 // 0). Every implementation must keep it: the backward cannot recompute exp(s - lse) there
 // (-inf - -inf is NaN), so it skips such rows outright.
+//
+// Local (sliding-window) attention and softcapping, FlashAttention 2's window_size and softcap:
+//   window (left, right): key j is visible to row i iff
+//           i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right
+//           (the causal mask's bottom-right alignment; -1 leaves that side unbounded). causal is
+//           right = 0, and make_params stores it so: causal with a window keeps the window's left.
+//   softcap > 0: s_ij becomes softcap * tanh(s_ij / softcap) before the softmax (Gemma 2, Grok),
+//           which bounds every score to (-softcap, softcap). lse is of the capped scores, and
+//           the backward multiplies dS by the derivative of the cap, 1 - tanh^2(s_ij / softcap).
+// Only the right bound can leave a row without keys (rows with i + seqlen_k - seqlen_q + right < 0,
+// as causal's rows above the diagonal; the left bound never empties a row of q, whose range
+// starts at most at key seqlen_k - 1 - left): the same empty softmax as above.
 #pragma once
 
 #include <course/dtype.h>
@@ -70,6 +82,11 @@ struct AttentionParams {
   int64_t o_batch_stride, o_head_stride, o_seq_stride;
   double scale;
   bool causal;
+  // The window's bounds (-1: none; causal sets window_right to 0) and the softcap (0: none).
+  // Only the rungs that take them read them (attention_ops.cpp refuses the rest), and with the
+  // defaults every rung computes what it did before they existed.
+  int64_t window_left = -1, window_right = -1;
+  double softcap = 0.0;
 };
 
 // The backward, from the forward's o and lse (P is recomputed, never stored: it is seqlen_q x
@@ -113,6 +130,31 @@ FLASH_ATTENTION_HD int64_t first_visible_row(int64_t key, int64_t seqlen_q, int6
   if (!causal) return 0;
   const int64_t first = key - (seqlen_k - seqlen_q);
   return first < 0 ? 0 : (first < seqlen_q ? first : seqlen_q);
+}
+
+// The window's rule (above), for a row or a key of any rung that takes a window. With
+// window_right = 0 and window_left = -1 (plain causal) these are visible_keys and
+// first_visible_row; with both -1, every key and every row. Rows past seqlen_q (a kernel's padding
+// rows) and keys past seqlen_k are clamped, never negative ranges: key_begin <= key_end and
+// row_begin <= row_end always, an empty range where nothing is visible.
+FLASH_ATTENTION_HD int64_t clamp_to(int64_t x, int64_t hi) { return x < 0 ? 0 : (x < hi ? x : hi); }
+// The first key row i sees, and one past its last.
+FLASH_ATTENTION_HD int64_t key_begin(int64_t row, const AttentionParams& p) {
+  return p.window_left < 0 ? 0 : clamp_to(row + p.seqlen_k - p.seqlen_q - p.window_left, p.seqlen_k);
+}
+FLASH_ATTENTION_HD int64_t key_end(int64_t row, const AttentionParams& p) {
+  return p.window_right < 0 ? p.seqlen_k : clamp_to(row + p.seqlen_k - p.seqlen_q + p.window_right + 1, p.seqlen_k);
+}
+// The first row that sees key j, and one past the last (the backward walks a key's column).
+FLASH_ATTENTION_HD int64_t row_begin(int64_t key, const AttentionParams& p) {
+  return p.window_right < 0 ? 0 : clamp_to(key - (p.seqlen_k - p.seqlen_q) - p.window_right, p.seqlen_q);
+}
+FLASH_ATTENTION_HD int64_t row_end(int64_t key, const AttentionParams& p) {
+  return p.window_left < 0 ? p.seqlen_q : clamp_to(key - (p.seqlen_k - p.seqlen_q) + p.window_left + 1, p.seqlen_q);
+}
+// Whether a call uses what only some rungs compute: a window beyond causal's own, or a softcap.
+inline bool uses_window_or_softcap(const AttentionParams& p) {
+  return p.window_left >= 0 || (p.window_right >= 0 && !p.causal) || p.softcap > 0.0;
 }
 
 // Bytes of the accumulation type (float32 for float32 and the 16-bit types, float64 for

@@ -37,12 +37,24 @@ T* row_at(T* base, int64_t b, int64_t h, int64_t i, int64_t batch_stride, int64_
   return base + b * batch_stride + h * head_stride + i * seq_stride;
 }
 
+// The score row i gives key j: scale * q . k, capped when softcap > 0 (attention.h). `t`, where
+// not null, receives tanh(scale * q . k / softcap), which the backward's derivative needs.
+template <typename A>
+A score(A dot_qk, A scale, A softcap, A* t = nullptr) {
+  const A s = scale * dot_qk;
+  if (softcap <= A(0)) return s;
+  const A th = std::tanh(s / softcap);
+  if (t != nullptr) *t = th;
+  return softcap * th;
+}
+
 template <typename T>
 void forward(const AttentionParams& p) {
   using A = typename CpuAcc<T>::type;
   const int64_t group = p.heads / p.heads_kv;
   const int64_t d = p.head_dim;
   const A scale = static_cast<A>(p.scale);
+  const A softcap = static_cast<A>(p.softcap);
   std::vector<A> probs(static_cast<size_t>(p.seqlen_k));
   std::vector<A> acc(static_cast<size_t>(d));
   for (int64_t b = 0; b < p.batch; ++b) {
@@ -52,28 +64,29 @@ void forward(const AttentionParams& p) {
       for (int64_t i = 0; i < p.seqlen_q; ++i) {
         const T* q = row_at(static_cast<const T*>(p.q), b, h, i, p.q_batch_stride, p.q_head_stride, p.q_seq_stride);
         T* o = row_at(static_cast<T*>(p.o), b, h, i, p.o_batch_stride, p.o_head_stride, p.o_seq_stride);
-        const int64_t n = visible_keys(i, p.seqlen_q, p.seqlen_k, p.causal);
-        if (n == 0) {
+        // Keys [j0, j1): the causal mask and the window (attention.h's key_begin and key_end).
+        const int64_t j0 = key_begin(i, p), j1 = key_end(i, p);
+        if (j0 == j1) {
           // the empty softmax: attention.h says why 0 and -inf
           for (int64_t c = 0; c < d; ++c) o[c] = T(0);
           lse[i] = -std::numeric_limits<A>::infinity();
           continue;
         }
         A row_max = -std::numeric_limits<A>::infinity();
-        for (int64_t j = 0; j < n; ++j) {
+        for (int64_t j = j0; j < j1; ++j) {
           const T* k = row_at(static_cast<const T*>(p.k), b, hk, j, p.k_batch_stride, p.k_head_stride, p.k_seq_stride);
-          probs[j] = scale * dot<A>(q, k, d);
+          probs[j] = score(dot<A>(q, k, d), scale, softcap);
           row_max = std::max(row_max, probs[j]);
         }
         // Subtracting the row max keeps exp() in range whatever the scores are; the max is
         // added back into lse, so lse is the true log-sum-exp.
         A denom = A(0);
-        for (int64_t j = 0; j < n; ++j) {
+        for (int64_t j = j0; j < j1; ++j) {
           probs[j] = std::exp(probs[j] - row_max);
           denom += probs[j];
         }
         std::fill(acc.begin(), acc.end(), A(0));
-        for (int64_t j = 0; j < n; ++j) {
+        for (int64_t j = j0; j < j1; ++j) {
           const T* v = row_at(static_cast<const T*>(p.v), b, hk, j, p.v_batch_stride, p.v_head_stride, p.v_seq_stride);
           for (int64_t c = 0; c < d; ++c) acc[c] += probs[j] * static_cast<A>(v[c]);
         }
@@ -94,6 +107,7 @@ void backward(const AttentionBackwardParams& g) {
   const int64_t group = p.heads / p.heads_kv;
   const int64_t d = p.head_dim;
   const A scale = static_cast<A>(p.scale);
+  const A softcap = static_cast<A>(p.softcap);
   std::vector<A> dk_acc(static_cast<size_t>(p.seqlen_k * d));
   std::vector<A> dv_acc(static_cast<size_t>(p.seqlen_k * d));
   std::vector<A> dq_acc(static_cast<size_t>(d));
@@ -109,21 +123,24 @@ void backward(const AttentionBackwardParams& g) {
           const T* dout = row_at(static_cast<const T*>(g.dout), b, h, i, g.do_batch_stride, g.do_head_stride,
                                  g.do_seq_stride);
           T* dq = row_at(static_cast<T*>(g.dq), b, h, i, g.dq_batch_stride, g.dq_head_stride, g.dq_seq_stride);
-          const int64_t n = visible_keys(i, p.seqlen_q, p.seqlen_k, p.causal);
-          if (n == 0) {
+          const int64_t j0 = key_begin(i, p), j1 = key_end(i, p);
+          if (j0 == j1) {
             // o is a constant 0 there: nothing flows back (and exp(s - lse) would be NaN)
             for (int64_t c = 0; c < d; ++c) dq[c] = T(0);
             continue;
           }
           const A delta = dot<A>(dout, o, d);
           std::fill(dq_acc.begin(), dq_acc.end(), A(0));
-          for (int64_t j = 0; j < n; ++j) {
+          for (int64_t j = j0; j < j1; ++j) {
             const T* k = row_at(static_cast<const T*>(p.k), b, hk, j, p.k_batch_stride, p.k_head_stride,
                                 p.k_seq_stride);
             const T* v = row_at(static_cast<const T*>(p.v), b, hk, j, p.v_batch_stride, p.v_head_stride,
                                 p.v_seq_stride);
-            const A prob = std::exp(scale * dot<A>(q, k, d) - lse[i]);
-            const A dscore = prob * (dot<A>(dout, v, d) - delta);
+            A t = A(0);
+            const A prob = std::exp(score(dot<A>(q, k, d), scale, softcap, &t) - lse[i]);
+            // dS with respect to the capped score, then through the cap: d(c tanh(s / c))/ds = 1 - tanh^2
+            A dscore = prob * (dot<A>(dout, v, d) - delta);
+            if (softcap > A(0)) dscore *= A(1) - t * t;
             A* dk_row = dk_acc.data() + j * d;
             A* dv_row = dv_acc.data() + j * d;
             for (int64_t c = 0; c < d; ++c) {

@@ -126,10 +126,13 @@ struct DispatchFacts {
   int cc_major = 0, cc_minor = 0, sms = 0;
   bool hopper_built = false;
 };
+// A window or a softcap (attention.h) runs on "tuned" and "split_kv" alone (their kernel is the
+// one that computes them), so such a call skips the Hopper rungs; on a GPU that cannot run those
+// two it gets "tiled", which refuses it with the way out.
 ForwardVersion forward_rule(const AttentionParams& p, const DispatchFacts& f) {
   if (!(f.cuda && f.half && f.cc_major >= 8)) return ForwardVersion::kTiled;
   if (f.hopper_built && f.cc_major == 9 && f.cc_minor == 0 && is_listed(kHopperHeadDims, p.head_dim) &&
-      p.scale > 0.0 && attention_forward_splits(p, f.sms) == 1) {
+      p.scale > 0.0 && !uses_window_or_softcap(p) && attention_forward_splits(p, f.sms) == 1) {
     return p.head_dim <= 128 ? ForwardVersion::kPingpong : ForwardVersion::kWarpSpecialized;
   }
   return ForwardVersion::kSplitKv;
@@ -221,6 +224,25 @@ void check_qkv(const char* op, const Tensor& q, const Tensor& k, const Tensor& v
     TORCH_CHECK(is_listed(kCudaHeadDims, q.size(3)), op, ": head_dim ", std::to_string(q.size(3)),
                 " is not supported on CUDA (supported: ", list_text(kCudaHeadDims), ")");
   }
+}
+
+// window = (left, right), each a bound >= 0 or -1 (none), and softcap >= 0 (0: none), finite: a
+// NaN or infinite cap would silently give NaN or no cap at all.
+void check_window_softcap(const char* op, at::IntArrayRef window, double softcap) {
+  std::string got;
+  for (const int64_t w : window) got += (got.empty() ? "" : ", ") + std::to_string(w);
+  TORCH_CHECK(window.size() == 2 && window[0] >= -1 && window[1] >= -1, op,
+              ": window must be (left, right) with each >= 0 or -1, got (", got, ")");
+  TORCH_CHECK(softcap >= 0.0 && std::isfinite(softcap), op, ": softcap must be >= 0 and finite (0: no cap), got ",
+              std::to_string(softcap));
+}
+
+// The rungs that compute a window and a softcap: the forward's "tuned" and "split_kv" (one kernel),
+// the backward's "mma" and "mma_dqpass" (one kernel for dK and dV; dQ from it or from its second
+// pass). Every other rung refuses them with the way out; the CPU reference computes them all.
+bool takes_window_or_softcap(ForwardVersion v) { return v == ForwardVersion::kTuned || v == ForwardVersion::kSplitKv; }
+bool takes_window_or_softcap(BackwardVersion v) {
+  return v == BackwardVersion::kMma || v == BackwardVersion::kMmaDqPass;
 }
 
 #define FLASH_ATTENTION_ON_CUDA(op, t, ...) COURSE_ON_CUDA(op, "flash_attention", t, __VA_ARGS__)
@@ -362,8 +384,9 @@ void backward_cuda(BackwardVersion v, const AttentionBackwardParams& g, const Te
 }
 #endif
 
+// window and softcap as checked by check_window_softcap; causal is the window's right = 0.
 AttentionParams make_params(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
-                            double scale, bool causal) {
+                            double scale, bool causal, at::IntArrayRef window, double softcap) {
   AttentionParams p{};
   p.dtype = ::course::to_dtype(q.scalar_type());
   p.q = q.const_data_ptr();
@@ -384,6 +407,9 @@ AttentionParams make_params(const Tensor& q, const Tensor& k, const Tensor& v, c
   p.o_batch_stride = out.stride(0), p.o_head_stride = out.stride(1), p.o_seq_stride = out.stride(2);
   p.scale = scale;
   p.causal = causal;
+  p.window_left = window[0];
+  p.window_right = causal ? 0 : window[1];
+  p.softcap = softcap;
   return p;
 }
 
@@ -392,16 +418,23 @@ AttentionParams make_params(const Tensor& q, const Tensor& k, const Tensor& v, c
 // dtype; lse is (batch, heads, seqlen_q), contiguous, in the accumulation type.
 // ---------------------------------------------------------------------------------------
 std::tuple<Tensor, Tensor> attention_forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, double scale,
-                                                  bool causal, OptVersion version) {
+                                                  bool causal, OptVersion version, at::IntArrayRef window,
+                                                  double softcap) {
   const char* op = kForward;
   check_qkv(op, q, k, v);
+  check_window_softcap(op, window, softcap);
   Tensor out = at::empty_symint(q.sym_sizes(), q.options());
   Tensor lse = at::empty_symint({q.sym_size(0), q.sym_size(1), q.sym_size(2)},
                                 q.options().dtype(lse_dtype(q.scalar_type())));
   const auto named = ::course::parse_version(op, version, kForwardVersions);  // a typo fails on Meta too
   if (q.is_meta()) return {out, lse};
-  [[maybe_unused]] const ForwardVersion v_ =
-      named.value_or(default_forward(q, make_params(q, k, v, out, lse, scale, causal)));
+  const AttentionParams sizes = make_params(q, k, v, out, lse, scale, causal, window, softcap);
+  [[maybe_unused]] const ForwardVersion v_ = named.value_or(default_forward(q, sizes));
+  if (q.is_cuda() && uses_window_or_softcap(sizes)) {
+    TORCH_CHECK(takes_window_or_softcap(v_), op, ": version '", ::course::version_name(kForwardVersions, v_),
+                "' takes no window or softcap; versions 'tuned' and 'split_kv' compute them (float16 and bfloat16, ",
+                "compute capability 8.0 or newer; version=None picks them there)");
+  }
   if (out.numel() == 0) return {out, lse};
   if (q.is_cuda()) {
 #ifdef WITH_CUDA
@@ -413,16 +446,14 @@ std::tuple<Tensor, Tensor> attention_forward_impl(const Tensor& q, const Tensor&
       }
       const bool tma = hopper_rung(v_);
       const Tensor qa = aligned_for_copies(q, tma), ka = aligned_for_copies(k, tma), va = aligned_for_copies(v, tma);
-      const AttentionParams p = make_params(qa, ka, va, out, lse, scale, causal);
+      const AttentionParams p = make_params(qa, ka, va, out, lse, scale, causal, window, softcap);
       FLASH_ATTENTION_ON_CUDA(op, q, forward_cuda(v_, p, q, stream));
       return {out, lse};
     }
 #endif
-    [[maybe_unused]] const AttentionParams p = make_params(q, k, v, out, lse, scale, causal);
-    FLASH_ATTENTION_ON_CUDA(op, q, forward_cuda(v_, p, q, stream));
+    FLASH_ATTENTION_ON_CUDA(op, q, forward_cuda(v_, sizes, q, stream));
   } else {
-    const AttentionParams p = make_params(q, k, v, out, lse, scale, causal);
-    attention_forward_cpu(p);
+    attention_forward_cpu(sizes);
   }
   return {out, lse};
 }
@@ -433,9 +464,11 @@ std::tuple<Tensor, Tensor> attention_forward_impl(const Tensor& q, const Tensor&
 // ---------------------------------------------------------------------------------------
 std::tuple<Tensor, Tensor, Tensor> attention_backward_impl(const Tensor& grad_out, const Tensor& q, const Tensor& k,
                                                            const Tensor& v, const Tensor& out, const Tensor& lse,
-                                                           double scale, bool causal, OptVersion version) {
+                                                           double scale, bool causal, OptVersion version,
+                                                           at::IntArrayRef window, double softcap) {
   const char* op = kBackward;
   check_qkv(op, q, k, v);
+  check_window_softcap(op, window, softcap);
   check_bhsd(op, "grad_out", grad_out);
   check_bhsd(op, "out", out);
   check_same(op, "grad_out", grad_out, "q", q);
@@ -456,6 +489,12 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward_impl(const Tensor& grad_ou
   Tensor dv = at::empty_symint(v.sym_sizes(), v.options());
   if (q.is_meta()) return {dq, dk, dv};
   [[maybe_unused]] const BackwardVersion v_ = named.value_or(default_backward(q));
+  if (q.is_cuda() && uses_window_or_softcap(make_params(q, k, v, out, lse, scale, causal, window, softcap))) {
+    TORCH_CHECK(takes_window_or_softcap(v_), op, ": version '", ::course::version_name(kBackwardVersions, v_),
+                "' takes no window or softcap; versions 'mma' and 'mma_dqpass' compute them (float16 and bfloat16, ",
+                "compute capability 8.0 or newer, head_dim ", list_text(kMmaBackwardHeadDims),
+                "; version=None picks 'mma_dqpass' there)");
+  }
   // The reference and the kernels index lse as a contiguous (batch, heads, seqlen_q) block.
   const Tensor lse_c = lse.contiguous();
   // The tensor-core rung copies Q, dO, K and V 16 bytes at a time (aligned_for_copies); the
@@ -469,7 +508,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward_impl(const Tensor& grad_ou
   }
 #endif
   AttentionBackwardParams g{};
-  g.fwd = make_params(qa, ka, va, out, lse_c, scale, causal);
+  g.fwd = make_params(qa, ka, va, out, lse_c, scale, causal, window, softcap);
   g.dout = goa.const_data_ptr();
   g.dq = dq.mutable_data_ptr();
   g.dk = dk.mutable_data_ptr();
@@ -497,16 +536,18 @@ using ::course::find_op;
 class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v, double scale,
-                               bool causal, OptVersion version) {
+                               bool causal, OptVersion version, at::IntArrayRef window, double softcap) {
     static auto op = find_op<decltype(attention_forward_impl)>("flash_attention::attention_forward");
     Tensor out, lse;
     {
       at::AutoDispatchBelowADInplaceOrView guard;
-      std::tie(out, lse) = op.call(q, k, v, scale, causal, version);
+      std::tie(out, lse) = op.call(q, k, v, scale, causal, version, window, softcap);
     }
     ctx->save_for_backward({q, k, v, out, lse});
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["causal"] = causal;
+    ctx->saved_data["window"] = window.vec();
+    ctx->saved_data["softcap"] = softcap;
     ctx->mark_non_differentiable({lse});
     return {out, lse};
   }
@@ -517,15 +558,228 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     // out.sum() hands back an expanded scalar (every stride 0): the one input whose last dim is
     // not ours to choose, so it alone may be copied.
     if (grad_out.sym_stride(3) != 1 && grad_out.sym_size(3) != 1) grad_out = grad_out.contiguous();
+    const std::vector<int64_t> window = ctx->saved_data["window"].toIntVector();
     auto [dq, dk, dv] = op.call(grad_out, s[0], s[1], s[2], s[3], s[4], ctx->saved_data["scale"].toDouble(),
-                                ctx->saved_data["causal"].toBool(), std::nullopt);
-    return {dq, dk, dv, Tensor(), Tensor(), Tensor()};
+                                ctx->saved_data["causal"].toBool(), std::nullopt, window,
+                                ctx->saved_data["softcap"].toDouble());
+    return {dq, dk, dv, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
 std::tuple<Tensor, Tensor> attention_forward_autograd(const Tensor& q, const Tensor& k, const Tensor& v, double scale,
-                                                      bool causal, OptVersion version) {
-  auto out = AttentionFunction::apply(q, k, v, scale, causal, version);
+                                                      bool causal, OptVersion version, at::IntArrayRef window,
+                                                      double softcap) {
+  auto out = AttentionFunction::apply(q, k, v, scale, causal, version, window, softcap);
+  return {out[0], out[1]};
+}
+
+// ---------------------------------------------------------------------------------------
+// attention_varlen_forward and attention_varlen_backward: sequences of different lengths packed
+// along one token dim, FlashAttention 2's varlen API. q is (total_q, heads, head_dim), k and v
+// (total_k, heads_kv, head_dim); sequence b is rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q
+// and [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k and v, attended to as one attention_forward of
+// batch 1 (its own bottom-right causal mask and window). lse is (heads, total_q), FlashAttention 2's
+// varlen softmax_lse. No token of one sequence sees another's, and no padding is computed: the
+// point of the layout. For now the CPU reference only: each sequence is the reference's
+// AttentionParams over slices of the packed tensors (their strides, no copy); CUDA tensors are
+// refused with the way out.
+// ---------------------------------------------------------------------------------------
+constexpr const char* kVarlenForward = "attention_varlen_forward";
+constexpr const char* kVarlenBackward = "attention_varlen_backward";
+
+// A packed (total_tokens, heads, head_dim) tensor.
+void check_packed(const char* op, const char* name, const Tensor& t) {
+  TORCH_CHECK(t.defined(), op, ": ", name, " is an undefined tensor");
+  ::course::check_device_supported(op, name, t);
+  TORCH_CHECK(t.dim() == 3, op, ": ", name, " has shape ", shape_of(t), " (", std::to_string(t.dim()),
+              " dims); it must have 3: (total_tokens, heads, head_dim)");
+  check_dtype(op, name, t);
+  TORCH_CHECK(t.sym_stride(2) == 1 || t.sym_size(2) == 1, op, ": ", name,
+              "'s last dim (head_dim) is not contiguous (stride ", std::to_string(t.stride(2)), "); pass ", name,
+              ".contiguous()");
+}
+
+// cu_seqlens: int32, (batch + 1,), on q's device. Its values are checked where they are read (the
+// CPU): from 0, never decreasing, to the packed tensor's total, no sequence longer than max_seqlen.
+void check_cu_seqlens(const char* op, const char* name, const Tensor& cu, const Tensor& q) {
+  TORCH_CHECK(cu.defined(), op, ": ", name, " is an undefined tensor");
+  ::course::check_same_device(op, name, cu, "q", q);
+  TORCH_CHECK(cu.scalar_type() == at::kInt, op, ": ", name, " has dtype ", cu.scalar_type(),
+              " but must be Int (int32: the cumulative sequence lengths, FlashAttention 2's layout)");
+  TORCH_CHECK(cu.dim() == 1 && cu.sym_size(0) >= 1, op, ": ", name, " has shape ", shape_of(cu),
+              "; it must be (batch + 1,): 0, then each sequence's end");
+}
+std::vector<int64_t> seqlen_offsets(const char* op, const char* name, const Tensor& cu, int64_t total,
+                                    int64_t max_seqlen, const char* max_name) {
+  const Tensor c = cu.contiguous();
+  const int32_t* data = c.const_data_ptr<int32_t>();
+  std::vector<int64_t> offsets(data, data + c.numel());
+  TORCH_CHECK(offsets[0] == 0, op, ": ", name, "[0] is ", std::to_string(offsets[0]), "; it must be 0");
+  for (size_t b = 0; b + 1 < offsets.size(); ++b) {
+    const int64_t len = offsets[b + 1] - offsets[b];
+    TORCH_CHECK(len >= 0, op, ": ", name, " decreases at ", std::to_string(b + 1), " (", std::to_string(offsets[b]),
+                " then ", std::to_string(offsets[b + 1]), "); sequence lengths cannot be negative");
+    TORCH_CHECK(len <= max_seqlen, op, ": sequence ", std::to_string(b), " has ", std::to_string(len), " tokens (",
+                name, ") but ", max_name, " is ", std::to_string(max_seqlen));
+  }
+  TORCH_CHECK(offsets.back() == total, op, ": ", name, " ends at ", std::to_string(offsets.back()),
+              " but the packed tensor has ", std::to_string(total), " tokens");
+  return offsets;
+}
+
+void check_varlen(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_q,
+                  const Tensor& cu_k, int64_t max_seqlen_q, int64_t max_seqlen_k) {
+  check_packed(op, "q", q);
+  check_packed(op, "k", k);
+  check_packed(op, "v", v);
+  check_same(op, "k", k, "q", q);
+  check_same(op, "v", v, "q", q);
+  TORCH_CHECK(k.sym_sizes() == v.sym_sizes(), op, ": k has shape ", shape_of(k), " but v has shape ", shape_of(v),
+              " (they must match: one value per key, in as many heads)");
+  TORCH_CHECK(k.sym_size(2) == q.sym_size(2), op, ": q has head_dim ", std::to_string(q.size(2)),
+              " but k and v have head_dim ", std::to_string(k.size(2)), " (they must be equal)");
+  TORCH_CHECK(q.sym_size(2) >= 1, op, ": head_dim is 0; attention needs at least one feature per head");
+  TORCH_CHECK(k.size(1) >= 1 && q.size(1) % k.size(1) == 0, op, ": q has ", std::to_string(q.size(1)),
+              " heads and k and v have ", std::to_string(k.size(1)), "; the query heads must be a whole multiple of ",
+              "the kv heads");
+  check_cu_seqlens(op, "cu_seqlens_q", cu_q, q);
+  check_cu_seqlens(op, "cu_seqlens_k", cu_k, q);
+  TORCH_CHECK(cu_q.sym_size(0) == cu_k.sym_size(0), op, ": cu_seqlens_q has ", std::to_string(cu_q.size(0)),
+              " entries but cu_seqlens_k has ", std::to_string(cu_k.size(0)), " (one more than the batch, both)");
+  TORCH_CHECK(max_seqlen_q >= 0 && max_seqlen_k >= 0, op, ": max_seqlen_q and max_seqlen_k must be >= 0, got ",
+              std::to_string(max_seqlen_q), " and ", std::to_string(max_seqlen_k));
+  TORCH_CHECK(!q.is_cuda(), op, ": the packed (varlen) layout has no CUDA kernels yet; it runs on the CPU ",
+              "reference (CPU tensors), or call attention() once per sequence on CUDA");
+}
+
+// Sequence [start, start + len) of a packed (total, heads, d) tensor as a (1, heads, len, d) view:
+// the shape every AttentionParams describes.
+Tensor as_batch_of_one(const Tensor& t, int64_t start, int64_t len) {
+  return t.narrow(0, start, len).transpose(0, 1).unsqueeze(0);
+}
+
+std::tuple<Tensor, Tensor> attention_varlen_forward_impl(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                         const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k,
+                                                         int64_t max_seqlen_q, int64_t max_seqlen_k, double scale,
+                                                         bool causal, at::IntArrayRef window, double softcap) {
+  const char* op = kVarlenForward;
+  check_varlen(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  check_window_softcap(op, window, softcap);
+  Tensor out = at::empty_symint(q.sym_sizes(), q.options());
+  Tensor lse = at::empty_symint({q.sym_size(1), q.sym_size(0)}, q.options().dtype(lse_dtype(q.scalar_type())));
+  if (q.is_meta()) return {out, lse};
+  const auto sq = seqlen_offsets(op, "cu_seqlens_q", cu_seqlens_q, q.size(0), max_seqlen_q, "max_seqlen_q");
+  const auto sk = seqlen_offsets(op, "cu_seqlens_k", cu_seqlens_k, k.size(0), max_seqlen_k, "max_seqlen_k");
+  for (size_t b = 0; b + 1 < sq.size(); ++b) {
+    const int64_t len_q = sq[b + 1] - sq[b], len_k = sk[b + 1] - sk[b];
+    if (len_q == 0) continue;  // no rows: nothing to write
+    // The reference writes lse as a contiguous (1, heads, len_q) block; lse's rows are total_q apart.
+    Tensor lse_b = at::empty({1, q.size(1), len_q}, lse.options());
+    const AttentionParams p =
+        make_params(as_batch_of_one(q, sq[b], len_q), as_batch_of_one(k, sk[b], len_k),
+                    as_batch_of_one(v, sk[b], len_k), as_batch_of_one(out, sq[b], len_q), lse_b, scale, causal,
+                    window, softcap);
+    attention_forward_cpu(p);
+    lse.narrow(1, sq[b], len_q).copy_(lse_b[0]);
+  }
+  return {out, lse};
+}
+
+std::tuple<Tensor, Tensor, Tensor> attention_varlen_backward_impl(
+    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+    const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double scale,
+    bool causal, at::IntArrayRef window, double softcap) {
+  const char* op = kVarlenBackward;
+  check_varlen(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  check_window_softcap(op, window, softcap);
+  check_packed(op, "grad_out", grad_out);
+  check_packed(op, "out", out);
+  check_same(op, "grad_out", grad_out, "q", q);
+  check_same(op, "out", out, "q", q);
+  TORCH_CHECK(out.sym_sizes() == q.sym_sizes() && grad_out.sym_sizes() == q.sym_sizes(), op, ": out has shape ",
+              shape_of(out), " and grad_out ", shape_of(grad_out), "; both must have q's shape ", shape_of(q));
+  TORCH_CHECK(lse.defined(), op, ": lse is an undefined tensor");
+  ::course::check_same_device(op, "lse", lse, "q", q);
+  TORCH_CHECK(lse.scalar_type() == lse_dtype(q.scalar_type()), op, ": lse has dtype ", lse.scalar_type(),
+              " but must be ", lse_dtype(q.scalar_type()), " for q of dtype ", q.scalar_type(),
+              " (what attention_varlen_forward returns)");
+  TORCH_CHECK(lse.dim() == 2 && lse.sym_size(0) == q.sym_size(1) && lse.sym_size(1) == q.sym_size(0), op,
+              ": lse has shape ", shape_of(lse), " but must be (heads, total_q) of q ", shape_of(q));
+  // Every row of dq, and of dk and dv (cu_seqlens_k covers every key token), is written by the
+  // backward of its own sequence: empty outputs, as attention_backward's.
+  Tensor dq = at::empty_symint(q.sym_sizes(), q.options());
+  Tensor dk = at::empty_symint(k.sym_sizes(), k.options());
+  Tensor dv = at::empty_symint(v.sym_sizes(), v.options());
+  if (q.is_meta()) return {dq, dk, dv};
+  const auto sq = seqlen_offsets(op, "cu_seqlens_q", cu_seqlens_q, q.size(0), max_seqlen_q, "max_seqlen_q");
+  const auto sk = seqlen_offsets(op, "cu_seqlens_k", cu_seqlens_k, k.size(0), max_seqlen_k, "max_seqlen_k");
+  for (size_t b = 0; b + 1 < sq.size(); ++b) {
+    const int64_t len_q = sq[b + 1] - sq[b], len_k = sk[b + 1] - sk[b];
+    const Tensor lse_b = lse.narrow(1, sq[b], len_q).unsqueeze(0).contiguous();  // the reference's layout
+    const Tensor dq_b = as_batch_of_one(dq, sq[b], len_q), dk_b = as_batch_of_one(dk, sk[b], len_k);
+    const Tensor dv_b = as_batch_of_one(dv, sk[b], len_k), go_b = as_batch_of_one(grad_out, sq[b], len_q);
+    AttentionBackwardParams g{};
+    g.fwd = make_params(as_batch_of_one(q, sq[b], len_q), as_batch_of_one(k, sk[b], len_k),
+                        as_batch_of_one(v, sk[b], len_k), as_batch_of_one(out, sq[b], len_q), lse_b, scale, causal,
+                        window, softcap);
+    g.dout = go_b.const_data_ptr();
+    g.dq = dq_b.mutable_data_ptr();
+    g.dk = dk_b.mutable_data_ptr();
+    g.dv = dv_b.mutable_data_ptr();
+    g.do_batch_stride = go_b.stride(0), g.do_head_stride = go_b.stride(1), g.do_seq_stride = go_b.stride(2);
+    g.dq_batch_stride = dq_b.stride(0), g.dq_head_stride = dq_b.stride(1), g.dq_seq_stride = dq_b.stride(2);
+    g.dk_batch_stride = dk_b.stride(0), g.dk_head_stride = dk_b.stride(1), g.dk_seq_stride = dk_b.stride(2);
+    g.dv_batch_stride = dv_b.stride(0), g.dv_head_stride = dv_b.stride(1), g.dv_seq_stride = dv_b.stride(2);
+    attention_backward_cpu(g);  // a sequence without queries still writes its keys' zero gradients
+  }
+  return {dq, dk, dv};
+}
+
+class AttentionVarlenFunction : public torch::autograd::Function<AttentionVarlenFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
+                               const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                               int64_t max_seqlen_k, double scale, bool causal, at::IntArrayRef window,
+                               double softcap) {
+    static auto op =
+        ::course::find_op<decltype(attention_varlen_forward_impl)>("flash_attention::attention_varlen_forward");
+    Tensor out, lse;
+    {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      std::tie(out, lse) =
+          op.call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window, softcap);
+    }
+    ctx->save_for_backward({q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k});
+    ctx->saved_data["max_seqlen_q"] = max_seqlen_q;
+    ctx->saved_data["max_seqlen_k"] = max_seqlen_k;
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["window"] = window.vec();
+    ctx->saved_data["softcap"] = softcap;
+    ctx->mark_non_differentiable({lse});
+    return {out, lse};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto op =
+        ::course::find_op<decltype(attention_varlen_backward_impl)>("flash_attention::attention_varlen_backward");
+    const auto s = ctx->get_saved_variables();
+    Tensor grad_out = grads[0];
+    if (grad_out.sym_stride(2) != 1 && grad_out.sym_size(2) != 1) grad_out = grad_out.contiguous();
+    const std::vector<int64_t> window = ctx->saved_data["window"].toIntVector();
+    auto [dq, dk, dv] = op.call(grad_out, s[0], s[1], s[2], s[3], s[4], s[5], s[6],
+                                ctx->saved_data["max_seqlen_q"].toInt(), ctx->saved_data["max_seqlen_k"].toInt(),
+                                ctx->saved_data["scale"].toDouble(), ctx->saved_data["causal"].toBool(), window,
+                                ctx->saved_data["softcap"].toDouble());
+    return {dq, dk, dv, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
+std::tuple<Tensor, Tensor> attention_varlen_forward_autograd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                             const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k,
+                                                             int64_t max_seqlen_q, int64_t max_seqlen_k, double scale,
+                                                             bool causal, at::IntArrayRef window, double softcap) {
+  auto out = AttentionVarlenFunction::apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+                                            causal, window, softcap);
   return {out[0], out[1]};
 }
 
@@ -533,10 +787,13 @@ std::tuple<Tensor, Tensor> attention_forward_autograd(const Tensor& q, const Ten
 // device passed in, so that any GPU can be asked about on any machine.
 std::string forward_rule_op(int64_t batch, int64_t heads, int64_t heads_kv, int64_t seqlen_q, int64_t seqlen_k,
                             int64_t head_dim, double scale, bool causal, bool cuda, bool half, int64_t cc_major,
-                            int64_t cc_minor, int64_t sms, bool hopper_built) {
+                            int64_t cc_minor, int64_t sms, bool hopper_built, at::IntArrayRef window,
+                            double softcap) {
+  check_window_softcap("forward_rule", window, softcap);
   AttentionParams p{};
   p.batch = batch, p.heads = heads, p.heads_kv = heads_kv, p.seqlen_q = seqlen_q, p.seqlen_k = seqlen_k;
   p.head_dim = head_dim, p.scale = scale, p.causal = causal;
+  p.window_left = window[0], p.window_right = causal ? 0 : window[1], p.softcap = softcap;
   const DispatchFacts f{cuda, half, static_cast<int>(cc_major), static_cast<int>(cc_minor), static_cast<int>(sms),
                         hopper_built};
   return ::course::version_name(kForwardVersions, forward_rule(p, f));
@@ -597,6 +854,8 @@ Tensor hopper_tile_order_op(int64_t batch, int64_t heads, int64_t heads_kv, int6
 void register_backend_kernels(torch::Library& m) {
   m.impl("attention_forward", &attention_forward_impl);
   m.impl("attention_backward", &attention_backward_impl);
+  m.impl("attention_varlen_forward", &attention_varlen_forward_impl);
+  m.impl("attention_varlen_backward", &attention_varlen_backward_impl);
 }
 
 }  // namespace
@@ -615,11 +874,21 @@ std::optional<std::vector<std::string>> attention_versions(std::string_view op) 
 // torch.library.opcheck.
 TORCH_LIBRARY_FRAGMENT(flash_attention, m) {
   const std::vector<at::Tag> pt2 = {at::Tag::pt2_compliant_tag};
-  m.def("attention_forward(Tensor q, Tensor k, Tensor v, float scale, bool causal=False, str? version=None)"
-        " -> (Tensor out, Tensor lse)",
+  // window and softcap come last, with defaults, so that calls written before they existed still work.
+  m.def("attention_forward(Tensor q, Tensor k, Tensor v, float scale, bool causal=False, str? version=None, "
+        "int[2] window=[-1, -1], float softcap=0.0) -> (Tensor out, Tensor lse)",
         pt2);
   m.def("attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float scale, "
-        "bool causal=False, str? version=None) -> (Tensor dq, Tensor dk, Tensor dv)",
+        "bool causal=False, str? version=None, int[2] window=[-1, -1], float softcap=0.0) "
+        "-> (Tensor dq, Tensor dk, Tensor dv)",
+        pt2);
+  m.def("attention_varlen_forward(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+        "int max_seqlen_q, int max_seqlen_k, float scale, bool causal=False, int[2] window=[-1, -1], "
+        "float softcap=0.0) -> (Tensor out, Tensor lse)",
+        pt2);
+  m.def("attention_varlen_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+        "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float scale, "
+        "bool causal=False, int[2] window=[-1, -1], float softcap=0.0) -> (Tensor dq, Tensor dk, Tensor dv)",
         pt2);
   m.def("grid_stride_blocks(int work, int per_block, int sms) -> int", &flash_attention::grid_stride_blocks_op);
   m.def("hopper_kernels_built() -> bool", &flash_attention::hopper_kernels_built_op);
@@ -627,7 +896,8 @@ TORCH_LIBRARY_FRAGMENT(flash_attention, m) {
         "bool causal, int l2_bytes) -> Tensor",
         &flash_attention::hopper_tile_order_op);
   m.def("forward_rule(int batch, int heads, int heads_kv, int seqlen_q, int seqlen_k, int head_dim, float scale, "
-        "bool causal, bool cuda, bool half, int cc_major, int cc_minor, int sms, bool hopper_built) -> str",
+        "bool causal, bool cuda, bool half, int cc_major, int cc_minor, int sms, bool hopper_built, "
+        "int[2] window=[-1, -1], float softcap=0.0) -> str",
         &flash_attention::forward_rule_op);
   m.def("backward_rule(int head_dim, bool cuda, bool half, int cc_major) -> str", &flash_attention::backward_rule_op);
 }
@@ -639,4 +909,5 @@ TORCH_LIBRARY_IMPL(flash_attention, CUDA, m) { flash_attention::register_backend
 TORCH_LIBRARY_IMPL(flash_attention, Meta, m) { flash_attention::register_backend_kernels(m); }
 TORCH_LIBRARY_IMPL(flash_attention, Autograd, m) {
   m.impl("attention_forward", &flash_attention::attention_forward_autograd);
+  m.impl("attention_varlen_forward", &flash_attention::attention_varlen_forward_autograd);
 }

@@ -23,6 +23,16 @@
 // tile) pairs a mask can bite are masked: the forward's rung 4, applied here. dQ's atomics make
 // the float32 sums' order, and so dQ's last bits, vary from run to run.
 //
+// Local attention and softcapping (attention.h), as in the forward's rungs 5 and 6: each kernel walks
+// only the tiles its rows or keys see through the window (the loop bounds), masks those a window's
+// edge crosses, and with a softcap recomputes c = softcap * tanh(s scale / softcap) in place of the
+// scaled score, P = exp2(c log2(e) - lse log2(e)), and multiplies dS by the cap's derivative,
+//   dS = P * (dP - D) * (1 - tanh^2(s scale / softcap)),
+// so that dQ = scale dS K and dK = scale dS^T Q stay as they are. As in the forward, that code is
+// compiled in only where it is used: both kernels take kWindowSoftcap (FlashAttention 2's Is_local
+// and Is_softcap in one flag), and a call with neither runs the instantiation without it, whose
+// code is the kernels' as it was before they existed.
+//
 // No torch headers: this file builds with a bare `nvcc -c`.
 #pragma once
 
@@ -30,6 +40,7 @@
 #include "attention/flash_bwd.h"
 #include "attention/flash_tiles.cuh"
 #include "attention/mma.cuh"
+#include "attention/softcap.cuh"
 
 #include <course/cuda_utils.h>
 
@@ -53,16 +64,56 @@ struct TileMask {
   }
 };
 
-template <typename K>
-__device__ __forceinline__ TileMask tile_mask(const AttentionParams& p, int64_t m0, int64_t n0) {
+// The same with a window (kWindowSoftcap): three compares per score, and a pair is masked where
+// the diagonal (causal) or either edge of the window crosses it.
+struct WindowTileMask {
+  bool active;    // false: every score of the pair is visible
+  int key_limit;  // keys kc >= key_limit are past seqlen_k
+  int lo, hi;     // key kc is visible to row rc iff lo <= kc - rc <= hi (the window; causal: hi = diag)
+  __device__ __forceinline__ bool visible(int rc, int kc) const {
+    return !active || (kc < key_limit && kc - rc <= hi && kc - rc >= lo);
+  }
+};
+
+template <typename K, bool kWindowSoftcap>
+__device__ __forceinline__ auto tile_mask(const AttentionParams& p, int64_t m0, int64_t n0) {
   const int64_t diag = m0 + p.seqlen_k - p.seqlen_q - n0;
-  TileMask m;
-  m.causal = p.causal;
-  m.active = n0 + K::kBlockN > p.seqlen_k || (p.causal && K::kBlockN - 1 > diag);
-  // Clamped into int: a limit beyond the tile's edges decides nothing more.
-  m.key_limit = static_cast<int>(min(p.seqlen_k - n0, int64_t{K::kBlockN}));
-  m.diag = static_cast<int>(max(min(diag, int64_t{K::kBlockN}), int64_t{-K::kBlockM - 1}));
-  return m;
+  if constexpr (kWindowSoftcap) {
+    // kc - rc lies in [-(kBlockM - 1), kBlockN - 1]: bounds beyond that decide nothing more, so
+    // they are clamped into int there. No bound on a side: one past the range.
+    const int64_t lo = p.window_left < 0 ? -K::kBlockM : diag - p.window_left;
+    const int64_t hi = p.window_right < 0 ? K::kBlockN : diag + p.window_right;
+    WindowTileMask m;
+    m.active = n0 + K::kBlockN > p.seqlen_k || K::kBlockN - 1 > hi || lo > -(K::kBlockM - 1);
+    m.key_limit = static_cast<int>(min(p.seqlen_k - n0, int64_t{K::kBlockN}));
+    m.lo = static_cast<int>(max(min(lo, int64_t{K::kBlockN}), int64_t{-K::kBlockM}));
+    m.hi = static_cast<int>(max(min(hi, int64_t{K::kBlockN}), int64_t{-K::kBlockM - 1}));
+    return m;
+  } else {
+    TileMask m;
+    m.causal = p.causal;
+    m.active = n0 + K::kBlockN > p.seqlen_k || (p.causal && K::kBlockN - 1 > diag);
+    // Clamped into int: a limit beyond the tile's edges decides nothing more.
+    m.key_limit = static_cast<int>(min(p.seqlen_k - n0, int64_t{K::kBlockN}));
+    m.diag = static_cast<int>(max(min(diag, int64_t{K::kBlockN}), int64_t{-K::kBlockM - 1}));
+    return m;
+  }
+}
+
+// The kWindowSoftcap instantiations' P (and the cap's derivative, 1 - tanh^2, in `dcap`; 1 without a
+// softcap) of unscaled score s in a row whose lse is lse2 (log2 units). `visible` false: P = 0.
+// The plain instantiations compute P inline, as they did before the softcap existed (written
+// through this helper with dcap = 1, the same arithmetic compiled to other instructions).
+__device__ __forceinline__ float recompute_p(float s, float lse2, bool visible, float scale_log2, const Softcap& cap,
+                                             float* dcap) {
+  float c = s * scale_log2;
+  *dcap = 1.f;
+  if (cap.in != 0.f) {  // uniform across the grid
+    const float th = softcap_tanh(s * cap.in, cap.approx);
+    c = cap.out * th;
+    *dcap = 1.f - th * th;
+  }
+  return visible ? exp2f(c - lse2) : 0.f;
 }
 
 // Query row `row` of head bh's lse and D, as the P and dS formulas use them: lse in log2 units,
@@ -81,11 +132,11 @@ __device__ __forceinline__ RowStats row_stats(const AttentionParams& p, const fl
 
 // kDqAtomic: this kernel also adds each key tile's dQ into the float32 sums (rung "mma");
 // without it, it computes dK and dV only and flash_bwd_dq_kernel below makes dQ (rung
-// "mma_dqpass").
-template <typename T, typename K, bool kDqAtomic>
+// "mma_dqpass"). kWindowSoftcap: a window and a softcap (`cap`) are computed (above).
+template <typename T, typename K, bool kDqAtomic, bool kWindowSoftcap>
 __global__ void __launch_bounds__(K::kThreads)
     flash_bwd_kernel(const AttentionBackwardParams g, float* __restrict__ dq_accum, const float* __restrict__ d_rows,
-                     unsigned k_tiles, float scale_log2) {
+                     unsigned k_tiles, float scale_log2, const Softcap cap) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   constexpr int kD = K::kHeadDim;
   constexpr int kMTiles = K::kBlockM / 8;  // n8 tiles of S^T (query rows as n)
@@ -123,12 +174,20 @@ __global__ void __launch_bounds__(K::kThreads)
     for (int e = 0; e < 4; ++e) dk[d][e] = dv[d][e] = 0.f;
   }
 
-  // The steps: every query tile, from the first that sees a key of this tile (causal rows above it
-  // see none of them), of every query head that reads this kv head; step i is head
-  // hk * group + i / tiles_per_head, tile i % tiles_per_head.
-  const int64_t m_first = first_visible_row(n0, p.seqlen_q, p.seqlen_k, p.causal);
-  const int64_t m_begin = m_first / K::kBlockM * K::kBlockM;
-  const int64_t tiles_per_head = course::ceil_div(p.seqlen_q - m_begin, static_cast<int64_t>(K::kBlockM));
+  // The steps: every query tile that sees a key of this tile, from the tile of the first row that
+  // sees its first key (causal rows above it, or a window's right edge, see none of them) to the tile
+  // of the last row that sees its last key (a window's left edge: rows below see none), of every
+  // query head that reads this kv head; step i is head hk * group + i / tiles_per_head, tile
+  // i % tiles_per_head.
+  int64_t m_begin, tiles_per_head;
+  if constexpr (kWindowSoftcap) {
+    const int64_t rows_end = row_end(min(n0 + K::kBlockN, p.seqlen_k) - 1, p);
+    m_begin = min(row_begin(n0, p), rows_end) / K::kBlockM * K::kBlockM;
+    tiles_per_head = course::ceil_div(rows_end - m_begin, static_cast<int64_t>(K::kBlockM));
+  } else {
+    m_begin = first_visible_row(n0, p.seqlen_q, p.seqlen_k, p.causal) / K::kBlockM * K::kBlockM;
+    tiles_per_head = course::ceil_div(p.seqlen_q - m_begin, static_cast<int64_t>(K::kBlockM));
+  }
   const int64_t steps = group * tiles_per_head;
   // Step i's Q and dO copied into stage `stage`, and the row statistics thread x < kBlockM keeps
   // for row x of the step's tile (plain loads into registers, stored to the stage's shared memory
@@ -193,15 +252,23 @@ __global__ void __launch_bounds__(K::kThreads)
 
     // P^T and dS^T in place: element st[j][e] is key 16w + gr + 8(e / 2) of the tile, query row
     // 8j + 2t + e % 2.
-    const TileMask mask = tile_mask<K>(p, m0, n0);
+    const auto mask = tile_mask<K, kWindowSoftcap>(p, m0, n0);
 #pragma unroll
     for (int j = 0; j < kMTiles; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int rc = 8 * j + 2 * t + e % 2;
-        const float pt = mask.visible(rc, 16 * warp + gr + 8 * (e / 2)) ? exp2f(st[j][e] * scale_log2 - lse_t[rc]) : 0.f;
-        st[j][e] = pt;
-        dpt[j][e] = pt * (dpt[j][e] - dr_t[rc]);  // dS^T
+        const bool visible = mask.visible(rc, 16 * warp + gr + 8 * (e / 2));
+        if constexpr (kWindowSoftcap) {
+          float dcap;
+          const float pt = recompute_p(st[j][e], lse_t[rc], visible, scale_log2, cap, &dcap);
+          st[j][e] = pt;
+          dpt[j][e] = pt * (dpt[j][e] - dr_t[rc]) * dcap;  // dS^T
+        } else {
+          const float pt = visible ? exp2f(st[j][e] * scale_log2 - lse_t[rc]) : 0.f;
+          st[j][e] = pt;
+          dpt[j][e] = pt * (dpt[j][e] - dr_t[rc]);  // dS^T
+        }
       }
     }
 
@@ -296,10 +363,10 @@ __global__ void __launch_bounds__(K::kThreads)
 //   dP  = dO_w V^T   A: dO rows (ldmatrix)    B: V rows (ldmatrix, n-major)
 //   dS  = P * (dP - D),   P = exp2(S scale log2(e) - lse log2(e)), 0 where not visible
 //   dQ += dS K       A: dS from the registers B: K (ldmatrix.trans, k-major)
-template <typename T, typename K>
+template <typename T, typename K, bool kWindowSoftcap>
 __global__ void __launch_bounds__(K::kThreads)
     flash_bwd_dq_kernel(const AttentionBackwardParams g, const float* __restrict__ d_rows, unsigned q_tiles,
-                        float scale_log2) {
+                        float scale_log2, const Softcap cap) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   constexpr int kD = K::kHeadDim;
   constexpr int kNTiles = K::kBlockN / 8;
@@ -323,9 +390,12 @@ __global__ void __launch_bounds__(K::kThreads)
   const int t = lane % 4;
   const int64_t row0 = m0 + warp * 16 + gr;
 
+  // The key tiles any row of the tile sees (the forward's loop bounds): [n_first, n_end).
   const int64_t last_row = (m0 + K::kBlockM < p.seqlen_q ? m0 + K::kBlockM : p.seqlen_q) - 1;
-  const int64_t n_keys = visible_keys(last_row, p.seqlen_q, p.seqlen_k, p.causal);
-  const int n_tiles = static_cast<int>((n_keys + K::kBlockN - 1) / K::kBlockN);
+  const int64_t keys_end =
+      kWindowSoftcap ? key_end(last_row, p) : visible_keys(last_row, p.seqlen_q, p.seqlen_k, p.causal);
+  const int n_first = kWindowSoftcap ? static_cast<int>(min(key_begin(m0, p), keys_end) / K::kBlockN) : 0;
+  const int n_end = static_cast<int>((keys_end + K::kBlockN - 1) / K::kBlockN);
 
   // This lane's two rows' lse (log2 units) and D.
   const RowStats stats[2] = {row_stats(p, d_rows, bh, row0), row_stats(p, d_rows, bh, row0 + 8)};
@@ -336,21 +406,22 @@ __global__ void __launch_bounds__(K::kThreads)
   const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
   const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
   // Q, dO and the first K and V tiles in one batch of copies.
-  if (n_tiles > 0) {
+  if (n_first < n_end) {
     const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
     const T* dout = static_cast<const T*>(g.dout) + b * g.do_batch_stride + h * g.do_head_stride;
     load_tile<K, K::kBlockM>(q_s, q, p.q_seq_stride, m0, p.seqlen_q);
     load_tile<K, K::kBlockM>(do_s, dout, g.do_seq_stride, m0, p.seqlen_q);
-    load_tile<K, K::kBlockN>(k_s, k, p.k_seq_stride, 0, p.seqlen_k);
-    load_tile<K, K::kBlockN>(v_s, v, p.v_seq_stride, 0, p.seqlen_k);
+    const int64_t first = static_cast<int64_t>(n_first) * K::kBlockN;
+    load_tile<K, K::kBlockN>(k_s, k, p.k_seq_stride, first, p.seqlen_k);
+    load_tile<K, K::kBlockN>(v_s, v, p.v_seq_stride, first, p.seqlen_k);
     mma::cp_async_commit();
   }
-  for (int n = 0; n < n_tiles; ++n) {
-    const int stage = n % 2;
+  for (int n = n_first; n < n_end; ++n) {
+    const int stage = (n - n_first) % 2;
     const int64_t n0 = static_cast<int64_t>(n) * K::kBlockN;
     // Tile n + 1 into the other stage (its last readers, tile n - 1, passed the barrier at the end
     // of the previous trip); then wait for tile n only.
-    if (n + 1 < n_tiles) {
+    if (n + 1 < n_end) {
       load_tile<K, K::kBlockN>(k_s + (1 - stage) * K::kTileElems, k, p.k_seq_stride, n0 + K::kBlockN, p.seqlen_k);
       load_tile<K, K::kBlockN>(v_s + (1 - stage) * K::kTileElems, v, p.v_seq_stride, n0 + K::kBlockN, p.seqlen_k);
       mma::cp_async_commit();
@@ -373,14 +444,20 @@ __global__ void __launch_bounds__(K::kThreads)
     mma::gemm_nt<T, K, kD, K::kBlockN>(s, q_s, warp * 16, kt, 0, lane);
     mma::gemm_nt<T, K, kD, K::kBlockN>(dp, do_s, warp * 16, vt, 0, lane);
     // dS in place of dP: element [j][e] is row 16w + gr + 8(e / 2) of the tile, key 8j + 2t + e % 2.
-    const TileMask mask = tile_mask<K>(p, m0, n0);
+    const auto mask = tile_mask<K, kWindowSoftcap>(p, m0, n0);
 #pragma unroll
     for (int j = 0; j < kNTiles; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const bool visible = mask.visible(16 * warp + gr + 8 * (e / 2), 8 * j + 2 * t + e % 2);
-        const float pr = visible ? exp2f(s[j][e] * scale_log2 - stats[e / 2].lse2) : 0.f;
-        dp[j][e] = pr * (dp[j][e] - stats[e / 2].d);
+        if constexpr (kWindowSoftcap) {
+          float dcap;
+          const float pr = recompute_p(s[j][e], stats[e / 2].lse2, visible, scale_log2, cap, &dcap);
+          dp[j][e] = pr * (dp[j][e] - stats[e / 2].d) * dcap;
+        } else {
+          const float pr = visible ? exp2f(s[j][e] * scale_log2 - stats[e / 2].lse2) : 0.f;
+          dp[j][e] = pr * (dp[j][e] - stats[e / 2].d);
+        }
       }
     }
     mma::gemm_rs<T, K, K::kBlockN, kD>(acc, dp, kt, 0, lane);
@@ -405,12 +482,13 @@ __global__ void __launch_bounds__(K::kThreads)
 #endif  // __CUDA_ARCH__ >= 800
 }
 
-template <typename T, int D>
-cudaError_t run_flash_bwd(const AttentionBackwardParams& g, float* dq_accum, const float* d_rows,
-                          cudaStream_t stream) {
-  using K = BwdTraits<D>;
+template <typename T, typename K, bool kWindowSoftcap>
+cudaError_t launch_flash_bwd(const AttentionBackwardParams& g, float* dq_accum, const float* d_rows,
+                             cudaStream_t stream) {
   const AttentionParams& p = g.fwd;
   const float scale_log2 = static_cast<float>(p.scale * 1.4426950408889634);
+  const Softcap cap =
+      kWindowSoftcap ? make_softcap(p.scale, p.softcap, p.dtype == DType::kBFloat16, /*log2_units=*/true) : Softcap{};
   const int64_t k_tiles = course::ceil_div(p.seqlen_k, static_cast<int64_t>(K::kBlockN));
   const int64_t blocks = k_tiles * p.batch * p.heads_kv;
   const int64_t q_tiles = course::ceil_div(p.seqlen_q, static_cast<int64_t>(K::kBlockM));
@@ -418,20 +496,30 @@ cudaError_t run_flash_bwd(const AttentionBackwardParams& g, float* dq_accum, con
   if (blocks > INT_MAX || dq_blocks > INT_MAX) return cudaErrorInvalidConfiguration;
   if (blocks > 0) {
     // The dQ sums (dq_accum non-null: rung "mma") or not (rung "mma_dqpass").
-    auto kernel = dq_accum != nullptr ? flash_bwd_kernel<T, K, true> : flash_bwd_kernel<T, K, false>;
+    auto kernel = dq_accum != nullptr ? flash_bwd_kernel<T, K, true, kWindowSoftcap>
+                                      : flash_bwd_kernel<T, K, false, kWindowSoftcap>;
     COURSE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSmemBytes));
     kernel<<<static_cast<unsigned>(blocks), K::kThreads, K::kSmemBytes, stream>>>(
-        g, dq_accum, d_rows, static_cast<unsigned>(k_tiles), scale_log2);
+        g, dq_accum, d_rows, static_cast<unsigned>(k_tiles), scale_log2, cap);
     COURSE_CUDA_TRY(cudaGetLastError());
   }
   if (dq_accum == nullptr && dq_blocks > 0) {
-    auto kernel = flash_bwd_dq_kernel<T, K>;
+    auto kernel = flash_bwd_dq_kernel<T, K, kWindowSoftcap>;
     COURSE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSmemBytes));
     kernel<<<static_cast<unsigned>(dq_blocks), K::kThreads, K::kSmemBytes, stream>>>(
-        g, d_rows, static_cast<unsigned>(q_tiles), scale_log2);
+        g, d_rows, static_cast<unsigned>(q_tiles), scale_log2, cap);
     COURSE_CUDA_TRY(cudaGetLastError());
   }
   return cudaSuccess;
+}
+
+// The one place a call picks its instantiation, as in the forward: with a window or a softcap, the
+// kWindowSoftcap kernels; without, the plain ones.
+template <typename T, int D>
+cudaError_t run_flash_bwd(const AttentionBackwardParams& g, float* dq_accum, const float* d_rows,
+                          cudaStream_t stream) {
+  return uses_window_or_softcap(g.fwd) ? launch_flash_bwd<T, BwdTraits<D>, true>(g, dq_accum, d_rows, stream)
+                                       : launch_flash_bwd<T, BwdTraits<D>, false>(g, dq_accum, d_rows, stream);
 }
 
 }  // namespace flash_attention

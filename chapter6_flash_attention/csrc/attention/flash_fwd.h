@@ -41,6 +41,9 @@ struct FwdTraits {
   static constexpr bool kPipelined = kRung != MmaForward::kMma;
   static constexpr bool kSplit = kRung == MmaForward::kSplitKv;  // writes partials (attention.h)
   static constexpr bool kTuned = kRung == MmaForward::kTuned && kHeadDim <= 128;
+  // The rungs that compute a window and a softcap (attention_ops.cpp's takes_window_or_softcap):
+  // they alone have a kWindowSoftcap instantiation (flash_fwd_kernel.cuh).
+  static constexpr bool kWindowSoftcap = kRung == MmaForward::kTuned || kRung == MmaForward::kSplitKv;
   static constexpr int kWarpMTiles = kTuned ? 2 : 1;
   static constexpr int kWarpRows = 16 * kWarpMTiles;
   static constexpr int kNWarps = kTuned || kSplit || kHeadDim == 256 ? 4 : 8;

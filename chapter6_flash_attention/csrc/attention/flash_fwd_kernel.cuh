@@ -46,6 +46,20 @@
 // and lse go to a float32 workspace, and split_combine.cu merges them. Where the grid fills the GPU
 // without splitting, the dispatch runs rung 5 instead.
 //
+// Local attention and softcapping (attention.h's window and softcap), taken by rungs 5 and 6 (the
+// glue refuses them on 3 and 4, which share this code): the key loop runs over the tiles that hold
+// a key some row of the block sees, [key_begin(first row), key_end(last row)), so a window of w keys
+// costs about (kBlockM + w) / kBlockN tiles per block instead of seqlen_k / kBlockN: the loop bounds
+// are where the speed comes from, as causal's were. The tiles the window's edges cross are masked
+// like the diagonal's (one more compare per score), and the softcap replaces the scaling of the
+// scores before the online softmax sees them (softcap.cuh).
+//   That code is compiled in only where it is used: kWindowSoftcap, a template parameter as
+// FlashAttention 2's Is_local and Is_softcap are, and one flag for both (the window's bounds and
+// the cap are read at run time inside that instantiation), so that rungs 5 and 6 compile twice,
+// not four times. A call with neither (attention.h's uses_window_or_softcap) runs the
+// kWindowSoftcap = false instantiation, whose code is the kernel's as it was before they existed:
+// the window's few more registers per thread were spills at some head dims, on every GPU.
+//
 // The output is written straight from the accumulators, two elements (4 bytes) per lane per
 // n8 tile; FlashAttention 2 stages it through shared memory for 16-byte stores, which no rung
 // here does (not measured).
@@ -57,6 +71,7 @@
 #include "attention/flash_fwd.h"
 #include "attention/flash_tiles.cuh"
 #include "attention/mma.cuh"
+#include "attention/softcap.cuh"
 
 #include <course/cuda_utils.h>
 
@@ -65,10 +80,13 @@
 
 namespace flash_attention {
 
-template <typename T, typename K>
+// kWindowSoftcap: this instantiation computes a window and a softcap (`cap`); without it, `cap` is
+// unread and p.causal is the only mask (K::kWindowSoftcap says which rungs have the other one).
+// `cap` comes last so that the other arguments sit where they did before it existed.
+template <typename T, typename K, bool kWindowSoftcap>
 __global__ void __launch_bounds__(K::kThreads)
     flash_fwd_kernel(const AttentionParams p, unsigned q_tiles, float score_scale, unsigned splits_arg,
-                     float* __restrict__ o_split) {
+                     float* __restrict__ o_split, const Softcap cap) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   constexpr int kD = K::kHeadDim;
   constexpr int kMT = K::kWarpMTiles;      // m16 tiles of query rows per warp
@@ -104,15 +122,21 @@ __global__ void __launch_bounds__(K::kThreads)
   const int64_t row0 = m0 + warp_row + g;         // this lane's row in m16 tile 0
   const int64_t diag = p.seqlen_k - p.seqlen_q;  // key j is visible to row i iff j <= i + diag
 
-  // Keys any row of the block sees: the last valid row sees the most (rung 2's causal skipping).
+  // Keys any row of the block sees: from the first row's first (a window's left edge; else key 0)
+  // to the last valid row's last (rung 2's causal skipping; a window's right edge). With neither
+  // bound the range is every key (attention.h).
   const int64_t last_row = (m0 + K::kBlockM < p.seqlen_q ? m0 + K::kBlockM : p.seqlen_q) - 1;
-  const int64_t n_keys = visible_keys(last_row, p.seqlen_q, p.seqlen_k, p.causal);
-  // Split-KV (rung "split_kv"): this block takes the split-th of ceil(tiles / splits) key tiles;
-  // the last splits of a causal block may get none.
-  const int all_tiles = static_cast<int>((n_keys + K::kBlockN - 1) / K::kBlockN);
-  const int per_split = (all_tiles + static_cast<int>(splits) - 1) / static_cast<int>(splits);
-  const int n_begin = kSplit ? min(all_tiles, static_cast<int>(split) * per_split) : 0;
-  const int n_end = kSplit ? min(all_tiles, n_begin + per_split) : all_tiles;
+  const int64_t keys_end =
+      kWindowSoftcap ? key_end(last_row, p) : visible_keys(last_row, p.seqlen_q, p.seqlen_k, p.causal);
+  // An empty range stays empty.
+  const int64_t keys_begin = kWindowSoftcap ? min(key_begin(m0, p), keys_end) : 0;
+  // Split-KV (rung "split_kv"): this block takes the split-th of ceil(tiles / splits) of its key
+  // tiles; the last splits of a causal or windowed block may get none.
+  const int first_tile = static_cast<int>(keys_begin / K::kBlockN);
+  const int tiles = static_cast<int>((keys_end + K::kBlockN - 1) / K::kBlockN) - first_tile;
+  const int per_split = (tiles + static_cast<int>(splits) - 1) / static_cast<int>(splits);
+  const int n_begin = first_tile + (kSplit ? min(tiles, static_cast<int>(split) * per_split) : 0);
+  const int n_end = kSplit ? min(first_tile + tiles, n_begin + per_split) : first_tile + tiles;
 
   float acc_o[kMT][kDTiles][4];
 #pragma unroll
@@ -175,34 +199,76 @@ __global__ void __launch_bounds__(K::kThreads)
     }
     mma::gemm_nt<T, K, kD, K::kBlockN>(s, q_s, warp_row, k_tile, 0, lane);
 
-    // Scale (into log2 units from rung 4 on), then mask: in that order, so that a negative scale
-    // cannot turn a masked -inf into +inf. Score s[m][j][e] is row row0 + 16m + 8 * (e / 2), key
-    // n0 + 8j + 2t + e % 2. From rung 4 on only the tiles a mask can bite are masked: the last
-    // (keys past seqlen_k) and, when causal, those crossing the diagonal, judged for the warp's
-    // own first row (its rows see the fewest keys).
+    // Scale (into log2 units from rung 4 on), or cap (softcap.cuh; in the same units), then mask:
+    // in that order, so that a negative scale cannot turn a masked -inf into +inf. Score s[m][j][e]
+    // is row row0 + 16m + 8 * (e / 2), key n0 + 8j + 2t + e % 2. From rung 4 on only the tiles a
+    // mask can bite are masked: the last (keys past seqlen_k) and those crossing the diagonal
+    // (causal) or a window's right edge, judged for the warp's own first row (its rows see the
+    // fewest keys on the right), and with a window those crossing its left edge, judged for its
+    // last row (the fewest on the left). Without a window or softcap the scaling happens in the
+    // masking loop below; with them it is a pass of its own, as the cap takes its place.
+    if constexpr (kWindowSoftcap) {
+      if (cap.in != 0.f) {  // uniform: the same branch for every thread of the grid
+#pragma unroll
+        for (int m = 0; m < kMT; ++m) {
+#pragma unroll
+          for (int j = 0; j < kNTiles; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[m][j][e] = cap.out * softcap_tanh(s[m][j][e] * cap.in, cap.approx);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int m = 0; m < kMT; ++m) {
+#pragma unroll
+          for (int j = 0; j < kNTiles; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[m][j][e] *= score_scale;
+          }
+        }
+      }
+    }
     bool mask = true;
-    if constexpr (K::kPipelined) {
+    if constexpr (K::kPipelined && kWindowSoftcap) {
+      mask = n0 + K::kBlockN > p.seqlen_k ||
+             (p.window_right >= 0 && n0 + K::kBlockN - 1 > m0 + warp_row + diag + p.window_right) ||
+             (p.window_left >= 0 && n0 < m0 + warp_row + K::kWarpRows - 1 + diag - p.window_left);
+    } else if constexpr (K::kPipelined) {
       mask = n0 + K::kBlockN > p.seqlen_k || (p.causal && n0 + K::kBlockN - 1 > m0 + warp_row + diag);
     }
 #pragma unroll
     for (int m = 0; m < kMT; ++m) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        // The row's first masked column of the tile, worked out once per row in 64 bits, so
-        // that the per-score test is one 32-bit compare against a column known at compile
-        // time but for 2t.
-        int col_limit = K::kBlockN;
+        // The row's visible columns of the tile, [col_start, col_limit), worked out once per row
+        // in 64 bits, so that the per-score test is one 32-bit compare against a column known at
+        // compile time but for 2t (with a window, unsigned: a column left of col_start wraps to a
+        // large number; without one, col_start is 0).
+        int col_start = 0, col_limit = K::kBlockN;
         if (mask) {
-          int64_t limit = p.seqlen_k - n0;
-          if (p.causal) limit = min(limit, row0 + 16 * m + 8 * r + diag - n0 + 1);
-          col_limit = static_cast<int>(max(int64_t{0}, min(limit, int64_t{K::kBlockN})));
+          const int64_t row = row0 + 16 * m + 8 * r;
+          if constexpr (kWindowSoftcap) {
+            const int64_t start = key_begin(row, p) - n0;
+            col_limit = static_cast<int>(max(int64_t{0}, min(key_end(row, p) - n0, int64_t{K::kBlockN})));
+            col_start = static_cast<int>(max(int64_t{0}, min(start, int64_t{col_limit})));
+          } else {
+            int64_t limit = p.seqlen_k - n0;
+            if (p.causal) limit = min(limit, row + diag - n0 + 1);
+            col_limit = static_cast<int>(max(int64_t{0}, min(limit, int64_t{K::kBlockN})));
+          }
         }
+        const unsigned width = static_cast<unsigned>(col_limit - col_start);
 #pragma unroll
         for (int j = 0; j < kNTiles; ++j) {
 #pragma unroll
           for (int e = 2 * r; e < 2 * r + 2; ++e) {
-            s[m][j][e] *= score_scale;
-            if (8 * j + 2 * t + e % 2 >= col_limit) s[m][j][e] = -INFINITY;
+            const int col = 8 * j + 2 * t + e % 2;
+            if constexpr (kWindowSoftcap) {
+              if (static_cast<unsigned>(col - col_start) >= width) s[m][j][e] = -INFINITY;
+            } else {
+              s[m][j][e] *= score_scale;
+              if (col >= col_limit) s[m][j][e] = -INFINITY;
+            }
           }
         }
       }
@@ -296,22 +362,24 @@ __global__ void __launch_bounds__(K::kThreads)
 #endif  // __CUDA_ARCH__ >= 800: older GPUs never launch it (the glue checks the capability)
 }
 
-template <typename T, int D, MmaForward kRung>
-cudaError_t run_flash_fwd(const AttentionParams& p, const FwdSplit& split, cudaStream_t stream) {
-  using K = FwdTraits<D, kRung>;
+template <typename T, typename K, bool kWindowSoftcap>
+cudaError_t launch_flash_fwd(const AttentionParams& p, const FwdSplit& split, cudaStream_t stream) {
+  constexpr int D = K::kHeadDim;
   const int64_t q_tiles = course::ceil_div(p.seqlen_q, static_cast<int64_t>(K::kBlockM));
   const int64_t splits = K::kSplit ? split.splits : 1;
   const int64_t blocks = q_tiles * p.batch * p.heads * splits;
   if (blocks == 0) return cudaSuccess;
   if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
   float* o_split = K::kSplit ? split.workspace : nullptr;
-  auto kernel = flash_fwd_kernel<T, K>;
+  auto kernel = flash_fwd_kernel<T, K, kWindowSoftcap>;
   // Above 48 KiB a kernel must ask for its dynamic shared memory (every tile shape here does).
   COURSE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSmemBytes));
   const double log2e = 1.4426950408889634;
   const float score_scale = static_cast<float>(K::kPipelined ? p.scale * log2e : p.scale);
+  const Softcap cap =
+      kWindowSoftcap ? make_softcap(p.scale, p.softcap, p.dtype == DType::kBFloat16, K::kPipelined) : Softcap{};
   kernel<<<static_cast<unsigned>(blocks), K::kThreads, K::kSmemBytes, stream>>>(
-      p, static_cast<unsigned>(q_tiles), score_scale, static_cast<unsigned>(splits), o_split);
+      p, static_cast<unsigned>(q_tiles), score_scale, static_cast<unsigned>(splits), o_split, cap);
   COURSE_CUDA_TRY(cudaGetLastError());
   if (o_split == nullptr) return cudaSuccess;
   const int64_t rows = p.batch * p.heads * p.seqlen_q;
@@ -325,6 +393,20 @@ cudaError_t run_flash_fwd(const AttentionParams& p, const FwdSplit& split, cudaS
   c.out_batch_stride = p.o_batch_stride, c.out_head_stride = p.o_head_stride, c.out_seq_stride = p.o_seq_stride;
   c.lse = static_cast<float*>(p.lse);
   return launch_split_combine(c, stream);
+}
+
+// The one place a call picks its instantiation: with a window or a softcap, the kWindowSoftcap one
+// of the rungs that have it; without, the plain one. Rungs 3 and 4 have none (the glue refuses
+// such calls there; this answers a launcher called from C++).
+template <typename T, int D, MmaForward kRung>
+cudaError_t run_flash_fwd(const AttentionParams& p, const FwdSplit& split, cudaStream_t stream) {
+  using K = FwdTraits<D, kRung>;
+  if (!uses_window_or_softcap(p)) return launch_flash_fwd<T, K, false>(p, split, stream);
+  if constexpr (K::kWindowSoftcap) {
+    return launch_flash_fwd<T, K, true>(p, split, stream);
+  } else {
+    return cudaErrorInvalidValue;
+  }
 }
 
 }  // namespace flash_attention
