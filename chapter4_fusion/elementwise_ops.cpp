@@ -550,6 +550,14 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
 };
 
 Tensor bsr_autograd(const Tensor& x, const Tensor& bias, double scale, c10::string_view save, OptVersion version) {
+  // No input needs a gradient (or grad mode is off): nothing is kept for a backward, so no mask
+  // is written (a sixteenth more bytes in 2-byte dtypes, and rows that are not whole 32-bit words
+  // of mask would leave the flat kernel for the tiles' single elements), and no graph node.
+  if (!at::GradMode::is_enabled() || !(x.requires_grad() || bias.requires_grad())) {
+    static auto op = find_op<decltype(bsr_impl)>("fusion::fused_bias_scale_relu");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return op.call(x, bias, scale, save, version);
+  }
   return BsrFunction::apply(x, bias, scale, save, version);
 }
 Tensor bias_gelu_autograd(const Tensor& x, const Tensor& bias, c10::string_view approximate, OptVersion version) {
