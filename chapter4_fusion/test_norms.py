@@ -18,7 +18,7 @@ from coursekit.pytest_plugin import (DTYPES, assert_misplaced, capture_and_repla
 
 VERSIONS = fusion.VERSIONS
 NORM_OPS = ("layer_norm", "rms_norm")
-HIDDEN = (1, 3, 777, 1000, 5123, 65536)
+HIDDEN = (1, 3, 777, 1000, 5123, 12288, 16001, 65536)  # 12288, 16001: the 1024-thread backward rows
 OPS = torch.ops.fusion
 
 
