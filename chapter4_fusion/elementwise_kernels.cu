@@ -123,7 +123,7 @@ cudaError_t launch_swiglu_tiles(int64_t rows, int64_t half, std::initializer_lis
   const bool vector = vectorizable<T>(half, pointers);
   constexpr int kVec = course::Vec16<T>::kLanes;
   Tiling t;
-  COURSE_CUDA_TRY(make_tiling(rows, half / (vector ? kVec : 1), 1, INT64_MAX, &t));
+  COURSE_CUDA_TRY(make_tiling(rows, half / (vector ? kVec : 1), 1, &t));
   if (vector) {
     launch(std::integral_constant<int, kVec>{}, t);
   } else {

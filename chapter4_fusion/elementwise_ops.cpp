@@ -454,6 +454,22 @@ std::string default_choice(c10::string_view op_name, const Tensor& x) {
   return ::course::version_name(kLinearVersions, default_linear(rows, n, elem));
 }
 
+// The bias gradient's column tiling (course::grad_tiling) for a gradient like x on a GPU of `sms`
+// SMs, [tx, ty, column tiles, row tiles]: the rule the fused backward kernels (every bias op's
+// and chapter 5's fused_op's) launch with, asked without a GPU. x's rows take 16-byte packs when
+// they are whole vectors (as an aligned tensor's do), else single elements.
+std::vector<int64_t> bias_grad_tiling(const Tensor& x, int64_t sms) {
+  check_input("bias_grad_tiling", "x", x);
+  TORCH_CHECK(sms >= 1, "bias_grad_tiling: sms must be at least 1, got ", std::to_string(sms));
+  const int64_t n = x.dim() == 0 ? 1 : x.size(-1);
+  const int64_t rows = n == 0 ? 0 : x.numel() / n;
+  const int elem = static_cast<int>(x.element_size());
+  const int lanes = n % (16 / elem) == 0 ? 16 / elem : 1;
+  const ::course::GradTiling t = ::course::grad_tiling(rows, ::course::ceil_div<int64_t>(n, lanes), lanes * elem,
+                                                      ::course::grad_rows_in_flight(lanes), static_cast<int>(sms));
+  return {t.tx, t.ty, t.column_tiles, t.row_tiles};
+}
+
 // ---------------------------------------------------------------------------------------
 // Autograd. Each forward re-enters the dispatcher below the Autograd key (reaching the kernels
 // above); each backward is the family's own backward op. First derivatives only: the backward
@@ -616,6 +632,7 @@ TORCH_LIBRARY_FRAGMENT(fusion, m) {
   m.def("linear_activation_backward(Tensor grad, Tensor z, Tensor x, Tensor weight, str activation) "
         "-> (Tensor, Tensor, Tensor)");
   m.def("elementwise_default_choice(str op, Tensor x) -> str", &fusion::elementwise::default_choice);
+  m.def("bias_grad_tiling(Tensor x, int sms) -> int[]", &fusion::elementwise::bias_grad_tiling);
 }
 
 // One implementation per op serves CPU, CUDA and Meta: each picks the backend from the (already
