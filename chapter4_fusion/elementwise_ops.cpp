@@ -153,8 +153,10 @@ std::tuple<Tensor, Tensor> act_backward(const char* op, const Tensor& grad, cons
                                         double scale, Activation act, SaveKind source,
                                         std::optional<BackwardVersion> version) {
   Tensor dx = at::empty_symint(grad.sym_sizes(), grad.options());
-  Tensor dbias = at::zeros_symint(bias.sym_sizes(), bias.options());
-  if (grad.is_meta() || grad.numel() == 0) return {dx, dbias};
+  // No rows: no gradient flows into the bias, which is 0. Otherwise every kernel (and the CPU
+  // loop) writes every element of dbias: no zero fill, which was a launch of its own.
+  if (grad.is_meta() || grad.numel() == 0) return {dx, at::zeros_symint(bias.sym_sizes(), bias.options())};
+  Tensor dbias = at::empty_symint(bias.sym_sizes(), bias.options());
   const Tensor gc = grad.contiguous();
   const Tensor sc = saved.contiguous();
   const Tensor bc = bias.contiguous();
