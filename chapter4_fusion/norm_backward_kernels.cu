@@ -191,6 +191,8 @@ __global__ void __launch_bounds__(kThreadsPerRow * kSlots<kThreadsPerRow>)
   constexpr int kRows = kSlots<kThreadsPerRow>;
   constexpr int kBlock = kThreadsPerRow * kRows;
   constexpr bool kShared = kSharedSums<kThreadsPerRow>;
+  static_assert(!kShared || kVectors * kLanes == kMaxBackwardElementsPerThread,
+                "run_backward sizes the shared sums as kMaxBackwardElementsPerThread a thread");
   __shared__ A smem[32];
   __shared__ A combine[kRows > 1 ? kBlock * kLanes : 1];
   // kShared: element (j, l) of thread t's dweight sum at [(j * kLanes + l) * kBlock + t] (a warp's
@@ -337,7 +339,16 @@ cudaError_t run_backward(const NormBackwardParams& p, cudaStream_t stream, int64
     }
     return cudaSuccess;
   };
-  const int shape = p.version == NormBackwardVersion::kResident ? backward_shape(p.n, sizeof(T)) : -1;
+  int shape = p.version == NormBackwardVersion::kResident ? backward_shape(p.n, sizeof(T)) : -1;
+  if (shape >= 0 && kBackwardShapes[shape].threads >= 1024) {
+    // The 1024-thread rows' sums in shared memory (64 or 128 KB): more than a block may have on
+    // some GPUs (64 KB on sm_75, 99 KB on sm_86 and sm_89); there the row is streamed (v1's kernel).
+    int optin = 0;
+    COURSE_CUDA_TRY(course::cached_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(&optin));
+    const int64_t bytes = int64_t{centered ? 2 : 1} * kMaxBackwardElementsPerThread * kBackwardShapes[shape].threads *
+                          static_cast<int64_t>(sizeof(A));
+    if (bytes > optin) shape = -1;
+  }
   if constexpr (sizeof(T) != 8) {
     if (shape >= 0) {
       const Access access = row_access<T>(p.n, {p.dy, p.x, p.dx}, {p.weight});
