@@ -136,8 +136,11 @@ __global__ void __launch_bounds__(kColumnThreads) column_reduce_tiles(
       // thread keeps kChains sums, range s going to chain s / groups % kChains, so kChains loads
       // are in flight at once: with one chain, each load waited for the last (a dependent chain
       // of L2 round trips, one per range: with 132 ranges it took longer than the reading of the
-      // tensor). __ldcg reads through L2: this SM's L1 is not coherent with the other SMs' writes.
-      constexpr int kChains = 8;
+      // tensor). 16 chains: a narrow tile (64 columns of a (1048576, 64) sum: 4 threads a column)
+      // folds 4 blocks per SM of ranges, 132 partials a thread on an H200, 9 round trips to L2
+      // rather than 17 at the end of the launch. __ldcg reads through L2: this SM's L1 is not
+      // coherent with the other SMs' writes.
+      constexpr int kChains = 16;
       const int groups = kColumnThreads / width;
       const int column = threadIdx.x % width;
       const int group = threadIdx.x / width;
