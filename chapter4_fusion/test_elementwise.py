@@ -733,18 +733,23 @@ def test_linear_activation_bias_may_be_none(dtype, device):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16), ids=dtype_id)
 def test_flat_kernel_runs_where_it_applies(dtype):
-    """v3 (version=None) launches the column tiles where rows are whole vectors that fill them
-    (hidden 1024, 4096), the flat kernel where a tile would leave lanes idle (hidden 768) or rows
-    are not whole vectors (4099); a mask on rows that are not whole 32-bit words takes the
-    tiles' single elements."""
+    """v3 (version=None) launches the flat kernel wherever the operands' vectors pair up: rows of
+    whole vectors that fill the tiles (hidden 1024, 4096) as well as those that would leave a
+    tile's lanes idle (768) or are not whole vectors (4099); the tiles' single elements for a mask
+    on rows that are not whole 32-bit words; the column tiles for GELU-erf (four rows in flight)
+    on rows that fill them. A mask is written only when a gradient is needed."""
     require_cuda()
     for shape, mask, expected in (((64, 768), False, "bias_act_flat_kernel"), ((33, 4099), False, "bias_act_flat_kernel"),
                                   ((64, 768), True, "bias_act_flat_kernel"), ((33, 4099), True, "bias_act_tile_kernel"),
-                                  ((64, 4096), False, "bias_act_tile_kernel"), ((64, 1024), True, "bias_act_tile_kernel")):
+                                  ((64, 4096), False, "bias_act_flat_kernel"), ((64, 1024), True, "bias_act_flat_kernel")):
         x, bias = bias_inputs(shape, dtype, "cuda")
         x.requires_grad_(mask)  # the mask is written only when a gradient is needed
         _, kernels = launched_kernels(lambda: fusion.fused_bias_scale_relu(x, bias, SCALE), "course")
         assert any(expected in k for k in kernels), (shape, mask, kernels)
+    for shape, expected in (((64, 4096), "bias_act_tile_kernel"), ((64, 768), "bias_act_flat_kernel")):
+        x, bias = bias_inputs(shape, dtype, "cuda")
+        _, kernels = launched_kernels(lambda: fusion.bias_gelu(x, bias, "none"), "course")
+        assert any(expected in k for k in kernels), (shape, "gelu", kernels)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -70,11 +70,10 @@ struct Relu {
 // ---------------------------------------------------------------------------------------
 // fused_op: y = relu(x * scale + bias), one read of x and one write of y per element.
 // ---------------------------------------------------------------------------------------
-// course::launch_bias_act: the column tiles (a thread keeps 16-byte packs of the same columns
-// for every row, their bias in registers) while rows are whole vectors that fill the tiles,
-// else the flat kernel (16-byte vectors, one per thread, the bias gathered by column): every
-// lane busy at any row length, and a row that starts mid-vector (n not a multiple of 8 bfloat16)
-// still moves as whole aligned vectors. Measured on the H100
+// course::launch_bias_act: the flat kernel (16-byte vectors, one per thread, the bias gathered
+// by column): every lane busy at any row length, and a row that starts mid-vector (n not a
+// multiple of 8 bfloat16) still moves as whole aligned vectors; the column tiles' single
+// elements only for operands at different distances from a 16-byte boundary. Measured on the H100
 // (results/<gpu>/chapter5_pytorch_extensions.json at commit 66d95f3): a flat grid-stride loop
 // with scalar accesses ran at 89% of copy in float32 and 57% in bfloat16, 0.88x and 0.57x
 // torch.compile; the column tiles alone lost to torch.compile at hidden sizes that leave a

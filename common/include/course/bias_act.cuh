@@ -409,18 +409,25 @@ cudaError_t launch_bias_act_flat(const BiasAct<T>& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// The forward a call takes: the column tiles while rows are whole aligned vectors that fill
-// every tile (the bias then stays in registers across rows), else the flat kernel, which keeps
-// every lane busy and moves whole vectors at any row length (hidden 768 in bf16 is 96 packs, a
-// tile of 128 with a quarter of its lanes idle; hidden 4099 is no whole number of vectors); the
-// tiles' single elements only where the flat kernel cannot pair the operands' vectors.
+// The forward a call takes. The flat kernel wherever it can pair the operands' vectors, unless the
+// activation keeps several rows in flight (kRows > 1, GELU-erf) and the rows are whole aligned
+// vectors that fill every tile: a tile of one row per thread is the flat kernel's work with a
+// two-dimensional index, the bias reloaded per thread in both, and on the H200 the flat kernel ran
+// the sweep's bfloat16 rows at 3.7-3.8 TB/s where the tiles ran 3.1-3.2 (fused_op forward at 8192
+// tokens: hidden 5120 and 7168 flat, 0.97x torch.compile; 4096, 6144, 8192, 12288 and 16384 in
+// tiles, 0.81-0.83x). It also keeps every lane busy and moves whole vectors at any row length
+// (hidden 768 in bf16 is 96 packs, a tile of 128 with a quarter of its lanes idle; hidden 4099 is
+// no whole number of vectors). The tiles' single elements only where the flat kernel cannot pair
+// the operands' vectors, or a mask's rows are not whole 32-bit words.
 template <typename T, typename Act, bool kMask, int kRows = 1, int kMinBlocks = 2048 / kTileThreads>
 cudaError_t launch_bias_act(const BiasAct<T>& p, cudaStream_t stream) {
   constexpr int kLanes = Vec16<T>::kLanes;
   const int64_t packs = p.n / kLanes;
   const bool full_tiles = vectorizable<T>(p.n, {p.x, p.bias, p.y, p.pre}) &&
                           packs % tile_width(packs, kMask ? 32 / kLanes : 1) == 0;
-  if (full_tiles || !flat_applies(p)) return launch_bias_act_tiles<T, Act, kMask, kRows, kMinBlocks>(p, stream);
+  if (!flat_applies(p) || (kRows > 1 && full_tiles)) {
+    return launch_bias_act_tiles<T, Act, kMask, kRows, kMinBlocks>(p, stream);
+  }
   return launch_bias_act_flat<T, Act, kMask>(p, stream);
 }
 
