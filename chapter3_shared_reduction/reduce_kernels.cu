@@ -482,7 +482,8 @@ cudaError_t make_plan(const ReduceParams& p, Plan* plan) {
         // unrolled steps of the block's row groups.
         int sms = 0;
         COURSE_CUDA_TRY(course::sm_count(&sms));
-        const int64_t rows_per_step = int64_t{course::kColumnWarps} * (32 / plan->lanes) * course::kColumnUnroll;
+        const int64_t rows_per_step = int64_t{course::kColumnWarps} * (32 / plan->lanes) *
+                                      course::column_unroll(course::column_lanes(x, p.inner));
         const int64_t want = course::ceil_div(kColumnBlocksPerSm * sms, tiles);
         const int64_t min_range = narrow ? 2 * rows_per_step : 64;
         plan->splits = std::max<int64_t>(1, std::min({want, course::ceil_div(p.n, min_range), kMaxGridY}));

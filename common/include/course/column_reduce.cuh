@@ -9,10 +9,11 @@
 // row per instruction; a narrower tile lays the warp over 32 / lanes rows at once, so that every
 // lane still has a column (an 8-column bfloat16 tensor: one vector per row, 32 rows per warp
 // instruction, where a warp per row would leave 31 lanes idle). kColumnUnroll row groups are
-// in flight per lane. The warps' sums meet in shared memory. When the tiles alone cannot fill
-// the GPU, the reduced dimension is also split into ranges (grid.y), each written as a partial,
-// and the last block of the tile to arrive combines them in order, its threads sharing the
-// partials of each column between them. Every combine has a fixed order: deterministic.
+// in flight per lane (kColumnUnrollScalar of single elements). The warps' sums meet in shared
+// memory. When the tiles alone cannot fill the GPU, the reduced dimension is also split into
+// ranges (grid.y), each written as a partial, and the last block of the tile to arrive combines
+// them in order, its threads sharing the partials of each column between them. Every combine has
+// a fixed order: deterministic.
 //
 // Torch-free, like every kernel of the course.
 #pragma once
@@ -30,6 +31,12 @@ namespace course {
 constexpr int kColumnWarps = 8;
 constexpr int kColumnThreads = 32 * kColumnWarps;
 constexpr int kColumnUnroll = 4;
+// Single elements (rows that are not whole 16-byte vectors) are 8 to 16 times fewer bytes a
+// load: 16 row groups of them in flight, or a block of a (8191, 4099) bfloat16 sum over dim 0
+// (64 bytes a warp load) kept 2 KB in flight, 8 KB an SM at the splits' four blocks per SM.
+constexpr int kColumnUnrollScalar = 16;
+// Row groups a lane keeps in flight with kCols columns per lane.
+constexpr int column_unroll(int cols) { return cols > 1 ? kColumnUnroll : kColumnUnrollScalar; }
 
 template <int kCols, typename T, typename Op, typename Out>
 __global__ void __launch_bounds__(kColumnThreads) column_reduce_tiles(
@@ -81,12 +88,12 @@ __global__ void __launch_bounds__(kColumnThreads) column_reduce_tiles(
           for (int c = 0; c < kCols; ++c) acc[c] = op(acc[c], to_acc(v.v[c]));
         }
       } else {
-        for (; k + (kColumnUnroll - 1) * row_step < k_end; k += kColumnUnroll * row_step) {
-          T v[kColumnUnroll];
+        for (; k + (kColumnUnrollScalar - 1) * row_step < k_end; k += kColumnUnrollScalar * row_step) {
+          T v[kColumnUnrollScalar];
 #pragma unroll
-          for (int u = 0; u < kColumnUnroll; ++u) v[u] = base[(k + u * row_step) * inner];
+          for (int u = 0; u < kColumnUnrollScalar; ++u) v[u] = base[(k + u * row_step) * inner];
 #pragma unroll
-          for (int u = 0; u < kColumnUnroll; ++u) acc[0] = op(acc[0], to_acc(v[u]));
+          for (int u = 0; u < kColumnUnrollScalar; ++u) acc[0] = op(acc[0], to_acc(v[u]));
         }
         for (; k < k_end; k += row_step) acc[0] = op(acc[0], to_acc(base[k * inner]));
       }
