@@ -192,7 +192,8 @@ cudaError_t launch_bias_activation(const BiasActParams& p, ActVersion version, c
 //       reduces g: g written and read twice more, and column_sum walks all the rows with one
 //       block per column tile;
 //   v2  act_backward_tile_kernel: dy and the saved tensor read once, dx written once, g summed
-//       in registers into [slots, n] partials; column_sum reduces only those few thousand rows.
+//       in registers and across each tile's rows in shared memory; one row tile writes dbias
+//       itself, more write a few hundred partial rows that column_sum adds (course::grad_tiling).
 // ---------------------------------------------------------------------------------------
 cudaError_t act_backward_workspace(const ActBackwardParams& p, BackwardVersion version, int64_t* bytes) {
   return with_dtype(p.dtype, [&](auto tag) -> cudaError_t {

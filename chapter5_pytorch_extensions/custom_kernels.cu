@@ -86,8 +86,10 @@ course::BiasAct<T> fused_op_args(const FusedOpParams& p) {
 
 // The backward: course::act_backward_tile_kernel on y (y > 0 exactly where x * scale + bias >
 // 0: custom_kernels.h says why y is kept). A thread keeps 16-byte packs of the same columns for
-// every row it visits, writes dx, sums g for dbias in registers, and leaves one partial row per
-// slot; course::column_sum adds the slots in a fixed order. No atomics: deterministic.
+// every row it visits, writes dx and sums g for dbias in registers; the block adds its rows'
+// sums in shared memory and writes dbias itself when one row tile holds every row (up to 64
+// tokens: one launch), else one partial row that course::column_sum adds in a fixed order
+// (course::grad_tiling). No atomics: deterministic.
 template <typename T>
 course::BiasActGrad<T> fused_op_grad_args(const FusedOpBackwardParams& p) {
   return {static_cast<const T*>(p.dy), static_cast<const T*>(p.y), nullptr, nullptr,
