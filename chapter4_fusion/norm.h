@@ -108,23 +108,6 @@ inline int backward_shape(int64_t n, int elem_bytes) {
 // ---------------------------------------------------------------------------------------
 inline NormVersion default_norm() { return NormVersion::kResident; }
 inline NormBackwardVersion default_norm_backward() { return NormBackwardVersion::kResident; }
-
-// The backward's blocks for `rows` rows, `rows_per_block` at a time, on a GPU that keeps
-// `resident` of them at once on `sms` SMs. Every block writes a partial row of dweight (and
-// dbias) in float that a column sum reads again: a block for each row step (2048 rows of 2048 in
-// bfloat16: 1024 blocks of two rows) made those rows two thirds as many bytes as x, dy and dx
-// together, and the column sums' input 1024 rows deep (LayerNorm's backward at 0.64x eager on
-// the H200). So a block takes at least kRowsPerPartial rows (the partial rows then cost at most
-// a sixth of the traffic), while there are rows enough for one block per SM; never more blocks
-// than the GPU keeps resident, nor than the rows need.
-constexpr int64_t kRowsPerPartial = 16;
-inline int64_t backward_blocks(int64_t rows, int64_t rows_per_block, int64_t resident, int sms) {
-  const int64_t needed = ::course::ceil_div<int64_t>(rows, rows_per_block);
-  int64_t blocks = ::course::ceil_div<int64_t>(rows, kRowsPerPartial);
-  blocks = blocks > sms ? blocks : sms;
-  blocks = blocks < resident ? blocks : resident;
-  return blocks < needed ? blocks : needed;
-}
 inline AddNormVersion default_add_norm() { return AddNormVersion::kFused; }
 
 struct NormParams {

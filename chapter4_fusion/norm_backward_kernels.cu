@@ -304,17 +304,16 @@ cudaError_t with_backward_shape(int shape, F&& f) {
   }
 }
 
-// The grid of a backward launch (backward_blocks, norm.h): at most what the GPU keeps resident
-// and what the rows need, and few enough that every block's partial row sums kRowsPerPartial
-// rows or more while the SMs still have a block each.
+// The grid of a backward launch: as many blocks as the GPU keeps resident (each then takes
+// several rows, so its partial row sums many rows), never more than there are rows, since
+// every block's partial row must be written.
 template <typename Kernel>
 cudaError_t backward_grid(Kernel kernel, int threads, int64_t rows_per_block, int64_t rows, int64_t* grid,
                           int64_t smem_bytes = 0) {
   int64_t resident = 0;
-  int sms = 0;
   COURSE_CUDA_TRY(course::resident_grid(kernel, threads, &resident, static_cast<size_t>(smem_bytes)));
-  COURSE_CUDA_TRY(course::sm_count(&sms));
-  *grid = backward_blocks(rows, rows_per_block, resident, sms);
+  const int64_t needed = course::ceil_div(rows, rows_per_block);
+  *grid = needed < resident ? needed : resident;
   return cudaSuccess;
 }
 

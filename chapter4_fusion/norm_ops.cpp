@@ -328,13 +328,6 @@ std::tuple<Tensor, Tensor> rms_norm_backward_impl(const Tensor& dy, const Tensor
 
 // What version=None runs (any device, meta included): the rung; the rung itself streams rows
 // too long for registers.
-// backward_blocks (norm.h) asked without a GPU: the grid of the resident backward.
-int64_t norm_backward_blocks(int64_t rows, int64_t rows_per_block, int64_t resident, int64_t sms) {
-  TORCH_CHECK(rows >= 0 && rows_per_block >= 1 && resident >= 1 && sms >= 1, "norm_backward_blocks: rows must be at "
-              "least 0 and rows_per_block, resident and sms at least 1");
-  return backward_blocks(rows, rows_per_block, resident, static_cast<int>(sms));
-}
-
 std::string norm_default_choice(c10::string_view op_name, const Tensor& x) {
   const auto name = ::course::as_std(op_name);
   check_x("norm_default_choice", x);
@@ -486,8 +479,6 @@ TORCH_LIBRARY_FRAGMENT(fusion, m) {
         " -> (Tensor, Tensor, Tensor)");
   m.def("rms_norm_backward(Tensor dy, Tensor x, Tensor? weight, Tensor rstd, str? version=None) -> (Tensor, Tensor)");
   m.def("norm_default_choice(str op, Tensor x) -> str", &fusion::norm::norm_default_choice);
-  m.def("norm_backward_blocks(int rows, int rows_per_block, int resident, int sms) -> int",
-        &fusion::norm::norm_backward_blocks);
 }
 
 // One implementation per op serves CPU, CUDA and Meta.

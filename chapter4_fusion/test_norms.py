@@ -490,43 +490,6 @@ def test_torch_compile_traces_the_ops(device):
 BOUNDARIES = (255, 256, 257, 512, 513, 1024, 1025, 2048, 4096, 4097, 8192, 8193, 16384, 16385, 32768, 32769)
 
 
-def test_backward_blocks_rule():
-    """The backward's grid (backward_blocks, norm.h), for any SM count: never more blocks than the
-    rows need or the GPU keeps resident; every block's partial row sums at least 16 rows unless
-    that would leave an SM without a block; one block per SM where the rows allow."""
-    blocks = torch.ops.fusion.norm_backward_blocks
-    for sms in (1, 40, 132):
-        for rows_per_block in (1, 2, 8):
-            for resident in (sms, 8 * sms):
-                for rows in (0, 1, 37, 2048, 8192, 100003):
-                    g = blocks(rows, rows_per_block, resident, sms)
-                    needed = -(-rows // rows_per_block)
-                    where = (sms, rows_per_block, resident, rows)
-                    assert g <= min(needed, resident), where
-                    assert g == min(needed, resident, max(sms, -(-rows // 16))), where
-    assert blocks(2048, 2, 1056, 132) == 132  # 2048 rows of 2048 on an H200: was 1024 blocks
-    assert blocks(8192, 8, 1056, 132) == 512
-    with pytest.raises(RuntimeError, match="norm_backward_blocks: rows must be at least 0"):
-        blocks(10, 0, 1, 1)
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=dtype_id)
-def test_backward_with_many_rows_per_block(dtype):
-    """Rows enough that every block of the backward takes many row steps (4099 rows: 16 a block
-    on up to 256 SMs) and its partial rows are few, at hidden sizes of several row shapes, the
-    shared-sums rows (12288) and a streamed one (16385), against float64."""
-    require_cuda()
-    for n in (768, 2048, 4099, 12288, 16385):
-        x, w, b, _ = make_inputs((4099, n), dtype, "cuda")
-        dy = torch.randn(4099, n, device="cuda").to(dtype)
-        for op in NORM_OPS:
-            eps = default_eps(op)
-            for name, out, g in zip(("dx", "dw", "db"), kernel_grads(op, x, w, b, dy, eps, None),
-                                    reference_grads(op, x, w, b, dy, eps)):
-                assert_grad(out, g, dtype, f"{op} n={n} {name}")
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=dtype_id)
 def test_every_shape_boundary(dtype):
