@@ -247,6 +247,8 @@ REDUCE_CASES = [
     # columns (inner > 1)
     ((33, 5), 0, False), ((1000, 3), 0, True), ((4097, 2), 0, False), ((2**20 + 3, 2), 0, False),
     ((2, 100003), 0, False),  # n = 2 and many columns
+    # single elements split into ranges, 16 row groups in flight, and a remainder past them
+    ((100003, 3), 0, False), ((8191, 37), 0, True),
     ((1, 257), 0, False),  # n = 1
     ((0, 5), 0, False),  # columns of no element: sum 0, amax raises
     ((5, 33, 31), 0, False), ((5, 33, 31), 1, True), ((5, 33, 31), -2, False),

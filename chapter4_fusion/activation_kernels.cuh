@@ -115,8 +115,8 @@ __global__ void bias_act_warp_kernel(const T* x, const T* bias, typename course:
 // (bias_act_tile_kernel): against v2, 16-byte loads and stores (a quarter to an eighth of the
 // memory instructions), the bias loaded once per thread instead of once per element, no division
 // per element. The flat kernel (bias_act_flat_kernel): one vector per thread over the flat
-// array, the bias gathered by column, where the tiles would leave lanes idle or rows are not
-// whole vectors.
+// array, the bias gathered by column: every lane busy at any row length, and faster than tiles
+// of one row per thread even where those are full (course::launch_bias_act says by how much).
 // ---------------------------------------------------------------------------------------
 template <typename T>
 course::BiasAct<T> bias_act_args(const BiasActParams& p) {
@@ -124,8 +124,9 @@ course::BiasAct<T> bias_act_args(const BiasActParams& p) {
           static_cast<T*>(p.y), static_cast<T*>(p.pre), p.mask, p.rows, p.n};
 }
 
-// The fused forward a call takes (course::launch_bias_act): the column tiles, or the flat kernel
-// where the tiles would leave lanes idle or rows are not whole vectors.
+// The fused forward a call takes (course::launch_bias_act): the flat kernel wherever the operands'
+// vectors pair up, the column tiles for GELU-erf's four rows in flight on rows that fill them, and
+// the tiles' single elements where a mask's rows are not whole 32-bit words.
 template <typename T, typename Act, bool kMask>
 cudaError_t launch_bias_act_fused(const BiasActParams& p, cudaStream_t stream) {
   return course::launch_bias_act<T, Act, kMask, kForwardRows<Act>, kForwardMinBlocks<Act>>(bias_act_args<T>(p), stream);

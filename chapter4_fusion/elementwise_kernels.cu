@@ -123,7 +123,7 @@ cudaError_t launch_swiglu_tiles(int64_t rows, int64_t half, std::initializer_lis
   const bool vector = vectorizable<T>(half, pointers);
   constexpr int kVec = course::Vec16<T>::kLanes;
   Tiling t;
-  COURSE_CUDA_TRY(make_tiling(rows, half / (vector ? kVec : 1), 1, INT64_MAX, &t));
+  COURSE_CUDA_TRY(make_tiling(rows, half / (vector ? kVec : 1), 1, &t));
   if (vector) {
     launch(std::integral_constant<int, kVec>{}, t);
   } else {
@@ -192,7 +192,8 @@ cudaError_t launch_bias_activation(const BiasActParams& p, ActVersion version, c
 //       reduces g: g written and read twice more, and column_sum walks all the rows with one
 //       block per column tile;
 //   v2  act_backward_tile_kernel: dy and the saved tensor read once, dx written once, g summed
-//       in registers into [slots, n] partials; column_sum reduces only those few thousand rows.
+//       in registers and across each tile's rows in shared memory; one row tile writes dbias
+//       itself, more write a few hundred partial rows that column_sum adds (course::grad_tiling).
 // ---------------------------------------------------------------------------------------
 cudaError_t act_backward_workspace(const ActBackwardParams& p, BackwardVersion version, int64_t* bytes) {
   return with_dtype(p.dtype, [&](auto tag) -> cudaError_t {

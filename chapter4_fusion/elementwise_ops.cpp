@@ -153,8 +153,10 @@ std::tuple<Tensor, Tensor> act_backward(const char* op, const Tensor& grad, cons
                                         double scale, Activation act, SaveKind source,
                                         std::optional<BackwardVersion> version) {
   Tensor dx = at::empty_symint(grad.sym_sizes(), grad.options());
-  Tensor dbias = at::zeros_symint(bias.sym_sizes(), bias.options());
-  if (grad.is_meta() || grad.numel() == 0) return {dx, dbias};
+  // No rows: no gradient flows into the bias, which is 0. Otherwise every kernel (and the CPU
+  // loop) writes every element of dbias: no zero fill, which was a launch of its own.
+  if (grad.is_meta() || grad.numel() == 0) return {dx, at::zeros_symint(bias.sym_sizes(), bias.options())};
+  Tensor dbias = at::empty_symint(bias.sym_sizes(), bias.options());
   const Tensor gc = grad.contiguous();
   const Tensor sc = saved.contiguous();
   const Tensor bc = bias.contiguous();
@@ -454,6 +456,22 @@ std::string default_choice(c10::string_view op_name, const Tensor& x) {
   return ::course::version_name(kLinearVersions, default_linear(rows, n, elem));
 }
 
+// The bias gradient's column tiling (course::grad_tiling) for a gradient like x on a GPU of `sms`
+// SMs, [tx, ty, column tiles, row tiles]: the rule the fused backward kernels (every bias op's
+// and chapter 5's fused_op's) launch with, asked without a GPU. x's rows take 16-byte packs when
+// they are whole vectors (as an aligned tensor's do), else single elements.
+std::vector<int64_t> bias_grad_tiling(const Tensor& x, int64_t sms) {
+  check_input("bias_grad_tiling", "x", x);
+  TORCH_CHECK(sms >= 1, "bias_grad_tiling: sms must be at least 1, got ", std::to_string(sms));
+  const int64_t n = x.dim() == 0 ? 1 : x.size(-1);
+  const int64_t rows = n == 0 ? 0 : x.numel() / n;
+  const int elem = static_cast<int>(x.element_size());
+  const int lanes = n % (16 / elem) == 0 ? 16 / elem : 1;
+  const ::course::GradTiling t = ::course::grad_tiling(rows, ::course::ceil_div<int64_t>(n, lanes), lanes * elem,
+                                                      ::course::grad_rows_in_flight(lanes), static_cast<int>(sms));
+  return {t.tx, t.ty, t.column_tiles, t.row_tiles};
+}
+
 // ---------------------------------------------------------------------------------------
 // Autograd. Each forward re-enters the dispatcher below the Autograd key (reaching the kernels
 // above); each backward is the family's own backward op. First derivatives only: the backward
@@ -550,6 +568,14 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
 };
 
 Tensor bsr_autograd(const Tensor& x, const Tensor& bias, double scale, c10::string_view save, OptVersion version) {
+  // No input needs a gradient (or grad mode is off): nothing is kept for a backward, so no mask
+  // is written (a sixteenth more bytes in 2-byte dtypes, and rows that are not whole 32-bit words
+  // of mask would leave the flat kernel for the tiles' single elements), and no graph node.
+  if (!at::GradMode::is_enabled() || !(x.requires_grad() || bias.requires_grad())) {
+    static auto op = find_op<decltype(bsr_impl)>("fusion::fused_bias_scale_relu");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return op.call(x, bias, scale, save, version);
+  }
   return BsrFunction::apply(x, bias, scale, save, version);
 }
 Tensor bias_gelu_autograd(const Tensor& x, const Tensor& bias, c10::string_view approximate, OptVersion version) {
@@ -608,6 +634,7 @@ TORCH_LIBRARY_FRAGMENT(fusion, m) {
   m.def("linear_activation_backward(Tensor grad, Tensor z, Tensor x, Tensor weight, str activation) "
         "-> (Tensor, Tensor, Tensor)");
   m.def("elementwise_default_choice(str op, Tensor x) -> str", &fusion::elementwise::default_choice);
+  m.def("bias_grad_tiling(Tensor x, int sms) -> int[]", &fusion::elementwise::bias_grad_tiling);
 }
 
 // One implementation per op serves CPU, CUDA and Meta: each picks the backend from the (already

@@ -61,12 +61,13 @@ constexpr int kNumForwardShapes = sizeof(kForwardShapes) / sizeof(kForwardShapes
 // The backward holds x, dy and weight as stored plus two float accumulators per element it
 // owns (the thread's share of dweight and dbias, summed over its rows): at most 16 elements per
 // thread keeps it near 64 registers. 2-byte dtypes take the 2-vector shapes, float32 the
-// 4-vector ones; both reach 8192 elements a row (1024-thread rows, capped at 64 registers,
-// spilled hundreds of bytes: longer rows run the streamed kernel).
+// 4-vector ones; both reach 16384 elements a row. 1024-thread rows (capped at 64 registers,
+// where the two float sums per element spilled hundreds of bytes) keep those sums in shared
+// memory instead (norm_backward_kernels.cu, kSharedSums); longer rows run the streamed kernel.
 // The 64-thread shapes exist for hidden 1024, the commonest short row: without them it took the
 // 128-thread shape and half of every block held padding (55% of copy for LayerNorm on the H100).
 constexpr NormShape kBackwardShapes[] = {{32, 1}, {32, 2}, {32, 4}, {64, 2}, {64, 4}, {128, 2},
-                                         {128, 4}, {256, 2}, {256, 4}, {512, 2}, {512, 4}};
+                                         {128, 4}, {256, 2}, {256, 4}, {512, 2}, {512, 4}, {1024, 2}, {1024, 4}};
 constexpr int kNumBackwardShapes = sizeof(kBackwardShapes) / sizeof(kBackwardShapes[0]);
 constexpr int kMaxBackwardElementsPerThread = 16;
 

@@ -158,11 +158,28 @@ __device__ __forceinline__ void write_partial(const A (&acc)[kVectors][kLanes], 
 // weight row too (loaded once per thread for all its rows). One pass: the two row sums, then dx
 // from the registers; x and dy are read once and dx written once, the least traffic there is.
 // Each thread also owns the same columns of every row it takes, so its share of dweight and
-// dbias accumulates in registers across rows and leaves the block once, as one partial row
-// (write_partial): the column sums cost a few hundred rows of n floats, not a pass over x and
-// dy. Rows longer than the largest shape run v1's kernel. Rows that start mid-vector read
-// single elements (Access::kScalar), which keeps every thread on the same columns of every row:
-// its dweight and dbias sums need that, and a row's head would move them from row to row.
+// dbias accumulates across rows and leaves the block once, as one partial row (write_partial):
+// the column sums cost a few hundred rows of n floats, not a pass over x and dy. Rows that start
+// mid-vector read single elements (Access::kScalar), which keeps every thread on the same columns
+// of every row: its dweight and dbias sums need that, and a row's head would move them from row
+// to row.
+//
+// Where the sums live: in registers, up to 512-thread rows (8192 elements: 128 registers a
+// thread, two blocks of 512 or one of 1024 threads per SM). A 1024-thread row (hidden 12288 and
+// 16384: 16 elements a thread) has 64 registers a thread, and its 32 float sums spilled 200-700
+// bytes a thread there (ptxas -v): they live in shared memory instead (kSharedSums, 64 or 128 KB
+// of dynamic shared memory, one block per SM), each thread updating only its own words, so no
+// barrier guards them. Before this shape such rows ran v1's kernel, at 14% of copy on the H200.
+template <int kThreadsPerRow>
+constexpr bool kSharedSums = kThreadsPerRow >= 1024;
+
+template <typename T, bool kCentered, int kThreadsPerRow, int kVectors>
+constexpr int64_t shared_sums_bytes() {
+  return kSharedSums<kThreadsPerRow>
+             ? int64_t{kCentered ? 2 : 1} * kVectors * Vec16<T>::kLanes * kThreadsPerRow * int64_t{sizeof(typename Acc<T>::type)}
+             : 0;
+}
+
 template <typename T, bool kCentered, int kThreadsPerRow, int kVectors, Access kAccess>
 __global__ void __launch_bounds__(kThreadsPerRow * kSlots<kThreadsPerRow>)
     norm_backward_resident(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ weight,
@@ -173,19 +190,34 @@ __global__ void __launch_bounds__(kThreadsPerRow * kSlots<kThreadsPerRow>)
   constexpr int kLanes = Vec16<T>::kLanes;
   constexpr int kRows = kSlots<kThreadsPerRow>;
   constexpr int kBlock = kThreadsPerRow * kRows;
+  constexpr bool kShared = kSharedSums<kThreadsPerRow>;
+  static_assert(!kShared || kVectors * kLanes == kMaxBackwardElementsPerThread,
+                "run_backward sizes the shared sums as kMaxBackwardElementsPerThread a thread");
   __shared__ A smem[32];
   __shared__ A combine[kRows > 1 ? kBlock * kLanes : 1];
+  // kShared: element (j, l) of thread t's dweight sum at [(j * kLanes + l) * kBlock + t] (a warp's
+  // 32 threads on 32 banks), dbias's after all of dweight's.
+  extern __shared__ __align__(16) unsigned char sums_bytes[];
+  A* const sums = reinterpret_cast<A*>(sums_bytes);
+  constexpr int kSumsPerThread = kVectors * kLanes;
   const T zero = from_acc<T>(A(0));
   const int t = threadIdx.x % kThreadsPerRow;
   T w[kVectors][kLanes];
   static_assert(kAccess != Access::kChunks, "a thread's columns must not move from row to row");
   load_tile<kAccess, kThreadsPerRow, kVectors>(weight, RowSpan{n, 0, n}, t, zero, w);
-  A dw[kVectors][kLanes];
-  A db[kVectors][kLanes];
+  A dw[kShared ? 1 : kVectors][kLanes];
+  A db[kShared ? 1 : kVectors][kLanes];
 #pragma unroll
   for (int j = 0; j < kVectors; ++j) {
 #pragma unroll
-    for (int l = 0; l < kLanes; ++l) dw[j][l] = db[j][l] = A(0);
+    for (int l = 0; l < kLanes; ++l) {
+      if constexpr (kShared) {
+        sums[(j * kLanes + l) * kBlock + threadIdx.x] = A(0);
+        if constexpr (kCentered) sums[(kSumsPerThread + j * kLanes + l) * kBlock + threadIdx.x] = A(0);
+      } else {
+        dw[j][l] = db[j][l] = A(0);
+      }
+    }
   }
   // The whole block steps together (its reductions need every thread); a slot past the last
   // row works on padding: x = dy = 0 adds nothing to dweight or dbias, and stores nothing.
@@ -212,8 +244,13 @@ __global__ void __launch_bounds__(kThreadsPerRow * kSlots<kThreadsPerRow>)
         const A g = d * to_acc(w[j][l]);
         sum_g += g;
         sum_gx += g * xhat;
-        dw[j][l] += d * xhat;
-        db[j][l] += d;
+        if constexpr (kShared) {
+          sums[(j * kLanes + l) * kBlock + threadIdx.x] += d * xhat;
+          if constexpr (kCentered) sums[(kSumsPerThread + j * kLanes + l) * kBlock + threadIdx.x] += d;
+        } else {
+          dw[j][l] += d * xhat;
+          db[j][l] += d;
+        }
       }
     }
     const A mean_gx = slot_reduce<kThreadsPerRow>(sum_gx, smem) / static_cast<A>(n);
@@ -228,8 +265,26 @@ __global__ void __launch_bounds__(kThreadsPerRow * kSlots<kThreadsPerRow>)
     }
     store_tile<kAccess, kThreadsPerRow, kVectors>(dx + row * n, span, t, dyv);
   }
-  write_partial<kAccess, kThreadsPerRow, kVectors>(dw, dweight_partial + blockIdx.x * n, n, combine);
-  if constexpr (kCentered) write_partial<kAccess, kThreadsPerRow, kVectors>(db, dbias_partial + blockIdx.x * n, n, combine);
+  if constexpr (kShared) {
+    // One row per block (kRows == 1): each thread writes its own columns' sums, as write_partial
+    // does for one slot.
+    static_assert(kRows == 1, "shared sums serve one-row blocks");
+    const RowSpan columns{n, 0, n};
+#pragma unroll
+    for (int j = 0; j < kVectors; ++j) {
+#pragma unroll
+      for (int l = 0; l < kLanes; ++l) {
+        if (tile_valid<kAccess, kThreadsPerRow, kVectors, kLanes>(j, l, t, columns)) {
+          const int64_t c = tile_index<kAccess, kThreadsPerRow, kVectors, kLanes>(j, l, t, columns);
+          dweight_partial[blockIdx.x * n + c] = sums[(j * kLanes + l) * kBlock + threadIdx.x];
+          if constexpr (kCentered) dbias_partial[blockIdx.x * n + c] = sums[(kSumsPerThread + j * kLanes + l) * kBlock + threadIdx.x];
+        }
+      }
+    }
+  } else {
+    write_partial<kAccess, kThreadsPerRow, kVectors>(dw, dweight_partial + blockIdx.x * n, n, combine);
+    if constexpr (kCentered) write_partial<kAccess, kThreadsPerRow, kVectors>(db, dbias_partial + blockIdx.x * n, n, combine);
+  }
 }
 
 // ===========================================================================================
@@ -253,9 +308,10 @@ cudaError_t with_backward_shape(int shape, F&& f) {
 // several rows, so its partial row sums many rows), never more than there are rows, since
 // every block's partial row must be written.
 template <typename Kernel>
-cudaError_t backward_grid(Kernel kernel, int threads, int64_t rows_per_block, int64_t rows, int64_t* grid) {
+cudaError_t backward_grid(Kernel kernel, int threads, int64_t rows_per_block, int64_t rows, int64_t* grid,
+                          int64_t smem_bytes = 0) {
   int64_t resident = 0;
-  COURSE_CUDA_TRY(course::resident_grid(kernel, threads, &resident));
+  COURSE_CUDA_TRY(course::resident_grid(kernel, threads, &resident, static_cast<size_t>(smem_bytes)));
   const int64_t needed = course::ceil_div(rows, rows_per_block);
   *grid = needed < resident ? needed : resident;
   return cudaSuccess;
@@ -283,7 +339,16 @@ cudaError_t run_backward(const NormBackwardParams& p, cudaStream_t stream, int64
     }
     return cudaSuccess;
   };
-  const int shape = p.version == NormBackwardVersion::kResident ? backward_shape(p.n, sizeof(T)) : -1;
+  int shape = p.version == NormBackwardVersion::kResident ? backward_shape(p.n, sizeof(T)) : -1;
+  if (shape >= 0 && kBackwardShapes[shape].threads >= 1024) {
+    // The 1024-thread rows' sums in shared memory (64 or 128 KB): more than a block may have on
+    // some GPUs (64 KB on sm_75, 99 KB on sm_86 and sm_89); there the row is streamed (v1's kernel).
+    int optin = 0;
+    COURSE_CUDA_TRY(course::cached_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(&optin));
+    const int64_t bytes = int64_t{centered ? 2 : 1} * kMaxBackwardElementsPerThread * kBackwardShapes[shape].threads *
+                          static_cast<int64_t>(sizeof(A));
+    if (bytes > optin) shape = -1;
+  }
   if constexpr (sizeof(T) != 8) {
     if (shape >= 0) {
       const Access access = row_access<T>(p.n, {p.dy, p.x, p.dx}, {p.weight});
@@ -292,14 +357,22 @@ cudaError_t run_backward(const NormBackwardParams& p, cudaStream_t stream, int64
         constexpr int kRows = kSlots<kShape.threads>;
         return with_flag(centered, [&](auto c) {
           return with_access</*kAllowChunks=*/false>(access, [&](auto a) {
-            auto* kernel = norm_backward_resident<T, decltype(c)::value, kShape.threads, kShape.vectors, decltype(a)::value>;
-            COURSE_CUDA_TRY(backward_grid(kernel, kShape.threads * kRows, kRows, p.rows, &grid));
+            constexpr bool kC = decltype(c)::value;
+            auto* kernel = norm_backward_resident<T, kC, kShape.threads, kShape.vectors, decltype(a)::value>;
+            constexpr int64_t kSums = shared_sums_bytes<T, kC, kShape.threads, kShape.vectors>();
+            if constexpr (kSums > 0) {
+              // Past 48 KB a kernel must ask for its dynamic shared memory (set before the
+              // occupancy query, which counts it).
+              COURSE_CUDA_TRY(cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
+                                                   cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSums)));
+            }
+            COURSE_CUDA_TRY(backward_grid(kernel, kShape.threads * kRows, kRows, p.rows, &grid, kSums));
             if (grid_only != nullptr) {
               *grid_only = grid;
               return cudaSuccess;
             }
-            kernel<<<grid_for(grid), kShape.threads * kRows, 0, stream>>>(dy, x, weight, mean, rstd, dx, dw_partial,
-                                                                           dw_partial + grid * p.n, p.rows, p.n);
+            kernel<<<grid_for(grid), kShape.threads * kRows, kSums, stream>>>(dy, x, weight, mean, rstd, dx, dw_partial,
+                                                                              dw_partial + grid * p.n, p.rows, p.n);
             return finish();
           });
         });

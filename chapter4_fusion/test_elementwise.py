@@ -499,6 +499,80 @@ def test_bias_gradients_are_deterministic(dtype, device):
         assert torch.equal(again[2], first[2])
 
 
+# The bias gradient's tiling (course::grad_tiling): every shape of the sweep (common/coursekit/
+# shapes.py) and odd ones, on GPUs of several SM counts.
+GRAD_TOKENS = (1, 63, 64, 65, 2048, 8192)
+GRAD_HIDDEN = (1, 8, 768, 777, 1024, 3072, 4099, 5120, 12288, 16384)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float64), ids=dtype_id)
+def test_bias_grad_tiling_rule(dtype):
+    """Up to 64 tokens every hidden size is one row tile (the kernel writes dbias itself: one
+    launch); more rows fill kGradBlocksPerSm = 4 blocks per SM, or give every thread one step
+    when there are fewer; wide tiles leave at most an eighth of their lanes idle; the tiles cover
+    every column. Asked for a meta tensor on GPUs of 1 to 170 SMs."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    for sms in (1, 46, 132, 170):
+        for tokens in GRAD_TOKENS:
+            for hidden in GRAD_HIDDEN:
+                x = torch.empty(tokens, hidden, dtype=dtype, device="meta")
+                tx, ty, column_tiles, row_tiles = torch.ops.fusion.bias_grad_tiling(x, sms)
+                lanes = 16 // elem if hidden % (16 // elem) == 0 else 1
+                packs = -(-hidden // lanes)
+                in_flight = 2 if lanes > 1 else 8
+                steps = -(-tokens // (ty * in_flight))  # row tiles if every thread takes one step
+                where = (sms, tokens, hidden)
+                assert tx * ty == 256 and tx & (tx - 1) == 0, where
+                assert column_tiles == -(-packs // tx) and (tx == 1 or tx // 2 < packs), where
+                assert 1 <= row_tiles <= steps, where
+                assert column_tiles * row_tiles >= min(4 * sms, column_tiles * steps), where
+                if tokens <= 64:
+                    assert row_tiles == 1, where
+                if tx * lanes * elem > 64:  # wider than the narrow tile: few idle lanes
+                    assert (column_tiles * tx - packs) * 8 <= packs, where
+    with pytest.raises(RuntimeError, match="bias_grad_tiling: sms must be at least 1"):
+        torch.ops.fusion.bias_grad_tiling(torch.empty(4, 8, device="meta"), 0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_bias_gradient_tiles_at_their_boundaries(dtype):
+    """The fused backward at one row tile (dbias written by the kernel: no column_sum launched)
+    and just past it (partial rows added by course::column_sum), at hidden sizes of whole
+    vectors, of single elements and of a row narrower than a tile; through every saved kind, and
+    through chapter 4's autograd at the sweep's 64 x 3072."""
+    require_cuda()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for tokens in GRAD_TOKENS[:-1]:
+        for hidden in (8, 768, 777, 3072, 4099):
+            shape = (tokens, hidden)
+            x, bias = bias_inputs(shape, dtype, "cuda")
+            dy = torch.randn(shape, device="cuda").to(dtype)
+            dx_ref, g = bsr_backward_reference(dy, x, bias)
+            for save in ("y", "x", "mask"):
+                saved = saved_for(save, x, bias)
+                dx, dbias = fusion.fused_bias_scale_relu_backward(dy, saved, bias, SCALE, save, None)
+                where = f"{shape} save={save}"
+                assert_within(dx, dx_ref, 2 * eps(dtype) * dx_ref.abs() + floor(dtype), f"dx {where}")
+                assert_within(dbias, g.sum(0), column_sum_bound(g, dtype, tokens), f"dbias {where}")
+            # The launches (under the profiler, once a shape): column_sum only past one row tile.
+            mask = saved_for("mask", x, bias)
+            _, kernels = launched_kernels(lambda: fusion.fused_bias_scale_relu_backward(dy, mask, bias, SCALE, "mask"),
+                                          "course")
+            _, _, _, row_tiles = torch.ops.fusion.bias_grad_tiling(x, sms)
+            assert any("act_backward_tile_kernel" in k for k in kernels), (shape, kernels)
+            assert any("column_reduce" in k for k in kernels) == (row_tiles > 1), (shape, row_tiles, kernels)
+    if dtype != torch.float64:
+        x, bias = bias_inputs((64, 3072), dtype, "cuda")
+        x.requires_grad_()
+        bias.requires_grad_()
+        dy = torch.randn(64, 3072, device="cuda").to(dtype)
+        fusion.fused_bias_scale_relu(x, bias, SCALE, save="y").backward(dy)
+        dx_ref, g = bsr_backward_reference(dy, x.detach(), bias.detach())
+        assert_within(x.grad, dx_ref, 2 * eps(dtype) * dx_ref.abs() + floor(dtype), "dx autograd")
+        assert_within(bias.grad, g.sum(0), column_sum_bound(g, dtype, 64), "dbias autograd")
+
+
 # ---------------------------------------------------------------------------------------------
 # 7. Empty tensors
 # ---------------------------------------------------------------------------------------------
@@ -662,18 +736,23 @@ def test_linear_activation_bias_may_be_none(dtype, device):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16), ids=dtype_id)
 def test_flat_kernel_runs_where_it_applies(dtype):
-    """v3 (version=None) launches the column tiles where rows are whole vectors that fill them
-    (hidden 1024, 4096), the flat kernel where a tile would leave lanes idle (hidden 768) or rows
-    are not whole vectors (4099); a mask on rows that are not whole 32-bit words takes the
-    tiles' single elements."""
+    """v3 (version=None) launches the flat kernel wherever the operands' vectors pair up: rows of
+    whole vectors that fill the tiles (hidden 1024, 4096) as well as those that would leave a
+    tile's lanes idle (768) or are not whole vectors (4099); the tiles' single elements for a mask
+    on rows that are not whole 32-bit words; the column tiles for GELU-erf (four rows in flight)
+    on rows that fill them. A mask is written only when a gradient is needed."""
     require_cuda()
     for shape, mask, expected in (((64, 768), False, "bias_act_flat_kernel"), ((33, 4099), False, "bias_act_flat_kernel"),
                                   ((64, 768), True, "bias_act_flat_kernel"), ((33, 4099), True, "bias_act_tile_kernel"),
-                                  ((64, 4096), False, "bias_act_tile_kernel"), ((64, 1024), True, "bias_act_tile_kernel")):
+                                  ((64, 4096), False, "bias_act_flat_kernel"), ((64, 1024), True, "bias_act_flat_kernel")):
         x, bias = bias_inputs(shape, dtype, "cuda")
         x.requires_grad_(mask)  # the mask is written only when a gradient is needed
         _, kernels = launched_kernels(lambda: fusion.fused_bias_scale_relu(x, bias, SCALE), "course")
         assert any(expected in k for k in kernels), (shape, mask, kernels)
+    for shape, expected in (((64, 4096), "bias_act_tile_kernel"), ((64, 768), "bias_act_flat_kernel")):
+        x, bias = bias_inputs(shape, dtype, "cuda")
+        _, kernels = launched_kernels(lambda: fusion.bias_gelu(x, bias, "none"), "course")
+        assert any(expected in k for k in kernels), (shape, "gelu", kernels)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -70,11 +70,10 @@ struct Relu {
 // ---------------------------------------------------------------------------------------
 // fused_op: y = relu(x * scale + bias), one read of x and one write of y per element.
 // ---------------------------------------------------------------------------------------
-// course::launch_bias_act: the column tiles (a thread keeps 16-byte packs of the same columns
-// for every row, their bias in registers) while rows are whole vectors that fill the tiles,
-// else the flat kernel (16-byte vectors, one per thread, the bias gathered by column): every
-// lane busy at any row length, and a row that starts mid-vector (n not a multiple of 8 bfloat16)
-// still moves as whole aligned vectors. Measured on the H100
+// course::launch_bias_act: the flat kernel (16-byte vectors, one per thread, the bias gathered
+// by column): every lane busy at any row length, and a row that starts mid-vector (n not a
+// multiple of 8 bfloat16) still moves as whole aligned vectors; the column tiles' single
+// elements only for operands at different distances from a 16-byte boundary. Measured on the H100
 // (results/<gpu>/chapter5_pytorch_extensions.json at commit 66d95f3): a flat grid-stride loop
 // with scalar accesses ran at 89% of copy in float32 and 57% in bfloat16, 0.88x and 0.57x
 // torch.compile; the column tiles alone lost to torch.compile at hidden sizes that leave a
@@ -87,8 +86,10 @@ course::BiasAct<T> fused_op_args(const FusedOpParams& p) {
 
 // The backward: course::act_backward_tile_kernel on y (y > 0 exactly where x * scale + bias >
 // 0: custom_kernels.h says why y is kept). A thread keeps 16-byte packs of the same columns for
-// every row it visits, writes dx, sums g for dbias in registers, and leaves one partial row per
-// slot; course::column_sum adds the slots in a fixed order. No atomics: deterministic.
+// every row it visits, writes dx and sums g for dbias in registers; the block adds its rows'
+// sums in shared memory and writes dbias itself when one row tile holds every row (up to 64
+// tokens: one launch), else one partial row that course::column_sum adds in a fixed order
+// (course::grad_tiling). No atomics: deterministic.
 template <typename T>
 course::BiasActGrad<T> fused_op_grad_args(const FusedOpBackwardParams& p) {
   return {static_cast<const T*>(p.dy), static_cast<const T*>(p.y), nullptr, nullptr,

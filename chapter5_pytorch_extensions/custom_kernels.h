@@ -94,7 +94,8 @@ namespace custom_ops {
 // synchronizes or allocates: the caller owns every buffer, so a launch can be captured in a
 // CUDA graph. Empty inputs launch nothing (reduce_sum still writes its 0).
 cudaError_t launch_fused_op(const FusedOpParams& p, cudaStream_t stream);
-// Bytes of scratch launch_fused_op_backward needs: the per-slot column partials of g.
+// Bytes of scratch launch_fused_op_backward needs: the column partials of g, one row per row
+// tile of the backward's grid (none when one row tile writes dbias itself).
 cudaError_t fused_op_backward_workspace(const FusedOpBackwardParams& p, int64_t* bytes);
 cudaError_t launch_fused_op_backward(const FusedOpBackwardParams& p, cudaStream_t stream);
 cudaError_t launch_relu(const ReluParams& p, cudaStream_t stream);

@@ -91,7 +91,9 @@ def test_fused_op_at_the_shapes_models_run():
     _header("2b", "Fused Operation at model and odd hidden sizes, NaN inputs")
     torch.manual_seed(4)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        for shape in ((64, 768), (33, 777), (9, 4099), (2, 3, 96)):
+        # 64 x 3072: one row tile of the bias gradient (the kernel writes dbias); 65 x 3072 and
+        # 2048 x 768: partial rows and a column sum (course::grad_tiling, bias_act.h)
+        for shape in ((64, 768), (33, 777), (9, 4099), (2, 3, 96), (64, 3072), (65, 3072), (2048, 768)):
             x = torch.randn(shape, device=DEVICE).to(dtype)
             x.view(-1)[5] = float("nan")
             bias = torch.randn(shape[-1], device=DEVICE).to(dtype)
@@ -119,7 +121,7 @@ def test_fused_op_at_the_shapes_models_run():
             eps = torch.finfo(dtype).eps
             bound = 2 * eps * rows.abs().sum(0) + 4 * eps * dbias.double().abs() + 1e-6
             assert bool(((dbias.double() - rows.sum(0)).abs() <= bound).all())
-    _passed("Forward and backward match PyTorch at hidden 768, 777, 4099 and 96, NaN included")
+    _passed("Forward and backward match PyTorch at hidden 768, 777, 4099, 96 and 3072, NaN included")
 
 
 def test_custom_relu():

@@ -12,8 +12,9 @@
 //                          and rows that start mid-vector (n not a multiple of the vector) still
 //                          read and write whole aligned vectors;
 //   act_backward_tile_kernel  the backward on the column tiling: dx written once, the gradient
-//                          summed per column in registers, course::column_sum over the few
-//                          thousand per-slot partials.
+//                          summed per column in registers and across the tile's rows in
+//                          shared memory; dbias written by the kernel itself when one row tile
+//                          covers every row, else course::column_sum over its partial rows.
 //
 // nvcc only, torch-free, like every kernel of the course.
 #pragma once
@@ -142,15 +143,12 @@ constexpr int kTileThreads = 256;
 // occupancy its per-column sums leave. Single elements (rows that are not whole vectors) are
 // 8 to 16 times fewer bytes a load: eight rows of them.
 template <int L>
-constexpr int kRowsInFlight = L == 1 ? 8 : 2;
-// The backward's per-slot partial sums are reduced by course::column_sum, one block per column
-// tile that reads every slot: a few thousand slots at most keep that pass short.
-constexpr int64_t kMaxSlots = 4096;
+constexpr int kRowsInFlight = grad_rows_in_flight(L);
 
 struct Tiling {
   int tx;          // packs per row in a tile: a power of two, >= min_tx
-  dim3 grid;       // x: column tiles, y: row tiles of the first sweep
-  int64_t slots;   // gridDim.y * ty: the distinct first rows, one partial row each
+  dim3 grid;       // x: column tiles, y: row tiles
+  int64_t slots;   // the backward's partial rows: gridDim.y, or 0 when the kernel writes dbias
 };
 
 // Packs of a row a tile spans: the power of two at or above the row's packs, at least min_tx,
@@ -161,34 +159,22 @@ inline int tile_width(int64_t packs_per_row, int min_tx) {
   return tx;
 }
 
-inline cudaError_t make_tiling(int64_t rows, int64_t packs_per_row, int min_tx, int64_t max_slots,
-                               Tiling* t, int rows_per_thread = 2) {
+// The forward kernels' (and swiglu's backward's) tiling: no per-row state, so one sweep of
+// `rows_per_thread` rows per thread and as many blocks as that takes, the grid of a copy kernel.
+// A grid sized to one resident wave ran well below copy on the H100: it counted 2048 threads
+// per SM, while these kernels' 40-68 registers (ptxas -v) fit 768-1536, so the "one wave" ran as
+// one and a fraction waves with the SMs idle in the last. Many short blocks leave no such tail;
+// the bias, reloaded per thread, is an L1/L2 hit. (The backward's bias gradient has per-row
+// state: grad_tiling in course/bias_act.h.)
+inline cudaError_t make_tiling(int64_t rows, int64_t packs_per_row, int min_tx, Tiling* t, int rows_per_thread = 2) {
   const int tx = tile_width(packs_per_row, min_tx);
   const int ty = kTileThreads / tx;
   const int64_t column_tiles = ceil_div(packs_per_row, static_cast<int64_t>(tx));
-  int64_t row_tiles = 0;
-  if (max_slots == INT64_MAX) {
-    // No per-slot state (the forward kernels, swiglu's backward): one sweep of `rows_per_thread`
-    // rows per thread and as many blocks as that takes, the grid of a copy kernel. A grid sized
-    // to one resident wave ran well below copy on the H100: it counted 2048 threads per SM,
-    // while these kernels' 40-68 registers (ptxas -v) fit 768-1536, so the "one wave" ran as
-    // one and a fraction waves with the SMs idle in the last. Many short blocks leave no such
-    // tail; the bias, reloaded per thread, is an L1/L2 hit.
-    row_tiles = ceil_div(std::max<int64_t>(rows, 1), static_cast<int64_t>(ty) * rows_per_thread);
-  } else {
-    // Per-slot partial sums (the backward's bias gradient): as many row tiles as fill the GPU
-    // once with the column tiles, at most max_slots / ty, and a grid-stride loop over the rest,
-    // so each slot sums many rows in registers.
-    int64_t resident = 0;
-    COURSE_CUDA_TRY(resident_threads(&resident));
-    row_tiles = std::max<int64_t>(1, resident / kTileThreads / std::max<int64_t>(column_tiles, 1));
-    row_tiles = std::min(row_tiles, ceil_div(std::max<int64_t>(rows, 1), static_cast<int64_t>(ty)));
-    row_tiles = std::min(row_tiles, std::max<int64_t>(1, max_slots / ty));
-  }
+  int64_t row_tiles = ceil_div(std::max<int64_t>(rows, 1), static_cast<int64_t>(ty) * rows_per_thread);
   row_tiles = std::min<int64_t>(row_tiles, 65535);  // gridDim.y's limit
   t->tx = tx;
   t->grid = dim3(static_cast<unsigned>(std::min<int64_t>(column_tiles, INT_MAX)), static_cast<unsigned>(row_tiles));
-  t->slots = row_tiles * ty;
+  t->slots = 0;
   return cudaSuccess;
 }
 
@@ -290,12 +276,12 @@ cudaError_t launch_bias_act_tiles(const BiasAct<T>& p, cudaStream_t stream) {
   constexpr int kLanes = Vec16<T>::kLanes;
   Tiling t;
   if (vector) {
-    COURSE_CUDA_TRY(make_tiling(p.rows, p.n / kLanes, kMask ? 32 / kLanes : 1, INT64_MAX, &t, kRows));
+    COURSE_CUDA_TRY(make_tiling(p.rows, p.n / kLanes, kMask ? 32 / kLanes : 1, &t, kRows));
     bias_act_tile_kernel<T, Act, kLanes, kMask, kRows, kMinBlocks><<<t.grid, kTileThreads, 0, stream>>>(
         p.x, p.bias, p.scale, p.y, p.pre, p.mask, p.rows, p.n, t.tx);
   } else {
     constexpr int kScalarRows = 8;
-    COURSE_CUDA_TRY(make_tiling(p.rows, p.n, kMask ? 32 : 1, INT64_MAX, &t, kScalarRows));
+    COURSE_CUDA_TRY(make_tiling(p.rows, p.n, kMask ? 32 : 1, &t, kScalarRows));
     bias_act_tile_kernel<T, Act, 1, kMask, kScalarRows, 4><<<t.grid, kTileThreads, 0, stream>>>(
         p.x, p.bias, p.scale, p.y, p.pre, p.mask, p.rows, p.n, t.tx);
   }
@@ -423,44 +409,56 @@ cudaError_t launch_bias_act_flat(const BiasAct<T>& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// The forward a call takes: the column tiles while rows are whole aligned vectors that fill
-// every tile (the bias then stays in registers across rows), else the flat kernel, which keeps
-// every lane busy and moves whole vectors at any row length (hidden 768 in bf16 is 96 packs, a
-// tile of 128 with a quarter of its lanes idle; hidden 4099 is no whole number of vectors); the
-// tiles' single elements only where the flat kernel cannot pair the operands' vectors.
+// The forward a call takes. The flat kernel wherever it can pair the operands' vectors, unless the
+// activation keeps several rows in flight (kRows > 1, GELU-erf) and the rows are whole aligned
+// vectors that fill every tile: a tile of one row per thread is the flat kernel's work with a
+// two-dimensional index, the bias reloaded per thread in both, and on the H200 the flat kernel ran
+// the sweep's bfloat16 rows at 3.7-3.8 TB/s where the tiles ran 3.1-3.2 (fused_op forward at 8192
+// tokens: hidden 5120 and 7168 flat, 0.97x torch.compile; 4096, 6144, 8192, 12288 and 16384 in
+// tiles, 0.81-0.83x). It also keeps every lane busy and moves whole vectors at any row length
+// (hidden 768 in bf16 is 96 packs, a tile of 128 with a quarter of its lanes idle; hidden 4099 is
+// no whole number of vectors). The tiles' single elements only where the flat kernel cannot pair
+// the operands' vectors, or a mask's rows are not whole 32-bit words.
 template <typename T, typename Act, bool kMask, int kRows = 1, int kMinBlocks = 2048 / kTileThreads>
 cudaError_t launch_bias_act(const BiasAct<T>& p, cudaStream_t stream) {
   constexpr int kLanes = Vec16<T>::kLanes;
   const int64_t packs = p.n / kLanes;
   const bool full_tiles = vectorizable<T>(p.n, {p.x, p.bias, p.y, p.pre}) &&
                           packs % tile_width(packs, kMask ? 32 / kLanes : 1) == 0;
-  if (full_tiles || !flat_applies(p)) return launch_bias_act_tiles<T, Act, kMask, kRows, kMinBlocks>(p, stream);
+  if (!flat_applies(p) || (kRows > 1 && full_tiles)) {
+    return launch_bias_act_tiles<T, Act, kMask, kRows, kMinBlocks>(p, stream);
+  }
   return launch_bias_act_flat<T, Act, kMask>(p, stream);
 }
 
 // ---------------------------------------------------------------------------------------
-// The backward on the column tiles: one pass. Each thread keeps its columns for life: it reads
-// dy and what the forward saved, writes dx, and adds g into per-column float accumulators in
-// registers over every row it visits. At the end it writes them as one row of a [slots, n]
-// array of partial sums (every slot row written once: no zero fill, no atomics), which
-// course::column_sum then reduces in a fixed order: deterministic, and g never goes to memory.
+// The backward on the column tiles (grad_tiling, course/bias_act.h). Each thread keeps its
+// columns for life: it reads dy and what the forward saved, writes dx, and adds g into
+// per-column float accumulators in registers over every row it visits. The block then adds its
+// ty rows of accumulators in shared memory, in a fixed order, and writes one row: dbias itself
+// when the grid has one row tile, else its row of a [row tiles, n] array of partial sums (every
+// row written once: no zero fill, no atomics) that course::column_sum reduces in a fixed order.
+// Deterministic, and g never goes to memory.
 // ---------------------------------------------------------------------------------------
 template <typename T, typename Act, int L, SaveKind kSource>
-__global__ void __launch_bounds__(kTileThreads)
+__global__ void __launch_bounds__(kGradThreads)
     act_backward_tile_kernel(const T* dy, const T* saved, const uint32_t* mask, const T* bias,
-                             typename Acc<T>::type scale, T* dx, typename Acc<T>::type* partials,
+                             typename Acc<T>::type scale, T* dx, typename Acc<T>::type* partials, T* dbias,
                              int64_t rows, int64_t n, int tx) {
   using A = typename Acc<T>::type;
   constexpr int kRows = kRowsInFlight<L>;
-  const int ty = kTileThreads / tx;
+  // Every thread's L sums, [row of the tile][column of the tile].
+  __shared__ A tile_sums[kGradThreads * L];
+  const int ty = kGradThreads / tx;
   const int64_t col = static_cast<int64_t>(blockIdx.x) * tx + threadIdx.x % tx;
   const int64_t e = col * L;
-  // Threads past the row's end have no column; no shuffles here, so they may leave at once.
-  if (e >= n) return;
+  // The last column tile may hang over the row's end: its extra threads sum nothing but still
+  // reach the block's barrier below.
+  const bool col_ok = e < n;
   A b[L];
 #pragma unroll
   for (int l = 0; l < L; ++l) b[l] = A(0);
-  if (kSource == SaveKind::kInput && bias != nullptr) {
+  if (kSource == SaveKind::kInput && bias != nullptr && col_ok) {
     const Pack<T, L> bv = load_pack<T, L>(bias + e);
 #pragma unroll
     for (int l = 0; l < L; ++l) b[l] = to_acc(bv.v[l]);
@@ -468,18 +466,18 @@ __global__ void __launch_bounds__(kTileThreads)
   A sum[L];
 #pragma unroll
   for (int l = 0; l < L; ++l) sum[l] = A(0);
-  const int64_t slot = static_cast<int64_t>(blockIdx.y) * ty + threadIdx.x / tx;
+  const int row_in_tile = threadIdx.x / tx;
   const int64_t row_step = static_cast<int64_t>(gridDim.y) * ty;
   const int64_t words_per_row = mask_words_per_row(n);
-  // Slots without a row (more slots than rows) still write their zero partials below.
-  for (int64_t base = slot; base < rows; base += kRows * row_step) {
+  for (int64_t base = static_cast<int64_t>(blockIdx.y) * ty + row_in_tile; col_ok && base < rows;
+       base += kRows * row_step) {
     Pack<T, L> dyv[kRows];
     Pack<T, L> sv[kRows];
     uint32_t bits[kRows];
 #pragma unroll
     for (int u = 0; u < kRows; ++u) {
       const int64_t r = base + u * row_step;
-      if (r < rows) {  // the sweep's later rows may lie past the last
+      if (r < rows) {  // the step's later rows may lie past the last
         dyv[u] = load_pack<T, L>(dy + r * n + e);
         if constexpr (kSource == SaveKind::kMask) {
           // L divides 32 and e is a multiple of L, so the pack's L bits sit in one word.
@@ -516,16 +514,60 @@ __global__ void __launch_bounds__(kTileThreads)
       }
     }
   }
+  // The tile's rows meet in shared memory: W = tx * L columns, ty rows of sums each.
+  const int W = tx * L;
 #pragma unroll
-  for (int l = 0; l < L; ++l) partials[slot * n + e + l] = sum[l];
+  for (int l = 0; l < L; ++l) tile_sums[row_in_tile * W + (threadIdx.x % tx) * L + l] = sum[l];
+  __syncthreads();  // every row's sums are in shared memory before any column's are added
+  // Column k's ty sums: G = kGradThreads / W adjacent lanes share them (each adds L of them,
+  // rows part, part + G, ...) and a shuffle tree adds the lanes' totals; a tile of at least 256
+  // columns (G = 1) gives each thread whole columns. Below 8 columns (a row of fewer than 8
+  // elements) G would pass a warp: one thread adds each column's rows alone. Every order fixed.
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * W;
+  const auto emit = [&](int k, A total) {
+    if (first + k < n) {  // the last tile's columns past the row's end
+      if (gridDim.y == 1) {
+        dbias[first + k] = from_acc<T>(total);
+      } else {
+        partials[static_cast<int64_t>(blockIdx.y) * n + first + k] = total;
+      }
+    }
+  };
+  if (W >= kGradThreads) {
+    for (int k = threadIdx.x; k < W; k += kGradThreads) {
+      A total = A(0);
+      for (int r = 0; r < ty; ++r) total += tile_sums[r * W + k];
+      emit(k, total);
+    }
+  } else if (W >= 8) {
+    const int G = kGradThreads / W;  // 2 to 32, a power of two: its lanes lie in one warp
+    const int k = threadIdx.x / G;
+    const int part = threadIdx.x % G;
+    A total = A(0);
+    for (int r = part; r < ty; r += G) total += tile_sums[r * W + k];
+    for (int offset = G / 2; offset > 0; offset /= 2) total += __shfl_xor_sync(0xffffffffu, total, offset, G);
+    if (part == 0) emit(k, total);
+  } else if (static_cast<int>(threadIdx.x) < W) {
+    A total = A(0);
+    for (int r = 0; r < ty; ++r) total += tile_sums[r * W + threadIdx.x];
+    emit(threadIdx.x, total);
+  }
 }
 
-// The backward's tiling and scratch (the [slots, n] partial sums in the accumulation type).
+// The backward's tiling (grad_tiling on this GPU's SM count) and scratch: the partial rows in the
+// accumulation type, none when one row tile writes dbias.
 template <typename T>
 cudaError_t fused_backward_tiling(const BiasActGrad<T>& p, Tiling* t, bool* vector) {
   *vector = vectorizable<T>(p.n, {p.dy, p.saved, p.bias, p.dx});
   const int lanes = *vector ? Vec16<T>::kLanes : 1;
-  return make_tiling(p.rows, p.n / lanes, 1, kMaxSlots, t);
+  int sms = 0;
+  COURSE_CUDA_TRY(sm_count(&sms));
+  const GradTiling g = grad_tiling(p.rows, ceil_div<int64_t>(p.n, lanes), lanes * static_cast<int>(sizeof(T)),
+                                   grad_rows_in_flight(lanes), sms);
+  t->tx = g.tx;
+  t->grid = dim3(static_cast<unsigned>(std::min<int64_t>(g.column_tiles, INT_MAX)), static_cast<unsigned>(g.row_tiles));
+  t->slots = g.row_tiles > 1 ? g.row_tiles : 0;
+  return cudaSuccess;
 }
 
 template <typename T>
@@ -545,13 +587,14 @@ cudaError_t launch_fused_backward(const BiasActGrad<T>& p, cudaStream_t stream) 
   COURSE_CUDA_TRY(fused_backward_tiling<T>(p, &t, &vector));
   A* partials = static_cast<A*>(p.workspace);
   if (vector) {
-    act_backward_tile_kernel<T, Act, Vec16<T>::kLanes, kSource><<<t.grid, kTileThreads, 0, stream>>>(
-        p.dy, p.saved, p.mask, p.bias, p.scale, p.dx, partials, p.rows, p.n, t.tx);
+    act_backward_tile_kernel<T, Act, Vec16<T>::kLanes, kSource><<<t.grid, kGradThreads, 0, stream>>>(
+        p.dy, p.saved, p.mask, p.bias, p.scale, p.dx, partials, p.dbias, p.rows, p.n, t.tx);
   } else {
-    act_backward_tile_kernel<T, Act, 1, kSource><<<t.grid, kTileThreads, 0, stream>>>(
-        p.dy, p.saved, p.mask, p.bias, p.scale, p.dx, partials, p.rows, p.n, t.tx);
+    act_backward_tile_kernel<T, Act, 1, kSource><<<t.grid, kGradThreads, 0, stream>>>(
+        p.dy, p.saved, p.mask, p.bias, p.scale, p.dx, partials, p.dbias, p.rows, p.n, t.tx);
   }
   COURSE_CUDA_TRY(cudaGetLastError());
+  if (t.slots == 0) return cudaSuccess;  // one row tile: the kernel wrote dbias
   return column_sum<A, T>(partials, t.slots, p.n, p.dbias, stream);
 }
 

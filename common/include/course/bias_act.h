@@ -28,4 +28,61 @@ COURSE_HOST_DEVICE constexpr bool relu_passes(A z) {
   return !(z <= A(0));
 }
 
+// ---------------------------------------------------------------------------------------
+// The backward's column tiling (course/bias_act.cuh's act_backward_tile_kernel), from the shape
+// and the SM count alone, so that the CPU tests can ask it with any SM count. A block of
+// kGradThreads threads is a tile of tx adjacent packs by ty = kGradThreads / tx rows; each
+// thread sums its columns' gradient over the rows it visits in registers, the block adds its ty
+// rows of sums in shared memory, and writes one row: dbias itself when the grid has one row
+// tile (one launch), else one partial row per row tile, which course::column_sum adds.
+//
+// Why the tile narrows at few rows: every thread of the grid takes one step of `rows_in_flight`
+// rows (the whole problem one round trip to DRAM) until the grid has kGradBlocksPerSm blocks an
+// SM; a tile of ty rows then sums ty * rows_in_flight rows on chip. A tile 64 bytes of a row wide
+// (two 32-byte sectors: 4 packs of 16 bytes, 32 bfloat16 or 16 float32 single elements) is 64
+// rows tall for 16-byte packs, and one step of its threads covers at least 64 rows in every
+// dtype: up to 64 tokens, any hidden size is one row tile and one launch, where tiles of 256
+// packs left 64 partial rows and a second launch to add them (fused_op's backward at 64 x 3072
+// ran 7.7 us on the H200, torch.compile's one kernel 2.2 us). Only when more rows fill the GPU
+// anyway does the tile widen to the row's width (up to 256 packs, a warp over 512 contiguous
+// bytes), the widest power of two that leaves at most an eighth of the lanes idle (hidden 768 in
+// bfloat16 is 96 packs: tiles of 32, not 128 with a quarter idle).
+// ---------------------------------------------------------------------------------------
+constexpr int kGradThreads = 256;
+// Rows a backward thread loads before it computes any (course/bias_act.cuh's kRowsInFlight says
+// why): two of 16-byte packs, eight of single elements.
+COURSE_HOST_DEVICE constexpr int grad_rows_in_flight(int lanes) { return lanes == 1 ? 8 : 2; }
+constexpr int64_t kGradBlocksPerSm = 4;
+
+struct GradTiling {
+  int tx;                // packs per row of a tile, a power of two
+  int ty;                // rows of a tile: kGradThreads / tx
+  int64_t column_tiles;  // gridDim.x
+  int64_t row_tiles;     // gridDim.y: 1, the kernel writes dbias; else the partial rows
+};
+
+inline GradTiling grad_tiling(int64_t rows, int64_t packs, int pack_bytes, int rows_in_flight, int sms) {
+  const int64_t p = packs > 1 ? packs : 1;
+  const int64_t r = rows > 1 ? rows : 1;
+  const int64_t target = kGradBlocksPerSm * (sms > 1 ? sms : 1);
+  // Narrowest: 64 bytes of a row, or the power of two at or above a shorter row's packs.
+  int narrow = pack_bytes >= 64 ? 1 : 64 / pack_bytes;
+  while (narrow > 1 && narrow / 2 >= p) narrow /= 2;
+  // Widest: up to a block, no wider than the row, and at most an eighth of the lanes idle.
+  int wide = kGradThreads;
+  while (wide > narrow && (wide / 2 >= p || ceil_div<int64_t>(p, wide) * wide * 8 > p * 9)) wide /= 2;
+  // Row tiles if every thread takes one step of rows_in_flight rows, at width tx.
+  const auto sweep_at = [&](int tx) { return ceil_div<int64_t>(r, int64_t{kGradThreads / tx} * rows_in_flight); };
+  // Narrow where its one row tile holds every row (one launch) or the grid would not fill anyway.
+  const bool wide_fills = ceil_div<int64_t>(p, wide) * sweep_at(wide) >= target;
+  const int tx = sweep_at(narrow) > 1 && wide_fills ? wide : narrow;
+  const int ty = kGradThreads / tx;
+  const int64_t column_tiles = ceil_div<int64_t>(p, tx);
+  const int64_t sweep = sweep_at(tx);
+  int64_t row_tiles = ceil_div<int64_t>(target, column_tiles);
+  row_tiles = row_tiles < sweep ? row_tiles : sweep;
+  row_tiles = row_tiles < 65535 ? row_tiles : 65535;  // gridDim.y's limit
+  return {tx, ty, column_tiles, row_tiles};
+}
+
 }  // namespace course

@@ -9,10 +9,11 @@
 // row per instruction; a narrower tile lays the warp over 32 / lanes rows at once, so that every
 // lane still has a column (an 8-column bfloat16 tensor: one vector per row, 32 rows per warp
 // instruction, where a warp per row would leave 31 lanes idle). kColumnUnroll row groups are
-// in flight per lane. The warps' sums meet in shared memory. When the tiles alone cannot fill
-// the GPU, the reduced dimension is also split into ranges (grid.y), each written as a partial,
-// and the last block of the tile to arrive combines them in order, its threads sharing the
-// partials of each column between them. Every combine has a fixed order: deterministic.
+// in flight per lane (kColumnUnrollScalar of single elements). The warps' sums meet in shared
+// memory. When the tiles alone cannot fill the GPU, the reduced dimension is also split into
+// ranges (grid.y), each written as a partial, and the last block of the tile to arrive combines
+// them in order, its threads sharing the partials of each column between them. Every combine has
+// a fixed order: deterministic.
 //
 // Torch-free, like every kernel of the course.
 #pragma once
@@ -30,6 +31,12 @@ namespace course {
 constexpr int kColumnWarps = 8;
 constexpr int kColumnThreads = 32 * kColumnWarps;
 constexpr int kColumnUnroll = 4;
+// Single elements (rows that are not whole 16-byte vectors) are 8 to 16 times fewer bytes a
+// load: 16 row groups of them in flight, or a block of a (8191, 4099) bfloat16 sum over dim 0
+// (64 bytes a warp load) kept 2 KB in flight, 8 KB an SM at the splits' four blocks per SM.
+constexpr int kColumnUnrollScalar = 16;
+// Row groups a lane keeps in flight with kCols columns per lane.
+constexpr int column_unroll(int cols) { return cols > 1 ? kColumnUnroll : kColumnUnrollScalar; }
 
 template <int kCols, typename T, typename Op, typename Out>
 __global__ void __launch_bounds__(kColumnThreads) column_reduce_tiles(
@@ -81,12 +88,12 @@ __global__ void __launch_bounds__(kColumnThreads) column_reduce_tiles(
           for (int c = 0; c < kCols; ++c) acc[c] = op(acc[c], to_acc(v.v[c]));
         }
       } else {
-        for (; k + (kColumnUnroll - 1) * row_step < k_end; k += kColumnUnroll * row_step) {
-          T v[kColumnUnroll];
+        for (; k + (kColumnUnrollScalar - 1) * row_step < k_end; k += kColumnUnrollScalar * row_step) {
+          T v[kColumnUnrollScalar];
 #pragma unroll
-          for (int u = 0; u < kColumnUnroll; ++u) v[u] = base[(k + u * row_step) * inner];
+          for (int u = 0; u < kColumnUnrollScalar; ++u) v[u] = base[(k + u * row_step) * inner];
 #pragma unroll
-          for (int u = 0; u < kColumnUnroll; ++u) acc[0] = op(acc[0], to_acc(v[u]));
+          for (int u = 0; u < kColumnUnrollScalar; ++u) acc[0] = op(acc[0], to_acc(v[u]));
         }
         for (; k < k_end; k += row_step) acc[0] = op(acc[0], to_acc(base[k * inner]));
       }
@@ -136,8 +143,11 @@ __global__ void __launch_bounds__(kColumnThreads) column_reduce_tiles(
       // thread keeps kChains sums, range s going to chain s / groups % kChains, so kChains loads
       // are in flight at once: with one chain, each load waited for the last (a dependent chain
       // of L2 round trips, one per range: with 132 ranges it took longer than the reading of the
-      // tensor). __ldcg reads through L2: this SM's L1 is not coherent with the other SMs' writes.
-      constexpr int kChains = 8;
+      // tensor). 16 chains: a narrow tile (64 columns of a (1048576, 64) sum: 4 threads a column)
+      // folds 4 blocks per SM of ranges, 132 partials a thread on an H200, 9 round trips to L2
+      // rather than 17 at the end of the launch. __ldcg reads through L2: this SM's L1 is not
+      // coherent with the other SMs' writes.
+      constexpr int kChains = 16;
       const int groups = kColumnThreads / width;
       const int column = threadIdx.x % width;
       const int group = threadIdx.x / width;
@@ -204,17 +214,37 @@ cudaError_t launch_column_reduce(const T* x, int64_t outer, int64_t n, int64_t i
   return cudaGetLastError();
 }
 
+// Lanes per column tile for a tensor of `inner` columns that gives the SMs a tile each where it
+// can: 32 (a warp across 512 contiguous bytes of a row) while that makes at least one tile per
+// SM, else halved down to the narrowest tile whose lanes still read a whole 32-byte sector of a
+// row together. Hidden 768 in float32 is 6 tiles of 32 lanes on a 132-SM GPU (6 blocks each
+// reading every row: 25 us for 2048 rows on the H200); 96 tiles of 2 lanes.
+template <typename T>
+inline cudaError_t filling_lanes(const T* x, int64_t inner, int* lanes) {
+  int sms = 0;
+  COURSE_CUDA_TRY(sm_count(&sms));
+  const int64_t bytes_per_lane = int64_t{column_lanes(x, inner)} * static_cast<int64_t>(sizeof(T));
+  const int64_t narrowest = bytes_per_lane >= 32 ? 1 : 32 / bytes_per_lane;
+  int l = 32;
+  while (l > narrowest && column_tiles(x, inner, l) < sms) l /= 2;
+  *lanes = l;
+  return cudaSuccess;
+}
+
 // out[c] = sum over r of x[r * cols + c], accumulated in Acc<T> and rounded to Out once: a
 // row-major [rows, cols] array reduced to one row, one block per tile and no split, so no
-// workspace. Meant for what the fused backward kernels leave (a few hundred rows of
+// workspace; narrow tiles (filling_lanes) when the columns alone make fewer tiles than SMs.
+// Meant for what the fused backward kernels leave (a few hundred to a few thousand rows of
 // per-block partial sums), not for tall inputs, which want chapter 3's split.
 template <typename T, typename Out>
 cudaError_t column_sum(const T* x, int64_t rows, int64_t cols, Out* out, cudaStream_t stream) {
   if (cols == 0) return cudaSuccess;
-  const int64_t tiles = column_tiles(x, cols);
+  int lanes = 32;
+  COURSE_CUDA_TRY(filling_lanes(x, cols, &lanes));
+  const int64_t tiles = column_tiles(x, cols, lanes);
   const dim3 grid(static_cast<unsigned>(tiles < INT_MAX ? tiles : INT_MAX), 1);
   return launch_column_reduce<T, SumOp<typename Acc<T>::type>, Out>(x, 1, rows, cols, grid, rows, nullptr,
-                                                                     nullptr, out, stream);
+                                                                     nullptr, out, stream, lanes);
 }
 
 }  // namespace course

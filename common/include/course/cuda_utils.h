@@ -58,11 +58,11 @@ inline cudaError_t resident_threads(int64_t* out) {
 // Blocks that keep every SM fully occupied with `kernel` at `block_threads` threads: the grid
 // for a grid-stride loop. More blocks than this only queue behind the resident ones.
 template <typename Kernel>
-cudaError_t resident_grid(Kernel kernel, int block_threads, int64_t* blocks) {
+cudaError_t resident_grid(Kernel kernel, int block_threads, int64_t* blocks, size_t dynamic_smem = 0) {
   int sms = 0;
   int per_sm = 0;
   COURSE_CUDA_TRY(sm_count(&sms));
-  COURSE_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, block_threads, 0));
+  COURSE_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, block_threads, dynamic_smem));
   *blocks = static_cast<int64_t>(sms) * (per_sm > 0 ? per_sm : 1);
   return cudaSuccess;
 }
