@@ -502,7 +502,8 @@ def hopper_persistent(record):
             name = line[:30].strip()
             lines.append(f"| {name} | " + " | ".join(c[0] for c in cells) +
                          f" | {ratios[0]}x | {ratios[1]}x | {line.split()[-1]} |")
-    header = text[0].lstrip("# ") if text and text[0].startswith("#") else record["device"]["name"]
+    # the import's build line comes first when the extension was JIT-loaded: the header is the "#" line
+    header = next((line.lstrip("# ") for line in text if line.startswith("#")), record["device"]["name"])
     lines += ["", f"{header}; `experiments/persistent_probe.py` (results/<gpu>/chapter6_persistent_probe.txt)."]
     return "\n".join(lines)
 
