@@ -105,6 +105,21 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, u
       : "memory");
 }
 
+// A plain (non-tensor) bulk copy of `bytes` contiguous bytes, completing on `bar` like the tiles:
+// both addresses 16-byte aligned, `bytes` a multiple of 16, and nothing outside the source may be
+// named (no tensor map, so no zero-fill: the backward pads its per-row statistics to whole tiles).
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_addr(dst)),
+               "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(smem_addr(bar))
+               : "memory");
+}
+// Shared memory written by ordinary stores and read next by wgmma (the async proxy): each writing
+// thread fences its stores into the async proxy's view before the barrier that hands them over.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
 // ------------------------------------------------------------------------------------------
 // wgmma: descriptors, fences, groups
 // ------------------------------------------------------------------------------------------
@@ -127,6 +142,9 @@ __device__ __forceinline__ uint64_t smem_desc_sw128(const void* start, uint32_t 
   desc |= 1ull << 62;
   return desc;
 }
+// An empty statement that "redefines" x: the compiler can no longer treat it as the loop-invariant
+// value it is, so it builds it again where it is used instead of keeping it live (register pressure).
+__device__ __forceinline__ void opaque(uint64_t& x) { asm volatile("" : "+l"(x)); }
 // Registers that a wgmma reads or writes must not be touched by ordinary instructions between
 // its issue and the wait for its group; the fence orders the accumulators' last ordinary writes
 // before the asynchronous reads.
@@ -162,7 +180,8 @@ __device__ __forceinline__ void fence_operands(uint32_t (&a)[kN][4]) {
 // d: the warpgroup's 64 x N accumulator tile, N / 2 floats per thread in mma.sync's C layout
 // (warp w of the group holds rows 16w..16w+15; register i is row g + 8 * ((i >> 1) & 1), column
 // 8 * (i >> 2) + 2t + (i & 1), with g = lane / 4, t = lane % 4). accumulate = 0 overwrites d.
-//   ss: A (64 x 16) and B (N x 16) both from shared memory, A K-major, B transposed if kTransB.
+//   ss: A (64 x 16) and B (N x 16) both from shared memory, A K-major unless kTransA (MN-major,
+//       read transposed: the backward's dS, stored as dS^T), B transposed if kTransB.
 //   rs: A from registers in mma.sync's A layout (4 x 32 bits: rows g and g + 8, columns
 //       2t, 2t + 1 and 2t + 8, 2t + 9), B from shared memory, transposed if kTransB.
 // Inline assembly takes only literal strings, hence the operand lists written out.
@@ -201,17 +220,17 @@ __device__ __forceinline__ void fence_operands(uint32_t (&a)[kN][4]) {
 template <typename T, int N>
 struct Wgmma;
 
-#define COURSE_WGMMA(CTYPE, TY, N, REGS, DLIST, SA, SB, SP, ST, RA0, RA1, RA2, RA3, RB, RP, RT)                 \
+#define COURSE_WGMMA(CTYPE, TY, N, REGS, DLIST, SA, SB, SP, ST, STA, RA0, RA1, RA2, RA3, RB, RP, RT)            \
   template <>                                                                                                 \
   struct Wgmma<CTYPE, N> {                                                                                    \
-    template <int kTransB = 0>                                                                                \
+    template <int kTransB = 0, int kTransA = 0>                                                               \
     __device__ static __forceinline__ void ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b,              \
                                               int accumulate) {                                               \
       asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #SP ", 0;\n"                                          \
                    "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " REGS ", %" #SA ", %" #SB   \
-                   ", p, 1, 1, 0, %" #ST ";\n}\n"                                                              \
+                   ", p, 1, 1, %" #STA ", %" #ST ";\n}\n"                                                     \
                    : DLIST                                                                                    \
-                   : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransB));                               \
+                   : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransB), "n"(kTransA));                 \
     }                                                                                                         \
     template <int kTransB>                                                                                    \
     __device__ static __forceinline__ void rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b,       \
@@ -225,10 +244,10 @@ struct Wgmma;
   };
 
 #define COURSE_WGMMA_WIDTHS(CTYPE, TY)                                                                         \
-  COURSE_WGMMA(CTYPE, TY, 64, COURSE_WGMMA_D32, COURSE_F32(0), 32, 33, 34, 35, 32, 33, 34, 35, 36, 37, 38)          \
-  COURSE_WGMMA(CTYPE, TY, 128, COURSE_WGMMA_D64, COURSE_F64, 64, 65, 66, 67, 64, 65, 66, 67, 68, 69, 70)            \
-  COURSE_WGMMA(CTYPE, TY, 176, COURSE_WGMMA_D88, COURSE_F88, 88, 89, 90, 91, 88, 89, 90, 91, 92, 93, 94)            \
-  COURSE_WGMMA(CTYPE, TY, 256, COURSE_WGMMA_D128, COURSE_F128, 128, 129, 130, 131, 128, 129, 130, 131, 132, 133, 134)
+  COURSE_WGMMA(CTYPE, TY, 64, COURSE_WGMMA_D32, COURSE_F32(0), 32, 33, 34, 35, 36, 32, 33, 34, 35, 36, 37, 38)          \
+  COURSE_WGMMA(CTYPE, TY, 128, COURSE_WGMMA_D64, COURSE_F64, 64, 65, 66, 67, 68, 64, 65, 66, 67, 68, 69, 70)            \
+  COURSE_WGMMA(CTYPE, TY, 176, COURSE_WGMMA_D88, COURSE_F88, 88, 89, 90, 91, 92, 88, 89, 90, 91, 92, 93, 94)            \
+  COURSE_WGMMA(CTYPE, TY, 256, COURSE_WGMMA_D128, COURSE_F128, 128, 129, 130, 131, 132, 128, 129, 130, 131, 132, 133, 134)
 
 COURSE_WGMMA_WIDTHS(__nv_bfloat16, "bf16")
 COURSE_WGMMA_WIDTHS(__half, "f16")
