@@ -32,12 +32,13 @@ SERVING_CPP = ["csrc/serving/serving_ops.cpp", "csrc/serving/serving_cpu.cpp"]
 SERVING_CUDA = ["csrc/serving/paged_cache_kernels.cu", "csrc/serving/paged_attention_kernels.cu",
                 "csrc/serving/radix_match_kernels.cu"]
 
-# Part 3, Hopper (csrc/hopper/): the forward on TMA, mbarriers, wgmma and warp specialization. The
-# build compiles these only when the arch list has 9.0, and then for sm_90a (coursekit.build
-# hopper_build); the attention glue learns it from COURSE_HOPPER. One instantiation file per dtype
-# and head dim, as in part 1.
-HOPPER_SOURCES = ["csrc/hopper/flash_fwd_hopper_dispatch.cu"] + sorted(
-    str(p.relative_to(HERE)) for p in (HERE / "csrc" / "hopper").glob("flash_fwd_hopper_*_hdim*.cu"))
+# Part 3, Hopper (csrc/hopper/): the forward and the backward on TMA, mbarriers, wgmma and warp
+# specialization. The build compiles these only when the arch list has 9.0, and then for sm_90a
+# (coursekit.build hopper_build); the attention glue learns it from COURSE_HOPPER. One
+# instantiation file per pass, dtype and head dim, as in part 1.
+HOPPER_SOURCES = ["csrc/hopper/flash_fwd_hopper_dispatch.cu", "csrc/hopper/flash_bwd_hopper_dispatch.cu"] + sorted(
+    str(p.relative_to(HERE)) for pattern in ("flash_fwd_hopper_*_hdim*.cu", "flash_bwd_hopper_*_hdim*.cu")
+    for p in (HERE / "csrc" / "hopper").glob(pattern))
 
 CPP_SOURCES = LIBRARY_SOURCES + ATTENTION_CPP + SERVING_CPP
 CUDA_SOURCES = ATTENTION_CUDA + SERVING_CUDA

@@ -1,0 +1,152 @@
+// The Hopper backward's launches (rung "wgmma"): the padded per-row statistics (lse in log2
+// units and D = rowsum(dO * O)), the main kernel (one of the instantiations in
+// flash_bwd_hopper_<dtype>_hdim<d>.cu), and dQ from its float32 sums.
+#include "hopper/flash_bwd_hopper.h"
+#include "hopper/flash_bwd_hopper_kernel.cuh"
+
+#include <course/cuda_utils.h>
+#include <course/numeric.cuh>
+#include <course/reduce.cuh>
+#include <course/static_switch.h>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace flash_attention {
+
+// Instantiated in flash_bwd_hopper_<dtype>_hdim<d>.cu, one file each, compiled in parallel: extern
+// here, so that this file (which includes the kernel for HopperBwdTraits' sizes) does not compile
+// them all again.
+#define FLASH_BWD_HOPPER_EXTERN(T, D)                                                                      \
+  extern template cudaError_t run_flash_bwd_hopper<T, D>(const AttentionBackwardParams&, float*, const float*, \
+                                                         const float*, cudaStream_t);
+FLASH_BWD_HOPPER_EXTERN(__nv_bfloat16, 64)
+FLASH_BWD_HOPPER_EXTERN(__nv_bfloat16, 128)
+FLASH_BWD_HOPPER_EXTERN(__half, 64)
+FLASH_BWD_HOPPER_EXTERN(__half, 128)
+#undef FLASH_BWD_HOPPER_EXTERN
+
+namespace {
+
+constexpr int kThreads = 256;
+
+// Row r = (b * heads + h) * rows_pad + i of the padded statistics, one warp per row: for a real
+// row, lse2 = lse log2(e) (+inf where lse is -inf: a row that sees no key, whose P must be 0) and
+// D = sum over d of dO * O in float32; for a padding row (i >= seqlen_q), +inf and 0, so that its
+// P, and with it every product it enters, is exactly 0.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    bwd_hopper_rows_kernel(const AttentionBackwardParams g, int64_t rows_pad, float* lse2_rows, float* d_rows) {
+  const AttentionParams& p = g.fwd;
+  const int64_t rows = p.batch * p.heads * rows_pad;
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (kThreads / 32);
+  for (int64_t r = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / 32; r < rows; r += warps) {
+    const int64_t bh = r / rows_pad;
+    const int64_t i = r % rows_pad;
+    if (i >= p.seqlen_q) {  // uniform across the warp: one row per warp
+      if (lane == 0) lse2_rows[r] = INFINITY, d_rows[r] = 0.f;
+      continue;
+    }
+    const int64_t b = bh / p.heads;
+    const int64_t h = bh % p.heads;
+    const T* o = static_cast<const T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + i * p.o_seq_stride;
+    const T* dout = static_cast<const T*>(g.dout) + b * g.do_batch_stride + h * g.do_head_stride + i * g.do_seq_stride;
+    float sum = 0.f;
+    for (int64_t c = lane; c < p.head_dim; c += 32) sum += course::to_acc(o[c]) * course::to_acc(dout[c]);
+    sum = course::warp_reduce(sum, course::SumOp<float>{});
+    if (lane == 0) {
+      const float lse = static_cast<const float*>(p.lse)[bh * p.seqlen_q + i];
+      lse2_rows[r] = lse == -INFINITY ? INFINITY : lse * 1.4426950408889634f;
+      d_rows[r] = sum;
+    }
+  }
+}
+
+// dq = scale * (the float32 sums of the real rows), rounded once to T, in dq's strides.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    bwd_hopper_dq_kernel(const AttentionBackwardParams g, int64_t rows_pad, const float* dq_accum) {
+  const AttentionParams& p = g.fwd;
+  const int64_t total = p.batch * p.heads * p.seqlen_q * p.head_dim;
+  const float scale = static_cast<float>(p.scale);
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; e < total;
+       e += static_cast<int64_t>(gridDim.x) * kThreads) {
+    const int64_t c = e % p.head_dim;
+    const int64_t r = e / p.head_dim;
+    const int64_t bh = r / p.seqlen_q;
+    const int64_t i = r % p.seqlen_q;
+    T* dq = static_cast<T*>(g.dq) + (bh / p.heads) * g.dq_batch_stride + (bh % p.heads) * g.dq_head_stride +
+            i * g.dq_seq_stride;
+    dq[c] = course::from_acc<T>(dq_accum[(bh * rows_pad + i) * p.head_dim + c] * scale);
+  }
+}
+
+// dK and dV of a call without query rows (seqlen_q or heads 0): no key is seen, every gradient 0.
+// The main kernel would write them too, but its query maps would describe an empty tensor.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) bwd_hopper_zero_kv_kernel(const AttentionBackwardParams g) {
+  const AttentionParams& p = g.fwd;
+  const int64_t total = p.batch * p.heads_kv * p.seqlen_k * p.head_dim;
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; e < total;
+       e += static_cast<int64_t>(gridDim.x) * kThreads) {
+    const int64_t c = e % p.head_dim;
+    const int64_t r = e / p.head_dim;
+    const int64_t key = r % p.seqlen_k;
+    const int64_t b = r / p.seqlen_k / p.heads_kv;
+    const int64_t hk = r / p.seqlen_k % p.heads_kv;
+    static_cast<T*>(g.dk)[b * g.dk_batch_stride + hk * g.dk_head_stride + key * g.dk_seq_stride + c] = course::from_acc<T>(0.f);
+    static_cast<T*>(g.dv)[b * g.dv_batch_stride + hk * g.dv_head_stride + key * g.dv_seq_stride + c] = course::from_acc<T>(0.f);
+  }
+}
+
+template <typename T>
+cudaError_t launch(const AttentionBackwardParams& g, void* workspace, cudaStream_t stream) {
+  const AttentionParams& p = g.fwd;
+  const int64_t rows_pad = attention_backward_hopper_rows(p.seqlen_q);
+  const int64_t rows = p.batch * p.heads * rows_pad;
+  // The workspace (attention_backward_hopper_workspace): dQ's sums, then lse2, then D; each part
+  // a multiple of 256 bytes long (rows_pad is), so the bulk copies' 16-byte alignment holds.
+  float* dq_accum = static_cast<float*>(workspace);
+  float* lse2_rows = dq_accum + rows * p.head_dim;
+  float* d_rows = lse2_rows + rows;
+  int sms = 0;
+  COURSE_CUDA_TRY(course::sm_count(&sms));
+  if (rows == 0) {
+    const int64_t work = p.batch * p.heads_kv * p.seqlen_k * p.head_dim;
+    if (work == 0) return cudaSuccess;
+    bwd_hopper_zero_kv_kernel<T><<<static_cast<unsigned>(grid_stride_blocks(work, kThreads * 4, sms)), kThreads, 0,
+                                   stream>>>(g);
+    return cudaGetLastError();
+  }
+  bwd_hopper_rows_kernel<T><<<static_cast<unsigned>(grid_stride_blocks(rows, kThreads / 32, sms)), kThreads, 0,
+                              stream>>>(g, rows_pad, lse2_rows, d_rows);
+  COURSE_CUDA_TRY(cudaGetLastError());
+  // The glue checks attention_backward_hopper_head_dim first: the fallback answers a call from C++ alone.
+  COURSE_CUDA_TRY(course::with_listed<kHopperBackwardHeadDims>(p.head_dim, cudaErrorInvalidValue, [&](auto d) {
+    return run_flash_bwd_hopper<T, decltype(d)::value>(g, dq_accum, lse2_rows, d_rows, stream);
+  }));
+  const int64_t elements = p.batch * p.heads * p.seqlen_q * p.head_dim;
+  bwd_hopper_dq_kernel<T><<<static_cast<unsigned>(grid_stride_blocks(elements, kThreads * 4, sms)), kThreads, 0,
+                            stream>>>(g, rows_pad, dq_accum);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+int64_t attention_backward_hopper_smem_bytes(int64_t head_dim) {
+  return course::with_listed<kHopperBackwardHeadDims>(
+      head_dim, int64_t{0}, [](auto d) -> int64_t { return HopperBwdTraits<decltype(d)::value>::kSmemBytes; });
+}
+
+cudaError_t launch_attention_backward_hopper(const AttentionBackwardParams& g, void* workspace, cudaStream_t stream) {
+  switch (g.fwd.dtype) {
+    case DType::kBFloat16: return launch<__nv_bfloat16>(g, workspace, stream);
+    case DType::kFloat16: return launch<__half>(g, workspace, stream);
+    default: return cudaErrorInvalidValue;  // the glue sends only the 16-bit types here
+  }
+}
+
+}  // namespace flash_attention

@@ -1,0 +1,464 @@
+// Chapter 6, part 3: FlashAttention's backward on Hopper (sm_90a), backward rung "wgmma". The
+// algorithm is rung "mma"'s (csrc/attention/flash_bwd_kernel.cuh: FlashAttention 2's work split,
+// P recomputed from the forward's lse, D = rowsum(dO * O) precomputed, dQ summed in float32 with
+// atomics); what changes is the forward's part 3 story told again:
+//
+//   - a block owns kBlockN = 128 keys of one kv head. A producer warpgroup (one thread issuing)
+//     brings the block's K and V once by TMA and then streams, per step (a 64-row query tile of
+//     one of the query heads that read this kv head), Q, dO, and the rows' lse (log2 units) and D
+//     through a two-stage ring on mbarriers: full barriers the copies complete on, empty ones the
+//     consumer warps arrive on when they are done with a stage;
+//   - two consumer warpgroups own 64 keys each, keys as wgmma's m, so that the products whose
+//     rows are keys keep their A operand in registers (the C-to-A identity of the forward's P):
+//       S^T  = K_wg Q^T         ss: K and Q K-major                     m64 n64 (query rows)
+//       dP^T = V_wg dO^T        ss: V and dO K-major                    m64 n64
+//       P^T  = exp2(S^T scale log2(e) - lse2)                           registers
+//       dV  += P^T dO           rs: P^T from registers, dO read MN-major m64 n(d)
+//       dS^T = P^T * (dP^T - D)                                         registers
+//       dK  += dS^T Q           rs: dS^T from registers, Q MN-major     m64 n(d)
+//     dK and dV stay in registers for the whole walk (64 floats each at d = 128) and are written
+//     once at the end: the group's query heads are steps of the same walk, so GQA sums for free;
+//   - dQ = dS K has query rows as m: it needs dS, the transpose of what the registers hold. Each
+//     thread stores its dS^T into shared memory in the 128-byte swizzle (the layout TMA writes and
+//     the descriptors read), and wgmma reads it back as an MN-major A operand (tnspA), K as an
+//     MN-major B. At d = 128 warpgroup w computes dQ's columns 64w..64w+63 over all 128 keys (both
+//     warpgroups' dS^T, so a barrier of the 256 consumer threads hands them over); at d = 64 each
+//     warpgroup computes all 64 columns over its own 64 keys (a barrier of its own 128 threads).
+//     Either way a thread ends a step with 32 floats of dQ, added to the float32 sums with float2
+//     atomics (RED.E.ADD.F32x2 on sm_90); flash_bwd_hopper_dispatch.cu scales and rounds them.
+//
+// Rows past seqlen_q in the last query tile arrive as zero rows of Q and dO (TMA's zero-fill) with
+// lse2 = +inf and D = 0 (the dispatch's padded statistics), so their P, dS and dQ are exactly 0.
+// Keys past seqlen_k arrive as zero rows of K and V: their scores are 0, not -inf, and exp2(0 -
+// lse2) can overflow for a row whose lse is very negative, so the last key tile masks them like
+// the causal diagonal does (only the steps a mask can bite take the masked code: a compile-time
+// tag, as in the forward).
+//
+// No torch headers: this file builds with a bare nvcc for sm_90a (and to empty kernels for any
+// other target, which the glue never launches).
+#pragma once
+
+#include "attention/attention.h"
+#include "hopper/flash_bwd_hopper.h"
+#include "hopper/flash_fwd_hopper_kernel.cuh"  // make_bhsd_map, hopper_fwd::pack2
+#include "hopper/hopper.cuh"
+#include "hopper/tensor_map.h"
+
+#include <course/cuda_utils.h>
+
+#include <climits>
+#include <cstdint>
+#include <type_traits>
+
+namespace flash_attention {
+
+template <int kHeadDim_>
+struct HopperBwdTraits {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockN = kHopperBwdBlockN;  // keys per block: two consumer warpgroups x 64
+  static constexpr int kBlockM = kHopperBwdBlockM;  // query rows per step: S^T is m64 x n64 per warpgroup
+  static constexpr int kStages = 2;
+  static constexpr int kChunks = kHeadDim / 64;  // 64-column chunks: one TMA box, one swizzle width
+  static constexpr int kConsumerThreads = 256, kProducerThreads = 128;
+  static constexpr int kThreads = kConsumerThreads + kProducerThreads;
+  // d = 128: each warpgroup takes one 64-column chunk of dQ over all the block's keys (half the
+  // atomics of the alternative); d = 64 has one chunk, so each takes its own keys.
+  static constexpr bool kDqSplitColumns = kChunks == 2;
+  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;      // K (or V) of the block
+  static constexpr int kRowTileBytes = kBlockM * kHeadDim * 2;  // Q (or dO) of one step
+  static constexpr int kStatBytes = kBlockM * 4;                // lse2 (or D) of one step
+  static constexpr int kStageBytes = 2 * kRowTileBytes + 2 * kStatBytes;  // what one stage's barrier expects
+  static constexpr int kDsBytes = kBlockN * kBlockM * 2;        // dS^T of one step, 16-bit
+  // K, V, two stages of Q and of dO, two buffers of dS^T (a warpgroup may write step i + 1's while
+  // the other still reads step i's), the statistics; + 1024 for the swizzle atoms' alignment:
+  // 162 KiB at d = 128, 98 KiB at d = 64.
+  static constexpr int kSmemBytes =
+      2 * kKVBytes + 2 * kStages * kRowTileBytes + 2 * kDsBytes + 2 * kStages * kStatBytes + 1024;
+  // setmaxnreg as the forward's warp-specialized rungs: 128 x 24 + 256 x 240 = 64,512 registers.
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  static_assert(kChunks == 1 || kChunks == 2, "dK and dV of 64 keys in registers: head_dim 64 or 128");
+  static_assert(kBlockN == 128 && kBlockM == 64, "two warpgroups of 64 keys; one 64-column chunk of query rows");
+  static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an sm_90 block may take");
+};
+
+#if COURSE_HOPPER_DEVICE
+namespace hopper_bwd {
+
+// The step's query-row statistics for this lane's 16 columns of S^T (query rows 8c + 2t and
+// 8c + 2t + 1 of the tile, c = 0..7), as float2 pairs: register j of S^T is column
+// 8 * (j >> 2) + 2t + (j & 1).
+template <int kBlockM>
+__device__ __forceinline__ void load_columns(float2 (&out)[kBlockM / 8], const float* stat, int t) {
+#pragma unroll
+  for (int c = 0; c < kBlockM / 8; ++c) out[c] = *reinterpret_cast<const float2*>(stat + 8 * c + 2 * t);
+}
+
+// The two values of a packed pair (pack2's inverse: exact, every 16-bit value is a float).
+template <typename T>
+__device__ __forceinline__ float2 unpack2(uint32_t v) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+  } else {
+    return __half22float2(*reinterpret_cast<const __half2*>(&v));
+  }
+}
+
+// An m64 x n(kBlockM) accumulator's C layout as kBlockM / 16 k16 A fragments (the forward's pack_p).
+template <typename T, int kBlockM>
+__device__ __forceinline__ void pack_a(uint32_t (&a)[kBlockM / 16][4], const float (&c)[kBlockM / 2]) {
+#pragma unroll
+  for (int kk = 0; kk < kBlockM / 16; ++kk) {
+#pragma unroll
+    for (int x = 0; x < 4; ++x) a[kk][x] = hopper_fwd::pack2<T>(c[8 * kk + 2 * x], c[8 * kk + 2 * x + 1]);
+  }
+}
+
+}  // namespace hopper_bwd
+#endif
+
+// lse2_rows and d_rows: (batch * heads) x rows_pad floats (attention_backward_hopper_rows), padded
+// rows +inf and 0; dq_accum the same rows x head_dim, zeroed.
+template <typename T, typename K>
+__global__ void __launch_bounds__(K::kThreads, 1)
+    flash_bwd_hopper_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
+                            const __grid_constant__ CUtensorMap map_v, const __grid_constant__ CUtensorMap map_do,
+                            const AttentionBackwardParams g, float* __restrict__ dq_accum,
+                            const float* __restrict__ lse2_rows, const float* __restrict__ d_rows, unsigned k_tiles,
+                            float scale_log2) {
+#if COURSE_HOPPER_DEVICE
+  using namespace hopper;
+  using namespace hopper_bwd;
+  constexpr int kD = K::kHeadDim, kBN = K::kBlockN, kBM = K::kBlockM, kStages = K::kStages;
+  constexpr int kSRegs = kBM / 2;  // S^T, dP^T, dQ: one m64 x n64 accumulator tile each
+  constexpr int kGradRegs = kD / 2;  // dK, dV: m64 x d
+  constexpr int kASteps = kBM / 16;  // k16 steps of dV and dK (over the step's query rows)
+  const AttentionParams& p = g.fwd;
+  extern __shared__ unsigned char smem_raw[];
+  // The swizzle pattern repeats every 1024 bytes and the descriptors assume atoms there.
+  unsigned char* smem =
+      reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  unsigned char* k_s = smem;                                 // [chunk][kBlockN rows][64]
+  unsigned char* v_s = k_s + K::kKVBytes;                    // same
+  unsigned char* q_s = v_s + K::kKVBytes;                    // [stage][chunk][kBlockM rows][64]
+  unsigned char* do_s = q_s + kStages * K::kRowTileBytes;    // same
+  unsigned char* ds_s = do_s + kStages * K::kRowTileBytes;   // [buffer][kBlockN keys][64 query rows]
+  float* lse_s = reinterpret_cast<float*>(ds_s + 2 * K::kDsBytes);  // [stage][kBlockM]
+  float* dd_s = lse_s + kStages * kBM;                               // [stage][kBlockM]
+  __shared__ uint64_t kv_full, full[kStages], empty[kStages];
+
+  // The block's (key tile, batch, kv head), key tiles fastest: causal blocks with the most query
+  // tiles (the first key tiles) are launched first, so the short ones fill the tail of the grid.
+  const int64_t tile = blockIdx.x % k_tiles;
+  const int64_t bhk = blockIdx.x / k_tiles;
+  const int64_t b = bhk / p.heads_kv;
+  const int64_t hk = bhk % p.heads_kv;
+  const int64_t group = p.heads / p.heads_kv;
+  const int64_t n0 = tile * kBN;
+  const int64_t rows_pad = (p.seqlen_q + kBM - 1) / kBM * kBM;
+  // The steps: every query tile from the one holding the first row that sees key n0 (causal rows
+  // above it see none of the block's keys) to the last, of every query head of the group; step i
+  // is head hk * group + i / tiles_per_head, tile i % tiles_per_head. None (a block whose keys no
+  // row sees): the block writes zeros.
+  const int64_t m_begin = first_visible_row(n0, p.seqlen_q, p.seqlen_k, p.causal) / kBM * kBM;
+  const int64_t tiles_per_head = (p.seqlen_q - m_begin + kBM - 1) / kBM;
+  const int64_t steps = group * tiles_per_head;
+
+  if (threadIdx.x == 0) {
+    prefetch_tensor_map(&map_q);
+    prefetch_tensor_map(&map_k);
+    prefetch_tensor_map(&map_v);
+    prefetch_tensor_map(&map_do);
+    mbarrier_init(&kv_full, 1);  // the producer's arrive, with K's and V's bytes
+    for (int s = 0; s < kStages; ++s) {
+      mbarrier_init(&full[s], 1);   // the producer's arrive, with the stage's bytes
+      mbarrier_init(&empty[s], 8);  // one arrive per consumer warp once it is done with the stage
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();  // the barriers are initialised before anyone waits on them
+
+  if (threadIdx.x < K::kProducerThreads) {
+    // The producer: one thread issues every copy; stage i % kStages is free for step i once the 8
+    // consumer warps have arrived on its empty barrier for step i - kStages.
+    setmaxnreg_dec<K::kProducerRegs>();
+    if (threadIdx.x == 0 && steps > 0) {
+      mbarrier_arrive_expect_tx(&kv_full, 2 * K::kKVBytes);
+#pragma unroll
+      for (int c = 0; c < K::kChunks; ++c) {
+        tma_load_4d(k_s + c * kBN * 128, &map_k, &kv_full, c * 64, static_cast<int>(n0), static_cast<int>(hk),
+                    static_cast<int>(b));
+        tma_load_4d(v_s + c * kBN * 128, &map_v, &kv_full, c * 64, static_cast<int>(n0), static_cast<int>(hk),
+                    static_cast<int>(b));
+      }
+      for (int64_t i = 0; i < steps; ++i) {
+        const int stage = static_cast<int>(i % kStages);
+        if (i >= kStages) mbarrier_wait(&empty[stage], static_cast<uint32_t>((i / kStages - 1) & 1));
+        const int64_t h = hk * group + i / tiles_per_head;
+        const int64_t m0 = m_begin + i % tiles_per_head * kBM;
+        mbarrier_arrive_expect_tx(&full[stage], K::kStageBytes);
+#pragma unroll
+        for (int c = 0; c < K::kChunks; ++c) {
+          tma_load_4d(q_s + stage * K::kRowTileBytes + c * kBM * 128, &map_q, &full[stage], c * 64,
+                      static_cast<int>(m0), static_cast<int>(h), static_cast<int>(b));
+          tma_load_4d(do_s + stage * K::kRowTileBytes + c * kBM * 128, &map_do, &full[stage], c * 64,
+                      static_cast<int>(m0), static_cast<int>(h), static_cast<int>(b));
+        }
+        // The tile's 64 padded rows of statistics: 256 bytes at a 256-byte multiple, all inside the
+        // workspace (rows_pad is a whole number of tiles).
+        const int64_t row = (b * p.heads + h) * rows_pad + m0;
+        bulk_load(lse_s + stage * kBM, lse2_rows + row, K::kStatBytes, &full[stage]);
+        bulk_load(dd_s + stage * kBM, d_rows + row, K::kStatBytes, &full[stage]);
+      }
+    }
+    return;
+  }
+  setmaxnreg_inc<K::kConsumerRegs>();
+
+  // ---------------------------------------------------------------- the consumers
+  const int ct = threadIdx.x - K::kProducerThreads;
+  const int wg = ct / 128;  // consumer warpgroup: keys 64 wg .. 64 wg + 63 of the block's tile
+  const int warp = (ct % 128) / 32;
+  const int lane = ct % 32;
+  const int t = lane % 4;
+  const int key_lo = wg * 64 + warp * 16 + lane / 4;  // this lane's keys in the tile: key_lo and key_lo + 8
+  const unsigned char* k_wg = k_s + wg * 64 * 128;
+  const unsigned char* v_wg = v_s + wg * 64 * 128;
+  const float scale = static_cast<float>(p.scale);  // dK = scale dS^T Q
+  const int64_t diag = p.seqlen_k - p.seqlen_q;  // key j is visible to row i iff j <= i + diag
+  // dQ's share of this warpgroup (kDqSplitColumns above): the keys it sums over and its columns.
+  constexpr int kDqKeys = K::kDqSplitColumns ? kBN : 64;
+  const int dq_key0 = K::kDqSplitColumns ? 0 : wg * 64;
+  const int dq_chunk = K::kDqSplitColumns ? wg : 0;
+
+  float dk[kGradRegs], dv[kGradRegs];
+#pragma unroll
+  for (int j = 0; j < kGradRegs; ++j) dk[j] = dv[j] = 0.f;
+
+  // One step: query tile m0 of head h, from stage i % kStages. kMask (a compile-time tag): the
+  // steps a mask can bite (the last key tile, the pairs crossing the causal diagonal) run a copy
+  // with the mask, the rest one without, and the branch between them is outside every wgmma group.
+  auto step = [&](auto mask_tag, int64_t i) {
+    const int stage = static_cast<int>(i % kStages);
+    const uint32_t parity = static_cast<uint32_t>((i / kStages) & 1);
+    const int64_t h = hk * group + i / tiles_per_head;
+    const int64_t m0 = m_begin + i % tiles_per_head * kBM;
+    const unsigned char* q_t = q_s + stage * K::kRowTileBytes;
+    const unsigned char* do_t = do_s + stage * K::kRowTileBytes;
+    unsigned char* ds_t = ds_s + (i & 1) * K::kDsBytes;
+    mbarrier_wait(&full[stage], parity);
+    // The operands' descriptors: one per tile, stepped by adding (byte offset >> 4) to the start
+    // address field (bits 0-13; shared addresses stay below 2^18, so the sum never carries out of
+    // it). K's and V's would be the same every step: made opaque here, so that the compiler builds
+    // them again in each step rather than keeping all 40 of them (80 registers) live across the walk.
+    uint64_t k_desc = smem_desc_sw128(k_wg, 16, 1024), v_desc = smem_desc_sw128(v_wg, 16, 1024);
+    uint64_t kt_desc = smem_desc_sw128(k_s + dq_chunk * kBN * 128, kBN * 128, 1024);
+    opaque(k_desc);
+    opaque(v_desc);
+    opaque(kt_desc);
+    const uint64_t q_desc = smem_desc_sw128(q_t, 16, 1024), do_desc = smem_desc_sw128(do_t, 16, 1024);
+    const uint64_t qt_desc = smem_desc_sw128(q_t, kBM * 128, 1024), dot_desc = smem_desc_sw128(do_t, kBM * 128, 1024);
+    const uint64_t dst_desc = smem_desc_sw128(ds_t, kBN * 128, 1024);
+
+    // S^T and dP^T, two groups: d / 16 k16 steps each, both operands K-major (a k16 slice is 32
+    // bytes further inside a 64-column chunk, or the next chunk).
+    float s[kSRegs], dp[kSRegs];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      const int chunk = kk / 4, col = (kk % 4) * 32;
+      Wgmma<T, kBM>::ss(s, k_desc + ((chunk * kBN * 128 + col) >> 4), q_desc + ((chunk * kBM * 128 + col) >> 4),
+                        kk > 0);
+    }
+    wgmma_commit();
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      const int chunk = kk / 4, col = (kk % 4) * 32;
+      Wgmma<T, kBM>::ss(dp, v_desc + ((chunk * kBN * 128 + col) >> 4), do_desc + ((chunk * kBM * 128 + col) >> 4),
+                        kk > 0);
+    }
+    wgmma_commit();
+
+    // P^T while dP^T runs: groups complete in order, so one pending group is dP^T.
+    wgmma_wait<1>();
+    fence_operands(s);
+    {
+      float2 lse2[kBM / 8];
+      load_columns<kBM>(lse2, lse_s + stage * kBM, t);
+      [[maybe_unused]] int key_limit = 0, causal_off = 0;
+      if constexpr (decltype(mask_tag)::value) {
+        // Key kc of the tile is visible to row rc iff kc < key_limit and (causal) kc <= rc + causal_off;
+        // worked out in 64 bits, clamped into int where a bound decides nothing more.
+        key_limit = static_cast<int>(min(p.seqlen_k - n0, int64_t{kBN}));
+        const int64_t off = p.causal ? m0 + diag - n0 : int64_t{kBN};
+        causal_off = static_cast<int>(max(min(off, int64_t{kBN}), int64_t{-kBM - 1}));
+      }
+#pragma unroll
+      for (int j = 0; j < kSRegs; ++j) {
+        const float2 l = lse2[j >> 2];
+        s[j] = exp2_approx(fmaf(s[j], scale_log2, -((j & 1) ? l.y : l.x)));
+        if constexpr (decltype(mask_tag)::value) {
+          const int kc = key_lo + 8 * ((j >> 1) & 1);
+          const int rc = 8 * (j >> 2) + 2 * t + (j & 1);
+          if (kc >= key_limit || kc > rc + causal_off) s[j] = 0.f;
+        }
+      }
+    }
+    uint32_t pf[kASteps][4];  // P^T as wgmma's A fragments, one k16 step of query rows each
+    pack_a<T, kBM>(pf, s);
+
+    // dV += P^T dO: dO's 16 rows (2048 bytes) per step, read transposed, its chunks kBlockM rows apart.
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kASteps; ++kk) {
+      Wgmma<T, kD>::template rs<1>(dv, pf[kk], dot_desc + ((kk * 16 * 128) >> 4), 1);
+    }
+    wgmma_commit();
+
+    // dS^T = P^T (dP^T - D) once dP^T is in (dV may still run), with P^T as rounded for dV, read
+    // back from its fragments: the float P^T would stay live beside dP^T, and at d = 128 those 32
+    // registers spill (nvcc 13.0, -Xptxas -v). The error is the u relative that the tensor-core
+    // rungs' dS carries anyway (rung "mma" rounds dS itself: test_attention.py's rounding_bounds).
+    wgmma_wait<1>();
+    fence_operands(dp);
+    {
+      float2 dd[kBM / 8];
+      load_columns<kBM>(dd, dd_s + stage * kBM, t);
+#pragma unroll
+      for (int j = 0; j < kSRegs; j += 2) {
+        const float2 d = dd[j >> 2];
+        const float2 pr = hopper_bwd::unpack2<T>(pf[j >> 3][(j & 7) >> 1]);
+        dp[j] = pr.x * (dp[j] - d.x);
+        dp[j + 1] = pr.y * (dp[j + 1] - d.y);
+      }
+    }
+    uint32_t dsf[kASteps][4];  // dS^T as A fragments
+    pack_a<T, kBM>(dsf, dp);
+    // dS^T into shared memory for dQ, in the 128-byte swizzle: key row r, query column c at
+    // r * 128 + ((c / 8) ^ (r % 8)) * 16 + (c % 8) * 2. For one register pair the warp's 8 rows
+    // (r % 8 = lane / 4) and 4 column pairs hit 32 different banks.
+#pragma unroll
+    for (int j = 0; j < kSRegs; j += 2) {
+      const int r = key_lo + 8 * ((j >> 1) & 1);
+      const int c = 8 * (j >> 2) + 2 * t;
+      *reinterpret_cast<uint32_t*>(ds_t + r * 128 + (((c >> 3) ^ (r & 7)) << 4) + (c & 7) * 2) =
+          dsf[j >> 3][(j & 7) >> 1];
+    }
+
+    // dK += dS^T Q, Q read transposed like dO above.
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kASteps; ++kk) {
+      Wgmma<T, kD>::template rs<1>(dk, dsf[kk], qt_desc + ((kk * 16 * 128) >> 4), 1);
+    }
+    wgmma_commit();
+
+    // dQ = dS K. The stores above are ordinary ones and wgmma reads through the async proxy: each
+    // thread fences its own, then the barrier hands the tile to the warpgroups that read it (both,
+    // when each takes a column chunk over all keys; its own, when each takes its keys).
+    fence_proxy_async_shared();
+    if constexpr (K::kDqSplitColumns) {
+      named_barrier_sync(1, 256);
+    } else {
+      named_barrier_sync(2 + wg, 128);
+    }
+    float dq[kSRegs];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kDqKeys / 16; ++kk) {
+      // A: dS (query rows x keys), stored keys-major as dS^T: MN-major, 16 keys (2048 bytes) a step.
+      // B: K (keys x columns), the column chunk's rows: MN-major, the same steps.
+      const int key = dq_key0 + kk * 16;
+      Wgmma<T, 64>::template ss<1, 1>(dq, dst_desc + ((key * 128) >> 4), kt_desc + ((key * 128) >> 4), kk > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_operands(dv);
+    fence_operands(dk);
+    fence_operands(dq);
+    fence_operands(pf);   // P^T's and dS^T's registers stayed live until dV and dK read them
+    fence_operands(dsf);
+    // Every product that read this stage (S^T, dP^T, dV, dK) has completed: one arrive per warp
+    // frees it for step i + kStages. (dS^T's buffer is freed by the next step's barrier instead:
+    // a warpgroup writes buffer i % 2 again only after both passed step i + 1's barrier, which
+    // each reaches after its step-i dQ has completed.)
+    if (lane == 0) mbarrier_arrive(&empty[stage]);
+
+    // dQ's float32 sums: register j is row 16 warp + lane / 4 + 8 ((j >> 1) & 1) of the tile,
+    // column 8 (j >> 2) + 2t (+1) of the chunk; padded rows need no guard (their dS is 0 and their
+    // sums are never read).
+    float* dq_tile = dq_accum + ((b * p.heads + h) * rows_pad + m0) * kD + dq_chunk * 64;
+#pragma unroll
+    for (int j = 0; j < kSRegs; j += 2) {
+      const int r = warp * 16 + lane / 4 + 8 * ((j >> 1) & 1);
+      const int c = 8 * (j >> 2) + 2 * t;
+      atomicAdd(reinterpret_cast<float2*>(dq_tile + r * kD + c), make_float2(dq[j], dq[j + 1]));
+    }
+  };
+
+  if (steps > 0) {
+    mbarrier_wait(&kv_full, 0);
+    for (int64_t i = 0; i < steps; ++i) {
+      const int64_t m0 = m_begin + i % tiles_per_head * kBM;
+      // The pair needs no mask when every key of the tile exists and (causal) the tile's first row
+      // sees its last key.
+      const bool masked = n0 + kBN > p.seqlen_k || (p.causal && m0 + diag < n0 + kBN - 1);
+      if (masked) {
+        step(std::true_type{}, i);
+      } else {
+        step(std::false_type{}, i);
+      }
+    }
+  }
+
+  // dK (scaled: dK = scale dS^T Q) and dV of this lane's two keys, rows past seqlen_k skipped.
+  T* dk_out = static_cast<T*>(g.dk) + b * g.dk_batch_stride + hk * g.dk_head_stride;
+  T* dv_out = static_cast<T*>(g.dv) + b * g.dv_batch_stride + hk * g.dv_head_stride;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t key = n0 + key_lo + 8 * r;
+    if (key < p.seqlen_k) {  // the last tile's keys past the end were computed on zero rows
+#pragma unroll
+      for (int j = 2 * r; j < kGradRegs; j += 4) {
+        const int c = 8 * (j >> 2) + 2 * t;
+        *reinterpret_cast<uint32_t*>(dk_out + key * g.dk_seq_stride + c) =
+            hopper_fwd::pack2<T>(dk[j] * scale, dk[j + 1] * scale);
+        *reinterpret_cast<uint32_t*>(dv_out + key * g.dv_seq_stride + c) = hopper_fwd::pack2<T>(dv[j], dv[j + 1]);
+      }
+    }
+  }
+#endif  // COURSE_HOPPER_DEVICE: other targets compile an empty kernel the glue never launches
+}
+
+// Launches the main kernel; the dispatch runs the statistics kernel before it and dQ's after.
+template <typename T, int D>
+cudaError_t run_flash_bwd_hopper(const AttentionBackwardParams& g, float* dq_accum, const float* lse2_rows,
+                                 const float* d_rows, cudaStream_t stream) {
+  using K = HopperBwdTraits<D>;
+  const AttentionParams& p = g.fwd;
+  const int64_t k_tiles = course::ceil_div(p.seqlen_k, static_cast<int64_t>(K::kBlockN));
+  const int64_t blocks = k_tiles * p.batch * p.heads_kv;
+  if (blocks == 0) return cudaSuccess;
+  if (blocks > INT_MAX || p.seqlen_q > INT_MAX || p.seqlen_k > INT_MAX || p.batch * p.heads > INT_MAX) {
+    return cudaErrorInvalidConfiguration;
+  }
+  // A query side with no rows (seqlen_q or heads 0) still has maps to make: a dim of 0 becomes 1
+  // in make_bhsd_map (seqlen) or here (heads), and no step reads it.
+  const int64_t heads = p.heads > 0 ? p.heads : 1;
+  CUtensorMap map_q, map_k, map_v, map_do;
+  COURSE_CUDA_TRY(make_bhsd_map(&map_q, p.q, p.batch, heads, p.seqlen_q, D, p.q_batch_stride, p.q_head_stride,
+                                p.q_seq_stride, K::kBlockM));
+  COURSE_CUDA_TRY(make_bhsd_map(&map_do, g.dout, p.batch, heads, p.seqlen_q, D, g.do_batch_stride,
+                                g.do_head_stride, g.do_seq_stride, K::kBlockM));
+  COURSE_CUDA_TRY(make_bhsd_map(&map_k, p.k, p.batch, p.heads_kv, p.seqlen_k, D, p.k_batch_stride, p.k_head_stride,
+                                p.k_seq_stride, K::kBlockN));
+  COURSE_CUDA_TRY(make_bhsd_map(&map_v, p.v, p.batch, p.heads_kv, p.seqlen_k, D, p.v_batch_stride, p.v_head_stride,
+                                p.v_seq_stride, K::kBlockN));
+  auto kernel = flash_bwd_hopper_kernel<T, K>;
+  COURSE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSmemBytes));
+  const float scale_log2 = static_cast<float>(p.scale * 1.4426950408889634);
+  kernel<<<static_cast<unsigned>(blocks), K::kThreads, K::kSmemBytes, stream>>>(
+      map_q, map_k, map_v, map_do, g, dq_accum, lse2_rows, d_rows, static_cast<unsigned>(k_tiles), scale_log2);
+  return cudaGetLastError();
+}
+
+}  // namespace flash_attention
