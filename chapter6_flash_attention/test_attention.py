@@ -562,7 +562,7 @@ MISUSES = {
     "backward unknown version": (lambda: flash_attention.attention_backward(
         _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5), 0.5,
         version="v2"),
-        r"attention_backward: unknown version 'v2'; expected one of naive, mma, mma_dqpass \(or None"),
+        r"attention_backward: unknown version 'v2'; expected one of naive, mma, mma_dqpass, wgmma \(or None"),
 }
 
 
@@ -645,6 +645,12 @@ TENSOR_CORE_VERSIONS = ("mma", "pipelined", "tuned", "split_kv")
 HOPPER_VERSIONS = ("wgmma", "warp_specialized", "pingpong", "persistent")
 HOPPER_HEAD_DIMS = (64, 128, 256)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+# Part 3's backward rung: the same build and GPU, head_dim 64 and 128 (dK and dV of 64 keys in
+# registers); dQ by float32 atomics, like "mma".
+HOPPER_BACKWARD_VERSIONS = ("wgmma",)
+HOPPER_BACKWARD_HEAD_DIMS = (64, 128)
+TENSOR_CORE_BACKWARD = ("mma", "mma_dqpass") + HOPPER_BACKWARD_VERSIONS
+DQ_ATOMIC_BACKWARD = ("mma", "wgmma")  # dQ's last bits vary from run to run
 
 
 def hopper_runs():
@@ -671,7 +677,10 @@ def skip_unless_takes(version, dtype, head_dim):
 
 
 def takes_backward(version, dtype, head_dim):
-    """Whether backward rung `version` runs dtype at head_dim (the tensor-core ones: <= 128)."""
+    """Whether backward rung `version` runs dtype at head_dim (the tensor-core ones: <= 128; part 3's
+    "wgmma": 64 and 128 on a Hopper with the sm_90a kernels built)."""
+    if version in HOPPER_BACKWARD_VERSIONS:
+        return dtype in HALF_DTYPES and head_dim in HOPPER_BACKWARD_HEAD_DIMS and hopper_runs()
     return version not in ("mma", "mma_dqpass") or (takes("mma", dtype, head_dim) and head_dim <= 128)
 
 
@@ -826,7 +835,7 @@ def check_cuda_backward(q, k, v, causal, version, what, grad_out=None, ref=None,
         poison_allocator(t)
     dq, dk, dv = flash_attention.attention_backward(grad_out, q, k, v, out, lse, scale, causal, version=version,
                                                     **features)
-    tensor_core = version in ("mma", "mma_dqpass") or (version is None and takes_backward("mma", dtype, q.shape[-1]))
+    tensor_core = version in TENSOR_CORE_BACKWARD or (version is None and takes_backward("mma", dtype, q.shape[-1]))
     expected, bounds = backward_reference(q, k, v, causal, grad_out, tensor_core, **features) if ref is None else ref
     for name, g, e, bound in zip("qkv", (dq, dk, dv), expected, bounds):
         assert g.dtype == dtype and g.shape == e.shape, (what, name)
@@ -921,7 +930,7 @@ def test_cuda_strided_views(causal, dtype):
         grads_c = flash_attention.attention_backward(go, q.contiguous(), k.contiguous(), v.contiguous(), out, lse,
                                                      0.2, causal, version=version)
         for name, g, gc in zip("qkv", grads, grads_c):
-            if version == "mma" and name == "q":  # dQ's atomics: the last bits vary from run to run
+            if version in DQ_ATOMIC_BACKWARD and name == "q":  # dQ's atomics: the last bits vary from run to run
                 torch.testing.assert_close(g, gc, rtol=2 ** -7, atol=1e-3)
             else:
                 assert torch.equal(g, gc), (version, name)
@@ -1111,7 +1120,7 @@ def test_cuda_graph_capture():
     for a, e in zip(captured, expected):
         if isinstance(a, tuple):  # a backward's gradient
             (version, a), (_, e) = a, e
-            if version == "mma":  # dQ sums through atomics, in whatever order the blocks arrive
+            if version in DQ_ATOMIC_BACKWARD:  # dQ sums through atomics, in whatever order the blocks arrive
                 torch.testing.assert_close(a, e, rtol=2 ** -7, atol=1e-3)
                 continue
         assert torch.equal(a, e)
@@ -1413,6 +1422,158 @@ def test_cuda_hopper_sass_has_hgmma():
     for body in kernels:
         name = body.split("\n")[0]
         assert "HGMMA" in body and "UTMALDG" in body and "HMMA" not in body, name
+
+
+# The Hopper backward ("wgmma"): a block per 128 keys walking 64-row query tiles. Lengths 1, 17,
+# 129 and 1000 around both tiles (a partial last key tile, a partial last query tile), seqlen_q !=
+# seqlen_k both ways (causal rows that see no key; a causal walk that starts mid-sequence), GQA 4:1
+# (dK and dV summed over four query heads in one block's walk) and 2:1, multi-query.
+HOPPER_BACKWARD_SHAPES = [(2, 2, 1, 1), (2, 1, 17, 17), (4, 1, 129, 129), (4, 2, 1000, 1000), (4, 1, 17, 129),
+                          (2, 1, 129, 17), (4, 4, 1, 1000), (8, 2, 1000, 33), (4, 1, 300, 1000)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_dim", HOPPER_BACKWARD_HEAD_DIMS)
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+def test_cuda_hopper_backward(dtype, causal, head_dim):
+    """dQ, dK and dV of backward rung "wgmma" against the float64 reference, within what rounding
+    P and dS to 16 bits allows (rounding_bounds, as for "mma"), on NaN-poisoned outputs."""
+    skip_unless_hopper()
+    for heads, heads_kv, seqlen_q, seqlen_k in HOPPER_BACKWARD_SHAPES:
+        q, k, v = cuda_inputs(heads, heads_kv, seqlen_q, seqlen_k, head_dim, dtype)
+        check_cuda_backward(q, k, v, causal, "wgmma",
+                            f"wgmma {dtype_id(dtype)} h{heads}/{heads_kv} s{seqlen_q}x{seqlen_k} d{head_dim}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+def test_cuda_hopper_backward_long(dtype, causal):
+    """4097 queries and keys (33 key tiles, 65 query tiles, one row and one key past a whole tile),
+    head_dim 128, GQA 4:1 over a 129-row query side against 4097 keys: the long walks."""
+    skip_unless_hopper()
+    for batch, heads, heads_kv, seqlen_q, seqlen_k in ((1, 1, 1, 4097, 4097), (1, 4, 1, 129, 4097)):
+        q, k, v = make_qkv(batch, heads, heads_kv, seqlen_q, seqlen_k, 128, dtype=dtype, device="cuda")
+        check_cuda_backward(q, k, v, causal, "wgmma", f"wgmma {dtype_id(dtype)} h{heads}/{heads_kv} "
+                                                      f"s{seqlen_q}x{seqlen_k} d128")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+def test_cuda_hopper_backward_views_and_determinism(causal):
+    """q from a (b, s, h, d) projection and k with padded rows are read by the tensor maps in
+    place; v expanded over the kv heads (stride 0) is copied first. dK and dV have one writer each:
+    the same bits as on contiguous copies and as a second call; dQ (float32 atomics) within a few
+    ulps of them."""
+    skip_unless_hopper()
+    b, h, s, d = 2, 4, 300, 64
+    q = torch.randn(b, s, h, d, device="cuda").to(torch.bfloat16).transpose(1, 2)
+    k = torch.randn(b, 2, s, d + 16, device="cuda").to(torch.bfloat16)[..., 8:d + 8]
+    v = torch.randn(b, 1, s, d, device="cuda").to(torch.bfloat16).expand(b, 2, s, d)
+    go = torch.randn(b, s, h, d, device="cuda").to(torch.bfloat16).transpose(1, 2)
+    out, lse = flash_attention.attention_forward(q, k, v, 0.125, causal)
+    grads = flash_attention.attention_backward(go, q, k, v, out, lse, 0.125, causal, version="wgmma")
+    contiguous = flash_attention.attention_backward(go.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
+                                                    out, lse, 0.125, causal, version="wgmma")
+    again = flash_attention.attention_backward(go, q, k, v, out, lse, 0.125, causal, version="wgmma")
+    for name, g, gc, ga in zip("qkv", grads, contiguous, again):
+        if name == "q":
+            torch.testing.assert_close(g, gc, rtol=2 ** -7, atol=1e-3)
+            torch.testing.assert_close(g, ga, rtol=2 ** -7, atol=1e-3)
+        else:
+            assert torch.equal(g, gc) and torch.equal(g, ga), name
+    check_cuda_backward(q, k, v, causal, "wgmma", "wgmma views", grad_out=go)
+
+
+@pytest.mark.cuda
+def test_cuda_hopper_backward_launches():
+    """What "wgmma" launches: the statistics kernel, the main kernel on its head dim's traits, dQ's
+    conversion; no part 1 backward kernel. version=None's backward is still "mma_dqpass" on Hopper
+    (backward_rule: not a default before the benchmark has measured it)."""
+    skip_unless_hopper()
+    from coursekit.pytest_plugin import launched_kernels
+    for head_dim in HOPPER_BACKWARD_HEAD_DIMS:
+        q, k, v = make_qkv(2, 4, 2, 200, 300, head_dim, dtype=torch.float16, device="cuda")
+        out, lse = flash_attention.attention_forward(q, k, v, 0.125, True)
+        go = torch.randn_like(out)
+        names = launched_kernels(lambda: flash_attention.attention_backward(go, q, k, v, out, lse, 0.125, True,
+                                                                            version="wgmma"), "flash_attention")[1]
+        assert any(f"HopperBwdTraits<{head_dim}>" in n for n in names), names
+        assert any("bwd_hopper_rows_kernel" in n for n in names) and any("bwd_hopper_dq_kernel" in n for n in names)
+        assert not any("flash_bwd_kernel" in n for n in names), names
+        names = launched_kernels(lambda: flash_attention.attention_backward(go, q, k, v, out, lse, 0.125, True),
+                                 "flash_attention")[1]
+        assert not any("hopper" in n for n in names), names
+
+
+@pytest.mark.cuda
+def test_cuda_hopper_backward_refusals():
+    """Backward rung "wgmma" refuses, by name and with the way out, what it cannot run: another
+    dtype, a build without its kernels, another GPU, another head dim, a window or a softcap."""
+    require_cuda()
+
+    def backward(q, k, v, **features):
+        out, lse = torch.zeros_like(q), torch.zeros(q.shape[:3], device="cuda", dtype=lse_dtype(q.dtype))
+        return flash_attention.attention_backward(torch.randn_like(out), q, k, v, out, lse, 0.125, False,
+                                                  version="wgmma", **features)
+    q, k, v = make_qkv(1, 2, 2, 16, 16, 64, dtype=torch.float32, device="cuda")
+    with pytest.raises(RuntimeError, match=r"attention_backward: version 'wgmma' runs on tensor cores and takes "
+                                           r"float16 and bfloat16; q is Float"):
+        backward(q, k, v)
+    q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+    with pytest.raises(RuntimeError, match=r"attention_backward: version 'wgmma' takes no window or softcap; "
+                                           r"versions 'mma' and 'mma_dqpass' compute them"):
+        backward(q, k, v, window=(8, 0))
+    if not flash_attention.hopper_kernels_built():
+        with pytest.raises(RuntimeError, match=r"version 'wgmma' is a Hopper kernel \(sm_90a\), and this build "
+                                               r"of flash_attention has none.*use version='mma_dqpass'"):
+            backward(q, k, v)
+        return
+    if torch.cuda.get_device_capability() != (9, 0):
+        with pytest.raises(RuntimeError, match=r"version 'wgmma' needs a Hopper GPU, compute capability 9.0 "
+                                               r".*this GPU is \d+\.\d+: use version='mma_dqpass'"):
+            backward(q, k, v)
+        return
+    for head_dim in (32, 96, 256):
+        qd, kd, vd = make_qkv(1, 2, 2, 16, 16, head_dim, dtype=torch.bfloat16, device="cuda")
+        with pytest.raises(RuntimeError, match=rf"version 'wgmma' takes head_dim 64, 128 .*head_dim is {head_dim}"):
+            backward(qd, kd, vd)
+
+
+@pytest.mark.cuda
+def test_cuda_hopper_backward_sass():
+    """The backward's main kernel runs on wgmma (HGMMA) and TMA (UTMALDG), not mma.sync (HMMA)."""
+    skip_unless_hopper()
+    import shutil
+    import subprocess
+    cuobjdump = shutil.which("cuobjdump")
+    if cuobjdump is None:
+        pytest.skip("cuobjdump (CUDA toolkit) is not on PATH")
+    library = flash_attention.EXTENSION.get("so_path")
+    if library is None:
+        pytest.skip(f"the library was loaded by route {flash_attention.EXTENSION['route']}, without a path")
+    sass = subprocess.run([cuobjdump, "-sass", library], capture_output=True, text=True, check=True).stdout
+    kernels = [chunk for chunk in sass.split("Function : ")[1:] if "flash_bwd_hopper_kernel" in chunk.split("\n")[0]]
+    assert len(kernels) == 4, f"{len(kernels)} Hopper backward kernels in the SASS (2 dtypes x 2 head dims)"
+    for body in kernels:
+        name = body.split("\n")[0]
+        assert "HGMMA" in body and "UTMALDG" in body and "HMMA" not in body, name
+
+
+@pytest.mark.cuda
+@pytest.mark.sanitize
+@pytest.mark.parametrize("head_dim", HOPPER_BACKWARD_HEAD_DIMS)
+def test_sanitizer_hopper_backward(head_dim):
+    """The Hopper backward under the sanitizer: partial tiles at both ends, rows that see no key,
+    GQA 2:1, several steps per block (the ring's phases wrap), both dtypes."""
+    require_cuda()
+    for dtype in HALF_DTYPES:
+        if not takes_backward("wgmma", dtype, head_dim):
+            continue
+        for seqlen_q, seqlen_k in ((1, 1), (17, 33), (70, 17), (200, 130)):
+            q, k, v = make_qkv(1, 4, 2, seqlen_q, seqlen_k, head_dim, dtype=dtype, device="cuda")
+            check_cuda_backward(q, k, v, True, "wgmma", f"wgmma {dtype_id(dtype)} d{head_dim} s{seqlen_q}x{seqlen_k}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -58,7 +58,11 @@ CUDA rungs (head_dim 32, 64, 96, 128 or 256):
 - backward "mma": FlashAttention 2's backward on tensor cores: a block per key tile sums dK and
   dV in registers, dQ through float32 atomics (float16 and bfloat16, sm_80+, head_dim <= 128);
 - backward "mma_dqpass": the same dK and dV, and dQ from a second pass over the keys instead of
-  atomics: the same bits on every run.
+  atomics: the same bits on every run;
+- backward "wgmma": the "mma" split on Hopper's machinery (sm_90a, head_dim 64 and 128): a
+  producer warp streams Q and dO through an mbarrier ring by TMA, two consumer warpgroups of 64
+  keys compute S^T, dP^T, dV and dK with wgmma (P^T and dS^T from registers), and dQ = dS K reads
+  dS^T back from shared memory and adds into float32 sums with vector atomics.
 
 version=None runs, for 16-bit inputs: on a Hopper GPU "pingpong" (head_dim 64 and 128) or
 "warp_specialized" (256) unless the grid is small enough to split the keys; otherwise "split_kv"
@@ -95,7 +99,7 @@ __all__ = ["attention", "attention_varlen", "sdpa", "attention_forward", "attent
 VERSIONS = {
     "attention_forward": ("naive", "tiled", "mma", "pipelined", "tuned", "split_kv", "wgmma", "warp_specialized",
                           "pingpong", "persistent"),
-    "attention_backward": ("naive", "mma", "mma_dqpass"),
+    "attention_backward": ("naive", "mma", "mma_dqpass", "wgmma"),
     "paged_attention": ("per_head", "per_kv_head", "split_kv"),
 }
 

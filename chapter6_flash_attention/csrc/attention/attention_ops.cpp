@@ -21,6 +21,7 @@
 #include <torch/library.h>
 
 #ifdef WITH_CUDA
+#include "hopper/flash_bwd_hopper.h"
 #include "hopper/flash_fwd_hopper.h"
 
 #include <c10/cuda/CUDAException.h>
@@ -54,7 +55,7 @@ constexpr const char* kBackward = "attention_backward";
 enum class ForwardVersion {
   kNaive, kTiled, kMma, kPipelined, kTuned, kSplitKv, kWgmma, kWarpSpecialized, kPingpong, kPersistent
 };
-enum class BackwardVersion { kNaive, kMma, kMmaDqPass };
+enum class BackwardVersion { kNaive, kMma, kMmaDqPass, kWgmma };
 
 constexpr ::course::NamedVersion<ForwardVersion> kForwardVersions[] = {{"naive", ForwardVersion::kNaive},
                                                                       {"tiled", ForwardVersion::kTiled},
@@ -67,7 +68,10 @@ constexpr ::course::NamedVersion<ForwardVersion> kForwardVersions[] = {{"naive",
                                                                       {"pingpong", ForwardVersion::kPingpong},
                                                                       {"persistent", ForwardVersion::kPersistent}};
 constexpr ::course::NamedVersion<BackwardVersion> kBackwardVersions[] = {
-    {"naive", BackwardVersion::kNaive}, {"mma", BackwardVersion::kMma}, {"mma_dqpass", BackwardVersion::kMmaDqPass}};
+    {"naive", BackwardVersion::kNaive},
+    {"mma", BackwardVersion::kMma},
+    {"mma_dqpass", BackwardVersion::kMmaDqPass},
+    {"wgmma", BackwardVersion::kWgmma}};  // part 3's (csrc/hopper/flash_bwd_hopper.h)
 
 bool tensor_core_rung(ForwardVersion v) {
   return v == ForwardVersion::kMma || v == ForwardVersion::kPipelined || v == ForwardVersion::kTuned ||
@@ -107,8 +111,9 @@ bool half_dtype(const Tensor& t) { return t.scalar_type() == at::kHalf || t.scal
 // rungs, whose 128-row tiles would run mostly empty. The backward: "mma_dqpass" matched or beat
 // "mma" (atomics) at every head_dim, mask and seqlen of the sweep once both were pipelined; it also
 // gives the same bits on every run, so it is the default. "persistent" (the pingpong and
-// warp_specialized consumers in a grid that walks a tile schedule) is not a default until the
-// benchmark has measured it against them.
+// warp_specialized consumers in a grid that walks a tile schedule) and the backward's "wgmma"
+// (part 3's machinery, dQ by atomics) are not defaults until the benchmark has measured them
+// against those.
 #ifdef WITH_CUDA
 // One attribute of q's GPU (cudaDeviceGetAttribute is a lookup, not a driver round trip).
 int device_attribute(const Tensor& q, cudaDeviceAttr attr) {
@@ -351,6 +356,35 @@ void check_hopper_rung(const char* op, ForwardVersion v, const Tensor& q, double
 #endif
 }
 
+// What part 3's backward rung needs, each refused with the way out: the forward's Hopper checks
+// (a build that has it, a Hopper GPU), the head dims whose dK and dV fit its registers, and the
+// shared memory. Any scale: the backward keeps no running maximum.
+void check_hopper_backward(const char* op, const Tensor& q) {
+  const std::string name = ::course::version_name(kBackwardVersions, BackwardVersion::kWgmma);
+  TORCH_CHECK(half_dtype(q), op, ": version '", name, "' runs on tensor cores and takes float16 and bfloat16; q is ",
+              q.scalar_type(), " (float32 and float64 run on version 'naive')");
+#ifndef COURSE_HOPPER
+  TORCH_CHECK(false, op, ": version '", name, "' is a Hopper kernel (sm_90a), and this build of flash_attention ",
+              "has none: it was compiled for a TORCH_CUDA_ARCH_LIST without 9.0. Rebuild with 9.0 in the list ",
+              "(the default on a Hopper GPU), or use version='mma_dqpass'");
+#endif
+  const int major = device_attribute(q, cudaDevAttrComputeCapabilityMajor);
+  const int minor = device_attribute(q, cudaDevAttrComputeCapabilityMinor);
+  TORCH_CHECK(major == 9 && minor == 0, op, ": version '", name, "' needs a Hopper GPU, compute capability 9.0 ",
+              "(wgmma, TMA and setmaxnreg; sm_90a code runs on no other); this GPU is ", std::to_string(major), ".",
+              std::to_string(minor), ": use version='mma_dqpass'");
+  TORCH_CHECK(attention_backward_hopper_head_dim(q.size(3)), op, ": version '", name, "' takes head_dim ",
+              list_text(kHopperBackwardHeadDims), " (whole 64-column chunks, with dK and dV of 64 keys in ",
+              "registers); head_dim is ", std::to_string(q.size(3)), ": use version='mma_dqpass' or 'naive'");
+#ifdef COURSE_HOPPER
+  const int64_t smem = attention_backward_hopper_smem_bytes(q.size(3));
+  const int64_t allowed = device_attribute(q, cudaDevAttrMaxSharedMemoryPerBlockOptin);
+  TORCH_CHECK(smem <= allowed, op, ": version '", name, "' at head_dim ", std::to_string(q.size(3)), " takes ",
+              std::to_string(smem / 1024), " KiB of shared memory per block; this GPU allows ",
+              std::to_string(allowed / 1024), " KiB: use version='mma_dqpass'");
+#endif
+}
+
 // The tensor-core rungs copy 16 bytes at a time: every stride that is stepped (dims of size > 1)
 // a multiple of 8 elements and the data 16-byte aligned. A view that is not (an odd slice of a
 // sequence, a storage offset) is copied once, contiguous; views of (batch, seqlen, heads, d)
@@ -379,6 +413,14 @@ void backward_cuda(BackwardVersion v, const AttentionBackwardParams& g, const Te
       const Tensor scratch = at::zeros({attention_backward_mma_workspace(g, atomic)}, q.options().dtype(at::kByte));
       C10_CUDA_CHECK(launch_attention_backward_mma(g, atomic, scratch.mutable_data_ptr(), stream));
       return;
+    }
+    case BackwardVersion::kWgmma: {
+#ifdef COURSE_HOPPER
+      // dQ's float32 sums start at 0 (the statistics after them are all written by the launch).
+      const Tensor scratch = at::zeros({attention_backward_hopper_workspace(g)}, q.options().dtype(at::kByte));
+      C10_CUDA_CHECK(launch_attention_backward_hopper(g, scratch.mutable_data_ptr(), stream));
+#endif
+      return;  // without the sm_90a kernels check_hopper_backward has refused the call already
     }
   }
 }
@@ -505,6 +547,12 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward_impl(const Tensor& grad_ou
     check_tensor_core_rung(op, ::course::version_name(kBackwardVersions, v_), q, /*backward=*/true);
     qa = aligned_for_copies(q), ka = aligned_for_copies(k), va = aligned_for_copies(v);
     goa = aligned_for_copies(grad_out);
+  }
+  if (q.is_cuda() && v_ == BackwardVersion::kWgmma) {
+    check_hopper_backward(op, q);
+    // TMA's rules as the Hopper forward's: no stride 0 either (an expanded k is copied).
+    qa = aligned_for_copies(q, true), ka = aligned_for_copies(k, true), va = aligned_for_copies(v, true);
+    goa = aligned_for_copies(grad_out, true);
   }
 #endif
   AttentionBackwardParams g{};
