@@ -12,6 +12,7 @@ causal=False).
 Skipped as a whole without transformers (tools/ensure_env.py's test group installs it).
 """
 import copy
+import inspect
 
 import pytest
 import torch
@@ -203,11 +204,13 @@ def test_static_cache_without_a_mask(device, monkeypatch):
     ref, ours = model_pair("llama", device, torch.float64)
     ids, _ = batch(device, padded=False)
     spy = Spy(monkeypatch)
+    # The argument is past_key_values in transformers 5.17 and cache in later 5.x (5.24 warns on the old name).
+    arg = "cache" if "cache" in inspect.signature(ours.forward).parameters else "past_key_values"
     logits = []
     for model in (ref, ours):
         cache = transformers.StaticCache(config=model.config, max_cache_len=32)
         with torch.no_grad():  # a prompt of 7 tokens, then 4 more against the cache
-            logits.append([model(input_ids=chunk, past_key_values=cache, use_cache=True).logits
+            logits.append([model(input_ids=chunk, use_cache=True, **{arg: cache}).logits
                            for chunk in (ids[:, :7], ids[:, 7:])])
     for got, expected in zip(logits[1], logits[0]):
         torch.testing.assert_close(got, expected, rtol=TOL[torch.float64], atol=TOL[torch.float64])
