@@ -202,6 +202,22 @@ void check_same(const char* op, const char* name, const Tensor& t, const char* r
   ::course::check_same_dtype(op, name, t, ref_name, ref);
 }
 
+// What a backward takes back from its forward: grad_out and out shaped, placed and typed as q,
+// and lse the forward's statistics (float, double for double q) on q's device. The lse's shape is
+// the caller's to check: (batch, heads, seqlen_q) for the padded layout, (heads, total_q) packed.
+void check_backward_saved(const char* op, const char* forward, const Tensor& grad_out, const Tensor& out,
+                          const Tensor& lse, const Tensor& q) {
+  check_same(op, "grad_out", grad_out, "q", q);
+  check_same(op, "out", out, "q", q);
+  TORCH_CHECK(out.sym_sizes() == q.sym_sizes() && grad_out.sym_sizes() == q.sym_sizes(), op, ": out has shape ",
+              shape_of(out), " and grad_out ", shape_of(grad_out), "; both must have q's shape ", shape_of(q));
+  TORCH_CHECK(lse.defined(), op, ": lse is an undefined tensor");
+  ::course::check_same_device(op, "lse", lse, "q", q);
+  TORCH_CHECK(lse.scalar_type() == lse_dtype(q.scalar_type()), op, ": lse has dtype ", lse.scalar_type(),
+              " but must be ", lse_dtype(q.scalar_type()), " for q of dtype ", q.scalar_type(), " (what ", forward,
+              " returns)");
+}
+
 void check_qkv(const char* op, const Tensor& q, const Tensor& k, const Tensor& v) {
   check_bhsd(op, "q", q);
   check_bhsd(op, "k", k);
@@ -471,15 +487,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward_impl(const Tensor& grad_ou
   check_window_softcap(op, window, softcap);
   check_bhsd(op, "grad_out", grad_out);
   check_bhsd(op, "out", out);
-  check_same(op, "grad_out", grad_out, "q", q);
-  check_same(op, "out", out, "q", q);
-  TORCH_CHECK(out.sym_sizes() == q.sym_sizes() && grad_out.sym_sizes() == q.sym_sizes(), op, ": out has shape ",
-              shape_of(out), " and grad_out ", shape_of(grad_out), "; both must have q's shape ", shape_of(q));
-  TORCH_CHECK(lse.defined(), op, ": lse is an undefined tensor");
-  ::course::check_same_device(op, "lse", lse, "q", q);
-  TORCH_CHECK(lse.scalar_type() == lse_dtype(q.scalar_type()), op, ": lse has dtype ", lse.scalar_type(),
-              " but must be ", lse_dtype(q.scalar_type()), " for q of dtype ", q.scalar_type(),
-              " (what attention_forward returns)");
+  check_backward_saved(op, "attention_forward", grad_out, out, lse, q);
   TORCH_CHECK(lse.dim() == 3 && lse.sym_size(0) == q.sym_size(0) && lse.sym_size(1) == q.sym_size(1) &&
                   lse.sym_size(2) == q.sym_size(2),
               op, ": lse has shape ", shape_of(lse), " but must be (batch, heads, seqlen_q) of q ", shape_of(q));
@@ -694,15 +702,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_varlen_backward_impl(
   check_window_softcap(op, window, softcap);
   check_packed(op, "grad_out", grad_out);
   check_packed(op, "out", out);
-  check_same(op, "grad_out", grad_out, "q", q);
-  check_same(op, "out", out, "q", q);
-  TORCH_CHECK(out.sym_sizes() == q.sym_sizes() && grad_out.sym_sizes() == q.sym_sizes(), op, ": out has shape ",
-              shape_of(out), " and grad_out ", shape_of(grad_out), "; both must have q's shape ", shape_of(q));
-  TORCH_CHECK(lse.defined(), op, ": lse is an undefined tensor");
-  ::course::check_same_device(op, "lse", lse, "q", q);
-  TORCH_CHECK(lse.scalar_type() == lse_dtype(q.scalar_type()), op, ": lse has dtype ", lse.scalar_type(),
-              " but must be ", lse_dtype(q.scalar_type()), " for q of dtype ", q.scalar_type(),
-              " (what attention_varlen_forward returns)");
+  check_backward_saved(op, "attention_varlen_forward", grad_out, out, lse, q);
   TORCH_CHECK(lse.dim() == 2 && lse.sym_size(0) == q.sym_size(1) && lse.sym_size(1) == q.sym_size(0), op,
               ": lse has shape ", shape_of(lse), " but must be (heads, total_q) of q ", shape_of(q));
   // Every row of dq, and of dk and dv (cu_seqlens_k covers every key token), is written by the
