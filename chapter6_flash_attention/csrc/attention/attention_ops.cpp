@@ -429,6 +429,23 @@ AttentionParams make_params(const Tensor& q, const Tensor& k, const Tensor& v, c
   return p;
 }
 
+// The backward's params: the forward's, and where dO is read and dq, dk, dv are written (all
+// (batch, heads, seq, head_dim) views with a unit last stride).
+AttentionBackwardParams make_backward_params(const AttentionParams& fwd, const Tensor& grad_out, const Tensor& dq,
+                                             const Tensor& dk, const Tensor& dv) {
+  AttentionBackwardParams g{};
+  g.fwd = fwd;
+  g.dout = grad_out.const_data_ptr();
+  g.dq = dq.mutable_data_ptr();
+  g.dk = dk.mutable_data_ptr();
+  g.dv = dv.mutable_data_ptr();
+  g.do_batch_stride = grad_out.stride(0), g.do_head_stride = grad_out.stride(1), g.do_seq_stride = grad_out.stride(2);
+  g.dq_batch_stride = dq.stride(0), g.dq_head_stride = dq.stride(1), g.dq_seq_stride = dq.stride(2);
+  g.dk_batch_stride = dk.stride(0), g.dk_head_stride = dk.stride(1), g.dk_seq_stride = dk.stride(2);
+  g.dv_batch_stride = dv.stride(0), g.dv_head_stride = dv.stride(1), g.dv_seq_stride = dv.stride(2);
+  return g;
+}
+
 // ---------------------------------------------------------------------------------------
 // attention_forward: (out, lse). out is (batch, heads, seqlen_q, head_dim), contiguous, q's
 // dtype; lse is (batch, heads, seqlen_q), contiguous, in the accumulation type.
@@ -515,16 +532,8 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward_impl(const Tensor& grad_ou
     goa = aligned_for_copies(grad_out);
   }
 #endif
-  AttentionBackwardParams g{};
-  g.fwd = make_params(qa, ka, va, out, lse_c, scale, causal, window, softcap);
-  g.dout = goa.const_data_ptr();
-  g.dq = dq.mutable_data_ptr();
-  g.dk = dk.mutable_data_ptr();
-  g.dv = dv.mutable_data_ptr();
-  g.do_batch_stride = goa.stride(0), g.do_head_stride = goa.stride(1), g.do_seq_stride = goa.stride(2);
-  g.dq_batch_stride = dq.stride(0), g.dq_head_stride = dq.stride(1), g.dq_seq_stride = dq.stride(2);
-  g.dk_batch_stride = dk.stride(0), g.dk_head_stride = dk.stride(1), g.dk_seq_stride = dk.stride(2);
-  g.dv_batch_stride = dv.stride(0), g.dv_head_stride = dv.stride(1), g.dv_seq_stride = dv.stride(2);
+  const AttentionBackwardParams g =
+      make_backward_params(make_params(qa, ka, va, out, lse_c, scale, causal, window, softcap), goa, dq, dk, dv);
   if (q.is_cuda()) {
     FLASH_ATTENTION_ON_CUDA(op, q, backward_cuda(v_, g, q, stream));
   } else {
@@ -718,18 +727,10 @@ std::tuple<Tensor, Tensor, Tensor> attention_varlen_backward_impl(
     const Tensor lse_b = lse.narrow(1, sq[b], len_q).unsqueeze(0).contiguous();  // the reference's layout
     const Tensor dq_b = as_batch_of_one(dq, sq[b], len_q), dk_b = as_batch_of_one(dk, sk[b], len_k);
     const Tensor dv_b = as_batch_of_one(dv, sk[b], len_k), go_b = as_batch_of_one(grad_out, sq[b], len_q);
-    AttentionBackwardParams g{};
-    g.fwd = make_params(as_batch_of_one(q, sq[b], len_q), as_batch_of_one(k, sk[b], len_k),
-                        as_batch_of_one(v, sk[b], len_k), as_batch_of_one(out, sq[b], len_q), lse_b, scale, causal,
-                        window, softcap);
-    g.dout = go_b.const_data_ptr();
-    g.dq = dq_b.mutable_data_ptr();
-    g.dk = dk_b.mutable_data_ptr();
-    g.dv = dv_b.mutable_data_ptr();
-    g.do_batch_stride = go_b.stride(0), g.do_head_stride = go_b.stride(1), g.do_seq_stride = go_b.stride(2);
-    g.dq_batch_stride = dq_b.stride(0), g.dq_head_stride = dq_b.stride(1), g.dq_seq_stride = dq_b.stride(2);
-    g.dk_batch_stride = dk_b.stride(0), g.dk_head_stride = dk_b.stride(1), g.dk_seq_stride = dk_b.stride(2);
-    g.dv_batch_stride = dv_b.stride(0), g.dv_head_stride = dv_b.stride(1), g.dv_seq_stride = dv_b.stride(2);
+    const AttentionParams fwd = make_params(as_batch_of_one(q, sq[b], len_q), as_batch_of_one(k, sk[b], len_k),
+                                            as_batch_of_one(v, sk[b], len_k), as_batch_of_one(out, sq[b], len_q),
+                                            lse_b, scale, causal, window, softcap);
+    const AttentionBackwardParams g = make_backward_params(fwd, go_b, dq_b, dk_b, dv_b);
     attention_backward_cpu(g);  // a sequence without queries still writes its keys' zero gradients
   }
   return {dq, dk, dv};
