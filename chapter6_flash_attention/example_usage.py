@@ -12,6 +12,7 @@ one and the build has CUDA kernels.
 6. the sdpa drop-in: one line of a module changes
 7. torch.compile traces it whole
 8. serving: a paged KV cache, decode attention over it, prefixes shared through the radix tree
+9. a Hugging Face model on this attention (when transformers is installed)
 """
 import math
 import sys
@@ -236,6 +237,33 @@ def serving(on_cuda):
           "prefill can skip them and share the blocks")
 
 
+def hugging_face():
+    print("\n9. a Hugging Face model on this attention")
+    try:
+        import transformers
+        from flash_attention.integrations import transformers as course_hf
+    except ImportError:
+        print("   (transformers is not installed: python tools/ensure_env.py test installs it)")
+        return
+    # A tiny random Llama (2 layers, 4 query heads, 2 KV heads), nothing downloaded; the same
+    # weights on PyTorch's SDPA and on the chapter's attention (a padded prompt goes through
+    # attention_varlen, on the CPU).
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2)
+    models = [transformers.AutoModelForCausalLM.from_config(config.__class__(**config.to_dict()),
+                                                            attn_implementation=name).eval()
+              for name in ("sdpa", course_hf.register())]
+    models[1].load_state_dict(models[0].state_dict())
+    ids, mask = torch.randint(3, 128, (2, 12)), torch.ones(2, 12, dtype=torch.long)
+    mask[0, :5] = 0                                       # left padding, as generate() wants it
+    with torch.no_grad():
+        sdpa_tokens, ours_tokens = (m.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                                               pad_token_id=0)[:, 12:] for m in models)
+    assert torch.equal(sdpa_tokens, ours_tokens), (sdpa_tokens, ours_tokens)
+    print(f"   greedy generation with a KV cache on attn_implementation={models[1].config._attn_implementation!r}: "
+          f"{ours_tokens[0].tolist()}, token for token what sdpa generates")
+
+
 def main():
     torch.manual_seed(0)
     print(f"flash_attention from the {flash_attention.EXTENSION['route']} build; "
@@ -248,6 +276,7 @@ def main():
     module, x = drop_in()
     compiled(module, x, on_cuda)
     serving(on_cuda)
+    hugging_face()
     print("\nThe tour ran to the end.")
 
 

@@ -181,14 +181,15 @@ def chapter_setup(package, description, chapter_dir, cpp_sources, cuda_sources, 
     CPU-only, see make_extension) and the shared loader shipped inside it. source_roots: the
     folders of sources.py's INCLUDE_DIRS (see include_dirs)."""
     torch = import_torch(package)
-    from setuptools import setup
+    from setuptools import find_packages, setup
     from torch.utils.cpp_extension import BuildExtension
 
     setup(
         name=package,
         version="0.1.0",
         description=description,
-        packages=[package],
+        # The package and its subpackages (chapter 6's flash_attention.integrations).
+        packages=find_packages(where=str(chapter_dir), include=[package, f"{package}.*"]),
         ext_modules=[make_extension(f"{package}._C", chapter_dir, cpp_sources, cuda_sources,
                                     package, source_roots, hopper_sources)],
         cmdclass={"build_ext": BuildExtension, "build_py": build_py_with_loader(package)},

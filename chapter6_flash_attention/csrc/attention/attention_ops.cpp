@@ -207,6 +207,22 @@ void check_same(const char* op, const char* name, const Tensor& t, const char* r
   ::course::check_same_dtype(op, name, t, ref_name, ref);
 }
 
+// What a backward takes back from its forward: grad_out and out shaped, placed and typed as q,
+// and lse the forward's statistics (float, double for double q) on q's device. The lse's shape is
+// the caller's to check: (batch, heads, seqlen_q) for the padded layout, (heads, total_q) packed.
+void check_backward_saved(const char* op, const char* forward, const Tensor& grad_out, const Tensor& out,
+                          const Tensor& lse, const Tensor& q) {
+  check_same(op, "grad_out", grad_out, "q", q);
+  check_same(op, "out", out, "q", q);
+  TORCH_CHECK(out.sym_sizes() == q.sym_sizes() && grad_out.sym_sizes() == q.sym_sizes(), op, ": out has shape ",
+              shape_of(out), " and grad_out ", shape_of(grad_out), "; both must have q's shape ", shape_of(q));
+  TORCH_CHECK(lse.defined(), op, ": lse is an undefined tensor");
+  ::course::check_same_device(op, "lse", lse, "q", q);
+  TORCH_CHECK(lse.scalar_type() == lse_dtype(q.scalar_type()), op, ": lse has dtype ", lse.scalar_type(),
+              " but must be ", lse_dtype(q.scalar_type()), " for q of dtype ", q.scalar_type(), " (what ", forward,
+              " returns)");
+}
+
 void check_qkv(const char* op, const Tensor& q, const Tensor& k, const Tensor& v) {
   check_bhsd(op, "q", q);
   check_bhsd(op, "k", k);
@@ -455,6 +471,23 @@ AttentionParams make_params(const Tensor& q, const Tensor& k, const Tensor& v, c
   return p;
 }
 
+// The backward's params: the forward's, and where dO is read and dq, dk, dv are written (all
+// (batch, heads, seq, head_dim) views with a unit last stride).
+AttentionBackwardParams make_backward_params(const AttentionParams& fwd, const Tensor& grad_out, const Tensor& dq,
+                                             const Tensor& dk, const Tensor& dv) {
+  AttentionBackwardParams g{};
+  g.fwd = fwd;
+  g.dout = grad_out.const_data_ptr();
+  g.dq = dq.mutable_data_ptr();
+  g.dk = dk.mutable_data_ptr();
+  g.dv = dv.mutable_data_ptr();
+  g.do_batch_stride = grad_out.stride(0), g.do_head_stride = grad_out.stride(1), g.do_seq_stride = grad_out.stride(2);
+  g.dq_batch_stride = dq.stride(0), g.dq_head_stride = dq.stride(1), g.dq_seq_stride = dq.stride(2);
+  g.dk_batch_stride = dk.stride(0), g.dk_head_stride = dk.stride(1), g.dk_seq_stride = dk.stride(2);
+  g.dv_batch_stride = dv.stride(0), g.dv_head_stride = dv.stride(1), g.dv_seq_stride = dv.stride(2);
+  return g;
+}
+
 // ---------------------------------------------------------------------------------------
 // attention_forward: (out, lse). out is (batch, heads, seqlen_q, head_dim), contiguous, q's
 // dtype; lse is (batch, heads, seqlen_q), contiguous, in the accumulation type.
@@ -513,15 +546,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward_impl(const Tensor& grad_ou
   check_window_softcap(op, window, softcap);
   check_bhsd(op, "grad_out", grad_out);
   check_bhsd(op, "out", out);
-  check_same(op, "grad_out", grad_out, "q", q);
-  check_same(op, "out", out, "q", q);
-  TORCH_CHECK(out.sym_sizes() == q.sym_sizes() && grad_out.sym_sizes() == q.sym_sizes(), op, ": out has shape ",
-              shape_of(out), " and grad_out ", shape_of(grad_out), "; both must have q's shape ", shape_of(q));
-  TORCH_CHECK(lse.defined(), op, ": lse is an undefined tensor");
-  ::course::check_same_device(op, "lse", lse, "q", q);
-  TORCH_CHECK(lse.scalar_type() == lse_dtype(q.scalar_type()), op, ": lse has dtype ", lse.scalar_type(),
-              " but must be ", lse_dtype(q.scalar_type()), " for q of dtype ", q.scalar_type(),
-              " (what attention_forward returns)");
+  check_backward_saved(op, "attention_forward", grad_out, out, lse, q);
   TORCH_CHECK(lse.dim() == 3 && lse.sym_size(0) == q.sym_size(0) && lse.sym_size(1) == q.sym_size(1) &&
                   lse.sym_size(2) == q.sym_size(2),
               op, ": lse has shape ", shape_of(lse), " but must be (batch, heads, seqlen_q) of q ", shape_of(q));
@@ -555,16 +580,8 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward_impl(const Tensor& grad_ou
     goa = aligned_for_copies(grad_out, true);
   }
 #endif
-  AttentionBackwardParams g{};
-  g.fwd = make_params(qa, ka, va, out, lse_c, scale, causal, window, softcap);
-  g.dout = goa.const_data_ptr();
-  g.dq = dq.mutable_data_ptr();
-  g.dk = dk.mutable_data_ptr();
-  g.dv = dv.mutable_data_ptr();
-  g.do_batch_stride = goa.stride(0), g.do_head_stride = goa.stride(1), g.do_seq_stride = goa.stride(2);
-  g.dq_batch_stride = dq.stride(0), g.dq_head_stride = dq.stride(1), g.dq_seq_stride = dq.stride(2);
-  g.dk_batch_stride = dk.stride(0), g.dk_head_stride = dk.stride(1), g.dk_seq_stride = dk.stride(2);
-  g.dv_batch_stride = dv.stride(0), g.dv_head_stride = dv.stride(1), g.dv_seq_stride = dv.stride(2);
+  const AttentionBackwardParams g =
+      make_backward_params(make_params(qa, ka, va, out, lse_c, scale, causal, window, softcap), goa, dq, dk, dv);
   if (q.is_cuda()) {
     FLASH_ATTENTION_ON_CUDA(op, q, backward_cuda(v_, g, q, stream));
   } else {
@@ -742,15 +759,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_varlen_backward_impl(
   check_window_softcap(op, window, softcap);
   check_packed(op, "grad_out", grad_out);
   check_packed(op, "out", out);
-  check_same(op, "grad_out", grad_out, "q", q);
-  check_same(op, "out", out, "q", q);
-  TORCH_CHECK(out.sym_sizes() == q.sym_sizes() && grad_out.sym_sizes() == q.sym_sizes(), op, ": out has shape ",
-              shape_of(out), " and grad_out ", shape_of(grad_out), "; both must have q's shape ", shape_of(q));
-  TORCH_CHECK(lse.defined(), op, ": lse is an undefined tensor");
-  ::course::check_same_device(op, "lse", lse, "q", q);
-  TORCH_CHECK(lse.scalar_type() == lse_dtype(q.scalar_type()), op, ": lse has dtype ", lse.scalar_type(),
-              " but must be ", lse_dtype(q.scalar_type()), " for q of dtype ", q.scalar_type(),
-              " (what attention_varlen_forward returns)");
+  check_backward_saved(op, "attention_varlen_forward", grad_out, out, lse, q);
   TORCH_CHECK(lse.dim() == 2 && lse.sym_size(0) == q.sym_size(1) && lse.sym_size(1) == q.sym_size(0), op,
               ": lse has shape ", shape_of(lse), " but must be (heads, total_q) of q ", shape_of(q));
   // Every row of dq, and of dk and dv (cu_seqlens_k covers every key token), is written by the
@@ -766,18 +775,10 @@ std::tuple<Tensor, Tensor, Tensor> attention_varlen_backward_impl(
     const Tensor lse_b = lse.narrow(1, sq[b], len_q).unsqueeze(0).contiguous();  // the reference's layout
     const Tensor dq_b = as_batch_of_one(dq, sq[b], len_q), dk_b = as_batch_of_one(dk, sk[b], len_k);
     const Tensor dv_b = as_batch_of_one(dv, sk[b], len_k), go_b = as_batch_of_one(grad_out, sq[b], len_q);
-    AttentionBackwardParams g{};
-    g.fwd = make_params(as_batch_of_one(q, sq[b], len_q), as_batch_of_one(k, sk[b], len_k),
-                        as_batch_of_one(v, sk[b], len_k), as_batch_of_one(out, sq[b], len_q), lse_b, scale, causal,
-                        window, softcap);
-    g.dout = go_b.const_data_ptr();
-    g.dq = dq_b.mutable_data_ptr();
-    g.dk = dk_b.mutable_data_ptr();
-    g.dv = dv_b.mutable_data_ptr();
-    g.do_batch_stride = go_b.stride(0), g.do_head_stride = go_b.stride(1), g.do_seq_stride = go_b.stride(2);
-    g.dq_batch_stride = dq_b.stride(0), g.dq_head_stride = dq_b.stride(1), g.dq_seq_stride = dq_b.stride(2);
-    g.dk_batch_stride = dk_b.stride(0), g.dk_head_stride = dk_b.stride(1), g.dk_seq_stride = dk_b.stride(2);
-    g.dv_batch_stride = dv_b.stride(0), g.dv_head_stride = dv_b.stride(1), g.dv_seq_stride = dv_b.stride(2);
+    const AttentionParams fwd = make_params(as_batch_of_one(q, sq[b], len_q), as_batch_of_one(k, sk[b], len_k),
+                                            as_batch_of_one(v, sk[b], len_k), as_batch_of_one(out, sq[b], len_q),
+                                            lse_b, scale, causal, window, softcap);
+    const AttentionBackwardParams g = make_backward_params(fwd, go_b, dq_b, dk_b, dv_b);
     attention_backward_cpu(g);  // a sequence without queries still writes its keys' zero gradients
   }
   return {dq, dk, dv};
