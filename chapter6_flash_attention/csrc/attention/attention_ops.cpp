@@ -598,6 +598,26 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward_impl(const Tensor& grad_ou
 // ---------------------------------------------------------------------------------------
 using ::course::find_op;
 
+// The scores' scale and mask, which both attention Functions keep for their backward beside the
+// tensors: saved by the forward, read back by the backward.
+struct SavedScores {
+  double scale;
+  bool causal;
+  std::vector<int64_t> window;
+  double softcap;
+
+  void save(AutogradContext* ctx) const {
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["window"] = window;
+    ctx->saved_data["softcap"] = softcap;
+  }
+  static SavedScores load(AutogradContext* ctx) {
+    return {ctx->saved_data["scale"].toDouble(), ctx->saved_data["causal"].toBool(),
+            ctx->saved_data["window"].toIntVector(), ctx->saved_data["softcap"].toDouble()};
+  }
+};
+
 class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v, double scale,
@@ -609,10 +629,7 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
       std::tie(out, lse) = op.call(q, k, v, scale, causal, version, window, softcap);
     }
     ctx->save_for_backward({q, k, v, out, lse});
-    ctx->saved_data["scale"] = scale;
-    ctx->saved_data["causal"] = causal;
-    ctx->saved_data["window"] = window.vec();
-    ctx->saved_data["softcap"] = softcap;
+    SavedScores{scale, causal, window.vec(), softcap}.save(ctx);
     ctx->mark_non_differentiable({lse});
     return {out, lse};
   }
@@ -623,10 +640,9 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     // out.sum() hands back an expanded scalar (every stride 0): the one input whose last dim is
     // not ours to choose, so it alone may be copied.
     if (grad_out.sym_stride(3) != 1 && grad_out.sym_size(3) != 1) grad_out = grad_out.contiguous();
-    const std::vector<int64_t> window = ctx->saved_data["window"].toIntVector();
-    auto [dq, dk, dv] = op.call(grad_out, s[0], s[1], s[2], s[3], s[4], ctx->saved_data["scale"].toDouble(),
-                                ctx->saved_data["causal"].toBool(), std::nullopt, window,
-                                ctx->saved_data["softcap"].toDouble());
+    const SavedScores m = SavedScores::load(ctx);
+    auto [dq, dk, dv] =
+        op.call(grad_out, s[0], s[1], s[2], s[3], s[4], m.scale, m.causal, std::nullopt, m.window, m.softcap);
     return {dq, dk, dv, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
@@ -801,10 +817,7 @@ class AttentionVarlenFunction : public torch::autograd::Function<AttentionVarlen
     ctx->save_for_backward({q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k});
     ctx->saved_data["max_seqlen_q"] = max_seqlen_q;
     ctx->saved_data["max_seqlen_k"] = max_seqlen_k;
-    ctx->saved_data["scale"] = scale;
-    ctx->saved_data["causal"] = causal;
-    ctx->saved_data["window"] = window.vec();
-    ctx->saved_data["softcap"] = softcap;
+    SavedScores{scale, causal, window.vec(), softcap}.save(ctx);
     ctx->mark_non_differentiable({lse});
     return {out, lse};
   }
@@ -814,11 +827,10 @@ class AttentionVarlenFunction : public torch::autograd::Function<AttentionVarlen
     const auto s = ctx->get_saved_variables();
     Tensor grad_out = grads[0];
     if (grad_out.sym_stride(2) != 1 && grad_out.sym_size(2) != 1) grad_out = grad_out.contiguous();
-    const std::vector<int64_t> window = ctx->saved_data["window"].toIntVector();
+    const SavedScores m = SavedScores::load(ctx);
     auto [dq, dk, dv] = op.call(grad_out, s[0], s[1], s[2], s[3], s[4], s[5], s[6],
                                 ctx->saved_data["max_seqlen_q"].toInt(), ctx->saved_data["max_seqlen_k"].toInt(),
-                                ctx->saved_data["scale"].toDouble(), ctx->saved_data["causal"].toBool(), window,
-                                ctx->saved_data["softcap"].toDouble());
+                                m.scale, m.causal, m.window, m.softcap);
     return {dq, dk, dv, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
