@@ -600,8 +600,8 @@ def test_dispatch_rule_on_any_gpu():
     rule = flash_attention.dispatch_rule
     hopper = dict(cuda=True, capability=(9, 0), sms=132, hopper_built=True)
     big = (4, 16, 1024, 128)
-    assert rule("attention_forward", big, dtype=torch.bfloat16, **hopper) == "pingpong"
-    assert rule("attention_forward", big[:3] + (64,), dtype=torch.float16, **hopper) == "pingpong"
+    assert rule("attention_forward", big, dtype=torch.bfloat16, **hopper) == "persistent"
+    assert rule("attention_forward", big[:3] + (64,), dtype=torch.float16, **hopper) == "persistent"
     assert rule("attention_forward", big[:3] + (256,), dtype=torch.bfloat16, **hopper) == "warp_specialized"
     assert rule("attention_forward", big[:3] + (96,), dtype=torch.bfloat16, **hopper) == "split_kv"
     assert rule("attention_forward", big, dtype=torch.bfloat16, scale=-0.1, **hopper) == "split_kv"
@@ -615,11 +615,20 @@ def test_dispatch_rule_on_any_gpu():
     # the SM count decides: 2 x 16 heads x 2 query tiles = 64 blocks fill 80% of 40 SMs' two slots
     # each, not of 132's, where the Hopper rung gives way to splitting the keys
     mid = (2, 16, 256, 128)
-    assert rule("attention_forward", mid, dtype=torch.bfloat16, **{**hopper, "sms": 40}) == "pingpong"
+    assert rule("attention_forward", mid, dtype=torch.bfloat16, **{**hopper, "sms": 40}) == "persistent"
     assert rule("attention_forward", mid, dtype=torch.bfloat16, **hopper) == "split_kv"
-    assert rule("attention_backward", big, dtype=torch.bfloat16, **hopper) == "mma_dqpass"
+    # the backward: part 3's rung on a Hopper with it built, at its head dims; the deterministic
+    # dQ pass where torch.use_deterministic_algorithms(True) asks for the same bits every run
+    assert rule("attention_backward", big, dtype=torch.bfloat16, **hopper) == "wgmma"
+    assert rule("attention_backward", big[:3] + (64,), dtype=torch.float16, causal=True, **hopper) == "wgmma"
+    assert rule("attention_backward", big, dtype=torch.bfloat16, deterministic=True, **hopper) == "mma_dqpass"
+    assert rule("attention_backward", big[:3] + (96,), dtype=torch.bfloat16, **hopper) == "mma_dqpass"
+    assert rule("attention_backward", big, dtype=torch.bfloat16, **{**hopper, "hopper_built": False}) == "mma_dqpass"
+    assert rule("attention_backward", big, dtype=torch.bfloat16, **{**hopper, "capability": (9, 1)}) == "mma_dqpass"
+    assert rule("attention_backward", big, dtype=torch.bfloat16, cuda=True, capability=(8, 0), sms=108) == "mma_dqpass"
     assert rule("attention_backward", big[:3] + (256,), dtype=torch.bfloat16, **hopper) == "naive"
     assert rule("attention_backward", big, dtype=torch.float64, **hopper) == "naive"
+    assert rule("attention_backward", big, dtype=torch.bfloat16, cuda=True, capability=(7, 5), sms=40) == "naive"
 
 
 def test_meta_tensors_give_shapes():
@@ -1003,8 +1012,8 @@ def test_cuda_default_dispatch(dtype):
     q, k, v = make_qkv(1, 2, 2, 64, 64, 64, dtype=dtype, device="cuda")
     _, names = launched_kernels(lambda: flash_attention.attention(q, k, v), "flash_attention")
     wanted = "flash_fwd_kernel" if takes("tuned", dtype, 64) else "forward_tiled_kernel"
-    if takes("pingpong", dtype, 64):  # Hopper: part 3's rung (test_cuda_hopper_default_dispatch)
-        wanted = "flash_fwd_hopper_kernel"
+    if takes("persistent", dtype, 64):  # Hopper: part 3's rung (test_cuda_hopper_default_dispatch)
+        wanted = "flash_fwd_hopper_persistent_kernel"
     assert any(wanted in n for n in names) and not any("scores_kernel" in n for n in names), names
     if wanted == "flash_fwd_kernel":
         # kTuned, demangled; 64 keys are one tile: nothing to split, no combine
@@ -1340,7 +1349,7 @@ def test_cuda_hopper_persistent_grid_and_graph():
 
 @pytest.mark.cuda
 def test_cuda_hopper_default_dispatch():
-    """version=None on Hopper: "pingpong" at head_dim 64 and 128, "warp_specialized" at 256
+    """version=None on Hopper: "persistent" at head_dim 64 and 128, "warp_specialized" at 256
     (csrc/attention/attention_ops.cpp); "split_kv" where the keys would be split, where the scale
     is not positive, and at head dims the Hopper rungs do not take."""
     skip_unless_hopper()
@@ -1353,6 +1362,8 @@ def test_cuda_hopper_default_dispatch():
         q, k, v = make_qkv(4, 16, 16, 1024, 1024, head_dim, dtype=torch.bfloat16, device="cuda")
         names = kernels(q, k, v, causal=True)
         assert any(f"HopperFwdTraits<{head_dim}, (flash_attention::HopperForward){rung}>" in n for n in names), names
+        # the persistent grid at 64 and 128 (its kernel runs ping-pong's consumers), the plain one at 256
+        assert any("flash_fwd_hopper_persistent_kernel" in n for n in names) == (head_dim <= 128), names
         names = kernels(q, k, v, scale=-0.1)
         assert any("flash_fwd_kernel" in n for n in names) and not any("hopper" in n for n in names), names
     q, k, v = make_qkv(1, 4, 4, 1, 8192, 64, dtype=torch.bfloat16, device="cuda")
@@ -1519,8 +1530,8 @@ def test_cuda_hopper_backward_empty():
 @pytest.mark.cuda
 def test_cuda_hopper_backward_launches():
     """What "wgmma" launches: the statistics kernel, the main kernel on its head dim's traits, dQ's
-    conversion; no part 1 backward kernel. version=None's backward is still "mma_dqpass" on Hopper
-    (backward_rule: not a default before the benchmark has measured it)."""
+    conversion; no part 1 backward kernel. version=None runs the same kernels (backward_rule), and
+    "mma_dqpass"'s under torch.use_deterministic_algorithms(True)."""
     skip_unless_hopper()
     from coursekit.pytest_plugin import launched_kernels
     for head_dim in HOPPER_BACKWARD_HEAD_DIMS:
@@ -1534,7 +1545,15 @@ def test_cuda_hopper_backward_launches():
         assert not any("flash_bwd_kernel" in n for n in names), names
         names = launched_kernels(lambda: flash_attention.attention_backward(go, q, k, v, out, lse, 0.125, True),
                                  "flash_attention")[1]
-        assert not any("hopper" in n for n in names), names
+        assert any(f"HopperBwdTraits<{head_dim}>" in n for n in names), names
+        was = torch.are_deterministic_algorithms_enabled()
+        try:
+            torch.use_deterministic_algorithms(True)
+            names = launched_kernels(lambda: flash_attention.attention_backward(go, q, k, v, out, lse, 0.125, True),
+                                     "flash_attention")[1]
+        finally:
+            torch.use_deterministic_algorithms(was)
+        assert not any("hopper" in n for n in names) and any("flash_bwd_dq_kernel" in n for n in names), names
 
 
 @pytest.mark.cuda
@@ -1796,22 +1815,26 @@ def test_window_softcap_dispatch_rule():
     """version=None with a window or a softcap runs the rungs that compute them: on a Hopper it
     skips part 3's rungs for "split_kv" (which is "tuned" when it does not split); a plain causal
     call, whatever right bound it carries, keeps them. Off sm_80 and for 32-bit it stays "tiled",
-    which refuses them (test_cuda_window_softcap_refusals); the backward's rule does not change."""
+    which refuses them (test_cuda_window_softcap_refusals); the backward leaves part 3's rung for
+    "mma_dqpass", the backward that computes them."""
     rule = flash_attention.dispatch_rule
     hopper = dict(cuda=True, capability=(9, 0), sms=132, hopper_built=True)
     big = (4, 16, 1024, 128)
-    assert rule("attention_forward", big, dtype=torch.bfloat16, **hopper) == "pingpong"
+    assert rule("attention_forward", big, dtype=torch.bfloat16, **hopper) == "persistent"
     assert rule("attention_forward", big, dtype=torch.bfloat16, window=(256, 0), **hopper) == "split_kv"
     assert rule("attention_forward", big, dtype=torch.bfloat16, window=(-1, 0), **hopper) == "split_kv"
     assert rule("attention_forward", big, dtype=torch.bfloat16, softcap=30.0, **hopper) == "split_kv"
-    assert rule("attention_forward", big, dtype=torch.bfloat16, causal=True, window=(-1, 7), **hopper) == "pingpong"
+    assert rule("attention_forward", big, dtype=torch.bfloat16, causal=True, window=(-1, 7), **hopper) == "persistent"
     assert rule("attention_forward", big, dtype=torch.bfloat16, causal=True, window=(64, 7), **hopper) == "split_kv"
     assert rule("attention_forward", big, dtype=torch.float16, window=(8, 8), cuda=True, capability=(8, 0),
                 sms=108) == "split_kv"
     assert rule("attention_forward", big, dtype=torch.float32, window=(8, 8), **hopper) == "tiled"
     assert rule("attention_forward", big, dtype=torch.bfloat16, softcap=5.0, cuda=True, capability=(7, 5),
                 sms=40) == "tiled"
-    assert rule("attention_backward", big, dtype=torch.bfloat16, **hopper) == "mma_dqpass"
+    assert rule("attention_backward", big, dtype=torch.bfloat16, **hopper) == "wgmma"
+    assert rule("attention_backward", big, dtype=torch.bfloat16, causal=True, window=(-1, 7), **hopper) == "wgmma"
+    assert rule("attention_backward", big, dtype=torch.bfloat16, window=(256, 0), **hopper) == "mma_dqpass"
+    assert rule("attention_backward", big, dtype=torch.bfloat16, softcap=30.0, **hopper) == "mma_dqpass"
 
 
 # CUDA: (heads, heads_kv, seqlen_q, seqlen_k, window, causal, softcap), every window of WINDOWS (with

@@ -64,11 +64,13 @@ CUDA rungs (head_dim 32, 64, 96, 128 or 256):
   keys compute S^T, dP^T, dV and dK with wgmma (P^T and dS^T from registers), and dQ = dS K reads
   dS^T back from shared memory and adds into float32 sums with vector atomics.
 
-version=None runs, for 16-bit inputs: on a Hopper GPU "pingpong" (head_dim 64 and 128) or
+version=None runs, for 16-bit inputs: on a Hopper GPU "persistent" (head_dim 64 and 128) or
 "warp_specialized" (256) unless the grid is small enough to split the keys; otherwise "split_kv"
 (sm_80+; it splits only when the grid would leave SMs idle, and is "tuned" otherwise); float32 and
-float64 run "tiled". The backward runs "mma_dqpass" where it can, else "naive"
-(csrc/attention/attention_ops.cpp says which measurements pick these). On the CPU every version
+float64 run "tiled". The backward runs "wgmma" on a Hopper GPU (head_dim 64 and 128, no window
+or softcap), else "mma_dqpass" where it can, else "naive"; with
+torch.use_deterministic_algorithms(True) it keeps to "mma_dqpass", whose bits do not change from
+run to run (csrc/attention/attention_ops.cpp says which measurements pick these). On the CPU every version
 name runs the reference.
 """
 import math
@@ -111,10 +113,12 @@ def hopper_kernels_built():
 
 
 def dispatch_rule(op, q_shape, k_shape=None, *, dtype, cuda, capability=(0, 0), sms=0, hopper_built=False,
-                  scale=None, causal=False, window=(-1, -1), softcap=0.0):
+                  scale=None, causal=False, window=(-1, -1), softcap=0.0, deterministic=False):
     """The rung version=None runs for inputs of these shapes and dtype on a device described by the
     rest: the extension's own rule (csrc/attention/attention_ops.cpp), asked with any facts, so
-    that a GPU other than this machine's (or a recorded one) can be asked about here."""
+    that a GPU other than this machine's (or a recorded one) can be asked about here.
+    deterministic: whether torch.use_deterministic_algorithms(True) is on (the backward then keeps
+    to a rung that gives the same bits on every run)."""
     b, h, s_q, d = q_shape
     _, h_kv, s_k, _ = q_shape if k_shape is None else k_shape
     half = dtype in (torch.float16, torch.bfloat16)
@@ -124,7 +128,8 @@ def dispatch_rule(op, q_shape, k_shape=None, *, dtype, cuda, capability=(0, 0), 
                                                       capability[0], capability[1], sms, hopper_built,
                                                       list(window), softcap)
     if op == "attention_backward":
-        return torch.ops.flash_attention.backward_rule(d, cuda, half, capability[0])
+        return torch.ops.flash_attention.backward_rule(d, cuda, half, capability[0], capability[1], hopper_built,
+                                                       causal, list(window), softcap, deterministic)
     raise ValueError(f"dispatch_rule: unknown op {op!r} (attention_forward or attention_backward)")
 
 
@@ -137,7 +142,7 @@ def default_choice(op, q, k=None, *, scale=None, causal=False, window=(-1, -1), 
                          capability=(props.major, props.minor) if cuda else (0, 0),
                          sms=props.multi_processor_count if cuda else 0,
                          hopper_built=cuda and hopper_kernels_built(), scale=scale, causal=causal, window=window,
-                         softcap=softcap)
+                         softcap=softcap, deterministic=torch.are_deterministic_algorithms_enabled())
 
 
 def _default_scale(q):

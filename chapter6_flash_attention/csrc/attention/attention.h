@@ -62,6 +62,10 @@ inline constexpr int kCudaHeadDims[] = {32, 64, 96, 128, 256};
 inline constexpr int kMmaBackwardHeadDims[] = {32, 64, 96, 128};
 // Part 3's Hopper forward (csrc/hopper/): whole 64-column chunks, the width of its 128-byte swizzle.
 inline constexpr int kHopperHeadDims[] = {64, 128, 256};
+// Part 3's Hopper backward (rung "wgmma"): dK and dV of a warpgroup's 64 keys live in registers,
+// which 256 would not fit. Here, not beside the kernel, because version=None's rule reads it in
+// every build, the CPU-only one included.
+inline constexpr int kHopperBackwardHeadDims[] = {64, 128};
 
 // The log-sum-exp is kept in the accumulation type: float32, float64 for float64 inputs (as
 // chapter 4 keeps its norms' statistics). A (batch, heads, seqlen_q) contiguous tensor:

@@ -100,20 +100,28 @@ HopperForward hopper_kind(ForwardVersion v) {
 bool half_dtype(const Tensor& t) { return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16; }
 
 // version=None: the fastest forward rung that runs. On a Hopper GPU (compute capability 9.0, in a
-// build with the sm_90a kernels) that is part 3's: "pingpong" at head_dim 64 and 128, where its
-// third shared-memory stage fits, "warp_specialized" at 256, where it does not and two stages
-// leave ping-pong slower (experiments/hopper_forward_check.cu --variants, NOTES.md). Elsewhere, and
+// build with the sm_90a kernels) that is part 3's: "persistent" at head_dim 64 and 128, which runs
+// "pingpong"'s consumers (their third shared-memory stage fits there) in a grid of one block per SM
+// that draws its tiles longest first: it matched pingpong on full attention at long sequences and
+// beat it on causal ones and short ones, where the plain grid's last wave runs half empty
+// (experiments/persistent_probe.py, bench_attention.py). At 256 "warp_specialized", where the
+// third stage does not fit and two stages leave ping-pong slower
+// (experiments/hopper_forward_check.cu --variants, NOTES.md). Elsewhere, and
 // wherever the Hopper rungs do not apply (other head dims, a scale <= 0) it is "split_kv" (16-bit
 // inputs on sm_80 and newer), else "tiled", which moves O(seqlen) bytes where "naive" moves
 // O(seqlen^2). Each tensor-core rung of part 1 beats the one before at every seqlen, head_dim and
 // mask measured, and "split_kv" is "tuned" wherever the grid fills the GPU: when it would split
 // (attention_forward_splits > 1: a few query rows against many keys) it also wins over the Hopper
-// rungs, whose 128-row tiles would run mostly empty. The backward: "mma_dqpass" matched or beat
-// "mma" (atomics) at every head_dim, mask and seqlen of the sweep once both were pipelined; it also
-// gives the same bits on every run, so it is the default. "persistent" (the pingpong and
-// warp_specialized consumers in a grid that walks a tile schedule) and the backward's "wgmma"
-// (part 3's machinery, dQ by atomics) are not defaults until the benchmark has measured them
-// against those.
+// rungs, whose 128-row tiles would run mostly empty.
+//
+// The backward: on a Hopper GPU (a build with the sm_90a kernels) "wgmma" at head_dim 64 and 128,
+// which ran 2.3-2.6x "mma_dqpass" at the lesson's shapes on an H200 (bench_attention.py's backward
+// rows). Elsewhere "mma_dqpass", which matched or beat "mma" (atomics) at every head_dim, mask and
+// seqlen of the sweep once both were pipelined. "wgmma" adds dQ up with float32 atomics, in an
+// order that changes from run to run, and so does "mma"; "mma_dqpass" gives the same bits on every
+// run. So under torch.use_deterministic_algorithms(True) the rule keeps "mma_dqpass" (as
+// FlashAttention's deterministic flag does), and a window or a softcap, which only the part 1
+// backward computes, goes there too.
 #ifdef WITH_CUDA
 // One attribute of q's GPU (cudaDeviceGetAttribute is a lookup, not a driver round trip).
 int device_attribute(const Tensor& q, cudaDeviceAttr attr) {
@@ -138,14 +146,19 @@ ForwardVersion forward_rule(const AttentionParams& p, const DispatchFacts& f) {
   if (!(f.cuda && f.half && f.cc_major >= 8)) return ForwardVersion::kTiled;
   if (f.hopper_built && f.cc_major == 9 && f.cc_minor == 0 && is_listed(kHopperHeadDims, p.head_dim) &&
       p.scale > 0.0 && !uses_window_or_softcap(p) && attention_forward_splits(p, f.sms) == 1) {
-    return p.head_dim <= 128 ? ForwardVersion::kPingpong : ForwardVersion::kWarpSpecialized;
+    return p.head_dim <= 128 ? ForwardVersion::kPersistent : ForwardVersion::kWarpSpecialized;
   }
   return ForwardVersion::kSplitKv;
 }
-BackwardVersion backward_rule(int64_t head_dim, const DispatchFacts& f) {
-  // Deterministic as well, so torch.use_deterministic_algorithms(True) needs nothing else.
-  return f.cuda && f.half && f.cc_major >= 8 && is_listed(kMmaBackwardHeadDims, head_dim) ? BackwardVersion::kMmaDqPass
-                                                                                         : BackwardVersion::kNaive;
+BackwardVersion backward_rule(const AttentionParams& p, bool deterministic, const DispatchFacts& f) {
+  if (!(f.cuda && f.half && f.cc_major >= 8 && is_listed(kMmaBackwardHeadDims, p.head_dim))) {
+    return BackwardVersion::kNaive;
+  }
+  if (f.hopper_built && f.cc_major == 9 && f.cc_minor == 0 && is_listed(kHopperBackwardHeadDims, p.head_dim) &&
+      !uses_window_or_softcap(p) && !deterministic) {
+    return BackwardVersion::kWgmma;
+  }
+  return BackwardVersion::kMmaDqPass;
 }
 
 // The facts of q's device.
@@ -168,7 +181,9 @@ DispatchFacts facts_of([[maybe_unused]] const Tensor& q) {
 
 // p: the call's sizes, scale and mask (its pointers are not read here).
 ForwardVersion default_forward(const Tensor& q, const AttentionParams& p) { return forward_rule(p, facts_of(q)); }
-BackwardVersion default_backward(const Tensor& q) { return backward_rule(q.size(3), facts_of(q)); }
+BackwardVersion default_backward(const Tensor& q, const AttentionParams& p) {
+  return backward_rule(p, at::globalContext().deterministicAlgorithms(), facts_of(q));
+}
 
 // The accumulation type, which the log-sum-exp is kept in (attention.h).
 at::ScalarType lse_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
@@ -555,8 +570,9 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward_impl(const Tensor& grad_ou
   Tensor dk = at::empty_symint(k.sym_sizes(), k.options());
   Tensor dv = at::empty_symint(v.sym_sizes(), v.options());
   if (q.is_meta()) return {dq, dk, dv};
-  [[maybe_unused]] const BackwardVersion v_ = named.value_or(default_backward(q));
-  if (q.is_cuda() && uses_window_or_softcap(make_params(q, k, v, out, lse, scale, causal, window, softcap))) {
+  const AttentionParams sizes = make_params(q, k, v, out, lse, scale, causal, window, softcap);
+  [[maybe_unused]] const BackwardVersion v_ = named.value_or(default_backward(q, sizes));
+  if (q.is_cuda() && uses_window_or_softcap(sizes)) {
     TORCH_CHECK(takes_window_or_softcap(v_), op, ": version '", ::course::version_name(kBackwardVersions, v_),
                 "' takes no window or softcap; versions 'mma' and 'mma_dqpass' compute them (float16 and bfloat16, ",
                 "compute capability 8.0 or newer, head_dim ", list_text(kMmaBackwardHeadDims),
@@ -859,9 +875,15 @@ std::string forward_rule_op(int64_t batch, int64_t heads, int64_t heads_kv, int6
                         hopper_built};
   return ::course::version_name(kForwardVersions, forward_rule(p, f));
 }
-std::string backward_rule_op(int64_t head_dim, bool cuda, bool half, int64_t cc_major) {
-  const DispatchFacts f{cuda, half, static_cast<int>(cc_major), 0, 0, false};
-  return ::course::version_name(kBackwardVersions, backward_rule(head_dim, f));
+std::string backward_rule_op(int64_t head_dim, bool cuda, bool half, int64_t cc_major, int64_t cc_minor,
+                             bool hopper_built, bool causal, at::IntArrayRef window, double softcap,
+                             bool deterministic) {
+  check_window_softcap("backward_rule", window, softcap);
+  AttentionParams p{};
+  p.head_dim = head_dim, p.causal = causal, p.softcap = softcap;
+  p.window_left = window[0], p.window_right = causal ? 0 : window[1];
+  const DispatchFacts f{cuda, half, static_cast<int>(cc_major), static_cast<int>(cc_minor), 0, hopper_built};
+  return ::course::version_name(kBackwardVersions, backward_rule(p, deterministic, f));
 }
 
 // Whether this build holds part 3's sm_90a kernels (its arch list had 9.0): the tests and the
@@ -960,7 +982,9 @@ TORCH_LIBRARY_FRAGMENT(flash_attention, m) {
         "bool causal, bool cuda, bool half, int cc_major, int cc_minor, int sms, bool hopper_built, "
         "int[2] window=[-1, -1], float softcap=0.0) -> str",
         &flash_attention::forward_rule_op);
-  m.def("backward_rule(int head_dim, bool cuda, bool half, int cc_major) -> str", &flash_attention::backward_rule_op);
+  m.def("backward_rule(int head_dim, bool cuda, bool half, int cc_major, int cc_minor=0, bool hopper_built=False, "
+        "bool causal=False, int[2] window=[-1, -1], float softcap=0.0, bool deterministic=False) -> str",
+        &flash_attention::backward_rule_op);
 }
 
 // CUDA is registered in every build: in a CPU-only build a CUDA tensor gets the checks and then

@@ -14,8 +14,7 @@ namespace flash_attention {
 // ring on mbarriers; two consumer warpgroups, 64 keys each, compute S^T, dP^T, dV and dK with
 // wgmma, P^T and dS^T from registers as the A operand; dQ = dS K takes dS^T through shared memory
 // and adds into float32 sums with vector atomics; a last kernel scales and rounds dQ.
-// Head dims: 64 and 128 (dK and dV of a warpgroup's 64 keys live in registers; 256 would not fit).
-inline constexpr int kHopperBackwardHeadDims[] = {64, 128};
+// Head dims: kHopperBackwardHeadDims (attention.h).
 inline bool attention_backward_hopper_head_dim(int64_t head_dim) {
   return ::course::is_listed(kHopperBackwardHeadDims, head_dim);
 }

@@ -380,7 +380,11 @@ __global__ void __launch_bounds__(K::kThreads, 1)
     // Every product that read this stage (S^T, dP^T, dV, dK) has completed: one arrive per warp
     // frees it for step i + kStages. (dS^T's buffer is freed by the next step's barrier instead:
     // a warpgroup writes buffer i % 2 again only after both passed step i + 1's barrier, which
-    // each reaches after its step-i dQ has completed.)
+    // each reaches after its step-i dQ has completed.) The warp's lanes also read the stage's
+    // statistics with ordinary loads (load_columns): __syncwarp orders every lane's reads before
+    // lane 0's arrive, so the producer's next bulk copy into the stage cannot overtake a slow
+    // lane's read (compute-sanitizer's racecheck reports that hazard without it).
+    __syncwarp();
     if (lane == 0) mbarrier_arrive(&empty[stage]);
 
     // dQ's float32 sums: register j is row 16 warp + lane / 4 + 8 ((j >> 1) & 1) of the tile,
