@@ -7,7 +7,7 @@
 //     brings the block's K and V once by TMA and then streams, per step (a 64-row query tile of
 //     one of the query heads that read this kv head), Q, dO, and the rows' lse (log2 units) and D
 //     through a two-stage ring on mbarriers: full barriers the copies complete on, empty ones the
-//     consumer warps arrive on when they are done with a stage;
+//     consumer threads arrive on when they are done with a stage;
 //   - two consumer warpgroups own 64 keys each, keys as wgmma's m, so that the products whose
 //     rows are keys keep their A operand in registers (the C-to-A identity of the forward's P):
 //       S^T  = K_wg Q^T         ss: K and Q K-major                     m64 n64 (query rows)
@@ -171,15 +171,19 @@ __global__ void __launch_bounds__(K::kThreads, 1)
     mbarrier_init(&kv_full, 1);  // the producer's arrive, with K's and V's bytes
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(&full[s], 1);   // the producer's arrive, with the stage's bytes
-      mbarrier_init(&empty[s], 8);  // one arrive per consumer warp once it is done with the stage
+      // Every consumer thread arrives once it is done with the stage, not one lane per warp as the
+      // forward's K/V ring does: here the lanes also read the stage's statistics with ordinary loads
+      // (load_columns), and each reader's own arrive is what orders its reads before the producer's
+      // next bulk copy into the stage (racecheck reported the per-warp form, __syncwarp or not).
+      mbarrier_init(&empty[s], K::kConsumerThreads);
     }
     fence_barrier_init();
   }
   __syncthreads();  // the barriers are initialised before anyone waits on them
 
   if (threadIdx.x < K::kProducerThreads) {
-    // The producer: one thread issues every copy; stage i % kStages is free for step i once the 8
-    // consumer warps have arrived on its empty barrier for step i - kStages.
+    // The producer: one thread issues every copy; stage i % kStages is free for step i once the 256
+    // consumer threads have arrived on its empty barrier for step i - kStages.
     setmaxnreg_dec<K::kProducerRegs>();
     if (threadIdx.x == 0 && steps > 0) {
       mbarrier_arrive_expect_tx(&kv_full, 2 * K::kKVBytes);
@@ -380,12 +384,8 @@ __global__ void __launch_bounds__(K::kThreads, 1)
     // Every product that read this stage (S^T, dP^T, dV, dK) has completed: one arrive per warp
     // frees it for step i + kStages. (dS^T's buffer is freed by the next step's barrier instead:
     // a warpgroup writes buffer i % 2 again only after both passed step i + 1's barrier, which
-    // each reaches after its step-i dQ has completed.) The warp's lanes also read the stage's
-    // statistics with ordinary loads (load_columns): __syncwarp orders every lane's reads before
-    // lane 0's arrive, so the producer's next bulk copy into the stage cannot overtake a slow
-    // lane's read (compute-sanitizer's racecheck reports that hazard without it).
-    __syncwarp();
-    if (lane == 0) mbarrier_arrive(&empty[stage]);
+    // each reaches after its step-i dQ has completed.)
+    mbarrier_arrive(&empty[stage]);
 
     // dQ's float32 sums: register j is row 16 warp + lane / 4 + 8 ((j >> 1) & 1) of the tile,
     // column 8 (j >> 2) + 2t (+1) of the chunk; padded rows need no guard (their dS is 0 and their
