@@ -154,14 +154,15 @@ def sdpa_call(backend, causal):
     return call
 
 
-def dispatch_of(op, q):
-    """The rung version=None runs for q, where the package says (chapter 4's
-    default_choice(op, x)); nothing until the chapter's CUDA dispatch exists."""
+def dispatch_of(op, q, causal):
+    """The rung version=None runs for q with this mask, where the package says (chapter 4's
+    default_choice(op, x)); nothing until the chapter's CUDA dispatch exists. The mask is asked
+    too: the rule reads it (a causal row sees about half the keys)."""
     choose = getattr(flash_attention, "default_choice", None)
     if choose is None or q.device.type != "cuda":
         return {}
     try:
-        return {"dispatch": choose(op, q)}
+        return {"dispatch": choose(op, q, causal=causal)}
     except Exception:  # noqa: BLE001  (a dispatch that cannot say leaves the field out)
         return {}
 
@@ -203,7 +204,8 @@ def variants_for(device, c, q, k, v, dy, pass_):
         for ver in flash_attention.VERSIONS.get("attention_forward", ()):
             out.append((ver, lambda ver=ver: (lambda: flash_attention.attention(
                 q, k, v, causal=causal, version=ver)), {}))
-        return next_to_its_rung(out, ("default", lambda: (lambda: course(q, k, v)), dispatch_of("attention_forward", q)))
+        return next_to_its_rung(out, ("default", lambda: (lambda: course(q, k, v)),
+                                      dispatch_of("attention_forward", q, causal)))
 
     def backward_op(ver):
         def make():
@@ -212,7 +214,7 @@ def variants_for(device, c, q, k, v, dy, pass_):
         return make
     for ver in flash_attention.VERSIONS.get("attention_backward", ()):
         out.append((ver, backward_op(ver), {}))
-    out = next_to_its_rung(out, ("default", backward_op(None), dispatch_of("attention_backward", q)))
+    out = next_to_its_rung(out, ("default", backward_op(None), dispatch_of("attention_backward", q, causal)))
     return out + [("default", lambda: bench.backward_call(course, grad_leaves(q, k, v), dy), {"call": "autograd"})]
 
 
