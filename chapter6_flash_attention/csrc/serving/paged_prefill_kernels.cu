@@ -363,11 +363,6 @@ cudaError_t run_paged_prefill(const PagedPrefillParams& p, cudaStream_t stream) 
 
 }  // namespace
 
-int paged_prefill_tile_rows(int64_t head_dim) {
-  return course::with_listed<kPagedHeadDims>(head_dim, 0,
-                                             [](auto d) { return PrefillTraits<decltype(d)::value>::kBlockM; });
-}
-
 cudaError_t launch_paged_prefill_attention(const PagedPrefillParams& p, cudaStream_t stream) {
   // No row or no head: nothing to write.
   if (p.total_q == 0 || p.heads == 0 || p.batch == 0) return cudaSuccess;

@@ -242,8 +242,5 @@ cudaError_t launch_paged_attention(const PagedAttentionParams& params, PagedVers
 // Chunked prefill on tensor cores (paged_prefill_kernels.cu): float16 and bfloat16, kPagedHeadDims,
 // kPagedBlockSizes, compute capability 8.0 or newer (the glue checks each by name first).
 cudaError_t launch_paged_prefill_attention(const PagedPrefillParams& params, cudaStream_t stream);
-// The query rows one block of that kernel takes (the grid is ceil(max_seqlen_q / this) tiles per
-// (sequence, head)); 0 for a head dim it does not take.
-int paged_prefill_tile_rows(int64_t head_dim);
 }  // namespace flash_attention
 #endif
