@@ -469,6 +469,7 @@ void check_prefill_mma(const char* op, const Tensor& query) {
 // sequence's table and a context inside it: memory-safe, their values unspecified.
 void prefill_decode_rows_cuda(const PagedPrefillParams& p, const Tensor& q, const Tensor& tables, const Tensor& cu,
                               const Tensor& lens, cudaStream_t stream) {
+  if (p.batch == 0) return;  // no sequence, no row to serve (offsets the checks refuse: see above)
   const Tensor ends = cu.slice(0, 1).to(at::kLong);
   const Tensor rows = at::arange(p.total_q, ends.options());
   const Tensor seq = at::searchsorted(ends, rows, /*out_int32=*/false, /*right=*/true).clamp_max(p.batch - 1);
@@ -539,8 +540,6 @@ Tensor paged_prefill_attention_impl(const Tensor& query, const Tensor& key_cache
   TORCH_CHECK(max_seqlen_q >= 0, op, ": max_seqlen_q is ", std::to_string(max_seqlen_q),
               "; it must be 0 (bounded by query's tokens) or the longest chunk's length");
   const auto named = ::course::parse_version(op, version, kPrefillVersions);  // a typo fails on Meta too
-  const int64_t total_q = query.size(0);
-  const int64_t bound = max_seqlen_q > 0 ? max_seqlen_q : total_q;
   if (query.is_cuda()) {
 #ifdef WITH_CUDA
     if (named == PagedPrefillVersion::kMma) check_prefill_mma(op, query);
@@ -560,6 +559,8 @@ Tensor paged_prefill_attention_impl(const Tensor& query, const Tensor& key_cache
   }
   Tensor out = at::empty_symint(query.sym_sizes(), query.options());
   if (query.is_meta()) return out;
+  const int64_t total_q = query.size(0);
+  const int64_t bound = max_seqlen_q > 0 ? max_seqlen_q : total_q;  // the longest chunk's length, at most
   const KVCacheLayout cache = layout_of(key_cache);
   const Tensor tables = rows_contiguous(block_tables);
   const Tensor cu = cu_seqlens_q.contiguous();
