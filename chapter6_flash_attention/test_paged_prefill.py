@@ -7,15 +7,13 @@ memory-safety rules of unchecked inputs, a misaligned query and a CUDA graph cap
 
 Run against the installed extension (pip install .) or the JIT build (COURSE_EXT_ROUTE=jit).
 """
-import math
-
 import pytest
 import torch
 
 import flash_attention
 from coursekit.pytest_plugin import DTYPES, dtype_id, poison_allocator, require_cuda
 from paged_testing import (CPU_DTYPES, HALF_DTYPES, OPS, assert_paged, blocks_needed, cuda_tol, make_cache,
-                           make_prefill, make_tables, reference_paged_attention, reference_paged_prefill)
+                           make_prefill, reference_paged_prefill)
 
 pytestmark = pytest.mark.usefixtures("seeded_python_random")
 
