@@ -51,6 +51,29 @@ Rows (op, then variant):
   width); a server also knows every context length on the host, and this sweep shows what a
   count chosen with them would buy, mixed lengths above all (config e: one wave of blocks whose
   lengths differ 8000-fold).
+- paged_prefill (pass "forward", causal bottom-right), field config: chunked prefill over the paged
+  cache (paged_prefill_attention), bf16, 32/8 heads, d 128, block_size 16: "prefix" 16 sequences,
+  each a chunk of 512 new tokens after a cached prefix of 3584 (the suffix after a radix match);
+  "mixed" 4 such chunks and 60 decode tokens (one each, contexts 4096) in one batch; "cold" 8
+  prompts of 2048, chunk = context (no cache hit: the whole causal triangle). Compute-bound, so
+  TFLOP/s over the visible (query, key) pairs, 4 x head_dim FLOPs each per query head, and
+  pct_of_mm against a bf16 matmul measured in the same run (bench.matmul_ceiling). Variants: the
+  rungs of VERSIONS["paged_prefill_attention"] (decode_rows, mma), default (version=None, its
+  rung in the row's dispatch field), and PyTorch on the same keys gathered contiguous per
+  sequence, the gather outside the timed region:
+    sdpa_flash      one F.scaled_dot_product_attention per sequence (SDPA has no varlen entry
+                    point) with the bottom-right causal mask (torch.nn.attention.bias
+                    .causal_lower_right, which runs FlashAttention 2's kernel) and enable_gqa, under
+                    sdpa_kernel(FLASH_ATTENTION); the baseline of speedup_vs_torch;
+    flex_attention  torch.compile(flex_attention) once over the batch, every sequence's gathered
+                    K/V packed end to end (a "document" mask: same sequence and key position <=
+                    the query's), its BlockMask built once outside the timed region: the
+                    varlen-by-mask pattern flex is written for, and PyTorch's fair analogue of a
+                    kernel whose grid skips other sequences' tiles. (flex can also read a page
+                    table through torch.nn.attention.experimental's PagedAttention, a private API.)
+  Each output is checked against a float32 reference of the same keys before it is timed.
+  --prefill-only runs these rows alone (and writes results/<device-slug>/chapter6_paged_prefill.json,
+  leaving the full record alone).
 - reshape_and_cache: 65536 tokens (a prefill's worth) and 256 (a decode step's), 8 kv heads, d 128,
   bf16, block_size 16, every 97th slot -1 (padding); bytes = K and V of the real tokens read and
   written, plus the slots. Baseline torch (eager PyTorch): the real tokens picked out (index_select)
@@ -108,6 +131,7 @@ head_dim]; match_prefix [requests, tokens].
     python bench_paged.py           full run on a GPU
     python bench_paged.py --quick   small sizes: CPU machines (the CPU reference, variant "cpu",
                                     float32, against SDPA on the CPU), GPU smoke runs
+    python bench_paged.py --prefill-only   the paged_prefill rows alone (with --quick: small sizes)
 
 Writes results/<device-slug>/chapter6_paged_attention.json and the plots beside it.
 """
@@ -127,9 +151,13 @@ from coursekit import bench, plots, results  # noqa: E402
 import flash_attention  # noqa: E402
 
 CHAPTER = "chapter6_paged_attention"
+PREFILL_CHAPTER = "chapter6_paged_prefill"  # --prefill-only's record
 BASELINE = "sdpa_contiguous"  # what speedup_vs_torch divides by: SDPA on an unpaged cache
 RUNGS = tuple(flash_attention.VERSIONS["paged_attention"])
 TORCH_DECODE = ("sdpa_contiguous", "sdpa_gathered", "repeat_kv")
+PREFILL_RUNGS = tuple(flash_attention.VERSIONS["paged_prefill_attention"])
+PREFILL_BASELINE = "sdpa_flash"  # paged_prefill's speedup_vs_torch divides by it
+TORCH_PREFILL = ("sdpa_flash", "flex_attention")
 MAX_CALL_MS = 100.0   # a call slower than this is skipped, not timed
 Q_STD = 3.0           # scores of std ~3: outputs dominated by a few tokens (see the docstring)
 PAD_EVERY = 97        # reshape_and_cache: every 97th token is padding (slot -1)
@@ -212,7 +240,8 @@ def sizes_for(device, quick):
                 "cache_ops": {"tokens": [65536, 256], "num_blocks": 16384, "pairs": 2048, "heads_kv": 8,
                               "head_dim": 128, "block_size": 16, "dtype": "bfloat16"},
                 "match": {"requests": 4096, "tokens": 2048, "nodes": 100_000, "roots": 64,
-                          "block_size": 16, "vocab": 32000}}
+                          "block_size": 16, "vocab": 32000},
+                "prefill": prefill_configs(512, 4096, 2048)}
     if device == "cuda":
         cap = 0.25
         split = [decode_config(b, n, 32, 8, sweep="split_kv") for b in (1, 8) for n in (1024, 16384, 65536)]
@@ -225,7 +254,8 @@ def sizes_for(device, quick):
                 "cache_ops": {"tokens": [4096, 256], "num_blocks": 2048, "pairs": 256, "heads_kv": 8,
                               "head_dim": 128, "block_size": 16, "dtype": "bfloat16"},
                 "match": {"requests": 512, "tokens": 512, "nodes": 5000, "roots": 16,
-                          "block_size": 16, "vocab": 32000}}
+                          "block_size": 16, "vocab": 32000},
+                "prefill": prefill_configs(129, 1000, 300, batch=4, decodes=12)}
     cap = 8 / 1024
     targets = [dict(c, dtype="float32") for c in
                target_configs((4, 256, 8, 2), 512, {"b": (2, 1024), "c": (1, 2048)})]
@@ -238,7 +268,38 @@ def sizes_for(device, quick):
             "num_splits": [],  # the CPU reference does not split
             "cache_ops": {"tokens": [512, 16], "num_blocks": 256, "pairs": 32, "heads_kv": 2, "head_dim": 64,
                           "block_size": 16, "dtype": "float32"},
-            "match": {"requests": 64, "tokens": 256, "nodes": 2000, "roots": 8, "block_size": 16, "vocab": 32000}}
+            "match": {"requests": 64, "tokens": 256, "nodes": 2000, "roots": 8, "block_size": 16, "vocab": 32000},
+            "prefill": prefill_configs(17, 100, 33, batch=4, decodes=6, heads=8, heads_kv=2, head_dim=64,
+                                       dtype="float32")}
+
+
+def prefill_config(config, chunks, contexts, heads=32, heads_kv=8, head_dim=128, block_size=16, dtype="bfloat16"):
+    """One paged_prefill measurement: sequence b has chunks[b] new tokens, the last of its
+    contexts[b] cached ones."""
+    return {"config": config, "chunks": list(chunks), "contexts": list(contexts), "heads": heads,
+            "heads_kv": heads_kv, "head_dim": head_dim, "block_size": block_size, "dtype": dtype}
+
+
+def prefill_configs(chunk, context, cold, batch=16, decodes=60, **kw):
+    """prefix: `batch` chunks of `chunk` at `context`; mixed: batch / 4 of them and `decodes`
+    decode tokens at `context`; cold: batch / 2 prompts of `cold` tokens, nothing cached."""
+    return [prefill_config("prefix", [chunk] * batch, [context] * batch, **kw),
+            prefill_config("mixed", [chunk] * (batch // 4) + [1] * decodes, [context] * (batch // 4 + decodes), **kw),
+            prefill_config("cold", [cold] * (batch // 2), [cold] * (batch // 2), **kw)]
+
+
+def prefill_flops(chunks, contexts, heads, head_dim):
+    """FLOPs over the (query, key) pairs the bottom-right causal mask leaves visible: row i of a
+    chunk of q over a context of n sees n - q + i + 1 keys, so a chunk sees q (n - q) + q (q + 1) / 2
+    pairs; each costs a multiply-add in q.k and one in p v per element of head_dim, per query head."""
+    pairs = sum(q * (n - q) + q * (q + 1) // 2 for q, n in zip(chunks, contexts))
+    return 4 * heads * head_dim * pairs
+
+
+def prefill_variants(device):
+    """PyTorch's two first (sdpa_flash the reference of speedup_vs_torch), then the ladder and
+    default; on the CPU the course's reference alone, one row "cpu"."""
+    return TORCH_PREFILL + PREFILL_RUNGS + ("default",) if device == "cuda" else ("cpu",)
 
 
 def variants_of(c, device):
@@ -455,6 +516,192 @@ def bench_decode(device, configs, ceilings, notes):
     rows = []
     for c in configs:
         rows += decode_rows(device, c, ceilings, notes)
+        free(device)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Chunked prefill: the paged cache, each sequence's keys gathered, and every variant over them
+# ---------------------------------------------------------------------------------------------
+_flex = {}
+
+
+def compiled_flex():
+    """torch.compile(flex_attention), compiled once per process (and per shape, by torch)."""
+    if "fn" not in _flex:
+        from torch.nn.attention.flex_attention import flex_attention
+        _flex["fn"] = torch.compile(flex_attention, dynamic=False)
+    return _flex["fn"]
+
+
+def make_prefill_case(c, device, seed=0):
+    """q (total_q, heads, d), packed; the paged cache, its tables, cu_seqlens_q and context_lens;
+    and each sequence's K and V gathered back from the cache, (context, heads_kv, d)."""
+    dtype = getattr(torch, c["dtype"])
+    h, hkv, d, bs = c["heads"], c["heads_kv"], c["head_dim"], c["block_size"]
+    chunks, lens = c["chunks"], c["contexts"]
+    tables, pool = block_tables_for(lens, bs, seed)
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(sum(chunks), h, d, generator=g, device=device, dtype=dtype) * Q_STD
+    case = {"q": q, "block_tables": tables.to(device)}
+    for name in ("k", "v"):
+        cache = torch.zeros(pool, bs, hkv, d, device=device, dtype=dtype)
+        for b, n in enumerate(lens):
+            blocks = -(-n // bs)
+            pages = torch.randn(blocks * bs, hkv, d, generator=g, device=device, dtype=dtype)
+            cache[tables[b, :blocks].to(device=device, dtype=torch.int64)] = pages.view(blocks, bs, hkv, d)
+        case[name + "_cache"] = cache
+        # What a PyTorch kernel without a page table needs: each sequence's pages gathered in order.
+        case[name] = [cache[tables[b, :-(-n // bs)].to(device=device, dtype=torch.int64)].flatten(0, 1)[:n]
+                      for b, n in enumerate(lens)]
+    offsets = [0]
+    for n in chunks:
+        offsets.append(offsets[-1] + n)
+    case["offsets"] = offsets
+    case["cu_seqlens_q"] = torch.tensor(offsets, dtype=torch.int32, device=device)
+    case["context_lens"] = torch.tensor(lens, dtype=torch.int32, device=device)
+    return case
+
+
+def reference_prefill(c, case):
+    """float32 softmax(scale q k^T + bottom-right causal mask) v, one sequence at a time."""
+    q, h, hkv = case["q"], c["heads"], c["heads_kv"]
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    scale = 1.0 / math.sqrt(c["head_dim"])
+    for b, (n_q, n) in enumerate(zip(c["chunks"], c["contexts"])):
+        if n_q == 0:
+            continue
+        lo = case["offsets"][b]
+        qb = q[lo:lo + n_q].float().transpose(0, 1)                               # (h, n_q, d)
+        kb = case["k"][b].float().transpose(0, 1).repeat_interleave(h // hkv, 0)  # (h, n, d)
+        vb = case["v"][b].float().transpose(0, 1).repeat_interleave(h // hkv, 0)
+        s = qb @ kb.transpose(-1, -2) * scale
+        visible = torch.arange(n, device=q.device)[None] <= torch.arange(n_q, device=q.device)[:, None] + n - n_q
+        out[lo:lo + n_q] = (torch.softmax(s.masked_fill(~visible, -math.inf), -1) @ vb).transpose(0, 1)
+    return out
+
+
+def prefill_calls(c, case, device):
+    """[(variant, fn, check)] as decode_calls: outputs (total_q, heads, d)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+    q, kc, vc = case["q"], case["k_cache"], case["v_cache"]
+    tables, cu, lens = case["block_tables"], case["cu_seqlens_q"], case["context_lens"]
+    chunks, contexts, offsets = c["chunks"], c["contexts"], case["offsets"]
+    gqa = c["heads"] != c["heads_kv"]
+    # SDPA's layouts, built outside the timed region: (1, heads, n_q, d) views of q, and
+    # (1, heads_kv, n, d) of each gathered K and V.
+    per_seq = [(b, q[offsets[b]:offsets[b + 1]].transpose(0, 1)[None], case["k"][b].transpose(0, 1)[None],
+                case["v"][b].transpose(0, 1)[None]) for b in range(len(chunks)) if chunks[b] > 0]
+
+    def sdpa_flash():
+        out = torch.empty_like(q)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            for b, qb, kb, vb in per_seq:
+                o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=causal_lower_right(qb.shape[2], kb.shape[2]),
+                                                   enable_gqa=gqa)
+                out[offsets[b]:offsets[b + 1]] = o[0].transpose(0, 1)
+        return out
+
+    def sdpa_flash_setup():
+        """sdpa_flash itself where the bottom-right mask's flash path takes GQA; else K and V
+        repeated to every query head first, outside the timed region (the row says so)."""
+        nonlocal per_seq, gqa
+        try:
+            sdpa_flash()
+        except RuntimeError:
+            if not gqa:
+                raise
+            group = c["heads"] // c["heads_kv"]
+            per_seq = [(b, qb, kb.repeat_interleave(group, 1), vb.repeat_interleave(group, 1))
+                       for b, qb, kb, vb in per_seq]
+            gqa = False
+            case["kv_repeated"] = True
+        return sdpa_flash
+
+    def flex_setup():
+        from torch.nn.attention.flex_attention import create_block_mask
+        doc_q = torch.repeat_interleave(torch.arange(len(chunks), device=device),
+                                        torch.tensor(chunks, device=device))
+        # a query's position in its sequence: the chunk is the last of the context
+        pos_q = torch.cat([torch.arange(n - n_q, n, device=device) for n_q, n in zip(chunks, contexts)])
+        doc_k = torch.repeat_interleave(torch.arange(len(contexts), device=device),
+                                        torch.tensor(contexts, device=device))
+        pos_k = torch.cat([torch.arange(n, device=device) for n in contexts])
+
+        def mask_mod(b, h, qi, kj):
+            return (doc_q[qi] == doc_k[kj]) & (pos_k[kj] <= pos_q[qi])
+
+        mask = create_block_mask(mask_mod, None, None, q.shape[0], int(doc_k.shape[0]), device=device)
+        qf = q.transpose(0, 1)[None].contiguous()
+        kf = torch.cat(case["k"]).transpose(0, 1)[None].contiguous()
+        vf = torch.cat(case["v"]).transpose(0, 1)[None].contiguous()
+        fn = compiled_flex()
+        return lambda: fn(qf, kf, vf, block_mask=mask, enable_gqa=gqa)[0].transpose(0, 1)
+
+    def ours(version, check):
+        return lambda: flash_attention.paged_prefill_attention(q, kc, vc, tables, cu, lens, version=version,
+                                                               max_seqlen_q=max(chunks), check_tables=check)
+
+    out = []
+    for variant in prefill_variants(device):
+        if variant == "sdpa_flash":
+            out.append((variant, None, sdpa_flash_setup))  # the setup returns the timed call
+        elif variant == "flex_attention":
+            out.append((variant, None, flex_setup))  # the setup returns the timed call
+        else:
+            version = None if variant in ("default", "cpu") else variant
+            out.append((variant, ours(version, False), ours(version, True)))
+    return out
+
+
+def prefill_rows(device, c, ceilings, notes):
+    dtype = getattr(torch, c["dtype"])
+    chunks, contexts = c["chunks"], c["contexts"]
+    where = f"paged_prefill {c['config']} {c['heads']}/{c['heads_kv']} d={c['head_dim']} {c['dtype']}"
+    case = make_prefill_case(c, device)
+    ref32 = reference_prefill(c, case)
+    flops = prefill_flops(chunks, contexts, c["heads"], c["head_dim"])
+    shape = [len(chunks), c["heads"], c["heads_kv"], sum(chunks), max(contexts), c["head_dim"]]
+    fields = {"pass": "forward", "causal": True, "config": c["config"], "batch": len(chunks),
+              "heads": c["heads"], "heads_kv": c["heads_kv"], "head_dim": c["head_dim"],
+              "block_size": c["block_size"], "total_q": sum(chunks), "max_seqlen_q": max(chunks),
+              "context": max(contexts), "context_tokens": sum(contexts),
+              "prefill_chunks": sum(1 for n in chunks if n > 1), "decode_tokens": sum(1 for n in chunks if n == 1)}
+    rows, ref, t_base = [], None, None
+    for variant, fn, check in prefill_calls(c, case, device):
+        if fn is None:  # PyTorch's: the setup (flex's block mask, sdpa_flash's GQA probe) returns the call
+            fn = bench.attempt(notes, variant, where, check)
+            if fn is None:
+                continue
+            check = fn
+        got = bench.attempt(notes, variant, where, check)
+        if got is None:
+            continue
+        if variant == PREFILL_BASELINE:
+            ref = got
+        err32 = check_close(got, ref32, dtype, f"{where} {variant} vs float32 reference")
+        err = check_close(got, ref, dtype, f"{where} {variant} vs {PREFILL_BASELINE}") if ref is not None else None
+        del got
+        t = bench.probe_and_time(notes, variant, where, device, fn, max_call_ms=MAX_CALL_MS)
+        if t is None:
+            continue
+        if variant == PREFILL_BASELINE:
+            t_base = t["median_ms"]
+        extra = {"kv_repeated": True} if variant == "sdpa_flash" and case.get("kv_repeated") else {}
+        if variant == "default":
+            extra["dispatch"] = flash_attention.default_choice("paged_prefill_attention", case["q"],
+                                                               max_seqlen_q=max(chunks))
+        rows.append(bench.flops_row("paged_prefill", variant, dtype, shape, flops, t, ceilings["mm_TFLOPs"], t_base,
+                                    **fields, **extra, max_abs_err=err, max_abs_err_fp32=err32,
+                                    checked_against=PREFILL_BASELINE if ref is not None else "float32 reference"))
+    return rows
+
+
+def bench_prefill(device, configs, ceilings, notes):
+    rows = []
+    for c in configs:
+        rows += prefill_rows(device, c, ceilings, notes)
         free(device)
     return rows
 
@@ -769,8 +1016,9 @@ def style(variant):
 
 
 COLORS = {"sdpa_contiguous": "black", "sdpa_gathered": "dimgrey", "repeat_kv": "silver", "default": "tab:orange",
-          "per_head": "tab:blue", "per_kv_head": "tab:green", "split_kv": "tab:purple", "cpu": "tab:blue"}
-ORDER = TORCH_DECODE + RUNGS + ("default", "cpu")
+          "per_head": "tab:blue", "per_kv_head": "tab:green", "split_kv": "tab:purple", "cpu": "tab:blue",
+          "sdpa_flash": "black", "flex_attention": "dimgrey", "decode_rows": "tab:green", "mma": "tab:red"}
+ORDER = TORCH_DECODE + TORCH_PREFILL + RUNGS + PREFILL_RUNGS + ("default", "cpu")
 
 
 def ordered(variants):
@@ -903,8 +1151,29 @@ def plot_match(ax, record):
     ax.set_title(f"match_prefix: {r0['requests']} x {r0['tokens']} tokens, {r0['nodes']} nodes", fontsize=9)
 
 
+def plot_prefill(ax, record):
+    rs = results.rows(record, op="paged_prefill")
+    configs = list(dict.fromkeys(r["config"] for r in rs))
+    grouped_bars(ax, configs, lambda c: [r for r in rs if r["config"] == c], value="pct_of_mm")
+    labels = [f"{c}\n" + prefill_label(next(r for r in rs if r["config"] == c)) for c in configs]
+    ax.set_xticks(range(len(configs)), labels, fontsize=7)
+    ax.set_ylabel("% of a bf16 matmul's TFLOP/s (visible pairs only)")
+    ax.set_title(f"chunked prefill over the paged cache: {results.label(record)}", fontsize=9)
+    ax.legend(fontsize=7, ncol=3)
+    ax.grid(axis="y", alpha=0.3)
+
+
+def make_prefill_figures(record, out_dir):
+    if not results.rows(record, op="paged_prefill"):
+        return []
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    plot_prefill(ax, record)
+    name = f"{CHAPTER}_prefill.png" if record["chapter"] == CHAPTER else f"{record['chapter']}.png"
+    return [plots.save(fig, out_dir / name)]
+
+
 def make_figures(record, out_dir):
-    figures = []
+    figures = make_prefill_figures(record, out_dir)
     if results.rows(record, op="paged_attention", sweep="targets"):
         fig, ax = plt.subplots(figsize=(12, 5))
         plot_targets(ax, record)
@@ -938,6 +1207,33 @@ def make_figures(record, out_dir):
 
 def fmt(value, spec, missing="-"):
     return missing if value is None else format(value, spec)
+
+
+def prefill_label(r):
+    return (f"b{r['batch']} q{r['total_q']} (<= {r['max_seqlen_q']}) n<={r['context']} {r['heads']}/{r['heads_kv']}"
+            f"{'' if r['head_dim'] == 128 else ' d' + str(r['head_dim'])}"
+            f"{'' if r['dtype'] == 'bfloat16' else ' ' + r['dtype']}")
+
+
+def print_prefill_rows(record):
+    rows = results.rows(record, op="paged_prefill")
+    if not rows:
+        return
+    mm = record["ceilings"].get("mm_TFLOPs")
+    print(f"\npaged_prefill (forward, causal bottom-right); matmul {fmt(mm, '.0f')} TFLOP/s; x {PREFILL_BASELINE} = its "
+          "time / ours")
+    print(f"{'config':<48}{'variant':<16}{'us':>10}{'TFLOP/s':>9}{'% mm':>7}{'x sdpa':>8}  dispatch")
+    for r in rows:
+        print(f"{r['config'] + ' ' + prefill_label(r):<48}{r['variant']:<16}{r['median_ms'] * 1e3:>10.1f}"
+              f"{r['TFLOPs']:>9.1f}{r['pct_of_mm']:>7.1f}{fmt(r.get('speedup_vs_torch'), '8.2f', '       -')}"
+              f"  {r.get('dispatch', '')}")
+
+
+def print_prefill_table(record):
+    for note in record.get("skipped", []):
+        print(f"skipped {note['variant']} (first at {note['first_at']}): {note['reason'][:160]}")
+    print(f"\n{record['chapter']} on {results.label(record)}; run {record.get('wall_s', 0):.0f} s")
+    print_prefill_rows(record)
 
 
 def print_table(record):
@@ -996,6 +1292,7 @@ def print_table(record):
             extra = (f", {r['speedup_vs_cpu']:.1f}x cpu, mirror upload {r['mirror_upload_ms']:.1f} ms"
                      if "speedup_vs_cpu" in r else "")
             print(f"  {r['variant']:<6}{r['median_ms']:>10.3f} ms {r['requests_per_s']:>12.3g} requests/s{extra}")
+    print_prefill_rows(record)
     ours = record["targets"][0]["variant"] if record.get("targets") else "default"
     aside = "" if ours == "default" else " (a CPU run: a record, not a goal)"
     print(f"\nthis chapter's targets, held to {ours}{aside}")
@@ -1011,6 +1308,30 @@ def print_table(record):
         print(f"  {t['target']} ({t['variant']}): {want}; measured {got}: {'met' if t['met'] else 'NOT met'}")
 
 
+def prefill_extra(device):
+    return {"prefill_baseline": PREFILL_BASELINE,
+            "prefill_notes": ["paged_prefill: sdpa_flash and flex_attention run over each sequence's K/V gathered "
+                              "from the cache outside the timed region (flex's block mask too); the course's op "
+                              "reads the cache through the block table, check_tables=False",
+                              "sdpa_flash: one SDPA call per sequence with causal_lower_right, FLASH_ATTENTION only"]}
+
+
+def measure_prefill(device, quick):
+    """--prefill-only: the paged_prefill rows alone, with the ceilings they are read against."""
+    started = time.perf_counter()
+    s = sizes_for(device, quick)
+    full = device == "cuda" and not quick
+    ceilings = bench.copy_ceiling(device, n=2**28 if full else 2**20)
+    ceilings.update(bench.matmul_ceiling(device, n=8192 if full else 1024 if device == "cuda" else 256))
+    notes = bench.Notes()
+    rows = bench_prefill(device, s["prefill"], ceilings, notes)
+    extra = {"sizes": {"prefill": s["prefill"]}, "headline_op": "paged_prefill", **prefill_extra(device),
+             "skipped": notes.skipped, "extension": flash_attention.EXTENSION, "targets": [],
+             "versions": {"paged_prefill_attention": list(PREFILL_RUNGS)},
+             "wall_s": time.perf_counter() - started}
+    return rows, ceilings, extra
+
+
 def measure_all(device, quick):
     """Every measurement of a run: (rows, ceilings, extra), what main() writes and the notebook
     (notebooks/06b_inference.ipynb) keeps in memory."""
@@ -1019,6 +1340,8 @@ def measure_all(device, quick):
     full = device == "cuda" and not quick
     # copy_ceiling warms the GPU up first (an idle H100 sits at a low clock).
     ceilings = bench.copy_ceiling(device, n=2**28 if full else 2**20)
+    # paged_prefill is compute-bound: its rows are read against a matmul.
+    ceilings.update(bench.matmul_ceiling(device, n=8192 if full else 1024 if device == "cuda" else 256))
     notes = bench.Notes()
     rows = []
     for name in ("targets", "gqa", "split", "num_splits"):
@@ -1030,11 +1353,14 @@ def measure_all(device, quick):
     print("match_prefix")
     match_rows, tree = bench_match(device, s["match"], notes)
     rows += match_rows
+    print(f"paged_prefill: {len(s['prefill'])} configurations")
+    rows += bench_prefill(device, s["prefill"], ceilings, notes)
     ours = "default" if device == "cuda" else "cpu"
     extra = {"sizes": s, "headline_op": "paged_attention", "baseline": BASELINE,
              "targets": evaluate_targets(rows, ours), "match_prefix_tree": tree,
              "skipped": notes.skipped, "extension": flash_attention.EXTENSION,
-             "versions": {"paged_attention": list(RUNGS)},
+             "versions": {"paged_attention": list(RUNGS), "paged_prefill_attention": list(PREFILL_RUNGS)},
+             **prefill_extra(device),
              "check": {"q_std": Q_STD, "tolerance": {str(k).replace("torch.", ""): v for k, v in TOLERANCE.items()},
                        "rule": "|out - ref| <= atol + rtol |ref| against sdpa_contiguous and a float32 reference; "
                                "a mismatch raises"},
@@ -1056,7 +1382,14 @@ def measure_all(device, quick):
 
 
 def main():
-    device, quick = bench.start(__doc__)
+    parser = bench.arguments(__doc__)
+    parser.add_argument("--prefill-only", action="store_true",
+                        help=f"only the paged_prefill rows, written to {PREFILL_CHAPTER}.json")
+    args = parser.parse_args()
+    device, quick = bench.setup(args), args.quick
+    if args.prefill_only:
+        rows, ceilings, extra = measure_prefill(device, quick)
+        return results.publish(PREFILL_CHAPTER, rows, ceilings, extra, make_prefill_figures, print_prefill_table)
     rows, ceilings, extra = measure_all(device, quick)
     return results.publish(CHAPTER, rows, ceilings, extra, make_figures, print_table)
 

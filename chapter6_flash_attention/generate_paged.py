@@ -8,12 +8,15 @@ requests; two attention backends behind one interface:
 - "paged" (the chapter's kernels). A scheduler admits the requests a wave at a time: one batched
   prefix lookup per wave (RadixCache.match_prefix, the GPU kernel on CUDA), a lock on each match
   (RadixCache.lock pins the cached blocks), blocks for the rest from a free list, then a prefill of
-  only the uncached suffix: its K and V go into the pool through reshape_and_cache, and its queries
-  attend to the whole context gathered from the pool by block id, through
-  flash_attention.attention(causal=True), whose mask is aligned bottom-right (query i of the
-  suffix sees the prefix and suffix keys up to its own position). After each prefill the
-  prompt's whole blocks go into the tree (insert); blocks the tree already had, computed twice
-  within one wave, are freed and the request points at the tree's. Then all requests decode
+  only the uncached suffixes, the wave's requests packed into one batch: their K and V go into the
+  pool through reshape_and_cache, and their queries attend to the whole context through
+  paged_prefill_attention, which reads the cached prefix from the pool by block id (nothing
+  gathered, nothing recomputed) under a causal mask aligned bottom-right (query i of a suffix sees
+  the prefix and the suffix keys up to its own position). With --prefill-chunk N the suffixes go
+  in chunks of at most N tokens, one batch per round (chunked prefill: each chunk attends to the
+  chunks before it through the cache). After the wave's prefill each prompt's whole blocks go
+  into the tree (insert); blocks the tree already had, computed twice within one wave, are freed
+  and the request points at the tree's. Then all requests decode
   together, one paged_attention call per layer and step over mixed context lengths, each new
   token's K and V written to its slot, a block allocated when a request crosses a block boundary.
 - "sdpa" (the reference). Each request's K and V live contiguously in its own row of a
@@ -85,6 +88,7 @@ many it computed); decode tokens/s counts the tokens the decode steps produce.
     python generate_paged.py --quick    CPU and CI: 2 layers, dim 64, 4/2 heads x 16, block 8,
                                         6 requests in 2 groups, 8 new tokens, float64 (seconds)
     python generate_paged.py --dtypes float64,float32,bfloat16   any dtypes, the gated one first
+    python generate_paged.py --prefill-chunk 64   the suffixes prefilled in chunks of 64 tokens
 
 Writes results/<device-slug>/chapter6_generate.json; --no-save skips it.
 """
@@ -120,7 +124,8 @@ ROPE_BASE = 10000.0
 RMS_EPS = 1e-5
 
 # The chapter's ops, looked up at every call, so a test can swap a deliberately broken one in.
-OPS = {"attention": flash_attention.attention, "reshape_and_cache": flash_attention.reshape_and_cache,
+OPS = {"reshape_and_cache": flash_attention.reshape_and_cache,
+       "paged_prefill_attention": flash_attention.paged_prefill_attention,
        "paged_attention": flash_attention.paged_attention}
 
 
@@ -145,6 +150,7 @@ class Config:
     suffix_max: int = 200
     new_tokens: int = 128      # generated per request: the first by the prefill, the rest by decode
     prefill_batch: int = 16    # requests admitted per scheduling wave (one prefix lookup each)
+    prefill_chunk: int = 0     # suffix tokens per request per prefill round; 0: the whole suffix at once
     warmup_requests: int = 4   # the warm-up run before each timed one: this many requests,
     warmup_tokens: int = 4     # this many new tokens
     seed: int = 0
@@ -203,6 +209,8 @@ def check_config(config):
                          f"got {config.common_blocks} + {config.group_blocks}")
     if not 0 <= config.suffix_min <= config.suffix_max:
         raise ValueError(f"need 0 <= suffix_min <= suffix_max, got {config.suffix_min} and {config.suffix_max}")
+    if config.prefill_chunk < 0:
+        raise ValueError(f"prefill_chunk must be >= 0 (0: each suffix in one piece), got {config.prefill_chunk}")
     if config.new_tokens < 2:
         raise ValueError(f"new_tokens must be >= 2 (the first comes from the prefill, the rest from decode), "
                          f"got {config.new_tokens}")
@@ -344,9 +352,9 @@ class Decoder:
         self.cos = angles.cos().to(device)
         self.sin = angles.sin().to(device)
 
-    def forward(self, tokens, positions, attend, last_only=False):
-        """Logits (n, vocab), or (1, vocab) of the last token with last_only (a prefill needs no
-        more)."""
+    def forward(self, tokens, positions, attend, last_only=False, rows=None):
+        """Logits (n, vocab), or (1, vocab) of the last token with last_only, or of the tokens
+        `rows` indexes (a prefill needs no more: the last prompt token of each request)."""
         c = self.config
         n = tokens.shape[0]
         cos, sin = self.cos[positions], self.sin[positions]
@@ -363,6 +371,8 @@ class Decoder:
             x = x + F.linear(F.silu(gate) * up, layer["w_down"])
         if last_only:
             x = x[-1:]
+        elif rows is not None:
+            x = x[rows]
         return F.linear(rms_norm(x, self.final_norm), self.lm_head)
 
 
@@ -536,29 +546,56 @@ def run_paged(model, requests, config, dtype):
     first, prefill_clock = Choices(), bench.Stopwatch(device)
     duplicates = 0
 
-    def prefill(s):
-        n = len(s.prompt)
-        new = allocator.allocate(blocks_for(n, bs) - len(s.table))
-        s.table += new
-        s.private.update(new)
-        positions = list(range(s.cached, n))
-        slots = to_device(check_writes(s, positions, bs), torch.int64, device)
-        context = to_device(s.table, torch.int64, device)
+    def prefill(wave):
+        """The wave's uncached suffixes, packed into one batch per round: all of each suffix in
+        one round, or at most c.prefill_chunk tokens of each per round (chunked prefill). Each
+        round writes its tokens' K and V, then attends over the cache: cached prefix, earlier
+        chunks and the chunk itself."""
+        for s in wave:
+            new = allocator.allocate(blocks_for(len(s.prompt), bs) - len(s.table))
+            s.table += new
+            s.private.update(new)
+        done = {s.request.rid: s.cached for s in wave}
+        final = {}
+        width = max(len(s.table) for s in wave)
+        while True:
+            part = [s for s in wave if done[s.request.rid] < len(s.prompt)]
+            if not part:
+                break
+            spans = []
+            for s in part:
+                start = done[s.request.rid]
+                end = len(s.prompt) if c.prefill_chunk == 0 else min(len(s.prompt), start + c.prefill_chunk)
+                spans.append((start, end))
+            positions = [p for start, end in spans for p in range(start, end)]
+            slots = to_device([slot for s, (start, end) in zip(part, spans)
+                               for slot in check_writes(s, range(start, end), bs)], torch.int64, device)
+            offsets = [0]
+            for start, end in spans:
+                offsets.append(offsets[-1] + end - start)
+            tables = to_device([s.table + [-1] * (width - len(s.table)) for s in part], torch.int32, device)
+            cu_seqlens_q = to_device(offsets, torch.int32, device)
+            context_lens = to_device([end for _, end in spans], torch.int32, device)
+            longest = max(end - start for start, end in spans)
 
-        def attend(layer, q, k, v):
-            OPS["reshape_and_cache"](k, v, kv.key[layer], kv.value[layer], slots, check_slots=c.checks)
-            # The whole context, cached prefix and the suffix just written, gathered from the pool
-            # by block id: (blocks, block_size, heads_kv, head_dim) -> (1, heads_kv, n, head_dim),
-            # a view whose last dim is contiguous (what attention reads in place).
-            keys = kv.key[layer].index_select(0, context).flatten(0, 1)[:n].permute(1, 0, 2)[None]
-            values = kv.value[layer].index_select(0, context).flatten(0, 1)[:n].permute(1, 0, 2)[None]
-            # Bottom-right causal: query i (position cached + i) sees keys 0 .. cached + i.
-            out = OPS["attention"](q.transpose(0, 1)[None], keys, values, causal=True)
-            return out[0].transpose(0, 1)
+            def attend(layer, q, k, v):
+                OPS["reshape_and_cache"](k, v, kv.key[layer], kv.value[layer], slots, check_slots=c.checks)
+                # Chunk i of a suffix (positions start..end-1) sees positions 0..its own, read from
+                # the pool through the table: the causal mask is aligned bottom-right.
+                return OPS["paged_prefill_attention"](q, kv.key[layer], kv.value[layer], tables, cu_seqlens_q,
+                                                      context_lens, max_seqlen_q=longest, check_tables=c.checks)
 
-        tokens = to_device(s.prompt[s.cached:], torch.int64, device)
-        logits = model.forward(tokens, to_device(positions, torch.int64, device), attend, last_only=True)
-        first.add(logits)
+            tokens = to_device([t for s, (start, end) in zip(part, spans) for t in s.prompt[start:end]], torch.int64,
+                               device)
+            # Logits only of the requests whose prompt ends in this round: its last token's row.
+            ending = [i for i, (s, (_, end)) in enumerate(zip(part, spans)) if end == len(s.prompt)]
+            rows = to_device([offsets[i + 1] - 1 for i in ending], torch.int64, device)
+            logits = model.forward(tokens, to_device(positions, torch.int64, device), attend, rows=rows)
+            for j, i in enumerate(ending):
+                final[part[i].request.rid] = logits[j:j + 1]
+            for s, (_, end) in zip(part, spans):
+                done[s.request.rid] = end
+        first.add(torch.cat([final[s.request.rid] for s in wave]))  # in request order
 
     def insert(s):
         """The prompt's whole blocks into the tree; the request then reads the tree's copies."""
@@ -598,8 +635,8 @@ def run_paged(model, requests, config, dtype):
                                    f"{ids[:m // bs]}, lock {s.lock.num_tokens} in {s.lock.block_ids}")
             s.cached = m
             s.table = list(s.lock.block_ids)
+        prefill(wave)
         for s in wave:
-            prefill(s)
             insert(s)
     prefill_clock.stop()
 
@@ -833,7 +870,8 @@ def result_rows(runs, config):
             run, ref = by_backend[backend], by_backend.get("sdpa")
             common = {"variant": variant, "backend": backend, "dtype": dtype, "requests": config.requests,
                       "layers": config.layers, "dim": config.dim, "heads": config.heads, "heads_kv": config.heads_kv,
-                      "head_dim": config.head_dim, "block_size": config.block_size, "vocab": config.vocab}
+                      "head_dim": config.head_dim, "block_size": config.block_size, "vocab": config.vocab,
+                      "prefill_chunk": config.prefill_chunk}
             prefill_rate = run["prompt_tokens"] / run["prefill_s"]
             decode_tokens = config.requests * run["decode_steps"]
             decode_rate = decode_tokens / run["decode_s"]
@@ -877,7 +915,8 @@ def print_table(record):
           f"groups, shared prefix {prefix} tokens, suffixes {cfg['suffix_min']}-{cfg['suffix_max']}, "
           f"{cfg['new_tokens']} new tokens; {cfg['layers']} layers, dim {cfg['dim']}, "
           f"{cfg['heads']}/{cfg['heads_kv']} "
-          f"heads x {cfg['head_dim']}, vocab {cfg['vocab']}, block {cfg['block_size']}")
+          f"heads x {cfg['head_dim']}, vocab {cfg['vocab']}, block {cfg['block_size']}"
+          + (f", prefill in chunks of {cfg['prefill_chunk']}" if cfg.get("prefill_chunk") else ""))
     print(f"{'dtype':<10}{'backend':<8}{'prefill tok/s':>15}{'x sdpa':>8}{'computed tok/s':>16}"
           f"{'decode tok/s':>14}{'x sdpa':>8}{'ms/step':>9}")
     rows = {(r["dtype"], r["backend"], r["op"]): r for r in record["benchmarks"]}
@@ -920,7 +959,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny model, 6 requests, 8 new tokens (CPU, CI, smoke runs)")
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when a GPU is visible")
-    for field in ("groups", "per_group", "new_tokens", "layers", "seed", "prefill_batch"):
+    for field in ("groups", "per_group", "new_tokens", "layers", "seed", "prefill_batch", "prefill_chunk"):
         p.add_argument(f"--{field.replace('_', '-')}", type=int, help=f"override the preset's {field}")
     p.add_argument("--dtypes", help="comma-separated, the gated exact-match dtype first "
                                     "(default: float64, then bfloat16 on CUDA)")
@@ -934,7 +973,7 @@ def main(argv=None):
     args = parse_args(argv)
     config = make_config(args.quick, args.device, groups=args.groups, per_group=args.per_group,
                          new_tokens=args.new_tokens, layers=args.layers, seed=args.seed,
-                         prefill_batch=args.prefill_batch)
+                         prefill_batch=args.prefill_batch, prefill_chunk=args.prefill_chunk)
     if args.dtypes:
         config.dtypes = tuple(args.dtypes.split(","))
     try:

@@ -322,6 +322,42 @@ def generate_line(_record):
     return "; ".join(parts) + "."
 
 
+def _prefill_record():
+    """The newest GPU record holding paged_prefill rows: the full benchmark's, or the one
+    bench_paged.py --prefill-only writes (chapter6_paged_prefill)."""
+    found = [rec for rec in (_paged(), results.load_recorded_gpu("chapter6_paged_prefill"))
+             if rec and results.rows(rec, op="paged_prefill")]
+    return max(found, key=lambda rec: rec["date"]) if found else None
+
+
+PREFILL_COLUMNS = ("decode_rows", "mma", "default", "sdpa_flash", "flex_attention")
+
+
+def paged_prefill(_record):
+    """Chunked prefill: TFLOP/s of the ladder, default and PyTorch's two, per configuration, and
+    default against sdpa_flash."""
+    rec = _prefill_record()
+    if not rec:
+        return "(not recorded yet)"
+    rows = results.rows(rec, op="paged_prefill")
+    lines = ["| config | " + " | ".join(f"`{c}`" for c in PREFILL_COLUMNS) + " | default x `sdpa_flash` |",
+             "|---|" + "---|" * (len(PREFILL_COLUMNS) + 1)]
+    for c in dict.fromkeys(r["config"] for r in rows):
+        got = {r["variant"]: r for r in rows if r["config"] == c}
+        r0 = next(iter(got.values()))
+        what = (f"{c}: {r0['prefill_chunks']} chunks (<= {r0['max_seqlen_q']} tokens)"
+                + (f" + {r0['decode_tokens']} decode tokens" if r0["decode_tokens"] else "")
+                + f", contexts <= {r0['context']}, {r0['heads']}/{r0['heads_kv']} heads, d {r0['head_dim']}")
+        cells = [f"{got[v]['TFLOPs']:.0f}" if v in got else "-" for v in PREFILL_COLUMNS]
+        speed = got.get("default", {}).get("speedup_vs_torch")
+        dispatch = got.get("default", {}).get("dispatch")
+        lines.append(f"| {what} | " + " | ".join(cells) + f" | {'-' if speed is None else f'{speed:.2f}x'}"
+                     + (f" (`{dispatch}`)" if dispatch else "") + " |")
+    lines += ["", f"{_where(rec)}; TFLOP/s over the (query, key) pairs the causal mask leaves visible, bf16; "
+                  f"a bf16 matmul reached {rec['ceilings']['mm_TFLOPs']:.0f} TFLOP/s in the same run."]
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------------------
 # Part 3 (Hopper): against sdpa_cudnn, the strongest PyTorch backend on Hopper
 # ---------------------------------------------------------------------------------------------
@@ -512,7 +548,7 @@ FACTS = {"target_table": target_table, "split_kv": split_kv_table, "memory": mem
          "profile_table": profile_table, "profile_backward": profile_backward,
          "tiny_gpt": tiny_gpt_line, "paged_targets": paged_targets, "paged_gqa": paged_gqa,
          "paged_split": paged_split, "paged_num_splits": paged_num_splits, "paged_cache_ops": paged_cache_ops,
-         "paged_match": paged_match, "generate": generate_line, "hopper_targets": hopper_targets,
+         "paged_match": paged_match, "paged_prefill": paged_prefill, "generate": generate_line, "hopper_targets": hopper_targets,
          "hopper_rungs": hopper_rungs, "hopper_gemm": hopper_gemm, "hopper_configs": hopper_configs,
          "hopper_profile": hopper_profile, "hopper_power": hopper_power,
          "hopper_persistent": hopper_persistent}

@@ -1,6 +1,6 @@
-"""What the serving half's tests share (test_paged_attention.py, test_paged_cache.py,
-test_paged_radix.py, test_paged_decode_step.py): inputs drawn as a server holds them, the
-references the ops are held to, and the CUDA tolerances. Not a test file: pytest collects nothing
+"""What the serving half's tests share (test_paged_attention.py, test_paged_prefill.py,
+test_paged_cache.py, test_paged_radix.py, test_paged_decode_step.py): inputs drawn as a server
+holds them, the references the ops are held to, and the CUDA tolerances. Not a test file: pytest collects nothing
 here, and the fixtures live in conftest.py.
 
 The attention reference is written here in plain PyTorch in float64: it gathers each sequence's
@@ -9,6 +9,7 @@ cache) and takes an explicit softmax per sequence. The prefix lookup's reference
 RadixCache.match_prefix_reference, a walk over the Python tree, independent of the flat mirror
 the op reads.
 """
+import itertools
 import math
 import random
 
@@ -243,4 +244,52 @@ def check_cuda_paged(lens, heads, heads_kv, head_dim, block_size, dtype, version
     torch.testing.assert_close(out.cpu().double(), ref, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
     empty = (context_lens <= 0).cuda()
     assert torch.all(out[empty] == 0), f"{what}: a sequence with context 0 is not 0"
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# paged_prefill_attention's inputs and reference
+# ---------------------------------------------------------------------------------------------
+def make_prefill(chunks, contexts, block_size, heads, heads_kv, head_dim, dtype=torch.float32, device="cpu",
+                 junk=True):
+    """A batch as a server holds it after reshape_and_cache: sequence b has contexts[b] tokens
+    cached (its new chunk of chunks[b] tokens the last of them), its blocks scattered over the
+    pool (make_tables). Returns query (total_q, heads, head_dim), key_cache, value_cache,
+    block_tables, cu_seqlens_q, context_lens, all on `device`."""
+    tables, lens, num_blocks = make_tables(contexts, block_size, junk=junk)
+    key_cache, value_cache = make_cache(num_blocks, block_size, heads_kv, head_dim, dtype, device)
+    cu = torch.tensor([0] + list(itertools.accumulate(chunks)), dtype=torch.int32)
+    query = torch.randn(sum(chunks), heads, head_dim, dtype=torch.float64).to(dtype).to(device)
+    return query, key_cache, value_cache, tables.to(device), cu.to(device), lens.to(device)
+
+
+def reference_paged_prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, context_lens, scale=None):
+    """out (total_q, heads, head_dim) in float64, on the CPU, as a dense computation: per sequence
+    its context gathered from its pages (the tokens of a block outside the cache left out, as in
+    reference_paged_attention), the full score matrix of its chunk against it, the bottom-right
+    causal mask (row i of a chunk of q_len sees positions j <= i + context - q_len) applied as
+    -inf, and an explicit softmax; a row that sees nothing gets 0."""
+    query, key_cache, value_cache = (t.detach().cpu().double() for t in (query, key_cache, value_cache))
+    block_tables, cu, context_lens = block_tables.cpu().long(), cu_seqlens_q.cpu().long(), context_lens.cpu().long()
+    num_blocks, block_size, heads_kv, head_dim = key_cache.shape
+    total_q, heads, _ = query.shape
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    out = torch.zeros(total_q, heads, head_dim, dtype=torch.float64)
+    for b in range(block_tables.shape[0]):
+        begin, end = int(cu[b]), int(cu[b + 1])
+        q_len = end - begin
+        context = min(max(int(context_lens[b]), 0), block_tables.shape[1] * block_size)
+        j = torch.arange(context)
+        block, row = block_tables[b, j // block_size], j % block_size
+        present = (block >= 0) & (block < num_blocks)
+        if q_len == 0 or not bool(present.any()):
+            continue
+        k = key_cache[block[present], row[present]].repeat_interleave(heads // heads_kv, dim=1)  # (n, heads, d)
+        v = value_cache[block[present], row[present]].repeat_interleave(heads // heads_kv, dim=1)
+        positions = j[present]
+        scores = scale * torch.einsum("ihd,nhd->hin", query[begin:end], k)  # (heads, q_len, n)
+        visible = positions[None, :] <= (torch.arange(q_len) + context - q_len)[:, None]  # (q_len, n)
+        scores = scores.masked_fill(~visible, -math.inf)
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row that sees nothing: 0, not NaN
+        out[begin:end] = torch.einsum("hin,nhd->ihd", probs, v)
     return out

@@ -27,10 +27,11 @@ ATTENTION_CUDA = ["csrc/attention/attention_naive_kernels.cu", "csrc/attention/a
                   "csrc/attention/split_combine.cu"] + sorted(
     str(p.relative_to(HERE)) for p in (HERE / "csrc" / "attention" / "instantiations").glob("*.cu"))
 
-# Part 2, serving (csrc/serving/): cache writes and copies, the decode ladder, the prefix lookup.
+# Part 2, serving (csrc/serving/): cache writes and copies, the decode ladder, chunked prefill,
+# the prefix lookup.
 SERVING_CPP = ["csrc/serving/serving_ops.cpp", "csrc/serving/serving_cpu.cpp"]
 SERVING_CUDA = ["csrc/serving/paged_cache_kernels.cu", "csrc/serving/paged_attention_kernels.cu",
-                "csrc/serving/radix_match_kernels.cu"]
+                "csrc/serving/paged_prefill_kernels.cu", "csrc/serving/radix_match_kernels.cu"]
 
 # Part 3, Hopper (csrc/hopper/): the forward and the backward on TMA, mbarriers, wgmma and warp
 # specialization. The build compiles these only when the arch list has 9.0, and then for sm_90a

@@ -386,7 +386,8 @@ def test_sdpa_unsupported_arguments_raise(case):
 # 8. VERSIONS and misuse
 # ---------------------------------------------------------------------------------------------
 def test_versions_table_matches_dispatch():
-    assert set(flash_attention.VERSIONS) == {"attention_forward", "attention_backward", "paged_attention"}
+    assert set(flash_attention.VERSIONS) == {"attention_forward", "attention_backward", "paged_attention",
+                                             "paged_prefill_attention"}
     for op, rungs in flash_attention.VERSIONS.items():
         assert list(rungs) == OPS.versions(op), op
     with pytest.raises(RuntimeError, match=r"versions: unknown op 'softmax'"):

@@ -320,3 +320,55 @@ def test_num_splits_table_and_figure(quick_record, tmp_path, capsys):
     assert "num_splits: % copy of split_kv" in out
     B.make_figures(record, tmp_path)
     assert (tmp_path / f"{B.CHAPTER}_num_splits.png").stat().st_size > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# paged_prefill rows
+# ---------------------------------------------------------------------------------------------
+def test_prefill_flops_count_the_visible_pairs():
+    """The formula against a count of the bottom-right causal mask's true entries."""
+    chunks, contexts, heads, head_dim = [1, 17, 5, 0], [40, 17, 9, 3], 4, 8
+    pairs = 0
+    for q, n in zip(chunks, contexts):
+        rows = torch.arange(q)[:, None] + n - q
+        pairs += int((torch.arange(n)[None] <= rows).sum())
+    assert B.prefill_flops(chunks, contexts, heads, head_dim) == 4 * heads * head_dim * pairs
+
+
+def test_prefill_configs_are_the_lessons():
+    got = {c["config"]: c for c in B.sizes_for("cuda", quick=False)["prefill"]}
+    assert set(got) == {"prefix", "mixed", "cold"}
+    assert got["prefix"]["chunks"] == [512] * 16 and got["prefix"]["contexts"] == [4096] * 16
+    assert sorted(set(got["mixed"]["chunks"])) == [1, 512] and got["mixed"]["chunks"].count(1) == 60
+    assert got["cold"]["chunks"] == got["cold"]["contexts"] == [2048] * 8
+    for c in got.values():
+        assert (c["heads"], c["heads_kv"], c["head_dim"], c["block_size"], c["dtype"]) == (32, 8, 128, 16, "bfloat16")
+    assert B.prefill_variants("cuda") == ("sdpa_flash", "flex_attention", *B.PREFILL_RUNGS, "default")
+    assert B.prefill_variants("cpu") == ("cpu",)
+
+
+def test_prefill_reference_matches_the_ops_reference():
+    """bench_paged's float32 witness and the op's CPU reference agree on one case (so the guard
+    that stops a wrong kernel compares with the right thing)."""
+    c = B.prefill_config("t", [5, 1, 0, 9], [20, 7, 4, 9], heads=4, heads_kv=2, head_dim=16, block_size=4,
+                         dtype="float32")
+    case = B.make_prefill_case(c, "cpu")
+    out = flash_attention.paged_prefill_attention(case["q"], case["k_cache"], case["v_cache"], case["block_tables"],
+                                                  case["cu_seqlens_q"], case["context_lens"])
+    B.check_close(out, B.reference_prefill(c, case), torch.float32, "prefill reference")
+    with pytest.raises(AssertionError, match="A wrong result is not timed"):
+        B.check_close(out.roll(1, 0), B.reference_prefill(c, case), torch.float32, "rolled rows")
+
+
+def test_quick_record_has_prefill_rows(quick_record):
+    record, _ = quick_record
+    rows = results.rows(record, op="paged_prefill")
+    ours = "default" if record["device"]["capability"] else "cpu"
+    assert {r["config"] for r in rows} == {"prefix", "mixed", "cold"}
+    assert {r["variant"] for r in rows} >= {ours}
+    for r in rows:
+        assert r["pass"] == "forward" and r["causal"] is True and r["flops"] > 0 and r["TFLOPs"] > 0
+        assert r["max_abs_err_fp32"] < B.TOLERANCE[getattr(torch, r["dtype"])][0]
+        if r["variant"] == "default":
+            assert r["dispatch"] in B.PREFILL_RUNGS
+    assert record["ceilings"]["mm_TFLOPs"] > 0

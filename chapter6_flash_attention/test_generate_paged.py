@@ -174,12 +174,19 @@ def broken_context_lens(query, key_cache, value_cache, block_tables, context_len
     return flash_attention.paged_attention(query, key_cache, value_cache, block_tables, context_lens - 1, **kw)
 
 
-def forgetful_prefill(q, k, v, causal=False, **kw):
-    # The suffix attends to its own keys only: the cached prefix is skipped *and* forgotten.
-    return flash_attention.attention(q, k[:, :, -q.shape[2]:], v[:, :, -q.shape[2]:], causal=causal, **kw)
+def forgetful_prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, context_lens, **kw):
+    # The suffix attends to its own keys only: the cached prefix (whole blocks before the chunk) is
+    # skipped *and* forgotten, its table entries made ids outside the cache (absent tokens).
+    block_size = key_cache.shape[1]
+    cached_blocks = (context_lens - (cu_seqlens_q[1:] - cu_seqlens_q[:-1])) // block_size
+    columns = torch.arange(block_tables.shape[1], device=block_tables.device)
+    tables = block_tables.masked_fill(columns[None] < cached_blocks[:, None], -1)
+    return flash_attention.paged_prefill_attention(query, key_cache, value_cache, tables, cu_seqlens_q, context_lens,
+                                                   **dict(kw, check_tables=False))
 
 
-@pytest.mark.parametrize("op, broken", [("paged_attention", broken_context_lens), ("attention", forgetful_prefill)],
+@pytest.mark.parametrize("op, broken", [("paged_attention", broken_context_lens),
+                                        ("paged_prefill_attention", forgetful_prefill)],
                          ids=["context_lens_minus_one", "prefill_forgets_prefix"])
 def test_broken_kernel_call_is_caught(monkeypatch, op, broken):
     """The exact-match check can fail: a wrong context in either phase changes the tokens."""
@@ -191,10 +198,24 @@ def test_broken_kernel_call_is_caught(monkeypatch, op, broken):
     assert cmp["identical_requests"] < config.requests
     # Every divergence is at a clear margin: even float32's near-tie rule could not excuse it.
     assert min(max(d["reference_margin"], d["run_margin"]) for d in cmp["diverged"]) > 10 * G.TIE_BOUND["float32"]
-    if op == "attention":
+    if op == "paged_prefill_attention":
         # Only the requests that found a cached prefix lose it; the cold ones stay identical.
         cached = expected_cached(config, G.make_requests(config))
         assert {d["request"] for d in cmp["diverged"]} <= {i for i, n in enumerate(cached) if n}
+
+
+@pytest.mark.parametrize("chunk", (1, 5))
+def test_chunked_prefill_matches_sdpa(device, chunk):
+    """--prefill-chunk N: the suffixes prefilled N tokens a round, each chunk reading the earlier
+    ones from the cache, give SDPA's tokens exactly (float64), and compute what the whole-suffix
+    prefill computes, no more."""
+    config = quick_config(device, dtypes=("float64",), prefill_chunk=chunk, checks=True)
+    runs, comparisons = G.generate_all(config, warmup=False)
+    cmp = comparisons["float64"]
+    assert cmp["verdict"] == "identical" and cmp["passed"] is True, cmp["diverged"]
+    whole = quick_run(device)[1]["float64"]["paged"]
+    assert runs["float64"]["paged"]["computed_tokens"] == whole["computed_tokens"]
+    assert torch.equal(runs["float64"]["paged"]["choices"]["tokens"], whole["choices"]["tokens"])
 
 
 def choices(tokens, margins):

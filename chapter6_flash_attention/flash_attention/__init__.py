@@ -90,11 +90,12 @@ EXTENSION = load_extension("flash_attention", "flash_attention", __file__)
 import torch  # noqa: E402
 
 # The serving half of the chapter: the paged KV cache, decode attention over it, the prefix tree.
-from .paged import copy_blocks, paged_attention, reshape_and_cache  # noqa: E402
+from .paged import copy_blocks, paged_attention, paged_prefill_attention, reshape_and_cache  # noqa: E402
 from .radix import RadixCache  # noqa: E402
 
 __all__ = ["attention", "attention_varlen", "sdpa", "attention_forward", "attention_backward", "hopper_kernels_built",
-           "default_choice", "dispatch_rule", "reshape_and_cache", "copy_blocks", "paged_attention", "RadixCache",
+           "default_choice", "dispatch_rule", "reshape_and_cache", "copy_blocks", "paged_attention",
+           "paged_prefill_attention", "RadixCache",
            "VERSIONS", "EXTENSION"]
 
 # Each op's ladder of kernel versions; test_attention.py holds it against the extension's
@@ -104,6 +105,7 @@ VERSIONS = {
                           "pingpong", "persistent"),
     "attention_backward": ("naive", "mma", "mma_dqpass", "wgmma"),
     "paged_attention": ("per_head", "per_kv_head", "split_kv"),
+    "paged_prefill_attention": ("decode_rows", "mma"),
 }
 
 
@@ -114,12 +116,18 @@ def hopper_kernels_built():
 
 
 def dispatch_rule(op, q_shape, k_shape=None, *, dtype, cuda, capability=(0, 0), sms=0, hopper_built=False,
-                  scale=None, causal=False, window=(-1, -1), softcap=0.0, deterministic=False):
+                  scale=None, causal=False, window=(-1, -1), softcap=0.0, deterministic=False, max_seqlen_q=0):
     """The rung version=None runs for inputs of these shapes and dtype on a device described by the
     rest: the extension's own rule (csrc/attention/attention_ops.cpp), asked with any facts, so
     that a GPU other than this machine's (or a recorded one) can be asked about here.
     deterministic: whether torch.use_deterministic_algorithms(True) is on (the backward then keeps
-    to a rung that gives the same bits on every run)."""
+    to a rung that gives the same bits on every run). paged_prefill_attention's q_shape is
+    (total_q, heads, head_dim), and max_seqlen_q its argument of that name (0: total_q);
+    csrc/serving/serving.h has its rule."""
+    if op == "paged_prefill_attention":
+        bound = max_seqlen_q if max_seqlen_q > 0 else q_shape[0]
+        return torch.ops.flash_attention.paged_prefill_rule(cuda, dtype in (torch.float16, torch.bfloat16),
+                                                            capability[0], bound)
     b, h, s_q, d = q_shape
     _, h_kv, s_k, _ = q_shape if k_shape is None else k_shape
     half = dtype in (torch.float16, torch.bfloat16)
@@ -131,10 +139,11 @@ def dispatch_rule(op, q_shape, k_shape=None, *, dtype, cuda, capability=(0, 0), 
     if op == "attention_backward":
         return torch.ops.flash_attention.backward_rule(d, cuda, half, capability[0], capability[1], hopper_built,
                                                        causal, list(window), softcap, deterministic)
-    raise ValueError(f"dispatch_rule: unknown op {op!r} (attention_forward or attention_backward)")
+    raise ValueError(f"dispatch_rule: unknown op {op!r} (attention_forward, attention_backward or "
+                     "paged_prefill_attention)")
 
 
-def default_choice(op, q, k=None, *, scale=None, causal=False, window=(-1, -1), softcap=0.0):
+def default_choice(op, q, k=None, *, scale=None, causal=False, window=(-1, -1), softcap=0.0, max_seqlen_q=0):
     """The rung version=None runs for q (and k: q's shape when not given) on q's device: what the
     benchmark records as a default row's dispatch."""
     cuda = q.device.type == "cuda"
@@ -143,7 +152,8 @@ def default_choice(op, q, k=None, *, scale=None, causal=False, window=(-1, -1), 
                          capability=(props.major, props.minor) if cuda else (0, 0),
                          sms=props.multi_processor_count if cuda else 0,
                          hopper_built=cuda and hopper_kernels_built(), scale=scale, causal=causal, window=window,
-                         softcap=softcap, deterministic=torch.are_deterministic_algorithms_enabled())
+                         softcap=softcap, deterministic=torch.are_deterministic_algorithms_enabled(),
+                         max_seqlen_q=max_seqlen_q)
 
 
 def _default_scale(q):

@@ -9,7 +9,10 @@ copied (copy_blocks) before one of them appends to it.
 
 A decode step, per layer: reshape_and_cache writes the new tokens' K and V at their slots, then
 paged_attention lets each sequence's one new query token attend over its context_lens[b] cached
-tokens (its own included).
+tokens (its own included). A prefill step is the same with several new tokens per sequence:
+paged_prefill_attention lets a chunk of a prompt (its next N tokens, or the suffix after a cached
+prefix) attend causally over everything its sequence has cached, and a decode token may sit in the
+same batch as a chunk of 1.
 
 Checks that read tensor values (block ids, lengths, slots) are a device sync on CUDA; they run by
 default (check_tables=True, check_slots=True) so a bad table is a clear error, and a server that
@@ -22,7 +25,7 @@ import math
 
 import torch
 
-__all__ = ["reshape_and_cache", "copy_blocks", "paged_attention"]
+__all__ = ["reshape_and_cache", "copy_blocks", "paged_attention", "paged_prefill_attention"]
 
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *, check_slots=True):
@@ -88,3 +91,36 @@ def paged_attention(query, key_cache, value_cache, block_tables, context_lens, *
         scale = _default_scale(query)
     return torch.ops.flash_attention.paged_attention(query, key_cache, value_cache, block_tables, context_lens,
                                                      scale, version, check_tables, num_splits)
+
+
+def paged_prefill_attention(query, key_cache, value_cache, block_tables, cu_seqlens_q, context_lens, *, scale=None,
+                            max_seqlen_q=0, version=None, check_tables=True):
+    """Chunked prefill over the paged cache: each sequence's new tokens attend causally to its
+    cached ones, the chunk being the last of its context (bottom-right aligned).
+
+    query: (total_q, heads, head_dim), the chunks of the batch packed, sequence b's tokens at rows
+    cu_seqlens_q[b]:cu_seqlens_q[b + 1] (int32, batch + 1 offsets from 0 to total_q; a chunk may
+    be empty, or one token: a decode step). Their K and V are already in the cache
+    (reshape_and_cache), and context_lens[b] (int32) counts them: row i of a chunk of q_len tokens
+    is token context_lens[b] - q_len + i and sees the tokens up to it. key_cache, value_cache and
+    block_tables (int32 (batch, max_blocks)) are paged_attention's; GQA likewise. scale defaults to
+    1 / sqrt(head_dim). Returns out, (total_q, heads, head_dim), contiguous, query's dtype.
+
+    max_seqlen_q: the longest chunk, which sizes the CUDA grid (0: total_q, always enough; a server
+    knows the lengths on the host and passes them). CUDA takes head_dim 64 or 128 and block_size
+    16 or 32; the CPU runs the float32 and float64 reference whatever the version names.
+
+    version: "decode_rows" (each query row a decode query of paged_attention over the tokens it
+    sees: any dtype and GPU, but every row reads its context), "mma" (FlashAttention 2's tiles on
+    tensor cores, a 64-row tile reading the context once: float16 and bfloat16, compute capability
+    8.0+), or None: mma where it runs unless every chunk is one token (max_seqlen_q == 1, a batch of
+    decode tokens), else decode_rows. flash_attention.default_choice says which.
+
+    check_tables=True refuses what paged_attention's does, plus offsets that do not run from 0 to
+    total_q without decreasing, a chunk longer than its context or than max_seqlen_q (a device sync
+    on CUDA, impossible inside a CUDA graph capture: pass False there).
+    """
+    if scale is None:
+        scale = _default_scale(query)
+    return torch.ops.flash_attention.paged_prefill_attention(query, key_cache, value_cache, block_tables, cu_seqlens_q,
+                                                             context_lens, scale, max_seqlen_q, version, check_tables)

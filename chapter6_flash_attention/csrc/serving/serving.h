@@ -96,6 +96,32 @@ struct PagedAttentionParams {
 // weight per range in shared memory, and past a GPU's worth of blocks more ranges only add partials.
 constexpr int64_t kPagedMaxSplits = 128;
 
+// paged_prefill_attention (chunked prefill): the new tokens of several sequences, packed. query is
+// (total_q, heads, head_dim) with strides (last dim contiguous); sequence b's query tokens are rows
+// [cu_seqlens_q[b], cu_seqlens_q[b + 1]) (int32, batch + 1 entries), and they are the LAST q_len
+// tokens of its context_lens[b] cached ones (reshape_and_cache wrote them first). The mask is
+// causal and bottom-right aligned, as attention.h's: query row i of a chunk of q_len tokens sees
+// the cached tokens j <= i + context - q_len. A decode token is a chunk of 1 (it sees everything);
+// a chunk of 0 tokens computes nothing. A row that sees no token (a chunk longer than its context,
+// which the glue refuses when it checks the tables) gets out = 0, attention.h's empty softmax.
+// out is (total_q, heads, head_dim) contiguous; rows that belong to no sequence are not written.
+// max_seqlen_q bounds every chunk: the grid has ceil(max_seqlen_q / rows per tile) query tiles per
+// (sequence, head), the host's bound (it cannot read cu_seqlens_q on the device without a sync).
+struct PagedPrefillParams {
+  KVCacheLayout cache;
+  const void* q;
+  const void* key_cache;
+  const void* value_cache;
+  const int32_t* block_tables;
+  const int32_t* cu_seqlens_q;
+  const int32_t* context_lens;
+  void* out;
+  int64_t batch, heads, max_blocks, total_q, max_seqlen_q;
+  int64_t q_token_stride, q_head_stride;
+  int64_t block_table_stride;
+  double scale;
+};
+
 // The tokens sequence b can see: its context length, clamped to what its table row covers and
 // to 0 from below. Host and device alike, so that the reference and the kernels agree on the
 // inputs the glue was not asked to check.
@@ -108,6 +134,18 @@ FLASH_ATTENTION_PAGED_HD int64_t paged_context(int32_t context_len, int64_t max_
   const int64_t covered = max_blocks * block_size;
   const int64_t len = context_len < 0 ? 0 : static_cast<int64_t>(context_len);
   return len < covered ? len : covered;
+}
+
+// Sequence b's query rows in the packed query, [begin, end): cu_seqlens_q[b] and [b + 1] clamped
+// into [0, total_q] and end to at least begin, so that no kernel reads or writes a row outside the
+// query or the output whatever the offsets say (the glue checks them when asked: serving_ops.cpp).
+struct PrefillRows {
+  int64_t begin, end;
+};
+FLASH_ATTENTION_PAGED_HD PrefillRows prefill_rows(const int32_t* cu_seqlens_q, int64_t b, int64_t total_q) {
+  const int64_t lo = cu_seqlens_q[b] < 0 ? 0 : (cu_seqlens_q[b] < total_q ? cu_seqlens_q[b] : total_q);
+  const int64_t hi = cu_seqlens_q[b + 1] < lo ? lo : (cu_seqlens_q[b + 1] < total_q ? cu_seqlens_q[b + 1] : total_q);
+  return {lo, hi};
 }
 
 // The radix tree's flat mirror (flash_attention/radix.py builds it from its Python trie). The
@@ -154,12 +192,30 @@ struct MatchPrefixParams {
 // the CUDA-only section: the glue's version table names the rungs in CPU-only builds too.
 enum class PagedVersion { kPerHead, kPerKvHead, kSplitKv };
 
+// The chunked-prefill ladder (paged_prefill_attention). A chunk's row i is a decode query over the
+// first context - q_len + i + 1 tokens of its sequence (bottom-right causal), so
+//   v1 decode_rows: runs the decode kernel (per_kv_head) with one "sequence" per query row, its
+//     table row and its own context length built by the glue with torch ops on the device. Any
+//     dtype, any GPU; but every row reads its whole visible context: q_len times the K/V bytes of
+//     one pass, and no tensor cores.
+//   v2 mma: FlashAttention 2's tiles (paged_prefill_kernels.cu): each 64-row query tile reads the
+//     context once, S and P V on tensor cores. float16/bfloat16, compute capability 8.0+.
+// version=None: mma where it runs and some chunk is longer than one token (max_seqlen_q, the
+// host's bound: 0 stands for total_q); decode_rows otherwise, where mma would pad each one-row
+// tile to 64 rows of mma work. Plain C++, so any GPU can be asked about from anywhere.
+enum class PagedPrefillVersion { kDecodeRows, kMma };
+inline PagedPrefillVersion paged_prefill_default(bool cuda, bool half, int capability_major, int64_t max_seqlen_q) {
+  return cuda && half && capability_major >= 8 && max_seqlen_q != 1 ? PagedPrefillVersion::kMma
+                                                                     : PagedPrefillVersion::kDecodeRows;
+}
+
 // The CPU reference (serving_cpu.cpp): every function in float32 and float64 where it touches
 // values, and the 16-bit types as well for the cache writes and copies (bytes, not arithmetic).
 void reshape_and_cache_cpu(const ReshapeAndCacheParams& params);
 void copy_blocks_cpu(const CopyBlocksParams& params);
 void paged_attention_cpu(const PagedAttentionParams& params);
 void match_prefix_cpu(const MatchPrefixParams& params);
+void paged_prefill_attention_cpu(const PagedPrefillParams& params);
 
 }  // namespace flash_attention
 
@@ -183,5 +239,8 @@ inline int64_t paged_attention_workspace(const PagedAttentionParams& p, int64_t 
 }
 cudaError_t launch_paged_attention(const PagedAttentionParams& params, PagedVersion version, int64_t splits,
                                    void* workspace, cudaStream_t stream);
+// Chunked prefill on tensor cores (paged_prefill_kernels.cu): float16 and bfloat16, kPagedHeadDims,
+// kPagedBlockSizes, compute capability 8.0 or newer (the glue checks each by name first).
+cudaError_t launch_paged_prefill_attention(const PagedPrefillParams& params, cudaStream_t stream);
 }  // namespace flash_attention
 #endif

@@ -1,7 +1,8 @@
 // The CPU reference of the serving half (serving.h): the cache writes and copies, decode attention
-// over the paged cache, and the radix-tree prefix lookup, in the plainest C++ that computes them,
-// on the same params as the CUDA launchers. Like attention/attention_cpu.cpp it favours being
-// obviously right over being fast: serial, one sequence and head at a time, a two-pass softmax.
+// and chunked prefill over the paged cache, and the radix-tree prefix lookup, in the plainest C++
+// that computes them, on the same params as the CUDA launchers. Like attention/attention_cpu.cpp it
+// favours being obviously right over being fast: serial, one sequence and head at a time, a
+// two-pass softmax.
 //
 // It follows serving.h's memory-safety rules to the letter, because it is also what the kernels'
 // behaviour on unchecked inputs is tested against: a block id outside [0, num_blocks) adds no
@@ -54,17 +55,52 @@ A dot(const T* a, const T* b, int64_t n) {
   return sum;
 }
 
-// Sequence b's visible tokens as slots (block * block_size + row), in order: the tokens of blocks
-// outside the cache are left out, so they add nothing to the softmax (serving.h).
-void visible_slots(const PagedAttentionParams& p, int64_t b, std::vector<int64_t>* slots) {
-  const KVCacheLayout& cache = p.cache;
-  const int32_t* table = p.block_tables + b * p.block_table_stride;
-  const int64_t context = paged_context(p.context_lens[b], p.max_blocks, cache.block_size);
+// A sequence's visible tokens as slots (block * block_size + row), in order, and, where asked,
+// each one's position in the sequence: the tokens of blocks outside the cache are left out, so
+// they add nothing to the softmax (serving.h). `table` is the sequence's row of block ids.
+void visible_slots(const KVCacheLayout& cache, const int32_t* table, int32_t context_len, int64_t max_blocks,
+                   std::vector<int64_t>* slots, std::vector<int64_t>* positions = nullptr) {
+  const int64_t context = paged_context(context_len, max_blocks, cache.block_size);
   slots->clear();
+  if (positions != nullptr) positions->clear();
   for (int64_t j = 0; j < context; ++j) {
     const int64_t block = table[j / cache.block_size];
-    if (block_in_cache(block, cache)) slots->push_back(block * cache.block_size + j % cache.block_size);
+    if (!block_in_cache(block, cache)) continue;
+    slots->push_back(block * cache.block_size + j % cache.block_size);
+    if (positions != nullptr) positions->push_back(j);
   }
+}
+
+// One query row's attention over the given slots of the cache: out = softmax(scale q k^T) v,
+// two passes (the max, then the sums), in the accumulation type A; no slot: out = 0 (the empty
+// softmax of attention.h). probs and acc are scratch, resized here.
+template <typename T, typename A>
+void attend_row(const KVCacheLayout& cache, const T* key_cache, const T* value_cache, int64_t hk, const T* q_row,
+                const int64_t* slots, int64_t n, A scale, T* out, std::vector<A>* probs, std::vector<A>* acc) {
+  const int64_t d = cache.head_dim;
+  if (n == 0) {
+    std::fill(out, out + d, T(0));
+    return;
+  }
+  probs->resize(static_cast<size_t>(n));
+  acc->assign(static_cast<size_t>(d), A(0));
+  A row_max = -std::numeric_limits<A>::infinity();
+  for (int64_t j = 0; j < n; ++j) {
+    const T* k_row = key_cache + slots[j] * cache.slot_elems() + hk * d;
+    (*probs)[j] = scale * dot<A>(q_row, k_row, d);
+    row_max = std::max(row_max, (*probs)[j]);
+  }
+  // Subtracting the row max keeps exp() in range whatever the scores are.
+  A denom = A(0);
+  for (A& prob : *probs) {
+    prob = std::exp(prob - row_max);
+    denom += prob;
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const T* v_row = value_cache + slots[j] * cache.slot_elems() + hk * d;
+    for (int64_t c = 0; c < d; ++c) (*acc)[c] += (*probs)[j] * static_cast<A>(v_row[c]);
+  }
+  for (int64_t c = 0; c < d; ++c) out[c] = static_cast<T>((*acc)[c] / denom);
 }
 
 template <typename T>
@@ -73,42 +109,48 @@ void paged_attention(const PagedAttentionParams& p) {
   const KVCacheLayout& cache = p.cache;
   const int64_t group = p.heads / cache.heads_kv;
   const int64_t d = cache.head_dim;
-  const A scale = static_cast<A>(p.scale);
-  const T* key_cache = static_cast<const T*>(p.key_cache);
-  const T* value_cache = static_cast<const T*>(p.value_cache);
   std::vector<int64_t> slots;
-  std::vector<A> probs;
-  std::vector<A> acc(static_cast<size_t>(d));
+  std::vector<A> probs, acc;
   for (int64_t b = 0; b < p.batch; ++b) {
-    visible_slots(p, b, &slots);
-    probs.resize(slots.size());
+    visible_slots(cache, p.block_tables + b * p.block_table_stride, p.context_lens[b], p.max_blocks, &slots);
     for (int64_t h = 0; h < p.heads; ++h) {
-      const int64_t hk = h / group;
       const T* q_row = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
       T* out = static_cast<T*>(p.out) + (b * p.heads + h) * d;
-      if (slots.empty()) {
-        // the empty softmax: out = 0, as attention.h's rows that see no key
-        std::fill(out, out + d, T(0));
-        continue;
+      attend_row<T, A>(cache, static_cast<const T*>(p.key_cache), static_cast<const T*>(p.value_cache), h / group,
+                       q_row, slots.data(), static_cast<int64_t>(slots.size()), static_cast<A>(p.scale), out, &probs,
+                       &acc);
+    }
+  }
+}
+
+// Chunked prefill: row i of sequence b's chunk of q_len tokens is its token context - q_len + i,
+// and sees the tokens at positions up to that one (serving.h). The visible slots are sorted by
+// position, so each row's are a prefix of the sequence's: one list per sequence, cut per row.
+template <typename T>
+void paged_prefill_attention(const PagedPrefillParams& p) {
+  using A = typename CpuAcc<T>::type;
+  const KVCacheLayout& cache = p.cache;
+  const int64_t group = p.heads / cache.heads_kv;
+  const int64_t d = cache.head_dim;
+  std::vector<int64_t> slots, positions;
+  std::vector<A> probs, acc;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const PrefillRows rows = prefill_rows(p.cu_seqlens_q, b, p.total_q);
+    const int64_t q_len = rows.end - rows.begin;
+    const int64_t context = paged_context(p.context_lens[b], p.max_blocks, cache.block_size);
+    visible_slots(cache, p.block_tables + b * p.block_table_stride, p.context_lens[b], p.max_blocks, &slots,
+                  &positions);
+    for (int64_t i = 0; i < q_len; ++i) {
+      // visible_keys of attention.h: the positions j <= i + context - q_len
+      const int64_t last = i + context - q_len;
+      const int64_t n = std::upper_bound(positions.begin(), positions.end(), last) - positions.begin();
+      for (int64_t h = 0; h < p.heads; ++h) {
+        const int64_t token = rows.begin + i;
+        const T* q_row = static_cast<const T*>(p.q) + token * p.q_token_stride + h * p.q_head_stride;
+        T* out = static_cast<T*>(p.out) + (token * p.heads + h) * d;
+        attend_row<T, A>(cache, static_cast<const T*>(p.key_cache), static_cast<const T*>(p.value_cache), h / group,
+                         q_row, slots.data(), n, static_cast<A>(p.scale), out, &probs, &acc);
       }
-      A row_max = -std::numeric_limits<A>::infinity();
-      for (size_t j = 0; j < slots.size(); ++j) {
-        const T* k_row = key_cache + slots[j] * cache.slot_elems() + hk * d;
-        probs[j] = scale * dot<A>(q_row, k_row, d);
-        row_max = std::max(row_max, probs[j]);
-      }
-      // Subtracting the row max keeps exp() in range whatever the scores are.
-      A denom = A(0);
-      for (A& prob : probs) {
-        prob = std::exp(prob - row_max);
-        denom += prob;
-      }
-      std::fill(acc.begin(), acc.end(), A(0));
-      for (size_t j = 0; j < slots.size(); ++j) {
-        const T* v_row = value_cache + slots[j] * cache.slot_elems() + hk * d;
-        for (int64_t c = 0; c < d; ++c) acc[c] += probs[j] * static_cast<A>(v_row[c]);
-      }
-      for (int64_t c = 0; c < d; ++c) out[c] = static_cast<T>(acc[c] / denom);
     }
   }
 }
@@ -163,6 +205,10 @@ void copy_blocks_cpu(const CopyBlocksParams& p) {
 
 void paged_attention_cpu(const PagedAttentionParams& p) {
   with_cpu_type(p.cache.dtype, [&](auto tag) { paged_attention<decltype(tag)>(p); });
+}
+
+void paged_prefill_attention_cpu(const PagedPrefillParams& p) {
+  with_cpu_type(p.cache.dtype, [&](auto tag) { paged_prefill_attention<decltype(tag)>(p); });
 }
 
 // Block by block from the root: find the child whose first block is the request's next block,

@@ -1,7 +1,7 @@
 // Torch glue for the serving half (serving.h): the schemas of reshape_and_cache, copy_blocks,
-// paged_attention and match_prefix, their checks, and one implementation per op that serves the
-// CPU, CUDA and Meta keys and picks the backend from the (already checked) device, as
-// attention/attention_ops.cpp does for training. The `flash_attention` library is defined in
+// paged_attention, paged_prefill_attention and match_prefix, their checks, and one implementation
+// per op that serves the CPU, CUDA and Meta keys and picks the backend from the (already checked)
+// device, as attention/attention_ops.cpp does for training. The `flash_attention` library is defined in
 // flash_attention_ops.cpp; these ops join it with TORCH_LIBRARY_FRAGMENT.
 //
 // Two kinds of checks:
@@ -14,7 +14,8 @@
 //   memory-safe without them (serving.h), so a server passes false: its scheduler built the tables
 //   and slot mappings on the host, from its own block allocator, and checked them there before
 //   the one copy to the GPU; vLLM and SGLang read nothing back for this reason. On the CPU the
-//   checks read host memory and cost next to nothing.
+//   checks read host memory and cost next to nothing. paged_prefill_attention's check_tables
+//   covers cu_seqlens_q as well.
 //   copy_blocks does the same with check_mapping (a destination named twice, or also a source,
 //   makes the result depend on the order of the copies): it runs at copy-on-write only, rarely
 //   enough that a learner's checked call costs little, and a server's unchecked one can sit in a
@@ -58,12 +59,16 @@ constexpr const char* kReshapeAndCache = "reshape_and_cache";
 constexpr const char* kCopyBlocks = "copy_blocks";
 constexpr const char* kPagedAttention = "paged_attention";
 constexpr const char* kMatchPrefix = "match_prefix";
+constexpr const char* kPagedPrefill = "paged_prefill_attention";
 
 // The decode ladder (serving.h). The CPU reference is not a rung: it runs whatever version= names,
 // and the names are parsed on every device, so a typo fails on the CPU as it would on CUDA.
 constexpr ::course::NamedVersion<PagedVersion> kPagedVersions[] = {{"per_head", PagedVersion::kPerHead},
                                                                   {"per_kv_head", PagedVersion::kPerKvHead},
                                                                   {"split_kv", PagedVersion::kSplitKv}};
+// The chunked-prefill ladder (serving.h), parsed the same way.
+constexpr ::course::NamedVersion<PagedPrefillVersion> kPrefillVersions[] = {
+    {"decode_rows", PagedPrefillVersion::kDecodeRows}, {"mma", PagedPrefillVersion::kMma}};
 
 // A size or stride for a message: "?" where torch.compile's dynamic shapes made it symbolic.
 std::string str(const c10::SymInt& v) {
@@ -401,6 +406,207 @@ Tensor paged_attention_impl(const Tensor& query, const Tensor& key_cache, const 
 }
 
 // ---------------------------------------------------------------------------------------
+// paged_prefill_attention: out (total_q, heads, head_dim), contiguous, query's dtype.
+// ---------------------------------------------------------------------------------------
+
+// cu_seqlens_q's values (serving.h's PagedPrefillParams): offsets from 0 to total_q that never
+// decrease, and no chunk longer than its context (the chunk's tokens are in the cache: a longer
+// one means reshape_and_cache did not run first) or than max_seqlen_q (the grid's bound: rows past
+// it would not be written). One read back for all of them, as check_table_values.
+void check_prefill_values(const char* op, const Tensor& cu, const Tensor& context_lens, int64_t total_q,
+                          int64_t max_seqlen_q) {
+  const Tensor offsets = cu.to(at::kLong);
+  const Tensor chunks = offsets.slice(0, 1) - offsets.slice(0, 0, -1);
+  const Tensor lens = context_lens.to(at::kLong);
+  const Tensor too_long = (chunks > lens) | (chunks > max_seqlen_q);
+  const std::vector<bool> fails =
+      read_flags({offsets.select(0, 0) != 0, offsets.select(0, -1) != total_q, (chunks < 0).any(), too_long.any()});
+  TORCH_CHECK(!fails[0], op, ": cu_seqlens_q[0] is ", std::to_string(value_at(offsets, 0)),
+              "; the offsets start at 0");
+  TORCH_CHECK(!fails[1], op, ": cu_seqlens_q ends at ", std::to_string(value_at(offsets, offsets.size(0) - 1)),
+              " but query has ", std::to_string(total_q), " tokens; the last offset is the total");
+  if (fails[2]) {
+    const int64_t b = first_true(chunks < 0);
+    TORCH_CHECK(false, op, ": cu_seqlens_q decreases from ", std::to_string(value_at(offsets, b)), " to ",
+                std::to_string(value_at(offsets, b + 1)), " at sequence ", std::to_string(b),
+                "; the offsets never decrease");
+  }
+  if (fails[3]) {
+    const int64_t b = first_true(too_long);
+    const int64_t chunk = value_at(chunks, b);
+    TORCH_CHECK(chunk <= max_seqlen_q, op, ": sequence ", std::to_string(b), " has ", std::to_string(chunk),
+                " query tokens but max_seqlen_q is ", std::to_string(max_seqlen_q));
+    TORCH_CHECK(false, op, ": sequence ", std::to_string(b), " has ", std::to_string(chunk),
+                " query tokens but context_lens[", std::to_string(b), "] is ", std::to_string(value_at(lens, b)),
+                "; the new tokens are the last of the context (write them with reshape_and_cache first and count "
+                "them in context_lens)");
+  }
+}
+
+#ifdef WITH_CUDA
+int capability_major(const Tensor& t) {
+  int major = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, t.device().index()));
+  return major;
+}
+
+// What rung mma needs beyond the checks every rung makes, each refused with the way out.
+void check_prefill_mma(const char* op, const Tensor& query) {
+  TORCH_CHECK(query.scalar_type() == at::kHalf || query.scalar_type() == at::kBFloat16, op,
+              ": version 'mma' runs on tensor cores and takes float16 and bfloat16; query is ", query.scalar_type(),
+              " (use version='decode_rows' or None)");
+  const int major = capability_major(query);
+  TORCH_CHECK(major >= 8, op, ": version 'mma' needs compute capability 8.0 or newer (mma.sync m16n8k16 in ",
+              "16-bit types and cp.async); this GPU is ", std::to_string(major),
+              ".x (use version='decode_rows' or None)");
+}
+
+// Rung decode_rows: every query row becomes a decode query of paged_attention (serving.h). Its
+// sequence s is the chunk that holds it (a search of the offsets), its table row is s's, and its
+// context is the tokens up to its own position: context_lens[s] (clamped to the row, as
+// paged_context does) - (cu_seqlens_q[s + 1] - row) + 1. All of it torch ops on the device: no
+// sync, and a CUDA graph captures it. Rows in no chunk (offsets the checks refuse) get some
+// sequence's table and a context inside it: memory-safe, their values unspecified.
+void prefill_decode_rows_cuda(const PagedPrefillParams& p, const Tensor& q, const Tensor& tables, const Tensor& cu,
+                              const Tensor& lens, cudaStream_t stream) {
+  if (p.batch == 0) return;  // no sequence, no row to serve (offsets the checks refuse: see above)
+  const Tensor ends = cu.slice(0, 1).to(at::kLong);
+  const Tensor rows = at::arange(p.total_q, ends.options());
+  const Tensor seq = at::searchsorted(ends, rows, /*out_int32=*/false, /*right=*/true).clamp_max(p.batch - 1);
+  const Tensor context = lens.to(at::kLong).clamp(0, p.max_blocks * p.cache.block_size).index_select(0, seq);
+  const Tensor row_lens = (context - (ends.index_select(0, seq) - rows) + 1).clamp_min(0).to(at::kInt);
+  const Tensor row_tables = tables.index_select(0, seq);  // (total_q, max_blocks), contiguous
+  PagedAttentionParams d{};
+  d.cache = p.cache;
+  d.q = p.q;
+  d.key_cache = p.key_cache;
+  d.value_cache = p.value_cache;
+  d.block_tables = row_tables.const_data_ptr<int32_t>();
+  d.context_lens = row_lens.const_data_ptr<int32_t>();
+  d.out = p.out;
+  d.batch = p.total_q;
+  d.heads = p.heads;
+  d.max_blocks = p.max_blocks;
+  d.q_batch_stride = q.stride(0), d.q_head_stride = q.stride(1);
+  d.block_table_stride = row_tables.stride(0);
+  d.scale = p.scale;
+  // per_kv_head: each K/V row read once for the row's group of query heads; never split (the
+  // grid already has a block per query row and kv head).
+  C10_CUDA_CHECK(launch_paged_attention(d, PagedVersion::kPerKvHead, 1, nullptr, stream));
+}
+#endif
+
+// The kernel copies Q rows with 16-byte cp.async: a query whose start or token stride is not a
+// multiple of 16 bytes (a view one element into its buffer) is copied to an aligned one first.
+Tensor aligned_query(const Tensor& query) {
+  const int64_t elem = query.element_size();
+  const bool aligned = reinterpret_cast<std::uintptr_t>(query.const_data_ptr()) % 16 == 0 &&
+                       (query.size(0) <= 1 || query.stride(0) * elem % 16 == 0) &&
+                       (query.size(1) <= 1 || query.stride(1) * elem % 16 == 0);
+  return aligned ? query : query.clone(at::MemoryFormat::Contiguous);
+}
+
+Tensor paged_prefill_attention_impl(const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+                                    const Tensor& block_tables, const Tensor& cu_seqlens_q, const Tensor& context_lens,
+                                    double scale, int64_t max_seqlen_q, OptVersion version, bool check_tables) {
+  const char* op = kPagedPrefill;
+  check_rank(op, "query", query, 3, "(total_q, heads, head_dim), the chunks' tokens packed");
+  check_caches(op, key_cache, value_cache);
+  // The reference computes in the input's type, float32 and float64 (attention/attention_ops.cpp
+  // says why); on CUDA decode_rows takes all four, mma the 16-bit types (check_prefill_mma).
+  if (query.device().is_cpu()) {
+    ::course::check_dtype_in(op, "query", query, {at::kFloat, at::kDouble});
+  } else {
+    ::course::check_floating(op, "query", query);
+  }
+  ::course::check_same_device(op, "key_cache", key_cache, "query", query);
+  ::course::check_same_dtype(op, "key_cache", key_cache, "query", query);
+  check_last_dim_contiguous(op, "query", query);
+  TORCH_CHECK(query.sym_size(2) == key_cache.sym_size(3), op, ": query has head_dim ", str(query.sym_size(2)),
+              " but key_cache and value_cache have head_dim ", str(key_cache.sym_size(3)), " (they must be equal)");
+  TORCH_CHECK(query.sym_size(1) % key_cache.sym_size(2) == 0, op, ": query has ", str(query.sym_size(1)),
+              " heads and the cache has ", str(key_cache.sym_size(2)), " kv heads; the query heads must be a whole ",
+              "multiple of the kv heads (grouped-query attention: each kv head serves heads / heads_kv query heads)");
+  check_index(op, "block_tables", block_tables, 2, "(batch, max_blocks)", at::kInt, "query", query);
+  check_index(op, "cu_seqlens_q", cu_seqlens_q, 1, "(batch + 1,), the offsets of the chunks in query", at::kInt,
+              "query", query);
+  check_index(op, "context_lens", context_lens, 1, "(batch,)", at::kInt, "query", query);
+  TORCH_CHECK(cu_seqlens_q.sym_size(0) == block_tables.sym_size(0) + 1, op, ": cu_seqlens_q has ",
+              str(cu_seqlens_q.sym_size(0)), " offsets for a batch of ", str(block_tables.sym_size(0)),
+              " sequences (block_tables' rows); it needs batch + 1");
+  TORCH_CHECK(context_lens.sym_size(0) == block_tables.sym_size(0), op, ": context_lens has ",
+              str(context_lens.sym_size(0)), " lengths for a batch of ", str(block_tables.sym_size(0)),
+              " sequences (block_tables' rows)");
+  TORCH_CHECK(max_seqlen_q >= 0, op, ": max_seqlen_q is ", std::to_string(max_seqlen_q),
+              "; it must be 0 (bounded by query's tokens) or the longest chunk's length");
+  const auto named = ::course::parse_version(op, version, kPrefillVersions);  // a typo fails on Meta too
+  if (query.is_cuda()) {
+#ifdef WITH_CUDA
+    if (named == PagedPrefillVersion::kMma) check_prefill_mma(op, query);
+#endif
+    TORCH_CHECK(is_listed(kPagedHeadDims, query.size(2)), op, ": head_dim ", std::to_string(query.size(2)),
+                " is not supported on CUDA (supported: ", list_text(kPagedHeadDims), ")");
+    TORCH_CHECK(is_listed(kPagedBlockSizes, key_cache.size(1)), op, ": block_size ",
+                std::to_string(key_cache.size(1)), " is not supported on CUDA (supported: ", list_text(kPagedBlockSizes),
+                ")");
+    // The kernel copies K/V rows with 16-byte cp.async, as paged_attention's does.
+    for (const auto& [name, cache] : {std::pair<const char*, const Tensor&>{"key_cache", key_cache},
+                                      std::pair<const char*, const Tensor&>{"value_cache", value_cache}}) {
+      TORCH_CHECK(reinterpret_cast<std::uintptr_t>(cache.const_data_ptr()) % 16 == 0, op, ": ", name,
+                  " does not start at a 16-byte aligned address; the CUDA kernel reads it in 16-byte pieces ",
+                  "(pass a cache that owns its storage, or .clone() the view)");
+    }
+  }
+  Tensor out = at::empty_symint(query.sym_sizes(), query.options());
+  if (query.is_meta()) return out;
+  const int64_t total_q = query.size(0);
+  const int64_t bound = max_seqlen_q > 0 ? max_seqlen_q : total_q;  // the longest chunk's length, at most
+  const KVCacheLayout cache = layout_of(key_cache);
+  const Tensor tables = rows_contiguous(block_tables);
+  const Tensor cu = cu_seqlens_q.contiguous();
+  const Tensor lens = context_lens.contiguous();
+  if (check_tables) {  // syncs on CUDA: see the top of the file
+    check_table_values(op, tables, lens, cache);
+    check_prefill_values(op, cu, lens, total_q, bound);
+  }
+  if (out.numel() == 0) return out;
+  // mma copies Q rows with cp.async; decode_rows reads q element by element and takes any view.
+  const Tensor q = query.is_cuda() && named != PagedPrefillVersion::kDecodeRows ? aligned_query(query) : query;
+  PagedPrefillParams p{};
+  p.cache = cache;
+  p.q = q.const_data_ptr();
+  p.key_cache = key_cache.const_data_ptr();
+  p.value_cache = value_cache.const_data_ptr();
+  p.block_tables = tables.const_data_ptr<int32_t>();
+  p.cu_seqlens_q = cu.const_data_ptr<int32_t>();
+  p.context_lens = lens.const_data_ptr<int32_t>();
+  p.out = out.mutable_data_ptr();
+  p.batch = tables.size(0);
+  p.heads = q.size(1);
+  p.max_blocks = tables.size(1);
+  p.total_q = total_q;
+  p.max_seqlen_q = bound;
+  p.q_token_stride = q.stride(0), p.q_head_stride = q.stride(1);
+  p.block_table_stride = tables.stride(0);
+  p.scale = scale;
+  if (query.is_cuda()) {
+#ifdef WITH_CUDA
+    const PagedPrefillVersion rung = named.value_or(paged_prefill_default(
+        true, query.scalar_type() == at::kHalf || query.scalar_type() == at::kBFloat16, capability_major(query),
+        bound));
+#endif
+    COURSE_ON_CUDA(op, kPackage, query, if (rung == PagedPrefillVersion::kMma) {
+      C10_CUDA_CHECK(launch_paged_prefill_attention(p, stream));
+    } else {
+      prefill_decode_rows_cuda(p, q, tables, cu, lens, stream);
+    });
+  } else {
+    paged_prefill_attention_cpu(p);
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------
 // match_prefix: (matched_tokens (requests,), matched_blocks (requests, max_match_blocks)), int32;
 // the entries of matched_blocks past a request's match are -1.
 // ---------------------------------------------------------------------------------------
@@ -536,11 +742,17 @@ std::tuple<Tensor, Tensor> match_prefix_impl(const Tensor& tokens, const Tensor&
   return {matched_tokens, matched_blocks};
 }
 
+std::string paged_prefill_rule(bool cuda, bool half, int64_t capability_major, int64_t max_seqlen_q) {
+  return ::course::version_name(kPrefillVersions,
+                                paged_prefill_default(cuda, half, static_cast<int>(capability_major), max_seqlen_q));
+}
+
 void register_backend_kernels(torch::Library& m) {
   m.impl(kReshapeAndCache, &reshape_and_cache_impl);
   m.impl(kCopyBlocks, &copy_blocks_impl);
   m.impl(kPagedAttention, &paged_attention_impl);
   m.impl(kMatchPrefix, &match_prefix_impl);
+  m.impl(kPagedPrefill, &paged_prefill_attention_impl);
 }
 
 }  // namespace
@@ -548,6 +760,7 @@ void register_backend_kernels(torch::Library& m) {
 // For the library's one `versions` op (flash_attention_ops.cpp).
 std::optional<std::vector<std::string>> serving_versions(std::string_view op) {
   if (op == kPagedAttention) return ::course::version_names(kPagedVersions);
+  if (op == kPagedPrefill) return ::course::version_names(kPrefillVersions);
   return std::nullopt;
 }
 
@@ -571,6 +784,14 @@ TORCH_LIBRARY_FRAGMENT(flash_attention, m) {
         "Tensor child_start, Tensor child_count, Tensor child_index, int block_size, Tensor queries, "
         "Tensor query_lens, int max_match_blocks) -> (Tensor matched_tokens, Tensor matched_blocks)",
         pt2);
+  m.def("paged_prefill_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+        "Tensor cu_seqlens_q, Tensor context_lens, float scale, int max_seqlen_q=0, str? version=None, "
+        "bool check_tables=True) -> Tensor",
+        pt2);
+  // version=None's rule for paged_prefill_attention (serving.h), for any device: what
+  // flash_attention.dispatch_rule asks, and the benchmark records.
+  m.def("paged_prefill_rule(bool cuda, bool half, int capability_major, int max_seqlen_q) -> str",
+        &flash_attention::paged_prefill_rule);
 }
 
 // CUDA is registered in every build, as in attention/attention_ops.cpp: a CUDA tensor meets the

@@ -1,0 +1,441 @@
+"""Tests of chunked prefill over the paged KV cache (paged_prefill_attention): the CPU reference
+against a dense float64 computation (paged_testing.py) and two other witnesses (the training
+half's causal attention over the gathered keys, and paged_attention for decode tokens), chunked
+against whole prefill, the version=None rule, opcheck, every documented misuse, and (marked cuda,
+skipped without a GPU) both rungs against the CPU reference of the same inputs, the dispatch, the
+memory-safety rules of unchecked inputs, a misaligned query and a CUDA graph capture.
+
+Run against the installed extension (pip install .) or the JIT build (COURSE_EXT_ROUTE=jit).
+"""
+import pytest
+import torch
+
+import flash_attention
+from coursekit.pytest_plugin import DTYPES, dtype_id, poison_allocator, require_cuda
+from paged_testing import (CPU_DTYPES, HALF_DTYPES, OPS, assert_paged, blocks_needed, cuda_tol, make_cache,
+                           make_prefill, reference_paged_prefill)
+
+pytestmark = pytest.mark.usefixtures("seeded_python_random")
+
+PREFILL_VERSIONS = flash_attention.VERSIONS.get("paged_prefill_attention", ())
+
+# (chunks, contexts, heads, heads_kv, head_dim, block_size): chunk lengths 1, 17, 128, 129 and 0
+# mixed, contexts that are not multiples of the block size (and one that is), a chunk that is its
+# whole context (a cold prompt), GQA 4:1 and multi-query, a prime head_dim and block size.
+CPU_SHAPES = [
+    ([17, 1, 0, 129, 128], [40, 33, 16, 129, 300], 4, 1, 16, 16),
+    ([1, 1, 1], [1, 15, 17], 8, 2, 32, 8),
+    ([5, 0, 13], [31, 7, 13], 6, 3, 7, 5),
+    ([64], [1000], 4, 2, 64, 32),
+]
+
+
+def shape_id(shape):
+    chunks, contexts, heads, heads_kv, head_dim, block_size = shape
+    return (f"q{'-'.join(map(str, chunks))}ctx{'-'.join(map(str, contexts))}h{heads}kv{heads_kv}d{head_dim}"
+            f"bs{block_size}")
+
+
+def prefill(query, key_cache, value_cache, tables, cu, lens, **kw):
+    return flash_attention.paged_prefill_attention(query, key_cache, value_cache, tables, cu, lens, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. The CPU reference against a dense computation, and two more witnesses
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("shape", CPU_SHAPES, ids=shape_id)
+def test_prefill_matches_dense_reference(shape, dtype):
+    chunks, contexts, heads, heads_kv, head_dim, block_size = shape
+    inputs = make_prefill(chunks, contexts, block_size, heads, heads_kv, head_dim, dtype)
+    ref = reference_paged_prefill(*inputs)
+    poison_allocator(ref.to(dtype))
+    out = prefill(*inputs)
+    assert_paged(out, ref, dtype, shape_id(shape))
+
+
+def test_prefill_matches_contiguous_causal_attention():
+    """One sequence, its context laid out contiguously and read by the training half's attention
+    with causal=True, whose mask is aligned bottom-right as the prefill's: the same rows."""
+    block_size, chunk, context, heads, heads_kv, head_dim = 16, 23, 77, 4, 2, 32
+    query, key_cache, value_cache, tables, cu, lens = make_prefill([chunk], [context], block_size, heads, heads_kv,
+                                                                   head_dim, torch.float64)
+    pages = tables[0, :blocks_needed(context, block_size)].long()
+    k = key_cache[pages].flatten(0, 1)[:context].transpose(0, 1)[None]  # (1, heads_kv, context, d)
+    v = value_cache[pages].flatten(0, 1)[:context].transpose(0, 1)[None]
+    expected = flash_attention.attention(query.transpose(0, 1)[None], k, v, causal=True)[0].transpose(0, 1)
+    torch.testing.assert_close(prefill(query, key_cache, value_cache, tables, cu, lens), expected, rtol=1e-10,
+                               atol=1e-10)
+
+
+def test_decode_tokens_are_paged_attention():
+    """A batch of chunks of one token is a decode step: the same bits as paged_attention (the CPU
+    reference computes both with one function, in one order)."""
+    contexts = [1, 16, 17, 90]
+    query, key_cache, value_cache, tables, cu, lens = make_prefill([1] * 4, contexts, 16, 8, 2, 64)
+    out = prefill(query, key_cache, value_cache, tables, cu, lens)
+    assert torch.equal(out, flash_attention.paged_attention(query, key_cache, value_cache, tables, lens))
+
+
+@pytest.mark.parametrize("chunk", (1, 17, 128))
+def test_chunked_prefill_equals_whole_prefill(chunk):
+    """A prompt prefilled in chunks of N (each chunk's context = the tokens before it plus itself)
+    gives the rows of the whole prompt prefilled at once."""
+    prompt, block_size = 301, 16
+    query, key_cache, value_cache, tables, cu, lens = make_prefill([prompt], [prompt], block_size, 4, 2, 32,
+                                                                   torch.float64)
+    whole = prefill(query, key_cache, value_cache, tables, cu, lens)
+    for start in range(0, prompt, chunk):
+        end = min(start + chunk, prompt)
+        part = prefill(query[start:end], key_cache, value_cache, tables,
+                       torch.tensor([0, end - start], dtype=torch.int32), torch.tensor([end], dtype=torch.int32))
+        torch.testing.assert_close(part, whole[start:end], rtol=1e-12, atol=1e-12, msg=lambda m: f"{start}: {m}")
+
+
+@pytest.mark.parametrize("scale", (0.05, 3.0))
+def test_scale_is_used(scale):
+    inputs = make_prefill([3, 9], [10, 9], 8, 4, 2, 16, torch.float64)
+    assert_paged(prefill(*inputs, scale=scale), reference_paged_prefill(*inputs, scale=scale), torch.float64)
+
+
+def test_default_scale():
+    inputs = make_prefill([3], [10], 8, 2, 2, 16, torch.float64)
+    assert torch.equal(prefill(*inputs), prefill(*inputs, scale=0.25))
+
+
+def test_strided_query_and_tables():
+    """A query that is a strided, misaligned view of a fused projection, and a column slice of a
+    wider table, are read in place: the bits of contiguous copies."""
+    query, key_cache, value_cache, tables, cu, lens = make_prefill([4, 7], [9, 30], 8, 4, 2, 16)
+    buffer = torch.randn(11 * 3 * 4 * 16 + 1)
+    fused = buffer[1:].view(11, 12, 16)[:, 4:8]
+    fused.copy_(query)
+    wide = torch.cat([torch.full((2, 3), -5, dtype=torch.int32), tables], dim=1)[:, 3:]
+    assert not fused.is_contiguous() and not wide.is_contiguous()
+    expected = prefill(query, key_cache, value_cache, tables, cu, lens)
+    assert torch.equal(prefill(fused, key_cache, value_cache, wide, cu, lens), expected)
+
+
+def test_empty_chunks_and_batches():
+    query, key_cache, value_cache, tables, cu, lens = make_prefill([0, 0], [5, 0], 4, 2, 2, 8)
+    assert prefill(query, key_cache, value_cache, tables, cu, lens).shape == (0, 2, 8)
+    empty = torch.zeros(0, 2, dtype=torch.int32)
+    out = prefill(torch.randn(0, 2, 8), key_cache, value_cache, empty, torch.zeros(1, dtype=torch.int32),
+                  torch.zeros(0, dtype=torch.int32))
+    assert out.shape == (0, 2, 8)
+
+
+def test_unchecked_inputs_follow_the_memory_safety_rules():
+    """check_tables=False: a block id outside the cache adds nothing (its tokens are absent, as in
+    paged_attention), a context longer than the row is clamped to it, and a chunk longer than its
+    context has rows that see nothing: 0."""
+    key_cache, value_cache = make_cache(6, 4, 2, 8, torch.float64)
+    tables = torch.tensor([[0, 99, 2], [1, -3, 4], [5, 3, 2]], dtype=torch.int32)
+    lens = torch.tensor([10, 12, 40], dtype=torch.int32)
+    cu = torch.tensor([0, 3, 8, 14], dtype=torch.int32)
+    query = torch.randn(14, 4, 8, dtype=torch.float64)
+    out = prefill(query, key_cache, value_cache, tables, cu, lens, check_tables=False)
+    assert_paged(out, reference_paged_prefill(query, key_cache, value_cache, tables, cu, lens), torch.float64)
+    short = torch.tensor([0, 5], dtype=torch.int32)
+    out = prefill(query[:5], key_cache, value_cache, tables[:1], short, torch.tensor([3], dtype=torch.int32),
+                  check_tables=False)
+    assert torch.all(out[:2] == 0) and torch.all(out[2:] != 0), "rows before the context's start see nothing"
+
+
+@pytest.mark.parametrize("version", PREFILL_VERSIONS)
+def test_cpu_accepts_every_version_name(version):
+    inputs = make_prefill([3, 1], [7, 4], 4, 2, 2, 8, torch.float64)
+    assert torch.equal(prefill(*inputs, version=version), prefill(*inputs))
+
+
+def test_versions_table_lists_the_prefill_ladder():
+    assert list(PREFILL_VERSIONS) == OPS.versions("paged_prefill_attention")
+
+
+def test_meta_tensors_give_shapes():
+    query = torch.empty(300, 8, 128, device="meta", dtype=torch.bfloat16)
+    key_cache = torch.empty(50, 16, 2, 128, device="meta", dtype=torch.bfloat16)
+    tables = torch.empty(3, 7, device="meta", dtype=torch.int32)
+    cu = torch.empty(4, device="meta", dtype=torch.int32)
+    lens = torch.empty(3, device="meta", dtype=torch.int32)
+    out = prefill(query, key_cache, key_cache, tables, cu, lens)
+    assert out.shape == query.shape and out.dtype == torch.bfloat16 and out.device.type == "meta"
+    with pytest.raises(RuntimeError, match=r"paged_prefill_attention: unknown version 'v3'"):
+        prefill(query, key_cache, key_cache, tables, cu, lens, version="v3")
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. version=None's rule, asked for any GPU
+# ---------------------------------------------------------------------------------------------
+RULE_CASES = [
+    # (dtype, cuda, capability, total_q, max_seqlen_q): the rung
+    ((torch.bfloat16, True, (9, 0), 300, 0), "mma"),
+    ((torch.float16, True, (8, 0), 300, 129), "mma"),
+    ((torch.bfloat16, True, (9, 0), 64, 1), "decode_rows"),    # all decode tokens: no 64-row tiles
+    ((torch.bfloat16, True, (9, 0), 1, 0), "decode_rows"),     # one token: total_q bounds the chunk
+    ((torch.float32, True, (9, 0), 300, 0), "decode_rows"),    # no tensor cores in float32
+    ((torch.float64, True, (9, 0), 300, 0), "decode_rows"),
+    ((torch.bfloat16, True, (7, 5), 300, 0), "decode_rows"),   # no mma.sync m16n8k16 in bf16 before sm_80
+    ((torch.float32, False, (0, 0), 300, 0), "decode_rows"),   # the CPU: the name is validated only
+]
+
+
+@pytest.mark.parametrize("case,rung", RULE_CASES, ids=[f"{c[0]}-{c[2]}-{c[3]}-{c[4]}-{c[1]}" for c, _ in RULE_CASES])
+def test_default_rule(case, rung):
+    dtype, cuda, capability, total_q, max_seqlen_q = case
+    assert flash_attention.dispatch_rule("paged_prefill_attention", (total_q, 8, 128), dtype=dtype, cuda=cuda,
+                                         capability=capability, max_seqlen_q=max_seqlen_q) == rung
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. opcheck and misuse
+# ---------------------------------------------------------------------------------------------
+def _opcheck_calls(device="cpu"):
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    inputs = make_prefill([17, 1, 0], [40, 5, 3], 16, 4, 2, 64, dtype, device, junk=False)
+    return {
+        "prefill": (OPS.paged_prefill_attention.default, (*inputs, 0.125, 0, None, True)),
+        "prefill_unchecked_mma": (OPS.paged_prefill_attention.default, (*inputs, 0.125, 17, "mma", False)),
+        "prefill_decode_rows": (OPS.paged_prefill_attention.default, (*inputs, 0.125, 0, "decode_rows", False)),
+    }
+
+
+@pytest.mark.parametrize("call", ["prefill", "prefill_unchecked_mma", "prefill_decode_rows"])
+def test_opcheck(call):
+    fn, args = _opcheck_calls()[call]
+    torch.library.opcheck(fn, args)
+
+
+def _args(**change):
+    """Valid arguments (2 sequences, chunks 2 and 3, contexts 5 and 8, heads 4, heads_kv 2,
+    head_dim 8, block_size 4, 6 blocks), with some replaced."""
+    args = dict(query=torch.randn(5, 4, 8), key_cache=torch.randn(6, 4, 2, 8), value_cache=torch.randn(6, 4, 2, 8),
+                block_tables=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+                cu_seqlens_q=torch.tensor([0, 2, 5], dtype=torch.int32),
+                context_lens=torch.tensor([5, 8], dtype=torch.int32))
+    args.update(change)
+    return args
+
+
+def _call(version=None, max_seqlen_q=0, check_tables=True, **change):
+    return lambda: flash_attention.paged_prefill_attention(**_args(**change), version=version,
+                                                           max_seqlen_q=max_seqlen_q, check_tables=check_tables)
+
+
+def test_valid_misuse_baseline():
+    """The misuse cases below each change one thing in this call, which must succeed."""
+    _call()()
+    _call(max_seqlen_q=3)()
+
+
+OP = "paged_prefill_attention"
+MISUSES = {
+    "query 4-D": (_call(query=torch.randn(5, 4, 1, 8)),
+                  rf"{OP}: query has shape \[5, 4, 1, 8\] \(4 dims\); it must have 3: \(total_q, heads, head_dim\)"),
+    "float16 on cpu": (_call(query=torch.randn(5, 4, 8).half(), key_cache=torch.randn(6, 4, 2, 8).half(),
+                             value_cache=torch.randn(6, 4, 2, 8).half()),
+                       rf"{OP}: query has dtype Half, which is not supported \(supported: Float, Double\)"),
+    "query/cache dtype mix": (_call(query=torch.randn(5, 4, 8, dtype=torch.float64)),
+                              rf"{OP}: key_cache is Float but query is Double"),
+    "head_dim mismatch": (_call(query=torch.randn(5, 4, 16)),
+                          rf"{OP}: query has head_dim 16 but key_cache and value_cache have head_dim 8"),
+    "heads not a multiple": (_call(query=torch.randn(5, 3, 8)),
+                             rf"{OP}: query has 3 heads and the cache has 2 kv heads"),
+    "cache not contiguous": (_call(key_cache=torch.randn(6, 2, 4, 8).transpose(1, 2)),
+                             rf"{OP}: key_cache is not contiguous"),
+    "cu_seqlens_q int64": (_call(cu_seqlens_q=torch.tensor([0, 2, 5])),
+                           rf"{OP}: cu_seqlens_q has dtype Long, which is not supported \(supported: Int\)"),
+    "block_tables int64": (_call(block_tables=torch.tensor([[0, 1], [2, 3]])),
+                           rf"{OP}: block_tables has dtype Long, which is not supported \(supported: Int\)"),
+    "cu_seqlens_q length": (_call(cu_seqlens_q=torch.tensor([0, 5], dtype=torch.int32)),
+                            rf"{OP}: cu_seqlens_q has 2 offsets for a batch of 2 sequences \(block_tables' rows\); "
+                            r"it needs batch \+ 1"),
+    "context_lens length": (_call(context_lens=torch.tensor([5, 8, 1], dtype=torch.int32)),
+                            rf"{OP}: context_lens has 3 lengths for a batch of 2 sequences"),
+    "device mix": (_call(cu_seqlens_q=torch.zeros(3, dtype=torch.int32, device="meta")),
+                   rf"{OP}: cu_seqlens_q is on meta but query is on cpu"),
+    "max_seqlen_q negative": (_call(max_seqlen_q=-1), rf"{OP}: max_seqlen_q is -1; it must be 0"),
+    "unknown version": (_call(version="v2"),
+                        rf"{OP}: unknown version 'v2'; expected one of decode_rows, mma \(or None"),
+    # values (check_tables=True)
+    "table too short for the context": (_call(context_lens=torch.tensor([5, 9], dtype=torch.int32)),
+                                        rf"{OP}: context_lens\[1\] is 9 but its block_tables row covers 2 blocks x "
+                                        r"block_size 4 = 8 tokens"),
+    "block id past the cache": (_call(block_tables=torch.tensor([[0, 1], [2, 6]], dtype=torch.int32)),
+                                rf"{OP}: block_tables\[1\]\[1\] is 6, not a block of the cache"),
+    "offsets start past 0": (_call(cu_seqlens_q=torch.tensor([1, 2, 5], dtype=torch.int32)),
+                             rf"{OP}: cu_seqlens_q\[0\] is 1; the offsets start at 0"),
+    "offsets end short": (_call(cu_seqlens_q=torch.tensor([0, 2, 4], dtype=torch.int32)),
+                          rf"{OP}: cu_seqlens_q ends at 4 but query has 5 tokens"),
+    "offsets decrease": (_call(query=torch.randn(2, 4, 8), cu_seqlens_q=torch.tensor([0, 3, 2], dtype=torch.int32)),
+                         rf"{OP}: cu_seqlens_q decreases from 3 to 2 at sequence 1"),
+    "chunk longer than its context": (_call(context_lens=torch.tensor([1, 8], dtype=torch.int32)),
+                                      rf"{OP}: sequence 0 has 2 query tokens but context_lens\[0\] is 1; the new "
+                                      r"tokens are the last of the context"),
+    "chunk longer than max_seqlen_q": (_call(max_seqlen_q=2),
+                                       rf"{OP}: sequence 1 has 3 query tokens but max_seqlen_q is 2"),
+}
+
+
+@pytest.mark.parametrize("misuse", list(MISUSES))
+def test_misuse_raises_clear_error(misuse):
+    call, message = MISUSES[misuse]
+    with pytest.raises(RuntimeError, match=message):
+        call()
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. CUDA: both rungs against the CPU reference of the same inputs
+# ---------------------------------------------------------------------------------------------
+# Chunks 1, 17, 128, 129 and 0 with decode tokens among them, contexts off the block size, one
+# chunk that is its whole context (a cold prompt: the full causal triangle), one long context.
+CUDA_CHUNKS = ([1, 17, 128, 1, 0, 129, 1], [50, 17, 300, 1, 9, 1000, 2049])
+CUDA_GQA = ((8, 8), (8, 2), (8, 1))
+
+
+def rungs_for(dtype):
+    return [v for v in PREFILL_VERSIONS if v != "mma" or dtype in HALF_DTYPES]
+
+
+def check_cuda_prefill(chunks, contexts, heads, heads_kv, head_dim, block_size, dtype, version, what,
+                       check_tables=True, max_seqlen_q=0, inputs=None):
+    if inputs is None:
+        inputs = make_prefill(chunks, contexts, block_size, heads, heads_kv, head_dim, dtype, "cuda")
+    ref = reference_paged_prefill(*inputs)
+    poison_allocator(torch.empty(inputs[0].shape, dtype=dtype, device="cuda"))
+    out = prefill(*inputs, version=version, check_tables=check_tables, max_seqlen_q=max_seqlen_q)
+    assert out.device.type == "cuda" and out.dtype == dtype and out.shape == ref.shape, what
+    rtol, atol = cuda_tol(dtype, inputs[2])
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+    return out
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("block_size", (16, 32))
+@pytest.mark.parametrize("gqa", CUDA_GQA, ids=lambda g: f"h{g[0]}kv{g[1]}")
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_cuda_prefill_matches_reference(dtype, head_dim, gqa, block_size):
+    require_cuda()
+    heads, heads_kv = gqa
+    for version in rungs_for(dtype):
+        check_cuda_prefill(*CUDA_CHUNKS, heads, heads_kv, head_dim, block_size, dtype, version,
+                           f"{version} {dtype_id(dtype)} d{head_dim} h{heads}kv{heads_kv} bs{block_size}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+def test_cuda_rungs_agree_with_max_seqlen_q(dtype):
+    """max_seqlen_q sizes mma's grid: the exact bound, and the default (total_q, most tiles leave
+    at once), give the same bits."""
+    require_cuda()
+    inputs = make_prefill([129, 1, 17], [200, 80, 17], 16, 8, 2, 128, dtype, "cuda")
+    exact = prefill(*inputs, version="mma", max_seqlen_q=129)
+    assert torch.equal(exact, prefill(*inputs, version="mma"))
+
+
+@pytest.mark.cuda
+def test_cuda_default_dispatch():
+    """version=None: the tensor-core kernel for a batch with a chunk, the decode kernel for a batch
+    of decode tokens (max_seqlen_q = 1) and for float32 (flash_attention.default_choice agrees)."""
+    require_cuda()
+    from coursekit.pytest_plugin import launched_kernels
+    cases = (([17, 1], torch.bfloat16, 0, "paged_prefill_kernel"),
+             ([1, 1], torch.bfloat16, 1, "paged_attention_kernel"),
+             ([17, 1], torch.float32, 0, "paged_attention_kernel"))
+    for chunks, dtype, max_q, kernel in cases:
+        inputs = make_prefill(chunks, [40, 40], 16, 8, 2, 64, dtype, "cuda")
+        _, names = launched_kernels(lambda: prefill(*inputs, max_seqlen_q=max_q, check_tables=False),
+                                    "flash_attention")
+        assert any(kernel in n for n in names), (chunks, dtype, names)
+        rung = "mma" if kernel == "paged_prefill_kernel" else "decode_rows"
+        assert flash_attention.default_choice("paged_prefill_attention", inputs[0], max_seqlen_q=max_q) == rung
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_cuda_unchecked_inputs_follow_the_memory_safety_rules(dtype):
+    """check_tables=False with block ids outside the cache (mma's masked slow path), a context past
+    its row, and a chunk longer than its context: no fault, and the CPU reference's answer."""
+    require_cuda()
+    key_cache, value_cache = make_cache(12, 16, 2, 64, dtype, "cuda")
+    tables = torch.tensor([[0, 99, 2, 7], [1, -3, 4, 8], [5, 3, 2, 11], [2 ** 31 - 1, 6, -(2 ** 31), 9]],
+                          dtype=torch.int32, device="cuda")
+    lens = torch.tensor([40, 60, 5000, 50], dtype=torch.int32, device="cuda")
+    cu = torch.tensor([0, 17, 18, 18 + 70, 18 + 70 + 64], dtype=torch.int32, device="cuda")
+    query = torch.randn(152, 8, 64, device="cuda").to(dtype)
+    for version in rungs_for(dtype):
+        check_cuda_prefill(None, None, 8, 2, 64, 16, dtype, version, f"{version} {dtype_id(dtype)}",
+                           check_tables=False, inputs=(query, key_cache, value_cache, tables, cu, lens))
+    torch.cuda.synchronize()  # a fault would surface here at the latest
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+def test_cuda_misaligned_query(dtype):
+    """A query one element into its buffer and strided (a slice of a fused projection) gives the
+    contiguous copy's bits: mma copies it to an aligned one, decode_rows reads it in place."""
+    require_cuda()
+    query, key_cache, value_cache, tables, cu, lens = make_prefill([17, 1, 40], [17, 30, 300], 16, 8, 2, 64, dtype,
+                                                                   "cuda")
+    buffer = torch.zeros(58 * 3 * 8 * 64 + 1, device="cuda", dtype=dtype)
+    view = buffer[1:].view(58, 24, 64)[:, 8:16]
+    view.copy_(query)
+    for version in PREFILL_VERSIONS:
+        expected = prefill(query, key_cache, value_cache, tables, cu, lens, version=version)
+        assert torch.equal(prefill(view, key_cache, value_cache, tables, cu, lens, version=version), expected), version
+
+
+@pytest.mark.cuda
+@pytest.mark.sanitize
+def test_cuda_prefill_small():
+    """The small run compute-sanitizer checks: both rungs, a chunk, a decode token, an empty chunk,
+    a block outside the cache."""
+    require_cuda()
+    key_cache, value_cache = make_cache(8, 16, 2, 64, torch.bfloat16, "cuda")
+    tables = torch.tensor([[0, 1, 2], [3, 99, 4], [5, 6, 7]], dtype=torch.int32, device="cuda")
+    inputs = (torch.randn(20, 4, 64, device="cuda").to(torch.bfloat16), key_cache, value_cache, tables,
+              torch.tensor([0, 19, 20, 20], dtype=torch.int32, device="cuda"),
+              torch.tensor([40, 37, 3], dtype=torch.int32, device="cuda"))
+    for version in PREFILL_VERSIONS:
+        check_cuda_prefill(None, None, 4, 2, 64, 16, torch.bfloat16, version, version, check_tables=False,
+                           inputs=inputs)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("version", [None, *PREFILL_VERSIONS])
+def test_cuda_graph_capture(version):
+    """A server replays its step from a CUDA graph: with check_tables=False nothing syncs, the
+    work goes to the current stream, and decode_rows' index tensors come from the graph's pool."""
+    require_cuda()
+    from coursekit.pytest_plugin import capture_and_replay
+    inputs = make_prefill([17, 1, 128], [40, 33, 200], 16, 8, 2, 128, torch.bfloat16, "cuda")
+    captured, expected = capture_and_replay(lambda: prefill(*inputs, version=version, max_seqlen_q=128,
+                                                            check_tables=False))
+    assert torch.equal(captured, expected), version
+
+
+@pytest.mark.cuda
+def test_cuda_misuse():
+    require_cuda()
+    cuda = {k: v.cuda() for k, v in _args().items()}
+    with pytest.raises(RuntimeError, match=rf"{OP}: head_dim 8 is not supported on CUDA \(supported: 64, 128\)"):
+        flash_attention.paged_prefill_attention(**cuda)
+    inputs = make_prefill([3], [7], 16, 4, 2, 64, torch.float32, "cuda")
+    with pytest.raises(RuntimeError, match=rf"{OP}: version 'mma' runs on tensor cores and takes float16 and "
+                                           r"bfloat16; query is Float \(use version='decode_rows' or None\)"):
+        prefill(*inputs, version="mma")
+    query, key_cache, value_cache, tables, cu, lens = make_prefill([3], [7], 16, 4, 2, 64, torch.bfloat16, "cuda")
+    with pytest.raises(RuntimeError, match=rf"{OP}: cu_seqlens_q is on cpu but query is on cuda"):
+        prefill(query, key_cache, value_cache, tables, cu.cpu(), lens)
+    with pytest.raises(RuntimeError, match=rf"{OP}: context_lens\[0\] is 40 but its block_tables row covers 1 "
+                                           r"blocks x block_size 16 = 16 tokens"):
+        prefill(query, key_cache, value_cache, tables, cu, torch.tensor([40], dtype=torch.int32, device="cuda"))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("call", ["prefill", "prefill_unchecked_mma", "prefill_decode_rows"])
+def test_cuda_opcheck(call):
+    require_cuda()
+    fn, args = _opcheck_calls("cuda")[call]
+    torch.library.opcheck(fn, args)
