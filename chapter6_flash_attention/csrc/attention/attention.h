@@ -62,9 +62,6 @@ inline constexpr int kCudaHeadDims[] = {32, 64, 96, 128, 256};
 inline constexpr int kMmaBackwardHeadDims[] = {32, 64, 96, 128};
 // Part 3's Hopper forward (csrc/hopper/): whole 64-column chunks, the width of its 128-byte swizzle.
 inline constexpr int kHopperHeadDims[] = {64, 128, 256};
-// Part 3's FP8 forward (attention_fp8): a row of Q or K is head_dim bytes, one 64- or 128-byte
-// swizzle row, and O (64 x head_dim floats per warpgroup) must fit beside S at 240 registers.
-inline constexpr int kFp8HeadDims[] = {64, 128};
 
 // The log-sum-exp is kept in the accumulation type: float32, float64 for float64 inputs (as
 // chapter 4 keeps its norms' statistics). A (batch, heads, seqlen_q) contiguous tensor:

@@ -1,11 +1,11 @@
 // Torch glue for part 3's FP8 forward: quantize_fp8 (a tensor to e4m3 with one scale, V transposed
-// for the forward; attention/fp8_quantize.h) and attention_fp8 (the forward on e4m3 Q, K and V^T;
+// for the forward; attention/fp8.h) and attention_fp8 (the forward on e4m3 Q, K and V^T;
 // hopper/flash_fwd_hopper_fp8.cuh). Their schemas, checks, the CPU/CUDA/Meta kernel of each, and
 // the CPU references that define them: quantize in float32 steps that the CUDA kernels repeat bit
 // for bit, attention as the float64 attention (attention_forward_cpu) of the dequantized inputs.
 // Forward only: no autograd (e4m3 tensors take no gradient).
 #include "attention/attention.h"
-#include "attention/fp8_quantize.h"
+#include "attention/fp8.h"
 
 #include <ATen/ATen.h>
 #include <course/checks.h>
@@ -39,7 +39,7 @@ constexpr const char* kAttentionFp8 = "attention_fp8";
 // ---------------------------------------------------------------------------------------
 // quantize_fp8(x, transpose) -> (x8, descale)
 // ---------------------------------------------------------------------------------------
-// The CPU reference (fp8_quantize.h's steps): the scale and descale as C++ floats, one float32
+// The CPU reference (attention/fp8.h's steps): the scale and descale as C++ floats, one float32
 // multiply per element, torch's e4m3 conversion (round to nearest even, as cuda_fp8.h's).
 std::tuple<Tensor, Tensor> quantize_fp8_cpu(const Tensor& x, bool transpose, const Tensor& out) {
   const Tensor xf = x.to(at::kFloat);

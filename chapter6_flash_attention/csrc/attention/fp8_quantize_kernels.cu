@@ -1,7 +1,7 @@
-// quantize_fp8's kernels (fp8_quantize.h): a per-tensor amax, then e4m3 with the scale it gives,
+// quantize_fp8's kernels (attention/fp8.h): a per-tensor amax, then e4m3 with the scale it gives,
 // written as x's layout or transposed (V^T for the FP8 forward). Torch-free. The e4m3 conversion is
 // cuda_fp8.h's (one cvt instruction on sm_89 and newer, the same rounding in software before).
-#include "attention/fp8_quantize.h"
+#include "attention/fp8.h"
 
 #include <course/cuda_utils.h>
 #include <cuda_bf16.h>

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "attention/attention.h"
+#include "attention/fp8.h"
 #include "hopper/tile_schedule.h"
 
 #include <cuda_runtime_api.h>

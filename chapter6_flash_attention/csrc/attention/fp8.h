@@ -1,5 +1,8 @@
-// quantize_fp8 (part 3's FP8 forward takes its inputs from it): a tensor to e4m3 with one scale for
-// the whole tensor, and the factor that undoes it. Plain C++, as attention.h.
+// Part 3's FP8 forward, what the glue sees of it without CUDA: the head dims its kernel takes, and
+// quantize_fp8. Plain C++, as attention.h.
+//
+// quantize_fp8 (the FP8 forward takes its inputs from it): a tensor to e4m3 with one scale for the
+// whole tensor, and the factor that undoes it.
 //
 //   amax    = max |x| over the tensor
 //   scale   = 448 / amax (1 when amax = 0: every element is 0 and any scale does)
@@ -20,6 +23,11 @@
 #include <cstdint>
 
 namespace flash_attention {
+
+// The FP8 forward's head dims (attention_fp8 on CUDA; the CPU reference takes any): a row of Q or
+// K is head_dim bytes, one 64- or 128-byte swizzle row, and O (64 x head_dim floats per warpgroup)
+// must fit beside S in a consumer's 240 registers.
+inline constexpr int kFp8HeadDims[] = {64, 128};
 
 inline constexpr float kE4m3Max = 448.f;
 
