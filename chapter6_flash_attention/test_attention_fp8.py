@@ -193,6 +193,15 @@ def test_attention_fp8_cpu_is_the_dequantized_float64_attention():
         torch.testing.assert_close(ref_lse, mine_lse, rtol=1e-12, atol=1e-12)
 
 
+def test_attention_fp8_no_keys():
+    """seqlen_k = 0: every row sees no key, so out is 0 and lse -inf (attention()'s convention);
+    V^T's rows keep a 16-byte stride even with no keys."""
+    q8, k8, v8t, dq, dk, dv = quantized_inputs(1, 2, 1, 5, 0, 64)
+    assert v8t.shape == (1, 1, 64, 0) and v8t.stride(2) == 16
+    out, lse = flash_attention.attention_fp8(q8, k8, v8t, dq, dk, dv, return_lse=True)
+    assert (out == 0).all() and lse.isneginf().all()
+
+
 def test_attention_fp8_meta_shapes():
     """Meta tensors (fake-tensor tracing) get out (bfloat16, q's shape) and lse (float32)."""
     q = torch.empty(2, 4, 7, 64, dtype=E4M3, device="meta")
@@ -314,6 +323,17 @@ def test_cuda_fp8_views_and_repeat():
     got = flash_attention.attention_fp8(q_bshd, k8, v_tight, dq, dk, dv, causal=True)
     assert torch.equal(got, want)
     assert torch.equal(flash_attention.attention_fp8(q8, k8, v8t, dq, dk, dv, causal=True), want)
+
+
+@pytest.mark.cuda
+def test_cuda_fp8_no_keys():
+    """seqlen_k = 0 on the GPU: no key tile is loaded, out is 0 and lse -inf, on poisoned memory."""
+    skip_unless_fp8()
+    for d in (64, 128):
+        inputs = quantized_inputs(2, 4, 2, 130, 0, d, device="cuda")
+        poison_allocator(torch.empty((2, 4, 130, d), dtype=torch.bfloat16, device="cuda"))
+        out, lse = flash_attention.attention_fp8(*inputs, return_lse=True)
+        assert (out == 0).all() and lse.isneginf().all(), d
 
 
 @pytest.mark.cuda

@@ -31,8 +31,9 @@ inline constexpr int kFp8HeadDims[] = {64, 128};
 
 inline constexpr float kE4m3Max = 448.f;
 
-// The padded row of the transposed layout: seqlen rounded up to 16 bytes.
-inline int64_t fp8_transposed_row(int64_t seqlen) { return (seqlen + 15) / 16 * 16; }
+// The padded row of the transposed layout: seqlen rounded up to 16 bytes, and 16 for no keys at all
+// (a row stride of 0 is no stride a tensor map takes).
+inline int64_t fp8_transposed_row(int64_t seqlen) { return seqlen > 0 ? (seqlen + 15) / 16 * 16 : 16; }
 
 struct QuantizeFp8Params {
   DType dtype;        // of x: float32, float16 or bfloat16
