@@ -56,7 +56,8 @@ CUDA rungs (head_dim 32, 64, 96, 128 or 256):
   loads the next tile's Q and first K/V while the consumers finish a tile and store its output;
 - attention_fp8 (part 3, Hopper only; head_dim 64 or 128): the forward on e4m3 q, k and V^T with
   per-tensor descale factors, "pingpong"'s schedule on FP8 wgmma, bfloat16 out; quantize_fp8 makes
-  its inputs (any device; CPU reference and CUDA kernels agree bit for bit);
+  its inputs (any device; CPU reference and CUDA kernels agree bit for bit), and rotate_qk the
+  optional random-sign Hadamard rotation of q and k before it (same scores, outliers spread out);
 - backward "naive": P recomputed from lse into a workspace, then dV, dS, dQ, dK one kernel each;
 - backward "mma": FlashAttention 2's backward on tensor cores: a block per key tile sums dK and
   dV in registers, dQ through float32 atomics (float16 and bfloat16, sm_80+, head_dim <= 128);
@@ -90,7 +91,8 @@ from .paged import copy_blocks, paged_attention, reshape_and_cache  # noqa: E402
 from .radix import RadixCache  # noqa: E402
 
 __all__ = ["attention", "attention_varlen", "sdpa", "attention_forward", "attention_backward", "hopper_kernels_built",
-           "default_choice", "dispatch_rule", "quantize_fp8", "attention_fp8", "reshape_and_cache", "copy_blocks", "paged_attention", "RadixCache",
+           "default_choice", "dispatch_rule", "quantize_fp8", "attention_fp8", "hadamard_rotation", "rotate_qk",
+           "reshape_and_cache", "copy_blocks", "paged_attention", "RadixCache",
            "VERSIONS", "EXTENSION"]
 
 # Each op's ladder of kernel versions; test_attention.py holds it against the extension's
@@ -228,6 +230,31 @@ def attention_fp8(q8, k8, v8t, descale_q, descale_k, descale_v, *, causal=False,
         scale = _default_scale(q8)
     out, lse = torch.ops.flash_attention.attention_fp8(q8, k8, v8t, descale_q, descale_k, descale_v, scale, causal)
     return (out, lse) if return_lse else out
+
+
+def hadamard_rotation(head_dim, *, seed=0, device=None, dtype=torch.float32):
+    """R = diag(s) H / sqrt(head_dim): H the Sylvester Hadamard matrix (entries +-1), s random signs
+    drawn from `seed`. R is orthogonal (R R^T = I), so (q R)(k R)^T = q k^T: rotating q and k by the
+    same R leaves every score as it was. What it changes is how each vector's energy is spread over
+    the channels: a channel with outliers (a few channels of q and k often run ten times larger than
+    the rest) is mixed into all of them, so a per-tensor e4m3 scale set by max|x| no longer crushes
+    the ordinary channels toward e4m3's subnormals ("incoherent processing", QuIP#, FlashAttention 3).
+    head_dim must be a power of two (64 and 128, what attention_fp8 takes, are)."""
+    if head_dim < 1 or head_dim & (head_dim - 1):
+        raise ValueError(f"hadamard_rotation: head_dim must be a power of two, got {head_dim}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < head_dim:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    g = torch.Generator().manual_seed(seed)
+    signs = torch.randint(0, 2, (head_dim,), generator=g, dtype=torch.float64) * 2 - 1
+    return (signs[:, None] * h / math.sqrt(head_dim)).to(device=device, dtype=dtype)
+
+
+def rotate_qk(q, k, *, seed=0):
+    """(q R, k R) in float32 with R = hadamard_rotation(head_dim, seed=seed): the same scores, spread
+    over the channels, ready for quantize_fp8 (v is not rotated: P V needs v as it is)."""
+    r = hadamard_rotation(q.shape[-1], seed=seed, device=q.device)
+    return q.float() @ r, k.float() @ r
 
 
 def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
