@@ -258,7 +258,8 @@ COURSE_WGMMA_WIDTHS(__half, "f16")
 //       a0 = row g, k 4t..4t+3;  a1 = row g + 8, k 4t..4t+3;
 //       a2 = row g, k 16+4t..16+4t+3;  a3 = row g + 8, k 16+4t..16+4t+3
 //       (the PTX ISA's "wgmma .m64nNk32 register fragment layout for matrix A": mma.sync's
-//       m16n8k32 8-bit A layout, per warp of the group). flash_fwd_hopper_fp8.cuh's pack_p_fp8 has
+//       m16n8k32 8-bit A layout, per warp of the group; CuTe's ALayout_64x32 decodes to the same:
+//       k = 4t + byte + 16 (reg >> 1), row g + 8 (reg & 1)). flash_fwd_hopper_fp8.cuh's pack_p_fp8 has
 //       how P's accumulators get there.
 template <int N>
 struct WgmmaFp8;
