@@ -51,8 +51,18 @@ wall time is recorded in the results (wall_s) to check this against.
     python bench_attention.py           full run on a GPU
     python bench_attention.py --quick   small sizes: CPU machines (the CPU reference, variant
                                         "cpu", against SDPA on the CPU), GPU smoke runs
+    python bench_attention.py --fp8-only   the FP8 rows alone (below), into their own file
 
-Writes results/<device-slug>/chapter6_flash_attention.json and the plots beside it.
+FP8 rows (op attention_fp8, Hopper with the sm_90a kernels only): attention_fp8 on e4m3 inputs
+(quantized outside the timed call; a second row, call "quantize_fp8 + attention_fp8", times the
+three quantizations with it) beside the bfloat16 rung "pingpong" and sdpa_cudnn on the same
+shapes: b2 h16 s8192 d128 full and causal, b8 h16 s2048 d64 causal. FLOPs are the forward's
+count whatever the dtype, so TFLOP/s compare times; pct_of_mm is against the bf16 matmul ceiling
+(FP8's tensor-core rate is twice it on Hopper: 100% of it is half of what FP8 can reach), and
+speedup_vs_torch against sdpa_cudnn.
+
+Writes results/<device-slug>/chapter6_flash_attention.json and the plots beside it
+(--fp8-only: chapter6_flash_attention_fp8.json, no plots).
 """
 import math
 import re
@@ -324,6 +334,90 @@ def bench_split_kv(device, ceilings, notes):
         del k, v
         torch.cuda.empty_cache()
     return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8: attention_fp8 beside the bfloat16 pingpong rung and cuDNN
+# ---------------------------------------------------------------------------------------------
+FP8_SHAPES = [  # (batch, heads, seqlen, head_dim, causal)
+    (2, 16, 8192, 128, False), (2, 16, 8192, 128, True), (8, 16, 2048, 64, True)]
+
+
+def fp8_runnable(device):
+    """Why the FP8 rows cannot run here, or None."""
+    if device != "cuda":
+        return "attention_fp8 runs on CUDA only"
+    if torch.cuda.get_device_capability() != (9, 0) or not flash_attention.hopper_kernels_built():
+        return "attention_fp8 needs a Hopper GPU (compute capability 9.0) and the sm_90a kernels built"
+    return None
+
+
+def bench_fp8(device, mm, notes):
+    why = fp8_runnable(device)
+    if why:
+        notes.skip("attention_fp8", why, device)
+        return []
+    rows = []
+    for b, h, n, d, causal in FP8_SHAPES:
+        q, k, v, _ = make_inputs(b, h, n, d, torch.bfloat16, device)
+        q8, dq = flash_attention.quantize_fp8(q)
+        k8, dk = flash_attention.quantize_fp8(k)
+        v8t, dv = flash_attention.quantize_fp8(v, transpose=True)
+
+        def quantized_call(q=q, k=k, v=v, causal=causal):
+            q8_, dq_ = flash_attention.quantize_fp8(q)
+            k8_, dk_ = flash_attention.quantize_fp8(k)
+            v8t_, dv_ = flash_attention.quantize_fp8(v, transpose=True)
+            return flash_attention.attention_fp8(q8_, k8_, v8t_, dq_, dk_, dv_, causal=causal)
+        calls = [  # (variant, dtype of its inputs, fields, call)
+            ("sdpa_cudnn", torch.bfloat16, {}, lambda: sdpa_call(SDPBackend.CUDNN_ATTENTION, causal)(q, k, v)),
+            ("pingpong", torch.bfloat16, {},
+             lambda: flash_attention.attention(q, k, v, causal=causal, version="pingpong")),
+            ("attention_fp8", torch.float8_e4m3fn, {},
+             lambda: flash_attention.attention_fp8(q8, k8, v8t, dq, dk, dv, causal=causal)),
+            ("attention_fp8", torch.float8_e4m3fn, {"call": "quantize_fp8 + attention_fp8"}, quantized_call),
+        ]
+        flops = attention_flops(b, h, n, n, d, causal)
+        where = f"fp8 b{b} h{h} s{n} d{d} {'causal' if causal else 'full'}"
+        t_base = None
+        for variant, dtype, more, fn in calls:
+            t = bench.probe_and_time(notes, variant, where, device, fn)
+            if not t:
+                continue
+            if variant == "sdpa_cudnn":
+                t_base = t["median_ms"]
+            rows.append(bench.flops_row("attention_fp8", variant, dtype, [b, h, n, d], flops, t, mm, t_base,
+                                        **{"pass": "forward", "causal": causal, "head_dim": d, "seqlen": n,
+                                           "batch": b, "heads": h, **more}))
+        del q, k, v, q8, k8, v8t
+        torch.cuda.empty_cache()
+    return rows
+
+
+def print_fp8_table(record):
+    fp8 = results.rows(record, op="attention_fp8")
+    if not fp8:
+        return
+    print("\nFP8 forward: TFLOP/s (x sdpa_cudnn = its time / the row's)")
+    for key in dict.fromkeys((r["batch"], r["heads"], r["seqlen"], r["head_dim"], r["causal"]) for r in fp8):
+        b, h, n, d, causal = key
+        got = [r for r in fp8 if (r["batch"], r["heads"], r["seqlen"], r["head_dim"], r["causal"]) == key]
+        cells = "  ".join(f"{results.column(r)} {r['TFLOPs']:.0f} (x{r.get('speedup_vs_torch', float('nan')):.2f})"
+                          for r in got)
+        print(f"  b{b} h{h} s{n} d{d} {'causal' if causal else 'full':<6}  {cells}")
+
+
+def fp8_only(device, ceilings, notes, started):
+    """--fp8-only: the FP8 rows and the ceiling they are measured against, in their own results file."""
+    rows = bench_fp8(device, ceilings["mm_TFLOPs"], notes)
+    extra = {"headline_op": "attention_fp8", "baseline": "sdpa_cudnn", "skipped": notes.skipped,
+             "extension": flash_attention.EXTENSION, "wall_s": time.perf_counter() - started}
+
+    def table(record):
+        for note in record.get("skipped", []):
+            print(f"skipped {note['variant']} (first at {note['first_at']}): {note['reason'][:160]}")
+        print_fp8_table(record)
+    results.publish(f"{CHAPTER}_fp8", rows, ceilings, extra, lambda record, out_dir: [], table)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -701,6 +795,7 @@ def print_table(record):
         for v in dict.fromkeys(r["variant"] for r in mem):
             got = {r["grad"]: r["extra_MiB"] for r in mem if r["variant"] == v}
             print(f"  {v:<20}" + " / ".join(f"{got[g]:.0f}" if g in got else "-" for g in (False, True)))
+    print_fp8_table(record)
     err = results.rows(record, op="attention_error")
     if err:
         print(f"\nmax abs error vs float64, {shape_text(err[0]['shape'])} "
@@ -713,7 +808,10 @@ def print_table(record):
 
 def main():
     started = time.perf_counter()
-    device, quick = bench.start(__doc__)
+    parser = bench.arguments(__doc__)
+    parser.add_argument("--fp8-only", action="store_true", help="the FP8 rows alone, into their own results file")
+    args = parser.parse_args()
+    device, quick = bench.setup(args), args.quick
     s = sizes_for(device, quick)
     full = device == "cuda" and not quick
     # copy_ceiling warms the GPU up first (an idle H100 sits at a low clock).
@@ -724,12 +822,15 @@ def main():
     ceilings.update(bench.matmul_ceiling(device, n=8192 if full else 4096 if device == "cuda" else 256,
                                          dtype=mm_dtype))
     notes = bench.Notes()
+    if args.fp8_only:
+        return fp8_only(device, ceilings, notes, started)
     tensor_MiB = s["tokens"] * s["hidden"] * torch.empty((), dtype=getattr(torch, s["dtypes"][0])).element_size() / 2**20
     # Part 3's experiments first: they compile for a minute, and a failure shows before the sweep.
     rows = bench.attempt(notes, "hopper experiments", "experiments/", lambda: bench_hopper_experiments(
         device if not quick else "quick", ceilings["mm_TFLOPs"], notes)) or []
     rows += bench_timing(device, ceilings["mm_TFLOPs"], s, notes)
     rows += bench_split_kv(device if not quick else "quick", ceilings, notes)
+    rows += bench_fp8(device if not quick else "quick", ceilings["mm_TFLOPs"], notes)
     rows += bench_memory(device, s["memory"], notes)
     if device != "cuda":
         notes.skip("attention_memory", "memory rows need CUDA (torch.cuda.max_memory_allocated)", "cpu")

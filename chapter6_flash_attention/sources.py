@@ -21,10 +21,10 @@ LIBRARY_SOURCES = ["csrc/flash_attention_ops.cpp"]
 # tensor-core rungs' dispatch, and their instantiations one file per pass, dtype and head dim, as
 # FlashAttention 2 splits its own, so that ninja compiles them side by side
 # (csrc/attention/generate_instantiations.py writes them from attention.h's head-dim lists).
-ATTENTION_CPP = ["csrc/attention/attention_ops.cpp", "csrc/attention/attention_cpu.cpp"]
+ATTENTION_CPP = ["csrc/attention/attention_ops.cpp", "csrc/attention/attention_cpu.cpp", "csrc/attention/fp8_ops.cpp"]
 ATTENTION_CUDA = ["csrc/attention/attention_naive_kernels.cu", "csrc/attention/attention_tiled_kernels.cu",
                   "csrc/attention/flash_fwd_dispatch.cu", "csrc/attention/flash_bwd_dispatch.cu",
-                  "csrc/attention/split_combine.cu"] + sorted(
+                  "csrc/attention/split_combine.cu", "csrc/attention/fp8_quantize_kernels.cu"] + sorted(
     str(p.relative_to(HERE)) for p in (HERE / "csrc" / "attention" / "instantiations").glob("*.cu"))
 
 # Part 2, serving (csrc/serving/): cache writes and copies, the decode ladder, chunked prefill,
@@ -34,10 +34,13 @@ SERVING_CUDA = ["csrc/serving/paged_cache_kernels.cu", "csrc/serving/paged_atten
                 "csrc/serving/paged_prefill_kernels.cu", "csrc/serving/radix_match_kernels.cu"]
 
 # Part 3, Hopper (csrc/hopper/): the forward and the backward on TMA, mbarriers, wgmma and warp
-# specialization. The build compiles these only when the arch list has 9.0, and then for sm_90a
-# (coursekit.build hopper_build); the attention glue learns it from COURSE_HOPPER. One
-# instantiation file per pass, dtype and head dim, as in part 1.
-HOPPER_SOURCES = ["csrc/hopper/flash_fwd_hopper_dispatch.cu", "csrc/hopper/flash_bwd_hopper_dispatch.cu"] + sorted(
+# specialization, and the FP8 forward. The build compiles these only when the arch list has 9.0,
+# and then for sm_90a (coursekit.build hopper_build); the attention glue learns it from
+# COURSE_HOPPER. One instantiation file per pass, dtype and head dim, as in part 1 (the FP8
+# forward's are flash_fwd_hopper_fp8_hdim<d>.cu); the FP8 quantize kernels are part 1's sources,
+# since they run on any GPU.
+HOPPER_SOURCES = ["csrc/hopper/flash_fwd_hopper_dispatch.cu", "csrc/hopper/flash_bwd_hopper_dispatch.cu",
+                  "csrc/hopper/flash_fwd_hopper_fp8_dispatch.cu"] + sorted(
     str(p.relative_to(HERE)) for pattern in ("flash_fwd_hopper_*_hdim*.cu", "flash_bwd_hopper_*_hdim*.cu")
     for p in (HERE / "csrc" / "hopper").glob(pattern))
 

@@ -54,6 +54,10 @@ CUDA rungs (head_dim 32, 64, 96, 128 or 256):
   "warp_specialized"'s at 256) in a grid of one block per SM slot, each walking a static schedule
   of query tiles (longest first when causal, the heads that share K and V together): the producer
   loads the next tile's Q and first K/V while the consumers finish a tile and store its output;
+- attention_fp8 (part 3, Hopper only; head_dim 64 or 128): the forward on e4m3 q, k and V^T with
+  per-tensor descale factors, "pingpong"'s schedule on FP8 wgmma, bfloat16 out; quantize_fp8 makes
+  its inputs (any device; CPU reference and CUDA kernels agree bit for bit), and rotate_qk the
+  optional random-sign Hadamard rotation of q and k before it (same scores, outliers spread out);
 - backward "naive": P recomputed from lse into a workspace, then dV, dS, dQ, dK one kernel each;
 - backward "mma": FlashAttention 2's backward on tensor cores: a block per key tile sums dK and
   dV in registers, dQ through float32 atomics (float16 and bfloat16, sm_80+, head_dim <= 128);
@@ -94,8 +98,8 @@ from .paged import copy_blocks, paged_attention, paged_prefill_attention, reshap
 from .radix import RadixCache  # noqa: E402
 
 __all__ = ["attention", "attention_varlen", "sdpa", "attention_forward", "attention_backward", "hopper_kernels_built",
-           "default_choice", "dispatch_rule", "reshape_and_cache", "copy_blocks", "paged_attention",
-           "paged_prefill_attention", "RadixCache",
+           "default_choice", "dispatch_rule", "quantize_fp8", "attention_fp8", "hadamard_rotation", "rotate_qk",
+           "reshape_and_cache", "copy_blocks", "paged_attention", "paged_prefill_attention", "RadixCache",
            "VERSIONS", "EXTENSION"]
 
 # Each op's ladder of kernel versions; test_attention.py holds it against the extension's
@@ -213,6 +217,63 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     out, lse = torch.ops.flash_attention.attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                                   max_seqlen_k, scale, causal, list(window), softcap)
     return (out, lse) if return_lse else out
+
+
+def quantize_fp8(x, *, transpose=False):
+    """x (float32, float16 or bfloat16) to torch.float8_e4m3fn with one scale for the whole tensor:
+    (x8, descale), x ~ descale * x8.to(float32), descale a 1-element float32 tensor on x's device.
+    The scale is 448 / max|x| (448: e4m3's largest finite value), so nothing saturates; x must be
+    finite.
+
+    transpose=True takes v, (batch, heads_kv, seqlen, head_dim), and writes V^T, (batch, heads_kv,
+    head_dim, seqlen), the layout attention_fp8 reads (8-bit wgmma takes both operands of P V with
+    the keys contiguous); its rows of keys are padded to 16 bytes in memory (a view of the first
+    seqlen columns). The CPU reference and the CUDA kernels give the same bytes.
+    """
+    return torch.ops.flash_attention.quantize_fp8(x, transpose)
+
+
+def attention_fp8(q8, k8, v8t, descale_q, descale_k, descale_v, *, causal=False, scale=None, return_lse=False):
+    """softmax(scale * q k^T [causal mask]) v for e4m3 inputs, forward only, out in bfloat16.
+
+    q8: (batch, heads, seqlen_q, head_dim), k8: (batch, heads_kv, seqlen_k, head_dim), v8t: V
+    transposed, (batch, heads_kv, head_dim, seqlen_k), all torch.float8_e4m3fn; descale_*: the
+    1-element float32 factors (q = descale_q * q8, ...), as quantize_fp8 returns them, >= 0, on
+    the inputs' device. scale defaults to 1 / sqrt(head_dim); causal is the bottom-right mask of
+    attention(). Defined as the float64 attention of the dequantized inputs (the CPU path computes
+    exactly that); on CUDA, a Hopper kernel (compute capability 9.0, head_dim 64 or 128, scale > 0)
+    that computes S in float32 from exact e4m3 products and rounds 256 P to e4m3 for P V.
+    Returns out, with return_lse=True also lse (float32).
+    """
+    if scale is None:
+        scale = _default_scale(q8)
+    out, lse = torch.ops.flash_attention.attention_fp8(q8, k8, v8t, descale_q, descale_k, descale_v, scale, causal)
+    return (out, lse) if return_lse else out
+
+
+def hadamard_rotation(head_dim, *, seed=0, device=None, dtype=torch.float32):
+    """R = diag(s) H / sqrt(head_dim): H the Sylvester Hadamard matrix (entries +-1), s random signs
+    drawn from `seed`. R is orthogonal (R R^T = I), so (q R)(k R)^T = q k^T: rotating q and k by the
+    same R leaves every score as it was. What it changes is how each vector's energy is spread over
+    the channels: a channel with outliers (a few channels of q and k often run ten times larger than
+    the rest) is mixed into all of them, so a per-tensor e4m3 scale set by max|x| no longer crushes
+    the ordinary channels toward e4m3's subnormals ("incoherent processing", QuIP#, FlashAttention 3).
+    head_dim must be a power of two (64 and 128, what attention_fp8 takes, are)."""
+    if head_dim < 1 or head_dim & (head_dim - 1):
+        raise ValueError(f"hadamard_rotation: head_dim must be a power of two, got {head_dim}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < head_dim:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    g = torch.Generator().manual_seed(seed)
+    signs = torch.randint(0, 2, (head_dim,), generator=g, dtype=torch.float64) * 2 - 1
+    return (signs[:, None] * h / math.sqrt(head_dim)).to(device=device, dtype=dtype)
+
+
+def rotate_qk(q, k, *, seed=0):
+    """(q R, k R) in float32 with R = hadamard_rotation(head_dim, seed=seed): the same scores, spread
+    over the channels, ready for quantize_fp8 (v is not rotated: P V needs v as it is)."""
+    r = hadamard_rotation(q.shape[-1], seed=seed, device=q.device)
+    return q.float() @ r, k.float() @ r
 
 
 def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):

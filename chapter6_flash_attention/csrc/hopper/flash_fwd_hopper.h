@@ -3,6 +3,7 @@
 #pragma once
 
 #include "attention/attention.h"
+#include "attention/fp8.h"
 #include "hopper/tile_schedule.h"
 
 #include <cuda_runtime_api.h>
@@ -44,5 +45,26 @@ inline int64_t attention_forward_hopper_workspace(HopperForward rung) {
 // error (cudaErrorNotSupported when the driver has no TMA encoder); never synchronizes or allocates.
 cudaError_t launch_attention_forward_hopper(const AttentionParams& params, HopperForward rung, cudaStream_t stream,
                                             void* workspace = nullptr);
+
+// The FP8 forward (op attention_fp8; flash_fwd_hopper_fp8.cuh): rung "pingpong"'s schedule on e4m3
+// Q, K and V^T with per-tensor descale factors, bfloat16 out.
+//   attn: q and k e4m3, (batch, heads, seqlen, head_dim) views as for the other rungs; v is V^T,
+//         e4m3 (batch, heads_kv, head_dim, seqlen_k), with v_seq_stride the stride from one of its
+//         head_dim rows to the next (a multiple of 16 bytes, as TMA needs: quantize_fp8 pads it),
+//         v_head_stride and v_batch_stride as usual; o bfloat16, lse float32; dtype is ignored.
+//         head_dim in kFp8HeadDims, scale > 0 (as the 16-bit rungs').
+//   descale_q, descale_k, descale_v: one float each, on the device (what quantize_fp8 returned):
+//         q = descale_q * q8 and so on; >= 0, so that the scaled scores keep the raw ones' maximum.
+struct AttentionFp8Params {
+  AttentionParams attn;
+  const float* descale_q;
+  const float* descale_k;
+  const float* descale_v;
+};
+inline bool attention_fp8_head_dim(int64_t head_dim) { return ::course::is_listed(kFp8HeadDims, head_dim); }
+int64_t attention_fp8_smem_bytes(int64_t head_dim);
+// Returns the first error (cudaErrorNotSupported without the driver's TMA encoder); never
+// synchronizes or allocates.
+cudaError_t launch_attention_fp8_hopper(const AttentionFp8Params& params, cudaStream_t stream);
 
 }  // namespace flash_attention

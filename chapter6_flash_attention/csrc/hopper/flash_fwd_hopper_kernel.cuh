@@ -172,7 +172,10 @@ __device__ __forceinline__ void issue_pv(float (&o)[K::kHeadDim / 2], const uint
 // branch sits inside the overlapped region: at a branch's join ptxas stops tracking which wgmma
 // groups are still running and waits for all of them (seen in the SASS: a WARPGROUP.DEPBAR 0
 // right after the mask's if, before the exponentials it was meant to overlap).
-template <typename K, typename MaskTag>
+// kExpBias: P comes out as 2^kExpBias exp(...) instead (the FP8 forward's 256 P, which e4m3 holds
+// more finely than P itself: flash_fwd_hopper_fp8.cuh); the row sums carry the same factor, and
+// the correction factors, ratios of two exponentials, do not. 0 for the 16-bit rungs.
+template <typename K, int kExpBias = 0, typename MaskTag>
 __device__ __forceinline__ void online_softmax(MaskTag, float (&s)[K::kBlockN / 2], float (&row_max)[2],
                                                float (&row_sum)[2], float (&corr)[2], const AttentionParams& p,
                                                int64_t row0, int64_t diag, int i, int t, float scale_log2) {
@@ -201,7 +204,8 @@ __device__ __forceinline__ void online_softmax(MaskTag, float (&s)[K::kBlockN / 
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     // A row with no visible key so far keeps max -inf: subtract 0, so exp2(-inf) = 0, not NaN.
-    const float neg_max = mx == -INFINITY ? 0.f : -mx * scale_log2;
+    float neg_max = mx == -INFINITY ? 0.f : -mx * scale_log2;
+    if constexpr (kExpBias != 0) neg_max += static_cast<float>(kExpBias);
     corr[r] = row_max[r] == -INFINITY ? 0.f : hopper::exp2_approx((row_max[r] - mx) * scale_log2);
     row_max[r] = mx;
     float sum = 0.f;

@@ -145,6 +145,17 @@ __device__ __forceinline__ uint64_t smem_desc_sw128(const void* start, uint32_t 
 // An empty statement that "redefines" x: the compiler can no longer treat it as the loop-invariant
 // value it is, so it builds it again where it is used instead of keeping it live (register pressure).
 __device__ __forceinline__ void opaque(uint64_t& x) { asm volatile("" : "+l"(x)); }
+// The same for a tile whose rows are 64 bytes, stored with the 64-byte swizzle (what TMA writes
+// with CU_TENSOR_MAP_SWIZZLE_64B: the FP8 forward's Q and K at head_dim 64, a row of 64 one-byte
+// elements): 8 rows to a 512-byte atom, so `sbo` = 512 for a K-major operand; swizzle mode 2 in bits
+// 62-63. A k32 step is again 32 bytes further inside the row.
+__device__ __forceinline__ uint64_t smem_desc_sw64(const void* start, uint32_t lbo_bytes, uint32_t sbo_bytes) {
+  uint64_t desc = (smem_addr(start) & 0x3FFFFu) >> 4;
+  desc |= static_cast<uint64_t>((lbo_bytes & 0x3FFFFu) >> 4) << 16;
+  desc |= static_cast<uint64_t>((sbo_bytes & 0x3FFFFu) >> 4) << 32;
+  desc |= 2ull << 62;
+  return desc;
+}
 // Registers that a wgmma reads or writes must not be touched by ordinary instructions between
 // its issue and the wait for its group; the fence orders the accumulators' last ordinary writes
 // before the asynchronous reads.
@@ -253,6 +264,49 @@ COURSE_WGMMA_WIDTHS(__nv_bfloat16, "bf16")
 COURSE_WGMMA_WIDTHS(__half, "f16")
 #undef COURSE_WGMMA_WIDTHS
 #undef COURSE_WGMMA
+
+// ------------------------------------------------------------------------------------------
+// wgmma.mma_async m64nNk32, e4m3 x e4m3, float32 accumulators (the FP8 forward)
+// ------------------------------------------------------------------------------------------
+// The same accumulator layout as above (it does not depend on the input type); what changes is the
+// reduction step, 32 one-byte elements (32 bytes of a K-major row, as k16 was for 16-bit types),
+// and that both operands must be K-major: 8-bit wgmma has no transpose (no imm-trans operands), so
+// O = P V reads V^T (head_dim rows, keys contiguous).
+//   ss: A (64 x 32) and B (N x 32) from shared memory.
+//   rs: A from registers: 4 x 32 bits, four e4m3 per register, lowest k in the lowest byte:
+//       a0 = row g, k 4t..4t+3;  a1 = row g + 8, k 4t..4t+3;
+//       a2 = row g, k 16+4t..16+4t+3;  a3 = row g + 8, k 16+4t..16+4t+3
+//       (the PTX ISA's "wgmma .m64nNk32 register fragment layout for matrix A": mma.sync's
+//       m16n8k32 8-bit A layout, per warp of the group; CuTe's ALayout_64x32 decodes to the same:
+//       k = 4t + byte + 16 (reg >> 1), row g + 8 (reg & 1)). flash_fwd_hopper_fp8.cuh's pack_p_fp8 has
+//       how P's accumulators get there.
+template <int N>
+struct WgmmaFp8;
+
+#define COURSE_WGMMA_FP8(N, REGS, DLIST, SA, SB, SP, RA0, RA1, RA2, RA3, RB, RP)                                   \
+  template <>                                                                                                 \
+  struct WgmmaFp8<N> {                                                                                        \
+    __device__ static __forceinline__ void ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b,              \
+                                              int accumulate) {                                               \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #SP ", 0;\n"                                          \
+                   "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 " REGS ", %" #SA ", %" #SB         \
+                   ", p, 1, 1;\n}\n"                                                                           \
+                   : DLIST                                                                                    \
+                   : "l"(desc_a), "l"(desc_b), "r"(accumulate));                                              \
+    }                                                                                                         \
+    __device__ static __forceinline__ void rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b,       \
+                                              int accumulate) {                                               \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #RP ", 0;\n"                                          \
+                   "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 " REGS ", {%" #RA0 ", %" #RA1      \
+                   ", %" #RA2 ", %" #RA3 "}, %" #RB ", p, 1, 1;\n}\n"                                           \
+                   : DLIST                                                                                    \
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));               \
+    }                                                                                                         \
+  };
+
+COURSE_WGMMA_FP8(64, COURSE_WGMMA_D32, COURSE_F32(0), 32, 33, 34, 32, 33, 34, 35, 36, 37)
+COURSE_WGMMA_FP8(128, COURSE_WGMMA_D64, COURSE_F64, 64, 65, 66, 64, 65, 66, 67, 68, 69)
+#undef COURSE_WGMMA_FP8
 
 // ------------------------------------------------------------------------------------------
 // Registers, named barriers, the exponential

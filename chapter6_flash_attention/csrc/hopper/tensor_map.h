@@ -44,4 +44,21 @@ inline cudaError_t make_tensor_map_16bit(CUtensorMap* map, const void* base, int
   return result == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
+// The same over a tensor of one-byte elements (the FP8 forward's e4m3 Q, K and V^T), with the
+// 128-byte swizzle (rows of 128 elements) or the 64-byte one (rows of 64: head_dim 64): the box's
+// inner extent must be the swizzle's width in bytes, which is the row the descriptors then read.
+inline cudaError_t make_tensor_map_8bit(CUtensorMap* map, const void* base, int rank, const uint64_t* dims,
+                                        const uint64_t* strides, const uint32_t* box, int swizzle_bytes) {
+  const auto encode = tensor_map_encoder();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  if (swizzle_bytes != 64 && swizzle_bytes != 128) return cudaErrorInvalidValue;
+  const uint32_t element_strides[5] = {1, 1, 1, 1, 1};
+  const CUresult result =
+      encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, static_cast<cuuint32_t>(rank), const_cast<void*>(base), dims,
+             strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+             swizzle_bytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return result == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
 }  // namespace hopper

@@ -1,0 +1,410 @@
+// Chapter 6, part 3: the FP8 forward (op attention_fp8). Rung "pingpong" (flash_fwd_hopper_kernel.cuh)
+// on e4m3 inputs: a producer warpgroup brings Q, K and V^T tiles by TMA, two consumer warpgroups take
+// turns sending tile n - 1's P V and tile n's Q K^T to the tensor cores, each running its softmax
+// while the other's products run. Why pingpong and not the persistent rung: the persistent loop
+// changes who decides the tile, not what a tile computes, and everything FP8 changes is inside a
+// tile (the products, P's conversion, the epilogue); pingpong's one-tile kernel is the smaller
+// thing to extend, and the persistent schedule could take these consumers as it takes pingpong's.
+//
+// What FP8 changes, each where it happens:
+//   - the products are wgmma m64nNk32 e4m3 x e4m3 -> float32 (hopper::WgmmaFp8): twice the 16-bit
+//     rate, half the bytes per tile. A row of Q or K is head_dim bytes: one 128-byte swizzle row at
+//     d = 128 (one TMA box per tile, no 64-column chunks), one 64-byte swizzle row at d = 64.
+//   - 8-bit wgmma reads both operands K-major (no transpose), so O = P V wants V^T in shared
+//     memory, head_dim rows of keys. The op takes V already transposed, (batch, heads_kv,
+//     head_dim, seqlen_k): quantize_fp8(v, transpose=True) writes it so in the same pass that reads
+//     v and writes its bytes, for free, as FlashAttention 3's FP8 path takes "V colmajor". The other
+//     way, a transpose inside the kernel (shared memory to registers and back, in the producer
+//     warpgroup), costs every call shared-memory traffic and a synchronisation per tile for what
+//     one pass at quantization does once per tensor.
+//   - the scores: S = Q8 K8^T is exact products summed in float32; the true scores are
+//     scale * descale_q * descale_k * S, so the two descales fold into scale_log2 once per block
+//     (the kernel reads them from the device: the host never sees their values), and descale_v
+//     multiplies O at the end, with 1 / l.
+//   - P to e4m3 for P V: e4m3 keeps 3 mantissa bits down to 2^-6 (subnormals to 2^-9, then 0). P
+//     itself lies in [0, 1]: every weight below 2^-10 would round to 0. The softmax computes
+//     256 P instead (exp2 with 8 added to the exponent: online_softmax's kExpBias), in [0, 256],
+//     under e4m3's largest 448 so nothing saturates, and normal down to P = 2^-14: 2^8 is the
+//     largest power of two under 448 (a power of two, so the scaling itself rounds nothing).
+//     The row sums carry the same 256, so O / l cancels it; lse takes off 8 ln 2.
+//   - P's registers: the accumulator layout of S is not the A-operand layout of an 8-bit k32 step;
+//     pack_p_fp8 (below) moves the bytes with four shuffles per step inside each quad of lanes.
+//   - O goes out in bfloat16 (store_o_lse_fp8).
+// No torch headers: this file builds with a bare nvcc for sm_90a (and to empty kernels for any
+// other target, which the glue never launches).
+#pragma once
+
+#include "hopper/flash_fwd_hopper_kernel.cuh"
+
+#include <cuda_fp8.h>
+
+namespace flash_attention {
+
+// The FP8 kernel's shapes. 128 query rows (two consumer warpgroups), 128 keys a tile: a thread holds
+// 64 floats of S, head_dim / 2 of O and P as 4 k32 steps x 4 registers (half of what 16-bit P takes).
+// Shared memory: Q (128 x d bytes) and kStages stages of K (128 x d) and V^T (d x 128): 4 stages are
+// 144 KiB at d = 128, 72 KiB at 64; the products run twice as fast as bfloat16's while a tile's bytes
+// halve, so the ring is one stage deeper than pingpong's, for the producer to stay ahead.
+template <int kHeadDim_>
+struct HopperFp8Traits {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kHopperBlockM;
+  static constexpr int kBlockN = 128;
+  static constexpr int kStages = 4;
+  static constexpr int kSwizzle = kHeadDim;       // bytes of a Q or K row: its swizzle width (64 or 128)
+  static constexpr int kAtomBytes = 8 * kSwizzle;  // 8 rows to a swizzle atom: the K-major descriptor's sbo
+  static constexpr int kConsumerThreads = 256, kProducerThreads = 128;
+  static constexpr int kThreads = kConsumerThreads + kProducerThreads;
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;  // pingpong's split of the register file
+  static constexpr int kQBytes = kBlockM * kHeadDim;
+  static constexpr int kKBytes = kBlockN * kHeadDim;   // one stage of K
+  static constexpr int kVBytes = kHeadDim * kBlockN;   // one stage of V^T: head_dim rows of 128 keys
+  static constexpr int kSmemBytes = kQBytes + kStages * (kKBytes + kVBytes) + 1024;  // + 1024-byte alignment
+  static constexpr int kExpBias = 8;  // P is computed as 2^8 P (above)
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "a Q or K row must be one 64- or 128-byte swizzle row");
+  static_assert(kBlockN == 128, "a V^T row of the tile is one 128-byte swizzle row");
+  static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an sm_90 block may take");
+};
+
+#if COURSE_HOPPER_DEVICE
+namespace hopper_fp8 {
+
+template <typename K>
+__device__ __forceinline__ uint64_t kmajor_desc(const unsigned char* start) {
+  if constexpr (K::kSwizzle == 128) {
+    return hopper::smem_desc_sw128(start, 16, K::kAtomBytes);
+  } else {
+    return hopper::smem_desc_sw64(start, 16, K::kAtomBytes);
+  }
+}
+
+// S = Q K^T for this warpgroup's 64 rows and the stage's 128 keys: d / 32 instructions, each reading
+// a k32 slice (32 bytes further along the rows) of Q and of K.
+template <typename K>
+__device__ __forceinline__ void issue_qk(float (&s)[K::kBlockN / 2], const unsigned char* q_wg,
+                                         const unsigned char* k_tile) {
+  hopper::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < K::kHeadDim / 32; ++kk) {
+    hopper::WgmmaFp8<K::kBlockN>::ss(s, kmajor_desc<K>(q_wg + kk * 32), kmajor_desc<K>(k_tile + kk * 32), kk > 0);
+  }
+  hopper::wgmma_commit();
+}
+
+// O += P V: 128 / 32 = 4 instructions, P's k32 fragment from registers, V^T's (head_dim rows x 128
+// keys, 128-byte swizzle) next 32 keys 32 bytes further along its rows.
+template <typename K>
+__device__ __forceinline__ void issue_pv(float (&o)[K::kHeadDim / 2], const uint32_t (&pf)[K::kBlockN / 32][4],
+                                         const unsigned char* vt_tile) {
+  hopper::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < K::kBlockN / 32; ++kk) {
+    hopper::WgmmaFp8<K::kHeadDim>::rs(o, pf[kk], hopper::smem_desc_sw128(vt_tile + kk * 32, 16, 1024), 1);
+  }
+  hopper::wgmma_commit();
+}
+
+// Four floats to four e4m3 in one register, the first in the lowest byte (round to nearest even,
+// saturating: 256 P never exceeds 448, so nothing saturates here). __nv_cvt_float2_to_fp8x2 puts
+// .x in the low byte: one cvt.rn.satfinite.e4m3x2.f32 per pair on sm_90.
+__device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d) {
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
+  return lo | (hi << 16);
+}
+
+// P from S's accumulators to the A fragments of the k32 steps of P V.
+//
+// Where the values are. Lane (g, t) = (lane / 4, lane % 4) holds, of each n8 tile j of S (keys
+// 8j..8j+7), the four registers s[4j..4j+3] = row g keys 8j+2t, 8j+2t+1, then row g+8 the same
+// two keys (hopper.cuh's accumulator layout). Step kk of P V covers keys 32kk..32kk+31: tiles
+// j = 4kk..4kk+3. Converted, tile j of the step is one register T_j (e4m3x4 of s[4j..4j+3]):
+//   T_j = [row g: 8j'+2t, 8j'+2t+1 | row g+8: 8j'+2t, 8j'+2t+1]   (j' = j - 4kk, bytes low to high)
+// Where they must go. The 8-bit A fragment (hopper.cuh, WgmmaFp8) wants in lane t
+//   a0 = row g keys 4t..4t+3, a1 = row g+8 keys 4t..4t+3, a2, a3 = the same 16 keys further.
+// Keys 4t..4t+3 (< 16) lie in tile h = t >> 1 (keys 8h..8h+7), pairs 2t - 4h and 2t - 4h + 1 of it:
+// the pairs lanes b = 2t & 3 and b + 1 of the quad hold, each in its T_h. So lane t needs T_h from
+// lanes b and b + 1 (and T_{2+h} from the same two lanes for a2, a3), and of each only the bytes it
+// holds: 2 of row g, 2 of row g+8. A shuffle moves one register from one lane, so:
+//   shuffle A: lane t reads lane b + h, shuffle B: lane b + 1 - h (the two lanes, in an order
+//   chosen so that every lane read in A is read by lanes of one h only: b + h has the parity of h);
+//   a lane of parity q sends T_q in A and T_{1-q} in B, which is T_h for whoever reads it.
+//   The pair with the lower keys (from lane b) is A's word when h = 0 and B's when h = 1. With
+//   first / second the lower / higher pair's word: a0 = [first.b0, first.b1, second.b0,
+//   second.b1] (row g), a1 = [first.b2, first.b3, second.b2, second.b3] (row g+8): __byte_perm
+//   with 0x5410 and 0x7632. The same two shuffles again with T_2, T_3 give a2, a3.
+// Four shuffles per step, 16 per 128-key tile, every byte moved used. (The other way is to permute
+// the keys of V^T in memory to match the accumulator order, which needs no shuffle but makes the
+// layout of v a contract of this kernel; FlashAttention 3 shuffles as here for V given transposed.)
+template <typename K>
+__device__ __forceinline__ void pack_p_fp8(uint32_t (&pf)[K::kBlockN / 32][4], const float (&s)[K::kBlockN / 2],
+                                           int lane) {
+  const int t = lane & 3, h = t >> 1, q = lane & 1;
+  const int b = (lane & ~3) | ((2 * t) & 3);
+  const int src_a = b + h, src_b = b + 1 - h;
+#pragma unroll
+  for (int kk = 0; kk < K::kBlockN / 32; ++kk) {
+    uint32_t tile[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int r = 16 * kk + 4 * j;
+      tile[j] = e4m3x4(s[r], s[r + 1], s[r + 2], s[r + 3]);
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {  // keys 0..15 of the step (a0, a1), then 16..31 (a2, a3)
+      const uint32_t even = tile[2 * half], odd = tile[2 * half + 1];
+      const uint32_t wa = __shfl_sync(0xffffffffu, q ? odd : even, src_a);
+      const uint32_t wb = __shfl_sync(0xffffffffu, q ? even : odd, src_b);
+      const uint32_t first = h ? wb : wa, second = h ? wa : wb;
+      pf[kk][2 * half] = __byte_perm(first, second, 0x5410);
+      pf[kk][2 * half + 1] = __byte_perm(first, second, 0x7632);
+    }
+  }
+}
+
+// o = descale_v * acc / l in bfloat16 and lse = max * scale + log(l) - 8 ln 2 (l carries P's 2^8)
+// for this lane's two rows; a row with no visible key gets o = 0 and lse = -inf. `scale_log2`
+// includes the two descales. Shuffles before any branch on the row: all 32 lanes take part.
+template <typename K>
+__device__ __forceinline__ void store_o_lse_fp8(const float (&o)[K::kHeadDim / 2], const float (&row_sum)[2],
+                                                const float (&row_max)[2], __nv_bfloat16* out, float* lse,
+                                                int64_t row0, const AttentionParams& p, int t, float scale_log2,
+                                                float descale_v) {
+  const float scale = scale_log2 * 0.69314718055994531f;  // back to natural units
+  const float bias = static_cast<float>(K::kExpBias) * 0.69314718055994531f;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = row_sum[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const float inv = l > 0.f ? descale_v / l : 0.f;
+    const int64_t row = row0 + 8 * r;
+    if (row < p.seqlen_q) {  // the last tile's rows past the end computed on zero rows of Q
+      __nv_bfloat16* o_row = out + row * p.o_seq_stride;
+#pragma unroll
+      for (int j = 2 * r; j < K::kHeadDim / 2; j += 4) {
+        *reinterpret_cast<uint32_t*>(o_row + 8 * (j >> 2) + 2 * t) =
+            hopper_fwd::pack2<__nv_bfloat16>(o[j] * inv, o[j + 1] * inv);
+      }
+      if (t == 0) lse[row] = l > 0.f ? __fmaf_rn(row_max[r], scale, logf(l)) - bias : -INFINITY;
+    }
+  }
+}
+
+}  // namespace hopper_fp8
+#endif
+
+template <typename K>
+__global__ void __launch_bounds__(K::kThreads, 1)
+    flash_fwd_hopper_fp8_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
+                                const __grid_constant__ CUtensorMap map_vt, const AttentionParams p,
+                                const float* descale_q, const float* descale_k, const float* descale_v,
+                                unsigned q_tiles, float scale_log2_raw) {
+#if COURSE_HOPPER_DEVICE
+  using namespace hopper;
+  using namespace hopper_fp8;
+  constexpr int kD = K::kHeadDim, kBN = K::kBlockN, kBM = K::kBlockM, kStages = K::kStages;
+  constexpr int kSRegs = kBN / 2;
+  constexpr int kORegs = kD / 2;
+  extern __shared__ unsigned char smem_raw[];
+  // The swizzle pattern repeats every 1024 bytes (512 for the 64-byte one) and the descriptors
+  // assume atoms there; every buffer below is a multiple of 1024 bytes.
+  unsigned char* smem =
+      reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  unsigned char* q_s = smem;                          // [kBlockM rows][d bytes]
+  unsigned char* k_s = q_s + K::kQBytes;              // [stage][kBlockN rows][d bytes]
+  unsigned char* v_s = k_s + kStages * K::kKBytes;    // [stage][d rows][kBlockN bytes]: V^T
+  __shared__ uint64_t q_full, k_full[kStages], v_full[kStages], kv_empty[kStages];
+
+  // The block's (batch, head, query tile); causal blocks with the most keys first (as pingpong).
+  const int64_t tile_index = blockIdx.x % q_tiles;
+  const int64_t tile = p.causal ? q_tiles - 1 - tile_index : tile_index;
+  const int64_t bh = blockIdx.x / q_tiles;
+  const int b = static_cast<int>(bh / p.heads);
+  const int h = static_cast<int>(bh % p.heads);
+  const int hk = static_cast<int>(h / (p.heads / p.heads_kv));  // GQA
+  const int64_t m0 = tile * kBM;
+  const int64_t diag = p.seqlen_k - p.seqlen_q;
+  const int64_t last_row = (m0 + kBM < p.seqlen_q ? m0 + kBM : p.seqlen_q) - 1;
+  const int n_tiles = static_cast<int>((visible_keys(last_row, p.seqlen_q, p.seqlen_k, p.causal) + kBN - 1) / kBN);
+
+  if (threadIdx.x == 0) {
+    prefetch_tensor_map(&map_q);
+    prefetch_tensor_map(&map_k);
+    prefetch_tensor_map(&map_vt);
+    mbarrier_init(&q_full, 1);
+    for (int s = 0; s < kStages; ++s) {
+      mbarrier_init(&k_full[s], 1);   // the producer's arrive, with the tile's bytes
+      mbarrier_init(&v_full[s], 1);
+      mbarrier_init(&kv_empty[s], 8); // one arrive per consumer warp once it is done with the stage
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();  // the barriers are initialised before anyone waits on them
+
+  if (threadIdx.x < K::kProducerThreads) {
+    // The producer: one thread issues every copy (Q once, then K and V^T per key tile, each on its
+    // own barrier so that Q K^T starts before V^T lands); the stage of tile i is free once the 8
+    // consumer warps have arrived on its empty barrier for tile i - kStages.
+    setmaxnreg_dec<K::kProducerRegs>();
+    if (threadIdx.x == 0 && n_tiles > 0) {
+      mbarrier_arrive_expect_tx(&q_full, K::kQBytes);
+      tma_load_4d(q_s, &map_q, &q_full, 0, static_cast<int>(m0), h, b);
+      for (int i = 0; i < n_tiles; ++i) {
+        const int stage = i % kStages;
+        if (i >= kStages) mbarrier_wait(&kv_empty[stage], ((i / kStages) - 1) & 1);
+        mbarrier_arrive_expect_tx(&k_full[stage], K::kKBytes);
+        tma_load_4d(k_s + stage * K::kKBytes, &map_k, &k_full[stage], 0, i * kBN, hk, b);
+        mbarrier_arrive_expect_tx(&v_full[stage], K::kVBytes);
+        tma_load_4d(v_s + stage * K::kVBytes, &map_vt, &v_full[stage], i * kBN, 0, hk, b);
+      }
+    }
+    return;
+  }
+  setmaxnreg_inc<K::kConsumerRegs>();
+
+  // ---------------------------------------------------------------- the consumers
+  const int ct = threadIdx.x - K::kProducerThreads;
+  const int wg = ct / 128;
+  const int warp = (ct % 128) / 32;
+  const int lane = ct % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int64_t row0 = m0 + wg * 64 + warp * 16 + g;
+  const unsigned char* q_wg = q_s + wg * 64 * kD;
+  // The true scores are scale * descale_q * descale_k * (Q8 K8^T): one factor, read once.
+  const float scale_log2 = scale_log2_raw * __ldg(descale_q) * __ldg(descale_k);
+
+  float o[kORegs];
+#pragma unroll
+  for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
+  float s[kSRegs];
+  uint32_t pf[kBN / 32][4];
+  float row_max[2] = {-INFINITY, -INFINITY};
+  float row_sum[2] = {0.f, 0.f};
+
+  auto issue_qk = [&](int stage) { hopper_fp8::issue_qk<K>(s, q_wg, k_s + stage * K::kKBytes); };
+  auto issue_pv = [&](int stage) { hopper_fp8::issue_pv<K>(o, pf, v_s + stage * K::kVBytes); };
+  auto softmax = [&](auto mask_tag, int i, float (&corr)[2]) {
+    hopper_fwd::online_softmax<K, K::kExpBias>(mask_tag, s, row_max, row_sum, corr, p, row0, diag, i, t, scale_log2);
+  };
+  auto rescale_o = [&](const float (&corr)[2]) {
+#pragma unroll
+    for (int j = 0; j < kORegs; ++j) o[j] *= corr[(j >> 1) & 1];
+  };
+  auto pack_p = [&] { pack_p_fp8<K>(pf, s, lane); };
+  auto release = [&](int stage) {
+    if (lane == 0) mbarrier_arrive(&kv_empty[stage]);
+  };
+
+  if (n_tiles > 0) mbarrier_wait(&q_full, 0);
+  int64_t full_tiles = p.seqlen_k / kBN;
+  if (p.causal) full_tiles = min(full_tiles, max(int64_t{0}, m0 + diag + 1) / kBN);
+  const int n_full = static_cast<int>(min(full_tiles, static_cast<int64_t>(n_tiles)));
+  const std::false_type unmasked;
+  const std::true_type masked;
+
+  // The ping-pong turns, as in flash_fwd_hopper_kernel.cuh: warpgroup wg syncs on hardware barrier
+  // 1 + wg before issuing, then arrives on the other's; warpgroup 1 gives the first turn and skips
+  // its last hand-over, so each barrier sees as many arrivals as syncs.
+  auto take_turn = [&] { named_barrier_sync(1 + wg, 256); };
+  auto pass_turn = [&](bool last) {
+    if (!(last && wg == 1)) named_barrier_arrive(2 - wg, 256);
+  };
+  if (wg == 1 && n_tiles > 0) named_barrier_arrive(1, 256);
+
+  if (n_tiles > 0) {
+    mbarrier_wait(&k_full[0], 0);
+    take_turn();
+    issue_qk(0);
+    pass_turn(false);
+    wgmma_wait<0>();
+    fence_operands(s);
+    float corr[2];
+    if (n_full > 0) {
+      softmax(unmasked, 0, corr);  // O is still 0: nothing to rescale
+    } else {
+      softmax(masked, 0, corr);
+    }
+    pack_p();
+    // Tile i - 1's P V and tile i's Q K^T in one turn, one wait, then tile i's softmax with nothing
+    // in flight (pingpong's kJoint schedule).
+    auto step = [&](auto mask_tag, int i) {
+      const int stage = i % kStages, prev = (i - 1) % kStages;
+      mbarrier_wait(&v_full[prev], ((i - 1) / kStages) & 1);
+      mbarrier_wait(&k_full[stage], (i / kStages) & 1);
+      take_turn();
+      issue_pv(prev);
+      issue_qk(stage);
+      pass_turn(false);
+      wgmma_wait<0>();
+      fence_operands(o);
+      fence_operands(pf);
+      fence_operands(s);
+      release(prev);
+      softmax(mask_tag, i, corr);
+      rescale_o(corr);
+      pack_p();
+    };
+    for (int i = 1; i < n_full; ++i) step(unmasked, i);
+    for (int i = n_full > 1 ? n_full : 1; i < n_tiles; ++i) step(masked, i);
+    const int last = (n_tiles - 1) % kStages;
+    mbarrier_wait(&v_full[last], ((n_tiles - 1) / kStages) & 1);
+    take_turn();
+    issue_pv(last);
+    pass_turn(true);
+    wgmma_wait<0>();
+    fence_operands(o);
+    fence_operands(pf);
+    release(last);
+  }
+
+  __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.o) + static_cast<int64_t>(b) * p.o_batch_stride +
+                       static_cast<int64_t>(h) * p.o_head_stride;
+  store_o_lse_fp8<K>(o, row_sum, row_max, out, static_cast<float*>(p.lse) + bh * p.seqlen_q, row0, p, t, scale_log2,
+                     __ldg(descale_v));
+#endif  // COURSE_HOPPER_DEVICE: other targets compile an empty kernel the glue never launches
+}
+
+// A 4-D tensor map over one-byte elements: dims innermost first, byte strides of the outer three
+// (a dim of size 1 is never stepped, so a view's arbitrary stride there is replaced by a valid one;
+// a dim of size 0 becomes 1 and is never read), boxes of `inner` x `rows` of one (head, batch).
+inline cudaError_t make_fp8_map(CUtensorMap* map, const void* base, const int64_t (&sizes)[4],
+                                const int64_t (&elem_strides)[3], uint32_t inner, uint32_t rows, int swizzle) {
+  uint64_t dims[4];
+  for (int i = 0; i < 4; ++i) dims[i] = static_cast<uint64_t>(sizes[i] > 0 ? sizes[i] : 1);
+  uint64_t strides[3];
+  uint64_t prev = dims[0];
+  for (int i = 0; i < 3; ++i) {
+    strides[i] = dims[i + 1] == 1 ? ((prev + 15) / 16) * 16 : static_cast<uint64_t>(elem_strides[i]);
+    prev = strides[i] * dims[i + 1];
+  }
+  const uint32_t box[4] = {inner, rows, 1, 1};
+  return hopper::make_tensor_map_8bit(map, base, 4, dims, strides, box, swizzle);
+}
+
+template <int D>
+cudaError_t run_flash_fwd_hopper_fp8(const AttentionFp8Params& f, cudaStream_t stream) {
+  using K = HopperFp8Traits<D>;
+  const AttentionParams& p = f.attn;
+  const int64_t q_tiles = course::ceil_div(p.seqlen_q, static_cast<int64_t>(K::kBlockM));
+  const int64_t blocks = q_tiles * p.batch * p.heads;
+  if (blocks == 0) return cudaSuccess;
+  if (blocks > INT_MAX || p.seqlen_q > INT_MAX || p.seqlen_k > INT_MAX) return cudaErrorInvalidConfiguration;
+  CUtensorMap map_q, map_k, map_vt;
+  COURSE_CUDA_TRY(make_fp8_map(&map_q, p.q, {D, p.seqlen_q, p.heads, p.batch},
+                               {p.q_seq_stride, p.q_head_stride, p.q_batch_stride}, D, K::kBlockM, K::kSwizzle));
+  COURSE_CUDA_TRY(make_fp8_map(&map_k, p.k, {D, p.seqlen_k, p.heads_kv, p.batch},
+                               {p.k_seq_stride, p.k_head_stride, p.k_batch_stride}, D, K::kBlockN, K::kSwizzle));
+  // V^T: rows of keys (past seqlen_k they arrive as zeros: the masked keys' P is 0, and 0 x 0 adds
+  // nothing, where whatever lay in memory there could be a NaN), head_dim rows a tile.
+  COURSE_CUDA_TRY(make_fp8_map(&map_vt, p.v, {p.seqlen_k, D, p.heads_kv, p.batch},
+                               {p.v_seq_stride, p.v_head_stride, p.v_batch_stride}, K::kBlockN, D, 128));
+  auto kernel = flash_fwd_hopper_fp8_kernel<K>;
+  COURSE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSmemBytes));
+  const float scale_log2 = static_cast<float>(p.scale * 1.4426950408889634);
+  kernel<<<static_cast<unsigned>(blocks), K::kThreads, K::kSmemBytes, stream>>>(
+      map_q, map_k, map_vt, p, f.descale_q, f.descale_k, f.descale_v, static_cast<unsigned>(q_tiles), scale_log2);
+  return cudaGetLastError();
+}
+
+}  // namespace flash_attention
