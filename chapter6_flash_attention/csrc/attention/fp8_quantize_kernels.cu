@@ -4,6 +4,7 @@
 #include "attention/fp8.h"
 
 #include <course/cuda_utils.h>
+#include <course/numeric.cuh>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -14,11 +15,6 @@
 namespace flash_attention {
 namespace {
 
-template <typename T>
-__device__ __forceinline__ float to_float(T x) {
-  return static_cast<float>(x);
-}
-
 constexpr int kThreads = 256;
 
 // max |x| over the tensor. A non-negative float's bits order as the float does, so atomicMax on
@@ -27,8 +23,8 @@ template <typename T>
 __global__ void amax_kernel(const T* __restrict__ x, int64_t n, float* amax) {
   float m = 0.f;
   for (int64_t i = blockIdx.x * int64_t{kThreads} + threadIdx.x; i < n; i += int64_t{gridDim.x} * kThreads) {
-    m = fmaxf(m, fabsf(to_float(x[i])));
-    if (to_float(x[i]) != to_float(x[i])) m = __int_as_float(0x7fffffff);  // fmaxf would drop a NaN
+    m = fmaxf(m, fabsf(course::to_acc(x[i])));
+    if (course::to_acc(x[i]) != course::to_acc(x[i])) m = __int_as_float(0x7fffffff);  // fmaxf would drop a NaN
   }
   __shared__ int block_max;
   if (threadIdx.x == 0) block_max = 0;
@@ -52,7 +48,7 @@ __global__ void convert_kernel(const T* __restrict__ x, int64_t n, const float* 
   const float scale = scale_of(a);
   if (blockIdx.x == 0 && threadIdx.x == 0) *descale = a > 0.f ? a / kE4m3Max : 1.f;
   for (int64_t i = blockIdx.x * int64_t{kThreads} + threadIdx.x; i < n; i += int64_t{gridDim.x} * kThreads) {
-    out[i] = e4m3(to_float(x[i]) * scale);
+    out[i] = e4m3(course::to_acc(x[i]) * scale);
   }
 }
 
@@ -76,7 +72,7 @@ __global__ void convert_transposed_kernel(const T* __restrict__ x, const float* 
   for (int r = threadIdx.y; r < kTile; r += 8) {
     const int64_t s = s0 + r, d = d0 + threadIdx.x;
     // keys past seqlen (the padding) and columns past head_dim hold zeros
-    tile[r][threadIdx.x] = (s < seqlen && d < head_dim) ? e4m3(to_float(xb[s * head_dim + d]) * scale) : 0;
+    tile[r][threadIdx.x] = (s < seqlen && d < head_dim) ? e4m3(course::to_acc(xb[s * head_dim + d]) * scale) : 0;
   }
   __syncthreads();  // the tile is written before it is read across
   unsigned char* ob = static_cast<unsigned char*>(out) + bh * head_dim * row_stride;
