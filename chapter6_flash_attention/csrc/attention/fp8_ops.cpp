@@ -60,12 +60,12 @@ std::tuple<Tensor, Tensor> quantize_fp8_impl(const Tensor& x, bool transpose) {
               "and writes (batch, heads_kv, head_dim, seqlen); x has shape ", shape_of(x));
   const Tensor xc = x.contiguous();  // a one-off preparation of an input: one layout to read
   const auto fp8 = x.options().dtype(at::kFloat8_e4m3fn);
-  Tensor out;
+  Tensor out, buffer;
   if (transpose) {
     // V^T with each row of keys padded to 16 bytes (TMA's row-stride rule), zeros past seqlen: the
     // returned tensor is the (batch, heads_kv, head_dim, seqlen) view of that buffer.
     const int64_t seqlen = x.size(2);
-    const Tensor buffer = at::zeros({x.size(0), x.size(1), x.size(3), fp8_transposed_row(seqlen)}, fp8);
+    buffer = at::zeros({x.size(0), x.size(1), x.size(3), fp8_transposed_row(seqlen)}, fp8);
     out = buffer.narrow(3, 0, seqlen);
   } else {
     out = at::empty(x.sizes(), fp8);
@@ -76,7 +76,9 @@ std::tuple<Tensor, Tensor> quantize_fp8_impl(const Tensor& x, bool transpose) {
   QuantizeFp8Params p{};
   p.dtype = ::course::to_dtype(x.scalar_type());
   p.x = xc.const_data_ptr();
-  p.out = out.mutable_data_ptr();
+  // The transposed kernel writes the padding too, so it gets the whole buffer: at seqlen 0 the view
+  // has no elements and its data pointer is null, while the buffer's padded rows still exist.
+  p.out = transpose ? buffer.mutable_data_ptr() : out.mutable_data_ptr();
   p.descale = descale.mutable_data_ptr<float>();
   p.numel = xc.numel();
   p.transpose = transpose;

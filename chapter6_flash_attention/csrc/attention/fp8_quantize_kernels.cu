@@ -58,7 +58,8 @@ __global__ void convert_kernel(const T* __restrict__ x, int64_t n, const float* 
 constexpr int kTile = 32;
 template <typename T>
 __global__ void convert_transposed_kernel(const T* __restrict__ x, const float* amax, unsigned char* out,
-                                          float* descale, int64_t seqlen, int64_t head_dim, int64_t row_stride) {
+                                          float* descale, int64_t rows, int64_t seqlen, int64_t head_dim,
+                                          int64_t row_stride) {
   __shared__ unsigned char tile[kTile][kTile + 4];  // + 4: rows land in different banks on the column reads
   const float a = *amax;
   const float scale = scale_of(a);
@@ -66,6 +67,10 @@ __global__ void convert_transposed_kernel(const T* __restrict__ x, const float* 
     *descale = a > 0.f ? a / kE4m3Max : 1.f;
   }
   const int64_t bh = blockIdx.z;
+  // The launch has at least one block, for the descale, even when there are no (batch, head) rows
+  // (then the buffer is empty and its pointer null): such a block has nothing to write. Uniform
+  // across the block, so no thread misses the barrier below.
+  if (bh >= rows) return;
   const int64_t s0 = static_cast<int64_t>(blockIdx.x) * kTile, d0 = static_cast<int64_t>(blockIdx.y) * kTile;
   const T* xb = x + bh * seqlen * head_dim;
   // Threads (tx, ty), ty stepping by 8: each thread reads 4 rows of the tile.
@@ -100,8 +105,8 @@ cudaError_t launch_typed(const QuantizeFp8Params& p, cudaStream_t stream) {
   const int64_t sz = std::max<int64_t>(1, p.rows);
   if (sx > INT32_MAX || sy > 65535 || sz > 65535) return cudaErrorInvalidConfiguration;
   convert_transposed_kernel<T><<<dim3(static_cast<unsigned>(sx), static_cast<unsigned>(sy), static_cast<unsigned>(sz)),
-                                 dim3(kTile, 8), 0, stream>>>(x, p.amax, out, p.descale, p.seqlen, p.head_dim,
-                                                              p.row_stride);
+                                 dim3(kTile, 8), 0, stream>>>(x, p.amax, out, p.descale, p.rows, p.seqlen,
+                                                              p.head_dim, p.row_stride);
   return cudaGetLastError();
 }
 
