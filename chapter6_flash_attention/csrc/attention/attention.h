@@ -87,7 +87,25 @@ struct AttentionParams {
   // defaults every rung computes what it did before they existed.
   int64_t window_left = -1, window_right = -1;
   double softcap = 0.0;
+  // The packed (varlen) layout, FlashAttention 2's: null for the padded batch above. Otherwise
+  // batch is the number of sequences and sequence b is rows [cu_seqlens_q[b], cu_seqlens_q[b + 1])
+  // of a (total_q, heads, head_dim) q (its token stride is q_seq_stride, and every batch stride is
+  // 0) against rows [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k and v, each pair attended to as a
+  // batch of one with its own lengths (its own bottom-right causal mask and window); seqlen_q and
+  // seqlen_k are then max_seqlen_q and max_seqlen_k, which size the grid (a host int each: the
+  // lengths themselves stay on the device, read by the blocks). lse is (heads, total_q):
+  // lse[h * total_q + cu_seqlens_q[b] + i]. Only the rungs that take it read these (the glue refuses
+  // the rest): the forward's "tuned", the backward's "mma" and "mma_dqpass".
+  const int32_t* cu_seqlens_q = nullptr;
+  const int32_t* cu_seqlens_k = nullptr;
+  int64_t total_q = 0;
 };
+
+// Rows of the per-row statistics (lse, and the backward's D): batch * heads * seqlen_q padded,
+// heads * total_q packed.
+inline int64_t stat_rows(const AttentionParams& p) {
+  return p.cu_seqlens_q != nullptr ? p.heads * p.total_q : p.batch * p.heads * p.seqlen_q;
+}
 
 // The backward, from the forward's o and lse (P is recomputed, never stored: it is seqlen_q x
 // seqlen_k per head, the memory FlashAttention exists to avoid):
@@ -302,9 +320,10 @@ cudaError_t launch_split_combine(const SplitCombineParams& params, cudaStream_t 
 inline int64_t attention_forward_split_workspace(const AttentionParams& p, int64_t splits) {
   return splits > 1 ? splits * p.batch * p.heads * p.seqlen_q * (p.head_dim + 1) * 4 : 0;
 }
+// dQ's float32 sums (dq_atomic) and D, one row per lse row (stat_rows: the packed layout's too).
 inline int64_t attention_backward_mma_workspace(const AttentionBackwardParams& g, bool dq_atomic) {
   const AttentionParams& p = g.fwd;
-  return p.batch * p.heads * p.seqlen_q * ((dq_atomic ? p.head_dim : 0) + 1) * 4;
+  return stat_rows(p) * ((dq_atomic ? p.head_dim : 0) + 1) * 4;
 }
 }  // namespace flash_attention
 #endif

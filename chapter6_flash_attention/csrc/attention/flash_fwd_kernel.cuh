@@ -60,6 +60,12 @@
 // kWindowSoftcap = false instantiation, whose code is the kernel's as it was before they existed:
 // the window's few more registers per thread were spills at some head dims, on every GPU.
 //
+// The packed (varlen) layout (attention.h's cu_seqlens), taken by rung 5 alone: kVarlen, a template
+// parameter as kWindowSoftcap is (varlen.cuh says why not a runtime branch). The grid is the padded
+// one over max_seqlen_q; a block reads its sequence's start and length, returns at once if its tile
+// lies past that sequence's end, and otherwise runs the code below on the sequence as a batch of
+// one: its own bottom-right causal mask and window, lse at (head, packed row).
+//
 // The output is written straight from the accumulators, two elements (4 bytes) per lane per
 // n8 tile; FlashAttention 2 stages it through shared memory for 16-byte stores, which no rung
 // here does (not measured).
@@ -72,6 +78,7 @@
 #include "attention/flash_tiles.cuh"
 #include "attention/mma.cuh"
 #include "attention/softcap.cuh"
+#include "attention/varlen.cuh"
 
 #include <course/cuda_utils.h>
 
@@ -82,10 +89,11 @@ namespace flash_attention {
 
 // kWindowSoftcap: this instantiation computes a window and a softcap (`cap`); without it, `cap` is
 // unread and p.causal is the only mask (K::kWindowSoftcap says which rungs have the other one).
-// `cap` comes last so that the other arguments sit where they did before it existed.
-template <typename T, typename K, bool kWindowSoftcap>
+// `cap` comes last so that the other arguments sit where they did before it existed. kVarlen: the
+// packed layout (above).
+template <typename T, typename K, bool kWindowSoftcap, bool kVarlen>
 __global__ void __launch_bounds__(K::kThreads)
-    flash_fwd_kernel(const AttentionParams p, unsigned q_tiles, float score_scale, unsigned splits_arg,
+    flash_fwd_kernel(const AttentionParams params, unsigned q_tiles, float score_scale, unsigned splits_arg,
                      float* __restrict__ o_split, const Softcap cap) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   constexpr int kD = K::kHeadDim;
@@ -106,10 +114,21 @@ __global__ void __launch_bounds__(K::kThreads)
   const int64_t tile = blockIdx.x % q_tiles;
   const unsigned split = (blockIdx.x / q_tiles) % splits;
   const int64_t bh = blockIdx.x / q_tiles / splits;
-  const int64_t b = bh / p.heads;
-  const int64_t h = bh % p.heads;
-  const int64_t hk = h / (p.heads / p.heads_kv);  // GQA: the kv head this query head reads
+  const int64_t b = bh / params.heads;
+  const int64_t h = bh % params.heads;
   const int64_t m0 = tile * K::kBlockM;
+  // Packed: sequence b as a batch of one (varlen.cuh). q_tiles covers the longest sequence, so a
+  // shorter one's last tiles hold none of its rows: nothing to load and no row to write, and the
+  // whole block leaves together, before any barrier. (A sequence without keys stays: its rows get
+  // o = 0 and lse = -inf, below.)
+  AttentionParams sequence;
+  if constexpr (kVarlen) {
+    static_assert(!K::kSplit, "the packed layout runs on rung \"tuned\" (its partials are laid out padded)");
+    sequence = sequence_params<T>(params, b);
+    if (m0 >= sequence.seqlen_q) return;
+  }
+  const AttentionParams& p = kVarlen ? sequence : params;
+  const int64_t hk = h / (p.heads / p.heads_kv);  // GQA: the kv head this query head reads
   const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
   const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
   const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
@@ -322,7 +341,7 @@ __global__ void __launch_bounds__(K::kThreads)
   // o = acc / l and lse = max + log(l) per row; a row with no visible key (l = 0) gets o = 0 and
   // lse = -inf (attention.h). The shuffles come before any branch on the row: all 32 lanes.
   T* o = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride;
-  auto* lse = static_cast<float*>(p.lse) + bh * p.seqlen_q;
+  auto* lse = static_cast<float*>(p.lse) + (kVarlen ? packed_stat_row(params, b, h) : bh * p.seqlen_q);
   // Split-KV: the partial output in float32 and the split's lse go to the workspace
   // (attention.h's SplitCombineParams layout), for the combine kernel to merge.
   const int64_t rows = p.batch * p.heads * p.seqlen_q;
@@ -362,7 +381,7 @@ __global__ void __launch_bounds__(K::kThreads)
 #endif  // __CUDA_ARCH__ >= 800: older GPUs never launch it (the glue checks the capability)
 }
 
-template <typename T, typename K, bool kWindowSoftcap>
+template <typename T, typename K, bool kWindowSoftcap, bool kVarlen>
 cudaError_t launch_flash_fwd(const AttentionParams& p, const FwdSplit& split, cudaStream_t stream) {
   constexpr int D = K::kHeadDim;
   const int64_t q_tiles = course::ceil_div(p.seqlen_q, static_cast<int64_t>(K::kBlockM));
@@ -371,7 +390,7 @@ cudaError_t launch_flash_fwd(const AttentionParams& p, const FwdSplit& split, cu
   if (blocks == 0) return cudaSuccess;
   if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
   float* o_split = K::kSplit ? split.workspace : nullptr;
-  auto kernel = flash_fwd_kernel<T, K, kWindowSoftcap>;
+  auto kernel = flash_fwd_kernel<T, K, kWindowSoftcap, kVarlen>;
   // Above 48 KiB a kernel must ask for its dynamic shared memory (every tile shape here does).
   COURSE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSmemBytes));
   const double log2e = 1.4426950408889634;
@@ -396,14 +415,23 @@ cudaError_t launch_flash_fwd(const AttentionParams& p, const FwdSplit& split, cu
 }
 
 // The one place a call picks its instantiation: with a window or a softcap, the kWindowSoftcap one
-// of the rungs that have it; without, the plain one. Rungs 3 and 4 have none (the glue refuses
-// such calls there; this answers a launcher called from C++).
+// of the rungs that have it; without, the plain one; packed (cu_seqlens_q set), the kVarlen one of
+// rung "tuned". Rungs 3 and 4 have no window, and no rung but "tuned" the packed layout (the glue
+// refuses such calls there; this answers a launcher called from C++).
 template <typename T, int D, MmaForward kRung>
 cudaError_t run_flash_fwd(const AttentionParams& p, const FwdSplit& split, cudaStream_t stream) {
   using K = FwdTraits<D, kRung>;
-  if (!uses_window_or_softcap(p)) return launch_flash_fwd<T, K, false>(p, split, stream);
+  if (p.cu_seqlens_q != nullptr) {
+    if constexpr (kRung == MmaForward::kTuned) {
+      return uses_window_or_softcap(p) ? launch_flash_fwd<T, K, true, true>(p, split, stream)
+                                       : launch_flash_fwd<T, K, false, true>(p, split, stream);
+    } else {
+      return cudaErrorInvalidValue;
+    }
+  }
+  if (!uses_window_or_softcap(p)) return launch_flash_fwd<T, K, false, false>(p, split, stream);
   if constexpr (K::kWindowSoftcap) {
-    return launch_flash_fwd<T, K, true>(p, split, stream);
+    return launch_flash_fwd<T, K, true, false>(p, split, stream);
   } else {
     return cudaErrorInvalidValue;
   }
