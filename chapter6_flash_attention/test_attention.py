@@ -2158,7 +2158,6 @@ def test_cuda_varlen_graph_capture_and_compile():
     CUDA graph; torch.compile(fullgraph=True) traces the packed call, forward and backward, through
     the Meta kernels on CUDA tensors; opcheck holds the registration (schema, fake kernels, autograd)."""
     skip_unless_varlen_runs(64, backward=True)
-    from coursekit.pytest_plugin import capture_and_replay
     lens = [17, 0, 129, 64]
     q, k, v, cu_q, cu_k = varlen_cuda_inputs(lens, lens, 4, 2, 64, torch.bfloat16)
     go = torch.randn_like(q)
@@ -2185,7 +2184,9 @@ def test_cuda_varlen_graph_capture_and_compile():
 
     def block(q, k, v):
         return flash_attention.attention_varlen(q, k, v, cu_q, cu_k, 129, 129, causal=True).float().square().sum()
-    compiled = torch.compile(block, fullgraph=True)
+    # aot_eager: Dynamo and AOTAutograd trace the call (fake CUDA tensors through the Meta kernels)
+    # without a graph break; inductor's codegen would add nothing about the op, which it never compiles.
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
     grads = torch.autograd.grad(compiled(*leaves), leaves)
     for g, e in zip(grads, torch.autograd.grad(block(*leaves), leaves)):
         torch.testing.assert_close(g, e, rtol=2 ** -7, atol=1e-3)
@@ -2206,7 +2207,8 @@ def test_cuda_varlen_misuse():
     q, k, v, cu_q, cu_k = varlen_cuda_inputs([3, 4], [3, 4], 2, 2, 64, torch.bfloat16)
     call = flash_attention.attention_varlen
     cases = [
-        (lambda: call(q, k, v, cu_q.cpu(), cu_k, 4, 4), r"attention_varlen_forward: cu_seqlens_q is on cpu but q is on cuda"),
+        (lambda: call(q, k, v, cu_q.cpu(), cu_k, 4, 4),
+         r"attention_varlen_forward: cu_seqlens_q is on cpu but q is on cuda"),
         (lambda: call(q, k, v, cu_q, cu_k.long(), 4, 4),
          r"attention_varlen_forward: cu_seqlens_k has dtype Long but must be Int"),
         (lambda: call(q, k, v, cu_q, cu_k, 4, 4, version="split_kv"),
@@ -2217,6 +2219,8 @@ def test_cuda_varlen_misuse():
         (lambda: call(q.float(), k.float(), v.float(), cu_q, cu_k, 4, 4),
          r"attention_varlen_forward: on CUDA the packed \(varlen\) layout runs on version 'tuned' alone \(float16 and "
          r"bfloat16.*q is Float"),
+        (lambda: call(q.double(), k.double(), v.double(), cu_q, cu_k, 4, 4, version="tuned"),
+         r"attention_varlen_forward: on CUDA the packed \(varlen\) layout runs on version 'tuned' alone .*q is Double"),
         (lambda: call(q, k, v, cu_q, cu_k, 3, 4),
          r"attention_varlen_forward: 2 sequences of at most max_seqlen_q = 3 and max_seqlen_k = 4 tokens cannot hold "
          r"7 query and 7 key tokens"),

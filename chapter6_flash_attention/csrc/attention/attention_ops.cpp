@@ -714,9 +714,10 @@ std::optional<BackwardVersion> varlen_backward_rule(int64_t head_dim, const Disp
 
 #ifdef WITH_CUDA
 // What a CUDA call in the packed layout needs beyond check_varlen, each refused with the way out:
-// a rung that takes the layout (version=None's, or the one named), a head dim the kernels were
-// built for, and the lengths' totals within batch x max_seqlen (what the host can check without
-// reading cu_seqlens). Returns the rung's name.
+// a rung that takes the layout (the one named, else version=None's), inputs it runs (`chosen`, the
+// rule's answer for these facts: none where the tensor-core rungs do not run), a head dim the
+// kernels were built for, and the lengths' totals within batch x max_seqlen (what the host can
+// check without reading cu_seqlens). Returns the rung's name.
 template <typename V, size_t N>
 std::string varlen_cuda_rung(const char* op, const ::course::NamedVersion<V> (&versions)[N], std::optional<V> named,
                              std::optional<V> chosen, const Tensor& q, const Tensor& k, const Tensor& cu_q,
@@ -725,25 +726,23 @@ std::string varlen_cuda_rung(const char* op, const ::course::NamedVersion<V> (&v
   const std::string takes = backward ? std::string("float16 and bfloat16, compute capability 8.0 or newer, head_dim ") +
                                            list_text(kMmaBackwardHeadDims)
                                      : std::string("float16 and bfloat16, compute capability 8.0 or newer");
+  const char* what = backward ? "the packed (varlen) layout's backward" : "the packed (varlen) layout";
   if (named) {
     TORCH_CHECK(takes_varlen(*named), op, ": version '", ::course::version_name(versions, *named),
                 "' does not take the packed (varlen) layout; ", rungs, " take", backward ? "" : "s", " it (", takes,
                 "; version=None picks ", backward ? "'mma_dqpass'" : "'tuned'", " there)");
-  } else {
-    TORCH_CHECK(chosen.has_value(), op, ": on CUDA the packed (varlen) layout runs on ", rungs, " alone (", takes,
-                "); q is ", q.scalar_type(), " at head_dim ", std::to_string(q.size(2)), " on a GPU of compute ",
-                "capability ", std::to_string(device_attribute(q, cudaDevAttrComputeCapabilityMajor)), ".",
-                std::to_string(device_attribute(q, cudaDevAttrComputeCapabilityMinor)),
-                ": convert q, k and v to bfloat16 or float16, or pass CPU tensors (the reference)");
   }
+  // version=None has no rung here, and then neither can the rung named run these inputs on this GPU
+  // (the same facts decide both): one message, with the way out.
+  TORCH_CHECK(chosen.has_value(), op,
+              ": on CUDA ", what, " runs on ", rungs, " alone (", takes, "); q is ", q.scalar_type(), " at head_dim ",
+              std::to_string(q.size(2)), " on a GPU of compute capability ",
+              std::to_string(device_attribute(q, cudaDevAttrComputeCapabilityMajor)), ".",
+              std::to_string(device_attribute(q, cudaDevAttrComputeCapabilityMinor)),
+              ": convert q, k and v to bfloat16 or float16, or pass CPU tensors (the reference)");
   const V v = named ? *named : *chosen;
   TORCH_CHECK(is_listed(kCudaHeadDims, q.size(2)), op, ": head_dim ", std::to_string(q.size(2)),
               " is not supported on CUDA (supported: ", list_text(kCudaHeadDims), ")");
-  if (backward) {
-    TORCH_CHECK(is_listed(kMmaBackwardHeadDims, q.size(2)), op, ": on CUDA the packed (varlen) layout's backward ",
-                "runs on ", rungs, ", which take head_dim ", list_text(kMmaBackwardHeadDims), "; head_dim is ",
-                std::to_string(q.size(2)), " (pass CPU tensors for the reference)");
-  }
   const int64_t batch = cu_q.size(0) - 1;
   TORCH_CHECK(q.size(0) <= batch * max_seqlen_q && k.size(0) <= batch * max_seqlen_k, op, ": ",
               std::to_string(batch), " sequences of at most max_seqlen_q = ", std::to_string(max_seqlen_q),
@@ -784,7 +783,7 @@ std::tuple<Tensor, Tensor> attention_varlen_forward_impl(const Tensor& q, const 
   check_window_softcap(op, window, softcap);
   Tensor out = at::empty_symint(q.sym_sizes(), q.options());
   Tensor lse = at::empty_symint({q.sym_size(1), q.sym_size(0)}, q.options().dtype(lse_dtype(q.scalar_type())));
-  const auto named = ::course::parse_version(op, version, kForwardVersions);  // a typo fails on every device
+  [[maybe_unused]] const auto named = ::course::parse_version(op, version, kForwardVersions);  // a typo fails anywhere
   if (q.is_meta()) return {out, lse};
   if (q.is_cuda()) {
 #ifdef WITH_CUDA
@@ -836,7 +835,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_varlen_backward_impl(
   Tensor dq = at::empty_symint(q.sym_sizes(), q.options());
   Tensor dk = at::empty_symint(k.sym_sizes(), k.options());
   Tensor dv = at::empty_symint(v.sym_sizes(), v.options());
-  const auto named = ::course::parse_version(op, version, kBackwardVersions);  // a typo fails on every device
+  [[maybe_unused]] const auto named = ::course::parse_version(op, version, kBackwardVersions);  // a typo fails anywhere
   if (q.is_meta()) return {dq, dk, dv};
   if (q.is_cuda()) {
 #ifdef WITH_CUDA
