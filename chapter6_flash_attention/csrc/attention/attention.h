@@ -276,7 +276,7 @@ cudaError_t launch_attention_backward_naive(const AttentionBackwardParams& param
 //     FlashAttention 2 on tensor cores, bfloat16 and float16 only, sm_80 and newer; every stride of
 //     q, k, v and o a multiple of 8 elements and every pointer 16-byte aligned (16-byte copies).
 //     The glue checks all of it. The rungs differ in their loads and tile shapes (flash_fwd.h), not
-//     in what they compute.
+//     in what they compute. "tuned" also takes the packed layout (cu_seqlens_q set; varlen.cuh).
 enum class MmaForward { kMma, kPipelined, kTuned, kSplitKv };
 //     Rung "split_kv" (kSplitKv) cuts the keys into `splits` ranges (split-KV, below), with
 //     `workspace` holding attention_forward_split_workspace bytes; with splits <= 1 it runs "tuned".
@@ -290,7 +290,7 @@ int64_t attention_forward_mma_smem_bytes(int64_t head_dim, MmaForward rung);
 //     forward's, head_dim 32-128 (kMmaBackwardHeadDims). dq_atomic: dQ summed across key
 //     tiles with float32 atomics ("mma"), else by a second, deterministic pass over the keys
 //     ("mma_dqpass"). `workspace`: attention_backward_mma_workspace bytes, zeroed by the caller
-//     (dQ's float32 sums when dq_atomic, then D = rowsum(dO * O)).
+//     (dQ's float32 sums when dq_atomic, then D = rowsum(dO * O)). Both take the packed layout.
 cudaError_t launch_attention_backward_mma(const AttentionBackwardParams& params, bool dq_atomic, void* workspace,
                                           cudaStream_t stream);
 int64_t attention_backward_mma_smem_bytes(int64_t head_dim);
