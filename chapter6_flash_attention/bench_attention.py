@@ -53,7 +53,9 @@ Packed rows (op attention_varlen, CUDA only, `--ops attention_varlen`): 16 seque
 causal, forward and backward. Variants: default (attention_varlen, version=None) and its rungs
 ("tuned"; "mma", "mma_dqpass"), flex_attention (torch.compile'd, with a document mask over the
 packed tokens, its block mask built before the timing), and sdpa_cudnn and sdpa_flash on the padded
-batch (16 x 8192, the padding computed and thrown away). TFLOP/s counts the useful work alone, each
+batch (16 x 8192, the padding computed and thrown away), and this chapter's own "tuned" and
+"mma_dqpass" on that padded batch (the same kernels: what the packed layout saves, everything else
+equal). TFLOP/s counts the useful work alone, each
 sequence's own causal triangle, so the padded baselines pay for their padding in time. These rows
 go to their own file, results/<device-slug>/chapter6_flash_attention_varlen.json, so that a run of
 them alone leaves the main results as they were.
@@ -785,28 +787,35 @@ def bench_varlen(device, mm, notes):
         call = sdpa_call(SDPA_BACKENDS[variant], causal)
         calls["forward"].append((variant, lambda call=call: lambda: call(qp, kp, vp)))
         calls["backward"].append((variant, lambda call=call: bench.backward_call(call, padded_leaves, dyp)))
+    # The same kernels on the padded batch ("tuned", "mma_dqpass"): what the packed layout saves
+    # with everything else equal.
+    out_p, lse_p = flash_attention.attention_forward(qp, kp, vp, scale, causal, version="tuned")
+    calls["forward"].append(("tuned", lambda: lambda: flash_attention.attention_forward(qp, kp, vp, scale, causal,
+                                                                                        version="tuned"), "padded"))
+    calls["backward"].append(("mma_dqpass", lambda: lambda: flash_attention.attention_backward(
+        dyp, qp, kp, vp, out_p, lse_p, scale, causal, version="mma_dqpass"), "padded"))
     rows = []
     for pass_ in ("forward", "backward"):
         where = f"attention_varlen {pass_}"
         flops = varlen_flops(lens, h, d, causal, pass_)
         timed = []
-        for variant, make in calls[pass_]:
-            fn = bench.attempt(notes, variant, where, make)
-            t = fn and bench.probe_and_time(notes, variant, where, device, fn, max_call_ms=MAX_CALL_MS)
+        for variant, make, *layout in calls[pass_]:
+            layout = layout[0] if layout else "padded" if variant.startswith("sdpa") else "packed"
+            fn = bench.attempt(notes, variant, f"{where} {layout}", make)
+            t = fn and bench.probe_and_time(notes, variant, f"{where} {layout}", device, fn, max_call_ms=MAX_CALL_MS)
             if t:
-                timed.append((variant, t))
+                timed.append((variant, layout, t))
             del fn
-        base = dict(timed).get(speed_baseline(device))
-        for variant, t in timed:
+        base = {v: t for v, _, t in timed}.get(speed_baseline(device))
+        for variant, layout, t in timed:
             extra = {"pass": pass_, "causal": causal, "head_dim": d, "heads": h, "sequences": batch,
-                     "total_tokens": total, "max_seqlen": longest,
-                     "layout": "padded" if variant.startswith("sdpa") else "packed"}
+                     "total_tokens": total, "max_seqlen": longest, "layout": layout}
             if variant == "default":
                 op = "attention_varlen_backward" if pass_ == "backward" else "attention_varlen_forward"
                 extra["dispatch"] = flash_attention.default_choice(op, q)
             rows.append(bench.flops_row("attention_varlen", variant, dtype, [total, h, d], flops, t, mm,
                                         base and base["median_ms"], **extra))
-    del q, k, v, dy, qp, kp, vp, dyp, leaves, padded_leaves, out, lse
+    del q, k, v, dy, qp, kp, vp, dyp, leaves, padded_leaves, out, lse, out_p, lse_p
     torch.cuda.empty_cache()
     return rows
 
@@ -821,7 +830,8 @@ def flex_document_attention(lengths, heads, device):
 
     def document_causal(b, h, q_idx, kv_idx):
         return (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx)
-    block_mask = create_block_mask(document_causal, None, None, total, total, device=device)
+    # _compile: the mask evaluated tile by tile, not as a dense total x total grid (10^9 entries here).
+    block_mask = create_block_mask(document_causal, None, None, total, total, device=device, _compile=True)
     compiled = torch.compile(flex_attention, fullgraph=True)
     return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
 

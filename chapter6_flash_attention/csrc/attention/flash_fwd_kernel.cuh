@@ -340,8 +340,13 @@ __global__ void __launch_bounds__(K::kThreads)
 
   // o = acc / l and lse = max + log(l) per row; a row with no visible key (l = 0) gets o = 0 and
   // lse = -inf (attention.h). The shuffles come before any branch on the row: all 32 lanes.
-  T* o = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride;
-  auto* lse = static_cast<float*>(p.lse) + (kVarlen ? packed_stat_row(params, b, h) : bh * p.seqlen_q);
+  // Packed: the sequence's first row and its length read again here rather than kept from the top
+  // (the loop's barriers make them fresh loads, from L1): registers the main loop needs more.
+  const int64_t q_start = kVarlen ? params.cu_seqlens_q[b] : 0;
+  const int64_t seqlen_q = kVarlen ? params.cu_seqlens_q[b + 1] - q_start : p.seqlen_q;
+  T* o = static_cast<T*>(params.o) + (kVarlen ? q_start * params.o_seq_stride : b * p.o_batch_stride) +
+         h * p.o_head_stride;
+  auto* lse = static_cast<float*>(p.lse) + (kVarlen ? h * params.total_q + q_start : bh * p.seqlen_q);
   // Split-KV: the partial output in float32 and the split's lse go to the workspace
   // (attention.h's SplitCombineParams layout), for the combine kernel to merge.
   const int64_t rows = p.batch * p.heads * p.seqlen_q;
@@ -356,7 +361,7 @@ __global__ void __launch_bounds__(K::kThreads)
       l += __shfl_xor_sync(0xffffffffu, l, 2);
       const float inv = l > 0.f ? 1.f / l : 0.f;
       const int64_t row = row0 + 16 * m + 8 * r;
-      if (row < p.seqlen_q) {  // the last block's rows past the end computed on zero rows of Q
+      if (row < seqlen_q) {  // the last block's rows past the end computed on zero rows of Q
         // The maximum is in units of scale * s (rung 3) or log2(e) * scale * s (rungs 4-6).
         constexpr float kToNatural = K::kPipelined ? 0.69314718055994531f : 1.f;
         if constexpr (kSplit) {
