@@ -2261,3 +2261,11 @@ def test_sanitizer_varlen():
             what = f"sanitize d{head_dim} {kw}"
             check_cuda_varlen_forward(q, k, v, cu_q, cu_k, 80, 140, what, **kw)
             check_cuda_varlen_backward(q, k, v, cu_q, cu_k, 80, 140, ("mma", "mma_dqpass"), what, **kw)
+    # A decreasing cu_seqlens, which CUDA never reads on the host: the decreasing pair is an empty
+    # sequence (varlen.cuh), so nothing is read or written outside the tensors (memcheck's part), and
+    # the sequences around it are computed as they would be alone.
+    q, k, v, cu_q, cu_k = varlen_cuda_inputs([5, 9], [5, 9], 2, 1, 32, torch.bfloat16)
+    bad = torch.tensor([0, 5, 3, 14], dtype=torch.int32, device="cuda")
+    out = flash_attention.attention_varlen(q, k, v, bad, bad, 11, 11, causal=True)
+    good = flash_attention.attention_varlen(q, k, v, cu_q, cu_k, 9, 9, causal=True)
+    assert torch.equal(out[:3], good[:3])
