@@ -51,7 +51,7 @@ wall time is recorded in the results (wall_s) to check this against.
 Packed rows (op attention_varlen, CUDA only, `--ops attention_varlen`): 16 sequences of 128 to
 8192 tokens (VARLEN_LENGTHS, 33024 in all) packed along one dim, 16 heads of d = 128, bfloat16,
 causal, forward and backward. Variants: default (attention_varlen, version=None) and its rungs
-("tuned"; "mma", "mma_dqpass"), flex_attention (torch.compile'd, with a document mask over the
+("tuned", "split_kv"; "mma", "mma_dqpass"), flex_attention (torch.compile'd, with a document mask over the
 packed tokens, its block mask built before the timing), and sdpa_cudnn and sdpa_flash on the padded
 batch (16 x 8192, the padding computed and thrown away), and this chapter's own "tuned" and
 "mma_dqpass" on that padded batch (the same kernels: what the packed layout saves, everything else
@@ -775,7 +775,8 @@ def bench_varlen(device, mm, notes):
     def ours_backward(version):
         return lambda: lambda: ops.attention_varlen_backward(dy, q, k, v, out, lse, cu, cu, longest, longest, scale,
                                                              causal, [-1, -1], 0.0, version)
-    calls = {"forward": [("tuned", ours_forward("tuned")), ("default", ours_forward(None))],
+    calls = {"forward": [("tuned", ours_forward("tuned")), ("split_kv", ours_forward("split_kv")),
+                         ("default", ours_forward(None))],
              "backward": [("mma", ours_backward("mma")), ("mma_dqpass", ours_backward("mma_dqpass")),
                           ("default", ours_backward(None))]}
     flex = bench.attempt(notes, "flex_attention", "attention_varlen", lambda: flex_document_attention(lens, h, device))

@@ -1976,14 +1976,15 @@ def test_varlen_cpu_accepts_every_version_name():
 
 def test_varlen_dispatch_rule_on_any_gpu():
     """version=None for the packed layout (attention_ops.cpp's varlen rules), asked with made-up
-    devices: "tuned" and "mma_dqpass" wherever the tensor-core rungs run, whatever the lengths (the
-    Hopper rungs and "split_kv" take the padded layout only); no rung elsewhere."""
+    devices: "split_kv" (which runs "tuned" where the grid fills the GPU) and "mma_dqpass" wherever
+    the tensor-core rungs run, whatever the lengths, on a Hopper too (its rungs take the padded
+    layout only); no rung elsewhere."""
     rule = flash_attention.dispatch_rule
     for capability in ((8, 0), (8, 9), (9, 0)):
         gpu = dict(cuda=True, capability=capability, sms=132, hopper_built=True)
         for d in (32, 64, 128, 256):
-            assert rule("attention_varlen_forward", (1000, 8, d), dtype=torch.bfloat16, **gpu) == "tuned"
-        assert rule("attention_varlen_forward", (3, 8, 64), dtype=torch.float16, **gpu) == "tuned"
+            assert rule("attention_varlen_forward", (1000, 8, d), dtype=torch.bfloat16, **gpu) == "split_kv"
+        assert rule("attention_varlen_forward", (3, 8, 64), dtype=torch.float16, **gpu) == "split_kv"
         assert rule("attention_varlen_backward", (1000, 8, 128), dtype=torch.bfloat16, **gpu) == "mma_dqpass"
         assert rule("attention_varlen_backward", (1000, 8, 256), dtype=torch.bfloat16, **gpu) is None
         assert rule("attention_varlen_forward", (1000, 8, 64), dtype=torch.float32, **gpu) is None
@@ -1994,7 +1995,8 @@ def test_varlen_dispatch_rule_on_any_gpu():
         OPS.varlen_rule("softmax", 64, True, True, 9)
 
 
-# CUDA: the packed layout on rung "tuned" (forward) and "mma", "mma_dqpass" (backward). (lengths of
+# CUDA: the packed layout on rungs "tuned" and "split_kv" (forward) and "mma", "mma_dqpass"
+# (backward). (lengths of
 # q, lengths of k): every length around the 64- and 128-row tiles, one token, a sequence of 4097
 # (many tiles, a partial last one), empty sequences on either side, q shorter (a chunk against its
 # cache) and longer than k. The long sequence is its own test (its float64 reference is the cost).
@@ -2086,15 +2088,38 @@ def skip_unless_varlen_runs(head_dim=64, backward=False):
 @pytest.mark.parametrize("head_dim", (32, 64, 96, 128, 256))
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
 def test_cuda_varlen_forward(dtype, head_dim, features):
-    """Rung "tuned" (version=None) on each packed batch, GQA 2:1, max_seqlen the longest sequence's
-    and 37 more (the extra tiles of the grid return at once)."""
+    """Both packed forward rungs on each packed batch, GQA 2:1, max_seqlen the longest sequence's and
+    37 more (the extra tiles of the grid return at once). These grids are small: version=None's
+    "split_kv" splits them, "tuned" does not."""
     skip_unless_varlen_runs(head_dim)
     for lens_q, lens_k in VARLEN_CUDA_BATCHES:
         kw = dict(VARLEN_FEATURES[features])
         q, k, v, cu_q, cu_k = varlen_cuda_inputs(lens_q, lens_k, 4, 2, head_dim, dtype, kw.get("softcap", 0.0))
-        for extra in (0, 37):
+        for version, extra in ((None, 0), ("tuned", 0), (None, 37)):
             check_cuda_varlen_forward(q, k, v, cu_q, cu_k, max(lens_q) + extra, max(lens_k) + extra,
-                                      f"{dtype_id(dtype)} d{head_dim} {features} {lens_q}x{lens_k} +{extra}", **kw)
+                                      f"{version} {dtype_id(dtype)} d{head_dim} {features} {lens_q}x{lens_k} +{extra}",
+                                      version=version, **kw)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+def test_cuda_varlen_split_kv_splits(dtype):
+    """A few query rows per sequence against long, different key lengths (decoding a batch of
+    requests, a chunk against its cache): version=None is "split_kv", which cuts the keys (the
+    combine kernel runs) and matches the reference; "tuned", the same kernel unsplit, agrees."""
+    skip_unless_varlen_runs(128)
+    from coursekit.pytest_plugin import launched_kernels
+    lens_q, lens_k = [1, 1, 3, 0, 17], [3000, 1, 900, 20, 2000]
+    q, k, v, cu_q, cu_k = varlen_cuda_inputs(lens_q, lens_k, 8, 2, 128, dtype)
+    assert flash_attention.default_choice("attention_varlen_forward", q) == "split_kv"
+    for causal in (False, True):
+        split = check_cuda_varlen_forward(q, k, v, cu_q, cu_k, 17, 3000, f"split {dtype_id(dtype)} causal={causal}",
+                                          causal=causal)
+        _, names = launched_kernels(lambda: flash_attention.attention_varlen(q, k, v, cu_q, cu_k, 17, 3000,
+                                                                             causal=causal), "flash_attention")
+        assert any("split_combine" in n for n in names), names
+        whole = flash_attention.attention_varlen(q, k, v, cu_q, cu_k, 17, 3000, causal=causal, version="tuned")
+        torch.testing.assert_close(split, whole, rtol=CUDA_FORWARD_TOL[dtype][0], atol=1e-3)
 
 
 @pytest.mark.cuda
@@ -2128,26 +2153,29 @@ def test_cuda_varlen_long_sequence(head_dim, dtype, causal):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("features", list(VARLEN_FEATURES))
-def test_cuda_varlen_matches_the_padded_kernels(features):
-    """Sequences of one length packed are the padded batch: the same kernels' code on the same values,
-    so the same bits, forward ("tuned") and backward ("mma_dqpass"; lse as the padded forward's)."""
+@pytest.mark.parametrize("seqlen_q,seqlen_k,version", [(200, 200, "tuned"), (5, 900, "split_kv")],
+                         ids=("tuned", "split_kv"))
+def test_cuda_varlen_matches_the_padded_kernels(seqlen_q, seqlen_k, version, features):
+    """Sequences of one length packed are the padded batch: the same kernels' code on the same values
+    (and, for "split_kv", the same split count: the rule reads the same sizes), so the same bits,
+    forward and backward ("mma_dqpass"; lse as the padded forward's)."""
     skip_unless_varlen_runs(64, backward=True)
     kw = dict(VARLEN_FEATURES[features])
-    batch, heads, heads_kv, seqlen, d = 3, 4, 2, 200, 64
-    q, k, v = make_qkv(batch, heads, heads_kv, seqlen, seqlen, d, dtype=torch.bfloat16, device="cuda")
+    batch, heads, heads_kv, d = 3, 4, 2, 64
+    q, k, v = make_qkv(batch, heads, heads_kv, seqlen_q, seqlen_k, d, dtype=torch.bfloat16, device="cuda")
     go = torch.randn_like(q)
-    out, lse = flash_attention.attention_forward(q, k, v, 0.125, version="tuned", **kw)
+    out, lse = flash_attention.attention_forward(q, k, v, 0.125, version=version, **kw)
     grads = flash_attention.attention_backward(go, q, k, v, out, lse, 0.125, version="mma_dqpass", **kw)
 
     def pack(t):  # (batch, heads, seqlen, d) -> (batch * seqlen, heads, d)
         return t.transpose(1, 2).flatten(0, 1)
-    cu = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device="cuda")
+    cu_q, cu_k = (torch.arange(0, (batch + 1) * n, n, dtype=torch.int32, device="cuda") for n in (seqlen_q, seqlen_k))
     causal, window, softcap = kw.get("causal", False), list(kw.get("window", (-1, -1))), kw.get("softcap", 0.0)
-    p_out, p_lse = OPS.attention_varlen_forward(pack(q), pack(k), pack(v), cu, cu, seqlen, seqlen, 0.125, causal,
-                                                window, softcap, "tuned")
+    p_out, p_lse = OPS.attention_varlen_forward(pack(q), pack(k), pack(v), cu_q, cu_k, seqlen_q, seqlen_k, 0.125,
+                                                causal, window, softcap, version)
     assert torch.equal(p_out, pack(out)) and torch.equal(p_lse, lse.transpose(0, 1).flatten(1, 2))
-    p_grads = OPS.attention_varlen_backward(pack(go), pack(q), pack(k), pack(v), p_out, p_lse, cu, cu, seqlen, seqlen,
-                                            0.125, causal, window, softcap, "mma_dqpass")
+    p_grads = OPS.attention_varlen_backward(pack(go), pack(q), pack(k), pack(v), p_out, p_lse, cu_q, cu_k, seqlen_q,
+                                            seqlen_k, 0.125, causal, window, softcap, "mma_dqpass")
     for name, g, e in zip("qkv", p_grads, grads):
         assert torch.equal(g, pack(e)), name
 
@@ -2211,16 +2239,17 @@ def test_cuda_varlen_misuse():
          r"attention_varlen_forward: cu_seqlens_q is on cpu but q is on cuda"),
         (lambda: call(q, k, v, cu_q, cu_k.long(), 4, 4),
          r"attention_varlen_forward: cu_seqlens_k has dtype Long but must be Int"),
-        (lambda: call(q, k, v, cu_q, cu_k, 4, 4, version="split_kv"),
-         r"attention_varlen_forward: version 'split_kv' does not take the packed \(varlen\) layout; version 'tuned' "
-         r"takes it"),
+        (lambda: call(q, k, v, cu_q, cu_k, 4, 4, version="pipelined"),
+         r"attention_varlen_forward: version 'pipelined' does not take the packed \(varlen\) layout; versions 'tuned' "
+         r"and 'split_kv' take it"),
         (lambda: call(q, k, v, cu_q, cu_k, 4, 4, version="pingpong"),
          r"attention_varlen_forward: version 'pingpong' does not take the packed \(varlen\) layout"),
         (lambda: call(q.float(), k.float(), v.float(), cu_q, cu_k, 4, 4),
-         r"attention_varlen_forward: on CUDA the packed \(varlen\) layout runs on version 'tuned' alone \(float16 and "
-         r"bfloat16.*q is Float"),
+         r"attention_varlen_forward: on CUDA the packed \(varlen\) layout runs on versions 'tuned' and 'split_kv' "
+         r"alone \(float16 and bfloat16.*q is Float"),
         (lambda: call(q.double(), k.double(), v.double(), cu_q, cu_k, 4, 4, version="tuned"),
-         r"attention_varlen_forward: on CUDA the packed \(varlen\) layout runs on version 'tuned' alone .*q is Double"),
+         r"attention_varlen_forward: on CUDA the packed \(varlen\) layout runs on versions 'tuned' and 'split_kv' "
+         r"alone .*q is Double"),
         (lambda: call(q, k, v, cu_q, cu_k, 3, 4),
          r"attention_varlen_forward: 2 sequences of at most max_seqlen_q = 3 and max_seqlen_k = 4 tokens cannot hold "
          r"7 query and 7 key tokens"),

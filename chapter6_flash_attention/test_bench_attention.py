@@ -190,8 +190,8 @@ def test_varlen_rows_count_useful_work():
 def test_recorded_varlen_results_hold_the_dispatch():
     """The packed rows (bench_attention.py --ops attention_varlen, their own results file): each
     default row ran the rung the extension's varlen rule names on the recorded GPU, that rung was
-    timed beside it, and it is within 0.95x the fastest packed rung (the forward has one; the
-    backward two), as test_recorded_results_hold_the_dispatch holds the padded rows."""
+    timed beside it, and it is within 0.95x the fastest packed rung, as
+    test_recorded_results_hold_the_dispatch holds the padded rows."""
     import flash_attention
     from coursekit import results
     record = results.load_recorded_gpu("chapter6_flash_attention_varlen")
@@ -201,12 +201,13 @@ def test_recorded_varlen_results_hold_the_dispatch():
     facts = dict(cuda=True, capability=tuple(int(x) for x in device["capability"].split(".")), sms=device["sms"])
     rows = results.rows(record, op="attention_varlen")
     problems = []
-    for pass_, rungs in (("forward", ("tuned",)), ("backward", ("mma", "mma_dqpass"))):
+    for pass_, rungs in (("forward", ("tuned", "split_kv")), ("backward", ("mma", "mma_dqpass"))):
         got = {r["variant"]: r for r in rows if r["pass"] == pass_ and r["layout"] == "packed"}
         assert "default" in got, f"no default row for the packed {pass_}"
         default = got["default"]
         op = f"attention_varlen_{pass_}"
-        rung = flash_attention.dispatch_rule(op, tuple(default["shape"]), dtype=getattr(torch, default["dtype"]), **facts)
+        rung = flash_attention.dispatch_rule(op, tuple(default["shape"]), dtype=getattr(torch, default["dtype"]),
+                                             **facts)
         assert default["dispatch"] == rung, default
         measured = {v: got[v]["median_ms"] for v in rungs if v in got}
         if rung not in measured:

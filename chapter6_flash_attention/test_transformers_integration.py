@@ -143,7 +143,7 @@ def test_llama_logits_loss_and_gradients(device, dtype, padded, monkeypatch):
         # The padded path is attention_varlen, whose CUDA kernels are tensor-core ones (16-bit: the
         # bfloat16 test below): its refusal for float32 and float64, not a silent fallback.
         with pytest.raises(RuntimeError, match=r"attention_varlen_forward: on CUDA the packed \(varlen\) layout runs "
-                                               r"on version 'tuned' alone"):
+                                               r"on versions 'tuned' and 'split_kv' alone"):
             run(ours, ids, mask, padded)
         return
     assert_same_model_outputs(ref, ours, ids, mask, padded, TOL[dtype])
@@ -157,7 +157,7 @@ def test_llama_bfloat16_on_cuda(padded, monkeypatch):
     """16-bit on the tensor-core rungs, forward and backward: the logits no farther from the float64
     model's than SDPA's bfloat16 are, give or take a factor 2 (a bound that scales with bfloat16's
     own rounding instead of a typed number); the loss within the same bound of the float64 model's.
-    Left-padded, every layer runs attention_varlen on CUDA (rung "tuned", backward "mma_dqpass"), and
+    Left-padded, every layer runs attention_varlen on CUDA ("split_kv", backward "mma_dqpass"), and
     only the real tokens' logits are compared (the padded positions' are nobody's)."""
     from coursekit.pytest_plugin import require_cuda
     require_cuda()
@@ -190,7 +190,7 @@ def test_greedy_generate_with_kv_cache(device, padded, monkeypatch):
     if padded and device == "cuda":
         # float64 (above): the packed layout's CUDA rungs are 16-bit ones, so its refusal.
         with pytest.raises(RuntimeError, match=r"attention_varlen_forward: on CUDA the packed \(varlen\) layout runs "
-                                               r"on version 'tuned' alone"):
+                                               r"on versions 'tuned' and 'split_kv' alone"):
             ours.generate(ids, **kwargs)
         return
     with torch.no_grad():

@@ -22,11 +22,11 @@ other rung refuses them.
 
 attention_varlen takes sequences of different lengths packed along one token dim, (total_tokens,
 heads, head_dim), with int32 cumulative lengths cu_seqlens_q and cu_seqlens_k (FlashAttention 2's
-varlen API), forward and backward: the CPU reference, and on CUDA the forward rung "tuned" and the
-backward rungs "mma" and "mma_dqpass" (version=None picks "tuned" and "mma_dqpass"; every other
-rung refuses the packed layout). max_seqlen_q and max_seqlen_k are host ints that size the CUDA
-grid, so the op never reads cu_seqlens on the host (no sync: CUDA graphs and torch.compile work);
-on CUDA the lengths are trusted, on the CPU every value is checked.
+varlen API), forward and backward: the CPU reference, and on CUDA the forward rungs "tuned" and
+"split_kv" and the backward rungs "mma" and "mma_dqpass" (version=None picks "split_kv" and
+"mma_dqpass"; every other rung refuses the packed layout). max_seqlen_q and max_seqlen_k are host
+ints that size the CUDA grid, so the op never reads cu_seqlens on the host (no sync: CUDA graphs
+and torch.compile work); on CUDA the lengths are trusted, on the CPU every value is checked.
 
 What exists now: the C++ reference on the CPU (float32 computed in float32, float64 in
 float64), its C++ autograd, the Meta kernels that let torch.compile trace both passes, and the
@@ -197,8 +197,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     causal mask and window; max_seqlen_q and max_seqlen_k bound the lengths (host ints: on CUDA
     they size the grid, and the lengths themselves are read by the kernels, not checked; the CPU
     checks them). Returns out, shaped like q; with return_lse=True also lse, (heads, total_q).
-    version: a forward rung that takes the packed layout on CUDA ("tuned"; the backward runs
-    version=None's, "mma_dqpass"); on the CPU any name runs the reference.
+    version: a forward rung that takes the packed layout on CUDA ("tuned", "split_kv"; the backward
+    runs version=None's, "mma_dqpass"); on the CPU any name runs the reference.
     """
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1]) if q.dim() == 3 and q.shape[-1] > 0 else 1.0

@@ -95,7 +95,7 @@ struct AttentionParams {
   // seqlen_k are then max_seqlen_q and max_seqlen_k, which size the grid (a host int each: the
   // lengths themselves stay on the device, read by the blocks). lse is (heads, total_q):
   // lse[h * total_q + cu_seqlens_q[b] + i]. Only the rungs that take it read these (the glue refuses
-  // the rest): the forward's "tuned", the backward's "mma" and "mma_dqpass".
+  // the rest): the forward's "tuned" and "split_kv", the backward's "mma" and "mma_dqpass".
   const int32_t* cu_seqlens_q = nullptr;
   const int32_t* cu_seqlens_k = nullptr;
   int64_t total_q = 0;
@@ -276,7 +276,8 @@ cudaError_t launch_attention_backward_naive(const AttentionBackwardParams& param
 //     FlashAttention 2 on tensor cores, bfloat16 and float16 only, sm_80 and newer; every stride of
 //     q, k, v and o a multiple of 8 elements and every pointer 16-byte aligned (16-byte copies).
 //     The glue checks all of it. The rungs differ in their loads and tile shapes (flash_fwd.h), not
-//     in what they compute. "tuned" also takes the packed layout (cu_seqlens_q set; varlen.cuh).
+//     in what they compute. "tuned" and "split_kv" also take the packed layout (cu_seqlens_q set;
+//     varlen.cuh).
 enum class MmaForward { kMma, kPipelined, kTuned, kSplitKv };
 //     Rung "split_kv" (kSplitKv) cuts the keys into `splits` ranges (split-KV, below), with
 //     `workspace` holding attention_forward_split_workspace bytes; with splits <= 1 it runs "tuned".
@@ -316,9 +317,9 @@ struct SplitCombineParams {
 };
 cudaError_t launch_split_combine(const SplitCombineParams& params, cudaStream_t stream);
 // The workspace rung "split_kv" takes for `splits` key ranges (attention_forward_splits, above):
-// splits * rows * (head_dim + 1) floats.
+// splits * rows * (head_dim + 1) floats, a row per lse row (stat_rows: the packed layout's too).
 inline int64_t attention_forward_split_workspace(const AttentionParams& p, int64_t splits) {
-  return splits > 1 ? splits * p.batch * p.heads * p.seqlen_q * (p.head_dim + 1) * 4 : 0;
+  return splits > 1 ? splits * stat_rows(p) * (p.head_dim + 1) * 4 : 0;
 }
 // dQ's float32 sums (dq_atomic) and D, one row per lse row (stat_rows: the packed layout's too).
 inline int64_t attention_backward_mma_workspace(const AttentionBackwardParams& g, bool dq_atomic) {

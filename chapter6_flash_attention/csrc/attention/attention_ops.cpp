@@ -617,8 +617,8 @@ std::tuple<Tensor, Tensor> attention_forward_autograd(const Tensor& q, const Ten
 // point of the layout. On the CPU each sequence is the reference's AttentionParams over slices of
 // the packed tensors (their strides, no copy). On CUDA one launch does every sequence
 // (attention.h's cu_seqlens: the kernels read the lengths on the device), on the rungs that take
-// the packed layout: the forward's "tuned", the backward's "mma" and "mma_dqpass"; version=None
-// picks "tuned" and "mma_dqpass" and every other rung refuses it with the way out. max_seqlen_q and
+// the packed layout: the forward's "tuned" and "split_kv", the backward's "mma" and "mma_dqpass";
+// version=None picks "split_kv" and "mma_dqpass" and every other rung refuses it with the way out. max_seqlen_q and
 // max_seqlen_k are host ints, as in FlashAttention 2: they size the grid, so the op never reads
 // cu_seqlens on the host, a device-to-host sync that would stall the stream and break CUDA-graph
 // capture. So on CUDA the lengths are trusted (as FlashAttention 2 trusts them): the CPU checks
@@ -697,14 +697,15 @@ void check_varlen(const char* op, const Tensor& q, const Tensor& k, const Tensor
 }
 
 // The rungs that take the packed layout on CUDA (the kernels with a kVarlen instantiation), and
-// version=None's choice among them: "tuned" (the forward's "split_kv" lays its partials out padded,
-// and part 3's Hopper rungs take the padded layout only) and "mma_dqpass", for the reasons the
-// padded rules give (attention_ops.cpp's version=None section). No rung where the tensor-core rungs
-// do not run: the scalar rungs have no packed kernels.
-bool takes_varlen(ForwardVersion v) { return v == ForwardVersion::kTuned; }
+// version=None's choice among them: "split_kv" (which is "tuned" wherever the grid fills the GPU, and
+// splits the keys where it does not) and "mma_dqpass", for the reasons the padded rules give (the
+// version=None section above). Part 3's Hopper rungs take the padded layout only: their tensor maps
+// describe whole (batch, head) slices. No rung where the tensor-core rungs do not run: the scalar
+// rungs have no packed kernels.
+bool takes_varlen(ForwardVersion v) { return v == ForwardVersion::kTuned || v == ForwardVersion::kSplitKv; }
 bool takes_varlen(BackwardVersion v) { return v == BackwardVersion::kMma || v == BackwardVersion::kMmaDqPass; }
 std::optional<ForwardVersion> varlen_forward_rule(const DispatchFacts& f) {
-  if (f.cuda && f.half && f.cc_major >= 8) return ForwardVersion::kTuned;
+  if (f.cuda && f.half && f.cc_major >= 8) return ForwardVersion::kSplitKv;
   return std::nullopt;
 }
 std::optional<BackwardVersion> varlen_backward_rule(int64_t head_dim, const DispatchFacts& f) {
@@ -722,15 +723,15 @@ template <typename V, size_t N>
 std::string varlen_cuda_rung(const char* op, const ::course::NamedVersion<V> (&versions)[N], std::optional<V> named,
                              std::optional<V> chosen, const Tensor& q, const Tensor& k, const Tensor& cu_q,
                              int64_t max_seqlen_q, int64_t max_seqlen_k, bool backward) {
-  const char* rungs = backward ? "versions 'mma' and 'mma_dqpass'" : "version 'tuned'";
+  const char* rungs = backward ? "versions 'mma' and 'mma_dqpass'" : "versions 'tuned' and 'split_kv'";
   const std::string takes = backward ? std::string("float16 and bfloat16, compute capability 8.0 or newer, head_dim ") +
                                            list_text(kMmaBackwardHeadDims)
                                      : std::string("float16 and bfloat16, compute capability 8.0 or newer");
   const char* what = backward ? "the packed (varlen) layout's backward" : "the packed (varlen) layout";
   if (named) {
     TORCH_CHECK(takes_varlen(*named), op, ": version '", ::course::version_name(versions, *named),
-                "' does not take the packed (varlen) layout; ", rungs, " take", backward ? "" : "s", " it (", takes,
-                "; version=None picks ", backward ? "'mma_dqpass'" : "'tuned'", " there)");
+                "' does not take the packed (varlen) layout; ", rungs, " take it (", takes, "; version=None picks ",
+                backward ? "'mma_dqpass'" : "'split_kv'", " there)");
   }
   // version=None has no rung here, and then neither can the rung named run these inputs on this GPU
   // (the same facts decide both): one message, with the way out.
@@ -787,15 +788,18 @@ std::tuple<Tensor, Tensor> attention_varlen_forward_impl(const Tensor& q, const 
   if (q.is_meta()) return {out, lse};
   if (q.is_cuda()) {
 #ifdef WITH_CUDA
-    const std::string name = varlen_cuda_rung(op, kForwardVersions, named, varlen_forward_rule(facts_of(q)), q, k,
-                                              cu_seqlens_q, max_seqlen_q, max_seqlen_k, /*backward=*/false);
+    const std::optional<ForwardVersion> chosen = varlen_forward_rule(facts_of(q));
+    const std::string name = varlen_cuda_rung(op, kForwardVersions, named, chosen, q, k, cu_seqlens_q, max_seqlen_q,
+                                              max_seqlen_k, /*backward=*/false);
     check_tensor_core_rung(op, name, q);
     if (out.numel() == 0) return {out, lse};
     const Tensor qa = aligned_for_copies(q), ka = aligned_for_copies(k), va = aligned_for_copies(v);
     const Tensor cu_q = cu_seqlens_q.contiguous(), cu_k = cu_seqlens_k.contiguous();
     const AttentionParams p = make_varlen_params(qa, ka, va, out, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, scale,
                                                  causal, window, softcap);
-    FLASH_ATTENTION_ON_CUDA(op, q, C10_CUDA_CHECK(launch_attention_forward_mma(p, MmaForward::kTuned, stream)));
+    // forward_cuda's "tuned" and "split_kv" (its split count from the max lengths and its partials'
+    // workspace, a row per lse row), packed or not.
+    FLASH_ATTENTION_ON_CUDA(op, q, forward_cuda(named ? *named : *chosen, p, q, stream));
 #else
     FLASH_ATTENTION_ON_CUDA(op, q, (void)0);
 #endif

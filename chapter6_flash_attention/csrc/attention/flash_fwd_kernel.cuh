@@ -60,11 +60,12 @@
 // kWindowSoftcap = false instantiation, whose code is the kernel's as it was before they existed:
 // the window's few more registers per thread were spills at some head dims, on every GPU.
 //
-// The packed (varlen) layout (attention.h's cu_seqlens), taken by rung 5 alone: kVarlen, a template
+// The packed (varlen) layout (attention.h's cu_seqlens), taken by rungs 5 and 6: kVarlen, a template
 // parameter as kWindowSoftcap is (varlen.cuh says why not a runtime branch). The grid is the padded
 // one over max_seqlen_q; a block reads its sequence's start and length, returns at once if its tile
 // lies past that sequence's end, and otherwise runs the code below on the sequence as a batch of
-// one: its own bottom-right causal mask and window, lse at (head, packed row).
+// one: its own bottom-right causal mask and window, lse (and rung 6's partials) at (head, packed
+// row). The combine then walks the (heads, total_q) rows as one sequence of total_q tokens.
 //
 // The output is written straight from the accumulators, two elements (4 bytes) per lane per
 // n8 tile; FlashAttention 2 stages it through shared memory for 16-byte stores, which no rung
@@ -123,7 +124,6 @@ __global__ void __launch_bounds__(K::kThreads)
   // o = 0 and lse = -inf, below.)
   AttentionParams sequence;
   if constexpr (kVarlen) {
-    static_assert(!K::kSplit, "the packed layout runs on rung \"tuned\" (its partials are laid out padded)");
     sequence = sequence_params<T>(params, b);
     if (m0 >= sequence.seqlen_q) return;
   }
@@ -346,12 +346,14 @@ __global__ void __launch_bounds__(K::kThreads)
   const int64_t seqlen_q = kVarlen ? params.cu_seqlens_q[b + 1] - q_start : p.seqlen_q;
   T* o = static_cast<T*>(params.o) + (kVarlen ? q_start * params.o_seq_stride : b * p.o_batch_stride) +
          h * p.o_head_stride;
-  auto* lse = static_cast<float*>(p.lse) + (kVarlen ? h * params.total_q + q_start : bh * p.seqlen_q);
+  // This block's first statistics row: (batch, heads, seqlen_q) padded, (heads, total_q) packed.
+  const int64_t stat_row0 = kVarlen ? h * params.total_q + q_start : bh * p.seqlen_q;
+  auto* lse = static_cast<float*>(p.lse) + stat_row0;
   // Split-KV: the partial output in float32 and the split's lse go to the workspace
-  // (attention.h's SplitCombineParams layout), for the combine kernel to merge.
-  const int64_t rows = p.batch * p.heads * p.seqlen_q;
-  float* o_part = kSplit ? o_split + (split * rows + bh * p.seqlen_q) * kD : nullptr;
-  float* lse_part = kSplit ? o_split + splits * rows * kD + split * rows + bh * p.seqlen_q : nullptr;
+  // (attention.h's SplitCombineParams layout), for the combine kernel to merge; one row per lse row.
+  const int64_t rows = kVarlen ? params.heads * params.total_q : p.batch * p.heads * p.seqlen_q;
+  float* o_part = kSplit ? o_split + (split * rows + stat_row0) * kD : nullptr;
+  float* lse_part = kSplit ? o_split + splits * rows * kD + split * rows + stat_row0 : nullptr;
 #pragma unroll
   for (int m = 0; m < kMT; ++m) {
 #pragma unroll
@@ -406,13 +408,15 @@ cudaError_t launch_flash_fwd(const AttentionParams& p, const FwdSplit& split, cu
       p, static_cast<unsigned>(q_tiles), score_scale, static_cast<unsigned>(splits), o_split, cap);
   COURSE_CUDA_TRY(cudaGetLastError());
   if (o_split == nullptr) return cudaSuccess;
-  const int64_t rows = p.batch * p.heads * p.seqlen_q;
+  // The combine walks the statistics' rows: packed, (heads, total_q) is the padded layout of a batch
+  // of one sequence of total_q tokens (the batch strides are 0), so it needs no cu_seqlens.
+  const int64_t rows = stat_rows(p);
   SplitCombineParams c{};
   c.dtype = p.dtype;
   c.o_partial = o_split;
   c.lse_partial = o_split + splits * rows * D;
   c.splits = splits, c.rows = rows, c.head_dim = D;
-  c.heads = p.heads, c.seqlen = p.seqlen_q;
+  c.heads = p.heads, c.seqlen = p.cu_seqlens_q != nullptr ? p.total_q : p.seqlen_q;
   c.out = p.o;
   c.out_batch_stride = p.o_batch_stride, c.out_head_stride = p.o_head_stride, c.out_seq_stride = p.o_seq_stride;
   c.lse = static_cast<float*>(p.lse);
@@ -421,13 +425,13 @@ cudaError_t launch_flash_fwd(const AttentionParams& p, const FwdSplit& split, cu
 
 // The one place a call picks its instantiation: with a window or a softcap, the kWindowSoftcap one
 // of the rungs that have it; without, the plain one; packed (cu_seqlens_q set), the kVarlen one of
-// rung "tuned". Rungs 3 and 4 have no window, and no rung but "tuned" the packed layout (the glue
-// refuses such calls there; this answers a launcher called from C++).
+// rungs "tuned" and "split_kv". Rungs 3 and 4 have neither (the glue refuses such calls there; this
+// answers a launcher called from C++).
 template <typename T, int D, MmaForward kRung>
 cudaError_t run_flash_fwd(const AttentionParams& p, const FwdSplit& split, cudaStream_t stream) {
   using K = FwdTraits<D, kRung>;
   if (p.cu_seqlens_q != nullptr) {
-    if constexpr (kRung == MmaForward::kTuned) {
+    if constexpr (K::kWindowSoftcap) {  // rungs 5 and 6: the same pair takes the packed layout
       return uses_window_or_softcap(p) ? launch_flash_fwd<T, K, true, true>(p, split, stream)
                                        : launch_flash_fwd<T, K, false, true>(p, split, stream);
     } else {
