@@ -119,7 +119,8 @@ def varlen_table(_record):
         name = f"`{r['variant']}`" + (f" ({r['dispatch']})" if "dispatch" in r else "")
         speed = f"{r['speedup_vs_torch']:.2f}" if "speedup_vs_torch" in r else "-"
         lines.append(f"| {r['pass']} | {name} | {r['layout']} | {r['median_ms']:.2f} | {r['TFLOPs']:.0f} | {speed} |")
-    lines += ["", f"{_where(rec)}; bfloat16 matmul measured in the same run: {rec['ceilings']['mm_TFLOPs']:.0f} TFLOP/s."]
+    lines += ["", f"{_where(rec)}; bfloat16 matmul measured in the same run: "
+                  f"{rec['ceilings']['mm_TFLOPs']:.0f} TFLOP/s."]
     return "\n".join(lines)
 
 

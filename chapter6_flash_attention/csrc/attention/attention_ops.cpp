@@ -618,11 +618,12 @@ std::tuple<Tensor, Tensor> attention_forward_autograd(const Tensor& q, const Ten
 // the packed tensors (their strides, no copy). On CUDA one launch does every sequence
 // (attention.h's cu_seqlens: the kernels read the lengths on the device), on the rungs that take
 // the packed layout: the forward's "tuned" and "split_kv", the backward's "mma" and "mma_dqpass";
-// version=None picks "split_kv" and "mma_dqpass" and every other rung refuses it with the way out. max_seqlen_q and
-// max_seqlen_k are host ints, as in FlashAttention 2: they size the grid, so the op never reads
-// cu_seqlens on the host, a device-to-host sync that would stall the stream and break CUDA-graph
-// capture. So on CUDA the lengths are trusted (as FlashAttention 2 trusts them): the CPU checks
-// every value, CUDA only what the shapes tell (a total longer than batch x max_seqlen).
+// version=None picks "split_kv" and "mma_dqpass", and every other rung refuses it with the way
+// out. max_seqlen_q and max_seqlen_k are host ints, as in FlashAttention 2: they size the grid, so
+// the op never reads cu_seqlens on the host, a device-to-host sync that would stall the stream and
+// break CUDA-graph capture. So on CUDA the lengths are trusted (as FlashAttention 2 trusts them):
+// the CPU checks every value, CUDA only what the shapes tell (a total longer than batch x
+// max_seqlen).
 // ---------------------------------------------------------------------------------------
 constexpr const char* kVarlenForward = "attention_varlen_forward";
 constexpr const char* kVarlenBackward = "attention_varlen_backward";
