@@ -48,10 +48,23 @@ sequence) is skipped with a note rather than timed. Baselines, ceilings, memory 
 rows come to ~2 minutes; with five rungs and the default the whole run is ~4 minutes, and the
 wall time is recorded in the results (wall_s) to check this against.
 
+Packed rows (op attention_varlen, CUDA only, `--ops attention_varlen`): 16 sequences of 128 to
+8192 tokens (VARLEN_LENGTHS, 33024 in all) packed along one dim, 16 heads of d = 128, bfloat16,
+causal, forward and backward. Variants: default (attention_varlen, version=None) and its rungs
+("tuned", "split_kv"; "mma", "mma_dqpass"), flex_attention (torch.compile'd, with a document mask over the
+packed tokens, its block mask built before the timing), and sdpa_cudnn and sdpa_flash on the padded
+batch (16 x 8192, the padding computed and thrown away), and this chapter's own "tuned" and
+"mma_dqpass" on that padded batch (the same kernels: what the packed layout saves, everything else
+equal). TFLOP/s counts the useful work alone, each
+sequence's own causal triangle, so the padded baselines pay for their padding in time. These rows
+go to their own file, results/<device-slug>/chapter6_flash_attention_varlen.json, so that a run of
+them alone leaves the main results as they were.
+
     python bench_attention.py           full run on a GPU
     python bench_attention.py --quick   small sizes: CPU machines (the CPU reference, variant
                                         "cpu", against SDPA on the CPU), GPU smoke runs
     python bench_attention.py --fp8-only   the FP8 rows alone (below), into their own file
+    python bench_attention.py --ops attention_varlen   the packed rows alone (a GPU)
 
 FP8 rows (op attention_fp8, Hopper with the sm_90a kernels only): attention_fp8 on e4m3 inputs
 (quantized outside the timed call; a second row, call "quantize_fp8 + attention_fp8", times the
@@ -806,8 +819,158 @@ def print_table(record):
                   f"{r['max_abs_err']:>10.2e}  {ratio}")
 
 
+# ---------------------------------------------------------------------------------------------
+# The packed layout: sequences of different lengths, attention_varlen against the padded batch
+# ---------------------------------------------------------------------------------------------
+# 16 lengths from 128 to 8192 in a fixed, shuffled order (the grid does not see them sorted).
+VARLEN_LENGTHS = [128, 8192, 256, 4096, 512, 2048, 1024, 3072, 384, 1536, 640, 2560, 768, 5120, 896, 1792]
+VARLEN = {"heads": 16, "head_dim": 128, "dtype": "bfloat16", "causal": True}
+
+
+def varlen_flops(lengths, heads, head_dim, causal, pass_="forward"):
+    """The useful work of a packed call: each sequence's own attention_flops, summed (what the padded
+    batch computes beyond that is padding)."""
+    return sum(attention_flops(1, heads, n, n, head_dim, causal, pass_) for n in lengths)
+
+
+def bench_varlen(device, mm, notes):
+    if device != "cuda":
+        notes.skip("attention_varlen", "packed rows run on CUDA only", device)
+        return []
+    c = VARLEN
+    h, d, causal, dtype = c["heads"], c["head_dim"], c["causal"], getattr(torch, c["dtype"])
+    lens = VARLEN_LENGTHS
+    total, longest, batch = sum(lens), max(lens), len(lens)
+    g = torch.Generator(device=device).manual_seed(2)
+    q, k, v, dy = (torch.randn(total, h, d, generator=g, device=device, dtype=dtype) for _ in range(4))
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    cu = torch.tensor(starts, dtype=torch.int32, device=device)
+    scale = 1 / math.sqrt(d)
+    ops = torch.ops.flash_attention
+
+    def padded(t):  # right padding to (batch, h, longest, d): each sequence's causal square is its own
+        out = t.new_zeros(batch, longest, h, d)
+        for i, n in enumerate(lens):
+            out[i, :n] = t[starts[i]:starts[i] + n]
+        return out.transpose(1, 2)
+
+    def batch_of_one(t):  # packed (total, h, d) as flex_attention's (1, h, total, d)
+        return t.transpose(0, 1).unsqueeze(0)
+    qp, kp, vp, dyp = (padded(t) for t in (q, k, v, dy))
+    leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
+    padded_leaves = tuple(t.detach().requires_grad_() for t in (qp, kp, vp))
+    out, lse = ops.attention_varlen_forward(q, k, v, cu, cu, longest, longest, scale, causal)
+
+    # (variant, make): make() returns the call to time. Ours: the forward op, and the backward op
+    # alone from a saved forward (as the padded rows time the backward rungs); the baselines'
+    # backward through autograd (bench.backward_call: their forward runs once, in make()).
+    def ours_forward(version):
+        return lambda: lambda: ops.attention_varlen_forward(q, k, v, cu, cu, longest, longest, scale, causal,
+                                                            [-1, -1], 0.0, version)
+
+    def ours_backward(version):
+        return lambda: lambda: ops.attention_varlen_backward(dy, q, k, v, out, lse, cu, cu, longest, longest, scale,
+                                                             causal, [-1, -1], 0.0, version)
+    calls = {"forward": [("tuned", ours_forward("tuned")), ("split_kv", ours_forward("split_kv")),
+                         ("default", ours_forward(None))],
+             "backward": [("mma", ours_backward("mma")), ("mma_dqpass", ours_backward("mma_dqpass")),
+                          ("default", ours_backward(None))]}
+    flex = bench.attempt(notes, "flex_attention", "attention_varlen", lambda: flex_document_attention(lens, h, device))
+    if flex is not None:
+        calls["forward"].append(("flex_attention", lambda: lambda: flex(*(batch_of_one(t) for t in (q, k, v)))))
+        calls["backward"].append(("flex_attention", lambda: bench.backward_call(
+            lambda a, b_, c_: flex(*(batch_of_one(t) for t in (a, b_, c_))), leaves, batch_of_one(dy))))
+    for variant in ("sdpa_cudnn", "sdpa_flash"):
+        call = sdpa_call(SDPA_BACKENDS[variant], causal)
+        calls["forward"].append((variant, lambda call=call: lambda: call(qp, kp, vp)))
+        calls["backward"].append((variant, lambda call=call: bench.backward_call(call, padded_leaves, dyp)))
+    # The same kernels on the padded batch ("tuned", "mma_dqpass"): what the packed layout saves
+    # with everything else equal.
+    out_p, lse_p = flash_attention.attention_forward(qp, kp, vp, scale, causal, version="tuned")
+    calls["forward"].append(("tuned", lambda: lambda: flash_attention.attention_forward(qp, kp, vp, scale, causal,
+                                                                                        version="tuned"), "padded"))
+    calls["backward"].append(("mma_dqpass", lambda: lambda: flash_attention.attention_backward(
+        dyp, qp, kp, vp, out_p, lse_p, scale, causal, version="mma_dqpass"), "padded"))
+    rows = []
+    for pass_ in ("forward", "backward"):
+        where = f"attention_varlen {pass_}"
+        flops = varlen_flops(lens, h, d, causal, pass_)
+        timed = []
+        for variant, make, *layout in calls[pass_]:
+            layout = layout[0] if layout else "padded" if variant.startswith("sdpa") else "packed"
+            fn = bench.attempt(notes, variant, f"{where} {layout}", make)
+            t = fn and bench.probe_and_time(notes, variant, f"{where} {layout}", device, fn, max_call_ms=MAX_CALL_MS)
+            if t:
+                timed.append((variant, layout, t))
+            del fn
+        base = {v: t for v, _, t in timed}.get(speed_baseline(device))
+        for variant, layout, t in timed:
+            extra = {"pass": pass_, "causal": causal, "head_dim": d, "heads": h, "sequences": batch,
+                     "total_tokens": total, "max_seqlen": longest, "layout": layout}
+            if variant == "default":
+                op = "attention_varlen_backward" if pass_ == "backward" else "attention_varlen_forward"
+                extra["dispatch"] = flash_attention.default_choice(op, q)
+            rows.append(bench.flops_row("attention_varlen", variant, dtype, [total, h, d], flops, t, mm,
+                                        base and base["median_ms"], **extra))
+    del q, k, v, dy, qp, kp, vp, dyp, leaves, padded_leaves, out, lse, out_p, lse_p
+    torch.cuda.empty_cache()
+    return rows
+
+
+def flex_document_attention(lengths, heads, device):
+    """torch.compile'd flex_attention with a causal document mask over the packed tokens: key j is
+    visible to query i iff both are of one sequence and j <= i. The block mask (which 128 x 128 tiles
+    hold a visible key: the tiles flex_attention visits) is built here, once, outside any timing."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    total = sum(lengths)
+    doc = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx)
+    # _compile: the mask evaluated tile by tile, not as a dense total x total grid (10^9 entries here).
+    block_mask = create_block_mask(document_causal, None, None, total, total, device=device, _compile=True)
+    compiled = torch.compile(flex_attention, fullgraph=True)
+    return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
+
+
+def main_ops():
+    """`--ops attention_varlen`: the packed rows alone, written to their own results file."""
+    parser = bench.arguments(__doc__)
+    parser.add_argument("--ops", nargs="+", choices=["attention_varlen"], required=True,
+                        help="run only these ops' rows (attention_varlen: the packed layout)")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    device = bench.setup(args)
+    ceilings = bench.copy_ceiling(device, n=2**28 if device == "cuda" else 2**20)
+    ceilings.update(bench.matmul_ceiling(device, n=8192 if device == "cuda" else 256,
+                                         dtype=torch.bfloat16 if device == "cuda" else torch.float32))
+    notes = bench.Notes()
+    rows = bench_varlen(device, ceilings["mm_TFLOPs"], notes)
+    extra = {"sizes": {"varlen": {**VARLEN, "lengths": VARLEN_LENGTHS}}, "baseline": speed_baseline(device),
+             "skipped": notes.skipped, "extension": flash_attention.EXTENSION,
+             "timing": {"statistic": "median", "reps": bench.MIN_REPS,
+                        "method": "CUDA graph of the calls that make a replay last >= 2 ms (1 to 8), CUDA events "
+                                  "around each replay; backward rows of ours time the backward op alone, the "
+                                  "baselines' autograd.grad over a retained graph"},
+             "wall_s": time.perf_counter() - started}
+    results.publish(CHAPTER + "_varlen", rows, ceilings, extra, lambda record, out_dir: [], print_varlen_table)
+
+
+def print_varlen_table(record):
+    rows = results.rows(record, op="attention_varlen")
+    print(f"\nattention_varlen: {len(VARLEN_LENGTHS)} sequences of 128-8192 tokens, d=128 bf16 causal "
+          "(TFLOP/s of useful work)")
+    for r in rows:
+        print(f"  {r['pass']:<9}{r['variant']:<16}{r['median_ms']:>9.3f} ms {r['TFLOPs']:>7.1f} TFLOP/s"
+              + (f"  dispatch={r['dispatch']}" if "dispatch" in r else ""))
+
+
 def main():
     started = time.perf_counter()
+    if "--ops" in sys.argv:  # a section alone (its own flags and results file)
+        return main_ops()
     parser = bench.arguments(__doc__)
     parser.add_argument("--fp8-only", action="store_true", help="the FP8 rows alone, into their own results file")
     args = parser.parse_args()

@@ -106,6 +106,24 @@ def error_line(record):
             f"causal={worst['causal']}) ({_where(record)})")
 
 
+def varlen_table(_record):
+    """bench_attention.py --ops attention_varlen's rows (their own results file): per pass, each
+    variant's time, its TFLOP/s of useful work, the layout it ran on, and its speed against
+    sdpa_cudnn on the padded batch."""
+    rec = results.load_recorded_gpu("chapter6_flash_attention_varlen")
+    if not rec:
+        return "(not recorded yet)"
+    rows = results.rows(rec, op="attention_varlen")
+    lines = ["| pass | variant | layout | ms | TFLOP/s (useful) | x sdpa_cudnn |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        name = f"`{r['variant']}`" + (f" ({r['dispatch']})" if "dispatch" in r else "")
+        speed = f"{r['speedup_vs_torch']:.2f}" if "speedup_vs_torch" in r else "-"
+        lines.append(f"| {r['pass']} | {name} | {r['layout']} | {r['median_ms']:.2f} | {r['TFLOPs']:.0f} | {speed} |")
+    lines += ["", f"{_where(rec)}; bfloat16 matmul measured in the same run: "
+                  f"{rec['ceilings']['mm_TFLOPs']:.0f} TFLOP/s."]
+    return "\n".join(lines)
+
+
 def _profile():
     return results.load_recorded_gpu("chapter6_flash_attention_profile")
 
@@ -551,4 +569,4 @@ FACTS = {"target_table": target_table, "split_kv": split_kv_table, "memory": mem
          "paged_match": paged_match, "paged_prefill": paged_prefill, "generate": generate_line, "hopper_targets": hopper_targets,
          "hopper_rungs": hopper_rungs, "hopper_gemm": hopper_gemm, "hopper_configs": hopper_configs,
          "hopper_profile": hopper_profile, "hopper_power": hopper_power,
-         "hopper_persistent": hopper_persistent}
+         "hopper_persistent": hopper_persistent, "varlen": varlen_table}

@@ -2051,7 +2051,7 @@ def test_sanitizer_window_softcap_backward(version):
 
 
 # ---------------------------------------------------------------------------------------------
-# 13. attention_varlen: sequences of different lengths packed along one token dim (CPU reference)
+# 13. attention_varlen: sequences of different lengths packed along one token dim
 # ---------------------------------------------------------------------------------------------
 # (lengths of q, lengths of k) per sequence: equal, q shorter (a chunk against its cache) and
 # longer, one token, an empty query (its keys get zero gradients) and an empty key set (its rows
@@ -2182,10 +2182,345 @@ def test_varlen_misuse_raises_clear_error(misuse):
         call()
 
 
-@pytest.mark.cuda
-def test_cuda_varlen_is_refused():
+def test_varlen_cpu_accepts_every_version_name():
+    """version= names a CUDA rung; on the CPU every name of the forward's ladder runs the reference,
+    and a typo still fails."""
+    q, k, v, cu_q, cu_k = varlen_inputs([3, 5], [4, 6], 2, 1, 8)
+    expected = flash_attention.attention_varlen(q, k, v, cu_q, cu_k, 5, 6, causal=True)
+    for version in FORWARD_VERSIONS:
+        out = flash_attention.attention_varlen(q, k, v, cu_q, cu_k, 5, 6, causal=True, version=version)
+        assert torch.equal(out, expected), version
+    out, lse = OPS.attention_varlen_forward(q, k, v, cu_q, cu_k, 5, 6, 0.3)
+    for version in BACKWARD_VERSIONS:
+        OPS.attention_varlen_backward(torch.ones_like(out), q, k, v, out, lse, cu_q, cu_k, 5, 6, 0.3, False, [-1, -1],
+                                      0.0, version)
+    with pytest.raises(RuntimeError, match=r"attention_varlen_forward: unknown version 'v1'; expected one of naive"):
+        flash_attention.attention_varlen(q, k, v, cu_q, cu_k, 5, 6, version="v1")
+    with pytest.raises(RuntimeError, match=r"attention_varlen_backward: unknown version 'v1'; expected one of naive"):
+        OPS.attention_varlen_backward(out, q, k, v, out, lse, cu_q, cu_k, 5, 6, 0.3, False, [-1, -1], 0.0, "v1")
+
+
+def test_varlen_dispatch_rule_on_any_gpu():
+    """version=None for the packed layout (attention_ops.cpp's varlen rules), asked with made-up
+    devices: "split_kv" (which runs "tuned" where the grid fills the GPU) and "mma_dqpass" wherever
+    the tensor-core rungs run, whatever the lengths, on a Hopper too (its rungs take the padded
+    layout only); no rung elsewhere."""
+    rule = flash_attention.dispatch_rule
+    for capability in ((8, 0), (8, 9), (9, 0)):
+        gpu = dict(cuda=True, capability=capability, sms=132, hopper_built=True)
+        for d in (32, 64, 128, 256):
+            assert rule("attention_varlen_forward", (1000, 8, d), dtype=torch.bfloat16, **gpu) == "split_kv"
+        assert rule("attention_varlen_forward", (3, 8, 64), dtype=torch.float16, **gpu) == "split_kv"
+        assert rule("attention_varlen_backward", (1000, 8, 128), dtype=torch.bfloat16, **gpu) == "mma_dqpass"
+        assert rule("attention_varlen_backward", (1000, 8, 256), dtype=torch.bfloat16, **gpu) is None
+        assert rule("attention_varlen_forward", (1000, 8, 64), dtype=torch.float32, **gpu) is None
+        assert rule("attention_varlen_backward", (1000, 8, 64), dtype=torch.float64, **gpu) is None
+    assert rule("attention_varlen_forward", (1000, 8, 64), dtype=torch.bfloat16, cuda=True, capability=(7, 5)) is None
+    assert rule("attention_varlen_forward", (1000, 8, 64), dtype=torch.bfloat16, cuda=False) is None
+    with pytest.raises(RuntimeError, match=r"varlen_rule: unknown op 'softmax'"):
+        OPS.varlen_rule("softmax", 64, True, True, 9)
+
+
+# CUDA: the packed layout on rungs "tuned" and "split_kv" (forward) and "mma", "mma_dqpass"
+# (backward). (lengths of
+# q, lengths of k): every length around the 64- and 128-row tiles, one token, a sequence of 4097
+# (many tiles, a partial last one), empty sequences on either side, q shorter (a chunk against its
+# cache) and longer than k. The long sequence is its own test (its float64 reference is the cost).
+VARLEN_CUDA_BATCHES = [
+    ([1, 17, 128, 0, 129, 300], [1, 17, 128, 9, 129, 300]),
+    ([17, 129, 3, 64, 65], [300, 64, 0, 127, 65]),
+]
+VARLEN_CUDA_LONG = ([1, 4097, 17, 128, 0, 129], [1, 4097, 17, 128, 33, 129])
+VARLEN_FEATURES = {"full": dict(), "causal": dict(causal=True),
+                   "window_softcap": dict(causal=True, window=(40, -1), softcap=5.0)}
+
+
+def varlen_cuda_inputs(lens_q, lens_k, heads, heads_kv, head_dim, dtype, softcap=0.0):
+    q, k, v, cu_q, cu_k = varlen_inputs(lens_q, lens_k, heads, heads_kv, head_dim, dtype)
+    if softcap:  # scores large enough for the cap to bite (section 12)
+        q, k = q * 2.0, k * 2.0
+    return tuple(t.cuda() for t in (q, k, v, cu_q, cu_k))
+
+
+def check_cuda_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, what, version=None, causal=False, **features):
+    """The packed call against the float64 reference of each sequence alone, with the padded tensor-core
+    rungs' tolerances; NaN-poisoned outputs catch a row no block wrote."""
+    dtype = q.dtype
+    ref, ref_lse = varlen_reference(*(t.cpu().double() for t in (q, k, v)), cu_q.cpu(), cu_k.cpu(), causal,
+                                    **features)
+    poison_allocator(torch.empty(q.shape, dtype=dtype, device="cuda"))
+    poison_allocator(torch.empty(q.shape[1], q.shape[0], device="cuda"))
+    out, lse = flash_attention.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, version=version,
+                                                return_lse=True, **features)
+    softcap = features.get("softcap", 0.0)
+    rtol, atol = forward_tol(dtype, "tuned", v, softcap)
+    assert out.dtype == dtype and out.shape == q.shape and lse.shape == (q.shape[1], q.shape[0]), what
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=rtol, atol=atol, msg=lambda m: f"{what} out: {m}")
+    lse = lse.cpu()
+    assert torch.equal(lse.isneginf(), ref_lse.isneginf()), f"{what}: lse is -inf exactly where no key is visible"
+    finite = ref_lse.isfinite()
+    rtol, atol = CUDA_LSE_TOL[dtype]
+    torch.testing.assert_close(lse.double()[finite], ref_lse[finite], rtol=rtol,
+                               atol=atol + tanh_approx_error(dtype, softcap), msg=lambda m: f"{what} lse: {m}")
+    assert torch.all(out.cpu().transpose(0, 1)[~finite] == 0), f"{what}: a row without keys is not 0"
+    return out
+
+
+def check_cuda_varlen_backward(q, k, v, cu_q, cu_k, max_q, max_k, versions, what, causal=False, **features):
+    """dq, dk, dv of each backward rung against the float64 reference's autograd, with the padded
+    rungs' tolerance: CUDA_GRAD_TOL of the largest gradient plus the rounding bounds of a
+    tensor-core backward (rounding_bounds), worked out per sequence."""
+    dtype = q.dtype
+    scale = 1 / math.sqrt(q.shape[-1])
+    out, lse = OPS.attention_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal,
+                                            list(features.get("window", (-1, -1))), features.get("softcap", 0.0))
+    grad_out = torch.randn(q.shape, dtype=torch.float64).to(dtype).cuda()
+    leaves = tuple(t.cpu().double().requires_grad_() for t in (q, k, v))
+    expected = torch.autograd.grad(varlen_reference(*leaves, cu_q.cpu(), cu_k.cpu(), causal, **features)[0], leaves,
+                                   grad_out.cpu().double())
+    bounds = [torch.zeros(t.shape, dtype=torch.float64) for t in (q, k, v)]
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(cq) - 1):
+        qs, ks = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        if cq[b] == cq[b + 1] or ck[b] == ck[b + 1]:
+            continue  # no scores: nothing rounded
+        seq = [t[s].transpose(0, 1).unsqueeze(0) for t, s in ((q, qs), (k, ks), (v, ks), (grad_out, qs))]
+        for bound, part, s in zip(bounds, rounding_bounds(*seq, causal, **features), (qs, ks, ks)):
+            bound[s] = part[0].transpose(0, 1)
+    for version in versions:
+        for t in (q, k, v):
+            poison_allocator(t)
+        grads = OPS.attention_varlen_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal,
+                                              list(features.get("window", (-1, -1))), features.get("softcap", 0.0),
+                                              version)
+        for name, g, e, bound in zip("qkv", grads, expected, bounds):
+            assert g.dtype == dtype and g.shape == e.shape, (what, version, name)
+            error = (g.cpu().double() - e).abs()
+            allowed = CUDA_GRAD_TOL[dtype] * max(e.abs().max().item(), 1.0) + bound
+            assert not g.isnan().any() and torch.all(error <= allowed), \
+                f"{what} {version} d{name}: max error {error.max().item():.3g}, worst excess " \
+                f"{(error - allowed).max().item():.3g}"
+
+
+def skip_unless_varlen_runs(head_dim=64, backward=False):
     require_cuda()
-    q, k, v, cu_q, cu_k = varlen_inputs([3, 4], [3, 4], 2, 2, 32, torch.bfloat16)
-    with pytest.raises(RuntimeError, match=r"attention_varlen_forward: the packed \(varlen\) layout has no CUDA "
-                                           r"kernels yet"):
-        flash_attention.attention_varlen(q.cuda(), k.cuda(), v.cuda(), cu_q.cuda(), cu_k.cuda(), 4, 4)
+    if flash_attention.default_choice("attention_varlen_backward" if backward else "attention_varlen_forward",
+                                      torch.empty(1, 2, head_dim, dtype=torch.bfloat16, device="cuda")) is None:
+        pytest.skip(f"the packed layout's tensor-core rungs do not run at head_dim {head_dim} on this GPU")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("features", list(VARLEN_FEATURES))
+@pytest.mark.parametrize("head_dim", (32, 64, 96, 128, 256))
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+def test_cuda_varlen_forward(dtype, head_dim, features):
+    """Both packed forward rungs on each packed batch, GQA 2:1, max_seqlen the longest sequence's and
+    37 more (the extra tiles of the grid return at once). These grids are small: version=None's
+    "split_kv" splits them, "tuned" does not."""
+    skip_unless_varlen_runs(head_dim)
+    for lens_q, lens_k in VARLEN_CUDA_BATCHES:
+        kw = dict(VARLEN_FEATURES[features])
+        q, k, v, cu_q, cu_k = varlen_cuda_inputs(lens_q, lens_k, 4, 2, head_dim, dtype, kw.get("softcap", 0.0))
+        for version, extra in ((None, 0), ("tuned", 0), (None, 37)):
+            check_cuda_varlen_forward(q, k, v, cu_q, cu_k, max(lens_q) + extra, max(lens_k) + extra,
+                                      f"{version} {dtype_id(dtype)} d{head_dim} {features} {lens_q}x{lens_k} +{extra}",
+                                      version=version, **kw)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+def test_cuda_varlen_split_kv_splits(dtype):
+    """A few query rows per sequence against long, different key lengths (decoding a batch of
+    requests, a chunk against its cache): version=None is "split_kv", which cuts the keys (the
+    combine kernel runs) and matches the reference; "tuned", the same kernel unsplit, agrees."""
+    skip_unless_varlen_runs(128)
+    from coursekit.pytest_plugin import launched_kernels
+    lens_q, lens_k = [1, 1, 3, 0, 17], [3000, 1, 900, 20, 2000]
+    q, k, v, cu_q, cu_k = varlen_cuda_inputs(lens_q, lens_k, 8, 2, 128, dtype)
+    assert flash_attention.default_choice("attention_varlen_forward", q) == "split_kv"
+    for causal in (False, True):
+        split = check_cuda_varlen_forward(q, k, v, cu_q, cu_k, 17, 3000, f"split {dtype_id(dtype)} causal={causal}",
+                                          causal=causal)
+        _, names = launched_kernels(lambda: flash_attention.attention_varlen(q, k, v, cu_q, cu_k, 17, 3000,
+                                                                             causal=causal), "flash_attention")
+        assert any("split_combine" in n for n in names), names
+        whole = flash_attention.attention_varlen(q, k, v, cu_q, cu_k, 17, 3000, causal=causal, version="tuned")
+        torch.testing.assert_close(split, whole, rtol=CUDA_FORWARD_TOL[dtype][0], atol=1e-3)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("features", list(VARLEN_FEATURES))
+@pytest.mark.parametrize("head_dim", (32, 64, 96, 128))
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+def test_cuda_varlen_backward(dtype, head_dim, features):
+    """Both backward rungs on each packed batch (multi-query for one, GQA 2:1 for the other), against
+    the reference's autograd."""
+    skip_unless_varlen_runs(head_dim, backward=True)
+    for (lens_q, lens_k), heads_kv in zip(VARLEN_CUDA_BATCHES, (1, 2)):
+        kw = dict(VARLEN_FEATURES[features])
+        q, k, v, cu_q, cu_k = varlen_cuda_inputs(lens_q, lens_k, 4, heads_kv, head_dim, dtype, kw.get("softcap", 0.0))
+        check_cuda_varlen_backward(q, k, v, cu_q, cu_k, max(lens_q) + 5, max(lens_k), ("mma", "mma_dqpass"),
+                                   f"{dtype_id(dtype)} d{head_dim} {features} {lens_q}x{lens_k}", **kw)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_dim,dtype,causal", [(128, torch.bfloat16, True), (64, torch.float16, False)],
+                         ids=("d128-bf16-causal", "d64-fp16-full"))
+def test_cuda_varlen_long_sequence(head_dim, dtype, causal):
+    """A sequence of 4097 tokens among short ones: 33 query tiles and 65 key tiles of its own beside
+    sequences of one tile or none, forward and both backward rungs."""
+    skip_unless_varlen_runs(head_dim, backward=True)
+    lens_q, lens_k = VARLEN_CUDA_LONG
+    q, k, v, cu_q, cu_k = varlen_cuda_inputs(lens_q, lens_k, 2, 1, head_dim, dtype)
+    what = f"long {dtype_id(dtype)} d{head_dim} causal={causal}"
+    check_cuda_varlen_forward(q, k, v, cu_q, cu_k, 4097, 4097, what, causal=causal)
+    check_cuda_varlen_backward(q, k, v, cu_q, cu_k, 4097, 4097, ("mma", "mma_dqpass"), what, causal=causal)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("features", list(VARLEN_FEATURES))
+@pytest.mark.parametrize("seqlen_q,seqlen_k,version", [(200, 200, "tuned"), (5, 900, "split_kv")],
+                         ids=("tuned", "split_kv"))
+def test_cuda_varlen_matches_the_padded_kernels(seqlen_q, seqlen_k, version, features):
+    """Sequences of one length packed are the padded batch: the same kernels' code on the same values
+    (and, for "split_kv", the same split count: the rule reads the same sizes), so the same bits,
+    forward and backward ("mma_dqpass"; lse as the padded forward's)."""
+    skip_unless_varlen_runs(64, backward=True)
+    kw = dict(VARLEN_FEATURES[features])
+    batch, heads, heads_kv, d = 3, 4, 2, 64
+    q, k, v = make_qkv(batch, heads, heads_kv, seqlen_q, seqlen_k, d, dtype=torch.bfloat16, device="cuda")
+    go = torch.randn_like(q)
+    out, lse = flash_attention.attention_forward(q, k, v, 0.125, version=version, **kw)
+    grads = flash_attention.attention_backward(go, q, k, v, out, lse, 0.125, version="mma_dqpass", **kw)
+
+    def pack(t):  # (batch, heads, seqlen, d) -> (batch * seqlen, heads, d)
+        return t.transpose(1, 2).flatten(0, 1)
+    cu_q, cu_k = (torch.arange(0, (batch + 1) * n, n, dtype=torch.int32, device="cuda") for n in (seqlen_q, seqlen_k))
+    causal, window, softcap = kw.get("causal", False), list(kw.get("window", (-1, -1))), kw.get("softcap", 0.0)
+    p_out, p_lse = OPS.attention_varlen_forward(pack(q), pack(k), pack(v), cu_q, cu_k, seqlen_q, seqlen_k, 0.125,
+                                                causal, window, softcap, version)
+    assert torch.equal(p_out, pack(out)) and torch.equal(p_lse, lse.transpose(0, 1).flatten(1, 2))
+    p_grads = OPS.attention_varlen_backward(pack(go), pack(q), pack(k), pack(v), p_out, p_lse, cu_q, cu_k, seqlen_q,
+                                            seqlen_k, 0.125, causal, window, softcap, "mma_dqpass")
+    for name, g, e in zip("qkv", p_grads, grads):
+        assert torch.equal(g, pack(e)), name
+
+
+@pytest.mark.cuda
+def test_cuda_varlen_graph_capture_and_compile():
+    """No host sync and no host read of cu_seqlens: forward and both backward rungs replay inside a
+    CUDA graph; torch.compile(fullgraph=True) traces the packed call, forward and backward, through
+    the Meta kernels on CUDA tensors; opcheck holds the registration (schema, fake kernels, autograd)."""
+    skip_unless_varlen_runs(64, backward=True)
+    lens = [17, 0, 129, 64]
+    q, k, v, cu_q, cu_k = varlen_cuda_inputs(lens, lens, 4, 2, 64, torch.bfloat16)
+    go = torch.randn_like(q)
+
+    def step():
+        out, lse = OPS.attention_varlen_forward(q, k, v, cu_q, cu_k, 129, 129, 0.125, True)
+        results = [out, lse]
+        for version in ("mma", "mma_dqpass"):
+            results += [(version, g) for g in OPS.attention_varlen_backward(
+                go, q, k, v, out, lse, cu_q, cu_k, 129, 129, 0.125, True, [-1, -1], 0.0, version)]
+        return results
+
+    captured, expected = capture_and_replay(step)
+    for a, e in zip(captured, expected):
+        if isinstance(a, tuple):
+            (version, a), (_, e) = a, e
+            if version == "mma":  # dQ sums through atomics, in whatever order the blocks arrive
+                torch.testing.assert_close(a, e, rtol=2 ** -7, atol=1e-3)
+                continue
+        assert torch.equal(a, e)
+
+    torch._dynamo.reset()
+    leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
+
+    def block(q, k, v):
+        return flash_attention.attention_varlen(q, k, v, cu_q, cu_k, 129, 129, causal=True).float().square().sum()
+    # aot_eager: Dynamo and AOTAutograd trace the call (fake CUDA tensors through the Meta kernels)
+    # without a graph break; inductor's codegen would add nothing about the op, which it never compiles.
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    grads = torch.autograd.grad(compiled(*leaves), leaves)
+    for g, e in zip(grads, torch.autograd.grad(block(*leaves), leaves)):
+        torch.testing.assert_close(g, e, rtol=2 ** -7, atol=1e-3)
+    torch.library.opcheck(OPS.attention_varlen_forward.default,
+                          (*leaves, cu_q, cu_k, 129, 129, 0.125, True, [40, -1], 5.0, None))
+    out, lse = OPS.attention_varlen_forward(q, k, v, cu_q, cu_k, 129, 129, 0.125, True)
+    torch.library.opcheck(OPS.attention_varlen_backward.default,
+                          (go, q, k, v, out, lse, cu_q, cu_k, 129, 129, 0.125, True, [-1, -1], 0.0, None))
+
+
+@pytest.mark.cuda
+def test_cuda_varlen_misuse():
+    """Every refusal names the op and the way out: cu_seqlens on the wrong device or of the wrong
+    dtype, a rung without the packed layout (named, or version=None's where none runs), max lengths
+    the tokens cannot fit, head_dim. (Unsorted or overlong lengths are the CPU's to check: CUDA never
+    reads cu_seqlens on the host, see attention_ops.cpp.)"""
+    skip_unless_varlen_runs(64, backward=True)
+    q, k, v, cu_q, cu_k = varlen_cuda_inputs([3, 4], [3, 4], 2, 2, 64, torch.bfloat16)
+    call = flash_attention.attention_varlen
+    cases = [
+        (lambda: call(q, k, v, cu_q.cpu(), cu_k, 4, 4),
+         r"attention_varlen_forward: cu_seqlens_q is on cpu but q is on cuda"),
+        (lambda: call(q, k, v, cu_q, cu_k.long(), 4, 4),
+         r"attention_varlen_forward: cu_seqlens_k has dtype Long but must be Int"),
+        (lambda: call(q, k, v, cu_q, cu_k, 4, 4, version="pipelined"),
+         r"attention_varlen_forward: version 'pipelined' does not take the packed \(varlen\) layout; versions 'tuned' "
+         r"and 'split_kv' take it"),
+        (lambda: call(q, k, v, cu_q, cu_k, 4, 4, version="pingpong"),
+         r"attention_varlen_forward: version 'pingpong' does not take the packed \(varlen\) layout"),
+        (lambda: call(q.float(), k.float(), v.float(), cu_q, cu_k, 4, 4),
+         r"attention_varlen_forward: on CUDA the packed \(varlen\) layout runs on versions 'tuned' and 'split_kv' "
+         r"alone \(float16 and bfloat16.*q is Float"),
+        (lambda: call(q.double(), k.double(), v.double(), cu_q, cu_k, 4, 4, version="tuned"),
+         r"attention_varlen_forward: on CUDA the packed \(varlen\) layout runs on versions 'tuned' and 'split_kv' "
+         r"alone .*q is Double"),
+        (lambda: call(q, k, v, cu_q, cu_k, 3, 4),
+         r"attention_varlen_forward: 2 sequences of at most max_seqlen_q = 3 and max_seqlen_k = 4 tokens cannot hold "
+         r"7 query and 7 key tokens"),
+        (lambda: call(q[..., :48], k[..., :48], v[..., :48], cu_q, cu_k, 4, 4),
+         r"attention_varlen_forward: head_dim 48 is not supported on CUDA"),
+    ]
+    out, lse = OPS.attention_varlen_forward(q, k, v, cu_q, cu_k, 4, 4, 0.125)
+    backward = OPS.attention_varlen_backward
+    cases += [
+        (lambda: backward(out, q, k, v, out, lse, cu_q, cu_k, 4, 4, 0.125, False, [-1, -1], 0.0, "naive"),
+         r"attention_varlen_backward: version 'naive' does not take the packed \(varlen\) layout; versions 'mma' "
+         r"and 'mma_dqpass' take it"),
+    ]
+    q256, k256, v256, _, _ = varlen_cuda_inputs([3, 4], [3, 4], 2, 2, 256, torch.bfloat16)
+    o256, l256 = OPS.attention_varlen_forward(q256, k256, v256, cu_q, cu_k, 4, 4, 0.0625)
+    cases += [
+        (lambda: backward(o256, q256, k256, v256, o256, l256, cu_q, cu_k, 4, 4, 0.0625),
+         r"attention_varlen_backward: on CUDA the packed \(varlen\) layout's backward runs on versions 'mma' and "
+         r"'mma_dqpass' alone .*head_dim 32, 64, 96, 128"),
+    ]
+    for fn, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            fn()
+
+
+@pytest.mark.cuda
+@pytest.mark.sanitize
+def test_sanitizer_varlen():
+    """The packed layout's small run: partial tiles, empty sequences on both sides, a max_seqlen past
+    every sequence, GQA, window and softcap, forward and both backward rungs at the smallest head dim
+    and at 96 (padded rows, no swizzle)."""
+    skip_unless_varlen_runs(32, backward=True)
+    lens_q, lens_k = [1, 17, 0, 70, 5], [33, 17, 4, 0, 130]
+    for head_dim in (32, 96):
+        for kw in VARLEN_FEATURES.values():
+            q, k, v, cu_q, cu_k = varlen_cuda_inputs(lens_q, lens_k, 4, 2, head_dim, torch.bfloat16,
+                                                     kw.get("softcap", 0.0))
+            what = f"sanitize d{head_dim} {kw}"
+            check_cuda_varlen_forward(q, k, v, cu_q, cu_k, 80, 140, what, **kw)
+            check_cuda_varlen_backward(q, k, v, cu_q, cu_k, 80, 140, ("mma", "mma_dqpass"), what, **kw)
+    # A decreasing cu_seqlens, which CUDA never reads on the host: the decreasing pair is an empty
+    # sequence (varlen.cuh), so nothing is read or written outside the tensors (memcheck's part), and
+    # the sequences around it are computed as they would be alone.
+    q, k, v, cu_q, cu_k = varlen_cuda_inputs([5, 9], [5, 9], 2, 1, 32, torch.bfloat16)
+    bad = torch.tensor([0, 5, 3, 14], dtype=torch.int32, device="cuda")
+    out = flash_attention.attention_varlen(q, k, v, bad, bad, 11, 11, causal=True)
+    good = flash_attention.attention_varlen(q, k, v, cu_q, cu_k, 9, 9, causal=True)
+    assert torch.equal(out[:3], good[:3])

@@ -170,3 +170,50 @@ def test_recorded_results_hold_the_dispatch():
         checked += 1
     assert checked > 0
     assert problems == []
+
+
+def test_varlen_rows_count_useful_work():
+    """The packed rows' lengths are the ones the docstring promises (16 sequences of 128 to 8192,
+    about 32K tokens, not sorted), and their FLOPs are each sequence's own causal triangle: the
+    padded batch's extra work is not credited to anyone."""
+    lens = B.VARLEN_LENGTHS
+    assert len(lens) == 16 and min(lens) == 128 and max(lens) == 8192 and lens != sorted(lens)
+    assert 30_000 <= sum(lens) <= 34_000
+    h, d = B.VARLEN["heads"], B.VARLEN["head_dim"]
+    assert B.varlen_flops(lens, h, d, True) == sum(B.attention_flops(1, h, n, n, d, True) for n in lens)
+    # the lesson's "more than seven times": the padded batch's causal work over the sequences' own
+    assert 7 * B.varlen_flops(lens, h, d, True) < B.attention_flops(len(lens), h, max(lens), max(lens), d, True)
+    assert B.varlen_flops([5, 7], 2, 8, False, "backward") == B.attention_flops(1, 2, 5, 5, 8, False, "backward") + \
+        B.attention_flops(1, 2, 7, 7, 8, False, "backward")
+
+
+def test_recorded_varlen_results_hold_the_dispatch():
+    """The packed rows (bench_attention.py --ops attention_varlen, their own results file): each
+    default row ran the rung the extension's varlen rule names on the recorded GPU, that rung was
+    timed beside it, and it is within 0.95x the fastest packed rung, as
+    test_recorded_results_hold_the_dispatch holds the padded rows."""
+    import flash_attention
+    from coursekit import results
+    record = results.load_recorded_gpu("chapter6_flash_attention_varlen")
+    if record is None:
+        pytest.skip("no recorded packed rows yet: run `python bench_attention.py --ops attention_varlen` on a GPU")
+    device = record["device"]
+    facts = dict(cuda=True, capability=tuple(int(x) for x in device["capability"].split(".")), sms=device["sms"])
+    rows = results.rows(record, op="attention_varlen")
+    problems = []
+    for pass_, rungs in (("forward", ("tuned", "split_kv")), ("backward", ("mma", "mma_dqpass"))):
+        got = {r["variant"]: r for r in rows if r["pass"] == pass_ and r["layout"] == "packed"}
+        assert "default" in got, f"no default row for the packed {pass_}"
+        default = got["default"]
+        op = f"attention_varlen_{pass_}"
+        rung = flash_attention.dispatch_rule(op, tuple(default["shape"]), dtype=getattr(torch, default["dtype"]),
+                                             **facts)
+        assert default["dispatch"] == rung, default
+        measured = {v: got[v]["median_ms"] for v in rungs if v in got}
+        if rung not in measured:
+            problems.append(f"{pass_}: the rung version=None runs, {rung}, has no row")
+            continue
+        best = min(measured, key=measured.get)
+        if measured[best] / measured[rung] < 0.95:
+            problems.append(f"{pass_}: version=None runs {rung}, {measured[best] / measured[rung]:.3f}x {best}")
+    assert problems == []

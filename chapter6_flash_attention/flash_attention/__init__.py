@@ -22,7 +22,11 @@ other rung refuses them.
 
 attention_varlen takes sequences of different lengths packed along one token dim, (total_tokens,
 heads, head_dim), with int32 cumulative lengths cu_seqlens_q and cu_seqlens_k (FlashAttention 2's
-varlen API): the CPU reference for now, forward and backward; CUDA tensors are refused.
+varlen API), forward and backward: the CPU reference, and on CUDA the forward rungs "tuned" and
+"split_kv" and the backward rungs "mma" and "mma_dqpass" (version=None picks "split_kv" and
+"mma_dqpass"; every other rung refuses the packed layout). max_seqlen_q and max_seqlen_k are host
+ints that size the CUDA grid, so the op never reads cu_seqlens on the host (no sync: CUDA graphs
+and torch.compile work); on CUDA the lengths are trusted, on the CPU every value is checked.
 
 What exists now: the C++ reference on the CPU (float32 computed in float32, float64 in
 float64), its C++ autograd, the Meta kernels that let torch.compile trace both passes, and the
@@ -125,16 +129,19 @@ def dispatch_rule(op, q_shape, k_shape=None, *, dtype, cuda, capability=(0, 0), 
     rest: the extension's own rule (csrc/attention/attention_ops.cpp), asked with any facts, so
     that a GPU other than this machine's (or a recorded one) can be asked about here.
     deterministic: whether torch.use_deterministic_algorithms(True) is on (the backward then keeps
-    to a rung that gives the same bits on every run). paged_prefill_attention's q_shape is
-    (total_q, heads, head_dim), and max_seqlen_q its argument of that name (0: total_q);
-    csrc/serving/serving.h has its rule."""
+    to a rung that gives the same bits on every run). For the packed ops (attention_varlen_forward,
+    attention_varlen_backward; q_shape (total, heads, head_dim)) the rung does not depend on the
+    lengths; None where no rung takes the packed layout (the CPU runs the reference, CUDA refuses
+    the call). paged_prefill_attention's q_shape is (total_q, heads, head_dim), and max_seqlen_q its
+    argument of that name (0: total_q); csrc/serving/serving.h has its rule."""
+    half = dtype in (torch.float16, torch.bfloat16)
+    if op in ("attention_varlen_forward", "attention_varlen_backward"):
+        return torch.ops.flash_attention.varlen_rule(op, q_shape[-1], cuda, half, capability[0]) or None
     if op == "paged_prefill_attention":
         bound = max_seqlen_q if max_seqlen_q > 0 else q_shape[0]
-        return torch.ops.flash_attention.paged_prefill_rule(cuda, dtype in (torch.float16, torch.bfloat16),
-                                                            capability[0], bound)
+        return torch.ops.flash_attention.paged_prefill_rule(cuda, half, capability[0], bound)
     b, h, s_q, d = q_shape
     _, h_kv, s_k, _ = q_shape if k_shape is None else k_shape
-    half = dtype in (torch.float16, torch.bfloat16)
     if op == "attention_forward":
         scale = 1.0 / math.sqrt(d) if scale is None else scale
         return torch.ops.flash_attention.forward_rule(b, h, h_kv, s_q, s_k, d, scale, causal, cuda, half,
@@ -143,8 +150,8 @@ def dispatch_rule(op, q_shape, k_shape=None, *, dtype, cuda, capability=(0, 0), 
     if op == "attention_backward":
         return torch.ops.flash_attention.backward_rule(d, cuda, half, capability[0], capability[1], hopper_built,
                                                        causal, list(window), softcap, deterministic)
-    raise ValueError(f"dispatch_rule: unknown op {op!r} (attention_forward, attention_backward or "
-                     "paged_prefill_attention)")
+    raise ValueError(f"dispatch_rule: unknown op {op!r} (attention_forward, attention_backward, "
+                     "attention_varlen_forward, attention_varlen_backward or paged_prefill_attention)")
 
 
 def default_choice(op, q, k=None, *, scale=None, causal=False, window=(-1, -1), softcap=0.0, max_seqlen_q=0):
@@ -201,21 +208,24 @@ def attention_backward(grad_out, q, k, v, out, lse, scale, causal=False, *, wind
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False, scale=None,
-                     window=(-1, -1), softcap=0.0, return_lse=False):
+                     window=(-1, -1), softcap=0.0, version=None, return_lse=False):
     """attention() over sequences of different lengths packed along one token dim (FlashAttention
     2's varlen API), differentiable in q, k and v.
 
     q: (total_q, heads, head_dim); k, v: (total_k, heads_kv, head_dim). Sequence b is rows
     cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q against rows cu_seqlens_k[b]:cu_seqlens_k[b + 1] of k
     and v (cu_seqlens_*: int32, batch + 1 entries from 0 to the total), with its own bottom-right
-    causal mask and window; max_seqlen_q and max_seqlen_k bound the lengths (checked). Returns out,
-    shaped like q; with return_lse=True also lse, (heads, total_q). The CPU reference for now: CUDA
-    tensors are refused.
+    causal mask and window; max_seqlen_q and max_seqlen_k bound the lengths (host ints: on CUDA
+    they size the grid, and the lengths themselves are read by the kernels, not checked; the CPU
+    checks them). Returns out, shaped like q; with return_lse=True also lse, (heads, total_q).
+    version: a forward rung that takes the packed layout on CUDA ("tuned", "split_kv"; the backward
+    runs version=None's, "mma_dqpass"); on the CPU any name runs the reference.
     """
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1]) if q.dim() == 3 and q.shape[-1] > 0 else 1.0
     out, lse = torch.ops.flash_attention.attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                                  max_seqlen_k, scale, causal, list(window), softcap)
+                                                                  max_seqlen_k, scale, causal, list(window), softcap,
+                                                                  version)
     return (out, lse) if return_lse else out
 
 

@@ -91,7 +91,25 @@ struct AttentionParams {
   // defaults every rung computes what it did before they existed.
   int64_t window_left = -1, window_right = -1;
   double softcap = 0.0;
+  // The packed (varlen) layout, FlashAttention 2's: null for the padded batch above. Otherwise
+  // batch is the number of sequences and sequence b is rows [cu_seqlens_q[b], cu_seqlens_q[b + 1])
+  // of a (total_q, heads, head_dim) q (its token stride is q_seq_stride, and every batch stride is
+  // 0) against rows [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k and v, each pair attended to as a
+  // batch of one with its own lengths (its own bottom-right causal mask and window); seqlen_q and
+  // seqlen_k are then max_seqlen_q and max_seqlen_k, which size the grid (a host int each: the
+  // lengths themselves stay on the device, read by the blocks). lse is (heads, total_q):
+  // lse[h * total_q + cu_seqlens_q[b] + i]. Only the rungs that take it read these (the glue refuses
+  // the rest): the forward's "tuned" and "split_kv", the backward's "mma" and "mma_dqpass".
+  const int32_t* cu_seqlens_q = nullptr;
+  const int32_t* cu_seqlens_k = nullptr;
+  int64_t total_q = 0;
 };
+
+// Rows of the per-row statistics (lse, and the backward's D): batch * heads * seqlen_q padded,
+// heads * total_q packed.
+inline int64_t stat_rows(const AttentionParams& p) {
+  return p.cu_seqlens_q != nullptr ? p.heads * p.total_q : p.batch * p.heads * p.seqlen_q;
+}
 
 // The backward, from the forward's o and lse (P is recomputed, never stored: it is seqlen_q x
 // seqlen_k per head, the memory FlashAttention exists to avoid):
@@ -262,7 +280,8 @@ cudaError_t launch_attention_backward_naive(const AttentionBackwardParams& param
 //     FlashAttention 2 on tensor cores, bfloat16 and float16 only, sm_80 and newer; every stride of
 //     q, k, v and o a multiple of 8 elements and every pointer 16-byte aligned (16-byte copies).
 //     The glue checks all of it. The rungs differ in their loads and tile shapes (flash_fwd.h), not
-//     in what they compute.
+//     in what they compute. "tuned" and "split_kv" also take the packed layout (cu_seqlens_q set;
+//     varlen.cuh).
 enum class MmaForward { kMma, kPipelined, kTuned, kSplitKv };
 //     Rung "split_kv" (kSplitKv) cuts the keys into `splits` ranges (split-KV, below), with
 //     `workspace` holding attention_forward_split_workspace bytes; with splits <= 1 it runs "tuned".
@@ -276,7 +295,7 @@ int64_t attention_forward_mma_smem_bytes(int64_t head_dim, MmaForward rung);
 //     forward's, head_dim 32-128 (kMmaBackwardHeadDims). dq_atomic: dQ summed across key
 //     tiles with float32 atomics ("mma"), else by a second, deterministic pass over the keys
 //     ("mma_dqpass"). `workspace`: attention_backward_mma_workspace bytes, zeroed by the caller
-//     (dQ's float32 sums when dq_atomic, then D = rowsum(dO * O)).
+//     (dQ's float32 sums when dq_atomic, then D = rowsum(dO * O)). Both take the packed layout.
 cudaError_t launch_attention_backward_mma(const AttentionBackwardParams& params, bool dq_atomic, void* workspace,
                                           cudaStream_t stream);
 int64_t attention_backward_mma_smem_bytes(int64_t head_dim);
@@ -302,13 +321,14 @@ struct SplitCombineParams {
 };
 cudaError_t launch_split_combine(const SplitCombineParams& params, cudaStream_t stream);
 // The workspace rung "split_kv" takes for `splits` key ranges (attention_forward_splits, above):
-// splits * rows * (head_dim + 1) floats.
+// splits * rows * (head_dim + 1) floats, a row per lse row (stat_rows: the packed layout's too).
 inline int64_t attention_forward_split_workspace(const AttentionParams& p, int64_t splits) {
-  return splits > 1 ? splits * p.batch * p.heads * p.seqlen_q * (p.head_dim + 1) * 4 : 0;
+  return splits > 1 ? splits * stat_rows(p) * (p.head_dim + 1) * 4 : 0;
 }
+// dQ's float32 sums (dq_atomic) and D, one row per lse row (stat_rows: the packed layout's too).
 inline int64_t attention_backward_mma_workspace(const AttentionBackwardParams& g, bool dq_atomic) {
   const AttentionParams& p = g.fwd;
-  return p.batch * p.heads * p.seqlen_q * ((dq_atomic ? p.head_dim : 0) + 1) * 4;
+  return stat_rows(p) * ((dq_atomic ? p.head_dim : 0) + 1) * 4;
 }
 }  // namespace flash_attention
 #endif

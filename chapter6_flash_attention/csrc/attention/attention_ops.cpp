@@ -349,6 +349,7 @@ void forward_cuda(ForwardVersion v, const AttentionParams& p, const Tensor& q, c
 }
 
 // What the tensor-core rungs need beyond the other checks, each refused with the way out.
+// q: padded (batch, heads, seqlen, head_dim) or packed (total, heads, head_dim), head_dim last either way.
 void check_tensor_core_rung(const char* op, const std::string& name, const Tensor& q, bool backward = false) {
   TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, op, ": version '", name,
               "' runs on tensor cores and takes float16 and bfloat16; q is ", q.scalar_type(),
@@ -359,14 +360,14 @@ void check_tensor_core_rung(const char* op, const std::string& name, const Tenso
               "(mma.sync m16n8k16 in 16-bit types and cp.async); this GPU is ", std::to_string(major), ".",
               std::to_string(minor), ": use version='tiled'");
   if (backward) {
-    TORCH_CHECK(is_listed(kMmaBackwardHeadDims, q.size(3)), op, ": version '", name, "' takes head_dim ",
+    TORCH_CHECK(is_listed(kMmaBackwardHeadDims, q.size(-1)), op, ": version '", name, "' takes head_dim ",
                 list_text(kMmaBackwardHeadDims), " (its dK and dV rows live in registers); head_dim is ",
-                std::to_string(q.size(3)), ": use version='naive'");
+                std::to_string(q.size(-1)), ": use version='naive'");
   }
-  const int64_t smem = backward ? attention_backward_mma_smem_bytes(q.size(3))
-                                : attention_forward_mma_smem_bytes(q.size(3), mma_rung(name));
+  const int64_t smem = backward ? attention_backward_mma_smem_bytes(q.size(-1))
+                                : attention_forward_mma_smem_bytes(q.size(-1), mma_rung(name));
   const int64_t allowed = device_attribute(q, cudaDevAttrMaxSharedMemoryPerBlockOptin);
-  TORCH_CHECK(smem <= allowed, op, ": version '", name, "' at head_dim ", std::to_string(q.size(3)), " takes ",
+  TORCH_CHECK(smem <= allowed, op, ": version '", name, "' at head_dim ", std::to_string(q.size(-1)), " takes ",
               std::to_string(smem / 1024), " KiB of shared memory per block; this GPU (", std::to_string(major),
               ".", std::to_string(minor), ") allows ", std::to_string(allowed / 1024),
               " KiB: use version='mma' or 'tiled'");
@@ -440,7 +441,7 @@ void check_hopper_backward(const char* op, const Tensor& q) {
 // not a broadcast): an expanded view (k.expand for grouped heads) is copied there too.
 Tensor aligned_for_copies(const Tensor& t, bool tma = false) {
   bool ok = reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
-  for (int dim = 0; dim < 3; ++dim) {
+  for (int64_t dim = 0; dim + 1 < t.dim(); ++dim) {  // every dim but head_dim: 4 padded, 3 packed
     ok = ok && (t.size(dim) == 1 || (t.stride(dim) % 8 == 0 && (!tma || t.stride(dim) != 0)));
   }
   return ok ? t : t.clone(at::MemoryFormat::Contiguous);
@@ -693,12 +694,25 @@ std::tuple<Tensor, Tensor> attention_forward_autograd(const Tensor& q, const Ten
 // and [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k and v, attended to as one attention_forward of
 // batch 1 (its own bottom-right causal mask and window). lse is (heads, total_q), FlashAttention 2's
 // varlen softmax_lse. No token of one sequence sees another's, and no padding is computed: the
-// point of the layout. For now the CPU reference only: each sequence is the reference's
-// AttentionParams over slices of the packed tensors (their strides, no copy); CUDA tensors are
-// refused with the way out.
+// point of the layout. On the CPU each sequence is the reference's AttentionParams over slices of
+// the packed tensors (their strides, no copy). On CUDA one launch does every sequence
+// (attention.h's cu_seqlens: the kernels read the lengths on the device), on the rungs that take
+// the packed layout: the forward's "tuned" and "split_kv", the backward's "mma" and "mma_dqpass";
+// version=None picks "split_kv" and "mma_dqpass", and every other rung refuses it with the way
+// out. max_seqlen_q and max_seqlen_k are host ints, as in FlashAttention 2: they size the grid, so
+// the op never reads cu_seqlens on the host, a device-to-host sync that would stall the stream and
+// break CUDA-graph capture. So on CUDA the lengths are trusted (as FlashAttention 2 trusts them):
+// the CPU checks every value, CUDA only what the shapes tell (a total longer than batch x
+// max_seqlen).
 // ---------------------------------------------------------------------------------------
 constexpr const char* kVarlenForward = "attention_varlen_forward";
 constexpr const char* kVarlenBackward = "attention_varlen_backward";
+
+// Sequence [start, start + len) of a packed (total, heads, d) tensor as a (1, heads, len, d) view:
+// the shape every AttentionParams describes.
+Tensor as_batch_of_one(const Tensor& t, int64_t start, int64_t len) {
+  return t.narrow(0, start, len).transpose(0, 1).unsqueeze(0);
+}
 
 // A packed (total_tokens, heads, head_dim) tensor.
 void check_packed(const char* op, const char* name, const Tensor& t) {
@@ -761,26 +775,119 @@ void check_varlen(const char* op, const Tensor& q, const Tensor& k, const Tensor
               " entries but cu_seqlens_k has ", std::to_string(cu_k.size(0)), " (one more than the batch, both)");
   TORCH_CHECK(max_seqlen_q >= 0 && max_seqlen_k >= 0, op, ": max_seqlen_q and max_seqlen_k must be >= 0, got ",
               std::to_string(max_seqlen_q), " and ", std::to_string(max_seqlen_k));
-  TORCH_CHECK(!q.is_cuda(), op, ": the packed (varlen) layout has no CUDA kernels yet; it runs on the CPU ",
-              "reference (CPU tensors), or call attention() once per sequence on CUDA");
 }
 
-// Sequence [start, start + len) of a packed (total, heads, d) tensor as a (1, heads, len, d) view:
-// the shape every AttentionParams describes.
-Tensor as_batch_of_one(const Tensor& t, int64_t start, int64_t len) {
-  return t.narrow(0, start, len).transpose(0, 1).unsqueeze(0);
+// The rungs that take the packed layout on CUDA (the kernels with a kVarlen instantiation), and
+// version=None's choice among them: "split_kv" (which is "tuned" wherever the grid fills the GPU, and
+// splits the keys where it does not) and "mma_dqpass", for the reasons the padded rules give (the
+// version=None section above). Part 3's Hopper rungs take the padded layout only: their tensor maps
+// describe whole (batch, head) slices. No rung where the tensor-core rungs do not run: the scalar
+// rungs have no packed kernels.
+bool takes_varlen(ForwardVersion v) { return v == ForwardVersion::kTuned || v == ForwardVersion::kSplitKv; }
+bool takes_varlen(BackwardVersion v) { return v == BackwardVersion::kMma || v == BackwardVersion::kMmaDqPass; }
+std::optional<ForwardVersion> varlen_forward_rule(const DispatchFacts& f) {
+  if (f.cuda && f.half && f.cc_major >= 8) return ForwardVersion::kSplitKv;
+  return std::nullopt;
 }
+std::optional<BackwardVersion> varlen_backward_rule(int64_t head_dim, const DispatchFacts& f) {
+  // The padded rule's part-1 answer ("wgmma" takes the padded layout only, and "mma_dqpass" gives the
+  // same bits every run, deterministic or not).
+  if (f.cuda && f.half && f.cc_major >= 8 && is_listed(kMmaBackwardHeadDims, head_dim)) return BackwardVersion::kMmaDqPass;
+  return std::nullopt;
+}
+
+#ifdef WITH_CUDA
+// What a CUDA call in the packed layout needs beyond check_varlen, each refused with the way out:
+// a rung that takes the layout (the one named, else version=None's), inputs it runs (`chosen`, the
+// rule's answer for these facts: none where the tensor-core rungs do not run), a head dim the
+// kernels were built for, and the lengths' totals within batch x max_seqlen (what the host can
+// check without reading cu_seqlens). Returns the rung's name.
+template <typename V, size_t N>
+std::string varlen_cuda_rung(const char* op, const ::course::NamedVersion<V> (&versions)[N], std::optional<V> named,
+                             std::optional<V> chosen, const Tensor& q, const Tensor& k, const Tensor& cu_q,
+                             int64_t max_seqlen_q, int64_t max_seqlen_k, bool backward) {
+  const char* rungs = backward ? "versions 'mma' and 'mma_dqpass'" : "versions 'tuned' and 'split_kv'";
+  const std::string takes = backward ? std::string("float16 and bfloat16, compute capability 8.0 or newer, head_dim ") +
+                                           list_text(kMmaBackwardHeadDims)
+                                     : std::string("float16 and bfloat16, compute capability 8.0 or newer");
+  const char* what = backward ? "the packed (varlen) layout's backward" : "the packed (varlen) layout";
+  if (named) {
+    TORCH_CHECK(takes_varlen(*named), op, ": version '", ::course::version_name(versions, *named),
+                "' does not take the packed (varlen) layout; ", rungs, " take it (", takes, "; version=None picks ",
+                backward ? "'mma_dqpass'" : "'split_kv'", " there)");
+  }
+  // version=None has no rung here, and then neither can the rung named run these inputs on this GPU
+  // (the same facts decide both): one message, with the way out.
+  TORCH_CHECK(chosen.has_value(), op,
+              ": on CUDA ", what, " runs on ", rungs, " alone (", takes, "); q is ", q.scalar_type(), " at head_dim ",
+              std::to_string(q.size(2)), " on a GPU of compute capability ",
+              std::to_string(device_attribute(q, cudaDevAttrComputeCapabilityMajor)), ".",
+              std::to_string(device_attribute(q, cudaDevAttrComputeCapabilityMinor)),
+              ": convert q, k and v to bfloat16 or float16, or pass CPU tensors (the reference)");
+  const V v = named ? *named : *chosen;
+  TORCH_CHECK(is_listed(kCudaHeadDims, q.size(2)), op, ": head_dim ", std::to_string(q.size(2)),
+              " is not supported on CUDA (supported: ", list_text(kCudaHeadDims), ")");
+  const int64_t batch = cu_q.size(0) - 1;
+  TORCH_CHECK(q.size(0) <= batch * max_seqlen_q && k.size(0) <= batch * max_seqlen_k, op, ": ",
+              std::to_string(batch), " sequences of at most max_seqlen_q = ", std::to_string(max_seqlen_q),
+              " and max_seqlen_k = ", std::to_string(max_seqlen_k), " tokens cannot hold ", std::to_string(q.size(0)),
+              " query and ", std::to_string(k.size(0)), " key tokens: max_seqlen_q and max_seqlen_k must be at least ",
+              "the longest sequence's lengths");
+  return ::course::version_name(versions, v);
+}
+
+// The packed tensors as a padded batch (attention.h's packed layout): the reference's view of all
+// the tokens as one sequence gives the head and token strides, then batch is the sequence count,
+// seqlen_q and seqlen_k the max lengths, and the kernels find each sequence through cu_seqlens.
+AttentionParams make_varlen_params(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                                   const Tensor& lse, const Tensor& cu_q, const Tensor& cu_k, int64_t max_seqlen_q,
+                                   int64_t max_seqlen_k, double scale, bool causal, at::IntArrayRef window,
+                                   double softcap) {
+  AttentionParams p = make_params(as_batch_of_one(q, 0, q.size(0)), as_batch_of_one(k, 0, k.size(0)),
+                                  as_batch_of_one(v, 0, v.size(0)), as_batch_of_one(out, 0, out.size(0)), lse, scale,
+                                  causal, window, softcap);
+  p.batch = cu_q.size(0) - 1;
+  p.seqlen_q = max_seqlen_q;
+  p.seqlen_k = max_seqlen_k;
+  p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = p.o_batch_stride = 0;
+  p.cu_seqlens_q = cu_q.const_data_ptr<int32_t>();
+  p.cu_seqlens_k = cu_k.const_data_ptr<int32_t>();
+  p.total_q = q.size(0);
+  return p;
+}
+#endif
 
 std::tuple<Tensor, Tensor> attention_varlen_forward_impl(const Tensor& q, const Tensor& k, const Tensor& v,
                                                          const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k,
                                                          int64_t max_seqlen_q, int64_t max_seqlen_k, double scale,
-                                                         bool causal, at::IntArrayRef window, double softcap) {
+                                                         bool causal, at::IntArrayRef window, double softcap,
+                                                         OptVersion version) {
   const char* op = kVarlenForward;
   check_varlen(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
   check_window_softcap(op, window, softcap);
   Tensor out = at::empty_symint(q.sym_sizes(), q.options());
   Tensor lse = at::empty_symint({q.sym_size(1), q.sym_size(0)}, q.options().dtype(lse_dtype(q.scalar_type())));
+  [[maybe_unused]] const auto named = ::course::parse_version(op, version, kForwardVersions);  // a typo fails anywhere
   if (q.is_meta()) return {out, lse};
+  if (q.is_cuda()) {
+#ifdef WITH_CUDA
+    const std::optional<ForwardVersion> chosen = varlen_forward_rule(facts_of(q));
+    const std::string name = varlen_cuda_rung(op, kForwardVersions, named, chosen, q, k, cu_seqlens_q, max_seqlen_q,
+                                              max_seqlen_k, /*backward=*/false);
+    check_tensor_core_rung(op, name, q);
+    if (out.numel() == 0) return {out, lse};
+    const Tensor qa = aligned_for_copies(q), ka = aligned_for_copies(k), va = aligned_for_copies(v);
+    const Tensor cu_q = cu_seqlens_q.contiguous(), cu_k = cu_seqlens_k.contiguous();
+    const AttentionParams p = make_varlen_params(qa, ka, va, out, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, scale,
+                                                 causal, window, softcap);
+    // forward_cuda's "tuned" and "split_kv" (its split count from the max lengths and its partials'
+    // workspace, a row per lse row), packed or not.
+    FLASH_ATTENTION_ON_CUDA(op, q, forward_cuda(named ? *named : *chosen, p, q, stream));
+#else
+    FLASH_ATTENTION_ON_CUDA(op, q, (void)0);
+#endif
+    return {out, lse};
+  }
   const auto sq = seqlen_offsets(op, "cu_seqlens_q", cu_seqlens_q, q.size(0), max_seqlen_q, "max_seqlen_q");
   const auto sk = seqlen_offsets(op, "cu_seqlens_k", cu_seqlens_k, k.size(0), max_seqlen_k, "max_seqlen_k");
   for (size_t b = 0; b + 1 < sq.size(); ++b) {
@@ -801,7 +908,7 @@ std::tuple<Tensor, Tensor> attention_varlen_forward_impl(const Tensor& q, const 
 std::tuple<Tensor, Tensor, Tensor> attention_varlen_backward_impl(
     const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
     const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double scale,
-    bool causal, at::IntArrayRef window, double softcap) {
+    bool causal, at::IntArrayRef window, double softcap, OptVersion version) {
   const char* op = kVarlenBackward;
   check_varlen(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
   check_window_softcap(op, window, softcap);
@@ -815,7 +922,32 @@ std::tuple<Tensor, Tensor, Tensor> attention_varlen_backward_impl(
   Tensor dq = at::empty_symint(q.sym_sizes(), q.options());
   Tensor dk = at::empty_symint(k.sym_sizes(), k.options());
   Tensor dv = at::empty_symint(v.sym_sizes(), v.options());
+  [[maybe_unused]] const auto named = ::course::parse_version(op, version, kBackwardVersions);  // a typo fails anywhere
   if (q.is_meta()) return {dq, dk, dv};
+  if (q.is_cuda()) {
+#ifdef WITH_CUDA
+    const std::string name =
+        varlen_cuda_rung(op, kBackwardVersions, named, varlen_backward_rule(q.size(2), facts_of(q)), q, k,
+                         cu_seqlens_q, max_seqlen_q, max_seqlen_k, /*backward=*/true);
+    check_tensor_core_rung(op, name, q, /*backward=*/true);
+    const Tensor qa = aligned_for_copies(q), ka = aligned_for_copies(k), va = aligned_for_copies(v);
+    const Tensor goa = aligned_for_copies(grad_out);
+    const Tensor cu_q = cu_seqlens_q.contiguous(), cu_k = cu_seqlens_k.contiguous();
+    // The kernels index lse as a contiguous (heads, total_q) block.
+    const Tensor lse_c = lse.contiguous();
+    const AttentionParams fwd = make_varlen_params(qa, ka, va, out, lse_c, cu_q, cu_k, max_seqlen_q, max_seqlen_k,
+                                                   scale, causal, window, softcap);
+    AttentionBackwardParams g =
+        make_backward_params(fwd, as_batch_of_one(goa, 0, goa.size(0)), as_batch_of_one(dq, 0, dq.size(0)),
+                             as_batch_of_one(dk, 0, dk.size(0)), as_batch_of_one(dv, 0, dv.size(0)));
+    g.do_batch_stride = g.dq_batch_stride = g.dk_batch_stride = g.dv_batch_stride = 0;
+    const BackwardVersion v_ = named ? *named : *varlen_backward_rule(q.size(2), facts_of(q));
+    FLASH_ATTENTION_ON_CUDA(op, q, backward_cuda(v_, g, q, stream));
+#else
+    FLASH_ATTENTION_ON_CUDA(op, q, (void)0);
+#endif
+    return {dq, dk, dv};
+  }
   const auto sq = seqlen_offsets(op, "cu_seqlens_q", cu_seqlens_q, q.size(0), max_seqlen_q, "max_seqlen_q");
   const auto sk = seqlen_offsets(op, "cu_seqlens_k", cu_seqlens_k, k.size(0), max_seqlen_k, "max_seqlen_k");
   for (size_t b = 0; b + 1 < sq.size(); ++b) {
@@ -837,14 +969,14 @@ class AttentionVarlenFunction : public torch::autograd::Function<AttentionVarlen
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                                const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k, int64_t max_seqlen_q,
                                int64_t max_seqlen_k, double scale, bool causal, at::IntArrayRef window,
-                               double softcap) {
+                               double softcap, OptVersion version) {
     static auto op =
         ::course::find_op<decltype(attention_varlen_forward_impl)>("flash_attention::attention_varlen_forward");
     Tensor out, lse;
     {
       at::AutoDispatchBelowADInplaceOrView guard;
-      std::tie(out, lse) =
-          op.call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window, softcap);
+      std::tie(out, lse) = op.call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
+                                   window, softcap, version);
     }
     ctx->save_for_backward({q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k});
     ctx->saved_data["max_seqlen_q"] = max_seqlen_q;
@@ -862,17 +994,18 @@ class AttentionVarlenFunction : public torch::autograd::Function<AttentionVarlen
     const SavedScores m = SavedScores::load(ctx);
     auto [dq, dk, dv] = op.call(grad_out, s[0], s[1], s[2], s[3], s[4], s[5], s[6],
                                 ctx->saved_data["max_seqlen_q"].toInt(), ctx->saved_data["max_seqlen_k"].toInt(),
-                                m.scale, m.causal, m.window, m.softcap);
-    return {dq, dk, dv, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+                                m.scale, m.causal, m.window, m.softcap, std::nullopt);
+    return {dq, dk, dv, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
 std::tuple<Tensor, Tensor> attention_varlen_forward_autograd(const Tensor& q, const Tensor& k, const Tensor& v,
                                                              const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k,
                                                              int64_t max_seqlen_q, int64_t max_seqlen_k, double scale,
-                                                             bool causal, at::IntArrayRef window, double softcap) {
+                                                             bool causal, at::IntArrayRef window, double softcap,
+                                                             OptVersion version) {
   auto out = AttentionVarlenFunction::apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
-                                            causal, window, softcap);
+                                            causal, window, softcap, version);
   return {out[0], out[1]};
 }
 
@@ -890,6 +1023,19 @@ std::string forward_rule_op(int64_t batch, int64_t heads, int64_t heads_kv, int6
   const DispatchFacts f{cuda, half, static_cast<int>(cc_major), static_cast<int>(cc_minor), static_cast<int>(sms),
                         hopper_built};
   return ::course::version_name(kForwardVersions, forward_rule(p, f));
+}
+// The packed layout's: the rung's name, or "" where no rung takes it (the CPU runs the reference,
+// CUDA refuses the call).
+std::string varlen_rule_op(std::string_view op, int64_t head_dim, bool cuda, bool half, int64_t cc_major) {
+  const DispatchFacts f{cuda, half, static_cast<int>(cc_major), 0, 0, false};
+  if (op == kVarlenForward) {
+    const auto v = varlen_forward_rule(f);
+    return v ? ::course::version_name(kForwardVersions, *v) : "";
+  }
+  TORCH_CHECK(op == kVarlenBackward, "varlen_rule: unknown op '", std::string(op), "' (", kVarlenForward, " or ",
+              kVarlenBackward, ")");
+  const auto v = varlen_backward_rule(head_dim, f);
+  return v ? ::course::version_name(kBackwardVersions, *v) : "";
 }
 std::string backward_rule_op(int64_t head_dim, bool cuda, bool half, int64_t cc_major, int64_t cc_minor,
                              bool hopper_built, bool causal, at::IntArrayRef window, double softcap,
@@ -973,7 +1119,8 @@ std::optional<std::vector<std::string>> attention_versions(std::string_view op) 
 // torch.library.opcheck.
 TORCH_LIBRARY_FRAGMENT(flash_attention, m) {
   const std::vector<at::Tag> pt2 = {at::Tag::pt2_compliant_tag};
-  // window and softcap come last, with defaults, so that calls written before they existed still work.
+  // window and softcap come last, with defaults, so that calls written before they existed still work; the
+  // packed ops' version after them, for the same reason.
   m.def("attention_forward(Tensor q, Tensor k, Tensor v, float scale, bool causal=False, str? version=None, "
         "int[2] window=[-1, -1], float softcap=0.0) -> (Tensor out, Tensor lse)",
         pt2);
@@ -983,11 +1130,12 @@ TORCH_LIBRARY_FRAGMENT(flash_attention, m) {
         pt2);
   m.def("attention_varlen_forward(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
         "int max_seqlen_q, int max_seqlen_k, float scale, bool causal=False, int[2] window=[-1, -1], "
-        "float softcap=0.0) -> (Tensor out, Tensor lse)",
+        "float softcap=0.0, str? version=None) -> (Tensor out, Tensor lse)",
         pt2);
   m.def("attention_varlen_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float scale, "
-        "bool causal=False, int[2] window=[-1, -1], float softcap=0.0) -> (Tensor dq, Tensor dk, Tensor dv)",
+        "bool causal=False, int[2] window=[-1, -1], float softcap=0.0, str? version=None) "
+        "-> (Tensor dq, Tensor dk, Tensor dv)",
         pt2);
   m.def("grid_stride_blocks(int work, int per_block, int sms) -> int", &flash_attention::grid_stride_blocks_op);
   m.def("hopper_kernels_built() -> bool", &flash_attention::hopper_kernels_built_op);
@@ -1001,6 +1149,8 @@ TORCH_LIBRARY_FRAGMENT(flash_attention, m) {
   m.def("backward_rule(int head_dim, bool cuda, bool half, int cc_major, int cc_minor=0, bool hopper_built=False, "
         "bool causal=False, int[2] window=[-1, -1], float softcap=0.0, bool deterministic=False) -> str",
         &flash_attention::backward_rule_op);
+  m.def("varlen_rule(str op, int head_dim, bool cuda, bool half, int cc_major) -> str",
+        &flash_attention::varlen_rule_op);
 }
 
 // CUDA is registered in every build: in a CPU-only build a CUDA tensor gets the checks and then

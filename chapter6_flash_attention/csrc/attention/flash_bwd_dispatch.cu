@@ -62,16 +62,24 @@ __global__ void __launch_bounds__(kThreads) bwd_dq_kernel(const AttentionBackwar
 template <typename T>
 cudaError_t launch(const AttentionBackwardParams& g, bool dq_atomic, void* workspace, cudaStream_t stream) {
   const AttentionParams& p = g.fwd;
-  // The workspace: dQ's float32 sums (atomic rung only), then D.
+  // The workspace: dQ's float32 sums (atomic rung only), then D, one row per lse row.
+  const int64_t rows = stat_rows(p);
   float* dq_accum = dq_atomic ? static_cast<float*>(workspace) : nullptr;
-  float* d_rows = static_cast<float*>(workspace) + (dq_atomic ? p.batch * p.heads * p.seqlen_q * p.head_dim : 0);
-  const int64_t rows = p.batch * p.heads * p.seqlen_q;
+  float* d_rows = static_cast<float*>(workspace) + (dq_atomic ? rows * p.head_dim : 0);
+  // The two row kernels walk the statistics' rows. Packed, those are (heads, total_q), which is the
+  // padded layout of a batch of one sequence of total_q tokens (the batch strides are 0): the same
+  // kernels, with no need to know where a sequence starts.
+  AttentionBackwardParams by_rows = g;
+  if (p.cu_seqlens_q != nullptr) {
+    by_rows.fwd.batch = 1;
+    by_rows.fwd.seqlen_q = p.total_q;
+  }
   // The two grid-stride kernels' grids come from this GPU's SM count (attention.h).
   int sms = 0;
   COURSE_CUDA_TRY(course::sm_count(&sms));
   if (rows > 0) {
     const int64_t blocks = grid_stride_blocks(rows, kThreads / 32, sms);
-    bwd_row_dot_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(g, d_rows);
+    bwd_row_dot_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(by_rows, d_rows);
     COURSE_CUDA_TRY(cudaGetLastError());
   }
   // The glue checks kMmaBackwardHeadDims first: the fallback answers a call from C++ alone.
@@ -80,7 +88,7 @@ cudaError_t launch(const AttentionBackwardParams& g, bool dq_atomic, void* works
   }));
   if (dq_atomic && rows > 0) {
     const int64_t blocks = grid_stride_blocks(rows * p.head_dim, kThreads * 4, sms);
-    bwd_dq_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(g, dq_accum);
+    bwd_dq_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(by_rows, dq_accum);
   }
   return cudaGetLastError();
 }

@@ -33,6 +33,12 @@
 // and Is_softcap in one flag), and a call with neither runs the instantiation without it, whose
 // code is the kernels' as it was before they existed.
 //
+// The packed (varlen) layout (attention.h's cu_seqlens), as in the forward's rung 5: kVarlen, a
+// template parameter of both kernels (varlen.cuh). The grids are the padded ones over max_seqlen_k
+// (key tiles) and max_seqlen_q (dQ's query tiles); a block reads its sequence's start and lengths,
+// returns at once if its tile lies past that sequence's end, and otherwise runs on the sequence as
+// a batch of one. lse, D and the atomic rung's dQ sums are indexed (head, packed row).
+//
 // No torch headers: this file builds with a bare `nvcc -c`.
 #pragma once
 
@@ -41,6 +47,7 @@
 #include "attention/flash_tiles.cuh"
 #include "attention/mma.cuh"
 #include "attention/softcap.cuh"
+#include "attention/varlen.cuh"
 
 #include <course/cuda_utils.h>
 
@@ -118,30 +125,33 @@ __device__ __forceinline__ float recompute_p(float s, float lse2, bool visible, 
 
 // Query row `row` of head bh's lse and D, as the P and dS formulas use them: lse in log2 units,
 // and +inf for rows past the end and rows without a visible key (lse -inf), so that their
-// exp2(s - lse) is 0 whatever the mask says.
+// exp2(s - lse) is 0 whatever the mask says. kVarlen: the row's statistics are packed_row0 + row
+// (varlen.cuh's packed_stat_row of the row's sequence and head), bh unused.
 struct RowStats {
   float lse2, d;
 };
+template <bool kVarlen>
 __device__ __forceinline__ RowStats row_stats(const AttentionParams& p, const float* d_rows, int64_t bh,
-                                              int64_t row) {
+                                              int64_t row, int64_t packed_row0) {
   constexpr float kLog2e = 1.4426950408889634f;
   if (row >= p.seqlen_q) return {INFINITY, 0.f};
-  const float lse = static_cast<const float*>(p.lse)[bh * p.seqlen_q + row];
-  return {lse == -INFINITY ? INFINITY : lse * kLog2e, d_rows[bh * p.seqlen_q + row]};
+  const int64_t r = kVarlen ? packed_row0 + row : bh * p.seqlen_q + row;
+  const float lse = static_cast<const float*>(p.lse)[r];
+  return {lse == -INFINITY ? INFINITY : lse * kLog2e, d_rows[r]};
 }
 
 // kDqAtomic: this kernel also adds each key tile's dQ into the float32 sums (rung "mma");
 // without it, it computes dK and dV only and flash_bwd_dq_kernel below makes dQ (rung
-// "mma_dqpass"). kWindowSoftcap: a window and a softcap (`cap`) are computed (above).
-template <typename T, typename K, bool kDqAtomic, bool kWindowSoftcap>
+// "mma_dqpass"). kWindowSoftcap: a window and a softcap (`cap`) are computed (above). kVarlen: the
+// packed layout (above).
+template <typename T, typename K, bool kDqAtomic, bool kWindowSoftcap, bool kVarlen>
 __global__ void __launch_bounds__(K::kThreads)
-    flash_bwd_kernel(const AttentionBackwardParams g, float* __restrict__ dq_accum, const float* __restrict__ d_rows,
-                     unsigned k_tiles, float scale_log2, const Softcap cap) {
+    flash_bwd_kernel(const AttentionBackwardParams params, float* __restrict__ dq_accum,
+                     const float* __restrict__ d_rows, unsigned k_tiles, float scale_log2, const Softcap cap) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   constexpr int kD = K::kHeadDim;
   constexpr int kMTiles = K::kBlockM / 8;  // n8 tiles of S^T (query rows as n)
   constexpr int kDTiles = kD / 8;
-  const AttentionParams& p = g.fwd;
   extern __shared__ __align__(16) unsigned char smem[];
   T* q_s = reinterpret_cast<T*>(smem);  // two stages
   T* do_s = q_s + K::kStages * K::kTileElems;  // two stages
@@ -154,10 +164,20 @@ __global__ void __launch_bounds__(K::kThreads)
   // Flattened grid, key tiles fastest: (key tile, batch, kv head).
   const int64_t tile = blockIdx.x % k_tiles;
   const int64_t bhk = blockIdx.x / k_tiles;
-  const int64_t b = bhk / p.heads_kv;
-  const int64_t hk = bhk % p.heads_kv;
-  const int64_t group = p.heads / p.heads_kv;
+  const int64_t b = bhk / params.fwd.heads_kv;
+  const int64_t hk = bhk % params.fwd.heads_kv;
   const int64_t n0 = tile * K::kBlockN;
+  // Packed: sequence b as a batch of one (varlen.cuh). k_tiles covers the longest sequence's keys,
+  // so a shorter one's last tiles hold none of its keys: no dK or dV row to write, and the whole
+  // block leaves together, before any copy or barrier. (Keys no row sees stay: they get zeros.)
+  AttentionBackwardParams sequence;
+  if constexpr (kVarlen) {
+    sequence = sequence_params<T>(params, b);
+    if (n0 >= sequence.fwd.seqlen_k) return;
+  }
+  const AttentionBackwardParams& g = kVarlen ? sequence : params;
+  const AttentionParams& p = g.fwd;
+  const int64_t group = p.heads / p.heads_kv;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int gr = lane / 4;  // mma.cuh's g
@@ -201,7 +221,9 @@ __global__ void __launch_bounds__(K::kThreads)
     const T* dout = static_cast<const T*>(g.dout) + b * g.do_batch_stride + h * g.do_head_stride;
     load_tile<K, K::kBlockM>(q_s + stage * K::kTileElems, q, p.q_seq_stride, m0, p.seqlen_q);
     load_tile<K, K::kBlockM>(do_s + stage * K::kTileElems, dout, g.do_seq_stride, m0, p.seqlen_q);
-    return threadIdx.x < K::kBlockM ? row_stats(p, d_rows, b * p.heads + h, m0 + threadIdx.x) : RowStats{};
+    return threadIdx.x < K::kBlockM ? row_stats<kVarlen>(p, d_rows, b * p.heads + h, m0 + threadIdx.x,
+                                                         kVarlen ? packed_stat_row(params.fwd, b, h) : 0)
+                                    : RowStats{};
   };
   auto stash_stats = [&](const RowStats& r, int stage) {
     if (threadIdx.x < K::kBlockM) {
@@ -277,7 +299,7 @@ __global__ void __launch_bounds__(K::kThreads)
     mma::gemm_rs<T, K, K::kBlockM, kD>(dk, dpt, qt, 0, lane);
 
     if constexpr (kDqAtomic) {
-      float* dq = dq_accum + bh * p.seqlen_q * kD;
+      float* dq = dq_accum + (kVarlen ? packed_stat_row(params.fwd, b, h) : bh * p.seqlen_q) * kD;
       // dS^T to shared memory, rounded to T as the mma will read it: row 16w + gr (+8) of the
       // tile's keys, columns 8j + 2t and + 1 (one 4-byte store).
 #pragma unroll
@@ -363,15 +385,14 @@ __global__ void __launch_bounds__(K::kThreads)
 //   dP  = dO_w V^T   A: dO rows (ldmatrix)    B: V rows (ldmatrix, n-major)
 //   dS  = P * (dP - D),   P = exp2(S scale log2(e) - lse log2(e)), 0 where not visible
 //   dQ += dS K       A: dS from the registers B: K (ldmatrix.trans, k-major)
-template <typename T, typename K, bool kWindowSoftcap>
+template <typename T, typename K, bool kWindowSoftcap, bool kVarlen>
 __global__ void __launch_bounds__(K::kThreads)
-    flash_bwd_dq_kernel(const AttentionBackwardParams g, const float* __restrict__ d_rows, unsigned q_tiles,
+    flash_bwd_dq_kernel(const AttentionBackwardParams params, const float* __restrict__ d_rows, unsigned q_tiles,
                         float scale_log2, const Softcap cap) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   constexpr int kD = K::kHeadDim;
   constexpr int kNTiles = K::kBlockN / 8;
   constexpr int kDTiles = kD / 8;
-  const AttentionParams& p = g.fwd;
   extern __shared__ __align__(16) unsigned char smem[];
   T* q_s = reinterpret_cast<T*>(smem);
   T* do_s = q_s + K::kTileElems;
@@ -380,10 +401,18 @@ __global__ void __launch_bounds__(K::kThreads)
 
   const int64_t tile = blockIdx.x % q_tiles;
   const int64_t bh = blockIdx.x / q_tiles;
-  const int64_t b = bh / p.heads;
-  const int64_t h = bh % p.heads;
-  const int64_t hk = h / (p.heads / p.heads_kv);
+  const int64_t b = bh / params.fwd.heads;
+  const int64_t h = bh % params.fwd.heads;
   const int64_t m0 = tile * K::kBlockM;
+  // Packed: as in the forward, a tile past its sequence's end has no row of dQ to write.
+  AttentionBackwardParams sequence;
+  if constexpr (kVarlen) {
+    sequence = sequence_params<T>(params, b);
+    if (m0 >= sequence.fwd.seqlen_q) return;
+  }
+  const AttentionBackwardParams& g = kVarlen ? sequence : params;
+  const AttentionParams& p = g.fwd;
+  const int64_t hk = h / (p.heads / p.heads_kv);
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int gr = lane / 4;
@@ -398,7 +427,9 @@ __global__ void __launch_bounds__(K::kThreads)
   const int n_end = static_cast<int>((keys_end + K::kBlockN - 1) / K::kBlockN);
 
   // This lane's two rows' lse (log2 units) and D.
-  const RowStats stats[2] = {row_stats(p, d_rows, bh, row0), row_stats(p, d_rows, bh, row0 + 8)};
+  const int64_t packed_row0 = kVarlen ? packed_stat_row(params.fwd, b, h) : 0;
+  const RowStats stats[2] = {row_stats<kVarlen>(p, d_rows, bh, row0, packed_row0),
+                             row_stats<kVarlen>(p, d_rows, bh, row0 + 8, packed_row0)};
   float acc[kDTiles][4];
 #pragma unroll
   for (int d = 0; d < kDTiles; ++d) acc[d][0] = acc[d][1] = acc[d][2] = acc[d][3] = 0.f;
@@ -482,7 +513,7 @@ __global__ void __launch_bounds__(K::kThreads)
 #endif  // __CUDA_ARCH__ >= 800
 }
 
-template <typename T, typename K, bool kWindowSoftcap>
+template <typename T, typename K, bool kWindowSoftcap, bool kVarlen>
 cudaError_t launch_flash_bwd(const AttentionBackwardParams& g, float* dq_accum, const float* d_rows,
                              cudaStream_t stream) {
   const AttentionParams& p = g.fwd;
@@ -496,15 +527,15 @@ cudaError_t launch_flash_bwd(const AttentionBackwardParams& g, float* dq_accum, 
   if (blocks > INT_MAX || dq_blocks > INT_MAX) return cudaErrorInvalidConfiguration;
   if (blocks > 0) {
     // The dQ sums (dq_accum non-null: rung "mma") or not (rung "mma_dqpass").
-    auto kernel = dq_accum != nullptr ? flash_bwd_kernel<T, K, true, kWindowSoftcap>
-                                      : flash_bwd_kernel<T, K, false, kWindowSoftcap>;
+    auto kernel = dq_accum != nullptr ? flash_bwd_kernel<T, K, true, kWindowSoftcap, kVarlen>
+                                      : flash_bwd_kernel<T, K, false, kWindowSoftcap, kVarlen>;
     COURSE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSmemBytes));
     kernel<<<static_cast<unsigned>(blocks), K::kThreads, K::kSmemBytes, stream>>>(
         g, dq_accum, d_rows, static_cast<unsigned>(k_tiles), scale_log2, cap);
     COURSE_CUDA_TRY(cudaGetLastError());
   }
   if (dq_accum == nullptr && dq_blocks > 0) {
-    auto kernel = flash_bwd_dq_kernel<T, K, kWindowSoftcap>;
+    auto kernel = flash_bwd_dq_kernel<T, K, kWindowSoftcap, kVarlen>;
     COURSE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSmemBytes));
     kernel<<<static_cast<unsigned>(dq_blocks), K::kThreads, K::kSmemBytes, stream>>>(
         g, d_rows, static_cast<unsigned>(q_tiles), scale_log2, cap);
@@ -514,12 +545,18 @@ cudaError_t launch_flash_bwd(const AttentionBackwardParams& g, float* dq_accum, 
 }
 
 // The one place a call picks its instantiation, as in the forward: with a window or a softcap, the
-// kWindowSoftcap kernels; without, the plain ones.
+// kWindowSoftcap kernels; without, the plain ones; packed (cu_seqlens_q set), their kVarlen twins.
 template <typename T, int D>
 cudaError_t run_flash_bwd(const AttentionBackwardParams& g, float* dq_accum, const float* d_rows,
                           cudaStream_t stream) {
-  return uses_window_or_softcap(g.fwd) ? launch_flash_bwd<T, BwdTraits<D>, true>(g, dq_accum, d_rows, stream)
-                                       : launch_flash_bwd<T, BwdTraits<D>, false>(g, dq_accum, d_rows, stream);
+  using K = BwdTraits<D>;
+  const bool featured = uses_window_or_softcap(g.fwd);
+  if (g.fwd.cu_seqlens_q != nullptr) {
+    return featured ? launch_flash_bwd<T, K, true, true>(g, dq_accum, d_rows, stream)
+                    : launch_flash_bwd<T, K, false, true>(g, dq_accum, d_rows, stream);
+  }
+  return featured ? launch_flash_bwd<T, K, true, false>(g, dq_accum, d_rows, stream)
+                  : launch_flash_bwd<T, K, false, false>(g, dq_accum, d_rows, stream);
 }
 
 }  // namespace flash_attention

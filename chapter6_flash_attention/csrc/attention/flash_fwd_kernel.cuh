@@ -60,6 +60,13 @@
 // kWindowSoftcap = false instantiation, whose code is the kernel's as it was before they existed:
 // the window's few more registers per thread were spills at some head dims, on every GPU.
 //
+// The packed (varlen) layout (attention.h's cu_seqlens), taken by rungs 5 and 6: kVarlen, a template
+// parameter as kWindowSoftcap is (varlen.cuh says why not a runtime branch). The grid is the padded
+// one over max_seqlen_q; a block reads its sequence's start and length, returns at once if its tile
+// lies past that sequence's end, and otherwise runs the code below on the sequence as a batch of
+// one: its own bottom-right causal mask and window, lse (and rung 6's partials) at (head, packed
+// row). The combine then walks the (heads, total_q) rows as one sequence of total_q tokens.
+//
 // The output is written straight from the accumulators, two elements (4 bytes) per lane per
 // n8 tile; FlashAttention 2 stages it through shared memory for 16-byte stores, which no rung
 // here does (not measured).
@@ -72,6 +79,7 @@
 #include "attention/flash_tiles.cuh"
 #include "attention/mma.cuh"
 #include "attention/softcap.cuh"
+#include "attention/varlen.cuh"
 
 #include <course/cuda_utils.h>
 
@@ -82,10 +90,11 @@ namespace flash_attention {
 
 // kWindowSoftcap: this instantiation computes a window and a softcap (`cap`); without it, `cap` is
 // unread and p.causal is the only mask (K::kWindowSoftcap says which rungs have the other one).
-// `cap` comes last so that the other arguments sit where they did before it existed.
-template <typename T, typename K, bool kWindowSoftcap>
+// `cap` comes last so that the other arguments sit where they did before it existed. kVarlen: the
+// packed layout (above).
+template <typename T, typename K, bool kWindowSoftcap, bool kVarlen>
 __global__ void __launch_bounds__(K::kThreads)
-    flash_fwd_kernel(const AttentionParams p, unsigned q_tiles, float score_scale, unsigned splits_arg,
+    flash_fwd_kernel(const AttentionParams params, unsigned q_tiles, float score_scale, unsigned splits_arg,
                      float* __restrict__ o_split, const Softcap cap) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   constexpr int kD = K::kHeadDim;
@@ -106,10 +115,20 @@ __global__ void __launch_bounds__(K::kThreads)
   const int64_t tile = blockIdx.x % q_tiles;
   const unsigned split = (blockIdx.x / q_tiles) % splits;
   const int64_t bh = blockIdx.x / q_tiles / splits;
-  const int64_t b = bh / p.heads;
-  const int64_t h = bh % p.heads;
-  const int64_t hk = h / (p.heads / p.heads_kv);  // GQA: the kv head this query head reads
+  const int64_t b = bh / params.heads;
+  const int64_t h = bh % params.heads;
   const int64_t m0 = tile * K::kBlockM;
+  // Packed: sequence b as a batch of one (varlen.cuh). q_tiles covers the longest sequence, so a
+  // shorter one's last tiles hold none of its rows: nothing to load and no row to write, and the
+  // whole block leaves together, before any barrier. (A sequence without keys stays: its rows get
+  // o = 0 and lse = -inf, below.)
+  AttentionParams sequence;
+  if constexpr (kVarlen) {
+    sequence = sequence_params<T>(params, b);
+    if (m0 >= sequence.seqlen_q) return;
+  }
+  const AttentionParams& p = kVarlen ? sequence : params;
+  const int64_t hk = h / (p.heads / p.heads_kv);  // GQA: the kv head this query head reads
   const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
   const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
   const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
@@ -321,13 +340,20 @@ __global__ void __launch_bounds__(K::kThreads)
 
   // o = acc / l and lse = max + log(l) per row; a row with no visible key (l = 0) gets o = 0 and
   // lse = -inf (attention.h). The shuffles come before any branch on the row: all 32 lanes.
-  T* o = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride;
-  auto* lse = static_cast<float*>(p.lse) + bh * p.seqlen_q;
+  // Packed: the sequence's first row and its length read again here rather than kept from the top
+  // (the loop's barriers make them fresh loads, from L1): registers the main loop needs more.
+  const int64_t q_start = kVarlen ? params.cu_seqlens_q[b] : 0;
+  const int64_t seqlen_q = kVarlen ? params.cu_seqlens_q[b + 1] - q_start : p.seqlen_q;
+  T* o = static_cast<T*>(params.o) + (kVarlen ? q_start * params.o_seq_stride : b * p.o_batch_stride) +
+         h * p.o_head_stride;
+  // This block's first statistics row: (batch, heads, seqlen_q) padded, (heads, total_q) packed.
+  const int64_t stat_row0 = kVarlen ? h * params.total_q + q_start : bh * p.seqlen_q;
+  auto* lse = static_cast<float*>(p.lse) + stat_row0;
   // Split-KV: the partial output in float32 and the split's lse go to the workspace
-  // (attention.h's SplitCombineParams layout), for the combine kernel to merge.
-  const int64_t rows = p.batch * p.heads * p.seqlen_q;
-  float* o_part = kSplit ? o_split + (split * rows + bh * p.seqlen_q) * kD : nullptr;
-  float* lse_part = kSplit ? o_split + splits * rows * kD + split * rows + bh * p.seqlen_q : nullptr;
+  // (attention.h's SplitCombineParams layout), for the combine kernel to merge; one row per lse row.
+  const int64_t rows = kVarlen ? params.heads * params.total_q : p.batch * p.heads * p.seqlen_q;
+  float* o_part = kSplit ? o_split + (split * rows + stat_row0) * kD : nullptr;
+  float* lse_part = kSplit ? o_split + splits * rows * kD + split * rows + stat_row0 : nullptr;
 #pragma unroll
   for (int m = 0; m < kMT; ++m) {
 #pragma unroll
@@ -337,7 +363,7 @@ __global__ void __launch_bounds__(K::kThreads)
       l += __shfl_xor_sync(0xffffffffu, l, 2);
       const float inv = l > 0.f ? 1.f / l : 0.f;
       const int64_t row = row0 + 16 * m + 8 * r;
-      if (row < p.seqlen_q) {  // the last block's rows past the end computed on zero rows of Q
+      if (row < seqlen_q) {  // the last block's rows past the end computed on zero rows of Q
         // The maximum is in units of scale * s (rung 3) or log2(e) * scale * s (rungs 4-6).
         constexpr float kToNatural = K::kPipelined ? 0.69314718055994531f : 1.f;
         if constexpr (kSplit) {
@@ -362,7 +388,7 @@ __global__ void __launch_bounds__(K::kThreads)
 #endif  // __CUDA_ARCH__ >= 800: older GPUs never launch it (the glue checks the capability)
 }
 
-template <typename T, typename K, bool kWindowSoftcap>
+template <typename T, typename K, bool kWindowSoftcap, bool kVarlen>
 cudaError_t launch_flash_fwd(const AttentionParams& p, const FwdSplit& split, cudaStream_t stream) {
   constexpr int D = K::kHeadDim;
   const int64_t q_tiles = course::ceil_div(p.seqlen_q, static_cast<int64_t>(K::kBlockM));
@@ -371,7 +397,7 @@ cudaError_t launch_flash_fwd(const AttentionParams& p, const FwdSplit& split, cu
   if (blocks == 0) return cudaSuccess;
   if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
   float* o_split = K::kSplit ? split.workspace : nullptr;
-  auto kernel = flash_fwd_kernel<T, K, kWindowSoftcap>;
+  auto kernel = flash_fwd_kernel<T, K, kWindowSoftcap, kVarlen>;
   // Above 48 KiB a kernel must ask for its dynamic shared memory (every tile shape here does).
   COURSE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSmemBytes));
   const double log2e = 1.4426950408889634;
@@ -382,13 +408,15 @@ cudaError_t launch_flash_fwd(const AttentionParams& p, const FwdSplit& split, cu
       p, static_cast<unsigned>(q_tiles), score_scale, static_cast<unsigned>(splits), o_split, cap);
   COURSE_CUDA_TRY(cudaGetLastError());
   if (o_split == nullptr) return cudaSuccess;
-  const int64_t rows = p.batch * p.heads * p.seqlen_q;
+  // The combine walks the statistics' rows: packed, (heads, total_q) is the padded layout of a batch
+  // of one sequence of total_q tokens (the batch strides are 0), so it needs no cu_seqlens.
+  const int64_t rows = stat_rows(p);
   SplitCombineParams c{};
   c.dtype = p.dtype;
   c.o_partial = o_split;
   c.lse_partial = o_split + splits * rows * D;
   c.splits = splits, c.rows = rows, c.head_dim = D;
-  c.heads = p.heads, c.seqlen = p.seqlen_q;
+  c.heads = p.heads, c.seqlen = p.cu_seqlens_q != nullptr ? p.total_q : p.seqlen_q;
   c.out = p.o;
   c.out_batch_stride = p.o_batch_stride, c.out_head_stride = p.o_head_stride, c.out_seq_stride = p.o_seq_stride;
   c.lse = static_cast<float*>(p.lse);
@@ -396,14 +424,23 @@ cudaError_t launch_flash_fwd(const AttentionParams& p, const FwdSplit& split, cu
 }
 
 // The one place a call picks its instantiation: with a window or a softcap, the kWindowSoftcap one
-// of the rungs that have it; without, the plain one. Rungs 3 and 4 have none (the glue refuses
-// such calls there; this answers a launcher called from C++).
+// of the rungs that have it; without, the plain one; packed (cu_seqlens_q set), the kVarlen one of
+// rungs "tuned" and "split_kv". Rungs 3 and 4 have neither (the glue refuses such calls there; this
+// answers a launcher called from C++).
 template <typename T, int D, MmaForward kRung>
 cudaError_t run_flash_fwd(const AttentionParams& p, const FwdSplit& split, cudaStream_t stream) {
   using K = FwdTraits<D, kRung>;
-  if (!uses_window_or_softcap(p)) return launch_flash_fwd<T, K, false>(p, split, stream);
+  if (p.cu_seqlens_q != nullptr) {
+    if constexpr (K::kWindowSoftcap) {  // rungs 5 and 6: the same pair takes the packed layout
+      return uses_window_or_softcap(p) ? launch_flash_fwd<T, K, true, true>(p, split, stream)
+                                       : launch_flash_fwd<T, K, false, true>(p, split, stream);
+    } else {
+      return cudaErrorInvalidValue;
+    }
+  }
+  if (!uses_window_or_softcap(p)) return launch_flash_fwd<T, K, false, false>(p, split, stream);
   if constexpr (K::kWindowSoftcap) {
-    return launch_flash_fwd<T, K, true>(p, split, stream);
+    return launch_flash_fwd<T, K, true, false>(p, split, stream);
   } else {
     return cudaErrorInvalidValue;
   }

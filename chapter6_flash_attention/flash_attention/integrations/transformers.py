@@ -19,8 +19,9 @@ What each call computes:
   cache's empty slots are cut off first (the mask function marks where the keys end);
 - a padding mask (a 2-D attention_mask with zeros in the batch, left or right padding): the real
   tokens are gathered into the packed layout, attention_varlen runs with cu_seqlens, and the output
-  is scattered back with zeros on the padded rows (FlashAttention 2's unpad, varlen, pad). That is
-  the CPU reference only for now: on CUDA it raises attention_varlen's refusal;
+  is scattered back with zeros on the padded rows (FlashAttention 2's unpad, varlen, pad). On CUDA
+  that runs on the packed layout's tensor-core rungs (float16 and bfloat16, compute capability 8.0
+  or newer); float32 and float64 get attention_varlen's refusal there;
 - sliding_window (Mistral, Gemma 2) becomes window=(sliding_window - 1, 0), and softcap (Gemma 2's
   attn_logit_softcapping) softcap=.
 
