@@ -132,12 +132,12 @@ def shape_cases(device, quick):
             def one(shape=shape, dtype=dtype):
                 return (torch.randn(shape, dtype=dtype, device=device),)
             cases.append(shapes.Case("vector_add", dtype, shape, 3 * n * size, pair, cuda_basics.vector_add,
-                                     torch.add, dispatch=dispatch))
+                                     torch.add, dispatch=dispatch, compiled=False))
             cases.append(shapes.Case("relu", dtype, shape, 2 * n * size, one, cuda_basics.relu, torch.relu,
-                                     dispatch=dispatch))
+                                     dispatch=dispatch, compiled=False))
             # relu's backward reads dy and x, writes dx: threshold_backward in both.
             cases.append(shapes.Case("relu", dtype, shape, 3 * n * size, one, cuda_basics.relu, torch.relu,
-                                     backward=True, grads=(0,)))
+                                     backward=True, grads=(0,), compiled=False))
     return cases
 
 
