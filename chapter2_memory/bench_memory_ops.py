@@ -228,7 +228,7 @@ def shape_cases(device, quick):
                 return x.transpose(-2, -1).contiguous()
             dispatch = memory_ops.default_choice("transpose", torch.empty(shape, dtype=dtype))
             cases.append(shapes.Case("transpose", dtype, shape, 2 * numel * element_size(dtype), make,
-                                     memory_ops.transpose, eager, dispatch=dispatch, dynamic=()))
+                                     memory_ops.transpose, eager, dispatch=dispatch, dynamic=(), compiled=False))
     return cases
 
 

@@ -314,8 +314,8 @@ def test_recorded_results_hold_the_dispatch():
 
 def test_recorded_shapes_sweep_holds_the_target():
     """The shapes sweep (bench_memory_ops.py --shapes): at every layout change that moves at
-    least 1 MiB, version=None at least 0.95x the faster of torch and torch.compile, with the
-    choice the dispatch makes today recorded beside it."""
+    least 1 MiB, version=None at least 0.95x eager PyTorch (the sweep compares with eager alone),
+    with the choice the dispatch makes today recorded beside it."""
     record = shapes.load("chapter2_memory")
     # Strides and alignment decide: an uninitialized CPU tensor of the shape (fresh: aligned).
     choice = lambda r: memory_ops.default_choice("transpose", torch.empty(r["shape"], dtype=getattr(torch, r["dtype"])))  # noqa: E731

@@ -457,19 +457,25 @@ std::string default_choice(c10::string_view op_name, const Tensor& x) {
 }
 
 // The bias gradient's column tiling (course::grad_tiling) for a gradient like x on a GPU of `sms`
-// SMs, [tx, ty, column tiles, row tiles]: the rule the fused backward kernels (every bias op's
-// and chapter 5's fused_op's) launch with, asked without a GPU. x's rows take 16-byte packs when
-// they are whole vectors (as an aligned tensor's do), else single elements.
+// SMs, [tx, ty, column tiles, row tiles, phases]: the rule the fused backward kernels (every bias
+// op's and chapter 5's fused_op's) launch with, asked without a GPU, for freshly allocated
+// (16-byte aligned) tensors as the glue's are (course::grad_packs): rows of whole 16-byte vectors
+// take them; other rows of at least two vectors take them too, a phase of rows at a time
+// (course::row_phases: one more pack a row, for its head); shorter rows, single elements.
 std::vector<int64_t> bias_grad_tiling(const Tensor& x, int64_t sms) {
   check_input("bias_grad_tiling", "x", x);
   TORCH_CHECK(sms >= 1, "bias_grad_tiling: sms must be at least 1, got ", std::to_string(sms));
   const int64_t n = x.dim() == 0 ? 1 : x.size(-1);
   const int64_t rows = n == 0 ? 0 : x.numel() / n;
   const int elem = static_cast<int>(x.element_size());
-  const int lanes = n % (16 / elem) == 0 ? 16 / elem : 1;
-  const ::course::GradTiling t = ::course::grad_tiling(rows, ::course::ceil_div<int64_t>(n, lanes), lanes * elem,
-                                                      ::course::grad_rows_in_flight(lanes), static_cast<int>(sms));
-  return {t.tx, t.ty, t.column_tiles, t.row_tiles};
+  const int vector = 16 / elem;
+  const bool phased = n % vector != 0 && n >= 2 * vector;
+  const int lanes = n % vector == 0 || phased ? vector : 1;
+  const int phases = phased ? ::course::row_phases(n, elem) : 1;
+  const ::course::GradTiling t =
+      ::course::grad_tiling(rows, ::course::ceil_div<int64_t>(n, lanes) + (phased ? 1 : 0), lanes * elem,
+                            ::course::grad_rows_in_flight(lanes), static_cast<int>(sms), phases);
+  return {t.tx, t.ty, t.column_tiles, t.row_tiles, phases};
 }
 
 // ---------------------------------------------------------------------------------------

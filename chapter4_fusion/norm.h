@@ -102,6 +102,22 @@ inline int backward_shape(int64_t n, int elem_bytes) {
   return -1;
 }
 
+// Where the backward's dweight and dbias come from (norm_backward_kernels.cu). The resident
+// kernel can sum each block's columns over its rows as it goes, and write them as partial rows
+// (one row of n float sums per column sum and block) that course::column_sum reads back: per
+// column, blocks * sums * 2 * 4 bytes. Or it writes none, and a second kernel re-reads x and dy
+// down the columns (norm_backward_columns): per column, rows * 2 * elem bytes. Partial rows pay
+// where each block sums many rows; where a block takes one or a few (64 tokens: one row a block,
+// the whole grid one step), each would cost more than the row it sums, four times x and dy's
+// bytes in bfloat16 for LayerNorm. The cheaper in bytes, the second pass at a tie (its loads are
+// whole vectors down the columns, where a partial row is written a thread's columns at a time).
+inline bool backward_column_pass(int64_t rows, int elem_bytes, bool centered, int64_t blocks) {
+  const int64_t acc_bytes = elem_bytes == 8 ? 8 : 4;
+  const int64_t partial_bytes = int64_t{centered ? 2 : 1} * blocks * 2 * acc_bytes;
+  const int64_t reread_bytes = 2 * rows * elem_bytes;
+  return partial_bytes >= reread_bytes;
+}
+
 // ---------------------------------------------------------------------------------------
 // version=None: v3 forward and v2 backward at every size (they fall back to streaming by
 // themselves past the register capacity); fused_add_rms_norm v2.

@@ -12,7 +12,10 @@
 // sums (float32) while it passes over its rows, writes them once as one row of a [blocks, n]
 // array, and course::column_sum (common/include/course/column_reduce.cuh, chapter 3's column
 // reduction) adds those few hundred rows in a fixed order. No float atomics: the same input
-// gives the same dweight bits on every run, which atomicAdd's arrival order would not.
+// gives the same dweight bits on every run, which atomicAdd's arrival order would not. Where the
+// blocks take one or a few rows each (64 tokens), those partial rows would outweigh the rows
+// they sum: the kernel then writes dx alone and norm_backward_columns re-reads x and dy down the
+// columns (backward_column_pass in norm.h weighs the two).
 //
 // No torch headers: this file builds with a bare `nvcc -c`.
 #include "norm.h"
@@ -173,14 +176,16 @@ __device__ __forceinline__ void write_partial(const A (&acc)[kVectors][kLanes], 
 template <int kThreadsPerRow>
 constexpr bool kSharedSums = kThreadsPerRow >= 1024;
 
-template <typename T, bool kCentered, int kThreadsPerRow, int kVectors>
+template <typename T, bool kCentered, int kThreadsPerRow, int kVectors, bool kSums = true>
 constexpr int64_t shared_sums_bytes() {
-  return kSharedSums<kThreadsPerRow>
+  return kSums && kSharedSums<kThreadsPerRow>
              ? int64_t{kCentered ? 2 : 1} * kVectors * Vec16<T>::kLanes * kThreadsPerRow * int64_t{sizeof(typename Acc<T>::type)}
              : 0;
 }
 
-template <typename T, bool kCentered, int kThreadsPerRow, int kVectors, Access kAccess>
+// kSums false: the kernel writes dx only, and norm_backward_columns sums dweight and dbias
+// (backward_column_pass in norm.h says when).
+template <typename T, bool kCentered, int kThreadsPerRow, int kVectors, Access kAccess, bool kSums = true>
 __global__ void __launch_bounds__(kThreadsPerRow * kSlots<kThreadsPerRow>)
     norm_backward_resident(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ weight,
                            const typename Acc<T>::type* __restrict__ mean, const typename Acc<T>::type* __restrict__ rstd,
@@ -190,11 +195,11 @@ __global__ void __launch_bounds__(kThreadsPerRow * kSlots<kThreadsPerRow>)
   constexpr int kLanes = Vec16<T>::kLanes;
   constexpr int kRows = kSlots<kThreadsPerRow>;
   constexpr int kBlock = kThreadsPerRow * kRows;
-  constexpr bool kShared = kSharedSums<kThreadsPerRow>;
+  constexpr bool kShared = kSums && kSharedSums<kThreadsPerRow>;
   static_assert(!kShared || kVectors * kLanes == kMaxBackwardElementsPerThread,
                 "run_backward sizes the shared sums as kMaxBackwardElementsPerThread a thread");
   __shared__ A smem[32];
-  __shared__ A combine[kRows > 1 ? kBlock * kLanes : 1];
+  __shared__ A combine[kSums && kRows > 1 ? kBlock * kLanes : 1];
   // kShared: element (j, l) of thread t's dweight sum at [(j * kLanes + l) * kBlock + t] (a warp's
   // 32 threads on 32 banks), dbias's after all of dweight's.
   extern __shared__ __align__(16) unsigned char sums_bytes[];
@@ -214,7 +219,7 @@ __global__ void __launch_bounds__(kThreadsPerRow * kSlots<kThreadsPerRow>)
       if constexpr (kShared) {
         sums[(j * kLanes + l) * kBlock + threadIdx.x] = A(0);
         if constexpr (kCentered) sums[(kSumsPerThread + j * kLanes + l) * kBlock + threadIdx.x] = A(0);
-      } else {
+      } else if constexpr (kSums) {
         dw[j][l] = db[j][l] = A(0);
       }
     }
@@ -247,7 +252,7 @@ __global__ void __launch_bounds__(kThreadsPerRow * kSlots<kThreadsPerRow>)
         if constexpr (kShared) {
           sums[(j * kLanes + l) * kBlock + threadIdx.x] += d * xhat;
           if constexpr (kCentered) sums[(kSumsPerThread + j * kLanes + l) * kBlock + threadIdx.x] += d;
-        } else {
+        } else if constexpr (kSums) {
           dw[j][l] += d * xhat;
           db[j][l] += d;
         }
@@ -266,25 +271,171 @@ __global__ void __launch_bounds__(kThreadsPerRow * kSlots<kThreadsPerRow>)
     store_tile<kAccess, kThreadsPerRow, kVectors>(dx + row * n, span, t, dyv);
   }
   if constexpr (kShared) {
-    // One row per block (kRows == 1): each thread writes its own columns' sums, as write_partial
-    // does for one slot.
+    // One row per block (kRows == 1). The sums leave as whole rows of the partials, in column
+    // order: a thread's own columns are kLanes apart in a row (a 16-byte vector's elements), so
+    // each thread storing its own wrote every 4-byte sum into a 32-byte sector of its own, 32
+    // sectors a warp store, and these two rows of up to 16384 sums at the end of every block
+    // were some 20 us of the H200's LayerNorm backward at hidden 12288 and 16384 (115 us at 2048
+    // tokens where torch.compile took 92; most of the 39-47 us at 64). So each array of sums is
+    // put in column order in its own shared memory first, then written out by consecutive
+    // threads at consecutive columns.
     static_assert(kRows == 1, "shared sums serve one-row blocks");
     const RowSpan columns{n, 0, n};
 #pragma unroll
-    for (int j = 0; j < kVectors; ++j) {
+    for (int s = 0; s < (kCentered ? 2 : 1); ++s) {
+      A* const region = sums + s * kSumsPerThread * kBlock;  // kSumsPerThread * kBlock >= n sums
+      A* const out = (s == 0 ? dweight_partial : dbias_partial) + blockIdx.x * n;
+      A mine[kVectors][kLanes];
 #pragma unroll
-      for (int l = 0; l < kLanes; ++l) {
-        if (tile_valid<kAccess, kThreadsPerRow, kVectors, kLanes>(j, l, t, columns)) {
-          const int64_t c = tile_index<kAccess, kThreadsPerRow, kVectors, kLanes>(j, l, t, columns);
-          dweight_partial[blockIdx.x * n + c] = sums[(j * kLanes + l) * kBlock + threadIdx.x];
-          if constexpr (kCentered) dbias_partial[blockIdx.x * n + c] = sums[(kSumsPerThread + j * kLanes + l) * kBlock + threadIdx.x];
+      for (int j = 0; j < kVectors; ++j) {
+#pragma unroll
+        for (int l = 0; l < kLanes; ++l) mine[j][l] = region[(j * kLanes + l) * kBlock + threadIdx.x];
+      }
+      __syncthreads();  // every thread holds its sums before any slot of them is overwritten below
+#pragma unroll
+      for (int j = 0; j < kVectors; ++j) {
+#pragma unroll
+        for (int l = 0; l < kLanes; ++l) {
+          if (tile_valid<kAccess, kThreadsPerRow, kVectors, kLanes>(j, l, t, columns)) {  // padding has no column
+            region[tile_index<kAccess, kThreadsPerRow, kVectors, kLanes>(j, l, t, columns)] = mine[j][l];
+          }
         }
       }
+      __syncthreads();  // the whole row of sums is in column order before any of it is written out
+      for (int64_t c = threadIdx.x; c < n; c += kBlock) out[c] = region[c];
     }
-  } else {
+  } else if constexpr (kSums) {
     write_partial<kAccess, kThreadsPerRow, kVectors>(dw, dweight_partial + blockIdx.x * n, n, combine);
     if constexpr (kCentered) write_partial<kAccess, kThreadsPerRow, kVectors>(db, dbias_partial + blockIdx.x * n, n, combine);
   }
+}
+
+// The second pass of backward_column_pass (norm.h): dweight[c] = sum over rows of dy * xhat and
+// dbias[c] = sum of dy, read down the columns from x and dy, with the rows' mean and rstd; chapter
+// 3's column tiling (course/column_reduce.cuh): a block takes `lanes` x kCols adjacent columns
+// (one 16-byte vector a lane where the rows are whole aligned vectors), its 8 warps every 8th
+// group of rows, kUnroll groups in flight; the warps' sums meet in shared memory and warp 0 adds
+// them in a fixed order. One block a tile and no split of the rows: it runs only where the grid
+// of the resident kernel took one or a few rows a block, so there are few rows.
+template <typename T, bool kCentered, int kCols>
+__global__ void __launch_bounds__(course::kColumnThreads)
+    norm_backward_columns(const T* __restrict__ dy, const T* __restrict__ x,
+                          const typename Acc<T>::type* __restrict__ mean, const typename Acc<T>::type* __restrict__ rstd,
+                          T* __restrict__ dweight, T* __restrict__ dbias, int64_t rows, int64_t n, int lanes) {
+  using A = typename Acc<T>::type;
+  constexpr int kWarps = course::kColumnWarps;
+  constexpr int kUnroll = kCols > 1 ? course::kColumnUnroll : course::kColumnUnrollScalar;
+  constexpr int kTile = 32 * kCols;
+  __shared__ A sums_w[kWarps][kTile];
+  __shared__ A sums_b[kCentered ? kWarps : 1][kCentered ? kTile : 1];
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int rows_per_warp = 32 / lanes;  // lanes is a power of two: 1, 2, ..., 32
+  const int sub = lane / lanes;          // which of the warp's rows this lane reads
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * lanes * kCols + lane % lanes * kCols;
+  const int64_t row_step = static_cast<int64_t>(kWarps) * rows_per_warp;
+  A acc_w[kCols];
+  A acc_b[kCols];
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) acc_w[c] = acc_b[c] = A(0);
+  if (c0 < n) {  // the last tile's lanes past the row's end sum nothing
+    for (int64_t k = warp * rows_per_warp + sub; k < rows; k += kUnroll * row_step) {
+      T dv[kUnroll][kCols];
+      T xv[kUnroll][kCols];
+      A mu[kUnroll];
+      A rs[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t r = k + u * row_step;
+        if (r < rows) {  // the group's later rows may lie past the last
+          if constexpr (kCols > 1) {
+            const Vec16<T> d = course::load16(reinterpret_cast<const Vec16<T>*>(dy + r * n + c0));
+            const Vec16<T> v = course::load16(reinterpret_cast<const Vec16<T>*>(x + r * n + c0));
+#pragma unroll
+            for (int c = 0; c < kCols; ++c) {
+              dv[u][c] = d.v[c];
+              xv[u][c] = v.v[c];
+            }
+          } else {
+            dv[u][0] = dy[r * n + c0];
+            xv[u][0] = x[r * n + c0];
+          }
+          mu[u] = kCentered ? mean[r] : A(0);
+          rs[u] = rstd[r];
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (k + u * row_step < rows) {
+#pragma unroll
+          for (int c = 0; c < kCols; ++c) {
+            const A d = to_acc(dv[u][c]);
+            acc_w[c] += d * ((to_acc(xv[u][c]) - mu[u]) * rs[u]);
+            acc_b[c] += d;
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) {
+    sums_w[warp][lane * kCols + c] = acc_w[c];
+    if constexpr (kCentered) sums_b[warp][lane * kCols + c] = acc_b[c];
+  }
+  __syncthreads();  // every warp's sums are in shared memory before warp 0 adds them
+  if (warp == 0 && lane < lanes) {
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      if (c0 + c < n) {  // the last tile's columns past the row's end
+        A total_w = A(0);
+        A total_b = A(0);
+        for (int w = 0; w < kWarps; ++w) {
+          for (int s = 0; s < rows_per_warp; ++s) {
+            total_w += sums_w[w][(s * lanes + lane) * kCols + c];
+            if constexpr (kCentered) total_b += sums_b[w][(s * lanes + lane) * kCols + c];
+          }
+        }
+        dweight[c0 + c] = from_acc<T>(total_w);
+        if constexpr (kCentered) dbias[c0 + c] = from_acc<T>(total_b);
+      }
+    }
+  }
+}
+
+// Lanes a tile for the column pass: 32 while that gives every SM a tile, else halved down to the
+// narrowest whose lanes still read a whole 32-byte sector of a row together (hidden 12288 in
+// bfloat16: 1536 vectors, 48 tiles of 32 lanes on 132 SMs; 192 tiles of 8).
+template <typename T>
+cudaError_t launch_norm_columns(const NormBackwardParams& p, cudaStream_t stream) {
+  using A = typename Acc<T>::type;
+  constexpr int kLanes = Vec16<T>::kLanes;
+  const bool vectors = p.n % kLanes == 0 && course::is_aligned(p.dy, 16) && course::is_aligned(p.x, 16);
+  const int cols = vectors ? kLanes : 1;
+  int sms = 0;
+  COURSE_CUDA_TRY(course::sm_count(&sms));
+  const int64_t bytes_per_lane = int64_t{cols} * static_cast<int64_t>(sizeof(T));
+  const int narrowest = bytes_per_lane >= 32 ? 1 : static_cast<int>(32 / bytes_per_lane);
+  int lanes = 32;
+  while (lanes > narrowest && course::ceil_div<int64_t>(p.n, int64_t{lanes} * cols) < sms) lanes /= 2;
+  const int64_t tiles = course::ceil_div<int64_t>(p.n, int64_t{lanes} * cols);
+  const bool centered = p.kind == NormKind::kLayerNorm;
+  return with_flag(centered, [&](auto c) {
+    constexpr bool kC = decltype(c)::value;
+    const auto* dy = static_cast<const T*>(p.dy);
+    const auto* x = static_cast<const T*>(p.x);
+    const auto* mean = static_cast<const A*>(p.mean);
+    const auto* rstd = static_cast<const A*>(p.rstd);
+    auto* dw = static_cast<T*>(p.dweight);
+    auto* db = static_cast<T*>(p.dbias);
+    if (vectors) {
+      norm_backward_columns<T, kC, kLanes><<<grid_for(tiles), course::kColumnThreads, 0, stream>>>(
+          dy, x, mean, rstd, dw, db, p.rows, p.n, lanes);
+    } else {
+      norm_backward_columns<T, kC, 1><<<grid_for(tiles), course::kColumnThreads, 0, stream>>>(dy, x, mean, rstd, dw,
+                                                                                               db, p.rows, p.n, lanes);
+    }
+    return cudaGetLastError();
+  });
 }
 
 // ===========================================================================================
@@ -317,7 +468,8 @@ cudaError_t backward_grid(Kernel kernel, int threads, int64_t rows_per_block, in
   return cudaSuccess;
 }
 
-// Runs the backward, or with `grid_only` only says how many blocks (partial rows) it will use.
+// Runs the backward, or with `grid_only` only says how many blocks (partial rows) it will use: 0
+// where the column pass replaces them (backward_column_pass).
 template <typename T>
 cudaError_t run_backward(const NormBackwardParams& p, cudaStream_t stream, int64_t* grid_only) {
   using A = typename Acc<T>::type;
@@ -367,6 +519,21 @@ cudaError_t run_backward(const NormBackwardParams& p, cudaStream_t stream, int64
                                                    cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSums)));
             }
             COURSE_CUDA_TRY(backward_grid(kernel, kShape.threads * kRows, kRows, p.rows, &grid, kSums));
+            if (backward_column_pass(p.rows, static_cast<int>(sizeof(T)), kC, grid)) {
+              // Few rows a block: dx alone here (no sums, no partial rows, no workspace), then
+              // dweight and dbias from a pass down the columns of x and dy.
+              auto* bare = norm_backward_resident<T, kC, kShape.threads, kShape.vectors, decltype(a)::value, false>;
+              int64_t bare_grid = 0;
+              COURSE_CUDA_TRY(backward_grid(bare, kShape.threads * kRows, kRows, p.rows, &bare_grid));
+              if (grid_only != nullptr) {
+                *grid_only = 0;
+                return cudaSuccess;
+              }
+              bare<<<grid_for(bare_grid), kShape.threads * kRows, 0, stream>>>(dy, x, weight, mean, rstd, dx, nullptr,
+                                                                              nullptr, p.rows, p.n);
+              COURSE_CUDA_TRY(cudaGetLastError());
+              return launch_norm_columns<T>(p, stream);
+            }
             if (grid_only != nullptr) {
               *grid_only = grid;
               return cudaSuccess;

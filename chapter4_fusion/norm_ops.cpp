@@ -340,6 +340,20 @@ std::string norm_default_choice(c10::string_view op_name, const Tensor& x) {
   return ::course::version_name(kAddVersions, default_add_norm());
 }
 
+// Whether the backward of op (layer_norm or rms_norm) for x sums dweight and dbias in a pass down
+// the columns rather than in partial rows, when its resident kernel runs `blocks` blocks
+// (backward_column_pass in norm.h; the launcher asks it with the grid the GPU keeps resident).
+bool norm_backward_column_pass(c10::string_view op_name, const Tensor& x, int64_t blocks) {
+  const auto name = ::course::as_std(op_name);
+  check_x("norm_backward_column_pass", x);
+  TORCH_CHECK(name == "layer_norm" || name == "rms_norm", "norm_backward_column_pass: unknown op '",
+              std::string(name), "' (layer_norm, rms_norm)");
+  TORCH_CHECK(blocks >= 1, "norm_backward_column_pass: blocks must be at least 1, got ", std::to_string(blocks));
+  const int64_t n = x.dim() == 0 ? 1 : x.size(-1);
+  const int64_t rows = n == 0 ? 0 : x.numel() / n;
+  return backward_column_pass(rows, static_cast<int>(x.element_size()), name == "layer_norm", blocks);
+}
+
 // ---------------------------------------------------------------------------------------
 // Autograd. Each forward re-enters the dispatcher below the Autograd key (reaching the kernels
 // above, or the Meta ones under torch.compile) and saves what the backward kernels need; the
@@ -479,6 +493,7 @@ TORCH_LIBRARY_FRAGMENT(fusion, m) {
         " -> (Tensor, Tensor, Tensor)");
   m.def("rms_norm_backward(Tensor dy, Tensor x, Tensor? weight, Tensor rstd, str? version=None) -> (Tensor, Tensor)");
   m.def("norm_default_choice(str op, Tensor x) -> str", &fusion::norm::norm_default_choice);
+  m.def("norm_backward_column_pass(str op, Tensor x, int blocks) -> bool", &fusion::norm::norm_backward_column_pass);
 }
 
 // One implementation per op serves CPU, CUDA and Meta.

@@ -502,32 +502,44 @@ def test_bias_gradients_are_deterministic(dtype, device):
 # The bias gradient's tiling (course::grad_tiling): every shape of the sweep (common/coursekit/
 # shapes.py) and odd ones, on GPUs of several SM counts.
 GRAD_TOKENS = (1, 63, 64, 65, 2048, 8192)
-GRAD_HIDDEN = (1, 8, 768, 777, 1024, 3072, 4099, 5120, 12288, 16384)
+GRAD_HIDDEN = (1, 8, 9, 17, 768, 777, 1026, 1024, 3072, 4099, 5120, 12288, 16384)
+
+
+def row_phases(hidden, elem):
+    """Rows after which a row again starts at row 0's offset within a 16-byte vector."""
+    return next(p for p in (1, 2, 4, 8, 16) if p * hidden * elem % 16 == 0)
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float64), ids=dtype_id)
 def test_bias_grad_tiling_rule(dtype):
     """Up to 64 tokens every hidden size is one row tile (the kernel writes dbias itself: one
-    launch); more rows fill kGradBlocksPerSm = 4 blocks per SM, or give every thread one step
-    when there are fewer; wide tiles leave at most an eighth of their lanes idle; the tiles cover
-    every column. Asked for a meta tensor on GPUs of 1 to 170 SMs."""
+    launch), or one a phase where rows start mid-vector; more rows fill kGradBlocksPerSm = 4
+    blocks per SM, or give every thread one step when there are fewer; wide tiles leave at most
+    an eighth of their lanes idle; the tiles cover every column. Rows of whole vectors take
+    16-byte packs, other rows of at least two vectors take them a phase at a time (one pack more
+    a row, for its head; a multiple of the phases in row tiles), shorter rows single elements.
+    Asked for a meta tensor on GPUs of 1 to 170 SMs."""
     elem = torch.empty((), dtype=dtype).element_size()
+    vector = 16 // elem
     for sms in (1, 46, 132, 170):
         for tokens in GRAD_TOKENS:
             for hidden in GRAD_HIDDEN:
                 x = torch.empty(tokens, hidden, dtype=dtype, device="meta")
-                tx, ty, column_tiles, row_tiles = torch.ops.fusion.bias_grad_tiling(x, sms)
-                lanes = 16 // elem if hidden % (16 // elem) == 0 else 1
-                packs = -(-hidden // lanes)
+                tx, ty, column_tiles, row_tiles, phases = torch.ops.fusion.bias_grad_tiling(x, sms)
+                phased = hidden % vector != 0 and hidden >= 2 * vector
+                lanes = vector if hidden % vector == 0 or phased else 1
+                packs = -(-hidden // lanes) + (1 if phased else 0)
                 in_flight = 2 if lanes > 1 else 8
-                steps = -(-tokens // (ty * in_flight))  # row tiles if every thread takes one step
                 where = (sms, tokens, hidden)
+                assert phases == (row_phases(hidden, elem) if phased else 1), where
+                phase_rows = -(-tokens // phases)
+                steps = -(-phase_rows // (ty * in_flight))  # row tiles a phase if every thread takes one step
                 assert tx * ty == 256 and tx & (tx - 1) == 0, where
                 assert column_tiles == -(-packs // tx) and (tx == 1 or tx // 2 < packs), where
-                assert 1 <= row_tiles <= steps, where
-                assert column_tiles * row_tiles >= min(4 * sms, column_tiles * steps), where
+                assert row_tiles % phases == 0 and 1 <= row_tiles // phases <= steps, where
+                assert column_tiles * row_tiles >= min(4 * sms, column_tiles * steps * phases), where
                 if tokens <= 64:
-                    assert row_tiles == 1, where
+                    assert row_tiles == phases, where
                 if tx * lanes * elem > 64:  # wider than the narrow tile: few idle lanes
                     assert (column_tiles * tx - packs) * 8 <= packs, where
     with pytest.raises(RuntimeError, match="bias_grad_tiling: sms must be at least 1"):
@@ -539,12 +551,14 @@ def test_bias_grad_tiling_rule(dtype):
 def test_bias_gradient_tiles_at_their_boundaries(dtype):
     """The fused backward at one row tile (dbias written by the kernel: no column_sum launched)
     and just past it (partial rows added by course::column_sum), at hidden sizes of whole
-    vectors, of single elements and of a row narrower than a tile; through every saved kind, and
-    through chapter 4's autograd at the sweep's 64 x 3072."""
+    vectors, of rows that start mid-vector (phased packs: 4099 and 777 in every dtype, and 9 and
+    17 where they are at least two vectors: a head and a tail with at most one whole vector
+    between), of single elements and of a row narrower than a tile; through every saved kind, and through
+    chapter 4's autograd at the sweep's 64 x 3072."""
     require_cuda()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for tokens in GRAD_TOKENS[:-1]:
-        for hidden in (8, 768, 777, 3072, 4099):
+        for hidden in (8, 9, 17, 768, 777, 3072, 4099):
             shape = (tokens, hidden)
             x, bias = bias_inputs(shape, dtype, "cuda")
             dy = torch.randn(shape, device="cuda").to(dtype)
@@ -559,8 +573,11 @@ def test_bias_gradient_tiles_at_their_boundaries(dtype):
             mask = saved_for("mask", x, bias)
             _, kernels = launched_kernels(lambda: fusion.fused_bias_scale_relu_backward(dy, mask, bias, SCALE, "mask"),
                                           "course")
-            _, _, _, row_tiles = torch.ops.fusion.bias_grad_tiling(x, sms)
-            assert any("act_backward_tile_kernel" in k for k in kernels), (shape, kernels)
+            _, _, _, row_tiles, phases = torch.ops.fusion.bias_grad_tiling(x, sms)
+            # The instantiation that ran: phased packs (its last template argument) exactly where
+            # the rule says the rows start mid-vector.
+            tile = [k for k in kernels if "act_backward_tile_kernel" in k]
+            assert tile and all(("true>" in k) == (phases > 1) for k in tile), (shape, phases, tile)
             assert any("column_reduce" in k for k in kernels) == (row_tiles > 1), (shape, row_tiles, kernels)
     if dtype != torch.float64:
         x, bias = bias_inputs((64, 3072), dtype, "cuda")

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 import fusion
-from coursekit.pytest_plugin import (DTYPES, assert_misplaced, capture_and_replay, dtype_id, poison_allocator,
-                                     require_cuda)
+from coursekit.pytest_plugin import (DTYPES, assert_misplaced, capture_and_replay, dtype_id, launched_kernels,
+                                     poison_allocator, require_cuda)
 
 VERSIONS = fusion.VERSIONS
 NORM_OPS = ("layer_norm", "rms_norm")
@@ -357,6 +357,29 @@ def test_default_choice():
         fusion.norm_default_choice("softmax", x)
 
 
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=dtype_id)
+def test_backward_column_pass_rule(dtype):
+    """dweight and dbias come from a pass down the columns of x and dy exactly where the partial
+    rows (blocks x sums x 4 bytes, written and read back, per column) would move at least as many
+    bytes as re-reading x and dy (rows x 2 x elem): at 64 tokens, one row a block, for both norms
+    in every dtype (RMSNorm in float32 at a tie); never with a block per SM over 2048 rows."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    for op, sums in (("layer_norm", 2), ("rms_norm", 1)):
+        for rows in (1, 37, 64, 65, 2048, 8192):
+            for blocks in (1, 16, 64, 132, 512, 528):
+                x = torch.empty(rows, 12288, dtype=dtype, device="meta")
+                expected = sums * blocks * 2 * 4 >= rows * 2 * elem
+                assert OPS.norm_backward_column_pass(op, x, blocks) == expected, (op, rows, blocks)
+        one_row_a_block = torch.empty(64, 12288, dtype=dtype, device="meta")
+        assert OPS.norm_backward_column_pass(op, one_row_a_block, 64), op
+        a_block_per_sm = torch.empty(2048, 12288, dtype=dtype, device="meta")
+        assert not OPS.norm_backward_column_pass(op, a_block_per_sm, 132), op
+    with pytest.raises(RuntimeError, match="norm_backward_column_pass: unknown op 'softmax'"):
+        OPS.norm_backward_column_pass("softmax", torch.empty(2, 8, device="meta"), 1)
+    with pytest.raises(RuntimeError, match="norm_backward_column_pass: blocks must be at least 1"):
+        OPS.norm_backward_column_pass("rms_norm", torch.empty(2, 8, device="meta"), 0)
+
+
 def _f32(*shape, device="cpu", dtype=torch.float32):
     return torch.randn(shape, device=device, dtype=dtype)
 
@@ -506,6 +529,47 @@ def test_every_shape_boundary(dtype):
             for version in VERSIONS[op + "_backward"]:
                 for name, out, g in zip(("dx", "dw", "db"), kernel_grads(op, x, w, b, dy, eps, version), refs):
                     assert_grad(out, g, dtype, f"{op} backward {version} n={n} {name}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=dtype_id)
+def test_backward_column_pass(dtype):
+    """The backward's two ways to dweight and dbias, each where backward_column_pass (norm.h) puts
+    it: at 64 tokens of hidden 12288 and 16384 (one row a block) the resident kernel writes dx
+    alone and norm_backward_columns sums the columns, with no column_sum; at 1000 and 2048 tokens
+    partial rows and column_sum. Both against the float64 reference at irregular shapes: rows
+    that are whole vectors and rows that are not (4099, 16001: single elements), one row, fewer
+    rows than a warp's groups, and through autograd."""
+    require_cuda()
+    # 1000 x 777 and x 16001, 2048 x 12288: partial rows (16001 and 12288 from the 1024-thread
+    # rows' shared sums, put in column order before they are written; 16001 by single elements).
+    for rows, n in ((64, 12288), (64, 16384), (63, 16001), (64, 4099), (1, 777), (5, 5123), (1000, 777),
+                    (1000, 16001), (2048, 12288)):
+        x, w, b, _ = make_inputs((rows, n), dtype, "cuda")
+        dy = torch.randn(rows, n, device="cuda").to(dtype)
+        for op in NORM_OPS:
+            eps = default_eps(op)
+            refs = reference_grads(op, x, w, b, dy, eps)
+            outs, kernels = launched_kernels(lambda: kernel_grads(op, x, w, b, dy, eps, None), "")
+            where = f"{op} {rows}x{n}"
+            for name, out, ref in zip(("dx", "dweight", "dbias"), outs, refs):
+                assert_grad(out, ref, dtype, f"{where} {name}")
+            columns = any("norm_backward_columns" in k for k in kernels)
+            if rows == 64 and n in (12288, 16384):
+                assert columns and not any("column_reduce" in k for k in kernels), (where, kernels)
+            if rows >= 1000:
+                assert not columns and any("column_reduce" in k for k in kernels), (where, kernels)
+            if columns:  # the resident kernel ran without its sums: its last template argument
+                assert all("false>" in k for k in kernels if "norm_backward_resident" in k), (where, kernels)
+    x, w, b, _ = make_inputs((64, 12288), dtype, "cuda")
+    dy = torch.randn(64, 12288, device="cuda").to(dtype)
+    for op in NORM_OPS:
+        xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
+        y = run(op, xs, ws, bs, default_eps(op), None)
+        inputs = (xs, ws, bs) if op == "layer_norm" else (xs, ws)
+        outs = torch.autograd.grad(y, inputs, dy)
+        for name, out, ref in zip(("dx", "dweight", "dbias"), outs, reference_grads(op, x, w, b, dy, default_eps(op))):
+            assert_grad(out, ref, dtype, f"{op} autograd 64x12288 {name}")
 
 
 @pytest.mark.cuda

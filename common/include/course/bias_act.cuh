@@ -14,7 +14,9 @@
 //   act_backward_tile_kernel  the backward on the column tiling: dx written once, the gradient
 //                          summed per column in registers and across the tile's rows in
 //                          shared memory; dbias written by the kernel itself when one row tile
-//                          covers every row, else course::column_sum over its partial rows.
+//                          covers every row, else course::column_sum over its partial rows;
+//                          rows that start mid-vector taken a phase at a time, so that they too
+//                          move whole aligned vectors with only a head and a tail per row.
 //
 // nvcc only, torch-free, like every kernel of the course.
 #pragma once
@@ -439,27 +441,95 @@ cudaError_t launch_bias_act(const BiasAct<T>& p, cudaStream_t stream) {
 // when the grid has one row tile, else its row of a [row tiles, n] array of partial sums (every
 // row written once: no zero fill, no atomics) that course::column_sum reduces in a fixed order.
 // Deterministic, and g never goes to memory.
+//
+// kPhased: rows that are not a whole number of 16-byte vectors (hidden 4099) still move whole
+// aligned vectors. Row r's first 16-byte boundary lies `head` elements in, and head repeats every
+// `phases` rows (course::row_phases): a block takes the rows of one phase only (blockIdx.y %
+// phases), so in every row it visits the same columns start a vector, and a thread keeps the
+// same columns for life as the sums need. Its packs start at column head - L (or 0 when head is
+// 0): the first pack holds the row's head, the last its tail, and only those two are moved as
+// single elements, guarded; every pack between is one aligned 16-byte access. Before this, such
+// rows moved single elements only: 64 bytes a warp load, and the H200 ran fused_bias_scale_relu's
+// backward at 2048 x 4099 in bfloat16 at 0.45x torch.compile.
 // ---------------------------------------------------------------------------------------
-template <typename T, typename Act, int L, SaveKind kSource>
+// The pack of L elements at columns e .. e + L - 1 of the row at p: one aligned 16-byte access
+// when the pack lies inside the row (`whole`), else the elements inside it one at a time (others
+// read as zero: their dy of zero adds nothing to any sum, and they are never stored).
+template <typename T, int L>
+__device__ __forceinline__ Pack<T, L> load_pack_in_row(const T* p, int64_t e, int64_t n, bool whole) {
+  if (whole) return load_pack<T, L>(p + e);
+  Pack<T, L> out;
+#pragma unroll
+  for (int l = 0; l < L; ++l) out.v[l] = (e + l >= 0 && e + l < n) ? p[e + l] : from_acc<T>(typename Acc<T>::type(0));
+  return out;
+}
+
+template <typename T, int L>
+__device__ __forceinline__ void store_pack_in_row(T* p, int64_t e, int64_t n, bool whole, const Pack<T, L>& in) {
+  if (whole) {
+    store_pack<T, L>(p + e, in);
+    return;
+  }
+#pragma unroll
+  for (int l = 0; l < L; ++l) {
+    if (e + l >= 0 && e + l < n) p[e + l] = in.v[l];  // the head's and tail's elements in the row only
+  }
+}
+
+// Bits e .. e + L - 1 of a row's mask words (bit l of the result is column e + l), for a pack that
+// may start before the row (the head pack: e > -L) or straddle two words.
+__device__ __forceinline__ uint32_t mask_bits_at(const uint32_t* row_words, int64_t e, int64_t words) {
+  if (e < 0) return row_words[0] << static_cast<int>(-e);  // the head: columns 0 .. e + L - 1 in word 0
+  const int64_t w = e / 32;
+  const uint64_t lo = row_words[w];
+  const uint64_t hi = w + 1 < words ? row_words[w + 1] : 0u;  // the row's last word has no next
+  return static_cast<uint32_t>(((hi << 32) | lo) >> (e % 32));
+}
+
+// Elements before the first 16-byte boundary of a row that starts at p.
+template <typename T>
+__device__ __forceinline__ int head_elements(const T* p) {
+  const int misaligned = static_cast<int>(reinterpret_cast<uintptr_t>(p) % 16);
+  return misaligned ? (16 - misaligned) / static_cast<int>(sizeof(T)) : 0;
+}
+
+template <typename T, typename Act, int L, SaveKind kSource, bool kPhased>
 __global__ void __launch_bounds__(kGradThreads)
     act_backward_tile_kernel(const T* dy, const T* saved, const uint32_t* mask, const T* bias,
                              typename Acc<T>::type scale, T* dx, typename Acc<T>::type* partials, T* dbias,
-                             int64_t rows, int64_t n, int tx) {
+                             int64_t rows, int64_t n, int tx, int phases) {
   using A = typename Acc<T>::type;
   constexpr int kRows = kRowsInFlight<L>;
+  static_assert(!kPhased || L > 1, "phases matter to vectors only");
   // Every thread's L sums, [row of the tile][column of the tile].
   __shared__ A tile_sums[kGradThreads * L];
   const int ty = kGradThreads / tx;
+  // kPhased: this block's phase, and its row tile among the phase's; rows of the phase are
+  // phase, phase + phases, ... (index i is row phase + i * phases).
+  const int phase = kPhased ? static_cast<int>(blockIdx.y % phases) : 0;
+  const int64_t tile_y = kPhased ? blockIdx.y / phases : blockIdx.y;
+  const int64_t tiles_y = kPhased ? gridDim.y / phases : gridDim.y;
+  const int64_t stride = kPhased ? phases : 1;
+  const int64_t phase_rows = rows > phase ? (rows - phase + stride - 1) / stride : 0;
+  // The packs' first column: 0, or head - L where the phase's rows start mid-vector (dy, dx and
+  // saved sit equally far from a 16-byte boundary: fused_backward_tiling checked).
+  const int head = kPhased ? head_elements(dy + phase * n) : 0;
+  const int64_t start = head > 0 ? head - L : 0;
   const int64_t col = static_cast<int64_t>(blockIdx.x) * tx + threadIdx.x % tx;
-  const int64_t e = col * L;
+  const int64_t e = start + col * L;
   // The last column tile may hang over the row's end: its extra threads sum nothing but still
   // reach the block's barrier below.
   const bool col_ok = e < n;
+  // Without phases every pack is whole; with them, all but the head's and the tail's.
+  const bool whole = !kPhased || (e >= 0 && e + L <= n);
   A b[L];
 #pragma unroll
   for (int l = 0; l < L; ++l) b[l] = A(0);
   if (kSource == SaveKind::kInput && bias != nullptr && col_ok) {
-    const Pack<T, L> bv = load_pack<T, L>(bias + e);
+    // The bias is one row, read once a thread: element by element where the pack is not whole
+    // or the bias does not sit at dy's offset from a 16-byte boundary.
+    const bool bias_whole = whole && (!kPhased || reinterpret_cast<uintptr_t>(bias + e) % 16 == 0);
+    const Pack<T, L> bv = load_pack_in_row<T, L>(bias, e, n, bias_whole);
 #pragma unroll
     for (int l = 0; l < L; ++l) b[l] = to_acc(bv.v[l]);
   }
@@ -467,30 +537,35 @@ __global__ void __launch_bounds__(kGradThreads)
 #pragma unroll
   for (int l = 0; l < L; ++l) sum[l] = A(0);
   const int row_in_tile = threadIdx.x / tx;
-  const int64_t row_step = static_cast<int64_t>(gridDim.y) * ty;
+  const int64_t row_step = tiles_y * ty;
   const int64_t words_per_row = mask_words_per_row(n);
-  for (int64_t base = static_cast<int64_t>(blockIdx.y) * ty + row_in_tile; col_ok && base < rows;
-       base += kRows * row_step) {
+  for (int64_t base = tile_y * ty + row_in_tile; col_ok && base < phase_rows; base += kRows * row_step) {
     Pack<T, L> dyv[kRows];
     Pack<T, L> sv[kRows];
     uint32_t bits[kRows];
 #pragma unroll
     for (int u = 0; u < kRows; ++u) {
-      const int64_t r = base + u * row_step;
-      if (r < rows) {  // the step's later rows may lie past the last
-        dyv[u] = load_pack<T, L>(dy + r * n + e);
+      const int64_t i = base + u * row_step;
+      const int64_t r = phase + i * stride;
+      if (i < phase_rows) {  // the step's later rows may lie past the last
+        dyv[u] = load_pack_in_row<T, L>(dy + r * n, e, n, whole);
         if constexpr (kSource == SaveKind::kMask) {
-          // L divides 32 and e is a multiple of L, so the pack's L bits sit in one word.
-          bits[u] = mask[r * words_per_row + e / 32] >> (e % 32);
+          if constexpr (kPhased) {
+            bits[u] = mask_bits_at(mask + r * words_per_row, e, words_per_row);
+          } else {
+            // L divides 32 and e is a multiple of L, so the pack's L bits sit in one word.
+            bits[u] = mask[r * words_per_row + e / 32] >> (e % 32);
+          }
         } else {
-          sv[u] = load_pack<T, L>(saved + r * n + e);
+          sv[u] = load_pack_in_row<T, L>(saved + r * n, e, n, whole);
         }
       }
     }
 #pragma unroll
     for (int u = 0; u < kRows; ++u) {
-      const int64_t r = base + u * row_step;
-      if (r < rows) {
+      const int64_t i = base + u * row_step;
+      const int64_t r = phase + i * stride;
+      if (i < phase_rows) {
         Pack<T, L> dxv;
 #pragma unroll
         for (int l = 0; l < L; ++l) {
@@ -510,7 +585,7 @@ __global__ void __launch_bounds__(kGradThreads)
           dxv.v[l] = from_acc<T>(g * scale);
           sum[l] += g;
         }
-        store_pack<T, L>(dx + r * n + e, dxv);
+        store_pack_in_row<T, L>(dx + r * n, e, n, whole, dxv);
       }
     }
   }
@@ -523,9 +598,9 @@ __global__ void __launch_bounds__(kGradThreads)
   // rows part, part + G, ...) and a shuffle tree adds the lanes' totals; a tile of at least 256
   // columns (G = 1) gives each thread whole columns. Below 8 columns (a row of fewer than 8
   // elements) G would pass a warp: one thread adds each column's rows alone. Every order fixed.
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * W;
+  const int64_t first = start + static_cast<int64_t>(blockIdx.x) * W;
   const auto emit = [&](int k, A total) {
-    if (first + k < n) {  // the last tile's columns past the row's end
+    if (first + k >= 0 && first + k < n) {  // the head pack's columns before the row, the last tile's past it
       if (gridDim.y == 1) {
         dbias[first + k] = from_acc<T>(total);
       } else {
@@ -554,16 +629,35 @@ __global__ void __launch_bounds__(kGradThreads)
   }
 }
 
-// The backward's tiling (grad_tiling on this GPU's SM count) and scratch: the partial rows in the
-// accumulation type, none when one row tile writes dbias.
+// How the backward moves a row: whole 16-byte packs (every row starts on a 16-byte boundary),
+// phased packs (rows start mid-vector, but dy, dx and saved all sit equally far from a boundary,
+// as freshly allocated tensors do: course::row_phases of them), or single elements (anything
+// else: views at other offsets).
+enum class GradPacks { kVectors, kPhased, kSingle };
+
 template <typename T>
-cudaError_t fused_backward_tiling(const BiasActGrad<T>& p, Tiling* t, bool* vector) {
-  *vector = vectorizable<T>(p.n, {p.dy, p.saved, p.bias, p.dx});
-  const int lanes = *vector ? Vec16<T>::kLanes : 1;
+inline GradPacks grad_packs(const BiasActGrad<T>& p) {
+  if (vectorizable<T>(p.n, {p.dy, p.saved, p.bias, p.dx})) return GradPacks::kVectors;
+  const uintptr_t offset = reinterpret_cast<uintptr_t>(p.dy) % 16;
+  const bool same = reinterpret_cast<uintptr_t>(p.dx) % 16 == offset &&
+                    (p.saved == nullptr || reinterpret_cast<uintptr_t>(p.saved) % 16 == offset);
+  // A row of fewer than two vectors has no whole vector between its head and its tail.
+  return same && p.n >= 2 * Vec16<T>::kLanes ? GradPacks::kPhased : GradPacks::kSingle;
+}
+
+// The backward's tiling (grad_tiling on this GPU's SM count) and scratch: the partial rows in the
+// accumulation type, none when one row tile writes dbias. Phased packs: one more pack a row (the
+// head's), and the row tiles split by phase.
+template <typename T>
+cudaError_t fused_backward_tiling(const BiasActGrad<T>& p, Tiling* t, GradPacks* packs, int* phases) {
+  *packs = grad_packs(p);
+  const int lanes = *packs == GradPacks::kSingle ? 1 : Vec16<T>::kLanes;
+  *phases = *packs == GradPacks::kPhased ? row_phases(p.n, static_cast<int>(sizeof(T))) : 1;
   int sms = 0;
   COURSE_CUDA_TRY(sm_count(&sms));
-  const GradTiling g = grad_tiling(p.rows, ceil_div<int64_t>(p.n, lanes), lanes * static_cast<int>(sizeof(T)),
-                                   grad_rows_in_flight(lanes), sms);
+  const int64_t row_packs = ceil_div<int64_t>(p.n, lanes) + (*packs == GradPacks::kPhased ? 1 : 0);
+  const GradTiling g = grad_tiling(p.rows, row_packs, lanes * static_cast<int>(sizeof(T)), grad_rows_in_flight(lanes),
+                                   sms, *phases);
   t->tx = g.tx;
   t->grid = dim3(static_cast<unsigned>(std::min<int64_t>(g.column_tiles, INT_MAX)), static_cast<unsigned>(g.row_tiles));
   t->slots = g.row_tiles > 1 ? g.row_tiles : 0;
@@ -573,8 +667,9 @@ cudaError_t fused_backward_tiling(const BiasActGrad<T>& p, Tiling* t, bool* vect
 template <typename T>
 cudaError_t fused_backward_workspace(const BiasActGrad<T>& p, int64_t* bytes) {
   Tiling t;
-  bool vector = false;
-  COURSE_CUDA_TRY(fused_backward_tiling<T>(p, &t, &vector));
+  GradPacks packs = GradPacks::kSingle;
+  int phases = 1;
+  COURSE_CUDA_TRY(fused_backward_tiling<T>(p, &t, &packs, &phases));
   *bytes = t.slots * p.n * static_cast<int64_t>(sizeof(typename Acc<T>::type));
   return cudaSuccess;
 }
@@ -582,16 +677,21 @@ cudaError_t fused_backward_workspace(const BiasActGrad<T>& p, int64_t* bytes) {
 template <typename T, typename Act, SaveKind kSource>
 cudaError_t launch_fused_backward(const BiasActGrad<T>& p, cudaStream_t stream) {
   using A = typename Acc<T>::type;
+  constexpr int kLanes = Vec16<T>::kLanes;
   Tiling t;
-  bool vector = false;
-  COURSE_CUDA_TRY(fused_backward_tiling<T>(p, &t, &vector));
+  GradPacks packs = GradPacks::kSingle;
+  int phases = 1;
+  COURSE_CUDA_TRY(fused_backward_tiling<T>(p, &t, &packs, &phases));
   A* partials = static_cast<A*>(p.workspace);
-  if (vector) {
-    act_backward_tile_kernel<T, Act, Vec16<T>::kLanes, kSource><<<t.grid, kGradThreads, 0, stream>>>(
-        p.dy, p.saved, p.mask, p.bias, p.scale, p.dx, partials, p.dbias, p.rows, p.n, t.tx);
+  if (packs == GradPacks::kVectors) {
+    act_backward_tile_kernel<T, Act, kLanes, kSource, false><<<t.grid, kGradThreads, 0, stream>>>(
+        p.dy, p.saved, p.mask, p.bias, p.scale, p.dx, partials, p.dbias, p.rows, p.n, t.tx, 1);
+  } else if (packs == GradPacks::kPhased) {
+    act_backward_tile_kernel<T, Act, kLanes, kSource, true><<<t.grid, kGradThreads, 0, stream>>>(
+        p.dy, p.saved, p.mask, p.bias, p.scale, p.dx, partials, p.dbias, p.rows, p.n, t.tx, phases);
   } else {
-    act_backward_tile_kernel<T, Act, 1, kSource><<<t.grid, kGradThreads, 0, stream>>>(
-        p.dy, p.saved, p.mask, p.bias, p.scale, p.dx, partials, p.dbias, p.rows, p.n, t.tx);
+    act_backward_tile_kernel<T, Act, 1, kSource, false><<<t.grid, kGradThreads, 0, stream>>>(
+        p.dy, p.saved, p.mask, p.bias, p.scale, p.dx, partials, p.dbias, p.rows, p.n, t.tx, 1);
   }
   COURSE_CUDA_TRY(cudaGetLastError());
   if (t.slots == 0) return cudaSuccess;  // one row tile: the kernel wrote dbias

@@ -47,12 +47,30 @@ COURSE_HOST_DEVICE constexpr bool relu_passes(A z) {
 // anyway does the tile widen to the row's width (up to 256 packs, a warp over 512 contiguous
 // bytes), the widest power of two that leaves at most an eighth of the lanes idle (hidden 768 in
 // bfloat16 is 96 packs: tiles of 32, not 128 with a quarter idle).
+//
+// Rows that start mid-vector (hidden 4099) took single elements until the H200 ran
+// fused_bias_scale_relu's backward at 2048 x 4099 in bfloat16 at 0.45x torch.compile: 2 bytes a
+// lane, a warp load of 64 bytes, and the grid of 4 blocks an SM that suits 16-byte packs left too
+// few bytes in flight. They now take 16-byte packs a phase of rows at a time (row_phases below):
+// the tiling is the same rule over the rows of one phase, with one pack more a row for its head,
+// and a grid of row tiles for every phase (at least one partial row each, so always a column_sum).
 // ---------------------------------------------------------------------------------------
 constexpr int kGradThreads = 256;
 // Rows a backward thread loads before it computes any (course/bias_act.cuh's kRowsInFlight says
 // why): two of 16-byte packs, eight of single elements.
 COURSE_HOST_DEVICE constexpr int grad_rows_in_flight(int lanes) { return lanes == 1 ? 8 : 2; }
 constexpr int64_t kGradBlocksPerSm = 4;
+
+// Rows of n elements of elem bytes that are not a whole number of 16-byte vectors start at
+// several offsets within a vector: row r is r * n * elem bytes past row 0, so the offsets repeat
+// every row_phases(n, elem) = 16 / gcd(n * elem, 16) rows (8 for an odd bfloat16 row such as
+// hidden 4099, 4 for an odd float32 one, 1 for whole vectors). The rows of one phase all start
+// at the same offset: in them, the same columns fall on the same 16-byte boundaries.
+COURSE_HOST_DEVICE constexpr int row_phases(int64_t n, int elem) {
+  int p = 1;
+  while (p < 16 && (static_cast<int64_t>(p) * n * elem) % 16 != 0) p *= 2;
+  return p;
+}
 
 struct GradTiling {
   int tx;                // packs per row of a tile, a power of two
@@ -61,10 +79,15 @@ struct GradTiling {
   int64_t row_tiles;     // gridDim.y: 1, the kernel writes dbias; else the partial rows
 };
 
-inline GradTiling grad_tiling(int64_t rows, int64_t packs, int pack_bytes, int rows_in_flight, int sms) {
+// phases > 1: the rows are split by phase (row_phases), row_tiles / phases row tiles each, so that
+// a block's threads meet only rows whose vectors sit on the same columns (course/bias_act.cuh's
+// phased backward); such a grid always writes partial rows, at least one per phase.
+inline GradTiling grad_tiling(int64_t rows, int64_t packs, int pack_bytes, int rows_in_flight, int sms,
+                              int phases = 1) {
   const int64_t p = packs > 1 ? packs : 1;
-  const int64_t r = rows > 1 ? rows : 1;
-  const int64_t target = kGradBlocksPerSm * (sms > 1 ? sms : 1);
+  const int64_t ph = phases > 1 ? phases : 1;
+  const int64_t r = ceil_div<int64_t>(rows > 1 ? rows : 1, ph);  // the rows of one phase
+  const int64_t target = ceil_div<int64_t>(kGradBlocksPerSm * (sms > 1 ? sms : 1), ph);
   // Narrowest: 64 bytes of a row, or the power of two at or above a shorter row's packs.
   int narrow = pack_bytes >= 64 ? 1 : 64 / pack_bytes;
   while (narrow > 1 && narrow / 2 >= p) narrow /= 2;
@@ -81,8 +104,8 @@ inline GradTiling grad_tiling(int64_t rows, int64_t packs, int pack_bytes, int r
   const int64_t sweep = sweep_at(tx);
   int64_t row_tiles = ceil_div<int64_t>(target, column_tiles);
   row_tiles = row_tiles < sweep ? row_tiles : sweep;
-  row_tiles = row_tiles < 65535 ? row_tiles : 65535;  // gridDim.y's limit
-  return {tx, ty, column_tiles, row_tiles};
+  row_tiles = row_tiles < 65535 / ph ? row_tiles : 65535 / ph;  // gridDim.y's limit
+  return {tx, ty, column_tiles, row_tiles * ph};
 }
 
 }  // namespace course
