@@ -1428,8 +1428,8 @@ def test_cuda_hopper_opcheck_and_compile():
 @pytest.mark.cuda
 def test_cuda_hopper_sass_has_hgmma():
     """The Hopper rungs really run on the warpgroup tensor-core instructions: in the loaded
-    library's SASS every flash_fwd_hopper_kernel holds HGMMA (wgmma) and UTMALDG (TMA) and no
-    HMMA (mma.sync, the Ampere path)."""
+    library's SASS every flash_fwd_hopper_kernel holds HGMMA (wgmma on 16-bit inputs; QGMMA, its
+    8-bit form, in the FP8 kernels) and UTMALDG (TMA) and no HMMA (mma.sync, the Ampere path)."""
     skip_unless_hopper()
     import shutil
     import subprocess
@@ -1444,7 +1444,8 @@ def test_cuda_hopper_sass_has_hgmma():
     assert len(kernels) >= 24, f"{len(kernels)} Hopper kernels in the SASS (4 rungs x 2 dtypes x 3 head dims)"
     for body in kernels:
         name = body.split("\n")[0]
-        assert "HGMMA" in body and "UTMALDG" in body and "HMMA" not in body, name
+        wgmma = "QGMMA" if "fp8" in name else "HGMMA"
+        assert wgmma in body and "UTMALDG" in body and "HMMA" not in body, name
 
 
 # The Hopper backward ("wgmma"): a block per 128 keys walking 64-row query tiles. Lengths 1, 17,
@@ -1619,7 +1620,8 @@ def test_cuda_hopper_backward_sass():
     assert len(kernels) == 4, f"{len(kernels)} Hopper backward kernels in the SASS (2 dtypes x 2 head dims)"
     for body in kernels:
         name = body.split("\n")[0]
-        assert "HGMMA" in body and "UTMALDG" in body and "HMMA" not in body, name
+        wgmma = "QGMMA" if "fp8" in name else "HGMMA"
+        assert wgmma in body and "UTMALDG" in body and "HMMA" not in body, name
 
 
 @pytest.mark.cuda
@@ -1989,8 +1991,8 @@ def test_cuda_window_softcap_instantiation():
                 flash_attention.attention_backward(go, q, k, v, out, lse, 0.125, causal, version=version, **kw)
         names = launched_kernels(every_rung, "flash_attention")[1]
         for kernel in ("flash_fwd_kernel", "flash_bwd_kernel", "flash_bwd_dq_kernel"):
-            # The kWindowSoftcap argument (the last) of each launch of `kernel`.
-            found = [re.search(rf"{kernel}<.*, (true|false)>", n) for n in names]
+            # The kWindowSoftcap argument of each launch of `kernel` (the next to last: kVarlen is last).
+            found = [re.search(rf"{kernel}<.*, (true|false), (?:true|false)>", n) for n in names]
             assert {m.group(1) == "true" for m in found if m} == {featured}, (kernel, features, names)
 
 
