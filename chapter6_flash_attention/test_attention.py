@@ -512,6 +512,48 @@ def test_persistent_schedule_keeps_kv_heads_together():
         tile_order(1, 6, 4, 128, 128, 64, False)
 
 
+# Query lengths of packed batches: the benchmark's, empty sequences, one token, lengths around the
+# 128-row tile, one sequence, none, a max_seqlen_q longer than any sequence.
+VARLEN_SCHEDULES = [([128, 8192, 256, 4096, 512, 2048, 1024, 3072, 384, 1536, 640, 2560, 768, 5120, 896, 1792], 16, 8192),
+                    ([1, 17, 128, 0, 129, 4097, 0], 4, 4097), ([300], 2, 300), ([0, 0], 3, 64), ([], 2, 10),
+                    ([5, 130, 129], 1, 1000)]
+
+
+@pytest.mark.parametrize("lengths,heads,max_q", VARLEN_SCHEDULES, ids=lambda x: str(x)[:20])
+def test_persistent_varlen_schedule(lengths, heads, max_q):
+    """The persistent rung's packed order (tile_schedule.h, through hopper_varlen_tile_order, which
+    decodes each index with the kernel's functions): every (sequence, head, query tile) of the
+    sequences' own tiles exactly once and nothing past a sequence's end (no block draws an empty
+    item), query tiles from the top down (causal: longest first over sequences of any length), the
+    sequences of a rank longest first and a sequence's heads side by side (GQA groups together)."""
+    order = OPS.hopper_varlen_tile_order(lengths, heads, max_q)
+    tiles = [-(-n // 128) for n in lengths]
+    want = sorted((b, h, t) for b, n in enumerate(tiles) for h in range(heads) for t in range(n))
+    assert sorted(map(tuple, order.tolist())) == want, "a tile missing, taken twice, or past a sequence's end"
+    if len(order) == 0:
+        return
+    q_tile = order[:, 2]
+    assert torch.all(torch.diff(q_tile) <= 0), "query tiles not from the top down"
+    for t in q_tile.unique().tolist():
+        rows = order[q_tile == t]
+        seqs = rows[::heads, 0].tolist()
+        assert torch.equal(rows[:, 0], torch.tensor(seqs).repeat_interleave(heads)), "a sequence's heads apart"
+        assert torch.equal(rows[:, 1], torch.arange(heads).repeat(len(seqs)))
+        assert seqs == sorted(seqs, key=lambda b: (-tiles[b], b)), "a rank's sequences not longest first"
+
+
+def test_persistent_varlen_schedule_balances_the_blocks():
+    """The benchmark's 16 sequences, 16 heads, causal, on 132 blocks drawing from the counter in the
+    packed order: the busiest block within 5% of the average plus one of the shortest tiles, as the
+    padded order on its shapes (test_persistent_schedule_balances_the_blocks)."""
+    lengths, heads, max_q = VARLEN_SCHEDULES[0]
+    order = OPS.hopper_varlen_tile_order(lengths, heads, max_q)
+    cost = order[:, 2] + 1 + 1  # a causal tile's key tiles (its index + 1) plus its prologue and epilogue
+    work = block_work(cost, 132, dynamic=True)
+    mean = cost.sum().item() / len(work)
+    assert work.max().item() <= 1.05 * mean + cost.min().item(), (work.max().item(), mean)
+
+
 def _t(*shape, dtype=torch.float32, device="cpu"):
     return torch.randn(shape, dtype=dtype, device=device)
 
@@ -2204,15 +2246,38 @@ def test_varlen_cpu_accepts_every_version_name():
 
 def test_varlen_dispatch_rule_on_any_gpu():
     """version=None for the packed layout (attention_ops.cpp's varlen rules), asked with made-up
-    devices: "split_kv" (which runs "tuned" where the grid fills the GPU) and "mma_dqpass" wherever
-    the tensor-core rungs run, whatever the lengths, on a Hopper too (its rungs take the padded
-    layout only); no rung elsewhere."""
+    devices: forward, on a Hopper GPU with the sm_90a kernels "persistent" at head_dim 64 and 128
+    without a window or softcap where the grid over the max lengths fills the GPU unsplit (the
+    benchmark's 16 sequences up to 8192), "split_kv" where it would split (a few query rows against
+    long keys) and everywhere else the tensor-core rungs run; backward "mma_dqpass"; no rung
+    elsewhere."""
     rule = flash_attention.dispatch_rule
+    prefill = dict(batch=16, max_seqlen_q=8192, max_seqlen_k=8192, causal=True)  # the benchmark's batch
+    decode = dict(batch=8, max_seqlen_q=1, max_seqlen_k=4000)
+    hopper = dict(cuda=True, capability=(9, 0), sms=132, hopper_built=True)
+    for d in (64, 128):
+        for dtype in HALF_DTYPES:
+            assert rule("attention_varlen_forward", (33024, 16, d), dtype=dtype, **prefill, **hopper) == "persistent"
+            assert rule("attention_varlen_forward", (33024, 16, d), dtype=dtype, **dict(prefill, causal=False),
+                        **hopper) == "persistent"
+        assert rule("attention_varlen_forward", (8, 16, d), (30000, 16, d), dtype=torch.bfloat16, **decode,
+                    **hopper) == "split_kv"
+        for off in (dict(window=(256, -1)), dict(softcap=30.0), dict(scale=-0.1)):
+            assert rule("attention_varlen_forward", (33024, 16, d), dtype=torch.bfloat16, **prefill, **off,
+                        **hopper) == "split_kv", off
+    for d in (32, 96, 256):
+        assert rule("attention_varlen_forward", (33024, 16, d), dtype=torch.bfloat16, **prefill, **hopper) == "split_kv"
+    for other in (dict(hopper, hopper_built=False), dict(hopper, capability=(8, 0)), dict(hopper, capability=(9, 1))):
+        assert rule("attention_varlen_forward", (33024, 16, 128), dtype=torch.bfloat16, **prefill, **other) == \
+            "split_kv", other
     for capability in ((8, 0), (8, 9), (9, 0)):
-        gpu = dict(cuda=True, capability=capability, sms=132, hopper_built=True)
+        gpu = dict(cuda=True, capability=capability, sms=132, hopper_built=capability == (9, 0))
         for d in (32, 64, 128, 256):
+            # one sequence of 1000 tokens in 8 heads: 64 tiles, fewer than the SMs, so split_kv splits
             assert rule("attention_varlen_forward", (1000, 8, d), dtype=torch.bfloat16, **gpu) == "split_kv"
-        assert rule("attention_varlen_forward", (3, 8, 64), dtype=torch.float16, **gpu) == "split_kv"
+        # three tokens: too few keys to split, so on a Hopper GPU the persistent rung, as padded
+        assert rule("attention_varlen_forward", (3, 8, 64), dtype=torch.float16, **gpu) == \
+            ("persistent" if capability == (9, 0) else "split_kv")
         assert rule("attention_varlen_backward", (1000, 8, 128), dtype=torch.bfloat16, **gpu) == "mma_dqpass"
         assert rule("attention_varlen_backward", (1000, 8, 256), dtype=torch.bfloat16, **gpu) is None
         assert rule("attention_varlen_forward", (1000, 8, 64), dtype=torch.float32, **gpu) is None
@@ -2220,7 +2285,7 @@ def test_varlen_dispatch_rule_on_any_gpu():
     assert rule("attention_varlen_forward", (1000, 8, 64), dtype=torch.bfloat16, cuda=True, capability=(7, 5)) is None
     assert rule("attention_varlen_forward", (1000, 8, 64), dtype=torch.bfloat16, cuda=False) is None
     with pytest.raises(RuntimeError, match=r"varlen_rule: unknown op 'softmax'"):
-        OPS.varlen_rule("softmax", 64, True, True, 9)
+        OPS.varlen_rule("softmax", 1, 8, 8, 64, 64, 64, 0.125, False, True, True, 9)
 
 
 # CUDA: the packed layout on rungs "tuned" and "split_kv" (forward) and "mma", "mma_dqpass"

@@ -58,30 +58,32 @@ namespace flash_attention {
 // cu_seqlens_q and writes `order` and `rank_start` into the workspace, and clears the tile counter
 // (workspace[0]) for the forward that follows it on the stream. O(batch^2 + q_tiles x batch) steps
 // over all threads, the lengths staged through shared memory a chunk at a time: microseconds at a
-// few hundred sequences, against a forward that reads every token.
+// few hundred sequences, against a forward that reads every token. A template (of its block size)
+// so that every instantiation file may include its definition.
 inline constexpr int kVarlenScheduleThreads = 1024;
-__global__ void __launch_bounds__(kVarlenScheduleThreads)
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads)
     hopper_varlen_schedule_kernel(const int32_t* cu_seqlens_q, int batch, int heads, int q_tiles, int* workspace) {
   int* rank_start = workspace + 1;            // q_tiles + 1 entries
   int* order = workspace + 2 + q_tiles;       // batch entries
-  __shared__ int chunk[kVarlenScheduleThreads];  // the tiles of sequences c0 .. c0 + blockDim.x - 1
+  __shared__ int chunk[kThreads];  // the tiles of sequences c0 .. c0 + kThreads - 1
   auto tiles_of = [&](int b) {
     return hopper_varlen_tiles(static_cast<int64_t>(cu_seqlens_q[b + 1]) - cu_seqlens_q[b], q_tiles);
   };
   // Both loops below walk every chunk of sequences with the whole block (their bounds are the same
   // for every thread), so the barriers inside are reached by all.
   auto each_chunk = [&](auto&& visit) {
-    for (int c0 = 0; c0 < batch; c0 += blockDim.x) {
+    for (int c0 = 0; c0 < batch; c0 += kThreads) {
       __syncthreads();  // everyone is done reading the previous chunk before it is overwritten
       if (c0 + static_cast<int>(threadIdx.x) < batch) chunk[threadIdx.x] = tiles_of(c0 + threadIdx.x);
       __syncthreads();  // the chunk is written before anyone reads it
-      const int n = min(static_cast<int>(blockDim.x), batch - c0);
+      const int n = min(kThreads, batch - c0);
       visit(c0, n);
     }
   };
   if (threadIdx.x == 0) *workspace = 0;  // the forward's tile counter
   // order: sequence b's place is the number of sequences before it.
-  for (int base = 0; base < batch; base += blockDim.x) {
+  for (int base = 0; base < batch; base += kThreads) {
     const int b = base + threadIdx.x;
     const int tiles = b < batch ? tiles_of(b) : 0;
     int place = 0;
@@ -91,7 +93,7 @@ __global__ void __launch_bounds__(kVarlenScheduleThreads)
     if (b < batch) order[place] = b;
   }
   // rank_start: the items before each rank, every sequence's share.
-  for (int base = 0; base <= q_tiles; base += blockDim.x) {
+  for (int base = 0; base <= q_tiles; base += kThreads) {
     const int rank = base + threadIdx.x;
     int64_t items = 0;
     each_chunk([&](int, int n) {
@@ -480,7 +482,7 @@ cudaError_t run_flash_fwd_hopper_persistent(const AttentionParams& p, cudaStream
   // the schedule kernel).
   int* counter = static_cast<int*>(workspace);
   if constexpr (kVarlen) {
-    hopper_varlen_schedule_kernel<<<1, kVarlenScheduleThreads, 0, stream>>>(
+    hopper_varlen_schedule_kernel<kVarlenScheduleThreads><<<1, kVarlenScheduleThreads, 0, stream>>>(
         p.cu_seqlens_q, static_cast<int>(p.batch), static_cast<int>(p.heads), schedule.q_tiles, counter);
     COURSE_CUDA_TRY(cudaGetLastError());
   } else {
