@@ -514,8 +514,8 @@ def test_persistent_schedule_keeps_kv_heads_together():
 
 # Query lengths of packed batches: the benchmark's, empty sequences, one token, lengths around the
 # 128-row tile, one sequence, none, a max_seqlen_q longer than any sequence.
-VARLEN_SCHEDULES = [([128, 8192, 256, 4096, 512, 2048, 1024, 3072, 384, 1536, 640, 2560, 768, 5120, 896, 1792], 16, 8192),
-                    ([1, 17, 128, 0, 129, 4097, 0], 4, 4097), ([300], 2, 300), ([0, 0], 3, 64), ([], 2, 10),
+VARLEN_SCHEDULES = [([128, 8192, 256, 4096, 512, 2048, 1024, 3072, 384, 1536, 640, 2560, 768, 5120, 896, 1792], 16,
+                     8192), ([1, 17, 128, 0, 129, 4097, 0], 4, 4097), ([300], 2, 300), ([0, 0], 3, 64), ([], 2, 10),
                     ([5, 130, 129], 1, 1000)]
 
 
@@ -2404,7 +2404,8 @@ def test_cuda_varlen_split_kv_splits(dtype):
     from coursekit.pytest_plugin import launched_kernels
     lens_q, lens_k = [1, 1, 3, 0, 17], [3000, 1, 900, 20, 2000]
     q, k, v, cu_q, cu_k = varlen_cuda_inputs(lens_q, lens_k, 8, 2, 128, dtype)
-    assert flash_attention.default_choice("attention_varlen_forward", q) == "split_kv"
+    assert flash_attention.default_choice("attention_varlen_forward", q, k, batch=5, max_seqlen_q=17,
+                                          max_seqlen_k=3000) == "split_kv"
     for causal in (False, True):
         split = check_cuda_varlen_forward(q, k, v, cu_q, cu_k, 17, 3000, f"split {dtype_id(dtype)} causal={causal}",
                                           causal=causal)
@@ -2473,6 +2474,126 @@ def test_cuda_varlen_matches_the_padded_kernels(seqlen_q, seqlen_k, version, fea
         assert torch.equal(g, pack(e)), name
 
 
+# The packed layout on part 3's rung "persistent" (Hopper only): its tensor maps over the packed
+# tensors, the schedule kernel's order of the sequences' own tiles (tile_schedule.h).
+def skip_unless_persistent_varlen():
+    require_cuda()
+    if not hopper_runs():
+        pytest.skip("rung 'persistent' needs a Hopper GPU (compute capability 9.0) and a build whose arch list had 9.0")
+
+
+# (lengths of q, lengths of k): 1, 17, 128, 129 and 4097 tokens mixed with empty sequences on either
+# side, a sequence whose keys outnumber its queries (a chunk against its cache) and one the other way.
+VARLEN_PERSISTENT_BATCHES = [
+    ([1, 17, 128, 0, 129, 4097, 300], [1, 17, 128, 9, 129, 4097, 300]),
+    ([17, 129, 3, 64, 65, 0], [300, 64, 0, 127, 65, 0]),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+def test_cuda_varlen_persistent(dtype, head_dim, causal):
+    """Rung "persistent" packed, GQA (2:1 on the long batch, 4:1 on the other), against the float64
+    reference of each sequence alone; the same bits with max_seqlen 200 past the longest sequence
+    (the schedule's items are the sequences' own tiles either way: a larger max only widens the
+    index space); and each sequence with keys bit for bit as the padded persistent rung on that
+    sequence alone (out and lse): the rows of the next sequence that a partial tile reads are masked
+    as keys and not stored as rows (the kernel's comment)."""
+    skip_unless_persistent_varlen()
+    for (lens_q, lens_k), (heads, heads_kv) in zip(VARLEN_PERSISTENT_BATCHES, ((2, 1), (8, 2))):
+        q, k, v, cu_q, cu_k = varlen_cuda_inputs(lens_q, lens_k, heads, heads_kv, head_dim, dtype)
+        what = f"persistent {dtype_id(dtype)} d{head_dim} causal={causal} {lens_q}x{lens_k}"
+        max_q, max_k = max(lens_q), max(lens_k)
+        out = check_cuda_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, what, version="persistent", causal=causal)
+        out, lse = flash_attention.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
+                                                    version="persistent", return_lse=True)
+        wide, wide_lse = flash_attention.attention_varlen(q, k, v, cu_q, cu_k, max_q + 200, max_k + 200,
+                                                          causal=causal, version="persistent", return_lse=True)
+        assert torch.equal(wide, out) and torch.equal(wide_lse, lse), f"{what}: max_seqlen + 200 changed the bits"
+        cq, ck = cu_q.tolist(), cu_k.tolist()
+        for b in range(len(lens_q)):
+            if lens_q[b] == 0 or lens_k[b] == 0:
+                continue  # nothing to compare bitwise (the reference above holds these rows)
+            one = [t[s].transpose(0, 1).unsqueeze(0) for t, s in
+                   ((q, slice(cq[b], cq[b + 1])), (k, slice(ck[b], ck[b + 1])), (v, slice(ck[b], ck[b + 1])))]
+            o1, l1 = flash_attention.attention_forward(*one, 1 / math.sqrt(head_dim), causal, version="persistent")
+            assert torch.equal(out[cq[b]:cq[b + 1]], o1[0].transpose(0, 1)), f"{what} sequence {b}: out"
+            assert torch.equal(lse[:, cq[b]:cq[b + 1]], l1[0]), f"{what} sequence {b}: lse"
+
+
+@pytest.mark.cuda
+def test_cuda_varlen_persistent_dispatch():
+    """version=None on the benchmark's kind of batch (sequences of 128 to 8192 tokens, causal, d128)
+    is "persistent", and it is what runs: the schedule kernel, then the packed persistent kernel
+    (template argument kVarlen = true); the result matches rung "split_kv"'s within the rungs'
+    rounding. Where the grid over the max lengths would split (a few query rows against long keys),
+    "split_kv"."""
+    skip_unless_persistent_varlen()
+    from coursekit.pytest_plugin import launched_kernels
+    lens = [128, 2048, 256, 1024, 640, 3000]
+    q, k, v, cu_q, cu_k = varlen_cuda_inputs(lens, lens, 8, 8, 128, torch.bfloat16)
+    assert flash_attention.default_choice("attention_varlen_forward", q, scale=1 / math.sqrt(128), causal=True,
+                                          batch=len(lens), max_seqlen_q=3000, max_seqlen_k=3000) == "persistent"
+    out, names = launched_kernels(lambda: flash_attention.attention_varlen(q, k, v, cu_q, cu_k, 3000, 3000,
+                                                                           causal=True), "flash_attention")
+    assert any("hopper_varlen_schedule_kernel" in n for n in names), names
+    assert any("flash_fwd_hopper_persistent_kernel" in n and "true" in n for n in names), names
+    split = flash_attention.attention_varlen(q, k, v, cu_q, cu_k, 3000, 3000, causal=True, version="split_kv")
+    torch.testing.assert_close(out, split, rtol=CUDA_FORWARD_TOL[torch.bfloat16][0], atol=2e-3)
+    qd, kd, vd, cqd, ckd = varlen_cuda_inputs([1, 3, 2], [3000, 900, 2000], 8, 2, 128, torch.bfloat16)
+    assert flash_attention.default_choice("attention_varlen_forward", qd, kd, batch=3, max_seqlen_q=3,
+                                          max_seqlen_k=3000) == "split_kv"
+
+
+@pytest.mark.cuda
+def test_cuda_varlen_persistent_misuse():
+    """Rung "persistent" refuses the packed calls it does not compute, naming the way out: head_dim
+    256 and 32, a window or softcap, float32."""
+    skip_unless_persistent_varlen()
+    call = flash_attention.attention_varlen
+    cases = []
+    for d, message in ((256, r"version 'persistent' takes the packed \(varlen\) layout at head_dim 64, 128"),
+                       (32, r"version 'persistent' takes head_dim 64, 128 or 256")):
+        q, k, v, cu_q, cu_k = varlen_cuda_inputs([3, 4], [3, 4], 2, 2, d, torch.bfloat16)
+        cases.append((lambda q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k: call(q, k, v, cu_q, cu_k, 4, 4, version="persistent"),
+                      message))
+    q, k, v, cu_q, cu_k = varlen_cuda_inputs([3, 4], [3, 4], 2, 2, 64, torch.bfloat16)
+    cases += [
+        (lambda: call(q, k, v, cu_q, cu_k, 4, 4, causal=True, window=(2, -1), version="persistent"),
+         r"version 'persistent' takes no window or softcap; versions 'tuned' and 'split_kv' compute them"),
+        (lambda: call(q, k, v, cu_q, cu_k, 4, 4, softcap=5.0, version="persistent"),
+         r"version 'persistent' takes no window or softcap"),
+        (lambda: call(q.float(), k.float(), v.float(), cu_q, cu_k, 4, 4, version="persistent"),
+         r"attention_varlen_forward: on CUDA the packed \(varlen\) layout runs on versions"),
+    ]
+    for fn, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            fn()
+
+
+@pytest.mark.cuda
+@pytest.mark.sanitize
+def test_sanitizer_varlen_persistent():
+    """Rung "persistent" packed under compute-sanitizer: partial tiles whose copies read the next
+    sequence's rows and, at the end of the tensor, past it (zero-filled), empty sequences on both
+    sides, a max_seqlen past every sequence, GQA, both head dims, causal and full; and a decreasing
+    cu_seqlens (an empty sequence, varlen.cuh's rule): nothing read or written outside the tensors."""
+    skip_unless_persistent_varlen()
+    lens_q, lens_k = [1, 17, 0, 70, 129, 5], [33, 17, 4, 0, 130, 70]
+    for head_dim in (64, 128):
+        for causal in (False, True):
+            q, k, v, cu_q, cu_k = varlen_cuda_inputs(lens_q, lens_k, 4, 2, head_dim, torch.bfloat16)
+            check_cuda_varlen_forward(q, k, v, cu_q, cu_k, 200, 300, f"sanitize persistent d{head_dim} causal={causal}",
+                                      version="persistent", causal=causal)
+    q, k, v, cu_q, cu_k = varlen_cuda_inputs([5, 9], [5, 9], 2, 1, 64, torch.bfloat16)
+    bad = torch.tensor([0, 5, 3, 14], dtype=torch.int32, device="cuda")
+    out = flash_attention.attention_varlen(q, k, v, bad, bad, 11, 11, causal=True, version="persistent")
+    good = flash_attention.attention_varlen(q, k, v, cu_q, cu_k, 9, 9, causal=True, version="persistent")
+    assert torch.equal(out[:3], good[:3])
+
+
 @pytest.mark.cuda
 def test_cuda_varlen_graph_capture_and_compile():
     """No host sync and no host read of cu_seqlens: forward and both backward rungs replay inside a
@@ -2533,16 +2654,16 @@ def test_cuda_varlen_misuse():
         (lambda: call(q, k, v, cu_q, cu_k.long(), 4, 4),
          r"attention_varlen_forward: cu_seqlens_k has dtype Long but must be Int"),
         (lambda: call(q, k, v, cu_q, cu_k, 4, 4, version="pipelined"),
-         r"attention_varlen_forward: version 'pipelined' does not take the packed \(varlen\) layout; versions 'tuned' "
-         r"and 'split_kv' take it"),
+         r"attention_varlen_forward: version 'pipelined' does not take the packed \(varlen\) layout; versions 'tuned', "
+         r"'split_kv' and 'persistent' take it"),
         (lambda: call(q, k, v, cu_q, cu_k, 4, 4, version="pingpong"),
          r"attention_varlen_forward: version 'pingpong' does not take the packed \(varlen\) layout"),
         (lambda: call(q.float(), k.float(), v.float(), cu_q, cu_k, 4, 4),
-         r"attention_varlen_forward: on CUDA the packed \(varlen\) layout runs on versions 'tuned' and 'split_kv' "
-         r"alone \(float16 and bfloat16.*q is Float"),
+         r"attention_varlen_forward: on CUDA the packed \(varlen\) layout runs on versions 'tuned', 'split_kv' and "
+         r"'persistent' alone \(float16 and bfloat16.*q is Float"),
         (lambda: call(q.double(), k.double(), v.double(), cu_q, cu_k, 4, 4, version="tuned"),
-         r"attention_varlen_forward: on CUDA the packed \(varlen\) layout runs on versions 'tuned' and 'split_kv' "
-         r"alone .*q is Double"),
+         r"attention_varlen_forward: on CUDA the packed \(varlen\) layout runs on versions 'tuned', 'split_kv' and "
+         r"'persistent' alone .*q is Double"),
         (lambda: call(q, k, v, cu_q, cu_k, 3, 4),
          r"attention_varlen_forward: 2 sequences of at most max_seqlen_q = 3 and max_seqlen_k = 4 tokens cannot hold "
          r"7 query and 7 key tokens"),
