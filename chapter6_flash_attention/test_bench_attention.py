@@ -189,7 +189,8 @@ def test_varlen_rows_count_useful_work():
 
 def test_recorded_varlen_results_hold_the_dispatch():
     """The packed rows (bench_attention.py --ops attention_varlen, their own results file): each
-    default row ran the rung the extension's varlen rule names on the recorded GPU, that rung was
+    default row ran the rung the extension's varlen rule names on the recorded GPU (asked with the
+    record's sequence count and max lengths), that rung was
     timed beside it, and it is within 0.95x the fastest packed rung, as
     test_recorded_results_hold_the_dispatch holds the padded rows."""
     import flash_attention
@@ -198,15 +199,21 @@ def test_recorded_varlen_results_hold_the_dispatch():
     if record is None:
         pytest.skip("no recorded packed rows yet: run `python bench_attention.py --ops attention_varlen` on a GPU")
     device = record["device"]
-    facts = dict(cuda=True, capability=tuple(int(x) for x in device["capability"].split(".")), sms=device["sms"])
     rows = results.rows(record, op="attention_varlen")
+    # The recorded build took the packed layout on the Hopper forward iff it timed that rung packed:
+    # a record from before rung "persistent" took it has no such row, and its rule had no such choice.
+    hopper = any(r["variant"] == "persistent" and r["layout"] == "packed" for r in rows)
+    facts = dict(cuda=True, capability=tuple(int(x) for x in device["capability"].split(".")), sms=device["sms"],
+                 hopper_built=hopper)
     problems = []
-    for pass_, rungs in (("forward", ("tuned", "split_kv")), ("backward", ("mma", "mma_dqpass"))):
+    for pass_, rungs in (("forward", ("tuned", "split_kv", "persistent")), ("backward", ("mma", "mma_dqpass"))):
         got = {r["variant"]: r for r in rows if r["pass"] == pass_ and r["layout"] == "packed"}
         assert "default" in got, f"no default row for the packed {pass_}"
         default = got["default"]
         op = f"attention_varlen_{pass_}"
         rung = flash_attention.dispatch_rule(op, tuple(default["shape"]), dtype=getattr(torch, default["dtype"]),
+                                             causal=default["causal"], batch=default["sequences"],
+                                             max_seqlen_q=default["max_seqlen"], max_seqlen_k=default["max_seqlen"],
                                              **facts)
         assert default["dispatch"] == rung, default
         measured = {v: got[v]["median_ms"] for v in rungs if v in got}
