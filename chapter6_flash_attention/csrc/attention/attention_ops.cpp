@@ -376,22 +376,30 @@ void check_tensor_core_rung(const char* op, const std::string& name, const Tenso
               " KiB: use version='mma' or 'tiled'");
 }
 
-// What part 3's rungs need, each refused with the way out: a build that has them, a Hopper GPU,
-// a head dim of whole 64-column chunks, a positive scale. q: padded or packed, head_dim last.
-void check_hopper_rung(const char* op, ForwardVersion v, const Tensor& q, double scale) {
-  const std::string name = ::course::version_name(kForwardVersions, v);
+// What every part 3 rung needs first, forward or backward, each refused with the way out: 16-bit
+// inputs, a build that has the sm_90a kernels, a Hopper GPU. `scalar` names the rungs that take
+// float32 and float64, `instead` the rung to use where part 3's cannot run.
+void check_hopper_build_and_gpu(const char* op, const std::string& name, const Tensor& q, const char* scalar,
+                                const char* instead) {
   TORCH_CHECK(half_dtype(q), op, ": version '", name, "' runs on tensor cores and takes float16 and bfloat16; q is ",
-              q.scalar_type(), " (float32 and float64 run on versions 'naive' and 'tiled')");
+              q.scalar_type(), " (float32 and float64 run on ", scalar, ")");
 #ifndef COURSE_HOPPER
   TORCH_CHECK(false, op, ": version '", name, "' is a Hopper kernel (sm_90a), and this build of flash_attention ",
               "has none: it was compiled for a TORCH_CUDA_ARCH_LIST without 9.0. Rebuild with 9.0 in the list ",
-              "(the default on a Hopper GPU), or use version='tuned'");
+              "(the default on a Hopper GPU), or use version='", instead, "'");
 #endif
   const int major = device_attribute(q, cudaDevAttrComputeCapabilityMajor);
   const int minor = device_attribute(q, cudaDevAttrComputeCapabilityMinor);
   TORCH_CHECK(major == 9 && minor == 0, op, ": version '", name, "' needs a Hopper GPU, compute capability 9.0 ",
               "(wgmma, TMA and setmaxnreg; sm_90a code runs on no other); this GPU is ", std::to_string(major), ".",
-              std::to_string(minor), ": use version='tuned'");
+              std::to_string(minor), ": use version='", instead, "'");
+}
+
+// What part 3's rungs need, each refused with the way out: a build that has them, a Hopper GPU,
+// a head dim of whole 64-column chunks, a positive scale. q: padded or packed, head_dim last.
+void check_hopper_rung(const char* op, ForwardVersion v, const Tensor& q, double scale) {
+  const std::string name = ::course::version_name(kForwardVersions, v);
+  check_hopper_build_and_gpu(op, name, q, "versions 'naive' and 'tiled'", "tuned");
   TORCH_CHECK(attention_forward_hopper_head_dim(q.size(-1)), op, ": version '", name,
               "' takes head_dim 64, 128 or 256 (whole 64-column chunks, the width of its 128-byte swizzle); ",
               "head_dim is ", std::to_string(q.size(-1)), ": use version='tuned'");
@@ -412,18 +420,7 @@ void check_hopper_rung(const char* op, ForwardVersion v, const Tensor& q, double
 // shared memory. Any scale: the backward keeps no running maximum.
 void check_hopper_backward(const char* op, const Tensor& q) {
   const std::string name = ::course::version_name(kBackwardVersions, BackwardVersion::kWgmma);
-  TORCH_CHECK(half_dtype(q), op, ": version '", name, "' runs on tensor cores and takes float16 and bfloat16; q is ",
-              q.scalar_type(), " (float32 and float64 run on version 'naive')");
-#ifndef COURSE_HOPPER
-  TORCH_CHECK(false, op, ": version '", name, "' is a Hopper kernel (sm_90a), and this build of flash_attention ",
-              "has none: it was compiled for a TORCH_CUDA_ARCH_LIST without 9.0. Rebuild with 9.0 in the list ",
-              "(the default on a Hopper GPU), or use version='mma_dqpass'");
-#endif
-  const int major = device_attribute(q, cudaDevAttrComputeCapabilityMajor);
-  const int minor = device_attribute(q, cudaDevAttrComputeCapabilityMinor);
-  TORCH_CHECK(major == 9 && minor == 0, op, ": version '", name, "' needs a Hopper GPU, compute capability 9.0 ",
-              "(wgmma, TMA and setmaxnreg; sm_90a code runs on no other); this GPU is ", std::to_string(major), ".",
-              std::to_string(minor), ": use version='mma_dqpass'");
+  check_hopper_build_and_gpu(op, name, q, "version 'naive'", "mma_dqpass");
   TORCH_CHECK(attention_backward_hopper_head_dim(q.size(3)), op, ": version '", name, "' takes head_dim ",
               list_text(kHopperBackwardHeadDims), " (whole 64-column chunks, with dK and dV of 64 keys in ",
               "registers); head_dim is ", std::to_string(q.size(3)), ": use version='mma_dqpass' or 'naive'");
