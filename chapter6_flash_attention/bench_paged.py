@@ -475,6 +475,26 @@ def where_of(c):
     return f"{what} {c['heads']}/{c['heads_kv']} d={c['head_dim']} bs={c['block_size']} {c['dtype']}".replace("  ", " ")
 
 
+def check_then_time(notes, variant, where, device, fn, check, ref32, ref, baseline, dtype):
+    """One variant of a row: run `check` and compare its output with the float32 witness always and
+    with the baseline's output where the baseline ran (`ref`; both comparisons raise on a
+    mismatch), then time `fn`. Returns (the baseline's output, which this call is when `variant` is
+    the baseline; err32; err; the timing, None where the call was too slow to time), or None where
+    the call refused. The output is dropped before the timing, so that it does not sit in memory
+    beside the timed calls."""
+    got = bench.attempt(notes, variant, where, check)
+    if got is None:
+        return None
+    got = got.reshape(ref32.shape)
+    if variant == baseline:
+        ref = got
+    err32 = check_close(got, ref32, dtype, f"{where} {variant} vs float32 reference")
+    err = check_close(got, ref, dtype, f"{where} {variant} vs {baseline}") if ref is not None else None
+    del got
+    t = bench.probe_and_time(notes, variant, where, device, fn, max_call_ms=MAX_CALL_MS)
+    return ref, err32, err, t
+
+
 def decode_rows(device, c, ceilings, notes):
     """The rows of one configuration. Its own frame: the caches, and the closures over them that
     the loop leaves bound, go when it returns, before the next configuration is built."""
@@ -487,18 +507,10 @@ def decode_rows(device, c, ceilings, notes):
     fields = config_fields(c, case)
     rows, ref, t_base = [], None, None
     for variant, fn, check in decode_calls(c, case, device):
-        got = bench.attempt(notes, variant, where, check)
-        if got is None:
+        checked = check_then_time(notes, variant, where, device, fn, check, ref32, ref, BASELINE, dtype)
+        if checked is None:
             continue
-        got = got.reshape(ref32.shape)
-        if variant == BASELINE:
-            ref = got
-        # Against the float32 witness always, and against sdpa_contiguous (the lesson's
-        # baseline) where SDPA ran; both raise on a mismatch.
-        err32 = check_close(got, ref32, dtype, f"{where} {variant} vs float32 reference")
-        err = check_close(got, ref, dtype, f"{where} {variant} vs {BASELINE}") if ref is not None else None
-        del got
-        t = bench.probe_and_time(notes, variant, where, device, fn, max_call_ms=MAX_CALL_MS)
+        ref, err32, err, t = checked
         if t is None:
             continue
         if variant == BASELINE:
@@ -675,15 +687,10 @@ def prefill_rows(device, c, ceilings, notes):
             if fn is None:
                 continue
             check = fn
-        got = bench.attempt(notes, variant, where, check)
-        if got is None:
+        checked = check_then_time(notes, variant, where, device, fn, check, ref32, ref, PREFILL_BASELINE, dtype)
+        if checked is None:
             continue
-        if variant == PREFILL_BASELINE:
-            ref = got
-        err32 = check_close(got, ref32, dtype, f"{where} {variant} vs float32 reference")
-        err = check_close(got, ref, dtype, f"{where} {variant} vs {PREFILL_BASELINE}") if ref is not None else None
-        del got
-        t = bench.probe_and_time(notes, variant, where, device, fn, max_call_ms=MAX_CALL_MS)
+        ref, err32, err, t = checked
         if t is None:
             continue
         if variant == PREFILL_BASELINE:
