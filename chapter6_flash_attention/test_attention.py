@@ -1468,12 +1468,9 @@ def test_cuda_hopper_opcheck_and_compile():
     assert torch.equal(compiled(q, k, v), expected)
 
 
-@pytest.mark.cuda
-def test_cuda_hopper_sass_has_hgmma():
-    """The Hopper rungs really run on the warpgroup tensor-core instructions: in the loaded
-    library's SASS every flash_fwd_hopper_kernel holds HGMMA (wgmma on 16-bit inputs; QGMMA, its
-    8-bit form, in the FP8 kernels) and UTMALDG (TMA) and no HMMA (mma.sync, the Ampere path)."""
-    skip_unless_hopper()
+def sass_functions(name_part):
+    """[(mangled name, SASS)] of the loaded library's kernels whose name holds `name_part`, from
+    cuobjdump; skips where the toolkit's cuobjdump or the library's path is missing."""
     import shutil
     import subprocess
     cuobjdump = shutil.which("cuobjdump")
@@ -1483,10 +1480,19 @@ def test_cuda_hopper_sass_has_hgmma():
     if library is None:
         pytest.skip(f"the library was loaded by route {flash_attention.EXTENSION['route']}, without a path")
     sass = subprocess.run([cuobjdump, "-sass", library], capture_output=True, text=True, check=True).stdout
-    kernels = [chunk for chunk in sass.split("Function : ")[1:] if "flash_fwd_hopper_" in chunk.split("\n")[0]]
+    chunks = sass.split("Function : ")[1:]
+    return [(chunk.split("\n")[0], chunk) for chunk in chunks if name_part in chunk.split("\n")[0]]
+
+
+@pytest.mark.cuda
+def test_cuda_hopper_sass_has_hgmma():
+    """The Hopper rungs really run on the warpgroup tensor-core instructions: in the loaded
+    library's SASS every flash_fwd_hopper_kernel holds HGMMA (wgmma on 16-bit inputs; QGMMA, its
+    8-bit form, in the FP8 kernels) and UTMALDG (TMA) and no HMMA (mma.sync, the Ampere path)."""
+    skip_unless_hopper()
+    kernels = sass_functions("flash_fwd_hopper_")
     assert len(kernels) >= 24, f"{len(kernels)} Hopper kernels in the SASS (4 rungs x 2 dtypes x 3 head dims)"
-    for body in kernels:
-        name = body.split("\n")[0]
+    for name, body in kernels:
         wgmma = "QGMMA" if "fp8" in name else "HGMMA"
         assert wgmma in body and "UTMALDG" in body and "HMMA" not in body, name
 
@@ -1650,21 +1656,10 @@ def test_cuda_hopper_backward_refusals():
 def test_cuda_hopper_backward_sass():
     """The backward's main kernel runs on wgmma (HGMMA) and TMA (UTMALDG), not mma.sync (HMMA)."""
     skip_unless_hopper()
-    import shutil
-    import subprocess
-    cuobjdump = shutil.which("cuobjdump")
-    if cuobjdump is None:
-        pytest.skip("cuobjdump (CUDA toolkit) is not on PATH")
-    library = flash_attention.EXTENSION.get("so_path")
-    if library is None:
-        pytest.skip(f"the library was loaded by route {flash_attention.EXTENSION['route']}, without a path")
-    sass = subprocess.run([cuobjdump, "-sass", library], capture_output=True, text=True, check=True).stdout
-    kernels = [chunk for chunk in sass.split("Function : ")[1:] if "flash_bwd_hopper_kernel" in chunk.split("\n")[0]]
+    kernels = sass_functions("flash_bwd_hopper_kernel")
     assert len(kernels) == 4, f"{len(kernels)} Hopper backward kernels in the SASS (2 dtypes x 2 head dims)"
-    for body in kernels:
-        name = body.split("\n")[0]
-        wgmma = "QGMMA" if "fp8" in name else "HGMMA"
-        assert wgmma in body and "UTMALDG" in body and "HMMA" not in body, name
+    for name, body in kernels:
+        assert "HGMMA" in body and "UTMALDG" in body and "HMMA" not in body, name
 
 
 @pytest.mark.cuda
