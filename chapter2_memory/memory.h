@@ -66,17 +66,36 @@ inline bool stored_transposed(const TransposeParams& p) {
          (p.batch == 1 || p.batch_stride == p.rows * p.cols);
 }
 
+// A thin matrix: one of the two transposed dims holds at most kThinMaxShort elements (3 x
+// 1000003, a batch of (n, 4) tensors). Every rung's tile is mostly empty there: v4 and v5 own
+// 128 rows per tile, v1-v3 32, so 3 valid rows leave 98% (91%) of the tile's threads, barriers
+// and shared memory idle, and the time per tile barely changes. The thin kernels
+// (memory_kernels.cu) give each thread one index of the long dim and loop over the short one,
+// holding the kThinMaxShort elements it moves in registers. Why 16: it is half of the
+// narrowest tile (v1-v3's 32 rows), so below it every rung wastes more than half of each
+// block; and 16 elements per thread (at most 128 bytes in float64) all fit in registers and are
+// all in flight at once, where a longer short side would need a loop of its own. Where the
+// tiles overtake the thin kernels above 16 is not measured (NOTES.md).
+constexpr int64_t kThinMaxShort = 16;
+
+inline bool thin_applies(const TransposeParams& p) {
+  return p.rows <= kThinMaxShort || p.cols <= kThinMaxShort;
+}
+
 // ---------------------------------------------------------------------------------------
 // version=None for transpose: the one place where the chapter decides (measured on the H100;
 // the README's "version=None" section shows the numbers).
 //   - memory already in transposed order: a copy (copy v2), at the copy ceiling;
+//   - one transposed dim of at most kThinMaxShort (thin_applies): the thin kernels, whatever
+//     the strides and alignment (the H200 shapes sweep measured v5 at 0.04-0.17x PyTorch on
+//     3 x 1000003 and 1000003 x 3, in every dtype: its 128-row tile was 98% empty);
 //   - rows 16-byte aligned on both sides: v4, the fastest rung at every aligned size measured,
 //     from 256^2 up (v5 does the same work plus the per-segment alignment arithmetic);
 //   - any other unit-stride input (odd shapes, x[:, 1:]): v5;
 //   - columns not adjacent in memory (x[:, ::2]): v3, the padded tile, which gathers single
 //     elements anyway.
 // ---------------------------------------------------------------------------------------
-enum class TransposeRoute { kCopy, kRung };
+enum class TransposeRoute { kCopy, kThin, kRung };
 struct TransposeChoice {
   TransposeRoute route;
   TransposeVersion version;  // when route == kRung
@@ -84,6 +103,7 @@ struct TransposeChoice {
 
 inline TransposeChoice default_transpose(const TransposeParams& p) {
   if (stored_transposed(p)) return {TransposeRoute::kCopy, TransposeVersion::kWideTiles};
+  if (thin_applies(p)) return {TransposeRoute::kThin, TransposeVersion::kWideTiles};
   if (wide_tiles_apply(p)) return {TransposeRoute::kRung, TransposeVersion::kWideTiles};
   if (p.col_stride == 1) return {TransposeRoute::kRung, TransposeVersion::kWideTilesAnyAlignment};
   return {TransposeRoute::kRung, TransposeVersion::kTiledPadded};
@@ -118,5 +138,8 @@ namespace memory_ops {
 cudaError_t launch_copy(const CopyParams& params, cudaStream_t stream);
 cudaError_t launch_strided_copy(const StridedCopyParams& params, cudaStream_t stream);
 cudaError_t launch_transpose(const TransposeParams& params, cudaStream_t stream);
+// The thin kernels; params.version is ignored. Only for thin_applies(params): anything else
+// returns cudaErrorInvalidValue and launches nothing.
+cudaError_t launch_transpose_thin(const TransposeParams& params, cudaStream_t stream);
 }  // namespace memory_ops
 #endif

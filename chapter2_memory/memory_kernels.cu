@@ -4,7 +4,9 @@
 // (uint16_t, uint32_t, uint64_t) and never interprets a value:
 //   copy          the bandwidth ceiling itself: v1 scalar, v2 16-byte vectorized;
 //   strided_copy  dst[i] = src[i * stride]: what a strided read costs;
-//   transpose     the ladder v1..v4, from scattered writes to a bank-conflict-free wide tile.
+//   transpose     the ladder v1..v5, from scattered writes to a bank-conflict-free wide tile
+//                 at any alignment, and the thin kernels that version=None runs when one of
+//                 the two dims is short.
 //
 // Napkin math for every op: bytes read + bytes written, the minimum being each useful element
 // read once and written once. At 3.0 TB/s (the H100's measured copy rate) a 16384 x 16384
@@ -529,6 +531,75 @@ __global__ void __launch_bounds__(kWideThreads, 3)
   }
 }
 
+// transpose of a thin matrix (version=None only; memory.h's thin_applies says when, and why
+// the bound is kThinMaxShort = 16). No tile and no shared memory: each thread owns one index of
+// the long dim, loads the at most 16 elements of the short dim into registers (all issued
+// before the first store), and stores them. Both mappings keep the long dim across the threads
+// of a warp, so on one side every access instruction is coalesced and on the other each thread
+// moves a short contiguous run of 2-128 bytes next to its neighbour's, whose sectors the same
+// warp completes within its next few instructions (the L2 merges them before DRAM sees them):
+//
+//   short rows (rows <= 16, 3 x 1000003): thread c reads column c, src[r][c] for every r: for
+//     each r the warp reads 32 consecutive elements of row r; it writes destination row c,
+//     rows contiguous elements, next to thread c + 1's.
+//   short columns (cols <= 16, 1000003 x 3): thread r reads source row r, cols contiguous
+//     elements next to thread r + 1's (the L1 keeps the line between the cols loads); it
+//     writes one element into each of the cols destination rows: for each c the warp writes 32
+//     consecutive elements of destination row c.
+//
+// Scalar accesses only: a short run of 3 elements starts at every alignment from row to row,
+// so 16-byte vectors would apply to few rows. The loops run to kThinShort with a guard, so
+// that nvcc unrolls them and keeps e[] in registers (a runtime trip count would put it in
+// local memory).
+constexpr int kThinShort = static_cast<int>(kThinMaxShort);
+constexpr int kThinThreads = 256;
+
+template <typename T>
+__global__ void __launch_bounds__(kThinThreads) transpose_thin_rows(TransposeParams p) {
+  const T* src = static_cast<const T*>(p.src);
+  T* dst = static_cast<T*>(p.dst);
+  const int64_t n = p.batch * p.cols;  // one thread per (matrix, source column)
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
+    const int64_t b = i / p.cols;
+    const int64_t c = i - b * p.cols;
+    const T* column = src + b * p.batch_stride + c * p.col_stride;
+    T e[kThinShort];
+#pragma unroll
+    for (int r = 0; r < kThinShort; ++r) {
+      if (r < p.rows) e[r] = column[r * p.row_stride];  // rows <= kThinShort, often fewer
+    }
+    T* out = dst + i * p.rows;  // destination row c of matrix b: (b * cols + c) * rows
+#pragma unroll
+    for (int r = 0; r < kThinShort; ++r) {
+      if (r < p.rows) out[r] = e[r];  // the same guard as the load
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThinThreads) transpose_thin_cols(TransposeParams p) {
+  const T* src = static_cast<const T*>(p.src);
+  T* dst = static_cast<T*>(p.dst);
+  const int64_t n = p.batch * p.rows;  // one thread per (matrix, source row)
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
+    const int64_t b = i / p.rows;
+    const int64_t r = i - b * p.rows;
+    const T* row = src + b * p.batch_stride + r * p.row_stride;
+    T e[kThinShort];
+#pragma unroll
+    for (int c = 0; c < kThinShort; ++c) {
+      if (c < p.cols) e[c] = row[c * p.col_stride];  // cols <= kThinShort, often fewer
+    }
+    T* out = dst + b * p.cols * p.rows + r;  // column r of matrix b's (cols, rows) output
+#pragma unroll
+    for (int c = 0; c < kThinShort; ++c) {
+      if (c < p.cols) out[c * p.rows] = e[c];  // the same guard as the load
+    }
+  }
+}
+
 template <typename T>
 cudaError_t launch_transpose_typed(const TransposeParams& p, cudaStream_t stream) {
   using W = WideTile<T>;
@@ -582,6 +653,24 @@ cudaError_t launch_strided_copy(const StridedCopyParams& p, cudaStream_t stream)
     using T = decltype(tag);
     strided_gather<T><<<one_pass_blocks(p.n_out, kCopyThreads), kCopyThreads, 0, stream>>>(
         static_cast<const T*>(p.src), static_cast<T*>(p.dst), p.n_out, p.stride);
+    return cudaGetLastError();
+  }, unsupported_size);
+}
+
+cudaError_t launch_transpose_thin(const TransposeParams& p, cudaStream_t stream) {
+  if (p.batch == 0 || p.rows == 0 || p.cols == 0) return cudaSuccess;
+  if (!thin_applies(p)) return cudaErrorInvalidValue;  // e[] holds kThinShort elements at most
+  return with_element_type(p.elem_bytes, [&](auto tag) {
+    using T = decltype(tag);
+    // The thread per index of the longer dim: with both dims short either mapping is correct,
+    // and this one gives the warps the longer run of coalesced accesses.
+    if (p.rows <= p.cols) {
+      transpose_thin_rows<T><<<one_pass_blocks(p.batch * p.cols, kThinThreads), kThinThreads, 0,
+                               stream>>>(p);
+    } else {
+      transpose_thin_cols<T><<<one_pass_blocks(p.batch * p.rows, kThinThreads), kThinThreads, 0,
+                               stream>>>(p);
+    }
     return cudaGetLastError();
   }, unsupported_size);
 }

@@ -142,6 +142,11 @@ Tensor transpose_impl(const Tensor& x, OptVersion version) {
       run("transpose", x, c, MEMORY_OPS_LAUNCHER(launch_copy), copy_cpu);
       return out;
     }
+    if (choice.route == TransposeRoute::kThin) {
+      // One dim short: the thin kernels (the CPU's one loop serves every shape).
+      run("transpose", x, p, MEMORY_OPS_LAUNCHER(launch_transpose_thin), transpose_cpu);
+      return out;
+    }
     p.version = choice.version;
   }
   run("transpose", x, p, MEMORY_OPS_LAUNCHER(launch_transpose), transpose_cpu);
@@ -149,7 +154,8 @@ Tensor transpose_impl(const Tensor& x, OptVersion version) {
 }
 
 // What transpose(x, version=None) runs for this x: "copy" (its memory already holds the
-// transpose), or the rung's name. Decided from strides and alignment alone, on any device.
+// transpose), "thin" (one of the two dims is short: the thin kernels, no rung of the ladder),
+// or the rung's name. Decided from sizes, strides and alignment alone, on any device.
 std::string default_choice(c10::string_view op, const Tensor& x) {
   const auto name = ::course::as_std(op);
   if (name == "copy") return ::course::version_name(kCopyVersions, kDefaultCopy);
@@ -161,6 +167,7 @@ std::string default_choice(c10::string_view op, const Tensor& x) {
   // A fresh output is 256-byte aligned; nullptr stands for it (address 0 is aligned too).
   const TransposeChoice choice = default_transpose(transpose_params(x, nullptr));
   if (choice.route == TransposeRoute::kCopy) return "copy";
+  if (choice.route == TransposeRoute::kThin) return "thin";
   return ::course::version_name(kTransposeVersions, choice.version);
 }
 

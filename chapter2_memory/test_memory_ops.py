@@ -195,7 +195,7 @@ def test_strided_copy_gradcheck(stride, device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=dtype_id)
-@pytest.mark.parametrize("shape", [(1823, 781), (4, 264, 136)], ids=shape_id)
+@pytest.mark.parametrize("shape", [(1823, 781), (4, 264, 136), (3, 4099)], ids=shape_id)
 def test_low_precision_gradients(shape, dtype, device):
     """Gradients are moved, never computed: they must equal PyTorch's bit for bit."""
     x = torch.randn(shape, dtype=dtype, device=device, requires_grad=True)
@@ -256,6 +256,22 @@ DISPATCH_CASES = {
     # columns not adjacent in memory: v3's padded tile.
     "every_other_column": (lambda d, t: torch.randn(64, 192, dtype=t, device=d)[:, ::2],
                            torch.float32, "v3"),
+    # one dim at most 16 (kThinMaxShort): the thin kernels, whatever the alignment and strides.
+    "thin_rows": (lambda d, t: torch.randn(3, 4099, dtype=t, device=d), torch.float32, "thin"),
+    "thin_cols": (lambda d, t: torch.randn(4099, 3, dtype=t, device=d), torch.bfloat16, "thin"),
+    "thin_rows_16": (lambda d, t: torch.randn(16, 4096, dtype=t, device=d), torch.float32, "thin"),
+    "thin_cols_16": (lambda d, t: torch.randn(4096, 16, dtype=t, device=d), torch.float16, "thin"),
+    # one past the bound: the tile rungs again (aligned: v4; odd: v5).
+    "rows_17": (lambda d, t: torch.randn(17, 4096, dtype=t, device=d), torch.float32, "v5"),
+    "cols_17": (lambda d, t: torch.randn(4096, 17, dtype=t, device=d), torch.float32, "v5"),
+    "rows_24_aligned": (lambda d, t: torch.randn(24, 4096, dtype=t, device=d), torch.float32,
+                        "v4"),
+    "thin_batch": (lambda d, t: torch.randn(5, 4099, 7, dtype=t, device=d), torch.float32, "thin"),
+    "thin_every_other_column": (lambda d, t: torch.randn(4, 8198, dtype=t, device=d)[:, ::2],
+                                torch.float32, "thin"),
+    # a thin matrix whose memory already holds the transpose: still the copy.
+    "thin_transposed": (lambda d, t: torch.randn(4099, 3, dtype=t, device=d).t(), torch.float32,
+                        "copy"),
 }
 
 
@@ -269,7 +285,8 @@ def test_transpose_default_choice(case, device):
 
 # The kernel each choice launches, as the profiler names it.
 KERNEL_OF = {"v3": "transpose_tiled<", "v4": "transpose_wide_tiles<",
-             "v5": "transpose_wide_tiles_any_alignment<", "copy": "copy_vectorized<"}
+             "v5": "transpose_wide_tiles_any_alignment<", "copy": "copy_vectorized<",
+             "thin": "transpose_thin_"}
 
 
 @pytest.mark.cuda
@@ -281,6 +298,80 @@ def test_transpose_default_launches_its_choice(case):
     out, kernels = launched_kernels(lambda: memory_ops.transpose(x), "memory_ops")
     assert len(kernels) == 1 and KERNEL_OF[expected] in kernels[0], kernels
     assert_same(out, reference_transpose(x))
+
+
+# Thin matrices (version=None's thin kernels): every short length up to one past the bound
+# (16), against odd long lengths (1 and 3 past a multiple of every vector width), both ways
+# round, batched, and through views.
+THIN_SHORT = range(1, 18)
+THIN_LONG = (1001, 4099)
+THIN_VIEWS = {
+    "contiguous": lambda t: t,
+    # every row one element past a 16-byte boundary.
+    "column_offset": lambda t: t[..., 1:],
+    # columns two apart: the short side of one orientation, the long side of the other.
+    "every_other_column": lambda t: t[..., ::2],
+    # rows two apart.
+    "every_other_row": lambda t: t[..., ::2, :],
+}
+
+
+def thin_shapes(short, batch=None):
+    lead = () if batch is None else (batch,)
+    return [lead + s for long in THIN_LONG for s in ((short, long), (long, short))]
+
+
+@pytest.mark.parametrize("view", list(THIN_VIEWS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_thin_transpose_matches_reference(dtype, view, device):
+    """version=None on a thin matrix runs the thin kernels up to 16 and a tile rung from 17 on
+    (test_thin_transpose_launches_its_kernel checks which); every element must land."""
+    for short in THIN_SHORT:
+        for shape in thin_shapes(short) + thin_shapes(short, batch=3):
+            x = THIN_VIEWS[view](torch.randn(shape, dtype=dtype, device=device))
+            expected = reference_transpose(x)
+            poison_allocator(expected)
+            assert_same(memory_ops.transpose(x), expected)
+
+
+@pytest.mark.cuda
+def test_thin_transpose_launches_its_kernel():
+    """The thread owns an index of the longer dim: thin_rows for short rows, thin_cols for
+    short columns; one past the bound, the tile rungs (test_transpose_default_choice)."""
+    require_cuda()
+    for short in (1, 3, 16, 17):
+        for shape in thin_shapes(short) + thin_shapes(short, batch=2):
+            x = torch.randn(shape, device="cuda")
+            out, kernels = launched_kernels(lambda: memory_ops.transpose(x), "memory_ops")
+            rows, cols = shape[-2:]
+            expected = ("transpose_wide_tiles" if short > 16 else
+                        "transpose_thin_rows<" if rows <= cols else "transpose_thin_cols<")
+            assert len(kernels) == 1 and expected in kernels[0], (shape, kernels)
+            assert_same(out, reference_transpose(x))
+
+
+@pytest.mark.parametrize("shape", [(3, 37), (37, 3), (2, 5, 37), (2, 37, 16), (1, 9)],
+                         ids=shape_id)
+def test_thin_transpose_gradcheck(shape, device):
+    """The backward of a thin transpose is a thin transpose the other way round."""
+    x = torch.randn(shape, dtype=torch.float64, device=device, requires_grad=True)
+    assert memory_ops.default_choice("transpose", x) == "thin"
+    assert torch.autograd.gradcheck(memory_ops.transpose, (x,))
+    assert torch.autograd.gradgradcheck(memory_ops.transpose, (x,))
+
+
+def test_thin_kernels_keep_their_elements_in_registers(tmp_path):
+    """The thin kernels' e[] stays in registers only while every index into it is a
+    compile-time constant (the loops run to kThinShort behind a guard, and unroll): a loop to
+    the runtime length would put it in local memory, a DRAM round trip per element."""
+    from pathlib import Path
+
+    bodies = {name: body for name, body in
+              ptx_kernels(Path(__file__).parent / "memory_kernels.cu", tmp_path).items()
+              if "transpose_thin_" in name}
+    assert len(bodies) == 6, list(bodies)  # rows and cols, for 2-, 4- and 8-byte elements
+    for name, body in bodies.items():
+        assert "__local_depot" not in body and "ld.local" not in body, name
 
 
 def test_copy_default_choice():
@@ -476,6 +567,23 @@ def test_sanitizer_small_transpose(version):
         for offset in (1, 3, 7):
             x = base[offset:, offset:]
             assert_same(memory_ops.transpose(x, version=version), reference_transpose(x))
+
+
+@pytest.mark.cuda
+@pytest.mark.sanitize
+def test_sanitizer_small_thin_transpose():
+    """The thin kernels (version=None only) under compute-sanitizer: both mappings, every
+    element size, the bound, a batch, a misaligned and a strided view."""
+    require_cuda()
+    for dtype in DTYPES:
+        for shape in ((1, 1), (3, 257), (257, 3), (16, 129), (129, 16), (2, 5, 131), (2, 131, 5)):
+            x = torch.randn(shape, dtype=dtype, device="cuda")
+            # a dim of 1 makes the transpose a copy, which the copy route takes first
+            assert memory_ops.default_choice("transpose", x) == ("copy" if 1 in shape else "thin"), shape
+            assert_same(memory_ops.transpose(x), reference_transpose(x))
+        base = torch.randn(3, 260, dtype=dtype, device="cuda")
+        for x in (base[:, 1:], base[:, ::2], base.t()[1:]):
+            assert_same(memory_ops.transpose(x), reference_transpose(x))
 
 
 @pytest.mark.cuda

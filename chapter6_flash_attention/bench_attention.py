@@ -51,8 +51,9 @@ wall time is recorded in the results (wall_s) to check this against.
 Packed rows (op attention_varlen, CUDA only, `--ops attention_varlen`): 16 sequences of 128 to
 8192 tokens (VARLEN_LENGTHS, 33024 in all) packed along one dim, 16 heads of d = 128, bfloat16,
 causal, forward and backward. Variants: default (attention_varlen, version=None) and its rungs
-("tuned", "split_kv"; "mma", "mma_dqpass"), flex_attention (torch.compile'd, with a document mask over the
-packed tokens, its block mask built before the timing), and sdpa_cudnn and sdpa_flash on the padded
+("tuned", "split_kv", and "persistent" where the Hopper kernels run; "mma", "mma_dqpass"),
+flex_attention (torch.compile'd, with a document mask over the packed tokens, its block mask built
+before the timing), and sdpa_cudnn and sdpa_flash on the padded
 batch (16 x 8192, the padding computed and thrown away), and this chapter's own "tuned" and
 "mma_dqpass" on that padded batch (the same kernels: what the packed layout saves, everything else
 equal). TFLOP/s counts the useful work alone, each
@@ -877,6 +878,9 @@ def bench_varlen(device, mm, notes):
                          ("default", ours_forward(None))],
              "backward": [("mma", ours_backward("mma")), ("mma_dqpass", ours_backward("mma_dqpass")),
                           ("default", ours_backward(None))]}
+    # Part 3's "persistent", where this build and GPU have it (its packed kernel: tile_schedule.h).
+    if flash_attention.hopper_kernels_built() and torch.cuda.get_device_capability(device) == (9, 0):
+        calls["forward"].insert(2, ("persistent", ours_forward("persistent")))
     flex = bench.attempt(notes, "flex_attention", "attention_varlen", lambda: flex_document_attention(lens, h, device))
     if flex is not None:
         calls["forward"].append(("flex_attention", lambda: lambda: flex(*(batch_of_one(t) for t in (q, k, v)))))
@@ -911,7 +915,8 @@ def bench_varlen(device, mm, notes):
                      "total_tokens": total, "max_seqlen": longest, "layout": layout}
             if variant == "default":
                 op = "attention_varlen_backward" if pass_ == "backward" else "attention_varlen_forward"
-                extra["dispatch"] = flash_attention.default_choice(op, q)
+                extra["dispatch"] = flash_attention.default_choice(op, q, scale=scale, causal=causal, batch=batch,
+                                                                   max_seqlen_q=longest, max_seqlen_k=longest)
             rows.append(bench.flops_row("attention_varlen", variant, dtype, [total, h, d], flops, t, mm,
                                         base and base["median_ms"], **extra))
     del q, k, v, dy, qp, kp, vp, dyp, leaves, padded_leaves, out, lse, out_p, lse_p

@@ -446,6 +446,62 @@ def hopper_rungs(record):
     return "\n".join(lines)
 
 
+def hopper_backward(record):
+    """The backward rungs beside sdpa_flash and sdpa_cudnn, at a middle and the longest sequence,
+    head_dim 64 and 128, causal and not: TFLOP/s and x sdpa_cudnn (bf16)."""
+    seqlens = record["sizes"]["seqlens"]
+    picks = [n for n in (seqlens[0], 4096, seqlens[-1]) if n in seqlens]
+    head = " | ".join(f"d{d} {'causal' if c else 'full'} s={n}" for d in (64, 128) for c in (False, True) for n in picks)
+    lines = [f"| rung | {head} |", "|---|" + "---|" * (4 * len(picks))]
+    for variant in ("sdpa_flash", "sdpa_cudnn", "mma", "mma_dqpass", "wgmma", "default"):
+        cells = []
+        for d in (64, 128):
+            for c in (False, True):
+                for n in picks:
+                    got = [r for r in results.rows(record, op="attention", variant=variant, dtype="bfloat16",
+                                                   head_dim=d, causal=c, seqlen=n, **{"pass": "backward"})
+                           if not r.get("call")]
+                    base = results.rows(record, op="attention", variant="sdpa_cudnn", dtype="bfloat16", head_dim=d,
+                                        causal=c, seqlen=n, **{"pass": "backward"})
+                    cells.append(f"{got[0]['TFLOPs']:.0f} ({base[0]['median_ms'] / got[0]['median_ms']:.2f}x)"
+                                 if got and base else "-")
+        if set(cells) != {"-"}:
+            lines.append(f"| `{variant}` | " + " | ".join(cells) + " |")
+    lines += ["", f"{_where(record)}; backward TFLOP/s (x sdpa_cudnn)."]
+    return "\n".join(lines)
+
+
+def hopper_fp8(_record):
+    """bench_attention.py --fp8-only's rows (their own results file): attention_fp8 beside the bf16
+    pingpong rung and sdpa_cudnn, and with the three quantizations inside the timed call."""
+    rec = results.load_recorded_gpu("chapter6_flash_attention_fp8")
+    if not rec:
+        return "(not recorded yet)"
+    shapes = []
+    for r in results.rows(rec, op="attention_fp8"):
+        key = (tuple(r["shape"]), r["causal"])
+        if key not in shapes:
+            shapes.append(key)
+    lines = ["| shape | `sdpa_cudnn` (bf16) | `pingpong` (bf16) | `attention_fp8` | x `pingpong` | with `quantize_fp8` |",
+             "|---|---|---|---|---|---|"]
+    for shape, causal in shapes:
+        rows = {(r["variant"], r.get("call", "")): r for r in results.rows(rec, op="attention_fp8")
+                if tuple(r["shape"]) == shape and r["causal"] == causal}
+
+        def cell(variant, call=""):
+            r = rows.get((variant, call))
+            return f"{r['TFLOPs']:.0f}" if r else "-"
+        fp8, bf16 = rows.get(("attention_fp8", "")), rows.get(("pingpong", ""))
+        vs = f"{bf16['median_ms'] / fp8['median_ms']:.2f}x" if fp8 and bf16 else "-"
+        quantized = next((r for (v, c), r in rows.items() if v == "attention_fp8" and c), None)
+        with_quantize = f"{quantized['TFLOPs']:.0f}" if quantized else "-"
+        b, h, n, d = shape
+        lines.append(f"| b{b} h{h} s{n} d{d} {'causal' if causal else 'full'} | {cell('sdpa_cudnn')} | "
+                     f"{cell('pingpong')} | {cell('attention_fp8')} | {vs} | {with_quantize} |")
+    lines += ["", f"{_where(rec)}; forward TFLOP/s (the same FLOP count for every dtype, so they compare times)."]
+    return "\n".join(lines)
+
+
 def hopper_gemm(record):
     """Rung 0: the Hopper GEMM program against torch.mm at 8192^3, both timed in the same run."""
     rows = results.rows(record, op="gemm_hopper")
@@ -569,4 +625,5 @@ FACTS = {"target_table": target_table, "split_kv": split_kv_table, "memory": mem
          "paged_match": paged_match, "paged_prefill": paged_prefill, "generate": generate_line, "hopper_targets": hopper_targets,
          "hopper_rungs": hopper_rungs, "hopper_gemm": hopper_gemm, "hopper_configs": hopper_configs,
          "hopper_profile": hopper_profile, "hopper_power": hopper_power,
-         "hopper_persistent": hopper_persistent, "varlen": varlen_table}
+         "hopper_persistent": hopper_persistent, "hopper_backward": hopper_backward, "hopper_fp8": hopper_fp8,
+         "varlen": varlen_table}

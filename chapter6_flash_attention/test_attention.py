@@ -512,6 +512,48 @@ def test_persistent_schedule_keeps_kv_heads_together():
         tile_order(1, 6, 4, 128, 128, 64, False)
 
 
+# Query lengths of packed batches: the benchmark's, empty sequences, one token, lengths around the
+# 128-row tile, one sequence, none, a max_seqlen_q longer than any sequence.
+VARLEN_SCHEDULES = [([128, 8192, 256, 4096, 512, 2048, 1024, 3072, 384, 1536, 640, 2560, 768, 5120, 896, 1792], 16,
+                     8192), ([1, 17, 128, 0, 129, 4097, 0], 4, 4097), ([300], 2, 300), ([0, 0], 3, 64), ([], 2, 10),
+                    ([5, 130, 129], 1, 1000)]
+
+
+@pytest.mark.parametrize("lengths,heads,max_q", VARLEN_SCHEDULES, ids=lambda x: str(x)[:20])
+def test_persistent_varlen_schedule(lengths, heads, max_q):
+    """The persistent rung's packed order (tile_schedule.h, through hopper_varlen_tile_order, which
+    decodes each index with the kernel's functions): every (sequence, head, query tile) of the
+    sequences' own tiles exactly once and nothing past a sequence's end (no block draws an empty
+    item), query tiles from the top down (causal: longest first over sequences of any length), the
+    sequences of a rank longest first and a sequence's heads side by side (GQA groups together)."""
+    order = OPS.hopper_varlen_tile_order(lengths, heads, max_q)
+    tiles = [-(-n // 128) for n in lengths]
+    want = sorted((b, h, t) for b, n in enumerate(tiles) for h in range(heads) for t in range(n))
+    assert sorted(map(tuple, order.tolist())) == want, "a tile missing, taken twice, or past a sequence's end"
+    if len(order) == 0:
+        return
+    q_tile = order[:, 2]
+    assert torch.all(torch.diff(q_tile) <= 0), "query tiles not from the top down"
+    for t in q_tile.unique().tolist():
+        rows = order[q_tile == t]
+        seqs = rows[::heads, 0].tolist()
+        assert torch.equal(rows[:, 0], torch.tensor(seqs).repeat_interleave(heads)), "a sequence's heads apart"
+        assert torch.equal(rows[:, 1], torch.arange(heads).repeat(len(seqs)))
+        assert seqs == sorted(seqs, key=lambda b: (-tiles[b], b)), "a rank's sequences not longest first"
+
+
+def test_persistent_varlen_schedule_balances_the_blocks():
+    """The benchmark's 16 sequences, 16 heads, causal, on 132 blocks drawing from the counter in the
+    packed order: the busiest block within 5% of the average plus one of the shortest tiles, as the
+    padded order on its shapes (test_persistent_schedule_balances_the_blocks)."""
+    lengths, heads, max_q = VARLEN_SCHEDULES[0]
+    order = OPS.hopper_varlen_tile_order(lengths, heads, max_q)
+    cost = order[:, 2] + 1 + 1  # a causal tile's key tiles (its index + 1) plus its prologue and epilogue
+    work = block_work(cost, 132, dynamic=True)
+    mean = cost.sum().item() / len(work)
+    assert work.max().item() <= 1.05 * mean + cost.min().item(), (work.max().item(), mean)
+
+
 def _t(*shape, dtype=torch.float32, device="cpu"):
     return torch.randn(shape, dtype=dtype, device=device)
 
@@ -603,11 +645,12 @@ def test_dispatch_rule_on_any_gpu():
     big = (4, 16, 1024, 128)
     assert rule("attention_forward", big, dtype=torch.bfloat16, **hopper) == "persistent"
     assert rule("attention_forward", big[:3] + (64,), dtype=torch.float16, **hopper) == "persistent"
-    # the persistent grid while an average query row sees at most 2048 keys, ping-pong's plain grid
-    # beyond: the saving per tile against the length of its walk (attention_ops.cpp's measurements)
-    for s_q, s_k, causal, want in ((2048, 2048, False, "persistent"), (2049, 2049, False, "pingpong"),
-                                   (4096, 4096, True, "persistent"), (8192, 8192, True, "pingpong"),
-                                   (1024, 4096, True, "pingpong"), (4096, 1024, True, "persistent")):
+    # the persistent grid where the walks over the keys are uneven (causal: the shortest at most half
+    # the longest) or short (at most 1024 keys), ping-pong's plain grid for long even walks
+    for s_q, s_k, causal, want in ((1024, 1024, False, "persistent"), (1025, 1025, False, "pingpong"),
+                                   (2048, 2048, False, "pingpong"), (8192, 8192, True, "persistent"),
+                                   (16384, 16384, True, "persistent"), (1024, 4096, True, "pingpong"),
+                                   (2049, 4096, True, "persistent"), (4096, 1024, True, "persistent")):
         assert rule("attention_forward", (2, 16, s_q, 128), (2, 16, s_k, 128), dtype=torch.bfloat16,
                     causal=causal, **hopper) == want, (s_q, s_k, causal)
     assert rule("attention_forward", big[:3] + (256,), dtype=torch.bfloat16, **hopper) == "warp_specialized"
@@ -2204,15 +2247,38 @@ def test_varlen_cpu_accepts_every_version_name():
 
 def test_varlen_dispatch_rule_on_any_gpu():
     """version=None for the packed layout (attention_ops.cpp's varlen rules), asked with made-up
-    devices: "split_kv" (which runs "tuned" where the grid fills the GPU) and "mma_dqpass" wherever
-    the tensor-core rungs run, whatever the lengths, on a Hopper too (its rungs take the padded
-    layout only); no rung elsewhere."""
+    devices: forward, on a Hopper GPU with the sm_90a kernels "persistent" at head_dim 64 and 128
+    without a window or softcap where the grid over the max lengths fills the GPU unsplit (the
+    benchmark's 16 sequences up to 8192), "split_kv" where it would split (a few query rows against
+    long keys) and everywhere else the tensor-core rungs run; backward "mma_dqpass"; no rung
+    elsewhere."""
     rule = flash_attention.dispatch_rule
+    prefill = dict(batch=16, max_seqlen_q=8192, max_seqlen_k=8192, causal=True)  # the benchmark's batch
+    decode = dict(batch=8, max_seqlen_q=1, max_seqlen_k=4000)
+    hopper = dict(cuda=True, capability=(9, 0), sms=132, hopper_built=True)
+    for d in (64, 128):
+        for dtype in HALF_DTYPES:
+            assert rule("attention_varlen_forward", (33024, 16, d), dtype=dtype, **prefill, **hopper) == "persistent"
+            assert rule("attention_varlen_forward", (33024, 16, d), dtype=dtype, **dict(prefill, causal=False),
+                        **hopper) == "persistent"
+        assert rule("attention_varlen_forward", (8, 16, d), (30000, 16, d), dtype=torch.bfloat16, **decode,
+                    **hopper) == "split_kv"
+        for off in (dict(window=(256, -1)), dict(softcap=30.0), dict(scale=-0.1)):
+            assert rule("attention_varlen_forward", (33024, 16, d), dtype=torch.bfloat16, **prefill, **off,
+                        **hopper) == "split_kv", off
+    for d in (32, 96, 256):
+        assert rule("attention_varlen_forward", (33024, 16, d), dtype=torch.bfloat16, **prefill, **hopper) == "split_kv"
+    for other in (dict(hopper, hopper_built=False), dict(hopper, capability=(8, 0)), dict(hopper, capability=(9, 1))):
+        assert rule("attention_varlen_forward", (33024, 16, 128), dtype=torch.bfloat16, **prefill, **other) == \
+            "split_kv", other
     for capability in ((8, 0), (8, 9), (9, 0)):
-        gpu = dict(cuda=True, capability=capability, sms=132, hopper_built=True)
+        gpu = dict(cuda=True, capability=capability, sms=132, hopper_built=capability == (9, 0))
         for d in (32, 64, 128, 256):
+            # one sequence of 1000 tokens in 8 heads: 64 tiles, fewer than the SMs, so split_kv splits
             assert rule("attention_varlen_forward", (1000, 8, d), dtype=torch.bfloat16, **gpu) == "split_kv"
-        assert rule("attention_varlen_forward", (3, 8, 64), dtype=torch.float16, **gpu) == "split_kv"
+        # three tokens: too few keys to split, so on a Hopper GPU the persistent rung, as padded
+        assert rule("attention_varlen_forward", (3, 8, 64), dtype=torch.float16, **gpu) == \
+            ("persistent" if capability == (9, 0) else "split_kv")
         assert rule("attention_varlen_backward", (1000, 8, 128), dtype=torch.bfloat16, **gpu) == "mma_dqpass"
         assert rule("attention_varlen_backward", (1000, 8, 256), dtype=torch.bfloat16, **gpu) is None
         assert rule("attention_varlen_forward", (1000, 8, 64), dtype=torch.float32, **gpu) is None
@@ -2220,7 +2286,7 @@ def test_varlen_dispatch_rule_on_any_gpu():
     assert rule("attention_varlen_forward", (1000, 8, 64), dtype=torch.bfloat16, cuda=True, capability=(7, 5)) is None
     assert rule("attention_varlen_forward", (1000, 8, 64), dtype=torch.bfloat16, cuda=False) is None
     with pytest.raises(RuntimeError, match=r"varlen_rule: unknown op 'softmax'"):
-        OPS.varlen_rule("softmax", 64, True, True, 9)
+        OPS.varlen_rule("softmax", 1, 8, 8, 64, 64, 64, 0.125, False, True, True, 9)
 
 
 # CUDA: the packed layout on rungs "tuned" and "split_kv" (forward) and "mma", "mma_dqpass"
@@ -2339,7 +2405,8 @@ def test_cuda_varlen_split_kv_splits(dtype):
     from coursekit.pytest_plugin import launched_kernels
     lens_q, lens_k = [1, 1, 3, 0, 17], [3000, 1, 900, 20, 2000]
     q, k, v, cu_q, cu_k = varlen_cuda_inputs(lens_q, lens_k, 8, 2, 128, dtype)
-    assert flash_attention.default_choice("attention_varlen_forward", q) == "split_kv"
+    assert flash_attention.default_choice("attention_varlen_forward", q, k, batch=5, max_seqlen_q=17,
+                                          max_seqlen_k=3000) == "split_kv"
     for causal in (False, True):
         split = check_cuda_varlen_forward(q, k, v, cu_q, cu_k, 17, 3000, f"split {dtype_id(dtype)} causal={causal}",
                                           causal=causal)
@@ -2408,6 +2475,129 @@ def test_cuda_varlen_matches_the_padded_kernels(seqlen_q, seqlen_k, version, fea
         assert torch.equal(g, pack(e)), name
 
 
+# The packed layout on part 3's rung "persistent" (Hopper only): its tensor maps over the packed
+# tensors, the schedule kernel's order of the sequences' own tiles (tile_schedule.h).
+def skip_unless_persistent_varlen():
+    require_cuda()
+    if not hopper_runs():
+        pytest.skip("rung 'persistent' needs a Hopper GPU (compute capability 9.0) and a build whose arch list had 9.0")
+
+
+# (lengths of q, lengths of k): 1, 17, 128, 129 and 4097 tokens mixed with empty sequences on either
+# side, a sequence whose keys outnumber its queries (a chunk against its cache) and one the other way.
+VARLEN_PERSISTENT_BATCHES = [
+    ([1, 17, 128, 0, 129, 4097, 300], [1, 17, 128, 9, 129, 4097, 300]),
+    ([17, 129, 3, 64, 65, 0], [300, 64, 0, 127, 65, 0]),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+def test_cuda_varlen_persistent(dtype, head_dim, causal):
+    """Rung "persistent" packed, GQA (2:1 on the long batch, 4:1 on the other), against the float64
+    reference of each sequence alone; the same bits with max_seqlen 200 past the longest sequence
+    (the schedule's items are the sequences' own tiles either way: a larger max only widens the
+    index space); and each sequence with keys bit for bit as the padded persistent rung on that
+    sequence alone (out and lse): the rows of the next sequence that a partial tile reads are masked
+    as keys and not stored as rows (the kernel's comment)."""
+    skip_unless_persistent_varlen()
+    for (lens_q, lens_k), (heads, heads_kv) in zip(VARLEN_PERSISTENT_BATCHES, ((2, 1), (8, 2))):
+        q, k, v, cu_q, cu_k = varlen_cuda_inputs(lens_q, lens_k, heads, heads_kv, head_dim, dtype)
+        what = f"persistent {dtype_id(dtype)} d{head_dim} causal={causal} {lens_q}x{lens_k}"
+        max_q, max_k = max(lens_q), max(lens_k)
+        out = check_cuda_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, what, version="persistent", causal=causal)
+        out, lse = flash_attention.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
+                                                    version="persistent", return_lse=True)
+        wide, wide_lse = flash_attention.attention_varlen(q, k, v, cu_q, cu_k, max_q + 200, max_k + 200,
+                                                          causal=causal, version="persistent", return_lse=True)
+        assert torch.equal(wide, out) and torch.equal(wide_lse, lse), f"{what}: max_seqlen + 200 changed the bits"
+        cq, ck = cu_q.tolist(), cu_k.tolist()
+        for b in range(len(lens_q)):
+            if lens_q[b] == 0 or lens_k[b] == 0:
+                continue  # nothing to compare bitwise (the reference above holds these rows)
+            one = [t[s].transpose(0, 1).unsqueeze(0) for t, s in
+                   ((q, slice(cq[b], cq[b + 1])), (k, slice(ck[b], ck[b + 1])), (v, slice(ck[b], ck[b + 1])))]
+            o1, l1 = flash_attention.attention_forward(*one, 1 / math.sqrt(head_dim), causal, version="persistent")
+            assert torch.equal(out[cq[b]:cq[b + 1]], o1[0].transpose(0, 1)), f"{what} sequence {b}: out"
+            assert torch.equal(lse[:, cq[b]:cq[b + 1]], l1[0]), f"{what} sequence {b}: lse"
+
+
+@pytest.mark.cuda
+def test_cuda_varlen_persistent_dispatch():
+    """version=None on the benchmark's kind of batch (sequences of 128 to 8192 tokens, causal, d128)
+    is "persistent", and it is what runs: the schedule kernel, then the persistent kernel; the
+    result matches rung "split_kv"'s within the rungs' rounding. Where the grid over the max lengths would split (a few query rows against long keys),
+    "split_kv"."""
+    skip_unless_persistent_varlen()
+    from coursekit.pytest_plugin import launched_kernels
+    lens = [128, 2048, 256, 1024, 640, 3000]
+    q, k, v, cu_q, cu_k = varlen_cuda_inputs(lens, lens, 8, 8, 128, torch.bfloat16)
+    assert flash_attention.default_choice("attention_varlen_forward", q, scale=1 / math.sqrt(128), causal=True,
+                                          batch=len(lens), max_seqlen_q=3000, max_seqlen_k=3000) == "persistent"
+    out, names = launched_kernels(lambda: flash_attention.attention_varlen(q, k, v, cu_q, cu_k, 3000, 3000,
+                                                                           causal=True), "flash_attention")
+    # the profiler cuts the persistent kernel's name inside its traits, before kVarlen: the schedule
+    # kernel, which only the packed path launches, tells the two apart
+    assert any("hopper_varlen_schedule_kernel" in n for n in names), names
+    assert any("flash_fwd_hopper_persistent_kernel" in n for n in names), names
+    split = flash_attention.attention_varlen(q, k, v, cu_q, cu_k, 3000, 3000, causal=True, version="split_kv")
+    # two kernels, each rounding its float32 result to bfloat16 once: up to one unit of bfloat16 (2^-8
+    # relative, 2^-9 absolute near 0.5) apart each way
+    torch.testing.assert_close(out, split, rtol=CUDA_FORWARD_TOL[torch.bfloat16][0], atol=2 ** -8)
+    qd, kd, vd, cqd, ckd = varlen_cuda_inputs([1, 3, 2], [3000, 900, 2000], 8, 2, 128, torch.bfloat16)
+    assert flash_attention.default_choice("attention_varlen_forward", qd, kd, batch=3, max_seqlen_q=3,
+                                          max_seqlen_k=3000) == "split_kv"
+
+
+@pytest.mark.cuda
+def test_cuda_varlen_persistent_misuse():
+    """Rung "persistent" refuses the packed calls it does not compute, naming the way out: head_dim
+    256 and 32, a window or softcap, float32."""
+    skip_unless_persistent_varlen()
+    call = flash_attention.attention_varlen
+    cases = []
+    for d, message in ((256, r"version 'persistent' takes the packed \(varlen\) layout at head_dim 64, 128"),
+                       (32, r"version 'persistent' takes head_dim 64, 128 or 256")):
+        q, k, v, cu_q, cu_k = varlen_cuda_inputs([3, 4], [3, 4], 2, 2, d, torch.bfloat16)
+        cases.append((lambda q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k: call(q, k, v, cu_q, cu_k, 4, 4, version="persistent"),
+                      message))
+    q, k, v, cu_q, cu_k = varlen_cuda_inputs([3, 4], [3, 4], 2, 2, 64, torch.bfloat16)
+    cases += [
+        (lambda: call(q, k, v, cu_q, cu_k, 4, 4, causal=True, window=(2, -1), version="persistent"),
+         r"version 'persistent' takes no window or softcap; versions 'tuned' and 'split_kv' compute them"),
+        (lambda: call(q, k, v, cu_q, cu_k, 4, 4, softcap=5.0, version="persistent"),
+         r"version 'persistent' takes no window or softcap"),
+        (lambda: call(q.float(), k.float(), v.float(), cu_q, cu_k, 4, 4, version="persistent"),
+         r"attention_varlen_forward: on CUDA the packed \(varlen\) layout runs on versions"),
+    ]
+    for fn, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            fn()
+
+
+@pytest.mark.cuda
+@pytest.mark.sanitize
+def test_sanitizer_varlen_persistent():
+    """Rung "persistent" packed under compute-sanitizer: partial tiles whose copies read the next
+    sequence's rows and, at the end of the tensor, past it (zero-filled), empty sequences on both
+    sides, a max_seqlen past every sequence, GQA, both head dims, causal and full; and a decreasing
+    cu_seqlens (an empty sequence, varlen.cuh's rule): nothing read or written outside the tensors."""
+    skip_unless_persistent_varlen()
+    lens_q, lens_k = [1, 17, 0, 70, 129, 5], [33, 17, 4, 0, 130, 70]
+    for head_dim in (64, 128):
+        for causal in (False, True):
+            q, k, v, cu_q, cu_k = varlen_cuda_inputs(lens_q, lens_k, 4, 2, head_dim, torch.bfloat16)
+            check_cuda_varlen_forward(q, k, v, cu_q, cu_k, 200, 300, f"sanitize persistent d{head_dim} causal={causal}",
+                                      version="persistent", causal=causal)
+    q, k, v, cu_q, cu_k = varlen_cuda_inputs([5, 9], [5, 9], 2, 1, 64, torch.bfloat16)
+    bad = torch.tensor([0, 5, 3, 14], dtype=torch.int32, device="cuda")
+    out = flash_attention.attention_varlen(q, k, v, bad, bad, 11, 11, causal=True, version="persistent")
+    good = flash_attention.attention_varlen(q, k, v, cu_q, cu_k, 9, 9, causal=True, version="persistent")
+    assert torch.equal(out[:3], good[:3])
+
+
 @pytest.mark.cuda
 def test_cuda_varlen_graph_capture_and_compile():
     """No host sync and no host read of cu_seqlens: forward and both backward rungs replay inside a
@@ -2468,16 +2658,16 @@ def test_cuda_varlen_misuse():
         (lambda: call(q, k, v, cu_q, cu_k.long(), 4, 4),
          r"attention_varlen_forward: cu_seqlens_k has dtype Long but must be Int"),
         (lambda: call(q, k, v, cu_q, cu_k, 4, 4, version="pipelined"),
-         r"attention_varlen_forward: version 'pipelined' does not take the packed \(varlen\) layout; versions 'tuned' "
-         r"and 'split_kv' take it"),
+         r"attention_varlen_forward: version 'pipelined' does not take the packed \(varlen\) layout; versions 'tuned', "
+         r"'split_kv' and 'persistent' take it"),
         (lambda: call(q, k, v, cu_q, cu_k, 4, 4, version="pingpong"),
          r"attention_varlen_forward: version 'pingpong' does not take the packed \(varlen\) layout"),
         (lambda: call(q.float(), k.float(), v.float(), cu_q, cu_k, 4, 4),
-         r"attention_varlen_forward: on CUDA the packed \(varlen\) layout runs on versions 'tuned' and 'split_kv' "
-         r"alone \(float16 and bfloat16.*q is Float"),
+         r"attention_varlen_forward: on CUDA the packed \(varlen\) layout runs on versions 'tuned', 'split_kv' and "
+         r"'persistent' alone \(float16 and bfloat16.*q is Float"),
         (lambda: call(q.double(), k.double(), v.double(), cu_q, cu_k, 4, 4, version="tuned"),
-         r"attention_varlen_forward: on CUDA the packed \(varlen\) layout runs on versions 'tuned' and 'split_kv' "
-         r"alone .*q is Double"),
+         r"attention_varlen_forward: on CUDA the packed \(varlen\) layout runs on versions 'tuned', 'split_kv' and "
+         r"'persistent' alone .*q is Double"),
         (lambda: call(q, k, v, cu_q, cu_k, 3, 4),
          r"attention_varlen_forward: 2 sequences of at most max_seqlen_q = 3 and max_seqlen_k = 4 tokens cannot hold "
          r"7 query and 7 key tokens"),

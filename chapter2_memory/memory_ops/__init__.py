@@ -4,7 +4,7 @@ Chapter 2 of the course: what moving data costs on a GPU, as PyTorch ops.
 
 Every op takes CPU or CUDA tensors of float32, float16, bfloat16 or float64, contiguous or
 not, and is differentiable. `version=` picks a rung of an op's kernel ladder (see VERSIONS and
-the chapter README); None lets the dispatch pick from the input's strides and alignment
+the chapter README); None lets the dispatch pick from the input's sizes, strides and alignment
 (default_choice says what it picks). On the CPU there is one C++ implementation and the version
 is only validated.
 """
@@ -46,9 +46,10 @@ def strided_copy(x, stride):
 
 
 def default_choice(op, x):
-    """What `op(x, version=None)` runs: the rung's name, or "copy" for a transpose whose input
-    already holds the transpose in memory order (x.t() of a contiguous matrix). The rules live
-    in memory.h (default_transpose)."""
+    """What `op(x, version=None)` runs: the rung's name, "copy" for a transpose whose input
+    already holds the transpose in memory order (x.t() of a contiguous matrix), or "thin" for a
+    transpose with one of its two dims at most 16 long (one thread per index of the long dim,
+    no tile). The rules live in memory.h (default_transpose)."""
     check_arguments("default_choice", op=(op, str), x=(x, torch.Tensor))
     return torch.ops.memory_ops.default_choice(op, x)
 

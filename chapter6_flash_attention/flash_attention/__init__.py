@@ -22,9 +22,11 @@ other rung refuses them.
 
 attention_varlen takes sequences of different lengths packed along one token dim, (total_tokens,
 heads, head_dim), with int32 cumulative lengths cu_seqlens_q and cu_seqlens_k (FlashAttention 2's
-varlen API), forward and backward: the CPU reference, and on CUDA the forward rungs "tuned" and
-"split_kv" and the backward rungs "mma" and "mma_dqpass" (version=None picks "split_kv" and
-"mma_dqpass"; every other rung refuses the packed layout). max_seqlen_q and max_seqlen_k are host
+varlen API), forward and backward: the CPU reference, and on CUDA the forward rungs "tuned",
+"split_kv" and (on a Hopper GPU, head_dim 64 and 128, no window or softcap) "persistent", and the
+backward rungs "mma" and "mma_dqpass" (version=None picks "persistent" where it applies and the grid
+over the max lengths fills the GPU, else "split_kv", and "mma_dqpass"; every other rung refuses the
+packed layout). max_seqlen_q and max_seqlen_k are host
 ints that size the CUDA grid, so the op never reads cu_seqlens on the host (no sync: CUDA graphs
 and torch.compile work); on CUDA the lengths are trusted, on the CPU every value is checked.
 
@@ -72,8 +74,9 @@ CUDA rungs (head_dim 32, 64, 96, 128 or 256):
   keys compute S^T, dP^T, dV and dK with wgmma (P^T and dS^T from registers), and dQ = dS K reads
   dS^T back from shared memory and adds into float32 sums with vector atomics.
 
-version=None runs, for 16-bit inputs: on a Hopper GPU, at head_dim 64 and 128, "persistent" where an
-average query row sees at most 2048 keys and "pingpong" beyond, "warp_specialized" at 256, unless
+version=None runs, for 16-bit inputs: on a Hopper GPU, at head_dim 64 and 128, "persistent" where the
+walks over the keys are uneven (causal) or short (at most 1024 keys) and "pingpong" for long full
+rows, "warp_specialized" at 256, unless
 the grid is small enough to split the keys; otherwise "split_kv"
 (sm_80+; it splits only when the grid would leave SMs idle, and is "tuned" otherwise); float32 and
 float64 run "tiled". The backward runs "wgmma" on a Hopper GPU (head_dim 64 and 128, no window
@@ -124,19 +127,28 @@ def hopper_kernels_built():
 
 
 def dispatch_rule(op, q_shape, k_shape=None, *, dtype, cuda, capability=(0, 0), sms=0, hopper_built=False,
-                  scale=None, causal=False, window=(-1, -1), softcap=0.0, deterministic=False, max_seqlen_q=0):
+                  scale=None, causal=False, window=(-1, -1), softcap=0.0, deterministic=False, max_seqlen_q=0,
+                  max_seqlen_k=0, batch=1):
     """The rung version=None runs for inputs of these shapes and dtype on a device described by the
     rest: the extension's own rule (csrc/attention/attention_ops.cpp), asked with any facts, so
     that a GPU other than this machine's (or a recorded one) can be asked about here.
     deterministic: whether torch.use_deterministic_algorithms(True) is on (the backward then keeps
     to a rung that gives the same bits on every run). For the packed ops (attention_varlen_forward,
-    attention_varlen_backward; q_shape (total, heads, head_dim)) the rung does not depend on the
-    lengths; None where no rung takes the packed layout (the CPU runs the reference, CUDA refuses
-    the call). paged_prefill_attention's q_shape is (total_q, heads, head_dim), and max_seqlen_q its
-    argument of that name (0: total_q); csrc/serving/serving.h has its rule."""
+    attention_varlen_backward; q_shape (total, heads, head_dim), k_shape k's) batch is the number of
+    sequences and max_seqlen_q, max_seqlen_k the call's (0: the totals), which the forward's rule
+    reads as the padded rule reads a batch (the lengths themselves never: they stay on the device);
+    None where no rung takes the packed layout (the CPU runs the reference, CUDA refuses the call).
+    paged_prefill_attention's q_shape is (total_q, heads, head_dim), and max_seqlen_q its argument
+    of that name (0: total_q); csrc/serving/serving.h has its rule."""
     half = dtype in (torch.float16, torch.bfloat16)
     if op in ("attention_varlen_forward", "attention_varlen_backward"):
-        return torch.ops.flash_attention.varlen_rule(op, q_shape[-1], cuda, half, capability[0]) or None
+        total_q, h, d = q_shape
+        total_k, h_kv, _ = q_shape if k_shape is None else k_shape
+        scale = 1.0 / math.sqrt(d) if scale is None else scale
+        return torch.ops.flash_attention.varlen_rule(
+            op, batch, h, h_kv, max_seqlen_q if max_seqlen_q > 0 else total_q,
+            max_seqlen_k if max_seqlen_k > 0 else total_k, d, scale, causal, cuda, half, capability[0], capability[1],
+            sms, hopper_built, list(window), softcap) or None
     if op == "paged_prefill_attention":
         bound = max_seqlen_q if max_seqlen_q > 0 else q_shape[0]
         return torch.ops.flash_attention.paged_prefill_rule(cuda, half, capability[0], bound)
@@ -154,9 +166,11 @@ def dispatch_rule(op, q_shape, k_shape=None, *, dtype, cuda, capability=(0, 0), 
                      "attention_varlen_forward, attention_varlen_backward or paged_prefill_attention)")
 
 
-def default_choice(op, q, k=None, *, scale=None, causal=False, window=(-1, -1), softcap=0.0, max_seqlen_q=0):
+def default_choice(op, q, k=None, *, scale=None, causal=False, window=(-1, -1), softcap=0.0, max_seqlen_q=0,
+                   max_seqlen_k=0, batch=1):
     """The rung version=None runs for q (and k: q's shape when not given) on q's device: what the
-    benchmark records as a default row's dispatch."""
+    benchmark records as a default row's dispatch. The packed ops: batch (the sequence count) and the
+    max lengths as passed to attention_varlen (dispatch_rule)."""
     cuda = q.device.type == "cuda"
     props = torch.cuda.get_device_properties(q.device) if cuda else None
     return dispatch_rule(op, tuple(q.shape), None if k is None else tuple(k.shape), dtype=q.dtype, cuda=cuda,
@@ -164,7 +178,7 @@ def default_choice(op, q, k=None, *, scale=None, causal=False, window=(-1, -1), 
                          sms=props.multi_processor_count if cuda else 0,
                          hopper_built=cuda and hopper_kernels_built(), scale=scale, causal=causal, window=window,
                          softcap=softcap, deterministic=torch.are_deterministic_algorithms_enabled(),
-                         max_seqlen_q=max_seqlen_q)
+                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, batch=batch)
 
 
 def _default_scale(q):
@@ -218,8 +232,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     causal mask and window; max_seqlen_q and max_seqlen_k bound the lengths (host ints: on CUDA
     they size the grid, and the lengths themselves are read by the kernels, not checked; the CPU
     checks them). Returns out, shaped like q; with return_lse=True also lse, (heads, total_q).
-    version: a forward rung that takes the packed layout on CUDA ("tuned", "split_kv"; the backward
-    runs version=None's, "mma_dqpass"); on the CPU any name runs the reference.
+    version: a forward rung that takes the packed layout on CUDA ("tuned", "split_kv", "persistent";
+    the backward runs version=None's, "mma_dqpass"); on the CPU any name runs the reference.
     """
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1]) if q.dim() == 3 and q.shape[-1] > 0 else 1.0

@@ -66,6 +66,10 @@ inline constexpr int kHopperHeadDims[] = {64, 128, 256};
 // which 256 would not fit. Here, not beside the kernel, because version=None's rule reads it in
 // every build, the CPU-only one included.
 inline constexpr int kHopperBackwardHeadDims[] = {64, 128};
+// The packed (varlen) layout on the Hopper forward (rung "persistent", csrc/hopper/): the head dims
+// of its pingpong consumers (at 256 it runs warp_specialized's, which the packed layout's
+// version=None would not pick over "split_kv" unmeasured).
+inline constexpr int kHopperVarlenHeadDims[] = {64, 128};
 
 // The log-sum-exp is kept in the accumulation type: float32, float64 for float64 inputs (as
 // chapter 4 keeps its norms' statistics). A (batch, heads, seqlen_q) contiguous tensor:
@@ -99,10 +103,11 @@ struct AttentionParams {
   // seqlen_k are then max_seqlen_q and max_seqlen_k, which size the grid (a host int each: the
   // lengths themselves stay on the device, read by the blocks). lse is (heads, total_q):
   // lse[h * total_q + cu_seqlens_q[b] + i]. Only the rungs that take it read these (the glue refuses
-  // the rest): the forward's "tuned" and "split_kv", the backward's "mma" and "mma_dqpass".
+  // the rest): the forward's "tuned", "split_kv" and "persistent", the backward's "mma" and
+  // "mma_dqpass". total_k is the packed k's token count (the persistent rung's tensor maps need it).
   const int32_t* cu_seqlens_q = nullptr;
   const int32_t* cu_seqlens_k = nullptr;
-  int64_t total_q = 0;
+  int64_t total_q = 0, total_k = 0;
 };
 
 // Rows of the per-row statistics (lse, and the backward's D): batch * heads * seqlen_q padded,

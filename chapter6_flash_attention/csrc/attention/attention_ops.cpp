@@ -104,12 +104,15 @@ bool half_dtype(const Tensor& t) { return t.scalar_type() == at::kHalf || t.scal
 // version=None: the fastest forward rung that runs. On a Hopper GPU (compute capability 9.0, in a
 // build with the sm_90a kernels) that is part 3's. At head_dim 64 and 128 "pingpong" (where its third
 // shared-memory stage fits) or "persistent", which runs the same consumers in a grid of one block
-// per SM that draws its tiles longest first: it saves each tile's start and end (the Q load, the
-// output's store) and balances the last wave, a fixed cost per tile that matters in proportion to
-// how short the tile's walk over the keys is; it pays 8 registers per consumer thread (232 instead
-// of 240) and an atomic per tile. bench_attention.py on an H200: persistent ahead up to 1.17x where
-// the average query row sees at most 2048 keys, pingpong ahead by up to 5% at 4096-16384 keys
-// (d64 full). So "persistent" up to kPersistentMaxAverageKeys, "pingpong" beyond. At 256
+// per SM that draws its tiles longest first. It gains two ways: it saves each tile's start and end
+// (the Q load, the output's store), a fixed cost per tile that matters while the tile's walk over
+// the keys is short, and it balances walks of different lengths (causal tiles), which the plain
+// grid leaves to chance in its last wave; it pays 8 registers per consumer thread (232 instead of
+// 240) and an atomic per tile. Two bench_attention.py runs on an H200: on causal rows (walks from
+// 1 key to all of them) persistent was ahead or within 3% at every length, 512-16384, and ahead by
+// 3-7% at 8192 at d = 128; on full rows (every walk alike) ahead up to 1.09x at 512-1024 keys, level
+// at 2048 and behind by up to 6% beyond. So "persistent" where the walks are uneven (the shortest at
+// most half the longest) or short (at most kPersistentMaxEvenKeys), "pingpong" otherwise. At 256
 // "warp_specialized", where the third stage does not fit and two stages leave ping-pong slower
 // (experiments/hopper_forward_check.cu --variants, NOTES.md). Elsewhere, and
 // wherever the Hopper rungs do not apply (other head dims, a scale <= 0) it is "split_kv" (16-bit
@@ -144,14 +147,14 @@ struct DispatchFacts {
   int cc_major = 0, cc_minor = 0, sms = 0;
   bool hopper_built = false;
 };
-// The keys an average query row sees: a tile's walk over the keys, which the persistent grid's saving
-// per tile is measured against. Causal rows (bottom-right aligned) see seqlen_k - seqlen_q + i + 1
-// keys, clamped to [0, seqlen_k]; their mean, in closed form, is close enough for a threshold.
-constexpr int64_t kPersistentMaxAverageKeys = 2048;
-int64_t average_visible_keys(const AttentionParams& p) {
-  if (!p.causal) return p.seqlen_k;
-  const int64_t before = p.seqlen_k - p.seqlen_q;  // keys every row sees ahead of its own diagonal
-  return std::min(p.seqlen_k, std::max<int64_t>(0, before + (p.seqlen_q + 1) / 2));
+// Whether the persistent grid pays (the version=None section above): the walks of a bottom-right
+// aligned causal call run from seqlen_k - seqlen_q + 1 keys (at least 0) to seqlen_k; a full call's
+// are all seqlen_k.
+constexpr int64_t kPersistentMaxEvenKeys = 1024;
+bool persistent_pays(const AttentionParams& p) {
+  const int64_t longest = p.seqlen_k;
+  const int64_t shortest = p.causal ? std::max<int64_t>(0, p.seqlen_k - p.seqlen_q + 1) : p.seqlen_k;
+  return 2 * shortest <= longest || longest <= kPersistentMaxEvenKeys;
 }
 // A window or a softcap (attention.h) runs on "tuned" and "split_kv" alone (their kernel is the
 // one that computes them), so such a call skips the Hopper rungs; on a GPU that cannot run those
@@ -161,8 +164,7 @@ ForwardVersion forward_rule(const AttentionParams& p, const DispatchFacts& f) {
   if (f.hopper_built && f.cc_major == 9 && f.cc_minor == 0 && is_listed(kHopperHeadDims, p.head_dim) &&
       p.scale > 0.0 && !uses_window_or_softcap(p) && attention_forward_splits(p, f.sms) == 1) {
     if (p.head_dim > 128) return ForwardVersion::kWarpSpecialized;
-    return average_visible_keys(p) <= kPersistentMaxAverageKeys ? ForwardVersion::kPersistent
-                                                                : ForwardVersion::kPingpong;
+    return persistent_pays(p) ? ForwardVersion::kPersistent : ForwardVersion::kPingpong;
   }
   return ForwardVersion::kSplitKv;
 }
@@ -338,7 +340,8 @@ void forward_cuda(ForwardVersion v, const AttentionParams& p, const Tensor& q, c
     case ForwardVersion::kPersistent: {
 #ifdef COURSE_HOPPER
       // The persistent rung's tile counter (4 bytes from the caching allocator; the launcher clears it).
-      const int64_t bytes = attention_forward_hopper_workspace(hopper_kind(v));
+      // Packed, also the schedule it orders the sequences' tiles by (sized from the host ints).
+      const int64_t bytes = attention_forward_hopper_workspace(p, hopper_kind(v));
       const Tensor scratch = bytes > 0 ? workspace(bytes, q) : Tensor();
       C10_CUDA_CHECK(launch_attention_forward_hopper(p, hopper_kind(v), stream,
                                                      bytes > 0 ? scratch.mutable_data_ptr() : nullptr));
@@ -373,32 +376,40 @@ void check_tensor_core_rung(const char* op, const std::string& name, const Tenso
               " KiB: use version='mma' or 'tiled'");
 }
 
-// What part 3's rungs need, each refused with the way out: a build that has them, a Hopper GPU,
-// a head dim of whole 64-column chunks, a positive scale.
-void check_hopper_rung(const char* op, ForwardVersion v, const Tensor& q, double scale) {
-  const std::string name = ::course::version_name(kForwardVersions, v);
+// What every part 3 rung needs first, forward or backward, each refused with the way out: 16-bit
+// inputs, a build that has the sm_90a kernels, a Hopper GPU. `scalar` names the rungs that take
+// float32 and float64, `instead` the rung to use where part 3's cannot run.
+void check_hopper_build_and_gpu(const char* op, const std::string& name, const Tensor& q, const char* scalar,
+                                const char* instead) {
   TORCH_CHECK(half_dtype(q), op, ": version '", name, "' runs on tensor cores and takes float16 and bfloat16; q is ",
-              q.scalar_type(), " (float32 and float64 run on versions 'naive' and 'tiled')");
+              q.scalar_type(), " (float32 and float64 run on ", scalar, ")");
 #ifndef COURSE_HOPPER
   TORCH_CHECK(false, op, ": version '", name, "' is a Hopper kernel (sm_90a), and this build of flash_attention ",
               "has none: it was compiled for a TORCH_CUDA_ARCH_LIST without 9.0. Rebuild with 9.0 in the list ",
-              "(the default on a Hopper GPU), or use version='tuned'");
+              "(the default on a Hopper GPU), or use version='", instead, "'");
 #endif
   const int major = device_attribute(q, cudaDevAttrComputeCapabilityMajor);
   const int minor = device_attribute(q, cudaDevAttrComputeCapabilityMinor);
   TORCH_CHECK(major == 9 && minor == 0, op, ": version '", name, "' needs a Hopper GPU, compute capability 9.0 ",
               "(wgmma, TMA and setmaxnreg; sm_90a code runs on no other); this GPU is ", std::to_string(major), ".",
-              std::to_string(minor), ": use version='tuned'");
-  TORCH_CHECK(attention_forward_hopper_head_dim(q.size(3)), op, ": version '", name,
+              std::to_string(minor), ": use version='", instead, "'");
+}
+
+// What part 3's rungs need, each refused with the way out: a build that has them, a Hopper GPU,
+// a head dim of whole 64-column chunks, a positive scale. q: padded or packed, head_dim last.
+void check_hopper_rung(const char* op, ForwardVersion v, const Tensor& q, double scale) {
+  const std::string name = ::course::version_name(kForwardVersions, v);
+  check_hopper_build_and_gpu(op, name, q, "versions 'naive' and 'tiled'", "tuned");
+  TORCH_CHECK(attention_forward_hopper_head_dim(q.size(-1)), op, ": version '", name,
               "' takes head_dim 64, 128 or 256 (whole 64-column chunks, the width of its 128-byte swizzle); ",
-              "head_dim is ", std::to_string(q.size(3)), ": use version='tuned'");
+              "head_dim is ", std::to_string(q.size(-1)), ": use version='tuned'");
   TORCH_CHECK(scale > 0.0, op, ": version '", name, "' takes scale > 0 (its softmax keeps each row's maximum ",
               "of the unscaled scores, which is the maximum of the scaled ones only for a positive scale); scale ",
               "is ", std::to_string(scale), ": use version='tuned'");
 #ifdef COURSE_HOPPER
-  const int64_t smem = attention_forward_hopper_smem_bytes(q.size(3), hopper_kind(v));
+  const int64_t smem = attention_forward_hopper_smem_bytes(q.size(-1), hopper_kind(v));
   const int64_t allowed = device_attribute(q, cudaDevAttrMaxSharedMemoryPerBlockOptin);
-  TORCH_CHECK(smem <= allowed, op, ": version '", name, "' at head_dim ", std::to_string(q.size(3)), " takes ",
+  TORCH_CHECK(smem <= allowed, op, ": version '", name, "' at head_dim ", std::to_string(q.size(-1)), " takes ",
               std::to_string(smem / 1024), " KiB of shared memory per block; this GPU allows ",
               std::to_string(allowed / 1024), " KiB: use version='tuned'");
 #endif
@@ -409,18 +420,7 @@ void check_hopper_rung(const char* op, ForwardVersion v, const Tensor& q, double
 // shared memory. Any scale: the backward keeps no running maximum.
 void check_hopper_backward(const char* op, const Tensor& q) {
   const std::string name = ::course::version_name(kBackwardVersions, BackwardVersion::kWgmma);
-  TORCH_CHECK(half_dtype(q), op, ": version '", name, "' runs on tensor cores and takes float16 and bfloat16; q is ",
-              q.scalar_type(), " (float32 and float64 run on version 'naive')");
-#ifndef COURSE_HOPPER
-  TORCH_CHECK(false, op, ": version '", name, "' is a Hopper kernel (sm_90a), and this build of flash_attention ",
-              "has none: it was compiled for a TORCH_CUDA_ARCH_LIST without 9.0. Rebuild with 9.0 in the list ",
-              "(the default on a Hopper GPU), or use version='mma_dqpass'");
-#endif
-  const int major = device_attribute(q, cudaDevAttrComputeCapabilityMajor);
-  const int minor = device_attribute(q, cudaDevAttrComputeCapabilityMinor);
-  TORCH_CHECK(major == 9 && minor == 0, op, ": version '", name, "' needs a Hopper GPU, compute capability 9.0 ",
-              "(wgmma, TMA and setmaxnreg; sm_90a code runs on no other); this GPU is ", std::to_string(major), ".",
-              std::to_string(minor), ": use version='mma_dqpass'");
+  check_hopper_build_and_gpu(op, name, q, "version 'naive'", "mma_dqpass");
   TORCH_CHECK(attention_backward_hopper_head_dim(q.size(3)), op, ": version '", name, "' takes head_dim ",
               list_text(kHopperBackwardHeadDims), " (whole 64-column chunks, with dK and dV of 64 keys in ",
               "registers); head_dim is ", std::to_string(q.size(3)), ": use version='mma_dqpass' or 'naive'");
@@ -778,16 +778,29 @@ void check_varlen(const char* op, const Tensor& q, const Tensor& k, const Tensor
 }
 
 // The rungs that take the packed layout on CUDA (the kernels with a kVarlen instantiation), and
-// version=None's choice among them: "split_kv" (which is "tuned" wherever the grid fills the GPU, and
-// splits the keys where it does not) and "mma_dqpass", for the reasons the padded rules give (the
-// version=None section above). Part 3's Hopper rungs take the padded layout only: their tensor maps
-// describe whole (batch, head) slices. No rung where the tensor-core rungs do not run: the scalar
-// rungs have no packed kernels.
-bool takes_varlen(ForwardVersion v) { return v == ForwardVersion::kTuned || v == ForwardVersion::kSplitKv; }
+// version=None's choice among them. Forward: on a Hopper GPU "persistent" (its tensor maps describe
+// the packed tensors, and its schedule orders the sequences' own tiles longest first:
+// csrc/hopper/tile_schedule.h) where it applies, at kHopperVarlenHeadDims without a window or a
+// softcap, and where the grid over the max lengths fills the GPU unsplit (as the padded rule,
+// read over max_seqlen_q and max_seqlen_k: where it would split, a few query rows against long
+// keys, "split_kv" wins as in the padded layout); elsewhere "split_kv" (which is "tuned" wherever the
+// grid fills the GPU, and splits the keys where it does not). The other Hopper rungs take the
+// padded layout only (their tensor maps describe whole (batch, head) slices). Backward:
+// "mma_dqpass", for the reasons the padded rule gives (the version=None section above). No rung
+// where the tensor-core rungs do not run: the scalar rungs have no packed kernels.
+bool takes_varlen(ForwardVersion v) {
+  return v == ForwardVersion::kTuned || v == ForwardVersion::kSplitKv || v == ForwardVersion::kPersistent;
+}
 bool takes_varlen(BackwardVersion v) { return v == BackwardVersion::kMma || v == BackwardVersion::kMmaDqPass; }
-std::optional<ForwardVersion> varlen_forward_rule(const DispatchFacts& f) {
-  if (f.cuda && f.half && f.cc_major >= 8) return ForwardVersion::kSplitKv;
-  return std::nullopt;
+// p: the packed call's sizes (attention.h: batch the sequence count, seqlen_q and seqlen_k the max
+// lengths), scale and mask.
+std::optional<ForwardVersion> varlen_forward_rule(const AttentionParams& p, const DispatchFacts& f) {
+  if (!(f.cuda && f.half && f.cc_major >= 8)) return std::nullopt;
+  if (f.hopper_built && f.cc_major == 9 && f.cc_minor == 0 && is_listed(kHopperVarlenHeadDims, p.head_dim) &&
+      p.scale > 0.0 && !uses_window_or_softcap(p) && attention_forward_splits(p, f.sms) == 1) {
+    return ForwardVersion::kPersistent;
+  }
+  return ForwardVersion::kSplitKv;
 }
 std::optional<BackwardVersion> varlen_backward_rule(int64_t head_dim, const DispatchFacts& f) {
   // The padded rule's part-1 answer ("wgmma" takes the padded layout only, and "mma_dqpass" gives the
@@ -806,15 +819,18 @@ template <typename V, size_t N>
 std::string varlen_cuda_rung(const char* op, const ::course::NamedVersion<V> (&versions)[N], std::optional<V> named,
                              std::optional<V> chosen, const Tensor& q, const Tensor& k, const Tensor& cu_q,
                              int64_t max_seqlen_q, int64_t max_seqlen_k, bool backward) {
-  const char* rungs = backward ? "versions 'mma' and 'mma_dqpass'" : "versions 'tuned' and 'split_kv'";
+  const char* rungs = backward ? "versions 'mma' and 'mma_dqpass'" : "versions 'tuned', 'split_kv' and 'persistent'";
   const std::string takes = backward ? std::string("float16 and bfloat16, compute capability 8.0 or newer, head_dim ") +
                                            list_text(kMmaBackwardHeadDims)
-                                     : std::string("float16 and bfloat16, compute capability 8.0 or newer");
+                                     : std::string("float16 and bfloat16, compute capability 8.0 or newer; "
+                                                   "'persistent' on 9.0 at head_dim ") +
+                                           list_text(kHopperVarlenHeadDims);
   const char* what = backward ? "the packed (varlen) layout's backward" : "the packed (varlen) layout";
   if (named) {
     TORCH_CHECK(takes_varlen(*named), op, ": version '", ::course::version_name(versions, *named),
                 "' does not take the packed (varlen) layout; ", rungs, " take it (", takes, "; version=None picks ",
-                backward ? "'mma_dqpass'" : "'split_kv'", " there)");
+                backward ? "'mma_dqpass'" : "'persistent' on a Hopper GPU where it applies, else 'split_kv'",
+                " there)");
   }
   // version=None has no rung here, and then neither can the rung named run these inputs on this GPU
   // (the same facts decide both): one message, with the way out.
@@ -853,6 +869,7 @@ AttentionParams make_varlen_params(const Tensor& q, const Tensor& k, const Tenso
   p.cu_seqlens_q = cu_q.const_data_ptr<int32_t>();
   p.cu_seqlens_k = cu_k.const_data_ptr<int32_t>();
   p.total_q = q.size(0);
+  p.total_k = k.size(0);
   return p;
 }
 #endif
@@ -871,18 +888,32 @@ std::tuple<Tensor, Tensor> attention_varlen_forward_impl(const Tensor& q, const 
   if (q.is_meta()) return {out, lse};
   if (q.is_cuda()) {
 #ifdef WITH_CUDA
-    const std::optional<ForwardVersion> chosen = varlen_forward_rule(facts_of(q));
+    // The call's sizes for the rule (its pointers are not read there).
+    const AttentionParams sizes = make_varlen_params(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                     max_seqlen_k, scale, causal, window, softcap);
+    const std::optional<ForwardVersion> chosen = varlen_forward_rule(sizes, facts_of(q));
     const std::string name = varlen_cuda_rung(op, kForwardVersions, named, chosen, q, k, cu_seqlens_q, max_seqlen_q,
                                               max_seqlen_k, /*backward=*/false);
-    check_tensor_core_rung(op, name, q);
+    const ForwardVersion v_ = named ? *named : *chosen;
+    const bool tma = hopper_rung(v_);
+    if (tma) {
+      check_hopper_rung(op, v_, q, scale);
+      TORCH_CHECK(is_listed(kHopperVarlenHeadDims, q.size(2)), op, ": version '", name, "' takes the packed ",
+                  "(varlen) layout at head_dim ", list_text(kHopperVarlenHeadDims), "; head_dim is ",
+                  std::to_string(q.size(2)), ": use version='split_kv'");
+      TORCH_CHECK(!uses_window_or_softcap(sizes), op, ": version '", name, "' takes no window or softcap; ",
+                  "versions 'tuned' and 'split_kv' compute them (version=None picks 'split_kv' there)");
+    } else {
+      check_tensor_core_rung(op, name, q);
+    }
     if (out.numel() == 0) return {out, lse};
-    const Tensor qa = aligned_for_copies(q), ka = aligned_for_copies(k), va = aligned_for_copies(v);
+    const Tensor qa = aligned_for_copies(q, tma), ka = aligned_for_copies(k, tma), va = aligned_for_copies(v, tma);
     const Tensor cu_q = cu_seqlens_q.contiguous(), cu_k = cu_seqlens_k.contiguous();
     const AttentionParams p = make_varlen_params(qa, ka, va, out, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, scale,
                                                  causal, window, softcap);
     // forward_cuda's "tuned" and "split_kv" (its split count from the max lengths and its partials'
-    // workspace, a row per lse row), packed or not.
-    FLASH_ATTENTION_ON_CUDA(op, q, forward_cuda(named ? *named : *chosen, p, q, stream));
+    // workspace, a row per lse row) and "persistent" (its counter and schedule), packed or not.
+    FLASH_ATTENTION_ON_CUDA(op, q, forward_cuda(v_, p, q, stream));
 #else
     FLASH_ATTENTION_ON_CUDA(op, q, (void)0);
 #endif
@@ -1025,11 +1056,20 @@ std::string forward_rule_op(int64_t batch, int64_t heads, int64_t heads_kv, int6
   return ::course::version_name(kForwardVersions, forward_rule(p, f));
 }
 // The packed layout's: the rung's name, or "" where no rung takes it (the CPU runs the reference,
-// CUDA refuses the call).
-std::string varlen_rule_op(std::string_view op, int64_t head_dim, bool cuda, bool half, int64_t cc_major) {
-  const DispatchFacts f{cuda, half, static_cast<int>(cc_major), 0, 0, false};
+// CUDA refuses the call). batch is the sequence count, max_seqlen_q and max_seqlen_k the call's.
+std::string varlen_rule_op(std::string_view op, int64_t batch, int64_t heads, int64_t heads_kv, int64_t max_seqlen_q,
+                           int64_t max_seqlen_k, int64_t head_dim, double scale, bool causal, bool cuda, bool half,
+                           int64_t cc_major, int64_t cc_minor, int64_t sms, bool hopper_built,
+                           at::IntArrayRef window, double softcap) {
+  check_window_softcap("varlen_rule", window, softcap);
+  const DispatchFacts f{cuda, half, static_cast<int>(cc_major), static_cast<int>(cc_minor), static_cast<int>(sms),
+                        hopper_built};
   if (op == kVarlenForward) {
-    const auto v = varlen_forward_rule(f);
+    AttentionParams p{};
+    p.batch = batch, p.heads = heads, p.heads_kv = heads_kv, p.seqlen_q = max_seqlen_q, p.seqlen_k = max_seqlen_k;
+    p.head_dim = head_dim, p.scale = scale, p.causal = causal;
+    p.window_left = window[0], p.window_right = causal ? 0 : window[1], p.softcap = softcap;
+    const auto v = varlen_forward_rule(p, f);
     return v ? ::course::version_name(kForwardVersions, *v) : "";
   }
   TORCH_CHECK(op == kVarlenBackward, "varlen_rule: unknown op '", std::string(op), "' (", kVarlenForward, " or ",
@@ -1096,6 +1136,45 @@ Tensor hopper_tile_order_op(int64_t batch, int64_t heads, int64_t heads_kv, int6
   return order;
 }
 
+// The persistent rung's order in the packed layout (hopper/tile_schedule.h's varlen order), for query
+// lengths given on the host: what the schedule kernel and the producer work out on the device from
+// cu_seqlens_q, with the same functions. One row per work item in the order the blocks draw them,
+// (sequence, head, query tile); no row past a sequence's end.
+Tensor hopper_varlen_tile_order_op(at::IntArrayRef lengths_q, int64_t heads, int64_t max_seqlen_q) {
+  constexpr const char* op = "hopper_varlen_tile_order";
+  TORCH_CHECK(heads >= 1 && max_seqlen_q >= 0, op, ": needs heads >= 1 and max_seqlen_q >= 0 (got ",
+              std::to_string(heads), " and ", std::to_string(max_seqlen_q), ")");
+  const int batch = static_cast<int>(lengths_q.size());
+  const int64_t q_tiles64 = ::course::ceil_div(max_seqlen_q, int64_t{kHopperBlockM});
+  TORCH_CHECK(q_tiles64 * batch * heads <= (int64_t{1} << 24), op, ": at most 2^24 tiles here");
+  const int q_tiles = static_cast<int>(q_tiles64);
+  std::vector<int> tiles(batch), order(batch), rank_start(q_tiles + 1);
+  for (int b = 0; b < batch; ++b) tiles[b] = hopper_varlen_tiles(lengths_q[b], q_tiles);
+  for (int b = 0; b < batch; ++b) {  // the schedule kernel's places, one sequence at a time
+    int place = 0;
+    for (int c = 0; c < batch; ++c) place += hopper_varlen_before(tiles[c], c, tiles[b], b) ? 1 : 0;
+    order[place] = b;
+  }
+  for (int rank = 0; rank <= q_tiles; ++rank) {
+    int64_t items = 0;
+    for (int b = 0; b < batch; ++b) items += hopper_varlen_items_before(tiles[b], q_tiles, rank);
+    rank_start[rank] = static_cast<int>(items * heads);
+  }
+  const int total = rank_start[q_tiles];
+  Tensor result = at::empty({total, 3}, at::kLong);
+  auto rows = result.accessor<int64_t, 2>();
+  int rank = 0;
+  for (int index = 0; index < total; ++index) {  // one block drawing every index, in order
+    const int value = hopper_varlen_item(index, &rank, q_tiles, static_cast<int>(heads), rank_start.data(),
+                                         order.data());
+    const int pair = value / q_tiles;
+    rows[index][0] = pair / heads;
+    rows[index][1] = pair % heads;
+    rows[index][2] = value % q_tiles;
+  }
+  return result;
+}
+
 void register_backend_kernels(torch::Library& m) {
   m.impl("attention_forward", &attention_forward_impl);
   m.impl("attention_backward", &attention_backward_impl);
@@ -1142,6 +1221,8 @@ TORCH_LIBRARY_FRAGMENT(flash_attention, m) {
   m.def("hopper_tile_order(int batch, int heads, int heads_kv, int seqlen_q, int seqlen_k, int head_dim, "
         "bool causal, int l2_bytes) -> Tensor",
         &flash_attention::hopper_tile_order_op);
+  m.def("hopper_varlen_tile_order(int[] lengths_q, int heads, int max_seqlen_q) -> Tensor",
+        &flash_attention::hopper_varlen_tile_order_op);
   m.def("forward_rule(int batch, int heads, int heads_kv, int seqlen_q, int seqlen_k, int head_dim, float scale, "
         "bool causal, bool cuda, bool half, int cc_major, int cc_minor, int sms, bool hopper_built, "
         "int[2] window=[-1, -1], float softcap=0.0) -> str",
@@ -1149,7 +1230,9 @@ TORCH_LIBRARY_FRAGMENT(flash_attention, m) {
   m.def("backward_rule(int head_dim, bool cuda, bool half, int cc_major, int cc_minor=0, bool hopper_built=False, "
         "bool causal=False, int[2] window=[-1, -1], float softcap=0.0, bool deterministic=False) -> str",
         &flash_attention::backward_rule_op);
-  m.def("varlen_rule(str op, int head_dim, bool cuda, bool half, int cc_major) -> str",
+  m.def("varlen_rule(str op, int batch, int heads, int heads_kv, int max_seqlen_q, int max_seqlen_k, int head_dim, "
+        "float scale, bool causal, bool cuda, bool half, int cc_major, int cc_minor=0, int sms=0, "
+        "bool hopper_built=False, int[2] window=[-1, -1], float softcap=0.0) -> str",
         &flash_attention::varlen_rule_op);
 }
 

@@ -32,17 +32,24 @@ inline bool attention_forward_hopper_head_dim(int64_t head_dim) { return ::cours
 int64_t attention_forward_hopper_smem_bytes(int64_t head_dim, HopperForward rung);
 
 // Workspace bytes a rung needs: the persistent rung's tile counter (an int, which the launcher
-// clears before each launch, on the stream); none for the others.
-inline int64_t attention_forward_hopper_workspace(HopperForward rung) {
-  return rung == HopperForward::kPersistent ? static_cast<int64_t>(sizeof(int)) : 0;
+// clears before each launch, on the stream), and in the packed layout (p.cu_seqlens_q set) its
+// schedule after it, q_tiles + 1 rank starts and batch sequence places (tile_schedule.h), counted
+// from max_seqlen_q and the batch, host ints; none for the others.
+inline int64_t attention_forward_hopper_workspace(const AttentionParams& p, HopperForward rung) {
+  if (rung != HopperForward::kPersistent) return 0;
+  if (p.cu_seqlens_q == nullptr) return static_cast<int64_t>(sizeof(int));
+  const int64_t q_tiles = (p.seqlen_q + kHopperBlockM - 1) / kHopperBlockM;
+  return (2 + q_tiles + p.batch) * static_cast<int64_t>(sizeof(int));
 }
 
 // bfloat16 and float16, head_dim from attention_forward_hopper_head_dim, scale > 0 (the softmax
 // keeps each row's maximum of the raw scores, which is the maximum of the scaled ones only for a
 // positive scale), every stepped stride of q, k, v a multiple of 8 elements and the pointers
 // 16-byte aligned (TMA's rules; the glue checks and copies otherwise); `workspace` holds
-// attention_forward_hopper_workspace(rung) bytes (may be null where that is 0). Returns the first
-// error (cudaErrorNotSupported when the driver has no TMA encoder); never synchronizes or allocates.
+// attention_forward_hopper_workspace(p, rung) bytes (may be null where that is 0). The packed layout
+// (p.cu_seqlens_q set; attention.h) runs on rung kPersistent at kHopperVarlenHeadDims alone, with
+// p.total_k set too (cudaErrorInvalidValue for the others). Returns the first error
+// (cudaErrorNotSupported when the driver has no TMA encoder); never synchronizes or allocates.
 cudaError_t launch_attention_forward_hopper(const AttentionParams& params, HopperForward rung, cudaStream_t stream,
                                             void* workspace = nullptr);
 

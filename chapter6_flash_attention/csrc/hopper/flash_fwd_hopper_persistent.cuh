@@ -34,13 +34,76 @@
 // The consumers' math per key tile is the other rungs' (hopper_fwd::issue_qk, online_softmax, ...),
 // so the output is the same bits as theirs: rung "pingpong" at d = 64 and 128, "warp_specialized" at
 // d = 256 (the tests hold it to that).
+//
+// The packed (varlen) layout (kVarlen, a template parameter: the padded kernel is compiled without
+// any of it), FlashAttention 3's way. The tensor maps describe the packed tensors, every token of
+// every sequence as one batch of (total_tokens, heads, head_dim); a work item is (sequence, head,
+// query tile) in tile_schedule.h's varlen order, which a one-block kernel before this one writes
+// into the workspace from cu_seqlens (the host never reads the lengths); its Q rows start at
+// cu_seqlens_q[b] + m0 and its K/V tiles at cu_seqlens_k[b] + n0. Then the item is its sequence as a
+// batch of one: that sequence's lengths in place of seqlen_q and seqlen_k (its own bottom-right
+// causal mask), the output and lse at its first token. TMA zero-fills only past the end of the whole
+// tensor, so a partial tile brings in the next sequence's rows: as keys they are past the
+// sequence's seqlen_k and the last key tile's mask (the padded kernel's, for keys past the end)
+// gives them -inf, so P is 0 there and P V adds exact zeros (the values are finite); as query rows
+// they are past its seqlen_q, computed and not stored (store_o_lse's guard, as for the padded last
+// tile's zero rows). So each sequence's output is the bits of the padded rung on that sequence alone.
 #pragma once
 
 #include "hopper/flash_fwd_hopper_kernel.cuh"
 
 namespace flash_attention {
 
-template <typename T, typename K>
+// The packed layout's schedule (tile_schedule.h): one block reads every sequence's length from
+// cu_seqlens_q and writes `order` and `rank_start` into the workspace, and clears the tile counter
+// (workspace[0]) for the forward that follows it on the stream. O(batch^2 + q_tiles x batch) steps
+// over all threads, the lengths staged through shared memory a chunk at a time: microseconds at a
+// few hundred sequences, against a forward that reads every token. A template (of its block size)
+// so that every instantiation file may include its definition.
+inline constexpr int kVarlenScheduleThreads = 1024;
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads)
+    hopper_varlen_schedule_kernel(const int32_t* cu_seqlens_q, int batch, int heads, int q_tiles, int* workspace) {
+  int* rank_start = workspace + 1;            // q_tiles + 1 entries
+  int* order = workspace + 2 + q_tiles;       // batch entries
+  __shared__ int chunk[kThreads];  // the tiles of sequences c0 .. c0 + kThreads - 1
+  auto tiles_of = [&](int b) {
+    return hopper_varlen_tiles(static_cast<int64_t>(cu_seqlens_q[b + 1]) - cu_seqlens_q[b], q_tiles);
+  };
+  // Both loops below walk every chunk of sequences with the whole block (their bounds are the same
+  // for every thread), so the barriers inside are reached by all.
+  auto each_chunk = [&](auto&& visit) {
+    for (int c0 = 0; c0 < batch; c0 += kThreads) {
+      __syncthreads();  // everyone is done reading the previous chunk before it is overwritten
+      if (c0 + static_cast<int>(threadIdx.x) < batch) chunk[threadIdx.x] = tiles_of(c0 + threadIdx.x);
+      __syncthreads();  // the chunk is written before anyone reads it
+      const int n = min(kThreads, batch - c0);
+      visit(c0, n);
+    }
+  };
+  if (threadIdx.x == 0) *workspace = 0;  // the forward's tile counter
+  // order: sequence b's place is the number of sequences before it.
+  for (int base = 0; base < batch; base += kThreads) {
+    const int b = base + threadIdx.x;
+    const int tiles = b < batch ? tiles_of(b) : 0;
+    int place = 0;
+    each_chunk([&](int c0, int n) {
+      for (int j = 0; j < n; ++j) place += hopper_varlen_before(chunk[j], c0 + j, tiles, b) ? 1 : 0;
+    });
+    if (b < batch) order[place] = b;
+  }
+  // rank_start: the items before each rank, every sequence's share.
+  for (int base = 0; base <= q_tiles; base += kThreads) {
+    const int rank = base + threadIdx.x;
+    int64_t items = 0;
+    each_chunk([&](int, int n) {
+      for (int j = 0; j < n; ++j) items += hopper_varlen_items_before(chunk[j], q_tiles, rank);
+    });
+    if (rank <= q_tiles) rank_start[rank] = static_cast<int>(items * heads);  // <= tiles: the launcher's bound
+  }
+}
+
+template <typename T, typename K, bool kVarlen>
 __global__ void __launch_bounds__(K::kThreads, 1)
     flash_fwd_hopper_persistent_kernel(const __grid_constant__ CUtensorMap map_q,
                                        const __grid_constant__ CUtensorMap map_k,
@@ -82,24 +145,62 @@ __global__ void __launch_bounds__(K::kThreads, 1)
   }
   __syncthreads();  // the barriers are initialised before anyone waits on them
 
-  // A work item by its index in the schedule's order, as both roles decode it.
-  const int64_t diag = p.seqlen_k - p.seqlen_q;  // key j is visible to row i iff j <= i + diag
+  // A work item, as both roles decode it from the value in the slot: padded, its index in the
+  // schedule's order; packed, the (pair, query tile) the producer decoded (tile_schedule.h).
+  // q_row, k_row and map_b are the coordinates its copies start at: padded (m0, 0, b), packed
+  // (cu_seqlens_q[b] + m0, cu_seqlens_k[b], 0) in the maps of one batch of every token.
   struct Item {
-    int b, h, hk, n_tiles;
-    int64_t m0, pair;
+    int b, h, hk, n_tiles, map_b;
+    int64_t m0, pair, q_row, k_row;
+    int64_t seqlen_q, seqlen_k;  // the item's sequence's: padded p's, packed its own
   };
-  auto item_at = [&](int64_t index) {
+  auto item_at = [&](int value) {
     Item it;
     int pair, q_tile;
-    hopper_tile_at(schedule, static_cast<int>(index), &pair, &q_tile);
+    if constexpr (kVarlen) {
+      pair = value / schedule.q_tiles;
+      q_tile = value % schedule.q_tiles;
+    } else {
+      hopper_tile_at(schedule, value, &pair, &q_tile);
+    }
     it.pair = pair;
     it.b = static_cast<int>(pair / p.heads);
     it.h = static_cast<int>(pair % p.heads);
     it.hk = static_cast<int>(it.h / (p.heads / p.heads_kv));  // GQA
     it.m0 = static_cast<int64_t>(q_tile) * kBM;
-    const int64_t last_row = (it.m0 + kBM < p.seqlen_q ? it.m0 + kBM : p.seqlen_q) - 1;
-    it.n_tiles = static_cast<int>((visible_keys(last_row, p.seqlen_q, p.seqlen_k, p.causal) + kBN - 1) / kBN);
+    if constexpr (kVarlen) {
+      // A pair of offsets that decreases (cu_seqlens the host never read) is an empty sequence, as in
+      // varlen.cuh; the order has no item of it then, and the keys clamp alike.
+      const int64_t q0 = p.cu_seqlens_q[it.b], k0 = p.cu_seqlens_k[it.b];
+      it.seqlen_q = max(int64_t{0}, p.cu_seqlens_q[it.b + 1] - q0);
+      it.seqlen_k = max(int64_t{0}, p.cu_seqlens_k[it.b + 1] - k0);
+      it.q_row = q0 + it.m0;
+      it.k_row = k0;
+      it.map_b = 0;
+    } else {
+      it.seqlen_q = p.seqlen_q;
+      it.seqlen_k = p.seqlen_k;
+      it.q_row = it.m0;
+      it.k_row = 0;
+      it.map_b = it.b;
+    }
+    const int64_t last_row = (it.m0 + kBM < it.seqlen_q ? it.m0 + kBM : it.seqlen_q) - 1;
+    it.n_tiles = static_cast<int>((visible_keys(last_row, it.seqlen_q, it.seqlen_k, p.causal) + kBN - 1) / kBN);
     return it;
+  };
+  // The value handed to the consumers for the index drawn: padded the index itself, packed the item
+  // it names in the varlen order (tile_schedule.h), or `tiles` (the end) past the last one. The
+  // rank cursor is the producer's, moving forward with its draws.
+  const int* rank_start = tile_counter + 1;
+  const int* order = tile_counter + 2 + schedule.q_tiles;
+  int rank = 0;
+  auto value_of = [&](int index) {
+    if constexpr (kVarlen) {
+      if (index >= rank_start[schedule.q_tiles]) return schedule.tiles;  // every sequence's tiles drawn
+      return hopper_varlen_item(index, &rank, schedule.q_tiles, static_cast<int>(p.heads), rank_start, order);
+    } else {
+      return index;
+    }
   };
 
   if (threadIdx.x < K::kProducerThreads) {
@@ -112,11 +213,12 @@ __global__ void __launch_bounds__(K::kThreads, 1)
       for (uint32_t trip = 0;; ++trip) {
         // Hand the index to the consumers: slot trip % 2 is free once they all read trip - 2's.
         const int slot = trip & 1;
+        const int value = value_of(index);
         if (trip >= 2) mbarrier_wait(&tile_empty[slot], ((trip >> 1) - 1) & 1);
-        tile_slot[slot] = index;
+        tile_slot[slot] = value;
         mbarrier_arrive(&tile_full[slot]);  // release: the consumers' wait sees the write above
-        if (index >= schedule.tiles) break;  // the end, now published
-        const Item it = item_at(index);
+        if (value >= schedule.tiles) break;  // the end, now published
+        const Item it = item_at(value);
         if (it.n_tiles == 0) {  // rows that see no key: the consumers store zeros, nothing to load
           index = atomicAdd(tile_counter, 1) + static_cast<int>(gridDim.x);
           continue;
@@ -129,7 +231,7 @@ __global__ void __launch_bounds__(K::kThreads, 1)
           for (int c = 0; c < K::kChunks; ++c) {
             // Rows past seqlen_q (the whole half, for a tile of up to 64 rows) arrive as zeros.
             tma_load_4d(q_s + c * kBM * 128 + w * 64 * 128, &map_q, &q_full[w], c * 64,
-                        static_cast<int>(it.m0) + 64 * w, it.h, it.b);
+                        static_cast<int>(it.q_row) + 64 * w, it.h, it.map_b);
           }
         }
         ++q_trips;
@@ -142,14 +244,14 @@ __global__ void __launch_bounds__(K::kThreads, 1)
           mbarrier_arrive_expect_tx(&k_full[stage], K::kKVBytes);
 #pragma unroll
           for (int c = 0; c < K::kChunks; ++c) {
-            tma_load_4d(k_s + stage * K::kKVBytes + c * kBN * 128, &map_k, &k_full[stage], c * 64, i * kBN, it.hk,
-                        it.b);
+            tma_load_4d(k_s + stage * K::kKVBytes + c * kBN * 128, &map_k, &k_full[stage], c * 64,
+                        static_cast<int>(it.k_row) + i * kBN, it.hk, it.map_b);
           }
           mbarrier_arrive_expect_tx(&v_full[stage], K::kKVBytes);
 #pragma unroll
           for (int c = 0; c < K::kChunks; ++c) {
-            tma_load_4d(v_s + stage * K::kKVBytes + c * kBN * 128, &map_v, &v_full[stage], c * 64, i * kBN, it.hk,
-                        it.b);
+            tma_load_4d(v_s + stage * K::kKVBytes + c * kBN * 128, &map_v, &v_full[stage], c * 64,
+                        static_cast<int>(it.k_row) + i * kBN, it.hk, it.map_b);
           }
         }
         // The next tile, drawn once this one's copies are all issued: as late as the producer can
@@ -175,12 +277,17 @@ __global__ void __launch_bounds__(K::kThreads, 1)
   uint32_t pf[kBN / 16][4];  // P as wgmma's A fragments, one k16 step of keys each
   float row_max[2], row_sum[2];
   int64_t row0 = 0;  // this lane's rows of the current tile: row0 and row0 + 8
+  int64_t diag = 0;  // the current item's: key j is visible to row i iff j <= i + diag
   uint32_t q_trips = 0, kv_trips = 0;  // the producer's counts, kept in step
+  // The parameters the per-tile math reads its lengths from: p itself padded; packed, a copy with the
+  // current item's sequence's lengths (the sequence as a batch of one).
+  AttentionParams seq_p = p;
+  const AttentionParams& ip = kVarlen ? seq_p : p;
 
   auto issue_qk = [&](int stage) { hopper_fwd::issue_qk<T, K>(s, q_wg, k_s + stage * K::kKVBytes); };
   auto issue_pv = [&](int stage) { hopper_fwd::issue_pv<T, K>(o, pf, v_s + stage * K::kKVBytes); };
   auto softmax = [&](auto mask_tag, int i, float (&corr)[2]) {
-    online_softmax<K>(mask_tag, s, row_max, row_sum, corr, p, row0, diag, i, t, scale_log2);
+    online_softmax<K>(mask_tag, s, row_max, row_sum, corr, ip, row0, diag, i, t, scale_log2);
   };
   auto rescale_o = [&](const float (&corr)[2]) {
 #pragma unroll
@@ -211,12 +318,17 @@ __global__ void __launch_bounds__(K::kThreads, 1)
   for (uint32_t trip = 0;; ++trip) {
     const int slot = trip & 1;
     mbarrier_wait(&tile_full[slot], (trip >> 1) & 1);
-    const int index = tile_slot[slot];
+    const int value = tile_slot[slot];
     mbarrier_arrive(&tile_empty[slot]);  // this thread is done with the slot
-    if (index >= schedule.tiles) break;  // the walk is over, as for the producer
-    const Item it = item_at(index);
+    if (value >= schedule.tiles) break;  // the walk is over, as for the producer
+    const Item it = item_at(value);
     const int n_tiles = it.n_tiles;
     row0 = it.m0 + wg * 64 + warp * 16 + g;
+    diag = it.seqlen_k - it.seqlen_q;
+    if constexpr (kVarlen) {
+      seq_p.seqlen_q = it.seqlen_q;
+      seq_p.seqlen_k = it.seqlen_k;
+    }
 #pragma unroll
     for (int j = 0; j < K::kHeadDim / 2; ++j) o[j] = 0.f;
     row_max[0] = row_max[1] = -INFINITY;  // raw scores (not scaled): scale > 0
@@ -226,7 +338,7 @@ __global__ void __launch_bounds__(K::kThreads, 1)
       mbarrier_wait(&q_full[wg], q_trips & 1);
       ++q_trips;
       // Tiles 0 .. n_full - 1 need no mask for any row of the block (as in the one-tile kernel).
-      int64_t full_tiles = p.seqlen_k / kBN;
+      int64_t full_tiles = it.seqlen_k / kBN;
       if (p.causal) full_tiles = min(full_tiles, max(int64_t{0}, it.m0 + diag + 1) / kBN);
       const int n_full = static_cast<int>(min(full_tiles, static_cast<int64_t>(n_tiles)));
       // This warpgroup's half of Q is read for the last time: the producer may load the next tile's.
@@ -307,10 +419,18 @@ __global__ void __launch_bounds__(K::kThreads, 1)
     }
 
     // The epilogue, while the producer's copies for the next tile are in flight.
-    T* out = static_cast<T*>(p.o) + static_cast<int64_t>(it.b) * p.o_batch_stride +
-             static_cast<int64_t>(it.h) * p.o_head_stride;
-    store_o_lse<T, K>(o, row_sum, row_max, out, static_cast<float*>(p.lse) + it.pair * p.seqlen_q, row0, p, t,
-                      scale_log2);
+    // Packed: the sequence's first token (every batch stride is 0), its lse row h * total_q + q0.
+    if constexpr (kVarlen) {
+      const int64_t q0 = it.q_row - it.m0;
+      T* out = static_cast<T*>(p.o) + q0 * p.o_seq_stride + static_cast<int64_t>(it.h) * p.o_head_stride;
+      store_o_lse<T, K>(o, row_sum, row_max, out, static_cast<float*>(p.lse) + it.h * p.total_q + q0, row0, ip, t,
+                        scale_log2);
+    } else {
+      T* out = static_cast<T*>(p.o) + static_cast<int64_t>(it.b) * p.o_batch_stride +
+               static_cast<int64_t>(it.h) * p.o_head_stride;
+      store_o_lse<T, K>(o, row_sum, row_max, out, static_cast<float*>(p.lse) + it.pair * p.seqlen_q, row0, p, t,
+                        scale_log2);
+    }
   }
   if constexpr (K::kPingpong) {
     // The last turn warpgroup 1 passed (or its opening one, if no tile had keys) is taken here, so
@@ -324,23 +444,30 @@ __global__ void __launch_bounds__(K::kThreads, 1)
 // this kernel an SM fits: one, with 168 registers a thread and up to 225 KiB of shared memory),
 // never more than there are tiles. The device's SM count and L2 size are read here, per call
 // (attribute lookups, no driver round trip), for the GPU the caller's device guard selected.
-template <typename T, typename K>
+// Packed (kVarlen), the tiles are counted over max_seqlen_q (an upper bound: the host does not know
+// the lengths), the maps describe the packed tensors as one batch of total_q and total_k tokens, and
+// the schedule kernel runs first, on the same stream (it also clears the counter).
+template <typename T, typename K, bool kVarlen>
 cudaError_t run_flash_fwd_hopper_persistent(const AttentionParams& p, cudaStream_t stream, void* workspace) {
   const int64_t q_tiles = course::ceil_div(p.seqlen_q, static_cast<int64_t>(K::kBlockM));
   const int64_t tiles = q_tiles * p.batch * p.heads;
   if (tiles == 0) return cudaSuccess;
   // INT_MAX less a grid: the counter's draws past the last tile (one per block) stay in an int.
   if (tiles > INT_MAX / 2 || p.seqlen_q > INT_MAX || p.seqlen_k > INT_MAX) return cudaErrorInvalidConfiguration;
+  // Packed, the copies' row coordinates are token indices of the whole tensor (TMA takes an int).
+  if (kVarlen && (p.total_q > INT_MAX / 2 || p.total_k > INT_MAX / 2)) return cudaErrorInvalidConfiguration;
   if (workspace == nullptr) return cudaErrorInvalidValue;  // the tile counter: the glue passes it
   CUtensorMap map_q, map_k, map_v;
+  const int64_t map_batch = kVarlen ? 1 : p.batch;  // packed: every token of every sequence, one batch
+  const int64_t rows_q = kVarlen ? p.total_q : p.seqlen_q, rows_k = kVarlen ? p.total_k : p.seqlen_k;
   // Q in boxes of 64 rows: each consumer warpgroup's half has its own barriers.
-  COURSE_CUDA_TRY(make_bhsd_map(&map_q, p.q, p.batch, p.heads, p.seqlen_q, K::kHeadDim, p.q_batch_stride,
+  COURSE_CUDA_TRY(make_bhsd_map(&map_q, p.q, map_batch, p.heads, rows_q, K::kHeadDim, p.q_batch_stride,
                                 p.q_head_stride, p.q_seq_stride, K::kBlockM / 2));
-  COURSE_CUDA_TRY(make_bhsd_map(&map_k, p.k, p.batch, p.heads_kv, p.seqlen_k, K::kHeadDim, p.k_batch_stride,
+  COURSE_CUDA_TRY(make_bhsd_map(&map_k, p.k, map_batch, p.heads_kv, rows_k, K::kHeadDim, p.k_batch_stride,
                                 p.k_head_stride, p.k_seq_stride, K::kBlockN));
-  COURSE_CUDA_TRY(make_bhsd_map(&map_v, p.v, p.batch, p.heads_kv, p.seqlen_k, K::kHeadDim, p.v_batch_stride,
+  COURSE_CUDA_TRY(make_bhsd_map(&map_v, p.v, map_batch, p.heads_kv, rows_k, K::kHeadDim, p.v_batch_stride,
                                 p.v_head_stride, p.v_seq_stride, K::kBlockN));
-  auto kernel = flash_fwd_hopper_persistent_kernel<T, K>;
+  auto kernel = flash_fwd_hopper_persistent_kernel<T, K, kVarlen>;
   COURSE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSmemBytes));
   int device = 0, sms = 0, l2_bytes = 0, per_sm = 0;
   COURSE_CUDA_TRY(cudaGetDevice(&device));
@@ -351,21 +478,37 @@ cudaError_t run_flash_fwd_hopper_persistent(const AttentionParams& p, cudaStream
   const int64_t slots = static_cast<int64_t>(sms) * per_sm;
   const int ctas = static_cast<int>(tiles < slots ? tiles : slots);
   const HopperTileSchedule schedule = hopper_tile_schedule(p, l2_bytes);
-  // The counter starts at 0 every launch, in stream order (a graph capture records the memset).
+  // The counter starts at 0 every launch, in stream order (a graph capture records the memset, or
+  // the schedule kernel).
   int* counter = static_cast<int*>(workspace);
-  COURSE_CUDA_TRY(cudaMemsetAsync(counter, 0, sizeof(int), stream));
+  if constexpr (kVarlen) {
+    hopper_varlen_schedule_kernel<kVarlenScheduleThreads><<<1, kVarlenScheduleThreads, 0, stream>>>(
+        p.cu_seqlens_q, static_cast<int>(p.batch), static_cast<int>(p.heads), schedule.q_tiles, counter);
+    COURSE_CUDA_TRY(cudaGetLastError());
+  } else {
+    COURSE_CUDA_TRY(cudaMemsetAsync(counter, 0, sizeof(int), stream));
+  }
   const float scale_log2 = static_cast<float>(p.scale * 1.4426950408889634);
   kernel<<<static_cast<unsigned>(ctas), K::kThreads, K::kSmemBytes, stream>>>(map_q, map_k, map_v, p, schedule,
                                                                               counter, scale_log2);
   return cudaGetLastError();
 }
 
-// The rungs' entry point (the instantiation files): the persistent rung's kernel, or the one-tile one.
+// The rungs' entry point (the instantiation files): the persistent rung's kernel, padded or packed
+// (the packed one at the head dims of kHopperVarlenHeadDims only), or the one-tile one.
 template <typename T, int D, HopperForward kRung>
 cudaError_t run_flash_fwd_hopper(const AttentionParams& p, cudaStream_t stream, void* workspace) {
   if constexpr (kRung == HopperForward::kPersistent) {
-    return run_flash_fwd_hopper_persistent<T, HopperFwdTraits<D, kRung>>(p, stream, workspace);
+    if (p.cu_seqlens_q != nullptr) {
+      if constexpr (::course::is_listed(kHopperVarlenHeadDims, D)) {
+        return run_flash_fwd_hopper_persistent<T, HopperFwdTraits<D, kRung>, true>(p, stream, workspace);
+      } else {
+        return cudaErrorInvalidValue;  // the glue sends no packed call at this head dim here
+      }
+    }
+    return run_flash_fwd_hopper_persistent<T, HopperFwdTraits<D, kRung>, false>(p, stream, workspace);
   } else {
+    if (p.cu_seqlens_q != nullptr) return cudaErrorInvalidValue;  // the one-tile rungs take the padded layout only
     return run_flash_fwd_hopper_config<T, HopperFwdTraits<D, kRung>>(p, stream);
   }
 }

@@ -82,4 +82,46 @@ FLASH_ATTENTION_HD void hopper_tile_at(const HopperTileSchedule& s, int index, i
   *q_tile = s.longest_first ? s.q_tiles - 1 - rank : rank;
 }
 
+// The packed (varlen) layout's order (attention.h's cu_seqlens_q): the work items are (sequence,
+// head, query tile) over the sequences' own tiles only, none past a sequence's end, so that no block
+// draws an empty item. The host knows only max_seqlen_q (reading cu_seqlens there would be a
+// device-to-host sync), so a small kernel before the forward (flash_fwd_hopper_persistent.cuh) reads
+// the lengths on the device and writes two arrays into the workspace, with these functions:
+//   - order: the sequences by their number of query tiles, most first (ties in batch order);
+//   - rank_start[r], r = 0 .. q_tiles: the items before rank r, where rank r holds query tile
+//     q_tiles - 1 - r of every sequence that has it, in `order`, each with its heads (inner, so that
+//     the query heads of a GQA group sit side by side, as in the padded order).
+// So the items go by query tile from the top: the last tiles of the longest sequences first, down to
+// the first tile of every sequence. Causal, a tile's walk is its query tile's index plus one key
+// tiles (same lengths on both sides), so this is longest first, over sequences of any lengths, as
+// the padded order's is over one length; full, the long sequences' tiles come first. There are no L2
+// sections here: a sequence's K and V are read by the query tiles of that sequence, which the order
+// keeps close in time (at most a rank apart), and a long sequence's tiles run first, together.
+// q_tiles is the padded one, ceil(max_seqlen_q / kHopperBlockM): a sequence longer than max_seqlen_q
+// (trusted on CUDA) gets the tiles that fit, as the one-tile rungs' padded grid gives it.
+FLASH_ATTENTION_HD int hopper_varlen_tiles(int64_t len_q, int q_tiles) {
+  const int64_t tiles = len_q > 0 ? (len_q + kHopperBlockM - 1) / kHopperBlockM : 0;
+  return static_cast<int>(tiles < q_tiles ? tiles : q_tiles);
+}
+// Whether sequence a comes before sequence b in `order` (a != b): more tiles, or as many and first.
+FLASH_ATTENTION_HD bool hopper_varlen_before(int tiles_a, int a, int tiles_b, int b) {
+  return tiles_a > tiles_b || (tiles_a == tiles_b && a < b);
+}
+// The items one sequence of `tiles` query tiles has before rank r (its tiles q_tiles - r and up).
+FLASH_ATTENTION_HD int64_t hopper_varlen_items_before(int tiles, int q_tiles, int rank) {
+  const int64_t n = static_cast<int64_t>(tiles) - (q_tiles - rank);
+  return n > 0 ? n : 0;
+}
+// The item at `index` (< rank_start[q_tiles]), with `rank` the rank of an index drawn before it (or
+// 0): the draws of one block only grow, so its rank cursor only moves forward, q_tiles steps at most
+// over the whole walk. Returns the item as the padded order's encoding, pair x q_tiles + query tile
+// (pair = sequence x heads + head), which is what the producer hands to the consumers.
+FLASH_ATTENTION_HD int hopper_varlen_item(int index, int* rank, int q_tiles, int heads, const int* rank_start,
+                                          const int* order) {
+  while (*rank + 1 < q_tiles && index >= rank_start[*rank + 1]) ++*rank;
+  const int k = index - rank_start[*rank];
+  const int b = order[k / heads], h = k % heads;
+  return (b * heads + h) * q_tiles + (q_tiles - 1 - *rank);
+}
+
 }  // namespace flash_attention
