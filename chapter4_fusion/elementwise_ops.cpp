@@ -460,8 +460,9 @@ std::string default_choice(c10::string_view op_name, const Tensor& x) {
 // SMs, [tx, ty, column tiles, row tiles, phases]: the rule the fused backward kernels (every bias
 // op's and chapter 5's fused_op's) launch with, asked without a GPU, for freshly allocated
 // (16-byte aligned) tensors as the glue's are (course::grad_packs): rows of whole 16-byte vectors
-// take them; other rows of at least two vectors take them too, a phase of rows at a time
-// (course::row_phases: one more pack a row, for its head); shorter rows, single elements.
+// take them; other rows of at least two vectors take them too (course/bias_act.cuh's span
+// kernel, one row in flight a thread), in tiles of a multiple of course::row_phases rows (each
+// thread meets one phase); shorter rows, single elements.
 std::vector<int64_t> bias_grad_tiling(const Tensor& x, int64_t sms) {
   check_input("bias_grad_tiling", "x", x);
   TORCH_CHECK(sms >= 1, "bias_grad_tiling: sms must be at least 1, got ", std::to_string(sms));
@@ -473,8 +474,8 @@ std::vector<int64_t> bias_grad_tiling(const Tensor& x, int64_t sms) {
   const int lanes = n % vector == 0 || phased ? vector : 1;
   const int phases = phased ? ::course::row_phases(n, elem) : 1;
   const ::course::GradTiling t =
-      ::course::grad_tiling(rows, ::course::ceil_div<int64_t>(n, lanes) + (phased ? 1 : 0), lanes * elem,
-                            ::course::grad_rows_in_flight(lanes), static_cast<int>(sms), phases);
+      ::course::grad_tiling(rows, ::course::ceil_div<int64_t>(n, lanes), lanes * elem,
+                            ::course::grad_rows_in_flight(lanes, phased), static_cast<int>(sms), phases);
   return {t.tx, t.ty, t.column_tiles, t.row_tiles, phases};
 }
 

@@ -513,12 +513,13 @@ def row_phases(hidden, elem):
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float64), ids=dtype_id)
 def test_bias_grad_tiling_rule(dtype):
     """Up to 64 tokens every hidden size is one row tile (the kernel writes dbias itself: one
-    launch), or one a phase where rows start mid-vector; more rows fill kGradBlocksPerSm = 4
-    blocks per SM, or give every thread one step when there are fewer; wide tiles leave at most
-    an eighth of their lanes idle; the tiles cover every column. Rows of whole vectors take
-    16-byte packs, other rows of at least two vectors take them a phase at a time (one pack more
-    a row, for its head; a multiple of the phases in row tiles), shorter rows single elements.
-    Asked for a meta tensor on GPUs of 1 to 170 SMs."""
+    launch), rows that start mid-vector included; more rows fill kGradBlocksPerSm = 4 blocks per
+    SM, or give every thread one step when there are fewer; wide tiles leave at most an eighth of
+    their lanes idle; the tiles cover every column. Rows of whole vectors take 16-byte packs, two
+    rows in flight a thread; other rows of at least two vectors take them too (the span kernel),
+    one row in flight, in tiles whose rows are a multiple of the phases (each thread meets one
+    phase of rows); shorter rows single elements, eight in flight. Asked for a meta tensor on GPUs
+    of 1 to 170 SMs."""
     elem = torch.empty((), dtype=dtype).element_size()
     vector = 16 // elem
     for sms in (1, 46, 132, 170):
@@ -528,18 +529,17 @@ def test_bias_grad_tiling_rule(dtype):
                 tx, ty, column_tiles, row_tiles, phases = torch.ops.fusion.bias_grad_tiling(x, sms)
                 phased = hidden % vector != 0 and hidden >= 2 * vector
                 lanes = vector if hidden % vector == 0 or phased else 1
-                packs = -(-hidden // lanes) + (1 if phased else 0)
-                in_flight = 2 if lanes > 1 else 8
+                packs = -(-hidden // lanes)
+                in_flight = 1 if phased else 2 if lanes > 1 else 8
                 where = (sms, tokens, hidden)
                 assert phases == (row_phases(hidden, elem) if phased else 1), where
-                phase_rows = -(-tokens // phases)
-                steps = -(-phase_rows // (ty * in_flight))  # row tiles a phase if every thread takes one step
-                assert tx * ty == 256 and tx & (tx - 1) == 0, where
+                steps = -(-tokens // (ty * in_flight))  # row tiles if every thread takes one step
+                assert tx * ty == 256 and tx & (tx - 1) == 0 and ty % phases == 0, where
                 assert column_tiles == -(-packs // tx) and (tx == 1 or tx // 2 < packs), where
-                assert row_tiles % phases == 0 and 1 <= row_tiles // phases <= steps, where
-                assert column_tiles * row_tiles >= min(4 * sms, column_tiles * steps * phases), where
+                assert 1 <= row_tiles <= steps, where
+                assert column_tiles * row_tiles >= min(4 * sms, column_tiles * steps), where
                 if tokens <= 64:
-                    assert row_tiles == phases, where
+                    assert row_tiles == 1, where
                 if tx * lanes * elem > 64:  # wider than the narrow tile: few idle lanes
                     assert (column_tiles * tx - packs) * 8 <= packs, where
     with pytest.raises(RuntimeError, match="bias_grad_tiling: sms must be at least 1"):
@@ -551,10 +551,12 @@ def test_bias_grad_tiling_rule(dtype):
 def test_bias_gradient_tiles_at_their_boundaries(dtype):
     """The fused backward at one row tile (dbias written by the kernel: no column_sum launched)
     and just past it (partial rows added by course::column_sum), at hidden sizes of whole
-    vectors, of rows that start mid-vector (phased packs: 4099 and 777 in every dtype, and 9 and
-    17 where they are at least two vectors: a head and a tail with at most one whole vector
-    between), of single elements and of a row narrower than a tile; through every saved kind, and through
-    chapter 4's autograd at the sweep's 64 x 3072."""
+    vectors, of rows that start mid-vector (the span kernel: 4099 and 777 in every dtype, one
+    row tile at 64 tokens and partial rows at 2048, and 9 and 17 where they are at least two
+    vectors: a span's two ends and the row's last pack with at most one whole vector between), of
+    single elements and of a row narrower than a tile; through every saved kind, and through
+    chapter 4's autograd at the sweep's 64 x 3072 and, rows that start mid-vector, 64 and 2048 x
+    4099."""
     require_cuda()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for tokens in GRAD_TOKENS[:-1]:
@@ -574,20 +576,43 @@ def test_bias_gradient_tiles_at_their_boundaries(dtype):
             _, kernels = launched_kernels(lambda: fusion.fused_bias_scale_relu_backward(dy, mask, bias, SCALE, "mask"),
                                           "course")
             _, _, _, row_tiles, phases = torch.ops.fusion.bias_grad_tiling(x, sms)
-            # The instantiation that ran: phased packs (its last template argument) exactly where
-            # the rule says the rows start mid-vector.
-            tile = [k for k in kernels if "act_backward_tile_kernel" in k]
-            assert tile and all(("true>" in k) == (phases > 1) for k in tile), (shape, phases, tile)
+            # The kernel that ran: the span kernel exactly where the rule says the rows start
+            # mid-vector, the tile kernel elsewhere.
+            backward = [k for k in kernels if "act_backward_" in k]
+            assert backward and all(("act_backward_span_kernel" in k) == (phases > 1) for k in backward), (
+                shape, phases, backward)
             assert any("column_reduce" in k for k in kernels) == (row_tiles > 1), (shape, row_tiles, kernels)
     if dtype != torch.float64:
-        x, bias = bias_inputs((64, 3072), dtype, "cuda")
-        x.requires_grad_()
-        bias.requires_grad_()
-        dy = torch.randn(64, 3072, device="cuda").to(dtype)
-        fusion.fused_bias_scale_relu(x, bias, SCALE, save="y").backward(dy)
-        dx_ref, g = bsr_backward_reference(dy, x.detach(), bias.detach())
-        assert_within(x.grad, dx_ref, 2 * eps(dtype) * dx_ref.abs() + floor(dtype), "dx autograd")
-        assert_within(bias.grad, g.sum(0), column_sum_bound(g, dtype, 64), "dbias autograd")
+        for shape in ((64, 3072), (64, 4099), (2048, 4099)):
+            x, bias = bias_inputs(shape, dtype, "cuda")
+            x.requires_grad_()
+            bias.requires_grad_()
+            dy = torch.randn(shape, device="cuda").to(dtype)
+            fusion.fused_bias_scale_relu(x, bias, SCALE, save="y").backward(dy)
+            dx_ref, g = bsr_backward_reference(dy, x.detach(), bias.detach())
+            assert_within(x.grad, dx_ref, 2 * eps(dtype) * dx_ref.abs() + floor(dtype), f"dx autograd {shape}")
+            assert_within(bias.grad, g.sum(0), column_sum_bound(g, dtype, shape[0]), f"dbias autograd {shape}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=dtype_id)
+@pytest.mark.parametrize("activation", ("gelu", "silu"))
+def test_smooth_activation_gradients_at_odd_widths(activation, dtype):
+    """bias_gelu's and bias_silu's backward where rows start mid-vector (the span kernel, which
+    recomputes z from x and the bias, read element by element at a span's ends): one row tile at
+    64 tokens, partial rows at 2048, hidden 777 and 4099, against float64."""
+    require_cuda()
+    for shape in ((64, 777), (64, 4099), (2048, 777), (2048, 4099)):
+        x = torch.randn(shape, device="cuda").to(dtype).requires_grad_()
+        bias = torch.randn(shape[-1], device="cuda").to(dtype).requires_grad_()
+        dy = torch.randn(shape, device="cuda").to(dtype)
+        run_bias_op(activation, x, bias, None).backward(dy)
+        x64 = x.detach().double().requires_grad_()
+        b64 = bias.detach().double().requires_grad_()
+        reference_act(x64 + b64, activation).backward(dy.double())
+        dx_bound, db_bound = act_grad_bounds(dy, (x64 + b64).detach(), x64.grad, dtype, shape[0])
+        assert_within(x.grad, x64.grad, dx_bound, f"{activation} dx {shape}")
+        assert_within(bias.grad, b64.grad, db_bound, f"{activation} dbias {shape}")
 
 
 # ---------------------------------------------------------------------------------------------

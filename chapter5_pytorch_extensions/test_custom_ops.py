@@ -93,10 +93,11 @@ def test_fused_op_at_the_shapes_models_run():
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         # 64 x 3072: one row tile of the bias gradient (the kernel writes dbias); 65 x 3072 and
         # 2048 x 768: partial rows and a column sum (course::grad_tiling, bias_act.h); 777 and
-        # 4099: rows that start mid-vector, a phase of rows a block (course::row_phases), and on
-        # the GPU over many row tiles (2048 x 4099: too slow for the CPU loop in CI)
-        for shape in ((64, 768), (33, 777), (9, 4099), (2, 3, 96), (64, 3072), (65, 3072), (2048, 768),
-                      *(((2048, 4099),) if DEVICE == "cuda" else ())):
+        # 4099: rows that start mid-vector, a span of columns a block in every row (course/
+        # bias_act.cuh's span kernel): at 64 rows one row tile, and on the GPU over many row tiles
+        # (2048 x 777 and 4099: too slow for the CPU loop in CI)
+        for shape in ((64, 768), (33, 777), (9, 4099), (64, 777), (64, 4099), (2, 3, 96), (64, 3072), (65, 3072),
+                      (2048, 768), *(((2048, 777), (2048, 4099)) if DEVICE == "cuda" else ())):
             x = torch.randn(shape, device=DEVICE).to(dtype)
             x.view(-1)[5] = float("nan")
             bias = torch.randn(shape[-1], device=DEVICE).to(dtype)

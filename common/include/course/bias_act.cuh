@@ -15,8 +15,10 @@
 //                          summed per column in registers and across the tile's rows in
 //                          shared memory; dbias written by the kernel itself when one row tile
 //                          covers every row, else course::column_sum over its partial rows;
-//                          rows that start mid-vector taken a phase at a time, so that they too
-//                          move whole aligned vectors with only a head and a tail per row.
+//   act_backward_span_kernel  the same for rows that start mid-vector (hidden 4099): a block
+//                          owns a span of columns in every row, each thread meets one phase of
+//                          rows, so that they too move whole aligned vectors, with only the
+//                          span's two ends and the row's last pack element by element.
 //
 // nvcc only, torch-free, like every kernel of the course.
 #pragma once
@@ -440,167 +442,54 @@ cudaError_t launch_bias_act(const BiasAct<T>& p, cudaStream_t stream) {
 // ty rows of accumulators in shared memory, in a fixed order, and writes one row: dbias itself
 // when the grid has one row tile, else its row of a [row tiles, n] array of partial sums (every
 // row written once: no zero fill, no atomics) that course::column_sum reduces in a fixed order.
-// Deterministic, and g never goes to memory.
-//
-// kPhased: rows that are not a whole number of 16-byte vectors (hidden 4099) still move whole
-// aligned vectors. Row r's first 16-byte boundary lies `head` elements in, and head repeats every
-// `phases` rows (course::row_phases): a block takes the rows of one phase only (blockIdx.y %
-// phases), so in every row it visits the same columns start a vector, and a thread keeps the
-// same columns for life as the sums need. Its packs start at column head - L (or 0 when head is
-// 0): the first pack holds the row's head, the last its tail, and only those two are moved as
-// single elements, guarded; every pack between is one aligned 16-byte access. Before this, such
-// rows moved single elements only: 64 bytes a warp load, and the H200 ran fused_bias_scale_relu's
-// backward at 2048 x 4099 in bfloat16 at 0.45x torch.compile.
+// Deterministic, and g never goes to memory. Two kernels share this: act_backward_tile_kernel
+// for rows of whole vectors (or single elements), act_backward_span_kernel for rows that start
+// mid-vector (below).
 // ---------------------------------------------------------------------------------------
-// The pack of L elements at columns e .. e + L - 1 of the row at p: one aligned 16-byte access
-// when the pack lies inside the row (`whole`), else the elements inside it one at a time (others
-// read as zero: their dy of zero adds nothing to any sum, and they are never stored).
-template <typename T, int L>
-__device__ __forceinline__ Pack<T, L> load_pack_in_row(const T* p, int64_t e, int64_t n, bool whole) {
-  if (whole) return load_pack<T, L>(p + e);
-  Pack<T, L> out;
-#pragma unroll
-  for (int l = 0; l < L; ++l) out.v[l] = (e + l >= 0 && e + l < n) ? p[e + l] : from_acc<T>(typename Acc<T>::type(0));
-  return out;
-}
-
-template <typename T, int L>
-__device__ __forceinline__ void store_pack_in_row(T* p, int64_t e, int64_t n, bool whole, const Pack<T, L>& in) {
-  if (whole) {
-    store_pack<T, L>(p + e, in);
-    return;
-  }
+// One pack's gradient: g = dy * act'(z) for its L elements, dx = g * scale, and g added to the
+// thread's per-column sums. act'(z) comes from x (kInput, with the thread's bias b), from y's sign
+// (kOutput) or from the pack's L mask bits (kMask, bit l for element l).
+template <typename T, typename Act, SaveKind kSource, int L>
+__device__ __forceinline__ Pack<T, L> grad_pack(const Pack<T, L>& dyv, const Pack<T, L>& sv, uint32_t bits,
+                                                const typename Acc<T>::type (&b)[L], typename Acc<T>::type scale,
+                                                typename Acc<T>::type (&sum)[L]) {
+  using A = typename Acc<T>::type;
+  Pack<T, L> dxv;
 #pragma unroll
   for (int l = 0; l < L; ++l) {
-    if (e + l >= 0 && e + l < n) p[e + l] = in.v[l];  // the head's and tail's elements in the row only
+    A d;
+    if constexpr (kSource == SaveKind::kInput) {
+      d = Act::template derivative<A, kFastMath<T>>(fma_acc(to_acc(sv.v[l]), scale, b[l]));
+    } else if constexpr (kSource == SaveKind::kOutput) {
+      d = relu_passes(to_acc(sv.v[l])) ? A(1) : A(0);
+    } else {
+      d = ((bits >> l) & 1u) ? A(1) : A(0);
+    }
+    // A 0-or-1 derivative (relu's: Act::kGates, or a sign from y or the mask) selects dy or 0,
+    // not dy * 0: an infinite dy where relu is flat gives 0, as threshold_backward does, not
+    // NaN. A smooth activation's derivative multiplies.
+    constexpr bool kGate = kSource != SaveKind::kInput || Act::kGates;
+    const A g = kGate ? (d != A(0) ? to_acc(dyv.v[l]) : A(0)) : to_acc(dyv.v[l]) * d;
+    dxv.v[l] = from_acc<T>(g * scale);
+    sum[l] += g;
   }
+  return dxv;
 }
 
-// Bits e .. e + L - 1 of a row's mask words (bit l of the result is column e + l), for a pack that
-// may start before the row (the head pack: e > -L) or straddle two words.
-__device__ __forceinline__ uint32_t mask_bits_at(const uint32_t* row_words, int64_t e, int64_t words) {
-  if (e < 0) return row_words[0] << static_cast<int>(-e);  // the head: columns 0 .. e + L - 1 in word 0
-  const int64_t w = e / 32;
-  const uint64_t lo = row_words[w];
-  const uint64_t hi = w + 1 < words ? row_words[w + 1] : 0u;  // the row's last word has no next
-  return static_cast<uint32_t>(((hi << 32) | lo) >> (e % 32));
-}
-
-// Elements before the first 16-byte boundary of a row that starts at p.
+// The block's sums, tile_sums[row of the tile][column of the tile] (W columns from column
+// `first`, ty rows), added down each column in a fixed order and written as one row: dbias when
+// the grid has one row tile, else the block's row of partials. Column k's ty sums: G =
+// kGradThreads / W adjacent lanes share them (each adds L of them, rows part, part + G, ...) and
+// a shuffle tree adds the lanes' totals; a tile of at least 256 columns (G = 1) gives each thread
+// whole columns. Below 8 columns (a row of fewer than 8 elements) G would pass a warp: one thread
+// adds each column's rows alone. Called by every thread of the block, after the barrier that
+// follows the sums' stores.
 template <typename T>
-__device__ __forceinline__ int head_elements(const T* p) {
-  const int misaligned = static_cast<int>(reinterpret_cast<uintptr_t>(p) % 16);
-  return misaligned ? (16 - misaligned) / static_cast<int>(sizeof(T)) : 0;
-}
-
-template <typename T, typename Act, int L, SaveKind kSource, bool kPhased>
-__global__ void __launch_bounds__(kGradThreads)
-    act_backward_tile_kernel(const T* dy, const T* saved, const uint32_t* mask, const T* bias,
-                             typename Acc<T>::type scale, T* dx, typename Acc<T>::type* partials, T* dbias,
-                             int64_t rows, int64_t n, int tx, int phases) {
+__device__ __forceinline__ void write_tile_sums(const typename Acc<T>::type* tile_sums, int W, int ty, int64_t first,
+                                                int64_t n, T* dbias, typename Acc<T>::type* partials) {
   using A = typename Acc<T>::type;
-  constexpr int kRows = kRowsInFlight<L>;
-  static_assert(!kPhased || L > 1, "phases matter to vectors only");
-  // Every thread's L sums, [row of the tile][column of the tile].
-  __shared__ A tile_sums[kGradThreads * L];
-  const int ty = kGradThreads / tx;
-  // kPhased: this block's phase, and its row tile among the phase's; rows of the phase are
-  // phase, phase + phases, ... (index i is row phase + i * phases).
-  const int phase = kPhased ? static_cast<int>(blockIdx.y % phases) : 0;
-  const int64_t tile_y = kPhased ? blockIdx.y / phases : blockIdx.y;
-  const int64_t tiles_y = kPhased ? gridDim.y / phases : gridDim.y;
-  const int64_t stride = kPhased ? phases : 1;
-  const int64_t phase_rows = rows > phase ? (rows - phase + stride - 1) / stride : 0;
-  // The packs' first column: 0, or head - L where the phase's rows start mid-vector (dy, dx and
-  // saved sit equally far from a 16-byte boundary: fused_backward_tiling checked).
-  const int head = kPhased ? head_elements(dy + phase * n) : 0;
-  const int64_t start = head > 0 ? head - L : 0;
-  const int64_t col = static_cast<int64_t>(blockIdx.x) * tx + threadIdx.x % tx;
-  const int64_t e = start + col * L;
-  // The last column tile may hang over the row's end: its extra threads sum nothing but still
-  // reach the block's barrier below.
-  const bool col_ok = e < n;
-  // Without phases every pack is whole; with them, all but the head's and the tail's.
-  const bool whole = !kPhased || (e >= 0 && e + L <= n);
-  A b[L];
-#pragma unroll
-  for (int l = 0; l < L; ++l) b[l] = A(0);
-  if (kSource == SaveKind::kInput && bias != nullptr && col_ok) {
-    // The bias is one row, read once a thread: element by element where the pack is not whole
-    // or the bias does not sit at dy's offset from a 16-byte boundary.
-    const bool bias_whole = whole && (!kPhased || reinterpret_cast<uintptr_t>(bias + e) % 16 == 0);
-    const Pack<T, L> bv = load_pack_in_row<T, L>(bias, e, n, bias_whole);
-#pragma unroll
-    for (int l = 0; l < L; ++l) b[l] = to_acc(bv.v[l]);
-  }
-  A sum[L];
-#pragma unroll
-  for (int l = 0; l < L; ++l) sum[l] = A(0);
-  const int row_in_tile = threadIdx.x / tx;
-  const int64_t row_step = tiles_y * ty;
-  const int64_t words_per_row = mask_words_per_row(n);
-  for (int64_t base = tile_y * ty + row_in_tile; col_ok && base < phase_rows; base += kRows * row_step) {
-    Pack<T, L> dyv[kRows];
-    Pack<T, L> sv[kRows];
-    uint32_t bits[kRows];
-#pragma unroll
-    for (int u = 0; u < kRows; ++u) {
-      const int64_t i = base + u * row_step;
-      const int64_t r = phase + i * stride;
-      if (i < phase_rows) {  // the step's later rows may lie past the last
-        dyv[u] = load_pack_in_row<T, L>(dy + r * n, e, n, whole);
-        if constexpr (kSource == SaveKind::kMask) {
-          if constexpr (kPhased) {
-            bits[u] = mask_bits_at(mask + r * words_per_row, e, words_per_row);
-          } else {
-            // L divides 32 and e is a multiple of L, so the pack's L bits sit in one word.
-            bits[u] = mask[r * words_per_row + e / 32] >> (e % 32);
-          }
-        } else {
-          sv[u] = load_pack_in_row<T, L>(saved + r * n, e, n, whole);
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kRows; ++u) {
-      const int64_t i = base + u * row_step;
-      const int64_t r = phase + i * stride;
-      if (i < phase_rows) {
-        Pack<T, L> dxv;
-#pragma unroll
-        for (int l = 0; l < L; ++l) {
-          A d;
-          if constexpr (kSource == SaveKind::kInput) {
-            d = Act::template derivative<A, kFastMath<T>>(fma_acc(to_acc(sv[u].v[l]), scale, b[l]));
-          } else if constexpr (kSource == SaveKind::kOutput) {
-            d = relu_passes(to_acc(sv[u].v[l])) ? A(1) : A(0);
-          } else {
-            d = ((bits[u] >> l) & 1u) ? A(1) : A(0);
-          }
-          // A 0-or-1 derivative (relu's: Act::kGates, or a sign from y or the mask) selects dy
-          // or 0, not dy * 0: an infinite dy where relu is flat gives 0, as threshold_backward
-          // does, not NaN. A smooth activation's derivative multiplies.
-          constexpr bool kGate = kSource != SaveKind::kInput || Act::kGates;
-          const A g = kGate ? (d != A(0) ? to_acc(dyv[u].v[l]) : A(0)) : to_acc(dyv[u].v[l]) * d;
-          dxv.v[l] = from_acc<T>(g * scale);
-          sum[l] += g;
-        }
-        store_pack_in_row<T, L>(dx + r * n, e, n, whole, dxv);
-      }
-    }
-  }
-  // The tile's rows meet in shared memory: W = tx * L columns, ty rows of sums each.
-  const int W = tx * L;
-#pragma unroll
-  for (int l = 0; l < L; ++l) tile_sums[row_in_tile * W + (threadIdx.x % tx) * L + l] = sum[l];
-  __syncthreads();  // every row's sums are in shared memory before any column's are added
-  // Column k's ty sums: G = kGradThreads / W adjacent lanes share them (each adds L of them,
-  // rows part, part + G, ...) and a shuffle tree adds the lanes' totals; a tile of at least 256
-  // columns (G = 1) gives each thread whole columns. Below 8 columns (a row of fewer than 8
-  // elements) G would pass a warp: one thread adds each column's rows alone. Every order fixed.
-  const int64_t first = start + static_cast<int64_t>(blockIdx.x) * W;
   const auto emit = [&](int k, A total) {
-    if (first + k >= 0 && first + k < n) {  // the head pack's columns before the row, the last tile's past it
+    if (first + k < n) {  // the last tile's columns past the row's end
       if (gridDim.y == 1) {
         dbias[first + k] = from_acc<T>(total);
       } else {
@@ -629,6 +518,231 @@ __global__ void __launch_bounds__(kGradThreads)
   }
 }
 
+// Rows whose every pack is whole: 16-byte vectors where every row starts on a 16-byte boundary,
+// single elements (L = 1) otherwise.
+template <typename T, typename Act, int L, SaveKind kSource>
+__global__ void __launch_bounds__(kGradThreads)
+    act_backward_tile_kernel(const T* dy, const T* saved, const uint32_t* mask, const T* bias,
+                             typename Acc<T>::type scale, T* dx, typename Acc<T>::type* partials, T* dbias,
+                             int64_t rows, int64_t n, int tx) {
+  using A = typename Acc<T>::type;
+  constexpr int kRows = kRowsInFlight<L>;
+  // Every thread's L sums, [row of the tile][column of the tile].
+  __shared__ A tile_sums[kGradThreads * L];
+  const int ty = kGradThreads / tx;
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * tx + threadIdx.x % tx;
+  const int64_t e = col * L;
+  // The last column tile may hang over the row's end: its extra threads sum nothing but still
+  // reach the block's barrier below.
+  const bool col_ok = e < n;
+  A b[L];
+#pragma unroll
+  for (int l = 0; l < L; ++l) b[l] = A(0);
+  if (kSource == SaveKind::kInput && bias != nullptr && col_ok) {
+    const Pack<T, L> bv = load_pack<T, L>(bias + e);  // one row, read once a thread
+#pragma unroll
+    for (int l = 0; l < L; ++l) b[l] = to_acc(bv.v[l]);
+  }
+  A sum[L];
+#pragma unroll
+  for (int l = 0; l < L; ++l) sum[l] = A(0);
+  const int row_in_tile = threadIdx.x / tx;
+  const int64_t row_step = static_cast<int64_t>(gridDim.y) * ty;
+  const int64_t words_per_row = mask_words_per_row(n);
+  // rows, clamped at 0: a bound the compiler knows is not negative (with rows itself, the loop
+  // took 8 to 17 registers more, in nvcc 13.0: 97 rather than 80 for bias_gelu in bfloat16, a block
+  // fewer per SM).
+  const int64_t row_end = rows > 0 ? rows : 0;
+  for (int64_t base = blockIdx.y * int64_t{ty} + row_in_tile; col_ok && base < row_end; base += kRows * row_step) {
+    Pack<T, L> dyv[kRows];
+    Pack<T, L> sv[kRows];
+    uint32_t bits[kRows];
+#pragma unroll
+    for (int u = 0; u < kRows; ++u) {
+      const int64_t r = base + u * row_step;
+      if (r < row_end) {  // the step's later rows may lie past the last
+        dyv[u] = load_pack<T, L>(dy + r * n + e);
+        if constexpr (kSource == SaveKind::kMask) {
+          // L divides 32 and e is a multiple of L, so the pack's L bits sit in one word.
+          bits[u] = mask[r * words_per_row + e / 32] >> (e % 32);
+        } else {
+          sv[u] = load_pack<T, L>(saved + r * n + e);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kRows; ++u) {
+      const int64_t r = base + u * row_step;
+      if (r < row_end) store_pack<T, L>(dx + r * n + e, grad_pack<T, Act, kSource, L>(dyv[u], sv[u], bits[u], b, scale, sum));
+    }
+  }
+  const int W = tx * L;
+#pragma unroll
+  for (int l = 0; l < L; ++l) tile_sums[row_in_tile * W + (threadIdx.x % tx) * L + l] = sum[l];
+  __syncthreads();  // every row's sums are in shared memory before any column's are added
+  write_tile_sums<T>(tile_sums, W, ty, static_cast<int64_t>(blockIdx.x) * W, n, dbias, partials);
+}
+
+// ---------------------------------------------------------------------------------------
+// act_backward_span_kernel: rows that are not a whole number of 16-byte vectors (hidden 4099)
+// still move whole aligned vectors. Row r's first 16-byte boundary lies `head` elements in, and
+// head repeats every `phases` rows (course::row_phases). A block owns the W = tx * L columns
+// S .. S + W - 1 of every row it visits, all phases alike, so that one block sums each column
+// (one row tile: dbias in one launch). Its tile's ty rows are a multiple of the phases
+// (grad_tiling caps tx), and the grid steps down the rows by a multiple of ty: each thread meets
+// the rows of one phase only, in which its columns sit at fixed places in the aligned vectors.
+// Thread c > 0 takes the aligned pack that starts at S + head + (c - 1) * L, one 16-byte access
+// (the row's last pack, cut by the row's end, element by element); thread 0 takes the two ends
+// of the span that those packs leave, columns S .. S + head - 1 and S + W - L + head ..
+// S + W - 1, element by element (with head 0, the aligned pack at S + W - L). The tile's sums then
+// meet by column in shared memory, as in the tile kernel.
+//
+// Before this, a block took the rows of one phase (8 row tiles at least, so partial rows and a
+// second launch at every shape): at 64 x 4099 in bfloat16, 1032 blocks of which each found 8
+// rows for its 64 tile rows, and fused_bias_scale_relu's backward took 13.2 us on the H200
+// against torch.compile's 2.9. Before that, such rows moved single elements only: 64 bytes a
+// warp load, and the same backward at 2048 x 4099 ran at 0.45x torch.compile.
+//
+// One row in flight a thread (kSpanRowsInFlight), not the tile kernel's two: the element-wise
+// ends double the registers a pack takes, and two rows of them left the kernel at 96 registers
+// (two blocks an SM) where the grid counts on kGradBlocksPerSm; 16 bytes of dy and 16 of what
+// the forward saved in flight a thread, as many as the single elements' eight rows.
+// ---------------------------------------------------------------------------------------
+// The pack of L elements that a thread owns, at q = its row + e: lane l is q[l] where bit l of
+// `high` is set, else q[l - back] (thread 0's wrapped lanes: the span's first columns) where bit
+// l of `low` is set; lanes in neither lie past the row's end. One aligned 16-byte access when the
+// pack is one vector inside the row (`whole`), else the elements one at a time, those past the
+// row's end read as zero: their dy of zero adds nothing to any sum, and they are never stored.
+// Each lane's address is one of two bases plus a constant, chosen by bits set once a thread: a
+// 64-bit address a lane, kept across the rows, cost the kernel some 30 registers.
+template <typename T, int L>
+__device__ __forceinline__ Pack<T, L> load_owned(const T* q, bool whole, uint32_t high, uint32_t low, int back) {
+  if (whole) return load_pack<T, L>(q);
+  const T* q_low = q - back;
+  Pack<T, L> out;
+#pragma unroll
+  for (int l = 0; l < L; ++l) {
+    out.v[l] = (high >> l) & 1u ? q[l] : (low >> l) & 1u ? q_low[l] : from_acc<T>(typename Acc<T>::type(0));
+  }
+  return out;
+}
+
+template <typename T, int L>
+__device__ __forceinline__ void store_owned(T* q, bool whole, uint32_t high, uint32_t low, int back,
+                                            const Pack<T, L>& in) {
+  if (whole) {
+    store_pack<T, L>(q, in);
+    return;
+  }
+  T* q_low = q - back;
+#pragma unroll
+  for (int l = 0; l < L; ++l) {
+    if ((high >> l) & 1u) q[l] = in.v[l];  // only the lanes inside the row
+    if ((low >> l) & 1u) q_low[l] = in.v[l];
+  }
+}
+
+// Bits e .. e + 31 of a row's mask words (bit l of the result is column e + l; 0 <= e < n), for a
+// pack that may straddle two words.
+__device__ __forceinline__ uint32_t mask_bits_at(const uint32_t* row_words, int64_t e, int64_t words) {
+  const int64_t w = e / 32;
+  const uint64_t lo = row_words[w];
+  const uint64_t hi = w + 1 < words ? row_words[w + 1] : 0u;  // the row's last word has no next
+  return static_cast<uint32_t>(((hi << 32) | lo) >> (e % 32));
+}
+
+// Elements before the first 16-byte boundary of a row that starts at p.
+template <typename T>
+__device__ __forceinline__ int head_elements(const T* p) {
+  const int misaligned = static_cast<int>(reinterpret_cast<uintptr_t>(p) % 16);
+  return misaligned ? (16 - misaligned) / static_cast<int>(sizeof(T)) : 0;
+}
+
+constexpr int kSpanRowsInFlight = grad_rows_in_flight(Vec16<float>::kLanes, /*phased=*/true);
+
+// __launch_bounds__: the kGradBlocksPerSm blocks an SM that the grid counts on (64 registers a
+// thread), where nvcc 13.0 otherwise took 71 for chapter 5's fused_op in bfloat16; one block fewer
+// where z is recomputed from x (kInput), whose activation's derivative spilled at 64.
+template <typename T, typename Act, SaveKind kSource>
+__global__ void __launch_bounds__(kGradThreads, kSource == SaveKind::kInput ? kGradBlocksPerSm - 1 : kGradBlocksPerSm)
+    act_backward_span_kernel(const T* dy, const T* saved, const uint32_t* mask, const T* bias,
+                             typename Acc<T>::type scale, T* dx, typename Acc<T>::type* partials, T* dbias,
+                             int64_t rows, int64_t n, int tx, int phases) {
+  using A = typename Acc<T>::type;
+  constexpr int L = Vec16<T>::kLanes;
+  __shared__ A tile_sums[kGradThreads * L];
+  const int ty = kGradThreads / tx;
+  const int W = tx * L;
+  const int row_in_tile = threadIdx.x / tx;
+  const int c = threadIdx.x % tx;
+  const int64_t S = static_cast<int64_t>(blockIdx.x) * W;  // the span's first column
+  const int64_t first_row = static_cast<int64_t>(blockIdx.y) * ty + row_in_tile;
+  // Where this thread's rows start their vectors: every row it visits is first_row plus a
+  // multiple of ty, itself a multiple of the phases (dy, dx and saved sit equally far from a
+  // 16-byte boundary: fused_backward_tiling checked). Only the address is formed, nothing read.
+  const int head = head_elements(dy + (first_row % phases) * n);
+  // Thread 0's pack wraps (its lanes below head are the span's first columns) where head > 0.
+  const int wrapped = c == 0 ? head : 0;
+  const int back = W - L;
+  const int64_t e = c == 0 ? S + back : S + head + int64_t{c - 1} * L;
+  // The last span may hang over the row's end: its extra threads sum nothing but still reach
+  // the block's barrier below. (A wrapped pack always has its first column: S < n.)
+  const bool col_ok = wrapped > 0 || e < n;
+  // Every pack whole but the wrapped one and the row's last.
+  const bool whole = wrapped == 0 && e + L <= n;
+  // Its lanes inside the row: at column e + l (high), or e + l - back below wrapped (low).
+  uint32_t high = 0;
+  uint32_t low = 0;
+#pragma unroll
+  for (int l = 0; l < L; ++l) {
+    if (l < wrapped) {
+      low |= (e + l - back < n ? 1u : 0u) << l;
+    } else {
+      high |= (e + l < n ? 1u : 0u) << l;
+    }
+  }
+  A b[L];
+#pragma unroll
+  for (int l = 0; l < L; ++l) b[l] = A(0);
+  if (kSource == SaveKind::kInput && bias != nullptr && col_ok) {
+    // The bias is one row, read once a thread: element by element where the pack is not whole
+    // or the bias does not sit at dy's offset from a 16-byte boundary.
+    const bool bias_whole = whole && reinterpret_cast<uintptr_t>(bias + e) % 16 == 0;
+    const Pack<T, L> bv = load_owned<T, L>(bias + e, bias_whole, high, low, back);
+#pragma unroll
+    for (int l = 0; l < L; ++l) b[l] = to_acc(bv.v[l]);
+  }
+  A sum[L];
+#pragma unroll
+  for (int l = 0; l < L; ++l) sum[l] = A(0);
+  const int64_t row_step = static_cast<int64_t>(gridDim.y) * ty;
+  const int64_t words_per_row = mask_words_per_row(n);
+  const int64_t row_end = rows > 0 ? rows : 0;  // as in the tile kernel: a bound not negative
+  for (int64_t r = first_row; col_ok && r < row_end; r += row_step) {
+    static_assert(kSpanRowsInFlight == 1, "the loop below takes one row a step");
+    const Pack<T, L> dyv = load_owned<T, L>(dy + r * n + e, whole, high, low, back);
+    Pack<T, L> sv;
+    uint32_t bits = 0;
+    if constexpr (kSource == SaveKind::kMask) {
+      const uint32_t* words = mask + r * words_per_row;
+      bits = high != 0 ? mask_bits_at(words, e, words_per_row) : 0u;
+      // The wrapped lanes' bits are those of the span's first columns.
+      const uint32_t below = (1u << wrapped) - 1u;
+      if (wrapped > 0) bits = (mask_bits_at(words, S, words_per_row) & below) | (bits & ~below);
+    } else {
+      sv = load_owned<T, L>(saved + r * n + e, whole, high, low, back);
+    }
+    store_owned<T, L>(dx + r * n + e, whole, high, low, back, grad_pack<T, Act, kSource, L>(dyv, sv, bits, b, scale, sum));
+  }
+  // The tile's rows meet in shared memory by column: lane l of this thread is column e + l
+  // (e + l - back below `wrapped`), its place in the span plus l.
+  const int place = static_cast<int>(e - S);
+#pragma unroll
+  for (int l = 0; l < L; ++l) tile_sums[row_in_tile * W + place + l - (l < wrapped ? back : 0)] = sum[l];
+  __syncthreads();  // every row's sums are in shared memory before any column's are added
+  write_tile_sums<T>(tile_sums, W, ty, S, n, dbias, partials);
+}
+
 // How the backward moves a row: whole 16-byte packs (every row starts on a 16-byte boundary),
 // phased packs (rows start mid-vector, but dy, dx and saved all sit equally far from a boundary,
 // as freshly allocated tensors do: course::row_phases of them), or single elements (anything
@@ -646,18 +760,19 @@ inline GradPacks grad_packs(const BiasActGrad<T>& p) {
 }
 
 // The backward's tiling (grad_tiling on this GPU's SM count) and scratch: the partial rows in the
-// accumulation type, none when one row tile writes dbias. Phased packs: one more pack a row (the
-// head's), and the row tiles split by phase.
+// accumulation type, none when one row tile writes dbias. Phased packs: the same tiles over the
+// row's columns, one row in flight a thread, and tiles no wider than keeps their rows a multiple
+// of the phases.
 template <typename T>
 cudaError_t fused_backward_tiling(const BiasActGrad<T>& p, Tiling* t, GradPacks* packs, int* phases) {
   *packs = grad_packs(p);
+  const bool phased = *packs == GradPacks::kPhased;
   const int lanes = *packs == GradPacks::kSingle ? 1 : Vec16<T>::kLanes;
-  *phases = *packs == GradPacks::kPhased ? row_phases(p.n, static_cast<int>(sizeof(T))) : 1;
+  *phases = phased ? row_phases(p.n, static_cast<int>(sizeof(T))) : 1;
   int sms = 0;
   COURSE_CUDA_TRY(sm_count(&sms));
-  const int64_t row_packs = ceil_div<int64_t>(p.n, lanes) + (*packs == GradPacks::kPhased ? 1 : 0);
-  const GradTiling g = grad_tiling(p.rows, row_packs, lanes * static_cast<int>(sizeof(T)), grad_rows_in_flight(lanes),
-                                   sms, *phases);
+  const GradTiling g = grad_tiling(p.rows, ceil_div<int64_t>(p.n, lanes), lanes * static_cast<int>(sizeof(T)),
+                                   grad_rows_in_flight(lanes, phased), sms, *phases);
   t->tx = g.tx;
   t->grid = dim3(static_cast<unsigned>(std::min<int64_t>(g.column_tiles, INT_MAX)), static_cast<unsigned>(g.row_tiles));
   t->slots = g.row_tiles > 1 ? g.row_tiles : 0;
@@ -684,14 +799,14 @@ cudaError_t launch_fused_backward(const BiasActGrad<T>& p, cudaStream_t stream) 
   COURSE_CUDA_TRY(fused_backward_tiling<T>(p, &t, &packs, &phases));
   A* partials = static_cast<A*>(p.workspace);
   if (packs == GradPacks::kVectors) {
-    act_backward_tile_kernel<T, Act, kLanes, kSource, false><<<t.grid, kGradThreads, 0, stream>>>(
-        p.dy, p.saved, p.mask, p.bias, p.scale, p.dx, partials, p.dbias, p.rows, p.n, t.tx, 1);
+    act_backward_tile_kernel<T, Act, kLanes, kSource><<<t.grid, kGradThreads, 0, stream>>>(
+        p.dy, p.saved, p.mask, p.bias, p.scale, p.dx, partials, p.dbias, p.rows, p.n, t.tx);
   } else if (packs == GradPacks::kPhased) {
-    act_backward_tile_kernel<T, Act, kLanes, kSource, true><<<t.grid, kGradThreads, 0, stream>>>(
+    act_backward_span_kernel<T, Act, kSource><<<t.grid, kGradThreads, 0, stream>>>(
         p.dy, p.saved, p.mask, p.bias, p.scale, p.dx, partials, p.dbias, p.rows, p.n, t.tx, phases);
   } else {
-    act_backward_tile_kernel<T, Act, 1, kSource, false><<<t.grid, kGradThreads, 0, stream>>>(
-        p.dy, p.saved, p.mask, p.bias, p.scale, p.dx, partials, p.dbias, p.rows, p.n, t.tx, 1);
+    act_backward_tile_kernel<T, Act, 1, kSource><<<t.grid, kGradThreads, 0, stream>>>(
+        p.dy, p.saved, p.mask, p.bias, p.scale, p.dx, partials, p.dbias, p.rows, p.n, t.tx);
   }
   COURSE_CUDA_TRY(cudaGetLastError());
   if (t.slots == 0) return cudaSuccess;  // one row tile: the kernel wrote dbias

@@ -51,14 +51,21 @@ COURSE_HOST_DEVICE constexpr bool relu_passes(A z) {
 // Rows that start mid-vector (hidden 4099) took single elements until the H200 ran
 // fused_bias_scale_relu's backward at 2048 x 4099 in bfloat16 at 0.45x torch.compile: 2 bytes a
 // lane, a warp load of 64 bytes, and the grid of 4 blocks an SM that suits 16-byte packs left too
-// few bytes in flight. They now take 16-byte packs a phase of rows at a time (row_phases below):
-// the tiling is the same rule over the rows of one phase, with one pack more a row for its head,
-// and a grid of row tiles for every phase (at least one partial row each, so always a column_sum).
+// few bytes in flight. They now take 16-byte packs (row_phases below): the same tiles over the
+// row's columns, a block owning its columns in every row, with one cap: a tile's ty rows are a
+// multiple of the phases (tx at most kGradThreads / phases: 32 packs for an odd bfloat16 row), so
+// that each thread meets the rows of one phase. A first version split the row tiles by phase
+// instead (a grid of row tiles for every phase, so always partial rows and a column_sum): at 64
+// tokens its blocks found 8 rows for 64 tile rows, and the backward at 64 x 4099 took 13 us on
+// the H200 where torch.compile took 3.
 // ---------------------------------------------------------------------------------------
 constexpr int kGradThreads = 256;
-// Rows a backward thread loads before it computes any (course/bias_act.cuh's kRowsInFlight says
-// why): two of 16-byte packs, eight of single elements.
-COURSE_HOST_DEVICE constexpr int grad_rows_in_flight(int lanes) { return lanes == 1 ? 8 : 2; }
+// Rows a backward thread loads before it computes any (course/bias_act.cuh's kRowsInFlight and
+// kSpanRowsInFlight say why): two of 16-byte packs, eight of single elements, one of the packs of
+// rows that start mid-vector (phased).
+COURSE_HOST_DEVICE constexpr int grad_rows_in_flight(int lanes, bool phased = false) {
+  return phased ? 1 : lanes == 1 ? 8 : 2;
+}
 constexpr int64_t kGradBlocksPerSm = 4;
 
 // Rows of n elements of elem bytes that are not a whole number of 16-byte vectors start at
@@ -79,20 +86,20 @@ struct GradTiling {
   int64_t row_tiles;     // gridDim.y: 1, the kernel writes dbias; else the partial rows
 };
 
-// phases > 1: the rows are split by phase (row_phases), row_tiles / phases row tiles each, so that
-// a block's threads meet only rows whose vectors sit on the same columns (course/bias_act.cuh's
-// phased backward); such a grid always writes partial rows, at least one per phase.
+// phases > 1 (row_phases of rows that start mid-vector): ty stays a multiple of the phases, so
+// that every row a thread visits (its first plus multiples of ty) starts its vectors at the same
+// column (course/bias_act.cuh's act_backward_span_kernel).
 inline GradTiling grad_tiling(int64_t rows, int64_t packs, int pack_bytes, int rows_in_flight, int sms,
                               int phases = 1) {
   const int64_t p = packs > 1 ? packs : 1;
-  const int64_t ph = phases > 1 ? phases : 1;
-  const int64_t r = ceil_div<int64_t>(rows > 1 ? rows : 1, ph);  // the rows of one phase
-  const int64_t target = ceil_div<int64_t>(kGradBlocksPerSm * (sms > 1 ? sms : 1), ph);
+  const int64_t r = rows > 1 ? rows : 1;
+  const int64_t target = kGradBlocksPerSm * (sms > 1 ? sms : 1);
   // Narrowest: 64 bytes of a row, or the power of two at or above a shorter row's packs.
   int narrow = pack_bytes >= 64 ? 1 : 64 / pack_bytes;
   while (narrow > 1 && narrow / 2 >= p) narrow /= 2;
-  // Widest: up to a block, no wider than the row, and at most an eighth of the lanes idle.
-  int wide = kGradThreads;
+  // Widest: up to a block (phases: a block of at least `phases` rows), no wider than the row, and
+  // at most an eighth of the lanes idle.
+  int wide = kGradThreads / (phases > 1 ? phases : 1);
   while (wide > narrow && (wide / 2 >= p || ceil_div<int64_t>(p, wide) * wide * 8 > p * 9)) wide /= 2;
   // Row tiles if every thread takes one step of rows_in_flight rows, at width tx.
   const auto sweep_at = [&](int tx) { return ceil_div<int64_t>(r, int64_t{kGradThreads / tx} * rows_in_flight); };
@@ -104,8 +111,8 @@ inline GradTiling grad_tiling(int64_t rows, int64_t packs, int pack_bytes, int r
   const int64_t sweep = sweep_at(tx);
   int64_t row_tiles = ceil_div<int64_t>(target, column_tiles);
   row_tiles = row_tiles < sweep ? row_tiles : sweep;
-  row_tiles = row_tiles < 65535 / ph ? row_tiles : 65535 / ph;  // gridDim.y's limit
-  return {tx, ty, column_tiles, row_tiles * ph};
+  row_tiles = row_tiles < 65535 ? row_tiles : 65535;  // gridDim.y's limit
+  return {tx, ty, column_tiles, row_tiles};
 }
 
 }  // namespace course
