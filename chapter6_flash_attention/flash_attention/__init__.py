@@ -74,8 +74,9 @@ CUDA rungs (head_dim 32, 64, 96, 128 or 256):
   keys compute S^T, dP^T, dV and dK with wgmma (P^T and dS^T from registers), and dQ = dS K reads
   dS^T back from shared memory and adds into float32 sums with vector atomics.
 
-version=None runs, for 16-bit inputs: on a Hopper GPU, at head_dim 64 and 128, "persistent" where an
-average query row sees at most 2048 keys and "pingpong" beyond, "warp_specialized" at 256, unless
+version=None runs, for 16-bit inputs: on a Hopper GPU, at head_dim 64 and 128, "persistent" where the
+walks over the keys are uneven (causal) or short (at most 1024 keys) and "pingpong" for long full
+rows, "warp_specialized" at 256, unless
 the grid is small enough to split the keys; otherwise "split_kv"
 (sm_80+; it splits only when the grid would leave SMs idle, and is "tuned" otherwise); float32 and
 float64 run "tiled". The backward runs "wgmma" on a Hopper GPU (head_dim 64 and 128, no window

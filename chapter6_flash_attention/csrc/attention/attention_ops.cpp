@@ -104,12 +104,15 @@ bool half_dtype(const Tensor& t) { return t.scalar_type() == at::kHalf || t.scal
 // version=None: the fastest forward rung that runs. On a Hopper GPU (compute capability 9.0, in a
 // build with the sm_90a kernels) that is part 3's. At head_dim 64 and 128 "pingpong" (where its third
 // shared-memory stage fits) or "persistent", which runs the same consumers in a grid of one block
-// per SM that draws its tiles longest first: it saves each tile's start and end (the Q load, the
-// output's store) and balances the last wave, a fixed cost per tile that matters in proportion to
-// how short the tile's walk over the keys is; it pays 8 registers per consumer thread (232 instead
-// of 240) and an atomic per tile. bench_attention.py on an H200: persistent ahead up to 1.17x where
-// the average query row sees at most 2048 keys, pingpong ahead by up to 5% at 4096-16384 keys
-// (d64 full). So "persistent" up to kPersistentMaxAverageKeys, "pingpong" beyond. At 256
+// per SM that draws its tiles longest first. It gains two ways: it saves each tile's start and end
+// (the Q load, the output's store), a fixed cost per tile that matters while the tile's walk over
+// the keys is short, and it balances walks of different lengths (causal tiles), which the plain
+// grid leaves to chance in its last wave; it pays 8 registers per consumer thread (232 instead of
+// 240) and an atomic per tile. Two bench_attention.py runs on an H200: on causal rows (walks from
+// 1 key to all of them) persistent was ahead or within 3% at every length, 512-16384, and ahead by
+// 3-7% at 8192 at d = 128; on full rows (every walk alike) ahead up to 1.09x at 512-1024 keys, level
+// at 2048 and behind by up to 6% beyond. So "persistent" where the walks are uneven (the shortest at
+// most half the longest) or short (at most kPersistentMaxEvenKeys), "pingpong" otherwise. At 256
 // "warp_specialized", where the third stage does not fit and two stages leave ping-pong slower
 // (experiments/hopper_forward_check.cu --variants, NOTES.md). Elsewhere, and
 // wherever the Hopper rungs do not apply (other head dims, a scale <= 0) it is "split_kv" (16-bit
@@ -144,14 +147,14 @@ struct DispatchFacts {
   int cc_major = 0, cc_minor = 0, sms = 0;
   bool hopper_built = false;
 };
-// The keys an average query row sees: a tile's walk over the keys, which the persistent grid's saving
-// per tile is measured against. Causal rows (bottom-right aligned) see seqlen_k - seqlen_q + i + 1
-// keys, clamped to [0, seqlen_k]; their mean, in closed form, is close enough for a threshold.
-constexpr int64_t kPersistentMaxAverageKeys = 2048;
-int64_t average_visible_keys(const AttentionParams& p) {
-  if (!p.causal) return p.seqlen_k;
-  const int64_t before = p.seqlen_k - p.seqlen_q;  // keys every row sees ahead of its own diagonal
-  return std::min(p.seqlen_k, std::max<int64_t>(0, before + (p.seqlen_q + 1) / 2));
+// Whether the persistent grid pays (the version=None section above): the walks of a bottom-right
+// aligned causal call run from seqlen_k - seqlen_q + 1 keys (at least 0) to seqlen_k; a full call's
+// are all seqlen_k.
+constexpr int64_t kPersistentMaxEvenKeys = 1024;
+bool persistent_pays(const AttentionParams& p) {
+  const int64_t longest = p.seqlen_k;
+  const int64_t shortest = p.causal ? std::max<int64_t>(0, p.seqlen_k - p.seqlen_q + 1) : p.seqlen_k;
+  return 2 * shortest <= longest || longest <= kPersistentMaxEvenKeys;
 }
 // A window or a softcap (attention.h) runs on "tuned" and "split_kv" alone (their kernel is the
 // one that computes them), so such a call skips the Hopper rungs; on a GPU that cannot run those
@@ -161,8 +164,7 @@ ForwardVersion forward_rule(const AttentionParams& p, const DispatchFacts& f) {
   if (f.hopper_built && f.cc_major == 9 && f.cc_minor == 0 && is_listed(kHopperHeadDims, p.head_dim) &&
       p.scale > 0.0 && !uses_window_or_softcap(p) && attention_forward_splits(p, f.sms) == 1) {
     if (p.head_dim > 128) return ForwardVersion::kWarpSpecialized;
-    return average_visible_keys(p) <= kPersistentMaxAverageKeys ? ForwardVersion::kPersistent
-                                                                : ForwardVersion::kPingpong;
+    return persistent_pays(p) ? ForwardVersion::kPersistent : ForwardVersion::kPingpong;
   }
   return ForwardVersion::kSplitKv;
 }
@@ -374,22 +376,30 @@ void check_tensor_core_rung(const char* op, const std::string& name, const Tenso
               " KiB: use version='mma' or 'tiled'");
 }
 
-// What part 3's rungs need, each refused with the way out: a build that has them, a Hopper GPU,
-// a head dim of whole 64-column chunks, a positive scale. q: padded or packed, head_dim last.
-void check_hopper_rung(const char* op, ForwardVersion v, const Tensor& q, double scale) {
-  const std::string name = ::course::version_name(kForwardVersions, v);
+// What every part 3 rung needs first, forward or backward, each refused with the way out: 16-bit
+// inputs, a build that has the sm_90a kernels, a Hopper GPU. `scalar` names the rungs that take
+// float32 and float64, `instead` the rung to use where part 3's cannot run.
+void check_hopper_build_and_gpu(const char* op, const std::string& name, const Tensor& q, const char* scalar,
+                                const char* instead) {
   TORCH_CHECK(half_dtype(q), op, ": version '", name, "' runs on tensor cores and takes float16 and bfloat16; q is ",
-              q.scalar_type(), " (float32 and float64 run on versions 'naive' and 'tiled')");
+              q.scalar_type(), " (float32 and float64 run on ", scalar, ")");
 #ifndef COURSE_HOPPER
   TORCH_CHECK(false, op, ": version '", name, "' is a Hopper kernel (sm_90a), and this build of flash_attention ",
               "has none: it was compiled for a TORCH_CUDA_ARCH_LIST without 9.0. Rebuild with 9.0 in the list ",
-              "(the default on a Hopper GPU), or use version='tuned'");
+              "(the default on a Hopper GPU), or use version='", instead, "'");
 #endif
   const int major = device_attribute(q, cudaDevAttrComputeCapabilityMajor);
   const int minor = device_attribute(q, cudaDevAttrComputeCapabilityMinor);
   TORCH_CHECK(major == 9 && minor == 0, op, ": version '", name, "' needs a Hopper GPU, compute capability 9.0 ",
               "(wgmma, TMA and setmaxnreg; sm_90a code runs on no other); this GPU is ", std::to_string(major), ".",
-              std::to_string(minor), ": use version='tuned'");
+              std::to_string(minor), ": use version='", instead, "'");
+}
+
+// What part 3's rungs need, each refused with the way out: a build that has them, a Hopper GPU,
+// a head dim of whole 64-column chunks, a positive scale. q: padded or packed, head_dim last.
+void check_hopper_rung(const char* op, ForwardVersion v, const Tensor& q, double scale) {
+  const std::string name = ::course::version_name(kForwardVersions, v);
+  check_hopper_build_and_gpu(op, name, q, "versions 'naive' and 'tiled'", "tuned");
   TORCH_CHECK(attention_forward_hopper_head_dim(q.size(-1)), op, ": version '", name,
               "' takes head_dim 64, 128 or 256 (whole 64-column chunks, the width of its 128-byte swizzle); ",
               "head_dim is ", std::to_string(q.size(-1)), ": use version='tuned'");
@@ -410,18 +420,7 @@ void check_hopper_rung(const char* op, ForwardVersion v, const Tensor& q, double
 // shared memory. Any scale: the backward keeps no running maximum.
 void check_hopper_backward(const char* op, const Tensor& q) {
   const std::string name = ::course::version_name(kBackwardVersions, BackwardVersion::kWgmma);
-  TORCH_CHECK(half_dtype(q), op, ": version '", name, "' runs on tensor cores and takes float16 and bfloat16; q is ",
-              q.scalar_type(), " (float32 and float64 run on version 'naive')");
-#ifndef COURSE_HOPPER
-  TORCH_CHECK(false, op, ": version '", name, "' is a Hopper kernel (sm_90a), and this build of flash_attention ",
-              "has none: it was compiled for a TORCH_CUDA_ARCH_LIST without 9.0. Rebuild with 9.0 in the list ",
-              "(the default on a Hopper GPU), or use version='mma_dqpass'");
-#endif
-  const int major = device_attribute(q, cudaDevAttrComputeCapabilityMajor);
-  const int minor = device_attribute(q, cudaDevAttrComputeCapabilityMinor);
-  TORCH_CHECK(major == 9 && minor == 0, op, ": version '", name, "' needs a Hopper GPU, compute capability 9.0 ",
-              "(wgmma, TMA and setmaxnreg; sm_90a code runs on no other); this GPU is ", std::to_string(major), ".",
-              std::to_string(minor), ": use version='mma_dqpass'");
+  check_hopper_build_and_gpu(op, name, q, "version 'naive'", "mma_dqpass");
   TORCH_CHECK(attention_backward_hopper_head_dim(q.size(3)), op, ": version '", name, "' takes head_dim ",
               list_text(kHopperBackwardHeadDims), " (whole 64-column chunks, with dK and dV of 64 keys in ",
               "registers); head_dim is ", std::to_string(q.size(3)), ": use version='mma_dqpass' or 'naive'");

@@ -320,15 +320,12 @@ void paged_attention_cuda(std::optional<PagedVersion> named, const PagedAttentio
 }
 #endif
 
-Tensor paged_attention_impl(const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
-                            const Tensor& block_tables, const Tensor& context_lens, double scale, OptVersion version,
-                            bool check_tables, int64_t num_splits) {
-  const char* op = kPagedAttention;
-  check_rank(op, "query", query, 3, "(batch, heads, head_dim), one decode token per sequence");
-  check_caches(op, key_cache, value_cache);
-  // The reference computes in the input's type, float32 and float64 only
-  // (attention/attention_ops.cpp says why); the kernels take all four. Meta tensors carry no device
-  // of their own: any passes.
+// What a query (rank 3: tokens, heads, head_dim) must be against the cache and its block table, for
+// the decode and the prefill ops alike. The reference computes in the input's type, float32 and
+// float64 only (attention/attention_ops.cpp says why); the CUDA kernels take more (each op checks
+// its rung's own). Meta tensors carry no device of their own: any passes.
+void check_query_against_cache(const char* op, const Tensor& query, const Tensor& key_cache,
+                               const Tensor& block_tables) {
   if (query.device().is_cpu()) {
     ::course::check_dtype_in(op, "query", query, {at::kFloat, at::kDouble});
   } else {
@@ -343,6 +340,15 @@ Tensor paged_attention_impl(const Tensor& query, const Tensor& key_cache, const 
               " heads and the cache has ", str(key_cache.sym_size(2)), " kv heads; the query heads must be a whole ",
               "multiple of the kv heads (grouped-query attention: each kv head serves heads / heads_kv query heads)");
   check_index(op, "block_tables", block_tables, 2, "(batch, max_blocks)", at::kInt, "query", query);
+}
+
+Tensor paged_attention_impl(const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+                            const Tensor& block_tables, const Tensor& context_lens, double scale, OptVersion version,
+                            bool check_tables, int64_t num_splits) {
+  const char* op = kPagedAttention;
+  check_rank(op, "query", query, 3, "(batch, heads, head_dim), one decode token per sequence");
+  check_caches(op, key_cache, value_cache);
+  check_query_against_cache(op, query, key_cache, block_tables);
   check_index(op, "context_lens", context_lens, 1, "(batch,)", at::kInt, "query", query);
   TORCH_CHECK(block_tables.sym_size(0) == query.sym_size(0), op, ": block_tables has ", str(block_tables.sym_size(0)),
               " rows for a batch of ", str(query.sym_size(0)), " (one row of block ids per sequence)");
@@ -512,22 +518,8 @@ Tensor paged_prefill_attention_impl(const Tensor& query, const Tensor& key_cache
   const char* op = kPagedPrefill;
   check_rank(op, "query", query, 3, "(total_q, heads, head_dim), the chunks' tokens packed");
   check_caches(op, key_cache, value_cache);
-  // The reference computes in the input's type, float32 and float64 (attention/attention_ops.cpp
-  // says why); on CUDA decode_rows takes all four, mma the 16-bit types (check_prefill_mma).
-  if (query.device().is_cpu()) {
-    ::course::check_dtype_in(op, "query", query, {at::kFloat, at::kDouble});
-  } else {
-    ::course::check_floating(op, "query", query);
-  }
-  ::course::check_same_device(op, "key_cache", key_cache, "query", query);
-  ::course::check_same_dtype(op, "key_cache", key_cache, "query", query);
-  check_last_dim_contiguous(op, "query", query);
-  TORCH_CHECK(query.sym_size(2) == key_cache.sym_size(3), op, ": query has head_dim ", str(query.sym_size(2)),
-              " but key_cache and value_cache have head_dim ", str(key_cache.sym_size(3)), " (they must be equal)");
-  TORCH_CHECK(query.sym_size(1) % key_cache.sym_size(2) == 0, op, ": query has ", str(query.sym_size(1)),
-              " heads and the cache has ", str(key_cache.sym_size(2)), " kv heads; the query heads must be a whole ",
-              "multiple of the kv heads (grouped-query attention: each kv head serves heads / heads_kv query heads)");
-  check_index(op, "block_tables", block_tables, 2, "(batch, max_blocks)", at::kInt, "query", query);
+  // decode_rows takes what paged_attention takes, mma the 16-bit types (check_prefill_mma)
+  check_query_against_cache(op, query, key_cache, block_tables);
   check_index(op, "cu_seqlens_q", cu_seqlens_q, 1, "(batch + 1,), the offsets of the chunks in query", at::kInt,
               "query", query);
   check_index(op, "context_lens", context_lens, 1, "(batch,)", at::kInt, "query", query);
