@@ -70,12 +70,13 @@ inline bool stored_transposed(const TransposeParams& p) {
 // 1000003, a batch of (n, 4) tensors). Every rung's tile is mostly empty there: v4 and v5 own
 // 128 rows per tile, v1-v3 32, so 3 valid rows leave 98% (91%) of the tile's threads, barriers
 // and shared memory idle, and the time per tile barely changes. The thin kernels
-// (memory_kernels.cu) give each thread one index of the long dim and loop over the short one,
-// holding the kThinMaxShort elements it moves in registers. Why 16: it is half of the
-// narrowest tile (v1-v3's 32 rows), so below it every rung wastes more than half of each
-// block; and 16 elements per thread (at most 128 bytes in float64) all fit in registers and are
-// all in flight at once, where a longer short side would need a loop of its own. Where the
-// tiles overtake the thin kernels above 16 is not measured (NOTES.md).
+// (memory_kernels.cu) cut the long dim instead: a block takes a strip of it, all of the short
+// dim, and stages it in shared memory so that the side that is one contiguous run of memory
+// (the destination for short rows, the source for short columns) moves in 16-byte vectors.
+// Why 16: it is half of the narrowest tile (v1-v3's 32 rows), so below it every rung wastes
+// more than half of each block; and at 16 an 8 KiB strip still gives each of the 16 segments
+// on the other side at least 64 elements (float64), two warps' worth of coalesced accesses.
+// Where the tiles overtake the thin kernels above 16 is not measured (NOTES.md).
 constexpr int64_t kThinMaxShort = 16;
 
 inline bool thin_applies(const TransposeParams& p) {

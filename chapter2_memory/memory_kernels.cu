@@ -532,71 +532,214 @@ __global__ void __launch_bounds__(kWideThreads, 3)
 }
 
 // transpose of a thin matrix (version=None only; memory.h's thin_applies says when, and why
-// the bound is kThinMaxShort = 16). No tile and no shared memory: each thread owns one index of
-// the long dim, loads the at most 16 elements of the short dim into registers (all issued
-// before the first store), and stores them. Both mappings keep the long dim across the threads
-// of a warp, so on one side every access instruction is coalesced and on the other each thread
-// moves a short contiguous run of 2-128 bytes next to its neighbour's, whose sectors the same
-// warp completes within its next few instructions (the L2 merges them before DRAM sees them):
+// the bound is kThinMaxShort = 16). The key fact: with one dim short, one side of every block's
+// work is a single contiguous run of memory. For short rows (R x C, R <= 16, 3 x 1000003), the
+// columns [c0, c0 + W) become destination rows c0 .. c0 + W - 1, which lie back to back: one
+// run of W * R elements. For short columns (C <= 16, 1000003 x 3) the same holds for the
+// source: rows [r0, r0 + H) of a row-contiguous input are one run of H * C elements.
 //
-//   short rows (rows <= 16, 3 x 1000003): thread c reads column c, src[r][c] for every r: for
-//     each r the warp reads 32 consecutive elements of row r; it writes destination row c,
-//     rows contiguous elements, next to thread c + 1's.
-//   short columns (cols <= 16, 1000003 x 3): thread r reads source row r, cols contiguous
-//     elements next to thread r + 1's (the L1 keeps the line between the cols loads); it
-//     writes one element into each of the cols destination rows: for each c the warp writes 32
-//     consecutive elements of destination row c.
+// So each block stages one such tile in shared memory in the run's order, and the run side
+// moves with consecutive threads on consecutive elements, 16 bytes per access (scalar only for
+// the head before the run's first 16-byte boundary and the tail after its last). The other
+// side is R (or C) segments of W (H) consecutive elements, one per short index, each moved
+// with consecutive threads on consecutive elements: coalesced too.
 //
-// Scalar accesses only: a short run of 3 elements starts at every alignment from row to row,
-// so 16-byte vectors would apply to few rows. The loops run to kThinShort with a guard, so
-// that nvcc unrolls them and keeps e[] in registers (a runtime trip count would put it in
-// local memory).
+//   transpose_thin_rows: load row segment r of the tile (src[r][c0 + j]) into run position
+//     j * R + r; store the run with 16-byte vectors.
+//   transpose_thin_cols: load the run with 16-byte vectors (single elements gathered by the
+//     strides where the rows are not one run: x[:, 1:], x[:, ::2]); store destination row c's
+//     segment (dst[c][r0 + j]) from run position j * C + c.
+//
+// The tile is kThinRunBytes of the run (W, H: the largest power of two whose run fits, so the
+// segment loops split their flat index with a shift and a mask). 8 KiB per block keeps
+// 3 x 1000003 in 16 bits at ~1000 blocks, several per SM, and each thread's 8 loads (4-byte
+// elements) are issued before its first shared-memory write: enough bytes in flight per SM
+// to cover DRAM's latency.
+//
+// Bank conflicts: the segment side walks the run with stride R (C) elements, which for R = 16
+// puts a warp's 32 four-byte writes into 2 banks (16-way). One padding element after every
+// kThinPadEvery = 32 (thin_pos) spreads them: a bank-by-bank count of every short length 2-16,
+// every element size and both sides gives at most 3 times the fewest wavefronts a warp access
+// can take (2 for 4-byte elements).
 constexpr int kThinShort = static_cast<int>(kThinMaxShort);
 constexpr int kThinThreads = 256;
+constexpr int kThinRunBytes = 8192;
+constexpr int kThinPadEvery = 32;
+constexpr int kThinUnroll = 8;  // segment-side elements per thread in flight at once
 
 template <typename T>
-__global__ void __launch_bounds__(kThinThreads) transpose_thin_rows(TransposeParams p) {
-  const T* src = static_cast<const T*>(p.src);
-  T* dst = static_cast<T*>(p.dst);
-  const int64_t n = p.batch * p.cols;  // one thread per (matrix, source column)
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
-    const int64_t b = i / p.cols;
-    const int64_t c = i - b * p.cols;
-    const T* column = src + b * p.batch_stride + c * p.col_stride;
-    T e[kThinShort];
+struct ThinTile {
+  static constexpr int kRun = kThinRunBytes / static_cast<int>(sizeof(T));
+  static constexpr int kPadded = kRun + kRun / kThinPadEvery;
+  // At the bound a segment still spans a warp (the bank count above assumes it).
+  static_assert(kRun / kThinShort >= 32, "a thin tile's segments must span a warp");
+};
+
+__device__ __forceinline__ int thin_pos(int k) { return k + k / kThinPadEvery; }
+
+// log2 of the long extent per tile: the largest power of two L with L * short_len <= the run,
+// but no more than the power of two that covers long_len (a batch of small matrices would
+// otherwise loop over thousands of empty slots per tile).
+int thin_log2_long(int64_t short_len, int64_t long_len, int elem_bytes) {
+  const int64_t run = kThinRunBytes / elem_bytes;
+  int log2 = 0;
+  while ((int64_t{2} << log2) * short_len <= run && (int64_t{1} << log2) < long_len) ++log2;
+  return log2;
+}
+
+// Elements before the first 16-byte boundary at or after p (a T-aligned address), at most n.
+template <typename T>
+__device__ __forceinline__ int thin_head(const void* p, int n) {
+  const int past = static_cast<int>(reinterpret_cast<uintptr_t>(p) % kVectorBytes);
+  const int head = past == 0 ? 0 : (kVectorBytes - past) / static_cast<int>(sizeof(T));
+  return head < n ? head : n;
+}
+
+// The run side, tile -> global: run[k] = tile[thin_pos(k)] for k < n. The alignment comes from
+// the address itself (the run starts wherever c0 * R puts it), so no launcher check is needed:
+// only the aligned middle takes 16-byte stores.
+template <typename T>
+__device__ __forceinline__ void thin_store_run(T* run, const T* tile, int n) {
+  constexpr int kPerVector = kVectorBytes / sizeof(T);
+  const int head = thin_head<T>(run, n);
+  const int vectors = (n - head) / kPerVector;
+  for (int q = threadIdx.x; q < vectors; q += blockDim.x) {
+    const int k = head + q * kPerVector;
+    T e[kPerVector];
 #pragma unroll
-    for (int r = 0; r < kThinShort; ++r) {
-      if (r < p.rows) e[r] = column[r * p.row_stride];  // rows <= kThinShort, often fewer
-    }
-    T* out = dst + i * p.rows;  // destination row c of matrix b: (b * cols + c) * rows
-#pragma unroll
-    for (int r = 0; r < kThinShort; ++r) {
-      if (r < p.rows) out[r] = e[r];  // the same guard as the load
-    }
+    for (int i = 0; i < kPerVector; ++i) e[i] = tile[thin_pos(k + i)];
+    store16(run + k, pack16(e));
+  }
+  // The head and the tail, fewer than kPerVector elements each: one element per thread.
+  const int tail = head + vectors * kPerVector;
+  for (int i = threadIdx.x; i < head + (n - tail); i += blockDim.x) {
+    const int k = i < head ? i : tail + (i - head);
+    run[k] = tile[thin_pos(k)];
   }
 }
 
+// The run side, global -> tile, the mirror of thin_store_run. Two vectors per thread are
+// loaded before either is written, so each thread keeps 32 bytes in flight.
 template <typename T>
-__global__ void __launch_bounds__(kThinThreads) transpose_thin_cols(TransposeParams p) {
+__device__ __forceinline__ void thin_load_run(const T* run, T* tile, int n) {
+  constexpr int kPerVector = kVectorBytes / sizeof(T);
+  const int head = thin_head<T>(run, n);
+  const int vectors = (n - head) / kPerVector;
+  for (int q0 = threadIdx.x; q0 < vectors; q0 += 2 * blockDim.x) {
+    uint4 v[2];
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int q = q0 + u * blockDim.x;
+      if (q < vectors) v[u] = load16(run + head + q * kPerVector);  // the last pass may be half
+    }
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int q = q0 + u * blockDim.x;
+      if (q < vectors) {  // the same guard as the load
+        T e[kPerVector];
+        unpack16(v[u], e);
+#pragma unroll
+        for (int i = 0; i < kPerVector; ++i) tile[thin_pos(head + q * kPerVector + i)] = e[i];
+      }
+    }
+  }
+  const int tail = head + vectors * kPerVector;
+  for (int i = threadIdx.x; i < head + (n - tail); i += blockDim.x) {
+    const int k = i < head ? i : tail + (i - head);
+    tile[thin_pos(k)] = run[k];
+  }
+}
+
+// Short rows: one block per tile of W = 2^log2_w source columns of one matrix.
+template <typename T>
+__global__ void __launch_bounds__(kThinThreads) transpose_thin_rows(TransposeParams p, int log2_w,
+                                                                    int64_t tiles_c) {
+  __shared__ T tile[ThinTile<T>::kPadded];
   const T* src = static_cast<const T*>(p.src);
   T* dst = static_cast<T*>(p.dst);
-  const int64_t n = p.batch * p.rows;  // one thread per (matrix, source row)
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
-    const int64_t b = i / p.rows;
-    const int64_t r = i - b * p.rows;
-    const T* row = src + b * p.batch_stride + r * p.row_stride;
-    T e[kThinShort];
+  const int rows = static_cast<int>(p.rows);  // <= kThinShort
+  const int w_full = 1 << log2_w;
+  const int n_seg = rows << log2_w;  // the tile's (row, column) slots, partial tile included
+  for (int64_t t = blockIdx.x; t < p.batch * tiles_c; t += gridDim.x) {
+    const int64_t b = t / tiles_c;
+    const int64_t c0 = (t - b * tiles_c) << log2_w;
+    const int w = static_cast<int>(p.cols - c0 < w_full ? p.cols - c0 : w_full);
+    const T* in = src + b * p.batch_stride + c0 * p.col_stride;
+    // Consecutive threads on consecutive columns of one source row: coalesced where the
+    // columns are adjacent. kThinUnroll loads per thread are in flight before the first write.
+    for (int base = threadIdx.x; base < n_seg; base += kThinUnroll * blockDim.x) {
+      T e[kThinUnroll];
 #pragma unroll
-    for (int c = 0; c < kThinShort; ++c) {
-      if (c < p.cols) e[c] = row[c * p.col_stride];  // cols <= kThinShort, often fewer
-    }
-    T* out = dst + b * p.cols * p.rows + r;  // column r of matrix b's (cols, rows) output
+      for (int u = 0; u < kThinUnroll; ++u) {
+        const int i = base + u * blockDim.x;
+        const int r = i >> log2_w, j = i & (w_full - 1);
+        // past the tile's slots, or past the matrix's last column in its last tile
+        if (i < n_seg && j < w) e[u] = in[r * p.row_stride + j * p.col_stride];
+      }
 #pragma unroll
-    for (int c = 0; c < kThinShort; ++c) {
-      if (c < p.cols) out[c * p.rows] = e[c];  // the same guard as the load
+      for (int u = 0; u < kThinUnroll; ++u) {
+        const int i = base + u * blockDim.x;
+        const int r = i >> log2_w, j = i & (w_full - 1);
+        if (i < n_seg && j < w) tile[thin_pos(j * rows + r)] = e[u];  // the same guard
+      }
     }
+    // The run gathers elements that other threads loaded.
+    __syncthreads();
+    // Destination rows c0 .. c0 + w - 1 of matrix b: (b * cols + c0) * rows on, w * rows long.
+    thin_store_run(dst + (b * p.cols + c0) * rows, tile, w * rows);
+    // The next tile's loads overwrite `tile`: every read of this one must be done.
+    __syncthreads();
+  }
+}
+
+// Short columns: one block per tile of H = 2^log2_h source rows of one matrix.
+template <typename T>
+__global__ void __launch_bounds__(kThinThreads) transpose_thin_cols(TransposeParams p, int log2_h,
+                                                                    int64_t tiles_r) {
+  __shared__ T tile[ThinTile<T>::kPadded];
+  const T* src = static_cast<const T*>(p.src);
+  T* dst = static_cast<T*>(p.dst);
+  const int cols = static_cast<int>(p.cols);  // <= kThinShort
+  const int h_full = 1 << log2_h;
+  const int n_seg = cols << log2_h;
+  // The tile's rows are one run of memory only when each row's cols elements are adjacent and
+  // the next row starts right after them (not x[:, 1:], not x[:, ::2]).
+  const bool one_run = p.col_stride == 1 && p.row_stride == p.cols;
+  for (int64_t t = blockIdx.x; t < p.batch * tiles_r; t += gridDim.x) {
+    const int64_t b = t / tiles_r;
+    const int64_t r0 = (t - b * tiles_r) << log2_h;
+    const int h = static_cast<int>(p.rows - r0 < h_full ? p.rows - r0 : h_full);
+    const T* in = src + b * p.batch_stride + r0 * p.row_stride;
+    if (one_run) {
+      thin_load_run(in, tile, h * cols);
+    } else {
+      // Run order, element by element through the strides: consecutive threads still read
+      // along the source rows. The division by cols is the price of the general view.
+      for (int base = threadIdx.x; base < h * cols; base += kThinUnroll * blockDim.x) {
+        T e[kThinUnroll];
+#pragma unroll
+        for (int u = 0; u < kThinUnroll; ++u) {
+          const int k = base + u * blockDim.x;
+          const int r = k / cols, c = k - r * cols;
+          if (k < h * cols) e[u] = in[r * p.row_stride + c * p.col_stride];  // past the tile
+        }
+#pragma unroll
+        for (int u = 0; u < kThinUnroll; ++u) {
+          const int k = base + u * blockDim.x;
+          if (k < h * cols) tile[thin_pos(k)] = e[u];  // the same guard as the load
+        }
+      }
+    }
+    // Each destination segment gathers elements that other threads loaded.
+    __syncthreads();
+    // Destination row c of matrix b holds source column c: its elements r0 .. r0 + h - 1.
+    T* out = dst + b * p.cols * p.rows + r0;
+    for (int i = threadIdx.x; i < n_seg; i += blockDim.x) {
+      const int c = i >> log2_h, j = i & (h_full - 1);
+      if (j < h) out[c * p.rows + j] = tile[thin_pos(j * cols + c)];  // past the last row
+    }
+    // The next tile's loads overwrite `tile`: every read of this one must be done.
+    __syncthreads();
   }
 }
 
@@ -659,17 +802,22 @@ cudaError_t launch_strided_copy(const StridedCopyParams& p, cudaStream_t stream)
 
 cudaError_t launch_transpose_thin(const TransposeParams& p, cudaStream_t stream) {
   if (p.batch == 0 || p.rows == 0 || p.cols == 0) return cudaSuccess;
-  if (!thin_applies(p)) return cudaErrorInvalidValue;  // e[] holds kThinShort elements at most
+  // The tile's segments are sized for a short side of at most kThinShort.
+  if (!thin_applies(p)) return cudaErrorInvalidValue;
   return with_element_type(p.elem_bytes, [&](auto tag) {
     using T = decltype(tag);
-    // The thread per index of the longer dim: with both dims short either mapping is correct,
-    // and this one gives the warps the longer run of coalesced accesses.
+    // The run along the longer dim: with both dims short either mapping is correct, and this
+    // one gives each tile the longer segments. (rows <= cols here means rows <= kThinShort.)
     if (p.rows <= p.cols) {
-      transpose_thin_rows<T><<<one_pass_blocks(p.batch * p.cols, kThinThreads), kThinThreads, 0,
-                               stream>>>(p);
+      const int log2_w = thin_log2_long(p.rows, p.cols, p.elem_bytes);
+      const int64_t tiles_c = course::ceil_div<int64_t>(p.cols, int64_t{1} << log2_w);
+      transpose_thin_rows<T><<<one_pass_blocks(p.batch * tiles_c, 1), kThinThreads, 0, stream>>>(
+          p, log2_w, tiles_c);
     } else {
-      transpose_thin_cols<T><<<one_pass_blocks(p.batch * p.rows, kThinThreads), kThinThreads, 0,
-                               stream>>>(p);
+      const int log2_h = thin_log2_long(p.cols, p.rows, p.elem_bytes);
+      const int64_t tiles_r = course::ceil_div<int64_t>(p.rows, int64_t{1} << log2_h);
+      transpose_thin_cols<T><<<one_pass_blocks(p.batch * tiles_r, 1), kThinThreads, 0, stream>>>(
+          p, log2_h, tiles_r);
     }
     return cudaGetLastError();
   }, unsupported_size);

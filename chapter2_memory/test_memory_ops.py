@@ -336,8 +336,8 @@ def test_thin_transpose_matches_reference(dtype, view, device):
 
 @pytest.mark.cuda
 def test_thin_transpose_launches_its_kernel():
-    """The thread owns an index of the longer dim: thin_rows for short rows, thin_cols for
-    short columns; one past the bound, the tile rungs (test_transpose_default_choice)."""
+    """The tile's run lies along the longer dim: thin_rows for short rows, thin_cols for short
+    columns; one past the bound, the tile rungs (test_transpose_default_choice)."""
     require_cuda()
     for short in (1, 3, 16, 17):
         for shape in thin_shapes(short) + thin_shapes(short, batch=2):
@@ -360,10 +360,13 @@ def test_thin_transpose_gradcheck(shape, device):
     assert torch.autograd.gradgradcheck(memory_ops.transpose, (x,))
 
 
-def test_thin_kernels_keep_their_elements_in_registers(tmp_path):
-    """The thin kernels' e[] stays in registers only while every index into it is a
-    compile-time constant (the loops run to kThinShort behind a guard, and unroll): a loop to
-    the runtime length would put it in local memory, a DRAM round trip per element."""
+def test_thin_kernels_keep_registers_and_move_the_run_in_16_bytes(tmp_path):
+    """The thin kernels stage each tile in shared memory so that one side is a single run of
+    memory: the run must move with 128-bit accesses (stores for thin_rows, loads for
+    thin_cols; scalar accesses only for its head and tail), and the elements each thread holds
+    between its loads and its shared-memory writes must stay in registers (every index into
+    them a compile-time constant after unrolling): a local array is a DRAM round trip each."""
+    import re
     from pathlib import Path
 
     bodies = {name: body for name, body in
@@ -372,6 +375,12 @@ def test_thin_kernels_keep_their_elements_in_registers(tmp_path):
     assert len(bodies) == 6, list(bodies)  # rows and cols, for 2-, 4- and 8-byte elements
     for name, body in bodies.items():
         assert "__local_depot" not in body and "ld.local" not in body, name
+        wide_loads = len(re.findall(r"ld\.global(?:\.nc)?\.v4\.", body))
+        wide_stores = len(re.findall(r"st\.global(?:\.wb)?\.v4\.", body))
+        if "transpose_thin_rows" in name:
+            assert wide_stores >= 1 and wide_loads == 0, (name, wide_loads, wide_stores)
+        else:
+            assert wide_loads >= 1 and wide_stores == 0, (name, wide_loads, wide_stores)
 
 
 def test_copy_default_choice():
