@@ -66,6 +66,19 @@ them alone leaves the main results as they were.
                                         "cpu", against SDPA on the CPU), GPU smoke runs
     python bench_attention.py --fp8-only   the FP8 rows alone (below), into their own file
     python bench_attention.py --ops attention_varlen   the packed rows alone (a GPU)
+    python bench_attention.py --ops attention_window attention_softcap   the masked rows (below)
+
+Masked rows (`--ops attention_window`, `--ops attention_softcap`): the kernels' compile-time
+window-and-softcap instantiations. attention_window: b1 h16 s32768 d128 bf16 causal with
+window=(4095, 0), 4096 keys per row at most; attention_softcap: b2 h16 s8192 d128 bf16 causal with
+softcap=30. Forward and backward; variants default and each rung that takes the mask, flex_attention
+(torch.compile'd, the same mask as a block mask built before the timing, the softcap as a score_mod),
+and the dense causal call of the same shape by default (and sdpa_cudnn for the window): what the
+mask saves or costs. Every row is credited the masked call's useful work, counted pair by pair
+(masked_flops); speedup_vs_torch is against flex_attention. Each section writes its own file,
+results/<device-slug>/chapter6_flash_attention_window.json and ..._softcap.json, so that either can
+be run again alone. On the CPU they run at small sizes with the C++ reference (variant cpu); there
+flex_attention has a forward only.
 
 FP8 rows (op attention_fp8, Hopper with the sm_90a kernels only): attention_fp8 on e4m3 inputs
 (quantized outside the timed call; a second row, call "quantize_fp8 + attention_fp8", times the
@@ -940,27 +953,216 @@ def flex_document_attention(lengths, heads, device):
     return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
 
 
+# ---------------------------------------------------------------------------------------------
+# Sliding windows and softcapping: the compile-time kWindowSoftcap instantiations, against
+# flex_attention with the same mask or score_mod, and against the dense causal call they vary
+# ---------------------------------------------------------------------------------------------
+# The rungs that compute a window or a softcap (README, "The API"); every other rung refuses them.
+MASKED_RUNGS = {"forward": ("tuned", "split_kv"), "backward": ("mma", "mma_dqpass")}
+# A 4096-key causal band over 32K tokens (Mistral's and Gemma 2's local layers: window=(4095, 0) is
+# sliding_window 4096), and Gemma 2's attn_logit_softcapping of 30 at a training length.
+WINDOW = {"batch": 1, "heads": 16, "seqlen": 32768, "head_dim": 128, "dtype": "bfloat16", "causal": True,
+          "window": [4095, 0], "softcap": 0.0}
+SOFTCAP = {"batch": 2, "heads": 16, "seqlen": 8192, "head_dim": 128, "dtype": "bfloat16", "causal": True,
+           "window": [-1, -1], "softcap": 30.0}
+# The CPU's: the C++ reference (float32) at sizes it runs in milliseconds, the same masks.
+WINDOW_CPU = {**WINDOW, "heads": 2, "seqlen": 256, "head_dim": 64, "dtype": "float32", "window": [63, 0]}
+SOFTCAP_CPU = {**SOFTCAP, "batch": 1, "heads": 2, "seqlen": 128, "head_dim": 64, "dtype": "float32"}
+
+
+def masked_config(op, device):
+    """The shape and mask of a section's rows on this device."""
+    if op == "attention_window":
+        return WINDOW if device == "cuda" else WINDOW_CPU
+    return SOFTCAP if device == "cuda" else SOFTCAP_CPU
+
+
+def visible_pairs(seqlen_q, seqlen_k, causal=False, window=(-1, -1)):
+    """The (query, key) pairs of one (batch, head) the mask leaves visible, counted row by row: row
+    i keeps key j iff i + s_k - s_q - left <= j <= i + s_k - s_q + right (-1: that side unbounded;
+    causal is right = 0), the README's rule. A band's work is not a triangle's fraction, so it is
+    counted exactly rather than estimated (attention_flops' halving is the dense convention)."""
+    left, right = window
+    if causal:
+        right = 0
+    shift, total = seqlen_k - seqlen_q, 0
+    for i in range(seqlen_q):
+        lo = 0 if left < 0 else max(0, i + shift - left)
+        hi = seqlen_k - 1 if right < 0 else min(seqlen_k - 1, i + shift + right)
+        total += max(0, hi - lo + 1)
+    return total
+
+
+def masked_flops(batch, heads, seqlen_q, seqlen_k, head_dim, causal, window, pass_="forward"):
+    """The useful work of a call with this mask: 4 d FLOPs per visible pair (S = Q K^T and O = P V),
+    2.5x that for the backward, as attention_flops counts a dense call."""
+    flops = 4 * batch * heads * head_dim * visible_pairs(seqlen_q, seqlen_k, causal, window)
+    return flops * 5 // 2 if pass_ == "backward" else flops
+
+
+def flex_masked_attention(c, device, compile=True):
+    """torch.compile'd flex_attention with the section's mask: a causal block mask, cut to
+    q - k <= left for a window (key j visible to row i iff i - left <= j <= i), and for a softcap
+    the score_mod softcap * tanh(score / softcap). The block mask is built here, once, outside any
+    timing. compile=False: flex_attention's eager path, for the CPU test that holds the mask to ours."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    left, cap, n = c["window"][0], c["softcap"], c["seqlen"]
+
+    def mask(b, h, q_idx, kv_idx):
+        visible = kv_idx <= q_idx
+        return visible & (q_idx - kv_idx <= left) if left >= 0 else visible
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+    block_mask = create_block_mask(mask, None, None, n, n, device=device, _compile=device == "cuda")
+    compiled = torch.compile(flex_attention, fullgraph=True) if compile else flex_attention
+    score_mod = softcap if cap > 0 else None
+    return lambda q, k, v: compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)
+
+
+def masked_calls(op, c, device, q, k, v, dy, notes):
+    """{pass: [(variant, make, fields)]} of a section: version=None and each rung that takes the
+    mask (the CPU reference, "cpu", on the CPU), flex_attention with the same mask, then the dense
+    causal call of the same shape (the fields say so: window (-1, -1), softcap 0) by version=None and,
+    for the window, by the strongest SDPA backend: what the mask saves or costs. Ours time the
+    backward op alone from a saved forward, the baselines autograd.grad (bench.backward_call)."""
+    causal, scale = c["causal"], 1.0 / math.sqrt(c["head_dim"])
+    masked = {"window": list(c["window"]), "softcap": c["softcap"]}
+    dense = {"window": [-1, -1], "softcap": 0.0}
+
+    def forward(ver, m):
+        return lambda: lambda: flash_attention.attention_forward(q, k, v, scale, causal, version=ver, **m)
+
+    def backward(ver, m):
+        def make():
+            o, lse = flash_attention.attention_forward(q, k, v, scale, causal, **m)
+            return lambda: flash_attention.attention_backward(dy, q, k, v, o, lse, scale, causal, version=ver, **m)
+        return make
+    timed = {"forward": forward, "backward": backward}
+    calls = {}
+    for pass_, make in timed.items():
+        fn_op = f"attention_{pass_}"
+        if device == "cuda":
+            out = [(ver, make(ver, masked), masked) for ver in MASKED_RUNGS[pass_]]
+            choice = {"dispatch": flash_attention.default_choice(fn_op, q, causal=causal, **masked)}
+            out = next_to_its_rung(out, ("default", make(None, masked), {**masked, **choice}))
+        else:  # the CPU reference is not a rung: one row, named cpu
+            out = [("cpu", make(None, masked), masked)]
+        calls[pass_] = out
+    flex = bench.attempt(notes, "flex_attention", op, lambda: flex_masked_attention(c, device))
+    if flex is not None:
+        calls["forward"].append(("flex_attention", lambda: lambda: flex(q, k, v), masked))
+        if device == "cuda":
+            calls["backward"].append(("flex_attention", lambda: bench.backward_call(flex, grad_leaves(q, k, v), dy),
+                                      masked))
+        else:
+            notes.skip("flex_attention", "flex_attention has no backward on the CPU (it refuses inputs that need "
+                       "a gradient)", f"{op} backward")
+    for pass_, make in timed.items():
+        if device == "cuda":
+            choice = dispatch_of(f"attention_{pass_}", q, causal)
+            calls[pass_].append(("default", make(None, dense), {**dense, **choice}))
+        else:
+            calls[pass_].append(("cpu", make(None, dense), dense))
+    if op == "attention_window":
+        base = speed_baseline(device)
+        sdpa = sdpa_call(SDPA_BACKENDS[base], causal)
+        calls["forward"].append((base, lambda: lambda: sdpa(q, k, v), dense))
+        calls["backward"].append((base, lambda: bench.backward_call(sdpa, grad_leaves(q, k, v), dy), dense))
+    return calls
+
+
+def bench_masked(op, device, mm, notes):
+    """The rows of `--ops attention_window` or `--ops attention_softcap`. Every row of a pass is
+    credited the masked call's useful work (masked_flops), the dense rows too, so TFLOP/s compare
+    times as the packed rows do; visible_pairs says what each call itself computes.
+    speedup_vs_torch is against flex_attention with the same mask."""
+    c = masked_config(op, device)
+    b, h, n, d = c["batch"], c["heads"], c["seqlen"], c["head_dim"]
+    dtype = getattr(torch, c["dtype"])
+    q, k, v, dy = make_inputs(b, h, n, d, dtype, device, seed=3)
+    calls = masked_calls(op, c, device, q, k, v, dy, notes)
+    rows = []
+    for pass_ in ("forward", "backward"):
+        flops = masked_flops(b, h, n, n, d, c["causal"], c["window"], pass_)
+        timed = []
+        for variant, make, fields in calls[pass_]:
+            where = f"{op} {pass_} window={fields['window']} softcap={fields['softcap']}"
+            fn = bench.attempt(notes, variant, where, make)
+            t = fn and bench.probe_and_time(notes, variant, where, device, fn, max_call_ms=MAX_CALL_MS)
+            if t:
+                timed.append((variant, fields, t))
+            del fn
+        base = next((t for v, _, t in timed if v == "flex_attention"), None)
+        for variant, fields, t in timed:
+            extra = {"pass": pass_, "causal": c["causal"], "batch": b, "heads": h, "seqlen": n, "head_dim": d,
+                     **fields, "visible_pairs": visible_pairs(n, n, c["causal"], fields["window"])}
+            rows.append(bench.flops_row(op, variant, dtype, [b, h, n, d], flops, t, mm,
+                                        base and base["median_ms"], **extra))
+    del q, k, v, dy, calls
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def print_masked_table(record):
+    for op, what in (("attention_window", "a causal sliding window"), ("attention_softcap", "softcapped scores")):
+        rows = results.rows(record, op=op)
+        if not rows:
+            continue
+        r0 = rows[0]
+        print(f"\n{op}: {what}, {r0['dtype']} b{r0['batch']} h{r0['heads']} s{r0['seqlen']} d{r0['head_dim']} causal "
+              "(TFLOP/s of the masked call's useful work; x flex_attention)")
+        for r in rows:
+            mask = f"window={r['window']}" if op == "attention_window" else f"softcap={r['softcap']:g}"
+            speed = f"{r['speedup_vs_torch']:.2f}x" if "speedup_vs_torch" in r else "-"
+            print(f"  {r['pass']:<9}{r['variant']:<16}{mask:<20}{r['median_ms']:>9.3f} ms {r['TFLOPs']:>7.3g} "
+                  f"TFLOP/s {speed:>7}" + (f"  dispatch={r['dispatch']}" if "dispatch" in r else ""))
+
+
+# `--ops NAME`: a section alone, into its own results file, so that a run of one leaves the main
+# results and the other sections' as they were: (rows(device, mm, notes), file suffix, the
+# record's extra fields, table printer).
+SECTIONS = {
+    "attention_varlen": (lambda device, mm, notes: bench_varlen(device, mm, notes), "_varlen",
+                         lambda device: {"sizes": {"varlen": {**VARLEN, "lengths": VARLEN_LENGTHS}},
+                                         "baseline": speed_baseline(device)},
+                         lambda record: print_varlen_table(record)),
+    "attention_window": (lambda device, mm, notes: bench_masked("attention_window", device, mm, notes), "_window",
+                         lambda device: {"sizes": {"window": masked_config("attention_window", device)},
+                                         "baseline": "flex_attention"},
+                         lambda record: print_masked_table(record)),
+    "attention_softcap": (lambda device, mm, notes: bench_masked("attention_softcap", device, mm, notes),
+                          "_softcap",
+                          lambda device: {"sizes": {"softcap": masked_config("attention_softcap", device)},
+                                          "baseline": "flex_attention"},
+                          lambda record: print_masked_table(record)),
+}
+
+
 def main_ops():
-    """`--ops attention_varlen`: the packed rows alone, written to their own results file."""
+    """`--ops NAME ...`: those sections' rows alone, each written to its own results file."""
     parser = bench.arguments(__doc__)
-    parser.add_argument("--ops", nargs="+", choices=["attention_varlen"], required=True,
-                        help="run only these ops' rows (attention_varlen: the packed layout)")
+    parser.add_argument("--ops", nargs="+", choices=list(SECTIONS), required=True,
+                        help="run only these ops' rows (attention_varlen: the packed layout; attention_window, "
+                             "attention_softcap: the masked instantiations against flex_attention)")
     args = parser.parse_args()
-    started = time.perf_counter()
     device = bench.setup(args)
     ceilings = bench.copy_ceiling(device, n=2**28 if device == "cuda" else 2**20)
     ceilings.update(bench.matmul_ceiling(device, n=8192 if device == "cuda" else 256,
                                          dtype=torch.bfloat16 if device == "cuda" else torch.float32))
-    notes = bench.Notes()
-    rows = bench_varlen(device, ceilings["mm_TFLOPs"], notes)
-    extra = {"sizes": {"varlen": {**VARLEN, "lengths": VARLEN_LENGTHS}}, "baseline": speed_baseline(device),
-             "skipped": notes.skipped, "extension": flash_attention.EXTENSION,
-             "timing": {"statistic": "median", "reps": bench.MIN_REPS,
-                        "method": "CUDA graph of the calls that make a replay last >= 2 ms (1 to 8), CUDA events "
-                                  "around each replay; backward rows of ours time the backward op alone, the "
-                                  "baselines' autograd.grad over a retained graph"},
-             "wall_s": time.perf_counter() - started}
-    results.publish(CHAPTER + "_varlen", rows, ceilings, extra, lambda record, out_dir: [], print_varlen_table)
+    for op in dict.fromkeys(args.ops):
+        started = time.perf_counter()
+        measure, suffix, fields, print_rows = SECTIONS[op]
+        notes = bench.Notes()
+        rows = measure(device, ceilings["mm_TFLOPs"], notes)
+        extra = {**fields(device), "skipped": notes.skipped, "extension": flash_attention.EXTENSION,
+                 "timing": {"statistic": "median", "reps": bench.MIN_REPS,
+                            "method": "CUDA graph of the calls that make a replay last >= 2 ms (1 to 8), CUDA "
+                                      "events around each replay; backward rows of ours time the backward op alone, "
+                                      "the baselines' autograd.grad over a retained graph"},
+                 "wall_s": time.perf_counter() - started}
+        results.publish(CHAPTER + suffix, rows, ceilings, extra, lambda record, out_dir: [], print_rows)
 
 
 def print_varlen_table(record):

@@ -124,6 +124,65 @@ def varlen_table(_record):
     return "\n".join(lines)
 
 
+def _masked(row):
+    """Whether a row of the masked sections ran the mask (not the dense causal call beside it)."""
+    return (row["window"], row["softcap"]) != ([-1, -1], 0.0)
+
+
+def _masked_table(op, targets):
+    """bench_attention.py --ops `op`'s rows (their own results file): each variant's time and
+    TFLOP/s of the masked call's useful work, per pass, then the targets of version=None's masked
+    call: x flex_attention, and against the course's own dense causal call (`dense`: the measured
+    ratio and whether it meets the target)."""
+    rec = results.load_recorded_gpu(f"chapter6_flash_attention_{op.removeprefix('attention_')}")
+    if not rec:
+        return "(not recorded yet)"
+    rows = results.rows(rec, op=op)
+    lines = ["| pass | variant | mask | ms | TFLOP/s (useful) | x flex_attention |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        name = f"`{r['variant']}`" + (f" ({r['dispatch']})" if "dispatch" in r else "")
+        mask = (f"window ({r['window'][0]}, {r['window'][1]})" if op == "attention_window" else
+                f"softcap {r['softcap']:g}") if _masked(r) else "none (dense causal)"
+        speed = f"{r['speedup_vs_torch']:.2f}" if "speedup_vs_torch" in r else "-"
+        lines.append(f"| {r['pass']} | {name} | {mask} | {r['median_ms']:.2f} | {r['TFLOPs']:.0f} | {speed} |")
+    lines += ["", "| target | measured | met |", "|---|---|---|"]
+    for pass_ in ("forward", "backward"):
+        got = {(r["variant"], _masked(r)): r for r in rows if r["pass"] == pass_}
+        ours, flex, dense = got.get(("default", True)), got.get(("flex_attention", True)), got.get(("default", False))
+        if ours and flex:
+            x = flex["median_ms"] / ours["median_ms"]
+            lines.append(f"| {pass_}: `default` >= {targets['flex'][pass_]}x flex_attention | {x:.2f}x | "
+                         f"{'yes' if x >= targets['flex'][pass_] else 'no'} |")
+        if ours and dense:
+            lines.append(targets["dense"](pass_, ours, dense))
+    r0 = rows[0]
+    lines += ["", f"{_where(rec)}; {r0['dtype']} b{r0['batch']} h{r0['heads']} s{r0['seqlen']} d{r0['head_dim']} "
+                  f"causal; every row credited the masked call's useful work; a bf16 matmul reached "
+                  f"{rec['ceilings']['mm_TFLOPs']:.0f} TFLOP/s in the same run."]
+    return "\n".join(lines)
+
+
+def window_table(_record):
+    """The sliding window's rows and targets: >= 1.3x / 1.2x flex_attention (forward / backward),
+    and a time per visible (query, key) pair within 1.2x of the dense causal call's (the band's work
+    done about as fast as dense attention does the same amount)."""
+    def dense(pass_, ours, dense):
+        x = (ours["median_ms"] / ours["visible_pairs"]) / (dense["median_ms"] / dense["visible_pairs"])
+        return (f"| {pass_}: time per visible pair <= 1.2x the dense causal `default`'s | {x:.2f}x | "
+                f"{'yes' if x <= 1.2 else 'no'} |")
+    return _masked_table("attention_window", {"flex": {"forward": 1.3, "backward": 1.2}, "dense": dense})
+
+
+def softcap_table(_record):
+    """Softcapping's rows and targets: >= 1.3x / 1.2x flex_attention (forward / backward), and
+    >= 0.75x the speed of the course's own dense causal call without the softcap (the tanh's cost)."""
+    def dense(pass_, ours, dense):
+        x = dense["median_ms"] / ours["median_ms"]
+        return (f"| {pass_}: `default` >= 0.75x the same call without softcap | {x:.2f}x | "
+                f"{'yes' if x >= 0.75 else 'no'} |")
+    return _masked_table("attention_softcap", {"flex": {"forward": 1.3, "backward": 1.2}, "dense": dense})
+
+
 def _profile():
     return results.load_recorded_gpu("chapter6_flash_attention_profile")
 
@@ -638,4 +697,4 @@ FACTS = {"target_table": target_table, "split_kv": split_kv_table, "memory": mem
          "hopper_rungs": hopper_rungs, "hopper_gemm": hopper_gemm, "hopper_configs": hopper_configs,
          "hopper_profile": hopper_profile, "hopper_power": hopper_power,
          "hopper_persistent": hopper_persistent, "hopper_backward": hopper_backward, "hopper_fp8": hopper_fp8,
-         "varlen": varlen_table}
+         "varlen": varlen_table, "window": window_table, "softcap": softcap_table}

@@ -246,3 +246,131 @@ def test_recorded_varlen_results_hold_the_dispatch():
         if measured[best] / measured[rung] < 0.95:
             problems.append(f"{pass_}: version=None runs {rung}, {measured[best] / measured[rung]:.3f}x {best}")
     assert problems == []
+
+
+# ---------------------------------------------------------------------------------------------
+# The masked sections (--ops attention_window, --ops attention_softcap)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("causal", (False, True))
+def test_visible_pairs_are_the_references_own_mask(causal):
+    """visible_pairs counts what the extension's mask keeps: with q = 0 every visible score is 0, so
+    the C++ reference's lse of a row is log(its visible keys) (-inf for none), whatever the rule's
+    edge cases (rectangular, bottom-right, a bound of 0, an unbounded side)."""
+    import flash_attention
+    for s_q, s_k in ((7, 7), (5, 9), (9, 5), (33, 33)):
+        q, k, v = torch.zeros(1, 1, s_q, 8, dtype=torch.float64), *(torch.randn(1, 1, s_k, 8, dtype=torch.float64)
+                                                                     for _ in range(2))
+        for window in ((-1, -1), (3, 0), (2, 4), (0, -1), (-1, 2), (0, 0)):
+            _, lse = flash_attention.attention(q, k, v, causal=causal, window=window, return_lse=True)
+            keys = int(lse.exp().round().sum())
+            assert B.visible_pairs(s_q, s_k, causal, window) == keys, (s_q, s_k, window)
+
+
+def test_masked_flops_count_the_band():
+    """The window section's shape: row i of 32768 sees min(i + 1, 4096) keys; the dense causal call
+    the whole triangle; 4 d FLOPs a pair forward, 2.5x backward."""
+    c = B.WINDOW
+    b, h, n, d, left = c["batch"], c["heads"], c["seqlen"], c["head_dim"], c["window"][0]
+    band = (left + 1) * (left + 2) // 2 + (n - left - 1) * (left + 1)
+    assert left + 1 == 4096 and B.visible_pairs(n, n, True, c["window"]) == band
+    assert B.visible_pairs(n, n, True) == n * (n + 1) // 2
+    assert B.masked_flops(b, h, n, n, d, True, c["window"]) == 4 * b * h * d * band
+    assert B.masked_flops(b, h, n, n, d, True, c["window"], "backward") == 10 * b * h * d * band
+
+
+def test_masked_sections_are_the_lessons():
+    import flash_attention
+    w, s = B.WINDOW, B.SOFTCAP
+    assert (w["batch"], w["heads"], w["seqlen"], w["head_dim"], w["dtype"], w["causal"], w["window"], w["softcap"]) \
+        == (1, 16, 32768, 128, "bfloat16", True, [4095, 0], 0.0)
+    assert (s["batch"], s["heads"], s["seqlen"], s["head_dim"], s["dtype"], s["causal"], s["window"], s["softcap"]) \
+        == (2, 16, 8192, 128, "bfloat16", True, [-1, -1], 30.0)
+    for pass_, rungs in B.MASKED_RUNGS.items():
+        assert set(rungs) <= set(flash_attention.VERSIONS[f"attention_{pass_}"]), pass_
+    # each section its own results file, and `--ops` offers every section
+    assert {op: B.SECTIONS[op][1] for op in B.SECTIONS} == {
+        "attention_varlen": "_varlen", "attention_window": "_window", "attention_softcap": "_softcap"}
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("op", ("attention_window", "attention_softcap"))
+def test_flex_baseline_computes_our_mask(op):
+    """flex_attention's block mask and score_mod are the same attention as ours: its eager path
+    against the C++ reference at 200 tokens, float32 both (a few float32 ulps of outputs ~1)."""
+    import flash_attention
+    c = {**B.masked_config(op, "cpu"), "seqlen": 200}
+    if op == "attention_window":
+        c["window"] = [37, 0]
+    q, k, v, _ = B.make_inputs(1, 2, 200, 64, torch.float32, "cpu")
+    flex = B.flex_masked_attention(c, "cpu", compile=False)
+    ours = flash_attention.attention(q, k, v, causal=True, window=c["window"], softcap=c["softcap"])
+    torch.testing.assert_close(flex(q, k, v), ours, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("op", ("attention_window", "attention_softcap"))
+def test_masked_rows_on_the_cpu(monkeypatch, op):
+    """A section's rows at a tiny size: the masked call and the dense one (fields window, softcap),
+    every row credited the masked call's work and carrying the pairs its own call computes, and
+    flex_attention's refusal noted, not a crash (compiling it takes 15 s on the CPU: replaced here)."""
+    small = {**B.masked_config(op, "cpu"), "seqlen": 48}
+    if op == "attention_window":
+        small["window"] = [15, 0]
+    monkeypatch.setattr(B, "masked_config", lambda op_, device: small)
+
+    def no_flex(c, device, compile=True):
+        raise RuntimeError("flex_attention is not compiled in this test")
+    monkeypatch.setattr(B, "flex_masked_attention", no_flex)
+    notes = bench.Notes()
+    rows = B.bench_masked(op, "cpu", 0.1, notes)
+    assert any(n["variant"] == "flex_attention" for n in notes.skipped)
+    dense_sdpa = {"sdpa_flash"} if op == "attention_window" else set()
+    b, h, n, d = small["batch"], small["heads"], small["seqlen"], small["head_dim"]
+    for pass_ in ("forward", "backward"):
+        got = [r for r in rows if r["pass"] == pass_]
+        masked = [r for r in got if (r["window"], r["softcap"]) == (small["window"], small["softcap"])]
+        dense = [r for r in got if (r["window"], r["softcap"]) == ([-1, -1], 0.0)]
+        assert [r["variant"] for r in masked] == ["cpu"]
+        assert {r["variant"] for r in dense} == {"cpu"} | dense_sdpa
+        assert len(masked) + len(dense) == len(got)
+        for r in got:
+            assert r["op"] == op and r["shape"] == [b, h, n, d] and r["causal"] is True
+            assert r["flops"] == B.masked_flops(b, h, n, n, d, True, small["window"], pass_)
+            assert r["visible_pairs"] == B.visible_pairs(n, n, True, r["window"])
+            assert r["TFLOPs"] > 0 and r["reps"] >= 20 and "speedup_vs_torch" not in r
+
+
+def test_recorded_masked_results_hold_the_dispatch():
+    """The masked rows (bench_attention.py --ops attention_window / attention_softcap, their own
+    files): each masked default row ran the rung the extension's rule names for that mask on the
+    recorded GPU, that rung was timed beside it, and it is within 0.95x the fastest rung that takes
+    the mask."""
+    import flash_attention
+    from coursekit import results
+    checked = 0
+    for op in ("attention_window", "attention_softcap"):
+        record = results.load_recorded_gpu(f"{B.CHAPTER}_{op.removeprefix('attention_')}")
+        if record is None:
+            continue
+        device = record["device"]
+        # A window or a softcap never runs on the Hopper rungs (the README's API section), so the
+        # rule's answer does not depend on whether the recorded build had them.
+        facts = dict(cuda=True, capability=tuple(int(x) for x in device["capability"].split(".")),
+                     sms=device["sms"], hopper_built=False)
+        for pass_, rungs in B.MASKED_RUNGS.items():
+            got = {r["variant"]: r for r in results.rows(record, op=op, **{"pass": pass_})
+                   if (r["window"], r["softcap"]) != ([-1, -1], 0.0)}
+            default = got.get("default")
+            assert default is not None, f"{op}: no masked default row for the {pass_}"
+            b, h, n, d = default["shape"]
+            rung = flash_attention.dispatch_rule(f"attention_{pass_}", (b, h, n, d), dtype=getattr(torch, default["dtype"]),
+                                                 causal=default["causal"], window=default["window"],
+                                                 softcap=default["softcap"], **facts)
+            assert default["dispatch"] == rung, (op, pass_, default["dispatch"], rung)
+            measured = {v: got[v]["median_ms"] for v in rungs if v in got}
+            assert rung in measured, f"{op} {pass_}: the rung version=None runs, {rung}, has no row"
+            best = min(measured, key=measured.get)
+            assert measured[best] / measured[rung] >= 0.95, (op, pass_, rung, best)
+            checked += 1
+    if not checked:
+        pytest.skip("no recorded masked rows yet: run `python bench_attention.py --ops attention_window` and "
+                    "`--ops attention_softcap` on a GPU")
