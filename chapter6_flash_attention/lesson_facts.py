@@ -228,8 +228,10 @@ def tiny_gpt_line(record):
     by = {r["backend"]: r for r in gpt["benchmarks"] if r["op"] == "tiny_gpt_train"}
     c = gpt["comparison"]
     tok = ", ".join(f"{b} {by[b]['tokens_per_s']:,.0f} tokens/s" for b in ("flash", "sdpa") if b in by)
+    ran = by["flash"].get("dispatch")
+    ran = f"; flash ran the `{ran['forward']}` forward and the `{ran['backward']}` backward" if ran else ""
     return (f"over {by['flash']['steps']} steps the largest difference between the two loss curves was "
-            f"{c['max_abs_diff']:.3g} (step {c['at_step']}; tolerance {c['tolerance']}), and {tok} "
+            f"{c['max_abs_diff']:.3g} (step {c['at_step']}; tolerance {c['tolerance']}), and {tok}{ran} "
             f"({gpt['device']['name']}, {gpt['date'][:10]})")
 
 

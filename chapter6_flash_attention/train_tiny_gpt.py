@@ -416,6 +416,12 @@ def result_rows(runs, config):
     """One row per backend (CONTRIBUTING.md, section 5): variant "default" is flash_attention's
     version=None dispatch, "sdpa" PyTorch's own; speedup_vs_torch is tokens/s over SDPA's."""
     rows = []
+    # The rungs version=None ran for the model's attention call (batch, heads, context, head_dim) in
+    # the compute dtype: which kernels a result is about, read off the same rule the op dispatches on.
+    q_like = torch.empty(config.batch, config.heads, config.context, config.head_dim,
+                         dtype=getattr(torch, config.dtype), device=config.device)
+    dispatch = {"forward": flash_attention.default_choice("attention_forward", q_like, causal=True),
+                "backward": flash_attention.default_choice("attention_backward", q_like, causal=True)}
     for backend, variant in (("flash", "default"), ("sdpa", "sdpa")):
         run = runs[backend]
         rows.append({"op": "tiny_gpt_train", "variant": variant, "backend": backend, "dtype": config.dtype,
@@ -424,7 +430,8 @@ def result_rows(runs, config):
                      "steps": config.steps, "timed_steps": run["timed_steps"],
                      "ms_per_step": run["ms_per_step"], "tokens_per_s": run["tokens_per_s"],
                      "speedup_vs_torch": run["tokens_per_s"] / runs["sdpa"]["tokens_per_s"],
-                     "final_train_loss": run["train_loss"][-1], "final_val_loss": run["val_loss"][-1][1]})
+                     "final_train_loss": run["train_loss"][-1], "final_val_loss": run["val_loss"][-1][1],
+                     **({"dispatch": dispatch} if backend == "flash" else {})})
     return rows
 
 
@@ -473,6 +480,10 @@ def print_table(record):
     for r in record["benchmarks"]:
         print(f"{r['backend']:<9}{r['steps']:>6}{r['final_train_loss']:>12.4f}{r['final_val_loss']:>10.4f}"
               f"{r['tokens_per_s']:>12,.0f}{r['ms_per_step']:>9.2f}")
+    for r in record["benchmarks"]:
+        if "dispatch" in r:
+            print(f"flash_attention's version=None ran forward {r['dispatch']['forward']!r}, "
+                  f"backward {r['dispatch']['backward']!r}")
     verdict = "match" if cmp["match"] else "DO NOT MATCH"
     print(f"max |loss_flash - loss_sdpa| = {cmp['max_abs_diff']:.2e} at step {cmp['at_step']} "
           f"(relative {cmp['max_rel_diff']:.1e}; val {cmp['val_max_abs_diff']:.2e}); "
