@@ -3,11 +3,12 @@
 // P recomputed from the forward's lse, D = rowsum(dO * O) precomputed, dQ summed in float32 with
 // atomics); what changes is the forward's part 3 story told again:
 //
-//   - a block owns kBlockN = 128 keys of one kv head. A producer warpgroup (one thread issuing)
-//     brings the block's K and V once by TMA and then streams, per step (a 64-row query tile of
-//     one of the query heads that read this kv head), Q, dO, and the rows' lse (log2 units) and D
-//     through a two-stage ring on mbarriers: full barriers the copies complete on, empty ones the
-//     consumer threads arrive on when they are done with a stage;
+//   - a block owns kBlockN = 128 keys of one kv head. A producer warpgroup (one thread issuing
+//     the loads, one of another warp dQ's reductions: below) brings the block's K and V once by
+//     TMA and then streams, per step (a 64-row query tile of one of the query heads that read this
+//     kv head), Q, dO, and the rows' lse (log2 units) and D through a two-stage ring on mbarriers:
+//     full barriers the copies complete on, empty ones the consumer threads arrive on when they
+//     are done with a stage;
 //   - two consumer warpgroups own 64 keys each, keys as wgmma's m, so that the products whose
 //     rows are keys keep their A operand in registers (the C-to-A identity of the forward's P):
 //       S^T  = K_wg Q^T         ss: K and Q K-major                     m64 n64 (query rows)
@@ -207,7 +208,7 @@ __global__ void __launch_bounds__(K::kThreads, 1)
   __syncthreads();  // the barriers are initialised before anyone waits on them
 
   if (threadIdx.x < K::kProducerThreads) {
-    // The producer: one thread issues every copy; stage i % kStages is free for step i once the 256
+    // The producer: one thread issues every load; stage i % kStages is free for step i once the 256
     // consumer threads have arrived on its empty barrier for step i - kStages.
     setmaxnreg_dec<K::kProducerRegs>();
     if (threadIdx.x == 0 && steps > 0) {
