@@ -1546,11 +1546,40 @@ def test_cuda_hopper_backward_long(dtype, causal):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("head_dim", HOPPER_BACKWARD_HEAD_DIMS)
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+def test_cuda_hopper_backward_many_query_tiles(dtype, causal, head_dim):
+    """1000 query rows (16 tiles, the last partial) of 8 heads against 3000 keys in 2 kv heads
+    (GQA 4:1, 24 key tiles, the last partial): each block walks 64 steps, so the two dQ buffers
+    between the consumers and the writer wrap 32 times, and 24 blocks of a kv head add into every
+    tile's float32 sums. The float64 reference runs on the GPU; "wgmma" is held to at most twice the
+    error of "mma_dqpass" (the same rounding of P and dS) plus CUDA_GRAD_TOL, as in the long test."""
+    skip_unless_hopper()
+    q, k, v = make_qkv(1, 8, 2, 1000, 3000, head_dim, dtype=dtype, device="cuda")
+    what = f"wgmma {dtype_id(dtype)} h8/2 s1000x3000 d{head_dim}"
+    scale = 1 / math.sqrt(head_dim)
+    out, lse = flash_attention.attention_forward(q, k, v, scale, causal)
+    go = torch.randn_like(out)
+    leaves = tuple(t.detach().double().requires_grad_() for t in (q, k, v))
+    expected = torch.autograd.grad(reference(*leaves, causal)[0], leaves, go.double())
+    for t in (q, k, v):
+        poison_allocator(t)
+    ours = flash_attention.attention_backward(go, q, k, v, out, lse, scale, causal, version="wgmma")
+    theirs = flash_attention.attention_backward(go, q, k, v, out, lse, scale, causal, version="mma_dqpass")
+    for name, g, h, e in zip("qkv", ours, theirs, expected):
+        error, known = (g.double() - e).abs().max().item(), (h.double() - e).abs().max().item()
+        allowed = 2 * known + CUDA_GRAD_TOL[dtype] * max(e.abs().max().item(), 1.0)
+        assert not g.isnan().any() and error <= allowed, \
+            f"{what} d{name}: max error {error:.3g}, mma_dqpass's {known:.3g}, allowed {allowed:.3g}"
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
 def test_cuda_hopper_backward_views_and_determinism(causal):
     """q from a (b, s, h, d) projection and k with padded rows are read by the tensor maps in
     place; v expanded over the kv heads (stride 0) is copied first. dK and dV have one writer each:
-    the same bits as on contiguous copies and as a second call; dQ (float32 atomics) within a few
+    the same bits as on contiguous copies and as a second call; dQ (float32 sums added in any order) within a few
     ulps of them."""
     skip_unless_hopper()
     b, h, s, d = 2, 4, 300, 64
@@ -1654,12 +1683,16 @@ def test_cuda_hopper_backward_refusals():
 
 @pytest.mark.cuda
 def test_cuda_hopper_backward_sass():
-    """The backward's main kernel runs on wgmma (HGMMA) and TMA (UTMALDG), not mma.sync (HMMA)."""
+    """The backward's main kernel runs on wgmma (HGMMA) and TMA (UTMALDG), not mma.sync (HMMA), and
+    adds dQ into its float32 sums with the copy engine's bulk reduction (UBLKRED), no float atomic
+    from registers (RED or ATOM ... ADD.F32) left."""
+    import re
     skip_unless_hopper()
     kernels = sass_functions("flash_bwd_hopper_kernel")
     assert len(kernels) == 4, f"{len(kernels)} Hopper backward kernels in the SASS (2 dtypes x 2 head dims)"
     for name, body in kernels:
         assert "HGMMA" in body and "UTMALDG" in body and "HMMA" not in body, name
+        assert "UBLKRED" in body and not re.search(r"\b(?:REDG?|ATOMG?)\.\S*ADD\.F32", body), name
 
 
 @pytest.mark.cuda

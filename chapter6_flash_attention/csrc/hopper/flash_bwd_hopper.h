@@ -12,8 +12,10 @@ namespace flash_attention {
 // head, walking every query tile of the heads that read it) on part 3's machinery. A producer warp
 // brings the block's K and V once and streams Q, dO and the rows' statistics through a two-stage
 // ring on mbarriers; two consumer warpgroups, 64 keys each, compute S^T, dP^T, dV and dK with
-// wgmma, P^T and dS^T from registers as the A operand; dQ = dS K takes dS^T through shared memory
-// and adds into float32 sums with vector atomics; a last kernel scales and rounds dQ.
+// wgmma, P^T and dS^T from registers as the A operand; dQ = dS K takes dS^T through shared memory,
+// and its partial goes back through shared memory to a producer thread that adds it into float32
+// sums with one bulk reduction a step (the copy engine's, off the consumers' path); a last kernel
+// scales, reorders and rounds dQ.
 // Head dims: kHopperBackwardHeadDims (attention.h).
 inline bool attention_backward_hopper_head_dim(int64_t head_dim) {
   return ::course::is_listed(kHopperBackwardHeadDims, head_dim);
@@ -32,7 +34,11 @@ inline int64_t attention_backward_hopper_rows(int64_t seqlen_q) {
 }
 
 // The workspace, which the caller zeroes: dQ's float32 sums (batch x heads x padded rows x d),
-// then each padded row's lse in log2 units and D = rowsum(dO * O) (float32 each).
+// then each padded row's lse in log2 units and D = rowsum(dO * O) (float32 each). The sums of one
+// (batch, head, query tile) are kBlockM x d contiguous floats, 64-column chunk after chunk, each
+// chunk in the main kernel's register order rather than row-major (what a warpgroup's threads
+// hold, stored as 512-byte warp-wide rows: flash_bwd_hopper_kernel.cuh), so that the kernel adds
+// a whole tile with one bulk reduction; only the dispatch's last kernel reads them.
 inline int64_t attention_backward_hopper_workspace(const AttentionBackwardParams& g) {
   const AttentionParams& p = g.fwd;
   return p.batch * p.heads * attention_backward_hopper_rows(p.seqlen_q) * (p.head_dim + 2) * 4;

@@ -65,22 +65,41 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// dq = scale * (the float32 sums of the real rows), rounded once to T, in dq's strides.
+// dq = scale * (the float32 sums of the real rows), rounded once to T, in dq's strides. The sums
+// are in the main kernel's register order (attention_backward_hopper_workspace): float4 q of a
+// tile's 64-column chunk is float4 g = q / 128 of thread ct = q % 128 of the warpgroup that
+// computed it, its registers 4g..4g+3: rows 16 (ct / 32) + (ct % 32) / 4 and that + 8, columns
+// 8g + 2 (ct % 4) and the next. One float4 a thread: the reads are whole and coalesced, and four
+// consecutive threads write 8 consecutive elements of a row.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     bwd_hopper_dq_kernel(const AttentionBackwardParams g, int64_t rows_pad, const float* dq_accum) {
+  constexpr int kBM = kHopperBwdBlockM;
   const AttentionParams& p = g.fwd;
-  const int64_t total = p.batch * p.heads * p.seqlen_q * p.head_dim;
+  const int64_t tile_floats = kBM * p.head_dim;  // one query tile's sums, every chunk
+  const int64_t total = p.batch * p.heads * rows_pad * p.head_dim / 4;
   const float scale = static_cast<float>(p.scale);
-  for (int64_t e = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; e < total;
-       e += static_cast<int64_t>(gridDim.x) * kThreads) {
-    const int64_t c = e % p.head_dim;
-    const int64_t r = e / p.head_dim;
-    const int64_t bh = r / p.seqlen_q;
-    const int64_t i = r % p.seqlen_q;
-    T* dq = static_cast<T*>(g.dq) + (bh / p.heads) * g.dq_batch_stride + (bh % p.heads) * g.dq_head_stride +
-            i * g.dq_seq_stride;
-    dq[c] = course::from_acc<T>(dq_accum[(bh * rows_pad + i) * p.head_dim + c] * scale);
+  for (int64_t q = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; q < total;
+       q += static_cast<int64_t>(gridDim.x) * kThreads) {
+    const int64_t e = 4 * q;
+    const int64_t bh = e / (rows_pad * p.head_dim);
+    const int64_t m0 = e % (rows_pad * p.head_dim) / tile_floats * kBM;
+    const int in_tile = static_cast<int>(e % tile_floats);
+    const int chunk = in_tile / (kBM * 64);
+    const int f = in_tile % (kBM * 64);
+    const int ct = f / 4 % 128;
+    const int64_t row = m0 + 16 * (ct / 32) + ct % 32 / 4;
+    const int col = chunk * 64 + 8 * (f / 512) + 2 * (ct % 4);
+    const float4 v = *reinterpret_cast<const float4*>(dq_accum + e);
+    T* dq = static_cast<T*>(g.dq) + (bh / p.heads) * g.dq_batch_stride + (bh % p.heads) * g.dq_head_stride + col;
+    if (row < p.seqlen_q) {  // padded rows' sums are 0 and have nowhere to go
+      dq[row * g.dq_seq_stride] = course::from_acc<T>(v.x * scale);
+      dq[row * g.dq_seq_stride + 1] = course::from_acc<T>(v.y * scale);
+    }
+    if (row + 8 < p.seqlen_q) {
+      dq[(row + 8) * g.dq_seq_stride] = course::from_acc<T>(v.z * scale);
+      dq[(row + 8) * g.dq_seq_stride + 1] = course::from_acc<T>(v.w * scale);
+    }
   }
 }
 
@@ -128,8 +147,8 @@ cudaError_t launch(const AttentionBackwardParams& g, void* workspace, cudaStream
   COURSE_CUDA_TRY(course::with_listed<kHopperBackwardHeadDims>(p.head_dim, cudaErrorInvalidValue, [&](auto d) {
     return run_flash_bwd_hopper<T, decltype(d)::value>(g, dq_accum, lse2_rows, d_rows, stream);
   }));
-  const int64_t elements = p.batch * p.heads * p.seqlen_q * p.head_dim;
-  bwd_hopper_dq_kernel<T><<<static_cast<unsigned>(grid_stride_blocks(elements, kThreads * 4, sms)), kThreads, 0,
+  const int64_t float4s = rows * p.head_dim / 4;
+  bwd_hopper_dq_kernel<T><<<static_cast<unsigned>(grid_stride_blocks(float4s, kThreads * 4, sms)), kThreads, 0,
                             stream>>>(g, rows_pad, dq_accum);
   return cudaGetLastError();
 }

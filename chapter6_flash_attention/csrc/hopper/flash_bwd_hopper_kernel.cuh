@@ -3,11 +3,12 @@
 // P recomputed from the forward's lse, D = rowsum(dO * O) precomputed, dQ summed in float32 with
 // atomics); what changes is the forward's part 3 story told again:
 //
-//   - a block owns kBlockN = 128 keys of one kv head. A producer warpgroup (one thread issuing)
-//     brings the block's K and V once by TMA and then streams, per step (a 64-row query tile of
-//     one of the query heads that read this kv head), Q, dO, and the rows' lse (log2 units) and D
-//     through a two-stage ring on mbarriers: full barriers the copies complete on, empty ones the
-//     consumer threads arrive on when they are done with a stage;
+//   - a block owns kBlockN = 128 keys of one kv head. A producer warpgroup (one thread issuing
+//     the loads, one of another warp dQ's reductions: below) brings the block's K and V once by
+//     TMA and then streams, per step (a 64-row query tile of one of the query heads that read this
+//     kv head), Q, dO, and the rows' lse (log2 units) and D through a two-stage ring on mbarriers:
+//     full barriers the copies complete on, empty ones the consumer threads arrive on when they
+//     are done with a stage;
 //   - two consumer warpgroups own 64 keys each, keys as wgmma's m, so that the products whose
 //     rows are keys keep their A operand in registers (the C-to-A identity of the forward's P):
 //       S^T  = K_wg Q^T         ss: K and Q K-major                     m64 n64 (query rows)
@@ -24,8 +25,18 @@
 //     MN-major B. At d = 128 warpgroup w computes dQ's columns 64w..64w+63 over all 128 keys (both
 //     warpgroups' dS^T, so a barrier of the 256 consumer threads hands them over); at d = 64 each
 //     warpgroup computes all 64 columns over its own 64 keys (a barrier of its own 128 threads).
-//     Either way a thread ends a step with 32 floats of dQ, added to the float32 sums with float2
-//     atomics (RED.E.ADD.F32x2 on sm_90); flash_bwd_hopper_dispatch.cu scales and rounds them.
+//     Either way a thread ends a step with 32 floats of dQ;
+//   - the consumers do not add them into dQ's float32 sums themselves (float2 atomics from
+//     registers: 16 RED instructions a thread a step, each holding its registers until the load/
+//     store unit takes it, on the critical path between one step's dQ and the next step's S^T).
+//     Each thread stores its 32 floats into a shared-memory buffer (8 float4 stores, in the
+//     register order, so a warp's store is 512 contiguous bytes: no bank conflict), fences them
+//     into the async proxy and arrives on the buffer's full barrier; one thread of the producer
+//     warpgroup (warp 1) waits for it and hands the whole tile to the copy engine as one bulk
+//     reduction (cp.reduce.async.bulk ... add.f32) into the sums, which keep that register order
+//     (attention_backward_hopper_workspace's layout); once the engine has read the buffer it
+//     frees it on the buffer's empty barrier. Two buffers, so that step i + 1's stores never wait
+//     for step i's reduction. flash_bwd_hopper_dispatch.cu scales the sums, reorders and rounds.
 //
 // Rows past seqlen_q in the last query tile arrive as zero rows of Q and dO (TMA's zero-fill) with
 // lse2 = +inf and D = 0 (the dispatch's padded statistics), so their P, dS and dQ are exactly 0.
@@ -69,16 +80,23 @@ struct HopperBwdTraits {
   static constexpr int kStatBytes = kBlockM * 4;                // lse2 (or D) of one step
   static constexpr int kStageBytes = 2 * kRowTileBytes + 2 * kStatBytes;  // what one stage's barrier expects
   static constexpr int kDsBytes = kBlockN * kBlockM * 2;        // dS^T of one step, 16-bit
+  // dQ's partial of one warpgroup for one step: kBlockM rows x 64 columns of float32 (16 KiB), in
+  // the register order (kDqFloats / 128 floats a thread); one buffer holds both warpgroups'.
+  static constexpr int kDqFloats = kBlockM * 64;
+  static constexpr int kDqBuffers = 2;
+  static constexpr int kDqBytes = 2 * kDqFloats * 4;
   // K, V, two stages of Q and of dO, two buffers of dS^T (a warpgroup may write step i + 1's while
-  // the other still reads step i's), the statistics; + 1024 for the swizzle atoms' alignment:
-  // 162 KiB at d = 128, 98 KiB at d = 64.
-  static constexpr int kSmemBytes =
-      2 * kKVBytes + 2 * kStages * kRowTileBytes + 2 * kDsBytes + 2 * kStages * kStatBytes + 1024;
+  // the other still reads step i's), two of dQ's partials, the statistics; + 1024 for the swizzle
+  // atoms' alignment: 226 KiB at d = 128 (of the 227 a block may take), 162 KiB at d = 64.
+  static constexpr int kSmemBytes = 2 * kKVBytes + 2 * kStages * kRowTileBytes + 2 * kDsBytes +
+                                    kDqBuffers * kDqBytes + 2 * kStages * kStatBytes + 1024;
   // setmaxnreg as the forward's warp-specialized rungs: 128 x 24 + 256 x 240 = 64,512 registers.
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
   static_assert(kChunks == 1 || kChunks == 2, "dK and dV of 64 keys in registers: head_dim 64 or 128");
   static_assert(kBlockN == 128 && kBlockM == 64, "two warpgroups of 64 keys; one 64-column chunk of query rows");
-  static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an sm_90 block may take");
+  static_assert(kDqFloats == 8 * 4 * 128, "dQ's partial: 8 float4 stores of each of a warpgroup's 128 threads");
+  // The static barriers (under 128 bytes) come on top of this.
+  static_assert(kSmemBytes + 128 <= 227 * 1024, "more shared memory than an sm_90 block may take");
 };
 
 #if COURSE_HOPPER_DEVICE
@@ -142,9 +160,11 @@ __global__ void __launch_bounds__(K::kThreads, 1)
   unsigned char* q_s = v_s + K::kKVBytes;                    // [stage][chunk][kBlockM rows][64]
   unsigned char* do_s = q_s + kStages * K::kRowTileBytes;    // same
   unsigned char* ds_s = do_s + kStages * K::kRowTileBytes;   // [buffer][kBlockN keys][64 query rows]
-  float* lse_s = reinterpret_cast<float*>(ds_s + 2 * K::kDsBytes);  // [stage][kBlockM]
-  float* dd_s = lse_s + kStages * kBM;                               // [stage][kBlockM]
+  float* dq_s = reinterpret_cast<float*>(ds_s + 2 * K::kDsBytes);  // [buffer][warpgroup][kDqFloats]
+  float* lse_s = dq_s + K::kDqBuffers * 2 * K::kDqFloats;          // [stage][kBlockM]
+  float* dd_s = lse_s + kStages * kBM;                              // [stage][kBlockM]
   __shared__ uint64_t kv_full, full[kStages], empty[kStages];
+  __shared__ uint64_t dq_full[K::kDqBuffers], dq_empty[K::kDqBuffers];
 
   // The block's (key tile, batch, kv head), key tiles fastest: causal blocks with the most query
   // tiles (the first key tiles) are launched first, so the short ones fill the tail of the grid.
@@ -177,12 +197,18 @@ __global__ void __launch_bounds__(K::kThreads, 1)
       // next bulk copy into the stage (racecheck reported the per-warp form, __syncwarp or not).
       mbarrier_init(&empty[s], K::kConsumerThreads);
     }
+    for (int s = 0; s < K::kDqBuffers; ++s) {
+      // Every consumer thread arrives after its own stores and fence (each orders only its own
+      // writes before the copy engine's read); the writer arrives once the engine has read it.
+      mbarrier_init(&dq_full[s], K::kConsumerThreads);
+      mbarrier_init(&dq_empty[s], 1);
+    }
     fence_barrier_init();
   }
   __syncthreads();  // the barriers are initialised before anyone waits on them
 
   if (threadIdx.x < K::kProducerThreads) {
-    // The producer: one thread issues every copy; stage i % kStages is free for step i once the 256
+    // The producer: one thread issues every load; stage i % kStages is free for step i once the 256
     // consumer threads have arrived on its empty barrier for step i - kStages.
     setmaxnreg_dec<K::kProducerRegs>();
     if (threadIdx.x == 0 && steps > 0) {
@@ -213,6 +239,38 @@ __global__ void __launch_bounds__(K::kThreads, 1)
         bulk_load(lse_s + stage * kBM, lse2_rows + row, K::kStatBytes, &full[stage]);
         bulk_load(dd_s + stage * kBM, d_rows + row, K::kStatBytes, &full[stage]);
       }
+    } else if (threadIdx.x == 32 && steps > 0) {
+      // dQ's writer (warp 1, so that it never waits behind the copies above): step i's partials
+      // from buffer i % 2 into query tile m0 of head h of the sums. At d = 128 the two
+      // warpgroups' column chunks are adjacent there, one 32 KiB reduction; at d = 64 both hold
+      // the same 64 columns over their own keys, two reductions into the same 16 KiB.
+      // The destination walks the group's heads tile by tile (kept incrementally: this thread has
+      // 24 registers, and the divisions and 64-bit products of the loader's form spill there).
+      float* head_sums = dq_accum + ((b * p.heads + hk * group) * rows_pad + m_begin) * kD;
+      int tile_in_head = 0;
+      for (int64_t i = 0; i < steps; ++i) {
+        const int buf = static_cast<int>(i % K::kDqBuffers);
+        mbarrier_wait(&dq_full[buf], static_cast<uint32_t>((i / K::kDqBuffers) & 1));
+        float* dst = head_sums + tile_in_head * int64_t{kBM * kD};
+        if (++tile_in_head == tiles_per_head) {
+          tile_in_head = 0;
+          head_sums += rows_pad * kD;
+        }
+        const float* src = dq_s + buf * 2 * K::kDqFloats;
+        if constexpr (K::kDqSplitColumns) {
+          bulk_reduce_add_f32(dst, src, 2 * K::kDqFloats * 4);
+        } else {
+          bulk_reduce_add_f32(dst, src, K::kDqFloats * 4);
+          bulk_reduce_add_f32(dst, src + K::kDqFloats, K::kDqFloats * 4);
+        }
+        bulk_commit_group();
+        // The engine has read the buffer (the adds into L2 may still be under way): the consumers
+        // may write it again, for step i + 2.
+        bulk_wait_group_read<0>();
+        mbarrier_arrive(&dq_empty[buf]);
+      }
+      // The last reductions complete before the block retires.
+      bulk_wait_group<0>();
     }
     return;
   }
@@ -244,8 +302,7 @@ __global__ void __launch_bounds__(K::kThreads, 1)
   auto step = [&](auto mask_tag, int64_t i) {
     const int stage = static_cast<int>(i % kStages);
     const uint32_t parity = static_cast<uint32_t>((i / kStages) & 1);
-    const int64_t h = hk * group + i / tiles_per_head;
-    const int64_t m0 = m_begin + i % tiles_per_head * kBM;
+    const int64_t m0 = m_begin + i % tiles_per_head * kBM;  // (its head matters only to the writer)
     const unsigned char* q_t = q_s + stage * K::kRowTileBytes;
     const unsigned char* do_t = do_s + stage * K::kRowTileBytes;
     unsigned char* ds_t = ds_s + (i & 1) * K::kDsBytes;
@@ -381,22 +438,30 @@ __global__ void __launch_bounds__(K::kThreads, 1)
     fence_operands(dq);
     fence_operands(pf);   // P^T's and dS^T's registers stayed live until dV and dK read them
     fence_operands(dsf);
-    // Every product that read this stage (S^T, dP^T, dV, dK) has completed: one arrive per warp
-    // frees it for step i + kStages. (dS^T's buffer is freed by the next step's barrier instead:
-    // a warpgroup writes buffer i % 2 again only after both passed step i + 1's barrier, which
-    // each reaches after its step-i dQ has completed.)
+    // Every product that read this stage (S^T, dP^T, dV, dK) has completed: every consumer
+    // thread's arrive frees it for step i + kStages. (dS^T's buffer is freed by the next step's
+    // barrier instead: a warpgroup writes buffer i % 2 again only after both passed step i + 1's
+    // barrier, which each reaches after its step-i dQ has completed.)
     mbarrier_arrive(&empty[stage]);
 
-    // dQ's float32 sums: register j is row 16 warp + lane / 4 + 8 ((j >> 1) & 1) of the tile,
-    // column 8 (j >> 2) + 2t (+1) of the chunk; padded rows need no guard (their dS is 0 and their
-    // sums are never read).
-    float* dq_tile = dq_accum + ((b * p.heads + h) * rows_pad + m0) * kD + dq_chunk * 64;
-#pragma unroll
-    for (int j = 0; j < kSRegs; j += 2) {
-      const int r = warp * 16 + lane / 4 + 8 * ((j >> 1) & 1);
-      const int c = 8 * (j >> 2) + 2 * t;
-      atomicAdd(reinterpret_cast<float2*>(dq_tile + r * kD + c), make_float2(dq[j], dq[j + 1]));
+    // dQ's partial to the writer, through buffer i % 2 once the copy engine has read what step
+    // i - 2 left there (the writer's arrive; at steady state long done). Thread ct's float4 g is
+    // its registers 4g..4g+3 at float 512 g + 4 (ct % 128): register j is row 16 warp + lane / 4
+    // + 8 ((j >> 1) & 1) of the tile, column 8 (j >> 2) + 2t + (j & 1) of the chunk. Padded rows
+    // need no guard (their dS is 0 and their sums are never read).
+    const int buf = static_cast<int>(i % K::kDqBuffers);
+    if (i >= K::kDqBuffers) {
+      mbarrier_wait(&dq_empty[buf], static_cast<uint32_t>((i / K::kDqBuffers - 1) & 1));
     }
+    float* dq_t = dq_s + (buf * 2 + wg) * K::kDqFloats + (ct % 128) * 4;
+#pragma unroll
+    for (int g4 = 0; g4 < kSRegs / 4; ++g4) {
+      *reinterpret_cast<float4*>(dq_t + g4 * 512) =
+          make_float4(dq[4 * g4], dq[4 * g4 + 1], dq[4 * g4 + 2], dq[4 * g4 + 3]);
+    }
+    // Ordinary stores that the copy engine reads next: each thread fences its own before arriving.
+    fence_proxy_async_shared();
+    mbarrier_arrive(&dq_full[buf]);
   };
 
   if (steps > 0) {

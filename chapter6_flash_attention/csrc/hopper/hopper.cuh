@@ -114,8 +114,32 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
                "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(smem_addr(bar))
                : "memory");
 }
+// The other direction, as a reduction: the copy engine reads `bytes` contiguous bytes of shared
+// memory and adds them as floats into global memory (atomically per element, like RED.ADD), so
+// several blocks may sum into the same place. Both addresses 16-byte aligned, `bytes` a multiple
+// of 16. It completes in a bulk group of the issuing thread (commit, then wait below), not on an
+// mbarrier; the shared source must not be written again before the group's reads are done.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const float* src, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(
+                   reinterpret_cast<uint64_t>(dst)),
+               "r"(smem_addr(src)), "r"(bytes)
+               : "memory");
+}
+// Closes the issuing thread's bulk operations since the last commit into one group.
+__device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// Waits until at most kPending of the thread's groups still read their shared source (the buffer
+// may be written again), or, without .read, until at most kPending are complete in global memory.
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_group_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPending) : "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_group() {
+  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(kPending) : "memory");
+}
 // Shared memory written by ordinary stores and read next by wgmma (the async proxy): each writing
-// thread fences its stores into the async proxy's view before the barrier that hands them over.
+// thread fences its stores into the async proxy's view before the barrier that hands them over
+// (the same for shared memory that a bulk copy or reduction reads next).
 __device__ __forceinline__ void fence_proxy_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
