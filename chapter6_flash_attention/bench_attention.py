@@ -64,7 +64,7 @@ them alone leaves the main results as they were.
     python bench_attention.py           full run on a GPU
     python bench_attention.py --quick   small sizes: CPU machines (the CPU reference, variant
                                         "cpu", against SDPA on the CPU), GPU smoke runs
-    python bench_attention.py --fp8-only   the FP8 rows alone (below), into their own file
+    python bench_attention.py --ops attention_fp8   the FP8 rows and their accuracy alone (below)
     python bench_attention.py --ops attention_varlen   the packed rows alone (a GPU)
     python bench_attention.py --ops attention_window attention_softcap   the masked rows (below)
 
@@ -80,16 +80,21 @@ results/<device-slug>/chapter6_flash_attention_window.json and ..._softcap.json,
 be run again alone. On the CPU they run at small sizes with the C++ reference (variant cpu); there
 flex_attention has a forward only.
 
-FP8 rows (op attention_fp8, Hopper with the sm_90a kernels only): attention_fp8 on e4m3 inputs
-(quantized outside the timed call; a second row, call "quantize_fp8 + attention_fp8", times the
-three quantizations with it) beside the bfloat16 rung "pingpong" and sdpa_cudnn on the same
-shapes: b2 h16 s8192 d128 full and causal, b8 h16 s2048 d64 causal. FLOPs are the forward's
-count whatever the dtype, so TFLOP/s compare times; pct_of_mm is against the bf16 matmul ceiling
-(FP8's tensor-core rate is twice it on Hopper: 100% of it is half of what FP8 can reach), and
-speedup_vs_torch against sdpa_cudnn.
+FP8 rows (Hopper with the sm_90a kernels only): attention_fp8 on e4m3 inputs, op attention, dtype
+float8_e4m3fn, variant default (the one FP8 forward), at three shapes of the sweep -- b2 h16 s8192
+d128 full and causal, b8 h32 s2048 d64 causal -- beside the bf16 rows of the same shapes; inputs
+quantized outside the timed call, and a second row (call "quantize_fp8 + attention_fp8") with the
+three quantizations inside it. FLOPs are the forward's count whatever the dtype, so TFLOP/s compare
+times; pct_of_mm is against the bf16 matmul ceiling (FP8's tensor-core rate is twice it on Hopper:
+100% of it is half of what FP8 can reach), and speedup_vs_torch against sdpa_cudnn in bf16.
+Accuracy rows (op attention_rmse, on the CPU too): FlashAttention 3's experiment, q, k, v ~ N(0, 1)
+plus a rare N(0, 100) term (FP8_OUTLIERS), the RMSE of the output against float64 for
+attention_fp8 with per-tensor scales, without and with rotate_qk, and for the bf16 forward.
 
-Writes results/<device-slug>/chapter6_flash_attention.json and the plots beside it
-(--fp8-only: chapter6_flash_attention_fp8.json, no plots).
+Writes results/<device-slug>/chapter6_flash_attention.json and the plots beside it.
+`--ops attention_fp8` writes the FP8 rows, sdpa_cudnn and pingpong in bf16 timed beside them, and
+the accuracy rows to results/<device-slug>/chapter6_flash_attention_fp8.json instead, leaving the
+main results as they were.
 """
 import math
 import re
@@ -108,6 +113,7 @@ from coursekit import bench, plots, results  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import flash_attention  # noqa: E402
+from lesson_facts import FP8_DTYPE, fp8_rows_beside  # noqa: E402  (the lesson's grouping, once)
 
 CHAPTER = "chapter6_flash_attention"
 # What speedup_vs_torch divides by: the strongest SDPA backend, cuDNN's on a GPU (on Hopper its
@@ -364,10 +370,11 @@ def bench_split_kv(device, ceilings, notes):
 
 
 # ---------------------------------------------------------------------------------------------
-# FP8: attention_fp8 beside the bfloat16 pingpong rung and cuDNN
+# FP8: attention_fp8 beside the bfloat16 forward, and its error with outliers
 # ---------------------------------------------------------------------------------------------
-FP8_SHAPES = [  # (batch, heads, seqlen, head_dim, causal)
-    (2, 16, 8192, 128, False), (2, 16, 8192, 128, True), (8, 16, 2048, 64, True)]
+# (batch, heads, seqlen, head_dim, causal): shapes of the GPU sweep (configs()), so that each FP8 row
+# sits beside the bf16 rows of its shape.
+FP8_SHAPES = [(2, 16, 8192, 128, False), (2, 16, 8192, 128, True), (8, 32, 2048, 64, True)]
 
 
 def fp8_runnable(device):
@@ -379,13 +386,25 @@ def fp8_runnable(device):
     return None
 
 
-def bench_fp8(device, mm, notes):
+def fp8_fields(b, h, n, d, causal):
+    """What an FP8 row shares with the bf16 sweep rows of its shape (op attention, variant default:
+    attention_fp8 is the chapter's one FP8 forward, so there is no rung to choose)."""
+    return {"pass": "forward", "causal": causal, "head_dim": d, "seqlen": n, "batch": b, "heads": h}
+
+
+def bench_fp8(device, mm, notes, beside=None):
+    """The FP8 forward's rows: op attention, dtype float8_e4m3fn, variant default, on e4m3 inputs
+    quantized outside the timed call, and (call "quantize_fp8 + attention_fp8") with the three
+    quantizations inside it. `beside`: the rows already measured in this run (the sweep), whose
+    sdpa_cudnn row of the shape is speedup_vs_torch's baseline; None (`--ops attention_fp8`, no
+    sweep) times sdpa_cudnn and pingpong in bf16 here, right before the FP8 rows of each shape."""
     why = fp8_runnable(device)
     if why:
         notes.skip("attention_fp8", why, device)
         return []
     rows = []
     for b, h, n, d, causal in FP8_SHAPES:
+        fields = fp8_fields(b, h, n, d, causal)
         q, k, v, _ = make_inputs(b, h, n, d, torch.bfloat16, device)
         q8, dq = flash_attention.quantize_fp8(q)
         k8, dk = flash_attention.quantize_fp8(k)
@@ -397,54 +416,131 @@ def bench_fp8(device, mm, notes):
             v8t_, dv_ = flash_attention.quantize_fp8(v, transpose=True)
             return flash_attention.attention_fp8(q8_, k8_, v8t_, dq_, dk_, dv_, causal=causal)
         calls = [  # (variant, dtype of its inputs, fields, call)
-            ("sdpa_cudnn", torch.bfloat16, {}, lambda: sdpa_call(SDPBackend.CUDNN_ATTENTION, causal)(q, k, v)),
-            ("pingpong", torch.bfloat16, {},
-             lambda: flash_attention.attention(q, k, v, causal=causal, version="pingpong")),
-            ("attention_fp8", torch.float8_e4m3fn, {},
+            ("default", torch.float8_e4m3fn, {},
              lambda: flash_attention.attention_fp8(q8, k8, v8t, dq, dk, dv, causal=causal)),
-            ("attention_fp8", torch.float8_e4m3fn, {"call": "quantize_fp8 + attention_fp8"}, quantized_call),
+            ("default", torch.float8_e4m3fn, {"call": "quantize_fp8 + attention_fp8"}, quantized_call),
         ]
+        t_base = None
+        if beside is None:
+            calls[:0] = [
+                ("sdpa_cudnn", torch.bfloat16, {}, lambda: sdpa_call(SDPBackend.CUDNN_ATTENTION, causal)(q, k, v)),
+                ("pingpong", torch.bfloat16, {},
+                 lambda: flash_attention.attention(q, k, v, causal=causal, version="pingpong"))]
+        else:
+            base = [r for r in beside if r["op"] == "attention" and r["variant"] == "sdpa_cudnn"
+                    and r["dtype"] == "bfloat16" and not r.get("call")
+                    and all(r.get(f) == x for f, x in fields.items())]
+            t_base = base[0]["median_ms"] if base else None
         flops = attention_flops(b, h, n, n, d, causal)
         where = f"fp8 b{b} h{h} s{n} d{d} {'causal' if causal else 'full'}"
-        t_base = None
         for variant, dtype, more, fn in calls:
             t = bench.probe_and_time(notes, variant, where, device, fn)
             if not t:
                 continue
             if variant == "sdpa_cudnn":
                 t_base = t["median_ms"]
-            rows.append(bench.flops_row("attention_fp8", variant, dtype, [b, h, n, d], flops, t, mm, t_base,
-                                        **{"pass": "forward", "causal": causal, "head_dim": d, "seqlen": n,
-                                           "batch": b, "heads": h, **more}))
+            rows.append(bench.flops_row("attention", variant, dtype, [b, h, n, d], flops, t, mm, t_base,
+                                        **fields, **more))
         del q, k, v, q8, k8, v8t
         torch.cuda.empty_cache()
     return rows
 
 
+# The accuracy with outliers, FlashAttention 3's experiment (arXiv 2407.08608, its Table 3): each
+# entry of q, k and v is N(0, 1) plus, with probability 0.001, an independent N(0, 100) term (std
+# 10). Rare large entries are what a per-tensor scale handles worst: max|x| (~50 here, ~5 without
+# them) sets the scale, so every ordinary entry keeps fewer of e4m3's levels. The paper's RMSEs
+# against float64 (H100): FP8 with per-tensor scales 2.4e-2; with block scales and the Hadamard
+# rotation 9.1e-3; the rotation alone 9.3e-3. This chapter's op takes per-tensor scales only, so the
+# rotation is the part it shows.
+FP8_OUTLIERS = {"fraction": 0.001, "std": 10.0}
+
+
+def fp8_accuracy_config(device):
+    if device == "cuda":
+        return {"batch": 1, "heads": 16, "seqlen": 4096, "head_dim": 128, "causal": False, "dtype": "bfloat16"}
+    # The CPU: the references (float64 of the dequantized inputs for attention_fp8), in seconds.
+    return {"batch": 1, "heads": 2, "seqlen": 128, "head_dim": 64, "causal": False, "dtype": "float32"}
+
+
+def outlier_inputs(shape, device, seed, fraction=FP8_OUTLIERS["fraction"], std=FP8_OUTLIERS["std"]):
+    """q, k, v (float32): N(0, 1) entries, each with an N(0, std^2) term added with probability
+    `fraction`."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    out = []
+    for _ in range(3):
+        x = torch.randn(shape, generator=g, device=device)
+        hit = torch.rand(shape, generator=g, device=device) < fraction
+        out.append(x + hit * std * torch.randn(shape, generator=g, device=device))
+    return tuple(out)
+
+
+def rmse(x, ref):
+    """sqrt(mean((x - ref)^2)) over every element, in float64."""
+    return (x.double() - ref).square().mean().sqrt().item()
+
+
+def fp8_forward(q, k, v, causal, rotate):
+    """attention_fp8 on q, k, v quantized per tensor, after rotate_qk when `rotate` (which leaves
+    every score as it was, so the reference is the same)."""
+    if rotate:
+        q, k = flash_attention.rotate_qk(q, k)
+    q8, dq = flash_attention.quantize_fp8(q)
+    k8, dk = flash_attention.quantize_fp8(k)
+    v8t, dv = flash_attention.quantize_fp8(v, transpose=True)
+    return flash_attention.attention_fp8(q8, k8, v8t, dq, dk, dv, causal=causal)
+
+
+def bench_fp8_accuracy(device, a, notes):
+    """op attention_rmse: the RMSE of the forward's output against the float64 attention of the
+    float32 inputs (outlier_inputs), for attention_fp8 (per-tensor descale) without and with
+    rotate_qk, and for the 16-bit forward (a["dtype"]: bfloat16 on a GPU; float32 on the CPU, whose
+    reference refuses 16-bit) on the same inputs rounded to it. Variant default on CUDA, cpu on the
+    CPU, where the FP8 rows are the op's definition (the float64 attention of the dequantized
+    inputs): the error of quantizing the inputs alone, with P kept exact."""
+    b, h, n, d, causal = a["batch"], a["heads"], a["seqlen"], a["head_dim"], a["causal"]
+    why = fp8_runnable(device) if device == "cuda" else None
+    if why:
+        notes.skip("attention_rmse", why, device)
+        return []
+    q, k, v = outlier_inputs((b, h, n, d), device, seed=2)
+    ref = reference64(q, k, v, causal)[0].detach()
+    variant = "default" if device == "cuda" else "cpu"
+    where = f"rmse b{b} h{h} s{n} d{d}"
+    half = getattr(torch, a["dtype"])
+    calls = [(FP8_DTYPE, {"rotate": False, "descale": "per_tensor"}, lambda: fp8_forward(q, k, v, causal, False)),
+             (FP8_DTYPE, {"rotate": True, "descale": "per_tensor"}, lambda: fp8_forward(q, k, v, causal, True)),
+             (a["dtype"], {}, lambda: flash_attention.attention(q.to(half), k.to(half), v.to(half), causal=causal))]
+    inputs = f"N(0,1) + N(0,{FP8_OUTLIERS['std'] ** 2:g}) x Bernoulli({FP8_OUTLIERS['fraction']:g})"
+    rows = []
+    for dtype, more, fn in calls:
+        out = bench.attempt(notes, variant, f"{where} {dtype}", fn)
+        if out is None:
+            continue
+        rows.append({"op": "attention_rmse", "variant": variant, "pass": "forward", "dtype": dtype,
+                     "shape": [b, h, n, d], "batch": b, "heads": h, "seqlen": n, "head_dim": d, "causal": causal,
+                     "inputs": inputs, **more, "rmse": rmse(out, ref), "max_abs_err": max_abs_err(out, ref)})
+    del q, k, v, ref
+    return rows
+
+
 def print_fp8_table(record):
-    fp8 = results.rows(record, op="attention_fp8")
-    if not fp8:
-        return
-    print("\nFP8 forward: TFLOP/s (x sdpa_cudnn = its time / the row's)")
-    for key in dict.fromkeys((r["batch"], r["heads"], r["seqlen"], r["head_dim"], r["causal"]) for r in fp8):
-        b, h, n, d, causal = key
-        got = [r for r in fp8 if (r["batch"], r["heads"], r["seqlen"], r["head_dim"], r["causal"]) == key]
-        cells = "  ".join(f"{results.column(r)} {r['TFLOPs']:.0f} (x{r.get('speedup_vs_torch', float('nan')):.2f})"
-                          for r in got)
-        print(f"  b{b} h{h} s{n} d{d} {'causal' if causal else 'full':<6}  {cells}")
-
-
-def fp8_only(device, ceilings, notes, started):
-    """--fp8-only: the FP8 rows and the ceiling they are measured against, in their own results file."""
-    rows = bench_fp8(device, ceilings["mm_TFLOPs"], notes)
-    extra = {"headline_op": "attention_fp8", "baseline": "sdpa_cudnn", "skipped": notes.skipped,
-             "extension": flash_attention.EXTENSION, "wall_s": time.perf_counter() - started}
-
-    def table(record):
-        for note in record.get("skipped", []):
-            print(f"skipped {note['variant']} (first at {note['first_at']}): {note['reason'][:160]}")
-        print_fp8_table(record)
-    results.publish(f"{CHAPTER}_fp8", rows, ceilings, extra, lambda record, out_dir: [], table)
+    shapes = fp8_rows_beside(record)
+    if shapes:
+        print("\nFP8 forward (e4m3 in, bf16 out): TFLOP/s beside bf16 sdpa_cudnn and pingpong "
+              "(x pingpong = its time / the FP8 row's)")
+        for (b, h, n, d, causal), got in shapes.items():
+            pp = got.get("pingpong")
+            cells = "  ".join(f"{name} {r['TFLOPs']:.0f}" + (f" (x{pp['median_ms'] / r['median_ms']:.2f})"
+                                                            if pp and r["dtype"] == FP8_DTYPE else "")
+                              for name, r in got.items())
+            print(f"  b{b} h{h} s{n} d{d} {'causal' if causal else 'full':<6}  {cells}")
+    acc = results.rows(record, op="attention_rmse")
+    if acc:
+        print(f"\nRMSE vs float64, {shape_text(acc[0]['shape'])}, inputs {acc[0]['inputs']}")
+        for r in acc:
+            how = f"rotate_qk={r['rotate']}" if "rotate" in r else ""
+            print(f"  {r['variant']:<8}{r['dtype']:<15}{how:<17}{r['rmse']:>10.2e}  (max abs {r['max_abs_err']:.2e})")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1132,6 +1228,12 @@ SECTIONS = {
                          lambda device: {"sizes": {"window": masked_config("attention_window", device)},
                                          "baseline": "flex_attention"},
                          lambda record: print_masked_table(record)),
+    "attention_fp8": (lambda device, mm, notes: bench_fp8(device, mm, notes)
+                      + bench_fp8_accuracy(device, fp8_accuracy_config(device), notes), "_fp8",
+                      lambda device: {"sizes": {"fp8": FP8_SHAPES, "fp8_accuracy": fp8_accuracy_config(device),
+                                                "fp8_outliers": FP8_OUTLIERS},
+                                      "baseline": speed_baseline(device)},
+                      lambda record: print_fp8_table(record)),
     "attention_softcap": (lambda device, mm, notes: bench_masked("attention_softcap", device, mm, notes),
                           "_softcap",
                           lambda device: {"sizes": {"softcap": masked_config("attention_softcap", device)},
@@ -1145,7 +1247,8 @@ def main_ops():
     parser = bench.arguments(__doc__)
     parser.add_argument("--ops", nargs="+", choices=list(SECTIONS), required=True,
                         help="run only these ops' rows (attention_varlen: the packed layout; attention_window, "
-                             "attention_softcap: the masked instantiations against flex_attention)")
+                             "attention_softcap: the masked instantiations against flex_attention; attention_fp8: "
+                             "the FP8 forward beside bf16, and its accuracy with outliers)")
     args = parser.parse_args()
     device = bench.setup(args)
     ceilings = bench.copy_ceiling(device, n=2**28 if device == "cuda" else 2**20)
@@ -1179,7 +1282,6 @@ def main():
     if "--ops" in sys.argv:  # a section alone (its own flags and results file)
         return main_ops()
     parser = bench.arguments(__doc__)
-    parser.add_argument("--fp8-only", action="store_true", help="the FP8 rows alone, into their own results file")
     args = parser.parse_args()
     device, quick = bench.setup(args), args.quick
     s = sizes_for(device, quick)
@@ -1192,15 +1294,14 @@ def main():
     ceilings.update(bench.matmul_ceiling(device, n=8192 if full else 4096 if device == "cuda" else 256,
                                          dtype=mm_dtype))
     notes = bench.Notes()
-    if args.fp8_only:
-        return fp8_only(device, ceilings, notes, started)
     tensor_MiB = s["tokens"] * s["hidden"] * torch.empty((), dtype=getattr(torch, s["dtypes"][0])).element_size() / 2**20
     # Part 3's experiments first: they compile for a minute, and a failure shows before the sweep.
     rows = bench.attempt(notes, "hopper experiments", "experiments/", lambda: bench_hopper_experiments(
         device if not quick else "quick", ceilings["mm_TFLOPs"], notes)) or []
     rows += bench_timing(device, ceilings["mm_TFLOPs"], s, notes)
     rows += bench_split_kv(device if not quick else "quick", ceilings, notes)
-    rows += bench_fp8(device if not quick else "quick", ceilings["mm_TFLOPs"], notes)
+    rows += bench_fp8(device if not quick else "quick", ceilings["mm_TFLOPs"], notes, beside=rows)
+    rows += bench_fp8_accuracy(device, fp8_accuracy_config(device), notes)
     rows += bench_memory(device, s["memory"], notes)
     if device != "cuda":
         notes.skip("attention_memory", "memory rows need CUDA (torch.cuda.max_memory_allocated)", "cpu")

@@ -28,7 +28,8 @@ Two questions the benchmark's TFLOP/s cannot answer:
 
 The workload, bfloat16, batch 4, 16 heads, seqlen 2048: the forward of every rung of
 flash_attention.VERSIONS["attention_forward"] and of sdpa_flash and sdpa_cudnn (SDPA pinned to
-one backend; a backend that refuses is skipped and the reason recorded), at head_dim 64 and 128,
+one backend; a backend that refuses is skipped and the reason recorded) and of the FP8 forward
+(attention_fp8 on the same inputs quantized to e4m3 beforehand; Hopper only), at head_dim 64 and 128,
 not causal; the causal forward of "tuned" and sdpa_flash at head_dim 128; the backward of
 every rung of VERSIONS["attention_backward"] (the op alone, from the default forward's out and
 lse) and of sdpa_flash (torch.autograd.grad through F.scaled_dot_product_attention, its forward
@@ -69,6 +70,10 @@ SDPA_FORWARD = ("sdpa_flash", "sdpa_cudnn")
 SDPA_BACKWARD = ("sdpa_flash",)
 CAUSAL_HEAD_DIM = 128
 CAUSAL_FORWARD = ("tuned", "pingpong", "sdpa_flash", "sdpa_cudnn")
+# The FP8 forward (Hopper only; elsewhere its call refuses and is skipped with the reason), beside
+# the rungs at each head dim: its inputs quantized before the profiled range, its row's dtype e4m3.
+FP8_FORWARD = "attention_fp8"
+FP8_DTYPE = "float8_e4m3fn"
 
 # ncu metric name -> the short name a row carries.
 METRICS = {
@@ -150,7 +155,7 @@ NOT_A_WAIT = {"stall_not_selected"}
 def runs(forward_versions, backward_versions):
     """Every call the workload makes, in order: {"pass", "variant", "head_dim", "causal"}."""
     out = [{"pass": "forward", "variant": v, "head_dim": d, "causal": False}
-           for d in HEAD_DIMS for v in (*forward_versions, *SDPA_FORWARD)]
+           for d in HEAD_DIMS for v in (*forward_versions, *SDPA_FORWARD, FP8_FORWARD)]
     out += [{"pass": "forward", "variant": v, "head_dim": CAUSAL_HEAD_DIM, "causal": True}
             for v in CAUSAL_FORWARD]
     out += [{"pass": "backward", "variant": v, "head_dim": d, "causal": False}
@@ -212,7 +217,8 @@ def summarize_call(run, kernels, flops):
     warps_per_block = -(-int(main["block"]) // 32) if main.get("block") else None
     # ncu's own shared-load requests (its SharedMemoryConflicts rule): shared loads + ldmatrix.
     ld_requests = (main.get("smem_ld_instructions") or 0) + (main.get("ldsm_instructions") or 0)
-    row = {"op": "attention", "variant": run["variant"], "pass": run["pass"], "dtype": DTYPE,
+    row = {"op": "attention", "variant": run["variant"], "pass": run["pass"],
+           "dtype": FP8_DTYPE if run["variant"] == FP8_FORWARD else DTYPE,
            "shape": [BATCH, HEADS, SEQLEN, run["head_dim"]], "batch": BATCH, "heads": HEADS,
            "seqlen": SEQLEN, "head_dim": run["head_dim"], "causal": run["causal"], "label": label(run)}
     row.update({f: v for f, v in main.items() if f not in ("id", "kernel")})
@@ -239,7 +245,8 @@ def _fmt(value, spec, width=0):
 def format_table(rows):
     """The per-rung table the lesson quotes, one line per call."""
     lines = [f"{'pass':<9}{'variant':<12}{'d':>4} {'causal':<7}{'kern':>4}{'ms':>8}{'TFLOP/s':>8}"
-             f"{'regs':>5}{'smemKiB':>8}  {'blk/SM bound':<18}{'occ%':>5}{'tc%':>5}{'confl ld/st':>14}  top stall"]
+             f"{'regs':>5}{'smemKiB':>8}  {'blk/SM bound':<18}{'occ%':>5}{'tc%':>5}{'confl ld/st':>14}  top stall"
+             "  gmma% xu%"]
     for r in rows:
         bound = "-" if r.get("blocks_per_sm") is None else f"{r['blocks_per_sm']:.0f} {r['occupancy_bound_by']}"
         conflicts = f"{_fmt(r.get('smem_ld_bank_conflicts'), '.3g')}/{_fmt(r.get('smem_st_bank_conflicts'), '.3g')}"
@@ -248,7 +255,9 @@ def format_table(rows):
                      f"{r['launches']:>4}{_fmt(r['duration_ns'] / 1e6, '.3f', 8)}{_fmt(r['TFLOPs_under_ncu'], '.1f', 8)}"
                      f"{_fmt(r.get('registers'), '.0f', 5)}{_fmt(r.get('smem_per_block_KiB'), '.1f', 8)}  "
                      f"{bound[:17]:<18}{_fmt(r.get('achieved_occupancy_pct'), '.0f', 5)}"
-                     f"{_fmt(r.get('tensor_pipe_pct'), '.0f', 5)}{conflicts:>14}  {stall}")
+                     f"{_fmt(r.get('tensor_pipe_pct'), '.0f', 5)}{conflicts:>14}  {stall}"
+                     # last, after the stall: hopper_profile (lesson_facts) reads the columns before by place
+                     f"  {_fmt(r.get('tensor_gmma_pipe_pct'), '.0f')} {_fmt(r.get('xu_pipe_pct'), '.0f')}")
     return "\n".join(lines)
 
 
@@ -264,6 +273,11 @@ def make_call(run, tensors, scale):
     q, k, v, dy = tensors
     variant, causal = run["variant"], run["causal"]
     sdpa = sdpa_call(SDPA_BACKENDS[variant], causal) if variant.startswith("sdpa_") else None
+    if variant == FP8_FORWARD:
+        q8, dq = flash_attention.quantize_fp8(q)
+        k8, dk = flash_attention.quantize_fp8(k)
+        v8t, dv = flash_attention.quantize_fp8(v, transpose=True)
+        return lambda: flash_attention.attention_fp8(q8, k8, v8t, dq, dk, dv, causal=causal, scale=scale)
     if run["pass"] == "forward":
         if sdpa is not None:
             return lambda: sdpa(q, k, v)

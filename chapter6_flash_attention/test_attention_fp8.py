@@ -342,6 +342,30 @@ def test_cuda_fp8_forward(causal, head_dim):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("loud_tile", ("first", "last"))
+def test_cuda_fp8_rescale_skip(loud_tile):
+    """The kernel skips O's rescale for a warp none of whose rows has a new maximum. Keys whose
+    scores dwarf the rest in the first key tile make every later tile skip it; in the last tile, every
+    row's maximum moves there, after tiles that skipped, and O must be rescaled by the whole jump.
+    Either way every element is within fp8_reference's bound."""
+    skip_unless_fp8()
+    for head_dim in (64, 128):
+        q = torch.randn(1, 2, 300, head_dim) * 3
+        k = torch.randn(1, 2, 1000, head_dim)
+        v = torch.randn(1, 2, 1000, head_dim) * 2 + 0.5
+        loud = slice(0, 128) if loud_tile == "first" else slice(-(1000 % 128), None)
+        k[:, :, loud] *= 4
+        q8, dq = flash_attention.quantize_fp8(q.cuda())
+        k8, dk = flash_attention.quantize_fp8(k.cuda())
+        v8t, dv = flash_attention.quantize_fp8(v.cuda(), transpose=True)
+        ref, _, tol, _ = fp8_reference(q8, k8, v8t, dq, dk, dv, 1 / math.sqrt(head_dim), False)
+        out = flash_attention.attention_fp8(q8, k8, v8t, dq, dk, dv)
+        ratio = (out.cpu().double() - ref).abs() / tol
+        assert not ratio.isnan().any() and ratio.max() <= 1, (
+            f"d{head_dim} loud {loud_tile} tile: max error / bound {ratio.max():.3g} at {worst_place(ratio)}")
+
+
+@pytest.mark.cuda
 def test_cuda_fp8_views_and_repeat():
     """q read in place from a (b, s, h, d) projection, V^T with rows that are not 16-byte multiples
     (copied into padded rows first): the same bits as quantize_fp8's own layouts; and a second call

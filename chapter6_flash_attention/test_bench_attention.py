@@ -157,7 +157,8 @@ def test_recorded_results_hold_the_dispatch():
     rungs = {v for op in ("attention_forward", "attention_backward") for v in flash_attention.VERSIONS[op]}
     groups = {}
     for r in record["benchmarks"]:
-        if r["op"] in ("attention", "attention_split_kv") and not r.get("call"):
+        # The FP8 rows (dtype float8_e4m3fn) have no rungs: attention_fp8 is one kernel, no dispatch.
+        if r["op"] in ("attention", "attention_split_kv") and not r.get("call") and r["dtype"] != B.FP8_DTYPE:
             groups.setdefault(results.measurement_key(r), {})[r["variant"]] = r
     problems, changed, checked = [], [], 0
     for rows in groups.values():
@@ -289,7 +290,8 @@ def test_masked_sections_are_the_lessons():
         assert set(rungs) <= set(flash_attention.VERSIONS[f"attention_{pass_}"]), pass_
     # each section its own results file, and `--ops` offers every section
     assert {op: B.SECTIONS[op][1] for op in B.SECTIONS} == {
-        "attention_varlen": "_varlen", "attention_window": "_window", "attention_softcap": "_softcap"}
+        "attention_varlen": "_varlen", "attention_window": "_window", "attention_softcap": "_softcap",
+        "attention_fp8": "_fp8"}
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -374,3 +376,91 @@ def test_recorded_masked_results_hold_the_dispatch():
     if not checked:
         pytest.skip("no recorded masked rows yet: run `python bench_attention.py --ops attention_window` and "
                     "`--ops attention_softcap` on a GPU")
+
+
+# ---------------------------------------------------------------------------------------------
+# The FP8 rows: shapes of the sweep, and the accuracy with outliers
+# ---------------------------------------------------------------------------------------------
+def test_fp8_shapes_are_sweep_shapes():
+    """Each FP8 row has bf16 rows of its shape in the main results: its shape is one of the GPU
+    sweep's (configs()), forward."""
+    s = B.sizes_for("cuda", quick=False)
+    sweep = {(c["batch"], c["heads"], c["seqlen"], c["head_dim"], c["causal"]) for c in B.configs(s)}
+    assert set(B.FP8_SHAPES) <= sweep
+
+
+def test_outlier_inputs_are_the_papers():
+    """N(0, 1) with an N(0, 100) term added to a 0.1% of the entries: the entries the term hit are
+    the ones that differ from the same generator's draws without it (fraction 0)."""
+    shape = (4, 8, 256, 64)
+    plain = B.outlier_inputs(shape, "cpu", seed=5, fraction=0.0)
+    with_outliers = B.outlier_inputs(shape, "cpu", seed=5)
+    for x0, x in zip(plain, with_outliers):
+        hit = x != x0
+        assert x0.std().item() == pytest.approx(1.0, rel=0.02)
+        n = x.numel()
+        # binomial(n, 0.001): within 5 standard deviations of its mean
+        assert abs(hit.sum().item() - n * 0.001) < 5 * math.sqrt(n * 0.001)
+        assert (x - x0)[hit].std().item() == pytest.approx(B.FP8_OUTLIERS["std"], rel=0.15)
+
+
+def test_rmse_is_the_root_mean_square():
+    ref = torch.zeros(2, 3, dtype=torch.float64)
+    x = torch.tensor([[3.0, 0, 0], [0, 4.0, 0]])
+    assert B.rmse(x, ref) == pytest.approx(math.sqrt(25 / 6))
+    assert B.rmse(ref, ref) == 0.0
+
+
+def test_cpu_fp8_accuracy_rows():
+    """The accuracy rows at a tiny size on the CPU, each rmse recomputed here from its own pieces:
+    the float64 softmax attention of the float32 inputs, and attention_fp8's CPU definition (the
+    float64 attention of descale * e4m3, quantized per tensor after the rotation or not), with no
+    call to the functions under test."""
+    import flash_attention
+    a = {"batch": 1, "heads": 2, "seqlen": 48, "head_dim": 64, "causal": False, "dtype": "float32"}
+    rows = B.bench_fp8_accuracy("cpu", a, bench.Notes())
+    assert [(r["dtype"], r.get("rotate")) for r in rows] == [
+        ("float8_e4m3fn", False), ("float8_e4m3fn", True), ("float32", None)]
+    q, k, v = B.outlier_inputs((1, 2, 48, 64), "cpu", seed=2)
+
+    def attention64(q, k, v):
+        p = torch.softmax(q.double() @ k.double().transpose(-1, -2) / 8.0, dim=-1)  # 1 / sqrt(64)
+        return p @ v.double()
+    ref = attention64(q, k, v)
+
+    def dequantized(x):
+        amax = x.abs().max()
+        return (x * (448.0 / amax)).to(torch.float8_e4m3fn).double() * (amax.double() / 448.0)
+    r = flash_attention.hadamard_rotation(64, dtype=torch.float64)
+    expected = {
+        ("float8_e4m3fn", False): attention64(dequantized(q), dequantized(k), dequantized(v)),
+        ("float8_e4m3fn", True): attention64(dequantized((q.double() @ r).float()),
+                                             dequantized((k.double() @ r).float()), dequantized(v)),
+        ("float32", None): ref}
+    for row in rows:
+        assert row["op"] == "attention_rmse" and row["variant"] == "cpu" and row["shape"] == [1, 2, 48, 64]
+        out = expected[(row["dtype"], row.get("rotate"))].to(torch.bfloat16 if row["dtype"] != "float32"
+                                                              else torch.float32)
+        want = (out.double() - ref).square().mean().sqrt().item()
+        assert row["rmse"] == pytest.approx(want, rel=0.05, abs=1e-7), row
+    # the rows' point: quantizing loses more than float32, and the outliers make it worse
+    fp8 = {row["rotate"]: row["rmse"] for row in rows if row["dtype"] == "float8_e4m3fn"}
+    assert min(fp8.values()) > 10 * rows[-1]["rmse"]
+
+
+def test_fp8_rows_sit_beside_the_bf16_rows_of_their_shape():
+    """The table's grouping: an FP8 row (op attention, dtype float8_e4m3fn) with the bf16 forward rows
+    of sdpa_cudnn and pingpong of its shape, and nothing of another shape, pass or dtype."""
+    def row(variant, dtype, seqlen=8192, pass_="forward", **more):
+        return {"op": "attention", "variant": variant, "dtype": dtype, "batch": 2, "heads": 16, "seqlen": seqlen,
+                "head_dim": 128, "causal": False, "pass": pass_, **more}
+    record = {"benchmarks": [
+        row("sdpa_cudnn", "bfloat16", sweep=True), row("pingpong", "bfloat16", sweep=True),
+        row("pingpong", "float16", sweep=True), row("pingpong", "bfloat16", pass_="backward"),
+        row("pingpong", "bfloat16", seqlen=4096), row("default", "bfloat16"),
+        row("default", B.FP8_DTYPE), row("default", B.FP8_DTYPE, call="quantize_fp8 + attention_fp8")]}
+    got = B.fp8_rows_beside(record)
+    assert list(got) == [(2, 16, 8192, 128, False)]
+    shape = got[(2, 16, 8192, 128, False)]
+    assert set(shape) == {"sdpa_cudnn", "pingpong", "default", "default (quantize_fp8 + attention_fp8)"}
+    assert shape["pingpong"]["dtype"] == "bfloat16" and shape["default"]["dtype"] == B.FP8_DTYPE

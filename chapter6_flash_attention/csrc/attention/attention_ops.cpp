@@ -9,6 +9,7 @@
 // checked) device, so the checks cannot drift apart between backends. Inputs are passed by
 // strides, never copied: only the last dim must be contiguous.
 #include "attention/attention.h"
+#include "attention/attention_params.h"
 #include "flash_attention_ops.h"
 #include "hopper/tile_schedule.h"
 
@@ -473,35 +474,6 @@ void backward_cuda(BackwardVersion v, const AttentionBackwardParams& g, const Te
   }
 }
 #endif
-
-// window and softcap as checked by check_window_softcap; causal is the window's right = 0.
-AttentionParams make_params(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
-                            double scale, bool causal, at::IntArrayRef window, double softcap) {
-  AttentionParams p{};
-  p.dtype = ::course::to_dtype(q.scalar_type());
-  p.q = q.const_data_ptr();
-  p.k = k.const_data_ptr();
-  p.v = v.const_data_ptr();
-  // the backward reads o and lse through the same struct: const_cast only restores the type
-  p.o = const_cast<void*>(out.const_data_ptr());
-  p.lse = const_cast<void*>(lse.const_data_ptr());
-  p.batch = q.size(0);
-  p.heads = q.size(1);
-  p.heads_kv = k.size(1);
-  p.seqlen_q = q.size(2);
-  p.seqlen_k = k.size(2);
-  p.head_dim = q.size(3);
-  p.q_batch_stride = q.stride(0), p.q_head_stride = q.stride(1), p.q_seq_stride = q.stride(2);
-  p.k_batch_stride = k.stride(0), p.k_head_stride = k.stride(1), p.k_seq_stride = k.stride(2);
-  p.v_batch_stride = v.stride(0), p.v_head_stride = v.stride(1), p.v_seq_stride = v.stride(2);
-  p.o_batch_stride = out.stride(0), p.o_head_stride = out.stride(1), p.o_seq_stride = out.stride(2);
-  p.scale = scale;
-  p.causal = causal;
-  p.window_left = window[0];
-  p.window_right = causal ? 0 : window[1];
-  p.softcap = softcap;
-  return p;
-}
 
 // The backward's params: the forward's, and where dO is read and dq, dk, dv are written (all
 // (batch, heads, seq, head_dim) views with a unit last stride).

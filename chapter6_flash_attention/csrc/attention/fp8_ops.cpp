@@ -5,6 +5,7 @@
 // for bit, attention as the float64 attention (attention_forward_cpu) of the dequantized inputs.
 // Forward only: no autograd (e4m3 tensors take no gradient).
 #include "attention/attention.h"
+#include "attention/attention_params.h"
 #include "attention/fp8.h"
 
 #include <ATen/ATen.h>
@@ -145,19 +146,8 @@ void attention_fp8_cpu(const Tensor& q, const Tensor& k, const Tensor& v_t, cons
   const Tensor vd = v_t.to(at::kDouble).mul(dv.to(at::kDouble)).transpose(2, 3).contiguous();
   const Tensor o64 = at::empty(q.sizes(), q.options().dtype(at::kDouble));
   const Tensor lse64 = at::empty(lse.sizes(), q.options().dtype(at::kDouble));
-  AttentionParams p{};
-  p.dtype = DType::kFloat64;
-  p.q = qd.const_data_ptr(), p.k = kd.const_data_ptr(), p.v = vd.const_data_ptr();
-  p.o = o64.mutable_data_ptr(), p.lse = lse64.mutable_data_ptr();
-  p.batch = q.size(0), p.heads = q.size(1), p.heads_kv = k.size(1);
-  p.seqlen_q = q.size(2), p.seqlen_k = k.size(2), p.head_dim = q.size(3);
-  p.q_batch_stride = qd.stride(0), p.q_head_stride = qd.stride(1), p.q_seq_stride = qd.stride(2);
-  p.k_batch_stride = kd.stride(0), p.k_head_stride = kd.stride(1), p.k_seq_stride = kd.stride(2);
-  p.v_batch_stride = vd.stride(0), p.v_head_stride = vd.stride(1), p.v_seq_stride = vd.stride(2);
-  p.o_batch_stride = o64.stride(0), p.o_head_stride = o64.stride(1), p.o_seq_stride = o64.stride(2);
-  p.scale = scale;
-  p.causal = causal;
-  p.window_right = causal ? 0 : -1;
+  constexpr int64_t kNoWindow[] = {-1, -1};
+  const AttentionParams p = make_params(qd, kd, vd, o64, lse64, scale, causal, kNoWindow, 0.0, DType::kFloat64);
   attention_forward_cpu(p);
   out.copy_(o64);
   lse.copy_(lse64);
@@ -233,21 +223,10 @@ std::tuple<Tensor, Tensor> attention_fp8_impl(const Tensor& q, const Tensor& k, 
     if (out.numel() == 0) return {out, lse};
 #ifdef COURSE_HOPPER
     const Tensor qa = for_tma(q), ka = for_tma(k), va = vt_for_tma(v_t);
+    constexpr int64_t kNoWindow[] = {-1, -1};
     AttentionFp8Params f{};
-    AttentionParams& p = f.attn;
-    p.dtype = DType::kBFloat16;  // of out
-    p.q = qa.const_data_ptr(), p.k = ka.const_data_ptr(), p.v = va.const_data_ptr();
-    p.o = out.mutable_data_ptr(), p.lse = lse.mutable_data_ptr();
-    p.batch = q.size(0), p.heads = q.size(1), p.heads_kv = k.size(1);
-    p.seqlen_q = q.size(2), p.seqlen_k = k.size(2), p.head_dim = q.size(3);
-    p.q_batch_stride = qa.stride(0), p.q_head_stride = qa.stride(1), p.q_seq_stride = qa.stride(2);
-    p.k_batch_stride = ka.stride(0), p.k_head_stride = ka.stride(1), p.k_seq_stride = ka.stride(2);
-    // V^T: v_seq_stride steps from one head_dim row of keys to the next (flash_fwd_hopper.h).
-    p.v_batch_stride = va.stride(0), p.v_head_stride = va.stride(1), p.v_seq_stride = va.stride(2);
-    p.o_batch_stride = out.stride(0), p.o_head_stride = out.stride(1), p.o_seq_stride = out.stride(2);
-    p.scale = scale;
-    p.causal = causal;
-    p.window_right = causal ? 0 : -1;
+    // out's dtype: the kernel writes bfloat16 from e4m3 inputs (v is V^T, as make_params says).
+    f.attn = make_params(qa, ka, va, out, lse, scale, causal, kNoWindow, 0.0, DType::kBFloat16);
     f.descale_q = dq.const_data_ptr<float>();
     f.descale_k = dk.const_data_ptr<float>();
     f.descale_v = dv.const_data_ptr<float>();

@@ -132,7 +132,10 @@ __device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d) {
 //   The pair with the lower keys (from lane b) is A's word when h = 0 and B's when h = 1. With
 //   first / second the lower / higher pair's word: a0 = [first.b0, first.b1, second.b0,
 //   second.b1] (row g), a1 = [first.b2, first.b3, second.b2, second.b3] (row g+8): __byte_perm
-//   with 0x5410 and 0x7632. The same two shuffles again with T_2, T_3 give a2, a3.
+//   of (first, second) with 0x5410 and 0x7632, which is __byte_perm of (A, B) with those for h = 0
+//   and with 0x1054 and 0x3276 (the same bytes, the two words' roles swapped) for h = 1: one
+//   selector per lane, chosen once, and no select of first and second per step. The same two
+//   shuffles again with T_2, T_3 give a2, a3.
 // Four shuffles per step, 16 per 128-key tile, every byte moved used. (The other way is to permute
 // the keys of V^T in memory to match the accumulator order, which needs no shuffle but makes the
 // layout of v a contract of this kernel; FlashAttention 3 shuffles as here for V given transposed.)
@@ -142,6 +145,7 @@ __device__ __forceinline__ void pack_p_fp8(uint32_t (&pf)[K::kBlockN / 32][4], c
   const int t = lane & 3, h = t >> 1, q = lane & 1;
   const int b = (lane & ~3) | ((2 * t) & 3);
   const int src_a = b + h, src_b = b + 1 - h;
+  const uint32_t sel_lo = h ? 0x1054u : 0x5410u, sel_hi = h ? 0x3276u : 0x7632u;
 #pragma unroll
   for (int kk = 0; kk < K::kBlockN / 32; ++kk) {
     uint32_t tile[4];
@@ -155,9 +159,8 @@ __device__ __forceinline__ void pack_p_fp8(uint32_t (&pf)[K::kBlockN / 32][4], c
       const uint32_t even = tile[2 * half], odd = tile[2 * half + 1];
       const uint32_t wa = __shfl_sync(0xffffffffu, q ? odd : even, src_a);
       const uint32_t wb = __shfl_sync(0xffffffffu, q ? even : odd, src_b);
-      const uint32_t first = h ? wb : wa, second = h ? wa : wb;
-      pf[kk][2 * half] = __byte_perm(first, second, 0x5410);
-      pf[kk][2 * half + 1] = __byte_perm(first, second, 0x7632);
+      pf[kk][2 * half] = __byte_perm(wa, wb, sel_lo);
+      pf[kk][2 * half + 1] = __byte_perm(wa, wb, sel_hi);
     }
   }
 }
@@ -287,7 +290,13 @@ __global__ void __launch_bounds__(K::kThreads, 1)
   auto softmax = [&](auto mask_tag, int i, float (&corr)[2]) {
     hopper_fwd::online_softmax<K, K::kExpBias>(mask_tag, s, row_max, row_sum, corr, p, row0, diag, i, t, scale_log2);
   };
+  // O's rescale is skipped when no row of the warp has a new maximum (every corr exactly 1, so the
+  // multiply would change no bit): a warp-uniform branch on one vote. Past the first tiles a row's
+  // running maximum rarely moves (at key tile i, for about 1 / (i + 1) of the rows), and at FP8's
+  // rate the softmax's instructions, which these 64 multiplies per tile are a ninth of, are what
+  // the other warpgroup's products wait for.
   auto rescale_o = [&](const float (&corr)[2]) {
+    if (__all_sync(0xffffffffu, corr[0] == 1.f && corr[1] == 1.f)) return;
 #pragma unroll
     for (int j = 0; j < kORegs; ++j) o[j] *= corr[(j >> 1) & 1];
   };
