@@ -2249,13 +2249,14 @@ def test_cuda_hopper_window_softcap_forward(dtype, head_dim):
 @pytest.mark.parametrize("head_dim", (64, 128))
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
 def test_cuda_hopper_window_softcap_default(dtype, head_dim):
-    """version=None on a Hopper: the forward runs the persistent kernel's kWindowSoftcap
-    instantiation (a call with neither runs the plain one), the backward "mma_dqpass" from its lse,
-    and the gradients through attention()'s autograd match the float64 reference's."""
+    """version=None on a Hopper: where the grid fills the GPU unsplit, the forward runs the persistent
+    kernel's kWindowSoftcap instantiation (a call with neither runs the plain one), the backward
+    "mma_dqpass" from its lse, and the gradients through attention()'s autograd match the float64
+    reference's; a grid small enough to split the keys runs "split_kv", as a plain call would."""
     skip_unless_hopper()
     import re
     from coursekit.pytest_plugin import launched_kernels
-    q, k, v = make_qkv(2, 4, 2, 300, 300, head_dim, dtype=dtype, device="cuda")
+    q, k, v = make_qkv(2, 8, 2, 1000, 1000, head_dim, dtype=dtype, device="cuda")  # 128 items: no split
     for features, featured in (({}, False), ({"window": (17, 5)}, True), ({"softcap": 30.0}, True),
                                ({"causal": True, "window": (-1, 9)}, False)):
         causal = features.get("causal", False)
@@ -2265,21 +2266,25 @@ def test_cuda_hopper_window_softcap_default(dtype, head_dim):
                                  "flash_attention")[1]
         found = [re.search(r"flash_fwd_hopper_persistent_kernel<.*, (?:true|false), (true|false)>", n) for n in names]
         assert {m.group(1) == "true" for m in found if m} == {featured}, (features, names)
+    ran = set()
     for case in HOPPER_WINDOW_CASES[::2]:
         batch, heads, heads_kv, seqlen_q, seqlen_k, window, causal, softcap = case
-        if seqlen_q > 1000:
-            continue  # the float64 backward reference at 4300 x 4300 is slow; the forward test has it
         what = f"default {dtype_id(dtype)} d{head_dim} {hopper_window_case_id(case)}"
         qc, kc, vc = hopper_window_inputs(case, head_dim, dtype)
-        assert flash_attention.default_choice("attention_forward", qc, kc, causal=causal, window=window,
-                                              softcap=softcap) == "persistent", what
+        choice = flash_attention.default_choice("attention_forward", qc, kc, causal=causal, window=window,
+                                                softcap=softcap)
+        assert choice in ("persistent", "split_kv"), what
+        ran.add(choice)
         assert flash_attention.default_choice("attention_backward", qc, kc, causal=causal, window=window,
                                               softcap=softcap) == "mma_dqpass", what
         check_cuda_backward(qc, kc, vc, causal, None, what, window=window, softcap=softcap)
+    assert "persistent" in ran, "no case ran the persistent forward: the backward from its lse is untested"
     # attention()'s autograd: the persistent forward's out and lse into mma_dqpass.
-    case = HOPPER_WINDOW_CASES[7]
+    case = HOPPER_WINDOW_CASES[8]  # a window and a softcap over a grid that does not split
     batch, heads, heads_kv, seqlen_q, seqlen_k, window, causal, softcap = case
     q, k, v = hopper_window_inputs(case, head_dim, dtype, requires_grad=True)
+    assert flash_attention.default_choice("attention_forward", q, k, causal=causal, window=window,
+                                          softcap=softcap) == "persistent"
     out = flash_attention.attention(q, k, v, causal=causal, window=window, softcap=softcap)
     grad_out = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), grad_out)
