@@ -1054,7 +1054,8 @@ def flex_document_attention(lengths, heads, device):
 # flex_attention with the same mask or score_mod, and against the dense causal call they vary
 # ---------------------------------------------------------------------------------------------
 # The rungs that compute a window or a softcap (README, "The API"); every other rung refuses them.
-MASKED_RUNGS = {"forward": ("tuned", "split_kv"), "backward": ("mma", "mma_dqpass")}
+# "persistent" runs on a Hopper GPU only (elsewhere its refusal is noted and the row skipped).
+MASKED_RUNGS = {"forward": ("tuned", "split_kv", "persistent"), "backward": ("mma", "mma_dqpass")}
 # A 4096-key causal band over 32K tokens (Mistral's and Gemma 2's local layers: window=(4095, 0) is
 # sliding_window 4096), and Gemma 2's attn_logit_softcapping of 30 at a training length.
 WINDOW = {"batch": 1, "heads": 16, "seqlen": 32768, "head_dim": 128, "dtype": "bfloat16", "causal": True,

@@ -411,9 +411,11 @@ def test_backward_grids_follow_the_sm_count(sms):
         OPS.grid_stride_blocks(10, 8, 0)
 
 
-def tile_order(batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim, causal, l2_bytes=50 * 2**20):
+def tile_order(batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim, causal, l2_bytes=50 * 2**20, window=(-1, -1),
+               softcap=0.0):
     """The persistent rung's tile order: (batch, head, query tile) rows, in the order drawn."""
-    return OPS.hopper_tile_order(batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim, causal, l2_bytes)
+    return OPS.hopper_tile_order(batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim, causal, l2_bytes,
+                                 list(window), softcap)
 
 
 def tile_cost(order, seqlen_q, seqlen_k, head_dim, causal):
@@ -510,6 +512,75 @@ def test_persistent_schedule_keeps_kv_heads_together():
     assert torch.equal(small_kv, torch.arange(b * hk).repeat_interleave(group * q_tiles))
     with pytest.raises(RuntimeError, match=r"hopper_tile_order: needs .*heads a whole multiple of heads_kv"):
         tile_order(1, 6, 4, 128, 128, 64, False)
+
+
+def window_tile_cost(q_tile, seqlen_q, seqlen_k, causal, window):
+    """With a window: each query tile's key tiles (128 keys) from the one holding the first key any of
+    its rows sees to the one holding the last (none where no row sees a key), plus one for its
+    prologue and epilogue; from the mask rule itself (the module docstring's), not the kernel's."""
+    left, right = window[0], 0 if causal else window[1]
+    first_row = q_tile * 128
+    last_row = torch.clamp(first_row + 128, max=seqlen_q) - 1
+    diag = seqlen_k - seqlen_q
+    lo = torch.clamp(first_row + diag - left, min=0) if left >= 0 else torch.zeros_like(first_row)
+    hi = torch.clamp(last_row + diag + right, max=seqlen_k - 1) if right >= 0 else torch.full_like(last_row,
+                                                                                                    seqlen_k - 1)
+    tiles = torch.where(lo <= hi, hi // 128 - lo // 128 + 1, torch.zeros_like(lo))
+    return tiles + 1
+
+
+# (batch, heads, heads_kv, seqlen_q, seqlen_k, causal, window): the benchmark's sliding window,
+# a window both ways (a rise, a level and a fall), a left window over fewer query rows than keys
+# and more, a right-only window that leaves rows without keys, one wider than the sequence.
+WINDOW_SCHEDULES = [(1, 16, 16, 32768, 32768, True, (4095, 0)), (2, 8, 2, 4000, 4000, False, (300, 700)),
+                    (2, 4, 4, 1000, 3000, False, (200, -1)), (2, 4, 4, 3000, 1000, False, (200, 5)),
+                    (3, 4, 2, 2500, 2500, False, (-1, 129)), (1, 2, 2, 700, 700, True, (5000, 0))]
+
+
+@pytest.mark.parametrize("shape", WINDOW_SCHEDULES, ids=str)
+def test_persistent_window_schedule(shape):
+    """With a window (the kWindowSoftcap instantiation, tile_schedule.h): every tile exactly once,
+    the L2 sections as without one (whole heads per section), and inside a section the query tiles
+    longest window walk first, within one key tile (the slopes of the walk are taken alternately,
+    one tile shorter per step on either side); on 132 blocks drawing from the counter, where there are
+    at least three tiles a block, the busiest within 5% of the average plus one shortest tile."""
+    b, h, hk, sq, sk, causal, window = shape
+    order = tile_order(b, h, hk, sq, sk, 128, causal, window=window)
+    q_tiles = -(-sq // 128)
+    ids = (order[:, 0] * h + order[:, 1]) * q_tiles + order[:, 2]
+    assert torch.equal(ids.sort().values, torch.arange(b * h * q_tiles)), "a tile missing or taken twice"
+    cost = window_tile_cost(order[:, 2], sq, sk, causal, window)
+    per_tile = window_tile_cost(torch.arange(q_tiles), sq, sk, causal, window)
+    assert per_tile.max() - per_tile.min() > 1, "every walk alike: the order cannot be tested here"
+    # The first L2 section: its pairs take rank 0 (one query tile) side by side, then rank 1, ...
+    width = int((order[:, 2] != order[0, 2]).nonzero()[0]) if (order[:, 2] != order[0, 2]).any() else len(order)
+    section = order[:width * q_tiles]
+    assert (section[:, 0] * h + section[:, 1]).unique().numel() == width, "a section with part of a head"
+    ranks = section[::width, 2]
+    assert torch.equal(ranks.sort().values, torch.arange(q_tiles)), "a rank that is not one query tile"
+    walks = window_tile_cost(ranks, sq, sk, causal, window)
+    assert walks[0] == per_tile.max(), "the longest walk does not come first"
+    later = torch.flip(torch.cummax(torch.flip(walks, [0]), 0).values, [0])  # the longest walk from here on
+    assert torch.all(later <= walks + 1), f"a later walk longer by more than a tile: {walks.tolist()}"
+    if len(cost) < 3 * 132:
+        return  # a tile or two per block: nothing to balance (one long tile is most of a block's work)
+    work = block_work(cost, 132, dynamic=True)
+    mean = cost.sum().item() / len(work)
+    assert work.max().item() <= 1.05 * mean + cost.min().item(), (work.max().item(), mean)
+
+
+def test_persistent_window_schedule_without_window_is_unchanged():
+    """A softcap alone takes the window's decode (the same instantiation), and its order is the plain
+    one's longest first where that has one (causal), level walks in any order otherwise; a plain
+    causal call's right bound changes nothing (causal is right = 0)."""
+    for causal in (False, True):
+        capped = tile_order(2, 4, 2, 1000, 1000, 64, causal, softcap=30.0)
+        plain = tile_order(2, 4, 2, 1000, 1000, 64, causal)
+        assert torch.equal(capped[:, :2], plain[:, :2])
+        if causal:
+            assert torch.equal(capped, plain)
+    assert torch.equal(tile_order(2, 4, 2, 1000, 1000, 64, True, window=(-1, 9)),
+                       tile_order(2, 4, 2, 1000, 1000, 64, True))
 
 
 # Query lengths of packed batches: the benchmark's, empty sequences, one token, lengths around the
@@ -1897,20 +1968,40 @@ def test_window_softcap_torch_compile():
 
 
 def test_window_softcap_dispatch_rule():
-    """version=None with a window or a softcap runs the rungs that compute them: on a Hopper it
-    skips part 3's rungs for "split_kv" (which is "tuned" when it does not split); a plain causal
-    call, whatever right bound it carries, keeps them. Off sm_80 and for 32-bit it stays "tiled",
-    which refuses them (test_cuda_window_softcap_refusals); the backward leaves part 3's rung for
-    "mma_dqpass", the backward that computes them."""
+    """version=None with a window or a softcap runs the rungs that compute them: on a Hopper "persistent"
+    (its kWindowSoftcap instantiation) at head_dim 64 and 128, for long full rows too (where a plain
+    call would take "pingpong"), and "split_kv" at 256, without the sm_90a kernels, or where the
+    grid is small enough to split the keys (as for a plain call); a plain causal call, whatever right
+    bound it carries, keeps the plain rule. Off sm_80 and for 32-bit it stays "tiled", which refuses
+    them (test_cuda_window_softcap_refusals); the backward leaves part 3's rung for "mma_dqpass", the
+    backward that computes them (from the forward's lse of the capped scores). The packed layout
+    with a window runs on "split_kv" (test_cuda_hopper_window_refusals)."""
     rule = flash_attention.dispatch_rule
     hopper = dict(cuda=True, capability=(9, 0), sms=132, hopper_built=True)
     big = (4, 16, 1024, 128)
     assert rule("attention_forward", big, dtype=torch.bfloat16, **hopper) == "persistent"
-    assert rule("attention_forward", big, dtype=torch.bfloat16, window=(256, 0), **hopper) == "split_kv"
-    assert rule("attention_forward", big, dtype=torch.bfloat16, window=(-1, 0), **hopper) == "split_kv"
-    assert rule("attention_forward", big, dtype=torch.bfloat16, softcap=30.0, **hopper) == "split_kv"
+    assert rule("attention_forward", big, dtype=torch.bfloat16, window=(256, 0), **hopper) == "persistent"
+    assert rule("attention_forward", big, dtype=torch.float16, window=(-1, 0), **hopper) == "persistent"
+    assert rule("attention_forward", big, dtype=torch.bfloat16, softcap=30.0, **hopper) == "persistent"
     assert rule("attention_forward", big, dtype=torch.bfloat16, causal=True, window=(-1, 7), **hopper) == "persistent"
-    assert rule("attention_forward", big, dtype=torch.bfloat16, causal=True, window=(64, 7), **hopper) == "split_kv"
+    assert rule("attention_forward", big, dtype=torch.bfloat16, causal=True, window=(64, 7), **hopper) == "persistent"
+    long_full = (2, 16, 8192, 64)
+    assert rule("attention_forward", long_full, dtype=torch.bfloat16, **hopper) == "pingpong"
+    assert rule("attention_forward", long_full, dtype=torch.bfloat16, window=(4095, 0), **hopper) == "persistent"
+    assert rule("attention_forward", long_full, dtype=torch.bfloat16, softcap=50.0, **hopper) == "persistent"
+    assert rule("attention_forward", (4, 16, 1024, 256), dtype=torch.bfloat16, **hopper) == "warp_specialized"
+    assert rule("attention_forward", (4, 16, 1024, 256), dtype=torch.bfloat16, window=(256, 0),
+                **hopper) == "split_kv"
+    assert rule("attention_forward", (4, 16, 1024, 96), dtype=torch.bfloat16, softcap=30.0, **hopper) == "split_kv"
+    assert rule("attention_forward", big, dtype=torch.bfloat16, window=(256, 0), cuda=True, capability=(9, 0),
+                sms=132, hopper_built=False) == "split_kv"
+    assert rule("attention_forward", big, dtype=torch.bfloat16, window=(256, 0), scale=-0.1, **hopper) == "split_kv"
+    decode = (1, 2, 1, 128), (1, 2, 8192, 128)  # one query row, few heads: the grid splits the keys
+    assert rule("attention_forward", decode[0], decode[1], dtype=torch.bfloat16, causal=True, **hopper) == "split_kv"
+    assert rule("attention_forward", decode[0], decode[1], dtype=torch.bfloat16, window=(256, 0),
+                **hopper) == "split_kv"
+    assert rule("attention_varlen_forward", (4096, 16, 128), dtype=torch.bfloat16, batch=4, max_seqlen_q=1024,
+                window=(256, 0), **hopper) == "split_kv"
     assert rule("attention_forward", big, dtype=torch.float16, window=(8, 8), cuda=True, capability=(8, 0),
                 sms=108) == "split_kv"
     assert rule("attention_forward", big, dtype=torch.float32, window=(8, 8), **hopper) == "tiled"
@@ -1996,8 +2087,8 @@ def test_cuda_window_softcap_backward(dtype, head_dim):
 @pytest.mark.cuda
 @pytest.mark.parametrize("head_dim", (64, 128))
 def test_cuda_window_softcap_default(head_dim):
-    """version=None, forward and backward, through attention()'s autograd: it runs the tensor-core
-    kernel of rung "split_kv" (on a Hopper too, where a plain call runs part 3's rungs), and the
+    """version=None, forward and backward, through attention()'s autograd: on a grid this small (the
+    keys split) it runs the tensor-core kernel of rung "split_kv", on a Hopper too, and the
     gradients of a sliding-window, softcapped causal call match the reference's; split_kv and tuned
     agree on a grid that splits."""
     require_cuda()
@@ -2068,14 +2159,15 @@ def test_cuda_window_softcap_instantiation():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("version", [v for v in FORWARD_VERSIONS if v not in WINDOW_SOFTCAP_FORWARD])
+@pytest.mark.parametrize("version", [v for v in FORWARD_VERSIONS
+                                     if v not in WINDOW_SOFTCAP_FORWARD + ("persistent",)])  # persistent: below
 def test_cuda_window_softcap_refusals(version):
     """The rungs that do not compute a window or a softcap refuse them by name, with the way out,
     before any other check of theirs; so does version=None where it has no rung for them."""
     require_cuda()
     q, k, v = make_qkv(1, 2, 2, 16, 16, 64, dtype=torch.bfloat16, device="cuda")
-    message = (rf"attention_forward: version '{version}' takes no window or softcap; versions 'tuned' and "
-               r"'split_kv' compute them")
+    message = (rf"attention_forward: version '{version}' takes no window or softcap; versions 'tuned', "
+               r"'split_kv' and 'persistent' compute them")
     for features in (dict(window=(8, 0)), dict(softcap=30.0), dict(causal=False, window=(-1, 0))):
         with pytest.raises(RuntimeError, match=message):
             flash_attention.attention(q, k, v, version=version, **features)
@@ -2121,6 +2213,151 @@ def test_sanitizer_window_softcap_backward(version):
         q, k, v = window_softcap_inputs(4, 2, seqlen_q, seqlen_k, 32, torch.bfloat16, softcap)
         check_cuda_backward(q, k, v, causal, version, f"{version} s{seqlen_q}x{seqlen_k} {window}",
                             window=window, softcap=softcap)
+
+
+# The Hopper forward with a window or a softcap: rung "persistent"'s kWindowSoftcap instantiation
+# (head_dim 64 and 128, padded layout). (batch, heads, heads_kv, seqlen_q, seqlen_k, window, causal,
+# softcap): lengths off the 128-row and 128-key tiles, seqlen_q on either side of seqlen_k, GQA and
+# multi-query, windows inside one tile, across several, one-sided, the benchmark's (4095, 0) over
+# more query tiles than it spans (a rise, then level walks), causal with a window, the softcap
+# alone and with a window at 30 and 50 (tanh from the exponential) and 5 (bfloat16's tanh.approx).
+HOPPER_WINDOW_CASES = [
+    (2, 4, 2, 300, 300, (0, 0), False, 0.0),
+    (2, 4, 4, 333, 517, (17, 5), False, 0.0),
+    (2, 4, 1, 517, 333, (-1, 33), False, 0.0),     # seqlen_q > seqlen_k: rows 0-150 see no key
+    (1, 2, 2, 4300, 4300, (4095, 0), False, 0.0),
+    (2, 4, 2, 700, 1000, (129, 7), True, 0.0),     # causal: right = 0
+    (2, 4, 4, 383, 383, (-1, -1), False, 30.0),
+    (2, 4, 2, 383, 250, (-1, -1), True, 50.0),     # causal rows without keys, capped
+    (2, 4, 2, 640, 700, (100, 20), False, 30.0),
+    (2, 8, 2, 1000, 1000, (256, 0), True, 50.0),
+    (2, 4, 4, 129, 129, (40, 40), True, 5.0),
+]
+
+
+def hopper_window_case_id(case):
+    batch, heads, heads_kv, seqlen_q, seqlen_k, window, causal, softcap = case
+    return f"b{batch} h{heads}/{heads_kv} s{seqlen_q}x{seqlen_k} {window} causal={causal} softcap={softcap}"
+
+
+def hopper_window_inputs(case, head_dim, dtype, requires_grad=False):
+    batch, heads, heads_kv, seqlen_q, seqlen_k, window, causal, softcap = case
+    q, k, v = make_qkv(batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim, dtype=dtype, device="cuda")
+    if softcap:
+        q, k = large_scores(q, k)
+    return tuple(t.detach().requires_grad_(requires_grad) for t in (q, k, v))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+def test_cuda_hopper_window_softcap_forward(dtype, head_dim):
+    """"persistent" with a window or a softcap against the float64 reference (out and lse, rows
+    without keys exactly 0 and -inf, on NaN-poisoned outputs) and against part 1's "split_kv" on the
+    same call: the same lse (of the capped scores, what the backward rebuilds P from) to float32
+    rounding, the same out to the 16-bit rounding of P either side."""
+    skip_unless_hopper()
+    for case in HOPPER_WINDOW_CASES:
+        batch, heads, heads_kv, seqlen_q, seqlen_k, window, causal, softcap = case
+        what = f"persistent {dtype_id(dtype)} d{head_dim} {hopper_window_case_id(case)}"
+        q, k, v = hopper_window_inputs(case, head_dim, dtype)
+        ref = cpu_reference(q, k, v, causal, window=window, softcap=softcap)
+        check_cuda_forward(q, k, v, causal, "persistent", what, ref=ref, window=window, softcap=softcap)
+        out, lse = flash_attention.attention(q, k, v, causal=causal, window=window, softcap=softcap,
+                                             version="persistent", return_lse=True)
+        part1, part1_lse = flash_attention.attention(q, k, v, causal=causal, window=window, softcap=softcap,
+                                                     version="split_kv", return_lse=True)
+        assert torch.equal(lse.isneginf(), part1_lse.isneginf()), f"{what}: -inf rows differ from split_kv's"
+        finite = part1_lse.isfinite()
+        rtol, atol = CUDA_LSE_TOL[dtype]
+        atol += 2 * tanh_approx_error(dtype, softcap)
+        torch.testing.assert_close(lse[finite], part1_lse[finite], rtol=rtol, atol=atol,
+                                   msg=lambda m: f"{what} lse vs split_kv: {m}")
+        rtol, atol = forward_tol(dtype, "persistent", v, softcap)
+        torch.testing.assert_close(out.double(), part1.double(), rtol=2 * rtol, atol=2 * atol,
+                                   msg=lambda m: f"{what} out vs split_kv: {m}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+def test_cuda_hopper_window_softcap_default(dtype, head_dim):
+    """version=None on a Hopper: where the grid fills the GPU unsplit, the forward runs the persistent
+    kernel's kWindowSoftcap instantiation (a call with neither runs the plain one), the backward
+    "mma_dqpass" from its lse, and the gradients through attention()'s autograd match the float64
+    reference's; a grid small enough to split the keys runs "split_kv", as a plain call would."""
+    skip_unless_hopper()
+    import re
+    from coursekit.pytest_plugin import launched_kernels
+    q, k, v = make_qkv(2, 8, 2, 1000, 1000, head_dim, dtype=dtype, device="cuda")  # 128 items: no split
+    for features, featured in (({}, False), ({"window": (17, 5)}, True), ({"softcap": 30.0}, True),
+                               ({"causal": True, "window": (-1, 9)}, False)):
+        causal = features.get("causal", False)
+        kw = {"window": features.get("window", (-1, -1)), "softcap": features.get("softcap", 0.0)}
+        assert flash_attention.default_choice("attention_forward", q, k, causal=causal, **kw) == "persistent"
+        names = launched_kernels(lambda: flash_attention.attention(q, k, v, causal=causal, **kw),
+                                 "flash_attention")[1]
+        found = [re.search(r"flash_fwd_hopper_persistent_kernel<.*, (?:true|false), (true|false)>", n) for n in names]
+        assert {m.group(1) == "true" for m in found if m} == {featured}, (features, names)
+    ran = set()
+    for case in HOPPER_WINDOW_CASES[::2]:
+        batch, heads, heads_kv, seqlen_q, seqlen_k, window, causal, softcap = case
+        what = f"default {dtype_id(dtype)} d{head_dim} {hopper_window_case_id(case)}"
+        qc, kc, vc = hopper_window_inputs(case, head_dim, dtype)
+        choice = flash_attention.default_choice("attention_forward", qc, kc, causal=causal, window=window,
+                                                softcap=softcap)
+        assert choice in ("persistent", "split_kv"), what
+        ran.add(choice)
+        assert flash_attention.default_choice("attention_backward", qc, kc, causal=causal, window=window,
+                                              softcap=softcap) == "mma_dqpass", what
+        check_cuda_backward(qc, kc, vc, causal, None, what, window=window, softcap=softcap)
+    assert "persistent" in ran, "no case ran the persistent forward: the backward from its lse is untested"
+    # attention()'s autograd: the persistent forward's out and lse into mma_dqpass.
+    case = HOPPER_WINDOW_CASES[8]  # a window and a softcap over a grid that does not split
+    batch, heads, heads_kv, seqlen_q, seqlen_k, window, causal, softcap = case
+    q, k, v = hopper_window_inputs(case, head_dim, dtype, requires_grad=True)
+    assert flash_attention.default_choice("attention_forward", q, k, causal=causal, window=window,
+                                          softcap=softcap) == "persistent"
+    out = flash_attention.attention(q, k, v, causal=causal, window=window, softcap=softcap)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    expected, bounds = backward_reference(q, k, v, causal, grad_out, True, window=window, softcap=softcap)
+    for name, g, e, bound in zip("qkv", grads, expected, bounds):
+        error = (g.cpu().double() - e).abs()
+        allowed = CUDA_GRAD_TOL[dtype] * max(e.abs().max().item(), 1.0) + bound
+        assert torch.all(error <= allowed), f"autograd d{name}: max error {error.max().item():.3g}"
+
+
+@pytest.mark.cuda
+def test_cuda_hopper_window_refusals():
+    """"persistent" takes a window or a softcap at head_dim 64 and 128 in the padded layout; at 256,
+    and in the packed layout, it refuses them by name with the way out, and version=None runs
+    "split_kv" there."""
+    skip_unless_hopper()
+    q, k, v = make_qkv(1, 2, 2, 100, 100, 256, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(RuntimeError, match=r"attention_forward: version 'persistent' takes a window or softcap at "
+                                           r"head_dim 64, 128; head_dim is 256: use version='split_kv'"):
+        flash_attention.attention(q, k, v, window=(8, 0), version="persistent")
+    assert flash_attention.default_choice("attention_forward", q, k, window=(8, 0)) == "split_kv"
+    check_cuda_forward(q, k, v, False, None, "default d256 window", window=(8, 0))
+    packed = torch.randn(50, 2, 64, dtype=torch.bfloat16, device="cuda")
+    cu = torch.tensor([0, 20, 50], dtype=torch.int32, device="cuda")
+    with pytest.raises(RuntimeError, match=r"version 'persistent' takes no window or softcap in the packed"):
+        flash_attention.attention_varlen(packed, packed, packed, cu, cu, 30, 30, window=(4, 0), version="persistent")
+
+
+@pytest.mark.cuda
+@pytest.mark.sanitize
+def test_sanitizer_hopper_window():
+    """The persistent kWindowSoftcap walk under the sanitizer: partial tiles, a window's edges inside
+    and across tiles, rows without keys, an item with no key tile, GQA, both consumer warpgroups, a
+    walk over more items than SMs (2 x 48 heads x 3 query tiles), with and without a softcap."""
+    skip_unless_hopper()
+    for seqlen_q, seqlen_k, window, causal, softcap in ((300, 150, (20, 3), False, 0.0),
+                                                        (257, 300, (-1, 1), True, 30.0)):
+        q, k, v = make_qkv(2, 48, 16, seqlen_q, seqlen_k, 64, dtype=torch.bfloat16, device="cuda")
+        check_cuda_forward(q, k, v, causal, "persistent", f"persistent s{seqlen_q}x{seqlen_k} {window}",
+                           window=window, softcap=softcap)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2594,7 +2831,8 @@ def test_cuda_varlen_persistent_misuse():
     q, k, v, cu_q, cu_k = varlen_cuda_inputs([3, 4], [3, 4], 2, 2, 64, torch.bfloat16)
     cases += [
         (lambda: call(q, k, v, cu_q, cu_k, 4, 4, causal=True, window=(2, -1), version="persistent"),
-         r"version 'persistent' takes no window or softcap; versions 'tuned' and 'split_kv' compute them"),
+         r"version 'persistent' takes no window or softcap in the packed \(varlen\) layout; versions 'tuned' and "
+         r"'split_kv' compute them"),
         (lambda: call(q, k, v, cu_q, cu_k, 4, 4, softcap=5.0, version="persistent"),
          r"version 'persistent' takes no window or softcap"),
         (lambda: call(q.float(), k.float(), v.float(), cu_q, cu_k, 4, 4, version="persistent"),

@@ -354,10 +354,13 @@ def test_recorded_masked_results_hold_the_dispatch():
         if record is None:
             continue
         device = record["device"]
-        # A window or a softcap never runs on the Hopper rungs (the README's API section), so the
-        # rule's answer does not depend on whether the recorded build had them.
+        # The recorded build took a window or a softcap on the Hopper forward iff it timed rung
+        # "persistent" with the mask: a record from before that rung took them has no such row, and
+        # its rule had no such choice.
+        hopper = any(r["variant"] == "persistent" and (r["window"], r["softcap"]) != ([-1, -1], 0.0)
+                     for r in results.rows(record, op=op))
         facts = dict(cuda=True, capability=tuple(int(x) for x in device["capability"].split(".")),
-                     sms=device["sms"], hopper_built=False)
+                     sms=device["sms"], hopper_built=hopper)
         for pass_, rungs in B.MASKED_RUNGS.items():
             got = {r["variant"]: r for r in results.rows(record, op=op, **{"pass": pass_})
                    if (r["window"], r["softcap"]) != ([-1, -1], 0.0)}

@@ -16,9 +16,11 @@ Local attention and softcapping, FlashAttention 2's API: window=(left, right) ke
 row i only when i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right (the same
 bottom-right alignment; -1 leaves a side unbounded; causal=True is right = 0, whatever the window
 says), and softcap > 0 replaces each scaled score s by softcap * tanh(s / softcap) before the
-softmax. The CPU reference computes both; on CUDA the forward rungs "tuned" and "split_kv" and the
-backward rungs "mma" and "mma_dqpass" do (version=None picks them, Hopper included), and every
-other rung refuses them.
+softmax. The CPU reference computes both; on CUDA the forward rungs "tuned", "split_kv" and (on a
+Hopper GPU, head_dim 64 and 128, padded layout) "persistent", and the backward rungs "mma" and
+"mma_dqpass" do (version=None picks "persistent" where it applies, else "split_kv", and
+"mma_dqpass", which recomputes P from the forward's lse of the capped scores), and every other rung
+refuses them. On "persistent" a query tile walks only the key tiles its rows' windows reach.
 
 attention_varlen takes sequences of different lengths packed along one token dim, (total_tokens,
 heads, head_dim), with int32 cumulative lengths cu_seqlens_q and cu_seqlens_k (FlashAttention 2's
@@ -57,9 +59,11 @@ CUDA rungs (head_dim 32, 64, 96, 128 or 256):
   together, in turns with the other, so one's softmax runs while the other's products keep the
   tensor cores busy; a third shared-memory stage where it fits;
 - forward "persistent": the same consumers ("pingpong"'s at head_dim 64 and 128,
-  "warp_specialized"'s at 256) in a grid of one block per SM slot, each walking a static schedule
-  of query tiles (longest first when causal, the heads that share K and V together): the producer
-  loads the next tile's Q and first K/V while the consumers finish a tile and store its output;
+  "warp_specialized"'s at 256) in a grid of one block per SM slot, each walking a schedule
+  of query tiles (longest first when causal or windowed, the heads that share K and V together):
+  the producer loads the next tile's Q and first K/V while the consumers finish a tile and store its
+  output; with a window or a softcap (head_dim 64 and 128) a second instantiation walks only the
+  window's key tiles and caps the scores;
 - attention_fp8 (part 3, Hopper only; head_dim 64 or 128): the forward on e4m3 q, k and V^T with
   per-tensor descale factors, "pingpong"'s schedule on FP8 wgmma, bfloat16 out; quantize_fp8 makes
   its inputs (any device; CPU reference and CUDA kernels agree bit for bit), and rotate_qk the
@@ -76,7 +80,8 @@ CUDA rungs (head_dim 32, 64, 96, 128 or 256):
 
 version=None runs, for 16-bit inputs: on a Hopper GPU, at head_dim 64 and 128, "persistent" where the
 walks over the keys are uneven (causal) or short (at most 1024 keys) and "pingpong" for long full
-rows, "warp_specialized" at 256, unless
+rows, "warp_specialized" at 256, and "persistent" for any call with a window or a softcap (head_dim
+64 and 128), unless
 the grid is small enough to split the keys; otherwise "split_kv"
 (sm_80+; it splits only when the grid would leave SMs idle, and is "tuned" otherwise); float32 and
 float64 run "tiled". The backward runs "wgmma" on a Hopper GPU (head_dim 64 and 128, no window

@@ -70,6 +70,10 @@ inline constexpr int kHopperBackwardHeadDims[] = {64, 128};
 // of its pingpong consumers (at 256 it runs warp_specialized's, which the packed layout's
 // version=None would not pick over "split_kv" unmeasured).
 inline constexpr int kHopperVarlenHeadDims[] = {64, 128};
+// A window or a softcap on the Hopper forward (rung "persistent" with its kWindowSoftcap
+// instantiation, csrc/hopper/): the head dims of its pingpong consumers, as for the packed layout
+// (the instantiations are compiled per dtype and head dim: each one more costs CI's build time).
+inline constexpr int kHopperWindowHeadDims[] = {64, 128};
 
 // The log-sum-exp is kept in the accumulation type: float32, float64 for float64 inputs (as
 // chapter 4 keeps its norms' statistics). A (batch, heads, seqlen_q) contiguous tensor:

@@ -115,7 +115,11 @@ bool half_dtype(const Tensor& t) { return t.scalar_type() == at::kHalf || t.scal
 // at 2048 and behind by up to 6% beyond. So "persistent" where the walks are uneven (the shortest at
 // most half the longest) or short (at most kPersistentMaxEvenKeys), "pingpong" otherwise. At 256
 // "warp_specialized", where the third stage does not fit and two stages leave ping-pong slower
-// (experiments/hopper_forward_check.cu --variants, NOTES.md). Elsewhere, and
+// (experiments/hopper_forward_check.cu --variants, NOTES.md). A window or a softcap takes
+// "persistent" there too, at head_dim 64 and 128 (kHopperWindowHeadDims: its kWindowSoftcap
+// instantiation), whatever the walks: a sliding window's walks are short (about (128 + w) / 128 key
+// tiles), which is where the persistent grid pays most, and part 1's "split_kv" ran it at 0.58x
+// flex_attention on an H200 (README, window section). Elsewhere, and
 // wherever the Hopper rungs do not apply (other head dims, a scale <= 0) it is "split_kv" (16-bit
 // inputs on sm_80 and newer), else "tiled", which moves O(seqlen) bytes where "naive" moves
 // O(seqlen^2). Each tensor-core rung of part 1 beats the one before at every seqlen, head_dim and
@@ -157,13 +161,17 @@ bool persistent_pays(const AttentionParams& p) {
   const int64_t shortest = p.causal ? std::max<int64_t>(0, p.seqlen_k - p.seqlen_q + 1) : p.seqlen_k;
   return 2 * shortest <= longest || longest <= kPersistentMaxEvenKeys;
 }
-// A window or a softcap (attention.h) runs on "tuned" and "split_kv" alone (their kernel is the
-// one that computes them), so such a call skips the Hopper rungs; on a GPU that cannot run those
-// two it gets "tiled", which refuses it with the way out.
+// A window or a softcap (attention.h) runs on "persistent" at kHopperWindowHeadDims (a Hopper GPU)
+// and on "tuned" and "split_kv" (every GPU from sm_80: their kernel computes them); on a GPU that
+// cannot run those it gets "tiled", which refuses it with the way out.
 ForwardVersion forward_rule(const AttentionParams& p, const DispatchFacts& f) {
   if (!(f.cuda && f.half && f.cc_major >= 8)) return ForwardVersion::kTiled;
-  if (f.hopper_built && f.cc_major == 9 && f.cc_minor == 0 && is_listed(kHopperHeadDims, p.head_dim) &&
-      p.scale > 0.0 && !uses_window_or_softcap(p) && attention_forward_splits(p, f.sms) == 1) {
+  const bool featured = uses_window_or_softcap(p);
+  if (f.hopper_built && f.cc_major == 9 && f.cc_minor == 0 &&
+      (featured ? is_listed(kHopperWindowHeadDims, p.head_dim) : is_listed(kHopperHeadDims, p.head_dim)) &&
+      p.scale > 0.0 &&
+      attention_forward_splits(p, f.sms) == 1) {
+    if (featured) return ForwardVersion::kPersistent;
     if (p.head_dim > 128) return ForwardVersion::kWarpSpecialized;
     return persistent_pays(p) ? ForwardVersion::kPersistent : ForwardVersion::kPingpong;
   }
@@ -292,10 +300,20 @@ void check_window_softcap(const char* op, at::IntArrayRef window, double softcap
               std::to_string(softcap));
 }
 
-// The rungs that compute a window and a softcap: the forward's "tuned" and "split_kv" (one kernel),
-// the backward's "mma" and "mma_dqpass" (one kernel for dK and dV; dQ from it or from its second
-// pass). Every other rung refuses them with the way out; the CPU reference computes them all.
-bool takes_window_or_softcap(ForwardVersion v) { return v == ForwardVersion::kTuned || v == ForwardVersion::kSplitKv; }
+// The rungs that compute a window and a softcap: the forward's "tuned" and "split_kv" (one kernel)
+// and "persistent" (its kWindowSoftcap instantiation, at kHopperWindowHeadDims and in the padded
+// layout: check_hopper_window says so by name), the backward's "mma" and "mma_dqpass" (one kernel
+// for dK and dV; dQ from it or from its second pass). Every other rung refuses them with the way
+// out; the CPU reference computes them all.
+bool takes_window_or_softcap(ForwardVersion v) {
+  return v == ForwardVersion::kTuned || v == ForwardVersion::kSplitKv || v == ForwardVersion::kPersistent;
+}
+// "persistent" with a window or a softcap: the head dims it was built for, with the way out.
+void check_hopper_window(const char* op, const AttentionParams& p) {
+  TORCH_CHECK(is_listed(kHopperWindowHeadDims, p.head_dim), op, ": version 'persistent' takes a window or ",
+              "softcap at head_dim ", list_text(kHopperWindowHeadDims), "; head_dim is ", std::to_string(p.head_dim),
+              ": use version='split_kv' (version=None picks it there)");
+}
 bool takes_window_or_softcap(BackwardVersion v) {
   return v == BackwardVersion::kMma || v == BackwardVersion::kMmaDqPass;
 }
@@ -511,8 +529,10 @@ std::tuple<Tensor, Tensor> attention_forward_impl(const Tensor& q, const Tensor&
   [[maybe_unused]] const ForwardVersion v_ = named.value_or(default_forward(q, sizes));
   if (q.is_cuda() && uses_window_or_softcap(sizes)) {
     TORCH_CHECK(takes_window_or_softcap(v_), op, ": version '", ::course::version_name(kForwardVersions, v_),
-                "' takes no window or softcap; versions 'tuned' and 'split_kv' compute them (float16 and bfloat16, ",
-                "compute capability 8.0 or newer; version=None picks them there)");
+                "' takes no window or softcap; versions 'tuned', 'split_kv' and 'persistent' compute them (float16 ",
+                "and bfloat16, compute capability 8.0 or newer; 'persistent' on 9.0 at head_dim ",
+                list_text(kHopperWindowHeadDims), "; version=None picks them there)");
+    if (v_ == ForwardVersion::kPersistent) check_hopper_window(op, sizes);
   }
   if (out.numel() == 0) return {out, lse};
   if (q.is_cuda()) {
@@ -873,8 +893,9 @@ std::tuple<Tensor, Tensor> attention_varlen_forward_impl(const Tensor& q, const 
       TORCH_CHECK(is_listed(kHopperVarlenHeadDims, q.size(2)), op, ": version '", name, "' takes the packed ",
                   "(varlen) layout at head_dim ", list_text(kHopperVarlenHeadDims), "; head_dim is ",
                   std::to_string(q.size(2)), ": use version='split_kv'");
-      TORCH_CHECK(!uses_window_or_softcap(sizes), op, ": version '", name, "' takes no window or softcap; ",
-                  "versions 'tuned' and 'split_kv' compute them (version=None picks 'split_kv' there)");
+      TORCH_CHECK(!uses_window_or_softcap(sizes), op, ": version '", name, "' takes no window or softcap in the ",
+                  "packed (varlen) layout; versions 'tuned' and 'split_kv' compute them (version=None picks ",
+                  "'split_kv' there)");
     } else {
       check_tensor_core_rung(op, name, q);
     }
@@ -1082,8 +1103,9 @@ int64_t grid_stride_blocks_op(int64_t work, int64_t per_block, int64_t sms) {
 // `l2_bytes`, as an op so that the tests can hold it to made-up GPUs on any machine: one row per
 // tile in the order the blocks draw them, (batch, head, query tile).
 Tensor hopper_tile_order_op(int64_t batch, int64_t heads, int64_t heads_kv, int64_t seqlen_q, int64_t seqlen_k,
-                            int64_t head_dim, bool causal, int64_t l2_bytes) {
+                            int64_t head_dim, bool causal, int64_t l2_bytes, at::IntArrayRef window, double softcap) {
   constexpr const char* op = "hopper_tile_order";
+  check_window_softcap(op, window, softcap);
   TORCH_CHECK(batch >= 0 && seqlen_q >= 0 && seqlen_k >= 0 && l2_bytes >= 0 && head_dim >= 1 && heads_kv >= 1 &&
                   heads >= heads_kv && heads % heads_kv == 0,
               op, ": needs batch, seqlen_q, seqlen_k and l2_bytes >= 0, head_dim >= 1 and heads a whole multiple of ",
@@ -1095,12 +1117,18 @@ Tensor hopper_tile_order_op(int64_t batch, int64_t heads, int64_t heads_kv, int6
   AttentionParams p{};
   p.batch = batch, p.heads = heads, p.heads_kv = heads_kv, p.seqlen_q = seqlen_q, p.seqlen_k = seqlen_k;
   p.head_dim = head_dim, p.causal = causal;
+  p.window_left = window[0], p.window_right = causal ? 0 : window[1], p.softcap = softcap;  // make_params' rule
   const HopperTileSchedule s = hopper_tile_schedule(p, l2_bytes);
   Tensor order = at::empty({tiles, 3}, at::kLong);
   auto rows = order.accessor<int64_t, 2>();
   for (int index = 0; index < s.tiles; ++index) {
     int pair = 0, q_tile = 0;
-    hopper_tile_at(s, index, &pair, &q_tile);
+    // The decode of the kernel this call runs: the kWindowSoftcap one's with a window or softcap.
+    if (s.windowed) {
+      hopper_window_tile_at(s, index, &pair, &q_tile);
+    } else {
+      hopper_tile_at(s, index, &pair, &q_tile);
+    }
     rows[index][0] = pair / heads;
     rows[index][1] = pair % heads;
     rows[index][2] = q_tile;
@@ -1191,7 +1219,7 @@ TORCH_LIBRARY_FRAGMENT(flash_attention, m) {
   m.def("grid_stride_blocks(int work, int per_block, int sms) -> int", &flash_attention::grid_stride_blocks_op);
   m.def("hopper_kernels_built() -> bool", &flash_attention::hopper_kernels_built_op);
   m.def("hopper_tile_order(int batch, int heads, int heads_kv, int seqlen_q, int seqlen_k, int head_dim, "
-        "bool causal, int l2_bytes) -> Tensor",
+        "bool causal, int l2_bytes, int[2] window=[-1, -1], float softcap=0.0) -> Tensor",
         &flash_attention::hopper_tile_order_op);
   m.def("hopper_varlen_tile_order(int[] lengths_q, int heads, int max_seqlen_q) -> Tensor",
         &flash_attention::hopper_varlen_tile_order_op);

@@ -23,6 +23,9 @@ namespace flash_attention {
 //                     warp_specialized's), in a grid of one block per SM slot that walks a list of
 //                     tiles (hopper/tile_schedule.h): the producer loads the next tile's Q and
 //                     first K/V stages while the consumers finish this tile and store its output.
+//                     With a window or a softcap (kHopperWindowHeadDims, the padded layout) a second
+//                     instantiation walks only the window's key tiles and caps the scores
+//                     (flash_fwd_hopper_persistent.cuh); the other rungs take neither.
 enum class HopperForward { kWgmma, kWarpSpecialized, kPingpong, kPersistent };
 
 // Head dims the Hopper rungs take: attention.h's kHopperHeadDims.
@@ -48,7 +51,8 @@ inline int64_t attention_forward_hopper_workspace(const AttentionParams& p, Hopp
 // 16-byte aligned (TMA's rules; the glue checks and copies otherwise); `workspace` holds
 // attention_forward_hopper_workspace(p, rung) bytes (may be null where that is 0). The packed layout
 // (p.cu_seqlens_q set; attention.h) runs on rung kPersistent at kHopperVarlenHeadDims alone, with
-// p.total_k set too (cudaErrorInvalidValue for the others). Returns the first error
+// p.total_k set too, and a window or a softcap (uses_window_or_softcap) on rung kPersistent at
+// kHopperWindowHeadDims in the padded layout alone (cudaErrorInvalidValue for the others). Returns the first error
 // (cudaErrorNotSupported when the driver has no TMA encoder); never synchronizes or allocates.
 cudaError_t launch_attention_forward_hopper(const AttentionParams& params, HopperForward rung, cudaStream_t stream,
                                             void* workspace = nullptr);

@@ -1,5 +1,6 @@
 // The Hopper forward's dispatch: the runtime dtype, head dim and rung become the template
-// arguments of one of the instantiations in flash_fwd_hopper_<dtype>_hdim<d>.cu.
+// arguments of one of the instantiations in flash_fwd_hopper_<dtype>_hdim<d>.cu, or, for a call
+// with a window or a softcap, of flash_fwd_hopper_window_<dtype>_hdim<d>.cu.
 #include "hopper/flash_fwd_hopper.h"
 #include "hopper/flash_fwd_hopper_persistent.cuh"
 
@@ -10,8 +11,28 @@ namespace flash_attention {
 
 template <typename T, int D, HopperForward kRung>
 cudaError_t run_flash_fwd_hopper(const AttentionParams& p, cudaStream_t stream, void* workspace);
+// Compiled in the window instantiation files alone.
+#define WINDOW_INSTANCE(T, D) \
+  extern template cudaError_t run_flash_fwd_hopper_window<T, D>(const AttentionParams&, cudaStream_t, void*);
+WINDOW_INSTANCE(__nv_bfloat16, 64)
+WINDOW_INSTANCE(__nv_bfloat16, 128)
+WINDOW_INSTANCE(__half, 64)
+WINDOW_INSTANCE(__half, 128)
+#undef WINDOW_INSTANCE
 
 namespace {
+
+// A window or a softcap: rung "persistent" alone, at kHopperWindowHeadDims (the glue sends no other
+// such call here; this answers a launcher called from C++).
+template <typename T>
+cudaError_t with_window(const AttentionParams& p, HopperForward rung, cudaStream_t stream, void* workspace) {
+  if (rung != HopperForward::kPersistent) return cudaErrorInvalidValue;
+  switch (p.head_dim) {
+    case 64: return run_flash_fwd_hopper_window<T, 64>(p, stream, workspace);
+    case 128: return run_flash_fwd_hopper_window<T, 128>(p, stream, workspace);
+    default: return cudaErrorInvalidValue;
+  }
+}
 
 template <typename T, int D>
 cudaError_t with_rung(const AttentionParams& p, HopperForward rung, cudaStream_t stream, void* workspace) {
@@ -28,6 +49,7 @@ cudaError_t with_rung(const AttentionParams& p, HopperForward rung, cudaStream_t
 
 template <typename T>
 cudaError_t with_head_dim(const AttentionParams& p, HopperForward rung, cudaStream_t stream, void* workspace) {
+  if (uses_window_or_softcap(p)) return with_window<T>(p, rung, stream, workspace);
   switch (p.head_dim) {
     case 64: return with_rung<T, 64>(p, rung, stream, workspace);
     case 128: return with_rung<T, 128>(p, rung, stream, workspace);

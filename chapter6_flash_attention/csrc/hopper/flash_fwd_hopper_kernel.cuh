@@ -92,13 +92,10 @@ struct HopperFwdConfig {
 // further ahead (measured on an H200, d = 128, s = 8192: 547 TFLOP/s with two stages, 659 with
 // three; experiments/hopper_forward_check.cu --variants).
 constexpr int kHopperSmemLimit = 227 * 1024;  // what sm_90 lets one block opt in to
-template <int kHeadDim>
-constexpr int hopper_block_n() {
-  return kHeadDim == 256 ? 64 : 128;
-}
+// The key tile per head dim: hopper_block_n (tile_schedule.h, which the schedule reads too).
 template <int kHeadDim>
 constexpr int hopper_pingpong_stages() {
-  return 128 * kHeadDim * 2 + 3 * 2 * hopper_block_n<kHeadDim>() * kHeadDim * 2 + 1024 <= kHopperSmemLimit ? 3 : 2;
+  return 128 * kHeadDim * 2 + 3 * 2 * hopper_block_n(kHeadDim) * kHeadDim * 2 + 1024 <= kHopperSmemLimit ? 3 : 2;
 }
 // Rung "persistent" runs the consumers of the dispatch's choice for each head dim: pingpong's where
 // its third stage fits (d = 64, 128), warp_specialized's where it does not (d = 256).
@@ -109,7 +106,7 @@ constexpr bool hopper_pingpong_rung() {
 }
 template <int kHeadDim, HopperForward kRung>
 struct HopperFwdTraits
-    : HopperFwdConfig<kHeadDim, hopper_block_n<kHeadDim>(),
+    : HopperFwdConfig<kHeadDim, hopper_block_n(kHeadDim),
                       hopper_pingpong_rung<kHeadDim, kRung>() ? hopper_pingpong_stages<kHeadDim>() : 2,
                       kRung != HopperForward::kWgmma, hopper_pingpong_rung<kHeadDim, kRung>(),
                       hopper_pingpong_rung<kHeadDim, kRung>(), false, kRung == HopperForward::kPersistent> {};
@@ -175,12 +172,32 @@ __device__ __forceinline__ void issue_pv(float (&o)[K::kHeadDim / 2], const uint
 // kExpBias: P comes out as 2^kExpBias exp(...) instead (the FP8 forward's 256 P, which e4m3 holds
 // more finely than P itself: flash_fwd_hopper_fp8.cuh); the row sums carry the same factor, and
 // the correction factors, ratios of two exponentials, do not. 0 for the 16-bit rungs.
-template <typename K, int kExpBias = 0, typename MaskTag>
+// kWindow (the persistent rung's kWindowSoftcap instantiation): the mask is the window's, each row's
+// visible keys [key_begin(row), key_end(row)) (attention.h, part 1's rule and its one unsigned
+// compare per score: flash_fwd_kernel.cuh), causal being its right bound 0; i is then the key tile's
+// index in the sequence, not in the walk.
+template <typename K, int kExpBias = 0, bool kWindow = false, typename MaskTag>
 __device__ __forceinline__ void online_softmax(MaskTag, float (&s)[K::kBlockN / 2], float (&row_max)[2],
                                                float (&row_sum)[2], float (&corr)[2], const AttentionParams& p,
                                                int64_t row0, int64_t diag, int i, int t, float scale_log2) {
   constexpr int kSRegs = K::kBlockN / 2;
-  if constexpr (MaskTag::value) {
+  if constexpr (MaskTag::value && kWindow) {
+    const int64_t n0 = static_cast<int64_t>(i) * K::kBlockN;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      // The row's visible columns [col_start, col_limit) in 64 bits once; then per score one 32-bit
+      // unsigned compare (a column left of col_start wraps to a large number).
+      const int64_t row = row0 + 8 * r;
+      const int col_limit = static_cast<int>(max(int64_t{0}, min(key_end(row, p) - n0, int64_t{K::kBlockN})));
+      const int col_start = static_cast<int>(max(int64_t{0}, min(key_begin(row, p) - n0, int64_t{col_limit})));
+      const unsigned width = static_cast<unsigned>(col_limit - col_start);
+#pragma unroll
+      for (int j = 0; j < kSRegs; ++j) {
+        const int col = 8 * (j >> 2) + 2 * t + (j & 1);
+        if (((j >> 1) & 1) == r && static_cast<unsigned>(col - col_start) >= width) s[j] = -INFINITY;
+      }
+    }
+  } else if constexpr (MaskTag::value) {
     const int64_t n0 = static_cast<int64_t>(i) * K::kBlockN;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {

@@ -48,8 +48,26 @@
 // gives them -inf, so P is 0 there and P V adds exact zeros (the values are finite); as query rows
 // they are past its seqlen_q, computed and not stored (store_o_lse's guard, as for the padded last
 // tile's zero rows). So each sequence's output is the bits of the padded rung on that sequence alone.
+//
+// Local attention and softcapping (attention.h's window and softcap; kWindowSoftcap, a template
+// parameter as part 1's is, so that the plain instantiations compile without any of it, and one
+// flag for both: flash_fwd_kernel.cuh says why). A work item walks only the key tiles its rows'
+// windows reach, hopper_window_key_tiles (tile_schedule.h): part 1's range [key_begin(first row),
+// key_end(last row)), bottom-right aligned, so that a window of w keys costs about (128 + w) / 128
+// key tiles per item instead of seqlen_k / 128; the producer loads key tile first + i on trip i,
+// and the consumers mask the window's edges (online_softmax's kWindow) only on the tiles they cross
+// for some row of the warpgroup: those before the first tile every row sees whole, and those from
+// the first one some row's right edge (or seqlen_k) cuts. The softcap replaces the scaling: the
+// scores are capped in log2 units (softcap.cuh's helper, part 1's), and the softmax then runs with
+// a scale of 1, so lse = max ln 2 + log(l) is of the capped scores, in natural units, as part 1's
+// forward writes it and the backward (rung "mma_dqpass", which rebuilds P from lse) expects. A row
+// whose window holds no key ends with l = 0: o = 0 and lse = -inf, as in part 1; an item none of
+// whose rows sees a key loads nothing. The schedule (tile_schedule.h) orders the query tiles by
+// their window's walk, longest first. Padded layout, head dims kHopperWindowHeadDims only: the
+// packed layout with a window runs on "split_kv".
 #pragma once
 
+#include "attention/softcap.cuh"
 #include "hopper/flash_fwd_hopper_kernel.cuh"
 
 namespace flash_attention {
@@ -103,16 +121,20 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <typename T, typename K, bool kVarlen>
+// kWindowSoftcap: this instantiation computes a window and a softcap (`cap`, unread otherwise; it
+// comes last so that the other arguments sit where they did before it existed).
+template <typename T, typename K, bool kVarlen, bool kWindowSoftcap>
 __global__ void __launch_bounds__(K::kThreads, 1)
     flash_fwd_hopper_persistent_kernel(const __grid_constant__ CUtensorMap map_q,
                                        const __grid_constant__ CUtensorMap map_k,
                                        const __grid_constant__ CUtensorMap map_v, const AttentionParams p,
-                                       const HopperTileSchedule schedule, int* tile_counter, float scale_log2) {
+                                       const HopperTileSchedule schedule, int* tile_counter, float scale_log2,
+                                       const Softcap cap) {
 #if COURSE_HOPPER_DEVICE
   using namespace hopper;
   using namespace hopper_fwd;
   static_assert(K::kPersistent, "the persistent schedule's traits");
+  static_assert(!(kVarlen && kWindowSoftcap), "the packed layout with a window runs on part 1's kernel");
   constexpr int kBN = K::kBlockN, kBM = K::kBlockM, kStages = K::kStages;
   constexpr int kHalfQBytes = K::kQBytes / 2;  // one consumer warpgroup's 64 rows of Q
   extern __shared__ unsigned char smem_raw[];
@@ -151,6 +173,7 @@ __global__ void __launch_bounds__(K::kThreads, 1)
   // (cu_seqlens_q[b] + m0, cu_seqlens_k[b], 0) in the maps of one batch of every token.
   struct Item {
     int b, h, hk, n_tiles, map_b;
+    int first_tile;  // the walk's first key tile: 0 but under a window (kWindowSoftcap)
     int64_t m0, pair, q_row, k_row;
     int64_t seqlen_q, seqlen_k;  // the item's sequence's: padded p's, packed its own
   };
@@ -160,6 +183,8 @@ __global__ void __launch_bounds__(K::kThreads, 1)
     if constexpr (kVarlen) {
       pair = value / schedule.q_tiles;
       q_tile = value % schedule.q_tiles;
+    } else if constexpr (kWindowSoftcap) {
+      hopper_window_tile_at(schedule, value, &pair, &q_tile);  // longest window walk first
     } else {
       hopper_tile_at(schedule, value, &pair, &q_tile);
     }
@@ -184,8 +209,15 @@ __global__ void __launch_bounds__(K::kThreads, 1)
       it.k_row = 0;
       it.map_b = it.b;
     }
-    const int64_t last_row = (it.m0 + kBM < it.seqlen_q ? it.m0 + kBM : it.seqlen_q) - 1;
-    it.n_tiles = static_cast<int>((visible_keys(last_row, it.seqlen_q, it.seqlen_k, p.causal) + kBN - 1) / kBN);
+    if constexpr (kWindowSoftcap) {
+      const HopperKeyTiles keys = hopper_window_key_tiles(p, it.m0, kBN);
+      it.first_tile = keys.first;
+      it.n_tiles = keys.count;
+    } else {
+      const int64_t last_row = (it.m0 + kBM < it.seqlen_q ? it.m0 + kBM : it.seqlen_q) - 1;
+      it.first_tile = 0;
+      it.n_tiles = static_cast<int>((visible_keys(last_row, it.seqlen_q, it.seqlen_k, p.causal) + kBN - 1) / kBN);
+    }
     return it;
   };
   // The value handed to the consumers for the index drawn: padded the index itself, packed the item
@@ -245,13 +277,13 @@ __global__ void __launch_bounds__(K::kThreads, 1)
 #pragma unroll
           for (int c = 0; c < K::kChunks; ++c) {
             tma_load_4d(k_s + stage * K::kKVBytes + c * kBN * 128, &map_k, &k_full[stage], c * 64,
-                        static_cast<int>(it.k_row) + i * kBN, it.hk, it.map_b);
+                        static_cast<int>(it.k_row) + (it.first_tile + i) * kBN, it.hk, it.map_b);
           }
           mbarrier_arrive_expect_tx(&v_full[stage], K::kKVBytes);
 #pragma unroll
           for (int c = 0; c < K::kChunks; ++c) {
             tma_load_4d(v_s + stage * K::kKVBytes + c * kBN * 128, &map_v, &v_full[stage], c * 64,
-                        static_cast<int>(it.k_row) + i * kBN, it.hk, it.map_b);
+                        static_cast<int>(it.k_row) + (it.first_tile + i) * kBN, it.hk, it.map_b);
           }
         }
         // The next tile, drawn once this one's copies are all issued: as late as the producer can
@@ -278,6 +310,7 @@ __global__ void __launch_bounds__(K::kThreads, 1)
   float row_max[2], row_sum[2];
   int64_t row0 = 0;  // this lane's rows of the current tile: row0 and row0 + 8
   int64_t diag = 0;  // the current item's: key j is visible to row i iff j <= i + diag
+  int first_tile = 0;  // the current item's first key tile (a window's; else 0)
   uint32_t q_trips = 0, kv_trips = 0;  // the producer's counts, kept in step
   // The parameters the per-tile math reads its lengths from: p itself padded; packed, a copy with the
   // current item's sequence's lengths (the sequence as a batch of one).
@@ -286,8 +319,18 @@ __global__ void __launch_bounds__(K::kThreads, 1)
 
   auto issue_qk = [&](int stage) { hopper_fwd::issue_qk<T, K>(s, q_wg, k_s + stage * K::kKVBytes); };
   auto issue_pv = [&](int stage) { hopper_fwd::issue_pv<T, K>(o, pf, v_s + stage * K::kKVBytes); };
+  // Trip i of the walk is key tile first_tile + i. With a softcap, the scores are capped into log2
+  // units first (scale_log2 is then 1: the launcher's), before the mask and the running maximum, as
+  // in part 1; a uniform branch, taken after the wait for S (no product in flight across it).
   auto softmax = [&](auto mask_tag, int i, float (&corr)[2]) {
-    online_softmax<K>(mask_tag, s, row_max, row_sum, corr, ip, row0, diag, i, t, scale_log2);
+    if constexpr (kWindowSoftcap) {
+      if (cap.in != 0.f) {
+#pragma unroll
+        for (int j = 0; j < kBN / 2; ++j) s[j] = cap.out * softcap_tanh(s[j] * cap.in, cap.approx);
+      }
+    }
+    online_softmax<K, 0, kWindowSoftcap>(mask_tag, s, row_max, row_sum, corr, ip, row0, diag, first_tile + i, t,
+                                         scale_log2);
   };
   auto rescale_o = [&](const float (&corr)[2]) {
 #pragma unroll
@@ -325,6 +368,7 @@ __global__ void __launch_bounds__(K::kThreads, 1)
     const int n_tiles = it.n_tiles;
     row0 = it.m0 + wg * 64 + warp * 16 + g;
     diag = it.seqlen_k - it.seqlen_q;
+    if constexpr (kWindowSoftcap) first_tile = it.first_tile;
     if constexpr (kVarlen) {
       seq_p.seqlen_q = it.seqlen_q;
       seq_p.seqlen_k = it.seqlen_k;
@@ -337,10 +381,24 @@ __global__ void __launch_bounds__(K::kThreads, 1)
     if (n_tiles > 0) {
       mbarrier_wait(&q_full[wg], q_trips & 1);
       ++q_trips;
-      // Tiles 0 .. n_full - 1 need no mask for any row of the block (as in the one-tile kernel).
-      int64_t full_tiles = it.seqlen_k / kBN;
-      if (p.causal) full_tiles = min(full_tiles, max(int64_t{0}, it.m0 + diag + 1) / kBN);
-      const int n_full = static_cast<int>(min(full_tiles, static_cast<int64_t>(n_tiles)));
+      // Trips lead_end .. full_end - 1 need no mask for any row of the warpgroup, the others do.
+      // Plain: lead_end is 0 and tiles 0 .. n_full - 1 are whole for every row of the block (as in the
+      // one-tile kernel). Window: the tiles left of the last row's first key are cut by the window's
+      // left edge for some row, and those from the first row's last key on (key_end clamps to
+      // seqlen_k) by its right edge or the end.
+      int lead_end = 0, full_end = 0;
+      if constexpr (kWindowSoftcap) {
+        const int64_t wg_row = it.m0 + wg * 64;
+        const int64_t lead = (key_begin(wg_row + 63, p) + kBN - 1) / kBN - first_tile;
+        const int64_t full = key_end(wg_row, p) / kBN - first_tile;
+        lead_end = static_cast<int>(max(int64_t{0}, min(lead, static_cast<int64_t>(n_tiles))));
+        full_end = static_cast<int>(max(static_cast<int64_t>(lead_end), min(full, static_cast<int64_t>(n_tiles))));
+      } else {
+        int64_t full_tiles = it.seqlen_k / kBN;
+        if (p.causal) full_tiles = min(full_tiles, max(int64_t{0}, it.m0 + diag + 1) / kBN);
+        full_end = static_cast<int>(min(full_tiles, static_cast<int64_t>(n_tiles)));
+      }
+      const int n_full = full_end;
       // This warpgroup's half of Q is read for the last time: the producer may load the next tile's.
       auto release_q = [&] {
         if (lane == 0) mbarrier_arrive(&q_empty[wg]);
@@ -365,7 +423,10 @@ __global__ void __launch_bounds__(K::kThreads, 1)
           fence_operands(pf);
           release(stage);
         };
-        for (int i = 0; i < n_full; ++i) step(unmasked, i);
+        if constexpr (kWindowSoftcap) {
+          for (int i = 0; i < lead_end; ++i) step(masked, i);
+        }
+        for (int i = lead_end; i < n_full; ++i) step(unmasked, i);
         for (int i = n_full; i < n_tiles; ++i) step(masked, i);
         release_q();  // after the last P V here: no product is in flight to overlap with anyway
       } else {
@@ -377,7 +438,7 @@ __global__ void __launch_bounds__(K::kThreads, 1)
         wgmma_wait<0>();
         fence_operands(s);
         float corr[2];
-        if (n_full > 0) {
+        if (lead_end == 0 && n_full > 0) {
           softmax(unmasked, 0, corr);  // O is still 0: nothing to rescale
         } else {
           softmax(masked, 0, corr);
@@ -400,7 +461,10 @@ __global__ void __launch_bounds__(K::kThreads, 1)
           rescale_o(corr);
           pack_p();
         };
-        for (int i = 1; i < n_full; ++i) step(unmasked, i);
+        if constexpr (kWindowSoftcap) {
+          for (int i = 1; i < lead_end; ++i) step(masked, i);
+        }
+        for (int i = lead_end > 1 ? lead_end : 1; i < n_full; ++i) step(unmasked, i);
         for (int i = n_full > 1 ? n_full : 1; i < n_tiles; ++i) step(masked, i);
         // The last Q K^T has completed (the wait above): Q goes back before the last P V, so the
         // next tile's Q arrives under that product and the stores below.
@@ -447,7 +511,7 @@ __global__ void __launch_bounds__(K::kThreads, 1)
 // Packed (kVarlen), the tiles are counted over max_seqlen_q (an upper bound: the host does not know
 // the lengths), the maps describe the packed tensors as one batch of total_q and total_k tokens, and
 // the schedule kernel runs first, on the same stream (it also clears the counter).
-template <typename T, typename K, bool kVarlen>
+template <typename T, typename K, bool kVarlen, bool kWindowSoftcap = false>
 cudaError_t run_flash_fwd_hopper_persistent(const AttentionParams& p, cudaStream_t stream, void* workspace) {
   const int64_t q_tiles = course::ceil_div(p.seqlen_q, static_cast<int64_t>(K::kBlockM));
   const int64_t tiles = q_tiles * p.batch * p.heads;
@@ -467,7 +531,7 @@ cudaError_t run_flash_fwd_hopper_persistent(const AttentionParams& p, cudaStream
                                 p.k_head_stride, p.k_seq_stride, K::kBlockN));
   COURSE_CUDA_TRY(make_bhsd_map(&map_v, p.v, map_batch, p.heads_kv, rows_k, K::kHeadDim, p.v_batch_stride,
                                 p.v_head_stride, p.v_seq_stride, K::kBlockN));
-  auto kernel = flash_fwd_hopper_persistent_kernel<T, K, kVarlen>;
+  auto kernel = flash_fwd_hopper_persistent_kernel<T, K, kVarlen, kWindowSoftcap>;
   COURSE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSmemBytes));
   int device = 0, sms = 0, l2_bytes = 0, per_sm = 0;
   COURSE_CUDA_TRY(cudaGetDevice(&device));
@@ -488,10 +552,27 @@ cudaError_t run_flash_fwd_hopper_persistent(const AttentionParams& p, cudaStream
   } else {
     COURSE_CUDA_TRY(cudaMemsetAsync(counter, 0, sizeof(int), stream));
   }
-  const float scale_log2 = static_cast<float>(p.scale * 1.4426950408889634);
+  float scale_log2 = static_cast<float>(p.scale * 1.4426950408889634);
+  Softcap cap{};
+  if constexpr (kWindowSoftcap) {
+    // The cap in log2 units (part 1's pipelined rungs'); the capped scores are the softmax's input
+    // as they stand, so its scale is 1, and the epilogue's max * scale_log2 ln 2 is max ln 2.
+    cap = make_softcap(p.scale, p.softcap, p.dtype == DType::kBFloat16, /*log2_units=*/true);
+    if (cap.in != 0.f) scale_log2 = 1.f;
+  }
   kernel<<<static_cast<unsigned>(ctas), K::kThreads, K::kSmemBytes, stream>>>(map_q, map_k, map_v, p, schedule,
-                                                                              counter, scale_log2);
+                                                                              counter, scale_log2, cap);
   return cudaGetLastError();
+}
+
+// The window and softcap entry point (flash_fwd_hopper_window_<dtype>_hdim<d>.cu, the head dims of
+// kHopperWindowHeadDims): the persistent rung's kWindowSoftcap instantiation, padded layout only.
+template <typename T, int D>
+cudaError_t run_flash_fwd_hopper_window(const AttentionParams& p, cudaStream_t stream, void* workspace) {
+  static_assert(::course::is_listed(kHopperWindowHeadDims, D), "a head dim of kHopperWindowHeadDims");
+  if (p.cu_seqlens_q != nullptr) return cudaErrorInvalidValue;  // the glue sends such calls to "split_kv"
+  return run_flash_fwd_hopper_persistent<T, HopperFwdTraits<D, HopperForward::kPersistent>, false, true>(p, stream,
+                                                                                                       workspace);
 }
 
 // The rungs' entry point (the instantiation files): the persistent rung's kernel, padded or packed
@@ -501,12 +582,12 @@ cudaError_t run_flash_fwd_hopper(const AttentionParams& p, cudaStream_t stream, 
   if constexpr (kRung == HopperForward::kPersistent) {
     if (p.cu_seqlens_q != nullptr) {
       if constexpr (::course::is_listed(kHopperVarlenHeadDims, D)) {
-        return run_flash_fwd_hopper_persistent<T, HopperFwdTraits<D, kRung>, true>(p, stream, workspace);
+        return run_flash_fwd_hopper_persistent<T, HopperFwdTraits<D, kRung>, true, false>(p, stream, workspace);
       } else {
         return cudaErrorInvalidValue;  // the glue sends no packed call at this head dim here
       }
     }
-    return run_flash_fwd_hopper_persistent<T, HopperFwdTraits<D, kRung>, false>(p, stream, workspace);
+    return run_flash_fwd_hopper_persistent<T, HopperFwdTraits<D, kRung>, false, false>(p, stream, workspace);
   } else {
     if (p.cu_seqlens_q != nullptr) return cudaErrorInvalidValue;  // the one-tile rungs take the padded layout only
     return run_flash_fwd_hopper_config<T, HopperFwdTraits<D, kRung>>(p, stream);

@@ -11,6 +11,28 @@ namespace flash_attention {
 
 // Query rows per block (two consumer warpgroups of wgmma's 64 rows), every Hopper rung.
 inline constexpr int kHopperBlockM = 128;
+// Keys per key tile: 128, and 64 at head_dim 256, where O alone takes 128 registers a thread
+// (flash_fwd_hopper_kernel.cuh's HopperFwdTraits reads it from here, and so does the schedule).
+FLASH_ATTENTION_HD constexpr int hopper_block_n(int64_t head_dim) { return head_dim == 256 ? 64 : 128; }
+
+// The key tiles of query tile m0 .. m0 + kHopperBlockM - 1 under a window or a softcap (the
+// persistent rung's kWindowSoftcap instantiation): from the tile holding the first row's first
+// visible key to the one holding the last valid row's last, [key_begin(m0), key_end(last row)) in
+// attention.h's bottom-right aligned rule, the range part 1's kernel walks (flash_fwd_kernel.cuh).
+// Both ends only grow with the row, so no row of the tile sees a key outside it. One difference:
+// where the range is empty (every row of the tile sees no key) it is no tile at all, where part 1
+// walks the one tile holding key_begin fully masked; the rows get o = 0 and lse = -inf either way.
+struct HopperKeyTiles {
+  int first;  // the first key tile
+  int count;  // key tiles from there
+};
+FLASH_ATTENTION_HD HopperKeyTiles hopper_window_key_tiles(const AttentionParams& p, int64_t m0, int block_n) {
+  const int64_t last_row = (m0 + kHopperBlockM < p.seqlen_q ? m0 + kHopperBlockM : p.seqlen_q) - 1;
+  const int64_t begin = key_begin(m0, p), end = key_end(last_row, p);
+  if (begin >= end) return {0, 0};
+  const int first = static_cast<int>(begin / block_n);
+  return {first, static_cast<int>((end + block_n - 1) / block_n) - first};
+}
 
 // The persistent rung's tile schedule: the order in which the blocks take the (batch, head, query
 // tile) work items. Plain C++, so that the kernel, its launcher and the CPU tests (the
@@ -37,6 +59,19 @@ inline constexpr int kHopperBlockM = 128;
 // longest, and the blocks that draw the long ones fall behind for good: replayed on the CPU with a
 // tile's key tiles as its cost, the busiest block had 1.2x the average's work at b2 h16 s8192
 // causal (test_attention.py replays both).
+//
+// With a window or a softcap (the kWindowSoftcap instantiation; attention.h's
+// uses_window_or_softcap), a query tile's walk is its window's key tiles (hopper_window_key_tiles),
+// and these grow with the query tile, stay level, then shrink: both ends of the range only grow
+// with the row, each by at most one key tile per query tile (128 rows, 128 keys: the rows' ranges
+// move by one whole key tile where no clamp bites), so the walk can rise by one tile per query tile
+// (the start clamped at key 0, the end moving), stay level (both moving, or both clamped), then fall
+// (the end clamped at seqlen_k, the start moving). A sliding window (w, 0) over a long sequence is a
+// short rise over its first w / 128 query tiles, then level. Longest first is then: the level query
+// tiles (the longest, peak_lo .. peak_hi, found on the host once per launch) from the top, then the
+// two slopes taken alternately from the peak outwards (one tile shorter per step on either side).
+// The order is a permutation of the query tiles whatever the walks' shape (the decode below never
+// looks at the walks), so a walk that broke the shape would cost balance, never a tile.
 struct HopperTileSchedule {
   int q_tiles;   // kHopperBlockM-row query tiles per (batch, head)
   int pairs;     // batch x heads
@@ -44,6 +79,8 @@ struct HopperTileSchedule {
   int first;     // pairs in the first section (the narrower one, when they do not divide)
   int tiles;     // q_tiles x pairs
   bool longest_first;  // causal
+  bool windowed;       // a window or a softcap: the query tiles go by peak_lo and peak_hi
+  int peak_lo, peak_hi;  // windowed: the first and the last query tile with the longest walk
 };
 
 // The schedule of a problem with `l2_bytes` of L2 (the launcher passes the GPU's). Callers keep
@@ -63,12 +100,24 @@ inline HopperTileSchedule hopper_tile_schedule(const AttentionParams& p, int64_t
   if (s.section < 1) s.section = 1;
   const int rest = s.pairs % s.section;
   s.first = rest > 0 ? rest : s.section;
+  s.windowed = uses_window_or_softcap(p);
+  s.peak_lo = s.peak_hi = s.q_tiles - 1;
+  if (s.windowed) {
+    // The walks of every query tile, once per launch on the host: O(seqlen_q / 128) steps.
+    const int block_n = hopper_block_n(p.head_dim);
+    int longest = -1;
+    for (int q = 0; q < s.q_tiles; ++q) {
+      const int count = hopper_window_key_tiles(p, static_cast<int64_t>(q) * kHopperBlockM, block_n).count;
+      if (count > longest) longest = count, s.peak_lo = q;
+      if (count == longest) s.peak_hi = q;
+    }
+  }
   return s;
 }
 
-// The tile at `index` of the order (0 <= index < tiles): its pair (batch x heads + head) and query
-// tile.
-FLASH_ATTENTION_HD void hopper_tile_at(const HopperTileSchedule& s, int index, int* pair, int* q_tile) {
+// The pair (batch x heads + head) of the tile at `index` of the order (0 <= index < tiles), and its
+// rank: the place of its query tile in the longest-first order of the query tiles (below).
+FLASH_ATTENTION_HD void hopper_tile_pair_rank(const HopperTileSchedule& s, int index, int* pair, int* rank) {
   int first_pair = 0, width = s.first, in_section = index;
   const int first_tiles = s.first * s.q_tiles;
   if (index >= first_tiles) {  // one of the full sections after the first
@@ -77,9 +126,33 @@ FLASH_ATTENTION_HD void hopper_tile_at(const HopperTileSchedule& s, int index, i
     width = s.section;
     in_section = index - first_tiles - sec * s.section * s.q_tiles;
   }
-  const int rank = in_section / width;
+  *rank = in_section / width;
   *pair = first_pair + in_section % width;
+}
+
+// The tile at `index` of the order: its pair and query tile, without a window or a softcap.
+FLASH_ATTENTION_HD void hopper_tile_at(const HopperTileSchedule& s, int index, int* pair, int* q_tile) {
+  int rank = 0;
+  hopper_tile_pair_rank(s, index, pair, &rank);
   *q_tile = s.longest_first ? s.q_tiles - 1 - rank : rank;
+}
+
+// With a window or a softcap (s.windowed): the query tile of rank `rank` (0 .. q_tiles - 1), the
+// level tiles from peak_hi down, then alternately one to the right of the peak and one to its left,
+// going outwards, and the longer slope's rest once the shorter one has run out.
+FLASH_ATTENTION_HD int hopper_window_q_tile(const HopperTileSchedule& s, int rank) {
+  const int level = s.peak_hi - s.peak_lo + 1;
+  if (rank < level) return s.peak_hi - rank;
+  const int d = rank - level;
+  const int right = s.q_tiles - 1 - s.peak_hi, left = s.peak_lo;
+  const int both = right < left ? right : left;
+  if (d < 2 * both) return (d & 1) == 0 ? s.peak_hi + 1 + d / 2 : s.peak_lo - 1 - d / 2;
+  return right > left ? s.peak_hi + 1 + d - both : s.peak_lo - 1 - (d - both);
+}
+FLASH_ATTENTION_HD void hopper_window_tile_at(const HopperTileSchedule& s, int index, int* pair, int* q_tile) {
+  int rank = 0;
+  hopper_tile_pair_rank(s, index, pair, &rank);
+  *q_tile = hopper_window_q_tile(s, rank);
 }
 
 // The packed (varlen) layout's order (attention.h's cu_seqlens_q): the work items are (sequence,
