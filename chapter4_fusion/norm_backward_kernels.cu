@@ -184,9 +184,17 @@ constexpr int64_t shared_sums_bytes() {
 }
 
 // kSums false: the kernel writes dx only, and norm_backward_columns sums dweight and dbias
-// (backward_column_pass in norm.h says when).
+// (backward_column_pass in norm.h says when). Without the sums a thread holds x, dy and weight
+// and little else, yet nvcc 13.0 gave LayerNorm's bfloat16 rows of 64 to 512 threads 89-94
+// registers (ptxas -v): one block of 512 threads an SM, 16 warps to hide each row's loads. Asked
+// for two blocks an SM, it fits them in 64 (8-12 bytes a thread spilled, once a row step; ptxas
+// -v), as RMSNorm's rows already were: 32 warps an SM. The kernel with the sums keeps its
+// registers: its 32 float sums a thread would spill.
+template <int kThreadsPerRow, bool kSums>
+constexpr int kBackwardMinBlocks = !kSums && kThreadsPerRow * kSlots<kThreadsPerRow> <= kBackwardBlock ? 2 : 1;
+
 template <typename T, bool kCentered, int kThreadsPerRow, int kVectors, Access kAccess, bool kSums = true>
-__global__ void __launch_bounds__(kThreadsPerRow * kSlots<kThreadsPerRow>)
+__global__ void __launch_bounds__(kThreadsPerRow * kSlots<kThreadsPerRow>, (kBackwardMinBlocks<kThreadsPerRow, kSums>))
     norm_backward_resident(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ weight,
                            const typename Acc<T>::type* __restrict__ mean, const typename Acc<T>::type* __restrict__ rstd,
                            T* __restrict__ dx, typename Acc<T>::type* __restrict__ dweight_partial,
@@ -326,8 +334,9 @@ __global__ void __launch_bounds__(course::kColumnThreads)
   constexpr int kWarps = course::kColumnWarps;
   constexpr int kUnroll = kCols > 1 ? course::kColumnUnroll : course::kColumnUnrollScalar;
   constexpr int kTile = 32 * kCols;
-  __shared__ A sums_w[kWarps][kTile];
-  __shared__ A sums_b[kCentered ? kWarps : 1][kCentered ? kTile : 1];
+  // Each warp's sums for its rows of the tile's columns, as course::tile_column_totals reads them.
+  __shared__ A sums_w[kWarps * kTile];
+  __shared__ A sums_b[kCentered ? kWarps * kTile : 1];
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   const int rows_per_warp = 32 / lanes;  // lanes is a power of two: 1, 2, ..., 32
@@ -379,26 +388,22 @@ __global__ void __launch_bounds__(course::kColumnThreads)
   }
 #pragma unroll
   for (int c = 0; c < kCols; ++c) {
-    sums_w[warp][lane * kCols + c] = acc_w[c];
-    if constexpr (kCentered) sums_b[warp][lane * kCols + c] = acc_b[c];
+    sums_w[warp * kTile + lane * kCols + c] = acc_w[c];
+    if constexpr (kCentered) sums_b[warp * kTile + lane * kCols + c] = acc_b[c];
   }
-  __syncthreads();  // every warp's sums are in shared memory before warp 0 adds them
-  if (warp == 0 && lane < lanes) {
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) {
-      if (c0 + c < n) {  // the last tile's columns past the row's end
-        A total_w = A(0);
-        A total_b = A(0);
-        for (int w = 0; w < kWarps; ++w) {
-          for (int s = 0; s < rows_per_warp; ++s) {
-            total_w += sums_w[w][(s * lanes + lane) * kCols + c];
-            if constexpr (kCentered) total_b += sums_b[w][(s * lanes + lane) * kCols + c];
-          }
-        }
-        dweight[c0 + c] = from_acc<T>(total_w);
-        if constexpr (kCentered) dbias[c0 + c] = from_acc<T>(total_b);
-      }
-    }
+  __syncthreads();  // every warp's sums are in shared memory before the block adds them
+  // The whole block adds each column's sums (tile_column_totals, a fixed order): with 2 lanes a
+  // tile (hidden 2048 in bfloat16), warp 0's two lanes adding them alone were 1024 dependent
+  // adds a lane for each of dweight and dbias.
+  const int width = lanes * kCols;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * width;
+  const A total_w = course::tile_column_totals<kCols>(sums_w, lanes, SumOp<A>());
+  if (static_cast<int>(threadIdx.x) < width && first + threadIdx.x < n) {  // the last tile's columns past the row's end
+    dweight[first + threadIdx.x] = from_acc<T>(total_w);
+  }
+  if constexpr (kCentered) {
+    const A total_b = course::tile_column_totals<kCols>(sums_b, lanes, SumOp<A>());
+    if (static_cast<int>(threadIdx.x) < width && first + threadIdx.x < n) dbias[first + threadIdx.x] = from_acc<T>(total_b);
   }
 }
 

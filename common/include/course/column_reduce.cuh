@@ -38,6 +38,45 @@ constexpr int kColumnUnrollScalar = 16;
 // Row groups a lane keeps in flight with kCols columns per lane.
 constexpr int column_unroll(int cols) { return cols > 1 ? kColumnUnroll : kColumnUnrollScalar; }
 
+// The column totals of one tile from the block's partial sums in shared memory: sums[w * 32 *
+// kCols + (s * lanes + l) * kCols + c] is warp w's sum, over its rows s, s + 32 / lanes, ..., of
+// tile column l * kCols + c. Every column has kColumnWarps * (32 / lanes) of them. All the block's
+// threads add them: `groups` = kColumnThreads / width threads a column, each adding every
+// groups-th of the column's sums (kCols of them), then the first thread of the column adding the
+// groups' totals, both in a fixed order, so the result is the same bits on every run.
+// Before, warp 0's first `lanes` lanes added every sum of their kCols columns alone: with 2 lanes
+// of 8 bfloat16 columns (a tile of 16 columns, which hidden 2048 takes to give 132 SMs a tile
+// each), 1024 dependent shared-memory adds a lane, two such chains for LayerNorm's dweight and
+// dbias: some 8 us a chain on the H200, longer than reading the rows (LayerNorm's backward at 64
+// x 2048 took 19.8 us where torch took 6.3). Now each thread adds kCols sums and then at most 256
+// / width group totals.
+// Returns the total of tile column threadIdx.x in threads threadIdx.x < width (the identity in
+// the others). Every thread of the block must call it, after the barrier that follows the sums'
+// stores; it overwrites the first kColumnThreads sums, and the caller must put a barrier between
+// its return and the next writes to `sums`.
+template <int kCols, typename A, typename Op>
+__device__ __forceinline__ A tile_column_totals(A* sums, int lanes, const Op& op) {
+  constexpr int kTile = 32 * kCols;
+  const int width = lanes * kCols;             // divides kColumnThreads: both powers of two
+  const int groups = kColumnThreads / width;   // 1 (32 lanes of 8 columns) to 256 (1 lane of 1)
+  const int rows_per_warp = 32 / lanes;
+  const int j = threadIdx.x % width;           // this thread's column of the tile
+  const int l = j / kCols;
+  const int c = j % kCols;
+  A part = Op::identity();
+  for (int q = threadIdx.x / width; q < kColumnWarps * rows_per_warp; q += groups) {
+    part = op(part, sums[(q / rows_per_warp) * kTile + ((q % rows_per_warp) * lanes + l) * kCols + c]);
+  }
+  __syncthreads();  // every thread has read its sums before the groups' totals overwrite them
+  sums[threadIdx.x] = part;  // kTile * kColumnWarps >= kColumnThreads slots
+  __syncthreads();  // every group's total is in shared memory before the columns' first threads add them
+  A total = Op::identity();
+  if (static_cast<int>(threadIdx.x) < width) {
+    for (int g = 0; g < groups; ++g) total = op(total, sums[g * width + j]);
+  }
+  return total;
+}
+
 template <int kCols, typename T, typename Op, typename Out>
 __global__ void __launch_bounds__(kColumnThreads) column_reduce_tiles(
     const T* __restrict__ x, int64_t outer, int64_t n, int64_t inner, int64_t range, int lanes,
@@ -102,41 +141,23 @@ __global__ void __launch_bounds__(kColumnThreads) column_reduce_tiles(
     __syncthreads();
 #pragma unroll
     for (int c = 0; c < kCols; ++c) smem[warp][lane * kCols + c] = acc[c];
-    __syncthreads();  // every warp's sums are in shared memory before warp 0 adds them
-    // Warp 0's first `lanes` lanes add, for their columns, every warp's rows in a fixed order.
-    const bool adder = warp == 0 && lane < lanes;
-    if (adder) {
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) {
-        A total = Op::identity();
-        for (int w = 0; w < kColumnWarps; ++w) {
-          for (int s = 0; s < rows_per_warp; ++s) total = op(total, smem[w][(s * lanes + lane) * kCols + c]);
-        }
-        acc[c] = total;
-      }
-    }
+    __syncthreads();  // every warp's sums are in shared memory before the block adds them
+    // The block adds the tile's sums (tile_column_totals): thread k < width holds column k's.
+    const int64_t tile_c0 = (t % tiles) * width;
+    const A total = tile_column_totals<kCols>(&smem[0][0], lanes, op);
+    const bool writer = static_cast<int>(threadIdx.x) < width && tile_c0 + threadIdx.x < inner;
     if (splits == 1) {
-      if (adder) {
-#pragma unroll
-        for (int c = 0; c < kCols; ++c) {
-          if (c0 + c < inner) out[o * inner + c0 + c] = from_acc<Out>(acc[c]);
-        }
-      }
-      continue;
+      if (writer) out[o * inner + tile_c0 + threadIdx.x] = from_acc<Out>(total);
+      continue;  // the next tile's first barrier keeps its stores off the sums read here
     }
-    if (warp == 0) {
-      if (adder) {
-#pragma unroll
-        for (int c = 0; c < kCols; ++c) {
-          if (c0 + c < inner) partial[(blockIdx.y * outer + o) * inner + c0 + c] = acc[c];
-        }
-      }
-      // Every lane's partials must be visible device-wide before the count that announces them.
-      __threadfence();
-      __syncwarp();  // all 32 lanes fenced before lane 0 arrives
-      if (lane == 0) last = atomicAdd(&arrived[t], 1u) == splits - 1;
-    }
-    __syncthreads();  // every thread sees warp 0's `last`
+    if (writer) partial[(blockIdx.y * outer + o) * inner + tile_c0 + threadIdx.x] = total;
+    // Every writer's partials must be visible device-wide before the count that announces them.
+    __threadfence();
+    // Every thread fenced before thread 0 arrives; and every read of smem above is done before
+    // the last block's combine below reuses it.
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(&arrived[t], 1u) == splits - 1;
+    __syncthreads();  // every thread sees thread 0's `last`
     if (last) {
       // The whole block combines the tile's partials: `groups` threads per column each fold every
       // groups-th range, then one thread per column adds the groups, both in a fixed order. A
@@ -151,7 +172,6 @@ __global__ void __launch_bounds__(kColumnThreads) column_reduce_tiles(
       const int groups = kColumnThreads / width;
       const int column = threadIdx.x % width;
       const int group = threadIdx.x / width;
-      const int64_t tile_c0 = (t % tiles) * width;
       const bool has_column = group < groups && tile_c0 + column < inner;
       A chain[kChains];
 #pragma unroll
