@@ -11,8 +11,9 @@
 // small). The column sums must not re-read x and dy: each block keeps its own partial column
 // sums (float32) while it passes over its rows, writes them once as one row of a [blocks, n]
 // array, and course::column_sum (common/include/course/column_reduce.cuh, chapter 3's column
-// reduction) adds those few hundred rows in a fixed order. No float atomics: the same input
-// gives the same dweight bits on every run, which atomicAdd's arrival order would not. Where the
+// reduction) adds those few hundred rows in a fixed order (LayerNorm's dweight and dbias in one
+// launch, course::column_sum_pair). No float atomics: the same input gives the same dweight bits
+// on every run, which atomicAdd's arrival order would not. Where the
 // blocks take one or a few rows each (64 tokens), those partial rows would outweigh the rows
 // they sum: the kernel then writes dx alone and norm_backward_columns re-reads x and dy down the
 // columns (backward_column_pass in norm.h weighs the two).
@@ -490,11 +491,11 @@ cudaError_t run_backward(const NormBackwardParams& p, cudaStream_t stream, int64
   // The partial rows, then the reduction of them into dweight (and dbias), once the grid is known.
   auto finish = [&]() -> cudaError_t {
     COURSE_CUDA_TRY(cudaGetLastError());
-    COURSE_CUDA_TRY(course::column_sum(dw_partial, grid, p.n, static_cast<T*>(p.dweight), stream));
-    if (centered) {
-      COURSE_CUDA_TRY(course::column_sum(dw_partial + grid * p.n, grid, p.n, static_cast<T*>(p.dbias), stream));
+    if (centered) {  // dweight's and dbias's partial rows, one array after the other: one launch
+      return course::column_sum_pair(dw_partial, grid, p.n, static_cast<T*>(p.dweight), static_cast<T*>(p.dbias),
+                                     stream);
     }
-    return cudaSuccess;
+    return course::column_sum(dw_partial, grid, p.n, static_cast<T*>(p.dweight), stream);
   };
   int shape = p.version == NormBackwardVersion::kResident ? backward_shape(p.n, sizeof(T)) : -1;
   if (shape >= 0 && kBackwardShapes[shape].threads >= 1024) {

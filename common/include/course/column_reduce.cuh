@@ -80,7 +80,8 @@ __device__ __forceinline__ A tile_column_totals(A* sums, int lanes, const Op& op
 template <int kCols, typename T, typename Op, typename Out>
 __global__ void __launch_bounds__(kColumnThreads) column_reduce_tiles(
     const T* __restrict__ x, int64_t outer, int64_t n, int64_t inner, int64_t range, int lanes,
-    typename Acc<T>::type* __restrict__ partial, unsigned* __restrict__ arrived, Out* __restrict__ out) {
+    typename Acc<T>::type* __restrict__ partial, unsigned* __restrict__ arrived, Out* __restrict__ out,
+    Out* __restrict__ out1) {
   using A = typename Acc<T>::type;
   constexpr int kTile = 32 * kCols;  // the widest tile; a narrower one uses the first lanes x kCols
   __shared__ A smem[kColumnWarps][kTile];
@@ -98,6 +99,9 @@ __global__ void __launch_bounds__(kColumnThreads) column_reduce_tiles(
   const int64_t row_step = static_cast<int64_t>(kColumnWarps) * rows_per_warp;
   for (int64_t t = blockIdx.x; t < outer * tiles; t += gridDim.x) {
     const int64_t o = t / tiles;
+    // Slice o's results: out's row o, or out1 for slice 1 where the caller gives one (LayerNorm's
+    // dbias, summed in the same launch as its dweight).
+    Out* const dest = o == 1 && out1 != nullptr ? out1 : out + o * inner;
     const int64_t c0 = (t % tiles) * width + lane % lanes * kCols;  // this lane's first column
     const T* base = x + o * n * inner + c0;
     A acc[kCols];
@@ -147,7 +151,7 @@ __global__ void __launch_bounds__(kColumnThreads) column_reduce_tiles(
     const A total = tile_column_totals<kCols>(&smem[0][0], lanes, op);
     const bool writer = static_cast<int>(threadIdx.x) < width && tile_c0 + threadIdx.x < inner;
     if (splits == 1) {
-      if (writer) out[o * inner + tile_c0 + threadIdx.x] = from_acc<Out>(total);
+      if (writer) dest[tile_c0 + threadIdx.x] = from_acc<Out>(total);
       continue;  // the next tile's first barrier keeps its stores off the sums read here
     }
     if (writer) partial[(blockIdx.y * outer + o) * inner + tile_c0 + threadIdx.x] = total;
@@ -198,7 +202,7 @@ __global__ void __launch_bounds__(kColumnThreads) column_reduce_tiles(
       if (group == 0 && has_column) {
         A sum = Op::identity();
         for (int g = 0; g < groups; ++g) sum = op(sum, fold[g * width + column]);
-        out[o * inner + tile_c0 + column] = from_acc<Out>(sum);
+        dest[tile_c0 + column] = from_acc<Out>(sum);
       }
     }
   }
@@ -219,17 +223,18 @@ inline int64_t column_tiles(const T* x, int64_t inner, int lanes = 32) {
 
 // One launch over `grid` (x: tiles, persistent beyond INT_MAX; y: ranges of `range` rows).
 // With grid.y > 1, `partial` holds grid.y * outer * inner accumulators and `arrived` one zeroed
-// counter per tile; with grid.y == 1 neither is touched.
+// counter per tile; with grid.y == 1 neither is touched. Slice o's results go to out + o * inner,
+// slice 1's to out1 instead where it is not null.
 template <typename T, typename Op, typename Out = T>
 cudaError_t launch_column_reduce(const T* x, int64_t outer, int64_t n, int64_t inner, dim3 grid,
                                  int64_t range, typename Acc<T>::type* partial, unsigned* arrived,
-                                 Out* out, cudaStream_t stream, int lanes = 32) {
+                                 Out* out, cudaStream_t stream, int lanes = 32, Out* out1 = nullptr) {
   if (column_lanes(x, inner) > 1) {
     column_reduce_tiles<Vec16<T>::kLanes, T, Op, Out><<<grid, kColumnThreads, 0, stream>>>(
-        x, outer, n, inner, range, lanes, partial, arrived, out);
+        x, outer, n, inner, range, lanes, partial, arrived, out, out1);
   } else {
     column_reduce_tiles<1, T, Op, Out><<<grid, kColumnThreads, 0, stream>>>(
-        x, outer, n, inner, range, lanes, partial, arrived, out);
+        x, outer, n, inner, range, lanes, partial, arrived, out, out1);
   }
   return cudaGetLastError();
 }
@@ -239,14 +244,15 @@ cudaError_t launch_column_reduce(const T* x, int64_t outer, int64_t n, int64_t i
 // SM, else halved down to the narrowest tile whose lanes still read a whole 32-byte sector of a
 // row together. Hidden 768 in float32 is 6 tiles of 32 lanes on a 132-SM GPU (6 blocks each
 // reading every row: 25 us for 2048 rows on the H200); 96 tiles of 2 lanes.
+// `outer` slices of the same columns make outer times the tiles.
 template <typename T>
-inline cudaError_t filling_lanes(const T* x, int64_t inner, int* lanes) {
+inline cudaError_t filling_lanes(const T* x, int64_t inner, int* lanes, int64_t outer = 1) {
   int sms = 0;
   COURSE_CUDA_TRY(sm_count(&sms));
   const int64_t bytes_per_lane = int64_t{column_lanes(x, inner)} * static_cast<int64_t>(sizeof(T));
   const int64_t narrowest = bytes_per_lane >= 32 ? 1 : 32 / bytes_per_lane;
   int l = 32;
-  while (l > narrowest && column_tiles(x, inner, l) < sms) l /= 2;
+  while (l > narrowest && outer * column_tiles(x, inner, l) < sms) l /= 2;
   *lanes = l;
   return cudaSuccess;
 }
@@ -265,6 +271,20 @@ cudaError_t column_sum(const T* x, int64_t rows, int64_t cols, Out* out, cudaStr
   const dim3 grid(static_cast<unsigned>(tiles < INT_MAX ? tiles : INT_MAX), 1);
   return launch_column_reduce<T, SumOp<typename Acc<T>::type>, Out>(x, 1, rows, cols, grid, rows, nullptr,
                                                                      nullptr, out, stream, lanes);
+}
+
+// Two such sums in one launch: out0[c] over the rows of x[0 .. rows), out1[c] over those of
+// x[rows .. 2 rows) (LayerNorm's dweight and dbias partials, one array after the other). A
+// launch less than two column_sum calls, and the two sums' tiles fill the SMs together.
+template <typename T, typename Out>
+cudaError_t column_sum_pair(const T* x, int64_t rows, int64_t cols, Out* out0, Out* out1, cudaStream_t stream) {
+  if (cols == 0) return cudaSuccess;
+  int lanes = 32;
+  COURSE_CUDA_TRY(filling_lanes(x, cols, &lanes, 2));
+  const int64_t tiles = 2 * column_tiles(x, cols, lanes);
+  const dim3 grid(static_cast<unsigned>(tiles < INT_MAX ? tiles : INT_MAX), 1);
+  return launch_column_reduce<T, SumOp<typename Acc<T>::type>, Out>(x, 2, rows, cols, grid, rows, nullptr,
+                                                                     nullptr, out0, stream, lanes, out1);
 }
 
 }  // namespace course
