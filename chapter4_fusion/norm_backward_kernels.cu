@@ -11,8 +11,9 @@
 // small). The column sums must not re-read x and dy: each block keeps its own partial column
 // sums (float32) while it passes over its rows, writes them once as one row of a [blocks, n]
 // array, and course::column_sum (common/include/course/column_reduce.cuh, chapter 3's column
-// reduction) adds those few hundred rows in a fixed order. No float atomics: the same input
-// gives the same dweight bits on every run, which atomicAdd's arrival order would not. Where the
+// reduction) adds those few hundred rows in a fixed order (LayerNorm's dweight and dbias in one
+// launch, course::column_sum_pair). No float atomics: the same input gives the same dweight bits
+// on every run, which atomicAdd's arrival order would not. Where the
 // blocks take one or a few rows each (64 tokens), those partial rows would outweigh the rows
 // they sum: the kernel then writes dx alone and norm_backward_columns re-reads x and dy down the
 // columns (backward_column_pass in norm.h weighs the two).
@@ -184,9 +185,17 @@ constexpr int64_t shared_sums_bytes() {
 }
 
 // kSums false: the kernel writes dx only, and norm_backward_columns sums dweight and dbias
-// (backward_column_pass in norm.h says when).
+// (backward_column_pass in norm.h says when). Without the sums a thread holds x, dy and weight
+// and little else, yet nvcc 13.0 gave LayerNorm's bfloat16 rows of 64 to 512 threads 89-94
+// registers (ptxas -v): one block of 512 threads an SM, 16 warps to hide each row's loads. Asked
+// for two blocks an SM, it fits them in 64 (8-12 bytes a thread spilled, once a row step; ptxas
+// -v), as RMSNorm's rows already were: 32 warps an SM. The kernel with the sums keeps its
+// registers: its 32 float sums a thread would spill.
+template <int kThreadsPerRow, bool kSums>
+constexpr int kBackwardMinBlocks = !kSums && kThreadsPerRow * kSlots<kThreadsPerRow> <= kBackwardBlock ? 2 : 1;
+
 template <typename T, bool kCentered, int kThreadsPerRow, int kVectors, Access kAccess, bool kSums = true>
-__global__ void __launch_bounds__(kThreadsPerRow * kSlots<kThreadsPerRow>)
+__global__ void __launch_bounds__(kThreadsPerRow * kSlots<kThreadsPerRow>, (kBackwardMinBlocks<kThreadsPerRow, kSums>))
     norm_backward_resident(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ weight,
                            const typename Acc<T>::type* __restrict__ mean, const typename Acc<T>::type* __restrict__ rstd,
                            T* __restrict__ dx, typename Acc<T>::type* __restrict__ dweight_partial,
@@ -326,8 +335,9 @@ __global__ void __launch_bounds__(course::kColumnThreads)
   constexpr int kWarps = course::kColumnWarps;
   constexpr int kUnroll = kCols > 1 ? course::kColumnUnroll : course::kColumnUnrollScalar;
   constexpr int kTile = 32 * kCols;
-  __shared__ A sums_w[kWarps][kTile];
-  __shared__ A sums_b[kCentered ? kWarps : 1][kCentered ? kTile : 1];
+  // Each warp's sums for its rows of the tile's columns, as course::tile_column_totals reads them.
+  __shared__ A sums_w[kWarps * kTile];
+  __shared__ A sums_b[kCentered ? kWarps * kTile : 1];
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   const int rows_per_warp = 32 / lanes;  // lanes is a power of two: 1, 2, ..., 32
@@ -379,26 +389,22 @@ __global__ void __launch_bounds__(course::kColumnThreads)
   }
 #pragma unroll
   for (int c = 0; c < kCols; ++c) {
-    sums_w[warp][lane * kCols + c] = acc_w[c];
-    if constexpr (kCentered) sums_b[warp][lane * kCols + c] = acc_b[c];
+    sums_w[warp * kTile + lane * kCols + c] = acc_w[c];
+    if constexpr (kCentered) sums_b[warp * kTile + lane * kCols + c] = acc_b[c];
   }
-  __syncthreads();  // every warp's sums are in shared memory before warp 0 adds them
-  if (warp == 0 && lane < lanes) {
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) {
-      if (c0 + c < n) {  // the last tile's columns past the row's end
-        A total_w = A(0);
-        A total_b = A(0);
-        for (int w = 0; w < kWarps; ++w) {
-          for (int s = 0; s < rows_per_warp; ++s) {
-            total_w += sums_w[w][(s * lanes + lane) * kCols + c];
-            if constexpr (kCentered) total_b += sums_b[w][(s * lanes + lane) * kCols + c];
-          }
-        }
-        dweight[c0 + c] = from_acc<T>(total_w);
-        if constexpr (kCentered) dbias[c0 + c] = from_acc<T>(total_b);
-      }
-    }
+  __syncthreads();  // every warp's sums are in shared memory before the block adds them
+  // The whole block adds each column's sums (tile_column_totals, a fixed order): with 2 lanes a
+  // tile (hidden 2048 in bfloat16), warp 0's two lanes adding them alone were 1024 dependent
+  // adds a lane for each of dweight and dbias.
+  const int width = lanes * kCols;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * width;
+  const A total_w = course::tile_column_totals<kCols>(sums_w, lanes, SumOp<A>());
+  if (static_cast<int>(threadIdx.x) < width && first + threadIdx.x < n) {  // the last tile's columns past the row's end
+    dweight[first + threadIdx.x] = from_acc<T>(total_w);
+  }
+  if constexpr (kCentered) {
+    const A total_b = course::tile_column_totals<kCols>(sums_b, lanes, SumOp<A>());
+    if (static_cast<int>(threadIdx.x) < width && first + threadIdx.x < n) dbias[first + threadIdx.x] = from_acc<T>(total_b);
   }
 }
 
@@ -485,11 +491,11 @@ cudaError_t run_backward(const NormBackwardParams& p, cudaStream_t stream, int64
   // The partial rows, then the reduction of them into dweight (and dbias), once the grid is known.
   auto finish = [&]() -> cudaError_t {
     COURSE_CUDA_TRY(cudaGetLastError());
-    COURSE_CUDA_TRY(course::column_sum(dw_partial, grid, p.n, static_cast<T*>(p.dweight), stream));
-    if (centered) {
-      COURSE_CUDA_TRY(course::column_sum(dw_partial + grid * p.n, grid, p.n, static_cast<T*>(p.dbias), stream));
+    if (centered) {  // dweight's and dbias's partial rows, one array after the other: one launch
+      return course::column_sum_pair(dw_partial, grid, p.n, static_cast<T*>(p.dweight), static_cast<T*>(p.dbias),
+                                     stream);
     }
-    return cudaSuccess;
+    return course::column_sum(dw_partial, grid, p.n, static_cast<T*>(p.dweight), stream);
   };
   int shape = p.version == NormBackwardVersion::kResident ? backward_shape(p.n, sizeof(T)) : -1;
   if (shape >= 0 && kBackwardShapes[shape].threads >= 1024) {

@@ -573,6 +573,43 @@ def test_backward_column_pass(dtype):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=dtype_id)
+def test_backward_column_totals_at_tile_edges(dtype):
+    """dweight and dbias where the block-wide adds of a column tile's sums (tile_column_totals in
+    course/column_reduce.cuh) meet their edges: tiles of 1 to 32 lanes (hidden 1, 7: one lane;
+    777, 4099: single elements; 2048: 2 lanes of whole vectors, 16 groups of threads a column;
+    12288: 8 lanes), every warp's rows or only the first warp's (1, 63, 64, 65 rows), and rows
+    that end mid-group (2047), on both paths (the column pass at few rows, partial rows and
+    column_sum at many: one launch of it for LayerNorm's dweight and dbias together, the second
+    slice's sums written to dbias), and through autograd."""
+    require_cuda()
+    for rows in (1, 63, 64, 65, 2047):
+        for n in (1, 7, 777, 2048, 4099, 12288):
+            x, w, b, _ = make_inputs((rows, n), dtype, "cuda")
+            dy = torch.randn(rows, n, device="cuda").to(dtype)
+            for op in NORM_OPS:
+                eps = default_eps(op)
+                refs = reference_grads(op, x, w, b, dy, eps)
+                if rows < 2047:
+                    outs = kernel_grads(op, x, w, b, dy, eps, None)
+                else:  # partial rows at every width here: one column sum (the profiler only here: slow)
+                    outs, kernels = launched_kernels(lambda: kernel_grads(op, x, w, b, dy, eps, None), "")
+                    assert not any("norm_backward_columns" in k for k in kernels), (op, n, kernels)
+                    assert sum("column_reduce" in k for k in kernels) == 1, (op, n, kernels)
+                for name, out, ref in zip(("dx", "dweight", "dbias"), outs, refs):
+                    assert_grad(out, ref, dtype, f"{op} {rows}x{n} {name}")
+    x, w, b, _ = make_inputs((65, 2048), dtype, "cuda")
+    dy = torch.randn(65, 2048, device="cuda").to(dtype)
+    for op in NORM_OPS:
+        xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
+        y = run(op, xs, ws, bs, default_eps(op), None)
+        inputs = (xs, ws, bs) if op == "layer_norm" else (xs, ws)
+        outs = torch.autograd.grad(y, inputs, dy)
+        for name, out, ref in zip(("dx", "dweight", "dbias"), outs, reference_grads(op, x, w, b, dy, default_eps(op))):
+            assert_grad(out, ref, dtype, f"{op} autograd 65x2048 {name}")
+
+
+@pytest.mark.cuda
 def test_cuda_graph_capture():
     """Forward and backward replay inside a CUDA graph (no host sync, allocations from the
     graph's pool, the current stream honoured)."""

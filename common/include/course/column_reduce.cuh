@@ -38,10 +38,50 @@ constexpr int kColumnUnrollScalar = 16;
 // Row groups a lane keeps in flight with kCols columns per lane.
 constexpr int column_unroll(int cols) { return cols > 1 ? kColumnUnroll : kColumnUnrollScalar; }
 
+// The column totals of one tile from the block's partial sums in shared memory: sums[w * 32 *
+// kCols + (s * lanes + l) * kCols + c] is warp w's sum, over its rows s, s + 32 / lanes, ..., of
+// tile column l * kCols + c. Every column has kColumnWarps * (32 / lanes) of them. All the block's
+// threads add them: `groups` = kColumnThreads / width threads a column, each adding every
+// groups-th of the column's sums (kCols of them), then the first thread of the column adding the
+// groups' totals, both in a fixed order, so the result is the same bits on every run.
+// Before, warp 0's first `lanes` lanes added every sum of their kCols columns alone: with 2 lanes
+// of 8 bfloat16 columns (a tile of 16 columns, which hidden 2048 takes to give 132 SMs a tile
+// each), 1024 dependent shared-memory adds a lane, two such chains for LayerNorm's dweight and
+// dbias: some 8 us a chain on the H200, longer than reading the rows (LayerNorm's backward at 64
+// x 2048 took 19.8 us where torch took 6.3). Now each thread adds kCols sums and then at most 256
+// / width group totals.
+// Returns the total of tile column threadIdx.x in threads threadIdx.x < width (the identity in
+// the others). Every thread of the block must call it, after the barrier that follows the sums'
+// stores; it overwrites the first kColumnThreads sums, and the caller must put a barrier between
+// its return and the next writes to `sums`.
+template <int kCols, typename A, typename Op>
+__device__ __forceinline__ A tile_column_totals(A* sums, int lanes, const Op& op) {
+  constexpr int kTile = 32 * kCols;
+  const int width = lanes * kCols;             // divides kColumnThreads: both powers of two
+  const int groups = kColumnThreads / width;   // 1 (32 lanes of 8 columns) to 256 (1 lane of 1)
+  const int rows_per_warp = 32 / lanes;
+  const int j = threadIdx.x % width;           // this thread's column of the tile
+  const int l = j / kCols;
+  const int c = j % kCols;
+  A part = Op::identity();
+  for (int q = threadIdx.x / width; q < kColumnWarps * rows_per_warp; q += groups) {
+    part = op(part, sums[(q / rows_per_warp) * kTile + ((q % rows_per_warp) * lanes + l) * kCols + c]);
+  }
+  __syncthreads();  // every thread has read its sums before the groups' totals overwrite them
+  sums[threadIdx.x] = part;  // kTile * kColumnWarps >= kColumnThreads slots
+  __syncthreads();  // every group's total is in shared memory before the columns' first threads add them
+  A total = Op::identity();
+  if (static_cast<int>(threadIdx.x) < width) {
+    for (int g = 0; g < groups; ++g) total = op(total, sums[g * width + j]);
+  }
+  return total;
+}
+
 template <int kCols, typename T, typename Op, typename Out>
 __global__ void __launch_bounds__(kColumnThreads) column_reduce_tiles(
     const T* __restrict__ x, int64_t outer, int64_t n, int64_t inner, int64_t range, int lanes,
-    typename Acc<T>::type* __restrict__ partial, unsigned* __restrict__ arrived, Out* __restrict__ out) {
+    typename Acc<T>::type* __restrict__ partial, unsigned* __restrict__ arrived, Out* __restrict__ out,
+    Out* __restrict__ out1) {
   using A = typename Acc<T>::type;
   constexpr int kTile = 32 * kCols;  // the widest tile; a narrower one uses the first lanes x kCols
   __shared__ A smem[kColumnWarps][kTile];
@@ -59,6 +99,9 @@ __global__ void __launch_bounds__(kColumnThreads) column_reduce_tiles(
   const int64_t row_step = static_cast<int64_t>(kColumnWarps) * rows_per_warp;
   for (int64_t t = blockIdx.x; t < outer * tiles; t += gridDim.x) {
     const int64_t o = t / tiles;
+    // Slice o's results: out's row o, or out1 for slice 1 where the caller gives one (LayerNorm's
+    // dbias, summed in the same launch as its dweight).
+    Out* const dest = o == 1 && out1 != nullptr ? out1 : out + o * inner;
     const int64_t c0 = (t % tiles) * width + lane % lanes * kCols;  // this lane's first column
     const T* base = x + o * n * inner + c0;
     A acc[kCols];
@@ -102,41 +145,23 @@ __global__ void __launch_bounds__(kColumnThreads) column_reduce_tiles(
     __syncthreads();
 #pragma unroll
     for (int c = 0; c < kCols; ++c) smem[warp][lane * kCols + c] = acc[c];
-    __syncthreads();  // every warp's sums are in shared memory before warp 0 adds them
-    // Warp 0's first `lanes` lanes add, for their columns, every warp's rows in a fixed order.
-    const bool adder = warp == 0 && lane < lanes;
-    if (adder) {
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) {
-        A total = Op::identity();
-        for (int w = 0; w < kColumnWarps; ++w) {
-          for (int s = 0; s < rows_per_warp; ++s) total = op(total, smem[w][(s * lanes + lane) * kCols + c]);
-        }
-        acc[c] = total;
-      }
-    }
+    __syncthreads();  // every warp's sums are in shared memory before the block adds them
+    // The block adds the tile's sums (tile_column_totals): thread k < width holds column k's.
+    const int64_t tile_c0 = (t % tiles) * width;
+    const A total = tile_column_totals<kCols>(&smem[0][0], lanes, op);
+    const bool writer = static_cast<int>(threadIdx.x) < width && tile_c0 + threadIdx.x < inner;
     if (splits == 1) {
-      if (adder) {
-#pragma unroll
-        for (int c = 0; c < kCols; ++c) {
-          if (c0 + c < inner) out[o * inner + c0 + c] = from_acc<Out>(acc[c]);
-        }
-      }
-      continue;
+      if (writer) dest[tile_c0 + threadIdx.x] = from_acc<Out>(total);
+      continue;  // the next tile's first barrier keeps its stores off the sums read here
     }
-    if (warp == 0) {
-      if (adder) {
-#pragma unroll
-        for (int c = 0; c < kCols; ++c) {
-          if (c0 + c < inner) partial[(blockIdx.y * outer + o) * inner + c0 + c] = acc[c];
-        }
-      }
-      // Every lane's partials must be visible device-wide before the count that announces them.
-      __threadfence();
-      __syncwarp();  // all 32 lanes fenced before lane 0 arrives
-      if (lane == 0) last = atomicAdd(&arrived[t], 1u) == splits - 1;
-    }
-    __syncthreads();  // every thread sees warp 0's `last`
+    if (writer) partial[(blockIdx.y * outer + o) * inner + tile_c0 + threadIdx.x] = total;
+    // Every writer's partials must be visible device-wide before the count that announces them.
+    __threadfence();
+    // Every thread fenced before thread 0 arrives; and every read of smem above is done before
+    // the last block's combine below reuses it.
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(&arrived[t], 1u) == splits - 1;
+    __syncthreads();  // every thread sees thread 0's `last`
     if (last) {
       // The whole block combines the tile's partials: `groups` threads per column each fold every
       // groups-th range, then one thread per column adds the groups, both in a fixed order. A
@@ -151,7 +176,6 @@ __global__ void __launch_bounds__(kColumnThreads) column_reduce_tiles(
       const int groups = kColumnThreads / width;
       const int column = threadIdx.x % width;
       const int group = threadIdx.x / width;
-      const int64_t tile_c0 = (t % tiles) * width;
       const bool has_column = group < groups && tile_c0 + column < inner;
       A chain[kChains];
 #pragma unroll
@@ -178,7 +202,7 @@ __global__ void __launch_bounds__(kColumnThreads) column_reduce_tiles(
       if (group == 0 && has_column) {
         A sum = Op::identity();
         for (int g = 0; g < groups; ++g) sum = op(sum, fold[g * width + column]);
-        out[o * inner + tile_c0 + column] = from_acc<Out>(sum);
+        dest[tile_c0 + column] = from_acc<Out>(sum);
       }
     }
   }
@@ -199,17 +223,18 @@ inline int64_t column_tiles(const T* x, int64_t inner, int lanes = 32) {
 
 // One launch over `grid` (x: tiles, persistent beyond INT_MAX; y: ranges of `range` rows).
 // With grid.y > 1, `partial` holds grid.y * outer * inner accumulators and `arrived` one zeroed
-// counter per tile; with grid.y == 1 neither is touched.
+// counter per tile; with grid.y == 1 neither is touched. Slice o's results go to out + o * inner,
+// slice 1's to out1 instead where it is not null.
 template <typename T, typename Op, typename Out = T>
 cudaError_t launch_column_reduce(const T* x, int64_t outer, int64_t n, int64_t inner, dim3 grid,
                                  int64_t range, typename Acc<T>::type* partial, unsigned* arrived,
-                                 Out* out, cudaStream_t stream, int lanes = 32) {
+                                 Out* out, cudaStream_t stream, int lanes = 32, Out* out1 = nullptr) {
   if (column_lanes(x, inner) > 1) {
     column_reduce_tiles<Vec16<T>::kLanes, T, Op, Out><<<grid, kColumnThreads, 0, stream>>>(
-        x, outer, n, inner, range, lanes, partial, arrived, out);
+        x, outer, n, inner, range, lanes, partial, arrived, out, out1);
   } else {
     column_reduce_tiles<1, T, Op, Out><<<grid, kColumnThreads, 0, stream>>>(
-        x, outer, n, inner, range, lanes, partial, arrived, out);
+        x, outer, n, inner, range, lanes, partial, arrived, out, out1);
   }
   return cudaGetLastError();
 }
@@ -219,14 +244,15 @@ cudaError_t launch_column_reduce(const T* x, int64_t outer, int64_t n, int64_t i
 // SM, else halved down to the narrowest tile whose lanes still read a whole 32-byte sector of a
 // row together. Hidden 768 in float32 is 6 tiles of 32 lanes on a 132-SM GPU (6 blocks each
 // reading every row: 25 us for 2048 rows on the H200); 96 tiles of 2 lanes.
+// `outer` slices of the same columns make outer times the tiles.
 template <typename T>
-inline cudaError_t filling_lanes(const T* x, int64_t inner, int* lanes) {
+inline cudaError_t filling_lanes(const T* x, int64_t inner, int* lanes, int64_t outer = 1) {
   int sms = 0;
   COURSE_CUDA_TRY(sm_count(&sms));
   const int64_t bytes_per_lane = int64_t{column_lanes(x, inner)} * static_cast<int64_t>(sizeof(T));
   const int64_t narrowest = bytes_per_lane >= 32 ? 1 : 32 / bytes_per_lane;
   int l = 32;
-  while (l > narrowest && column_tiles(x, inner, l) < sms) l /= 2;
+  while (l > narrowest && outer * column_tiles(x, inner, l) < sms) l /= 2;
   *lanes = l;
   return cudaSuccess;
 }
@@ -245,6 +271,20 @@ cudaError_t column_sum(const T* x, int64_t rows, int64_t cols, Out* out, cudaStr
   const dim3 grid(static_cast<unsigned>(tiles < INT_MAX ? tiles : INT_MAX), 1);
   return launch_column_reduce<T, SumOp<typename Acc<T>::type>, Out>(x, 1, rows, cols, grid, rows, nullptr,
                                                                      nullptr, out, stream, lanes);
+}
+
+// Two such sums in one launch: out0[c] over the rows of x[0 .. rows), out1[c] over those of
+// x[rows .. 2 rows) (LayerNorm's dweight and dbias partials, one array after the other). A
+// launch less than two column_sum calls, and the two sums' tiles fill the SMs together.
+template <typename T, typename Out>
+cudaError_t column_sum_pair(const T* x, int64_t rows, int64_t cols, Out* out0, Out* out1, cudaStream_t stream) {
+  if (cols == 0) return cudaSuccess;
+  int lanes = 32;
+  COURSE_CUDA_TRY(filling_lanes(x, cols, &lanes, 2));
+  const int64_t tiles = 2 * column_tiles(x, cols, lanes);
+  const dim3 grid(static_cast<unsigned>(tiles < INT_MAX ? tiles : INT_MAX), 1);
+  return launch_column_reduce<T, SumOp<typename Acc<T>::type>, Out>(x, 2, rows, cols, grid, rows, nullptr,
+                                                                     nullptr, out0, stream, lanes, out1);
 }
 
 }  // namespace course
