@@ -317,12 +317,16 @@ FACTS["shapes_sweep"] = _shapes_sweep
 
 
 def _thin_shapes(record):
-    """The sweep's thin transposes (one swapped dim at most 16): version=None against eager
-    PyTorch, with what version=None ran and the copy ceiling's time for the same bytes."""
+    """The sweep's thin transposes (those version=None ran on the thin kernels: one swapped dim
+    at most 64): version=None against eager PyTorch, with the copy ceiling's time for the same
+    bytes."""
     sweep = _shapes.load("chapter2_memory")
     if sweep is None:
         return "not measured yet: run the chapter's benchmark with --shapes on a GPU"
-    rows = [r for r in sweep["benchmarks"] if r["op"] == "transpose" and min(r["shape"][-2:]) <= 16]
+    thin = {(r["dtype"], tuple(r["shape"])) for r in sweep["benchmarks"]
+            if r["op"] == "transpose" and r["variant"] == "default" and r.get("dispatch") == "thin"}
+    rows = [r for r in sweep["benchmarks"]
+            if r["op"] == "transpose" and (r["dtype"], tuple(r["shape"])) in thin]
     torch_of = {(r["dtype"], tuple(r["shape"])): r for r in rows if r["variant"] == "torch"}
     copy_GBps = sweep["ceilings"]["copy_GBps"]
     parts = []
