@@ -570,6 +570,14 @@ constexpr int kThinThreads = 256;
 constexpr int kThinRunBytes = 8192;
 constexpr int kThinMinLog2Pad = 4;  // one padding element after every 16 at the most
 
+// Blocks of kThinThreads an SM can hold, at most 5: 2048 threads from sm_80 on (1536 on sm_86
+// and sm_89), 1024 on sm_75, where ptxas would otherwise ignore the bound with a warning.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+constexpr int kThinMaxBlocksPerSm = 4;
+#else
+constexpr int kThinMaxBlocksPerSm = 5;
+#endif
+
 template <typename T>
 struct ThinTile {
   static constexpr int kRun = kThinRunBytes / static_cast<int>(sizeof(T));
@@ -579,9 +587,10 @@ struct ThinTile {
   // alone, nvcc takes 69 registers for the 2-byte thin_rows, three blocks per SM; asking for
   // four caps it at 64 without spilling (48, for five, spills): 32 KB of 2-byte loads in flight
   // per SM, where two passes of 8 at five blocks had 20 KB. 4- and 8-byte elements keep the
-  // five blocks (48 registers or fewer, no spills) they had without the bound.
+  // five blocks (48 registers or fewer, no spills) they had without the bound, where the SM
+  // holds that many (kThinMaxBlocksPerSm).
   static constexpr int kUnroll = kRun / kThinThreads;
-  static constexpr int kMinBlocksPerSm = sizeof(T) == 2 ? 4 : 5;
+  static constexpr int kMinBlocksPerSm = sizeof(T) == 2 ? 4 : kThinMaxBlocksPerSm;
   // At the bound a segment is still one whole 128-byte line (memory.h's argument for 64).
   static_assert(kRun / kThinShort * static_cast<int>(sizeof(T)) >= 128,
                 "a thin tile's segments must be whole lines");
