@@ -80,12 +80,14 @@ inline bool stored_transposed(const TransposeParams& p) {
 //     fits: at most 64 short indices leave every segment at least 8192 / 64 = 128 bytes, one
 //     whole cache line (4 sectors) per short index, whatever the element size; above 64 the
 //     segments drop to 64 bytes and below;
-//   - v5's tile is at least half full from 64 on: 64 short rows fill half of its 128 rows, and
-//     65 to 128 more than half; short columns fill a 128-byte line of columns (32 float32, 64
-//     bfloat16, 16 float64), and above 64 at least half of every tile but the last.
+//   - v5's tile is at least half full from 64 short rows on: 64 fill half of its 128 rows, 65
+//     to 128 more than half, fewer than 64 less than half.
 // So at 64 the two meet: a strip whose segments are whole lines against a tile at least half
-// full. Below it the tile wastes more than half of each block; above it the strip's segments
-// split lines. (The H200 probe measured v5 at 0.22-0.53x PyTorch at 17 and 32 short rows.)
+// full; above it the strip's segments split lines. (The H200 probe measured v5 at 0.22-0.53x
+// PyTorch at 17 and 32 short rows, 1.06-1.08x at 64.) Short columns fill S x size bytes of the
+// tile's 128-byte line of columns, so there v5's waste depends on the dtype (none at 32 float32
+// columns, three quarters at 17 bfloat16 ones) and the thin kernels' does not: one bound serves
+// both orientations.
 constexpr int64_t kThinMaxShort = 64;
 
 inline bool thin_applies(const TransposeParams& p) {
