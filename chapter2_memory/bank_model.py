@@ -9,7 +9,8 @@ and alignment at once. ncu measures the same quantity
 (l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld / smsp__inst_executed_op_shared_ld);
 test_memory_ops.py holds the model to the counters profile_memory_ops.py recorded.
 
-    python bank_model.py     the transpose gathers of v2, v3, v4 and v5, per element size
+    python bank_model.py     the transpose gathers of v2, v3, v4 and v5, per element size, and
+                             the thin kernels' segment side at every short side up to 64
 
 The v5 rows are the prediction NOTES.md quotes: its gathers stay conflict-free in float32 but
 not in bfloat16 once destination rows are misaligned (the "first" row of each destination
@@ -67,6 +68,33 @@ def wide_gather(size, pitch, rows_mod=0, stride_mod=0, shift0=0, threads=256):
     return total / count
 
 
+def thin_log2_pad(short):
+    """memory_kernels.cu's pad rule for the thin kernels: a padding element after every 16 run
+    positions where the short side is a multiple of 31, after every 32 elsewhere."""
+    return 4 if short % 31 == 0 else 5
+
+
+def thin_segment(size, short, log2_pad=None, run_bytes=8192):
+    """Worst wavefronts per warp access of the thin kernels' segment side (transpose_thin_rows'
+    tile writes, transpose_thin_cols' tile reads), relative to the fewest the access can take
+    (1, or 2 for 8-byte elements): lane i of the block's flat segment index takes short index
+    i // L and long index i % L, run position (i % L) * short + i // L, padded."""
+    log2_pad = thin_log2_pad(short) if log2_pad is None else log2_pad
+    run = run_bytes // size
+    long = 1
+    while 2 * long * short <= run:
+        long *= 2
+    worst = 0
+    for base in range(0, short * long, 32):
+        addresses = []
+        for lane in range(32):
+            i = base + lane
+            k = i % long * short + i // long
+            addresses.append(None if i >= short * long else (k + (k >> log2_pad)) * size)
+        worst = max(worst, wavefronts(addresses, size) / (2 if size == 8 else 1))
+    return worst
+
+
 V4_PITCH = {4: 33, 2: 66, 8: 17}  # kCols + one 4-byte bank (WideTile)
 V5_PITCH = {4: 37, 2: 74, 8: 19}  # 9 chunks of kVec + one bank (AnyAlignmentTile)
 
@@ -82,6 +110,12 @@ def main():
         print(f"{size:>4}  {tile_column_read(size, 32):>7}{tile_column_read(size, padded):>7}"
               f"{wide_gather(size, V4_PITCH[size]):>6.2f}{wide_gather(size, V5_PITCH[size]):>11.2f}"
               f"{wide_gather(size, V5_PITCH[size], 8191 % vec, 8193 % vec):>13.2f}{worst:>9.2f}")
+    print("\nthin kernels' segment side, worst over short sides 1-64 (times the fewest wavefronts):")
+    for size in (4, 2, 8):
+        ruled = max(thin_segment(size, s) for s in range(1, 65))
+        every32 = {s: thin_segment(size, s, 5) for s in range(1, 65)}
+        bad = ", ".join(f"{s}: {w:g}" for s, w in every32.items() if w > ruled)
+        print(f"{size:>4}  with the pad rule {ruled:g}; a pad after every 32 alone: {bad}")
 
 
 if __name__ == "__main__":

@@ -203,12 +203,16 @@ def bench_host_to_device(sizes):
 # tensor, so the sweep measures what it takes: the batched swap (b, s, h * d) -> (b, h * d, s)
 # and the 2-D (b * s, h * d) -> (h * d, b * s), at LLM sizes, and odd shapes (an embedding's
 # 50257 x 768, tall and thin tensors). The 4-D permute itself moves whole rows of d elements
-# and needs no tile (each row is a contiguous copy): it is not this op's problem.
+# and needs no tile (each row is a contiguous copy): it is not this op's problem. The thin
+# tensors have a short side of 3, 17, 24, 32 or 48 against 1000003, both ways round: all under
+# the thin kernels' bound of 64 (memory.h), where v5's 128-row tile would be 2-38% full.
 # ---------------------------------------------------------------------------------------------
+THIN_SHORT_SIDES = (3, 17, 24, 32, 48)
 TRANSPOSE_SHAPES = [
     (8, 2048, 4096), (4, 4096, 5120), (1, 8192, 8192), (32, 1024, 2048),
     (16384, 4096), (8192, 5120), (32768, 1024), (4096, 14336),
-    (50257, 768), (4097, 1000), (8191, 8193), (777, 4099), (1000003, 3), (3, 1000003),
+    (50257, 768), (4097, 1000), (8191, 8193), (777, 4099),
+    *((1000003, s) for s in THIN_SHORT_SIDES), *((s, 1000003) for s in THIN_SHORT_SIDES),
 ]
 QUICK_TRANSPOSE_SHAPES = [(2, 129, 64), (777, 131)]
 

@@ -317,27 +317,31 @@ FACTS["shapes_sweep"] = _shapes_sweep
 
 
 def _thin_shapes(record):
-    """The sweep's thin transposes (one swapped dim at most 16): version=None against eager
-    PyTorch, with what version=None ran and the copy ceiling's time for the same bytes."""
+    """The sweep's thin transposes (those version=None ran on the thin kernels: one swapped dim
+    at most 64): version=None against eager PyTorch, with the copy ceiling's time for the same
+    bytes."""
     sweep = _shapes.load("chapter2_memory")
     if sweep is None:
         return "not measured yet: run the chapter's benchmark with --shapes on a GPU"
-    rows = [r for r in sweep["benchmarks"] if r["op"] == "transpose" and min(r["shape"][-2:]) <= 16]
+    thin = {(r["dtype"], tuple(r["shape"])) for r in sweep["benchmarks"]
+            if r["op"] == "transpose" and r["variant"] == "default" and r.get("dispatch") == "thin"}
+    rows = [r for r in sweep["benchmarks"]
+            if r["op"] == "transpose" and (r["dtype"], tuple(r["shape"])) in thin]
     torch_of = {(r["dtype"], tuple(r["shape"])): r for r in rows if r["variant"] == "torch"}
     copy_GBps = sweep["ceilings"]["copy_GBps"]
-    parts = []
+    lines = []
     for d in sorted((r for r in rows if r["variant"] == "default"),
-                    key=lambda r: (r["dtype"], r["shape"])):
+                    key=lambda r: (r["dtype"], min(r["shape"][-2:]), r["shape"][-1])):
         t = torch_of.get((d["dtype"], tuple(d["shape"])))
         if t is None:
             continue
-        parts.append(f"{d['dtype']} {_shapes.fmt_shape(d['shape'])}: {d.get('dispatch', '?')} "
-                     f"{d['median_ms'] * 1e3:.1f} us, PyTorch {t['median_ms'] * 1e3:.1f} us "
-                     f"({t['median_ms'] / d['median_ms']:.2f}x), copy ceiling "
-                     f"{d['bytes'] / copy_GBps / 1e3:.1f} us")
-    if not parts:
+        lines.append(f"| {d['dtype']} | {_shapes.fmt_shape(d['shape'])} | {d['median_ms'] * 1e3:.1f} | "
+                     f"{t['median_ms'] * 1e3:.1f} | {t['median_ms'] / d['median_ms']:.2f}x | "
+                     f"{d['bytes'] / copy_GBps / 1e3:.1f} |")
+    if not lines:
         return "no thin shape in the recorded sweep"
-    return f"{'; '.join(parts)} ({_where(sweep)})"
+    return "\n".join(["| dtype | shape | thin us | PyTorch us | PyTorch / thin | copy ceiling us |",
+                      "|---|---|---|---|---|---|", *lines, "", f"({_where(sweep)})"])
 
 
 FACTS["thin_shapes"] = _thin_shapes

@@ -67,17 +67,28 @@ inline bool stored_transposed(const TransposeParams& p) {
 }
 
 // A thin matrix: one of the two transposed dims holds at most kThinMaxShort elements (3 x
-// 1000003, a batch of (n, 4) tensors). Every rung's tile is mostly empty there: v4 and v5 own
-// 128 rows per tile, v1-v3 32, so 3 valid rows leave 98% (91%) of the tile's threads, barriers
-// and shared memory idle, and the time per tile barely changes. The thin kernels
-// (memory_kernels.cu) cut the long dim instead: a block takes a strip of it, all of the short
-// dim, and stages it in shared memory so that the side that is one contiguous run of memory
-// (the destination for short rows, the source for short columns) moves in 16-byte vectors.
-// Why 16: it is half of the narrowest tile (v1-v3's 32 rows), so below it every rung wastes
-// more than half of each block; and at 16 an 8 KiB strip still gives each of the 16 segments
-// on the other side at least 64 elements (float64), two warps' worth of coalesced accesses.
-// Where the tiles overtake the thin kernels above 16 is not measured (NOTES.md).
-constexpr int64_t kThinMaxShort = 16;
+// 1000003, 32 x 1000003, a batch of (n, 4) tensors). The tile rungs cut both dims into tiles
+// of a fixed size: v4 and v5 own 128 rows of 128 bytes of columns, v1-v3 32 x 32 elements, so
+// a short dim leaves most of each tile empty and the time per tile barely changes (3 valid
+// rows idle 98% of v5's tile; 17 rows, 87%). The thin kernels (memory_kernels.cu) cut the long
+// dim instead: a block takes a strip of it, all of the short dim, and stages it in shared memory
+// so that the side that is one contiguous run of memory (the destination for short rows, the
+// source for short columns) moves in 16-byte vectors, and the other side in one segment per
+// short index.
+// Why 64, by construction, from what each kind of block moves:
+//   - the thin strip is 8 KiB of the run, and its long extent is the largest power of two that
+//     fits: at most 64 short indices leave every segment at least 8192 / 64 = 128 bytes, one
+//     whole cache line (4 sectors) per short index, whatever the element size; above 64 the
+//     segments drop to 64 bytes and below;
+//   - v5's tile is at least half full from 64 short rows on: 64 fill half of its 128 rows, 65
+//     to 128 more than half, fewer than 64 less than half.
+// So at 64 the two meet: a strip whose segments are whole lines against a tile at least half
+// full; above it the strip's segments split lines. (The H200 probe measured v5 at 0.22-0.53x
+// PyTorch at 17 and 32 short rows, 1.06-1.08x at 64.) Short columns fill S x size bytes of the
+// tile's 128-byte line of columns, so there v5's waste depends on the dtype (none at 32 float32
+// columns, three quarters at 17 bfloat16 ones) and the thin kernels' does not: one bound serves
+// both orientations.
+constexpr int64_t kThinMaxShort = 64;
 
 inline bool thin_applies(const TransposeParams& p) {
   return p.rows <= kThinMaxShort || p.cols <= kThinMaxShort;
@@ -89,7 +100,8 @@ inline bool thin_applies(const TransposeParams& p) {
 //   - memory already in transposed order: a copy (copy v2), at the copy ceiling;
 //   - one transposed dim of at most kThinMaxShort (thin_applies): the thin kernels, whatever
 //     the strides and alignment (the H200 shapes sweep measured v5 at 0.04-0.17x PyTorch on
-//     3 x 1000003 and 1000003 x 3, in every dtype: its 128-row tile was 98% empty);
+//     3 x 1000003 and 1000003 x 3, in every dtype: its 128-row tile was 98% empty; the H200
+//     probe, 0.22-0.53x at 17 and 32 short rows);
 //   - rows 16-byte aligned on both sides: v4, the fastest rung at every aligned size measured,
 //     from 256^2 up (v5 does the same work plus the per-segment alignment arithmetic);
 //   - any other unit-stride input (odd shapes, x[:, 1:]): v5;

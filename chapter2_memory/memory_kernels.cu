@@ -532,10 +532,10 @@ __global__ void __launch_bounds__(kWideThreads, 3)
 }
 
 // transpose of a thin matrix (version=None only; memory.h's thin_applies says when, and why
-// the bound is kThinMaxShort = 16). The key fact: with one dim short, one side of every block's
-// work is a single contiguous run of memory. For short rows (R x C, R <= 16, 3 x 1000003), the
+// the bound is kThinMaxShort = 64). The key fact: with one dim short, one side of every block's
+// work is a single contiguous run of memory. For short rows (R x C, R <= 64, 3 x 1000003), the
 // columns [c0, c0 + W) become destination rows c0 .. c0 + W - 1, which lie back to back: one
-// run of W * R elements. For short columns (C <= 16, 1000003 x 3) the same holds for the
+// run of W * R elements. For short columns (C <= 64, 1000003 x 3) the same holds for the
 // source: rows [r0, r0 + H) of a row-contiguous input are one run of H * C elements.
 //
 // So each block stages one such tile in shared memory in the run's order, and the run side
@@ -551,31 +551,57 @@ __global__ void __launch_bounds__(kWideThreads, 3)
 //     segment (dst[c][r0 + j]) from run position j * C + c.
 //
 // The tile is kThinRunBytes of the run (W, H: the largest power of two whose run fits, so the
-// segment loops split their flat index with a shift and a mask). 8 KiB per block keeps
-// 3 x 1000003 in 16 bits at ~1000 blocks, several per SM, and each thread's 8 loads (4-byte
-// elements) are issued before its first shared-memory write: enough bytes in flight per SM
-// to cover DRAM's latency.
+// segment loops split their flat index with a shift and a mask; the run is then between half
+// and all of the 8 KiB). 8 KiB per block keeps 3 x 1000003 in 16 bits at ~1000 blocks, several
+// per SM, and each thread's 8 loads (4-byte elements) are issued before its first
+// shared-memory write: enough bytes in flight per SM to cover DRAM's latency. At the bound of
+// 64 short indices a segment is 8192 / 64 = 128 bytes, one whole line (memory.h).
 //
 // Bank conflicts: the segment side walks the run with stride R (C) elements, which for R = 16
-// puts a warp's 32 four-byte writes into 2 banks (16-way). One padding element after every
-// kThinPadEvery = 32 (thin_pos) spreads them: a bank-by-bank count of every short length 2-16,
-// every element size and both sides gives at most 3 times the fewest wavefronts a warp access
-// can take (2 for 4-byte elements).
+// puts a warp's 32 four-byte writes into 2 banks (16-way). One padding element after every 32
+// (thin_pos) spreads them, except where the stride is a multiple of 31: 31 elements plus the
+// pad every 32 is 32 words apart (62, 64), every lane in one bank again, so there the pad comes
+// after every 16 (thin_log2_pad). bank_model.py's thin_segment counts it bank by bank: for every
+// short length 1-64 and element size, at most 4 times the fewest wavefronts a warp access can
+// take (without the exception, 31 and 62 take 16-32 times). The run side reads or writes
+// consecutive elements, with either pad at most 4 wavefronts per warp access.
 constexpr int kThinShort = static_cast<int>(kThinMaxShort);
 constexpr int kThinThreads = 256;
 constexpr int kThinRunBytes = 8192;
-constexpr int kThinPadEvery = 32;
-constexpr int kThinUnroll = 8;  // segment-side elements per thread in flight at once
+constexpr int kThinMinLog2Pad = 4;  // one padding element after every 16 at the most
+
+// Blocks of kThinThreads an SM can hold, at most 5: 2048 threads from sm_80 on (1536 on sm_86
+// and sm_89), 1024 on sm_75, where ptxas would otherwise ignore the bound with a warning.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+constexpr int kThinMaxBlocksPerSm = 4;
+#else
+constexpr int kThinMaxBlocksPerSm = 5;
+#endif
 
 template <typename T>
 struct ThinTile {
   static constexpr int kRun = kThinRunBytes / static_cast<int>(sizeof(T));
-  static constexpr int kPadded = kRun + kRun / kThinPadEvery;
-  // At the bound a segment still spans a warp (the bank count above assumes it).
-  static_assert(kRun / kThinShort >= 32, "a thin tile's segments must span a warp");
+  static constexpr int kPadded = kRun + (kRun >> kThinMinLog2Pad);
+  // Element-by-element loads per thread in flight at once: a whole tile's worth in one pass
+  // (8 for 4-byte elements, 16 for 2-byte ones, whose loads move half the bytes each). Left
+  // alone, nvcc takes 69 registers for the 2-byte thin_rows, three blocks per SM; asking for
+  // four caps it at 64 without spilling (48, for five, spills): 32 KB of 2-byte loads in flight
+  // per SM, where two passes of 8 at five blocks had 20 KB. 4- and 8-byte elements keep the
+  // five blocks (48 registers or fewer, no spills) they had without the bound, where the SM
+  // holds that many (kThinMaxBlocksPerSm).
+  static constexpr int kUnroll = kRun / kThinThreads;
+  static constexpr int kMinBlocksPerSm = sizeof(T) == 2 ? 4 : kThinMaxBlocksPerSm;
+  // At the bound a segment is still one whole 128-byte line (memory.h's argument for 64).
+  static_assert(kRun / kThinShort * static_cast<int>(sizeof(T)) >= 128,
+                "a thin tile's segments must be whole lines");
 };
 
-__device__ __forceinline__ int thin_pos(int k) { return k + k / kThinPadEvery; }
+// Run position k's slot in the tile: one padding element after every 2^log2_pad.
+__device__ __forceinline__ int thin_pos(int k, int log2_pad) { return k + (k >> log2_pad); }
+
+// The pad interval for a short side of short_len (the bank count above): 16 where the stride
+// is a multiple of 31, 32 elsewhere.
+int thin_log2_pad(int64_t short_len) { return short_len % 31 == 0 ? kThinMinLog2Pad : 5; }
 
 // log2 of the long extent per tile: the largest power of two L with L * short_len <= the run,
 // but no more than the power of two that covers long_len (a batch of small matrices would
@@ -595,11 +621,11 @@ __device__ __forceinline__ int thin_head(const void* p, int n) {
   return head < n ? head : n;
 }
 
-// The run side, tile -> global: run[k] = tile[thin_pos(k)] for k < n. The alignment comes from
-// the address itself (the run starts wherever c0 * R puts it), so no launcher check is needed:
-// only the aligned middle takes 16-byte stores.
+// The run side, tile -> global: run[k] = tile[thin_pos(k, log2_pad)] for k < n. The alignment
+// comes from the address itself (the run starts wherever c0 * R puts it), so no launcher check
+// is needed: only the aligned middle takes 16-byte stores.
 template <typename T>
-__device__ __forceinline__ void thin_store_run(T* run, const T* tile, int n) {
+__device__ __forceinline__ void thin_store_run(T* run, const T* tile, int n, int log2_pad) {
   constexpr int kPerVector = kVectorBytes / sizeof(T);
   const int head = thin_head<T>(run, n);
   const int vectors = (n - head) / kPerVector;
@@ -607,21 +633,21 @@ __device__ __forceinline__ void thin_store_run(T* run, const T* tile, int n) {
     const int k = head + q * kPerVector;
     T e[kPerVector];
 #pragma unroll
-    for (int i = 0; i < kPerVector; ++i) e[i] = tile[thin_pos(k + i)];
+    for (int i = 0; i < kPerVector; ++i) e[i] = tile[thin_pos(k + i, log2_pad)];
     store16(run + k, pack16(e));
   }
   // The head and the tail, fewer than kPerVector elements each: one element per thread.
   const int tail = head + vectors * kPerVector;
   for (int i = threadIdx.x; i < head + (n - tail); i += blockDim.x) {
     const int k = i < head ? i : tail + (i - head);
-    run[k] = tile[thin_pos(k)];
+    run[k] = tile[thin_pos(k, log2_pad)];
   }
 }
 
 // The run side, global -> tile, the mirror of thin_store_run. Two vectors per thread are
 // loaded before either is written, so each thread keeps 32 bytes in flight.
 template <typename T>
-__device__ __forceinline__ void thin_load_run(const T* run, T* tile, int n) {
+__device__ __forceinline__ void thin_load_run(const T* run, T* tile, int n, int log2_pad) {
   constexpr int kPerVector = kVectorBytes / sizeof(T);
   const int head = thin_head<T>(run, n);
   const int vectors = (n - head) / kPerVector;
@@ -639,21 +665,24 @@ __device__ __forceinline__ void thin_load_run(const T* run, T* tile, int n) {
         T e[kPerVector];
         unpack16(v[u], e);
 #pragma unroll
-        for (int i = 0; i < kPerVector; ++i) tile[thin_pos(head + q * kPerVector + i)] = e[i];
+        for (int i = 0; i < kPerVector; ++i) {
+          tile[thin_pos(head + q * kPerVector + i, log2_pad)] = e[i];
+        }
       }
     }
   }
   const int tail = head + vectors * kPerVector;
   for (int i = threadIdx.x; i < head + (n - tail); i += blockDim.x) {
     const int k = i < head ? i : tail + (i - head);
-    tile[thin_pos(k)] = run[k];
+    tile[thin_pos(k, log2_pad)] = run[k];
   }
 }
 
 // Short rows: one block per tile of W = 2^log2_w source columns of one matrix.
 template <typename T>
-__global__ void __launch_bounds__(kThinThreads) transpose_thin_rows(TransposeParams p, int log2_w,
-                                                                    int64_t tiles_c) {
+__global__ void __launch_bounds__(kThinThreads, ThinTile<T>::kMinBlocksPerSm)
+    transpose_thin_rows(TransposeParams p, int log2_w, int log2_pad, int64_t tiles_c) {
+  constexpr int kUnroll = ThinTile<T>::kUnroll;
   __shared__ T tile[ThinTile<T>::kPadded];
   const T* src = static_cast<const T*>(p.src);
   T* dst = static_cast<T*>(p.dst);
@@ -666,27 +695,28 @@ __global__ void __launch_bounds__(kThinThreads) transpose_thin_rows(TransposePar
     const int w = static_cast<int>(p.cols - c0 < w_full ? p.cols - c0 : w_full);
     const T* in = src + b * p.batch_stride + c0 * p.col_stride;
     // Consecutive threads on consecutive columns of one source row: coalesced where the
-    // columns are adjacent. kThinUnroll loads per thread are in flight before the first write.
-    for (int base = threadIdx.x; base < n_seg; base += kThinUnroll * blockDim.x) {
-      T e[kThinUnroll];
+    // columns are adjacent. A thread's kUnroll loads (the whole tile: one pass) are in flight
+    // before its first write.
+    for (int base = threadIdx.x; base < n_seg; base += kUnroll * blockDim.x) {
+      T e[kUnroll];
 #pragma unroll
-      for (int u = 0; u < kThinUnroll; ++u) {
+      for (int u = 0; u < kUnroll; ++u) {
         const int i = base + u * blockDim.x;
         const int r = i >> log2_w, j = i & (w_full - 1);
         // past the tile's slots, or past the matrix's last column in its last tile
         if (i < n_seg && j < w) e[u] = in[r * p.row_stride + j * p.col_stride];
       }
 #pragma unroll
-      for (int u = 0; u < kThinUnroll; ++u) {
+      for (int u = 0; u < kUnroll; ++u) {
         const int i = base + u * blockDim.x;
         const int r = i >> log2_w, j = i & (w_full - 1);
-        if (i < n_seg && j < w) tile[thin_pos(j * rows + r)] = e[u];  // the same guard
+        if (i < n_seg && j < w) tile[thin_pos(j * rows + r, log2_pad)] = e[u];  // the same guard
       }
     }
     // The run gathers elements that other threads loaded.
     __syncthreads();
     // Destination rows c0 .. c0 + w - 1 of matrix b: (b * cols + c0) * rows on, w * rows long.
-    thin_store_run(dst + (b * p.cols + c0) * rows, tile, w * rows);
+    thin_store_run(dst + (b * p.cols + c0) * rows, tile, w * rows, log2_pad);
     // The next tile's loads overwrite `tile`: every read of this one must be done.
     __syncthreads();
   }
@@ -694,8 +724,9 @@ __global__ void __launch_bounds__(kThinThreads) transpose_thin_rows(TransposePar
 
 // Short columns: one block per tile of H = 2^log2_h source rows of one matrix.
 template <typename T>
-__global__ void __launch_bounds__(kThinThreads) transpose_thin_cols(TransposeParams p, int log2_h,
-                                                                    int64_t tiles_r) {
+__global__ void __launch_bounds__(kThinThreads, ThinTile<T>::kMinBlocksPerSm)
+    transpose_thin_cols(TransposeParams p, int log2_h, int log2_pad, int64_t tiles_r) {
+  constexpr int kUnroll = ThinTile<T>::kUnroll;
   __shared__ T tile[ThinTile<T>::kPadded];
   const T* src = static_cast<const T*>(p.src);
   T* dst = static_cast<T*>(p.dst);
@@ -711,22 +742,22 @@ __global__ void __launch_bounds__(kThinThreads) transpose_thin_cols(TransposePar
     const int h = static_cast<int>(p.rows - r0 < h_full ? p.rows - r0 : h_full);
     const T* in = src + b * p.batch_stride + r0 * p.row_stride;
     if (one_run) {
-      thin_load_run(in, tile, h * cols);
+      thin_load_run(in, tile, h * cols, log2_pad);
     } else {
       // Run order, element by element through the strides: consecutive threads still read
       // along the source rows. The division by cols is the price of the general view.
-      for (int base = threadIdx.x; base < h * cols; base += kThinUnroll * blockDim.x) {
-        T e[kThinUnroll];
+      for (int base = threadIdx.x; base < h * cols; base += kUnroll * blockDim.x) {
+        T e[kUnroll];
 #pragma unroll
-        for (int u = 0; u < kThinUnroll; ++u) {
+        for (int u = 0; u < kUnroll; ++u) {
           const int k = base + u * blockDim.x;
           const int r = k / cols, c = k - r * cols;
           if (k < h * cols) e[u] = in[r * p.row_stride + c * p.col_stride];  // past the tile
         }
 #pragma unroll
-        for (int u = 0; u < kThinUnroll; ++u) {
+        for (int u = 0; u < kUnroll; ++u) {
           const int k = base + u * blockDim.x;
-          if (k < h * cols) tile[thin_pos(k)] = e[u];  // the same guard as the load
+          if (k < h * cols) tile[thin_pos(k, log2_pad)] = e[u];  // the same guard as the load
         }
       }
     }
@@ -736,7 +767,7 @@ __global__ void __launch_bounds__(kThinThreads) transpose_thin_cols(TransposePar
     T* out = dst + b * p.cols * p.rows + r0;
     for (int i = threadIdx.x; i < n_seg; i += blockDim.x) {
       const int c = i >> log2_h, j = i & (h_full - 1);
-      if (j < h) out[c * p.rows + j] = tile[thin_pos(j * cols + c)];  // past the last row
+      if (j < h) out[c * p.rows + j] = tile[thin_pos(j * cols + c, log2_pad)];  // past the last row
     }
     // The next tile's loads overwrite `tile`: every read of this one must be done.
     __syncthreads();
@@ -812,12 +843,12 @@ cudaError_t launch_transpose_thin(const TransposeParams& p, cudaStream_t stream)
       const int log2_w = thin_log2_long(p.rows, p.cols, p.elem_bytes);
       const int64_t tiles_c = course::ceil_div<int64_t>(p.cols, int64_t{1} << log2_w);
       transpose_thin_rows<T><<<one_pass_blocks(p.batch * tiles_c, 1), kThinThreads, 0, stream>>>(
-          p, log2_w, tiles_c);
+          p, log2_w, thin_log2_pad(p.rows), tiles_c);
     } else {
       const int log2_h = thin_log2_long(p.cols, p.rows, p.elem_bytes);
       const int64_t tiles_r = course::ceil_div<int64_t>(p.rows, int64_t{1} << log2_h);
       transpose_thin_cols<T><<<one_pass_blocks(p.batch * tiles_r, 1), kThinThreads, 0, stream>>>(
-          p, log2_h, tiles_r);
+          p, log2_h, thin_log2_pad(p.cols), tiles_r);
     }
     return cudaGetLastError();
   }, unsupported_size);

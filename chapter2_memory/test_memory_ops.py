@@ -229,42 +229,48 @@ def test_every_listed_version_dispatches_and_others_do_not(device):
 # transpose's version=None (memory.h, default_transpose), on each side of every rule:
 # (make x, dtype, what it must run).
 DISPATCH_CASES = {
-    # rows of 96 float32 = 384 bytes and 64 rows: every row 16-byte aligned on both sides.
-    "aligned": (lambda d, t: torch.randn(64, 96, dtype=t, device=d), torch.float32, "v4"),
+    # rows of 96 float32 = 384 bytes and 72 rows: every row 16-byte aligned on both sides (both
+    # dims above the thin kernels' 64).
+    "aligned": (lambda d, t: torch.randn(72, 96, dtype=t, device=d), torch.float32, "v4"),
     # 100 columns: 400 bytes in float32 (aligned, v4), 200 in bfloat16 (not: v5).
-    "aligned_fp32_cols": (lambda d, t: torch.randn(64, 100, dtype=t, device=d), torch.float32, "v4"),
-    "unaligned_bf16_cols": (lambda d, t: torch.randn(64, 100, dtype=t, device=d), torch.bfloat16,
+    "aligned_fp32_cols": (lambda d, t: torch.randn(72, 100, dtype=t, device=d), torch.float32, "v4"),
+    "unaligned_bf16_cols": (lambda d, t: torch.randn(72, 100, dtype=t, device=d), torch.bfloat16,
                             "v5"),
-    "odd_cols": (lambda d, t: torch.randn(64, 97, dtype=t, device=d), torch.float32, "v5"),
+    "odd_cols": (lambda d, t: torch.randn(72, 97, dtype=t, device=d), torch.float32, "v5"),
     # 65 rows: the destination's rows (65 elements) are not 16-byte multiples.
     "odd_rows": (lambda d, t: torch.randn(65, 96, dtype=t, device=d), torch.float32, "v5"),
-    "column_offset": (lambda d, t: torch.randn(64, 97, dtype=t, device=d)[:, 1:], torch.float32,
+    "column_offset": (lambda d, t: torch.randn(72, 97, dtype=t, device=d)[:, 1:], torch.float32,
                       "v5"),
     # whole rows dropped: still aligned.
-    "row_offset": (lambda d, t: torch.randn(65, 96, dtype=t, device=d)[1:], torch.float32, "v4"),
-    "expanded": (lambda d, t: torch.randn(1, 96, dtype=t, device=d).expand(64, -1), torch.float32,
+    "row_offset": (lambda d, t: torch.randn(73, 96, dtype=t, device=d)[1:], torch.float32, "v4"),
+    "expanded": (lambda d, t: torch.randn(1, 96, dtype=t, device=d).expand(72, -1), torch.float32,
                  "v4"),
     # memory already in transposed order: a copy.
-    "transposed": (lambda d, t: torch.randn(96, 64, dtype=t, device=d).t(), torch.float32, "copy"),
-    "transposed_slice": (lambda d, t: torch.randn(96, 64, dtype=t, device=d).t()[:, 1:],
+    "transposed": (lambda d, t: torch.randn(96, 72, dtype=t, device=d).t(), torch.float32, "copy"),
+    "transposed_slice": (lambda d, t: torch.randn(96, 72, dtype=t, device=d).t()[:, 1:],
                          torch.float32, "copy"),
-    "transposed_batch": (lambda d, t: torch.randn(3, 96, 64, dtype=t, device=d).transpose(1, 2),
+    "transposed_batch": (lambda d, t: torch.randn(3, 96, 72, dtype=t, device=d).transpose(1, 2),
                          torch.bfloat16, "copy"),
     # a transposed view with a gap between matrices is not one block of memory: a rung.
-    "transposed_batch_gap": (lambda d, t: torch.randn(6, 96, 64, dtype=t, device=d)[::2]
+    "transposed_batch_gap": (lambda d, t: torch.randn(6, 96, 72, dtype=t, device=d)[::2]
                              .transpose(1, 2), torch.float32, "v3"),
     # columns not adjacent in memory: v3's padded tile.
-    "every_other_column": (lambda d, t: torch.randn(64, 192, dtype=t, device=d)[:, ::2],
+    "every_other_column": (lambda d, t: torch.randn(72, 192, dtype=t, device=d)[:, ::2],
                            torch.float32, "v3"),
-    # one dim at most 16 (kThinMaxShort): the thin kernels, whatever the alignment and strides.
+    # one dim at most 64 (kThinMaxShort): the thin kernels, whatever the alignment and strides.
     "thin_rows": (lambda d, t: torch.randn(3, 4099, dtype=t, device=d), torch.float32, "thin"),
     "thin_cols": (lambda d, t: torch.randn(4099, 3, dtype=t, device=d), torch.bfloat16, "thin"),
-    "thin_rows_16": (lambda d, t: torch.randn(16, 4096, dtype=t, device=d), torch.float32, "thin"),
-    "thin_cols_16": (lambda d, t: torch.randn(4096, 16, dtype=t, device=d), torch.float16, "thin"),
-    # one past the bound: the tile rungs again (aligned: v4; odd: v5).
-    "rows_17": (lambda d, t: torch.randn(17, 4096, dtype=t, device=d), torch.float32, "v5"),
-    "cols_17": (lambda d, t: torch.randn(4096, 17, dtype=t, device=d), torch.float32, "v5"),
-    "rows_24_aligned": (lambda d, t: torch.randn(24, 4096, dtype=t, device=d), torch.float32,
+    "thin_rows_17": (lambda d, t: torch.randn(17, 4096, dtype=t, device=d), torch.float32, "thin"),
+    "thin_cols_17": (lambda d, t: torch.randn(4096, 17, dtype=t, device=d), torch.float32, "thin"),
+    # aligned for v4, but thin: the short side decides first.
+    "thin_rows_24_aligned": (lambda d, t: torch.randn(24, 4096, dtype=t, device=d),
+                             torch.float32, "thin"),
+    "thin_rows_64": (lambda d, t: torch.randn(64, 4096, dtype=t, device=d), torch.float32, "thin"),
+    "thin_cols_64": (lambda d, t: torch.randn(4096, 64, dtype=t, device=d), torch.float16, "thin"),
+    # one past the bound: the tile rungs again (odd: v5; aligned: v4).
+    "rows_65": (lambda d, t: torch.randn(65, 4096, dtype=t, device=d), torch.float32, "v5"),
+    "cols_65": (lambda d, t: torch.randn(4096, 65, dtype=t, device=d), torch.float32, "v5"),
+    "rows_72_aligned": (lambda d, t: torch.randn(72, 4096, dtype=t, device=d), torch.float32,
                         "v4"),
     "thin_batch": (lambda d, t: torch.randn(5, 4099, 7, dtype=t, device=d), torch.float32, "thin"),
     "thin_every_other_column": (lambda d, t: torch.randn(4, 8198, dtype=t, device=d)[:, ::2],
@@ -300,10 +306,12 @@ def test_transpose_default_launches_its_choice(case):
     assert_same(out, reference_transpose(x))
 
 
-# Thin matrices (version=None's thin kernels): every short length up to one past the bound
-# (16), against odd long lengths (1 and 3 past a multiple of every vector width), both ways
-# round, batched, and through views.
-THIN_SHORT = range(1, 18)
+# Thin matrices (version=None's thin kernels): every short length up to 17, then the edges of
+# the pad rule and of the bound (64): 31 and 62 take the other pad interval (thin_log2_pad),
+# 32 and 64 the shortest segments of their power of two, 65 the tile rungs again. Against odd
+# long lengths (1 and 3 past a multiple of every vector width), both ways round, batched, and
+# through views.
+THIN_SHORT = (*range(1, 18), 24, 31, 32, 33, 48, 62, 63, 64, 65)
 THIN_LONG = (1001, 4099)
 THIN_VIEWS = {
     "contiguous": lambda t: t,
@@ -318,13 +326,16 @@ THIN_VIEWS = {
 
 def thin_shapes(short, batch=None):
     lead = () if batch is None else (batch,)
-    return [lead + s for long in THIN_LONG for s in ((short, long), (long, short))]
+    # From 24 on a strip spans at most 64 of the long dim: 1001 already makes 16 strips and a
+    # partial last one, so the longer length would only slow the CPU run.
+    longs = THIN_LONG if short <= 17 else THIN_LONG[:1]
+    return [lead + s for long in longs for s in ((short, long), (long, short))]
 
 
 @pytest.mark.parametrize("view", list(THIN_VIEWS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_thin_transpose_matches_reference(dtype, view, device):
-    """version=None on a thin matrix runs the thin kernels up to 16 and a tile rung from 17 on
+    """version=None on a thin matrix runs the thin kernels up to 64 and a tile rung from 65 on
     (test_thin_transpose_launches_its_kernel checks which); every element must land."""
     for short in THIN_SHORT:
         for shape in thin_shapes(short) + thin_shapes(short, batch=3):
@@ -339,25 +350,38 @@ def test_thin_transpose_launches_its_kernel():
     """The tile's run lies along the longer dim: thin_rows for short rows, thin_cols for short
     columns; one past the bound, the tile rungs (test_transpose_default_choice)."""
     require_cuda()
-    for short in (1, 3, 16, 17):
+    for short in (1, 3, 16, 17, 31, 32, 33, 63, 64, 65):
         for shape in thin_shapes(short) + thin_shapes(short, batch=2):
             x = torch.randn(shape, device="cuda")
             out, kernels = launched_kernels(lambda: memory_ops.transpose(x), "memory_ops")
             rows, cols = shape[-2:]
-            expected = ("transpose_wide_tiles" if short > 16 else
+            expected = ("transpose_wide_tiles" if short > 64 else
                         "transpose_thin_rows<" if rows <= cols else "transpose_thin_cols<")
             assert len(kernels) == 1 and expected in kernels[0], (shape, kernels)
             assert_same(out, reference_transpose(x))
 
 
-@pytest.mark.parametrize("shape", [(3, 37), (37, 3), (2, 5, 37), (2, 37, 16), (1, 9)],
-                         ids=shape_id)
+@pytest.mark.parametrize("shape", [(3, 37), (37, 3), (2, 5, 37), (2, 37, 16), (1, 9), (31, 40),
+                                   (40, 33)], ids=shape_id)
 def test_thin_transpose_gradcheck(shape, device):
     """The backward of a thin transpose is a thin transpose the other way round."""
     x = torch.randn(shape, dtype=torch.float64, device=device, requires_grad=True)
     assert memory_ops.default_choice("transpose", x) == "thin"
     assert torch.autograd.gradcheck(memory_ops.transpose, (x,))
     assert torch.autograd.gradgradcheck(memory_ops.transpose, (x,))
+
+
+def test_thin_pad_rule_keeps_the_segment_side_nearly_conflict_free():
+    """The bank count memory_kernels.cu's comment quotes (bank_model.thin_segment, the thin
+    kernels' segment-side walk with thin_log2_pad's rule): at every short side up to the bound
+    and every element size, at most 4 times the fewest wavefronts; the pad after every 32 alone
+    would take 16 times or more at 31 and 62."""
+    import bank_model
+
+    for size in (2, 4, 8):
+        assert max(bank_model.thin_segment(size, s) for s in range(1, 65)) <= 4, size
+        for short in (31, 62):
+            assert bank_model.thin_segment(size, short, log2_pad=5) >= 16, (size, short)
 
 
 def test_thin_kernels_keep_registers_and_move_the_run_in_16_bytes(tmp_path):
@@ -582,10 +606,12 @@ def test_sanitizer_small_transpose(version):
 @pytest.mark.sanitize
 def test_sanitizer_small_thin_transpose():
     """The thin kernels (version=None only) under compute-sanitizer: both mappings, every
-    element size, the bound, a batch, a misaligned and a strided view."""
+    element size, both pad intervals (31, 62), the bound, a batch, a misaligned and a strided
+    view."""
     require_cuda()
     for dtype in DTYPES:
-        for shape in ((1, 1), (3, 257), (257, 3), (16, 129), (129, 16), (2, 5, 131), (2, 131, 5)):
+        for shape in ((1, 1), (3, 257), (257, 3), (16, 129), (129, 16), (2, 5, 131), (2, 131, 5),
+                      (31, 129), (129, 62), (64, 131), (2, 131, 33)):
             x = torch.randn(shape, dtype=dtype, device="cuda")
             # a dim of 1 makes the transpose a copy, which the copy route takes first
             assert memory_ops.default_choice("transpose", x) == ("copy" if 1 in shape else "thin"), shape

@@ -223,3 +223,31 @@ def _shapes_sweep(record):
 
 
 FACTS["shapes_sweep"] = _shapes_sweep
+
+
+def _column_shapes(record):
+    """The sweep's column reductions (sum and amax over dim 0 or a middle dim: column_split and
+    column_loop), one entry per shape with the range over ops and dtypes against the faster of
+    eager and torch.compile, worst first, and the commit the sweep measured: the column_split
+    changes are measured only by a sweep at or after them."""
+    sweep = _shapes.load("chapter3_shared_reduction")
+    if sweep is None:
+        return "not measured yet: run the chapter's benchmark with --shapes on a GPU"
+    by_shape = {}
+    for x, d, _ in _shapes.ratios(sweep, ["sum", "amax"], _shapes.MIN_BYTES):
+        if d.get("dim") is not None and d["dim"] not in (-1, len(d["shape"]) - 1):
+            key = (_shapes.fmt_shape(d["shape"]), d["dim"])
+            by_shape.setdefault(key, []).append((x, d.get("dispatch", "?")))
+    if not by_shape:
+        return "no column reduction in the recorded sweep"
+    count = sum(len(v) for v in by_shape.values())
+    below = sum(1 for v in by_shape.values() for x, _ in v if x < 0.95)
+    parts = [f"{shape} dim={dim} ({'/'.join(sorted({k for _, k in v}))}) "
+             f"{min(v)[0]:.2f}-{max(v)[0]:.2f}x"
+             for (shape, dim), v in sorted(by_shape.items(), key=lambda kv: min(kv[1])[0])]
+    return (f"{count} measurements (sum and amax, every dtype), {below} below 0.95x the faster of "
+            f"eager and torch.compile; per shape, worst first: {'; '.join(parts)} "
+            f"({sweep['device']['name']}, {sweep['date'][:10]}, commit {str(sweep.get('commit', '?'))[:7]})")
+
+
+FACTS["column_shapes"] = _column_shapes

@@ -48,8 +48,9 @@ def strided_copy(x, stride):
 def default_choice(op, x):
     """What `op(x, version=None)` runs: the rung's name, "copy" for a transpose whose input
     already holds the transpose in memory order (x.t() of a contiguous matrix), or "thin" for a
-    transpose with one of its two dims at most 16 long (one thread per index of the long dim,
-    no tile). The rules live in memory.h (default_transpose)."""
+    transpose with one of its two dims at most 64 long (a strip of the long dim per block,
+    staged in shared memory; no tile of the ladder). The rules live in memory.h
+    (default_transpose)."""
     check_arguments("default_choice", op=(op, str), x=(x, torch.Tensor))
     return torch.ops.memory_ops.default_choice(op, x)
 
