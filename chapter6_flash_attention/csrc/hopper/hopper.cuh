@@ -105,7 +105,8 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, u
       : "memory");
 }
 // The same box, brought into L2 only (no shared memory, no barrier): a hint that a later tma_load_4d
-// of it finds it there. Boxes past the tensor's end are not fetched.
+// of it finds it there. A box may reach past the tensor's end, as for the loads (nothing is fetched
+// there).
 __device__ __forceinline__ void tma_prefetch_l2_4d(const CUtensorMap* map, int c0, int c1, int c2, int c3) {
   asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];" ::"l"(
                    reinterpret_cast<uint64_t>(map)),
