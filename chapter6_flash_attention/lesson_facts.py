@@ -715,7 +715,7 @@ def hopper_power(record):
 
 
 def hopper_persistent(record):
-    """experiments/persistent_probe.py: pingpong, persistent and sdpa_cudnn at five shapes, each a
+    """experiments/persistent_probe.py: pingpong, persistent and sdpa_cudnn at seven shapes, each a
     CUDA graph, interleaved over 7 rounds (results/<gpu>/chapter6_persistent_probe.txt)."""
     import re
     probe = _hopper_file(record, "chapter6_persistent_probe.txt")

@@ -1442,6 +1442,46 @@ def test_cuda_hopper_persistent_matches_its_consumers(dtype, causal, head_dim):
             assert torch.equal(lse, want_lse), f"{what}: lse differs from {consumers}'s"
 
 
+# (batch, heads, heads_kv, seqlen): many short work items per block (2048 to 5120 items, 15 to 39
+# per block on 132 SMs), each walking 2 to 5 key tiles, so that at every item boundary the producer
+# has the next item's first K/V stage in the ring, and its Q on the way, before the consumers are
+# done with this one's; GQA 4:1 and 8:1, and a partial last tile both ways (129, 513).
+PERSISTENT_SHORT_WALKS = [(64, 16, 4, 129), (64, 16, 16, 256), (64, 16, 2, 513)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+def test_cuda_hopper_persistent_short_items(dtype, causal, head_dim):
+    """The persistent rung where items are short and many: the producer issues an item's first K/V
+    stage before its Q and prefetches the next item's into L2 while the consumers are on the last
+    one. Against a float64 reference (on the GPU, 8 sequences at a time: the scores of 64 at 513
+    keys are 2 GB) and the same bits as "pingpong", its consumers, on NaN-poisoned outputs."""
+    skip_unless_hopper()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for batch, heads, heads_kv, seqlen in PERSISTENT_SHORT_WALKS:
+        q, k, v = (torch.randn(batch, h, seqlen, head_dim, device="cuda", dtype=torch.float64, generator=gen)
+                   .to(dtype) for h in (heads, heads_kv, heads_kv))
+        what = f"{dtype_id(dtype)} b{batch} h{heads}/{heads_kv} s{seqlen} d{head_dim}"
+        poison_allocator(torch.empty(q.shape, dtype=dtype, device="cuda"))
+        poison_allocator(torch.empty(q.shape[:3], dtype=torch.float32, device="cuda"))
+        out, lse = flash_attention.attention(q, k, v, causal=causal, return_lse=True, version="persistent")
+        want, want_lse = flash_attention.attention(q, k, v, causal=causal, return_lse=True, version="pingpong")
+        assert torch.equal(out, want), f"{what}: out differs from pingpong's"
+        assert torch.equal(lse, want_lse), f"{what}: lse differs from pingpong's"
+        rtol, atol = forward_tol(dtype, "persistent", v)
+        for b0 in range(0, batch, 8):
+            part = slice(b0, b0 + 8)
+            ref, ref_lse = reference(q[part], k[part], v[part], causal)
+            torch.testing.assert_close(out[part].double(), ref, rtol=rtol, atol=atol,
+                                       msg=lambda m: f"{what} sequences {b0}..: {m}")
+            finite = ref_lse.isfinite()
+            assert torch.equal(lse[part].isneginf(), ref_lse.isneginf()), what
+            torch.testing.assert_close(lse[part].double()[finite], ref_lse[finite], rtol=1e-5, atol=5e-5,
+                                       msg=lambda m: f"{what} lse, sequences {b0}..: {m}")
+
+
 @pytest.mark.cuda
 def test_cuda_hopper_persistent_grid_and_graph():
     """The persistent kernel is what runs (one launch, the tile counter's clear beside it), and it

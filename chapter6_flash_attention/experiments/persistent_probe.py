@@ -1,4 +1,4 @@
-"""Rung 10 against rung 9 and cuDNN, at five model shapes: does walking a tile schedule pay, and where?
+"""Rung 10 against rung 9 and cuDNN, at seven model shapes: does walking a tile schedule pay, and where?
 
     python experiments/persistent_probe.py > ../results/<gpu>/chapter6_persistent_probe.txt
 
@@ -30,7 +30,8 @@ print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch
       f"commit {commit}, {datetime.date.today().isoformat()}")
 torch.manual_seed(0)
 SHAPES = [(2, 16, 16, 8192, 128, False), (2, 16, 16, 8192, 128, True), (8, 16, 16, 2048, 64, True),
-          (4, 32, 8, 4096, 128, True), (16, 16, 16, 512, 64, True)]
+          (4, 32, 8, 4096, 128, True), (16, 16, 16, 512, 64, True), (32, 16, 16, 512, 128, False),
+          (64, 32, 32, 512, 64, False)]
 rows = []
 for b, h, hk, s, d, causal in SHAPES:
     q = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16)

@@ -14,8 +14,9 @@
 // What carries across tiles, and why each is correct:
 //   - the work items: the producer thread draws them (atomicAdd on the launch's counter) and hands
 //     each to the consumers through a two-slot ring in shared memory (tile_full: the slot is
-//     written; tile_empty: all 256 consumer threads have read it), so it can publish tile i + 1
-//     while the consumers are on tile i. The index past the last tile ends both loops.
+//     written; tile_empty: each of the 8 consumer warps has read it, one arrive per warp after a
+//     __syncwarp, as for the K/V stages), so it can publish tile i + 1 while the consumers are on
+//     tile i. The index past the last tile ends both loops.
 //   - the K/V ring: producer and consumers count key tiles over the whole walk (kv_trips), not per
 //     work item, so stage (trip % kStages) and parity ((trip / kStages) & 1) continue where the last
 //     tile left them: each mbarrier completes its phases in the same order in which they are waited
@@ -27,6 +28,15 @@
 //     at d = 256, whose warp_specialized schedule has no product in flight to overlap before its
 //     last P V is done). q_trips counts the tiles that loaded a Q (a tile whose rows see no key
 //     loads nothing), on both sides alike.
+//   - the next tile's copies, in the order their buffers come free: its first K/V stage first (free
+//     once the consumers are done with the trip kStages back, two key tiles before this tile's end
+//     at three stages), then Q's halves (free with each warpgroup's last Q K^T), then the rest of
+//     its stages. And as soon as the producer draws a tile (a few key tiles ahead of the consumers),
+//     it asks the copy engine to bring that tile's Q and first K/V stage into L2 (a prefetch with
+//     no destination in shared memory, so nothing waits for a buffer): the copies into shared
+//     memory, issued later, then find them there instead of in device memory. Where a tile walks
+//     four key tiles (512 keys), waiting for Q before the first K/V copy and fetching both from
+//     device memory had left the tensor cores idle at every tile's start (README, part 3).
 //   - the ping-pong turns: one turn sequence over the whole walk, not per tile. Warpgroup 1 gives
 //     warpgroup 0 the first turn once, every turn is passed on (the last turn of a tile hands the
 //     tensor cores to the other warpgroup's next tile), and warpgroup 0 takes one last, empty turn
@@ -156,7 +166,7 @@ __global__ void __launch_bounds__(K::kThreads, 1)
       mbarrier_init(&q_full[w], 1);   // the producer's arrive, with the half's bytes
       mbarrier_init(&q_empty[w], 4);  // one arrive per warp of warpgroup w, its last Q K^T done
       mbarrier_init(&tile_full[w], 1);                    // the producer wrote slot w
-      mbarrier_init(&tile_empty[w], K::kConsumerThreads);  // every consumer thread read it
+      mbarrier_init(&tile_empty[w], 8);  // one arrive per consumer warp, its 32 lanes done reading
     }
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(&k_full[s], 1);
@@ -237,59 +247,80 @@ __global__ void __launch_bounds__(K::kThreads, 1)
 
   if (threadIdx.x < K::kProducerThreads) {
     // The producer: one thread walks the same items as the consumers and issues every copy, as far
-    // ahead as the barriers let it: into tile i + 1 while the consumers are still on tile i.
+    // ahead as the barriers let it: into item i + 1 while the consumers are still on item i.
     setmaxnreg_dec<K::kProducerRegs>();
     if (threadIdx.x == 0) {
       uint32_t q_trips = 0, kv_trips = 0;
-      int index = blockIdx.x;  // the first round is the grid itself; the counter hands out the rest
+      // The first round is the grid itself; the counter hands out the rest.
+      int value = value_of(blockIdx.x);
+      Item it{};  // the item `value` names, decoded once it is drawn (none past the end)
+      if (value < schedule.tiles) it = item_at(value);
+      // Trip kv_trips of the walk: key tile it.first_tile + i of the item. Its stage is free once the
+      // 8 consumer warps are done with trip kv_trips - kStages (of this item or of an earlier one).
+      auto load_kv = [&](int i) {
+        const int stage = kv_trips % kStages;
+        if (kv_trips >= kStages) mbarrier_wait(&kv_empty[stage], ((kv_trips / kStages) - 1) & 1);
+        const int row = static_cast<int>(it.k_row) + (it.first_tile + i) * kBN;
+        // K and V complete on separate barriers, so that S = Q K^T starts before V lands.
+        mbarrier_arrive_expect_tx(&k_full[stage], K::kKVBytes);
+#pragma unroll
+        for (int c = 0; c < K::kChunks; ++c) {
+          tma_load_4d(k_s + stage * K::kKVBytes + c * kBN * 128, &map_k, &k_full[stage], c * 64, row, it.hk, it.map_b);
+        }
+        mbarrier_arrive_expect_tx(&v_full[stage], K::kKVBytes);
+#pragma unroll
+        for (int c = 0; c < K::kChunks; ++c) {
+          tma_load_4d(v_s + stage * K::kKVBytes + c * kBN * 128, &map_v, &v_full[stage], c * 64, row, it.hk, it.map_b);
+        }
+        ++kv_trips;
+      };
       for (uint32_t trip = 0;; ++trip) {
-        // Hand the index to the consumers: slot trip % 2 is free once they all read trip - 2's.
+        // Hand the item to the consumers: slot trip % 2 is free once they all read trip - 2's.
         const int slot = trip & 1;
-        const int value = value_of(index);
         if (trip >= 2) mbarrier_wait(&tile_empty[slot], ((trip >> 1) - 1) & 1);
         tile_slot[slot] = value;
         mbarrier_arrive(&tile_full[slot]);  // release: the consumers' wait sees the write above
         if (value >= schedule.tiles) break;  // the end, now published
-        const Item it = item_at(value);
-        if (it.n_tiles == 0) {  // rows that see no key: the consumers store zeros, nothing to load
-          index = atomicAdd(tile_counter, 1) + static_cast<int>(gridDim.x);
-          continue;
-        }
-        for (int w = 0; w < 2; ++w) {
-          // Warpgroup w's half of Q is free once its 4 warps' last Q K^T of the previous tile is done.
-          if (q_trips > 0) mbarrier_wait(&q_empty[w], (q_trips - 1) & 1);
-          mbarrier_arrive_expect_tx(&q_full[w], kHalfQBytes);
+        if (it.n_tiles > 0) {  // else rows that see no key: the consumers store zeros, nothing to load
+          // The first key tile before Q: its stage was freed by a trip kStages back, two key tiles
+          // before the end of the last item at 3 stages, while Q's halves come free only with each
+          // warpgroup's last Q K^T of it. Loaded after Q, K would wait for that release too and
+          // land as the consumers finish their epilogue, with the tensor cores idle meanwhile.
+          load_kv(0);
+          for (int w = 0; w < 2; ++w) {
+            // Warpgroup w's half of Q is free once its 4 warps' last Q K^T of the previous item is done.
+            if (q_trips > 0) mbarrier_wait(&q_empty[w], (q_trips - 1) & 1);
+            mbarrier_arrive_expect_tx(&q_full[w], kHalfQBytes);
 #pragma unroll
-          for (int c = 0; c < K::kChunks; ++c) {
-            // Rows past seqlen_q (the whole half, for a tile of up to 64 rows) arrive as zeros.
-            tma_load_4d(q_s + c * kBM * 128 + w * 64 * 128, &map_q, &q_full[w], c * 64,
-                        static_cast<int>(it.q_row) + 64 * w, it.h, it.map_b);
+            for (int c = 0; c < K::kChunks; ++c) {
+              // Rows past seqlen_q (the whole half, for an item of up to 64 rows) arrive as zeros.
+              tma_load_4d(q_s + c * kBM * 128 + w * 64 * 128, &map_q, &q_full[w], c * 64,
+                          static_cast<int>(it.q_row) + 64 * w, it.h, it.map_b);
+            }
           }
+          ++q_trips;
+          for (int i = 1; i < it.n_tiles; ++i) load_kv(i);
         }
-        ++q_trips;
-        for (int i = 0; i < it.n_tiles; ++i, ++kv_trips) {
-          const int stage = kv_trips % kStages;
-          // The stage is free once the 8 consumer warps are done with trip kv_trips - kStages
-          // (of this tile or of the last one).
-          if (kv_trips >= kStages) mbarrier_wait(&kv_empty[stage], ((kv_trips / kStages) - 1) & 1);
-          // K and V complete on separate barriers, so that S = Q K^T starts before V lands.
-          mbarrier_arrive_expect_tx(&k_full[stage], K::kKVBytes);
-#pragma unroll
-          for (int c = 0; c < K::kChunks; ++c) {
-            tma_load_4d(k_s + stage * K::kKVBytes + c * kBN * 128, &map_k, &k_full[stage], c * 64,
-                        static_cast<int>(it.k_row) + (it.first_tile + i) * kBN, it.hk, it.map_b);
-          }
-          mbarrier_arrive_expect_tx(&v_full[stage], K::kKVBytes);
-#pragma unroll
-          for (int c = 0; c < K::kChunks; ++c) {
-            tma_load_4d(v_s + stage * K::kKVBytes + c * kBN * 128, &map_v, &v_full[stage], c * 64,
-                        static_cast<int>(it.k_row) + (it.first_tile + i) * kBN, it.hk, it.map_b);
-          }
-        }
-        // The next tile, drawn once this one's copies are all issued: as late as the producer can
+        // The next item, drawn once this one's copies are all issued: as late as the producer can
         // (the block is a couple of key tiles from done, and the others have drawn meanwhile) with
-        // time to spare (its Q waits for this tile's last Q K^T anyway).
-        index = atomicAdd(tile_counter, 1) + static_cast<int>(gridDim.x);
+        // time to spare. Its Q and first key tile go into L2 at once: the copies into shared memory
+        // wait for this item's buffers to come free, a key tile or two before its end, and then find
+        // them in L2 instead of device memory (Q is read by no one else, and a head's K and V are
+        // not in L2 yet when its first item starts).
+        value = value_of(atomicAdd(tile_counter, 1) + static_cast<int>(gridDim.x));
+        if (value < schedule.tiles) {
+          it = item_at(value);
+          if (it.n_tiles > 0) {
+            const int row = static_cast<int>(it.k_row) + it.first_tile * kBN;
+#pragma unroll
+            for (int c = 0; c < K::kChunks; ++c) {
+              tma_prefetch_l2_4d(&map_q, c * 64, static_cast<int>(it.q_row), it.h, it.map_b);
+              tma_prefetch_l2_4d(&map_q, c * 64, static_cast<int>(it.q_row) + 64, it.h, it.map_b);
+              tma_prefetch_l2_4d(&map_k, c * 64, row, it.hk, it.map_b);
+              tma_prefetch_l2_4d(&map_v, c * 64, row, it.hk, it.map_b);
+            }
+          }
+        }
       }
     }
     return;
@@ -362,7 +393,8 @@ __global__ void __launch_bounds__(K::kThreads, 1)
     const int slot = trip & 1;
     mbarrier_wait(&tile_full[slot], (trip >> 1) & 1);
     const int value = tile_slot[slot];
-    mbarrier_arrive(&tile_empty[slot]);  // this thread is done with the slot
+    __syncwarp();  // every lane of the warp has read the slot before its lane 0 gives it back
+    if (lane == 0) mbarrier_arrive(&tile_empty[slot]);
     if (value >= schedule.tiles) break;  // the walk is over, as for the producer
     const Item it = item_at(value);
     const int n_tiles = it.n_tiles;

@@ -104,6 +104,15 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, u
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_addr(bar))
       : "memory");
 }
+// The same box, brought into L2 only (no shared memory, no barrier): a hint that a later tma_load_4d
+// of it finds it there. A box may reach past the tensor's end, as for the loads (nothing is fetched
+// there).
+__device__ __forceinline__ void tma_prefetch_l2_4d(const CUtensorMap* map, int c0, int c1, int c2, int c3) {
+  asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+               : "memory");
+}
 
 // A plain (non-tensor) bulk copy of `bytes` contiguous bytes, completing on `bar` like the tiles:
 // both addresses 16-byte aligned, `bytes` a multiple of 16, and nothing outside the source may be
