@@ -462,10 +462,14 @@ std::string default_choice(c10::string_view op_name, const Tensor& x) {
 // (16-byte aligned) tensors as the glue's are (course::grad_packs): rows of whole 16-byte vectors
 // take them; other rows of at least two vectors take them too (course/bias_act.cuh's span
 // kernel, one row in flight a thread), in tiles of a multiple of course::row_phases rows (each
-// thread meets one phase); shorter rows, single elements.
-std::vector<int64_t> bias_grad_tiling(const Tensor& x, int64_t sms) {
+// thread meets one phase); shorter rows, single elements. blocks_per_sm: the launched kernel's
+// occupancy, which the grid fills in one wave (the launcher asks the CUDA runtime; 3 for GELU-erf's
+// span kernel).
+std::vector<int64_t> bias_grad_tiling(const Tensor& x, int64_t sms, int64_t blocks_per_sm) {
   check_input("bias_grad_tiling", "x", x);
   TORCH_CHECK(sms >= 1, "bias_grad_tiling: sms must be at least 1, got ", std::to_string(sms));
+  TORCH_CHECK(blocks_per_sm >= 1 && blocks_per_sm <= 32, "bias_grad_tiling: blocks_per_sm must be 1 to 32, got ",
+              std::to_string(blocks_per_sm));
   const int64_t n = x.dim() == 0 ? 1 : x.size(-1);
   const int64_t rows = n == 0 ? 0 : x.numel() / n;
   const int elem = static_cast<int>(x.element_size());
@@ -475,7 +479,8 @@ std::vector<int64_t> bias_grad_tiling(const Tensor& x, int64_t sms) {
   const int phases = phased ? ::course::row_phases(n, elem) : 1;
   const ::course::GradTiling t =
       ::course::grad_tiling(rows, ::course::ceil_div<int64_t>(n, lanes), lanes * elem,
-                            ::course::grad_rows_in_flight(lanes, phased), static_cast<int>(sms), phases);
+                            ::course::grad_rows_in_flight(lanes, phased), static_cast<int>(sms), phases,
+                            static_cast<int>(blocks_per_sm));
   return {t.tx, t.ty, t.column_tiles, t.row_tiles, phases};
 }
 
@@ -641,7 +646,7 @@ TORCH_LIBRARY_FRAGMENT(fusion, m) {
   m.def("linear_activation_backward(Tensor grad, Tensor z, Tensor x, Tensor weight, str activation) "
         "-> (Tensor, Tensor, Tensor)");
   m.def("elementwise_default_choice(str op, Tensor x) -> str", &fusion::elementwise::default_choice);
-  m.def("bias_grad_tiling(Tensor x, int sms) -> int[]", &fusion::elementwise::bias_grad_tiling);
+  m.def("bias_grad_tiling(Tensor x, int sms, int blocks_per_sm=4) -> int[]", &fusion::elementwise::bias_grad_tiling);
 }
 
 // One implementation per op serves CPU, CUDA and Meta: each picks the backend from the (already

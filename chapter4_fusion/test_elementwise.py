@@ -513,8 +513,10 @@ def row_phases(hidden, elem):
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float64), ids=dtype_id)
 def test_bias_grad_tiling_rule(dtype):
     """Up to 64 tokens every hidden size is one row tile (the kernel writes dbias itself: one
-    launch), rows that start mid-vector included; more rows fill kGradBlocksPerSm = 4 blocks per
-    SM, or give every thread one step when there are fewer; wide tiles leave at most an eighth of
+    launch), rows that start mid-vector included; more rows fill one wave of the blocks the SMs
+    hold (blocks_per_sm, the launched kernel's occupancy: 4 by default, 3 for GELU-erf's span
+    kernel) and no more, with the fewest row tiles that give each thread as many steps, or give
+    every thread one step when there are fewer; wide tiles leave at most an eighth of
     their lanes idle; the tiles cover every column. Rows of whole vectors take 16-byte packs, two
     rows in flight a thread; other rows of at least two vectors take them too (the span kernel),
     one row in flight, in tiles whose rows are a multiple of the phases (each thread meets one
@@ -522,28 +524,35 @@ def test_bias_grad_tiling_rule(dtype):
     of 1 to 170 SMs."""
     elem = torch.empty((), dtype=dtype).element_size()
     vector = 16 // elem
-    for sms in (1, 46, 132, 170):
+    for sms, blocks in ((1, 4), (46, 4), (132, 4), (132, 3), (170, 4), (170, 3), (132, 8)):
         for tokens in GRAD_TOKENS:
             for hidden in GRAD_HIDDEN:
                 x = torch.empty(tokens, hidden, dtype=dtype, device="meta")
-                tx, ty, column_tiles, row_tiles, phases = torch.ops.fusion.bias_grad_tiling(x, sms)
+                tx, ty, column_tiles, row_tiles, phases = torch.ops.fusion.bias_grad_tiling(x, sms, blocks)
                 phased = hidden % vector != 0 and hidden >= 2 * vector
                 lanes = vector if hidden % vector == 0 or phased else 1
                 packs = -(-hidden // lanes)
                 in_flight = 1 if phased else 2 if lanes > 1 else 8
-                where = (sms, tokens, hidden)
+                where = (sms, blocks, tokens, hidden)
                 assert phases == (row_phases(hidden, elem) if phased else 1), where
                 steps = -(-tokens // (ty * in_flight))  # row tiles if every thread takes one step
                 assert tx * ty == 256 and tx & (tx - 1) == 0 and ty % phases == 0, where
                 assert column_tiles == -(-packs // tx) and (tx == 1 or tx // 2 < packs), where
                 assert 1 <= row_tiles <= steps, where
-                assert column_tiles * row_tiles >= min(4 * sms, column_tiles * steps), where
+                wave = blocks * sms
+                # One wave: the row tiles that fit beside the column tiles (at least one), no more
+                # than give every thread one step, then the fewest with as many steps a thread.
+                per_thread = -(-steps // min(steps, max(1, wave // column_tiles)))
+                assert row_tiles == -(-steps // per_thread), where
+                assert column_tiles * row_tiles <= max(wave, column_tiles), where
                 if tokens <= 64:
                     assert row_tiles == 1, where
                 if tx * lanes * elem > 64:  # wider than the narrow tile: few idle lanes
                     assert (column_tiles * tx - packs) * 8 <= packs, where
     with pytest.raises(RuntimeError, match="bias_grad_tiling: sms must be at least 1"):
         torch.ops.fusion.bias_grad_tiling(torch.empty(4, 8, device="meta"), 0)
+    with pytest.raises(RuntimeError, match="bias_grad_tiling: blocks_per_sm must be 1 to 32"):
+        torch.ops.fusion.bias_grad_tiling(torch.empty(4, 8, device="meta"), 132, 0)
 
 
 @pytest.mark.cuda
@@ -575,13 +584,18 @@ def test_bias_gradient_tiles_at_their_boundaries(dtype):
             mask = saved_for("mask", x, bias)
             _, kernels = launched_kernels(lambda: fusion.fused_bias_scale_relu_backward(dy, mask, bias, SCALE, "mask"),
                                           "course")
-            _, _, _, row_tiles, phases = torch.ops.fusion.bias_grad_tiling(x, sms)
+            phases = torch.ops.fusion.bias_grad_tiling(x, sms)[4]
+            # The grid is sized to the launched kernel's occupancy, which this test does not see:
+            # the launches are checked where every occupancy of 2 to 8 blocks an SM agrees on
+            # partial rows (all but a few at 65 tokens, where the tile's width turns on it).
+            partial = {torch.ops.fusion.bias_grad_tiling(x, sms, b)[3] > 1 for b in range(2, 9)}
             # The kernel that ran: the span kernel exactly where the rule says the rows start
             # mid-vector, the tile kernel elsewhere.
             backward = [k for k in kernels if "act_backward_" in k]
             assert backward and all(("act_backward_span_kernel" in k) == (phases > 1) for k in backward), (
                 shape, phases, backward)
-            assert any("column_reduce" in k for k in kernels) == (row_tiles > 1), (shape, row_tiles, kernels)
+            if len(partial) == 1:
+                assert any("column_reduce" in k for k in kernels) in partial, (shape, partial, kernels)
     if dtype != torch.float64:
         for shape in ((64, 3072), (64, 4099), (2048, 4099)):
             x, bias = bias_inputs(shape, dtype, "cuda")
@@ -613,6 +627,44 @@ def test_smooth_activation_gradients_at_odd_widths(activation, dtype):
         dx_bound, db_bound = act_grad_bounds(dy, (x64 + b64).detach(), x64.grad, dtype, shape[0])
         assert_within(x.grad, x64.grad, dx_bound, f"{activation} dx {shape}")
         assert_within(bias.grad, b64.grad, db_bound, f"{activation} dbias {shape}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16), ids=dtype_id)
+def test_gelu_gradient_grid_in_one_wave(dtype):
+    """The fused backward's grid is one wave of the launched kernel's occupancy (3 blocks an SM for
+    GELU-erf's span kernel where its 80 registers allow no more): row counts whose row tiles, rounded
+    down to that wave, leave some threads a step more than others (2047, 2048 and 2049 tokens of
+    hidden 777 and 4099, rows that start mid-vector; 2049 x 3072, whole vectors), and a row so wide
+    that its column tiles alone pass the wave (70 x 200003: one row tile, a column tile a block),
+    against float64."""
+    require_cuda()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = [(2047, 777), (2048, 4099), (2049, 4099), (2049, 3072), (70, 200003)]
+    wide = torch.empty(shapes[-1], dtype=dtype, device="meta")
+    assert all(torch.ops.fusion.bias_grad_tiling(wide, sms, b)[2] > b * sms for b in (3, 4)), "the wide case"
+    for shape in shapes:
+        x = torch.randn(shape, device="cuda").to(dtype).requires_grad_()
+        bias = torch.randn(shape[-1], device="cuda").to(dtype).requires_grad_()
+        dy = torch.randn(shape, device="cuda").to(dtype)
+        run_bias_op("gelu", x, bias, None).backward(dy)
+        x64 = x.detach().double().requires_grad_()
+        b64 = bias.detach().double().requires_grad_()
+        reference_act(x64 + b64, "gelu").backward(dy.double())
+        dx_bound, db_bound = act_grad_bounds(dy, (x64 + b64).detach(), x64.grad, dtype, shape[0])
+        assert_within(x.grad, x64.grad, dx_bound, f"gelu dx {shape}")
+        assert_within(bias.grad, b64.grad, db_bound, f"gelu dbias {shape}")
+        # What ran (the backward op itself, under the profiler): the span kernel exactly where
+        # rows start mid-vector, and column_sum's kernel exactly where the rule at every occupancy
+        # of 2 to 8 blocks an SM leaves partial rows.
+        _, kernels = launched_kernels(
+            lambda: torch.ops.fusion.bias_activation_backward(dy, x.detach(), bias.detach(), "gelu"), "course")
+        tilings = [torch.ops.fusion.bias_grad_tiling(x, sms, b) for b in range(2, 9)]
+        phases = tilings[0][4]
+        backward = [k for k in kernels if "act_backward_" in k]
+        assert backward and all(("act_backward_span_kernel" in k) == (phases > 1) for k in backward), (shape, kernels)
+        partial = {t[3] > 1 for t in tilings}
+        assert len(partial) == 1 and any("column_reduce" in k for k in kernels) in partial, (shape, partial, kernels)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -995,6 +1047,27 @@ def test_sanitizer_small(dtype):
             for version in EW_VERSIONS["linear_activation"]:
                 assert_within(fusion.linear_activation(xv, weight, b2, "silu", version=version), ref,
                               linear_bound(xv, weight, b2, ref, dtype), f"linear {version}")
+
+
+@pytest.mark.cuda
+@pytest.mark.sanitize
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=dtype_id)
+def test_sanitizer_gelu_grid(dtype):
+    """Under compute-sanitizer: GELU-erf's backward on a grid sized to its kernel's occupancy, at
+    rows that start mid-vector with partial rows and a last step that only some threads take
+    (400 x 4099, 300 x 777) and on whole vectors (130 x 3000), against float64."""
+    require_cuda()
+    for shape in ((400, 4099), (300, 777), (130, 3000)):
+        x = torch.randn(shape, device="cuda").to(dtype).requires_grad_()
+        bias = torch.randn(shape[-1], device="cuda").to(dtype).requires_grad_()
+        dy = torch.randn(shape, device="cuda").to(dtype)
+        run_bias_op("gelu", x, bias, None).backward(dy)
+        x64 = x.detach().double().requires_grad_()
+        b64 = bias.detach().double().requires_grad_()
+        reference_act(x64 + b64, "gelu").backward(dy.double())
+        dx_bound, db_bound = act_grad_bounds(dy, (x64 + b64).detach(), x64.grad, dtype, shape[0])
+        assert_within(x.grad, x64.grad, dx_bound, f"gelu dx {shape}")
+        assert_within(bias.grad, b64.grad, db_bound, f"gelu dbias {shape}")
 
 
 # A tensor where a number goes and the other way round: a TypeError naming the op and the argument.

@@ -519,12 +519,14 @@ __device__ __forceinline__ void write_tile_sums(const typename Acc<T>::type* til
 }
 
 // Rows whose every pack is whole: 16-byte vectors where every row starts on a 16-byte boundary,
-// single elements (L = 1) otherwise.
+// single elements (L = 1) otherwise. The last parameter, unused (every row is phase 0 here), gives
+// it the span kernel's signature, so that the launcher holds either kernel in one pointer and
+// asks its occupancy before sizing the grid.
 template <typename T, typename Act, int L, SaveKind kSource>
 __global__ void __launch_bounds__(kGradThreads)
     act_backward_tile_kernel(const T* dy, const T* saved, const uint32_t* mask, const T* bias,
                              typename Acc<T>::type scale, T* dx, typename Acc<T>::type* partials, T* dbias,
-                             int64_t rows, int64_t n, int tx) {
+                             int64_t rows, int64_t n, int tx, int /*phases*/) {
   using A = typename Acc<T>::type;
   constexpr int kRows = kRowsInFlight<L>;
   // Every thread's L sums, [row of the tile][column of the tile].
@@ -759,12 +761,13 @@ inline GradPacks grad_packs(const BiasActGrad<T>& p) {
   return same && p.n >= 2 * Vec16<T>::kLanes ? GradPacks::kPhased : GradPacks::kSingle;
 }
 
-// The backward's tiling (grad_tiling on this GPU's SM count) and scratch: the partial rows in the
-// accumulation type, none when one row tile writes dbias. Phased packs: the same tiles over the
-// row's columns, one row in flight a thread, and tiles no wider than keeps their rows a multiple
-// of the phases.
+// The backward's tiling (grad_tiling on this GPU's SM count, at blocks_per_sm blocks an SM) and
+// scratch: the partial rows in the accumulation type, none when one row tile writes dbias. Phased
+// packs: the same tiles over the row's columns, one row in flight a thread, and tiles no wider
+// than keeps their rows a multiple of the phases.
 template <typename T>
-cudaError_t fused_backward_tiling(const BiasActGrad<T>& p, Tiling* t, GradPacks* packs, int* phases) {
+cudaError_t fused_backward_tiling(const BiasActGrad<T>& p, int blocks_per_sm, Tiling* t, GradPacks* packs,
+                                  int* phases) {
   *packs = grad_packs(p);
   const bool phased = *packs == GradPacks::kPhased;
   const int lanes = *packs == GradPacks::kSingle ? 1 : Vec16<T>::kLanes;
@@ -772,20 +775,38 @@ cudaError_t fused_backward_tiling(const BiasActGrad<T>& p, Tiling* t, GradPacks*
   int sms = 0;
   COURSE_CUDA_TRY(sm_count(&sms));
   const GradTiling g = grad_tiling(p.rows, ceil_div<int64_t>(p.n, lanes), lanes * static_cast<int>(sizeof(T)),
-                                   grad_rows_in_flight(lanes, phased), sms, *phases);
+                                   grad_rows_in_flight(lanes, phased), sms, *phases, blocks_per_sm);
   t->tx = g.tx;
   t->grid = dim3(static_cast<unsigned>(std::min<int64_t>(g.column_tiles, INT_MAX)), static_cast<unsigned>(g.row_tiles));
   t->slots = g.row_tiles > 1 ? g.row_tiles : 0;
   return cudaSuccess;
 }
 
+// The scratch is asked before the kernel (and so its occupancy) is known, by callers that name
+// only the dtype: the most partial rows that any occupancy, 1 block an SM to as many as the SM's
+// threads allow, could ask for.
 template <typename T>
 cudaError_t fused_backward_workspace(const BiasActGrad<T>& p, int64_t* bytes) {
-  Tiling t;
-  GradPacks packs = GradPacks::kSingle;
-  int phases = 1;
-  COURSE_CUDA_TRY(fused_backward_tiling<T>(p, &t, &packs, &phases));
-  *bytes = t.slots * p.n * static_cast<int64_t>(sizeof(typename Acc<T>::type));
+  int per_sm = 0;
+  COURSE_CUDA_TRY(cached_attribute<cudaDevAttrMaxThreadsPerMultiProcessor>(&per_sm));
+  int64_t slots = 0;
+  for (int blocks = 1; blocks <= std::max(1, per_sm / kGradThreads); ++blocks) {
+    Tiling t;
+    GradPacks packs = GradPacks::kSingle;
+    int phases = 1;
+    COURSE_CUDA_TRY(fused_backward_tiling<T>(p, blocks, &t, &packs, &phases));
+    slots = std::max(slots, t.slots);
+  }
+  *bytes = slots * p.n * static_cast<int64_t>(sizeof(typename Acc<T>::type));
+  return cudaSuccess;
+}
+
+// Blocks of `kernel` an SM holds (its registers and shared memory decide): the wave the grid is
+// sized to.
+template <typename Kernel>
+cudaError_t grad_blocks_per_sm(Kernel kernel, int* blocks) {
+  COURSE_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, kernel, kGradThreads, 0));
+  *blocks = std::max(*blocks, 1);
   return cudaSuccess;
 }
 
@@ -793,21 +814,20 @@ template <typename T, typename Act, SaveKind kSource>
 cudaError_t launch_fused_backward(const BiasActGrad<T>& p, cudaStream_t stream) {
   using A = typename Acc<T>::type;
   constexpr int kLanes = Vec16<T>::kLanes;
+  const GradPacks packs = grad_packs(p);
+  // The kernel first, so that the grid is sized to its own occupancy.
+  const auto kernel = packs == GradPacks::kVectors  ? act_backward_tile_kernel<T, Act, kLanes, kSource>
+                      : packs == GradPacks::kPhased ? act_backward_span_kernel<T, Act, kSource>
+                                                    : act_backward_tile_kernel<T, Act, 1, kSource>;
+  int blocks_per_sm = 1;
+  COURSE_CUDA_TRY(grad_blocks_per_sm(kernel, &blocks_per_sm));
   Tiling t;
-  GradPacks packs = GradPacks::kSingle;
+  GradPacks tiled = GradPacks::kSingle;
   int phases = 1;
-  COURSE_CUDA_TRY(fused_backward_tiling<T>(p, &t, &packs, &phases));
+  COURSE_CUDA_TRY(fused_backward_tiling<T>(p, blocks_per_sm, &t, &tiled, &phases));
   A* partials = static_cast<A*>(p.workspace);
-  if (packs == GradPacks::kVectors) {
-    act_backward_tile_kernel<T, Act, kLanes, kSource><<<t.grid, kGradThreads, 0, stream>>>(
-        p.dy, p.saved, p.mask, p.bias, p.scale, p.dx, partials, p.dbias, p.rows, p.n, t.tx);
-  } else if (packs == GradPacks::kPhased) {
-    act_backward_span_kernel<T, Act, kSource><<<t.grid, kGradThreads, 0, stream>>>(
-        p.dy, p.saved, p.mask, p.bias, p.scale, p.dx, partials, p.dbias, p.rows, p.n, t.tx, phases);
-  } else {
-    act_backward_tile_kernel<T, Act, 1, kSource><<<t.grid, kGradThreads, 0, stream>>>(
-        p.dy, p.saved, p.mask, p.bias, p.scale, p.dx, partials, p.dbias, p.rows, p.n, t.tx);
-  }
+  kernel<<<t.grid, kGradThreads, 0, stream>>>(p.dy, p.saved, p.mask, p.bias, p.scale, p.dx, partials, p.dbias,
+                                              p.rows, p.n, t.tx, phases);
   COURSE_CUDA_TRY(cudaGetLastError());
   if (t.slots == 0) return cudaSuccess;  // one row tile: the kernel wrote dbias
   return column_sum<A, T>(partials, t.slots, p.n, p.dbias, stream);

@@ -37,8 +37,8 @@ COURSE_HOST_DEVICE constexpr bool relu_passes(A z) {
 // tile (one launch), else one partial row per row tile, which course::column_sum adds.
 //
 // Why the tile narrows at few rows: every thread of the grid takes one step of `rows_in_flight`
-// rows (the whole problem one round trip to DRAM) until the grid has kGradBlocksPerSm blocks an
-// SM; a tile of ty rows then sums ty * rows_in_flight rows on chip. A tile 64 bytes of a row wide
+// rows (the whole problem one round trip to DRAM) until the grid has the blocks the SMs hold; a
+// tile of ty rows then sums ty * rows_in_flight rows on chip. A tile 64 bytes of a row wide
 // (two 32-byte sectors: 4 packs of 16 bytes, 32 bfloat16 or 16 float32 single elements) is 64
 // rows tall for 16-byte packs, and one step of its threads covers at least 64 rows in every
 // dtype: up to 64 tokens, any hidden size is one row tile and one launch, where tiles of 256
@@ -66,6 +66,9 @@ constexpr int kGradThreads = 256;
 COURSE_HOST_DEVICE constexpr int grad_rows_in_flight(int lanes, bool phased = false) {
   return phased ? 1 : lanes == 1 ? 8 : 2;
 }
+// The blocks an SM holds that the tiling counts on where no kernel is asked (the CPU's rule
+// tests); the launchers pass the occupancy of the kernel they launch (grad_tiling's last
+// argument), which is 3 for the span kernel where z is recomputed from x (GELU-erf's backward).
 constexpr int64_t kGradBlocksPerSm = 4;
 
 // Rows of n elements of elem bytes that are not a whole number of 16-byte vectors start at
@@ -89,11 +92,22 @@ struct GradTiling {
 // phases > 1 (row_phases of rows that start mid-vector): ty stays a multiple of the phases, so
 // that every row a thread visits (its first plus multiples of ty) starts its vectors at the same
 // column (course/bias_act.cuh's act_backward_span_kernel).
+//
+// The row tiles: as many as one wave of the GPU holds beside the column tiles, rounded down
+// (blocks_per_sm: what the launched kernel's occupancy allows). Rounded up, as they were, a grid
+// of column_tiles x ceil(target / column_tiles) blocks passed the resident blocks by up to
+// column_tiles - 1, and those few blocks ran as a second wave of a whole block's rows: at 2048 x
+// 4099 in bfloat16 (17 column tiles, 132 SMs) 544 blocks for the 528 that fit at 4 an SM, and for
+// the 396 that fit at 3 (GELU-erf's span kernel), where every block loops over 8 rows one row at
+// a time; the ReLU backward there took 28 us and GELU-erf's 51, torch.compile 32 (H100). Rounded
+// down, a thread takes a step or two more and the grid ends in one wave. Only a row of column
+// tiles that alone passes the wave (wide rows) takes more than one. Then the fewest row tiles
+// that keep those steps a thread: the same time, and fewer partial rows for column_sum to add.
 inline GradTiling grad_tiling(int64_t rows, int64_t packs, int pack_bytes, int rows_in_flight, int sms,
-                              int phases = 1) {
+                              int phases = 1, int blocks_per_sm = kGradBlocksPerSm) {
   const int64_t p = packs > 1 ? packs : 1;
   const int64_t r = rows > 1 ? rows : 1;
-  const int64_t target = kGradBlocksPerSm * (sms > 1 ? sms : 1);
+  const int64_t target = int64_t{blocks_per_sm > 1 ? blocks_per_sm : 1} * (sms > 1 ? sms : 1);
   // Narrowest: 64 bytes of a row, or the power of two at or above a shorter row's packs.
   int narrow = pack_bytes >= 64 ? 1 : 64 / pack_bytes;
   while (narrow > 1 && narrow / 2 >= p) narrow /= 2;
@@ -109,8 +123,10 @@ inline GradTiling grad_tiling(int64_t rows, int64_t packs, int pack_bytes, int r
   const int ty = kGradThreads / tx;
   const int64_t column_tiles = ceil_div<int64_t>(p, tx);
   const int64_t sweep = sweep_at(tx);
-  int64_t row_tiles = ceil_div<int64_t>(target, column_tiles);
+  int64_t row_tiles = target / column_tiles;  // one wave: rounded down (above)
+  row_tiles = row_tiles > 1 ? row_tiles : 1;
   row_tiles = row_tiles < sweep ? row_tiles : sweep;
+  row_tiles = ceil_div<int64_t>(sweep, ceil_div<int64_t>(sweep, row_tiles));  // same steps, fewest tiles
   row_tiles = row_tiles < 65535 ? row_tiles : 65535;  // gridDim.y's limit
   return {tx, ty, column_tiles, row_tiles};
 }
