@@ -608,6 +608,21 @@ def test_bias_gradient_tiles_at_their_boundaries(dtype):
             assert_within(bias.grad, g.sum(0), column_sum_bound(g, dtype, shape[0]), f"dbias autograd {shape}")
 
 
+def check_activation_grads(activation, shape, dtype):
+    """A bias-activation op's dx and dbias through autograd at one CUDA shape, against float64
+    within the bounds act_grad_bounds gives for the dtype and row count."""
+    x = torch.randn(shape, device="cuda").to(dtype).requires_grad_()
+    bias = torch.randn(shape[-1], device="cuda").to(dtype).requires_grad_()
+    dy = torch.randn(shape, device="cuda").to(dtype)
+    run_bias_op(activation, x, bias, None).backward(dy)
+    x64 = x.detach().double().requires_grad_()
+    b64 = bias.detach().double().requires_grad_()
+    reference_act(x64 + b64, activation).backward(dy.double())
+    dx_bound, db_bound = act_grad_bounds(dy, (x64 + b64).detach(), x64.grad, dtype, shape[0])
+    assert_within(x.grad, x64.grad, dx_bound, f"{activation} dx {shape}")
+    assert_within(bias.grad, b64.grad, db_bound, f"{activation} dbias {shape}")
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=dtype_id)
 @pytest.mark.parametrize("activation", ("gelu", "silu"))
@@ -617,16 +632,7 @@ def test_smooth_activation_gradients_at_odd_widths(activation, dtype):
     64 tokens, partial rows at 2048, hidden 777 and 4099, against float64."""
     require_cuda()
     for shape in ((64, 777), (64, 4099), (2048, 777), (2048, 4099)):
-        x = torch.randn(shape, device="cuda").to(dtype).requires_grad_()
-        bias = torch.randn(shape[-1], device="cuda").to(dtype).requires_grad_()
-        dy = torch.randn(shape, device="cuda").to(dtype)
-        run_bias_op(activation, x, bias, None).backward(dy)
-        x64 = x.detach().double().requires_grad_()
-        b64 = bias.detach().double().requires_grad_()
-        reference_act(x64 + b64, activation).backward(dy.double())
-        dx_bound, db_bound = act_grad_bounds(dy, (x64 + b64).detach(), x64.grad, dtype, shape[0])
-        assert_within(x.grad, x64.grad, dx_bound, f"{activation} dx {shape}")
-        assert_within(bias.grad, b64.grad, db_bound, f"{activation} dbias {shape}")
+        check_activation_grads(activation, shape, dtype)
 
 
 @pytest.mark.cuda
@@ -644,16 +650,7 @@ def test_gelu_gradient_grid_in_one_wave(dtype):
     wide = torch.empty(shapes[-1], dtype=dtype, device="meta")
     assert all(torch.ops.fusion.bias_grad_tiling(wide, sms, b)[2] > b * sms for b in (3, 4)), "the wide case"
     for shape in shapes:
-        x = torch.randn(shape, device="cuda").to(dtype).requires_grad_()
-        bias = torch.randn(shape[-1], device="cuda").to(dtype).requires_grad_()
-        dy = torch.randn(shape, device="cuda").to(dtype)
-        run_bias_op("gelu", x, bias, None).backward(dy)
-        x64 = x.detach().double().requires_grad_()
-        b64 = bias.detach().double().requires_grad_()
-        reference_act(x64 + b64, "gelu").backward(dy.double())
-        dx_bound, db_bound = act_grad_bounds(dy, (x64 + b64).detach(), x64.grad, dtype, shape[0])
-        assert_within(x.grad, x64.grad, dx_bound, f"gelu dx {shape}")
-        assert_within(bias.grad, b64.grad, db_bound, f"gelu dbias {shape}")
+        check_activation_grads("gelu", shape, dtype)
         # What ran (the backward op itself, under the profiler): the span kernel exactly where
         # rows start mid-vector, and column_sum's kernel exactly where the rule at every occupancy
         # of 2 to 8 blocks an SM leaves partial rows.
@@ -1058,16 +1055,7 @@ def test_sanitizer_gelu_grid(dtype):
     (400 x 4099, 300 x 777) and on whole vectors (130 x 3000), against float64."""
     require_cuda()
     for shape in ((400, 4099), (300, 777), (130, 3000)):
-        x = torch.randn(shape, device="cuda").to(dtype).requires_grad_()
-        bias = torch.randn(shape[-1], device="cuda").to(dtype).requires_grad_()
-        dy = torch.randn(shape, device="cuda").to(dtype)
-        run_bias_op("gelu", x, bias, None).backward(dy)
-        x64 = x.detach().double().requires_grad_()
-        b64 = bias.detach().double().requires_grad_()
-        reference_act(x64 + b64, "gelu").backward(dy.double())
-        dx_bound, db_bound = act_grad_bounds(dy, (x64 + b64).detach(), x64.grad, dtype, shape[0])
-        assert_within(x.grad, x64.grad, dx_bound, f"gelu dx {shape}")
-        assert_within(bias.grad, b64.grad, db_bound, f"gelu dbias {shape}")
+        check_activation_grads("gelu", shape, dtype)
 
 
 # A tensor where a number goes and the other way round: a TypeError naming the op and the argument.

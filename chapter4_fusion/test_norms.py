@@ -531,6 +531,20 @@ def test_every_shape_boundary(dtype):
                     assert_grad(out, g, dtype, f"{op} backward {version} n={n} {name}")
 
 
+def check_autograd_grads(shape, dtype):
+    """Every norm's gradients through autograd (the op's backward as a user reaches it) at one CUDA
+    shape, against the float64 reference."""
+    x, w, b, _ = make_inputs(shape, dtype, "cuda")
+    dy = torch.randn(*shape, device="cuda").to(dtype)
+    for op in NORM_OPS:
+        xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
+        y = run(op, xs, ws, bs, default_eps(op), None)
+        inputs = (xs, ws, bs) if op == "layer_norm" else (xs, ws)
+        outs = torch.autograd.grad(y, inputs, dy)
+        for name, out, ref in zip(("dx", "dweight", "dbias"), outs, reference_grads(op, x, w, b, dy, default_eps(op))):
+            assert_grad(out, ref, dtype, f"{op} autograd {shape[0]}x{shape[1]} {name}")
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=dtype_id)
 def test_backward_column_pass(dtype):
@@ -561,15 +575,7 @@ def test_backward_column_pass(dtype):
                 assert not columns and any("column_reduce" in k for k in kernels), (where, kernels)
             if columns:  # the resident kernel ran without its sums: its last template argument
                 assert all("false>" in k for k in kernels if "norm_backward_resident" in k), (where, kernels)
-    x, w, b, _ = make_inputs((64, 12288), dtype, "cuda")
-    dy = torch.randn(64, 12288, device="cuda").to(dtype)
-    for op in NORM_OPS:
-        xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
-        y = run(op, xs, ws, bs, default_eps(op), None)
-        inputs = (xs, ws, bs) if op == "layer_norm" else (xs, ws)
-        outs = torch.autograd.grad(y, inputs, dy)
-        for name, out, ref in zip(("dx", "dweight", "dbias"), outs, reference_grads(op, x, w, b, dy, default_eps(op))):
-            assert_grad(out, ref, dtype, f"{op} autograd 64x12288 {name}")
+    check_autograd_grads((64, 12288), dtype)
 
 
 @pytest.mark.cuda
@@ -598,15 +604,7 @@ def test_backward_column_totals_at_tile_edges(dtype):
                     assert sum("column_reduce" in k for k in kernels) == 1, (op, n, kernels)
                 for name, out, ref in zip(("dx", "dweight", "dbias"), outs, refs):
                     assert_grad(out, ref, dtype, f"{op} {rows}x{n} {name}")
-    x, w, b, _ = make_inputs((65, 2048), dtype, "cuda")
-    dy = torch.randn(65, 2048, device="cuda").to(dtype)
-    for op in NORM_OPS:
-        xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
-        y = run(op, xs, ws, bs, default_eps(op), None)
-        inputs = (xs, ws, bs) if op == "layer_norm" else (xs, ws)
-        outs = torch.autograd.grad(y, inputs, dy)
-        for name, out, ref in zip(("dx", "dweight", "dbias"), outs, reference_grads(op, x, w, b, dy, default_eps(op))):
-            assert_grad(out, ref, dtype, f"{op} autograd 65x2048 {name}")
+    check_autograd_grads((65, 2048), dtype)
 
 
 @pytest.mark.cuda
