@@ -610,7 +610,7 @@ def test_bias_gradient_tiles_at_their_boundaries(dtype):
 
 def check_activation_grads(activation, shape, dtype):
     """A bias-activation op's dx and dbias through autograd at one CUDA shape, against float64
-    within the bounds act_grad_bounds gives for the dtype and row count."""
+    within the bounds act_grad_bounds gives for the dtype and row count. Returns the inputs and dy."""
     x = torch.randn(shape, device="cuda").to(dtype).requires_grad_()
     bias = torch.randn(shape[-1], device="cuda").to(dtype).requires_grad_()
     dy = torch.randn(shape, device="cuda").to(dtype)
@@ -621,6 +621,7 @@ def check_activation_grads(activation, shape, dtype):
     dx_bound, db_bound = act_grad_bounds(dy, (x64 + b64).detach(), x64.grad, dtype, shape[0])
     assert_within(x.grad, x64.grad, dx_bound, f"{activation} dx {shape}")
     assert_within(bias.grad, b64.grad, db_bound, f"{activation} dbias {shape}")
+    return x, bias, dy
 
 
 @pytest.mark.cuda
@@ -650,7 +651,7 @@ def test_gelu_gradient_grid_in_one_wave(dtype):
     wide = torch.empty(shapes[-1], dtype=dtype, device="meta")
     assert all(torch.ops.fusion.bias_grad_tiling(wide, sms, b)[2] > b * sms for b in (3, 4)), "the wide case"
     for shape in shapes:
-        check_activation_grads("gelu", shape, dtype)
+        x, bias, dy = check_activation_grads("gelu", shape, dtype)
         # What ran (the backward op itself, under the profiler): the span kernel exactly where
         # rows start mid-vector, and column_sum's kernel exactly where the rule at every occupancy
         # of 2 to 8 blocks an SM leaves partial rows.
