@@ -1761,13 +1761,14 @@ def test_cuda_hopper_backward_refusals():
 
 @pytest.mark.cuda
 def test_cuda_hopper_backward_sass():
-    """The backward's main kernel runs on wgmma (HGMMA) and TMA (UTMALDG), not mma.sync (HMMA), and
-    adds dQ into its float32 sums with the copy engine's bulk reduction (UBLKRED), no float atomic
-    from registers (RED or ATOM ... ADD.F32) left."""
+    """The backward's main kernel (each instantiation) runs on wgmma (HGMMA) and TMA (UTMALDG), not
+    mma.sync (HMMA), and adds dQ into its float32 sums with the copy engine's bulk reduction
+    (UBLKRED), no float atomic from registers (RED or ATOM ... ADD.F32) left."""
     import re
     skip_unless_hopper()
     kernels = sass_functions("flash_bwd_hopper_kernel")
-    assert len(kernels) == 4, f"{len(kernels)} Hopper backward kernels in the SASS (2 dtypes x 2 head dims)"
+    assert len(kernels) == 12, \
+        f"{len(kernels)} Hopper backward kernels in the SASS (2 dtypes x 2 head dims x plain, window, packed)"
     for name, body in kernels:
         assert "HGMMA" in body and "UTMALDG" in body and "HMMA" not in body, name
         assert "UBLKRED" in body and not re.search(r"\b(?:REDG?|ATOMG?)\.\S*ADD\.F32", body), name
@@ -2303,8 +2304,9 @@ def test_cuda_hopper_window_softcap_forward(dtype, head_dim):
 def test_cuda_hopper_window_softcap_default(dtype, head_dim):
     """version=None on a Hopper: where the grid fills the GPU unsplit, the forward runs the persistent
     kernel's kWindowSoftcap instantiation (a call with neither runs the plain one), the backward
-    "wgmma"'s kWindowSoftcap instantiation from its lse, and the gradients through attention()'s autograd match the float64
-    reference's; a grid small enough to split the keys runs "split_kv", as a plain call would."""
+    "wgmma"'s kWindowSoftcap instantiation from its lse, and the gradients through attention()'s
+    autograd match the float64 reference's; a grid small enough to split the keys runs "split_kv",
+    as a plain call would."""
     skip_unless_hopper()
     import re
     from coursekit.pytest_plugin import launched_kernels

@@ -229,7 +229,8 @@ def test_recorded_varlen_results_hold_the_dispatch():
     hopper = {pass_: any(r["variant"] == rung and r["layout"] == "packed" and r["pass"] == pass_ for r in rows)
               for pass_, rung in (("forward", "persistent"), ("backward", "wgmma"))}
     problems = []
-    for pass_, rungs in (("forward", ("tuned", "split_kv", "persistent")), ("backward", ("mma", "mma_dqpass", "wgmma"))):
+    for pass_, rungs in (("forward", ("tuned", "split_kv", "persistent")),
+                         ("backward", ("mma", "mma_dqpass", "wgmma"))):
         facts = dict(cuda=True, capability=tuple(int(x) for x in device["capability"].split(".")), sms=device["sms"],
                      hopper_built=hopper[pass_])
         got = {r["variant"]: r for r in rows if r["pass"] == pass_ and r["layout"] == "packed"}

@@ -55,11 +55,12 @@ inline int64_t attention_backward_hopper_stat_rows(const AttentionParams& p) {
 }
 
 // The workspace, which the caller zeroes: dQ's float32 sums (batch x heads x padded rows x d;
-// packed, heads x packed rows x d), then each padded row's lse in log2 units and D = rowsum(dO * O) (float32 each). The sums of one
-// (batch, head, query tile) are kBlockM x d contiguous floats, 64-column chunk after chunk, each
-// chunk in the main kernel's register order rather than row-major (what a warpgroup's threads
-// hold, stored as 512-byte warp-wide rows: flash_bwd_hopper_kernel.cuh), so that the kernel adds
-// a whole tile with one bulk reduction; only the dispatch's last kernel reads them.
+// packed, heads x packed rows x d), then each padded row's lse in log2 units and D = rowsum(dO * O)
+// (float32 each). The sums of one (batch, head, query tile) are kBlockM x d contiguous floats,
+// 64-column chunk after chunk, each chunk in the main kernel's register order rather than row-major
+// (what a warpgroup's threads hold, stored as 512-byte warp-wide rows:
+// flash_bwd_hopper_kernel.cuh), so that the kernel adds a whole tile with one bulk reduction; only
+// the dispatch's last kernel reads them.
 inline int64_t attention_backward_hopper_workspace(const AttentionBackwardParams& g) {
   const AttentionParams& p = g.fwd;
   return attention_backward_hopper_stat_rows(p) * (p.head_dim + 2) * 4;

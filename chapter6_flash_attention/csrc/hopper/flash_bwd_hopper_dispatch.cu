@@ -18,12 +18,12 @@
 
 namespace flash_attention {
 
-// Instantiated in flash_bwd_hopper_<dtype>_hdim<d>.cu, one file each, compiled in parallel: extern
-// here, so that this file (which includes the kernel for HopperBwdTraits' sizes) does not compile
-// them all again.
-#define FLASH_BWD_HOPPER_EXTERN(T, D, W, V)                                                                   \
-  extern template cudaError_t run_flash_bwd_hopper<T, D, W, V>(const AttentionBackwardParams&, float*, const float*, \
-                                                               const float*, cudaStream_t);
+// Instantiated in flash_bwd_hopper_<dtype>_hdim<d>.cu and its window_ and varlen_ twins, one file
+// each, compiled in parallel: extern here, so that this file (which includes the kernel for
+// HopperBwdTraits' sizes) does not compile them all again.
+#define FLASH_BWD_HOPPER_EXTERN(T, D, W, V)                                                            \
+  extern template cudaError_t run_flash_bwd_hopper<T, D, W, V>(const AttentionBackwardParams&, float*, \
+                                                               const float*, const float*, cudaStream_t);
 #define FLASH_BWD_HOPPER_EXTERN_ALL(T, D)      \
   FLASH_BWD_HOPPER_EXTERN(T, D, false, false) \
   FLASH_BWD_HOPPER_EXTERN(T, D, true, false)  \
@@ -233,7 +233,8 @@ cudaError_t launch_attention_backward_hopper(const AttentionBackwardParams& g, v
   const bool packed = g.fwd.cu_seqlens_q != nullptr;
   switch (g.fwd.dtype) {
     case DType::kBFloat16:
-      return packed ? launch<__nv_bfloat16, true>(g, workspace, stream) : launch<__nv_bfloat16, false>(g, workspace, stream);
+      return packed ? launch<__nv_bfloat16, true>(g, workspace, stream)
+                    : launch<__nv_bfloat16, false>(g, workspace, stream);
     case DType::kFloat16:
       return packed ? launch<__half, true>(g, workspace, stream) : launch<__half, false>(g, workspace, stream);
     default: return cudaErrorInvalidValue;  // the glue sends only the 16-bit types here

@@ -51,9 +51,9 @@
 // the same bottom-right rule. Only the pairs an edge of the window crosses take the masked step
 // (part 1's tile_mask, flash_bwd_kernel.cuh). With a softcap P is recomputed from the capped scores
 // and the forward's lse, and dS^T takes the cap's derivative, as part 1's backward does
-// (recompute_p): dS^T = P^T (dP^T - D) (1 - tanh^2). The derivative is computed with P, before
-// dP^T is in, and waits for it as 16-bit pairs (16 registers, not 32 floats: d = 128 has none to
-// spare); rounding it costs the relative u that P^T's rounding already costs dS^T.
+// (recompute_p): dS^T = P^T (dP^T - D) (1 - tanh^2). The derivative is known with P, and holding
+// it until dP^T is in spilled at d = 128, so with a softcap the step waits for dP^T first and makes
+// P^T and dS^T in one pass (below, where P^T is made).
 //
 // The packed (varlen) layout (attention.h's cu_seqlens; kVarlen): a block per (sequence, key tile,
 // kv head) over the padded grid of max_seqlen_k, which returns at once past its sequence's keys.
@@ -461,10 +461,11 @@ __global__ void __launch_bounds__(K::kThreads, 1)
     }
     wgmma_commit();
 
-    // dS^T = P^T (dP^T - D) once dP^T is in (dV may still run), with P^T as rounded for dV, read
-    // back from its fragments: the float P^T would stay live beside dP^T, and at d = 128 those 32
-    // registers spill (nvcc 13.0, -Xptxas -v). The error is the u relative that the tensor-core
-    // rungs' dS carries anyway (rung "mma" rounds dS itself: test_attention.py's rounding_bounds).
+    // dS^T = P^T (dP^T - D) once dP^T is in (dV may still run; with a softcap it was made above),
+    // with P^T as rounded for dV, read back from its fragments: the float P^T would stay live beside
+    // dP^T, and at d = 128 those 32 registers spill (nvcc 13.0, -Xptxas -v). The error is the u
+    // relative that the tensor-core rungs' dS carries anyway (rung "mma" rounds dS itself:
+    // test_attention.py's rounding_bounds).
     if (!ds_done) {
       wgmma_wait<1>();
       fence_operands(dp);
@@ -477,7 +478,6 @@ __global__ void __launch_bounds__(K::kThreads, 1)
         dp[j] = pr.x * (dp[j] - d.x);
         dp[j + 1] = pr.y * (dp[j + 1] - d.y);
       }
-
     }
     uint32_t dsf[kASteps][4];  // dS^T as A fragments
     pack_a<T, kBM>(dsf, dp);
