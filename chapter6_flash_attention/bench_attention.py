@@ -51,7 +51,8 @@ wall time is recorded in the results (wall_s) to check this against.
 Packed rows (op attention_varlen, CUDA only, `--ops attention_varlen`): 16 sequences of 128 to
 8192 tokens (VARLEN_LENGTHS, 33024 in all) packed along one dim, 16 heads of d = 128, bfloat16,
 causal, forward and backward. Variants: default (attention_varlen, version=None) and its rungs
-("tuned", "split_kv", and "persistent" where the Hopper kernels run; "mma", "mma_dqpass"),
+("tuned", "split_kv", and "persistent" where the Hopper kernels run; "mma", "mma_dqpass", and
+"wgmma" where the Hopper kernels run),
 flex_attention (torch.compile'd, with a document mask over the packed tokens, its block mask built
 before the timing), and sdpa_cudnn and sdpa_flash on the padded
 batch (16 x 8192, the padding computed and thrown away), and this chapter's own "tuned" and

@@ -3017,7 +3017,7 @@ def test_cuda_varlen_hopper_backward(dtype, head_dim, causal):
 @pytest.mark.cuda
 def test_cuda_varlen_hopper_backward_empty():
     """Packed with no query token (dK and dV zeros, from the launcher's small kernel over every key
-    token), and sequences all empty on the query side but one."""
+    token), sequences all empty on the query side but one, and no key token (dQ zeros)."""
     skip_unless_hopper()
     for lens_q, lens_k in (([0, 0], [5, 70]), ([0, 3, 0], [9, 0, 200])):
         q, k, v, cu_q, cu_k = varlen_cuda_inputs(lens_q, lens_k, 2, 1, 64, torch.bfloat16)
@@ -3031,6 +3031,14 @@ def test_cuda_varlen_hopper_backward_empty():
                                                True, [-1, -1], 0.0, "mma_dqpass")
         for name, g, h in zip("qkv", ours, theirs):
             torch.testing.assert_close(g, h, rtol=2 ** -7, atol=1e-3, msg=lambda m: f"{lens_q}x{lens_k} d{name}: {m}")
+    # No key token at all, though max_seqlen_k says 7: every row sees nothing (out 0, lse -inf), dQ 0.
+    q, k, v, cu_q, cu_k = varlen_cuda_inputs([3, 5], [0, 0], 2, 1, 64, torch.bfloat16)
+    out = torch.zeros_like(q)
+    lse = torch.full((q.shape[1], q.shape[0]), -math.inf, device="cuda")
+    poison_allocator(q)
+    dq, dk, dv = OPS.attention_varlen_backward(torch.randn_like(out), q, k, v, out, lse, cu_q, cu_k, 5, 7, 0.125,
+                                               False, [-1, -1], 0.0, "wgmma")
+    assert torch.equal(dq, torch.zeros_like(dq)) and dk.numel() == 0 and dv.numel() == 0
 
 
 @pytest.mark.cuda

@@ -605,8 +605,11 @@ cudaError_t run_flash_bwd_hopper(const AttentionBackwardParams& g, float* dq_acc
   if (blocks > INT_MAX || p.seqlen_q > INT_MAX || p.seqlen_k > INT_MAX || p.batch * p.heads > INT_MAX) {
     return cudaErrorInvalidConfiguration;
   }
-  // Packed: a tile's coordinate is its sequence's first token plus the row, an int for TMA.
+  // Packed: a tile's coordinate is its sequence's first token plus the row, an int for TMA. No key
+  // token at all (every sequence's keys empty, whatever max_seqlen_k says): no block has a key tile,
+  // dQ stays 0, and the key maps would describe an empty tensor.
   if (kVarlen && (p.total_q > INT_MAX / 2 || p.total_k > INT_MAX / 2)) return cudaErrorInvalidConfiguration;
+  if (kVarlen && p.total_k == 0) return cudaSuccess;
   // A query side with no rows (seqlen_q or heads 0) still has maps to make: a dim of 0 becomes 1
   // in make_bhsd_map (seqlen) or here (heads), and no step reads it.
   const int64_t heads = p.heads > 0 ? p.heads : 1;
