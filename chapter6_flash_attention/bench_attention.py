@@ -51,7 +51,8 @@ wall time is recorded in the results (wall_s) to check this against.
 Packed rows (op attention_varlen, CUDA only, `--ops attention_varlen`): 16 sequences of 128 to
 8192 tokens (VARLEN_LENGTHS, 33024 in all) packed along one dim, 16 heads of d = 128, bfloat16,
 causal, forward and backward. Variants: default (attention_varlen, version=None) and its rungs
-("tuned", "split_kv", and "persistent" where the Hopper kernels run; "mma", "mma_dqpass"),
+("tuned", "split_kv", and "persistent" where the Hopper kernels run; "mma", "mma_dqpass", and
+"wgmma" where the Hopper kernels run),
 flex_attention (torch.compile'd, with a document mask over the packed tokens, its block mask built
 before the timing), and sdpa_cudnn and sdpa_flash on the padded
 batch (16 x 8192, the padding computed and thrown away), and this chapter's own "tuned" and
@@ -987,9 +988,10 @@ def bench_varlen(device, mm, notes):
                          ("default", ours_forward(None))],
              "backward": [("mma", ours_backward("mma")), ("mma_dqpass", ours_backward("mma_dqpass")),
                           ("default", ours_backward(None))]}
-    # Part 3's "persistent", where this build and GPU have it (its packed kernel: tile_schedule.h).
+    # Part 3's "persistent" and "wgmma", where this build and GPU have them (their packed kernels).
     if flash_attention.hopper_kernels_built() and torch.cuda.get_device_capability(device) == (9, 0):
         calls["forward"].insert(2, ("persistent", ours_forward("persistent")))
+        calls["backward"].insert(2, ("wgmma", ours_backward("wgmma")))  # its kVarlen instantiation
     flex = bench.attempt(notes, "flex_attention", "attention_varlen", lambda: flex_document_attention(lens, h, device))
     if flex is not None:
         calls["forward"].append(("flex_attention", lambda: lambda: flex(*(batch_of_one(t) for t in (q, k, v)))))
@@ -1055,7 +1057,7 @@ def flex_document_attention(lengths, heads, device):
 # ---------------------------------------------------------------------------------------------
 # The rungs that compute a window or a softcap (README, "The API"); every other rung refuses them.
 # "persistent" runs on a Hopper GPU only (elsewhere its refusal is noted and the row skipped).
-MASKED_RUNGS = {"forward": ("tuned", "split_kv", "persistent"), "backward": ("mma", "mma_dqpass")}
+MASKED_RUNGS = {"forward": ("tuned", "split_kv", "persistent"), "backward": ("mma", "mma_dqpass", "wgmma")}
 # A 4096-key causal band over 32K tokens (Mistral's and Gemma 2's local layers: window=(4095, 0) is
 # sliding_window 4096), and Gemma 2's attn_logit_softcapping of 30 at a training length.
 WINDOW = {"batch": 1, "heads": 16, "seqlen": 32768, "head_dim": 128, "dtype": "bfloat16", "causal": True,

@@ -1761,7 +1761,8 @@ def test_cuda_hopper_backward_launches():
 @pytest.mark.cuda
 def test_cuda_hopper_backward_refusals():
     """Backward rung "wgmma" refuses, by name and with the way out, what it cannot run: another
-    dtype, a build without its kernels, another GPU, another head dim, a window or a softcap."""
+    dtype, a build without its kernels, another GPU, another head dim, a window or a softcap in the
+    packed layout."""
     require_cuda()
 
     def backward(q, k, v, **features):
@@ -1773,9 +1774,6 @@ def test_cuda_hopper_backward_refusals():
                                            r"float16 and bfloat16; q is Float"):
         backward(q, k, v)
     q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
-    with pytest.raises(RuntimeError, match=r"attention_backward: version 'wgmma' takes no window or softcap; "
-                                           r"versions 'mma' and 'mma_dqpass' compute them"):
-        backward(q, k, v, window=(8, 0))
     if not flash_attention.hopper_kernels_built():
         with pytest.raises(RuntimeError, match=r"version 'wgmma' is a Hopper kernel \(sm_90a\), and this build "
                                                r"of flash_attention has none.*use version='mma_dqpass'"):
@@ -1790,17 +1788,27 @@ def test_cuda_hopper_backward_refusals():
         qd, kd, vd = make_qkv(1, 2, 2, 16, 16, head_dim, dtype=torch.bfloat16, device="cuda")
         with pytest.raises(RuntimeError, match=rf"version 'wgmma' takes head_dim 64, 128 .*head_dim is {head_dim}"):
             backward(qd, kd, vd)
+        with pytest.raises(RuntimeError, match=rf"version 'wgmma' takes head_dim 64, 128 .*head_dim is {head_dim}"):
+            backward(qd, kd, vd, window=(8, 0))
+    packed = torch.randn(50, 2, 64, dtype=torch.bfloat16, device="cuda")
+    cu = torch.tensor([0, 20, 50], dtype=torch.int32, device="cuda")
+    out, lse = OPS.attention_varlen_forward(packed, packed, packed, cu, cu, 30, 30, 0.125, False, [4, 0], 0.0)
+    with pytest.raises(RuntimeError, match=r"attention_varlen_backward: version 'wgmma' takes no window or softcap "
+                                           r"in the packed \(varlen\) layout; versions 'mma' and 'mma_dqpass'"):
+        OPS.attention_varlen_backward(out, packed, packed, packed, out, lse, cu, cu, 30, 30, 0.125, False, [4, 0],
+                                      0.0, "wgmma")
 
 
 @pytest.mark.cuda
 def test_cuda_hopper_backward_sass():
-    """The backward's main kernel runs on wgmma (HGMMA) and TMA (UTMALDG), not mma.sync (HMMA), and
-    adds dQ into its float32 sums with the copy engine's bulk reduction (UBLKRED), no float atomic
-    from registers (RED or ATOM ... ADD.F32) left."""
+    """The backward's main kernel (each instantiation) runs on wgmma (HGMMA) and TMA (UTMALDG), not
+    mma.sync (HMMA), and adds dQ into its float32 sums with the copy engine's bulk reduction
+    (UBLKRED), no float atomic from registers (RED or ATOM ... ADD.F32) left."""
     import re
     skip_unless_hopper()
     kernels = sass_functions("flash_bwd_hopper_kernel")
-    assert len(kernels) == 4, f"{len(kernels)} Hopper backward kernels in the SASS (2 dtypes x 2 head dims)"
+    assert len(kernels) == 12, \
+        f"{len(kernels)} Hopper backward kernels in the SASS (2 dtypes x 2 head dims x plain, window, packed)"
     for name, body in kernels:
         assert "HGMMA" in body and "UTMALDG" in body and "HMMA" not in body, name
         assert "UBLKRED" in body and not re.search(r"\b(?:REDG?|ATOMG?)\.\S*ADD\.F32", body), name
@@ -2013,9 +2021,10 @@ def test_window_softcap_dispatch_rule():
     call would take "pingpong"), and "split_kv" at 256, without the sm_90a kernels, or where the
     grid is small enough to split the keys (as for a plain call); a plain causal call, whatever right
     bound it carries, keeps the plain rule. Off sm_80 and for 32-bit it stays "tiled", which refuses
-    them (test_cuda_window_softcap_refusals); the backward leaves part 3's rung for "mma_dqpass", the
-    backward that computes them (from the forward's lse of the capped scores). The packed layout
-    with a window runs on "split_kv" (test_cuda_hopper_window_refusals)."""
+    them (test_cuda_window_softcap_refusals); the backward keeps part 3's rung, its kWindowSoftcap
+    instantiation (P from the forward's lse of the capped scores), at its head dims, and leaves it
+    for "mma_dqpass" under deterministic algorithms and elsewhere. The packed layout with a window
+    runs on "split_kv" forward and "mma_dqpass" backward (test_cuda_hopper_window_refusals)."""
     rule = flash_attention.dispatch_rule
     hopper = dict(cuda=True, capability=(9, 0), sms=132, hopper_built=True)
     big = (4, 16, 1024, 128)
@@ -2049,8 +2058,19 @@ def test_window_softcap_dispatch_rule():
                 sms=40) == "tiled"
     assert rule("attention_backward", big, dtype=torch.bfloat16, **hopper) == "wgmma"
     assert rule("attention_backward", big, dtype=torch.bfloat16, causal=True, window=(-1, 7), **hopper) == "wgmma"
-    assert rule("attention_backward", big, dtype=torch.bfloat16, window=(256, 0), **hopper) == "mma_dqpass"
-    assert rule("attention_backward", big, dtype=torch.bfloat16, softcap=30.0, **hopper) == "mma_dqpass"
+    for features in (dict(window=(256, 0)), dict(softcap=30.0), dict(causal=True, window=(4095, 0), softcap=50.0)):
+        for d, dtype in ((64, torch.float16), (128, torch.bfloat16)):
+            assert rule("attention_backward", big[:3] + (d,), dtype=dtype, **features, **hopper) == "wgmma", features
+        assert rule("attention_backward", big, dtype=torch.bfloat16, deterministic=True, **features,
+                    **hopper) == "mma_dqpass", features
+        assert rule("attention_backward", big[:3] + (96,), dtype=torch.bfloat16, **features,
+                    **hopper) == "mma_dqpass", features
+        assert rule("attention_backward", big, dtype=torch.bfloat16, **features, **dict(hopper, hopper_built=False)) \
+            == "mma_dqpass", features
+        assert rule("attention_backward", big, dtype=torch.bfloat16, **features, cuda=True, capability=(8, 0),
+                    sms=108) == "mma_dqpass", features
+        assert rule("attention_varlen_backward", (4096, 16, 128), dtype=torch.bfloat16, batch=4, max_seqlen_q=1024,
+                    **features, **hopper) == "mma_dqpass", features
 
 
 # CUDA: (heads, heads_kv, seqlen_q, seqlen_k, window, causal, softcap), every window of WINDOWS (with
@@ -2324,8 +2344,9 @@ def test_cuda_hopper_window_softcap_forward(dtype, head_dim):
 def test_cuda_hopper_window_softcap_default(dtype, head_dim):
     """version=None on a Hopper: where the grid fills the GPU unsplit, the forward runs the persistent
     kernel's kWindowSoftcap instantiation (a call with neither runs the plain one), the backward
-    "mma_dqpass" from its lse, and the gradients through attention()'s autograd match the float64
-    reference's; a grid small enough to split the keys runs "split_kv", as a plain call would."""
+    "wgmma"'s kWindowSoftcap instantiation from its lse, and the gradients through attention()'s
+    autograd match the float64 reference's; a grid small enough to split the keys runs "split_kv",
+    as a plain call would."""
     skip_unless_hopper()
     import re
     from coursekit.pytest_plugin import launched_kernels
@@ -2349,10 +2370,10 @@ def test_cuda_hopper_window_softcap_default(dtype, head_dim):
         assert choice in ("persistent", "split_kv"), what
         ran.add(choice)
         assert flash_attention.default_choice("attention_backward", qc, kc, causal=causal, window=window,
-                                              softcap=softcap) == "mma_dqpass", what
+                                              softcap=softcap) == "wgmma", what
         check_cuda_backward(qc, kc, vc, causal, None, what, window=window, softcap=softcap)
     assert "persistent" in ran, "no case ran the persistent forward: the backward from its lse is untested"
-    # attention()'s autograd: the persistent forward's out and lse into mma_dqpass.
+    # attention()'s autograd: the persistent forward's out and lse into wgmma.
     case = HOPPER_WINDOW_CASES[8]  # a window and a softcap over a grid that does not split
     batch, heads, heads_kv, seqlen_q, seqlen_k, window, causal, softcap = case
     q, k, v = hopper_window_inputs(case, head_dim, dtype, requires_grad=True)
@@ -2398,6 +2419,80 @@ def test_sanitizer_hopper_window():
         q, k, v = make_qkv(2, 48, 16, seqlen_q, seqlen_k, 64, dtype=torch.bfloat16, device="cuda")
         check_cuda_forward(q, k, v, causal, "persistent", f"persistent s{seqlen_q}x{seqlen_k} {window}",
                            window=window, softcap=softcap)
+
+
+def check_against_dqpass(grads, theirs, expected, what, dtype):
+    """Each gradient of `grads` (a rung under test) within twice the error of "mma_dqpass"'s
+    (`theirs`, the same rounding of P and dS) of the float64 `expected`, plus CUDA_GRAD_TOL."""
+    for name, g, h, e in zip("qkv", grads, theirs, expected):
+        assert g.dtype == dtype and g.shape == e.shape, (what, name)
+        e = e.to(g.device)
+        error = (g.double() - e).abs().max().item() if e.numel() else 0.0
+        known = (h.double() - e).abs().max().item() if e.numel() else 0.0
+        allowed = 2 * known + CUDA_GRAD_TOL[dtype] * (max(e.abs().max().item(), 1.0) if e.numel() else 1.0)
+        assert not g.isnan().any() and error <= allowed, \
+            f"{what} d{name}: max error {error:.3g}, mma_dqpass's {known:.3g}, allowed {allowed:.3g}"
+
+
+# The Hopper backward with a window or a softcap: rung "wgmma"'s kWindowSoftcap instantiation, on
+# HOPPER_WINDOW_CASES (windows (0, 0), (17, 5), (-1, 33), (4095, 0) over 4300 rows, causal with a
+# window, the softcap at 30 and 50 with and without a window and at 5, GQA 2:1 and 4:1).
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+def test_cuda_hopper_window_softcap_backward(dtype, head_dim):
+    """dQ, dK and dV of "wgmma" with a window or a softcap against the float64 reference (run on the
+    GPU: 4300 rows would take minutes on the CPU), within twice "mma_dqpass"'s error plus
+    CUDA_GRAD_TOL, on NaN-poisoned outputs."""
+    skip_unless_hopper()
+    for case in HOPPER_WINDOW_CASES:
+        batch, heads, heads_kv, seqlen_q, seqlen_k, window, causal, softcap = case
+        what = f"wgmma {dtype_id(dtype)} d{head_dim} {hopper_window_case_id(case)}"
+        q, k, v = hopper_window_inputs(case, head_dim, dtype)
+        scale = 1 / math.sqrt(head_dim)
+        kw = dict(window=window, softcap=softcap)
+        out, lse = flash_attention.attention_forward(q, k, v, scale, causal, **kw)
+        go = torch.randn_like(out)
+        leaves = tuple(t.detach().double().requires_grad_() for t in (q, k, v))
+        expected = torch.autograd.grad(reference(*leaves, causal, **kw)[0], leaves, go.double())
+        for t in (q, k, v):
+            poison_allocator(t)
+        ours = flash_attention.attention_backward(go, q, k, v, out, lse, scale, causal, version="wgmma", **kw)
+        theirs = flash_attention.attention_backward(go, q, k, v, out, lse, scale, causal, version="mma_dqpass", **kw)
+        check_against_dqpass(ours, theirs, expected, what, dtype)
+
+
+@pytest.mark.cuda
+def test_cuda_hopper_window_softcap_backward_launches():
+    """A window or a softcap runs the kWindowSoftcap instantiation of "wgmma"'s main kernel (named or
+    version=None), a plain call the plain one."""
+    skip_unless_hopper()
+    import re
+    from coursekit.pytest_plugin import launched_kernels
+    q, k, v = make_qkv(1, 4, 2, 300, 300, 64, dtype=torch.bfloat16, device="cuda")
+    for features, featured in (({}, False), ({"window": (17, 5)}, True), ({"softcap": 30.0}, True)):
+        out, lse = flash_attention.attention_forward(q, k, v, 0.125, False, **features)
+        go = torch.randn_like(out)
+        for version in ("wgmma", None):
+            names = launched_kernels(lambda: flash_attention.attention_backward(go, q, k, v, out, lse, 0.125, False,
+                                                                                version=version, **features),
+                                     "flash_attention")[1]
+            found = [re.search(r"flash_bwd_hopper_kernel<.*HopperBwdTraits<64>, (true|false), false>", n)
+                     for n in names]
+            assert {m.group(1) == "true" for m in found if m} == {featured}, (features, version, names)
+
+
+@pytest.mark.cuda
+@pytest.mark.sanitize
+def test_sanitizer_hopper_window_backward():
+    """"wgmma"'s kWindowSoftcap walk under the sanitizer: partial tiles, a window's edges inside and
+    across tiles, rows without keys, a key block no row sees, GQA 2:1, with and without a softcap."""
+    skip_unless_hopper()
+    for seqlen_q, seqlen_k, window, causal, softcap in ((70, 300, (20, 3), False, 0.0),
+                                                        (200, 130, (-1, 1), True, 30.0)):
+        q, k, v = make_qkv(1, 4, 2, seqlen_q, seqlen_k, 64, dtype=torch.bfloat16, device="cuda")
+        check_cuda_backward(q, k, v, causal, "wgmma", f"wgmma s{seqlen_q}x{seqlen_k} {window}", window=window,
+                            softcap=softcap)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2555,8 +2650,9 @@ def test_varlen_dispatch_rule_on_any_gpu():
     devices: forward, on a Hopper GPU with the sm_90a kernels "persistent" at head_dim 64 and 128
     without a window or softcap where the grid over the max lengths fills the GPU unsplit (the
     benchmark's 16 sequences up to 8192), "split_kv" where it would split (a few query rows against
-    long keys) and everywhere else the tensor-core rungs run; backward "mma_dqpass"; no rung
-    elsewhere."""
+    long keys) and everywhere else the tensor-core rungs run; backward, on a Hopper GPU with the sm_90a
+    kernels "wgmma" at head_dim 64 and 128 without a window or softcap and not under deterministic
+    algorithms, "mma_dqpass" everywhere else the tensor-core rungs run; no rung elsewhere."""
     rule = flash_attention.dispatch_rule
     prefill = dict(batch=16, max_seqlen_q=8192, max_seqlen_k=8192, causal=True)  # the benchmark's batch
     decode = dict(batch=8, max_seqlen_q=1, max_seqlen_k=4000)
@@ -2576,6 +2672,8 @@ def test_varlen_dispatch_rule_on_any_gpu():
     for other in (dict(hopper, hopper_built=False), dict(hopper, capability=(8, 0)), dict(hopper, capability=(9, 1))):
         assert rule("attention_varlen_forward", (33024, 16, 128), dtype=torch.bfloat16, **prefill, **other) == \
             "split_kv", other
+        assert rule("attention_varlen_backward", (33024, 16, 128), dtype=torch.bfloat16, **prefill, **other) == \
+            "mma_dqpass", other
     for capability in ((8, 0), (8, 9), (9, 0)):
         gpu = dict(cuda=True, capability=capability, sms=132, hopper_built=capability == (9, 0))
         for d in (32, 64, 128, 256):
@@ -2584,7 +2682,17 @@ def test_varlen_dispatch_rule_on_any_gpu():
         # three tokens: too few keys to split, so on a Hopper GPU the persistent rung, as padded
         assert rule("attention_varlen_forward", (3, 8, 64), dtype=torch.float16, **gpu) == \
             ("persistent" if capability == (9, 0) else "split_kv")
-        assert rule("attention_varlen_backward", (1000, 8, 128), dtype=torch.bfloat16, **gpu) == "mma_dqpass"
+        for d in (64, 128):
+            for dtype in HALF_DTYPES:
+                assert rule("attention_varlen_backward", (1000, 8, d), dtype=dtype, **prefill, **gpu) == \
+                    ("wgmma" if capability == (9, 0) else "mma_dqpass")
+                assert rule("attention_varlen_backward", (1000, 8, d), dtype=dtype, deterministic=True, **prefill,
+                            **gpu) == "mma_dqpass"
+                for off in (dict(window=(256, -1)), dict(softcap=30.0)):
+                    assert rule("attention_varlen_backward", (1000, 8, d), dtype=dtype, **prefill, **off,
+                                **gpu) == "mma_dqpass", off
+        for d in (32, 96):
+            assert rule("attention_varlen_backward", (1000, 8, d), dtype=torch.bfloat16, **gpu) == "mma_dqpass"
         assert rule("attention_varlen_backward", (1000, 8, 256), dtype=torch.bfloat16, **gpu) is None
         assert rule("attention_varlen_forward", (1000, 8, 64), dtype=torch.float32, **gpu) is None
         assert rule("attention_varlen_backward", (1000, 8, 64), dtype=torch.float64, **gpu) is None
@@ -2904,10 +3012,94 @@ def test_sanitizer_varlen_persistent():
     assert torch.equal(out[:3], good[:3])
 
 
+# The packed layout on the Hopper backward ("wgmma"'s kVarlen instantiation): the persistent
+# forward's batches (1, 17, 128, 129 and 4097 tokens mixed with empty sequences on either side, keys
+# outnumbering queries and the other way) and the long one beside short ones.
+VARLEN_HOPPER_BACKWARD_BATCHES = VARLEN_PERSISTENT_BATCHES + [VARLEN_CUDA_LONG]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+def test_cuda_varlen_hopper_backward(dtype, head_dim, causal):
+    """"wgmma" packed, GQA 2:1, 4:1 and multi-query, against the float64 reference of each sequence
+    alone (on the GPU), within twice "mma_dqpass"'s error plus CUDA_GRAD_TOL, on NaN-poisoned
+    outputs (a row or key no block wrote); version=None runs it; and dK and dV (one writer each) the
+    same bits with max_seqlen 200 past the longest (the extra key tiles return at once, and the
+    statistics' packed rows do not depend on it)."""
+    skip_unless_hopper()
+    for (lens_q, lens_k), (heads, heads_kv) in zip(VARLEN_HOPPER_BACKWARD_BATCHES, ((2, 1), (8, 2), (4, 1))):
+        q, k, v, cu_q, cu_k = varlen_cuda_inputs(lens_q, lens_k, heads, heads_kv, head_dim, dtype)
+        what = f"wgmma packed {dtype_id(dtype)} d{head_dim} causal={causal} {lens_q}x{lens_k}"
+        max_q, max_k = max(lens_q), max(lens_k)
+        scale = 1 / math.sqrt(head_dim)
+        out, lse = OPS.attention_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal)
+        go = torch.randn_like(out)
+        leaves = tuple(t.detach().double().requires_grad_() for t in (q, k, v))
+        expected = torch.autograd.grad(varlen_reference(*leaves, cu_q.cpu(), cu_k.cpu(), causal)[0], leaves,
+                                       go.double())
+        assert flash_attention.default_choice("attention_varlen_backward", q, k, batch=len(lens_q),
+                                              max_seqlen_q=max_q, max_seqlen_k=max_k) == "wgmma", what
+
+        def backward(version, extra=0):
+            for t in (q, k, v):
+                poison_allocator(t)
+            return OPS.attention_varlen_backward(go, q, k, v, out, lse, cu_q, cu_k, max_q + extra, max_k + extra,
+                                                 scale, causal, [-1, -1], 0.0, version)
+        ours = backward("wgmma")
+        check_against_dqpass(ours, backward("mma_dqpass"), expected, what, dtype)
+        check_against_dqpass(backward(None), backward("mma_dqpass"), expected, f"{what} default", dtype)
+        wide = backward("wgmma", 200)
+        assert torch.equal(wide[1], ours[1]) and torch.equal(wide[2], ours[2]), f"{what}: max_seqlen + 200"
+
+
+@pytest.mark.cuda
+def test_cuda_varlen_hopper_backward_empty():
+    """Packed with no query token (dK and dV zeros, from the launcher's small kernel over every key
+    token), sequences all empty on the query side but one, and no key token (dQ zeros)."""
+    skip_unless_hopper()
+    for lens_q, lens_k in (([0, 0], [5, 70]), ([0, 3, 0], [9, 0, 200])):
+        q, k, v, cu_q, cu_k = varlen_cuda_inputs(lens_q, lens_k, 2, 1, 64, torch.bfloat16)
+        out, lse = OPS.attention_varlen_forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), 0.125, True)
+        go = torch.randn_like(out)
+        for t in (q, k, v):
+            poison_allocator(t)
+        ours = OPS.attention_varlen_backward(go, q, k, v, out, lse, cu_q, cu_k, max(lens_q), max(lens_k), 0.125,
+                                             True, [-1, -1], 0.0, "wgmma")
+        theirs = OPS.attention_varlen_backward(go, q, k, v, out, lse, cu_q, cu_k, max(lens_q), max(lens_k), 0.125,
+                                               True, [-1, -1], 0.0, "mma_dqpass")
+        for name, g, h in zip("qkv", ours, theirs):
+            torch.testing.assert_close(g, h, rtol=2 ** -7, atol=1e-3, msg=lambda m: f"{lens_q}x{lens_k} d{name}: {m}")
+    # No key token at all, though max_seqlen_k says 7: every row sees nothing (out 0, lse -inf), dQ 0.
+    q, k, v, cu_q, cu_k = varlen_cuda_inputs([3, 5], [0, 0], 2, 1, 64, torch.bfloat16)
+    out = torch.zeros_like(q)
+    lse = torch.full((q.shape[1], q.shape[0]), -math.inf, device="cuda")
+    poison_allocator(q)
+    dq, dk, dv = OPS.attention_varlen_backward(torch.randn_like(out), q, k, v, out, lse, cu_q, cu_k, 5, 7, 0.125,
+                                               False, [-1, -1], 0.0, "wgmma")
+    assert torch.equal(dq, torch.zeros_like(dq)) and dk.numel() == 0 and dv.numel() == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.sanitize
+def test_sanitizer_varlen_hopper_backward():
+    """"wgmma" packed under compute-sanitizer: partial tiles whose copies read the next sequence's
+    rows and, at the end of the tensor, past it (zero-filled), empty sequences on both sides, a
+    max_seqlen past every sequence, GQA 2:1, causal and full: nothing read or written outside the
+    tensors and the workspace, no shared-memory race."""
+    skip_unless_hopper()
+    lens_q, lens_k = [1, 17, 0, 70, 129, 5], [33, 17, 4, 0, 130, 70]
+    for causal in (False, True):
+        q, k, v, cu_q, cu_k = varlen_cuda_inputs(lens_q, lens_k, 4, 2, 64, torch.bfloat16)
+        check_cuda_varlen_backward(q, k, v, cu_q, cu_k, 200, 300, ("wgmma",), f"sanitize wgmma causal={causal}",
+                                   causal=causal)
+
+
 @pytest.mark.cuda
 def test_cuda_varlen_graph_capture_and_compile():
-    """No host sync and no host read of cu_seqlens: forward and both backward rungs replay inside a
-    CUDA graph; torch.compile(fullgraph=True) traces the packed call, forward and backward, through
+    """No host sync and no host read of cu_seqlens: forward and the packed backward rungs ("wgmma" on
+    a Hopper too) replay inside a CUDA graph; torch.compile(fullgraph=True) traces the packed call, forward and backward, through
     the Meta kernels on CUDA tensors; opcheck holds the registration (schema, fake kernels, autograd)."""
     skip_unless_varlen_runs(64, backward=True)
     lens = [17, 0, 129, 64]
@@ -2917,7 +3109,7 @@ def test_cuda_varlen_graph_capture_and_compile():
     def step():
         out, lse = OPS.attention_varlen_forward(q, k, v, cu_q, cu_k, 129, 129, 0.125, True)
         results = [out, lse]
-        for version in ("mma", "mma_dqpass"):
+        for version in ("mma", "mma_dqpass") + (("wgmma",) if hopper_runs() else ()):
             results += [(version, g) for g in OPS.attention_varlen_backward(
                 go, q, k, v, out, lse, cu_q, cu_k, 129, 129, 0.125, True, [-1, -1], 0.0, version)]
         return results
@@ -2926,7 +3118,7 @@ def test_cuda_varlen_graph_capture_and_compile():
     for a, e in zip(captured, expected):
         if isinstance(a, tuple):
             (version, a), (_, e) = a, e
-            if version == "mma":  # dQ sums through atomics, in whatever order the blocks arrive
+            if version in DQ_ATOMIC_BACKWARD:  # dQ sums in whatever order the blocks' adds arrive
                 torch.testing.assert_close(a, e, rtol=2 ** -7, atol=1e-3)
                 continue
         assert torch.equal(a, e)
@@ -2984,15 +3176,15 @@ def test_cuda_varlen_misuse():
     backward = OPS.attention_varlen_backward
     cases += [
         (lambda: backward(out, q, k, v, out, lse, cu_q, cu_k, 4, 4, 0.125, False, [-1, -1], 0.0, "naive"),
-         r"attention_varlen_backward: version 'naive' does not take the packed \(varlen\) layout; versions 'mma' "
-         r"and 'mma_dqpass' take it"),
+         r"attention_varlen_backward: version 'naive' does not take the packed \(varlen\) layout; versions 'mma', "
+         r"'mma_dqpass' and 'wgmma' take it"),
     ]
     q256, k256, v256, _, _ = varlen_cuda_inputs([3, 4], [3, 4], 2, 2, 256, torch.bfloat16)
     o256, l256 = OPS.attention_varlen_forward(q256, k256, v256, cu_q, cu_k, 4, 4, 0.0625)
     cases += [
         (lambda: backward(o256, q256, k256, v256, o256, l256, cu_q, cu_k, 4, 4, 0.0625),
-         r"attention_varlen_backward: on CUDA the packed \(varlen\) layout's backward runs on versions 'mma' and "
-         r"'mma_dqpass' alone .*head_dim 32, 64, 96, 128"),
+         r"attention_varlen_backward: on CUDA the packed \(varlen\) layout's backward runs on versions 'mma', "
+         r"'mma_dqpass' and 'wgmma' alone .*head_dim 32, 64, 96, 128"),
     ]
     for fn, message in cases:
         with pytest.raises(RuntimeError, match=message):

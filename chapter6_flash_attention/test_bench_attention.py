@@ -225,11 +225,14 @@ def test_recorded_varlen_results_hold_the_dispatch():
     rows = results.rows(record, op="attention_varlen")
     # The recorded build took the packed layout on the Hopper forward iff it timed that rung packed:
     # a record from before rung "persistent" took it has no such row, and its rule had no such choice.
-    hopper = any(r["variant"] == "persistent" and r["layout"] == "packed" for r in rows)
-    facts = dict(cuda=True, capability=tuple(int(x) for x in device["capability"].split(".")), sms=device["sms"],
-                 hopper_built=hopper)
+    # Likewise the backward's "wgmma" (its kVarlen instantiation) iff it timed that rung packed.
+    hopper = {pass_: any(r["variant"] == rung and r["layout"] == "packed" and r["pass"] == pass_ for r in rows)
+              for pass_, rung in (("forward", "persistent"), ("backward", "wgmma"))}
     problems = []
-    for pass_, rungs in (("forward", ("tuned", "split_kv", "persistent")), ("backward", ("mma", "mma_dqpass"))):
+    for pass_, rungs in (("forward", ("tuned", "split_kv", "persistent")),
+                         ("backward", ("mma", "mma_dqpass", "wgmma"))):
+        facts = dict(cuda=True, capability=tuple(int(x) for x in device["capability"].split(".")), sms=device["sms"],
+                     hopper_built=hopper[pass_])
         got = {r["variant"]: r for r in rows if r["pass"] == pass_ and r["layout"] == "packed"}
         assert "default" in got, f"no default row for the packed {pass_}"
         default = got["default"]
@@ -357,11 +360,13 @@ def test_recorded_masked_results_hold_the_dispatch():
         # The recorded build took a window or a softcap on the Hopper forward iff it timed rung
         # "persistent" with the mask: a record from before that rung took them has no such row, and
         # its rule had no such choice.
-        hopper = any(r["variant"] == "persistent" and (r["window"], r["softcap"]) != ([-1, -1], 0.0)
-                     for r in results.rows(record, op=op))
-        facts = dict(cuda=True, capability=tuple(int(x) for x in device["capability"].split(".")),
-                     sms=device["sms"], hopper_built=hopper)
+        # Likewise the backward's "wgmma" (its kWindowSoftcap instantiation) iff it timed that rung.
         for pass_, rungs in B.MASKED_RUNGS.items():
+            hopper = any(r["variant"] == ("persistent" if pass_ == "forward" else "wgmma")
+                         and (r["window"], r["softcap"]) != ([-1, -1], 0.0)
+                         for r in results.rows(record, op=op, **{"pass": pass_}))
+            facts = dict(cuda=True, capability=tuple(int(x) for x in device["capability"].split(".")),
+                         sms=device["sms"], hopper_built=hopper)
             got = {r["variant"]: r for r in results.rows(record, op=op, **{"pass": pass_})
                    if (r["window"], r["softcap"]) != ([-1, -1], 0.0)}
             default = got.get("default")

@@ -17,18 +17,21 @@ row i only when i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q +
 bottom-right alignment; -1 leaves a side unbounded; causal=True is right = 0, whatever the window
 says), and softcap > 0 replaces each scaled score s by softcap * tanh(s / softcap) before the
 softmax. The CPU reference computes both; on CUDA the forward rungs "tuned", "split_kv" and (on a
-Hopper GPU, head_dim 64 and 128, padded layout) "persistent", and the backward rungs "mma" and
-"mma_dqpass" do (version=None picks "persistent" where it applies, else "split_kv", and
-"mma_dqpass", which recomputes P from the forward's lse of the capped scores), and every other rung
-refuses them. On "persistent" a query tile walks only the key tiles its rows' windows reach.
+Hopper GPU, head_dim 64 and 128, padded layout) "persistent", and the backward rungs "mma",
+"mma_dqpass" and (on a Hopper GPU, head_dim 64 and 128, padded layout) "wgmma" do (version=None
+picks "persistent" where it applies, else "split_kv", and "wgmma" where it applies, else
+"mma_dqpass"; the backward recomputes P from the forward's lse of the capped scores), and every
+other rung refuses them. On "persistent" a query tile walks only the key tiles its rows' windows
+reach, and on "wgmma" a key tile only the query tiles that see it.
 
 attention_varlen takes sequences of different lengths packed along one token dim, (total_tokens,
 heads, head_dim), with int32 cumulative lengths cu_seqlens_q and cu_seqlens_k (FlashAttention 2's
 varlen API), forward and backward: the CPU reference, and on CUDA the forward rungs "tuned",
 "split_kv" and (on a Hopper GPU, head_dim 64 and 128, no window or softcap) "persistent", and the
-backward rungs "mma" and "mma_dqpass" (version=None picks "persistent" where it applies and the grid
-over the max lengths fills the GPU, else "split_kv", and "mma_dqpass"; every other rung refuses the
-packed layout). max_seqlen_q and max_seqlen_k are host
+backward rungs "mma", "mma_dqpass" and (on a Hopper GPU, head_dim 64 and 128, no window or softcap)
+"wgmma" (version=None picks "persistent" where it applies and the grid over the max lengths fills
+the GPU, else "split_kv", and "wgmma" where it applies, else "mma_dqpass"; every other rung refuses
+the packed layout). max_seqlen_q and max_seqlen_k are host
 ints that size the CUDA grid, so the op never reads cu_seqlens on the host (no sync: CUDA graphs
 and torch.compile work); on CUDA the lengths are trusted, on the CPU every value is checked.
 
@@ -76,7 +79,8 @@ CUDA rungs (head_dim 32, 64, 96, 128 or 256):
 - backward "wgmma": the "mma" split on Hopper's machinery (sm_90a, head_dim 64 and 128): a
   producer warp streams Q and dO through an mbarrier ring by TMA, two consumer warpgroups of 64
   keys compute S^T, dP^T, dV and dK with wgmma (P^T and dS^T from registers), and dQ = dS K reads
-  dS^T back from shared memory and adds into float32 sums with vector atomics.
+  dS^T back from shared memory and adds into float32 sums by the copy engine's bulk reductions;
+  window and softcap (padded) and the packed layout each in an instantiation of their own.
 
 version=None runs, for 16-bit inputs: on a Hopper GPU, at head_dim 64 and 128, "persistent" where the
 walks over the keys are uneven (causal) or short (at most 1024 keys) and "pingpong" for long full
@@ -84,8 +88,8 @@ rows, "warp_specialized" at 256, and "persistent" for any call with a window or 
 64 and 128), unless
 the grid is small enough to split the keys; otherwise "split_kv"
 (sm_80+; it splits only when the grid would leave SMs idle, and is "tuned" otherwise); float32 and
-float64 run "tiled". The backward runs "wgmma" on a Hopper GPU (head_dim 64 and 128, no window
-or softcap), else "mma_dqpass" where it can, else "naive"; with
+float64 run "tiled". The backward runs "wgmma" on a Hopper GPU (head_dim 64 and 128; in the packed
+layout without a window or softcap), else "mma_dqpass" where it can, else "naive"; with
 torch.use_deterministic_algorithms(True) it keeps to "mma_dqpass", whose bits do not change from
 run to run (csrc/attention/attention_ops.cpp says which measurements pick these). On the CPU every version
 name runs the reference.
@@ -153,7 +157,7 @@ def dispatch_rule(op, q_shape, k_shape=None, *, dtype, cuda, capability=(0, 0), 
         return torch.ops.flash_attention.varlen_rule(
             op, batch, h, h_kv, max_seqlen_q if max_seqlen_q > 0 else total_q,
             max_seqlen_k if max_seqlen_k > 0 else total_k, d, scale, causal, cuda, half, capability[0], capability[1],
-            sms, hopper_built, list(window), softcap) or None
+            sms, hopper_built, list(window), softcap, deterministic) or None
     if op == "paged_prefill_attention":
         bound = max_seqlen_q if max_seqlen_q > 0 else q_shape[0]
         return torch.ops.flash_attention.paged_prefill_rule(cuda, half, capability[0], bound)

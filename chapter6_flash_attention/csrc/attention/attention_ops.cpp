@@ -133,8 +133,10 @@ bool half_dtype(const Tensor& t) { return t.scalar_type() == at::kHalf || t.scal
 // seqlen of the sweep once both were pipelined. "wgmma" adds dQ up with float32 atomics, in an
 // order that changes from run to run, and so does "mma"; "mma_dqpass" gives the same bits on every
 // run. So under torch.use_deterministic_algorithms(True) the rule keeps "mma_dqpass" (as
-// FlashAttention's deterministic flag does), and a window or a softcap, which only the part 1
-// backward computes, goes there too.
+// FlashAttention's deterministic flag does). A window or a softcap takes "wgmma" too, at the same
+// head dims (its kWindowSoftcap instantiation): part 1's "mma_dqpass" ran them at 0.41x (window
+// (4095, 0) at 32768 keys) and 0.61x (softcap 30) flex_attention on an H100, and the Hopper rung's
+// block walks only the query tiles its keys' windows reach, as "mma_dqpass"'s does.
 #ifdef WITH_CUDA
 // One attribute of q's GPU (cudaDeviceGetAttribute is a lookup, not a driver round trip).
 int device_attribute(const Tensor& q, cudaDeviceAttr attr) {
@@ -182,7 +184,7 @@ BackwardVersion backward_rule(const AttentionParams& p, bool deterministic, cons
     return BackwardVersion::kNaive;
   }
   if (f.hopper_built && f.cc_major == 9 && f.cc_minor == 0 && is_listed(kHopperBackwardHeadDims, p.head_dim) &&
-      !uses_window_or_softcap(p) && !deterministic) {
+      !deterministic) {
     return BackwardVersion::kWgmma;
   }
   return BackwardVersion::kMmaDqPass;
@@ -303,8 +305,9 @@ void check_window_softcap(const char* op, at::IntArrayRef window, double softcap
 // The rungs that compute a window and a softcap: the forward's "tuned" and "split_kv" (one kernel)
 // and "persistent" (its kWindowSoftcap instantiation, at kHopperWindowHeadDims and in the padded
 // layout: check_hopper_window says so by name), the backward's "mma" and "mma_dqpass" (one kernel
-// for dK and dV; dQ from it or from its second pass). Every other rung refuses them with the way
-// out; the CPU reference computes them all.
+// for dK and dV; dQ from it or from its second pass) and "wgmma" (its kWindowSoftcap
+// instantiation, at kHopperBackwardHeadDims, padded layout only). Every other rung refuses them
+// with the way out; the CPU reference computes them all.
 bool takes_window_or_softcap(ForwardVersion v) {
   return v == ForwardVersion::kTuned || v == ForwardVersion::kSplitKv || v == ForwardVersion::kPersistent;
 }
@@ -315,7 +318,7 @@ void check_hopper_window(const char* op, const AttentionParams& p) {
               ": use version='split_kv' (version=None picks it there)");
 }
 bool takes_window_or_softcap(BackwardVersion v) {
-  return v == BackwardVersion::kMma || v == BackwardVersion::kMmaDqPass;
+  return v == BackwardVersion::kMma || v == BackwardVersion::kMmaDqPass || v == BackwardVersion::kWgmma;
 }
 
 #define FLASH_ATTENTION_ON_CUDA(op, t, ...) COURSE_ON_CUDA(op, "flash_attention", t, __VA_ARGS__)
@@ -437,16 +440,18 @@ void check_hopper_rung(const char* op, ForwardVersion v, const Tensor& q, double
 // What part 3's backward rung needs, each refused with the way out: the forward's Hopper checks
 // (a build that has it, a Hopper GPU), the head dims whose dK and dV fit its registers, and the
 // shared memory. Any scale: the backward keeps no running maximum.
+// q: (batch, heads, seqlen, head_dim), or packed (total, heads, head_dim).
 void check_hopper_backward(const char* op, const Tensor& q) {
   const std::string name = ::course::version_name(kBackwardVersions, BackwardVersion::kWgmma);
   check_hopper_build_and_gpu(op, name, q, "version 'naive'", "mma_dqpass");
-  TORCH_CHECK(attention_backward_hopper_head_dim(q.size(3)), op, ": version '", name, "' takes head_dim ",
+  const int64_t d = q.size(-1);
+  TORCH_CHECK(attention_backward_hopper_head_dim(d), op, ": version '", name, "' takes head_dim ",
               list_text(kHopperBackwardHeadDims), " (whole 64-column chunks, with dK and dV of 64 keys in ",
-              "registers); head_dim is ", std::to_string(q.size(3)), ": use version='mma_dqpass' or 'naive'");
+              "registers); head_dim is ", std::to_string(d), ": use version='mma_dqpass' or 'naive'");
 #ifdef COURSE_HOPPER
-  const int64_t smem = attention_backward_hopper_smem_bytes(q.size(3));
+  const int64_t smem = attention_backward_hopper_smem_bytes(d);
   const int64_t allowed = device_attribute(q, cudaDevAttrMaxSharedMemoryPerBlockOptin);
-  TORCH_CHECK(smem <= allowed, op, ": version '", name, "' at head_dim ", std::to_string(q.size(3)), " takes ",
+  TORCH_CHECK(smem <= allowed, op, ": version '", name, "' at head_dim ", std::to_string(d), " takes ",
               std::to_string(smem / 1024), " KiB of shared memory per block; this GPU allows ",
               std::to_string(allowed / 1024), " KiB: use version='mma_dqpass'");
 #endif
@@ -585,7 +590,8 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward_impl(const Tensor& grad_ou
     TORCH_CHECK(takes_window_or_softcap(v_), op, ": version '", ::course::version_name(kBackwardVersions, v_),
                 "' takes no window or softcap; versions 'mma' and 'mma_dqpass' compute them (float16 and bfloat16, ",
                 "compute capability 8.0 or newer, head_dim ", list_text(kMmaBackwardHeadDims),
-                "; version=None picks 'mma_dqpass' there)");
+                "), and 'wgmma' on 9.0 at head_dim ", list_text(kHopperBackwardHeadDims),
+                " (version=None picks 'wgmma' there, else 'mma_dqpass')");
   }
   // The reference and the kernels index lse as a contiguous (batch, heads, seqlen_q) block.
   const Tensor lse_c = lse.contiguous();
@@ -777,13 +783,18 @@ void check_varlen(const char* op, const Tensor& q, const Tensor& k, const Tensor
 // read over max_seqlen_q and max_seqlen_k: where it would split, a few query rows against long
 // keys, "split_kv" wins as in the padded layout); elsewhere "split_kv" (which is "tuned" wherever the
 // grid fills the GPU, and splits the keys where it does not). The other Hopper rungs take the
-// padded layout only (their tensor maps describe whole (batch, head) slices). Backward:
-// "mma_dqpass", for the reasons the padded rule gives (the version=None section above). No rung
-// where the tensor-core rungs do not run: the scalar rungs have no packed kernels.
+// padded layout only (their tensor maps describe whole (batch, head) slices). Backward: on a Hopper
+// GPU "wgmma" (its kVarlen instantiation: maps over the packed tensors, a block per sequence's key
+// tile) at kHopperBackwardHeadDims without a window or a softcap, and not under deterministic
+// algorithms; elsewhere "mma_dqpass", for the reasons the padded rule gives (the version=None
+// section above). No rung where the tensor-core rungs do not run: the scalar rungs have no packed
+// kernels.
 bool takes_varlen(ForwardVersion v) {
   return v == ForwardVersion::kTuned || v == ForwardVersion::kSplitKv || v == ForwardVersion::kPersistent;
 }
-bool takes_varlen(BackwardVersion v) { return v == BackwardVersion::kMma || v == BackwardVersion::kMmaDqPass; }
+bool takes_varlen(BackwardVersion v) {
+  return v == BackwardVersion::kMma || v == BackwardVersion::kMmaDqPass || v == BackwardVersion::kWgmma;
+}
 // p: the packed call's sizes (attention.h: batch the sequence count, seqlen_q and seqlen_k the max
 // lengths), scale and mask.
 std::optional<ForwardVersion> varlen_forward_rule(const AttentionParams& p, const DispatchFacts& f) {
@@ -794,11 +805,15 @@ std::optional<ForwardVersion> varlen_forward_rule(const AttentionParams& p, cons
   }
   return ForwardVersion::kSplitKv;
 }
-std::optional<BackwardVersion> varlen_backward_rule(int64_t head_dim, const DispatchFacts& f) {
-  // The padded rule's part-1 answer ("wgmma" takes the padded layout only, and "mma_dqpass" gives the
-  // same bits every run, deterministic or not).
-  if (f.cuda && f.half && f.cc_major >= 8 && is_listed(kMmaBackwardHeadDims, head_dim)) return BackwardVersion::kMmaDqPass;
-  return std::nullopt;
+std::optional<BackwardVersion> varlen_backward_rule(const AttentionParams& p, bool deterministic,
+                                                    const DispatchFacts& f) {
+  if (!(f.cuda && f.half && f.cc_major >= 8 && is_listed(kMmaBackwardHeadDims, p.head_dim))) return std::nullopt;
+  // The padded rule's, less the window and the softcap (the kVarlen instantiation has neither).
+  if (f.hopper_built && f.cc_major == 9 && f.cc_minor == 0 && is_listed(kHopperBackwardHeadDims, p.head_dim) &&
+      !uses_window_or_softcap(p) && !deterministic) {
+    return BackwardVersion::kWgmma;
+  }
+  return BackwardVersion::kMmaDqPass;
 }
 
 #ifdef WITH_CUDA
@@ -811,9 +826,11 @@ template <typename V, size_t N>
 std::string varlen_cuda_rung(const char* op, const ::course::NamedVersion<V> (&versions)[N], std::optional<V> named,
                              std::optional<V> chosen, const Tensor& q, const Tensor& k, const Tensor& cu_q,
                              int64_t max_seqlen_q, int64_t max_seqlen_k, bool backward) {
-  const char* rungs = backward ? "versions 'mma' and 'mma_dqpass'" : "versions 'tuned', 'split_kv' and 'persistent'";
+  const char* rungs =
+      backward ? "versions 'mma', 'mma_dqpass' and 'wgmma'" : "versions 'tuned', 'split_kv' and 'persistent'";
   const std::string takes = backward ? std::string("float16 and bfloat16, compute capability 8.0 or newer, head_dim ") +
-                                           list_text(kMmaBackwardHeadDims)
+                                           list_text(kMmaBackwardHeadDims) + "; 'wgmma' on 9.0 at head_dim " +
+                                           list_text(kHopperBackwardHeadDims)
                                      : std::string("float16 and bfloat16, compute capability 8.0 or newer; "
                                                    "'persistent' on 9.0 at head_dim ") +
                                            list_text(kHopperVarlenHeadDims);
@@ -821,7 +838,8 @@ std::string varlen_cuda_rung(const char* op, const ::course::NamedVersion<V> (&v
   if (named) {
     TORCH_CHECK(takes_varlen(*named), op, ": version '", ::course::version_name(versions, *named),
                 "' does not take the packed (varlen) layout; ", rungs, " take it (", takes, "; version=None picks ",
-                backward ? "'mma_dqpass'" : "'persistent' on a Hopper GPU where it applies, else 'split_kv'",
+                backward ? "'wgmma' on a Hopper GPU where it applies, else 'mma_dqpass'"
+                         : "'persistent' on a Hopper GPU where it applies, else 'split_kv'",
                 " there)");
   }
   // version=None has no rung here, and then neither can the rung named run these inputs on this GPU
@@ -950,12 +968,26 @@ std::tuple<Tensor, Tensor, Tensor> attention_varlen_backward_impl(
   if (q.is_meta()) return {dq, dk, dv};
   if (q.is_cuda()) {
 #ifdef WITH_CUDA
-    const std::string name =
-        varlen_cuda_rung(op, kBackwardVersions, named, varlen_backward_rule(q.size(2), facts_of(q)), q, k,
-                         cu_seqlens_q, max_seqlen_q, max_seqlen_k, /*backward=*/true);
-    check_tensor_core_rung(op, name, q, /*backward=*/true);
-    const Tensor qa = aligned_for_copies(q), ka = aligned_for_copies(k), va = aligned_for_copies(v);
-    const Tensor goa = aligned_for_copies(grad_out);
+    // The call's sizes for the rule (its pointers are not read there).
+    const AttentionParams sizes = make_varlen_params(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                     max_seqlen_k, scale, causal, window, softcap);
+    const std::optional<BackwardVersion> chosen =
+        varlen_backward_rule(sizes, at::globalContext().deterministicAlgorithms(), facts_of(q));
+    const std::string name = varlen_cuda_rung(op, kBackwardVersions, named, chosen, q, k, cu_seqlens_q, max_seqlen_q,
+                                              max_seqlen_k, /*backward=*/true);
+    const BackwardVersion v_ = named ? *named : *chosen;
+    const bool tma = v_ == BackwardVersion::kWgmma;
+    if (tma) {
+      check_hopper_backward(op, q);
+      TORCH_CHECK(!uses_window_or_softcap(sizes), op, ": version '", name, "' takes no window or softcap in the ",
+                  "packed (varlen) layout; versions 'mma' and 'mma_dqpass' compute them (version=None picks ",
+                  "'mma_dqpass' there)");
+    } else {
+      check_tensor_core_rung(op, name, q, /*backward=*/true);
+    }
+    // TMA's rules for "wgmma" (no stride 0 either), 16-byte copies for the others.
+    const Tensor qa = aligned_for_copies(q, tma), ka = aligned_for_copies(k, tma), va = aligned_for_copies(v, tma);
+    const Tensor goa = aligned_for_copies(grad_out, tma);
     const Tensor cu_q = cu_seqlens_q.contiguous(), cu_k = cu_seqlens_k.contiguous();
     // The kernels index lse as a contiguous (heads, total_q) block.
     const Tensor lse_c = lse.contiguous();
@@ -965,7 +997,6 @@ std::tuple<Tensor, Tensor, Tensor> attention_varlen_backward_impl(
         make_backward_params(fwd, as_batch_of_one(goa, 0, goa.size(0)), as_batch_of_one(dq, 0, dq.size(0)),
                              as_batch_of_one(dk, 0, dk.size(0)), as_batch_of_one(dv, 0, dv.size(0)));
     g.do_batch_stride = g.dq_batch_stride = g.dk_batch_stride = g.dv_batch_stride = 0;
-    const BackwardVersion v_ = named ? *named : *varlen_backward_rule(q.size(2), facts_of(q));
     FLASH_ATTENTION_ON_CUDA(op, q, backward_cuda(v_, g, q, stream));
 #else
     FLASH_ATTENTION_ON_CUDA(op, q, (void)0);
@@ -1053,21 +1084,21 @@ std::string forward_rule_op(int64_t batch, int64_t heads, int64_t heads_kv, int6
 std::string varlen_rule_op(std::string_view op, int64_t batch, int64_t heads, int64_t heads_kv, int64_t max_seqlen_q,
                            int64_t max_seqlen_k, int64_t head_dim, double scale, bool causal, bool cuda, bool half,
                            int64_t cc_major, int64_t cc_minor, int64_t sms, bool hopper_built,
-                           at::IntArrayRef window, double softcap) {
+                           at::IntArrayRef window, double softcap, bool deterministic) {
   check_window_softcap("varlen_rule", window, softcap);
   const DispatchFacts f{cuda, half, static_cast<int>(cc_major), static_cast<int>(cc_minor), static_cast<int>(sms),
                         hopper_built};
+  AttentionParams p{};
+  p.batch = batch, p.heads = heads, p.heads_kv = heads_kv, p.seqlen_q = max_seqlen_q, p.seqlen_k = max_seqlen_k;
+  p.head_dim = head_dim, p.scale = scale, p.causal = causal;
+  p.window_left = window[0], p.window_right = causal ? 0 : window[1], p.softcap = softcap;
   if (op == kVarlenForward) {
-    AttentionParams p{};
-    p.batch = batch, p.heads = heads, p.heads_kv = heads_kv, p.seqlen_q = max_seqlen_q, p.seqlen_k = max_seqlen_k;
-    p.head_dim = head_dim, p.scale = scale, p.causal = causal;
-    p.window_left = window[0], p.window_right = causal ? 0 : window[1], p.softcap = softcap;
     const auto v = varlen_forward_rule(p, f);
     return v ? ::course::version_name(kForwardVersions, *v) : "";
   }
   TORCH_CHECK(op == kVarlenBackward, "varlen_rule: unknown op '", std::string(op), "' (", kVarlenForward, " or ",
               kVarlenBackward, ")");
-  const auto v = varlen_backward_rule(head_dim, f);
+  const auto v = varlen_backward_rule(p, deterministic, f);
   return v ? ::course::version_name(kBackwardVersions, *v) : "";
 }
 std::string backward_rule_op(int64_t head_dim, bool cuda, bool half, int64_t cc_major, int64_t cc_minor,
@@ -1232,7 +1263,7 @@ TORCH_LIBRARY_FRAGMENT(flash_attention, m) {
         &flash_attention::backward_rule_op);
   m.def("varlen_rule(str op, int batch, int heads, int heads_kv, int max_seqlen_q, int max_seqlen_k, int head_dim, "
         "float scale, bool causal, bool cuda, bool half, int cc_major, int cc_minor=0, int sms=0, "
-        "bool hopper_built=False, int[2] window=[-1, -1], float softcap=0.0) -> str",
+        "bool hopper_built=False, int[2] window=[-1, -1], float softcap=0.0, bool deterministic=False) -> str",
         &flash_attention::varlen_rule_op);
 }
 

@@ -33,21 +33,45 @@ inline int64_t attention_backward_hopper_rows(int64_t seqlen_q) {
   return ::course::ceil_div(seqlen_q, int64_t{kHopperBwdBlockM}) * kHopperBwdBlockM;
 }
 
-// The workspace, which the caller zeroes: dQ's float32 sums (batch x heads x padded rows x d),
-// then each padded row's lse in log2 units and D = rowsum(dO * O) (float32 each). The sums of one
-// (batch, head, query tile) are kBlockM x d contiguous floats, 64-column chunk after chunk, each
-// chunk in the main kernel's register order rather than row-major (what a warpgroup's threads
-// hold, stored as 512-byte warp-wide rows: flash_bwd_hopper_kernel.cuh), so that the kernel adds
-// a whole tile with one bulk reduction; only the dispatch's last kernel reads them.
+// The packed (varlen) layout (attention.h's cu_seqlens; kVarlen below): the statistics and dQ's
+// sums are indexed by packed row, each sequence's rows starting on a whole tile, so that its tiles
+// are the same 256-byte statistics copies and contiguous sums as a padded batch's. Sequence b's
+// rows start at hopper_bwd_seq_row0(cu_seqlens_q[b], b), FlashAttention 3's padded offset:
+// (cu_seqlens_q[b] / kBlockM + b) tiles. A sequence of length n from offset c takes ceil(n / kBlockM)
+// tiles, which end at or before the next sequence's start, since (c + n) / kBlockM + 1 >=
+// c / kBlockM + ceil(n / kBlockM) in integer division; and the last one ends within
+// attention_backward_hopper_packed_rows(total_q, batch) rows of a head: the host sizes the workspace
+// from total_q and the sequence count alone, never reading cu_seqlens.
+FLASH_ATTENTION_HD int64_t hopper_bwd_seq_row0(int64_t cu_seqlen_q, int64_t b) {
+  return (cu_seqlen_q / kHopperBwdBlockM + b) * kHopperBwdBlockM;
+}
+FLASH_ATTENTION_HD int64_t attention_backward_hopper_packed_rows(int64_t total_q, int64_t batch) {
+  return (total_q / kHopperBwdBlockM + batch) * kHopperBwdBlockM;
+}
+// The statistics rows of the whole call: batch x heads x padded rows, or heads x packed rows.
+inline int64_t attention_backward_hopper_stat_rows(const AttentionParams& p) {
+  return p.cu_seqlens_q != nullptr ? p.heads * attention_backward_hopper_packed_rows(p.total_q, p.batch)
+                                   : p.batch * p.heads * attention_backward_hopper_rows(p.seqlen_q);
+}
+
+// The workspace, which the caller zeroes: dQ's float32 sums (batch x heads x padded rows x d;
+// packed, heads x packed rows x d), then each padded row's lse in log2 units and D = rowsum(dO * O)
+// (float32 each). The sums of one (batch, head, query tile) are kBlockM x d contiguous floats,
+// 64-column chunk after chunk, each chunk in the main kernel's register order rather than row-major
+// (what a warpgroup's threads hold, stored as 512-byte warp-wide rows:
+// flash_bwd_hopper_kernel.cuh), so that the kernel adds a whole tile with one bulk reduction; only
+// the dispatch's last kernel reads them.
 inline int64_t attention_backward_hopper_workspace(const AttentionBackwardParams& g) {
   const AttentionParams& p = g.fwd;
-  return p.batch * p.heads * attention_backward_hopper_rows(p.seqlen_q) * (p.head_dim + 2) * 4;
+  return attention_backward_hopper_stat_rows(p) * (p.head_dim + 2) * 4;
 }
 
 // Shared memory one block takes (the glue compares it with the GPU's per-block limit).
 int64_t attention_backward_hopper_smem_bytes(int64_t head_dim);
 
-// bfloat16 and float16, head_dim from attention_backward_hopper_head_dim, every stepped stride of
+// bfloat16 and float16, head_dim from attention_backward_hopper_head_dim; a window or a softcap at
+// kHopperBackwardHeadDims (the kWindowSoftcap instantiations), the packed layout likewise (kVarlen)
+// but not both at once (cudaErrorInvalidValue: the glue sends those to "mma_dqpass"); every stepped stride of
 // q, k, v and dout a non-zero multiple of 8 elements and the pointers 16-byte aligned (TMA's rules;
 // the glue copies otherwise), dq, dk and dv with even strides. `workspace`:
 // attention_backward_hopper_workspace bytes, zeroed. Returns the first error

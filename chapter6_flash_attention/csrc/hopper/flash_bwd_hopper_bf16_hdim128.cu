@@ -3,6 +3,6 @@
 #include "hopper/flash_bwd_hopper_kernel.cuh"
 
 namespace flash_attention {
-template cudaError_t run_flash_bwd_hopper<__nv_bfloat16, 128>(const AttentionBackwardParams&, float*, const float*,
-                                                  const float*, cudaStream_t);
+template cudaError_t run_flash_bwd_hopper<__nv_bfloat16, 128, false, false>(const AttentionBackwardParams&, float*,
+                                                                            const float*, const float*, cudaStream_t);
 }  // namespace flash_attention

@@ -45,11 +45,33 @@
 // the causal diagonal does (only the steps a mask can bite take the masked code: a compile-time
 // tag, as in the forward).
 //
+// A window and a softcap (attention.h; kWindowSoftcap, a template parameter: the plain
+// instantiations compile none of it). A block walks only the query tiles whose rows see one of its
+// keys, hopper_window_query_tiles (tile_schedule.h): the transpose of the forward's key range, on
+// the same bottom-right rule. Only the pairs an edge of the window crosses take the masked step
+// (part 1's tile_mask, flash_bwd_kernel.cuh). With a softcap P is recomputed from the capped scores
+// and the forward's lse, and dS^T takes the cap's derivative, as part 1's backward does
+// (recompute_p): dS^T = P^T (dP^T - D) (1 - tanh^2). The derivative is known with P, and holding
+// it until dP^T is in spilled at d = 128, so with a softcap the step waits for dP^T first and makes
+// P^T and dS^T in one pass (below, where P^T is made).
+//
+// The packed (varlen) layout (attention.h's cu_seqlens; kVarlen): a block per (sequence, key tile,
+// kv head) over the padded grid of max_seqlen_k, which returns at once past its sequence's keys.
+// The tensor maps describe the packed (total_tokens, heads, head_dim) tensors as one batch, and a
+// tile's coordinates are its sequence's first token plus the tile's row. So a partial tile carries
+// rows of the next sequence, not TMA's zeros: as keys they are masked like keys past seqlen_k (the
+// sequence's own length; the dK and dV stores stop there), and as queries they read the padded
+// statistics rows (lse2 +inf, D 0), whose P and dS are 0. The statistics and dQ's sums are indexed
+// by packed row, each sequence's rows starting on a whole tile (hopper_bwd_seq_row0).
+//
 // No torch headers: this file builds with a bare nvcc for sm_90a (and to empty kernels for any
 // other target, which the glue never launches).
 #pragma once
 
 #include "attention/attention.h"
+#include "attention/flash_bwd_kernel.cuh"  // tile_mask, recompute_p (part 1's window and softcap)
+#include "attention/softcap.cuh"
+#include "attention/varlen.cuh"
 #include "hopper/flash_bwd_hopper.h"
 #include "hopper/flash_fwd_hopper_kernel.cuh"  // make_bhsd_map, hopper_fwd::pack2
 #include "hopper/hopper.cuh"
@@ -135,14 +157,15 @@ __device__ __forceinline__ void pack_a(uint32_t (&a)[kBlockM / 16][4], const flo
 #endif
 
 // lse2_rows and d_rows: (batch * heads) x rows_pad floats (attention_backward_hopper_rows), padded
-// rows +inf and 0; dq_accum the same rows x head_dim, zeroed.
-template <typename T, typename K>
+// rows +inf and 0; dq_accum the same rows x head_dim, zeroed. Packed (kVarlen): heads x packed rows
+// (attention_backward_hopper_packed_rows). kWindowSoftcap: `cap` is the softcap (unread otherwise).
+template <typename T, typename K, bool kWindowSoftcap, bool kVarlen>
 __global__ void __launch_bounds__(K::kThreads, 1)
     flash_bwd_hopper_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
                             const __grid_constant__ CUtensorMap map_v, const __grid_constant__ CUtensorMap map_do,
-                            const AttentionBackwardParams g, float* __restrict__ dq_accum,
+                            const AttentionBackwardParams params, float* __restrict__ dq_accum,
                             const float* __restrict__ lse2_rows, const float* __restrict__ d_rows, unsigned k_tiles,
-                            float scale_log2) {
+                            float scale_log2, const Softcap cap) {
 #if COURSE_HOPPER_DEVICE
   using namespace hopper;
   using namespace hopper_bwd;
@@ -150,7 +173,7 @@ __global__ void __launch_bounds__(K::kThreads, 1)
   constexpr int kSRegs = kBM / 2;  // S^T, dP^T, dQ: one m64 x n64 accumulator tile each
   constexpr int kGradRegs = kD / 2;  // dK, dV: m64 x d
   constexpr int kASteps = kBM / 16;  // k16 steps of dV and dK (over the step's query rows)
-  const AttentionParams& p = g.fwd;
+  static_assert(!(kWindowSoftcap && kVarlen), "the packed layout with a window runs on part 1's backward");
   extern __shared__ unsigned char smem_raw[];
   // The swizzle pattern repeats every 1024 bytes and the descriptors assume atoms there.
   unsigned char* smem =
@@ -170,17 +193,42 @@ __global__ void __launch_bounds__(K::kThreads, 1)
   // tiles (the first key tiles) are launched first, so the short ones fill the tail of the grid.
   const int64_t tile = blockIdx.x % k_tiles;
   const int64_t bhk = blockIdx.x / k_tiles;
-  const int64_t b = bhk / p.heads_kv;
-  const int64_t hk = bhk % p.heads_kv;
-  const int64_t group = p.heads / p.heads_kv;
+  const int64_t b = bhk / params.fwd.heads_kv;
+  const int64_t hk = bhk % params.fwd.heads_kv;
   const int64_t n0 = tile * kBN;
-  const int64_t rows_pad = (p.seqlen_q + kBM - 1) / kBM * kBM;
+  // Packed: sequence b as a batch of one (varlen.cuh: its lengths, and dK and dV at its first key).
+  // k_tiles covers the longest sequence's keys, so a shorter one's last tiles hold none of its keys:
+  // the whole block leaves together, before any barrier. Its first query and key tokens are the
+  // tensor maps' coordinates of its row 0 and key 0, and its statistics start at packed row
+  // seq_row0 of each head (rows_pad, here the packed rows of a head: flash_bwd_hopper.h).
+  [[maybe_unused]] AttentionBackwardParams sequence;
+  [[maybe_unused]] int q_token0 = 0, k_token0 = 0;
+  if constexpr (kVarlen) {
+    sequence = sequence_params<T>(params, b);
+    if (n0 >= sequence.fwd.seqlen_k) return;
+    q_token0 = params.fwd.cu_seqlens_q[b];
+    k_token0 = params.fwd.cu_seqlens_k[b];
+  }
+  const AttentionBackwardParams& g = kVarlen ? sequence : params;
+  const AttentionParams& p = g.fwd;
+  const int64_t group = p.heads / p.heads_kv;
+  const int64_t rows_pad = kVarlen ? attention_backward_hopper_packed_rows(params.fwd.total_q, params.fwd.batch)
+                                   : (p.seqlen_q + kBM - 1) / kBM * kBM;
+  [[maybe_unused]] const int64_t seq_row0 = kVarlen ? hopper_bwd_seq_row0(q_token0, b) : 0;
   // The steps: every query tile from the one holding the first row that sees key n0 (causal rows
   // above it see none of the block's keys) to the last, of every query head of the group; step i
-  // is head hk * group + i / tiles_per_head, tile i % tiles_per_head. None (a block whose keys no
-  // row sees): the block writes zeros.
-  const int64_t m_begin = first_visible_row(n0, p.seqlen_q, p.seqlen_k, p.causal) / kBM * kBM;
-  const int64_t tiles_per_head = (p.seqlen_q - m_begin + kBM - 1) / kBM;
+  // is head hk * group + i / tiles_per_head, tile i % tiles_per_head. A window also ends the walk
+  // at the tile of the last row that sees the block's last key (hopper_window_query_tiles). None (a
+  // block whose keys no row sees): the block writes zeros.
+  int64_t m_begin, tiles_per_head;
+  if constexpr (kWindowSoftcap) {
+    const HopperKeyTiles rows = hopper_window_query_tiles(p, n0, kBN, kBM);
+    m_begin = int64_t{rows.first} * kBM;
+    tiles_per_head = rows.count;
+  } else {
+    m_begin = first_visible_row(n0, p.seqlen_q, p.seqlen_k, p.causal) / kBM * kBM;
+    tiles_per_head = (p.seqlen_q - m_begin + kBM - 1) / kBM;
+  }
   const int64_t steps = group * tiles_per_head;
 
   if (threadIdx.x == 0) {
@@ -215,10 +263,10 @@ __global__ void __launch_bounds__(K::kThreads, 1)
       mbarrier_arrive_expect_tx(&kv_full, 2 * K::kKVBytes);
 #pragma unroll
       for (int c = 0; c < K::kChunks; ++c) {
-        tma_load_4d(k_s + c * kBN * 128, &map_k, &kv_full, c * 64, static_cast<int>(n0), static_cast<int>(hk),
-                    static_cast<int>(b));
-        tma_load_4d(v_s + c * kBN * 128, &map_v, &kv_full, c * 64, static_cast<int>(n0), static_cast<int>(hk),
-                    static_cast<int>(b));
+        // Packed: one batch of every token, the sequence's keys from its first token on.
+        const int key_row = k_token0 + static_cast<int>(n0), batch = kVarlen ? 0 : static_cast<int>(b);
+        tma_load_4d(k_s + c * kBN * 128, &map_k, &kv_full, c * 64, key_row, static_cast<int>(hk), batch);
+        tma_load_4d(v_s + c * kBN * 128, &map_v, &kv_full, c * 64, key_row, static_cast<int>(hk), batch);
       }
       for (int64_t i = 0; i < steps; ++i) {
         const int stage = static_cast<int>(i % kStages);
@@ -228,14 +276,15 @@ __global__ void __launch_bounds__(K::kThreads, 1)
         mbarrier_arrive_expect_tx(&full[stage], K::kStageBytes);
 #pragma unroll
         for (int c = 0; c < K::kChunks; ++c) {
-          tma_load_4d(q_s + stage * K::kRowTileBytes + c * kBM * 128, &map_q, &full[stage], c * 64,
-                      static_cast<int>(m0), static_cast<int>(h), static_cast<int>(b));
-          tma_load_4d(do_s + stage * K::kRowTileBytes + c * kBM * 128, &map_do, &full[stage], c * 64,
-                      static_cast<int>(m0), static_cast<int>(h), static_cast<int>(b));
+          const int q_row = q_token0 + static_cast<int>(m0), batch = kVarlen ? 0 : static_cast<int>(b);
+          tma_load_4d(q_s + stage * K::kRowTileBytes + c * kBM * 128, &map_q, &full[stage], c * 64, q_row,
+                      static_cast<int>(h), batch);
+          tma_load_4d(do_s + stage * K::kRowTileBytes + c * kBM * 128, &map_do, &full[stage], c * 64, q_row,
+                      static_cast<int>(h), batch);
         }
         // The tile's 64 padded rows of statistics: 256 bytes at a 256-byte multiple, all inside the
-        // workspace (rows_pad is a whole number of tiles).
-        const int64_t row = (b * p.heads + h) * rows_pad + m0;
+        // workspace (rows_pad and seq_row0 are whole numbers of tiles).
+        const int64_t row = kVarlen ? h * rows_pad + seq_row0 + m0 : (b * p.heads + h) * rows_pad + m0;
         bulk_load(lse_s + stage * kBM, lse2_rows + row, K::kStatBytes, &full[stage]);
         bulk_load(dd_s + stage * kBM, d_rows + row, K::kStatBytes, &full[stage]);
       }
@@ -246,7 +295,8 @@ __global__ void __launch_bounds__(K::kThreads, 1)
       // the same 64 columns over their own keys, two reductions into the same 16 KiB.
       // The destination walks the group's heads tile by tile (kept incrementally: this thread has
       // 24 registers, and the divisions and 64-bit products of the loader's form spill there).
-      float* head_sums = dq_accum + ((b * p.heads + hk * group) * rows_pad + m_begin) * kD;
+      float* head_sums = dq_accum + (kVarlen ? hk * group * rows_pad + seq_row0 + m_begin
+                                             : (b * p.heads + hk * group) * rows_pad + m_begin) * kD;
       int tile_in_head = 0;
       for (int64_t i = 0; i < steps; ++i) {
         const int buf = static_cast<int>(i % K::kDqBuffers);
@@ -342,7 +392,43 @@ __global__ void __launch_bounds__(K::kThreads, 1)
     // P^T while dP^T runs: groups complete in order, so one pending group is dP^T.
     wgmma_wait<1>();
     fence_operands(s);
-    {
+    // With a softcap (kWindowSoftcap), dS^T is made here, with P^T: it takes the cap's derivative
+    // 1 - tanh^2 of each score, which would otherwise wait for dP^T in 32 more registers (d = 128
+    // has none to spare: ptxas spilled them). So this path waits for dP^T too, giving up the
+    // overlap of P^T's exponentials with dP^T's product, which the tanh per score dwarfs anyway.
+    bool ds_done = false;
+    if constexpr (kWindowSoftcap) {
+      const auto mask = tile_mask<K, true>(p, m0, n0);  // part 1's: the window's edges and seqlen_k
+      auto visible = [&](int j) {
+        return !decltype(mask_tag)::value || mask.visible(8 * (j >> 2) + 2 * t + (j & 1), key_lo + 8 * ((j >> 1) & 1));
+      };
+      if (cap.in != 0.f) {  // uniform across the grid
+        wgmma_wait<0>();
+        fence_operands(dp);
+        // The statistics pair by pair from shared memory (load_columns' addresses), not all 32 held.
+#pragma unroll
+        for (int j = 0; j < kSRegs; j += 2) {
+          const int c = 8 * (j >> 2) + 2 * t;
+          const float2 l = *reinterpret_cast<const float2*>(lse_s + stage * kBM + c);
+          const float2 d = *reinterpret_cast<const float2*>(dd_s + stage * kBM + c);
+          // Part 1's recompute_p: P from the capped score and the forward's lse, and the derivative.
+          float dc0, dc1;
+          s[j] = recompute_p(s[j], l.x, visible(j), scale_log2, cap, &dc0);
+          s[j + 1] = recompute_p(s[j + 1], l.y, visible(j + 1), scale_log2, cap, &dc1);
+          dp[j] = s[j] * (dp[j] - d.x) * dc0;
+          dp[j + 1] = s[j + 1] * (dp[j + 1] - d.y) * dc1;
+        }
+        ds_done = true;
+      } else {
+        float2 lse2[kBM / 8];
+        load_columns<kBM>(lse2, lse_s + stage * kBM, t);
+#pragma unroll
+        for (int j = 0; j < kSRegs; ++j) {
+          const float2 l = lse2[j >> 2];
+          s[j] = visible(j) ? exp2_approx(fmaf(s[j], scale_log2, -((j & 1) ? l.y : l.x))) : 0.f;
+        }
+      }
+    } else {
       float2 lse2[kBM / 8];
       load_columns<kBM>(lse2, lse_s + stage * kBM, t);
       [[maybe_unused]] int key_limit = 0, causal_off = 0;
@@ -375,13 +461,14 @@ __global__ void __launch_bounds__(K::kThreads, 1)
     }
     wgmma_commit();
 
-    // dS^T = P^T (dP^T - D) once dP^T is in (dV may still run), with P^T as rounded for dV, read
-    // back from its fragments: the float P^T would stay live beside dP^T, and at d = 128 those 32
-    // registers spill (nvcc 13.0, -Xptxas -v). The error is the u relative that the tensor-core
-    // rungs' dS carries anyway (rung "mma" rounds dS itself: test_attention.py's rounding_bounds).
-    wgmma_wait<1>();
-    fence_operands(dp);
-    {
+    // dS^T = P^T (dP^T - D) once dP^T is in (dV may still run; with a softcap it was made above),
+    // with P^T as rounded for dV, read back from its fragments: the float P^T would stay live beside
+    // dP^T, and at d = 128 those 32 registers spill (nvcc 13.0, -Xptxas -v). The error is the u
+    // relative that the tensor-core rungs' dS carries anyway (rung "mma" rounds dS itself:
+    // test_attention.py's rounding_bounds).
+    if (!ds_done) {
+      wgmma_wait<1>();
+      fence_operands(dp);
       float2 dd[kBM / 8];
       load_columns<kBM>(dd, dd_s + stage * kBM, t);
 #pragma unroll
@@ -469,8 +556,13 @@ __global__ void __launch_bounds__(K::kThreads, 1)
     for (int64_t i = 0; i < steps; ++i) {
       const int64_t m0 = m_begin + i % tiles_per_head * kBM;
       // The pair needs no mask when every key of the tile exists and (causal) the tile's first row
-      // sees its last key.
-      const bool masked = n0 + kBN > p.seqlen_k || (p.causal && m0 + diag < n0 + kBN - 1);
+      // sees its last key; with a window, when neither of its edges crosses the pair either.
+      bool masked;
+      if constexpr (kWindowSoftcap) {
+        masked = tile_mask<K, true>(p, m0, n0).active;
+      } else {
+        masked = n0 + kBN > p.seqlen_k || (p.causal && m0 + diag < n0 + kBN - 1);
+      }
       if (masked) {
         step(std::true_type{}, i);
       } else {
@@ -499,7 +591,10 @@ __global__ void __launch_bounds__(K::kThreads, 1)
 }
 
 // Launches the main kernel; the dispatch runs the statistics kernel before it and dQ's after.
-template <typename T, int D>
+// kWindowSoftcap, kVarlen: the instantiations above (one file each per dtype and head dim).
+// Packed, the grid is the padded one over max_seqlen_k (seqlen_k here) and the maps describe the
+// packed tensors as one batch of total_q and total_k tokens.
+template <typename T, int D, bool kWindowSoftcap, bool kVarlen>
 cudaError_t run_flash_bwd_hopper(const AttentionBackwardParams& g, float* dq_accum, const float* lse2_rows,
                                  const float* d_rows, cudaStream_t stream) {
   using K = HopperBwdTraits<D>;
@@ -510,23 +605,33 @@ cudaError_t run_flash_bwd_hopper(const AttentionBackwardParams& g, float* dq_acc
   if (blocks > INT_MAX || p.seqlen_q > INT_MAX || p.seqlen_k > INT_MAX || p.batch * p.heads > INT_MAX) {
     return cudaErrorInvalidConfiguration;
   }
+  // Packed: a tile's coordinate is its sequence's first token plus the row, an int for TMA. No key
+  // token at all (every sequence's keys empty, whatever max_seqlen_k says): no block has a key tile,
+  // dQ stays 0, and the key maps would describe an empty tensor.
+  if (kVarlen && (p.total_q > INT_MAX / 2 || p.total_k > INT_MAX / 2)) return cudaErrorInvalidConfiguration;
+  if (kVarlen && p.total_k == 0) return cudaSuccess;
   // A query side with no rows (seqlen_q or heads 0) still has maps to make: a dim of 0 becomes 1
   // in make_bhsd_map (seqlen) or here (heads), and no step reads it.
   const int64_t heads = p.heads > 0 ? p.heads : 1;
+  const int64_t map_batch = kVarlen ? 1 : p.batch;  // packed: every token of every sequence, one batch
+  const int64_t rows_q = kVarlen ? p.total_q : p.seqlen_q, rows_k = kVarlen ? p.total_k : p.seqlen_k;
   CUtensorMap map_q, map_k, map_v, map_do;
-  COURSE_CUDA_TRY(make_bhsd_map(&map_q, p.q, p.batch, heads, p.seqlen_q, D, p.q_batch_stride, p.q_head_stride,
+  COURSE_CUDA_TRY(make_bhsd_map(&map_q, p.q, map_batch, heads, rows_q, D, p.q_batch_stride, p.q_head_stride,
                                 p.q_seq_stride, K::kBlockM));
-  COURSE_CUDA_TRY(make_bhsd_map(&map_do, g.dout, p.batch, heads, p.seqlen_q, D, g.do_batch_stride,
-                                g.do_head_stride, g.do_seq_stride, K::kBlockM));
-  COURSE_CUDA_TRY(make_bhsd_map(&map_k, p.k, p.batch, p.heads_kv, p.seqlen_k, D, p.k_batch_stride, p.k_head_stride,
+  COURSE_CUDA_TRY(make_bhsd_map(&map_do, g.dout, map_batch, heads, rows_q, D, g.do_batch_stride, g.do_head_stride,
+                                g.do_seq_stride, K::kBlockM));
+  COURSE_CUDA_TRY(make_bhsd_map(&map_k, p.k, map_batch, p.heads_kv, rows_k, D, p.k_batch_stride, p.k_head_stride,
                                 p.k_seq_stride, K::kBlockN));
-  COURSE_CUDA_TRY(make_bhsd_map(&map_v, p.v, p.batch, p.heads_kv, p.seqlen_k, D, p.v_batch_stride, p.v_head_stride,
+  COURSE_CUDA_TRY(make_bhsd_map(&map_v, p.v, map_batch, p.heads_kv, rows_k, D, p.v_batch_stride, p.v_head_stride,
                                 p.v_seq_stride, K::kBlockN));
-  auto kernel = flash_bwd_hopper_kernel<T, K>;
+  auto kernel = flash_bwd_hopper_kernel<T, K, kWindowSoftcap, kVarlen>;
   COURSE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSmemBytes));
   const float scale_log2 = static_cast<float>(p.scale * 1.4426950408889634);
+  // The softcap in log2 units, part 1's backward's (P = exp2(c - lse2) with c the capped score).
+  const Softcap cap =
+      kWindowSoftcap ? make_softcap(p.scale, p.softcap, p.dtype == DType::kBFloat16, /*log2_units=*/true) : Softcap{};
   kernel<<<static_cast<unsigned>(blocks), K::kThreads, K::kSmemBytes, stream>>>(
-      map_q, map_k, map_v, map_do, g, dq_accum, lse2_rows, d_rows, static_cast<unsigned>(k_tiles), scale_log2);
+      map_q, map_k, map_v, map_do, g, dq_accum, lse2_rows, d_rows, static_cast<unsigned>(k_tiles), scale_log2, cap);
   return cudaGetLastError();
 }
 

@@ -26,12 +26,25 @@ struct HopperKeyTiles {
   int first;  // the first key tile
   int count;  // key tiles from there
 };
+// The tiles of `block` holding [begin, end): none where the range is empty.
+FLASH_ATTENTION_HD HopperKeyTiles hopper_tiles_of_range(int64_t begin, int64_t end, int block) {
+  if (begin >= end) return {0, 0};
+  const int first = static_cast<int>(begin / block);
+  return {first, static_cast<int>((end + block - 1) / block) - first};
+}
 FLASH_ATTENTION_HD HopperKeyTiles hopper_window_key_tiles(const AttentionParams& p, int64_t m0, int block_n) {
   const int64_t last_row = (m0 + kHopperBlockM < p.seqlen_q ? m0 + kHopperBlockM : p.seqlen_q) - 1;
-  const int64_t begin = key_begin(m0, p), end = key_end(last_row, p);
-  if (begin >= end) return {0, 0};
-  const int first = static_cast<int>(begin / block_n);
-  return {first, static_cast<int>((end + block_n - 1) / block_n) - first};
+  return hopper_tiles_of_range(key_begin(m0, p), key_end(last_row, p), block_n);
+}
+// The transpose, for the backward (rung "wgmma"'s kWindowSoftcap instantiation): the query tiles of
+// block_m rows that see any key of key tile n0 .. n0 + block_n - 1, from the tile holding the first
+// row that sees its first key to the one holding the last row that sees its last valid key,
+// [row_begin(n0), row_end(last key)) in the same bottom-right rule (attention.h). Both ends only
+// grow with the key, so no row outside sees a key of the tile; none where no row sees any.
+FLASH_ATTENTION_HD HopperKeyTiles hopper_window_query_tiles(const AttentionParams& p, int64_t n0, int block_n,
+                                                            int block_m) {
+  const int64_t last_key = (n0 + block_n < p.seqlen_k ? n0 + block_n : p.seqlen_k) - 1;
+  return hopper_tiles_of_range(row_begin(n0, p), row_end(last_key, p), block_m);
 }
 
 // The persistent rung's tile schedule: the order in which the blocks take the (batch, head, query
