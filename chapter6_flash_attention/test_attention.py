@@ -1649,11 +1649,7 @@ def test_cuda_hopper_backward_long(dtype, causal):
         expected = torch.autograd.grad(reference(*leaves, causal)[0], leaves, go.double())
         ours = flash_attention.attention_backward(go, q, k, v, out, lse, scale, causal, version="wgmma")
         theirs = flash_attention.attention_backward(go, q, k, v, out, lse, scale, causal, version="mma_dqpass")
-        for name, g, h, e in zip("qkv", ours, theirs, expected):
-            error, known = (g.double() - e).abs().max().item(), (h.double() - e).abs().max().item()
-            allowed = 2 * known + CUDA_GRAD_TOL[dtype] * max(e.abs().max().item(), 1.0)
-            assert not g.isnan().any() and error <= allowed, \
-                f"{what} d{name}: max error {error:.3g}, mma_dqpass's {known:.3g}, allowed {allowed:.3g}"
+        check_against_dqpass(ours, theirs, expected, what, dtype)
 
 
 @pytest.mark.cuda
@@ -1678,11 +1674,7 @@ def test_cuda_hopper_backward_many_query_tiles(dtype, causal, head_dim):
         poison_allocator(t)
     ours = flash_attention.attention_backward(go, q, k, v, out, lse, scale, causal, version="wgmma")
     theirs = flash_attention.attention_backward(go, q, k, v, out, lse, scale, causal, version="mma_dqpass")
-    for name, g, h, e in zip("qkv", ours, theirs, expected):
-        error, known = (g.double() - e).abs().max().item(), (h.double() - e).abs().max().item()
-        allowed = 2 * known + CUDA_GRAD_TOL[dtype] * max(e.abs().max().item(), 1.0)
-        assert not g.isnan().any() and error <= allowed, \
-            f"{what} d{name}: max error {error:.3g}, mma_dqpass's {known:.3g}, allowed {allowed:.3g}"
+    check_against_dqpass(ours, theirs, expected, what, dtype)
 
 
 @pytest.mark.cuda
