@@ -269,13 +269,7 @@ def test_low_precision_gradients_through_autograd(shape, dtype, device):
     """The whole path: autograd Function -> default backward rung -> column sums."""
     x, w, b, r = make_inputs(shape, dtype, device, residual=True)
     dy = torch.randn(shape, dtype=torch.float64).to(dtype).to(device)
-    for op in NORM_OPS:
-        xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
-        y = run(op, xs, ws, bs, default_eps(op), None)
-        inputs = (xs, ws, bs) if op == "layer_norm" else (xs, ws)
-        outs = torch.autograd.grad(y, inputs, dy)
-        for name, out, ref in zip(("dx", "dweight", "dbias"), outs, reference_grads(op, x, w, b, dy, default_eps(op))):
-            assert_grad(out, ref, dtype, f"{op} {name}")
+    check_grads_through_autograd(x, w, b, dy, dtype, "")
     # fused_add_rms_norm: h's gradient is rms_norm's dx plus what reaches h directly.
     xs, rs, ws = (t.clone().requires_grad_() for t in (x, r, w))
     dh_direct = torch.randn(shape, dtype=torch.float64).to(dtype).to(device)
@@ -531,18 +525,23 @@ def test_every_shape_boundary(dtype):
                     assert_grad(out, g, dtype, f"{op} backward {version} n={n} {name}")
 
 
-def check_autograd_grads(shape, dtype):
-    """Every norm's gradients through autograd (the op's backward as a user reaches it) at one CUDA
-    shape, against the float64 reference."""
-    x, w, b, _ = make_inputs(shape, dtype, "cuda")
-    dy = torch.randn(*shape, device="cuda").to(dtype)
+def check_grads_through_autograd(x, w, b, dy, dtype, where):
+    """Every norm's gradients through autograd (the op's backward as a user reaches it) for these
+    inputs, against the float64 reference."""
     for op in NORM_OPS:
         xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
         y = run(op, xs, ws, bs, default_eps(op), None)
         inputs = (xs, ws, bs) if op == "layer_norm" else (xs, ws)
         outs = torch.autograd.grad(y, inputs, dy)
         for name, out, ref in zip(("dx", "dweight", "dbias"), outs, reference_grads(op, x, w, b, dy, default_eps(op))):
-            assert_grad(out, ref, dtype, f"{op} autograd {shape[0]}x{shape[1]} {name}")
+            assert_grad(out, ref, dtype, f"{op} {where}{name}")
+
+
+def check_autograd_grads(shape, dtype):
+    """check_grads_through_autograd on fresh CUDA inputs of one shape."""
+    x, w, b, _ = make_inputs(shape, dtype, "cuda")
+    dy = torch.randn(*shape, device="cuda").to(dtype)
+    check_grads_through_autograd(x, w, b, dy, dtype, f"autograd {shape[0]}x{shape[1]} ")
 
 
 @pytest.mark.cuda
