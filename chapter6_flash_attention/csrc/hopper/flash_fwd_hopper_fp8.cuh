@@ -78,28 +78,39 @@ __device__ __forceinline__ uint64_t kmajor_desc(const unsigned char* start) {
   }
 }
 
+// The descriptor of the same buffer `bytes` further on (a multiple of 16). The start address is
+// bits 0-13 of the descriptor in 16-byte units, and shared memory (under 228 KiB, 0x3900 units)
+// never carries out of them, so one 32-bit add on the low word moves it: the kernel builds each
+// buffer's descriptor once, where building it from a pointer each step (mask, shift, or, the
+// constant high word, per instruction) took ~50 uniform-datapath instructions per key tile of the
+// issue slots the softmax needs (NOTES.md).
+__device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) {
+  const uint32_t lo = static_cast<uint32_t>(desc) + (bytes >> 4);
+  return (desc & 0xFFFFFFFF00000000ull) | lo;
+}
+
 // S = Q K^T for this warpgroup's 64 rows and the stage's 128 keys: d / 32 instructions, each reading
-// a k32 slice (32 bytes further along the rows) of Q and of K.
+// a k32 slice (32 bytes further along the rows) of Q and of K. `dq`, `dk`: the descriptors of the
+// warpgroup's Q rows and of the stage's K tile.
 template <typename K>
-__device__ __forceinline__ void issue_qk(float (&s)[K::kBlockN / 2], const unsigned char* q_wg,
-                                         const unsigned char* k_tile) {
+__device__ __forceinline__ void issue_qk(float (&s)[K::kBlockN / 2], uint64_t dq, uint64_t dk) {
   hopper::wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < K::kHeadDim / 32; ++kk) {
-    hopper::WgmmaFp8<K::kBlockN>::ss(s, kmajor_desc<K>(q_wg + kk * 32), kmajor_desc<K>(k_tile + kk * 32), kk > 0);
+    hopper::WgmmaFp8<K::kBlockN>::ss(s, desc_advance(dq, kk * 32), desc_advance(dk, kk * 32), kk > 0);
   }
   hopper::wgmma_commit();
 }
 
 // O += P V: 128 / 32 = 4 instructions, P's k32 fragment from registers, V^T's (head_dim rows x 128
-// keys, 128-byte swizzle) next 32 keys 32 bytes further along its rows.
+// keys, 128-byte swizzle; `dv` its descriptor) next 32 keys 32 bytes further along its rows.
 template <typename K>
 __device__ __forceinline__ void issue_pv(float (&o)[K::kHeadDim / 2], const uint32_t (&pf)[K::kBlockN / 32][4],
-                                         const unsigned char* vt_tile) {
+                                         uint64_t dv) {
   hopper::wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < K::kBlockN / 32; ++kk) {
-    hopper::WgmmaFp8<K::kHeadDim>::rs(o, pf[kk], hopper::smem_desc_sw128(vt_tile + kk * 32, 16, 1024), 1);
+    hopper::WgmmaFp8<K::kHeadDim>::rs(o, pf[kk], desc_advance(dv, kk * 32), 1);
   }
   hopper::wgmma_commit();
 }
@@ -285,18 +296,23 @@ __global__ void __launch_bounds__(K::kThreads, 1)
   float row_max[2] = {-INFINITY, -INFINITY};
   float row_sum[2] = {0.f, 0.f};
 
-  auto issue_qk = [&](int stage) { hopper_fp8::issue_qk<K>(s, q_wg, k_s + stage * K::kKBytes); };
-  auto issue_pv = [&](int stage) { hopper_fp8::issue_pv<K>(o, pf, v_s + stage * K::kVBytes); };
+  const uint64_t desc_q = kmajor_desc<K>(q_wg), desc_k = kmajor_desc<K>(k_s);
+  const uint64_t desc_vt = smem_desc_sw128(v_s, 16, 1024);
+  auto issue_qk = [&](int stage) {
+    hopper_fp8::issue_qk<K>(s, desc_q, desc_advance(desc_k, stage * K::kKBytes));
+  };
+  auto issue_pv = [&](int stage) { hopper_fp8::issue_pv<K>(o, pf, desc_advance(desc_vt, stage * K::kVBytes)); };
   auto softmax = [&](auto mask_tag, int i, float (&corr)[2]) {
     hopper_fwd::online_softmax<K, K::kExpBias>(mask_tag, s, row_max, row_sum, corr, p, row0, diag, i, t, scale_log2);
   };
-  // O's rescale is skipped when no row of the warp has a new maximum (every corr exactly 1, so the
-  // multiply would change no bit): a warp-uniform branch on one vote. Past the first tiles a row's
-  // running maximum rarely moves (at key tile i, for about 1 / (i + 1) of the rows), and at FP8's
-  // rate the softmax's instructions, which these 64 multiplies per tile are a ninth of, are what
-  // the other warpgroup's products wait for.
+  // O's rescale, always, with no branch: the softmax, this and pack_p are then one basic block, and
+  // ptxas fills the cycles between the exponentials (MUFU.EX2 takes a warp's 32 lanes in 8 cycles,
+  // while an FMUL, an F2FP or a shuffle issues in 1 or 2) with the 64 multiplies and with P's
+  // conversion and shuffles. A warp-uniform skip when no row has a new maximum (a vote, then a
+  // branch) saved the multiplies on most tiles but ended the block: everything after it ran after
+  // the last exponential. Static SASS of the main loop, d = 128: 1183 stall cycles (1108 when the
+  // skip is taken) before, 930 now (NOTES.md). A corr of exactly 1 changes no bit of O.
   auto rescale_o = [&](const float (&corr)[2]) {
-    if (__all_sync(0xffffffffu, corr[0] == 1.f && corr[1] == 1.f)) return;
 #pragma unroll
     for (int j = 0; j < kORegs; ++j) o[j] *= corr[(j >> 1) & 1];
   };
@@ -336,7 +352,10 @@ __global__ void __launch_bounds__(K::kThreads, 1)
     }
     pack_p();
     // Tile i - 1's P V and tile i's Q K^T in one turn, one wait, then tile i's softmax with nothing
-    // in flight (pingpong's kJoint schedule).
+    // in flight (pingpong's kJoint schedule). FlashAttention 3's order (tile i's Q K^T, then tile
+    // i - 1's P V, the softmax under P V) loses here as in the 16-bit rungs: with it, ptxas puts the
+    // wait for P V (WARPGROUP.DEPBAR.LE gsb0, 0x0) after the row maximum's first shuffle, ahead of
+    // every exponential, so nothing but the maximum would run under P V (NOTES.md).
     auto step = [&](auto mask_tag, int i) {
       const int stage = i % kStages, prev = (i - 1) % kStages;
       mbarrier_wait(&v_full[prev], ((i - 1) / kStages) & 1);
