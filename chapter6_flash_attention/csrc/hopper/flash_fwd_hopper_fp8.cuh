@@ -296,7 +296,11 @@ __global__ void __launch_bounds__(K::kThreads, 1)
   float s[kSRegs];
   // P's A fragments twice: tile i's are written while tile i - 1's P V still reads the others (the
   // schedule below); which buffer a step fills, i & 1, is a constant of its code (the steps run two
-  // at a time), since a register array indexed at run time would go to local memory.
+  // at a time), since a register array indexed at run time would go to local memory. Two named
+  // buffers and not one buffer copied into the other at each step: ptxas treats a wgmma's A
+  // registers as free once it has issued (fence_operands emits no PTX), and it merged such a copy
+  // into the very registers the running P V reads. With two buffers nothing is written to the
+  // running P V's registers before its wait (checked in the SASS: NOTES.md).
   uint32_t pf[2][kBN / 32][4];
   float row_max[2] = {-INFINITY, -INFINITY};
   float row_sum[2] = {0.f, 0.f};
