@@ -372,15 +372,18 @@ __global__ void __launch_bounds__(K::kThreads, 1)
     // branches of the mbarrier waits, it stays there (SASS: one WARPGROUP.DEPBAR.LE gsb0, 0x1
     // before the maximum, the 0x0 after the next step's SYNCS loops; NOTES.md). P goes to the
     // buffer P V is not reading; tile i - 2's stage is free once its P V is waited for.
+    // A tile's stage; i >= 0 here, and the unsigned remainder is a mask where the signed one costs
+    // a sign fix-up (and, before the release below, made ptxas branch around it).
+    auto stage_of = [](int i) { return static_cast<int>(static_cast<unsigned>(i) % kStages); };
     auto step = [&](auto mask_tag, int i, auto buf, auto first) {
-      const int stage = i % kStages, prev = (i - 1) % kStages;
+      const int stage = stage_of(i), prev = stage_of(i - 1);
       const std::integral_constant<int, 1 - decltype(buf)::value> other;
       mbarrier_wait(&v_full[prev], ((i - 1) / kStages) & 1);
       mbarrier_wait(&k_full[stage], (i / kStages) & 1);
       wgmma_wait<0>();  // tile i - 2's P V, issued by the last step
       fence_operands(o);
       fence_operands(pf[buf.value]);  // that P V's fragments: written again below
-      if constexpr (!decltype(first)::value) release((i - 2) % kStages);
+      if constexpr (!decltype(first)::value) release(stage_of(i - 2));
       take_turn();
       issue_qk(stage);
       rescale_o(corr);  // tile i - 1's corrections: O holds tiles up to i - 2
