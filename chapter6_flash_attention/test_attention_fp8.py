@@ -343,11 +343,11 @@ def test_cuda_fp8_forward(causal, head_dim):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("loud_tile", ("first", "last"))
-def test_cuda_fp8_rescale_skip(loud_tile):
-    """The kernel skips O's rescale for a warp none of whose rows has a new maximum. Keys whose
-    scores dwarf the rest in the first key tile make every later tile skip it; in the last tile, every
-    row's maximum moves there, after tiles that skipped, and O must be rescaled by the whole jump.
-    Either way every element is within fp8_reference's bound."""
+def test_cuda_fp8_rescale(loud_tile):
+    """O's rescale at the two extremes. Keys whose scores dwarf the rest in the first key tile fix
+    every row's maximum there, and every later tile rescales by exactly 1; in the last tile every
+    row's maximum moves, after tiles that kept it, and O must be rescaled by the whole jump. Either
+    way every element is within fp8_reference's bound."""
     skip_unless_fp8()
     for head_dim in (64, 128):
         q = torch.randn(1, 2, 300, head_dim) * 3

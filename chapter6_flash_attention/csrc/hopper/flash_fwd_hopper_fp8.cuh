@@ -1,10 +1,12 @@
 // Chapter 6, part 3: the FP8 forward (op attention_fp8). Rung "pingpong" (flash_fwd_hopper_kernel.cuh)
 // on e4m3 inputs: a producer warpgroup brings Q, K and V^T tiles by TMA, two consumer warpgroups take
-// turns sending tile n - 1's P V and tile n's Q K^T to the tensor cores, each running its softmax
-// while the other's products run. Why pingpong and not the persistent rung: the persistent loop
-// changes who decides the tile, not what a tile computes, and everything FP8 changes is inside a
-// tile (the products, P's conversion, the epilogue); pingpong's one-tile kernel is the smaller
-// thing to extend, and the persistent schedule could take these consumers as it takes pingpong's.
+// turns sending tile n's Q K^T and tile n - 1's P V to the tensor cores, each running its softmax
+// while the other's products run, and (unlike pingpong) while its own P V still runs: at e4m3's rate
+// the products no longer cover a softmax, so a warpgroup waits for its Q K^T only (the step's
+// comment). Why pingpong and not the persistent rung: the persistent loop changes who decides the
+// tile, not what a tile computes, and everything FP8 changes is inside a tile (the products, P's
+// conversion, the epilogue); pingpong's one-tile kernel is the smaller thing to extend, and the
+// persistent schedule could take these consumers as it takes pingpong's.
 //
 // What FP8 changes, each where it happens:
 //   - the products are wgmma m64nNk32 e4m3 x e4m3 -> float32 (hopper::WgmmaFp8): twice the 16-bit
@@ -78,28 +80,39 @@ __device__ __forceinline__ uint64_t kmajor_desc(const unsigned char* start) {
   }
 }
 
+// The descriptor of the same buffer `bytes` further on (a multiple of 16). The start address is
+// bits 0-13 of the descriptor in 16-byte units, and shared memory (under 228 KiB, 0x3900 units)
+// never carries out of them, so one 32-bit add on the low word moves it: the kernel builds each
+// buffer's descriptor once, where building it from a pointer each step (mask, shift, or, the
+// constant high word, per instruction) took ~50 uniform-datapath instructions per key tile of the
+// issue slots the softmax needs (NOTES.md).
+__device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) {
+  const uint32_t lo = static_cast<uint32_t>(desc) + (bytes >> 4);
+  return (desc & 0xFFFFFFFF00000000ull) | lo;
+}
+
 // S = Q K^T for this warpgroup's 64 rows and the stage's 128 keys: d / 32 instructions, each reading
-// a k32 slice (32 bytes further along the rows) of Q and of K.
+// a k32 slice (32 bytes further along the rows) of Q and of K. `dq`, `dk`: the descriptors of the
+// warpgroup's Q rows and of the stage's K tile.
 template <typename K>
-__device__ __forceinline__ void issue_qk(float (&s)[K::kBlockN / 2], const unsigned char* q_wg,
-                                         const unsigned char* k_tile) {
+__device__ __forceinline__ void issue_qk(float (&s)[K::kBlockN / 2], uint64_t dq, uint64_t dk) {
   hopper::wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < K::kHeadDim / 32; ++kk) {
-    hopper::WgmmaFp8<K::kBlockN>::ss(s, kmajor_desc<K>(q_wg + kk * 32), kmajor_desc<K>(k_tile + kk * 32), kk > 0);
+    hopper::WgmmaFp8<K::kBlockN>::ss(s, desc_advance(dq, kk * 32), desc_advance(dk, kk * 32), kk > 0);
   }
   hopper::wgmma_commit();
 }
 
 // O += P V: 128 / 32 = 4 instructions, P's k32 fragment from registers, V^T's (head_dim rows x 128
-// keys, 128-byte swizzle) next 32 keys 32 bytes further along its rows.
+// keys, 128-byte swizzle; `dv` its descriptor) next 32 keys 32 bytes further along its rows.
 template <typename K>
 __device__ __forceinline__ void issue_pv(float (&o)[K::kHeadDim / 2], const uint32_t (&pf)[K::kBlockN / 32][4],
-                                         const unsigned char* vt_tile) {
+                                         uint64_t dv) {
   hopper::wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < K::kBlockN / 32; ++kk) {
-    hopper::WgmmaFp8<K::kHeadDim>::rs(o, pf[kk], hopper::smem_desc_sw128(vt_tile + kk * 32, 16, 1024), 1);
+    hopper::WgmmaFp8<K::kHeadDim>::rs(o, pf[kk], desc_advance(dv, kk * 32), 1);
   }
   hopper::wgmma_commit();
 }
@@ -281,26 +294,38 @@ __global__ void __launch_bounds__(K::kThreads, 1)
 #pragma unroll
   for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
   float s[kSRegs];
-  uint32_t pf[kBN / 32][4];
+  // P's A fragments twice: tile i's are written while tile i - 1's P V still reads the others (the
+  // schedule below); which buffer a step fills, i & 1, is a constant of its code (the steps run two
+  // at a time), since a register array indexed at run time would go to local memory. Two named
+  // buffers and not one buffer copied into the other at each step: ptxas treats a wgmma's A
+  // registers as free once it has issued (fence_operands emits no PTX), and it merged such a copy
+  // into the very registers the running P V reads. With two buffers nothing is written to the
+  // running P V's registers before its wait (checked in the SASS: NOTES.md).
+  uint32_t pf[2][kBN / 32][4];
   float row_max[2] = {-INFINITY, -INFINITY};
   float row_sum[2] = {0.f, 0.f};
 
-  auto issue_qk = [&](int stage) { hopper_fp8::issue_qk<K>(s, q_wg, k_s + stage * K::kKBytes); };
-  auto issue_pv = [&](int stage) { hopper_fp8::issue_pv<K>(o, pf, v_s + stage * K::kVBytes); };
+  const uint64_t desc_q = kmajor_desc<K>(q_wg), desc_k = kmajor_desc<K>(k_s);
+  const uint64_t desc_vt = smem_desc_sw128(v_s, 16, 1024);
+  auto issue_qk = [&](int stage) {
+    hopper_fp8::issue_qk<K>(s, desc_q, desc_advance(desc_k, stage * K::kKBytes));
+  };
+  auto issue_pv = [&](int stage, auto buf) {
+    hopper_fp8::issue_pv<K>(o, pf[buf.value], desc_advance(desc_vt, stage * K::kVBytes));
+  };
   auto softmax = [&](auto mask_tag, int i, float (&corr)[2]) {
     hopper_fwd::online_softmax<K, K::kExpBias>(mask_tag, s, row_max, row_sum, corr, p, row0, diag, i, t, scale_log2);
   };
-  // O's rescale is skipped when no row of the warp has a new maximum (every corr exactly 1, so the
-  // multiply would change no bit): a warp-uniform branch on one vote. Past the first tiles a row's
-  // running maximum rarely moves (at key tile i, for about 1 / (i + 1) of the rows), and at FP8's
-  // rate the softmax's instructions, which these 64 multiplies per tile are a ninth of, are what
-  // the other warpgroup's products wait for.
+  // O's rescale, always (a warp-uniform skip when no row has a new maximum, a vote and a branch,
+  // saved the 64 multiplies on most tiles, but a branch ends the block ptxas schedules, and the
+  // step's instructions after it could no longer fill the idle issue cycles of the exponentials).
+  // It runs in the turn, while this warpgroup's Q K^T is on the tensor cores, before the P V that
+  // adds to O; a corr of exactly 1 changes no bit of O.
   auto rescale_o = [&](const float (&corr)[2]) {
-    if (__all_sync(0xffffffffu, corr[0] == 1.f && corr[1] == 1.f)) return;
 #pragma unroll
     for (int j = 0; j < kORegs; ++j) o[j] *= corr[(j >> 1) & 1];
   };
-  auto pack_p = [&] { pack_p_fp8<K>(pf, s, lane); };
+  auto pack_p = [&](auto buf) { pack_p_fp8<K>(pf[buf.value], s, lane); };
   auto release = [&](int stage) {
     if (lane == 0) mbarrier_arrive(&kv_empty[stage]);
   };
@@ -334,36 +359,79 @@ __global__ void __launch_bounds__(K::kThreads, 1)
     } else {
       softmax(masked, 0, corr);
     }
-    pack_p();
-    // Tile i - 1's P V and tile i's Q K^T in one turn, one wait, then tile i's softmax with nothing
-    // in flight (pingpong's kJoint schedule).
-    auto step = [&](auto mask_tag, int i) {
-      const int stage = i % kStages, prev = (i - 1) % kStages;
+    const std::integral_constant<int, 0> even;
+    const std::integral_constant<int, 1> odd;
+    pack_p(even);
+    // Step i: tile i's Q K^T, then (O rescaled to tile i - 1's maximum meanwhile) tile i - 1's P V,
+    // in one turn; the wait for Q K^T alone (groups complete in order); tile i's softmax and P's
+    // conversion while P V is still on the tensor cores; the wait for P V at the top of the next
+    // step, behind its mbarrier waits. This is FlashAttention 3's intra-warpgroup overlap, and where
+    // the wait sits is what makes it work: written after the softmax, in the same basic block
+    // (flash_fwd_hopper_kernel.cuh's kOverlap), ptxas hoists it into the first stall it finds, the
+    // row maximum's shuffle, ahead of every exponential. At the top of the next step, behind the
+    // branches of the mbarrier waits, it stays there (SASS: one WARPGROUP.DEPBAR.LE gsb0, 0x1
+    // before the maximum, the 0x0 after the next step's SYNCS loops; NOTES.md). P goes to the
+    // buffer P V is not reading; tile i - 2's stage is free once its P V is waited for.
+    // A tile's stage; i >= 0 here, and the unsigned remainder is a mask where the signed one costs
+    // a sign fix-up (and, before the release below, made ptxas branch around it).
+    auto stage_of = [](int i) { return static_cast<int>(static_cast<unsigned>(i) % kStages); };
+    auto step = [&](auto mask_tag, int i, auto buf, auto first) {
+      const int stage = stage_of(i), prev = stage_of(i - 1);
+      const std::integral_constant<int, 1 - decltype(buf)::value> other;
       mbarrier_wait(&v_full[prev], ((i - 1) / kStages) & 1);
       mbarrier_wait(&k_full[stage], (i / kStages) & 1);
-      take_turn();
-      issue_pv(prev);
-      issue_qk(stage);
-      pass_turn(false);
-      wgmma_wait<0>();
+      wgmma_wait<0>();  // tile i - 2's P V, issued by the last step
       fence_operands(o);
-      fence_operands(pf);
+      fence_operands(pf[buf.value]);  // that P V's fragments: written again below
+      if constexpr (!decltype(first)::value) release(stage_of(i - 2));
+      take_turn();
+      issue_qk(stage);
+      rescale_o(corr);  // tile i - 1's corrections: O holds tiles up to i - 2
+      issue_pv(prev, other);
+      pass_turn(false);
+      wgmma_wait<1>();  // Q K^T of tile i; P V of tile i - 1 may still run
       fence_operands(s);
-      release(prev);
       softmax(mask_tag, i, corr);
-      rescale_o(corr);
-      pack_p();
+      pack_p(buf);
     };
-    for (int i = 1; i < n_full; ++i) step(unmasked, i);
-    for (int i = n_full > 1 ? n_full : 1; i < n_tiles; ++i) step(masked, i);
+    // Step 1 has no stage to free (tile -1); the rest two at a time, even then odd.
+    const std::true_type first;
+    const std::false_type later;
+    if (n_tiles > 1) {
+      if (n_full > 1) {
+        step(unmasked, 1, odd, first);
+      } else {
+        step(masked, 1, odd, first);
+      }
+    }
+    auto run = [&](auto mask_tag, int i, int end) {
+      if (i < end && (i & 1)) step(mask_tag, i++, odd, later);
+      for (; i + 1 < end; i += 2) {
+        step(mask_tag, i, even, later);
+        step(mask_tag, i + 1, odd, later);
+      }
+      if (i < end) step(mask_tag, i, even, later);
+    };
+    run(unmasked, 2, n_full);
+    run(masked, n_full > 2 ? n_full : 2, n_tiles);
+    // The last tile's P V, after the one before it.
+    wgmma_wait<0>();
+    fence_operands(o);
+    if (n_tiles > 1) release((n_tiles - 2) % kStages);
     const int last = (n_tiles - 1) % kStages;
     mbarrier_wait(&v_full[last], ((n_tiles - 1) / kStages) & 1);
     take_turn();
-    issue_pv(last);
+    rescale_o(corr);
+    if ((n_tiles - 1) & 1) {
+      issue_pv(last, odd);
+    } else {
+      issue_pv(last, even);
+    }
     pass_turn(true);
     wgmma_wait<0>();
     fence_operands(o);
-    fence_operands(pf);
+    fence_operands(pf[0]);
+    fence_operands(pf[1]);
     release(last);
   }
 
