@@ -515,7 +515,7 @@ def test_bias_grad_tiling_rule(dtype):
     """Up to 64 tokens every hidden size is one row tile (the kernel writes dbias itself: one
     launch), rows that start mid-vector included; more rows fill one wave of the blocks the SMs
     hold (blocks_per_sm, the launched kernel's occupancy: 4 by default, 3 for GELU-erf's span
-    kernel) and no more, with the fewest row tiles that give each thread as many steps, or give
+    kernel; a higher occupancy counts as 4) and no more, with the fewest row tiles that give each thread as many steps, or give
     every thread one step when there are fewer; wide tiles leave at most an eighth of
     their lanes idle; the tiles cover every column. Rows of whole vectors take 16-byte packs, two
     rows in flight a thread; other rows of at least two vectors take them too (the span kernel),
@@ -539,7 +539,7 @@ def test_bias_grad_tiling_rule(dtype):
                 assert tx * ty == 256 and tx & (tx - 1) == 0 and ty % phases == 0, where
                 assert column_tiles == -(-packs // tx) and (tx == 1 or tx // 2 < packs), where
                 assert 1 <= row_tiles <= steps, where
-                wave = blocks * sms
+                wave = min(blocks, 4) * sms  # the occupancy lowers the wave, never raises it past 4 an SM
                 # One wave: the row tiles that fit beside the column tiles (at least one), no more
                 # than give every thread one step, then the fewest with as many steps a thread.
                 per_thread = -(-steps // min(steps, max(1, wave // column_tiles)))
