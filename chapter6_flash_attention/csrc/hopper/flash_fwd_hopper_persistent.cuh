@@ -14,9 +14,11 @@
 // What carries across tiles, and why each is correct:
 //   - the work items: the producer thread draws them (atomicAdd on the launch's counter) and hands
 //     each to the consumers through a two-slot ring in shared memory (tile_full: the slot is
-//     written; tile_empty: each of the 8 consumer warps has read it, one arrive per warp after a
-//     __syncwarp, as for the K/V stages), so it can publish tile i + 1 while the consumers are on
-//     tile i. The index past the last tile ends both loops.
+//     written; tile_empty: all 256 consumer threads have read it, each arriving for itself: one
+//     arrive per warp after a __syncwarp leaves the other lanes' reads of the slot unordered with
+//     the producer's next write for compute-sanitizer's racecheck, which reported it), so it can
+//     publish tile i + 1 while the consumers are on tile i. The index past the last tile ends both
+//     loops.
 //   - the K/V ring: producer and consumers count key tiles over the whole walk (kv_trips), not per
 //     work item, so stage (trip % kStages) and parity ((trip / kStages) & 1) continue where the last
 //     tile left them: each mbarrier completes its phases in the same order in which they are waited
@@ -166,7 +168,7 @@ __global__ void __launch_bounds__(K::kThreads, 1)
       mbarrier_init(&q_full[w], 1);   // the producer's arrive, with the half's bytes
       mbarrier_init(&q_empty[w], 4);  // one arrive per warp of warpgroup w, its last Q K^T done
       mbarrier_init(&tile_full[w], 1);                    // the producer wrote slot w
-      mbarrier_init(&tile_empty[w], 8);  // one arrive per consumer warp, its 32 lanes done reading
+      mbarrier_init(&tile_empty[w], K::kConsumerThreads);  // every consumer thread read it
     }
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(&k_full[s], 1);
@@ -393,8 +395,7 @@ __global__ void __launch_bounds__(K::kThreads, 1)
     const int slot = trip & 1;
     mbarrier_wait(&tile_full[slot], (trip >> 1) & 1);
     const int value = tile_slot[slot];
-    __syncwarp();  // every lane of the warp has read the slot before its lane 0 gives it back
-    if (lane == 0) mbarrier_arrive(&tile_empty[slot]);
+    mbarrier_arrive(&tile_empty[slot]);  // this thread is done with the slot
     if (value >= schedule.tiles) break;  // the walk is over, as for the producer
     const Item it = item_at(value);
     const int n_tiles = it.n_tiles;
