@@ -130,13 +130,14 @@ bool half_dtype(const Tensor& t) { return t.scalar_type() == at::kHalf || t.scal
 // The backward: on a Hopper GPU (a build with the sm_90a kernels) "wgmma" at head_dim 64 and 128,
 // which ran 2.3-2.6x "mma_dqpass" at the lesson's shapes on an H200 (bench_attention.py's backward
 // rows). Elsewhere "mma_dqpass", which matched or beat "mma" (atomics) at every head_dim, mask and
-// seqlen of the sweep once both were pipelined. "wgmma" adds dQ up with float32 atomics, in an
-// order that changes from run to run, and so does "mma"; "mma_dqpass" gives the same bits on every
-// run. So under torch.use_deterministic_algorithms(True) the rule keeps "mma_dqpass" (as
-// FlashAttention's deterministic flag does). A window or a softcap takes "wgmma" too, at the same
-// head dims (its kWindowSoftcap instantiation): part 1's "mma_dqpass" ran them at 0.41x (window
-// (4095, 0) at 32768 keys) and 0.61x (softcap 30) flex_attention on an H100, and the Hopper rung's
-// block walks only the query tiles its keys' windows reach, as "mma_dqpass"'s does.
+// seqlen of the sweep once both were pipelined. "wgmma" adds dQ up with float32 bulk reductions and
+// "mma" with float32 atomics, each in an order that changes from run to run; "mma_dqpass" gives the
+// same bits on every run. So under torch.use_deterministic_algorithms(True) the rule keeps
+// "mma_dqpass" (as FlashAttention's deterministic flag does). A window or a softcap takes "wgmma"
+// too, at the same head dims (its kWindowSoftcap instantiation): part 1's "mma_dqpass" ran them at
+// 0.41x (window (4095, 0) at 32768 keys, an H100) and 0.61x (softcap 30, an H200) flex_attention,
+// and the Hopper rung's block walks only the query tiles its keys' windows reach, as "mma_dqpass"'s
+// does.
 #ifdef WITH_CUDA
 // One attribute of q's GPU (cudaDeviceGetAttribute is a lookup, not a driver round trip).
 int device_attribute(const Tensor& q, cudaDeviceAttr attr) {

@@ -34,6 +34,8 @@ using ::course::shape_of;
 
 constexpr const char* kQuantize = "quantize_fp8";
 constexpr const char* kAttentionFp8 = "attention_fp8";
+// The FP8 forward has no window: make_params is given both sides unbounded.
+constexpr int64_t kNoWindow[] = {-1, -1};
 
 #define FLASH_ATTENTION_ON_CUDA(op, t, ...) COURSE_ON_CUDA(op, "flash_attention", t, __VA_ARGS__)
 
@@ -146,7 +148,6 @@ void attention_fp8_cpu(const Tensor& q, const Tensor& k, const Tensor& v_t, cons
   const Tensor vd = v_t.to(at::kDouble).mul(dv.to(at::kDouble)).transpose(2, 3).contiguous();
   const Tensor o64 = at::empty(q.sizes(), q.options().dtype(at::kDouble));
   const Tensor lse64 = at::empty(lse.sizes(), q.options().dtype(at::kDouble));
-  constexpr int64_t kNoWindow[] = {-1, -1};
   const AttentionParams p = make_params(qd, kd, vd, o64, lse64, scale, causal, kNoWindow, 0.0, DType::kFloat64);
   attention_forward_cpu(p);
   out.copy_(o64);
@@ -223,7 +224,6 @@ std::tuple<Tensor, Tensor> attention_fp8_impl(const Tensor& q, const Tensor& k, 
     if (out.numel() == 0) return {out, lse};
 #ifdef COURSE_HOPPER
     const Tensor qa = for_tma(q), ka = for_tma(k), va = vt_for_tma(v_t);
-    constexpr int64_t kNoWindow[] = {-1, -1};
     AttentionFp8Params f{};
     // out's dtype: the kernel writes bfloat16 from e4m3 inputs (v is V^T, as make_params says).
     f.attn = make_params(qa, ka, va, out, lse, scale, causal, kNoWindow, 0.0, DType::kBFloat16);

@@ -783,14 +783,13 @@ cudaError_t fused_backward_tiling(const BiasActGrad<T>& p, int blocks_per_sm, Ti
 }
 
 // The scratch is asked before the kernel (and so its occupancy) is known, by callers that name
-// only the dtype: the most partial rows that any occupancy, 1 block an SM to as many as the SM's
-// threads allow, could ask for.
+// only the dtype: the most partial rows that any occupancy could ask for. grad_tiling counts an
+// occupancy above kGradBlocksPerSm as kGradBlocksPerSm, so 1 to kGradBlocksPerSm blocks an SM
+// cover them all.
 template <typename T>
 cudaError_t fused_backward_workspace(const BiasActGrad<T>& p, int64_t* bytes) {
-  int per_sm = 0;
-  COURSE_CUDA_TRY(cached_attribute<cudaDevAttrMaxThreadsPerMultiProcessor>(&per_sm));
   int64_t slots = 0;
-  for (int blocks = 1; blocks <= std::max(1, per_sm / kGradThreads); ++blocks) {
+  for (int blocks = 1; blocks <= kGradBlocksPerSm; ++blocks) {
     Tiling t;
     GradPacks packs = GradPacks::kSingle;
     int phases = 1;
