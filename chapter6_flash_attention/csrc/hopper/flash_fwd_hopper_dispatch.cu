@@ -9,9 +9,24 @@
 
 namespace flash_attention {
 
-template <typename T, int D, HopperForward kRung>
-cudaError_t run_flash_fwd_hopper(const AttentionParams& p, cudaStream_t stream, void* workspace);
-// Compiled in the window instantiation files alone.
+// Every launcher below is compiled in its instantiation file alone: declared extern here, so that this
+// file (which includes the kernels for their traits) does not compile the kernels a second time.
+#define PLAIN_INSTANCE(T, D)                                                                              \
+  extern template cudaError_t run_flash_fwd_hopper<T, D, HopperForward::kWgmma>(const AttentionParams&,       \
+                                                                                cudaStream_t, void*);       \
+  extern template cudaError_t run_flash_fwd_hopper<T, D, HopperForward::kWarpSpecialized>(                   \
+      const AttentionParams&, cudaStream_t, void*);                                                           \
+  extern template cudaError_t run_flash_fwd_hopper<T, D, HopperForward::kPingpong>(const AttentionParams&,    \
+                                                                                   cudaStream_t, void*);    \
+  extern template cudaError_t run_flash_fwd_hopper<T, D, HopperForward::kPersistent>(const AttentionParams&,  \
+                                                                                     cudaStream_t, void*);
+PLAIN_INSTANCE(__nv_bfloat16, 64)
+PLAIN_INSTANCE(__nv_bfloat16, 128)
+PLAIN_INSTANCE(__nv_bfloat16, 256)
+PLAIN_INSTANCE(__half, 64)
+PLAIN_INSTANCE(__half, 128)
+PLAIN_INSTANCE(__half, 256)
+#undef PLAIN_INSTANCE
 #define WINDOW_INSTANCE(T, D) \
   extern template cudaError_t run_flash_fwd_hopper_window<T, D>(const AttentionParams&, cudaStream_t, void*);
 WINDOW_INSTANCE(__nv_bfloat16, 64)
