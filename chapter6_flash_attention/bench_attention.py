@@ -68,6 +68,8 @@ them alone leaves the main results as they were.
     python bench_attention.py --ops attention_fp8   the FP8 rows and their accuracy alone (below)
     python bench_attention.py --ops attention_varlen   the packed rows alone (a GPU)
     python bench_attention.py --ops attention_window attention_softcap   the masked rows (below)
+    python bench_attention.py --ops transformers_model   a Hugging Face model on the chapter's attention
+                                        against its SDPA path (bench_transformers_model says how)
 
 Masked rows (`--ops attention_window`, `--ops attention_softcap`): the kernels' compile-time
 window-and-softcap instantiations. attention_window: b1 h16 s32768 d128 bf16 causal with
@@ -1219,6 +1221,118 @@ def print_masked_table(record):
                   f"TFLOP/s {speed:>7}" + (f"  dispatch={r['dispatch']}" if "dispatch" in r else ""))
 
 
+
+# ---------------------------------------------------------------------------------------------
+# A Hugging Face model on the chapter's attention (--ops transformers_model)
+# ---------------------------------------------------------------------------------------------
+# A Llama-style decoder built from a config with random weights (nothing is downloaded): 2048 wide,
+# 16 query heads of 128 and 8 KV heads (grouped-query), a 5632-wide MLP, a 32000-token vocabulary,
+# 4 layers -- a 1B-class model's layer shape, cut to 4 layers so the run stays short while every
+# layer's attention-to-matmul ratio is the real one -- in bfloat16, 4 sequences of 4096 tokens, the
+# forward alone (inference, no cache), as in prefill. The CPU's is a toy of the same shape in float32.
+HF_MODEL = {"hidden_size": 2048, "num_attention_heads": 16, "num_key_value_heads": 8, "intermediate_size": 5632,
+            "num_hidden_layers": 4, "vocab_size": 32000, "batch": 4, "seqlen": 4096, "dtype": "bfloat16"}
+HF_MODEL_CPU = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+                "num_hidden_layers": 2, "vocab_size": 256, "batch": 2, "seqlen": 33, "dtype": "float32"}
+
+
+def hf_model_flops(model, c):
+    """The forward's useful FLOPs: 2 per weight of every Linear per token (projections, MLP, the
+    output head) plus each layer's causal attention (attention_flops)."""
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    head_dim = c["hidden_size"] // c["num_attention_heads"]
+    tokens = c["batch"] * c["seqlen"]
+    attn = attention_flops(c["batch"], c["num_attention_heads"], c["seqlen"], c["seqlen"], head_dim, True)
+    return 2 * linear * tokens + c["num_hidden_layers"] * attn
+
+
+def bench_transformers_model(device, mm, notes):
+    """`--ops transformers_model`: the model's forward on attn_implementation "course_attention"
+    (flash_attention.integrations.transformers; version=None inside) against the same weights on
+    transformers' "sdpa" path, where PyTorch picks the backend, and on that path with the backend
+    pinned (sdpa_flash, sdpa_cudnn). Every row carries its logits' difference from the "sdpa" row
+    (largest and root-mean-square over all logits): sdpa_flash's and sdpa_cudnn's differences are
+    what bfloat16 rounding alone moves them by, the yardstick for ours. speedup_vs_torch is against
+    "sdpa"."""
+    try:
+        import transformers
+        from flash_attention.integrations import transformers as course_hf
+    except ImportError as e:
+        notes.skip("all", f"needs the transformers library ({e})", "transformers_model")
+        return []
+    c = HF_MODEL if device == "cuda" else HF_MODEL_CPU
+    dtype = getattr(torch, c["dtype"])
+    name = course_hf.register()
+    layer = {k: c[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+                               "num_hidden_layers", "vocab_size")}
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**layer, max_position_embeddings=c["seqlen"])
+    # Two models with one set of weights: a model keeps its attention implementation in its config.
+    sdpa = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+    ours = transformers.AutoModelForCausalLM.from_config(type(config)(**config.to_dict()), attn_implementation=name,
+                                                         dtype=dtype)
+    ours.load_state_dict(sdpa.state_dict())
+    sdpa, ours = sdpa.to(device).eval(), ours.to(device).eval()
+    ids = torch.randint(0, c["vocab_size"], (c["batch"], c["seqlen"]), device=device,
+                        generator=torch.Generator(device=device).manual_seed(1))
+
+    def forward(model, backend=None):
+        def call():
+            with torch.inference_mode(), (sdpa_kernel(backend) if backend is not None else _nothing()):
+                return model(input_ids=ids, use_cache=False).logits
+        return call
+    calls = [("sdpa", forward(sdpa)), ("default", forward(ours))]
+    if device == "cuda":
+        calls += [(v, forward(sdpa, SDPA_BACKENDS[v])) for v in ("sdpa_flash", "sdpa_cudnn")]
+    flops = hf_model_flops(sdpa, c)
+    reference, rows, timed = None, [], []
+    for variant, call in calls:
+        where = f"transformers_model {variant}"
+        logits = bench.attempt(notes, variant, where, lambda call=call: call())
+        if logits is None:
+            continue
+        if reference is None:
+            reference = logits.float()
+        diff = (logits.float() - reference)
+        fields = {"logits_max_abs_diff": diff.abs().max().item(), "logits_rms_diff": diff.pow(2).mean().sqrt().item()}
+        del logits, diff
+        timed.append((variant, fields, bench.time_fn(call, device)))
+    fields_all = {"pass": "forward", "causal": True, **{k: c[k] for k in c if k != "dtype"},
+                  "logits_rms": reference.pow(2).mean().sqrt().item() if reference is not None else None,
+                  "transformers": transformers.__version__}
+    base = next((t for v, _, t in timed if v == "sdpa"), None)
+    for variant, fields, t in timed:
+        rows.append(bench.flops_row("transformers_model", variant, dtype, [c["batch"], c["seqlen"], c["hidden_size"]],
+                                    flops, t, mm, base and base["median_ms"], **fields_all, **fields))
+    del sdpa, ours, reference
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+class _nothing:
+    """A context manager that does nothing (the "sdpa" and "default" rows pin no backend)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def print_transformers_table(record):
+    rows = results.rows(record, op="transformers_model")
+    if not rows:
+        return
+    r0 = rows[0]
+    print(f"\ntransformers_model: Llama-style, {r0['num_hidden_layers']} layers of {r0['hidden_size']} "
+          f"({r0['num_attention_heads']}/{r0['num_key_value_heads']} heads), {r0['dtype']} {r0['batch']} x "
+          f"{r0['seqlen']} tokens, forward; logits rms {r0['logits_rms']:.3g}")
+    for r in rows:
+        speed = f"{r['speedup_vs_torch']:.2f}x" if "speedup_vs_torch" in r else "-"
+        print(f"  {r['variant']:<12}{r['median_ms']:>9.3f} ms {r['TFLOPs']:>7.3g} TFLOP/s {speed:>7} x sdpa   "
+              f"logits vs sdpa: max {r['logits_max_abs_diff']:.3g}, rms {r['logits_rms_diff']:.3g}")
+
 # `--ops NAME`: a section alone, into its own results file, so that a run of one leaves the main
 # results and the other sections' as they were: (rows(device, mm, notes), file suffix, the
 # record's extra fields, table printer).
@@ -1242,6 +1356,11 @@ SECTIONS = {
                           lambda device: {"sizes": {"softcap": masked_config("attention_softcap", device)},
                                           "baseline": "flex_attention"},
                           lambda record: print_masked_table(record)),
+    "transformers_model": (lambda device, mm, notes: bench_transformers_model(device, mm, notes), "_transformers",
+                           lambda device: {"sizes": {"transformers_model": HF_MODEL if device == "cuda"
+                                                     else HF_MODEL_CPU},
+                                           "baseline": "sdpa"},
+                           lambda record: print_transformers_table(record)),
 }
 
 
@@ -1251,7 +1370,8 @@ def main_ops():
     parser.add_argument("--ops", nargs="+", choices=list(SECTIONS), required=True,
                         help="run only these ops' rows (attention_varlen: the packed layout; attention_window, "
                              "attention_softcap: the masked instantiations against flex_attention; attention_fp8: "
-                             "the FP8 forward beside bf16, and its accuracy with outliers)")
+                             "the FP8 forward beside bf16, and its accuracy with outliers; transformers_model: a "
+                             "Hugging Face Llama-style model's forward on the chapter's attention against its SDPA path)")
     args = parser.parse_args()
     device = bench.setup(args)
     ceilings = bench.copy_ceiling(device, n=2**28 if device == "cuda" else 2**20)

@@ -294,7 +294,24 @@ def test_masked_sections_are_the_lessons():
     # each section its own results file, and `--ops` offers every section
     assert {op: B.SECTIONS[op][1] for op in B.SECTIONS} == {
         "attention_varlen": "_varlen", "attention_window": "_window", "attention_softcap": "_softcap",
-        "attention_fp8": "_fp8"}
+        "attention_fp8": "_fp8", "transformers_model": "_transformers"}
+
+
+def test_transformers_model_rows_on_the_cpu(monkeypatch, one_thread):
+    """--ops transformers_model at a toy size on the CPU: an "sdpa" row and a "default" row (the
+    chapter's attention inside the same weights), both credited the model's FLOPs, ours carrying its
+    logits' distance from the sdpa path's: float32 roundoff (~1e-7 of logits ~0.2), far below what
+    a wrong mask, head mapping or scale moves them by (O(0.1): the integration's tests)."""
+    pytest.importorskip("transformers")
+    toy = {**B.HF_MODEL_CPU, "seqlen": 17}
+    monkeypatch.setattr(B, "HF_MODEL_CPU", toy)
+    rows = B.bench_transformers_model("cpu", 0.1, bench.Notes())
+    assert [r["variant"] for r in rows] == ["sdpa", "default"]
+    for r in rows:
+        assert r["op"] == "transformers_model" and r["shape"] == [toy["batch"], toy["seqlen"], toy["hidden_size"]]
+        assert r["flops"] == rows[0]["flops"] > 0 and r["TFLOPs"] > 0 and r["reps"] >= 20
+    assert rows[0]["logits_max_abs_diff"] == 0.0
+    assert rows[1]["logits_max_abs_diff"] < 1e-5 and rows[1]["logits_rms"] > 0.01
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
