@@ -1608,10 +1608,11 @@ def test_cuda_hopper_sass_has_hgmma():
         assert wgmma in body and "UTMALDG" in body and "HMMA" not in body, name
 
 
-# The Hopper backward ("wgmma"): a block per 128 keys walking 64-row query tiles. Lengths 1, 17,
-# 129 and 1000 around both tiles (a partial last key tile, a partial last query tile), seqlen_q !=
-# seqlen_k both ways (causal rows that see no key; a causal walk that starts mid-sequence), GQA 4:1
-# (dK and dV summed over four query heads in one block's walk) and 2:1, multi-query.
+# The Hopper backward ("wgmma"): a block per 128 keys walking query tiles of 64 rows (d = 128) or 128
+# (d = 64). Lengths 1, 17, 129 and 1000 around both tiles (a partial last key tile, a partial last
+# query tile), seqlen_q != seqlen_k both ways (causal rows that see no key; a causal walk that
+# starts mid-sequence), GQA 4:1 (dK and dV summed over four query heads in one block's walk) and
+# 2:1, multi-query.
 HOPPER_BACKWARD_SHAPES = [(2, 2, 1, 1), (2, 1, 17, 17), (4, 1, 129, 129), (4, 2, 1000, 1000), (4, 1, 17, 129),
                           (2, 1, 129, 17), (4, 4, 1, 1000), (8, 2, 1000, 33), (4, 1, 300, 1000)]
 
@@ -1657,11 +1658,12 @@ def test_cuda_hopper_backward_long(dtype, causal):
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
 def test_cuda_hopper_backward_many_query_tiles(dtype, causal, head_dim):
-    """1000 query rows (16 tiles, the last partial) of 8 heads against 3000 keys in 2 kv heads
-    (GQA 4:1, 24 key tiles, the last partial): each block walks 64 steps, so the two dQ buffers
-    between the consumers and the writer wrap 32 times, and 24 blocks of a kv head add into every
-    tile's float32 sums. The float64 reference runs on the GPU; "wgmma" is held to at most twice the
-    error of "mma_dqpass" (the same rounding of P and dS) plus CUDA_GRAD_TOL, as in the long test."""
+    """1000 query rows (16 tiles of 64 at d = 128, 8 of 128 at d = 64, the last partial) of 8 heads
+    against 3000 keys in 2 kv heads (GQA 4:1, 24 key tiles, the last partial): each block walks 64
+    steps (32 at d = 64), so the dQ buffers between the consumers and the writer (two at d = 128,
+    one at d = 64) wrap 32 times, and 24 blocks of a kv head add into every tile's float32 sums.
+    The float64 reference runs on the GPU; "wgmma" is held to at most twice the error of
+    "mma_dqpass" (the same rounding of P and dS) plus CUDA_GRAD_TOL, as in the long test."""
     skip_unless_hopper()
     q, k, v = make_qkv(1, 8, 2, 1000, 3000, head_dim, dtype=dtype, device="cuda")
     what = f"wgmma {dtype_id(dtype)} h8/2 s1000x3000 d{head_dim}"

@@ -22,31 +22,42 @@ inline bool attention_backward_hopper_head_dim(int64_t head_dim) {
 }
 
 // The tile shapes (flash_bwd_hopper_kernel.cuh's HopperBwdTraits reads these): keys per block (two
-// consumer warpgroups of 64, wgmma's m) and query rows per step.
+// consumer warpgroups of 64, wgmma's m), and what sets the query rows per step: a consumer thread
+// holds S^T's and dP^T's accumulators (kBlockM / 2 floats each) and dK's and dV's (head_dim / 2
+// each) across a step, kHopperBwdAccumulators in all whatever the head dim (the 240 registers leave
+// room for P^T's and dS^T's fragments and the addresses beside them). So kBlockM = 192 - head_dim:
+// 64 query rows a step at head_dim 128, 128 at head_dim 64, and the same tensor work per step (and
+// per barrier) at both.
 inline constexpr int kHopperBwdBlockN = 128;
-inline constexpr int kHopperBwdBlockM = 64;
+inline constexpr int kHopperBwdAccumulators = 192;
+// dQ's float32 sums come in tiles of 64 rows x 64 columns (one warpgroup's m64 n64 partial, in its
+// register order: attention_backward_hopper_workspace); a step's kBlockM x head_dim is two of them.
+inline constexpr int kHopperBwdDqRows = 64;
+// Query rows are padded to whole tiles of the largest step (128 rows, head_dim 64; 64 divides it).
+inline constexpr int kHopperBwdRowTile = 128;
 
 // Query rows padded to whole steps: the per-row statistics and dQ's float32 sums are kept for
-// every row of every step, so that a step's statistics are one 256-byte bulk copy with nothing
-// past the end, and the atomics need no row guard.
-inline int64_t attention_backward_hopper_rows(int64_t seqlen_q) {
-  return ::course::ceil_div(seqlen_q, int64_t{kHopperBwdBlockM}) * kHopperBwdBlockM;
+// every row of every step, so that a step's statistics are one bulk copy with nothing past the
+// end, and the reductions need no row guard.
+FLASH_ATTENTION_HD int64_t attention_backward_hopper_rows(int64_t seqlen_q) {
+  return (seqlen_q + kHopperBwdRowTile - 1) / kHopperBwdRowTile * kHopperBwdRowTile;
 }
 
 // The packed (varlen) layout (attention.h's cu_seqlens; kVarlen below): the statistics and dQ's
 // sums are indexed by packed row, each sequence's rows starting on a whole tile, so that its tiles
-// are the same 256-byte statistics copies and contiguous sums as a padded batch's. Sequence b's
-// rows start at hopper_bwd_seq_row0(cu_seqlens_q[b], b), FlashAttention 3's padded offset:
-// (cu_seqlens_q[b] / kBlockM + b) tiles. A sequence of length n from offset c takes ceil(n / kBlockM)
-// tiles, which end at or before the next sequence's start, since (c + n) / kBlockM + 1 >=
-// c / kBlockM + ceil(n / kBlockM) in integer division; and the last one ends within
+// are the same statistics copies and contiguous sums as a padded batch's. Sequence b's rows start
+// at hopper_bwd_seq_row0(cu_seqlens_q[b], b), FlashAttention 3's padded offset: (cu_seqlens_q[b] /
+// kHopperBwdRowTile + b) tiles. A sequence of length n from offset c takes ceil(n / tile) tiles,
+// which end at or before the next sequence's start, since (c + n) / tile + 1 >= c / tile +
+// ceil(n / tile) in integer division; and the last one ends within
 // attention_backward_hopper_packed_rows(total_q, batch) rows of a head: the host sizes the workspace
-// from total_q and the sequence count alone, never reading cu_seqlens.
+// from total_q and the sequence count alone, never reading cu_seqlens. (A step of 64 rows walks
+// the same 128-row tiles two steps each.)
 FLASH_ATTENTION_HD int64_t hopper_bwd_seq_row0(int64_t cu_seqlen_q, int64_t b) {
-  return (cu_seqlen_q / kHopperBwdBlockM + b) * kHopperBwdBlockM;
+  return (cu_seqlen_q / kHopperBwdRowTile + b) * kHopperBwdRowTile;
 }
 FLASH_ATTENTION_HD int64_t attention_backward_hopper_packed_rows(int64_t total_q, int64_t batch) {
-  return (total_q / kHopperBwdBlockM + batch) * kHopperBwdBlockM;
+  return (total_q / kHopperBwdRowTile + batch) * kHopperBwdRowTile;
 }
 // The statistics rows of the whole call: batch x heads x padded rows, or heads x packed rows.
 inline int64_t attention_backward_hopper_stat_rows(const AttentionParams& p) {
@@ -56,11 +67,11 @@ inline int64_t attention_backward_hopper_stat_rows(const AttentionParams& p) {
 
 // The workspace, which the caller zeroes: dQ's float32 sums (batch x heads x padded rows x d;
 // packed, heads x packed rows x d), then each padded row's lse in log2 units and D = rowsum(dO * O)
-// (float32 each). The sums of one (batch, head, query tile) are kBlockM x d contiguous floats,
-// 64-column chunk after chunk, each chunk in the main kernel's register order rather than row-major
-// (what a warpgroup's threads hold, stored as 512-byte warp-wide rows:
-// flash_bwd_hopper_kernel.cuh), so that the kernel adds a whole tile with one bulk reduction; only
-// the dispatch's last kernel reads them.
+// (float32 each). The sums of 64 rows (kHopperBwdDqRows) are 64 x d contiguous floats, 64-column
+// chunk after chunk, each chunk in the main kernel's register order rather than row-major (what a
+// warpgroup's threads hold, stored as 512-byte warp-wide rows: flash_bwd_hopper_kernel.cuh), so
+// that the kernel adds a whole step's tile (two such chunks, of columns at d = 128 and of rows at
+// d = 64) with one bulk reduction; only the dispatch's last kernel reads them.
 inline int64_t attention_backward_hopper_workspace(const AttentionBackwardParams& g) {
   const AttentionParams& p = g.fwd;
   return attention_backward_hopper_stat_rows(p) * (p.head_dim + 2) * 4;

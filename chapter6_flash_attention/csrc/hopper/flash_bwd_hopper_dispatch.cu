@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(kThreads)
 template <typename T, bool kVarlen>
 __global__ void __launch_bounds__(kThreads)
     bwd_hopper_dq_kernel(const AttentionBackwardParams g, int64_t rows_pad, const float* dq_accum) {
-  constexpr int kBM = kHopperBwdBlockM;
+  constexpr int kBM = kHopperBwdDqRows;  // the sums' tiles (a step of 128 rows at d = 64 is two)
   const AttentionParams& p = g.fwd;
   const int64_t tile_floats = kBM * p.head_dim;  // one query tile's sums, every chunk
   const int64_t total = (kVarlen ? 1 : p.batch) * p.heads * rows_pad * p.head_dim / 4;

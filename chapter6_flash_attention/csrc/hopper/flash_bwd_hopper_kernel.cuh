@@ -5,14 +5,15 @@
 //
 //   - a block owns kBlockN = 128 keys of one kv head. A producer warpgroup (one thread issuing
 //     the loads, one of another warp dQ's reductions: below) brings the block's K and V once by
-//     TMA and then streams, per step (a 64-row query tile of one of the query heads that read this
-//     kv head), Q, dO, and the rows' lse (log2 units) and D through a two-stage ring on mbarriers:
+//     TMA and then streams, per step (a query tile of kBlockM rows of one of the query heads that
+//     read this kv head: 64 at d = 128, 128 at d = 64, HopperBwdTraits), Q, dO, and the rows' lse
+//     (log2 units) and D through a two-stage ring on mbarriers:
 //     full barriers the copies complete on, empty ones the consumer threads arrive on when they
 //     are done with a stage;
 //   - two consumer warpgroups own 64 keys each, keys as wgmma's m, so that the products whose
 //     rows are keys keep their A operand in registers (the C-to-A identity of the forward's P):
-//       S^T  = K_wg Q^T         ss: K and Q K-major                     m64 n64 (query rows)
-//       dP^T = V_wg dO^T        ss: V and dO K-major                    m64 n64
+//       S^T  = K_wg Q^T         ss: K and Q K-major                     m64 n(kBlockM: query rows)
+//       dP^T = V_wg dO^T        ss: V and dO K-major                    m64 n(kBlockM)
 //       P^T  = exp2(S^T scale log2(e) - lse2)                           registers
 //       dV  += P^T dO           rs: P^T from registers, dO read MN-major m64 n(d)
 //       dS^T = P^T * (dP^T - D)                                         registers
@@ -22,10 +23,10 @@
 //   - dQ = dS K has query rows as m: it needs dS, the transpose of what the registers hold. Each
 //     thread stores its dS^T into shared memory in the 128-byte swizzle (the layout TMA writes and
 //     the descriptors read), and wgmma reads it back as an MN-major A operand (tnspA), K as an
-//     MN-major B. At d = 128 warpgroup w computes dQ's columns 64w..64w+63 over all 128 keys (both
-//     warpgroups' dS^T, so a barrier of the 256 consumer threads hands them over); at d = 64 each
-//     warpgroup computes all 64 columns over its own 64 keys (a barrier of its own 128 threads).
-//     Either way a thread ends a step with 32 floats of dQ;
+//     MN-major B. The step's dQ (kBlockM x d) is two 64 x 64 quarters: warpgroup w computes
+//     columns 64w..64w+63 at d = 128, rows 64w..64w+63 at d = 64, over all 128 keys either way
+//     (both warpgroups' dS^T, so a barrier of the 256 consumer threads hands them over), and a
+//     thread ends a step with 32 floats of dQ;
 //   - the consumers do not add them into dQ's float32 sums themselves (float2 atomics from
 //     registers: 16 RED instructions a thread a step, each holding its registers until the load/
 //     store unit takes it, on the critical path between one step's dQ and the next step's S^T).
@@ -35,8 +36,9 @@
 //     warpgroup (warp 1) waits for it and hands the whole tile to the copy engine as one bulk
 //     reduction (cp.reduce.async.bulk ... add.f32) into the sums, which keep that register order
 //     (attention_backward_hopper_workspace's layout); once the engine has read the buffer it
-//     frees it on the buffer's empty barrier. Two buffers, so that step i + 1's stores never wait
-//     for step i's reduction. flash_bwd_hopper_dispatch.cu scales the sums, reorders and rounds.
+//     frees it on the buffer's empty barrier. Two buffers where they fit, so that step i + 1's
+//     stores never wait for step i's reduction (HopperBwdTraits::kDqBuffers).
+//     flash_bwd_hopper_dispatch.cu scales the sums, reorders and rounds.
 //
 // Rows past seqlen_q in the last query tile arrive as zero rows of Q and dO (TMA's zero-fill) with
 // lse2 = +inf and D = 0 (the dispatch's padded statistics), so their P, dS and dQ are exactly 0.
@@ -89,33 +91,46 @@ template <int kHeadDim_>
 struct HopperBwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kHopperBwdBlockN;  // keys per block: two consumer warpgroups x 64
-  static constexpr int kBlockM = kHopperBwdBlockM;  // query rows per step: S^T is m64 x n64 per warpgroup
+  // Query rows per step, what the registers leave beside dK and dV (flash_bwd_hopper.h): 64 at
+  // d = 128, 128 at d = 64. S^T and dP^T are m64 x n(kBlockM) per warpgroup.
+  static constexpr int kBlockM = kHopperBwdAccumulators - kHeadDim;
   static constexpr int kStages = 2;
   static constexpr int kChunks = kHeadDim / 64;  // 64-column chunks: one TMA box, one swizzle width
+  static constexpr int kRowChunks = kBlockM / 64;  // the same for dS^T's query rows
   static constexpr int kConsumerThreads = 256, kProducerThreads = 128;
   static constexpr int kThreads = kConsumerThreads + kProducerThreads;
-  // d = 128: each warpgroup takes one 64-column chunk of dQ over all the block's keys (half the
-  // atomics of the alternative); d = 64 has one chunk, so each takes its own keys.
-  static constexpr bool kDqSplitColumns = kChunks == 2;
+  // dQ of a step (kBlockM x d) is two 64 x 64 quarters, and each warpgroup computes one over all
+  // the block's keys (m64 n64 k128): at d = 128 a 64-column chunk, at d = 64 a 64-row half. Either
+  // way the two partials are one contiguous tile of the sums, one bulk reduction a step.
+  static constexpr bool kDqSplitRows = kRowChunks == 2;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;      // K (or V) of the block
   static constexpr int kRowTileBytes = kBlockM * kHeadDim * 2;  // Q (or dO) of one step
   static constexpr int kStatBytes = kBlockM * 4;                // lse2 (or D) of one step
   static constexpr int kStageBytes = 2 * kRowTileBytes + 2 * kStatBytes;  // what one stage's barrier expects
   static constexpr int kDsBytes = kBlockN * kBlockM * 2;        // dS^T of one step, 16-bit
-  // dQ's partial of one warpgroup for one step: kBlockM rows x 64 columns of float32 (16 KiB), in
-  // the register order (kDqFloats / 128 floats a thread); one buffer holds both warpgroups'.
-  static constexpr int kDqFloats = kBlockM * 64;
-  static constexpr int kDqBuffers = 2;
+  // dQ's partial of one warpgroup for one step: 64 rows x 64 columns of float32 (16 KiB), in the
+  // register order (kDqFloats / 128 floats a thread); one buffer holds both warpgroups'.
+  static constexpr int kDqFloats = kHopperBwdDqRows * 64;
   static constexpr int kDqBytes = 2 * kDqFloats * 4;
   // K, V, two stages of Q and of dO, two buffers of dS^T (a warpgroup may write step i + 1's while
-  // the other still reads step i's), two of dQ's partials, the statistics; + 1024 for the swizzle
-  // atoms' alignment: 226 KiB at d = 128 (of the 227 a block may take), 162 KiB at d = 64.
-  static constexpr int kSmemBytes = 2 * kKVBytes + 2 * kStages * kRowTileBytes + 2 * kDsBytes +
-                                    kDqBuffers * kDqBytes + 2 * kStages * kStatBytes + 1024;
+  // the other still reads step i's), dQ's partials, the statistics; + 1024 for the swizzle atoms'
+  // alignment.
+  static constexpr int smem_bytes(int dq_buffers) {
+    return 2 * kKVBytes + 2 * kStages * kRowTileBytes + 2 * kDsBytes + dq_buffers * kDqBytes +
+           2 * kStages * kStatBytes + 1024;
+  }
+  // Two buffers of dQ's partials where they fit (d = 128: 226 KiB of the 227 a block may take), so
+  // that step i + 1's stores never wait for step i's reduction; one at d = 64 (195 KiB; two would
+  // be 128 bytes too many), where a step (as much tensor work as one at d = 128) gives the copy engine
+  // its length to read the 32 KiB before the next step's stores.
+  static constexpr int kDqBuffers = smem_bytes(2) + 128 <= 227 * 1024 ? 2 : 1;
+  static constexpr int kSmemBytes = smem_bytes(kDqBuffers);
   // setmaxnreg as the forward's warp-specialized rungs: 128 x 24 + 256 x 240 = 64,512 registers.
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
   static_assert(kChunks == 1 || kChunks == 2, "dK and dV of 64 keys in registers: head_dim 64 or 128");
-  static_assert(kBlockN == 128 && kBlockM == 64, "two warpgroups of 64 keys; one 64-column chunk of query rows");
+  static_assert(kBlockN == 128 && (kRowChunks == 1 || kRowChunks == 2) && kChunks * kRowChunks == 2,
+                "two warpgroups of 64 keys; dQ's tile two 64 x 64 quarters");
+  static_assert(kHopperBwdRowTile % kBlockM == 0, "the statistics' padding: whole steps");
   static_assert(kDqFloats == 8 * 4 * 128, "dQ's partial: 8 float4 stores of each of a warpgroup's 128 threads");
   // The static barriers (under 128 bytes) come on top of this.
   static_assert(kSmemBytes + 128 <= 227 * 1024, "more shared memory than an sm_90 block may take");
@@ -124,13 +139,12 @@ struct HopperBwdTraits {
 #if COURSE_HOPPER_DEVICE
 namespace hopper_bwd {
 
-// The step's query-row statistics for this lane's 16 columns of S^T (query rows 8c + 2t and
-// 8c + 2t + 1 of the tile, c = 0..7), as float2 pairs: register j of S^T is column
-// 8 * (j >> 2) + 2t + (j & 1).
-template <int kBlockM>
-__device__ __forceinline__ void load_columns(float2 (&out)[kBlockM / 8], const float* stat, int t) {
-#pragma unroll
-  for (int c = 0; c < kBlockM / 8; ++c) out[c] = *reinterpret_cast<const float2*>(stat + 8 * c + 2 * t);
+// The step's query-row statistics (lse2 or D) of register j of S^T and its neighbour: register j
+// is column 8 (j >> 2) + 2t + (j & 1), query row of the tile, so registers 4c..4c+3 read the pair
+// at 8c + 2t. Read from shared memory where they are used, a pair at a time, rather than all
+// kBlockM / 4 of a lane's held across the loop (32 registers at kBlockM = 128, which spilled).
+__device__ __forceinline__ float2 column_pair(const float* stat, int j, int t) {
+  return *reinterpret_cast<const float2*>(stat + 8 * (j >> 2) + 2 * t);
 }
 
 // The two values of a packed pair (pack2's inverse: exact, every 16-bit value is a float).
@@ -170,8 +184,9 @@ __global__ void __launch_bounds__(K::kThreads, 1)
   using namespace hopper;
   using namespace hopper_bwd;
   constexpr int kD = K::kHeadDim, kBN = K::kBlockN, kBM = K::kBlockM, kStages = K::kStages;
-  constexpr int kSRegs = kBM / 2;  // S^T, dP^T, dQ: one m64 x n64 accumulator tile each
+  constexpr int kSRegs = kBM / 2;  // S^T, dP^T: m64 x n(kBlockM) each
   constexpr int kGradRegs = kD / 2;  // dK, dV: m64 x d
+  constexpr int kDqRegs = 32;        // dQ: one m64 x n64 quarter
   constexpr int kASteps = kBM / 16;  // k16 steps of dV and dK (over the step's query rows)
   static_assert(!(kWindowSoftcap && kVarlen), "the packed layout with a window runs on part 1's backward");
   extern __shared__ unsigned char smem_raw[];
@@ -182,7 +197,7 @@ __global__ void __launch_bounds__(K::kThreads, 1)
   unsigned char* v_s = k_s + K::kKVBytes;                    // same
   unsigned char* q_s = v_s + K::kKVBytes;                    // [stage][chunk][kBlockM rows][64]
   unsigned char* do_s = q_s + kStages * K::kRowTileBytes;    // same
-  unsigned char* ds_s = do_s + kStages * K::kRowTileBytes;   // [buffer][kBlockN keys][64 query rows]
+  unsigned char* ds_s = do_s + kStages * K::kRowTileBytes;   // [buffer][row chunk][kBlockN keys][64 query rows]
   float* dq_s = reinterpret_cast<float*>(ds_s + 2 * K::kDsBytes);  // [buffer][warpgroup][kDqFloats]
   float* lse_s = dq_s + K::kDqBuffers * 2 * K::kDqFloats;          // [stage][kBlockM]
   float* dd_s = lse_s + kStages * kBM;                              // [stage][kBlockM]
@@ -213,7 +228,7 @@ __global__ void __launch_bounds__(K::kThreads, 1)
   const AttentionParams& p = g.fwd;
   const int64_t group = p.heads / p.heads_kv;
   const int64_t rows_pad = kVarlen ? attention_backward_hopper_packed_rows(params.fwd.total_q, params.fwd.batch)
-                                   : (p.seqlen_q + kBM - 1) / kBM * kBM;
+                                   : attention_backward_hopper_rows(p.seqlen_q);
   [[maybe_unused]] const int64_t seq_row0 = kVarlen ? hopper_bwd_seq_row0(q_token0, b) : 0;
   // The steps: every query tile from the one holding the first row that sees key n0 (causal rows
   // above it see none of the block's keys) to the last, of every query head of the group; step i
@@ -241,7 +256,7 @@ __global__ void __launch_bounds__(K::kThreads, 1)
       mbarrier_init(&full[s], 1);   // the producer's arrive, with the stage's bytes
       // Every consumer thread arrives once it is done with the stage, not one lane per warp as the
       // forward's K/V ring does: here the lanes also read the stage's statistics with ordinary loads
-      // (load_columns), and each reader's own arrive is what orders its reads before the producer's
+      // (column_pair), and each reader's own arrive is what orders its reads before the producer's
       // next bulk copy into the stage (racecheck reported the per-warp form, __syncwarp or not).
       mbarrier_init(&empty[s], K::kConsumerThreads);
     }
@@ -282,17 +297,17 @@ __global__ void __launch_bounds__(K::kThreads, 1)
           tma_load_4d(do_s + stage * K::kRowTileBytes + c * kBM * 128, &map_do, &full[stage], c * 64, q_row,
                       static_cast<int>(h), batch);
         }
-        // The tile's 64 padded rows of statistics: 256 bytes at a 256-byte multiple, all inside the
-        // workspace (rows_pad and seq_row0 are whole numbers of tiles).
+        // The tile's kBlockM padded rows of statistics: 256 or 512 bytes at a 256-byte multiple, all
+        // inside the workspace (rows_pad and seq_row0 are whole numbers of steps).
         const int64_t row = kVarlen ? h * rows_pad + seq_row0 + m0 : (b * p.heads + h) * rows_pad + m0;
         bulk_load(lse_s + stage * kBM, lse2_rows + row, K::kStatBytes, &full[stage]);
         bulk_load(dd_s + stage * kBM, d_rows + row, K::kStatBytes, &full[stage]);
       }
     } else if (threadIdx.x == 32 && steps > 0) {
       // dQ's writer (warp 1, so that it never waits behind the copies above): step i's partials
-      // from buffer i % 2 into query tile m0 of head h of the sums. At d = 128 the two
-      // warpgroups' column chunks are adjacent there, one 32 KiB reduction; at d = 64 both hold
-      // the same 64 columns over their own keys, two reductions into the same 16 KiB.
+      // from buffer i % kDqBuffers into query tile m0 of head h of the sums. The two warpgroups'
+      // quarters (column chunks at d = 128, row halves at d = 64) are adjacent there: one 32 KiB
+      // reduction.
       // The destination walks the group's heads tile by tile (kept incrementally: this thread has
       // 24 registers, and the divisions and 64-bit products of the loader's form spill there).
       float* head_sums = dq_accum + (kVarlen ? hk * group * rows_pad + seq_row0 + m_begin
@@ -306,16 +321,10 @@ __global__ void __launch_bounds__(K::kThreads, 1)
           tile_in_head = 0;
           head_sums += rows_pad * kD;
         }
-        const float* src = dq_s + buf * 2 * K::kDqFloats;
-        if constexpr (K::kDqSplitColumns) {
-          bulk_reduce_add_f32(dst, src, 2 * K::kDqFloats * 4);
-        } else {
-          bulk_reduce_add_f32(dst, src, K::kDqFloats * 4);
-          bulk_reduce_add_f32(dst, src + K::kDqFloats, K::kDqFloats * 4);
-        }
+        bulk_reduce_add_f32(dst, dq_s + buf * 2 * K::kDqFloats, K::kDqBytes);
         bulk_commit_group();
         // The engine has read the buffer (the adds into L2 may still be under way): the consumers
-        // may write it again, for step i + 2.
+        // may write it again, for step i + kDqBuffers.
         bulk_wait_group_read<0>();
         mbarrier_arrive(&dq_empty[buf]);
       }
@@ -337,10 +346,10 @@ __global__ void __launch_bounds__(K::kThreads, 1)
   const unsigned char* v_wg = v_s + wg * 64 * 128;
   const float scale = static_cast<float>(p.scale);  // dK = scale dS^T Q
   const int64_t diag = p.seqlen_k - p.seqlen_q;  // key j is visible to row i iff j <= i + diag
-  // dQ's share of this warpgroup (kDqSplitColumns above): the keys it sums over and its columns.
-  constexpr int kDqKeys = K::kDqSplitColumns ? kBN : 64;
-  const int dq_key0 = K::kDqSplitColumns ? 0 : wg * 64;
-  const int dq_chunk = K::kDqSplitColumns ? wg : 0;
+  // dQ's quarter of this warpgroup (kDqSplitRows above), over all the block's keys: its rows (dS^T's
+  // chunk of query rows) at d = 64, its columns (K's chunk) at d = 128.
+  const int dq_row_chunk = K::kDqSplitRows ? wg : 0;
+  const int dq_chunk = K::kDqSplitRows ? 0 : wg;
 
   float dk[kGradRegs], dv[kGradRegs];
 #pragma unroll
@@ -368,7 +377,7 @@ __global__ void __launch_bounds__(K::kThreads, 1)
     opaque(kt_desc);
     const uint64_t q_desc = smem_desc_sw128(q_t, 16, 1024), do_desc = smem_desc_sw128(do_t, 16, 1024);
     const uint64_t qt_desc = smem_desc_sw128(q_t, kBM * 128, 1024), dot_desc = smem_desc_sw128(do_t, kBM * 128, 1024);
-    const uint64_t dst_desc = smem_desc_sw128(ds_t, kBN * 128, 1024);
+    const uint64_t dst_desc = smem_desc_sw128(ds_t + dq_row_chunk * kBN * 128, kBN * 128, 1024);
 
     // S^T and dP^T, two groups: d / 16 k16 steps each, both operands K-major (a k16 slice is 32
     // bytes further inside a 64-column chunk, or the next chunk).
@@ -405,12 +414,10 @@ __global__ void __launch_bounds__(K::kThreads, 1)
       if (cap.in != 0.f) {  // uniform across the grid
         wgmma_wait<0>();
         fence_operands(dp);
-        // The statistics pair by pair from shared memory (load_columns' addresses), not all 32 held.
 #pragma unroll
         for (int j = 0; j < kSRegs; j += 2) {
-          const int c = 8 * (j >> 2) + 2 * t;
-          const float2 l = *reinterpret_cast<const float2*>(lse_s + stage * kBM + c);
-          const float2 d = *reinterpret_cast<const float2*>(dd_s + stage * kBM + c);
+          const float2 l = column_pair(lse_s + stage * kBM, j, t);
+          const float2 d = column_pair(dd_s + stage * kBM, j, t);
           // Part 1's recompute_p: P from the capped score and the forward's lse, and the derivative.
           float dc0, dc1;
           s[j] = recompute_p(s[j], l.x, visible(j), scale_log2, cap, &dc0);
@@ -420,17 +427,13 @@ __global__ void __launch_bounds__(K::kThreads, 1)
         }
         ds_done = true;
       } else {
-        float2 lse2[kBM / 8];
-        load_columns<kBM>(lse2, lse_s + stage * kBM, t);
 #pragma unroll
         for (int j = 0; j < kSRegs; ++j) {
-          const float2 l = lse2[j >> 2];
+          const float2 l = column_pair(lse_s + stage * kBM, j, t);
           s[j] = visible(j) ? exp2_approx(fmaf(s[j], scale_log2, -((j & 1) ? l.y : l.x))) : 0.f;
         }
       }
     } else {
-      float2 lse2[kBM / 8];
-      load_columns<kBM>(lse2, lse_s + stage * kBM, t);
       [[maybe_unused]] int key_limit = 0, causal_off = 0;
       if constexpr (decltype(mask_tag)::value) {
         // Key kc of the tile is visible to row rc iff kc < key_limit and (causal) kc <= rc + causal_off;
@@ -441,7 +444,7 @@ __global__ void __launch_bounds__(K::kThreads, 1)
       }
 #pragma unroll
       for (int j = 0; j < kSRegs; ++j) {
-        const float2 l = lse2[j >> 2];
+        const float2 l = column_pair(lse_s + stage * kBM, j, t);
         s[j] = exp2_approx(fmaf(s[j], scale_log2, -((j & 1) ? l.y : l.x)));
         if constexpr (decltype(mask_tag)::value) {
           const int kc = key_lo + 8 * ((j >> 1) & 1);
@@ -469,11 +472,9 @@ __global__ void __launch_bounds__(K::kThreads, 1)
     if (!ds_done) {
       wgmma_wait<1>();
       fence_operands(dp);
-      float2 dd[kBM / 8];
-      load_columns<kBM>(dd, dd_s + stage * kBM, t);
 #pragma unroll
       for (int j = 0; j < kSRegs; j += 2) {
-        const float2 d = dd[j >> 2];
+        const float2 d = column_pair(dd_s + stage * kBM, j, t);
         const float2 pr = hopper_bwd::unpack2<T>(pf[j >> 3][(j & 7) >> 1]);
         dp[j] = pr.x * (dp[j] - d.x);
         dp[j + 1] = pr.y * (dp[j + 1] - d.y);
@@ -481,14 +482,16 @@ __global__ void __launch_bounds__(K::kThreads, 1)
     }
     uint32_t dsf[kASteps][4];  // dS^T as A fragments
     pack_a<T, kBM>(dsf, dp);
-    // dS^T into shared memory for dQ, in the 128-byte swizzle: key row r, query column c at
-    // r * 128 + ((c / 8) ^ (r % 8)) * 16 + (c % 8) * 2. For one register pair the warp's 8 rows
-    // (r % 8 = lane / 4) and 4 column pairs hit 32 different banks.
+    // dS^T into shared memory for dQ, in the 128-byte swizzle, 64 query columns to a chunk of
+    // kBlockN rows (TMA's box layout): key row r, query column c at (c / 64) * kBlockN * 128 +
+    // r * 128 + ((c % 64 / 8) ^ (r % 8)) * 16 + (c % 8) * 2. Register pair j holds column
+    // c = 8 (j / 4) + 2t: chunk j / 32 and 8-column group (j / 4) % 8, both known at compile time.
+    // For one register pair the warp's 8 rows (r % 8 = lane / 4) and 4 column pairs hit 32
+    // different banks.
 #pragma unroll
     for (int j = 0; j < kSRegs; j += 2) {
       const int r = key_lo + 8 * ((j >> 1) & 1);
-      const int c = 8 * (j >> 2) + 2 * t;
-      *reinterpret_cast<uint32_t*>(ds_t + r * 128 + (((c >> 3) ^ (r & 7)) << 4) + (c & 7) * 2) =
+      *reinterpret_cast<uint32_t*>(ds_t + (j >> 5) * kBN * 128 + r * 128 + ((((j >> 2) & 7) ^ (r & 7)) << 4) + 4 * t) =
           dsf[j >> 3][(j & 7) >> 1];
     }
 
@@ -501,21 +504,18 @@ __global__ void __launch_bounds__(K::kThreads, 1)
     wgmma_commit();
 
     // dQ = dS K. The stores above are ordinary ones and wgmma reads through the async proxy: each
-    // thread fences its own, then the barrier hands the tile to the warpgroups that read it (both,
-    // when each takes a column chunk over all keys; its own, when each takes its keys).
+    // thread fences its own, then the barrier of the 256 consumer threads hands the tile over (each
+    // warpgroup's quarter of dQ sums over both warpgroups' keys).
     fence_proxy_async_shared();
-    if constexpr (K::kDqSplitColumns) {
-      named_barrier_sync(1, 256);
-    } else {
-      named_barrier_sync(2 + wg, 128);
-    }
-    float dq[kSRegs];
+    named_barrier_sync(1, 256);
+    float dq[kDqRegs];
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kDqKeys / 16; ++kk) {
-      // A: dS (query rows x keys), stored keys-major as dS^T: MN-major, 16 keys (2048 bytes) a step.
-      // B: K (keys x columns), the column chunk's rows: MN-major, the same steps.
-      const int key = dq_key0 + kk * 16;
+    for (int kk = 0; kk < kBN / 16; ++kk) {
+      // A: dS (query rows x keys), stored keys-major as dS^T: MN-major, the warpgroup's 64-row chunk,
+      // 16 keys (2048 bytes) a step. B: K (keys x columns), the column chunk's rows: MN-major, the
+      // same steps.
+      const int key = kk * 16;
       Wgmma<T, 64>::template ss<1, 1>(dq, dst_desc + ((key * 128) >> 4), kt_desc + ((key * 128) >> 4), kk > 0);
     }
     wgmma_commit();
@@ -531,18 +531,18 @@ __global__ void __launch_bounds__(K::kThreads, 1)
     // barrier, which each reaches after its step-i dQ has completed.)
     mbarrier_arrive(&empty[stage]);
 
-    // dQ's partial to the writer, through buffer i % 2 once the copy engine has read what step
-    // i - 2 left there (the writer's arrive; at steady state long done). Thread ct's float4 g is
-    // its registers 4g..4g+3 at float 512 g + 4 (ct % 128): register j is row 16 warp + lane / 4
-    // + 8 ((j >> 1) & 1) of the tile, column 8 (j >> 2) + 2t + (j & 1) of the chunk. Padded rows
-    // need no guard (their dS is 0 and their sums are never read).
+    // dQ's partial to the writer, through buffer i % kDqBuffers once the copy engine has read what
+    // step i - kDqBuffers left there (the writer's arrive; at steady state long done). Thread ct's
+    // float4 g is its registers 4g..4g+3 at float 512 g + 4 (ct % 128): register j is row
+    // 16 warp + lane / 4 + 8 ((j >> 1) & 1) of the quarter, column 8 (j >> 2) + 2t + (j & 1). Padded
+    // rows need no guard (their dS is 0 and their sums are never read).
     const int buf = static_cast<int>(i % K::kDqBuffers);
     if (i >= K::kDqBuffers) {
       mbarrier_wait(&dq_empty[buf], static_cast<uint32_t>((i / K::kDqBuffers - 1) & 1));
     }
     float* dq_t = dq_s + (buf * 2 + wg) * K::kDqFloats + (ct % 128) * 4;
 #pragma unroll
-    for (int g4 = 0; g4 < kSRegs / 4; ++g4) {
+    for (int g4 = 0; g4 < kDqRegs / 4; ++g4) {
       *reinterpret_cast<float4*>(dq_t + g4 * 512) =
           make_float4(dq[4 * g4], dq[4 * g4 + 1], dq[4 * g4 + 2], dq[4 * g4 + 3]);
     }
