@@ -183,6 +183,37 @@ def softcap_table(_record):
     return _masked_table("attention_softcap", {"flex": {"forward": 1.3, "backward": 1.2}, "dense": dense})
 
 
+def transformers_table(_record):
+    """bench_attention.py --ops transformers_model's rows (their own results file): the Llama-style
+    model's forward on the chapter's attention and on transformers' SDPA path (same weights), and the
+    logits' distance from the SDPA path's, beside what SDPA's own two backends differ by."""
+    rec = results.load_recorded_gpu("chapter6_flash_attention_transformers")
+    if not rec:
+        return "(not recorded yet)"
+    rows = results.rows(rec, op="transformers_model")
+    got = {r["variant"]: r for r in rows}
+    lines = ["| variant | ms | TFLOP/s (model) | x sdpa | logits vs `sdpa`: max | rms |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        speed = f"{r['speedup_vs_torch']:.2f}" if "speedup_vs_torch" in r else "-"
+        lines.append(f"| `{r['variant']}` | {r['median_ms']:.2f} | {r['TFLOPs']:.0f} | {speed} | "
+                     f"{r['logits_max_abs_diff']:.3g} | {r['logits_rms_diff']:.3g} |")
+    ours, sdpa = got.get("default"), got.get("sdpa")
+    rounding = [got[v]["logits_rms_diff"] for v in ("sdpa_flash", "sdpa_cudnn") if v in got and got[v]["logits_rms_diff"] > 0]
+    if ours and sdpa:
+        lines += ["", "| target | measured | met |", "|---|---|---|"]
+        x = sdpa["median_ms"] / ours["median_ms"]
+        lines.append(f"| forward time <= the SDPA path's | {x:.2f}x its speed | {'yes' if x >= 1.0 else 'no'} |")
+        if rounding:
+            y = ours["logits_rms_diff"] / max(rounding)
+            lines.append(f"| logits within bf16 rounding of the SDPA path (rms distance <= that of SDPA's other "
+                         f"backend) | {y:.2f}x | {'yes' if y <= 1.0 else 'no'} |")
+    r0 = rows[0]
+    lines += ["", f"{_where(rec)}; transformers {r0['transformers']}; {r0['num_hidden_layers']} layers of "
+                  f"{r0['hidden_size']}, {r0['num_attention_heads']}/{r0['num_key_value_heads']} heads, "
+                  f"{r0['dtype']}, {r0['batch']} x {r0['seqlen']} tokens; logits rms {r0['logits_rms']:.3g}."]
+    return "\n".join(lines)
+
+
 def _profile():
     return results.load_recorded_gpu("chapter6_flash_attention_profile")
 
@@ -745,4 +776,5 @@ FACTS = {"target_table": target_table, "split_kv": split_kv_table, "memory": mem
          "hopper_rungs": hopper_rungs, "hopper_gemm": hopper_gemm, "hopper_configs": hopper_configs,
          "hopper_profile": hopper_profile, "hopper_power": hopper_power,
          "hopper_persistent": hopper_persistent, "hopper_backward": hopper_backward, "hopper_fp8": hopper_fp8, "fp8_accuracy": fp8_accuracy,
-         "varlen": varlen_table, "window": window_table, "softcap": softcap_table}
+         "varlen": varlen_table, "window": window_table, "softcap": softcap_table,
+         "transformers": transformers_table}
