@@ -296,15 +296,19 @@ __global__ void __launch_bounds__(K::kThreads, 1)
         const int block_size = static_cast<int>(p.block_size), num_blocks = static_cast<int>(p.num_blocks);
         const int page_rows = block_size < kBN ? block_size : kBN;
         const int n0 = (it.first_tile + i) * kBN;
+        // One division per tile: the tile's first page and its row there. A page of at most kBN rows
+        // starts at row 0 and the next box is the next page; a longer page holds the whole tile
+        // (one box, from row n0 mod block_size).
+        int page = n0 / block_size;
+        const int row = n0 - page * block_size;
         const int32_t* table = p.block_tables + it.k_row;
-        for (int r0 = 0; r0 < kBN; r0 += page_rows) {
-          const int key = n0 + r0;
+        for (int r0 = 0; r0 < kBN; r0 += page_rows, ++page) {
           int id = num_blocks;  // one past the map's end: a box of zeros
-          if (key < static_cast<int>(it.seqlen_k)) {  // a row below the context: the entry is valid
-            const int32_t entry = table[key / block_size];
+          if (n0 + r0 < static_cast<int>(it.seqlen_k)) {  // a row below the context: the entry is valid
+            const int32_t entry = table[page];
             if (entry >= 0 && entry < num_blocks) id = entry;
           }
-          box(r0, key % block_size, id);
+          box(r0, row, id);
         }
       };
       auto load_kv = [&](int i) {
