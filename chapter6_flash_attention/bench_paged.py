@@ -52,15 +52,20 @@ Rows (op, then variant):
   count chosen with them would buy, mixed lengths above all (config e: one wave of blocks whose
   lengths differ 8000-fold).
 - paged_prefill (pass "forward", causal bottom-right), field config: chunked prefill over the paged
-  cache (paged_prefill_attention), bf16, 32/8 heads, d 128, block_size 16: "prefix" 16 sequences,
-  each a chunk of 512 new tokens after a cached prefix of 3584 (the suffix after a radix match);
-  "mixed" 4 such chunks and 60 decode tokens (one each, contexts 4096) in one batch; "cold" 8
-  prompts of 2048, chunk = context (no cache hit: the whole causal triangle). Compute-bound, so
+  cache (paged_prefill_attention), bf16, 32/8 heads, d 128, block_size 16: "prefix" 8 sequences,
+  each a chunk of 512 new tokens after a cached prefix of 4096 (the suffix after a radix match);
+  "mixed" 4 chunks of 512 after 3584 and 60 decode tokens (one each, contexts 4096) in one batch;
+  "cold" 8 prompts of 2048, chunk = context (no cache hit: the whole causal triangle). Compute-bound, so
   TFLOP/s over the visible (query, key) pairs, 4 x head_dim FLOPs each per query head, and
   pct_of_mm against a bf16 matmul measured in the same run (bench.matmul_ceiling). Variants: the
-  rungs of VERSIONS["paged_prefill_attention"] (decode_rows, mma), default (version=None, its
-  rung in the row's dispatch field), and PyTorch on the same keys gathered contiguous per
-  sequence, the gather outside the timed region:
+  rungs of VERSIONS["paged_prefill_attention"] (decode_rows, mma, persistent), default
+  (version=None, its rung in the row's dispatch field), the course's own contiguous forward, and
+  PyTorch on the same keys gathered contiguous per sequence, the gather outside the timed region:
+    attention_varlen  flash_attention.attention_varlen (version=None: on a Hopper GPU the persistent
+                    rung's packed kernel, which rung persistent runs over the table) on every
+                    sequence's gathered K/V packed end to end: what reading through the block table
+                    costs against the same kernel on contiguous keys (the summary's default /
+                    attention_varlen);
     sdpa_flash      one F.scaled_dot_product_attention per sequence (SDPA has no varlen entry
                     point) with the bottom-right causal mask (torch.nn.attention.bias
                     .causal_lower_right, which runs FlashAttention 2's kernel) and enable_gqa, under
@@ -135,6 +140,7 @@ head_dim]; match_prefix [requests, tokens].
 
 Writes results/<device-slug>/chapter6_paged_attention.json and the plots beside it.
 """
+import itertools
 import math
 import random
 import sys
@@ -158,6 +164,7 @@ TORCH_DECODE = ("sdpa_contiguous", "sdpa_gathered", "repeat_kv")
 PREFILL_RUNGS = tuple(flash_attention.VERSIONS["paged_prefill_attention"])
 PREFILL_BASELINE = "sdpa_flash"  # paged_prefill's speedup_vs_torch divides by it
 TORCH_PREFILL = ("sdpa_flash", "flex_attention")
+CONTIGUOUS_PREFILL = "attention_varlen"  # the course's forward on the gathered keys (see the top)
 MAX_CALL_MS = 100.0   # a call slower than this is skipped, not timed
 Q_STD = 3.0           # scores of std ~3: outputs dominated by a few tokens (see the docstring)
 PAD_EVERY = 97        # reshape_and_cache: every 97th token is padding (slot -1)
@@ -241,7 +248,8 @@ def sizes_for(device, quick):
                               "head_dim": 128, "block_size": 16, "dtype": "bfloat16"},
                 "match": {"requests": 4096, "tokens": 2048, "nodes": 100_000, "roots": 64,
                           "block_size": 16, "vocab": 32000},
-                "prefill": prefill_configs(512, 4096, 2048)}
+                # prefix: the chapter's target, 8 sequences x (4096 cached + a chunk of 512)
+                "prefill": prefill_configs(512, 4096, 2048, prefix=(8, 4096))}
     if device == "cuda":
         cap = 0.25
         split = [decode_config(b, n, 32, 8, sweep="split_kv") for b in (1, 8) for n in (1024, 16384, 65536)]
@@ -280,10 +288,13 @@ def prefill_config(config, chunks, contexts, heads=32, heads_kv=8, head_dim=128,
             "heads_kv": heads_kv, "head_dim": head_dim, "block_size": block_size, "dtype": dtype}
 
 
-def prefill_configs(chunk, context, cold, batch=16, decodes=60, **kw):
-    """prefix: `batch` chunks of `chunk` at `context`; mixed: batch / 4 of them and `decodes`
-    decode tokens at `context`; cold: batch / 2 prompts of `cold` tokens, nothing cached."""
-    return [prefill_config("prefix", [chunk] * batch, [context] * batch, **kw),
+def prefill_configs(chunk, context, cold, batch=16, decodes=60, prefix=None, **kw):
+    """prefix: `batch` chunks of `chunk` at `context`, or prefix = (sequences, cached tokens): that
+    many chunks of `chunk` after that many cached tokens; mixed: batch / 4 chunks of `chunk` at
+    `context` and `decodes` decode tokens at `context`; cold: batch / 2 prompts of `cold` tokens,
+    nothing cached."""
+    n, ctx = (batch, context) if prefix is None else (prefix[0], prefix[1] + chunk)
+    return [prefill_config("prefix", [chunk] * n, [ctx] * n, **kw),
             prefill_config("mixed", [chunk] * (batch // 4) + [1] * decodes, [context] * (batch // 4 + decodes), **kw),
             prefill_config("cold", [cold] * (batch // 2), [cold] * (batch // 2), **kw)]
 
@@ -297,9 +308,10 @@ def prefill_flops(chunks, contexts, heads, head_dim):
 
 
 def prefill_variants(device):
-    """PyTorch's two first (sdpa_flash the reference of speedup_vs_torch), then the ladder and
-    default; on the CPU the course's reference alone, one row "cpu"."""
-    return TORCH_PREFILL + PREFILL_RUNGS + ("default",) if device == "cuda" else ("cpu",)
+    """PyTorch's two first (sdpa_flash the reference of speedup_vs_torch), the course's contiguous
+    attention_varlen, then the ladder and default; on the CPU the course's reference alone, one row
+    "cpu"."""
+    return TORCH_PREFILL + (CONTIGUOUS_PREFILL,) + PREFILL_RUNGS + ("default",) if device == "cuda" else ("cpu",)
 
 
 def variants_of(c, device):
@@ -651,6 +663,13 @@ def prefill_calls(c, case, device):
         fn = compiled_flex()
         return lambda: fn(qf, kf, vf, block_mask=mask, enable_gqa=gqa)[0].transpose(0, 1)
 
+    def varlen_setup():
+        """attention_varlen over every sequence's gathered K/V packed end to end (the gather and
+        the offsets built here, outside the timed region)."""
+        kf, vf = torch.cat(case["k"]).contiguous(), torch.cat(case["v"]).contiguous()
+        cu_k = torch.tensor([0, *itertools.accumulate(contexts)], dtype=torch.int32, device=device)
+        return lambda: flash_attention.attention_varlen(q, kf, vf, cu, cu_k, max(chunks), max(contexts), causal=True)
+
     def ours(version, check):
         return lambda: flash_attention.paged_prefill_attention(q, kc, vc, tables, cu, lens, version=version,
                                                                max_seqlen_q=max(chunks), check_tables=check)
@@ -661,6 +680,8 @@ def prefill_calls(c, case, device):
             out.append((variant, None, sdpa_flash_setup))  # the setup returns the timed call
         elif variant == "flex_attention":
             out.append((variant, None, flex_setup))  # the setup returns the timed call
+        elif variant == CONTIGUOUS_PREFILL:
+            out.append((variant, None, varlen_setup))  # the setup returns the timed call
         else:
             version = None if variant in ("default", "cpu") else variant
             out.append((variant, ours(version, False), ours(version, True)))
@@ -682,7 +703,7 @@ def prefill_rows(device, c, ceilings, notes):
               "prefill_chunks": sum(1 for n in chunks if n > 1), "decode_tokens": sum(1 for n in chunks if n == 1)}
     rows, ref, t_base = [], None, None
     for variant, fn, check in prefill_calls(c, case, device):
-        if fn is None:  # PyTorch's: the setup (flex's block mask, sdpa_flash's GQA probe) returns the call
+        if fn is None:  # the setup (flex's block mask, sdpa_flash's GQA probe, the gather) returns the call
             fn = bench.attempt(notes, variant, where, check)
             if fn is None:
                 continue
@@ -698,7 +719,7 @@ def prefill_rows(device, c, ceilings, notes):
         extra = {"kv_repeated": True} if variant == "sdpa_flash" and case.get("kv_repeated") else {}
         if variant == "default":
             extra["dispatch"] = flash_attention.default_choice("paged_prefill_attention", case["q"],
-                                                               max_seqlen_q=max(chunks))
+                                                               max_seqlen_q=max(chunks), block_size=c["block_size"])
         rows.append(bench.flops_row("paged_prefill", variant, dtype, shape, flops, t, ceilings["mm_TFLOPs"], t_base,
                                     **fields, **extra, max_abs_err=err, max_abs_err_fp32=err32,
                                     checked_against=PREFILL_BASELINE if ref is not None else "float32 reference"))
@@ -1025,7 +1046,7 @@ def style(variant):
 COLORS = {"sdpa_contiguous": "black", "sdpa_gathered": "dimgrey", "repeat_kv": "silver", "default": "tab:orange",
           "per_head": "tab:blue", "per_kv_head": "tab:green", "split_kv": "tab:purple", "cpu": "tab:blue",
           "sdpa_flash": "black", "flex_attention": "dimgrey", "decode_rows": "tab:green", "mma": "tab:red"}
-ORDER = TORCH_DECODE + TORCH_PREFILL + RUNGS + PREFILL_RUNGS + ("default", "cpu")
+ORDER = TORCH_DECODE + TORCH_PREFILL + (CONTIGUOUS_PREFILL,) + RUNGS + PREFILL_RUNGS + ("default", "cpu")
 
 
 def ordered(variants):
@@ -1234,6 +1255,20 @@ def print_prefill_rows(record):
         print(f"{r['config'] + ' ' + prefill_label(r):<48}{r['variant']:<16}{r['median_ms'] * 1e3:>10.1f}"
               f"{r['TFLOPs']:>9.1f}{r['pct_of_mm']:>7.1f}{fmt(r.get('speedup_vs_torch'), '8.2f', '       -')}"
               f"  {r.get('dispatch', '')}")
+    print(f"\ndefault / {CONTIGUOUS_PREFILL}: the paged op's speed over the same keys gathered contiguous")
+    for config, ratio in contiguous_ratios(rows).items():
+        print(f"  {config:<10}{fmt(ratio, '.2f')}x")
+
+
+def contiguous_ratios(rows):
+    """{config: default's speed / attention_varlen's} (time over time, inverted), None where a row is
+    missing."""
+    out = {}
+    for config in dict.fromkeys(r["config"] for r in rows):
+        got = {r["variant"]: r["median_ms"] for r in rows if r["config"] == config}
+        mine, theirs = got.get("default"), got.get(CONTIGUOUS_PREFILL)
+        out[config] = theirs / mine if mine and theirs else None
+    return out
 
 
 def print_prefill_table(record):

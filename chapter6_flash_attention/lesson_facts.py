@@ -440,18 +440,21 @@ def _prefill_record():
     return max(found, key=lambda rec: rec["date"]) if found else None
 
 
-PREFILL_COLUMNS = ("decode_rows", "mma", "default", "sdpa_flash", "flex_attention")
+PREFILL_COLUMNS = ("decode_rows", "mma", "persistent", "default", "attention_varlen", "sdpa_flash",
+                   "flex_attention")
 
 
 def paged_prefill(_record):
-    """Chunked prefill: TFLOP/s of the ladder, default and PyTorch's two, per configuration, and
-    default against sdpa_flash."""
+    """Chunked prefill: TFLOP/s of the ladder, default, the course's contiguous attention_varlen and
+    PyTorch's two, per configuration; default against attention_varlen (on the same keys gathered
+    contiguous) and against sdpa_flash."""
     rec = _prefill_record()
     if not rec:
         return "(not recorded yet)"
     rows = results.rows(rec, op="paged_prefill")
-    lines = ["| config | " + " | ".join(f"`{c}`" for c in PREFILL_COLUMNS) + " | default x `sdpa_flash` |",
-             "|---|" + "---|" * (len(PREFILL_COLUMNS) + 1)]
+    lines = ["| config | " + " | ".join(f"`{c}`" for c in PREFILL_COLUMNS)
+             + " | default x `attention_varlen` | default x `sdpa_flash` |",
+             "|---|" + "---|" * (len(PREFILL_COLUMNS) + 2)]
     for c in dict.fromkeys(r["config"] for r in rows):
         got = {r["variant"]: r for r in rows if r["config"] == c}
         r0 = next(iter(got.values()))
@@ -461,7 +464,10 @@ def paged_prefill(_record):
         cells = [f"{got[v]['TFLOPs']:.0f}" if v in got else "-" for v in PREFILL_COLUMNS]
         speed = got.get("default", {}).get("speedup_vs_torch")
         dispatch = got.get("default", {}).get("dispatch")
-        lines.append(f"| {what} | " + " | ".join(cells) + f" | {'-' if speed is None else f'{speed:.2f}x'}"
+        contiguous = (got["attention_varlen"]["median_ms"] / got["default"]["median_ms"]
+                      if "attention_varlen" in got and "default" in got else None)
+        lines.append(f"| {what} | " + " | ".join(cells) + f" | {'-' if contiguous is None else f'{contiguous:.2f}x'}"
+                     + f" | {'-' if speed is None else f'{speed:.2f}x'}"
                      + (f" (`{dispatch}`)" if dispatch else "") + " |")
     lines += ["", f"{_where(rec)}; TFLOP/s over the (query, key) pairs the causal mask leaves visible, bf16; "
                   f"a bf16 matmul reached {rec['ceilings']['mm_TFLOPs']:.0f} TFLOP/s in the same run."]

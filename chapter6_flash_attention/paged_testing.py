@@ -263,23 +263,27 @@ def make_prefill(chunks, contexts, block_size, heads, heads_kv, head_dim, dtype=
     return query, key_cache, value_cache, tables.to(device), cu.to(device), lens.to(device)
 
 
-def reference_paged_prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, context_lens, scale=None):
+def reference_paged_prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, context_lens, scale=None,
+                            device="cpu"):
     """out (total_q, heads, head_dim) in float64, on the CPU, as a dense computation: per sequence
     its context gathered from its pages (the tokens of a block outside the cache left out, as in
     reference_paged_attention), the full score matrix of its chunk against it, the bottom-right
     causal mask (row i of a chunk of q_len sees positions j <= i + context - q_len) applied as
-    -inf, and an explicit softmax; a row that sees nothing gets 0."""
-    query, key_cache, value_cache = (t.detach().cpu().double() for t in (query, key_cache, value_cache))
-    block_tables, cu, context_lens = block_tables.cpu().long(), cu_seqlens_q.cpu().long(), context_lens.cpu().long()
+    -inf, and an explicit softmax; a row that sees nothing gets 0. device: where the float64 work
+    runs (a GPU's float64 units take the long contexts in a fraction of the CPU's time); the
+    result comes back to the CPU either way."""
+    query, key_cache, value_cache = (t.detach().to(device).double() for t in (query, key_cache, value_cache))
+    block_tables, context_lens = block_tables.to(device).long(), context_lens.cpu().long()
+    cu = cu_seqlens_q.cpu().long()
     num_blocks, block_size, heads_kv, head_dim = key_cache.shape
     total_q, heads, _ = query.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    out = torch.zeros(total_q, heads, head_dim, dtype=torch.float64)
+    out = torch.zeros(total_q, heads, head_dim, dtype=torch.float64, device=device)
     for b in range(block_tables.shape[0]):
         begin, end = int(cu[b]), int(cu[b + 1])
         q_len = end - begin
         context = min(max(int(context_lens[b]), 0), block_tables.shape[1] * block_size)
-        j = torch.arange(context)
+        j = torch.arange(context, device=device)
         block, row = block_tables[b, j // block_size], j % block_size
         present = (block >= 0) & (block < num_blocks)
         if q_len == 0 or not bool(present.any()):
@@ -288,8 +292,8 @@ def reference_paged_prefill(query, key_cache, value_cache, block_tables, cu_seql
         v = value_cache[block[present], row[present]].repeat_interleave(heads // heads_kv, dim=1)
         positions = j[present]
         scores = scale * torch.einsum("ihd,nhd->hin", query[begin:end], k)  # (heads, q_len, n)
-        visible = positions[None, :] <= (torch.arange(q_len) + context - q_len)[:, None]  # (q_len, n)
+        visible = positions[None, :] <= (torch.arange(q_len, device=device) + context - q_len)[:, None]  # (q_len, n)
         scores = scores.masked_fill(~visible, -math.inf)
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row that sees nothing: 0, not NaN
         out[begin:end] = torch.einsum("hin,nhd->ihd", probs, v)
-    return out
+    return out.cpu()

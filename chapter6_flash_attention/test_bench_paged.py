@@ -338,13 +338,22 @@ def test_prefill_flops_count_the_visible_pairs():
 def test_prefill_configs_are_the_lessons():
     got = {c["config"]: c for c in B.sizes_for("cuda", quick=False)["prefill"]}
     assert set(got) == {"prefix", "mixed", "cold"}
-    assert got["prefix"]["chunks"] == [512] * 16 and got["prefix"]["contexts"] == [4096] * 16
+    assert got["prefix"]["chunks"] == [512] * 8 and got["prefix"]["contexts"] == [4096 + 512] * 8  # the target
     assert sorted(set(got["mixed"]["chunks"])) == [1, 512] and got["mixed"]["chunks"].count(1) == 60
     assert got["cold"]["chunks"] == got["cold"]["contexts"] == [2048] * 8
     for c in got.values():
         assert (c["heads"], c["heads_kv"], c["head_dim"], c["block_size"], c["dtype"]) == (32, 8, 128, 16, "bfloat16")
-    assert B.prefill_variants("cuda") == ("sdpa_flash", "flex_attention", *B.PREFILL_RUNGS, "default")
+    assert B.prefill_variants("cuda") == ("sdpa_flash", "flex_attention", "attention_varlen", *B.PREFILL_RUNGS,
+                                          "default")
     assert B.prefill_variants("cpu") == ("cpu",)
+
+
+def test_contiguous_ratios():
+    """default / attention_varlen per config: the contiguous kernel's time over the paged op's."""
+    rows = [{"config": "prefix", "variant": "default", "median_ms": 2.0},
+            {"config": "prefix", "variant": "attention_varlen", "median_ms": 1.5},
+            {"config": "cold", "variant": "default", "median_ms": 1.0}]
+    assert B.contiguous_ratios(rows) == {"prefix": 0.75, "cold": None}
 
 
 def test_prefill_reference_matches_the_ops_reference():

@@ -7,6 +7,8 @@ memory-safety rules of unchecked inputs, a misaligned query and a CUDA graph cap
 
 Run against the installed extension (pip install .) or the JIT build (COURSE_EXT_ROUTE=jit).
 """
+import itertools
+
 import pytest
 import torch
 
@@ -168,23 +170,47 @@ def test_meta_tensors_give_shapes():
 # 2. version=None's rule, asked for any GPU
 # ---------------------------------------------------------------------------------------------
 RULE_CASES = [
-    # (dtype, cuda, capability, total_q, max_seqlen_q): the rung
-    ((torch.bfloat16, True, (9, 0), 300, 0), "mma"),
-    ((torch.float16, True, (8, 0), 300, 129), "mma"),
-    ((torch.bfloat16, True, (9, 0), 64, 1), "decode_rows"),    # all decode tokens: no 64-row tiles
-    ((torch.bfloat16, True, (9, 0), 1, 0), "decode_rows"),     # one token: total_q bounds the chunk
-    ((torch.float32, True, (9, 0), 300, 0), "decode_rows"),    # no tensor cores in float32
-    ((torch.float64, True, (9, 0), 300, 0), "decode_rows"),
-    ((torch.bfloat16, True, (7, 5), 300, 0), "decode_rows"),   # no mma.sync m16n8k16 in bf16 before sm_80
-    ((torch.float32, False, (0, 0), 300, 0), "decode_rows"),   # the CPU: the name is validated only
+    # (dtype, cuda, capability, hopper_built, total_q, max_seqlen_q, head_dim, block_size, scale): the rung
+    ((torch.bfloat16, True, (9, 0), False, 300, 0, 128, 16, None), "mma"),  # a build without the sm_90a kernels
+    ((torch.float16, True, (8, 0), True, 300, 129, 128, 16, None), "mma"),  # not a Hopper GPU
+    ((torch.bfloat16, True, (10, 0), True, 300, 0, 128, 16, None), "mma"),  # sm_90a code runs on 9.0 alone
+    ((torch.bfloat16, True, (9, 0), True, 300, 0, 128, 16, None), "persistent"),
+    ((torch.float16, True, (9, 0), True, 300, 129, 64, 256, None), "persistent"),
+    ((torch.bfloat16, True, (9, 0), True, 300, 0, 256, 16, None), "mma"),  # no packed d256 instantiation
+    ((torch.bfloat16, True, (9, 0), True, 300, 0, 128, 48, None), "mma"),   # 48 neither divides 128 nor is a multiple
+    ((torch.bfloat16, True, (9, 0), True, 300, 0, 128, 4, None), "mma"),    # under the swizzle's 8 rows
+    ((torch.bfloat16, True, (9, 0), True, 300, 0, 128, 16, -1.0), "mma"),  # persistent takes scale > 0
+    ((torch.bfloat16, True, (9, 0), True, 64, 1, 128, 16, None), "decode_rows"),  # all decode tokens
+    ((torch.bfloat16, True, (9, 0), True, 64, 1, 128, 64, None), "persistent"),   # ... at a size decode_rows lacks
+    ((torch.bfloat16, True, (9, 0), False, 64, 1, 128, 16, None), "decode_rows"),  # no 64-row tiles
+    ((torch.bfloat16, True, (9, 0), False, 1, 0, 128, 16, None), "decode_rows"),   # one token: total_q bounds it
+    ((torch.float32, True, (9, 0), True, 300, 0, 128, 16, None), "decode_rows"),   # no tensor cores in float32
+    ((torch.float64, True, (9, 0), True, 300, 0, 128, 16, None), "decode_rows"),
+    ((torch.bfloat16, True, (7, 5), False, 300, 0, 128, 16, None), "decode_rows"),  # no bf16 mma.sync before sm_80
+    ((torch.float32, False, (0, 0), False, 300, 0, 128, 16, None), "decode_rows"),  # the CPU: the name is validated
 ]
 
 
-@pytest.mark.parametrize("case,rung", RULE_CASES, ids=[f"{c[0]}-{c[2]}-{c[3]}-{c[4]}-{c[1]}" for c, _ in RULE_CASES])
+def prefill_rule(dtype, cuda, capability, hopper_built, total_q, max_seqlen_q, head_dim, block_size, scale):
+    return flash_attention.dispatch_rule("paged_prefill_attention", (total_q, 8, head_dim), dtype=dtype, cuda=cuda,
+                                         capability=capability, hopper_built=hopper_built, scale=scale,
+                                         max_seqlen_q=max_seqlen_q, block_size=block_size)
+
+
+@pytest.mark.parametrize("case,rung", RULE_CASES, ids=["-".join(map(str, c)) for c, _ in RULE_CASES])
 def test_default_rule(case, rung):
-    dtype, cuda, capability, total_q, max_seqlen_q = case
-    assert flash_attention.dispatch_rule("paged_prefill_attention", (total_q, 8, 128), dtype=dtype, cuda=cuda,
-                                         capability=capability, max_seqlen_q=max_seqlen_q) == rung
+    assert prefill_rule(*case) == rung
+
+
+def test_persistent_block_sizes_by_construction():
+    """The Hopper rung loads a key tile (128 keys at head_dim 64 and 128) as one TMA box per page: it
+    takes exactly the block sizes of at least 8 rows (the 128-byte swizzle's period) that divide the
+    tile or are multiples of it, and every other size keeps the tensor-core rung of part 1."""
+    for head_dim in (64, 128):
+        for block_size in range(1, 1025):
+            whole_pages = block_size >= 8 and (128 % block_size == 0 or block_size % 128 == 0)
+            rung = prefill_rule(torch.bfloat16, True, (9, 0), True, 300, 0, head_dim, block_size, None)
+            assert rung == ("persistent" if whole_pages else "mma"), (head_dim, block_size, rung)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,7 +282,7 @@ MISUSES = {
                    rf"{OP}: cu_seqlens_q is on meta but query is on cpu"),
     "max_seqlen_q negative": (_call(max_seqlen_q=-1), rf"{OP}: max_seqlen_q is -1; it must be 0"),
     "unknown version": (_call(version="v2"),
-                        rf"{OP}: unknown version 'v2'; expected one of decode_rows, mma \(or None"),
+                        rf"{OP}: unknown version 'v2'; expected one of decode_rows, mma, persistent \(or None"),
     # values (check_tables=True)
     "table too short for the context": (_call(context_lens=torch.tensor([5, 9], dtype=torch.int32)),
                                         rf"{OP}: context_lens\[1\] is 9 but its block_tables row covers 2 blocks x "
@@ -293,15 +319,28 @@ CUDA_CHUNKS = ([1, 17, 128, 1, 0, 129, 1], [50, 17, 300, 1, 9, 1000, 2049])
 CUDA_GQA = ((8, 8), (8, 2), (8, 1))
 
 
+def hopper_runs():
+    """Whether rung persistent runs here: a build with the sm_90a kernels on a GPU of capability 9.0."""
+    return torch.cuda.get_device_capability() == (9, 0) and flash_attention.hopper_kernels_built()
+
+
+def require_hopper():
+    require_cuda()
+    if not hopper_runs():
+        pytest.skip("rung persistent needs a Hopper GPU (9.0) and a build with the sm_90a kernels")
+
+
 def rungs_for(dtype):
-    return [v for v in PREFILL_VERSIONS if v != "mma" or dtype in HALF_DTYPES]
+    """The rungs that run here for dtype at block_size 16 (every rung's)."""
+    return [v for v in PREFILL_VERSIONS
+            if v == "decode_rows" or (dtype in HALF_DTYPES and (v == "mma" or hopper_runs()))]
 
 
 def check_cuda_prefill(chunks, contexts, heads, heads_kv, head_dim, block_size, dtype, version, what,
                        check_tables=True, max_seqlen_q=0, inputs=None):
     if inputs is None:
         inputs = make_prefill(chunks, contexts, block_size, heads, heads_kv, head_dim, dtype, "cuda")
-    ref = reference_paged_prefill(*inputs)
+    ref = reference_paged_prefill(*inputs, device="cuda")  # float64 on the GPU: the long contexts' reference
     poison_allocator(torch.empty(inputs[0].shape, dtype=dtype, device="cuda"))
     out = prefill(*inputs, version=version, check_tables=check_tables, max_seqlen_q=max_seqlen_q)
     assert out.device.type == "cuda" and out.dtype == dtype and out.shape == ref.shape, what
@@ -334,22 +373,81 @@ def test_cuda_rungs_agree_with_max_seqlen_q(dtype):
     assert torch.equal(exact, prefill(*inputs, version="mma"))
 
 
+PREFILL_KERNELS = {"decode_rows": "paged_attention_kernel", "mma": "paged_prefill_kernel",
+                   "persistent": "flash_fwd_hopper_persistent_kernel"}
+
+
 @pytest.mark.cuda
 def test_cuda_default_dispatch():
-    """version=None: the tensor-core kernel for a batch with a chunk, the decode kernel for a batch
-    of decode tokens (max_seqlen_q = 1) and for float32 (flash_attention.default_choice agrees)."""
+    """version=None: the Hopper kernel (on a Hopper GPU, at any block size it takes) or else the
+    tensor-core kernel for a batch with a chunk, the decode kernel for a batch of decode tokens
+    (max_seqlen_q = 1) at the block sizes it takes and for float32 (flash_attention.default_choice
+    agrees)."""
     require_cuda()
     from coursekit.pytest_plugin import launched_kernels
-    cases = (([17, 1], torch.bfloat16, 0, "paged_prefill_kernel"),
-             ([1, 1], torch.bfloat16, 1, "paged_attention_kernel"),
-             ([17, 1], torch.float32, 0, "paged_attention_kernel"))
-    for chunks, dtype, max_q, kernel in cases:
-        inputs = make_prefill(chunks, [40, 40], 16, 8, 2, 64, dtype, "cuda")
+    chunk_rung = "persistent" if hopper_runs() else "mma"
+    cases = [([17, 1], torch.bfloat16, 0, 16, chunk_rung),
+             ([1, 1], torch.bfloat16, 1, 16, "decode_rows"),
+             ([17, 1], torch.float32, 0, 16, "decode_rows")]
+    if hopper_runs():
+        cases += [([17, 1], torch.float16, 0, 128, "persistent"), ([1, 1], torch.bfloat16, 1, 64, "persistent")]
+    for chunks, dtype, max_q, block_size, rung in cases:
+        inputs = make_prefill(chunks, [40, 40], block_size, 8, 2, 64, dtype, "cuda")
         _, names = launched_kernels(lambda: prefill(*inputs, max_seqlen_q=max_q, check_tables=False),
                                     "flash_attention")
-        assert any(kernel in n for n in names), (chunks, dtype, names)
-        rung = "mma" if kernel == "paged_prefill_kernel" else "decode_rows"
-        assert flash_attention.default_choice("paged_prefill_attention", inputs[0], max_seqlen_q=max_q) == rung
+        assert any(PREFILL_KERNELS[rung] in n for n in names), (chunks, dtype, block_size, names)
+        assert flash_attention.default_choice("paged_prefill_attention", inputs[0], max_seqlen_q=max_q,
+                                              block_size=block_size) == rung
+
+
+# Rung persistent: chunks of 1, 17, 127, 128, 129 and 512 (one off the 128-row tile either way, and
+# the target's) after prefixes of 0, 5, 4095 and 4096 tokens (a cold prompt, a prefix inside one
+# page, one off a key tile and whole tiles), decode tokens and empty chunks among them, every block
+# size class (pages that split the key tile, one page a tile, pages of two tiles) and GQA 4:1, 8:1
+# and 1:1 across them.
+PERSISTENT_CHUNKS = (1, 17, 127, 128, 129, 512)
+PERSISTENT_PREFIXES = (0, 5, 4095, 4096)
+PERSISTENT_GQA = {16: 2, 64: 1, 128: 8, 256: 2}  # block size: kv heads of 8 query heads
+
+
+def persistent_batch():
+    chunks = [c for c in PERSISTENT_CHUNKS for _ in PERSISTENT_PREFIXES] + [1, 1, 1, 0, 0]
+    contexts = [c + p for c in PERSISTENT_CHUNKS for p in PERSISTENT_PREFIXES] + [1, 300, 4097, 0, 9]
+    return chunks, contexts
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("block_size", tuple(PERSISTENT_GQA))
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+def test_cuda_persistent_matches_reference(dtype, head_dim, block_size):
+    """Rung persistent against the float64 reference, into a NaN-poisoned output (check_cuda_prefill),
+    with max_seqlen_q exact at two block sizes and 0 (total_q) at the others."""
+    require_hopper()
+    chunks, contexts = persistent_batch()
+    max_q = max(chunks) if block_size in (64, 256) else 0
+    check_cuda_prefill(chunks, contexts, 8, PERSISTENT_GQA[block_size], head_dim, block_size, dtype, "persistent",
+                       f"persistent {dtype_id(dtype)} d{head_dim} bs{block_size}", max_seqlen_q=max_q)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("block_size", (16, 256))
+def test_cuda_persistent_is_attention_varlen(block_size):
+    """Rung persistent is attention_varlen's persistent kernel with the keys read through the table:
+    the same consumers on the same keys in the same order (the rows past a context are zeros here and
+    the next sequence's there, masked either way), so the same bits as attention_varlen on the keys
+    gathered contiguous."""
+    require_hopper()
+    chunks, contexts = persistent_batch()
+    query, key_cache, value_cache, tables, cu, lens = make_prefill(chunks, contexts, block_size, 8, 2, 128,
+                                                                   torch.bfloat16, "cuda")
+    pages = [tables[b, :blocks_needed(n, block_size)].long() for b, n in enumerate(contexts)]
+    k = torch.cat([key_cache[p].flatten(0, 1)[:n] for p, n in zip(pages, contexts)])
+    v = torch.cat([value_cache[p].flatten(0, 1)[:n] for p, n in zip(pages, contexts)])
+    cu_k = torch.tensor([0, *itertools.accumulate(contexts)], dtype=torch.int32, device="cuda")
+    expected = flash_attention.attention_varlen(query, k, v, cu, cu_k, max(chunks), max(contexts), causal=True,
+                                                version="persistent")
+    assert torch.equal(prefill(query, key_cache, value_cache, tables, cu, lens, version="persistent"), expected)
 
 
 @pytest.mark.cuda
@@ -364,9 +462,19 @@ def test_cuda_unchecked_inputs_follow_the_memory_safety_rules(dtype):
     lens = torch.tensor([40, 60, 5000, 50], dtype=torch.int32, device="cuda")
     cu = torch.tensor([0, 17, 18, 18 + 70, 18 + 70 + 64], dtype=torch.int32, device="cuda")
     query = torch.randn(152, 8, 64, device="cuda").to(dtype)
+    inputs = (query, key_cache, value_cache, tables, cu, lens)
     for version in rungs_for(dtype):
+        if version == "persistent":
+            # Reads a block outside the cache as zeros (serving.h), not as absent: only sequence 2, whose
+            # blocks are all in the cache, is the reference's; the rest must be finite (no fault, no junk).
+            out = prefill(*inputs, version=version, check_tables=False)
+            ref = reference_paged_prefill(*inputs)
+            rtol, atol = cuda_tol(dtype, value_cache)
+            torch.testing.assert_close(out[18:88].cpu().double(), ref[18:88], rtol=rtol, atol=atol)
+            assert bool(out.isfinite().all()), "persistent: a block outside the cache gave a non-finite row"
+            continue
         check_cuda_prefill(None, None, 8, 2, 64, 16, dtype, version, f"{version} {dtype_id(dtype)}",
-                           check_tables=False, inputs=(query, key_cache, value_cache, tables, cu, lens))
+                           check_tables=False, inputs=inputs)
     torch.cuda.synchronize()  # a fault would surface here at the latest
 
 
@@ -381,7 +489,7 @@ def test_cuda_misaligned_query(dtype):
     buffer = torch.zeros(58 * 3 * 8 * 64 + 1, device="cuda", dtype=dtype)
     view = buffer[1:].view(58, 24, 64)[:, 8:16]
     view.copy_(query)
-    for version in PREFILL_VERSIONS:
+    for version in rungs_for(dtype):
         expected = prefill(query, key_cache, value_cache, tables, cu, lens, version=version)
         assert torch.equal(prefill(view, key_cache, value_cache, tables, cu, lens, version=version), expected), version
 
@@ -397,17 +505,31 @@ def test_cuda_prefill_small():
     inputs = (torch.randn(20, 4, 64, device="cuda").to(torch.bfloat16), key_cache, value_cache, tables,
               torch.tensor([0, 19, 20, 20], dtype=torch.int32, device="cuda"),
               torch.tensor([40, 37, 3], dtype=torch.int32, device="cuda"))
-    for version in PREFILL_VERSIONS:
-        check_cuda_prefill(None, None, 4, 2, 64, 16, torch.bfloat16, version, version, check_tables=False,
-                           inputs=inputs)
+    for version in rungs_for(torch.bfloat16):
+        if version != "persistent":  # a block outside the cache is not absent there: the next test
+            check_cuda_prefill(None, None, 4, 2, 64, 16, torch.bfloat16, version, version, check_tables=False,
+                               inputs=inputs)
+
+
+@pytest.mark.cuda
+@pytest.mark.sanitize
+@pytest.mark.parametrize("block_size", (16, 256))
+def test_cuda_persistent_small(block_size):
+    """The small run compute-sanitizer checks on rung persistent: pages that split a key tile and a
+    page of two tiles, a chunk over two query tiles, decode tokens, an empty chunk, a context off the
+    block size, junk table entries past every context."""
+    require_hopper()
+    check_cuda_prefill([130, 1, 0, 17, 1], [300, 37, 3, 17, 1], 4, 2, 64, block_size, torch.bfloat16, "persistent",
+                       f"persistent bs{block_size}", check_tables=False)
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("version", [None, *PREFILL_VERSIONS])
 def test_cuda_graph_capture(version):
     """A server replays its step from a CUDA graph: with check_tables=False nothing syncs, the
-    work goes to the current stream, and decode_rows' index tensors come from the graph's pool."""
-    require_cuda()
+    work goes to the current stream, and decode_rows' index tensors (persistent's lse and schedule)
+    come from the graph's pool."""
+    require_hopper() if version == "persistent" else require_cuda()
     from coursekit.pytest_plugin import capture_and_replay
     inputs = make_prefill([17, 1, 128], [40, 33, 200], 16, 8, 2, 128, torch.bfloat16, "cuda")
     captured, expected = capture_and_replay(lambda: prefill(*inputs, version=version, max_seqlen_q=128,
@@ -425,6 +547,20 @@ def test_cuda_misuse():
     with pytest.raises(RuntimeError, match=rf"{OP}: version 'mma' runs on tensor cores and takes float16 and "
                                            r"bfloat16; query is Float \(use version='decode_rows' or None\)"):
         prefill(*inputs, version="mma")
+    with pytest.raises(RuntimeError, match=rf"{OP}: version 'persistent' runs on tensor cores and takes float16 "
+                                           r"and bfloat16; query is Float \(use version='decode_rows' or None\)"):
+        prefill(*inputs, version="persistent")
+    with pytest.raises(RuntimeError, match=rf"{OP}: block_size 48 is not supported on CUDA \(supported: 16, 32; "
+                                           r"version 'persistent', on a Hopper GPU, takes more\)"):
+        prefill(*make_prefill([3], [7], 48, 4, 2, 64, torch.bfloat16, "cuda"), version="mma")
+    if hopper_runs():
+        with pytest.raises(RuntimeError, match=rf"{OP}: version 'persistent' loads one TMA box per page of a 128-key "
+                                               r"tile and takes block sizes of at least 8 that divide it or are "
+                                               r"multiples of it; block_size is 48"):
+            prefill(*make_prefill([3], [7], 48, 4, 2, 64, torch.bfloat16, "cuda"), version="persistent")
+    else:
+        with pytest.raises(RuntimeError, match=rf"{OP}: version 'persistent' (is a Hopper kernel|needs a Hopper GPU)"):
+            prefill(*make_prefill([3], [7], 16, 4, 2, 64, torch.bfloat16, "cuda"), version="persistent")
     query, key_cache, value_cache, tables, cu, lens = make_prefill([3], [7], 16, 4, 2, 64, torch.bfloat16, "cuda")
     with pytest.raises(RuntimeError, match=rf"{OP}: cu_seqlens_q is on cpu but query is on cuda"):
         prefill(query, key_cache, value_cache, tables, cu.cpu(), lens)

@@ -125,7 +125,7 @@ VERSIONS = {
                           "pingpong", "persistent"),
     "attention_backward": ("naive", "mma", "mma_dqpass", "wgmma"),
     "paged_attention": ("per_head", "per_kv_head", "split_kv"),
-    "paged_prefill_attention": ("decode_rows", "mma"),
+    "paged_prefill_attention": ("decode_rows", "mma", "persistent"),
 }
 
 
@@ -137,7 +137,7 @@ def hopper_kernels_built():
 
 def dispatch_rule(op, q_shape, k_shape=None, *, dtype, cuda, capability=(0, 0), sms=0, hopper_built=False,
                   scale=None, causal=False, window=(-1, -1), softcap=0.0, deterministic=False, max_seqlen_q=0,
-                  max_seqlen_k=0, batch=1):
+                  max_seqlen_k=0, batch=1, block_size=16):
     """The rung version=None runs for inputs of these shapes and dtype on a device described by the
     rest: the extension's own rule (csrc/attention/attention_ops.cpp), asked with any facts, so
     that a GPU other than this machine's (or a recorded one) can be asked about here.
@@ -147,8 +147,8 @@ def dispatch_rule(op, q_shape, k_shape=None, *, dtype, cuda, capability=(0, 0), 
     sequences and max_seqlen_q, max_seqlen_k the call's (0: the totals), which the forward's rule
     reads as the padded rule reads a batch (the lengths themselves never: they stay on the device);
     None where no rung takes the packed layout (the CPU runs the reference, CUDA refuses the call).
-    paged_prefill_attention's q_shape is (total_q, heads, head_dim), and max_seqlen_q its argument
-    of that name (0: total_q); csrc/serving/serving.h has its rule."""
+    paged_prefill_attention's q_shape is (total_q, heads, head_dim), max_seqlen_q its argument
+    of that name (0: total_q) and block_size the cache's; csrc/serving/serving.h has its rule."""
     half = dtype in (torch.float16, torch.bfloat16)
     if op in ("attention_varlen_forward", "attention_varlen_backward"):
         total_q, h, d = q_shape
@@ -160,7 +160,11 @@ def dispatch_rule(op, q_shape, k_shape=None, *, dtype, cuda, capability=(0, 0), 
             sms, hopper_built, list(window), softcap, deterministic) or None
     if op == "paged_prefill_attention":
         bound = max_seqlen_q if max_seqlen_q > 0 else q_shape[0]
-        return torch.ops.flash_attention.paged_prefill_rule(cuda, half, capability[0], bound)
+        d = q_shape[2]
+        if scale is None:
+            scale = 1.0 / math.sqrt(d) if d > 0 else 1.0
+        return torch.ops.flash_attention.paged_prefill_rule(cuda, half, capability[0], capability[1], hopper_built, d,
+                                                            block_size, scale, bound)
     b, h, s_q, d = q_shape
     _, h_kv, s_k, _ = q_shape if k_shape is None else k_shape
     if op == "attention_forward":
@@ -176,10 +180,11 @@ def dispatch_rule(op, q_shape, k_shape=None, *, dtype, cuda, capability=(0, 0), 
 
 
 def default_choice(op, q, k=None, *, scale=None, causal=False, window=(-1, -1), softcap=0.0, max_seqlen_q=0,
-                   max_seqlen_k=0, batch=1):
+                   max_seqlen_k=0, batch=1, block_size=16):
     """The rung version=None runs for q (and k: q's shape when not given) on q's device: what the
     benchmark records as a default row's dispatch. The packed ops: batch (the sequence count) and the
-    max lengths as passed to attention_varlen (dispatch_rule)."""
+    max lengths as passed to attention_varlen (dispatch_rule); paged_prefill_attention: the cache's
+    block_size."""
     cuda = q.device.type == "cuda"
     props = torch.cuda.get_device_properties(q.device) if cuda else None
     return dispatch_rule(op, tuple(q.shape), None if k is None else tuple(k.shape), dtype=q.dtype, cuda=cuda,
@@ -187,7 +192,8 @@ def default_choice(op, q, k=None, *, scale=None, causal=False, window=(-1, -1), 
                          sms=props.multi_processor_count if cuda else 0,
                          hopper_built=cuda and hopper_kernels_built(), scale=scale, causal=causal, window=window,
                          softcap=softcap, deterministic=torch.are_deterministic_algorithms_enabled(),
-                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, batch=batch)
+                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, batch=batch,
+                         block_size=block_size)
 
 
 def _default_scale(q):

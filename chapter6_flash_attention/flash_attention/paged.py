@@ -108,13 +108,18 @@ def paged_prefill_attention(query, key_cache, value_cache, block_tables, cu_seql
 
     max_seqlen_q: the longest chunk, which sizes the CUDA grid (0: total_q, always enough; a server
     knows the lengths on the host and passes them). CUDA takes head_dim 64 or 128 and block_size
-    16 or 32; the CPU runs the float32 and float64 reference whatever the version names.
+    16 or 32 (and on a Hopper GPU, rung persistent, 8, 64, 128, 256 and other multiples of 128 too);
+    the CPU runs the float32 and float64 reference whatever the version names.
 
     version: "decode_rows" (each query row a decode query of paged_attention over the tokens it
     sees: any dtype and GPU, but every row reads its context), "mma" (FlashAttention 2's tiles on
     tensor cores, a 64-row tile reading the context once: float16 and bfloat16, compute capability
-    8.0+), or None: mma where it runs unless every chunk is one token (max_seqlen_q == 1, a batch of
-    decode tokens), else decode_rows. flash_attention.default_choice says which.
+    8.0+), "persistent" (the Hopper forward of attention_varlen, its producer copying each key tile
+    page by page through the table with TMA: float16 and bfloat16, compute capability 9.0, a build
+    with the sm_90a kernels, scale > 0; with check_tables=False a token in a block outside the cache
+    reads as zeros there, where the other rungs leave it out), or None: persistent where it runs,
+    else mma, unless every chunk is one token (max_seqlen_q == 1, a batch of decode tokens: then
+    decode_rows where the block size allows). flash_attention.default_choice says which.
 
     check_tables=True refuses what paged_attention's does, plus offsets that do not run from 0 to
     total_q without decreasing, a chunk longer than its context or than max_seqlen_q (a device sync

@@ -112,6 +112,16 @@ struct AttentionParams {
   const int32_t* cu_seqlens_q = nullptr;
   const int32_t* cu_seqlens_k = nullptr;
   int64_t total_q = 0, total_k = 0;
+  // Paged K/V, with the packed layout (the serving half's paged_prefill_attention, its rung
+  // "persistent"; csrc/serving/serving.h): null for every other call. k and v are then the caches,
+  // (num_blocks, block_size, heads_kv, head_dim) contiguous; key j of sequence b lives in block
+  // block_tables[b * block_table_stride + j / block_size], row j % block_size; sequence b has
+  // context_lens[b] keys (clamped to [0, max_blocks * block_size], serving.h's paged_context), and
+  // cu_seqlens_k, total_k and the k/v strides are not read. Only the persistent rung's packed
+  // instantiation reads these (its producer alone: flash_fwd_hopper_persistent.cuh).
+  const int32_t* block_tables = nullptr;
+  const int32_t* context_lens = nullptr;
+  int64_t block_table_stride = 0, block_size = 0, num_blocks = 0, max_blocks = 0;
 };
 
 // Rows of the per-row statistics (lse, and the backward's D): batch * heads * seqlen_q padded,

@@ -556,6 +556,20 @@ inline cudaError_t make_bhsd_map(CUtensorMap* map, const void* base, int64_t bat
   return hopper::make_tensor_map_16bit(map, base, 4, dims, strides, box);
 }
 
+// A paged KV cache (num_blocks, block_size, heads_kv, head_dim), contiguous (serving.h), as TMA's
+// (head_dim, heads_kv, block_size, num_blocks), innermost first, boxes of 64 columns by `rows` rows
+// of one head in one block: the persistent rung's paged producer (flash_fwd_hopper_persistent.cuh)
+// copies one page's rows of a key tile per box, coordinates (column, kv head, row in the page, block).
+inline cudaError_t make_paged_map(CUtensorMap* map, const void* base, int64_t num_blocks, int64_t block_size,
+                                  int64_t heads_kv, int64_t head_dim, int rows) {
+  const uint64_t dims[4] = {static_cast<uint64_t>(head_dim), static_cast<uint64_t>(heads_kv),
+                            static_cast<uint64_t>(block_size), static_cast<uint64_t>(num_blocks > 0 ? num_blocks : 1)};
+  const uint64_t row_bytes = static_cast<uint64_t>(head_dim) * 2;
+  const uint64_t strides[3] = {row_bytes, row_bytes * dims[1], row_bytes * dims[1] * dims[2]};
+  const uint32_t box[4] = {64, 1, static_cast<uint32_t>(rows), 1};
+  return hopper::make_tensor_map_16bit(map, base, 4, dims, strides, box);
+}
+
 // Launches one configuration (the rungs' instantiation files and the experiments call this).
 template <typename T, typename K>
 cudaError_t run_flash_fwd_hopper_config(const AttentionParams& p, cudaStream_t stream) {

@@ -183,6 +183,9 @@ __global__ void __launch_bounds__(K::kThreads, 1)
   // schedule's order; packed, the (pair, query tile) the producer decoded (tile_schedule.h).
   // q_row, k_row and map_b are the coordinates its copies start at: padded (m0, 0, b), packed
   // (cu_seqlens_q[b] + m0, cu_seqlens_k[b], 0) in the maps of one batch of every token.
+  // Paged K/V (AttentionParams' block_tables; packed only): the producer loads each key tile page by
+  // page through the table (load_kv below), and the items read their key counts from context_lens.
+  const bool paged = kVarlen && p.block_tables != nullptr;
   struct Item {
     int b, h, hk, n_tiles, map_b;
     int first_tile;  // the walk's first key tile: 0 but under a window (kWindowSoftcap)
@@ -206,13 +209,27 @@ __global__ void __launch_bounds__(K::kThreads, 1)
     it.hk = static_cast<int>(it.h / (p.heads / p.heads_kv));  // GQA
     it.m0 = static_cast<int64_t>(q_tile) * kBM;
     if constexpr (kVarlen) {
-      // A pair of offsets that decreases (cu_seqlens the host never read) is an empty sequence, as in
-      // varlen.cuh; the order has no item of it then, and the keys clamp alike.
-      const int64_t q0 = p.cu_seqlens_q[it.b], k0 = p.cu_seqlens_k[it.b];
-      it.seqlen_q = max(int64_t{0}, p.cu_seqlens_q[it.b + 1] - q0);
-      it.seqlen_k = max(int64_t{0}, p.cu_seqlens_k[it.b + 1] - k0);
-      it.q_row = q0 + it.m0;
-      it.k_row = k0;
+      if (paged) {
+        // Paged (a runtime choice: the consumers read only seqlen_q and seqlen_k, the same either way):
+        // the rows clamped into [0, total_q] and the keys to the table row (serving.h's prefill_rows
+        // and paged_context), since a server's unchecked offsets and lengths must not move a store
+        // outside the output or a table read outside the row. The keys' copies go through the table
+        // (load_kv below), so there is no k_row.
+        const int64_t q0 = min(max(int64_t{p.cu_seqlens_q[it.b]}, int64_t{0}), p.total_q);
+        const int64_t q1 = min(max(int64_t{p.cu_seqlens_q[it.b + 1]}, q0), p.total_q);
+        it.seqlen_q = q1 - q0;
+        it.seqlen_k = min(max(int64_t{p.context_lens[it.b]}, int64_t{0}), p.max_blocks * p.block_size);
+        it.q_row = q0 + it.m0;
+        it.k_row = it.b * p.block_table_stride;  // paged: where its table row starts (load_kv)
+      } else {
+        // A pair of offsets that decreases (cu_seqlens the host never read) is an empty sequence, as in
+        // varlen.cuh; the order has no item of it then, and the keys clamp alike.
+        const int64_t q0 = p.cu_seqlens_q[it.b], k0 = p.cu_seqlens_k[it.b];
+        it.seqlen_q = max(int64_t{0}, p.cu_seqlens_q[it.b + 1] - q0);
+        it.seqlen_k = max(int64_t{0}, p.cu_seqlens_k[it.b + 1] - k0);
+        it.q_row = q0 + it.m0;
+        it.k_row = k0;
+      }
       it.map_b = 0;
     } else {
       it.seqlen_q = p.seqlen_q;
@@ -259,20 +276,84 @@ __global__ void __launch_bounds__(K::kThreads, 1)
       if (value < schedule.tiles) it = item_at(value);
       // Trip kv_trips of the walk: key tile it.first_tile + i of the item. Its stage is free once the
       // 8 consumer warps are done with trip kv_trips - kStages (of this item or of an earlier one).
+      // Paged: key tile i of the item as boxes of page_rows rows, one per page (a page of at least
+      // kBN rows: one box, the tile's kBN rows at their offset in the page), each handed to
+      // box(first row in the tile, row in the page, block id). The maps describe the cache as
+      // (head_dim, heads_kv, block_size, num_blocks), a box (64 columns, 1 head, page_rows rows,
+      // 1 block) (the launcher). A page none of whose rows is below the context (its table entry may
+      // be junk: serving.h), or whose id is outside the cache (check_tables=False), is named by
+      // block num_blocks, one past the map's end: TMA reads nothing there and fills the box with
+      // zeros, and still counts its bytes, so every tile completes with the same expect-tx. Those
+      // rows are past the context (masked by the consumers, their zero values adding 0 x 0) or in
+      // an absent block (zeros: a score of 0, not serving.h's "absent"; flash_attention/paged.py
+      // says so). The rows of the last page past the context are the cache's bytes there: masked
+      // alike, their values multiplied by P = 0 (finite in a cache made with zeros or written before;
+      // a NaN there would survive 0 x NaN: serving.h).
+      auto paged_boxes = [&](int i, auto&& box) {
+        // In ints: the launcher keeps num_blocks and max_blocks x block_size (every key) below INT_MAX.
+        // Read from the parameters here, not held across the walk: the producer has 40 registers (and
+        // for the same reason its table row's offset rides in it.k_row, unused when paged).
+        const int block_size = static_cast<int>(p.block_size), num_blocks = static_cast<int>(p.num_blocks);
+        const int page_rows = block_size < kBN ? block_size : kBN;
+        const int n0 = (it.first_tile + i) * kBN;
+        // One division per tile: the tile's first page and its row there. A page of at most kBN rows
+        // starts at row 0 and the next box is the next page; a longer page holds the whole tile
+        // (one box, from row n0 mod block_size).
+        int page = n0 / block_size;
+        const int row = n0 - page * block_size;
+        const int32_t* table = p.block_tables + it.k_row;
+        for (int r0 = 0; r0 < kBN; r0 += page_rows, ++page) {
+          int id = num_blocks;  // one past the map's end: a box of zeros
+          if (n0 + r0 < static_cast<int>(it.seqlen_k)) {  // a row below the context: the entry is valid
+            const int32_t entry = table[page];
+            if (entry >= 0 && entry < num_blocks) id = entry;
+          }
+          box(r0, row, id);
+        }
+      };
       auto load_kv = [&](int i) {
         const int stage = kv_trips % kStages;
         if (kv_trips >= kStages) mbarrier_wait(&kv_empty[stage], ((kv_trips / kStages) - 1) & 1);
+        unsigned char* k_dst = k_s + stage * K::kKVBytes;
+        unsigned char* v_dst = v_s + stage * K::kKVBytes;
+        if (paged) {
+          // One expect-tx per barrier for the whole tile (the pages' boxes add up to kKVBytes), then
+          // each page's rows at their offset in every 64-column chunk. A page of r rows lands at byte
+          // r0 x 128 of a chunk (r0 a multiple of r, r >= 8: a multiple of 1024 bytes), where the
+          // 128-byte swizzle's pattern (16-byte pieces XORed by the row's index mod 8, repeating every
+          // 8 rows = 1024 bytes) starts over: TMA swizzles by the shared-memory address, so the page's
+          // rows come out exactly as the same rows of one 128-row box would, the layout the
+          // consumers' descriptors read. A page of fewer than 8 rows would break that (the glue
+          // keeps such caches off this rung: paged_prefill_hopper_block_size, serving.h).
+          // K's pages, then V's (the table entries again, from L1): K completes first, as below.
+          mbarrier_arrive_expect_tx(&k_full[stage], K::kKVBytes);
+          paged_boxes(i, [&](int r0, int row, int id) {
+#pragma unroll
+            for (int c = 0; c < K::kChunks; ++c) {
+              tma_load_4d(k_dst + c * kBN * 128 + r0 * 128, &map_k, &k_full[stage], c * 64, it.hk, row, id);
+            }
+          });
+          mbarrier_arrive_expect_tx(&v_full[stage], K::kKVBytes);
+          paged_boxes(i, [&](int r0, int row, int id) {
+#pragma unroll
+            for (int c = 0; c < K::kChunks; ++c) {
+              tma_load_4d(v_dst + c * kBN * 128 + r0 * 128, &map_v, &v_full[stage], c * 64, it.hk, row, id);
+            }
+          });
+          ++kv_trips;
+          return;
+        }
         const int row = static_cast<int>(it.k_row) + (it.first_tile + i) * kBN;
         // K and V complete on separate barriers, so that S = Q K^T starts before V lands.
         mbarrier_arrive_expect_tx(&k_full[stage], K::kKVBytes);
 #pragma unroll
         for (int c = 0; c < K::kChunks; ++c) {
-          tma_load_4d(k_s + stage * K::kKVBytes + c * kBN * 128, &map_k, &k_full[stage], c * 64, row, it.hk, it.map_b);
+          tma_load_4d(k_dst + c * kBN * 128, &map_k, &k_full[stage], c * 64, row, it.hk, it.map_b);
         }
         mbarrier_arrive_expect_tx(&v_full[stage], K::kKVBytes);
 #pragma unroll
         for (int c = 0; c < K::kChunks; ++c) {
-          tma_load_4d(v_s + stage * K::kKVBytes + c * kBN * 128, &map_v, &v_full[stage], c * 64, row, it.hk, it.map_b);
+          tma_load_4d(v_dst + c * kBN * 128, &map_v, &v_full[stage], c * 64, row, it.hk, it.map_b);
         }
         ++kv_trips;
       };
@@ -318,8 +399,19 @@ __global__ void __launch_bounds__(K::kThreads, 1)
             for (int c = 0; c < K::kChunks; ++c) {
               tma_prefetch_l2_4d(&map_q, c * 64, static_cast<int>(it.q_row), it.h, it.map_b);
               tma_prefetch_l2_4d(&map_q, c * 64, static_cast<int>(it.q_row) + 64, it.h, it.map_b);
-              tma_prefetch_l2_4d(&map_k, c * 64, row, it.hk, it.map_b);
-              tma_prefetch_l2_4d(&map_v, c * 64, row, it.hk, it.map_b);
+              if (!paged) {
+                tma_prefetch_l2_4d(&map_k, c * 64, row, it.hk, it.map_b);
+                tma_prefetch_l2_4d(&map_v, c * 64, row, it.hk, it.map_b);
+              }
+            }
+            if (paged) {  // the first key tile's pages, through the table as load_kv reads them
+              paged_boxes(0, [&](int, int page_row, int id) {
+#pragma unroll
+                for (int c = 0; c < K::kChunks; ++c) {
+                  tma_prefetch_l2_4d(&map_k, c * 64, it.hk, page_row, id);
+                  tma_prefetch_l2_4d(&map_v, c * 64, it.hk, page_row, id);
+                }
+              });
             }
           }
         }
@@ -560,10 +652,22 @@ cudaError_t run_flash_fwd_hopper_persistent(const AttentionParams& p, cudaStream
   // Q in boxes of 64 rows: each consumer warpgroup's half has its own barriers.
   COURSE_CUDA_TRY(make_bhsd_map(&map_q, p.q, map_batch, p.heads, rows_q, K::kHeadDim, p.q_batch_stride,
                                 p.q_head_stride, p.q_seq_stride, K::kBlockM / 2));
-  COURSE_CUDA_TRY(make_bhsd_map(&map_k, p.k, map_batch, p.heads_kv, rows_k, K::kHeadDim, p.k_batch_stride,
-                                p.k_head_stride, p.k_seq_stride, K::kBlockN));
-  COURSE_CUDA_TRY(make_bhsd_map(&map_v, p.v, map_batch, p.heads_kv, rows_k, K::kHeadDim, p.v_batch_stride,
-                                p.v_head_stride, p.v_seq_stride, K::kBlockN));
+  if (kVarlen && p.block_tables != nullptr) {
+    // Paged: the caches as (head_dim, heads_kv, block_size, num_blocks), boxes of one page's rows (at
+    // most a key tile's) of one head: the producer's load_kv. Block ids and rows are TMA's int
+    // coordinates, and num_blocks itself names the zero box (one past the end).
+    if (!paged_prefill_hopper_block_size(p.block_size, K::kBlockN) || p.num_blocks >= INT_MAX ||
+        p.max_blocks * p.block_size > INT_MAX / 2)
+      return cudaErrorInvalidValue;
+    const int rows = static_cast<int>(p.block_size < K::kBlockN ? p.block_size : K::kBlockN);
+    COURSE_CUDA_TRY(make_paged_map(&map_k, p.k, p.num_blocks, p.block_size, p.heads_kv, K::kHeadDim, rows));
+    COURSE_CUDA_TRY(make_paged_map(&map_v, p.v, p.num_blocks, p.block_size, p.heads_kv, K::kHeadDim, rows));
+  } else {
+    COURSE_CUDA_TRY(make_bhsd_map(&map_k, p.k, map_batch, p.heads_kv, rows_k, K::kHeadDim, p.k_batch_stride,
+                                  p.k_head_stride, p.k_seq_stride, K::kBlockN));
+    COURSE_CUDA_TRY(make_bhsd_map(&map_v, p.v, map_batch, p.heads_kv, rows_k, K::kHeadDim, p.v_batch_stride,
+                                  p.v_head_stride, p.v_seq_stride, K::kBlockN));
+  }
   auto kernel = flash_fwd_hopper_persistent_kernel<T, K, kVarlen, kWindowSoftcap>;
   COURSE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSmemBytes));
   int device = 0, sms = 0, l2_bytes = 0, per_sm = 0;

@@ -15,6 +15,17 @@ inline constexpr int kHopperBlockM = 128;
 // (flash_fwd_hopper_kernel.cuh's HopperFwdTraits reads it from here, and so does the schedule).
 FLASH_ATTENTION_HD constexpr int hopper_block_n(int64_t head_dim) { return head_dim == 256 ? 64 : 128; }
 
+// Block sizes of a paged KV cache whose pages the persistent rung's packed instantiation loads
+// through the block table (AttentionParams' block_tables; flash_fwd_hopper_persistent.cuh's
+// load_kv): one TMA box per page of a key tile of block_n keys, so a page must divide the tile or
+// be a multiple of it (the boxes then tile it exactly, all of one size, the tensor map's), and hold
+// at least 8 rows, the 128-byte swizzle's period (8 rows of 128 bytes), so that every page lands on
+// a 1024-byte boundary of the tile where the swizzle's pattern starts over. 16, 32, 64, 128, 256 ...
+// at block_n 128; any other size runs on the other rungs of paged_prefill_attention (serving.h).
+FLASH_ATTENTION_HD constexpr bool paged_prefill_hopper_block_size(int64_t block_size, int block_n) {
+  return block_size >= 8 && (block_n % block_size == 0 || block_size % block_n == 0);
+}
+
 // The key tiles of query tile m0 .. m0 + kHopperBlockM - 1 under a window or a softcap (the
 // persistent rung's kWindowSoftcap instantiation): from the tile holding the first row's first
 // visible key to the one holding the last valid row's last, [key_begin(m0), key_end(last row)) in

@@ -25,7 +25,10 @@
 // tensors, only when asked to (reading them back is a device sync; serving_ops.cpp says more).
 #pragma once
 
+#include "hopper/tile_schedule.h"  // paged_prefill_hopper_block_size, hopper_block_n (plain C++)
+
 #include <course/dtype.h>
+#include <course/static_switch.h>  // is_listed
 
 #include <cstdint>
 
@@ -200,13 +203,44 @@ enum class PagedVersion { kPerHead, kPerKvHead, kSplitKv };
 //     one pass, and no tensor cores.
 //   v2 mma: FlashAttention 2's tiles (paged_prefill_kernels.cu): each 64-row query tile reads the
 //     context once, S and P V on tensor cores. float16/bfloat16, compute capability 8.0+.
-// version=None: mma where it runs and some chunk is longer than one token (max_seqlen_q, the
-// host's bound: 0 stands for total_q); decode_rows otherwise, where mma would pad each one-row
-// tile to 64 rows of mma work. Plain C++, so any GPU can be asked about from anywhere.
-enum class PagedPrefillVersion { kDecodeRows, kMma };
-inline PagedPrefillVersion paged_prefill_default(bool cuda, bool half, int capability_major, int64_t max_seqlen_q) {
-  return cuda && half && capability_major >= 8 && max_seqlen_q != 1 ? PagedPrefillVersion::kMma
-                                                                     : PagedPrefillVersion::kDecodeRows;
+//   v3 persistent: part 3's Hopper forward (csrc/hopper/flash_fwd_hopper_persistent.cuh, its packed
+//     instantiation): wgmma, warp-specialized, a persistent grid over (sequence, head, query tile)
+//     items, and a producer that copies each key tile page by page through the block table with TMA
+//     (one box per page, AttentionParams' block_tables). float16/bfloat16, head_dim 64 and 128, block
+//     sizes paged_prefill_hopper_block_size (tile_schedule.h: 16, 32, 64, 128, 256, ...), a build with
+//     the sm_90a kernels and a GPU of compute capability 9.0. The consumers are the training
+//     forward's, unchanged: a token in a block outside the cache (check_tables=False) reads as zeros
+//     there (a score of 0 and a value of 0) instead of being left out as the other rungs leave it,
+//     and the slots of a context's last block past its end are read as the cache holds them (masked,
+//     their values times P = 0: finite in a cache made with zeros or written before, where mma
+//     copies zeros instead).
+// version=None: persistent where it runs (on an H200 it ran the 8 x (4096 cached + 512) chunk at
+// the speed of the course's contiguous attention_varlen on the same keys gathered: README, chunked
+// prefill) unless every chunk is one token and decode_rows takes the block size; else mma where it
+// runs and some chunk is longer than one token (max_seqlen_q, the host's bound: 0 stands for
+// total_q); decode_rows otherwise, where the tensor-core rungs would pad each one-row tile to 64 or
+// 128 rows of work. Plain C++, so any GPU can be asked about from anywhere.
+enum class PagedPrefillVersion { kDecodeRows, kMma, kPersistent };
+// Head dims of the persistent rung (attention.h's kHopperVarlenHeadDims: its packed instantiations).
+inline constexpr int kPagedPrefillHopperHeadDims[] = {64, 128};
+inline bool paged_prefill_hopper_takes(int64_t head_dim, int64_t block_size) {
+  return ::course::is_listed(kPagedPrefillHopperHeadDims, head_dim) &&
+         paged_prefill_hopper_block_size(block_size, hopper_block_n(head_dim));
+}
+struct PagedPrefillFacts {
+  bool cuda = false, half = false;
+  int cc_major = 0, cc_minor = 0;
+  bool hopper_built = false;  // the build has the sm_90a kernels (COURSE_HOPPER)
+};
+inline PagedPrefillVersion paged_prefill_default(const PagedPrefillFacts& f, int64_t head_dim, int64_t block_size,
+                                                 double scale, int64_t max_seqlen_q) {
+  const bool hopper = f.cuda && f.half && f.hopper_built && f.cc_major == 9 && f.cc_minor == 0 && scale > 0.0 &&
+                      paged_prefill_hopper_takes(head_dim, block_size);
+  if (hopper && (max_seqlen_q != 1 || !::course::is_listed(kPagedBlockSizes, block_size))) {
+    return PagedPrefillVersion::kPersistent;
+  }
+  return f.cuda && f.half && f.cc_major >= 8 && max_seqlen_q != 1 ? PagedPrefillVersion::kMma
+                                                                  : PagedPrefillVersion::kDecodeRows;
 }
 
 // The CPU reference (serving_cpu.cpp): every function in float32 and float64 where it touches

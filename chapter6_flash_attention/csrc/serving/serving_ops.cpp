@@ -35,6 +35,9 @@
 #include <c10/cuda/CUDAException.h>
 #include <cuda_runtime_api.h>
 #endif
+#if defined(WITH_CUDA) && defined(COURSE_HOPPER)
+#include "hopper/flash_fwd_hopper.h"  // rung persistent: the Hopper forward's launcher
+#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -68,7 +71,9 @@ constexpr ::course::NamedVersion<PagedVersion> kPagedVersions[] = {{"per_head", 
                                                                   {"split_kv", PagedVersion::kSplitKv}};
 // The chunked-prefill ladder (serving.h), parsed the same way.
 constexpr ::course::NamedVersion<PagedPrefillVersion> kPrefillVersions[] = {
-    {"decode_rows", PagedPrefillVersion::kDecodeRows}, {"mma", PagedPrefillVersion::kMma}};
+    {"decode_rows", PagedPrefillVersion::kDecodeRows},
+    {"mma", PagedPrefillVersion::kMma},
+    {"persistent", PagedPrefillVersion::kPersistent}};  // part 3's Hopper forward over the table
 
 // A size or stride for a message: "?" where torch.compile's dynamic shapes made it symbolic.
 std::string str(const c10::SymInt& v) {
@@ -467,6 +472,88 @@ void check_prefill_mma(const char* op, const Tensor& query) {
               ".x (use version='decode_rows' or None)");
 }
 
+// What rung persistent needs beyond the checks every rung makes, each refused with the way out: the
+// 16-bit types, a build with the sm_90a kernels, a Hopper GPU, its head dims and block sizes, and a
+// positive scale (its softmax keeps the unscaled scores' maximum, as the training forward's).
+void check_prefill_persistent(const char* op, const Tensor& query, int64_t block_size, double scale) {
+  TORCH_CHECK(query.scalar_type() == at::kHalf || query.scalar_type() == at::kBFloat16, op,
+              ": version 'persistent' runs on tensor cores and takes float16 and bfloat16; query is ",
+              query.scalar_type(), " (use version='decode_rows' or None)");
+#ifndef COURSE_HOPPER
+  TORCH_CHECK(false, op, ": version 'persistent' is a Hopper kernel (sm_90a), and this build of flash_attention ",
+              "has none: it was compiled for a TORCH_CUDA_ARCH_LIST without 9.0. Rebuild with 9.0 in the list ",
+              "(the default on a Hopper GPU), or use version='mma' or None");
+#endif
+  int minor = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, query.device().index()));
+  const int major = capability_major(query);
+  TORCH_CHECK(major == 9 && minor == 0, op, ": version 'persistent' needs a Hopper GPU, compute capability 9.0 ",
+              "(wgmma, TMA and setmaxnreg; sm_90a code runs on no other); this GPU is ", std::to_string(major), ".",
+              std::to_string(minor), " (use version='mma' or None)");
+  const int64_t d = query.size(2);
+  TORCH_CHECK(is_listed(kPagedPrefillHopperHeadDims, d), op, ": version 'persistent' takes head_dim ",
+              list_text(kPagedPrefillHopperHeadDims), "; head_dim is ", std::to_string(d),
+              " (use version='mma' or None)");
+  TORCH_CHECK(paged_prefill_hopper_block_size(block_size, hopper_block_n(d)), op,
+              ": version 'persistent' loads one TMA box per page of a ", std::to_string(hopper_block_n(d)),
+              "-key tile and takes block sizes of at least 8 that divide it or are multiples of it; block_size is ",
+              std::to_string(block_size), " (use version='mma' or None)");
+  TORCH_CHECK(scale > 0.0, op, ": version 'persistent' takes scale > 0 (its softmax keeps each row's maximum of ",
+              "the unscaled scores); scale is ", std::to_string(scale), " (use version='mma' or None)");
+}
+
+// Rung persistent: the Hopper forward's packed instantiation with the keys read through the table
+// (attention.h's AttentionParams, its paged fields). Its lse (heads, total_q) and its workspace (the
+// tile counter and the packed schedule) come from the caching allocator and are dropped. Without
+// the sm_90a kernels check_prefill_persistent has refused the call before it gets here.
+void prefill_persistent_cuda([[maybe_unused]] const PagedPrefillParams& p, [[maybe_unused]] const Tensor& q,
+                             [[maybe_unused]] cudaStream_t stream) {
+#ifdef COURSE_HOPPER
+  AttentionParams a{};
+  a.dtype = p.cache.dtype;
+  a.q = p.q;
+  a.k = p.key_cache;
+  a.v = p.value_cache;
+  a.o = p.out;
+  a.batch = p.batch;
+  a.heads = p.heads;
+  a.heads_kv = p.cache.heads_kv;
+  a.seqlen_q = p.max_seqlen_q;                        // the grid's bound, as max_seqlen_q of attention_varlen
+  a.seqlen_k = p.max_blocks * p.cache.block_size;     // every key a table row reaches
+  a.head_dim = p.cache.head_dim;
+  a.q_seq_stride = p.q_token_stride, a.q_head_stride = p.q_head_stride;
+  a.o_seq_stride = p.heads * p.cache.head_dim, a.o_head_stride = p.cache.head_dim;  // out is contiguous
+  a.scale = p.scale;
+  a.causal = true;  // bottom-right: chunk row i sees keys <= i + context - q_len (serving.h)
+  a.cu_seqlens_q = p.cu_seqlens_q;
+  a.total_q = p.total_q;
+  a.block_tables = p.block_tables;
+  a.context_lens = p.context_lens;
+  a.block_table_stride = p.block_table_stride;
+  a.block_size = p.cache.block_size;
+  a.num_blocks = p.cache.num_blocks;
+  a.max_blocks = p.max_blocks;
+  const Tensor lse = at::empty({p.heads * p.total_q}, q.options().dtype(at::kFloat));
+  a.lse = lse.mutable_data_ptr();
+  const Tensor scratch = at::empty({attention_forward_hopper_workspace(a, HopperForward::kPersistent)},
+                                   q.options().dtype(at::kByte));
+  C10_CUDA_CHECK(launch_attention_forward_hopper(a, HopperForward::kPersistent, stream, scratch.mutable_data_ptr()));
+#endif
+}
+
+// The facts version=None reads about q's device (serving.h's PagedPrefillFacts).
+PagedPrefillFacts prefill_facts(const Tensor& query) {
+  PagedPrefillFacts f;
+  f.cuda = true;
+  f.half = query.scalar_type() == at::kHalf || query.scalar_type() == at::kBFloat16;
+  f.cc_major = capability_major(query);
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&f.cc_minor, cudaDevAttrComputeCapabilityMinor, query.device().index()));
+#ifdef COURSE_HOPPER
+  f.hopper_built = true;
+#endif
+  return f;
+}
+
 // Rung decode_rows: every query row becomes a decode query of paged_attention (serving.h). Its
 // sequence s is the chunk that holds it (a search of the offsets), its table row is s's, and its
 // context is the tokens up to its own position: context_lens[s] (clamped to the row, as
@@ -532,15 +619,21 @@ Tensor paged_prefill_attention_impl(const Tensor& query, const Tensor& key_cache
   TORCH_CHECK(max_seqlen_q >= 0, op, ": max_seqlen_q is ", std::to_string(max_seqlen_q),
               "; it must be 0 (bounded by query's tokens) or the longest chunk's length");
   const auto named = ::course::parse_version(op, version, kPrefillVersions);  // a typo fails on Meta too
+  // The rung a CUDA call runs (version=None's rule needs the GPU's facts: serving.h); unread elsewhere.
+  PagedPrefillVersion rung = named.value_or(PagedPrefillVersion::kDecodeRows);
   if (query.is_cuda()) {
-#ifdef WITH_CUDA
-    if (named == PagedPrefillVersion::kMma) check_prefill_mma(op, query);
-#endif
     TORCH_CHECK(is_listed(kPagedHeadDims, query.size(2)), op, ": head_dim ", std::to_string(query.size(2)),
                 " is not supported on CUDA (supported: ", list_text(kPagedHeadDims), ")");
-    TORCH_CHECK(is_listed(kPagedBlockSizes, key_cache.size(1)), op, ": block_size ",
-                std::to_string(key_cache.size(1)), " is not supported on CUDA (supported: ", list_text(kPagedBlockSizes),
-                ")");
+#ifdef WITH_CUDA
+    const int64_t longest = max_seqlen_q > 0 ? max_seqlen_q : query.size(0);  // a CUDA tensor: concrete sizes
+    rung = named.value_or(paged_prefill_default(prefill_facts(query), query.size(2), key_cache.size(1), scale, longest));
+    if (rung == PagedPrefillVersion::kMma) check_prefill_mma(op, query);
+    if (rung == PagedPrefillVersion::kPersistent) check_prefill_persistent(op, query, key_cache.size(1), scale);
+#endif
+    // The other rungs' kernels are compiled for kPagedBlockSizes; persistent checked its own above.
+    TORCH_CHECK(rung == PagedPrefillVersion::kPersistent || is_listed(kPagedBlockSizes, key_cache.size(1)), op,
+                ": block_size ", std::to_string(key_cache.size(1)), " is not supported on CUDA (supported: ",
+                list_text(kPagedBlockSizes), "; version 'persistent', on a Hopper GPU, takes more)");
     // The kernel copies K/V rows with 16-byte cp.async, as paged_attention's does.
     for (const auto& [name, cache] : {std::pair<const char*, const Tensor&>{"key_cache", key_cache},
                                       std::pair<const char*, const Tensor&>{"value_cache", value_cache}}) {
@@ -562,8 +655,9 @@ Tensor paged_prefill_attention_impl(const Tensor& query, const Tensor& key_cache
     check_prefill_values(op, cu, lens, total_q, bound);
   }
   if (out.numel() == 0) return out;
-  // mma copies Q rows with cp.async; decode_rows reads q element by element and takes any view.
-  const Tensor q = query.is_cuda() && named != PagedPrefillVersion::kDecodeRows ? aligned_query(query) : query;
+  // mma copies Q rows with cp.async and persistent with TMA (16-byte aligned start and strides);
+  // decode_rows reads q element by element and takes any view.
+  const Tensor q = query.is_cuda() && rung != PagedPrefillVersion::kDecodeRows ? aligned_query(query) : query;
   PagedPrefillParams p{};
   p.cache = cache;
   p.q = q.const_data_ptr();
@@ -582,13 +676,10 @@ Tensor paged_prefill_attention_impl(const Tensor& query, const Tensor& key_cache
   p.block_table_stride = tables.stride(0);
   p.scale = scale;
   if (query.is_cuda()) {
-#ifdef WITH_CUDA
-    const PagedPrefillVersion rung = named.value_or(paged_prefill_default(
-        true, query.scalar_type() == at::kHalf || query.scalar_type() == at::kBFloat16, capability_major(query),
-        bound));
-#endif
     COURSE_ON_CUDA(op, kPackage, query, if (rung == PagedPrefillVersion::kMma) {
       C10_CUDA_CHECK(launch_paged_prefill_attention(p, stream));
+    } else if (rung == PagedPrefillVersion::kPersistent) {
+      prefill_persistent_cuda(p, q, stream);
     } else {
       prefill_decode_rows_cuda(p, q, tables, cu, lens, stream);
     });
@@ -734,9 +825,13 @@ std::tuple<Tensor, Tensor> match_prefix_impl(const Tensor& tokens, const Tensor&
   return {matched_tokens, matched_blocks};
 }
 
-std::string paged_prefill_rule(bool cuda, bool half, int64_t capability_major, int64_t max_seqlen_q) {
-  return ::course::version_name(kPrefillVersions,
-                                paged_prefill_default(cuda, half, static_cast<int>(capability_major), max_seqlen_q));
+std::string paged_prefill_rule(bool cuda, bool half, int64_t capability_major, int64_t capability_minor,
+                               bool hopper_built, int64_t head_dim, int64_t block_size, double scale,
+                               int64_t max_seqlen_q) {
+  PagedPrefillFacts f;
+  f.cuda = cuda, f.half = half, f.hopper_built = hopper_built;
+  f.cc_major = static_cast<int>(capability_major), f.cc_minor = static_cast<int>(capability_minor);
+  return ::course::version_name(kPrefillVersions, paged_prefill_default(f, head_dim, block_size, scale, max_seqlen_q));
 }
 
 void register_backend_kernels(torch::Library& m) {
@@ -782,7 +877,8 @@ TORCH_LIBRARY_FRAGMENT(flash_attention, m) {
         pt2);
   // version=None's rule for paged_prefill_attention (serving.h), for any device: what
   // flash_attention.dispatch_rule asks, and the benchmark records.
-  m.def("paged_prefill_rule(bool cuda, bool half, int capability_major, int max_seqlen_q) -> str",
+  m.def("paged_prefill_rule(bool cuda, bool half, int capability_major, int capability_minor, bool hopper_built, "
+        "int head_dim, int block_size, float scale, int max_seqlen_q) -> str",
         &flash_attention::paged_prefill_rule);
 }
 
