@@ -105,8 +105,8 @@ inline int backward_shape(int64_t n, int elem_bytes) {
 // Where the backward's dweight and dbias come from (norm_backward_kernels.cu). The resident
 // kernel can sum each block's columns over its rows as it goes, and write them as partial rows
 // (one row of n float sums per column sum and block) that course::column_sum reads back: per
-// column, blocks * sums * 2 * 4 bytes. Or it writes none, and a second kernel re-reads x and dy
-// down the columns (norm_backward_columns): per column, rows * 2 * elem bytes. Partial rows pay
+// column, blocks * sums * 2 * 4 bytes. Or it writes none, and other blocks of the same launch
+// re-read x and dy down the columns (norm_backward_few_rows): per column, rows * 2 * elem bytes. Partial rows pay
 // where each block sums many rows; where a block takes one or a few (64 tokens: one row a block,
 // the whole grid one step), each would cost more than the row it sums, four times x and dy's
 // bytes in bfloat16 for LayerNorm. The cheaper in bytes, the second pass at a tie (its loads are

@@ -548,11 +548,12 @@ def check_autograd_grads(shape, dtype):
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=dtype_id)
 def test_backward_column_pass(dtype):
     """The backward's two ways to dweight and dbias, each where backward_column_pass (norm.h) puts
-    it: at 64 tokens of hidden 12288 and 16384 (one row a block) the resident kernel writes dx
-    alone and norm_backward_columns sums the columns, with no column_sum; at 1000 and 2048 tokens
-    partial rows and column_sum. Both against the float64 reference at irregular shapes: rows
-    that are whole vectors and rows that are not (4099, 16001: single elements), one row, fewer
-    rows than a warp's groups, and through autograd."""
+    it: at 64 tokens of hidden 12288 and 16384 (one row a block) ONE launch, norm_backward_few_rows,
+    writes dx in its first blocks and sums the columns in the others, with no column_sum and no
+    second kernel; at 1000 and 2048 tokens the resident kernel's partial rows and column_sum. Both
+    against the float64 reference at irregular shapes: rows that are whole vectors and rows that
+    are not (4099, 16001: single elements), one row, fewer rows than a warp's groups, and through
+    autograd."""
     require_cuda()
     # 1000 x 777 and x 16001, 2048 x 12288: partial rows (16001 and 12288 from the 1024-thread
     # rows' shared sums, put in column order before they are written; 16001 by single elements).
@@ -567,13 +568,14 @@ def test_backward_column_pass(dtype):
             where = f"{op} {rows}x{n}"
             for name, out, ref in zip(("dx", "dweight", "dbias"), outs, refs):
                 assert_grad(out, ref, dtype, f"{where} {name}")
-            columns = any("norm_backward_columns" in k for k in kernels)
+            few = any("norm_backward_few_rows" in k for k in kernels)
+            backward = [k for k in kernels if "norm_backward" in k or "column_reduce" in k]
             if rows == 64 and n in (12288, 16384):
-                assert columns and not any("column_reduce" in k for k in kernels), (where, kernels)
+                assert few, (where, kernels)
+            if few:  # the whole backward is that one launch
+                assert len(backward) == 1, (where, kernels)
             if rows >= 1000:
-                assert not columns and any("column_reduce" in k for k in kernels), (where, kernels)
-            if columns:  # the resident kernel ran without its sums: its last template argument
-                assert all("false>" in k for k in kernels if "norm_backward_resident" in k), (where, kernels)
+                assert not few and any("column_reduce" in k for k in kernels), (where, kernels)
     check_autograd_grads((64, 12288), dtype)
 
 
@@ -599,7 +601,7 @@ def test_backward_column_totals_at_tile_edges(dtype):
                     outs = kernel_grads(op, x, w, b, dy, eps, None)
                 else:  # partial rows at every width here: one column sum (the profiler only here: slow)
                     outs, kernels = launched_kernels(lambda: kernel_grads(op, x, w, b, dy, eps, None), "")
-                    assert not any("norm_backward_columns" in k for k in kernels), (op, n, kernels)
+                    assert not any("norm_backward_few_rows" in k for k in kernels), (op, n, kernels)
                     assert sum("column_reduce" in k for k in kernels) == 1, (op, n, kernels)
                 for name, out, ref in zip(("dx", "dweight", "dbias"), outs, refs):
                     assert_grad(out, ref, dtype, f"{op} {rows}x{n} {name}")
@@ -623,6 +625,46 @@ def test_cuda_graph_capture():
     captured, expected = capture_and_replay(step)
     for a, e in zip(captured, expected):
         assert torch.equal(a, e)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=dtype_id)
+def test_few_rows_backward_graph_capture_twice(dtype):
+    """The one-launch backward at few rows (norm_backward_few_rows) captured in a CUDA graph twice
+    in a row, each replayed: the same bits as the eager call every time (nothing it leaves behind,
+    such as a counter or a partial sum, may change the next call), at the rows around a block's
+    share (1, 63, 64, 65) and widths of whole vectors and not."""
+    require_cuda()
+    for rows, n in ((1, 7), (63, 777), (64, 2048), (65, 4099), (64, 12288)):
+        x, w, b, _ = make_inputs((rows, n), dtype, "cuda")
+        dy = torch.randn(rows, n, device="cuda").to(dtype)
+        for op in NORM_OPS:
+            eps = default_eps(op)
+            _, kernels = launched_kernels(lambda: kernel_grads(op, x, w, b, dy, eps, None), "")
+            assert any("norm_backward_few_rows" in k for k in kernels), (op, rows, n, kernels)
+            refs = reference_grads(op, x, w, b, dy, eps)
+            for attempt in range(2):
+                captured, expected = capture_and_replay(lambda: kernel_grads(op, x, w, b, dy, eps, None))
+                for name, a, e, ref in zip(("dx", "dweight", "dbias"), captured, expected, refs):
+                    assert torch.equal(a, e), (op, rows, n, name, attempt)
+                    assert_grad(a, ref, dtype, f"{op} {rows}x{n} {name} graph {attempt}")
+
+
+@pytest.mark.cuda
+@pytest.mark.sanitize
+def test_sanitizer_small_backward_few_rows():
+    """compute-sanitizer's run of the one-launch backward: dx blocks and column blocks side by
+    side, single elements and whole vectors, the last column tile hanging over the row's end."""
+    require_cuda()
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows, n in ((1, 7), (3, 777), (64, 2048), (5, 4099)):
+            x, w, b, _ = make_inputs((rows, n), dtype, "cuda")
+            dy = torch.randn(rows, n, device="cuda").to(dtype)
+            for op in NORM_OPS:
+                eps = default_eps(op)
+                outs = kernel_grads(op, x, w, b, dy, eps, None)
+                for name, out, ref in zip(("dx", "dweight", "dbias"), outs, reference_grads(op, x, w, b, dy, eps)):
+                    assert_grad(out, ref, dtype, f"{op} {rows}x{n} {name}")
 
 
 @pytest.mark.cuda
