@@ -466,21 +466,6 @@ __global__ void __launch_bounds__(kThreadsPerRow * kSlots<kThreadsPerRow>, (kBac
   }
 }
 
-// Lanes a tile for the column half: 32 while that gives every SM a tile, else halved down to the
-// narrowest whose lanes still read a whole 32-byte sector of a row together (hidden 12288 in
-// bfloat16: 1536 vectors, 48 tiles of 32 lanes on 132 SMs; 192 tiles of 8). cols: 16-byte vectors'
-// elements a lane, or 1.
-inline cudaError_t column_pass_lanes(int64_t n, int cols, int elem_bytes, int* lanes) {
-  int sms = 0;
-  COURSE_CUDA_TRY(course::sm_count(&sms));
-  const int64_t bytes_per_lane = int64_t{cols} * elem_bytes;
-  const int narrowest = bytes_per_lane >= 32 ? 1 : static_cast<int>(32 / bytes_per_lane);
-  int l = 32;
-  while (l > narrowest && course::ceil_div<int64_t>(n, int64_t{l} * cols) < sms) l /= 2;
-  *lanes = l;
-  return cudaSuccess;
-}
-
 // ===========================================================================================
 // Launchers
 // ===========================================================================================
@@ -574,15 +559,16 @@ cudaError_t run_backward(const NormBackwardParams& p, cudaStream_t stream, int64
                 *grid_only = 0;
                 return cudaSuccess;
               }
-              int lanes = 32;
-              COURSE_CUDA_TRY(column_pass_lanes(p.n, kCols, static_cast<int>(sizeof(T)), &lanes));
-              const int64_t tiles = course::ceil_div<int64_t>(p.n, int64_t{lanes} * kCols);
+              int sms = 0;
+              COURSE_CUDA_TRY(course::sm_count(&sms));
+              const ColumnTiles tiles = column_pass_tiles(p.n, kCols, static_cast<int>(sizeof(T)), sms);
               int64_t dx_blocks = 0;
               COURSE_CUDA_TRY(backward_grid(few, kShape.threads * kRows, kRows, p.rows, &dx_blocks));
               // dx_blocks + tiles: at most a wave of the rows plus n tiles, far below gridDim.x's limit.
-              few<<<grid_for(dx_blocks + tiles), kShape.threads * kRows, 0, stream>>>(
+              // (column_pass_tiles in norm.h: the tiles' width.)
+              few<<<grid_for(dx_blocks + tiles.tiles), kShape.threads * kRows, 0, stream>>>(
                   dy, x, weight, mean, rstd, dx, static_cast<T*>(p.dweight), static_cast<T*>(p.dbias), p.rows, p.n,
-                  dx_blocks, lanes);
+                  dx_blocks, tiles.lanes);
               return cudaGetLastError();
             }
             if (grid_only != nullptr) {

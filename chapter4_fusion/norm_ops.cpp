@@ -354,6 +354,20 @@ bool norm_backward_column_pass(c10::string_view op_name, const Tensor& x, int64_
   return backward_column_pass(rows, static_cast<int>(x.element_size()), name == "layer_norm", blocks);
 }
 
+// The column tiles of the backward's one launch at few rows for x on a GPU of `sms` SMs,
+// [lanes, cols, tiles] (column_pass_tiles in norm.h), for freshly allocated (16-byte aligned)
+// tensors as the glue's are: rows of whole 16-byte vectors take a vector a lane, others one
+// element. Asked without a GPU by the CPU tests of the rule.
+std::vector<int64_t> norm_backward_column_tiles(const Tensor& x, int64_t sms) {
+  check_x("norm_backward_column_tiles", x);
+  TORCH_CHECK(sms >= 1, "norm_backward_column_tiles: sms must be at least 1, got ", std::to_string(sms));
+  const int64_t n = x.dim() == 0 ? 1 : x.size(-1);
+  const int elem = static_cast<int>(x.element_size());
+  const int cols = n % (16 / elem) == 0 ? 16 / elem : 1;
+  const ColumnTiles t = column_pass_tiles(n, cols, elem, static_cast<int>(sms));
+  return {t.lanes, cols, t.tiles};
+}
+
 // ---------------------------------------------------------------------------------------
 // Autograd. Each forward re-enters the dispatcher below the Autograd key (reaching the kernels
 // above, or the Meta ones under torch.compile) and saves what the backward kernels need; the
@@ -494,6 +508,7 @@ TORCH_LIBRARY_FRAGMENT(fusion, m) {
   m.def("rms_norm_backward(Tensor dy, Tensor x, Tensor? weight, Tensor rstd, str? version=None) -> (Tensor, Tensor)");
   m.def("norm_default_choice(str op, Tensor x) -> str", &fusion::norm::norm_default_choice);
   m.def("norm_backward_column_pass(str op, Tensor x, int blocks) -> bool", &fusion::norm::norm_backward_column_pass);
+  m.def("norm_backward_column_tiles(Tensor x, int sms) -> int[]", &fusion::norm::norm_backward_column_tiles);
 }
 
 // One implementation per op serves CPU, CUDA and Meta.

@@ -374,6 +374,31 @@ def test_backward_column_pass_rule(dtype):
         OPS.norm_backward_column_pass("rms_norm", torch.empty(2, 8, device="meta"), 0)
 
 
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=dtype_id)
+def test_backward_column_tiles_rule(dtype):
+    """The column half of the backward's one launch at few rows (column_pass_tiles in norm.h): a
+    16-byte vector a lane where the rows are whole vectors, else one element; tiles of 32 lanes
+    while the SMs each get one, else the fewest lanes that still do, never narrower than a 32-byte
+    sector of a row; the tiles cover the row, and a tile's columns divide the 256 threads that add
+    them (tile_column_totals). Hidden 12288 in bfloat16 on 132 SMs: 192 tiles of 8 lanes."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    vector = 16 // elem
+    for n in (1, 7, 777, 768, 2048, 4099, 12288, 16384):
+        for sms in (1, 8, 78, 132, 144):
+            lanes, cols, tiles = OPS.norm_backward_column_tiles(torch.empty(64, n, dtype=dtype, device="meta"), sms)
+            where = (n, sms, lanes, cols, tiles)
+            assert cols == (vector if n % vector == 0 else 1), where
+            narrowest = max(1, 32 // (cols * elem))
+            assert narrowest <= lanes <= 32 and lanes & (lanes - 1) == 0 and 256 % (lanes * cols) == 0, where
+            assert tiles == -(-n // (lanes * cols)), where
+            assert tiles >= sms or lanes == narrowest, where    # narrowed until every SM has a tile
+            assert lanes == 32 or -(-n // (2 * lanes * cols)) < sms, where  # and no further
+    if dtype == torch.bfloat16:
+        assert OPS.norm_backward_column_tiles(torch.empty(64, 12288, dtype=dtype, device="meta"), 132) == [8, 8, 192]
+    with pytest.raises(RuntimeError, match="norm_backward_column_tiles: sms must be at least 1"):
+        OPS.norm_backward_column_tiles(torch.empty(2, 8, device="meta"), 0)
+
+
 def _f32(*shape, device="cpu", dtype=torch.float32):
     return torch.randn(shape, device=device, dtype=dtype)
 
