@@ -441,13 +441,15 @@ __device__ __forceinline__ void column_tile(const T* __restrict__ dy, const T* _
 // block uses its first kColumnThreads (the tiling chapter 3's column sums are written for), and
 // its other threads only reach the barriers.
 //
-// Row groups a column lane keeps in flight: half of chapter 3's (kColumnUnroll, kColumnUnrollScalar).
-// The launch keeps the resident rows' register budget (64 a thread: kBackwardMinBlocks), and with
-// four groups of two 16-byte vectors in flight the column half spilled 114-228 bytes a thread in
-// bfloat16 (ptxas -v, sm_90a); at the few rows this launch serves, a lane's whole column is one or
-// two steps of groups anyway.
+// Row groups a column lane keeps in flight (few_rows_unroll in norm.h): half of chapter 3's. The
+// launch keeps the resident rows' register budget (64 a thread: kBackwardMinBlocks), and with four
+// groups of two 16-byte vectors in flight the column half spilled 114-228 bytes a thread in
+// bfloat16 (ptxas -v, sm_90a); with two, at most 12, as the dx kernel alone.
 template <int kCols>
-constexpr int kFewRowsUnroll = (kCols > 1 ? course::kColumnUnroll : course::kColumnUnrollScalar) / 2;
+constexpr int kFewRowsUnroll = few_rows_unroll(kCols);
+static_assert(kFewRowsUnroll<8> == course::kColumnUnroll / 2 && kFewRowsUnroll<1> == course::kColumnUnrollScalar / 2,
+              "norm.h's few_rows_unroll is half of chapter 3's unrolls");
+static_assert(course::kColumnWarps == 8, "norm.h's column_pass_step_rows counts 8 warps a column tile");
 
 template <typename T, bool kCentered, int kThreadsPerRow, int kVectors, Access kAccess, int kCols>
 __global__ void __launch_bounds__(kThreadsPerRow * kSlots<kThreadsPerRow>, (kBackwardMinBlocks<kThreadsPerRow, false>))
@@ -547,20 +549,20 @@ cudaError_t run_backward(const NormBackwardParams& p, cudaStream_t stream, int64
                                                    cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSums)));
             }
             COURSE_CUDA_TRY(backward_grid(kernel, kShape.threads * kRows, kRows, p.rows, &grid, kSums));
-            if (backward_column_pass(p.rows, static_cast<int>(sizeof(T)), kC, grid)) {
-              // Few rows a block: dx and the column sums from one launch (norm_backward_few_rows),
-              // no partial rows and no workspace. The column tiles read whole vectors where the
-              // rows do (kVectors: every row of dy and x aligned, n a whole number of vectors),
-              // else single elements.
-              constexpr Access kA = decltype(a)::value;
-              constexpr int kCols = kA == Access::kVectors ? Vec16<T>::kLanes : 1;
+            // The column tiles read whole vectors where the rows do (kVectors: every row of dy and x
+            // aligned, n a whole number of vectors), else single elements.
+            constexpr Access kA = decltype(a)::value;
+            constexpr int kCols = kA == Access::kVectors ? Vec16<T>::kLanes : 1;
+            int sms = 0;
+            COURSE_CUDA_TRY(course::sm_count(&sms));
+            if (backward_column_pass(p.rows, p.n, static_cast<int>(sizeof(T)), kCols, kC, grid, sms)) {
+              // Few rows: dx and the column sums from one launch (norm_backward_few_rows), no
+              // partial rows and no workspace.
               auto* few = norm_backward_few_rows<T, kC, kShape.threads, kShape.vectors, kA, kCols>;
               if (grid_only != nullptr) {
                 *grid_only = 0;
                 return cudaSuccess;
               }
-              int sms = 0;
-              COURSE_CUDA_TRY(course::sm_count(&sms));
               const ColumnTiles tiles = column_pass_tiles(p.n, kCols, static_cast<int>(sizeof(T)), sms);
               int64_t dx_blocks = 0;
               COURSE_CUDA_TRY(backward_grid(few, kShape.threads * kRows, kRows, p.rows, &dx_blocks));

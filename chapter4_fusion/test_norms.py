@@ -353,25 +353,35 @@ def test_default_choice():
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=dtype_id)
 def test_backward_column_pass_rule(dtype):
-    """dweight and dbias come from a pass down the columns of x and dy exactly where the partial
-    rows (blocks x sums x 4 bytes, written and read back, per column) would move at least as many
-    bytes as re-reading x and dy (rows x 2 x elem): at 64 tokens, one row a block, for both norms
-    in every dtype (RMSNorm in float32 at a tie); never with a block per SM over 2048 rows."""
+    """dweight and dbias come from the one launch (column tiles beside the dx blocks) exactly where
+    the partial rows (blocks x sums x 4 bytes, written and read back, per column) would move at
+    least as many bytes as re-reading x and dy (rows x 2 x elem), or where the column tiles' loads
+    cover every row in one step (8 warps x 32 / lanes rows x 2 groups of vectors, 8 of single
+    elements): at 64 tokens for both norms in every dtype, hidden 2048 with 4 rows a block
+    included; never with a block per SM over 2048 rows; never past 256 rows by the step alone."""
     elem = torch.empty((), dtype=dtype).element_size()
     for op, sums in (("layer_norm", 2), ("rms_norm", 1)):
-        for rows in (1, 37, 64, 65, 2048, 8192):
-            for blocks in (1, 16, 64, 132, 512, 528):
-                x = torch.empty(rows, 12288, dtype=dtype, device="meta")
-                expected = sums * blocks * 2 * 4 >= rows * 2 * elem
-                assert OPS.norm_backward_column_pass(op, x, blocks) == expected, (op, rows, blocks)
-        one_row_a_block = torch.empty(64, 12288, dtype=dtype, device="meta")
-        assert OPS.norm_backward_column_pass(op, one_row_a_block, 64), op
+        for n in (777, 2048, 12288):
+            for rows in (1, 37, 64, 65, 128, 129, 256, 257, 2048, 8192):
+                for blocks in (1, 16, 64, 132, 512, 528):
+                    for sms in (8, 132):
+                        x = torch.empty(rows, n, dtype=dtype, device="meta")
+                        lanes, cols, _ = OPS.norm_backward_column_tiles(x, sms)
+                        step = 8 * (32 // lanes) * (2 if cols > 1 else 8)
+                        expected = sums * blocks * 2 * 4 >= rows * 2 * elem or rows <= step
+                        assert OPS.norm_backward_column_pass(op, x, blocks, sms) == expected, (op, rows, n, blocks, sms)
+                        if rows > 256 and sums * blocks * 2 * 4 < rows * 2 * elem:
+                            assert not expected, (op, rows, n, blocks, sms)
+        for n, blocks in ((2048, 16), (12288, 64)):  # 64 tokens: 4 rows a block at 2048, one at 12288
+            assert OPS.norm_backward_column_pass(op, torch.empty(64, n, dtype=dtype, device="meta"), blocks, 132), op
         a_block_per_sm = torch.empty(2048, 12288, dtype=dtype, device="meta")
-        assert not OPS.norm_backward_column_pass(op, a_block_per_sm, 132), op
+        assert not OPS.norm_backward_column_pass(op, a_block_per_sm, 132, 132), op
     with pytest.raises(RuntimeError, match="norm_backward_column_pass: unknown op 'softmax'"):
-        OPS.norm_backward_column_pass("softmax", torch.empty(2, 8, device="meta"), 1)
+        OPS.norm_backward_column_pass("softmax", torch.empty(2, 8, device="meta"), 1, 132)
     with pytest.raises(RuntimeError, match="norm_backward_column_pass: blocks must be at least 1"):
-        OPS.norm_backward_column_pass("rms_norm", torch.empty(2, 8, device="meta"), 0)
+        OPS.norm_backward_column_pass("rms_norm", torch.empty(2, 8, device="meta"), 0, 132)
+    with pytest.raises(RuntimeError, match="norm_backward_column_pass: sms must be at least 1"):
+        OPS.norm_backward_column_pass("rms_norm", torch.empty(2, 8, device="meta"), 1, 0)
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=dtype_id)
@@ -573,9 +583,10 @@ def check_autograd_grads(shape, dtype):
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=dtype_id)
 def test_backward_column_pass(dtype):
     """The backward's two ways to dweight and dbias, each where backward_column_pass (norm.h) puts
-    it: at 64 tokens of hidden 12288 and 16384 (one row a block) ONE launch, norm_backward_few_rows,
-    writes dx in its first blocks and sums the columns in the others, with no column_sum and no
-    second kernel; at 1000 and 2048 tokens the resident kernel's partial rows and column_sum. Both
+    it: up to 64 tokens (hidden 12288 and 16384: one row a block; the rest: the column tiles'
+    loads cover every row in one step) ONE launch, norm_backward_few_rows, writes dx in its first
+    blocks and sums the columns in the others, with no column_sum and no second kernel; at 1000
+    and 2048 tokens the resident kernel's partial rows and column_sum. Both
     against the float64 reference at irregular shapes: rows that are whole vectors and rows that
     are not (4099, 16001: single elements), one row, fewer rows than a warp's groups, and through
     autograd."""
@@ -595,7 +606,7 @@ def test_backward_column_pass(dtype):
                 assert_grad(out, ref, dtype, f"{where} {name}")
             few = any("norm_backward_few_rows" in k for k in kernels)
             backward = [k for k in kernels if "norm_backward" in k or "column_reduce" in k]
-            if rows == 64 and n in (12288, 16384):
+            if rows <= 64:  # every case here: by the bytes or by the column tiles' one step
                 assert few, (where, kernels)
             if few:  # the whole backward is that one launch
                 assert len(backward) == 1, (where, kernels)
