@@ -676,8 +676,9 @@ def test_few_rows_backward_graph_capture_twice(dtype):
         dy = torch.randn(rows, n, device="cuda").to(dtype)
         for op in NORM_OPS:
             eps = default_eps(op)
-            _, kernels = launched_kernels(lambda: kernel_grads(op, x, w, b, dy, eps, None), "")
-            assert any("norm_backward_few_rows" in k for k in kernels), (op, rows, n, kernels)
+            if dtype == torch.bfloat16:  # the path (the profiler is slow: one dtype; the rule is the same)
+                _, kernels = launched_kernels(lambda: kernel_grads(op, x, w, b, dy, eps, None), "")
+                assert any("norm_backward_few_rows" in k for k in kernels), (op, rows, n, kernels)
             refs = reference_grads(op, x, w, b, dy, eps)
             for attempt in range(2):
                 captured, expected = capture_and_replay(lambda: kernel_grads(op, x, w, b, dy, eps, None))
