@@ -339,8 +339,8 @@ __global__ void __launch_bounds__(kThreadsPerRow * kSlots<kThreadsPerRow>, (kBac
 // 16-byte vector a lane where the rows are whole aligned vectors), the block's first 8 warps take
 // every 8th group of rows, kUnroll groups in flight; the warps' sums meet in shared memory and the
 // block adds them in a fixed order (tile_column_totals). One block a tile and no split of the
-// rows: it runs only where the resident kernel's grid took one or a few rows a block, so there are
-// few rows. The block may have more than course::kColumnThreads threads (it shares a launch with
+// rows: it runs only at few rows (backward_column_pass: one or a few rows a block, or at most
+// 256 rows in all). The block may have more than course::kColumnThreads threads (it shares a launch with
 // the resident rows, norm_backward_few_rows): the others sum nothing but reach every barrier.
 template <typename T, bool kCentered, int kCols, int kUnroll>
 __device__ __forceinline__ void column_tile(const T* __restrict__ dy, const T* __restrict__ x,
@@ -426,31 +426,31 @@ __device__ __forceinline__ void column_tile(const T* __restrict__ dy, const T* _
   }
 }
 
-// backward_column_pass's two halves in ONE launch: blocks 0 .. dx_blocks - 1 are the resident
-// kernel without its sums (dx alone, the rows shared out as in norm_backward_resident), the
-// blocks after them each one column tile of dweight and dbias (column_tile). Neither half reads
-// what the other writes (both read x, dy, mean and rstd; one writes dx, the other dweight and
-// dbias), so no block waits for another: no counter, no fence, and nothing to reset between
-// calls (a CUDA graph replays it as is). Each column is still summed by one block in a fixed
-// order: deterministic. Why one launch: at 64 tokens the data is well under a megabyte, and the
-// two kernels this replaces (the resident rows, then norm_backward_columns) cost two launches'
-// latency back to back, each a few microseconds with little to read; the column tiles now run
-// beside the rows instead of after them. The dx blocks come first in the grid: the block
-// scheduler hands out low indices first, and they carry the longer chain (two row sums, then dx).
-// The block is the resident shape's (kThreadsPerRow x its rows, 512 or 1024 threads); a column
-// block uses its first kColumnThreads (the tiling chapter 3's column sums are written for), and
-// its other threads only reach the barriers.
-//
-// Row groups a column lane keeps in flight (few_rows_unroll in norm.h): half of chapter 3's. The
-// launch keeps the resident rows' register budget (64 a thread: kBackwardMinBlocks), and with four
-// groups of two 16-byte vectors in flight the column half spilled 114-228 bytes a thread in
-// bfloat16 (ptxas -v, sm_90a); with two, at most 12, as the dx kernel alone.
+// Row groups a column lane keeps in flight in norm_backward_few_rows (few_rows_unroll in norm.h):
+// half of chapter 3's. That launch keeps the resident rows' register budget (64 a thread:
+// kBackwardMinBlocks), and with four groups of two 16-byte vectors in flight the column half
+// spilled 114-228 bytes a thread in bfloat16 (ptxas -v, sm_90a); with two, at most 12, as the dx
+// kernel alone.
 template <int kCols>
 constexpr int kFewRowsUnroll = few_rows_unroll(kCols);
 static_assert(kFewRowsUnroll<8> == course::kColumnUnroll / 2 && kFewRowsUnroll<1> == course::kColumnUnrollScalar / 2,
               "norm.h's few_rows_unroll is half of chapter 3's unrolls");
 static_assert(course::kColumnWarps == 8, "norm.h's column_pass_step_rows counts 8 warps a column tile");
 
+// backward_column_pass's one launch (norm.h says where): blocks 0 .. dx_blocks - 1 are the
+// resident kernel without its sums (dx alone, the rows shared out as in norm_backward_resident),
+// the blocks after them each one column tile of dweight and dbias (column_tile). Neither half reads
+// what the other writes (both read x, dy, mean and rstd; one writes dx, the other dweight and
+// dbias), so no block waits for another: no counter, no fence, and nothing to reset between calls
+// (a CUDA graph replays it as is). Each column is still summed by one block in a fixed order:
+// deterministic. Why one launch: at few rows every kernel is mostly latency, and what this
+// replaces was two kernels back to back (the dx-only rows, then a column pass; or the rows with
+// their partial sums, then course::column_sum over them); the column tiles now run beside the rows
+// instead of after them. The dx blocks come first in the grid: the block scheduler hands out low
+// indices first, and they carry the longer chain (two row sums, then dx). The block is the
+// resident shape's (kThreadsPerRow x its rows, 512 or 1024 threads); a column block uses its first
+// kColumnThreads (the tiling chapter 3's column sums are written for), and its other threads only
+// reach the barriers.
 template <typename T, bool kCentered, int kThreadsPerRow, int kVectors, Access kAccess, int kCols>
 __global__ void __launch_bounds__(kThreadsPerRow * kSlots<kThreadsPerRow>, (kBackwardMinBlocks<kThreadsPerRow, false>))
     norm_backward_few_rows(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ weight,
