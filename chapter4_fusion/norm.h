@@ -102,20 +102,57 @@ inline int backward_shape(int64_t n, int elem_bytes) {
   return -1;
 }
 
+// The column half of the backward's one launch at few rows (norm_backward_few_rows in
+// norm_backward_kernels.cu, backward_column_pass below says when): a tile is `lanes` adjacent
+// lanes of `cols` columns each (cols: one 16-byte vector's elements where every row of dy and x is
+// whole aligned vectors, else 1), one block a tile, its 8 warps each 32 / lanes rows at a time. 32
+// lanes (a warp across 512 contiguous bytes of a row) while that gives every SM a tile, else halved
+// down to the narrowest tile whose lanes still read a whole 32-byte sector of a row together:
+// hidden 12288 in bfloat16 is 1536 vectors, 48 tiles of 32 lanes on 132 SMs, 192 tiles of 8.
+struct ColumnTiles {
+  int lanes;
+  int64_t tiles;
+};
+inline ColumnTiles column_pass_tiles(int64_t n, int cols, int elem_bytes, int sms) {
+  const int64_t bytes_per_lane = int64_t{cols} * elem_bytes;
+  const int narrowest = bytes_per_lane >= 32 ? 1 : static_cast<int>(32 / bytes_per_lane);
+  int lanes = 32;
+  while (lanes > narrowest && ::course::ceil_div<int64_t>(n, int64_t{lanes} * cols) < sms) lanes /= 2;
+  return {lanes, ::course::ceil_div<int64_t>(n, int64_t{lanes} * cols)};
+}
+
+// Row groups a column lane keeps in flight there: half of chapter 3's column sums (4 of whole
+// vectors, 16 of single elements), since the launch keeps the dx kernel's 64 registers a thread
+// (norm_backward_kernels.cu says what four groups spilled).
+constexpr int few_rows_unroll(int cols) { return cols > 1 ? 2 : 8; }
+
+// Rows a column tile's loads cover in one step, every lane's loads issued before any is used:
+// 8 warps x 32 / lanes rows x the row groups in flight. Up to that many rows the column half is
+// one round trip to memory, as the dx half is.
+inline int64_t column_pass_step_rows(int lanes, int cols) { return int64_t{8} * (32 / lanes) * few_rows_unroll(cols); }
+
 // Where the backward's dweight and dbias come from (norm_backward_kernels.cu). The resident
 // kernel can sum each block's columns over its rows as it goes, and write them as partial rows
-// (one row of n float sums per column sum and block) that course::column_sum reads back: per
-// column, blocks * sums * 2 * 4 bytes. Or it writes none, and a second kernel re-reads x and dy
-// down the columns (norm_backward_columns): per column, rows * 2 * elem bytes. Partial rows pay
-// where each block sums many rows; where a block takes one or a few (64 tokens: one row a block,
-// the whole grid one step), each would cost more than the row it sums, four times x and dy's
-// bytes in bfloat16 for LayerNorm. The cheaper in bytes, the second pass at a tie (its loads are
-// whole vectors down the columns, where a partial row is written a thread's columns at a time).
-inline bool backward_column_pass(int64_t rows, int elem_bytes, bool centered, int64_t blocks) {
+// (one row of n float sums per column sum and block) that course::column_sum reads back in a
+// second launch: per column, blocks * sums * 2 * 4 bytes. Or it writes none, and other blocks of
+// the same launch re-read x and dy down the columns (norm_backward_few_rows): per column, rows * 2
+// * elem bytes, and no second launch. The one launch where either holds:
+//   - the bytes: the partial rows would move at least as many as the re-read. Partial rows pay
+//     where each block sums many rows; where a block takes one or a few (64 tokens of hidden 12288:
+//     one row a block, the whole grid one step), each would cost more than the row it sums, four
+//     times x and dy's bytes in bfloat16 for LayerNorm;
+//   - the latency: the column tiles' loads cover every row in one step (column_pass_step_rows),
+//     so the column half costs one round trip beside the dx half's, where the partial rows cost a
+//     second launch after it. At 64 x 2048 the blocks hold 4 rows each, and by bytes alone
+//     RMSNorm (one sum) and float32 kept the partial rows and two launches for under a megabyte.
+// n, cols and sms give the column tiles (column_pass_tiles); blocks is the resident kernel's grid.
+inline bool backward_column_pass(int64_t rows, int64_t n, int elem_bytes, int cols, bool centered, int64_t blocks,
+                                 int sms) {
   const int64_t acc_bytes = elem_bytes == 8 ? 8 : 4;
   const int64_t partial_bytes = int64_t{centered ? 2 : 1} * blocks * 2 * acc_bytes;
   const int64_t reread_bytes = 2 * rows * elem_bytes;
-  return partial_bytes >= reread_bytes;
+  const ColumnTiles tiles = column_pass_tiles(n, cols, elem_bytes, sms);
+  return partial_bytes >= reread_bytes || rows <= column_pass_step_rows(tiles.lanes, cols);
 }
 
 // ---------------------------------------------------------------------------------------

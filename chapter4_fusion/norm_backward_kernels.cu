@@ -15,8 +15,8 @@
 // launch, course::column_sum_pair). No float atomics: the same input gives the same dweight bits
 // on every run, which atomicAdd's arrival order would not. Where the
 // blocks take one or a few rows each (64 tokens), those partial rows would outweigh the rows
-// they sum: the kernel then writes dx alone and norm_backward_columns re-reads x and dy down the
-// columns (backward_column_pass in norm.h weighs the two).
+// they sum: then one launch (norm_backward_few_rows) writes dx in its first blocks and re-reads x
+// and dy down the columns in the others (backward_column_pass in norm.h weighs the two).
 //
 // No torch headers: this file builds with a bare `nvcc -c`.
 #include "norm.h"
@@ -184,8 +184,8 @@ constexpr int64_t shared_sums_bytes() {
              : 0;
 }
 
-// kSums false: the kernel writes dx only, and norm_backward_columns sums dweight and dbias
-// (backward_column_pass in norm.h says when). Without the sums a thread holds x, dy and weight
+// kSums false: the kernel writes dx only, and the column tiles of the same launch sum dweight and
+// dbias (norm_backward_few_rows; backward_column_pass in norm.h says when). Without the sums a thread holds x, dy and weight
 // and little else, yet nvcc 13.0 gave LayerNorm's bfloat16 rows of 64 to 512 threads 89-94
 // registers (ptxas -v): one block of 512 threads an SM, 16 warps to hide each row's loads. Asked
 // for two blocks an SM, it fits them in 64 (8-12 bytes a thread spilled, once a row step; ptxas
@@ -194,12 +194,17 @@ constexpr int64_t shared_sums_bytes() {
 template <int kThreadsPerRow, bool kSums>
 constexpr int kBackwardMinBlocks = !kSums && kThreadsPerRow * kSlots<kThreadsPerRow> <= kBackwardBlock ? 2 : 1;
 
-template <typename T, bool kCentered, int kThreadsPerRow, int kVectors, Access kAccess, bool kSums = true>
-__global__ void __launch_bounds__(kThreadsPerRow * kSlots<kThreadsPerRow>, (kBackwardMinBlocks<kThreadsPerRow, kSums>))
-    norm_backward_resident(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ weight,
-                           const typename Acc<T>::type* __restrict__ mean, const typename Acc<T>::type* __restrict__ rstd,
-                           T* __restrict__ dx, typename Acc<T>::type* __restrict__ dweight_partial,
-                           typename Acc<T>::type* __restrict__ dbias_partial, int64_t rows, int64_t n) {
+// The body is a device function of the block's index and the number of blocks that share the rows
+// (blockIdx.x and gridDim.x for norm_backward_resident itself), so that norm_backward_few_rows can
+// run it in the first blocks of a grid whose other blocks sum the columns.
+template <typename T, bool kCentered, int kThreadsPerRow, int kVectors, Access kAccess, bool kSums>
+__device__ __forceinline__ void resident_rows(const T* __restrict__ dy, const T* __restrict__ x,
+                                              const T* __restrict__ weight,
+                                              const typename Acc<T>::type* __restrict__ mean,
+                                              const typename Acc<T>::type* __restrict__ rstd, T* __restrict__ dx,
+                                              typename Acc<T>::type* __restrict__ dweight_partial,
+                                              typename Acc<T>::type* __restrict__ dbias_partial, int64_t rows,
+                                              int64_t n, int64_t block, int64_t blocks) {
   using A = typename Acc<T>::type;
   constexpr int kLanes = Vec16<T>::kLanes;
   constexpr int kRows = kSlots<kThreadsPerRow>;
@@ -235,8 +240,7 @@ __global__ void __launch_bounds__(kThreadsPerRow * kSlots<kThreadsPerRow>, (kBac
   }
   // The whole block steps together (its reductions need every thread); a slot past the last
   // row works on padding: x = dy = 0 adds nothing to dweight or dbias, and stores nothing.
-  for (int64_t first = static_cast<int64_t>(blockIdx.x) * kRows; first < rows;
-       first += static_cast<int64_t>(gridDim.x) * kRows) {
+  for (int64_t first = block * kRows; first < rows; first += blocks * kRows) {
     const int64_t r = first + threadIdx.x / kThreadsPerRow;
     const int64_t len = r < rows ? n : 0;
     const int64_t row = r < rows ? r : 0;
@@ -293,7 +297,7 @@ __global__ void __launch_bounds__(kThreadsPerRow * kSlots<kThreadsPerRow>, (kBac
 #pragma unroll
     for (int s = 0; s < (kCentered ? 2 : 1); ++s) {
       A* const region = sums + s * kSumsPerThread * kBlock;  // kSumsPerThread * kBlock >= n sums
-      A* const out = (s == 0 ? dweight_partial : dbias_partial) + blockIdx.x * n;
+      A* const out = (s == 0 ? dweight_partial : dbias_partial) + block * n;
       A mine[kVectors][kLanes];
 #pragma unroll
       for (int j = 0; j < kVectors; ++j) {
@@ -314,41 +318,53 @@ __global__ void __launch_bounds__(kThreadsPerRow * kSlots<kThreadsPerRow>, (kBac
       for (int64_t c = threadIdx.x; c < n; c += kBlock) out[c] = region[c];
     }
   } else if constexpr (kSums) {
-    write_partial<kAccess, kThreadsPerRow, kVectors>(dw, dweight_partial + blockIdx.x * n, n, combine);
-    if constexpr (kCentered) write_partial<kAccess, kThreadsPerRow, kVectors>(db, dbias_partial + blockIdx.x * n, n, combine);
+    write_partial<kAccess, kThreadsPerRow, kVectors>(dw, dweight_partial + block * n, n, combine);
+    if constexpr (kCentered) write_partial<kAccess, kThreadsPerRow, kVectors>(db, dbias_partial + block * n, n, combine);
   }
 }
 
-// The second pass of backward_column_pass (norm.h): dweight[c] = sum over rows of dy * xhat and
+template <typename T, bool kCentered, int kThreadsPerRow, int kVectors, Access kAccess, bool kSums = true>
+__global__ void __launch_bounds__(kThreadsPerRow * kSlots<kThreadsPerRow>, (kBackwardMinBlocks<kThreadsPerRow, kSums>))
+    norm_backward_resident(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ weight,
+                           const typename Acc<T>::type* __restrict__ mean, const typename Acc<T>::type* __restrict__ rstd,
+                           T* __restrict__ dx, typename Acc<T>::type* __restrict__ dweight_partial,
+                           typename Acc<T>::type* __restrict__ dbias_partial, int64_t rows, int64_t n) {
+  resident_rows<T, kCentered, kThreadsPerRow, kVectors, kAccess, kSums>(
+      dy, x, weight, mean, rstd, dx, dweight_partial, dbias_partial, rows, n, blockIdx.x, gridDim.x);
+}
+
+// The column half of backward_column_pass (norm.h): dweight[c] = sum over rows of dy * xhat and
 // dbias[c] = sum of dy, read down the columns from x and dy, with the rows' mean and rstd; chapter
-// 3's column tiling (course/column_reduce.cuh): a block takes `lanes` x kCols adjacent columns
-// (one 16-byte vector a lane where the rows are whole aligned vectors), its 8 warps every 8th
-// group of rows, kUnroll groups in flight; the warps' sums meet in shared memory and warp 0 adds
-// them in a fixed order. One block a tile and no split of the rows: it runs only where the grid
-// of the resident kernel took one or a few rows a block, so there are few rows.
-template <typename T, bool kCentered, int kCols>
-__global__ void __launch_bounds__(course::kColumnThreads)
-    norm_backward_columns(const T* __restrict__ dy, const T* __restrict__ x,
-                          const typename Acc<T>::type* __restrict__ mean, const typename Acc<T>::type* __restrict__ rstd,
-                          T* __restrict__ dweight, T* __restrict__ dbias, int64_t rows, int64_t n, int lanes) {
+// 3's column tiling (course/column_reduce.cuh): a tile is `lanes` x kCols adjacent columns (one
+// 16-byte vector a lane where the rows are whole aligned vectors), the block's first 8 warps take
+// every 8th group of rows, kUnroll groups in flight; the warps' sums meet in shared memory and the
+// block adds them in a fixed order (tile_column_totals). One block a tile and no split of the
+// rows: it runs only at few rows (backward_column_pass: one or a few rows a block, or at most
+// 256 rows in all). The block may have more than course::kColumnThreads threads (it shares a launch with
+// the resident rows, norm_backward_few_rows): the others sum nothing but reach every barrier.
+template <typename T, bool kCentered, int kCols, int kUnroll>
+__device__ __forceinline__ void column_tile(const T* __restrict__ dy, const T* __restrict__ x,
+                                            const typename Acc<T>::type* __restrict__ mean,
+                                            const typename Acc<T>::type* __restrict__ rstd, T* __restrict__ dweight,
+                                            T* __restrict__ dbias, int64_t rows, int64_t n, int lanes, int64_t tile) {
   using A = typename Acc<T>::type;
   constexpr int kWarps = course::kColumnWarps;
-  constexpr int kUnroll = kCols > 1 ? course::kColumnUnroll : course::kColumnUnrollScalar;
   constexpr int kTile = 32 * kCols;
   // Each warp's sums for its rows of the tile's columns, as course::tile_column_totals reads them.
   __shared__ A sums_w[kWarps * kTile];
   __shared__ A sums_b[kCentered ? kWarps * kTile : 1];
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
+  const bool worker = warp < kWarps;     // the block's first kColumnThreads threads
   const int rows_per_warp = 32 / lanes;  // lanes is a power of two: 1, 2, ..., 32
   const int sub = lane / lanes;          // which of the warp's rows this lane reads
-  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * lanes * kCols + lane % lanes * kCols;
+  const int64_t c0 = tile * lanes * kCols + lane % lanes * kCols;
   const int64_t row_step = static_cast<int64_t>(kWarps) * rows_per_warp;
   A acc_w[kCols];
   A acc_b[kCols];
 #pragma unroll
   for (int c = 0; c < kCols; ++c) acc_w[c] = acc_b[c] = A(0);
-  if (c0 < n) {  // the last tile's lanes past the row's end sum nothing
+  if (worker && c0 < n) {  // the last tile's lanes past the row's end sum nothing
     for (int64_t k = warp * rows_per_warp + sub; k < rows; k += kUnroll * row_step) {
       T dv[kUnroll][kCols];
       T xv[kUnroll][kCols];
@@ -387,17 +403,19 @@ __global__ void __launch_bounds__(course::kColumnThreads)
       }
     }
   }
+  if (worker) {  // the sums' kWarps * kTile slots are the first kWarps warps'
 #pragma unroll
-  for (int c = 0; c < kCols; ++c) {
-    sums_w[warp * kTile + lane * kCols + c] = acc_w[c];
-    if constexpr (kCentered) sums_b[warp * kTile + lane * kCols + c] = acc_b[c];
+    for (int c = 0; c < kCols; ++c) {
+      sums_w[warp * kTile + lane * kCols + c] = acc_w[c];
+      if constexpr (kCentered) sums_b[warp * kTile + lane * kCols + c] = acc_b[c];
+    }
   }
   __syncthreads();  // every warp's sums are in shared memory before the block adds them
   // The whole block adds each column's sums (tile_column_totals, a fixed order): with 2 lanes a
   // tile (hidden 2048 in bfloat16), warp 0's two lanes adding them alone were 1024 dependent
   // adds a lane for each of dweight and dbias.
   const int width = lanes * kCols;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * width;
+  const int64_t first = tile * width;
   const A total_w = course::tile_column_totals<kCols>(sums_w, lanes, SumOp<A>());
   if (static_cast<int>(threadIdx.x) < width && first + threadIdx.x < n) {  // the last tile's columns past the row's end
     dweight[first + threadIdx.x] = from_acc<T>(total_w);
@@ -408,40 +426,46 @@ __global__ void __launch_bounds__(course::kColumnThreads)
   }
 }
 
-// Lanes a tile for the column pass: 32 while that gives every SM a tile, else halved down to the
-// narrowest whose lanes still read a whole 32-byte sector of a row together (hidden 12288 in
-// bfloat16: 1536 vectors, 48 tiles of 32 lanes on 132 SMs; 192 tiles of 8).
-template <typename T>
-cudaError_t launch_norm_columns(const NormBackwardParams& p, cudaStream_t stream) {
-  using A = typename Acc<T>::type;
-  constexpr int kLanes = Vec16<T>::kLanes;
-  const bool vectors = p.n % kLanes == 0 && course::is_aligned(p.dy, 16) && course::is_aligned(p.x, 16);
-  const int cols = vectors ? kLanes : 1;
-  int sms = 0;
-  COURSE_CUDA_TRY(course::sm_count(&sms));
-  const int64_t bytes_per_lane = int64_t{cols} * static_cast<int64_t>(sizeof(T));
-  const int narrowest = bytes_per_lane >= 32 ? 1 : static_cast<int>(32 / bytes_per_lane);
-  int lanes = 32;
-  while (lanes > narrowest && course::ceil_div<int64_t>(p.n, int64_t{lanes} * cols) < sms) lanes /= 2;
-  const int64_t tiles = course::ceil_div<int64_t>(p.n, int64_t{lanes} * cols);
-  const bool centered = p.kind == NormKind::kLayerNorm;
-  return with_flag(centered, [&](auto c) {
-    constexpr bool kC = decltype(c)::value;
-    const auto* dy = static_cast<const T*>(p.dy);
-    const auto* x = static_cast<const T*>(p.x);
-    const auto* mean = static_cast<const A*>(p.mean);
-    const auto* rstd = static_cast<const A*>(p.rstd);
-    auto* dw = static_cast<T*>(p.dweight);
-    auto* db = static_cast<T*>(p.dbias);
-    if (vectors) {
-      norm_backward_columns<T, kC, kLanes><<<grid_for(tiles), course::kColumnThreads, 0, stream>>>(
-          dy, x, mean, rstd, dw, db, p.rows, p.n, lanes);
-    } else {
-      norm_backward_columns<T, kC, 1><<<grid_for(tiles), course::kColumnThreads, 0, stream>>>(dy, x, mean, rstd, dw,
-                                                                                               db, p.rows, p.n, lanes);
-    }
-    return cudaGetLastError();
-  });
+// Row groups a column lane keeps in flight in norm_backward_few_rows (few_rows_unroll in norm.h):
+// half of chapter 3's. That launch keeps the resident rows' register budget (64 a thread:
+// kBackwardMinBlocks), and with four groups of two 16-byte vectors in flight the column half
+// spilled 114-228 bytes a thread in bfloat16 (ptxas -v, sm_90a); with two, at most 12, as the dx
+// kernel alone.
+template <int kCols>
+constexpr int kFewRowsUnroll = few_rows_unroll(kCols);
+static_assert(kFewRowsUnroll<8> == course::kColumnUnroll / 2 && kFewRowsUnroll<1> == course::kColumnUnrollScalar / 2,
+              "norm.h's few_rows_unroll is half of chapter 3's unrolls");
+static_assert(course::kColumnWarps == 8, "norm.h's column_pass_step_rows counts 8 warps a column tile");
+
+// backward_column_pass's one launch (norm.h says where): blocks 0 .. dx_blocks - 1 are the
+// resident kernel without its sums (dx alone, the rows shared out as in norm_backward_resident),
+// the blocks after them each one column tile of dweight and dbias (column_tile). Neither half reads
+// what the other writes (both read x, dy, mean and rstd; one writes dx, the other dweight and
+// dbias), so no block waits for another: no counter, no fence, and nothing to reset between calls
+// (a CUDA graph replays it as is). Each column is still summed by one block in a fixed order:
+// deterministic. Why one launch: at few rows every kernel is mostly latency, and what this
+// replaces was two kernels back to back (the dx-only rows, then a column pass; or the rows with
+// their partial sums, then course::column_sum over them); the column tiles now run beside the rows
+// instead of after them. The dx blocks come first in the grid: the block scheduler hands out low
+// indices first, and they carry the longer chain (two row sums, then dx). The block is the
+// resident shape's (kThreadsPerRow x its rows, 512 or 1024 threads); a column block uses its first
+// kColumnThreads (the tiling chapter 3's column sums are written for), and its other threads only
+// reach the barriers.
+template <typename T, bool kCentered, int kThreadsPerRow, int kVectors, Access kAccess, int kCols>
+__global__ void __launch_bounds__(kThreadsPerRow * kSlots<kThreadsPerRow>, (kBackwardMinBlocks<kThreadsPerRow, false>))
+    norm_backward_few_rows(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ weight,
+                           const typename Acc<T>::type* __restrict__ mean, const typename Acc<T>::type* __restrict__ rstd,
+                           T* __restrict__ dx, T* __restrict__ dweight, T* __restrict__ dbias, int64_t rows, int64_t n,
+                           int64_t dx_blocks, int lanes) {
+  static_assert(kThreadsPerRow * kSlots<kThreadsPerRow> >= course::kColumnThreads, "a column tile takes 8 warps");
+  // Which half is uniform across the block, so each half's barriers see every thread.
+  if (static_cast<int64_t>(blockIdx.x) < dx_blocks) {
+    resident_rows<T, kCentered, kThreadsPerRow, kVectors, kAccess, false>(dy, x, weight, mean, rstd, dx, nullptr,
+                                                                          nullptr, rows, n, blockIdx.x, dx_blocks);
+  } else {
+    column_tile<T, kCentered, kCols, kFewRowsUnroll<kCols>>(dy, x, mean, rstd, dweight, dbias, rows, n, lanes,
+                                                         blockIdx.x - dx_blocks);
+  }
 }
 
 // ===========================================================================================
@@ -525,20 +549,29 @@ cudaError_t run_backward(const NormBackwardParams& p, cudaStream_t stream, int64
                                                    cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSums)));
             }
             COURSE_CUDA_TRY(backward_grid(kernel, kShape.threads * kRows, kRows, p.rows, &grid, kSums));
-            if (backward_column_pass(p.rows, static_cast<int>(sizeof(T)), kC, grid)) {
-              // Few rows a block: dx alone here (no sums, no partial rows, no workspace), then
-              // dweight and dbias from a pass down the columns of x and dy.
-              auto* bare = norm_backward_resident<T, kC, kShape.threads, kShape.vectors, decltype(a)::value, false>;
-              int64_t bare_grid = 0;
-              COURSE_CUDA_TRY(backward_grid(bare, kShape.threads * kRows, kRows, p.rows, &bare_grid));
+            // The column tiles read whole vectors where the rows do (kVectors: every row of dy and x
+            // aligned, n a whole number of vectors), else single elements.
+            constexpr Access kA = decltype(a)::value;
+            constexpr int kCols = kA == Access::kVectors ? Vec16<T>::kLanes : 1;
+            int sms = 0;
+            COURSE_CUDA_TRY(course::sm_count(&sms));
+            if (backward_column_pass(p.rows, p.n, static_cast<int>(sizeof(T)), kCols, kC, grid, sms)) {
+              // Few rows: dx and the column sums from one launch (norm_backward_few_rows), no
+              // partial rows and no workspace.
+              auto* few = norm_backward_few_rows<T, kC, kShape.threads, kShape.vectors, kA, kCols>;
               if (grid_only != nullptr) {
                 *grid_only = 0;
                 return cudaSuccess;
               }
-              bare<<<grid_for(bare_grid), kShape.threads * kRows, 0, stream>>>(dy, x, weight, mean, rstd, dx, nullptr,
-                                                                              nullptr, p.rows, p.n);
-              COURSE_CUDA_TRY(cudaGetLastError());
-              return launch_norm_columns<T>(p, stream);
+              const ColumnTiles tiles = column_pass_tiles(p.n, kCols, static_cast<int>(sizeof(T)), sms);
+              int64_t dx_blocks = 0;
+              COURSE_CUDA_TRY(backward_grid(few, kShape.threads * kRows, kRows, p.rows, &dx_blocks));
+              // dx_blocks + tiles: at most a wave of the rows plus n tiles, far below gridDim.x's limit.
+              // (column_pass_tiles in norm.h: the tiles' width.)
+              few<<<grid_for(dx_blocks + tiles.tiles), kShape.threads * kRows, 0, stream>>>(
+                  dy, x, weight, mean, rstd, dx, static_cast<T*>(p.dweight), static_cast<T*>(p.dbias), p.rows, p.n,
+                  dx_blocks, tiles.lanes);
+              return cudaGetLastError();
             }
             if (grid_only != nullptr) {
               *grid_only = grid;

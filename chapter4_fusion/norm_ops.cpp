@@ -340,18 +340,37 @@ std::string norm_default_choice(c10::string_view op_name, const Tensor& x) {
   return ::course::version_name(kAddVersions, default_add_norm());
 }
 
-// Whether the backward of op (layer_norm or rms_norm) for x sums dweight and dbias in a pass down
-// the columns rather than in partial rows, when its resident kernel runs `blocks` blocks
-// (backward_column_pass in norm.h; the launcher asks it with the grid the GPU keeps resident).
-bool norm_backward_column_pass(c10::string_view op_name, const Tensor& x, int64_t blocks) {
+// Whether the backward of op (layer_norm or rms_norm) for x sums dweight and dbias in the one
+// launch at few rows (the column tiles beside the dx blocks) rather than in partial rows, when its
+// resident kernel runs `blocks` blocks on a GPU of `sms` SMs (backward_column_pass in norm.h; the
+// launcher asks it with the grid the GPU keeps resident), for freshly allocated (16-byte aligned)
+// tensors as the glue's are: rows of whole 16-byte vectors read a vector a lane down the columns.
+bool norm_backward_column_pass(c10::string_view op_name, const Tensor& x, int64_t blocks, int64_t sms) {
   const auto name = ::course::as_std(op_name);
   check_x("norm_backward_column_pass", x);
   TORCH_CHECK(name == "layer_norm" || name == "rms_norm", "norm_backward_column_pass: unknown op '",
               std::string(name), "' (layer_norm, rms_norm)");
   TORCH_CHECK(blocks >= 1, "norm_backward_column_pass: blocks must be at least 1, got ", std::to_string(blocks));
+  TORCH_CHECK(sms >= 1, "norm_backward_column_pass: sms must be at least 1, got ", std::to_string(sms));
   const int64_t n = x.dim() == 0 ? 1 : x.size(-1);
   const int64_t rows = n == 0 ? 0 : x.numel() / n;
-  return backward_column_pass(rows, static_cast<int>(x.element_size()), name == "layer_norm", blocks);
+  const int elem = static_cast<int>(x.element_size());
+  const int cols = n % (16 / elem) == 0 ? 16 / elem : 1;
+  return backward_column_pass(rows, n, elem, cols, name == "layer_norm", blocks, static_cast<int>(sms));
+}
+
+// The column tiles of the backward's one launch at few rows for x on a GPU of `sms` SMs,
+// [lanes, cols, tiles] (column_pass_tiles in norm.h), for freshly allocated (16-byte aligned)
+// tensors as the glue's are: rows of whole 16-byte vectors take a vector a lane, others one
+// element. Asked without a GPU by the CPU tests of the rule.
+std::vector<int64_t> norm_backward_column_tiles(const Tensor& x, int64_t sms) {
+  check_x("norm_backward_column_tiles", x);
+  TORCH_CHECK(sms >= 1, "norm_backward_column_tiles: sms must be at least 1, got ", std::to_string(sms));
+  const int64_t n = x.dim() == 0 ? 1 : x.size(-1);
+  const int elem = static_cast<int>(x.element_size());
+  const int cols = n % (16 / elem) == 0 ? 16 / elem : 1;
+  const ColumnTiles t = column_pass_tiles(n, cols, elem, static_cast<int>(sms));
+  return {t.lanes, cols, t.tiles};
 }
 
 // ---------------------------------------------------------------------------------------
@@ -493,7 +512,9 @@ TORCH_LIBRARY_FRAGMENT(fusion, m) {
         " -> (Tensor, Tensor, Tensor)");
   m.def("rms_norm_backward(Tensor dy, Tensor x, Tensor? weight, Tensor rstd, str? version=None) -> (Tensor, Tensor)");
   m.def("norm_default_choice(str op, Tensor x) -> str", &fusion::norm::norm_default_choice);
-  m.def("norm_backward_column_pass(str op, Tensor x, int blocks) -> bool", &fusion::norm::norm_backward_column_pass);
+  m.def("norm_backward_column_pass(str op, Tensor x, int blocks, int sms) -> bool",
+        &fusion::norm::norm_backward_column_pass);
+  m.def("norm_backward_column_tiles(Tensor x, int sms) -> int[]", &fusion::norm::norm_backward_column_tiles);
 }
 
 // One implementation per op serves CPU, CUDA and Meta.

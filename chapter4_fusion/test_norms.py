@@ -353,25 +353,60 @@ def test_default_choice():
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=dtype_id)
 def test_backward_column_pass_rule(dtype):
-    """dweight and dbias come from a pass down the columns of x and dy exactly where the partial
-    rows (blocks x sums x 4 bytes, written and read back, per column) would move at least as many
-    bytes as re-reading x and dy (rows x 2 x elem): at 64 tokens, one row a block, for both norms
-    in every dtype (RMSNorm in float32 at a tie); never with a block per SM over 2048 rows."""
+    """dweight and dbias come from the one launch (column tiles beside the dx blocks) exactly where
+    the partial rows (blocks x sums x 4 bytes, written and read back, per column) would move at
+    least as many bytes as re-reading x and dy (rows x 2 x elem), or where the column tiles' loads
+    cover every row in one step (8 warps x 32 / lanes rows x 2 groups of vectors, 8 of single
+    elements): at 64 tokens for both norms in every dtype, hidden 2048 with 4 rows a block
+    included; never with a block per SM over 2048 rows; never past 256 rows by the step alone."""
     elem = torch.empty((), dtype=dtype).element_size()
     for op, sums in (("layer_norm", 2), ("rms_norm", 1)):
-        for rows in (1, 37, 64, 65, 2048, 8192):
-            for blocks in (1, 16, 64, 132, 512, 528):
-                x = torch.empty(rows, 12288, dtype=dtype, device="meta")
-                expected = sums * blocks * 2 * 4 >= rows * 2 * elem
-                assert OPS.norm_backward_column_pass(op, x, blocks) == expected, (op, rows, blocks)
-        one_row_a_block = torch.empty(64, 12288, dtype=dtype, device="meta")
-        assert OPS.norm_backward_column_pass(op, one_row_a_block, 64), op
+        for n in (777, 2048, 12288):
+            for rows in (1, 37, 64, 65, 128, 129, 256, 257, 2048, 8192):
+                for blocks in (1, 16, 64, 132, 512, 528):
+                    for sms in (8, 132):
+                        x = torch.empty(rows, n, dtype=dtype, device="meta")
+                        lanes, cols, _ = OPS.norm_backward_column_tiles(x, sms)
+                        step = 8 * (32 // lanes) * (2 if cols > 1 else 8)
+                        expected = sums * blocks * 2 * 4 >= rows * 2 * elem or rows <= step
+                        assert OPS.norm_backward_column_pass(op, x, blocks, sms) == expected, (op, rows, n, blocks, sms)
+                        if rows > 256 and sums * blocks * 2 * 4 < rows * 2 * elem:
+                            assert not expected, (op, rows, n, blocks, sms)
+        for n, blocks in ((2048, 16), (12288, 64)):  # 64 tokens: 4 rows a block at 2048, one at 12288
+            assert OPS.norm_backward_column_pass(op, torch.empty(64, n, dtype=dtype, device="meta"), blocks, 132), op
         a_block_per_sm = torch.empty(2048, 12288, dtype=dtype, device="meta")
-        assert not OPS.norm_backward_column_pass(op, a_block_per_sm, 132), op
+        assert not OPS.norm_backward_column_pass(op, a_block_per_sm, 132, 132), op
     with pytest.raises(RuntimeError, match="norm_backward_column_pass: unknown op 'softmax'"):
-        OPS.norm_backward_column_pass("softmax", torch.empty(2, 8, device="meta"), 1)
+        OPS.norm_backward_column_pass("softmax", torch.empty(2, 8, device="meta"), 1, 132)
     with pytest.raises(RuntimeError, match="norm_backward_column_pass: blocks must be at least 1"):
-        OPS.norm_backward_column_pass("rms_norm", torch.empty(2, 8, device="meta"), 0)
+        OPS.norm_backward_column_pass("rms_norm", torch.empty(2, 8, device="meta"), 0, 132)
+    with pytest.raises(RuntimeError, match="norm_backward_column_pass: sms must be at least 1"):
+        OPS.norm_backward_column_pass("rms_norm", torch.empty(2, 8, device="meta"), 1, 0)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=dtype_id)
+def test_backward_column_tiles_rule(dtype):
+    """The column half of the backward's one launch at few rows (column_pass_tiles in norm.h): a
+    16-byte vector a lane where the rows are whole vectors, else one element; tiles of 32 lanes
+    while the SMs each get one, else the fewest lanes that still do, never narrower than a 32-byte
+    sector of a row; the tiles cover the row, and a tile's columns divide the 256 threads that add
+    them (tile_column_totals). Hidden 12288 in bfloat16 on 132 SMs: 192 tiles of 8 lanes."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    vector = 16 // elem
+    for n in (1, 7, 777, 768, 2048, 4099, 12288, 16384):
+        for sms in (1, 8, 78, 132, 144):
+            lanes, cols, tiles = OPS.norm_backward_column_tiles(torch.empty(64, n, dtype=dtype, device="meta"), sms)
+            where = (n, sms, lanes, cols, tiles)
+            assert cols == (vector if n % vector == 0 else 1), where
+            narrowest = max(1, 32 // (cols * elem))
+            assert narrowest <= lanes <= 32 and lanes & (lanes - 1) == 0 and 256 % (lanes * cols) == 0, where
+            assert tiles == -(-n // (lanes * cols)), where
+            assert tiles >= sms or lanes == narrowest, where    # narrowed until every SM has a tile
+            assert lanes == 32 or -(-n // (2 * lanes * cols)) < sms, where  # and no further
+    if dtype == torch.bfloat16:
+        assert OPS.norm_backward_column_tiles(torch.empty(64, 12288, dtype=dtype, device="meta"), 132) == [8, 8, 192]
+    with pytest.raises(RuntimeError, match="norm_backward_column_tiles: sms must be at least 1"):
+        OPS.norm_backward_column_tiles(torch.empty(2, 8, device="meta"), 0)
 
 
 def _f32(*shape, device="cpu", dtype=torch.float32):
@@ -548,11 +583,13 @@ def check_autograd_grads(shape, dtype):
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=dtype_id)
 def test_backward_column_pass(dtype):
     """The backward's two ways to dweight and dbias, each where backward_column_pass (norm.h) puts
-    it: at 64 tokens of hidden 12288 and 16384 (one row a block) the resident kernel writes dx
-    alone and norm_backward_columns sums the columns, with no column_sum; at 1000 and 2048 tokens
-    partial rows and column_sum. Both against the float64 reference at irregular shapes: rows
-    that are whole vectors and rows that are not (4099, 16001: single elements), one row, fewer
-    rows than a warp's groups, and through autograd."""
+    it: up to 64 tokens (hidden 12288 and 16384: one row a block; the rest: the column tiles'
+    loads cover every row in one step) ONE launch, norm_backward_few_rows, writes dx in its first
+    blocks and sums the columns in the others, with no column_sum and no second kernel; at 1000
+    and 2048 tokens the resident kernel's partial rows and column_sum. Both
+    against the float64 reference at irregular shapes: rows that are whole vectors and rows that
+    are not (4099, 16001: single elements), one row, fewer rows than a warp's groups, and through
+    autograd."""
     require_cuda()
     # 1000 x 777 and x 16001, 2048 x 12288: partial rows (16001 and 12288 from the 1024-thread
     # rows' shared sums, put in column order before they are written; 16001 by single elements).
@@ -567,13 +604,14 @@ def test_backward_column_pass(dtype):
             where = f"{op} {rows}x{n}"
             for name, out, ref in zip(("dx", "dweight", "dbias"), outs, refs):
                 assert_grad(out, ref, dtype, f"{where} {name}")
-            columns = any("norm_backward_columns" in k for k in kernels)
-            if rows == 64 and n in (12288, 16384):
-                assert columns and not any("column_reduce" in k for k in kernels), (where, kernels)
+            few = any("norm_backward_few_rows" in k for k in kernels)
+            backward = [k for k in kernels if "norm_backward" in k or "column_reduce" in k]
+            if rows <= 64:  # every case here: by the bytes or by the column tiles' one step
+                assert few, (where, kernels)
+            if few:  # the whole backward is that one launch
+                assert len(backward) == 1, (where, kernels)
             if rows >= 1000:
-                assert not columns and any("column_reduce" in k for k in kernels), (where, kernels)
-            if columns:  # the resident kernel ran without its sums: its last template argument
-                assert all("false>" in k for k in kernels if "norm_backward_resident" in k), (where, kernels)
+                assert not few and any("column_reduce" in k for k in kernels), (where, kernels)
     check_autograd_grads((64, 12288), dtype)
 
 
@@ -599,7 +637,7 @@ def test_backward_column_totals_at_tile_edges(dtype):
                     outs = kernel_grads(op, x, w, b, dy, eps, None)
                 else:  # partial rows at every width here: one column sum (the profiler only here: slow)
                     outs, kernels = launched_kernels(lambda: kernel_grads(op, x, w, b, dy, eps, None), "")
-                    assert not any("norm_backward_columns" in k for k in kernels), (op, n, kernels)
+                    assert not any("norm_backward_few_rows" in k for k in kernels), (op, n, kernels)
                     assert sum("column_reduce" in k for k in kernels) == 1, (op, n, kernels)
                 for name, out, ref in zip(("dx", "dweight", "dbias"), outs, refs):
                     assert_grad(out, ref, dtype, f"{op} {rows}x{n} {name}")
@@ -623,6 +661,47 @@ def test_cuda_graph_capture():
     captured, expected = capture_and_replay(step)
     for a, e in zip(captured, expected):
         assert torch.equal(a, e)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=dtype_id)
+def test_few_rows_backward_graph_capture_twice(dtype):
+    """The one-launch backward at few rows (norm_backward_few_rows) captured in a CUDA graph twice
+    in a row, each replayed: the same bits as the eager call every time (nothing it leaves behind,
+    such as a counter or a partial sum, may change the next call), at the rows around a block's
+    share (1, 63, 64, 65) and widths of whole vectors and not."""
+    require_cuda()
+    for rows, n in ((1, 7), (63, 777), (64, 2048), (65, 4099), (64, 12288)):
+        x, w, b, _ = make_inputs((rows, n), dtype, "cuda")
+        dy = torch.randn(rows, n, device="cuda").to(dtype)
+        for op in NORM_OPS:
+            eps = default_eps(op)
+            if dtype == torch.bfloat16:  # the path (the profiler is slow: one dtype; the rule is the same)
+                _, kernels = launched_kernels(lambda: kernel_grads(op, x, w, b, dy, eps, None), "")
+                assert any("norm_backward_few_rows" in k for k in kernels), (op, rows, n, kernels)
+            refs = reference_grads(op, x, w, b, dy, eps)
+            for attempt in range(2):
+                captured, expected = capture_and_replay(lambda: kernel_grads(op, x, w, b, dy, eps, None))
+                for name, a, e, ref in zip(("dx", "dweight", "dbias"), captured, expected, refs):
+                    assert torch.equal(a, e), (op, rows, n, name, attempt)
+                    assert_grad(a, ref, dtype, f"{op} {rows}x{n} {name} graph {attempt}")
+
+
+@pytest.mark.cuda
+@pytest.mark.sanitize
+def test_sanitizer_small_backward_few_rows():
+    """compute-sanitizer's run of the one-launch backward: dx blocks and column blocks side by
+    side, single elements and whole vectors, the last column tile hanging over the row's end."""
+    require_cuda()
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows, n in ((1, 7), (3, 777), (64, 2048), (5, 4099)):
+            x, w, b, _ = make_inputs((rows, n), dtype, "cuda")
+            dy = torch.randn(rows, n, device="cuda").to(dtype)
+            for op in NORM_OPS:
+                eps = default_eps(op)
+                outs = kernel_grads(op, x, w, b, dy, eps, None)
+                for name, out, ref in zip(("dx", "dweight", "dbias"), outs, reference_grads(op, x, w, b, dy, eps)):
+                    assert_grad(out, ref, dtype, f"{op} {rows}x{n} {name}")
 
 
 @pytest.mark.cuda

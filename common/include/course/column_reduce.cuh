@@ -51,7 +51,8 @@ constexpr int column_unroll(int cols) { return cols > 1 ? kColumnUnroll : kColum
 // x 2048 took 19.8 us where torch took 6.3). Now each thread adds kCols sums and then at most 256
 // / width group totals.
 // Returns the total of tile column threadIdx.x in threads threadIdx.x < width (the identity in
-// the others). Every thread of the block must call it, after the barrier that follows the sums'
+// the others). Every thread of the block must call it (a block of any size of at least
+// kColumnThreads threads), after the barrier that follows the sums'
 // stores; it overwrites the first kColumnThreads sums, and the caller must put a barrier between
 // its return and the next writes to `sums`.
 template <int kCols, typename A, typename Op>
@@ -63,12 +64,15 @@ __device__ __forceinline__ A tile_column_totals(A* sums, int lanes, const Op& op
   const int j = threadIdx.x % width;           // this thread's column of the tile
   const int l = j / kCols;
   const int c = j % kCols;
+  // A block of more than kColumnThreads threads (chapter 4's norm_backward_few_rows) adds with its
+  // first kColumnThreads; the others only reach the barriers (their slots would pass the sums).
+  const bool adder = threadIdx.x < kColumnThreads;
   A part = Op::identity();
-  for (int q = threadIdx.x / width; q < kColumnWarps * rows_per_warp; q += groups) {
+  for (int q = threadIdx.x / width; adder && q < kColumnWarps * rows_per_warp; q += groups) {
     part = op(part, sums[(q / rows_per_warp) * kTile + ((q % rows_per_warp) * lanes + l) * kCols + c]);
   }
   __syncthreads();  // every thread has read its sums before the groups' totals overwrite them
-  sums[threadIdx.x] = part;  // kTile * kColumnWarps >= kColumnThreads slots
+  if (adder) sums[threadIdx.x] = part;  // kTile * kColumnWarps >= kColumnThreads slots
   __syncthreads();  // every group's total is in shared memory before the columns' first threads add them
   A total = Op::identity();
   if (static_cast<int>(threadIdx.x) < width) {
