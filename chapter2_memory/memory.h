@@ -94,6 +94,18 @@ inline bool thin_applies(const TransposeParams& p) {
   return p.rows <= kThinMaxShort || p.cols <= kThinMaxShort;
 }
 
+// Whether the thin kernels move a 2-byte matrix's segments as pairs, two elements to a 4-byte
+// word (memory_kernels.cu, thin_pair_first): where a pair's two elements are adjacent in
+// memory, and a tile's long extent holds two of them. The run lies along the longer dim
+// (launch_transpose_thin): short rows load their segments from source rows, whose columns are
+// adjacent where col_stride is 1; short columns store theirs into destination rows, always
+// contiguous. A tile's long extent is at least 2 wherever the long dim is (2 x 64 short indices
+// fit an 8 KiB run of 2-byte elements many times over).
+inline bool thin_pairs_apply(const TransposeParams& p) {
+  if (p.elem_bytes != 2) return false;
+  return p.rows <= p.cols ? p.col_stride == 1 && p.cols >= 2 : p.rows >= 2;
+}
+
 // ---------------------------------------------------------------------------------------
 // version=None for transpose: the one place where the chapter decides (measured on the H100;
 // the README's "version=None" section shows the numbers).
