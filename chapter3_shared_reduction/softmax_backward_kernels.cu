@@ -124,6 +124,14 @@ __global__ void __launch_bounds__(kResidentShapes[kShape].threads, split_blocks_
 // rows, y and dy, each in 16-byte slots from its first boundary on (dy starts as far from one as
 // y: row_access checked), one reduction, dx written from the slots. Each thread reads back only
 // what it wrote: no barrier but the reduction's.
+//
+// log_softmax parks dy alone: its sum is of dy only, so y is read once, from DRAM, in the pass
+// that writes dx. Half the shared memory a block: a 32000-element bfloat16 row is 64 KB where y
+// and dy took 128 KB, three blocks per SM instead of one. With one, an SM read its next row only
+// after the last one was written, DRAM idle on that SM through every reduction and write pass
+// (log_softmax's backward at 2097 x 32000 in bfloat16 ran at 0.80x PyTorch on the H100, whose
+// two reads of dy per row keep several rows in flight); with three, one block's loads overlap
+// another's writes.
 template <typename T, bool kLog, Access kAccess>
 __global__ void __launch_bounds__(kSharedThreads)
     softmax_backward_shared(const T* __restrict__ y, const T* __restrict__ dy, T* __restrict__ dx, int64_t rows,
@@ -134,8 +142,9 @@ __global__ void __launch_bounds__(kSharedThreads)
   extern __shared__ int4 parked_words[];
   __shared__ A smem[32];
   const int t = threadIdx.x;
+  // softmax: y's slots, then dy's; log_softmax: dy's only (parked_y unused)
   V* parked_y = reinterpret_cast<V*>(parked_words);
-  V* parked_g = parked_y + slots;
+  V* parked_g = kLog ? parked_y : parked_y + slots;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const int64_t offset = r * n;
     const RowSpan span = row_span<kAccess>(y + offset, n);
@@ -144,12 +153,17 @@ __global__ void __launch_bounds__(kSharedThreads)
     const V* gv = reinterpret_cast<const V*>(dy + offset + span.head);
     A dot = A(0);
     for (int64_t j = t; j < vectors; j += kSharedThreads) {
-      const V a = course::load16(yv + j);
       const V b = course::load16(gv + j);
-      course::store16(parked_y + j, a);
       course::store16(parked_g + j, b);
+      if constexpr (kLog) {
 #pragma unroll
-      for (int l = 0; l < kLanes; ++l) dot += dot_term<kLog>(to_acc(a.v[l]), to_acc(b.v[l]));
+        for (int l = 0; l < kLanes; ++l) dot += to_acc(b.v[l]);
+      } else {
+        const V a = course::load16(yv + j);
+        course::store16(parked_y + j, a);
+#pragma unroll
+        for (int l = 0; l < kLanes; ++l) dot += dot_term<kLog>(to_acc(a.v[l]), to_acc(b.v[l]));
+      }
     }
     const int64_t tail = span.len - span.body_end;
     const int64_t head_i = t;
@@ -162,7 +176,7 @@ __global__ void __launch_bounds__(kSharedThreads)
     const A total = course::block_reduce<kSharedThreads>(dot, SumOp<A>(), smem);
     V* xv = reinterpret_cast<V*>(dx + offset + span.head);
     for (int64_t j = t; j < vectors; j += kSharedThreads) {
-      const V a = course::load16(parked_y + j);
+      const V a = kLog ? course::load16(yv + j) : course::load16(parked_y + j);
       const V b = course::load16(parked_g + j);
       V out;
 #pragma unroll
@@ -219,7 +233,8 @@ cudaError_t run_backward(const SoftmaxBackwardParams& p, cudaStream_t stream) {
       },
       [&](auto access) {
         const int64_t slots = parked_bytes<T>(p.n) / 16;
-        return launch_shared(softmax_backward_shared<T, kLog, decltype(access)::value>, p.rows, 2 * slots * 16, stream,
+        const int64_t arrays = kLog ? 1 : 2;  // log_softmax parks dy alone (softmax_backward_shared)
+        return launch_shared(softmax_backward_shared<T, kLog, decltype(access)::value>, p.rows, arrays * slots * 16, stream,
                              streamed, y, dy, dx, p.rows, p.n, slots);
       },
       [&](auto shape, auto access) {
