@@ -655,7 +655,9 @@ def test_sanitizer_small_thin_transpose():
     require_cuda()
     for dtype in DTYPES:
         for shape in ((1, 1), (3, 257), (257, 3), (16, 129), (129, 16), (2, 5, 131), (2, 131, 5),
-                      (31, 129), (129, 62), (64, 131), (2, 131, 33)):
+                      (31, 129), (129, 62), (64, 131), (2, 131, 33),
+                      # 2-byte pairs: rows of odd length (both heads), a long dim of 2 and 3
+                      (17, 1001), (1001, 17), (2, 3), (3, 2)):
             x = torch.randn(shape, dtype=dtype, device="cuda")
             # a dim of 1 makes the transpose a copy, which the copy route takes first
             assert memory_ops.default_choice("transpose", x) == ("copy" if 1 in shape else "thin"), shape

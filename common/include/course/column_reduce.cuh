@@ -37,6 +37,12 @@ constexpr int kColumnUnroll = 4;
 constexpr int kColumnUnrollScalar = 16;
 // Row groups a lane keeps in flight with kCols columns per lane.
 constexpr int column_unroll(int cols) { return cols > 1 ? kColumnUnroll : kColumnUnrollScalar; }
+// The tail of a lane's range: the row groups left after the unrolled batches, fewer than one
+// batch, are one more batch whose loads past the range are skipped, not a loop of one row group
+// at a time. Such a loop keeps one load (or the few nvcc unrolls) in flight per lane: a lane of
+// a 1000-row range at 32 rows a block step (a narrow tile of 7 columns, 64 x 1000 x 7 over dim
+// 1) did one batch of 16 loads and then 15 more in that loop, nearly a DRAM round trip each, and
+// every warp of the launch reaches its tail at about the same time, so no other warp hides them.
 
 // The column totals of one tile from the block's partial sums in shared memory: sums[w * 32 *
 // kCols + (s * lanes + l) * kCols + c] is warp w's sum, over its rows s, s + 32 / lanes, ..., of
@@ -125,10 +131,22 @@ __global__ void __launch_bounds__(kColumnThreads) column_reduce_tiles(
             for (int c = 0; c < kCols; ++c) acc[c] = op(acc[c], to_acc(v[u].v[c]));
           }
         }
-        for (; k < k_end; k += row_step) {
-          const V v = load16(reinterpret_cast<const V*>(base + k * inner));
+        // The last fewer than kColumnUnroll row groups: one guarded batch, all its loads issued
+        // before the first add (column_unroll's note says why not a loop).
+        if (k < k_end) {
+          V v[kColumnUnroll];
 #pragma unroll
-          for (int c = 0; c < kCols; ++c) acc[c] = op(acc[c], to_acc(v.v[c]));
+          for (int u = 0; u < kColumnUnroll; ++u) {
+            // past the range's last row
+            if (k + u * row_step < k_end) v[u] = load16(reinterpret_cast<const V*>(base + (k + u * row_step) * inner));
+          }
+#pragma unroll
+          for (int u = 0; u < kColumnUnroll; ++u) {
+            if (k + u * row_step < k_end) {  // the same guard as the load
+#pragma unroll
+              for (int c = 0; c < kCols; ++c) acc[c] = op(acc[c], to_acc(v[u].v[c]));
+            }
+          }
         }
       } else {
         for (; k + (kColumnUnrollScalar - 1) * row_step < k_end; k += kColumnUnrollScalar * row_step) {
@@ -138,7 +156,17 @@ __global__ void __launch_bounds__(kColumnThreads) column_reduce_tiles(
 #pragma unroll
           for (int u = 0; u < kColumnUnrollScalar; ++u) acc[0] = op(acc[0], to_acc(v[u]));
         }
-        for (; k < k_end; k += row_step) acc[0] = op(acc[0], to_acc(base[k * inner]));
+        if (k < k_end) {  // the last fewer than kColumnUnrollScalar row groups: one guarded batch
+          T v[kColumnUnrollScalar];
+#pragma unroll
+          for (int u = 0; u < kColumnUnrollScalar; ++u) {
+            if (k + u * row_step < k_end) v[u] = base[(k + u * row_step) * inner];  // past the range
+          }
+#pragma unroll
+          for (int u = 0; u < kColumnUnrollScalar; ++u) {
+            if (k + u * row_step < k_end) acc[0] = op(acc[0], to_acc(v[u]));  // the same guard
+          }
+        }
       }
     }
     // A previous tile's combine may still be reading smem in a slower warp.
