@@ -372,8 +372,7 @@ __global__ void __launch_bounds__(kThreads) reduce_split_row(const T* __restrict
 // issues the loads of kLoopBatch rows before it adds any (the ones past n skipped): with a loop
 // of one load per row, nvcc's `unroll 4` kept four in flight, and a reduced dim of 16 (the
 // short dims version=None gives this rung, under many outputs) took four round trips to DRAM
-// instead of one. Slices narrower than a warp are staged in shared memory first
-// (reduce_column_slab, below).
+// instead of one.
 constexpr int kLoopBatch = 16;
 
 template <typename T, typename Op>
@@ -399,59 +398,6 @@ __global__ void __launch_bounds__(kThreads) reduce_column_loop(const T* __restri
       }
     }
     out[c] = from_acc<T>(acc);
-  }
-}
-
-// column_loop over slices narrower than a warp (column_loop_stages in reduction.h): still a
-// thread per output, but the block first copies `group` whole slices, one contiguous stretch of
-// group x n x inner elements, into shared memory with consecutive threads on consecutive
-// elements, and the threads then sum their columns there. Read in place, a warp's 32 outputs lie
-// in ~32 / inner slices, and each of its loads touched a sector in every one of them: for
-// (100003, 16, 3) about 10 L1 wavefronts a load, 1136 loads per SM, some 7 us of L1 alone (the
-// 16-bit sums measured 7.0 us, PyTorch 6.0). Copied, each warp load is 32 consecutive elements.
-// group = min(threads / inner, kSlabBytes / slice bytes): at most one output per thread, at most
-// 32 KB of slab a block (n < 64 and inner < 32 keep a slice under 16 KB, so group >= 2).
-constexpr int64_t kSlabBytes = 32 * 1024;
-
-template <typename T>
-int64_t slab_group(int64_t n, int64_t inner) {
-  return std::min<int64_t>(kThreads / inner, kSlabBytes / (n * inner * static_cast<int64_t>(sizeof(T))));
-}
-
-template <typename T, typename Op>
-__global__ void __launch_bounds__(kThreads) reduce_column_slab(const T* __restrict__ x, int64_t outer,
-                                                               int64_t n, int64_t inner, int64_t group,
-                                                               T* __restrict__ out) {
-  using A = typename Acc<T>::type;
-  extern __shared__ __align__(16) unsigned char slab_bytes[];
-  T* slab = reinterpret_cast<T*>(slab_bytes);
-  const Op op;
-  const int64_t slice = n * inner;
-  for (int64_t o0 = static_cast<int64_t>(blockIdx.x) * group; o0 < outer;
-       o0 += static_cast<int64_t>(gridDim.x) * group) {
-    const int64_t slices = outer - o0 < group ? outer - o0 : group;
-    const int64_t len = slices * slice;
-    const T* src = x + o0 * slice;
-    // kLoopBatch loads a thread in flight before its first store to shared memory.
-    for (int64_t base = threadIdx.x; base < len; base += kLoopBatch * kThreads) {
-      T v[kLoopBatch];
-#pragma unroll
-      for (int u = 0; u < kLoopBatch; ++u) {
-        if (base + u * kThreads < len) v[u] = src[base + u * kThreads];  // past the group's slices
-      }
-#pragma unroll
-      for (int u = 0; u < kLoopBatch; ++u) {
-        if (base + u * kThreads < len) slab[base + u * kThreads] = v[u];  // the same guard
-      }
-    }
-    __syncthreads();  // the whole slab is in shared memory before any column sum reads it
-    if (threadIdx.x < slices * inner) {  // one output per thread; the rest have none this group
-      const T* col = slab + (threadIdx.x / inner) * slice + threadIdx.x % inner;
-      A acc = Op::identity();
-      for (int64_t k = 0; k < n; ++k) acc = op(acc, to_acc(col[k * inner]));
-      out[o0 * inner + threadIdx.x] = from_acc<T>(acc);  // consecutive threads, consecutive outputs
-    }
-    __syncthreads();  // every sum has read the slab before the next group's copy overwrites it
   }
 }
 
@@ -689,13 +635,6 @@ cudaError_t run_columns(const ReduceParams& p, const Plan& plan, cudaStream_t st
   const T* x = static_cast<const T*>(p.x);
   T* out = static_cast<T*>(p.out);
   if (p.version == ReduceVersion::kColumnLoop) {
-    if (column_loop_stages(p.n, p.inner)) {
-      const int64_t group = slab_group<T>(p.n, p.inner);
-      const size_t smem = static_cast<size_t>(group * p.n * p.inner) * sizeof(T);
-      reduce_column_slab<T, Op><<<clamp_grid(course::ceil_div(p.outer, group)), kThreads, smem, stream>>>(
-          x, p.outer, p.n, p.inner, group, out);
-      return cudaGetLastError();
-    }
     reduce_column_loop<T, Op><<<clamp_grid(course::ceil_div(p.outer * p.inner, int64_t{kThreads})), kThreads,
                                 0, stream>>>(x, p.outer, p.n, p.inner, out);
     return cudaGetLastError();

@@ -223,14 +223,6 @@ constexpr int64_t kSplitRowsPerSm = 4;
 // when the tensor is narrower than a warp of columns (course/column_reduce.cuh).
 constexpr int64_t kColumnLoopBelowN = 64;
 constexpr int64_t kColumnLoopOutputsPerSm = 2048;
-// column_loop with fewer than a warp of columns and a short reduced dim (the shapes version=None
-// gives it: (100003, 16, 3) over dim 1) stages each block's slices in shared memory first
-// (reduce_kernels.cu, reduce_column_slab): a warp's 32 outputs then lie in several slices, and
-// reading them in place touched a sector in each of ~32 / inner slices per load.
-constexpr int64_t kSlabInnerBelow = 32;
-inline bool column_loop_stages(int64_t n, int64_t inner) {
-  return inner < kSlabInnerBelow && n < kColumnLoopBelowN;
-}
 
 inline ReduceVersion default_reduce(int64_t outer, int64_t n, int64_t inner, bool whole, int sms) {
   if (whole) return ReduceVersion::kOnePass;

@@ -1056,33 +1056,6 @@ def test_column_tails(op, dtype, case):
     assert_within(ours, theirs, 2 * eps_out(dtype) * theirs.abs() + floor(dtype), f"{op} gradient")
 
 
-# column_loop copies whole slices into shared memory first where a warp's outputs span several
-# of them (reduction.h, column_loop_stages: fewer than 32 columns, a reduced dim under 64): each
-# side of both bounds, a last group of fewer slices, every dtype.
-SLAB_CASES = {
-    "inner_31": ((4099, 16, 31), True), "inner_32": ((4099, 16, 32), False),
-    "n_63": ((1001, 63, 3), True), "n_64": ((1001, 64, 3), False),
-    "inner_2_n_1": ((100003, 1, 2), True), "one_slice": ((1, 5, 7), True),
-}
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("case", list(SLAB_CASES))
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-def test_column_loop_stages_narrow_slices(dtype, case):
-    require_cuda()
-    shape, staged = SLAB_CASES[case]
-    x = torch.randn(shape, dtype=dtype, device="cuda")
-    for op in REDUCE_OPS:
-        out, kernels = launched_kernels(lambda: run_reduce(op, x, 1, False, "column_loop"), "shared_reduction")
-        expected = "reduce_column_slab<" if staged else "reduce_column_loop<"
-        assert len(kernels) == 1 and expected in kernels[0], (shape, kernels)
-        check_reduction(op, x, 1, False, "column_loop", f"{op} {shape}")
-    xi = integer_valued(shape, dtype, "cuda")
-    torch.testing.assert_close(run_reduce("sum", xi, 1, False, "column_loop"),
-                               reference_sum(xi, 1, False).to(dtype), rtol=0, atol=0)
-
-
 def test_default_choice_accepts_meta_tensors():
     """Shape and dtype alone decide, so a meta tensor (no memory) stands in for a real one: what
     test_recorded_results_hold_the_dispatch relies on for shapes of 2^28 elements."""
