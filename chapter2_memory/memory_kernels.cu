@@ -678,10 +678,9 @@ __device__ __forceinline__ void thin_load_run(const T* run, T* tile, int n, int 
   }
 }
 
-// Pairs on the segment side, for 2-byte elements. A warp of single 2-byte accesses moves 64
-// bytes a segment per instruction, half a line: at 17 x 1000003 in bfloat16 that ran at 0.80x
-// PyTorch, where 4-byte elements (the same walk, whole lines) did not lose. So a 2-byte segment
-// moves as pairs: item q of a segment covers its long indices j = 2q - head and j + 1, where
+// Pairs on the segment side, for 2-byte elements, in thin_cols only (memory.h,
+// thin_pairs_apply). A warp of single 2-byte accesses moves 64 bytes a segment per instruction,
+// half a line. So a 2-byte segment moves as pairs: item q of a segment covers its long indices j = 2q - head and j + 1, where
 // head is 1 when the segment starts in the middle of a 4-byte word (rows of odd length alternate
 // between the two). Both inside the segment: one 4-byte access, aligned by that choice of head;
 // otherwise one element each, and j = -1 stands for the segment's last slot, 2^log2 - 1, which
@@ -695,8 +694,7 @@ __device__ __forceinline__ int thin_pair_first(const void* segment, int q) {
 }
 
 // Short rows: one block per tile of W = 2^log2_w source columns of one matrix.
-// kPairs (2-byte elements, adjacent columns, W >= 2): the segments load as pairs (thin_pair_first).
-template <typename T, bool kPairs>
+template <typename T>
 __global__ void __launch_bounds__(kThinThreads, ThinTile<T>::kMinBlocksPerSm)
     transpose_thin_rows(TransposeParams p, int log2_w, int log2_pad, int64_t tiles_c) {
   constexpr int kUnroll = ThinTile<T>::kUnroll;
@@ -711,43 +709,6 @@ __global__ void __launch_bounds__(kThinThreads, ThinTile<T>::kMinBlocksPerSm)
     const int64_t c0 = (t - b * tiles_c) << log2_w;
     const int w = static_cast<int>(p.cols - c0 < w_full ? p.cols - c0 : w_full);
     const T* in = src + b * p.batch_stride + c0 * p.col_stride;
-    if constexpr (kPairs) {
-      // Pairs of columns of one source row, consecutive threads on consecutive pairs: kUnroll / 2
-      // 4-byte loads a thread, the whole tile in one pass, in flight before its first write.
-      constexpr int kItems = kUnroll / 2;
-      const int log2_half = log2_w - 1;
-      const int n_items = rows << log2_half;
-      for (int base = threadIdx.x; base < n_items; base += kItems * blockDim.x) {
-        T lo[kItems], hi[kItems];
-#pragma unroll
-        for (int u = 0; u < kItems; ++u) {
-          const int i = base + u * blockDim.x;
-          if (i >= n_items) continue;  // past the tile's items
-          const int r = i >> log2_half;
-          const T* segment = in + r * p.row_stride;
-          const int j = thin_pair_first(segment, i & ((1 << log2_half) - 1));
-          if (j >= 0 && j + 1 < w) {  // both in the segment: one aligned word
-            const uint32_t word = *reinterpret_cast<const uint32_t*>(segment + j);
-            lo[u] = static_cast<T>(word);
-            hi[u] = static_cast<T>(word >> 16);
-          } else {
-            const int first = j < 0 ? w_full - 1 : j;
-            if (first < w) lo[u] = segment[first];  // past the matrix's last column
-            if (j + 1 < w) hi[u] = segment[j + 1];  // likewise
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < kItems; ++u) {
-          const int i = base + u * blockDim.x;
-          if (i >= n_items) continue;  // the same guards as the loads
-          const int r = i >> log2_half;
-          const int j = thin_pair_first(in + r * p.row_stride, i & ((1 << log2_half) - 1));
-          const int first = j < 0 ? w_full - 1 : j;
-          if (first < w) tile[thin_pos(first * rows + r, log2_pad)] = lo[u];
-          if (j + 1 < w) tile[thin_pos((j + 1) * rows + r, log2_pad)] = hi[u];
-        }
-      }
-    } else {
     // Consecutive threads on consecutive columns of one source row: coalesced where the
     // columns are adjacent. A thread's kUnroll loads (the whole tile: one pass) are in flight
     // before its first write.
@@ -766,7 +727,6 @@ __global__ void __launch_bounds__(kThinThreads, ThinTile<T>::kMinBlocksPerSm)
         const int r = i >> log2_w, j = i & (w_full - 1);
         if (i < n_seg && j < w) tile[thin_pos(j * rows + r, log2_pad)] = e[u];  // the same guard
       }
-    }
     }
     // The run gathers elements that other threads loaded.
     __syncthreads();
@@ -918,15 +878,8 @@ cudaError_t launch_transpose_thin(const TransposeParams& p, cudaStream_t stream)
     if (p.rows <= p.cols) {
       const int log2_w = thin_log2_long(p.rows, p.cols, p.elem_bytes);
       const int64_t tiles_c = course::ceil_div<int64_t>(p.cols, int64_t{1} << log2_w);
-      const unsigned blocks = one_pass_blocks(p.batch * tiles_c, 1);
-      // 2-byte segments as pairs where two adjacent elements make a word (memory.h).
-      if constexpr (sizeof(T) == 2) {
-        if (thin_pairs_apply(p)) {
-          transpose_thin_rows<T, true><<<blocks, kThinThreads, 0, stream>>>(p, log2_w, thin_log2_pad(p.rows), tiles_c);
-          return cudaGetLastError();
-        }
-      }
-      transpose_thin_rows<T, false><<<blocks, kThinThreads, 0, stream>>>(p, log2_w, thin_log2_pad(p.rows), tiles_c);
+      transpose_thin_rows<T><<<one_pass_blocks(p.batch * tiles_c, 1), kThinThreads, 0, stream>>>(
+          p, log2_w, thin_log2_pad(p.rows), tiles_c);
     } else {
       const int log2_h = thin_log2_long(p.cols, p.rows, p.elem_bytes);
       const int64_t tiles_r = course::ceil_div<int64_t>(p.rows, int64_t{1} << log2_h);
