@@ -1013,10 +1013,11 @@ def test_new_paths_launch_their_kernels(case):
     assert any(expected in k for k in kernels), kernels
 
 
-# A column lane's range ends in one guarded batch of the row groups left after its full ones
-# (course/column_reduce.cuh, column_unroll's note), and column_loop walks its reduced dim in
-# guarded batches of 16 (reduce_kernels.cu): reduced lengths on each side of those batches, for
-# the narrow single-element tile, the 32-lane one (split into ranges), and the vector one.
+# A column lane's range of single 2- or 4-byte elements ends in one guarded batch of the row
+# groups left after its full ones (course/column_reduce.cuh, kColumnTailBatch; vectors and
+# float64 take them one at a time), and column_loop walks its reduced dim in guarded batches of 16
+# (reduce_kernels.cu): reduced lengths on each side of those batches, for the narrow
+# single-element tile, the 32-lane one (split into ranges), and the vector one.
 COLUMN_TAIL_CASES = [
     # 7 columns: 8 lanes of one element, 4 rows a warp, 32 a block step, 512 a batch of 16
     ((4, 511, 7), 1), ((4, 512, 7), 1), ((4, 513, 7), 1), ((64, 1000, 7), 1), ((3, 1567, 7), 1),
