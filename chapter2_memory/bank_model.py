@@ -11,6 +11,7 @@ test_memory_ops.py holds the model to the counters profile_memory_ops.py recorde
 
     python bank_model.py     the transpose gathers of v2, v3, v4 and v5, per element size, and
                              the thin kernels' segment side at every short side up to 64
+                             (single elements, and 2-byte segments moved as pairs)
 
 The v5 rows are the prediction NOTES.md quotes: its gathers stay conflict-free in float32 but
 not in bfloat16 once destination rows are misaligned (the "first" row of each destination
@@ -95,6 +96,36 @@ def thin_segment(size, short, log2_pad=None, run_bytes=8192):
     return worst
 
 
+def thin_pairs(short, heads, log2_pad=None, run_bytes=8192):
+    """Worst wavefronts per warp access of the thin kernels' segment side when 2-byte segments
+    move as pairs (memory_kernels.cu, thin_pair_first): lane i of the block's flat item index
+    takes short index i // (L / 2) and item q = i % (L / 2), whose long indices are j = 2q - head
+    and j + 1 (j = -1 standing for L - 1), each a 2-byte tile access of its own. `heads` gives
+    head per short index: "aligned" (every segment starts on a word), "odd" (every one mid-word),
+    "alternating" (rows of odd length)."""
+    size = 2
+    log2_pad = thin_log2_pad(short) if log2_pad is None else log2_pad
+    run = run_bytes // size
+    long = 1
+    while 2 * long * short <= run:
+        long *= 2
+    half = long // 2
+    worst = 0
+    for base in range(0, short * half, 32):
+        for second in (0, 1):
+            addresses = []
+            for lane in range(32):
+                i = base + lane
+                q, r = i % half, i // half
+                head = {"aligned": 0, "odd": 1, "alternating": r % 2}[heads]
+                j = 2 * q - head + second
+                j = long - 1 if j < 0 else j
+                k = j * short + r
+                addresses.append(None if i >= short * half else (k + (k >> log2_pad)) * size)
+            worst = max(worst, wavefronts(addresses, size))
+    return worst
+
+
 V4_PITCH = {4: 33, 2: 66, 8: 17}  # kCols + one 4-byte bank (WideTile)
 V5_PITCH = {4: 37, 2: 74, 8: 19}  # 9 chunks of kVec + one bank (AnyAlignmentTile)
 
@@ -116,6 +147,8 @@ def main():
         every32 = {s: thin_segment(size, s, 5) for s in range(1, 65)}
         bad = ", ".join(f"{s}: {w:g}" for s, w in every32.items() if w > ruled)
         print(f"{size:>4}  with the pad rule {ruled:g}; a pad after every 32 alone: {bad}")
+    pairs = max(thin_pairs(s, h) for s in range(1, 65) for h in ("aligned", "odd", "alternating"))
+    print(f"   2  as pairs (2-byte segments), every head: {pairs:g}")
 
 
 if __name__ == "__main__":

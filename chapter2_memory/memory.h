@@ -94,6 +94,20 @@ inline bool thin_applies(const TransposeParams& p) {
   return p.rows <= kThinMaxShort || p.cols <= kThinMaxShort;
 }
 
+// Whether the thin kernels move a 2-byte matrix's segments as pairs, two elements to a 4-byte
+// word (memory_kernels.cu, thin_pair_first): only where the segments are stores, short columns
+// (thin_cols writes each destination row's elements, always contiguous; rows > cols >= 1 puts
+// at least 2 of them in a tile). Measured on the H100 (bfloat16 and float16 alike), the pairs
+// won as stores, 1000003 x 3 from 0.81x to 1.04x PyTorch and 1000003 x 17 to 48 by 5-10%, and
+// lost as the loads of short rows, 3, 17, 24, 32 and 48 x 1000003 from 0.80-1.19x to
+// 0.65-0.85x. The likely reading (not profiled): a warp's single 2-byte loads already fill
+// whole 32-byte sectors, so pairs there halve only the load instructions, while each item then
+// makes two scattered 2-byte tile stores and pays the pair's head and guard arithmetic, in the
+// phase that must finish before the tile's barrier.
+inline bool thin_pairs_apply(const TransposeParams& p) {
+  return p.elem_bytes == 2 && p.rows > p.cols;
+}
+
 // ---------------------------------------------------------------------------------------
 // version=None for transpose: the one place where the chapter decides (measured on the H100;
 // the README's "version=None" section shows the numbers).

@@ -678,6 +678,21 @@ __device__ __forceinline__ void thin_load_run(const T* run, T* tile, int n, int 
   }
 }
 
+// Pairs on the segment side, for 2-byte elements, in thin_cols only (memory.h,
+// thin_pairs_apply). A warp of single 2-byte accesses moves 64 bytes a segment per instruction,
+// half a line. So a 2-byte segment moves as pairs: item q of a segment covers its long indices j = 2q - head and j + 1, where
+// head is 1 when the segment starts in the middle of a 4-byte word (rows of odd length alternate
+// between the two). Both inside the segment: one 4-byte access, aligned by that choice of head;
+// otherwise one element each, and j = -1 stands for the segment's last slot, 2^log2 - 1, which
+// a mid-word start leaves to no pair. Half the items, each one word: the same bytes in flight
+// per thread in half the instructions, a warp's access one whole line. The pair's tile slots
+// are 2 x short apart from lane to lane; bank_model.thin_pairs counts them (at most 3
+// wavefronts at every short side, either head).
+__device__ __forceinline__ int thin_pair_first(const void* segment, int q) {
+  const int head = static_cast<int>(reinterpret_cast<uintptr_t>(segment) >> 1) & 1;
+  return 2 * q - head;
+}
+
 // Short rows: one block per tile of W = 2^log2_w source columns of one matrix.
 template <typename T>
 __global__ void __launch_bounds__(kThinThreads, ThinTile<T>::kMinBlocksPerSm)
@@ -723,7 +738,8 @@ __global__ void __launch_bounds__(kThinThreads, ThinTile<T>::kMinBlocksPerSm)
 }
 
 // Short columns: one block per tile of H = 2^log2_h source rows of one matrix.
-template <typename T>
+// kPairs (2-byte elements, H >= 2): the segments store as pairs (thin_pair_first).
+template <typename T, bool kPairs>
 __global__ void __launch_bounds__(kThinThreads, ThinTile<T>::kMinBlocksPerSm)
     transpose_thin_cols(TransposeParams p, int log2_h, int log2_pad, int64_t tiles_r) {
   constexpr int kUnroll = ThinTile<T>::kUnroll;
@@ -765,9 +781,29 @@ __global__ void __launch_bounds__(kThinThreads, ThinTile<T>::kMinBlocksPerSm)
     __syncthreads();
     // Destination row c of matrix b holds source column c: its elements r0 .. r0 + h - 1.
     T* out = dst + b * p.cols * p.rows + r0;
-    for (int i = threadIdx.x; i < n_seg; i += blockDim.x) {
-      const int c = i >> log2_h, j = i & (h_full - 1);
-      if (j < h) out[c * p.rows + j] = tile[thin_pos(j * cols + c, log2_pad)];  // past the last row
+    if constexpr (kPairs) {
+      // A word stores two elements of its own segment only (both inside it), so no other
+      // block's elements are rewritten.
+      const int log2_half = log2_h - 1;
+      for (int i = threadIdx.x; i < n_seg / 2; i += blockDim.x) {
+        const int c = i >> log2_half;
+        T* segment = out + c * p.rows;
+        const int j = thin_pair_first(segment, i & ((1 << log2_half) - 1));
+        if (j >= 0 && j + 1 < h) {  // both in the segment: one aligned word
+          const uint32_t lo = tile[thin_pos(j * cols + c, log2_pad)];
+          const uint32_t hi = tile[thin_pos((j + 1) * cols + c, log2_pad)];
+          *reinterpret_cast<uint32_t*>(segment + j) = lo | (hi << 16);
+        } else {
+          const int first = j < 0 ? h_full - 1 : j;
+          if (first < h) segment[first] = tile[thin_pos(first * cols + c, log2_pad)];  // past the last row
+          if (j + 1 < h) segment[j + 1] = tile[thin_pos((j + 1) * cols + c, log2_pad)];  // likewise
+        }
+      }
+    } else {
+      for (int i = threadIdx.x; i < n_seg; i += blockDim.x) {
+        const int c = i >> log2_h, j = i & (h_full - 1);
+        if (j < h) out[c * p.rows + j] = tile[thin_pos(j * cols + c, log2_pad)];  // past the last row
+      }
     }
     // The next tile's loads overwrite `tile`: every read of this one must be done.
     __syncthreads();
@@ -847,8 +883,14 @@ cudaError_t launch_transpose_thin(const TransposeParams& p, cudaStream_t stream)
     } else {
       const int log2_h = thin_log2_long(p.cols, p.rows, p.elem_bytes);
       const int64_t tiles_r = course::ceil_div<int64_t>(p.rows, int64_t{1} << log2_h);
-      transpose_thin_cols<T><<<one_pass_blocks(p.batch * tiles_r, 1), kThinThreads, 0, stream>>>(
-          p, log2_h, thin_log2_pad(p.cols), tiles_r);
+      const unsigned blocks = one_pass_blocks(p.batch * tiles_r, 1);
+      if constexpr (sizeof(T) == 2) {
+        if (thin_pairs_apply(p)) {
+          transpose_thin_cols<T, true><<<blocks, kThinThreads, 0, stream>>>(p, log2_h, thin_log2_pad(p.cols), tiles_r);
+          return cudaGetLastError();
+        }
+      }
+      transpose_thin_cols<T, false><<<blocks, kThinThreads, 0, stream>>>(p, log2_h, thin_log2_pad(p.cols), tiles_r);
     }
     return cudaGetLastError();
   }, unsupported_size);

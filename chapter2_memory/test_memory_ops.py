@@ -361,6 +361,35 @@ def test_thin_transpose_launches_its_kernel():
             assert_same(out, reference_transpose(x))
 
 
+def expects_pairs(x):
+    """memory.h's thin_pairs_apply: 2-byte segments move as pairs only where they are stores,
+    thin_cols' destination rows (short columns)."""
+    rows, cols = x.shape[-2:]
+    return x.element_size() == 2 and rows > cols
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("view", list(THIN_VIEWS))
+def test_thin_transpose_moves_2_byte_segments_as_pairs(view):
+    """2-byte thin matrices take the pair kernels where thin_pairs_apply says so (odd long
+    lengths, whose rows alternate between word-aligned and mid-word starts, a long dim of 1 and
+    2, views); every element lands, in both 2-byte dtypes."""
+    require_cuda()
+    for dtype in (torch.bfloat16, torch.float16):
+        for short in (1, 2, 3, 17, 64):
+            for long in (1, 2, 3, 1001, 4099):
+                for shape in ((short, long), (long, short), (2, short, long)):
+                    x = THIN_VIEWS[view](torch.randn(shape, device="cuda").to(dtype))
+                    rows, cols = x.shape[-2:]
+                    if x.numel() == 0 or memory_ops.default_choice("transpose", x) != "thin":
+                        continue
+                    out, kernels = launched_kernels(lambda: memory_ops.transpose(x), "memory_ops")
+                    expected = ("transpose_thin_rows<unsigned short>" if rows <= cols else
+                                f"transpose_thin_cols<unsigned short, {'true' if expects_pairs(x) else 'false'}>")
+                    assert len(kernels) == 1 and expected in kernels[0], (shape, view, kernels)
+                    assert_same(out, reference_transpose(x))
+
+
 @pytest.mark.parametrize("shape", [(3, 37), (37, 3), (2, 5, 37), (2, 37, 16), (1, 9), (31, 40),
                                    (40, 33)], ids=shape_id)
 def test_thin_transpose_gradcheck(shape, device):
@@ -382,6 +411,9 @@ def test_thin_pad_rule_keeps_the_segment_side_nearly_conflict_free():
         assert max(bank_model.thin_segment(size, s) for s in range(1, 65)) <= 4, size
         for short in (31, 62):
             assert bank_model.thin_segment(size, short, log2_pad=5) >= 16, (size, short)
+    # 2-byte segments moved as pairs: lane to lane the tile slots are 2 x short apart.
+    for heads in ("aligned", "odd", "alternating"):
+        assert max(bank_model.thin_pairs(s, heads) for s in range(1, 65)) <= 4, heads
 
 
 def test_thin_kernels_keep_registers_and_move_the_run_in_16_bytes(tmp_path):
@@ -396,7 +428,12 @@ def test_thin_kernels_keep_registers_and_move_the_run_in_16_bytes(tmp_path):
     bodies = {name: body for name, body in
               ptx_kernels(Path(__file__).parent / "memory_kernels.cu", tmp_path).items()
               if "transpose_thin_" in name}
-    assert len(bodies) == 6, list(bodies)  # rows and cols, for 2-, 4- and 8-byte elements
+    # rows and cols, for 2-, 4- and 8-byte elements, and the 2-byte cols again with pairs
+    # (mangled: <unsigned short, true> is ItLb1E)
+    assert len(bodies) == 7, list(bodies)
+    pair_kernels = [name for name in bodies if "Lb1E" in name]
+    assert len(pair_kernels) == 1 and "transpose_thin_cols" in pair_kernels[0] and "ItLb1E" in pair_kernels[0], \
+        pair_kernels
     for name, body in bodies.items():
         assert "__local_depot" not in body and "ld.local" not in body, name
         wide_loads = len(re.findall(r"ld\.global(?:\.nc)?\.v4\.", body))
@@ -405,6 +442,12 @@ def test_thin_kernels_keep_registers_and_move_the_run_in_16_bytes(tmp_path):
             assert wide_stores >= 1 and wide_loads == 0, (name, wide_loads, wide_stores)
         else:
             assert wide_loads >= 1 and wide_stores == 0, (name, wide_loads, wide_stores)
+        # The pair kernels' segment side moves 4-byte words: loads for thin_rows, stores for
+        # thin_cols (thin_pair_first).
+        words = len(re.findall(r"ld\.global(?:\.nc)?\.[ub]32" if "transpose_thin_rows" in name
+                               else r"st\.global(?:\.wb)?\.[ub]32", body))
+        if name in pair_kernels:
+            assert words >= 1, (name, words)
 
 
 def test_copy_default_choice():
@@ -611,7 +654,9 @@ def test_sanitizer_small_thin_transpose():
     require_cuda()
     for dtype in DTYPES:
         for shape in ((1, 1), (3, 257), (257, 3), (16, 129), (129, 16), (2, 5, 131), (2, 131, 5),
-                      (31, 129), (129, 62), (64, 131), (2, 131, 33)):
+                      (31, 129), (129, 62), (64, 131), (2, 131, 33),
+                      # 2-byte pairs: rows of odd length (both heads), a long dim of 2 and 3
+                      (17, 1001), (1001, 17), (2, 3), (3, 2)):
             x = torch.randn(shape, dtype=dtype, device="cuda")
             # a dim of 1 makes the transpose a copy, which the copy route takes first
             assert memory_ops.default_choice("transpose", x) == ("copy" if 1 in shape else "thin"), shape

@@ -369,7 +369,10 @@ __global__ void __launch_bounds__(kThreads) reduce_split_row(const T* __restrict
 // column_loop: one thread per output column, looping down the reduced dimension. Adjacent
 // threads read adjacent columns, so every warp load is coalesced, but there are only
 // outer x inner threads: a 16384-column matrix gives 64 blocks, half an H100's SMs, each with
-// one load in flight per thread at a time.
+// four loads in flight per thread (`unroll 4`). Issuing a batch of 16 rows' loads before adding
+// any was measured on an H100 at (100003, 16, 3) over dim 1: float32 0.80x -> 0.94x torch, but
+// 16-bit 0.85x -> 0.71x (not profiled), so the loop stays as it was.
+
 template <typename T, typename Op>
 __global__ void __launch_bounds__(kThreads) reduce_column_loop(const T* __restrict__ x, int64_t outer,
                                                                int64_t n, int64_t inner,

@@ -124,8 +124,24 @@ __global__ void __launch_bounds__(kResidentShapes[kShape].threads, split_blocks_
 // rows, y and dy, each in 16-byte slots from its first boundary on (dy starts as far from one as
 // y: row_access checked), one reduction, dx written from the slots. Each thread reads back only
 // what it wrote: no barrier but the reduction's.
+//
+// log_softmax parks dy alone: its sum is of dy only, so y is read once, from DRAM, in the pass
+// that writes dx. Half the shared memory a block: a 32000-element bfloat16 row is 64 KB where y
+// and dy took 128 KB, so two blocks of 1024 threads fit an SM (all its 2048 threads, at 32
+// registers a thread: the launch bound's second argument) instead of one. With one, an SM read
+// its next row only after the last one was written, its loads idle through every reduction and
+// write pass (log_softmax's backward at 2097 x 32000 in bfloat16 ran at 0.80x PyTorch on the
+// H100); with two, one block's loads overlap the other's writes. (At those 32 registers ptxas
+// spills 16 bytes in the bfloat16 instantiation for rows that start mid-vector, on sm_90a; the
+// float32 ones, which never take this path, keep one block's bound.)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+constexpr int kSharedLogBlocksPerSm = 1;  // sm_75 holds 1024 threads an SM: one such block
+#else
+constexpr int kSharedLogBlocksPerSm = 2;
+#endif
+
 template <typename T, bool kLog, Access kAccess>
-__global__ void __launch_bounds__(kSharedThreads)
+__global__ void __launch_bounds__(kSharedThreads, kLog && sizeof(T) == 2 ? kSharedLogBlocksPerSm : 1)
     softmax_backward_shared(const T* __restrict__ y, const T* __restrict__ dy, T* __restrict__ dx, int64_t rows,
                             int64_t n, int64_t slots) {
   using A = typename Acc<T>::type;
@@ -134,8 +150,9 @@ __global__ void __launch_bounds__(kSharedThreads)
   extern __shared__ int4 parked_words[];
   __shared__ A smem[32];
   const int t = threadIdx.x;
+  // softmax: y's slots, then dy's; log_softmax: dy's only (parked_y unused)
   V* parked_y = reinterpret_cast<V*>(parked_words);
-  V* parked_g = parked_y + slots;
+  V* parked_g = kLog ? parked_y : parked_y + slots;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const int64_t offset = r * n;
     const RowSpan span = row_span<kAccess>(y + offset, n);
@@ -144,25 +161,39 @@ __global__ void __launch_bounds__(kSharedThreads)
     const V* gv = reinterpret_cast<const V*>(dy + offset + span.head);
     A dot = A(0);
     for (int64_t j = t; j < vectors; j += kSharedThreads) {
-      const V a = course::load16(yv + j);
       const V b = course::load16(gv + j);
-      course::store16(parked_y + j, a);
       course::store16(parked_g + j, b);
+      if constexpr (kLog) {
 #pragma unroll
-      for (int l = 0; l < kLanes; ++l) dot += dot_term<kLog>(to_acc(a.v[l]), to_acc(b.v[l]));
+        for (int l = 0; l < kLanes; ++l) dot += to_acc(b.v[l]);
+      } else {
+        const V a = course::load16(yv + j);
+        course::store16(parked_y + j, a);
+#pragma unroll
+        for (int l = 0; l < kLanes; ++l) dot += dot_term<kLog>(to_acc(a.v[l]), to_acc(b.v[l]));
+      }
     }
     const int64_t tail = span.len - span.body_end;
     const int64_t head_i = t;
     const int64_t tail_i = span.body_end + t;
-    const A head_y = t < span.head ? to_acc(y[offset + head_i]) : A(0);
     const A head_g = t < span.head ? to_acc(dy[offset + head_i]) : A(0);
-    const A tail_y = t < tail ? to_acc(y[offset + tail_i]) : A(0);
     const A tail_g = t < tail ? to_acc(dy[offset + tail_i]) : A(0);
+    // log_softmax reads y's head and tail after the reduction too: nothing of y is live across it.
+    A head_y = A(0);
+    A tail_y = A(0);
+    if constexpr (!kLog) {
+      head_y = t < span.head ? to_acc(y[offset + head_i]) : A(0);
+      tail_y = t < tail ? to_acc(y[offset + tail_i]) : A(0);
+    }
     dot += dot_term<kLog>(head_y, head_g) + dot_term<kLog>(tail_y, tail_g);  // 0 where absent
     const A total = course::block_reduce<kSharedThreads>(dot, SumOp<A>(), smem);
+    if constexpr (kLog) {
+      head_y = t < span.head ? to_acc(y[offset + head_i]) : A(0);
+      tail_y = t < tail ? to_acc(y[offset + tail_i]) : A(0);
+    }
     V* xv = reinterpret_cast<V*>(dx + offset + span.head);
     for (int64_t j = t; j < vectors; j += kSharedThreads) {
-      const V a = course::load16(parked_y + j);
+      const V a = kLog ? course::load16(yv + j) : course::load16(parked_y + j);
       const V b = course::load16(parked_g + j);
       V out;
 #pragma unroll
@@ -219,7 +250,8 @@ cudaError_t run_backward(const SoftmaxBackwardParams& p, cudaStream_t stream) {
       },
       [&](auto access) {
         const int64_t slots = parked_bytes<T>(p.n) / 16;
-        return launch_shared(softmax_backward_shared<T, kLog, decltype(access)::value>, p.rows, 2 * slots * 16, stream,
+        const int64_t arrays = kLog ? 1 : 2;  // log_softmax parks dy alone (softmax_backward_shared)
+        return launch_shared(softmax_backward_shared<T, kLog, decltype(access)::value>, p.rows, arrays * slots * 16, stream,
                              streamed, y, dy, dx, p.rows, p.n, slots);
       },
       [&](auto shape, auto access) {

@@ -981,6 +981,10 @@ LAUNCH_CASES = {
     "softmax_split_raw_f16": ("softmax", (2, 32768), torch.float16, "softmax_split<__half, 9, false, (course::rows::Access)1>"),
     "softmax_shared_bf16": ("log_softmax", (264, 32000), torch.bfloat16, "softmax_shared<__nv_bfloat16, true, (course::rows::Access)1>"),
     "backward_shared_f16": ("softmax_backward", (264, 20001), torch.float16, "softmax_backward_shared<__half, false, (course::rows::Access)2>"),
+    # log_softmax parks dy alone (softmax_backward_shared): its own instantiation, with half the
+    # shared memory
+    "backward_shared_log_bf16": ("log_softmax_backward", (264, 32000), torch.bfloat16, "softmax_backward_shared<__nv_bfloat16, true, (course::rows::Access)1>"),
+    "backward_shared_log_f16_chunks": ("log_softmax_backward", (264, 20001), torch.float16, "softmax_backward_shared<__half, true, (course::rows::Access)2>"),
     "softmax_64_threads": ("softmax", (64, 1025), torch.bfloat16, "softmax_resident<__nv_bfloat16, 64, 4, false, (course::rows::Access)2>"),
     "backward_chunks": ("softmax_backward", (64, 4099), torch.bfloat16, "softmax_backward_resident<__nv_bfloat16, 256, 4, false, (course::rows::Access)2>"),
     "column_split": ("sum", (100003, 3), torch.float32, "column_reduce_tiles<1, float"),
@@ -996,6 +1000,9 @@ def test_new_paths_launch_their_kernels(case):
     if op == "softmax_backward":
         y = shared_reduction.softmax(x)
         call = lambda: shared_reduction.softmax_backward(torch.randn_like(y), y)  # noqa: E731
+    elif op == "log_softmax_backward":
+        y = shared_reduction.log_softmax(x)
+        call = lambda: shared_reduction.softmax_backward(torch.randn_like(y), y, -1, True)  # noqa: E731
     elif op in REDUCE_OPS:
         call = lambda: getattr(shared_reduction, op)(x, 0)  # noqa: E731
     else:
@@ -1004,6 +1011,50 @@ def test_new_paths_launch_their_kernels(case):
     # chapter's own.
     _, kernels = launched_kernels(call, "course::" if expected.startswith("column_reduce") else "shared_reduction")
     assert any(expected in k for k in kernels), kernels
+
+
+# A column lane's range of single 2- or 4-byte elements ends in one guarded batch of the row
+# groups left after its full ones (course/column_reduce.cuh, kColumnTailBatch; vectors and
+# float64 take them one at a time), and column_loop walks its reduced dim in guarded batches of 16
+# (reduce_kernels.cu): reduced lengths on each side of those batches, for the narrow
+# single-element tile, the 32-lane one (split into ranges), and the vector one.
+COLUMN_TAIL_CASES = [
+    # 7 columns: 8 lanes of one element, 4 rows a warp, 32 a block step, 512 a batch of 16
+    ((4, 511, 7), 1), ((4, 512, 7), 1), ((4, 513, 7), 1), ((64, 1000, 7), 1), ((3, 1567, 7), 1),
+    # 33 and 4099 columns: 32 lanes of one element, 8 rows a block step, 128 a batch; split
+    ((127, 33), 0), ((129, 33), 0), ((3001, 4099), 0),
+    # 64 and 128 columns: 16-byte vectors in every dtype, 4 row groups a batch
+    ((31, 64), 0), ((33, 64), 0), ((1000, 64), 0), ((4097, 128), 0),
+    # column_loop's batches of 16 along a reduced dim shorter than 64
+    ((4099, 1, 3), 1), ((4099, 15, 3), 1), ((4099, 16, 3), 1), ((4099, 17, 3), 1),
+    ((4099, 63, 5), 1),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", COLUMN_TAIL_CASES, ids=lambda c: f"{shape_id(c[0])}-dim{c[1]}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("op", REDUCE_OPS)
+def test_column_tails(op, dtype, case):
+    """Every element of a range's last, partial batch is added once, in both column rungs and
+    version=None; the gradient (a broadcast for sum, the max's positions for amax) is torch's."""
+    require_cuda()
+    shape, dim = case
+    for version in ("column_split", "column_loop", None):
+        x = torch.randn(shape, dtype=dtype, device="cuda")
+        check_reduction(op, x, dim, False, version, what=f"{op} {shape} dim={dim} {version}")
+        if op == "sum":
+            x = integer_valued(shape, dtype, "cuda")
+            expected = reference_sum(x, dim, False).to(dtype)
+            torch.testing.assert_close(run_reduce(op, x, dim, False, version), expected, rtol=0, atol=0)
+    # The gradient, against torch's in float64 (amax's shared among tied maxima: within two
+    # ulps of g / count, as test_amax_low_precision_gradients says).
+    x = torch.randn(shape, dtype=dtype, device="cuda", requires_grad=True)
+    grad = torch.randn(shape[:dim] + shape[dim + 1:], dtype=dtype, device="cuda")
+    ours, = torch.autograd.grad(run_reduce(op, x, dim), x, grad)
+    x64 = x.detach().double().requires_grad_()
+    theirs, = torch.autograd.grad(getattr(torch, op)(x64, dim), x64, grad.double())
+    assert_within(ours, theirs, 2 * eps_out(dtype) * theirs.abs() + floor(dtype), f"{op} gradient")
 
 
 def test_default_choice_accepts_meta_tensors():
@@ -1118,7 +1169,10 @@ SANITIZE_SHAPES = {
     "columns": [(lambda t: torch.randn(33, 5, dtype=t, device="cuda"), 0),
                 (lambda t: torch.randn(1000, 3, dtype=t, device="cuda"), 0),
                 (lambda t: torch.randn(3, 7, 9, dtype=t, device="cuda"), 1),
-                (lambda t: torch.randn(33 * 65 + 1, dtype=t, device="cuda")[1:].view(33, 65), 0)],
+                (lambda t: torch.randn(33 * 65 + 1, dtype=t, device="cuda")[1:].view(33, 65), 0),
+                # a lane's guarded last batch: a narrow tile and a 32-lane one
+                (lambda t: torch.randn(4, 513, 7, dtype=t, device="cuda"), 1),
+                (lambda t: torch.randn(129, 33, dtype=t, device="cuda"), 0)],
 }
 
 
@@ -1163,6 +1217,16 @@ def test_sanitizer_small_softmax_backward_and_atomic_sum():
                 out = shared_reduction.softmax_backward(grad, y, -1, log)
                 assert_within(out, ref, softmax_backward_bound(grad, y, -1, ref, log, dtype),
                               f"log={log} n={n}")
+    # rows parked in shared memory (one row per SM or more): log_softmax parks dy alone
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    x = torch.randn(sms, 20001, dtype=torch.float64, device="cuda")
+    grad = torch.randn(sms, 20001, dtype=torch.bfloat16, device="cuda")
+    for log in (False, True):
+        y = softmax_reference(x, -1, log).to(torch.bfloat16)
+        assert shared_reduction.default_choice("softmax_backward", y, -1) == "shared"
+        ref = softmax_backward_reference(grad, y, -1, log)
+        out = shared_reduction.softmax_backward(grad, y, -1, log)
+        assert_within(out, ref, softmax_backward_bound(grad, y, -1, ref, log, torch.bfloat16), f"shared log={log}")
     for n in (1, 1000, 70001):
         x = torch.randn(n + 1, device="cuda")[1:]
         exact = reference_sum(x)

@@ -37,6 +37,25 @@ constexpr int kColumnUnroll = 4;
 constexpr int kColumnUnrollScalar = 16;
 // Row groups a lane keeps in flight with kCols columns per lane.
 constexpr int column_unroll(int cols) { return cols > 1 ? kColumnUnroll : kColumnUnrollScalar; }
+// The tail of a lane's range: the row groups left after the unrolled batches, fewer than one
+// batch, are one more batch whose loads past the range are skipped, not a loop of one row group
+// at a time. Such a loop keeps one load (or the few nvcc unrolls) in flight per lane: a lane of
+// a 1000-row range at 32 rows a block step (a narrow tile of 7 columns, 64 x 1000 x 7 over dim
+// 1) did one batch of 16 loads and then 15 more in that loop, nearly a DRAM round trip each, and
+// every warp of the launch reaches its tail at about the same time, so no other warp hides them.
+// The guarded tail batch (column_reduce_tiles, below) is for single elements of 2 and 4 bytes
+// only, compiled for four blocks an SM: chapter 3's split aims its ranges at four
+// (kColumnBlocksPerSm there), so 64 registers a thread at most. Unbounded, the batch took 64
+// registers to 72-80 at sm_90a: three blocks an SM, and a grid of four an SM ran as a full wave
+// and a second of one block an SM (a (1000003, 7) 16-bit sum over dim 0 fell from 0.87x to 0.70x
+// PyTorch on the H100). In the vector tiles the batch took 48 registers to 80-100 (a (1048576,
+// 64) bfloat16 sum over dim 0: 0.83x to 0.44x), and float64 single elements 64-80 to 124 (at
+// four or three blocks ptxas spilled): both keep the one-at-a-time tail and no bound, the same
+// registers as before the batch. On sm_75 (1024 threads an SM) four blocks of 256 threads are
+// also the most it holds.
+constexpr int kColumnMinBlocksPerSm = 4;
+template <int kCols, typename T>
+constexpr bool kColumnTailBatch = kCols == 1 && sizeof(T) < 8;
 
 // The column totals of one tile from the block's partial sums in shared memory: sums[w * 32 *
 // kCols + (s * lanes + l) * kCols + c] is warp w's sum, over its rows s, s + 32 / lanes, ..., of
@@ -82,7 +101,7 @@ __device__ __forceinline__ A tile_column_totals(A* sums, int lanes, const Op& op
 }
 
 template <int kCols, typename T, typename Op, typename Out>
-__global__ void __launch_bounds__(kColumnThreads) column_reduce_tiles(
+__global__ void __launch_bounds__(kColumnThreads, kColumnTailBatch<kCols, T> ? kColumnMinBlocksPerSm : 0) column_reduce_tiles(
     const T* __restrict__ x, int64_t outer, int64_t n, int64_t inner, int64_t range, int lanes,
     typename Acc<T>::type* __restrict__ partial, unsigned* __restrict__ arrived, Out* __restrict__ out,
     Out* __restrict__ out1) {
@@ -129,6 +148,8 @@ __global__ void __launch_bounds__(kColumnThreads) column_reduce_tiles(
             for (int c = 0; c < kCols; ++c) acc[c] = op(acc[c], to_acc(v[u].v[c]));
           }
         }
+        // The last fewer than kColumnUnroll row groups, one at a time (kColumnTailBatch says why
+        // not a batch): at most 3 loads of 16 bytes a lane.
         for (; k < k_end; k += row_step) {
           const V v = load16(reinterpret_cast<const V*>(base + k * inner));
 #pragma unroll
@@ -142,7 +163,21 @@ __global__ void __launch_bounds__(kColumnThreads) column_reduce_tiles(
 #pragma unroll
           for (int u = 0; u < kColumnUnrollScalar; ++u) acc[0] = op(acc[0], to_acc(v[u]));
         }
-        for (; k < k_end; k += row_step) acc[0] = op(acc[0], to_acc(base[k * inner]));
+        if constexpr (kColumnTailBatch<kCols, T>) {
+          if (k < k_end) {  // the last fewer than kColumnUnrollScalar row groups: one guarded batch
+            T v[kColumnUnrollScalar];
+#pragma unroll
+            for (int u = 0; u < kColumnUnrollScalar; ++u) {
+              if (k + u * row_step < k_end) v[u] = base[(k + u * row_step) * inner];  // past the range
+            }
+#pragma unroll
+            for (int u = 0; u < kColumnUnrollScalar; ++u) {
+              if (k + u * row_step < k_end) acc[0] = op(acc[0], to_acc(v[u]));  // the same guard
+            }
+          }
+        } else {
+          for (; k < k_end; k += row_step) acc[0] = op(acc[0], to_acc(base[k * inner]));
+        }
       }
     }
     // A previous tile's combine may still be reading smem in a slower warp.
