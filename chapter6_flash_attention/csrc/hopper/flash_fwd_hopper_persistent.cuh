@@ -79,6 +79,7 @@
 // packed layout with a window runs on "split_kv".
 #pragma once
 
+#include "attention/mma.cuh"  // cp_async_16: the paged producer's gather
 #include "attention/softcap.cuh"
 #include "hopper/flash_fwd_hopper_kernel.cuh"
 
@@ -159,6 +160,15 @@ __global__ void __launch_bounds__(K::kThreads, 1)
   __shared__ uint64_t q_full[2], q_empty[2], k_full[kStages], v_full[kStages], kv_empty[kStages];
   __shared__ uint64_t tile_full[2], tile_empty[2];
   __shared__ int tile_slot[2];  // the work items handed from the producer to the consumers
+  __shared__ int producer_slot[2];  // the same, from the producer's first thread to the others (gather)
+
+  // Paged K/V (AttentionParams' block_tables; packed only): the producer loads each key tile page by
+  // page through the table (load_kv below), and the items read their key counts from context_lens.
+  // Pages of fewer than kPagedPrefillTmaRows rows (tile_schedule.h's paged_prefill_hopper_gathers,
+  // the launcher's rule too) are gathered by the whole producer warpgroup with cp.async, larger ones
+  // copied by its first thread with one TMA box per page.
+  const bool paged = kVarlen && p.block_tables != nullptr;
+  const bool gather = paged && paged_prefill_hopper_gathers(p.block_size, kBN);
 
   if (threadIdx.x == 0) {
     prefetch_tensor_map(&map_q);
@@ -171,8 +181,11 @@ __global__ void __launch_bounds__(K::kThreads, 1)
       mbarrier_init(&tile_empty[w], K::kConsumerThreads);  // every consumer thread read it
     }
     for (int s = 0; s < kStages; ++s) {
-      mbarrier_init(&k_full[s], 1);
-      mbarrier_init(&v_full[s], 1);
+      // The producer's arrive with the tile's bytes (TMA), or gathering, one cp.async arrival per
+      // producer thread (each fires once that thread's copies of the tile have landed).
+      const uint32_t arrivals = gather ? K::kProducerThreads : 1;
+      mbarrier_init(&k_full[s], arrivals);
+      mbarrier_init(&v_full[s], arrivals);
       mbarrier_init(&kv_empty[s], 8);  // one arrive per consumer warp once it is done with the stage
     }
     fence_barrier_init();
@@ -183,9 +196,6 @@ __global__ void __launch_bounds__(K::kThreads, 1)
   // schedule's order; packed, the (pair, query tile) the producer decoded (tile_schedule.h).
   // q_row, k_row and map_b are the coordinates its copies start at: padded (m0, 0, b), packed
   // (cu_seqlens_q[b] + m0, cu_seqlens_k[b], 0) in the maps of one batch of every token.
-  // Paged K/V (AttentionParams' block_tables; packed only): the producer loads each key tile page by
-  // page through the table (load_kv below), and the items read their key counts from context_lens.
-  const bool paged = kVarlen && p.block_tables != nullptr;
   struct Item {
     int b, h, hk, n_tiles, map_b;
     int first_tile;  // the walk's first key tile: 0 but under a window (kWindowSoftcap)
@@ -267,11 +277,26 @@ __global__ void __launch_bounds__(K::kThreads, 1)
   if (threadIdx.x < K::kProducerThreads) {
     // The producer: one thread walks the same items as the consumers and issues every copy, as far
     // ahead as the barriers let it: into item i + 1 while the consumers are still on item i.
+    // Gathering small pages, the whole warpgroup walks them: the first thread (the leader) still
+    // draws the items, hands them to the consumers and copies Q, and shares each item it draws with
+    // the other 127 through producer_slot, and all 128 copy K and V.
     setmaxnreg_dec<K::kProducerRegs>();
-    if (threadIdx.x == 0) {
-      uint32_t q_trips = 0, kv_trips = 0;
+    if (threadIdx.x == 0 || gather) {
+      const bool leader = threadIdx.x == 0;
+      uint32_t q_trips = 0, kv_trips = 0, draws = 0;
+      // The leader's draw, as every producer thread sees it. Slot draws % 2 is written, then hardware
+      // barrier 3 (1 and 2 are the consumers' ping-pong) of the producer's 128 threads publishes it;
+      // the slot is written again two draws later, after the next draw's barrier, which every
+      // thread passes only once done reading this one.
+      auto share = [&](int drawn) {
+        if (!gather) return drawn;
+        const int slot = draws++ & 1;
+        if (leader) producer_slot[slot] = drawn;
+        named_barrier_sync(3, K::kProducerThreads);
+        return producer_slot[slot];
+      };
       // The first round is the grid itself; the counter hands out the rest.
-      int value = value_of(blockIdx.x);
+      int value = share(leader ? value_of(blockIdx.x) : 0);
       Item it{};  // the item `value` names, decoded once it is drawn (none past the end)
       if (value < schedule.tiles) it = item_at(value);
       // Trip kv_trips of the walk: key tile it.first_tile + i of the item. Its stage is free once the
@@ -311,11 +336,69 @@ __global__ void __launch_bounds__(K::kThreads, 1)
           box(r0, row, id);
         }
       };
+      // Gathering: key tile i of the item, K or V, by the 128 producer threads with cp.async, 16 bytes
+      // each, completing on `full`. Thread t copies 16-byte piece t % kRowPieces of rows
+      // t / kRowPieces + kRowStep k: a row's 256 bytes (d128) are 16 consecutive lanes, one
+      // contiguous read, and its piece's place is fixed: piece c of row r lands in 64-column half
+      // c / 8, row r, at 16-byte slot (c % 8) ^ (r % 8), the 128-byte swizzle that TMA writes (its
+      // pattern by the shared-memory address, the rows 128 bytes apart from a 1024-byte-aligned
+      // stage) and the consumers' descriptors read; kRowStep is a multiple of 8, so r % 8 is the
+      // thread's for every row. Each row's block id comes from the table (L1 after its first reader:
+      // the 16 lanes of a row, and every row of a page, read one entry). A row at or past the context
+      // or in a block outside the cache is copied with a source size of 0: 16 zero bytes, nothing
+      // read (the TMA path's rows past the context in the last page are the cache's bytes; zeros
+      // here, masked alike). Pages of a power-of-two size that divides the tile (the rule's), so the
+      // page and the row in it are a shift and a mask of the key index.
+      auto gather_tile = [&](unsigned char* dst, const void* cache, int i, uint64_t* full) {
+        constexpr int kRowPieces = K::kHeadDim * 2 / 16;
+        constexpr int kRowStep = K::kProducerThreads / kRowPieces;
+        static_assert(!kVarlen || (kRowStep % 8 == 0 && kBN % kRowStep == 0), "whole swizzle periods per pass");
+        const int piece = threadIdx.x % kRowPieces, r0 = threadIdx.x / kRowPieces;
+        const int block_size = static_cast<int>(p.block_size), shift = __ffs(block_size) - 1;
+        const int num_blocks = static_cast<int>(p.num_blocks), context = static_cast<int>(it.seqlen_k);
+        const int32_t* table = p.block_tables + it.k_row;
+        const int row_bytes = static_cast<int>(p.heads_kv) * K::kHeadDim * 2;  // a token's row, every kv head
+        const unsigned char* src0 =
+            static_cast<const unsigned char*>(cache) + it.hk * K::kHeadDim * 2 + piece * 16;
+        const uint32_t dst0 = smem_addr(dst) + (piece / 8) * kBN * 128 + r0 * 128 + (((piece % 8) ^ (r0 % 8)) << 4);
+        const int j0 = (it.first_tile + i) * kBN + r0;  // the key index of the thread's first row
+        // kBatch rows at a time: their table entries first, all in flight together, then their
+        // copies (one row at a time, each copy would wait for its entry's L1 round trip).
+        constexpr int kBatch = 4;
+#pragma unroll 1
+        for (int k0 = 0; k0 < kBN / kRowStep; k0 += kBatch) {
+          int id[kBatch];
+#pragma unroll
+          for (int u = 0; u < kBatch; ++u) {
+            const int j = j0 + (k0 + u) * kRowStep;
+            id[u] = -1;
+            if (j < context) {  // a row below the context: its table entry is valid (serving.h)
+              const int32_t entry = table[j >> shift];
+              if (entry >= 0 && entry < num_blocks) id[u] = entry;
+            }
+          }
+#pragma unroll
+          for (int u = 0; u < kBatch; ++u) {
+            const int j = j0 + (k0 + u) * kRowStep;
+            const unsigned char* src =
+                src0 + static_cast<int64_t>(id[u] < 0 ? 0 : id[u] * block_size + (j & (block_size - 1))) * row_bytes;
+            mma::cp_async_16(dst0 + (k0 + u) * kRowStep * 128, src, id[u] >= 0);
+          }
+        }
+        cp_async_mbarrier_arrive_noinc(full);
+      };
       auto load_kv = [&](int i) {
         const int stage = kv_trips % kStages;
         if (kv_trips >= kStages) mbarrier_wait(&kv_empty[stage], ((kv_trips / kStages) - 1) & 1);
         unsigned char* k_dst = k_s + stage * K::kKVBytes;
         unsigned char* v_dst = v_s + stage * K::kKVBytes;
+        if (gather) {
+          // Every producer thread waited above; K's arrivals first, so S = Q K^T starts before V lands.
+          gather_tile(k_dst, p.k, i, &k_full[stage]);
+          gather_tile(v_dst, p.v, i, &v_full[stage]);
+          ++kv_trips;
+          return;
+        }
         if (paged) {
           // One expect-tx per barrier for the whole tile (the pages' boxes add up to kKVBytes), then
           // each page's rows at their offset in every 64-column chunk. A page of r rows lands at byte
@@ -358,11 +441,13 @@ __global__ void __launch_bounds__(K::kThreads, 1)
         ++kv_trips;
       };
       for (uint32_t trip = 0;; ++trip) {
-        // Hand the item to the consumers: slot trip % 2 is free once they all read trip - 2's.
-        const int slot = trip & 1;
-        if (trip >= 2) mbarrier_wait(&tile_empty[slot], ((trip >> 1) - 1) & 1);
-        tile_slot[slot] = value;
-        mbarrier_arrive(&tile_full[slot]);  // release: the consumers' wait sees the write above
+        if (leader) {
+          // Hand the item to the consumers: slot trip % 2 is free once they all read trip - 2's.
+          const int slot = trip & 1;
+          if (trip >= 2) mbarrier_wait(&tile_empty[slot], ((trip >> 1) - 1) & 1);
+          tile_slot[slot] = value;
+          mbarrier_arrive(&tile_full[slot]);  // release: the consumers' wait sees the write above
+        }
         if (value >= schedule.tiles) break;  // the end, now published
         if (it.n_tiles > 0) {  // else rows that see no key: the consumers store zeros, nothing to load
           // The first key tile before Q: its stage was freed by a trip kStages back, two key tiles
@@ -370,7 +455,7 @@ __global__ void __launch_bounds__(K::kThreads, 1)
           // warpgroup's last Q K^T of it. Loaded after Q, K would wait for that release too and
           // land as the consumers finish their epilogue, with the tensor cores idle meanwhile.
           load_kv(0);
-          for (int w = 0; w < 2; ++w) {
+          for (int w = 0; w < 2 && leader; ++w) {
             // Warpgroup w's half of Q is free once its 4 warps' last Q K^T of the previous item is done.
             if (q_trips > 0) mbarrier_wait(&q_empty[w], (q_trips - 1) & 1);
             mbarrier_arrive_expect_tx(&q_full[w], kHalfQBytes);
@@ -390,10 +475,10 @@ __global__ void __launch_bounds__(K::kThreads, 1)
         // wait for this item's buffers to come free, a key tile or two before its end, and then find
         // them in L2 instead of device memory (Q is read by no one else, and a head's K and V are
         // not in L2 yet when its first item starts).
-        value = value_of(atomicAdd(tile_counter, 1) + static_cast<int>(gridDim.x));
+        value = share(leader ? value_of(atomicAdd(tile_counter, 1) + static_cast<int>(gridDim.x)) : 0);
         if (value < schedule.tiles) {
           it = item_at(value);
-          if (it.n_tiles > 0) {
+          if (leader && it.n_tiles > 0) {
             const int row = static_cast<int>(it.k_row) + it.first_tile * kBN;
 #pragma unroll
             for (int c = 0; c < K::kChunks; ++c) {
@@ -656,8 +741,11 @@ cudaError_t run_flash_fwd_hopper_persistent(const AttentionParams& p, cudaStream
     // Paged: the caches as (head_dim, heads_kv, block_size, num_blocks), boxes of one page's rows (at
     // most a key tile's) of one head: the producer's load_kv. Block ids and rows are TMA's int
     // coordinates, and num_blocks itself names the zero box (one past the end).
+    // Gathering (small pages), the maps serve the first key tile's L2 prefetch alone, and a token's
+    // slot (block id x block_size + row) is an int there.
     if (!paged_prefill_hopper_block_size(p.block_size, K::kBlockN) || p.num_blocks >= INT_MAX ||
-        p.max_blocks * p.block_size > INT_MAX / 2)
+        p.max_blocks * p.block_size > INT_MAX / 2 ||
+        (paged_prefill_hopper_gathers(p.block_size, K::kBlockN) && p.num_blocks * p.block_size > INT_MAX))
       return cudaErrorInvalidValue;
     const int rows = static_cast<int>(p.block_size < K::kBlockN ? p.block_size : K::kBlockN);
     COURSE_CUDA_TRY(make_paged_map(&map_k, p.k, p.num_blocks, p.block_size, p.heads_kv, K::kHeadDim, rows));
