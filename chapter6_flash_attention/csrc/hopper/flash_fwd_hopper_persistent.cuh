@@ -394,6 +394,9 @@ __global__ void __launch_bounds__(K::kThreads, 1)
         unsigned char* v_dst = v_s + stage * K::kKVBytes;
         if (gather) {
           // Every producer thread waited above; K's arrivals first, so S = Q K^T starts before V lands.
+          // The consumers' wait on the barrier is all that orders these copies before their wgmma reads,
+          // as for TMA's bytes: the arrival fires only once the copies are in shared memory, and no
+          // thread writes the stage with ordinary stores (hopper.cuh's fence_proxy_async_shared is for those).
           gather_tile(k_dst, p.k, i, &k_full[stage]);
           gather_tile(v_dst, p.v, i, &v_full[stage]);
           ++kv_trips;
