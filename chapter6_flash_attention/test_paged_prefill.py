@@ -531,8 +531,9 @@ def test_cuda_prefill_small():
 @pytest.mark.parametrize("block_size", (8, 16, 256))
 def test_cuda_persistent_small(block_size):
     """The small run compute-sanitizer checks on rung persistent: pages the producer gathers
-    (cp.async, 8 and 16 rows), a page of two tiles (one TMA box), a chunk over two query tiles, decode tokens, an empty chunk, a context off the
-    block size, junk table entries past every context."""
+    (cp.async, 8 and 16 rows), a page of two tiles (one TMA box), a chunk over two query tiles,
+    decode tokens, an empty chunk, a context off the block size, junk table entries past every
+    context."""
     require_hopper()
     check_cuda_prefill([130, 1, 0, 17, 1], [300, 37, 3, 17, 1], 4, 2, 64, block_size, torch.bfloat16, "persistent",
                        f"persistent bs{block_size}", check_tables=False)
