@@ -299,6 +299,8 @@ __global__ void __launch_bounds__(K::kThreads, 1)
       int value = share(leader ? value_of(blockIdx.x) : 0);
       Item it{};  // the item `value` names, decoded once it is drawn (none past the end)
       if (value < schedule.tiles) it = item_at(value);
+      // Gathering: the table entries of the tile that load_kv copies next, as tile_pages loads them.
+      int32_t pages = -1;
       // Trip kv_trips of the walk: key tile it.first_tile + i of the item. Its stage is free once the
       // 8 consumer warps are done with trip kv_trips - kStages (of this item or of an earlier one).
       // Paged: key tile i of the item as boxes of page_rows rows, one per page (a page of at least
@@ -316,7 +318,7 @@ __global__ void __launch_bounds__(K::kThreads, 1)
       // a NaN there would survive 0 x NaN: serving.h).
       auto paged_boxes = [&](int i, auto&& box) {
         // In ints: the launcher keeps num_blocks and max_blocks x block_size (every key) below INT_MAX.
-        // Read from the parameters here, not held across the walk: the producer has 40 registers (and
+        // Read from the parameters here, not held across the walk: the producer has 56 registers (and
         // for the same reason its table row's offset rides in it.k_row, unused when paged).
         const int block_size = static_cast<int>(p.block_size), num_blocks = static_cast<int>(p.num_blocks);
         const int page_rows = block_size < kBN ? block_size : kBN;
@@ -336,6 +338,19 @@ __global__ void __launch_bounds__(K::kThreads, 1)
           box(r0, row, id);
         }
       };
+      // Gathering: the table entries of key tile i's pages (kBN / block_size of them, at most 16), one
+      // per lane of every producer warp: lane l holds page l of the tile, one coalesced load per warp
+      // instead of one per copied row. The raw entry, or -1 for a page with no row below the context
+      // (its entry may be junk: serving.h): nothing here reads the loaded value, so the load stays in
+      // flight until gather_tile's shuffles need it, and the walk issues it a tile ahead (`pages`).
+      auto tile_pages = [&](int i) {
+        const int lane = static_cast<int>(threadIdx.x % 32), shift = __ffs(static_cast<int>(p.block_size)) - 1;
+        const int page = (((it.first_tile + i) * kBN) >> shift) + lane;
+        int32_t entry = -1;
+        if (lane < (kBN >> shift) && (page << shift) < static_cast<int>(it.seqlen_k))
+          entry = p.block_tables[it.k_row + page];
+        return entry;
+      };
       // Gathering: key tile i of the item, K or V, by the 128 producer threads with cp.async, 16 bytes
       // each, completing on `full`. Thread t copies 16-byte piece t % kRowPieces of rows
       // t / kRowPieces + kRowStep k: a row's 256 bytes (d128) are 16 consecutive lanes, one
@@ -343,47 +358,38 @@ __global__ void __launch_bounds__(K::kThreads, 1)
       // c / 8, row r, at 16-byte slot (c % 8) ^ (r % 8), the 128-byte swizzle that TMA writes (its
       // pattern by the shared-memory address, the rows 128 bytes apart from a 1024-byte-aligned
       // stage) and the consumers' descriptors read; kRowStep is a multiple of 8, so r % 8 is the
-      // thread's for every row. Each row's block id comes from the table (L1 after its first reader:
-      // the 16 lanes of a row, and every row of a page, read one entry). A row at or past the context
-      // or in a block outside the cache is copied with a source size of 0: 16 zero bytes, nothing
-      // read (the TMA path's rows past the context in the last page are the cache's bytes; zeros
-      // here, masked alike). Pages of a power-of-two size that divides the tile (the rule's), so the
-      // page and the row in it are a shift and a mask of the key index.
-      auto gather_tile = [&](unsigned char* dst, const void* cache, int i, uint64_t* full) {
+      // thread's for every row. Each row's block id is a shuffle from the lane holding its page's
+      // entry (`pages`, tile_pages' for tile i, loaded a tile earlier), so the thread's kBN / kRowStep
+      // copies issue back to back with no table load between them (one load per few rows, each copy
+      // waiting on its L1 round trip, made the gather slower than the TMA boxes it replaced). A row
+      // at or past the context or in a block outside the cache is copied with a source size of 0:
+      // 16 zero bytes, nothing read (the TMA path's rows past the context in the last page are the
+      // cache's bytes; zeros here, masked alike). Pages of a power-of-two size that divides the tile
+      // (the rule's), and tiles start at a page's first row, so a row's page and its row there are
+      // a shift and a mask of its row in the tile.
+      auto gather_tile = [&](unsigned char* dst, const void* cache, int i, int32_t pages, uint64_t* full) {
         constexpr int kRowPieces = K::kHeadDim * 2 / 16;
         constexpr int kRowStep = K::kProducerThreads / kRowPieces;
         static_assert(!kVarlen || (kRowStep % 8 == 0 && kBN % kRowStep == 0), "whole swizzle periods per pass");
         const int piece = threadIdx.x % kRowPieces, r0 = threadIdx.x / kRowPieces;
         const int block_size = static_cast<int>(p.block_size), shift = __ffs(block_size) - 1;
-        const int num_blocks = static_cast<int>(p.num_blocks), context = static_cast<int>(it.seqlen_k);
-        const int32_t* table = p.block_tables + it.k_row;
+        const int num_blocks = static_cast<int>(p.num_blocks);
+        const int left = static_cast<int>(it.seqlen_k) - (it.first_tile + i) * kBN;  // rows below the context
         const int row_bytes = static_cast<int>(p.heads_kv) * K::kHeadDim * 2;  // a token's row, every kv head
         const unsigned char* src0 =
             static_cast<const unsigned char*>(cache) + it.hk * K::kHeadDim * 2 + piece * 16;
         const uint32_t dst0 = smem_addr(dst) + (piece / 8) * kBN * 128 + r0 * 128 + (((piece % 8) ^ (r0 % 8)) << 4);
-        const int j0 = (it.first_tile + i) * kBN + r0;  // the key index of the thread's first row
-        // kBatch rows at a time: their table entries first, all in flight together, then their
-        // copies (one row at a time, each copy would wait for its entry's L1 round trip).
-        constexpr int kBatch = 4;
-#pragma unroll 1
-        for (int k0 = 0; k0 < kBN / kRowStep; k0 += kBatch) {
-          int id[kBatch];
-#pragma unroll
-          for (int u = 0; u < kBatch; ++u) {
-            const int j = j0 + (k0 + u) * kRowStep;
-            id[u] = -1;
-            if (j < context) {  // a row below the context: its table entry is valid (serving.h)
-              const int32_t entry = table[j >> shift];
-              if (entry >= 0 && entry < num_blocks) id[u] = entry;
-            }
-          }
-#pragma unroll
-          for (int u = 0; u < kBatch; ++u) {
-            const int j = j0 + (k0 + u) * kRowStep;
-            const unsigned char* src =
-                src0 + static_cast<int64_t>(id[u] < 0 ? 0 : id[u] * block_size + (j & (block_size - 1))) * row_bytes;
-            mma::cp_async_16(dst0 + (k0 + u) * kRowStep * 128, src, id[u] >= 0);
-          }
+        // Two rows a pass: the next row's shuffle under this one's copy, in the producer's 56 registers
+        // (unrolled whole, the 16 rows' addresses spilled).
+#pragma unroll 2
+        for (int k = 0; k < kBN / kRowStep; ++k) {
+          const int r = r0 + k * kRowStep;  // the row in the tile
+          // Every lane of the warp is here (the whole producer walks the same tiles): a full mask.
+          const int32_t id = __shfl_sync(0xffffffffu, pages, r >> shift);
+          const bool valid = r < left && id >= 0 && id < num_blocks;
+          const unsigned char* src =
+              src0 + static_cast<int64_t>(valid ? id * block_size + (r & (block_size - 1)) : 0) * row_bytes;
+          mma::cp_async_16(dst0 + k * kRowStep * 128, src, valid);
         }
         cp_async_mbarrier_arrive_noinc(full);
       };
@@ -397,8 +403,12 @@ __global__ void __launch_bounds__(K::kThreads, 1)
           // The consumers' wait on the barrier is all that orders these copies before their wgmma reads,
           // as for TMA's bytes: the arrival fires only once the copies are in shared memory, and no
           // thread writes the stage with ordinary stores (hopper.cuh's fence_proxy_async_shared is for those).
-          gather_tile(k_dst, p.k, i, &k_full[stage]);
-          gather_tile(v_dst, p.v, i, &v_full[stage]);
+          // One set of table entries for both (the caches share the table).
+          gather_tile(k_dst, p.k, i, pages, &k_full[stage]);
+          gather_tile(v_dst, p.v, i, pages, &v_full[stage]);
+          // The next tile's entries, in flight through the next stage's wait (the item's last tile:
+          // the next item's first, loaded once it is drawn).
+          if (i + 1 < it.n_tiles) pages = tile_pages(i + 1);
           ++kv_trips;
           return;
         }
@@ -443,6 +453,7 @@ __global__ void __launch_bounds__(K::kThreads, 1)
         }
         ++kv_trips;
       };
+      if (gather && value < schedule.tiles) pages = tile_pages(0);
       for (uint32_t trip = 0;; ++trip) {
         if (leader) {
           // Hand the item to the consumers: slot trip % 2 is free once they all read trip - 2's.
@@ -481,6 +492,7 @@ __global__ void __launch_bounds__(K::kThreads, 1)
         value = share(leader ? value_of(atomicAdd(tile_counter, 1) + static_cast<int>(gridDim.x)) : 0);
         if (value < schedule.tiles) {
           it = item_at(value);
+          if (gather) pages = tile_pages(0);  // the new item's first key tile, for its load_kv(0)
           if (leader && it.n_tiles > 0) {
             const int row = static_cast<int>(it.k_row) + it.first_tile * kBN;
 #pragma unroll
