@@ -360,8 +360,8 @@ __global__ void __launch_bounds__(K::kThreads, 1)
       // stage) and the consumers' descriptors read; kRowStep is a multiple of 8, so r % 8 is the
       // thread's for every row. Each row's block id is a shuffle from the lane holding its page's
       // entry (`pages`, tile_pages' for tile i, loaded a tile earlier), so the thread's kBN / kRowStep
-      // copies issue back to back with no table load between them (one load per few rows, each copy
-      // waiting on its L1 round trip, made the gather slower than the TMA boxes it replaced). A row
+      // copies issue back to back with no table load between them (a load per row, four rows' copies
+      // at a time waiting for their entries, made the gather slower than the TMA boxes it replaced). A row
       // at or past the context or in a block outside the cache is copied with a source size of 0:
       // 16 zero bytes, nothing read (the TMA path's rows past the context in the last page are the
       // cache's bytes; zeros here, masked alike). Pages of a power-of-two size that divides the tile
