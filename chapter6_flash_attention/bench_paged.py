@@ -720,6 +720,9 @@ def prefill_rows(device, c, ceilings, notes):
         if variant == "default":
             extra["dispatch"] = flash_attention.default_choice("paged_prefill_attention", case["q"],
                                                                max_seqlen_q=max(chunks), block_size=c["block_size"])
+            if extra["dispatch"] == "persistent":  # how its producer loads the pages: cp.async or TMA boxes
+                extra["producer"] = torch.ops.flash_attention.paged_prefill_hopper_producer(c["head_dim"],
+                                                                                           c["block_size"])
         rows.append(bench.flops_row("paged_prefill", variant, dtype, shape, flops, t, ceilings["mm_TFLOPs"], t_base,
                                     **fields, **extra, max_abs_err=err, max_abs_err_fp32=err32,
                                     checked_against=PREFILL_BASELINE if ref is not None else "float32 reference"))

@@ -213,6 +213,18 @@ def test_persistent_block_sizes_by_construction():
             assert rung == ("persistent" if whole_pages else "mma"), (head_dim, block_size, rung)
 
 
+def test_persistent_producer_by_construction():
+    """How rung persistent's producer loads a key tile: pages under 64 rows (8, 16 and 32: 16 to 64
+    boxes per tile, each as dear to the copy engine as a large one) gathered with cp.async by its 128
+    threads, larger pages one TMA box each, and nothing for the block sizes the rung refuses."""
+    producer = torch.ops.flash_attention.paged_prefill_hopper_producer
+    for head_dim in (64, 128, 256):
+        for block_size in range(1, 1025):
+            taken = head_dim != 256 and block_size >= 8 and (128 % block_size == 0 or block_size % 128 == 0)
+            expected = ("gather" if block_size < 64 else "tma") if taken else ""
+            assert producer(head_dim, block_size) == expected, (head_dim, block_size)
+
+
 # ---------------------------------------------------------------------------------------------
 # 3. opcheck and misuse
 # ---------------------------------------------------------------------------------------------
@@ -403,11 +415,12 @@ def test_cuda_default_dispatch():
 # Rung persistent: chunks of 1, 17, 127, 128, 129 and 512 (one off the 128-row tile either way, and
 # the target's) after prefixes of 0, 5, 4095 and 4096 tokens (a cold prompt, a prefix inside one
 # page, one off a key tile and whole tiles), decode tokens and empty chunks among them, every block
-# size class (pages that split the key tile, one page a tile, pages of two tiles) and GQA 4:1, 8:1
-# and 1:1 across them.
+# size class (pages the producer gathers with cp.async: 8, 16 and 32 rows, the smallest a swizzle
+# period; pages of one TMA box that split the key tile, one page a tile, pages of two tiles) and GQA
+# 4:1, 8:1 and 1:1 across them.
 PERSISTENT_CHUNKS = (1, 17, 127, 128, 129, 512)
 PERSISTENT_PREFIXES = (0, 5, 4095, 4096)
-PERSISTENT_GQA = {16: 2, 64: 1, 128: 8, 256: 2}  # block size: kv heads of 8 query heads
+PERSISTENT_GQA = {8: 1, 16: 2, 32: 8, 64: 1, 128: 8, 256: 2}  # block size: kv heads of 8 query heads
 
 
 def persistent_batch():
@@ -431,16 +444,18 @@ def test_cuda_persistent_matches_reference(dtype, head_dim, block_size):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("block_size", (16, 256))
-def test_cuda_persistent_is_attention_varlen(block_size):
+@pytest.mark.parametrize("block_size,heads_kv,head_dim", [(8, 2, 128), (16, 2, 128), (32, 1, 64), (64, 4, 128),
+                                                          (128, 2, 64), (256, 2, 128)])
+def test_cuda_persistent_is_attention_varlen(block_size, heads_kv, head_dim):
     """Rung persistent is attention_varlen's persistent kernel with the keys read through the table:
-    the same consumers on the same keys in the same order (the rows past a context are zeros here and
-    the next sequence's there, masked either way), so the same bits as attention_varlen on the keys
-    gathered contiguous."""
+    the same consumers on the same keys in the same order (the rows past a context are zeros or the
+    cache's bytes here and the next sequence's there, masked either way), so the same bits as
+    attention_varlen on the keys gathered contiguous, whichever way the producer loads the pages
+    (cp.async at 8, 16 and 32 rows, TMA boxes from 64 up)."""
     require_hopper()
     chunks, contexts = persistent_batch()
-    query, key_cache, value_cache, tables, cu, lens = make_prefill(chunks, contexts, block_size, 8, 2, 128,
-                                                                   torch.bfloat16, "cuda")
+    query, key_cache, value_cache, tables, cu, lens = make_prefill(chunks, contexts, block_size, 8, heads_kv,
+                                                                   head_dim, torch.bfloat16, "cuda")
     pages = [tables[b, :blocks_needed(n, block_size)].long() for b, n in enumerate(contexts)]
     k = torch.cat([key_cache[p].flatten(0, 1)[:n] for p, n in zip(pages, contexts)])
     v = torch.cat([value_cache[p].flatten(0, 1)[:n] for p, n in zip(pages, contexts)])
@@ -513,11 +528,12 @@ def test_cuda_prefill_small():
 
 @pytest.mark.cuda
 @pytest.mark.sanitize
-@pytest.mark.parametrize("block_size", (16, 256))
+@pytest.mark.parametrize("block_size", (8, 16, 256))
 def test_cuda_persistent_small(block_size):
-    """The small run compute-sanitizer checks on rung persistent: pages that split a key tile and a
-    page of two tiles, a chunk over two query tiles, decode tokens, an empty chunk, a context off the
-    block size, junk table entries past every context."""
+    """The small run compute-sanitizer checks on rung persistent: pages the producer gathers
+    (cp.async, 8 and 16 rows), a page of two tiles (one TMA box), a chunk over two query tiles,
+    decode tokens, an empty chunk, a context off the block size, junk table entries past every
+    context."""
     require_hopper()
     check_cuda_prefill([130, 1, 0, 17, 1], [300, 37, 3, 17, 1], 4, 2, 64, block_size, torch.bfloat16, "persistent",
                        f"persistent bs{block_size}", check_tables=False)
@@ -554,8 +570,8 @@ def test_cuda_misuse():
                                            r"version 'persistent', on a Hopper GPU, takes more\)"):
         prefill(*make_prefill([3], [7], 48, 4, 2, 64, torch.bfloat16, "cuda"), version="mma")
     if hopper_runs():
-        with pytest.raises(RuntimeError, match=rf"{OP}: version 'persistent' loads one TMA box per page of a 128-key "
-                                               r"tile and takes block sizes of at least 8 that divide it or are "
+        with pytest.raises(RuntimeError, match=rf"{OP}: version 'persistent' loads a 128-key tile page by page and "
+                                               r"takes block sizes of at least 8 that divide it or are "
                                                r"multiples of it; block_size is 48"):
             prefill(*make_prefill([3], [7], 48, 4, 2, 64, torch.bfloat16, "cuda"), version="persistent")
     else:

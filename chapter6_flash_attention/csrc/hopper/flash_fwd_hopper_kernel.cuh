@@ -72,8 +72,11 @@ struct HopperFwdConfig {
   // setmaxnreg: 128 x 24 + 256 x 240 = 64,512 of the SM's 65,536 registers. The persistent
   // producer also decodes tiles and draws them from a counter: at 24 registers ptxas spilled 24 bytes
   // of its state, at 40 nothing, and 128 x 40 + 256 x 232 is the same 64,512 (the consumers showed
-  // no spill at 232 either, nvcc 13.0 -Xptxas -v).
-  static constexpr int kProducerRegs = kPersistent_ ? 40 : 24, kConsumerRegs = kPersistent_ ? 232 : 240;
+  // no spill at 232 either, nvcc 13.0 -Xptxas -v). Gathering paged K/V (pages under 64 rows), all
+  // 128 producer threads copy rows, each with a table entry and a 64-bit source address in hand:
+  // at 40 registers ptxas spilled 48 bytes there, at 56 it spills 8 (d128; none at d64), and
+  // 128 x 56 + 256 x 224 is the same 64,512 (the consumers show no spill at 224 at any head dim).
+  static constexpr int kProducerRegs = kPersistent_ ? 56 : 24, kConsumerRegs = kPersistent_ ? 224 : 240;
   static_assert(kHeadDim % 64 == 0, "the 128-byte swizzle holds 64 columns of 16-bit elements");
   static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an sm_90 block may take");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "P V steps over 16 keys; TMA boxes hold up to 256 rows");

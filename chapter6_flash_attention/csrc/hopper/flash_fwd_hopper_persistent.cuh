@@ -79,6 +79,7 @@
 // packed layout with a window runs on "split_kv".
 #pragma once
 
+#include "attention/mma.cuh"  // cp_async_16: the paged producer's gather
 #include "attention/softcap.cuh"
 #include "hopper/flash_fwd_hopper_kernel.cuh"
 
@@ -159,6 +160,15 @@ __global__ void __launch_bounds__(K::kThreads, 1)
   __shared__ uint64_t q_full[2], q_empty[2], k_full[kStages], v_full[kStages], kv_empty[kStages];
   __shared__ uint64_t tile_full[2], tile_empty[2];
   __shared__ int tile_slot[2];  // the work items handed from the producer to the consumers
+  __shared__ int producer_slot[2];  // the same, from the producer's first thread to the others (gather)
+
+  // Paged K/V (AttentionParams' block_tables; packed only): the producer loads each key tile page by
+  // page through the table (load_kv below), and the items read their key counts from context_lens.
+  // Pages of fewer than kPagedPrefillTmaRows rows (tile_schedule.h's paged_prefill_hopper_gathers,
+  // the launcher's rule too) are gathered by the whole producer warpgroup with cp.async, larger ones
+  // copied by its first thread with one TMA box per page.
+  const bool paged = kVarlen && p.block_tables != nullptr;
+  const bool gather = paged && paged_prefill_hopper_gathers(p.block_size, kBN);
 
   if (threadIdx.x == 0) {
     prefetch_tensor_map(&map_q);
@@ -171,8 +181,11 @@ __global__ void __launch_bounds__(K::kThreads, 1)
       mbarrier_init(&tile_empty[w], K::kConsumerThreads);  // every consumer thread read it
     }
     for (int s = 0; s < kStages; ++s) {
-      mbarrier_init(&k_full[s], 1);
-      mbarrier_init(&v_full[s], 1);
+      // The producer's arrive with the tile's bytes (TMA), or gathering, one cp.async arrival per
+      // producer thread (each fires once that thread's copies of the tile have landed).
+      const uint32_t arrivals = gather ? K::kProducerThreads : 1;
+      mbarrier_init(&k_full[s], arrivals);
+      mbarrier_init(&v_full[s], arrivals);
       mbarrier_init(&kv_empty[s], 8);  // one arrive per consumer warp once it is done with the stage
     }
     fence_barrier_init();
@@ -183,9 +196,6 @@ __global__ void __launch_bounds__(K::kThreads, 1)
   // schedule's order; packed, the (pair, query tile) the producer decoded (tile_schedule.h).
   // q_row, k_row and map_b are the coordinates its copies start at: padded (m0, 0, b), packed
   // (cu_seqlens_q[b] + m0, cu_seqlens_k[b], 0) in the maps of one batch of every token.
-  // Paged K/V (AttentionParams' block_tables; packed only): the producer loads each key tile page by
-  // page through the table (load_kv below), and the items read their key counts from context_lens.
-  const bool paged = kVarlen && p.block_tables != nullptr;
   struct Item {
     int b, h, hk, n_tiles, map_b;
     int first_tile;  // the walk's first key tile: 0 but under a window (kWindowSoftcap)
@@ -267,13 +277,30 @@ __global__ void __launch_bounds__(K::kThreads, 1)
   if (threadIdx.x < K::kProducerThreads) {
     // The producer: one thread walks the same items as the consumers and issues every copy, as far
     // ahead as the barriers let it: into item i + 1 while the consumers are still on item i.
+    // Gathering small pages, the whole warpgroup walks them: the first thread (the leader) still
+    // draws the items, hands them to the consumers and copies Q, and shares each item it draws with
+    // the other 127 through producer_slot, and all 128 copy K and V.
     setmaxnreg_dec<K::kProducerRegs>();
-    if (threadIdx.x == 0) {
-      uint32_t q_trips = 0, kv_trips = 0;
+    if (threadIdx.x == 0 || gather) {
+      const bool leader = threadIdx.x == 0;
+      uint32_t q_trips = 0, kv_trips = 0, draws = 0;
+      // The leader's draw, as every producer thread sees it. Slot draws % 2 is written, then hardware
+      // barrier 3 (1 and 2 are the consumers' ping-pong) of the producer's 128 threads publishes it;
+      // the slot is written again two draws later, after the next draw's barrier, which every
+      // thread passes only once done reading this one.
+      auto share = [&](int drawn) {
+        if (!gather) return drawn;
+        const int slot = draws++ & 1;
+        if (leader) producer_slot[slot] = drawn;
+        named_barrier_sync(3, K::kProducerThreads);
+        return producer_slot[slot];
+      };
       // The first round is the grid itself; the counter hands out the rest.
-      int value = value_of(blockIdx.x);
+      int value = share(leader ? value_of(blockIdx.x) : 0);
       Item it{};  // the item `value` names, decoded once it is drawn (none past the end)
       if (value < schedule.tiles) it = item_at(value);
+      // Gathering: the table entries of the tile that load_kv copies next, as tile_pages loads them.
+      int32_t pages = -1;
       // Trip kv_trips of the walk: key tile it.first_tile + i of the item. Its stage is free once the
       // 8 consumer warps are done with trip kv_trips - kStages (of this item or of an earlier one).
       // Paged: key tile i of the item as boxes of page_rows rows, one per page (a page of at least
@@ -291,7 +318,7 @@ __global__ void __launch_bounds__(K::kThreads, 1)
       // a NaN there would survive 0 x NaN: serving.h).
       auto paged_boxes = [&](int i, auto&& box) {
         // In ints: the launcher keeps num_blocks and max_blocks x block_size (every key) below INT_MAX.
-        // Read from the parameters here, not held across the walk: the producer has 40 registers (and
+        // Read from the parameters here, not held across the walk: the producer has 56 registers (and
         // for the same reason its table row's offset rides in it.k_row, unused when paged).
         const int block_size = static_cast<int>(p.block_size), num_blocks = static_cast<int>(p.num_blocks);
         const int page_rows = block_size < kBN ? block_size : kBN;
@@ -311,11 +338,80 @@ __global__ void __launch_bounds__(K::kThreads, 1)
           box(r0, row, id);
         }
       };
+      // Gathering: the table entries of key tile i's pages (kBN / block_size of them, at most 16), one
+      // per lane of every producer warp: lane l holds page l of the tile, one coalesced load per warp
+      // instead of one per copied row. The raw entry, or -1 for a page with no row below the context
+      // (its entry may be junk: serving.h): nothing here reads the loaded value, so the load stays in
+      // flight until gather_tile's shuffles need it, and the walk issues it a tile ahead (`pages`).
+      auto tile_pages = [&](int i) {
+        const int lane = static_cast<int>(threadIdx.x % 32), shift = __ffs(static_cast<int>(p.block_size)) - 1;
+        const int page = (((it.first_tile + i) * kBN) >> shift) + lane;
+        int32_t entry = -1;
+        if (lane < (kBN >> shift) && (page << shift) < static_cast<int>(it.seqlen_k))
+          entry = p.block_tables[it.k_row + page];
+        return entry;
+      };
+      // Gathering: key tile i of the item, K or V, by the 128 producer threads with cp.async, 16 bytes
+      // each, completing on `full`. Thread t copies 16-byte piece t % kRowPieces of rows
+      // t / kRowPieces + kRowStep k: a row's 256 bytes (d128) are 16 consecutive lanes, one
+      // contiguous read, and its piece's place is fixed: piece c of row r lands in 64-column half
+      // c / 8, row r, at 16-byte slot (c % 8) ^ (r % 8), the 128-byte swizzle that TMA writes (its
+      // pattern by the shared-memory address, the rows 128 bytes apart from a 1024-byte-aligned
+      // stage) and the consumers' descriptors read; kRowStep is a multiple of 8, so r % 8 is the
+      // thread's for every row. Each row's block id is a shuffle from the lane holding its page's
+      // entry (`pages`, tile_pages' for tile i, loaded a tile earlier), so the thread's kBN / kRowStep
+      // copies issue back to back with no table load between them (a load per row, four rows' copies
+      // at a time waiting for their entries, made the gather slower than the TMA boxes it replaced). A row
+      // at or past the context or in a block outside the cache is copied with a source size of 0:
+      // 16 zero bytes, nothing read (the TMA path's rows past the context in the last page are the
+      // cache's bytes; zeros here, masked alike). Pages of a power-of-two size that divides the tile
+      // (the rule's), and tiles start at a page's first row, so a row's page and its row there are
+      // a shift and a mask of its row in the tile.
+      auto gather_tile = [&](unsigned char* dst, const void* cache, int i, int32_t pages, uint64_t* full) {
+        constexpr int kRowPieces = K::kHeadDim * 2 / 16;
+        constexpr int kRowStep = K::kProducerThreads / kRowPieces;
+        static_assert(!kVarlen || (kRowStep % 8 == 0 && kBN % kRowStep == 0), "whole swizzle periods per pass");
+        const int piece = threadIdx.x % kRowPieces, r0 = threadIdx.x / kRowPieces;
+        const int block_size = static_cast<int>(p.block_size), shift = __ffs(block_size) - 1;
+        const int num_blocks = static_cast<int>(p.num_blocks);
+        const int left = static_cast<int>(it.seqlen_k) - (it.first_tile + i) * kBN;  // rows below the context
+        const int row_bytes = static_cast<int>(p.heads_kv) * K::kHeadDim * 2;  // a token's row, every kv head
+        const unsigned char* src0 =
+            static_cast<const unsigned char*>(cache) + it.hk * K::kHeadDim * 2 + piece * 16;
+        const uint32_t dst0 = smem_addr(dst) + (piece / 8) * kBN * 128 + r0 * 128 + (((piece % 8) ^ (r0 % 8)) << 4);
+        // Two rows a pass: the next row's shuffle under this one's copy, in the producer's 56 registers
+        // (unrolled whole, the 16 rows' addresses spilled).
+#pragma unroll 2
+        for (int k = 0; k < kBN / kRowStep; ++k) {
+          const int r = r0 + k * kRowStep;  // the row in the tile
+          // Every lane of the warp is here (the whole producer walks the same tiles): a full mask.
+          const int32_t id = __shfl_sync(0xffffffffu, pages, r >> shift);
+          const bool valid = r < left && id >= 0 && id < num_blocks;
+          const unsigned char* src =
+              src0 + static_cast<int64_t>(valid ? id * block_size + (r & (block_size - 1)) : 0) * row_bytes;
+          mma::cp_async_16(dst0 + k * kRowStep * 128, src, valid);
+        }
+        cp_async_mbarrier_arrive_noinc(full);
+      };
       auto load_kv = [&](int i) {
         const int stage = kv_trips % kStages;
         if (kv_trips >= kStages) mbarrier_wait(&kv_empty[stage], ((kv_trips / kStages) - 1) & 1);
         unsigned char* k_dst = k_s + stage * K::kKVBytes;
         unsigned char* v_dst = v_s + stage * K::kKVBytes;
+        if (gather) {
+          // Every producer thread waited above; K's arrivals first, so S = Q K^T starts before V lands.
+          // The consumers' wait on the barrier is all that orders these copies before their wgmma reads,
+          // as for TMA's bytes: the arrival fires only once the copies are in shared memory, and no
+          // thread writes the stage with ordinary stores (hopper.cuh's fence_proxy_async_shared is for those).
+          // One set of table entries for both (the caches share the table).
+          gather_tile(k_dst, p.k, i, pages, &k_full[stage]);
+          gather_tile(v_dst, p.v, i, pages, &v_full[stage]);
+          // The next tile's entries, in flight through the next stage's wait (the item's last tile:
+          // the next item's first, loaded once it is drawn).
+          if (i + 1 < it.n_tiles) pages = tile_pages(i + 1);
+          ++kv_trips;
+          return;
+        }
         if (paged) {
           // One expect-tx per barrier for the whole tile (the pages' boxes add up to kKVBytes), then
           // each page's rows at their offset in every 64-column chunk. A page of r rows lands at byte
@@ -357,12 +453,15 @@ __global__ void __launch_bounds__(K::kThreads, 1)
         }
         ++kv_trips;
       };
+      if (gather && value < schedule.tiles) pages = tile_pages(0);
       for (uint32_t trip = 0;; ++trip) {
-        // Hand the item to the consumers: slot trip % 2 is free once they all read trip - 2's.
-        const int slot = trip & 1;
-        if (trip >= 2) mbarrier_wait(&tile_empty[slot], ((trip >> 1) - 1) & 1);
-        tile_slot[slot] = value;
-        mbarrier_arrive(&tile_full[slot]);  // release: the consumers' wait sees the write above
+        if (leader) {
+          // Hand the item to the consumers: slot trip % 2 is free once they all read trip - 2's.
+          const int slot = trip & 1;
+          if (trip >= 2) mbarrier_wait(&tile_empty[slot], ((trip >> 1) - 1) & 1);
+          tile_slot[slot] = value;
+          mbarrier_arrive(&tile_full[slot]);  // release: the consumers' wait sees the write above
+        }
         if (value >= schedule.tiles) break;  // the end, now published
         if (it.n_tiles > 0) {  // else rows that see no key: the consumers store zeros, nothing to load
           // The first key tile before Q: its stage was freed by a trip kStages back, two key tiles
@@ -370,7 +469,7 @@ __global__ void __launch_bounds__(K::kThreads, 1)
           // warpgroup's last Q K^T of it. Loaded after Q, K would wait for that release too and
           // land as the consumers finish their epilogue, with the tensor cores idle meanwhile.
           load_kv(0);
-          for (int w = 0; w < 2; ++w) {
+          for (int w = 0; w < 2 && leader; ++w) {
             // Warpgroup w's half of Q is free once its 4 warps' last Q K^T of the previous item is done.
             if (q_trips > 0) mbarrier_wait(&q_empty[w], (q_trips - 1) & 1);
             mbarrier_arrive_expect_tx(&q_full[w], kHalfQBytes);
@@ -390,10 +489,11 @@ __global__ void __launch_bounds__(K::kThreads, 1)
         // wait for this item's buffers to come free, a key tile or two before its end, and then find
         // them in L2 instead of device memory (Q is read by no one else, and a head's K and V are
         // not in L2 yet when its first item starts).
-        value = value_of(atomicAdd(tile_counter, 1) + static_cast<int>(gridDim.x));
+        value = share(leader ? value_of(atomicAdd(tile_counter, 1) + static_cast<int>(gridDim.x)) : 0);
         if (value < schedule.tiles) {
           it = item_at(value);
-          if (it.n_tiles > 0) {
+          if (gather) pages = tile_pages(0);  // the new item's first key tile, for its load_kv(0)
+          if (leader && it.n_tiles > 0) {
             const int row = static_cast<int>(it.k_row) + it.first_tile * kBN;
 #pragma unroll
             for (int c = 0; c < K::kChunks; ++c) {
@@ -656,8 +756,11 @@ cudaError_t run_flash_fwd_hopper_persistent(const AttentionParams& p, cudaStream
     // Paged: the caches as (head_dim, heads_kv, block_size, num_blocks), boxes of one page's rows (at
     // most a key tile's) of one head: the producer's load_kv. Block ids and rows are TMA's int
     // coordinates, and num_blocks itself names the zero box (one past the end).
+    // Gathering (small pages), the maps serve the first key tile's L2 prefetch alone, and a token's
+    // slot (block id x block_size + row) is an int there.
     if (!paged_prefill_hopper_block_size(p.block_size, K::kBlockN) || p.num_blocks >= INT_MAX ||
-        p.max_blocks * p.block_size > INT_MAX / 2)
+        p.max_blocks * p.block_size > INT_MAX / 2 ||
+        (paged_prefill_hopper_gathers(p.block_size, K::kBlockN) && p.num_blocks * p.block_size > INT_MAX))
       return cudaErrorInvalidValue;
     const int rows = static_cast<int>(p.block_size < K::kBlockN ? p.block_size : K::kBlockN);
     COURSE_CUDA_TRY(make_paged_map(&map_k, p.k, p.num_blocks, p.block_size, p.heads_kv, K::kHeadDim, rows));

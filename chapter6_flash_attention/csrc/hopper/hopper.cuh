@@ -61,6 +61,14 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_
 __device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
 }
+// An arrival that fires once every cp.async this thread issued before it has landed (the 16-byte
+// copies of mma.cuh's cp_async_16, not the bulk ones): the phase then completes with the data in
+// shared memory, no wait_group in the issuing thread. .noinc: the arrival is one of the `count` the
+// barrier was initialised with (without it the instruction adds one to the pending count first, and
+// a barrier counted for these arrivals alone would never complete).
+__device__ __forceinline__ void cp_async_mbarrier_arrive_noinc(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
 // Wait until the phase with this parity has completed. try_wait suspends the thread for a
 // while inside the instruction before it reports "not yet", so the loop does not hammer shared
 // memory. Parity, not a phase count: trip n of a ring of S stages waits for parity (n / S) & 1.

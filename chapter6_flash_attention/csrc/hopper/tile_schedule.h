@@ -26,6 +26,19 @@ FLASH_ATTENTION_HD constexpr bool paged_prefill_hopper_block_size(int64_t block_
   return block_size >= 8 && (block_n % block_size == 0 || block_size % block_n == 0);
 }
 
+// How that producer loads a key tile of such pages. A TMA box costs the copy engine about the same
+// whatever its size, ~100 ns (the H100 measurement at 16-row pages: 912 us for the prefix config
+// against 496 us contiguous, 3.4 us per key tile for its 32 boxes), and a key tile's products take
+// ~1.9 us (128 x 128 keys x d128 x 4 flop at ~590 TFLOP/s over 132 SMs): one box per page of r rows
+// is 2 (K, V) x 2 (64-column halves) x 128 / r boxes per tile, 3.4 us at r = 16, 1.7 us at 32 (the
+// whole budget), 0.85 us at 64. Below kPagedPrefillTmaRows rows the producer warpgroup gathers
+// the tile itself with cp.async instead (16 bytes a thread and instruction, 32 per thread and tile
+// at d128, one table entry per row), which costs no box at all: flash_fwd_hopper_persistent.cuh.
+inline constexpr int kPagedPrefillTmaRows = 64;
+FLASH_ATTENTION_HD constexpr bool paged_prefill_hopper_gathers(int64_t block_size, int block_n) {
+  return paged_prefill_hopper_block_size(block_size, block_n) && block_size < kPagedPrefillTmaRows;
+}
+
 // The key tiles of query tile m0 .. m0 + kHopperBlockM - 1 under a window or a softcap (the
 // persistent rung's kWindowSoftcap instantiation): from the tile holding the first row's first
 // visible key to the one holding the last valid row's last, [key_begin(m0), key_end(last row)) in

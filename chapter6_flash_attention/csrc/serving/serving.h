@@ -205,15 +205,16 @@ enum class PagedVersion { kPerHead, kPerKvHead, kSplitKv };
 //     context once, S and P V on tensor cores. float16/bfloat16, compute capability 8.0+.
 //   v3 persistent: part 3's Hopper forward (csrc/hopper/flash_fwd_hopper_persistent.cuh, its packed
 //     instantiation): wgmma, warp-specialized, a persistent grid over (sequence, head, query tile)
-//     items, and a producer that copies each key tile page by page through the block table with TMA
-//     (one box per page, AttentionParams' block_tables). float16/bfloat16, head_dim 64 and 128, block
+//     items, and a producer that copies each key tile page by page through the block table: one TMA
+//     box per page from 64 rows up, a cp.async gather by its 128 threads below (tile_schedule.h's
+//     paged_prefill_hopper_gathers; AttentionParams' block_tables). float16/bfloat16, head_dim 64 and 128, block
 //     sizes paged_prefill_hopper_block_size (tile_schedule.h: 16, 32, 64, 128, 256, ...), a build with
 //     the sm_90a kernels and a GPU of compute capability 9.0. The consumers are the training
 //     forward's, unchanged: a token in a block outside the cache (check_tables=False) reads as zeros
 //     there (a score of 0 and a value of 0) instead of being left out as the other rungs leave it,
-//     and the slots of a context's last block past its end are read as the cache holds them (masked,
-//     their values times P = 0: finite in a cache made with zeros or written before, where mma
-//     copies zeros instead).
+//     and with TMA boxes the slots of a context's last block past its end are read as the cache holds
+//     them (masked, their values times P = 0: finite in a cache made with zeros or written before,
+//     where mma and the gather copy zeros instead).
 // version=None: persistent where it runs (on an H200 it ran the 8 x (4096 cached + 512) chunk at
 // the speed of the course's contiguous attention_varlen on the same keys gathered: README, chunked
 // prefill) unless every chunk is one token and decode_rows takes the block size; else mma where it

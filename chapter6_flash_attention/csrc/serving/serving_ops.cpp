@@ -495,8 +495,9 @@ void check_prefill_persistent(const char* op, const Tensor& query, int64_t block
               list_text(kPagedPrefillHopperHeadDims), "; head_dim is ", std::to_string(d),
               " (use version='mma' or None)");
   TORCH_CHECK(paged_prefill_hopper_block_size(block_size, hopper_block_n(d)), op,
-              ": version 'persistent' loads one TMA box per page of a ", std::to_string(hopper_block_n(d)),
-              "-key tile and takes block sizes of at least 8 that divide it or are multiples of it; block_size is ",
+              ": version 'persistent' loads a ", std::to_string(hopper_block_n(d)),
+              "-key tile page by page and takes block sizes of at least 8 that divide it or are multiples of it; "
+              "block_size is ",
               std::to_string(block_size), " (use version='mma' or None)");
   TORCH_CHECK(scale > 0.0, op, ": version 'persistent' takes scale > 0 (its softmax keeps each row's maximum of ",
               "the unscaled scores); scale is ", std::to_string(scale), " (use version='mma' or None)");
@@ -834,6 +835,11 @@ std::string paged_prefill_rule(bool cuda, bool half, int64_t capability_major, i
   return ::course::version_name(kPrefillVersions, paged_prefill_default(f, head_dim, block_size, scale, max_seqlen_q));
 }
 
+std::string paged_prefill_hopper_producer(int64_t head_dim, int64_t block_size) {
+  if (!paged_prefill_hopper_takes(head_dim, block_size)) return "";
+  return paged_prefill_hopper_gathers(block_size, hopper_block_n(head_dim)) ? "gather" : "tma";
+}
+
 void register_backend_kernels(torch::Library& m) {
   m.impl(kReshapeAndCache, &reshape_and_cache_impl);
   m.impl(kCopyBlocks, &copy_blocks_impl);
@@ -880,6 +886,11 @@ TORCH_LIBRARY_FRAGMENT(flash_attention, m) {
   m.def("paged_prefill_rule(bool cuda, bool half, int capability_major, int capability_minor, bool hopper_built, "
         "int head_dim, int block_size, float scale, int max_seqlen_q) -> str",
         &flash_attention::paged_prefill_rule);
+  // How rung persistent's producer loads a key tile of this cache (tile_schedule.h): "gather" (cp.async
+  // by its 128 threads, pages under kPagedPrefillTmaRows rows), "tma" (one box per page), or "" where
+  // the rung does not take the block size. For the tests and the benchmark's records.
+  m.def("paged_prefill_hopper_producer(int head_dim, int block_size) -> str",
+        &flash_attention::paged_prefill_hopper_producer);
 }
 
 // CUDA is registered in every build, as in attention/attention_ops.cpp: a CUDA tensor meets the
