@@ -483,6 +483,20 @@ def rmse(x, ref):
     return (x.double() - ref).square().mean().sqrt().item()
 
 
+# The error histogram of an accuracy row (notebook 06's FP8 figure): |out - ref| per element in
+# log-spaced bins, four a decade from 1e-7 to 10; errors below the first edge (exact ones
+# included) and at or above the last are counted apart, so the counts add up to every element.
+ERROR_EDGES = [10.0 ** (e / 4) for e in range(-28, 5)]
+
+
+def error_histogram(x, ref):
+    err = (x.double() - ref).abs().flatten()
+    edges = torch.tensor(ERROR_EDGES, dtype=torch.float64, device=err.device)
+    # bucketize(right=True): 0 below edges[0], i for edges[i-1] <= err < edges[i], len(edges) above
+    counts = torch.bincount(torch.bucketize(err, edges, right=True), minlength=len(ERROR_EDGES) + 1).tolist()
+    return {"edges": ERROR_EDGES, "below": counts[0], "counts": counts[1:-1], "above": counts[-1]}
+
+
 def fp8_forward(q, k, v, causal, rotate):
     """attention_fp8 on q, k, v quantized per tensor, after rotate_qk when `rotate` (which leaves
     every score as it was, so the reference is the same)."""
@@ -522,7 +536,8 @@ def bench_fp8_accuracy(device, a, notes):
             continue
         rows.append({"op": "attention_rmse", "variant": variant, "pass": "forward", "dtype": dtype,
                      "shape": [b, h, n, d], "batch": b, "heads": h, "seqlen": n, "head_dim": d, "causal": causal,
-                     "inputs": inputs, **more, "rmse": rmse(out, ref), "max_abs_err": max_abs_err(out, ref)})
+                     "inputs": inputs, **more, "rmse": rmse(out, ref), "max_abs_err": max_abs_err(out, ref),
+                     "abs_err_histogram": error_histogram(out, ref)})
     del q, k, v, ref
     return rows
 

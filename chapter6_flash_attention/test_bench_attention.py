@@ -436,6 +436,18 @@ def test_rmse_is_the_root_mean_square():
     assert B.rmse(ref, ref) == 0.0
 
 
+def test_error_histogram_bins():
+    """|x - ref| lands in [edge i, edge i+1): an edge itself in the bin it opens; below the first edge
+    (exact zeros too) and at or above the last counted apart."""
+    ref = torch.zeros(8, dtype=torch.float64)
+    x = torch.tensor([0.0, 1e-8, 1e-7, 2e-7, -0.5, 0.5, 10.0, 20.0])
+    h = B.error_histogram(x, ref)
+    assert h["edges"][0] == pytest.approx(1e-7) and h["edges"][-1] == pytest.approx(10.0)
+    assert (h["below"], h["above"]) == (2, 2)
+    bins = {i: c for i, c in enumerate(h["counts"]) if c}
+    assert bins == {0: 1, 1: 1, 26: 2}  # 1e-7 opens bin 0; 2e-7 in [1.78e-7, 3.16e-7); 0.5 in [0.316, 0.562)
+
+
 def test_cpu_fp8_accuracy_rows():
     """The accuracy rows at a tiny size on the CPU, each rmse recomputed here from its own pieces:
     the float64 softmax attention of the float32 inputs, and attention_fp8's CPU definition (the
@@ -468,6 +480,9 @@ def test_cpu_fp8_accuracy_rows():
                                                               else torch.float32)
         want = (out.double() - ref).square().mean().sqrt().item()
         assert row["rmse"] == pytest.approx(want, rel=0.05, abs=1e-7), row
+        hist = row["abs_err_histogram"]  # every element in one bin, the bins' edges as declared
+        assert hist["below"] + sum(hist["counts"]) + hist["above"] == 1 * 2 * 48 * 64
+        assert len(hist["counts"]) == len(hist["edges"]) - 1 == 32
     # the rows' point: quantizing loses more than float32, and the outliers make it worse
     fp8 = {row["rotate"]: row["rmse"] for row in rows if row["dtype"] == "float8_e4m3fn"}
     assert min(fp8.values()) > 10 * rows[-1]["rmse"]
