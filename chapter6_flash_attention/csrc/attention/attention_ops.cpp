@@ -112,8 +112,11 @@ bool half_dtype(const Tensor& t) { return t.scalar_type() == at::kHalf || t.scal
 // 240) and an atomic per tile. Two bench_attention.py runs on an H200: on causal rows (walks from
 // 1 key to all of them) persistent was ahead or within 3% at every length, 512-16384, and ahead by
 // 3-7% at 8192 at d = 128; on full rows (every walk alike) ahead up to 1.09x at 512-1024 keys, level
-// at 2048 and behind by up to 6% beyond. So "persistent" where the walks are uneven (the shortest at
-// most half the longest) or short (at most kPersistentMaxEvenKeys), "pingpong" otherwise. At 256
+// at 2048 and behind by up to 6% beyond. Two runs on an H100 put 2048 keys on the same knife's edge:
+// persistent ahead by 4-7% at d = 128 in both, behind by 3-6% at d = 64 (0.5x-1.5x of what a run's
+// own timings of one kernel move by). The plain grid's loss there is the larger, so 2048 counts as
+// short. So "persistent" where the walks are uneven (the shortest at most half the longest) or
+// short (at most kPersistentMaxEvenKeys), "pingpong" otherwise. At 256
 // "warp_specialized", where the third stage does not fit and two stages leave ping-pong slower
 // (experiments/hopper_forward_check.cu --variants, NOTES.md). A window or a softcap takes
 // "persistent" there too, at head_dim 64 and 128 (kHopperWindowHeadDims: its kWindowSoftcap
@@ -158,7 +161,7 @@ struct DispatchFacts {
 // Whether the persistent grid pays (the version=None section above): the walks of a bottom-right
 // aligned causal call run from seqlen_k - seqlen_q + 1 keys (at least 0) to seqlen_k; a full call's
 // are all seqlen_k.
-constexpr int64_t kPersistentMaxEvenKeys = 1024;
+constexpr int64_t kPersistentMaxEvenKeys = 2048;
 bool persistent_pays(const AttentionParams& p) {
   const int64_t longest = p.seqlen_k;
   const int64_t shortest = p.causal ? std::max<int64_t>(0, p.seqlen_k - p.seqlen_q + 1) : p.seqlen_k;
