@@ -99,6 +99,7 @@ Writes results/<device-slug>/chapter6_flash_attention.json and the plots beside 
 the accuracy rows to results/<device-slug>/chapter6_flash_attention_fp8.json instead, leaving the
 main results as they were.
 """
+import contextlib
 import math
 import re
 import shutil
@@ -1293,7 +1294,8 @@ def bench_transformers_model(device, mm, notes):
 
     def forward(model, backend=None):
         def call():
-            with torch.inference_mode(), (sdpa_kernel(backend) if backend is not None else _nothing()):
+            # The "sdpa" and "default" rows pin no backend.
+            with torch.inference_mode(), (sdpa_kernel(backend) if backend is not None else contextlib.nullcontext()):
                 return model(input_ids=ids, use_cache=False).logits
         return call
     calls = [("sdpa", forward(sdpa)), ("default", forward(ours))]
@@ -1323,16 +1325,6 @@ def bench_transformers_model(device, mm, notes):
     if device == "cuda":
         torch.cuda.empty_cache()
     return rows
-
-
-class _nothing:
-    """A context manager that does nothing (the "sdpa" and "default" rows pin no backend)."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def print_transformers_table(record):
