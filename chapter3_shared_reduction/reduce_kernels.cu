@@ -645,9 +645,9 @@ cudaError_t run_columns(const ReduceParams& p, const Plan& plan, cudaStream_t st
     return cudaGetLastError();
   }
   const dim3 grid(clamp_grid(plan.blocks), static_cast<unsigned>(plan.splits));
-  return course::launch_column_reduce<T, Op>(x, p.outer, p.n, p.inner, grid, plan.segment,
-                                             static_cast<A*>(p.workspace), p.counters, out, stream, plan.lanes,
-                                             static_cast<T*>(nullptr), kRealign);
+  return course::launch_column_reduce<T, Op, T, kRealign>(x, p.outer, p.n, p.inner, grid, plan.segment,
+                                                          static_cast<A*>(p.workspace), p.counters, out, stream,
+                                                          plan.lanes);
 }
 
 template <typename T, typename Op>

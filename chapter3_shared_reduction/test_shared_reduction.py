@@ -1045,6 +1045,10 @@ COLUMN_TAIL_CASES = [
     ((127, 33), 0), ((129, 33), 0), ((3001, 4099), 0),
     # 64 and 128 columns: 16-byte vectors in every dtype, 4 row groups a batch
     ((31, 64), 0), ((33, 64), 0), ((1000, 64), 0), ((4097, 128), 0),
+    # the vectors' rolling loads (each refilled with the next batch's once folded): ranges of
+    # exactly one, two and three batches and one row group past (64 columns: 128 rows a batch in
+    # 2-byte dtypes, 64 in float32, 32 in float64; 4096 columns: 32 rows a batch, split)
+    ((128, 64), 0), ((256, 64), 0), ((257, 64), 0), ((384, 64), 0), ((96, 4096), 0), ((97, 4096), 0),
     # column_loop's batches of 16 along a reduced dim shorter than 64
     ((4099, 1, 3), 1), ((4099, 15, 3), 1), ((4099, 16, 3), 1), ((4099, 17, 3), 1),
     ((4099, 63, 5), 1),

@@ -52,12 +52,19 @@ constexpr int column_unroll(int cols) { return cols > 1 ? kColumnUnroll : kColum
 // and a second of one block an SM (a (1000003, 7) 16-bit sum over dim 0 fell from 0.87x to 0.70x
 // PyTorch on the H100). In the vector tiles the batch took 48 registers to 80-100 (a (1048576,
 // 64) bfloat16 sum over dim 0: 0.83x to 0.44x), and float64 single elements 64-80 to 124 (at
-// four or three blocks ptxas spilled): both keep the one-at-a-time tail and no bound, the same
-// registers as before the batch. On sm_75 (1024 threads an SM) four blocks of 256 threads are
+// four or three blocks ptxas spilled): both keep the one-at-a-time tail (float64 also no bound;
+// the vector tiles have one now for another reason: kColumnMinBlocks). On sm_75 (1024 threads an SM) four blocks of 256 threads are
 // also the most it holds.
 constexpr int kColumnMinBlocksPerSm = 4;
 template <int kCols, typename T>
 constexpr bool kColumnTailBatch = kCols == 1 && sizeof(T) < 8;
+// The vector tiles of 2- and 4-byte dtypes are bounded the same way since their loads roll
+// (column_reduce_tiles: each vector refilled with the next batch's as soon as it is folded):
+// unbounded, ptxas took the bfloat16 sum to 78 registers; bounded, 64 and no spills at sm_90a.
+// float64 vectors stay unbounded (62-64 registers; bounded they spill 12-32 bytes), except
+// realigned ones (64 and no spills either way).
+template <typename T, bool kRealign>
+constexpr int kColumnMinBlocks = sizeof(T) < 8 || kRealign ? kColumnMinBlocksPerSm : 0;
 
 // The kCols = 16 / sizeof(T) elements of a row from p on, where p is not on a 16-byte boundary
 // (a row of 4099 elements starts 2 x 4099 bytes after the last: 8 ways off in bfloat16): the
@@ -142,7 +149,7 @@ __device__ __forceinline__ A tile_column_totals(A* sums, int lanes, const Op& op
 }
 
 template <int kCols, typename T, typename Op, typename Out, bool kRealign = false>
-__global__ void __launch_bounds__(kColumnThreads, kColumnTailBatch<kCols, T> || kRealign ? kColumnMinBlocksPerSm : 0) column_reduce_tiles(
+__global__ void __launch_bounds__(kColumnThreads, kColumnMinBlocks<T, kRealign>) column_reduce_tiles(
     const T* __restrict__ x, int64_t outer, int64_t n, int64_t inner, int64_t range, int lanes,
     typename Acc<T>::type* __restrict__ partial, unsigned* __restrict__ arrived, Out* __restrict__ out,
     Out* __restrict__ out1) {
@@ -180,6 +187,8 @@ __global__ void __launch_bounds__(kColumnThreads, kColumnTailBatch<kCols, T> || 
         // the rest being the next row's.
         using V = Vec16<T>;
         const int wanted = inner - c0 < kCols ? static_cast<int>(inner - c0) : kCols;
+        // Whole batches, not the rolling loads of the aligned vectors below: rolling, the
+        // shifts' temporaries spilled 20-44 bytes in bfloat16 under the bound (sm_90a).
         for (; k + (kColumnUnroll - 1) * row_step < k_end; k += kColumnUnroll * row_step) {
           V v[kColumnUnroll];
 #pragma unroll
@@ -202,17 +211,35 @@ __global__ void __launch_bounds__(kColumnThreads, kColumnTailBatch<kCols, T> || 
       } else if constexpr (kCols > 1) {
         // Whole vectors only: the launcher picks kCols > 1 without kRealign only when inner is a
         // multiple of it and the rows are 16-byte aligned.
+        // Rolling loads: each vector of a batch is folded and its registers at once refilled with
+        // the same slot of the next batch, so a lane keeps up to kColumnUnroll - 1 loads in
+        // flight while it converts and combines, in the registers one batch takes. Loading a
+        // whole batch and then folding it left the lane with no load in flight for as long as
+        // the fold took, which grows with the operator and the dtype: a 2-byte vector is 8
+        // conversions and 8 ops (amax: a compare, a NaN test and a select each) where a float32
+        // one is 4 adds, and at (1048576, 64) over dim 0 the 16-bit amax took 1.3x the 16-bit
+        // sum's time, float32's amax the same as its sum. (Two whole batches in registers, one
+        // loading while the other folds, took bfloat16 to 80 registers, or spills under the
+        // bound of four blocks an SM.)
         using V = Vec16<T>;
-        for (; k + (kColumnUnroll - 1) * row_step < k_end; k += kColumnUnroll * row_step) {
+        const int64_t batch = kColumnUnroll * row_step;
+        if (k + (kColumnUnroll - 1) * row_step < k_end) {
           V v[kColumnUnroll];
 #pragma unroll
           for (int u = 0; u < kColumnUnroll; ++u) {
             v[u] = load16(reinterpret_cast<const V*>(base + (k + u * row_step) * inner));
           }
+          for (;;) {
+            const int64_t k_next = k + batch;
+            const bool more = k_next + (kColumnUnroll - 1) * row_step < k_end;  // a whole next batch
 #pragma unroll
-          for (int u = 0; u < kColumnUnroll; ++u) {
+            for (int u = 0; u < kColumnUnroll; ++u) {
 #pragma unroll
-            for (int c = 0; c < kCols; ++c) acc[c] = op(acc[c], to_acc(v[u].v[c]));
+              for (int c = 0; c < kCols; ++c) acc[c] = op(acc[c], to_acc(v[u].v[c]));
+              if (more) v[u] = load16(reinterpret_cast<const V*>(base + (k_next + u * row_step) * inner));
+            }
+            k = k_next;
+            if (!more) break;
           }
         }
         // The last fewer than kColumnUnroll row groups, one at a time (kColumnTailBatch says why
@@ -321,7 +348,7 @@ inline int column_lanes(const T* x, int64_t inner) {
   return (inner % kLanes == 0 && is_aligned(x, 16)) ? kLanes : 1;
 }
 
-// Whether a launch that allows it (launch_column_reduce's `realign`, chapter 3's column_split)
+// Whether a launch that allows it (launch_column_reduce's kRealign, chapter 3's column_split)
 // reads rows that start mid-vector as realigned vectors (load16_realigned) rather than one element
 // a lane: where column_lanes gives one column a lane and the rows are at least a warp of vectors
 // wide. One element a lane moves sizeof(T) x 32 bytes a warp load (64 in 2-byte dtypes, against
@@ -334,7 +361,7 @@ inline bool column_realigns(const T* x, int64_t inner) {
   return column_lanes(x, inner) == 1 && inner >= int64_t{32} * kLanes && is_aligned(x, sizeof(T));
 }
 
-// Columns per lane of a launch with or without `realign`.
+// Columns per lane of a launch with or without kRealign.
 template <typename T>
 inline int column_lanes(const T* x, int64_t inner, bool realign) {
   return realign && column_realigns(x, inner) ? Vec16<T>::kLanes : column_lanes(x, inner);
@@ -350,18 +377,22 @@ inline int64_t column_tiles(const T* x, int64_t inner, int lanes = 32, bool real
 // With grid.y > 1, `partial` holds grid.y * outer * inner accumulators and `arrived` one zeroed
 // counter per tile; with grid.y == 1 neither is touched. Slice o's results go to out + o * inner,
 // slice 1's to out1 instead where it is not null.
-// With `realign`, rows that start mid-vector are read as realigned vectors where
+// With kRealign, rows that start mid-vector are read as realigned vectors where
 // column_realigns says so (the caller's tiles must then be counted with column_lanes(x, inner,
-// true)).
-template <typename T, typename Op, typename Out = T>
+// true)). A template argument, so that callers without it (chapter 4's partial sums) do not
+// compile the realigned kernels.
+template <typename T, typename Op, typename Out = T, bool kRealign = false>
 cudaError_t launch_column_reduce(const T* x, int64_t outer, int64_t n, int64_t inner, dim3 grid,
                                  int64_t range, typename Acc<T>::type* partial, unsigned* arrived,
-                                 Out* out, cudaStream_t stream, int lanes = 32, Out* out1 = nullptr,
-                                 bool realign = false) {
-  if (realign && column_realigns(x, inner)) {
-    column_reduce_tiles<Vec16<T>::kLanes, T, Op, Out, true><<<grid, kColumnThreads, 0, stream>>>(
-        x, outer, n, inner, range, lanes, partial, arrived, out, out1);
-  } else if (column_lanes(x, inner) > 1) {
+                                 Out* out, cudaStream_t stream, int lanes = 32, Out* out1 = nullptr) {
+  if constexpr (kRealign) {
+    if (column_realigns(x, inner)) {
+      column_reduce_tiles<Vec16<T>::kLanes, T, Op, Out, true><<<grid, kColumnThreads, 0, stream>>>(
+          x, outer, n, inner, range, lanes, partial, arrived, out, out1);
+      return cudaGetLastError();
+    }
+  }
+  if (column_lanes(x, inner) > 1) {
     column_reduce_tiles<Vec16<T>::kLanes, T, Op, Out><<<grid, kColumnThreads, 0, stream>>>(
         x, outer, n, inner, range, lanes, partial, arrived, out, out1);
   } else {
