@@ -1249,6 +1249,8 @@ SANITIZE_SHAPES = {
                 # a lane's guarded last batch: a narrow tile and a 32-lane one
                 (lambda t: torch.randn(4, 513, 7, dtype=t, device="cuda"), 1),
                 (lambda t: torch.randn(129, 33, dtype=t, device="cuda"), 0),
+                # aligned vectors' rolling loads: whole batches, then a tail
+                (lambda t: torch.randn(300, 64, dtype=t, device="cuda"), 0),
                 # realigned vectors: an odd width, and every row 3 elements past a boundary
                 (lambda t: torch.randn(40, 263, dtype=t, device="cuda"), 0),
                 (lambda t: torch.randn(65 * 512 + 3, dtype=t, device="cuda")[3:].view(65, 512), 0)],
