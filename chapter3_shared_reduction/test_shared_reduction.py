@@ -1083,11 +1083,14 @@ def test_column_tails(op, dtype, case):
 
 # column_split reads rows that start mid-vector as realigned 16-byte vectors (course/
 # column_reduce.cuh, load16_realigned) once a row is a warp of vectors wide: 256 elements in
-# 2-byte dtypes, 128 in float32, 64 in float64. Widths on both sides of each threshold, odd and
+# 2-byte dtypes, 128 in float32 (float64 keeps single elements). Widths on both sides of each
+# threshold, odd and
 # prime ones (the lane at a row's end adds only its first columns), views whose every row, or
-# the whole tensor, starts 1 to 7 elements past a boundary, a middle dim with outer 1 and many
-# slices, reduced lengths below one batch (the one-at-a-time tail), across one and split into
-# ranges. The inner sizes 1, 3, 7, 8, 9 of a middle dim (column_loop or single elements) beside.
+# the whole tensor, starts 1 to 7 elements past a boundary (the first and last rows, whose
+# vectors would reach outside the tensor, read element by element), a middle dim with outer 1
+# and many slices, reduced lengths below one batch (the one-at-a-time tail), across one and split
+# into ranges. The inner sizes 1, 3, 7, 8, 9 of a middle dim (column_loop or single elements)
+# beside.
 def _offset(shape, shift):
     """A contiguous tensor of `shape` starting `shift` elements into its storage."""
     return lambda dtype: torch.randn(math.prod(shape) + shift, dtype=dtype, device="cuda")[shift:].view(shape)

@@ -53,18 +53,17 @@ constexpr int column_unroll(int cols) { return cols > 1 ? kColumnUnroll : kColum
 // PyTorch on the H100). In the vector tiles the batch took 48 registers to 80-100 (a (1048576,
 // 64) bfloat16 sum over dim 0: 0.83x to 0.44x), and float64 single elements 64-80 to 124 (at
 // four or three blocks ptxas spilled): both keep the one-at-a-time tail (float64 also no bound;
-// the vector tiles have one now for another reason: kColumnMinBlocks). On sm_75 (1024 threads an SM) four blocks of 256 threads are
-// also the most it holds.
+// the vector tiles have one now for another reason: kColumnMinBlocks). On sm_75 (1024 threads
+// an SM) four blocks of 256 threads are also the most it holds.
 constexpr int kColumnMinBlocksPerSm = 4;
 template <int kCols, typename T>
 constexpr bool kColumnTailBatch = kCols == 1 && sizeof(T) < 8;
 // The vector tiles of 2- and 4-byte dtypes are bounded the same way since their loads roll
 // (column_reduce_tiles: each vector refilled with the next batch's as soon as it is folded):
 // unbounded, ptxas took the bfloat16 sum to 78 registers; bounded, 64 and no spills at sm_90a.
-// float64 vectors stay unbounded (62-64 registers; bounded they spill 12-32 bytes), except
-// realigned ones (64 and no spills either way).
-template <typename T, bool kRealign>
-constexpr int kColumnMinBlocks = sizeof(T) < 8 || kRealign ? kColumnMinBlocksPerSm : 0;
+// float64 vectors stay unbounded (62-64 registers; bounded they spill 12-32 bytes).
+template <typename T>
+constexpr int kColumnMinBlocks = sizeof(T) < 8 ? kColumnMinBlocksPerSm : 0;
 
 // The kCols = 16 / sizeof(T) elements of a row from p on, where p is not on a 16-byte boundary
 // (a row of 4099 elements starts 2 x 4099 bytes after the last: 8 ways off in bfloat16): the
@@ -72,9 +71,10 @@ constexpr int kColumnMinBlocks = sizeof(T) < 8 || kRealign ? kColumnMinBlocksPer
 // most kCols) the next aligned vector too, shifted left by p's distance from the boundary. Two
 // 16-byte loads, the second one (the neighbouring lane's vector) mostly served by L1, and a
 // shift through selects and funnel shifts on registers (the distance is a runtime value, and an
-// array indexed by it would live in local memory). Every vector loaded holds at least one wanted
-// element: no byte read lies outside the aligned 16 bytes of an element of the tensor.
-// Elements past `wanted` are whatever follows in memory: the caller must not use them.
+// array indexed by it would live in local memory). Elements past `wanted` are other rows': the
+// caller must not use them. The caller also guarantees that both aligned vectors, the 16 bytes
+// before p's and the 16 after it, lie inside the tensor (load16_realigned_within is for rows
+// where they may not).
 template <typename T>
 __device__ __forceinline__ Vec16<T> load16_realigned(const T* p, int wanted) {
   constexpr int kLanes = Vec16<T>::kLanes;
@@ -102,6 +102,25 @@ __device__ __forceinline__ Vec16<T> load16_realigned(const T* p, int wanted) {
   out.w = __funnelshift_r(by2[3], by2[4], half);
   Vec16<T> v;
   memcpy(&v, &out, sizeof(v));
+  return v;
+}
+
+// load16_realigned for a row of the tensor [lo, hi) whose aligned vectors may reach past it: the
+// first row of a view at an odd offset starts mid-vector, the last row may end mid-vector. Such
+// bytes are harmless to the hardware (allocations are 256-byte aligned) but they are not the
+// tensor's, and compute-sanitizer reports the read: there the lane reads its `wanted` elements
+// one by one. The rest of the elements are zero (unused).
+template <typename T>
+__device__ __forceinline__ Vec16<T> load16_realigned_within(const T* p, int wanted, const T* lo, const T* hi) {
+  constexpr int kLanes = Vec16<T>::kLanes;
+  const int off = static_cast<int>(reinterpret_cast<uintptr_t>(p) % 16) / static_cast<int>(sizeof(T));
+  const T* first = p - off;
+  if (first >= lo && first + (off + wanted > kLanes ? 2 : 1) * kLanes <= hi) return load16_realigned(p, wanted);
+  Vec16<T> v{};
+#pragma unroll
+  for (int c = 0; c < kLanes; ++c) {
+    if (c < wanted) v.v[c] = p[c];  // the lane's own columns of this row: inside the tensor
+  }
   return v;
 }
 
@@ -149,7 +168,7 @@ __device__ __forceinline__ A tile_column_totals(A* sums, int lanes, const Op& op
 }
 
 template <int kCols, typename T, typename Op, typename Out, bool kRealign = false>
-__global__ void __launch_bounds__(kColumnThreads, kColumnMinBlocks<T, kRealign>) column_reduce_tiles(
+__global__ void __launch_bounds__(kColumnThreads, kColumnMinBlocks<T>) column_reduce_tiles(
     const T* __restrict__ x, int64_t outer, int64_t n, int64_t inner, int64_t range, int lanes,
     typename Acc<T>::type* __restrict__ partial, unsigned* __restrict__ arrived, Out* __restrict__ out,
     Out* __restrict__ out1) {
@@ -187,22 +206,39 @@ __global__ void __launch_bounds__(kColumnThreads, kColumnMinBlocks<T, kRealign>)
         // the rest being the next row's.
         using V = Vec16<T>;
         const int wanted = inner - c0 < kCols ? static_cast<int>(inner - c0) : kCols;
+        const T* const x_end = x + outer * n * inner;
         // Whole batches, not the rolling loads of the aligned vectors below: rolling, the
-        // shifts' temporaries spilled 20-44 bytes in bfloat16 under the bound (sm_90a).
+        // shifts' temporaries spilled 20-44 bytes in bfloat16 under the bound (sm_90a). A batch
+        // whose vectors could reach outside the tensor (its first or last row: 16 bytes on
+        // either side of the batch's rows are inside otherwise) reads its elements one by one;
+        // checked inside the unrolled batch, that fallback's registers spilled 52-84 bytes.
         for (; k + (kColumnUnroll - 1) * row_step < k_end; k += kColumnUnroll * row_step) {
-          V v[kColumnUnroll];
+          const T* const p0 = base + k * inner;
+          const T* const p_last = base + (k + (kColumnUnroll - 1) * row_step) * inner;
+          if (p0 - x >= kCols && x_end - p_last >= 2 * kCols) {
+            V v[kColumnUnroll];
 #pragma unroll
-          for (int u = 0; u < kColumnUnroll; ++u) v[u] = load16_realigned(base + (k + u * row_step) * inner, wanted);
+            for (int u = 0; u < kColumnUnroll; ++u) v[u] = load16_realigned(base + (k + u * row_step) * inner, wanted);
 #pragma unroll
-          for (int u = 0; u < kColumnUnroll; ++u) {
+            for (int u = 0; u < kColumnUnroll; ++u) {
 #pragma unroll
-            for (int c = 0; c < kCols; ++c) {
-              if (c < wanted) acc[c] = op(acc[c], to_acc(v[u].v[c]));  // past `wanted`: the next row
+              for (int c = 0; c < kCols; ++c) {
+                if (c < wanted) acc[c] = op(acc[c], to_acc(v[u].v[c]));  // past `wanted`: the next row
+              }
+            }
+          } else {  // element by element: only the lane's own columns, inside the tensor
+#pragma unroll 1
+            for (int u = 0; u < kColumnUnroll; ++u) {
+              const T* const p = base + (k + u * row_step) * inner;
+#pragma unroll
+              for (int c = 0; c < kCols; ++c) {
+                if (c < wanted) acc[c] = op(acc[c], to_acc(p[c]));
+              }
             }
           }
         }
         for (; k < k_end; k += row_step) {  // the last fewer than kColumnUnroll row groups
-          const V v = load16_realigned(base + k * inner, wanted);
+          const V v = load16_realigned_within(base + k * inner, wanted, x, x_end);
 #pragma unroll
           for (int c = 0; c < kCols; ++c) {
             if (c < wanted) acc[c] = op(acc[c], to_acc(v.v[c]));  // the same guard
@@ -355,10 +391,12 @@ inline int column_lanes(const T* x, int64_t inner) {
 // 512), and 16 of them in flight a lane are half the bytes of 4 vectors. Narrower rows keep one
 // element a lane: their tiles already lay a warp over several rows, and a lane's two loads and
 // shifts would fetch a vector for a few columns.
+// float64 (here for gradcheck) keeps single elements: its realigned tiles spilled under the bound.
 template <typename T>
 inline bool column_realigns(const T* x, int64_t inner) {
   constexpr int kLanes = Vec16<T>::kLanes;
-  return column_lanes(x, inner) == 1 && inner >= int64_t{32} * kLanes && is_aligned(x, sizeof(T));
+  return sizeof(T) < 8 && column_lanes(x, inner) == 1 && inner >= int64_t{32} * kLanes &&
+         is_aligned(x, sizeof(T));
 }
 
 // Columns per lane of a launch with or without kRealign.
@@ -385,7 +423,7 @@ template <typename T, typename Op, typename Out = T, bool kRealign = false>
 cudaError_t launch_column_reduce(const T* x, int64_t outer, int64_t n, int64_t inner, dim3 grid,
                                  int64_t range, typename Acc<T>::type* partial, unsigned* arrived,
                                  Out* out, cudaStream_t stream, int lanes = 32, Out* out1 = nullptr) {
-  if constexpr (kRealign) {
+  if constexpr (kRealign && sizeof(T) < 8) {  // column_realigns: never float64
     if (column_realigns(x, inner)) {
       column_reduce_tiles<Vec16<T>::kLanes, T, Op, Out, true><<<grid, kColumnThreads, 0, stream>>>(
           x, outer, n, inner, range, lanes, partial, arrived, out, out1);
