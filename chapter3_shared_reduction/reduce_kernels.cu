@@ -40,6 +40,9 @@ constexpr int kUnroll = 4;
 constexpr int64_t kMaxGridY = 65535;
 // Column splits: blocks per SM the ranges of a split column reduction aim at (plan_reduce).
 constexpr int64_t kColumnBlocksPerSm = 4;
+// column_split reads rows that start mid-vector (an odd number of columns, a view at an odd
+// offset) as realigned 16-byte vectors wherever course::column_realigns allows it.
+constexpr bool kRealign = true;
 constexpr int64_t kMaxGridX = INT_MAX;
 
 unsigned clamp_grid(int64_t blocks, int64_t limit = kMaxGridX) {
@@ -393,7 +396,10 @@ __global__ void __launch_bounds__(kThreads) reduce_column_loop(const T* __restri
 // column_split: course::column_reduce_tiles (common/include/course/column_reduce.cuh), which
 // chapter 4's bias and weight gradients use too: a tile of 32 x 4 adjacent columns per block,
 // coalesced 16-byte row loads, and the reduced dimension split over more blocks (combined in
-// order by the last to arrive) when the tiles alone cannot fill the GPU.
+// order by the last to arrive) when the tiles alone cannot fill the GPU. Rows that start
+// mid-vector (4099 columns, an offset view) are read as pairs of aligned vectors shifted into
+// place (course::load16_realigned) once they are a warp of vectors wide, not one element a
+// lane: chapter 3 asks for it (kRealign); chapter 4's partial sums keep single elements.
 //
 //
 // A tensor narrower than a tile (a (1000003, 3) sum over dim 0, a bias of 64 columns) would
@@ -473,21 +479,31 @@ cudaError_t make_plan(const ReduceParams& p, Plan* plan) {
     case Layout::kColumns:
       if (p.version == ReduceVersion::kColumnSplit) {
         const T* x = static_cast<const T*>(p.x);
-        plan->lanes = course::column_tile_lanes(p.inner, course::column_lanes(x, p.inner));
+        // Rows that start mid-vector are read as realigned vectors where they are a warp of
+        // vectors wide (course::column_realigns): kRealign below.
+        const int cols = course::column_lanes(x, p.inner, kRealign);
+        plan->lanes = course::column_tile_lanes(p.inner, cols);
         const bool narrow = plan->lanes < 32;
-        const int64_t tiles = p.outer * course::column_tiles<T>(x, p.inner, plan->lanes);
+        const int64_t tiles = p.outer * course::column_tiles<T>(x, p.inner, plan->lanes, kRealign);
         // Ranges enough for kColumnBlocksPerSm blocks per SM (each keeps 8 warps x 4 row groups
         // of loads in flight, 64 KB an SM at 4 blocks: enough for DRAM), not more: every range
         // is a partial that the tile's last block folds after all others are done (and an
         // arrival on one counter), so a grid of several resident waves (2112 blocks for a
         // 16384 x 4096 bfloat16 sum on the H200: 79 us, torch.compile's split 36 us) ends in a
-        // long serial tail. Every range at least 64 rows (8 per warp); narrow tiles at least two
-        // unrolled steps of the block's row groups.
+        // long serial tail. And the ranges a tile takes round down, not up: tiles x splits must
+        // fit the kColumnBlocksPerSm x SMs slots, one wave. Rounding up (129 tiles of a (8191,
+        // 4099) sum over dim 0: 5 ranges, 645 blocks for 528 slots on an H100) ran a second wave
+        // of 117 blocks after the first: each block's range no shorter than in the first wave,
+        // and a fifth of the GPU's slots to read it with. Rounded down (4 ranges, 516 blocks)
+        // every block starts at once and the ranges are a quarter longer: under the wave model
+        // (time ~ waves x rows per range) never slower, since splits - 1 >= splits / 2. Every
+        // range at least 64 rows (8 per warp); narrow tiles at least two unrolled steps of the
+        // block's row groups.
         int sms = 0;
         COURSE_CUDA_TRY(course::sm_count(&sms));
         const int64_t rows_per_step = int64_t{course::kColumnWarps} * (32 / plan->lanes) *
-                                      course::column_unroll(course::column_lanes(x, p.inner));
-        const int64_t want = course::ceil_div(kColumnBlocksPerSm * sms, tiles);
+                                      course::column_unroll(cols);
+        const int64_t want = kColumnBlocksPerSm * sms / tiles;  // 0 past one wave of tiles: no split
         const int64_t min_range = narrow ? 2 * rows_per_step : 64;
         plan->splits = std::max<int64_t>(1, std::min({want, course::ceil_div(p.n, min_range), kMaxGridY}));
         plan->segment = course::ceil_div(p.n, plan->splits);
@@ -629,8 +645,9 @@ cudaError_t run_columns(const ReduceParams& p, const Plan& plan, cudaStream_t st
     return cudaGetLastError();
   }
   const dim3 grid(clamp_grid(plan.blocks), static_cast<unsigned>(plan.splits));
-  return course::launch_column_reduce<T, Op>(x, p.outer, p.n, p.inner, grid, plan.segment,
-                                             static_cast<A*>(p.workspace), p.counters, out, stream, plan.lanes);
+  return course::launch_column_reduce<T, Op, T, kRealign>(x, p.outer, p.n, p.inner, grid, plan.segment,
+                                                          static_cast<A*>(p.workspace), p.counters, out, stream,
+                                                          plan.lanes);
 }
 
 template <typename T, typename Op>

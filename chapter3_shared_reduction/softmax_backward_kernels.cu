@@ -22,9 +22,26 @@ constexpr int kThreads = 256;
 template <bool kLog, typename A>
 __device__ __forceinline__ A dot_term(A y, A dy) { return kLog ? dy : dy * y; }
 
-template <bool kLog, typename A>
+// exp(y) for log_softmax's dx. In 2-byte dtypes the hardware's approximate exponential
+// (__expf: one multiply and one MUFU.EX2, at most 2 + 1.173 |y| ulp of float32 off, far below
+// the 2^-8 or 2^-11 of dx's own rounding) rather than expf, whose range reduction adds half a
+// dozen dependent FMAs to every element. That exponential is all log_softmax's backward does
+// beyond softmax's (same kernels, same bytes), and the 16-bit split rows took 1.45x softmax's
+// time at 262 x 256000 on the H100: a split row's blocks wait for the row's sum together and
+// then compute together, so the arithmetic of the write pass is not hidden behind other
+// blocks' loads. float32 keeps expf, where the difference would show in dx.
+template <typename T, typename A>
+__device__ __forceinline__ A exp_of_y(A y) {
+  if constexpr (sizeof(T) == 2) {
+    return __expf(y);
+  } else {
+    return exp(y);
+  }
+}
+
+template <bool kLog, typename T, typename A>
 __device__ __forceinline__ A grad_input(A y, A dy, A total) {
-  return kLog ? dy - exp(y) * total : y * (dy - total);
+  return kLog ? dy - exp_of_y<T>(y) * total : y * (dy - total);
 }
 
 // The row sum over this thread's registers.
@@ -46,7 +63,7 @@ __device__ __forceinline__ void tile_grad(const T (&y)[kVectors][kLanes], T (&dy
 #pragma unroll
   for (int j = 0; j < kVectors; ++j) {
 #pragma unroll
-    for (int l = 0; l < kLanes; ++l) dy[j][l] = from_acc<T>(grad_input<kLog>(to_acc(y[j][l]), to_acc(dy[j][l]), total));
+    for (int l = 0; l < kLanes; ++l) dy[j][l] = from_acc<T>(grad_input<kLog, T>(to_acc(y[j][l]), to_acc(dy[j][l]), total));
   }
 }
 
@@ -197,11 +214,11 @@ __global__ void __launch_bounds__(kSharedThreads, kLog && sizeof(T) == 2 ? kShar
       const V b = course::load16(parked_g + j);
       V out;
 #pragma unroll
-      for (int l = 0; l < kLanes; ++l) out.v[l] = from_acc<T>(grad_input<kLog>(to_acc(a.v[l]), to_acc(b.v[l]), total));
+      for (int l = 0; l < kLanes; ++l) out.v[l] = from_acc<T>(grad_input<kLog, T>(to_acc(a.v[l]), to_acc(b.v[l]), total));
       course::store16(xv + j, out);
     }
-    if (t < span.head) dx[offset + head_i] = from_acc<T>(grad_input<kLog>(head_y, head_g, total));
-    if (t < tail) dx[offset + tail_i] = from_acc<T>(grad_input<kLog>(tail_y, tail_g, total));
+    if (t < span.head) dx[offset + head_i] = from_acc<T>(grad_input<kLog, T>(head_y, head_g, total));
+    if (t < tail) dx[offset + tail_i] = from_acc<T>(grad_input<kLog, T>(tail_y, tail_g, total));
   }
 }
 
@@ -218,7 +235,7 @@ __global__ void __launch_bounds__(kThreads) softmax_backward_streamed(const T* _
     for (int64_t i = threadIdx.x; i < n; i += kThreads) s += dot_term<kLog>(to_acc(y[offset + i]), to_acc(dy[offset + i]));
     const A total = course::block_reduce<kThreads>(s, SumOp<A>(), smem);
     for (int64_t i = threadIdx.x; i < n; i += kThreads) {
-      dx[offset + i] = from_acc<T>(grad_input<kLog>(to_acc(y[offset + i]), to_acc(dy[offset + i]), total));
+      dx[offset + i] = from_acc<T>(grad_input<kLog, T>(to_acc(y[offset + i]), to_acc(dy[offset + i]), total));
     }
   }
 }

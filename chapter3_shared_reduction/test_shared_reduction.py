@@ -498,6 +498,23 @@ def test_softmax_backward_matches_reference(log, dtype, case, device):
     assert_within(out, ref, softmax_backward_bound(grad, y, dim, ref, log, dtype))
 
 
+# log_softmax's dx takes exp(y) from __expf in 2-byte dtypes (softmax_backward_kernels.cu,
+# exp_of_y), whose error grows with |y|: outputs y down to about -150 (x of spread 20), in rows
+# held in registers, parked in shared memory (140 rows: the shared path from 132 SMs down) and
+# split over blocks.
+@pytest.mark.parametrize("shape", ((5, 1000), (140, 20001), (3, 40000)), ids=shape_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_log_softmax_backward_wide_range(dtype, shape, device):
+    if device == "cpu" and shape[0] > 5:
+        pytest.skip("the CPU path has one plan: the short rows cover it")
+    x = 20 * torch.randn(shape, dtype=torch.float64, device=device)
+    y = softmax_reference(x, -1, True).to(dtype)
+    grad = torch.randn(shape, dtype=dtype, device=device)
+    ref = softmax_backward_reference(grad, y, -1, True)
+    out = shared_reduction.softmax_backward(grad, y, -1, True)
+    assert_within(out, ref, softmax_backward_bound(grad, y, -1, ref, True, dtype))
+
+
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float64), ids=dtype_id)
 @pytest.mark.parametrize("log", (False, True), ids=("softmax", "log_softmax"))
 def test_softmax_backward_views(log, dtype, device):
@@ -988,6 +1005,9 @@ LAUNCH_CASES = {
     "softmax_64_threads": ("softmax", (64, 1025), torch.bfloat16, "softmax_resident<__nv_bfloat16, 64, 4, false, (course::rows::Access)2>"),
     "backward_chunks": ("softmax_backward", (64, 4099), torch.bfloat16, "softmax_backward_resident<__nv_bfloat16, 256, 4, false, (course::rows::Access)2>"),
     "column_split": ("sum", (100003, 3), torch.float32, "column_reduce_tiles<1, float"),
+    # rows that start mid-vector, a warp of vectors wide: realigned vectors, not single elements
+    "column_realigned_bf16": ("sum", (1000, 4099), torch.bfloat16, "column_reduce_tiles<8, __nv_bfloat16"),
+    "column_realigned_f32": ("amax", (1000, 4099), torch.float32, "column_reduce_tiles<4, float"),
 }
 
 
@@ -1025,6 +1045,10 @@ COLUMN_TAIL_CASES = [
     ((127, 33), 0), ((129, 33), 0), ((3001, 4099), 0),
     # 64 and 128 columns: 16-byte vectors in every dtype, 4 row groups a batch
     ((31, 64), 0), ((33, 64), 0), ((1000, 64), 0), ((4097, 128), 0),
+    # the vectors' rolling loads (each refilled with the next batch's once folded): ranges of
+    # exactly one, two and three batches and one row group past (64 columns: 128 rows a batch in
+    # 2-byte dtypes, 64 in float32, 32 in float64; 4096 columns: 32 rows a batch, split)
+    ((128, 64), 0), ((256, 64), 0), ((257, 64), 0), ((384, 64), 0), ((96, 4096), 0), ((97, 4096), 0),
     # column_loop's batches of 16 along a reduced dim shorter than 64
     ((4099, 1, 3), 1), ((4099, 15, 3), 1), ((4099, 16, 3), 1), ((4099, 17, 3), 1),
     ((4099, 63, 5), 1),
@@ -1050,6 +1074,61 @@ def test_column_tails(op, dtype, case):
     # The gradient, against torch's in float64 (amax's shared among tied maxima: within two
     # ulps of g / count, as test_amax_low_precision_gradients says).
     x = torch.randn(shape, dtype=dtype, device="cuda", requires_grad=True)
+    grad = torch.randn(shape[:dim] + shape[dim + 1:], dtype=dtype, device="cuda")
+    ours, = torch.autograd.grad(run_reduce(op, x, dim), x, grad)
+    x64 = x.detach().double().requires_grad_()
+    theirs, = torch.autograd.grad(getattr(torch, op)(x64, dim), x64, grad.double())
+    assert_within(ours, theirs, 2 * eps_out(dtype) * theirs.abs() + floor(dtype), f"{op} gradient")
+
+
+# column_split reads rows that start mid-vector as realigned 16-byte vectors (course/
+# column_reduce.cuh, load16_realigned) once a row is a warp of vectors wide: 256 elements in
+# 2-byte dtypes, 128 in float32 (float64 keeps single elements). Widths on both sides of each
+# threshold, odd and
+# prime ones (the lane at a row's end adds only its first columns), views whose every row, or
+# the whole tensor, starts 1 to 7 elements past a boundary (the first and last rows, whose
+# vectors would reach outside the tensor, read element by element), a middle dim with outer 1
+# and many slices, reduced lengths below one batch (the one-at-a-time tail), across one and split
+# into ranges. The inner sizes 1, 3, 7, 8, 9 of a middle dim (column_loop or single elements)
+# beside.
+def _offset(shape, shift):
+    """A contiguous tensor of `shape` starting `shift` elements into its storage."""
+    return lambda dtype: torch.randn(math.prod(shape) + shift, dtype=dtype, device="cuda")[shift:].view(shape)
+
+
+COLUMN_REALIGNED_CASES = {
+    **{f"{n}x{w}": (lambda dtype, n=n, w=w: torch.randn(n, w, dtype=dtype, device="cuda"), 0)
+       for n, w in ((3, 63), (5, 65), (33, 127), (33, 129), (65, 255), (65, 257), (1, 263), (3, 263),
+                    (1000, 263), (8191, 4099))},
+    **{f"offset{k}-300x512": (_offset((300, 512), k), 0) for k in (1, 2, 3, 5, 7)},
+    "offset1-129x1031": (_offset((129, 1031), 1), 0),
+    "outer1-1x1000x263": (lambda dtype: torch.randn(1, 1000, 263, dtype=dtype, device="cuda"), 1),
+    "outer2000-2000x5x263": (lambda dtype: torch.randn(2000, 5, 263, dtype=dtype, device="cuda"), 1),
+    "7x33x257": (lambda dtype: torch.randn(7, 33, 257, dtype=dtype, device="cuda"), 1),
+    **{f"1000x17x{i}": (lambda dtype, i=i: torch.randn(1000, 17, i, dtype=dtype, device="cuda"), 1)
+       for i in (1, 3, 7, 8, 9)},
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", list(COLUMN_REALIGNED_CASES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("op", REDUCE_OPS)
+def test_column_realigned_rows(op, dtype, case):
+    """Every column's sum and max, exact on integer-valued inputs, with torch's gradient."""
+    require_cuda()
+    make, dim = COLUMN_REALIGNED_CASES[case]
+    x = make(dtype)
+    # inner 1 is a row reduction: version=None only
+    for version in ("column_split", None) if layout(tuple(x.shape), dim) == "columns" else (None,):
+        x = make(dtype)
+        check_reduction(op, x, dim, False, version, what=f"{op} {case} {version}")
+        if op == "sum":
+            x.copy_(integer_valued(tuple(x.shape), dtype, "cuda"))
+            expected = reference_sum(x, dim, False).to(dtype)
+            torch.testing.assert_close(run_reduce(op, x, dim, False, version), expected, rtol=0, atol=0)
+    x = make(dtype).requires_grad_()
+    shape = tuple(x.shape)
     grad = torch.randn(shape[:dim] + shape[dim + 1:], dtype=dtype, device="cuda")
     ours, = torch.autograd.grad(run_reduce(op, x, dim), x, grad)
     x64 = x.detach().double().requires_grad_()
@@ -1172,7 +1251,12 @@ SANITIZE_SHAPES = {
                 (lambda t: torch.randn(33 * 65 + 1, dtype=t, device="cuda")[1:].view(33, 65), 0),
                 # a lane's guarded last batch: a narrow tile and a 32-lane one
                 (lambda t: torch.randn(4, 513, 7, dtype=t, device="cuda"), 1),
-                (lambda t: torch.randn(129, 33, dtype=t, device="cuda"), 0)],
+                (lambda t: torch.randn(129, 33, dtype=t, device="cuda"), 0),
+                # aligned vectors' rolling loads: whole batches, then a tail
+                (lambda t: torch.randn(300, 64, dtype=t, device="cuda"), 0),
+                # realigned vectors: an odd width, and every row 3 elements past a boundary
+                (lambda t: torch.randn(40, 263, dtype=t, device="cuda"), 0),
+                (lambda t: torch.randn(65 * 512 + 3, dtype=t, device="cuda")[3:].view(65, 512), 0)],
 }
 
 

@@ -5,10 +5,12 @@
 //
 // The layout: a block takes a tile of `lanes` x kCols adjacent columns (lanes = 32 unless the
 // tensor is narrower), its 8 warps every 8th group of rows, each lane kCols adjacent columns (one
-// 16-byte vector when the rows allow it). With 32 lanes a warp reads 512 contiguous bytes of a
-// row per instruction; a narrower tile lays the warp over 32 / lanes rows at once, so that every
-// lane still has a column (an 8-column bfloat16 tensor: one vector per row, 32 rows per warp
-// instruction, where a warp per row would leave 31 lanes idle). kColumnUnroll row groups are
+// 16-byte vector when the rows allow it, or, where the caller asks for it, two aligned vectors
+// shifted into place when the rows start mid-vector: load16_realigned). With 32 lanes a warp
+// reads 512 contiguous bytes of a row per instruction; a narrower tile lays the warp over
+// 32 / lanes rows at once, so that every lane still has a column (an 8-column bfloat16 tensor:
+// one vector per row, 32 rows per warp instruction, where a warp per row would leave 31 lanes
+// idle). kColumnUnroll row groups are
 // in flight per lane (kColumnUnrollScalar of single elements). The warps' sums meet in shared
 // memory. When the tiles alone cannot fill the GPU, the reduced dimension is also split into
 // ranges (grid.y), each written as a partial, and the last block of the tile to arrive combines
@@ -50,12 +52,77 @@ constexpr int column_unroll(int cols) { return cols > 1 ? kColumnUnroll : kColum
 // and a second of one block an SM (a (1000003, 7) 16-bit sum over dim 0 fell from 0.87x to 0.70x
 // PyTorch on the H100). In the vector tiles the batch took 48 registers to 80-100 (a (1048576,
 // 64) bfloat16 sum over dim 0: 0.83x to 0.44x), and float64 single elements 64-80 to 124 (at
-// four or three blocks ptxas spilled): both keep the one-at-a-time tail and no bound, the same
-// registers as before the batch. On sm_75 (1024 threads an SM) four blocks of 256 threads are
-// also the most it holds.
+// four or three blocks ptxas spilled): both keep the one-at-a-time tail (float64 also no bound;
+// the vector tiles have one now for another reason: kColumnMinBlocks). On sm_75 (1024 threads
+// an SM) four blocks of 256 threads are also the most it holds.
 constexpr int kColumnMinBlocksPerSm = 4;
 template <int kCols, typename T>
 constexpr bool kColumnTailBatch = kCols == 1 && sizeof(T) < 8;
+// The vector tiles of 2- and 4-byte dtypes are bounded the same way since their loads roll
+// (column_reduce_tiles: each vector refilled with the next batch's as soon as it is folded):
+// unbounded, ptxas took the bfloat16 sum to 78 registers; bounded, 64 and no spills at sm_90a.
+// float64 vectors stay unbounded (62-64 registers; bounded they spill 12-32 bytes).
+template <typename T>
+constexpr int kColumnMinBlocks = sizeof(T) < 8 ? kColumnMinBlocksPerSm : 0;
+
+// The kCols = 16 / sizeof(T) elements of a row from p on, where p is not on a 16-byte boundary
+// (a row of 4099 elements starts 2 x 4099 bytes after the last: 8 ways off in bfloat16): the
+// aligned vector that holds p, and when the elements wanted run past it (`wanted` of them, at
+// most kCols) the next aligned vector too, shifted left by p's distance from the boundary. Two
+// 16-byte loads, the second one (the neighbouring lane's vector) mostly served by L1, and a
+// shift through selects and funnel shifts on registers (the distance is a runtime value, and an
+// array indexed by it would live in local memory). Elements past `wanted` are other rows': the
+// caller must not use them. The caller also guarantees that both aligned vectors, the 16 bytes
+// before p's and the 16 after it, lie inside the tensor (load16_realigned_within is for rows
+// where they may not).
+template <typename T>
+__device__ __forceinline__ Vec16<T> load16_realigned(const T* p, int wanted) {
+  constexpr int kLanes = Vec16<T>::kLanes;
+  const uintptr_t address = reinterpret_cast<uintptr_t>(p);
+  const int bytes = static_cast<int>(address % 16);  // a multiple of sizeof(T)
+  const uint4* chunk = reinterpret_cast<const uint4*>(address - bytes);
+  const uint4 a = chunk[0];
+  uint4 b = a;  // unused unless loaded: the words shifted in past `wanted` are never read
+  if (bytes / static_cast<int>(sizeof(T)) + wanted > kLanes) b = chunk[1];
+  const uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+  // Whole words first (a two-level shifter: by 1 word, then by 2), then the half word a 2-byte
+  // dtype may be off by, which __funnelshift_r takes from the next word (a shift of 0 is none).
+  const int words = bytes / 4;
+  uint32_t by1[7];
+#pragma unroll
+  for (int i = 0; i < 7; ++i) by1[i] = (words & 1) ? w[i + 1] : w[i];
+  uint32_t by2[5];
+#pragma unroll
+  for (int i = 0; i < 5; ++i) by2[i] = (words & 2) ? by1[i + 2] : by1[i];
+  const unsigned half = 8u * static_cast<unsigned>(bytes % 4);
+  uint4 out;
+  out.x = __funnelshift_r(by2[0], by2[1], half);
+  out.y = __funnelshift_r(by2[1], by2[2], half);
+  out.z = __funnelshift_r(by2[2], by2[3], half);
+  out.w = __funnelshift_r(by2[3], by2[4], half);
+  Vec16<T> v;
+  memcpy(&v, &out, sizeof(v));
+  return v;
+}
+
+// load16_realigned for a row of the tensor [lo, hi) whose aligned vectors may reach past it: the
+// first row of a view at an odd offset starts mid-vector, the last row may end mid-vector. Such
+// bytes are harmless to the hardware (allocations are 256-byte aligned) but they are not the
+// tensor's, and compute-sanitizer reports the read: there the lane reads its `wanted` elements
+// one by one. The rest of the elements are zero (unused).
+template <typename T>
+__device__ __forceinline__ Vec16<T> load16_realigned_within(const T* p, int wanted, const T* lo, const T* hi) {
+  constexpr int kLanes = Vec16<T>::kLanes;
+  const int off = static_cast<int>(reinterpret_cast<uintptr_t>(p) % 16) / static_cast<int>(sizeof(T));
+  const T* first = p - off;
+  if (first >= lo && first + (off + wanted > kLanes ? 2 : 1) * kLanes <= hi) return load16_realigned(p, wanted);
+  Vec16<T> v{};
+#pragma unroll
+  for (int c = 0; c < kLanes; ++c) {
+    if (c < wanted) v.v[c] = p[c];  // the lane's own columns of this row: inside the tensor
+  }
+  return v;
+}
 
 // The column totals of one tile from the block's partial sums in shared memory: sums[w * 32 *
 // kCols + (s * lanes + l) * kCols + c] is warp w's sum, over its rows s, s + 32 / lanes, ..., of
@@ -100,8 +167,8 @@ __device__ __forceinline__ A tile_column_totals(A* sums, int lanes, const Op& op
   return total;
 }
 
-template <int kCols, typename T, typename Op, typename Out>
-__global__ void __launch_bounds__(kColumnThreads, kColumnTailBatch<kCols, T> ? kColumnMinBlocksPerSm : 0) column_reduce_tiles(
+template <int kCols, typename T, typename Op, typename Out, bool kRealign = false>
+__global__ void __launch_bounds__(kColumnThreads, kColumnMinBlocks<T>) column_reduce_tiles(
     const T* __restrict__ x, int64_t outer, int64_t n, int64_t inner, int64_t range, int lanes,
     typename Acc<T>::type* __restrict__ partial, unsigned* __restrict__ arrived, Out* __restrict__ out,
     Out* __restrict__ out1) {
@@ -132,20 +199,83 @@ __global__ void __launch_bounds__(kColumnThreads, kColumnTailBatch<kCols, T> ? k
     for (int c = 0; c < kCols; ++c) acc[c] = Op::identity();
     if (c0 < inner) {
       int64_t k = k_begin + warp * rows_per_warp + sub;
-      if constexpr (kCols > 1) {
-        // Whole vectors only: the launcher picks kCols > 1 only when inner is a multiple of it
-        // and the rows are 16-byte aligned.
+      if constexpr (kRealign) {
+        // Rows that start mid-vector (load16_realigned): the same batches of kColumnUnroll row
+        // groups, each lane's vector of kCols columns shifted into place, and the lane at the
+        // end of a row (inner not a multiple of kCols) adding only its first `wanted` columns,
+        // the rest being the next row's.
         using V = Vec16<T>;
+        const int wanted = inner - c0 < kCols ? static_cast<int>(inner - c0) : kCols;
+        const T* const x_end = x + outer * n * inner;
+        // Whole batches, not the rolling loads of the aligned vectors below: rolling, the
+        // shifts' temporaries spilled 20-44 bytes in bfloat16 under the bound (sm_90a). A batch
+        // whose vectors could reach outside the tensor (its first or last row: 16 bytes on
+        // either side of the batch's rows are inside otherwise) reads its elements one by one;
+        // checked inside the unrolled batch, that fallback's registers spilled 52-84 bytes.
         for (; k + (kColumnUnroll - 1) * row_step < k_end; k += kColumnUnroll * row_step) {
+          const T* const p0 = base + k * inner;
+          const T* const p_last = base + (k + (kColumnUnroll - 1) * row_step) * inner;
+          if (p0 - x >= kCols && x_end - p_last >= 2 * kCols) {
+            V v[kColumnUnroll];
+#pragma unroll
+            for (int u = 0; u < kColumnUnroll; ++u) v[u] = load16_realigned(base + (k + u * row_step) * inner, wanted);
+#pragma unroll
+            for (int u = 0; u < kColumnUnroll; ++u) {
+#pragma unroll
+              for (int c = 0; c < kCols; ++c) {
+                if (c < wanted) acc[c] = op(acc[c], to_acc(v[u].v[c]));  // past `wanted`: the next row
+              }
+            }
+          } else {  // element by element: only the lane's own columns, inside the tensor
+#pragma unroll 1
+            for (int u = 0; u < kColumnUnroll; ++u) {
+              const T* const p = base + (k + u * row_step) * inner;
+#pragma unroll
+              for (int c = 0; c < kCols; ++c) {
+                if (c < wanted) acc[c] = op(acc[c], to_acc(p[c]));
+              }
+            }
+          }
+        }
+        for (; k < k_end; k += row_step) {  // the last fewer than kColumnUnroll row groups
+          const V v = load16_realigned_within(base + k * inner, wanted, x, x_end);
+#pragma unroll
+          for (int c = 0; c < kCols; ++c) {
+            if (c < wanted) acc[c] = op(acc[c], to_acc(v.v[c]));  // the same guard
+          }
+        }
+      } else if constexpr (kCols > 1) {
+        // Whole vectors only: the launcher picks kCols > 1 without kRealign only when inner is a
+        // multiple of it and the rows are 16-byte aligned.
+        // Rolling loads: each vector of a batch is folded and its registers at once refilled with
+        // the same slot of the next batch, so a lane keeps up to kColumnUnroll - 1 loads in
+        // flight while it converts and combines, in the registers one batch takes. Loading a
+        // whole batch and then folding it left the lane with no load in flight for as long as
+        // the fold took, which grows with the operator and the dtype: a 2-byte vector is 8
+        // conversions and 8 ops (amax: a compare, a NaN test and a select each) where a float32
+        // one is 4 adds, and at (1048576, 64) over dim 0 the 16-bit amax took 1.3x the 16-bit
+        // sum's time, float32's amax the same as its sum. (Two whole batches in registers, one
+        // loading while the other folds, took bfloat16 to 80 registers, or spills under the
+        // bound of four blocks an SM.)
+        using V = Vec16<T>;
+        const int64_t batch = kColumnUnroll * row_step;
+        if (k + (kColumnUnroll - 1) * row_step < k_end) {
           V v[kColumnUnroll];
 #pragma unroll
           for (int u = 0; u < kColumnUnroll; ++u) {
             v[u] = load16(reinterpret_cast<const V*>(base + (k + u * row_step) * inner));
           }
+          for (;;) {
+            const int64_t k_next = k + batch;
+            const bool more = k_next + (kColumnUnroll - 1) * row_step < k_end;  // a whole next batch
 #pragma unroll
-          for (int u = 0; u < kColumnUnroll; ++u) {
+            for (int u = 0; u < kColumnUnroll; ++u) {
 #pragma unroll
-            for (int c = 0; c < kCols; ++c) acc[c] = op(acc[c], to_acc(v[u].v[c]));
+              for (int c = 0; c < kCols; ++c) acc[c] = op(acc[c], to_acc(v[u].v[c]));
+              if (more) v[u] = load16(reinterpret_cast<const V*>(base + (k_next + u * row_step) * inner));
+            }
+            k = k_next;
+            if (!more) break;
           }
         }
         // The last fewer than kColumnUnroll row groups, one at a time (kColumnTailBatch says why
@@ -254,20 +384,52 @@ inline int column_lanes(const T* x, int64_t inner) {
   return (inner % kLanes == 0 && is_aligned(x, 16)) ? kLanes : 1;
 }
 
+// Whether a launch that allows it (launch_column_reduce's kRealign, chapter 3's column_split)
+// reads rows that start mid-vector as realigned vectors (load16_realigned) rather than one element
+// a lane: where column_lanes gives one column a lane and the rows are at least a warp of vectors
+// wide. One element a lane moves sizeof(T) x 32 bytes a warp load (64 in 2-byte dtypes, against
+// 512), and 16 of them in flight a lane are half the bytes of 4 vectors. Narrower rows keep one
+// element a lane: their tiles already lay a warp over several rows, and a lane's two loads and
+// shifts would fetch a vector for a few columns.
+// float64 (here for gradcheck) keeps single elements: its realigned tiles spilled under the bound.
+template <typename T>
+inline bool column_realigns(const T* x, int64_t inner) {
+  constexpr int kLanes = Vec16<T>::kLanes;
+  return sizeof(T) < 8 && column_lanes(x, inner) == 1 && inner >= int64_t{32} * kLanes &&
+         is_aligned(x, sizeof(T));
+}
+
+// Columns per lane of a launch with or without kRealign.
+template <typename T>
+inline int column_lanes(const T* x, int64_t inner, bool realign) {
+  return realign && column_realigns(x, inner) ? Vec16<T>::kLanes : column_lanes(x, inner);
+}
+
 // Tiles of one (outer) slice: the blocks a launch needs before any split of the reduced dim.
 template <typename T>
-inline int64_t column_tiles(const T* x, int64_t inner, int lanes = 32) {
-  return ceil_div(inner, int64_t{lanes} * column_lanes(x, inner));
+inline int64_t column_tiles(const T* x, int64_t inner, int lanes = 32, bool realign = false) {
+  return ceil_div(inner, int64_t{lanes} * column_lanes(x, inner, realign));
 }
 
 // One launch over `grid` (x: tiles, persistent beyond INT_MAX; y: ranges of `range` rows).
 // With grid.y > 1, `partial` holds grid.y * outer * inner accumulators and `arrived` one zeroed
 // counter per tile; with grid.y == 1 neither is touched. Slice o's results go to out + o * inner,
 // slice 1's to out1 instead where it is not null.
-template <typename T, typename Op, typename Out = T>
+// With kRealign, rows that start mid-vector are read as realigned vectors where
+// column_realigns says so (the caller's tiles must then be counted with column_lanes(x, inner,
+// true)). A template argument, so that callers without it (chapter 4's partial sums) do not
+// compile the realigned kernels.
+template <typename T, typename Op, typename Out = T, bool kRealign = false>
 cudaError_t launch_column_reduce(const T* x, int64_t outer, int64_t n, int64_t inner, dim3 grid,
                                  int64_t range, typename Acc<T>::type* partial, unsigned* arrived,
                                  Out* out, cudaStream_t stream, int lanes = 32, Out* out1 = nullptr) {
+  if constexpr (kRealign && sizeof(T) < 8) {  // column_realigns: never float64
+    if (column_realigns(x, inner)) {
+      column_reduce_tiles<Vec16<T>::kLanes, T, Op, Out, true><<<grid, kColumnThreads, 0, stream>>>(
+          x, outer, n, inner, range, lanes, partial, arrived, out, out1);
+      return cudaGetLastError();
+    }
+  }
   if (column_lanes(x, inner) > 1) {
     column_reduce_tiles<Vec16<T>::kLanes, T, Op, Out><<<grid, kColumnThreads, 0, stream>>>(
         x, outer, n, inner, range, lanes, partial, arrived, out, out1);
