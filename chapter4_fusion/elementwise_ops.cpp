@@ -484,6 +484,18 @@ std::vector<int64_t> bias_grad_tiling(const Tensor& x, int64_t sms, int64_t bloc
   return {t.tx, t.ty, t.column_tiles, t.row_tiles, phases};
 }
 
+// swiglu's grid (swiglu_grid, elementwise.h) for x on a GPU of `sms` SMs, [threads per block,
+// blocks, whole vectors]: the rule v2's forward and backward launch with, asked without a GPU, for
+// a freshly allocated (16-byte aligned) y or dy as the glue's are.
+std::vector<int64_t> swiglu_grid_of(const Tensor& x, int64_t sms) {
+  check_swiglu("swiglu_grid", x);
+  TORCH_CHECK(sms >= 1, "swiglu_grid: sms must be at least 1, got ", std::to_string(sms));
+  const int64_t half = x.size(-1) / 2;
+  const int64_t rows = half == 0 ? 0 : x.numel() / x.size(-1);
+  const SwigluGrid g = swiglu_grid(rows, half, static_cast<int>(x.element_size()), 0, static_cast<int>(sms));
+  return {g.threads, g.blocks, g.vectors};
+}
+
 // ---------------------------------------------------------------------------------------
 // Autograd. Each forward re-enters the dispatcher below the Autograd key (reaching the kernels
 // above); each backward is the family's own backward op. First derivatives only: the backward
@@ -647,6 +659,7 @@ TORCH_LIBRARY_FRAGMENT(fusion, m) {
         "-> (Tensor, Tensor, Tensor)");
   m.def("elementwise_default_choice(str op, Tensor x) -> str", &fusion::elementwise::default_choice);
   m.def("bias_grad_tiling(Tensor x, int sms, int blocks_per_sm=4) -> int[]", &fusion::elementwise::bias_grad_tiling);
+  m.def("swiglu_grid(Tensor x, int sms) -> int[]", &fusion::elementwise::swiglu_grid_of);
 }
 
 // One implementation per op serves CPU, CUDA and Meta: each picks the backend from the (already

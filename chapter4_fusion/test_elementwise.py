@@ -390,13 +390,94 @@ def test_swiglu_low_precision_gradients(dtype, shape, device):
     x = torch.randn(shape, device=device).to(dtype).requires_grad_()
     dy = torch.randn((*shape[:-1], shape[-1] // 2), device=device).to(dtype)
     fusion.swiglu(x).backward(dy)
+    x64, bound = swiglu_grad_reference(x, dy)
+    assert_within(x.grad, x64.grad, bound, "swiglu dx")
+
+
+def swiglu_bound(ref, dtype):
+    """swiglu's forward: one rounding of the output, plus v1's rounding of silu(a) to the dtype
+    before the product (eps |silu(a) b| = eps |ref|), plus the compute dtype's exp and products."""
+    return (2 * eps(dtype) + 16 * eps_acc(dtype)) * ref.abs() + floor(dtype)
+
+
+def swiglu_grad_reference(x, dy):
+    """x in float64 with its gradient from float64 autograd, and the bound on dx: da = dy b
+    silu'(a), db = dy silu(a), one rounding each, plus the compute dtype's error in silu and silu'
+    (|silu''| <= 0.5): 16 eps_acc |dy| (1 + |a|) (1 + |b|)."""
     x64 = x.detach().double().requires_grad_()
     reference_swiglu(x64).backward(dy.double())
     a, b = x64.detach().chunk(2, -1)
-    # da = dy b silu'(a), db = dy silu(a): one rounding each, plus the compute dtype's error in
-    # silu and silu' (|silu''| <= 0.5): 16 eps_acc |dy| (1 + |a|) (1 + |b|).
-    term = 16 * eps_acc(dtype) * torch.cat([dy.double().abs() * (1 + a.abs()) * (1 + b.abs())] * 2, -1)
-    assert_within(x.grad, x64.grad, eps(dtype) * x64.grad.abs() + term + floor(dtype), "swiglu dx")
+    term = 16 * eps_acc(x.dtype) * torch.cat([dy.double().abs() * (1 + a.abs()) * (1 + b.abs())] * 2, -1)
+    return x64, eps(x.dtype) * x64.grad.abs() + term + floor(x.dtype)
+
+
+def swiglu_rows(rows, width, dtype, device, offset=0):
+    """A contiguous [rows, width] tensor `offset` elements past the start of its allocation (which
+    is 16-byte aligned): offset 1 puts every 16-byte vector of it off a boundary."""
+    return torch.randn(rows * width + offset, device=device).to(dtype)[offset:].view(rows, width)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float64), ids=dtype_id)
+def test_swiglu_grid_rule(dtype):
+    """v2's grid (forward and backward), asked for a meta tensor on GPUs of 1 to 170 SMs: one
+    thread per whole 16-byte vector of the [rows, half] output; blocks of 256 threads while that
+    gives every SM two blocks, else the widest of 128 and 64 that does, else 64, and never fewer
+    than two warps; so from 64 x 2 SMs x 2 blocks vectors on, every SM has two blocks, however
+    few the rows."""
+    vector = 16 // torch.empty((), dtype=dtype).element_size()
+    for sms in (1, 46, 132, 170):
+        for rows in (1, 63, 64, 65, 2047, 2048, 8192):
+            for half in (1, 7, 768, 777, 2048, 4099, 8192):
+                threads, blocks, vectors = torch.ops.fusion.swiglu_grid(
+                    torch.empty(rows, 2 * half, dtype=dtype, device="meta"), sms)
+                where = (sms, rows, half)
+                assert vectors == rows * half // vector, where
+                assert threads in (64, 128, 256) and blocks == max(1, -(-vectors // threads)), where
+                wide_enough = [t for t in (256, 128, 64) if -(-vectors // t) >= 2 * sms]
+                assert threads == (wide_enough[0] if wide_enough else 64), where
+                if vectors >= 64 * 2 * sms:
+                    assert blocks >= 2 * sms, where
+    # Nothing to launch: still one block (the launcher returns before it for an empty output).
+    assert torch.ops.fusion.swiglu_grid(torch.empty(0, 8, device="meta"), 132) == [64, 1, 0]
+    with pytest.raises(RuntimeError, match="swiglu_grid: sms must be at least 1"):
+        torch.ops.fusion.swiglu_grid(torch.empty(4, 8, device="meta"), 0)
+    with pytest.raises(RuntimeError, match=r"swiglu_grid: the last dim of x \(shape \[4, 7\]\) is odd"):
+        torch.ops.fusion.swiglu_grid(torch.empty(4, 7, device="meta"), 132)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("half", (1, 7, 777, 4099, 8192))
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=dtype_id)
+def test_swiglu_flat_edges(dtype, half):
+    """v2's flat kernel at the edges of its walk, forward and backward, against float64: 1 to 2047
+    rows (one block of 64 threads to many of 256, and a row's last vector in every position);
+    half 1 and 7, shorter than a vector (every vector straddles rows: single elements); 777 and
+    4099 (rows at every distance from a 16-byte boundary: shifted loads, one straddling vector a
+    row); 8192 (whole vectors). x and dy start on a 16-byte boundary or one element past it (the
+    first vectors' shifted reads must stay inside x; dy's first elements are single ones). The
+    plain kernel runs exactly where half is whole vectors and every pointer aligned. Outputs are
+    poisoned first: an element the walk skipped shows as NaN."""
+    require_cuda()
+    vector = 16 // torch.empty((), dtype=dtype).element_size()
+    for rows in (1, 63, 64, 65, 2047):
+        for offset in (0, 1):
+            where = (rows, half, offset)
+            x = swiglu_rows(rows, 2 * half, dtype, "cuda", offset)
+            ref = reference_swiglu(x)
+            for version in (*EW_VERSIONS["swiglu"], None):
+                poison_allocator(ref.to(dtype))
+                assert_within(fusion.swiglu(x, version=version), ref, swiglu_bound(ref, dtype), f"{version} {where}")
+            _, kernels = launched_kernels(lambda: fusion.swiglu(x), "swiglu_flat_kernel")
+            plain = half % vector == 0 and offset == 0
+            assert len(kernels) == 1 and kernels[0].split(">")[0].endswith("false" if plain else "true"), (where,
+                                                                                                         kernels)
+            dy = swiglu_rows(rows, half, dtype, "cuda", offset)
+            x64, bound = swiglu_grad_reference(x, dy)
+            poison_allocator(x64.grad.to(dtype))
+            assert_within(OPS.swiglu_backward(dy, x), x64.grad, bound, f"backward {where}")
+            xg = x.detach().requires_grad_()  # a view of a tensor without grad: a leaf, still misaligned
+            fusion.swiglu(xg).backward(dy)
+            assert_within(xg.grad, x64.grad, bound, f"autograd {where}")
 
 
 @pytest.mark.parametrize("activation", BIAS_OPS)
@@ -1003,6 +1084,24 @@ def test_long_sweeps(shape, dtype):
             dx, dbias = fusion.fused_bias_scale_relu_backward(dy, saved_for(save, x, bias), bias, SCALE, save, version)
             assert_within(dx, dx_ref, 2 * eps(dtype) * dx_ref.abs() + floor(dtype), f"dx {version} {save}")
             assert_within(dbias, g.sum(0), column_sum_bound(g, dtype, shape[0]), f"dbias {version} {save}")
+
+
+@pytest.mark.cuda
+@pytest.mark.sanitize
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float64), ids=dtype_id)
+def test_sanitizer_swiglu_flat(dtype):
+    """swiglu's flat kernel under compute-sanitizer: the shifted loads of rows at every distance
+    from a 16-byte boundary, with x and dy on one or one element past it (the vectors around the
+    first and last elements must not be read past x), and rows shorter than a vector."""
+    require_cuda()
+    for rows, half in ((1, 1), (3, 7), (5, 9), (65, 777), (2, 4099), (3, 64)):
+        for offset in (0, 1):
+            x = swiglu_rows(rows, 2 * half, dtype, "cuda", offset)
+            ref = reference_swiglu(x)
+            assert_within(fusion.swiglu(x), ref, swiglu_bound(ref, dtype), f"forward {(rows, half, offset)}")
+            dy = swiglu_rows(rows, half, dtype, "cuda", offset)
+            x64, bound = swiglu_grad_reference(x, dy)
+            assert_within(OPS.swiglu_backward(dy, x), x64.grad, bound, f"backward {(rows, half, offset)}")
 
 
 @pytest.mark.cuda
