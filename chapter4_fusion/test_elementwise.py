@@ -467,10 +467,11 @@ def test_swiglu_flat_edges(dtype, half):
             for version in (*EW_VERSIONS["swiglu"], None):
                 poison_allocator(ref.to(dtype))
                 assert_within(fusion.swiglu(x, version=version), ref, swiglu_bound(ref, dtype), f"{version} {where}")
-            _, kernels = launched_kernels(lambda: fusion.swiglu(x), "swiglu_flat_kernel")
-            plain = half % vector == 0 and offset == 0
-            assert len(kernels) == 1 and kernels[0].split(">")[0].endswith("false" if plain else "true"), (where,
-                                                                                                         kernels)
+            if rows == 65:  # which kernel ran (the profiler, once per half, dtype and offset)
+                _, kernels = launched_kernels(lambda: fusion.swiglu(x), "swiglu_flat_kernel")
+                plain = half % vector == 0 and offset == 0
+                assert len(kernels) == 1 and kernels[0].split(">")[0].endswith("false" if plain else "true"), (
+                    where, kernels)
             dy = swiglu_rows(rows, half, dtype, "cuda", offset)
             x64, bound = swiglu_grad_reference(x, dy)
             poison_allocator(x64.grad.to(dtype))
