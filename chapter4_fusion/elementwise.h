@@ -119,7 +119,7 @@ struct SwigluBackwardParams {
 // count and the SM count read off the device: blocks of kSwigluMaxThreads while that still gives
 // every SM kSwigluBlocksPerSm blocks, else halved, down to kSwigluMinThreads, so that a few rows
 // spread over every SM (64 x 2048 in bf16 is 16384 vectors: 64 blocks of 256 would leave half of
-// a 132-SM GPU idle; 256 blocks of 64 give each SM two). Below two warps a block stops paying: an
+// a 132-SM GPU idle; 256 blocks of 64 give each SM about two). Below two warps a block stops paying: an
 // SM keeps at most 32 blocks, and a warp of fewer than 32 vectors would idle lanes.
 constexpr int kSwigluMaxThreads = 256;
 constexpr int kSwigluMinThreads = 64;
