@@ -142,6 +142,19 @@ inline SwigluGrid swiglu_grid(int64_t rows, int64_t half, int elem_bytes, int he
   return {threads, blocks > 1 ? blocks : 1, vectors};  // one block at least: it also takes the single elements
 }
 
+// swiglu's backward: the flat kernel only where every row of x (and of dx) starts on a 16-byte
+// boundary: half * elem_bytes a multiple of 16 and x's first element on a boundary (dx is fresh;
+// dy's own alignment the flat walk handles, its first elements single ones). Elsewhere the column
+// tiles of single elements (swiglu_backward_tile_kernel). Why: off a boundary the flat backward
+// shifts two loads (a and b) and writes da and db element by element, as many instructions per
+// byte as the tiles' single elements plus the shifts, and measured it took about twice the tiles'
+// time at every odd width (NOTES.md); on a boundary it is all 16-byte accesses, as fast as the
+// tiles or faster at every row count measured (a few rows fill the GPU: swiglu_grid).
+enum class SwigluBackwardKernel { kFlat, kTiles };
+inline SwigluBackwardKernel swiglu_backward_kernel(int64_t half, int elem_bytes, bool x_aligned) {
+  return (half * elem_bytes) % 16 == 0 && x_aligned ? SwigluBackwardKernel::kFlat : SwigluBackwardKernel::kTiles;
+}
+
 // ---------------------------------------------------------------------------------------
 // version=None: the top rung everywhere (test_recorded_results_hold_the_dispatch holds it within
 // 0.95x of the fastest rung at every measured shape and dtype). Its launchers choose the kernel by

@@ -109,8 +109,9 @@ __device__ __forceinline__ bool reads_inside(const T* p, const T* begin, const T
 }
 
 // L elements to q: one 16-byte store where q is on a boundary, else one element at a time (the
-// backward's da and db, whose rows start at any distance from one when half is odd; the warp's
-// single stores are still adjacent, and L2 merges them into whole sectors).
+// backward's da and db where dy is off a boundary and x's rows are on them, swiglu_backward_kernel:
+// dy's vectors and dx's then sit at different distances from one; the warp's single stores are
+// still adjacent, and L2 merges them into whole sectors).
 template <typename T>
 __device__ __forceinline__ void store16_at(T* q, const Vec16<T>& v) {
   if (reinterpret_cast<uintptr_t>(q) % 16 == 0) {
@@ -139,7 +140,8 @@ __device__ __forceinline__ void swiglu_element(const T* x, const T* dy, T* out, 
 }
 
 // The forward (kBackward false: out = y, [rows, half]) and the backward (out = dx, [rows, 2 half],
-// from dy, [rows, half]) on the same walk: thread v takes elements head + v L ... + L - 1 of the
+// from dy, [rows, half]; only where x's rows start on 16-byte boundaries, swiglu_backward_kernel)
+// on the same walk: thread v takes elements head + v L ... + L - 1 of the
 // half-width array, whose first `head` elements lie before its first 16-byte boundary (0 for a
 // fresh y). kShifted false: half a whole number of vectors and every pointer aligned, so a, b
 // and dx are aligned wherever y is and every vector lies inside one row: plain 16-byte accesses.
@@ -200,6 +202,27 @@ __global__ void __launch_bounds__(kSwigluMaxThreads)
 #pragma unroll
     for (int l = 0; l < L; ++l) yv.v[l] = from_acc<T>(Silu::forward(to_acc(av.v[l])) * to_acc(bv.v[l]));
     course::store16(reinterpret_cast<Vec16<T>*>(out + first), yv);  // aligned: head is y's
+  }
+}
+
+// The backward where rows of x are off 16-byte boundaries (swiglu_backward_kernel, elementwise.h):
+// course/bias_act.cuh's column tiling of single elements, da = dy * b * silu'(a) and db = dy *
+// silu(a) written into the two halves of dx; x and dy read once. A warp reads 32 adjacent
+// elements of a, of b and of dy a row: whole sectors, whatever the row's alignment.
+template <typename T>
+__global__ void __launch_bounds__(kTileThreads)
+    swiglu_backward_tile_kernel(const T* dy, const T* x, T* dx, int64_t rows, int64_t half, int tx) {
+  using A = typename Acc<T>::type;
+  const int ty = kTileThreads / tx;
+  const int64_t e = static_cast<int64_t>(blockIdx.x) * tx + threadIdx.x % tx;
+  if (e >= half) return;  // past the row's end; no barrier or shuffle below
+  const int64_t row_step = static_cast<int64_t>(gridDim.y) * ty;
+  for (int64_t r = static_cast<int64_t>(blockIdx.y) * ty + threadIdx.x / tx; r < rows; r += row_step) {
+    const A a = to_acc(x[r * 2 * half + e]);
+    const A b = to_acc(x[r * 2 * half + half + e]);
+    const A g = to_acc(dy[r * half + e]);
+    dx[r * 2 * half + e] = from_acc<T>(g * b * Silu::derivative(a));
+    dx[r * 2 * half + half + e] = from_acc<T>(g * Silu::forward(a));
   }
 }
 
@@ -355,7 +378,14 @@ cudaError_t launch_swiglu_backward(const SwigluBackwardParams& p, cudaStream_t s
     const auto* dy = static_cast<const T*>(p.dy);
     const auto* x = static_cast<const T*>(p.x);
     auto* dx = static_cast<T*>(p.dx);
-    return launch_swiglu_flat<T, true>(x, dy, dx, p.rows, p.half, stream);
+    if (swiglu_backward_kernel(p.half, static_cast<int>(sizeof(T)),
+                               course::is_aligned(x, 16) && course::is_aligned(dx, 16)) == SwigluBackwardKernel::kFlat) {
+      return launch_swiglu_flat<T, true>(x, dy, dx, p.rows, p.half, stream);
+    }
+    Tiling t;
+    COURSE_CUDA_TRY(make_tiling(p.rows, p.half, 1, &t));
+    swiglu_backward_tile_kernel<T><<<t.grid, kTileThreads, 0, stream>>>(dy, x, dx, p.rows, p.half, t.tx);
+    return cudaGetLastError();
   });
 }
 

@@ -430,9 +430,10 @@ def test_swiglu_grid_rule(dtype):
     for sms in (1, 46, 132, 170):
         for rows in (1, 63, 64, 65, 2047, 2048, 8192):
             for half in (1, 7, 768, 777, 2048, 4099, 8192):
-                threads, blocks, vectors = torch.ops.fusion.swiglu_grid(
+                kernel, threads, blocks, vectors = torch.ops.fusion.swiglu_grid(
                     torch.empty(rows, 2 * half, dtype=dtype, device="meta"), sms)
                 where = (sms, rows, half)
+                assert kernel == 0, where  # the forward is always the flat walk
                 assert vectors == rows * half // vector, where
                 assert threads in (64, 128, 256) and blocks == max(1, -(-vectors // threads)), where
                 wide_enough = [t for t in (256, 128, 64) if -(-vectors // t) >= 2 * sms]
@@ -440,11 +441,34 @@ def test_swiglu_grid_rule(dtype):
                 if vectors >= 64 * 2 * sms:
                     assert blocks >= 2 * sms, where
     # Nothing to launch: still one block (the launcher returns before it for an empty output).
-    assert torch.ops.fusion.swiglu_grid(torch.empty(0, 8, device="meta"), 132) == [64, 1, 0]
+    assert torch.ops.fusion.swiglu_grid(torch.empty(0, 8, device="meta"), 132) == [0, 64, 1, 0]
     with pytest.raises(RuntimeError, match="swiglu_grid: sms must be at least 1"):
         torch.ops.fusion.swiglu_grid(torch.empty(4, 8, device="meta"), 0)
     with pytest.raises(RuntimeError, match=r"swiglu_grid: the last dim of x \(shape \[4, 7\]\) is odd"):
         torch.ops.fusion.swiglu_grid(torch.empty(4, 7, device="meta"), 132)
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=dtype_id)
+def test_swiglu_backward_choice(dtype):
+    """The backward's kernel, asked through swiglu_grid(backward=True) for x at element offsets
+    0 to 8 into its allocation (meta tensors: the storage offset; CPU tensors: the pointer): the
+    flat walk (0, with the forward's grid) exactly where every row of x starts on a 16-byte
+    boundary (half * element size a multiple of 16 and x's first element on one), else the
+    column tiles of single elements (1). The forward's choice never depends on it."""
+    size = torch.empty((), dtype=dtype).element_size()
+    for device in ("meta", "cpu"):
+        for half in (1, 7, 8, 777, 1024, 4099, 8192):
+            for offset in range(9):
+                x = torch.empty(3 * 2 * half + offset, dtype=dtype, device=device)[offset:].view(3, 2 * half)
+                where = (device, half, offset)
+                flat = half * size % 16 == 0 and offset * size % 16 == 0
+                forward = torch.ops.fusion.swiglu_grid(x, 132)
+                backward = torch.ops.fusion.swiglu_grid(x, 132, backward=True)
+                assert forward[0] == 0, where
+                assert backward == (forward if flat else [1, 0, 0, 0]), (where, forward, backward)
+    # A strided x is copied first (contiguous, freshly allocated): its rows' alignment is the copy's.
+    x = torch.empty(4, 2 * 1024 + 1, dtype=dtype, device="meta")[:, 1:]
+    assert torch.ops.fusion.swiglu_grid(x, 132, backward=True)[0] == 0
 
 
 @pytest.mark.cuda
@@ -457,8 +481,9 @@ def test_swiglu_flat_edges(dtype, half):
     4099 (rows at every distance from a 16-byte boundary: shifted loads, one straddling vector a
     row); 8192 (whole vectors). x and dy start on a 16-byte boundary or one element past it (the
     first vectors' shifted reads must stay inside x; dy's first elements are single ones). The
-    plain kernel runs exactly where half is whole vectors and every pointer aligned. Outputs are
-    poisoned first: an element the walk skipped shows as NaN."""
+    forward's plain kernel runs exactly where half is whole vectors and every pointer aligned; the
+    backward's flat kernel exactly where x's rows start on 16-byte boundaries, else its column
+    tiles. Outputs are poisoned first: an element the walk skipped shows as NaN."""
     require_cuda()
     vector = 16 // torch.empty((), dtype=dtype).element_size()
     for rows in (1, 63, 64, 65, 2047):
@@ -478,6 +503,11 @@ def test_swiglu_flat_edges(dtype, half):
             x64, bound = swiglu_grad_reference(x, dy)
             poison_allocator(x64.grad.to(dtype))
             assert_within(OPS.swiglu_backward(dy, x), x64.grad, bound, f"backward {where}")
+            if rows == 65:  # the backward's kernel: flat where x's rows are on 16-byte boundaries, else the tiles
+                _, kernels = launched_kernels(lambda: OPS.swiglu_backward(dy, x), "swiglu_")
+                flat = half % vector == 0 and offset == 0
+                assert len(kernels) == 1 and ("swiglu_flat_kernel" if flat else "swiglu_backward_tile_kernel") in \
+                    kernels[0], (where, kernels)
             xg = x.detach().requires_grad_()  # a view of a tensor without grad: a leaf, still misaligned
             fusion.swiglu(xg).backward(dy)
             assert_within(xg.grad, x64.grad, bound, f"autograd {where}")
