@@ -139,6 +139,44 @@ __device__ __forceinline__ void swiglu_element(const T* x, const T* dy, T* out, 
   }
 }
 
+// The L elements first ... first + L - 1 of the half-width array (row r, column c on) one at a
+// time: a vector that straddles rows, or whose shifted loads would leave x. Every load is issued
+// before any arithmetic or store, so the thread waits one memory round trip, not L of them: with
+// a few rows these threads (one a row) finish last and set the kernel's time. Rows advance by a
+// running column, without a division; half < L wraps more than once.
+template <typename T, bool kBackward>
+__device__ __forceinline__ void swiglu_elements(const T* x, const T* dy, T* out, int64_t half, int64_t first,
+                                                int64_t r, int64_t c) {
+  using A = typename Acc<T>::type;
+  constexpr int L = Vec16<T>::kLanes;
+  int64_t at[L];  // element l's a in x (and da in dx); its b (db) is `half` further
+  T av[L];
+  T bv[L];
+  T gv[L];
+#pragma unroll
+  for (int l = 0; l < L; ++l) {
+    at[l] = r * 2 * half + c;
+    av[l] = x[at[l]];
+    bv[l] = x[at[l] + half];
+    if constexpr (kBackward) gv[l] = dy[first + l];
+    if (++c == half) {
+      c = 0;
+      ++r;
+    }
+  }
+#pragma unroll
+  for (int l = 0; l < L; ++l) {
+    const A a = to_acc(av[l]);
+    if constexpr (kBackward) {
+      const A g = to_acc(gv[l]);
+      out[at[l]] = from_acc<T>(g * to_acc(bv[l]) * Silu::derivative(a));
+      out[at[l] + half] = from_acc<T>(g * Silu::forward(a));
+    } else {
+      out[first + l] = from_acc<T>(Silu::forward(a) * to_acc(bv[l]));
+    }
+  }
+}
+
 // The forward (kBackward false: out = y, [rows, half]) and the backward (out = dx, [rows, 2 half],
 // from dy, [rows, half]; only where x's rows start on 16-byte boundaries, swiglu_backward_kernel)
 // on the same walk: thread v takes elements head + v L ... + L - 1 of the
@@ -174,10 +212,9 @@ __global__ void __launch_bounds__(kSwigluMaxThreads)
   const T* b = a + half;
   if constexpr (kShifted) {
     // The vector straddles two rows (a and b are not contiguous in x), or its loads would reach
-    // outside x: one element at a time.
+    // outside x: one element at a time, all loads at once (swiglu_elements).
     if (c + L > half || !reads_inside(a, x, x + 2 * total) || !reads_inside(b, x, x + 2 * total)) {
-#pragma unroll
-      for (int l = 0; l < L; ++l) swiglu_element<T, kBackward>(x, dy, out, half, first + l);
+      swiglu_elements<T, kBackward>(x, dy, out, half, first, r, c);
       return;
     }
   }
