@@ -415,8 +415,8 @@ cudaError_t launch_swiglu_backward(const SwigluBackwardParams& p, cudaStream_t s
     const auto* dy = static_cast<const T*>(p.dy);
     const auto* x = static_cast<const T*>(p.x);
     auto* dx = static_cast<T*>(p.dx);
-    if (swiglu_backward_kernel(p.half, static_cast<int>(sizeof(T)),
-                               course::is_aligned(x, 16) && course::is_aligned(dx, 16)) == SwigluBackwardKernel::kFlat) {
+    const bool x_aligned = course::is_aligned(x, 16) && course::is_aligned(dx, 16);
+    if (swiglu_backward_kernel(p.half, static_cast<int>(sizeof(T)), x_aligned) == SwigluBackwardKernel::kFlat) {
       return launch_swiglu_flat<T, true>(x, dy, dx, p.rows, p.half, stream);
     }
     Tiling t;

@@ -497,8 +497,8 @@ std::vector<int64_t> swiglu_grid_of(const Tensor& x, int64_t sms, bool backward)
   const int64_t rows = half == 0 ? 0 : x.numel() / x.size(-1);
   const int elem = static_cast<int>(x.element_size());
   // A strided x is copied first (swiglu_backward_impl's contiguous()), into a fresh allocation.
-  const bool x_aligned = !x.is_contiguous() ||
-                         (x.is_meta() ? x.storage_offset() * elem % 16 == 0 : ::course::is_aligned(x.const_data_ptr(), 16));
+  const bool x_aligned = !x.is_contiguous() || (x.is_meta() ? x.storage_offset() * elem % 16 == 0
+                                                             : ::course::is_aligned(x.const_data_ptr(), 16));
   if (backward && swiglu_backward_kernel(half, elem, x_aligned) == SwigluBackwardKernel::kTiles) {
     return {1, 0, 0, 0};  // the tiles' grid is course/bias_act.cuh's make_tiling, device code
   }

@@ -448,6 +448,15 @@ def test_swiglu_grid_rule(dtype):
         torch.ops.fusion.swiglu_grid(torch.empty(4, 7, device="meta"), 132)
 
 
+def swiglu_kernel_kind(name):
+    """A launched swiglu kernel's kind from its demangled name: the flat walk's plain or shifted
+    instance (its last template argument, kShifted), or the backward's column tiles."""
+    if "swiglu_backward_tile_kernel" in name:
+        return "tiles"
+    assert "swiglu_flat_kernel" in name, name
+    return "flat shifted" if name.split(">")[0].endswith("true") else "flat plain"
+
+
 @pytest.mark.parametrize("dtype", LOW_PRECISION, ids=dtype_id)
 def test_swiglu_backward_choice(dtype):
     """The backward's kernel, asked through swiglu_grid(backward=True) for x at element offsets
@@ -480,10 +489,11 @@ def test_swiglu_flat_edges(dtype, half):
     half 1 and 7, shorter than a vector (every vector straddles rows: single elements); 777 and
     4099 (rows at every distance from a 16-byte boundary: shifted loads, one straddling vector a
     row); 8192 (whole vectors). x and dy start on a 16-byte boundary or one element past it (the
-    first vectors' shifted reads must stay inside x; dy's first elements are single ones). The
-    forward's plain kernel runs exactly where half is whole vectors and every pointer aligned; the
-    backward's flat kernel exactly where x's rows start on 16-byte boundaries, else its column
-    tiles. Outputs are poisoned first: an element the walk skipped shows as NaN."""
+    first vectors' shifted reads must stay inside x; dy's first elements are single ones; dy
+    one off with x on one: the backward's shifted flat walk). The forward's plain kernel runs
+    exactly where half is whole vectors and every pointer aligned; the backward's flat kernel
+    exactly where x's rows start on 16-byte boundaries, else its column tiles. Outputs are
+    poisoned first: an element the walk skipped shows as NaN."""
     require_cuda()
     vector = 16 // torch.empty((), dtype=dtype).element_size()
     for rows in (1, 63, 64, 65, 2047):
@@ -494,23 +504,26 @@ def test_swiglu_flat_edges(dtype, half):
             for version in (*EW_VERSIONS["swiglu"], None):
                 poison_allocator(ref.to(dtype))
                 assert_within(fusion.swiglu(x, version=version), ref, swiglu_bound(x, ref, dtype), f"{version} {where}")
-            if rows == 65:  # which kernel ran (the profiler, once per half, dtype and offset)
-                _, kernels = launched_kernels(lambda: fusion.swiglu(x), "swiglu_flat_kernel")
-                plain = half % vector == 0 and offset == 0
-                assert len(kernels) == 1 and kernels[0].split(">")[0].endswith("false" if plain else "true"), (
-                    where, kernels)
-            dy = swiglu_rows(rows, half, dtype, "cuda", offset)
-            x64, bound = swiglu_grad_reference(x, dy)
-            poison_allocator(x64.grad.to(dtype))
-            assert_within(OPS.swiglu_backward(dy, x), x64.grad, bound, f"backward {where}")
-            if rows == 65:  # the backward's kernel: flat where x's rows are on 16-byte boundaries, else the tiles
-                _, kernels = launched_kernels(lambda: OPS.swiglu_backward(dy, x), "swiglu_")
-                flat = half % vector == 0 and offset == 0
-                assert len(kernels) == 1 and ("swiglu_flat_kernel" if flat else "swiglu_backward_tile_kernel") in \
-                    kernels[0], (where, kernels)
-            xg = x.detach().requires_grad_()  # a view of a tensor without grad: a leaf, still misaligned
-            fusion.swiglu(xg).backward(dy)
-            assert_within(xg.grad, x64.grad, bound, f"autograd {where}")
+            # dy one element off with x on a boundary: the backward's shifted flat walk (x one
+            # element off takes the tiles, whatever dy's alignment).
+            dy_offsets = (0, 1) if offset == 0 else (1,)
+            dys = [swiglu_rows(rows, half, dtype, "cuda", o) for o in dy_offsets]
+            if rows == 65:  # which kernels ran (one profiler session per half, dtype and x offset)
+                _, kernels = launched_kernels(lambda: [fusion.swiglu(x)] + [OPS.swiglu_backward(dy, x) for dy in dys],
+                                              "swiglu_")
+                kernels = [k for k in kernels if "_kernel" in k]  # not the ops' own events (fusion::swiglu_backward)
+                flat_rows = half % vector == 0 and offset == 0  # every row of x on a 16-byte boundary
+                expected = ["flat plain" if flat_rows else "flat shifted"]  # the forward
+                expected += [("flat plain" if o == 0 else "flat shifted") if flat_rows else "tiles" for o in dy_offsets]
+                assert [swiglu_kernel_kind(k) for k in kernels] == expected, (where, kernels)
+            for dy_offset, dy in zip(dy_offsets, dys):
+                where = (rows, half, offset, dy_offset)
+                x64, bound = swiglu_grad_reference(x, dy)
+                poison_allocator(x64.grad.to(dtype))
+                assert_within(OPS.swiglu_backward(dy, x), x64.grad, bound, f"backward {where}")
+                xg = x.detach().requires_grad_()  # a view of a tensor without grad: a leaf, still misaligned
+                fusion.swiglu(xg).backward(dy)
+                assert_within(xg.grad, x64.grad, bound, f"autograd {where}")
 
 
 @pytest.mark.parametrize("activation", BIAS_OPS)
@@ -1123,18 +1136,19 @@ def test_long_sweeps(shape, dtype):
 @pytest.mark.sanitize
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float64), ids=dtype_id)
 def test_sanitizer_swiglu_flat(dtype):
-    """swiglu's flat kernel under compute-sanitizer: the shifted loads of rows at every distance
-    from a 16-byte boundary, with x and dy on one or one element past it (the vectors around the
-    first and last elements must not be read past x), and rows shorter than a vector."""
+    """swiglu's flat kernel (and the backward's tiles) under compute-sanitizer: the shifted loads
+    of rows at every distance from a 16-byte boundary, with x and dy on one or one element past it
+    (the vectors around the first and last elements must not be read past x; dy one off with x on
+    one is the backward's shifted flat walk), and rows shorter than a vector."""
     require_cuda()
     for rows, half in ((1, 1), (3, 7), (5, 9), (65, 777), (2, 4099), (3, 64)):
-        for offset in (0, 1):
+        for offset, dy_offset in ((0, 0), (0, 1), (1, 1)):
             x = swiglu_rows(rows, 2 * half, dtype, "cuda", offset)
             ref = reference_swiglu(x)
             assert_within(fusion.swiglu(x), ref, swiglu_bound(x, ref, dtype), f"forward {(rows, half, offset)}")
-            dy = swiglu_rows(rows, half, dtype, "cuda", offset)
+            dy = swiglu_rows(rows, half, dtype, "cuda", dy_offset)
             x64, bound = swiglu_grad_reference(x, dy)
-            assert_within(OPS.swiglu_backward(dy, x), x64.grad, bound, f"backward {(rows, half, offset)}")
+            assert_within(OPS.swiglu_backward(dy, x), x64.grad, bound, f"backward {(rows, half, offset, dy_offset)}")
 
 
 @pytest.mark.cuda
