@@ -115,7 +115,8 @@ struct SwigluBackwardParams {
 };
 
 // swiglu's v2, forward and backward, is one flat kernel over the rows * half elements of y (of dy
-// in the backward), a 16-byte vector a thread (elementwise_kernels.cu). Its grid, from the vector
+// in the backward, where x's rows start on 16-byte boundaries: swiglu_backward_kernel below), a
+// 16-byte vector a thread (elementwise_kernels.cu). Its grid, from the vector
 // count and the SM count read off the device: blocks of kSwigluMaxThreads while that still gives
 // every SM kSwigluBlocksPerSm blocks, else halved, down to kSwigluMinThreads, so that a few rows
 // spread over every SM (64 x 2048 in bf16 is 16384 vectors: 64 blocks of 256 would leave half of
@@ -161,7 +162,8 @@ inline SwigluBackwardKernel swiglu_backward_kernel(int64_t half, int elem_bytes,
 // themselves from the shape and the pointers: v3's between the column tiles and the flat kernel
 // (course::launch_bias_act), the vectorized kernels of the other ops between 16-byte and
 // single-element accesses; swiglu's v2 its block size (swiglu_grid) and between plain and
-// shifted 16-byte loads.
+// shifted 16-byte loads, its backward between the flat walk and the column tiles
+// (swiglu_backward_kernel).
 // ---------------------------------------------------------------------------------------
 inline BsrVersion default_bsr(int64_t /*rows*/, int64_t /*n*/, int /*elem_bytes*/) { return BsrVersion::kVectorized; }
 inline BackwardVersion default_backward(int64_t /*rows*/, int64_t /*n*/, int /*elem_bytes*/) {
