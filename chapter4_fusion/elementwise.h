@@ -51,7 +51,7 @@ enum class BackwardVersion {
 // The ladder of bias_gelu, bias_silu and swiglu.
 enum class ActVersion {
   kUnfused,  // v1: bias add, then the activation (swiglu: silu(a), then the product)
-  kFused,    // v2: one kernel, 16-byte loads, the bias tile reused by every row
+  kFused,    // v2: one kernel, 16-byte loads, the bias tile reused by every row (swiglu: one flat walk)
 };
 
 // linear_activation's epilogue ladder (the GEMM is cuBLAS through ATen in both).
@@ -114,12 +114,56 @@ struct SwigluBackwardParams {
   int64_t rows, half;
 };
 
+// swiglu's v2, forward and backward, is one flat kernel over the rows * half elements of y (of dy
+// in the backward, where x's rows start on 16-byte boundaries: swiglu_backward_kernel below), a
+// 16-byte vector a thread (elementwise_kernels.cu). Its grid, from the vector
+// count and the SM count read off the device: blocks of kSwigluMaxThreads while that still gives
+// every SM kSwigluBlocksPerSm blocks, else halved, down to kSwigluMinThreads, so that a few rows
+// spread over every SM (64 x 2048 in bf16 is 16384 vectors: 64 blocks of 256 would leave half of
+// a 132-SM GPU idle; 256 blocks of 64 give each SM about two). Below two warps a block stops paying: an
+// SM keeps at most 32 blocks, and a warp of fewer than 32 vectors would idle lanes.
+constexpr int kSwigluMaxThreads = 256;
+constexpr int kSwigluMinThreads = 64;
+constexpr int kSwigluBlocksPerSm = 2;
+struct SwigluGrid {
+  int threads;      // per block
+  int64_t blocks;
+  int64_t vectors;  // whole 16-byte vectors after the `head` elements before the first boundary
+};
+inline SwigluGrid swiglu_grid(int64_t rows, int64_t half, int elem_bytes, int head, int sms) {
+  const int64_t total = rows * half;
+  const int64_t lanes = 16 / elem_bytes;
+  const int64_t vectors = total > head ? (total - head) / lanes : 0;
+  int threads = kSwigluMaxThreads;
+  while (threads > kSwigluMinThreads &&
+         ::course::ceil_div(vectors, static_cast<int64_t>(threads)) < static_cast<int64_t>(kSwigluBlocksPerSm) * sms) {
+    threads /= 2;
+  }
+  const int64_t blocks = ::course::ceil_div(vectors, static_cast<int64_t>(threads));
+  return {threads, blocks > 1 ? blocks : 1, vectors};  // one block at least: it also takes the single elements
+}
+
+// swiglu's backward: the flat kernel only where every row of x (and of dx) starts on a 16-byte
+// boundary: half * elem_bytes a multiple of 16 and x's first element on a boundary (dx is fresh;
+// dy's own alignment the flat walk handles, its first elements single ones). Elsewhere the column
+// tiles of single elements (swiglu_backward_tile_kernel). Why: off a boundary the flat backward
+// shifts two loads (a and b) and writes da and db element by element, as many instructions per
+// byte as the tiles' single elements plus the shifts, and measured it took about twice the tiles'
+// time at every odd width (NOTES.md); on a boundary it is all 16-byte accesses, as fast as the
+// tiles or faster at every row count measured (a few rows fill the GPU: swiglu_grid).
+enum class SwigluBackwardKernel { kFlat, kTiles };
+inline SwigluBackwardKernel swiglu_backward_kernel(int64_t half, int elem_bytes, bool x_aligned) {
+  return (half * elem_bytes) % 16 == 0 && x_aligned ? SwigluBackwardKernel::kFlat : SwigluBackwardKernel::kTiles;
+}
+
 // ---------------------------------------------------------------------------------------
 // version=None: the top rung everywhere (test_recorded_results_hold_the_dispatch holds it within
 // 0.95x of the fastest rung at every measured shape and dtype). Its launchers choose the kernel by
 // themselves from the shape and the pointers: v3's between the column tiles and the flat kernel
 // (course::launch_bias_act), the vectorized kernels of the other ops between 16-byte and
-// single-element accesses.
+// single-element accesses; swiglu's v2 its block size (swiglu_grid) and between plain and
+// shifted 16-byte loads, its backward between the flat walk and the column tiles
+// (swiglu_backward_kernel).
 // ---------------------------------------------------------------------------------------
 inline BsrVersion default_bsr(int64_t /*rows*/, int64_t /*n*/, int /*elem_bytes*/) { return BsrVersion::kVectorized; }
 inline BackwardVersion default_backward(int64_t /*rows*/, int64_t /*n*/, int /*elem_bytes*/) {

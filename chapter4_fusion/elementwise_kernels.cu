@@ -25,6 +25,7 @@ namespace {
 using course::Acc;
 using course::from_acc;
 using course::to_acc;
+using course::Vec16;
 
 // ---------------------------------------------------------------------------------------
 // SwiGLU: y = silu(a) * b with a, b the two halves of each row of x.
@@ -49,85 +50,241 @@ __global__ void mul_half_kernel(const T* x, T* y, int64_t rows, int64_t half) {
   }
 }
 
-// v2: one kernel on course/bias_act.cuh's column tiling (no bias to keep, but no division either):
-// a thread reads a 16-byte pack of a and the matching pack of b, writes one pack of y.
-template <typename T, int L>
-__global__ void __launch_bounds__(kTileThreads)
-    swiglu_tile_kernel(const T* x, T* y, int64_t rows, int64_t half, int tx) {
+// v2: one kernel over the output's elements as a flat array, a 16-byte vector of y a thread, on a
+// grid sized from the vector count and the SM count (swiglu_grid, elementwise.h). Flat, not in
+// column tiles: a row of y is `half` elements, and whatever half is, every lane has a whole
+// vector (tiles round a row up to a power of two of packs: half 768 in bf16 is 96 packs in a tile
+// of 128, a quarter of the lanes idle) and a few rows still cover every SM.
+//
+// When half is no whole number of vectors (777, 4099) the rows of x start at every distance
+// from a 16-byte boundary, and a, b and y at different ones: y's vectors stay aligned (the
+// flat walk), and a and b are read as the two aligned vectors around them, shifted into place
+// (load16_at). Only the vector that straddles two rows of y, and the few elements before y's
+// first boundary and after its last whole vector, are single elements: a vector a row, not a row
+// of single elements.
+// ---------------------------------------------------------------------------------------
+
+// The L elements at p (any element address): the aligned 16-byte vector at or below p, and the
+// next one where p is not on a boundary, funnel-shifted by p's distance from the boundary. The
+// second load is the first load of the next thread: an L1 hit, not a second trip to DRAM. The
+// word shift is two selects (by 2, then by 1) rather than an indexed register array, which nvcc
+// would put in local memory.
+template <typename T>
+__device__ __forceinline__ Vec16<T> load16_at(const T* p) {
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(p);
+  const unsigned k = static_cast<unsigned>(addr % 16);  // bytes past the boundary
+  const auto* base = reinterpret_cast<const Vec16<uint32_t>*>(addr - k);
+  const Vec16<uint32_t> lo = course::load16(base);
+  Vec16<T> out;
+  if (k == 0) {
+    memcpy(&out, &lo, sizeof(out));
+    return out;
+  }
+  const Vec16<uint32_t> hi = course::load16(base + 1);
+  const uint32_t w[8] = {lo.v[0], lo.v[1], lo.v[2], lo.v[3], hi.v[0], hi.v[1], hi.v[2], hi.v[3]};
+  const unsigned words = k / 4;
+  const unsigned bits = (k % 4) * 8;  // 16 in 2-byte types at an odd element offset, else 0
+  uint32_t by2[6];
+  uint32_t by1[5];
+#pragma unroll
+  for (int i = 0; i < 6; ++i) by2[i] = (words & 2) ? w[i + 2] : w[i];
+#pragma unroll
+  for (int i = 0; i < 5; ++i) by1[i] = (words & 1) ? by2[i + 1] : by2[i];  // by1[i] = w[i + words]
+  uint32_t o[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) o[j] = __funnelshift_r(by1[j], by1[j + 1], bits);
+  memcpy(&out, o, sizeof(out));
+  return out;
+}
+
+// Whether load16_at(p) reads only bytes of [begin, end): the vectors around p must not reach
+// before x's first element or past its last (a misaligned view's neighbours are another tensor's
+// bytes, or no allocation at all).
+template <typename T>
+__device__ __forceinline__ bool reads_inside(const T* p, const T* begin, const T* end) {
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(p);
+  const uintptr_t k = addr % 16;
+  return addr - k >= reinterpret_cast<uintptr_t>(begin) &&
+         addr - k + (k == 0 ? 16 : 32) <= reinterpret_cast<uintptr_t>(end);
+}
+
+// L elements to q: one 16-byte store where q is on a boundary, else one element at a time (the
+// backward's da and db where dy is off a boundary and x's rows are on them, swiglu_backward_kernel:
+// dy's vectors and dx's then sit at different distances from one; the warp's single stores are
+// still adjacent, and L2 merges them into whole sectors).
+template <typename T>
+__device__ __forceinline__ void store16_at(T* q, const Vec16<T>& v) {
+  if (reinterpret_cast<uintptr_t>(q) % 16 == 0) {
+    course::store16(reinterpret_cast<Vec16<T>*>(q), v);
+  } else {
+#pragma unroll
+    for (int l = 0; l < Vec16<T>::kLanes; ++l) q[l] = v.v[l];
+  }
+}
+
+// Element i of the half-width array (y, or dy in the backward), alone: row i / half.
+template <typename T, bool kBackward>
+__device__ __forceinline__ void swiglu_element(const T* x, const T* dy, T* out, int64_t half, int64_t i) {
   using A = typename Acc<T>::type;
-  const int ty = kTileThreads / tx;
-  const int64_t e = (static_cast<int64_t>(blockIdx.x) * tx + threadIdx.x % tx) * L;
-  if (e >= half) return;  // past the row's end: no shuffles in this kernel, so leave
-  const int64_t row_step = static_cast<int64_t>(gridDim.y) * ty;
-  for (int64_t base = static_cast<int64_t>(blockIdx.y) * ty + threadIdx.x / tx; base < rows;
-       base += course::kRowsInFlight<L> * row_step) {
-    Pack<T, L> av[course::kRowsInFlight<L>];
-    Pack<T, L> bv[course::kRowsInFlight<L>];
+  const int64_t r = i / half;
+  const int64_t c = i - r * half;
+  const A a = to_acc(x[r * 2 * half + c]);
+  const A b = to_acc(x[r * 2 * half + half + c]);
+  if constexpr (kBackward) {
+    const A g = to_acc(dy[i]);
+    out[r * 2 * half + c] = from_acc<T>(g * b * Silu::derivative(a));
+    out[r * 2 * half + half + c] = from_acc<T>(g * Silu::forward(a));
+  } else {
+    out[i] = from_acc<T>(Silu::forward(a) * b);
+  }
+}
+
+// The L elements first ... first + L - 1 of the half-width array (row r, column c on) one at a
+// time: a vector that straddles rows, or whose shifted loads would leave x. Every load is issued
+// before any arithmetic or store, so the thread waits one memory round trip, not L of them: with
+// a few rows these threads (one a row) finish last and set the kernel's time. Rows advance by a
+// running column, without a division; half < L wraps more than once.
+template <typename T, bool kBackward>
+__device__ __forceinline__ void swiglu_elements(const T* x, const T* dy, T* out, int64_t half, int64_t first,
+                                                int64_t r, int64_t c) {
+  using A = typename Acc<T>::type;
+  constexpr int L = Vec16<T>::kLanes;
+  int64_t at[L];  // element l's a in x (and da in dx); its b (db) is `half` further
+  T av[L];
+  T bv[L];
+  T gv[L];
 #pragma unroll
-    for (int u = 0; u < course::kRowsInFlight<L>; ++u) {
-      const int64_t r = base + u * row_step;
-      if (r < rows) {  // the sweep's second row may lie past the last
-        av[u] = load_pack<T, L>(x + r * 2 * half + e);
-        bv[u] = load_pack<T, L>(x + r * 2 * half + half + e);
-      }
+  for (int l = 0; l < L; ++l) {
+    at[l] = r * 2 * half + c;
+    av[l] = x[at[l]];
+    bv[l] = x[at[l] + half];
+    if constexpr (kBackward) gv[l] = dy[first + l];
+    if (++c == half) {
+      c = 0;
+      ++r;
     }
+  }
 #pragma unroll
-    for (int u = 0; u < course::kRowsInFlight<L>; ++u) {
-      const int64_t r = base + u * row_step;
-      if (r < rows) {
-        Pack<T, L> yv;
-#pragma unroll
-        for (int l = 0; l < L; ++l) {
-          const A a = to_acc(av[u].v[l]);
-          yv.v[l] = from_acc<T>(Silu::forward(a) * to_acc(bv[u].v[l]));
-        }
-        store_pack<T, L>(y + r * half + e, yv);
-      }
+  for (int l = 0; l < L; ++l) {
+    const A a = to_acc(av[l]);
+    if constexpr (kBackward) {
+      const A g = to_acc(gv[l]);
+      out[at[l]] = from_acc<T>(g * to_acc(bv[l]) * Silu::derivative(a));
+      out[at[l] + half] = from_acc<T>(g * Silu::forward(a));
+    } else {
+      out[first + l] = from_acc<T>(Silu::forward(a) * to_acc(bv[l]));
     }
   }
 }
 
-// The backward, one kernel: da = dy * b * silu'(a) and db = dy * silu(a), written into the two
-// halves of dx; x and dy read once.
-template <typename T, int L>
+// The forward (kBackward false: out = y, [rows, half]) and the backward (out = dx, [rows, 2 half],
+// from dy, [rows, half]; only where x's rows start on 16-byte boundaries, swiglu_backward_kernel)
+// on the same walk: thread v takes elements head + v L ... + L - 1 of the
+// half-width array, whose first `head` elements lie before its first 16-byte boundary (0 for a
+// fresh y). kShifted false: half a whole number of vectors and every pointer aligned, so a, b
+// and dx are aligned wherever y is and every vector lies inside one row: plain 16-byte accesses.
+template <typename T, bool kBackward, bool kShifted>
+__global__ void __launch_bounds__(kSwigluMaxThreads)
+    swiglu_flat_kernel(const T* __restrict__ x, const T* __restrict__ dy, T* __restrict__ out, int64_t rows,
+                       int64_t half, int head) {
+  using A = typename Acc<T>::type;
+  constexpr int L = Vec16<T>::kLanes;
+  const int64_t total = rows * half;
+  const int64_t vectors = (total - head) / L;
+  // The elements outside whole vectors (fewer than L before the first boundary, fewer than L
+  // after the last whole vector): block 0's first threads, one each; blockDim.x >= 2 L.
+  if (blockIdx.x == 0) {
+    const int64_t tail = head + vectors * L;
+    if (threadIdx.x < head + (total - tail)) {
+      const int64_t i = threadIdx.x < head ? threadIdx.x : tail + (threadIdx.x - head);
+      swiglu_element<T, kBackward>(x, dy, out, half, i);
+    }
+  }
+  const int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (v >= vectors) return;  // past the last whole vector; no barrier or shuffle below
+  const int64_t first = head + v * L;
+  // One division a thread, in 32 bits where the array allows (the hardware has no 64-bit divide).
+  const int64_t r = total <= static_cast<int64_t>(UINT32_MAX)
+                        ? static_cast<int64_t>(static_cast<uint32_t>(first) / static_cast<uint32_t>(half))
+                        : first / half;
+  const int64_t c = first - r * half;
+  const T* a = x + r * 2 * half + c;
+  const T* b = a + half;
+  if constexpr (kShifted) {
+    // The vector straddles two rows (a and b are not contiguous in x), or its loads would reach
+    // outside x: one element at a time, all loads at once (swiglu_elements).
+    if (c + L > half || !reads_inside(a, x, x + 2 * total) || !reads_inside(b, x, x + 2 * total)) {
+      swiglu_elements<T, kBackward>(x, dy, out, half, first, r, c);
+      return;
+    }
+  }
+  const Vec16<T> av = kShifted ? load16_at(a) : course::load16(reinterpret_cast<const Vec16<T>*>(a));
+  const Vec16<T> bv = kShifted ? load16_at(b) : course::load16(reinterpret_cast<const Vec16<T>*>(b));
+  if constexpr (kBackward) {
+    const Vec16<T> gv = course::load16(reinterpret_cast<const Vec16<T>*>(dy + first));  // aligned: head is dy's
+    Vec16<T> dav;
+    Vec16<T> dbv;
+#pragma unroll
+    for (int l = 0; l < L; ++l) {
+      const A av_l = to_acc(av.v[l]);
+      const A g = to_acc(gv.v[l]);
+      dav.v[l] = from_acc<T>(g * to_acc(bv.v[l]) * Silu::derivative(av_l));
+      dbv.v[l] = from_acc<T>(g * Silu::forward(av_l));
+    }
+    T* da = out + r * 2 * half + c;
+    store16_at(da, dav);
+    store16_at(da + half, dbv);
+  } else {
+    Vec16<T> yv;
+#pragma unroll
+    for (int l = 0; l < L; ++l) yv.v[l] = from_acc<T>(Silu::forward(to_acc(av.v[l])) * to_acc(bv.v[l]));
+    course::store16(reinterpret_cast<Vec16<T>*>(out + first), yv);  // aligned: head is y's
+  }
+}
+
+// The backward where rows of x are off 16-byte boundaries (swiglu_backward_kernel, elementwise.h):
+// course/bias_act.cuh's column tiling of single elements, da = dy * b * silu'(a) and db = dy *
+// silu(a) written into the two halves of dx; x and dy read once. A warp reads 32 adjacent
+// elements of a, of b and of dy a row: whole sectors, whatever the row's alignment.
+template <typename T>
 __global__ void __launch_bounds__(kTileThreads)
     swiglu_backward_tile_kernel(const T* dy, const T* x, T* dx, int64_t rows, int64_t half, int tx) {
   using A = typename Acc<T>::type;
   const int ty = kTileThreads / tx;
-  const int64_t e = (static_cast<int64_t>(blockIdx.x) * tx + threadIdx.x % tx) * L;
-  if (e >= half) return;  // past the row's end
+  const int64_t e = static_cast<int64_t>(blockIdx.x) * tx + threadIdx.x % tx;
+  if (e >= half) return;  // past the row's end; no barrier or shuffle below
   const int64_t row_step = static_cast<int64_t>(gridDim.y) * ty;
   for (int64_t r = static_cast<int64_t>(blockIdx.y) * ty + threadIdx.x / tx; r < rows; r += row_step) {
-    const Pack<T, L> av = load_pack<T, L>(x + r * 2 * half + e);
-    const Pack<T, L> bv = load_pack<T, L>(x + r * 2 * half + half + e);
-    const Pack<T, L> gv = load_pack<T, L>(dy + r * half + e);
-    Pack<T, L> dav;
-    Pack<T, L> dbv;
-#pragma unroll
-    for (int l = 0; l < L; ++l) {
-      const A a = to_acc(av.v[l]);
-      const A g = to_acc(gv.v[l]);
-      dav.v[l] = from_acc<T>(g * to_acc(bv.v[l]) * Silu::derivative(a));
-      dbv.v[l] = from_acc<T>(g * Silu::forward(a));
-    }
-    store_pack<T, L>(dx + r * 2 * half + e, dav);
-    store_pack<T, L>(dx + r * 2 * half + half + e, dbv);
+    const A a = to_acc(x[r * 2 * half + e]);
+    const A b = to_acc(x[r * 2 * half + half + e]);
+    const A g = to_acc(dy[r * half + e]);
+    dx[r * 2 * half + e] = from_acc<T>(g * b * Silu::derivative(a));
+    dx[r * 2 * half + half + e] = from_acc<T>(g * Silu::forward(a));
   }
 }
 
-// The vector path needs both halves of every row on 16-byte boundaries: half a whole number of
-// vectors (then 2 * half is too) and x, y aligned.
-template <typename T, typename Launch>
-cudaError_t launch_swiglu_tiles(int64_t rows, int64_t half, std::initializer_list<const void*> pointers,
-                                Launch launch) {
-  const bool vector = vectorizable<T>(half, pointers);
-  constexpr int kVec = course::Vec16<T>::kLanes;
-  Tiling t;
-  COURSE_CUDA_TRY(make_tiling(rows, half / (vector ? kVec : 1), 1, &t));
-  if (vector) {
-    launch(std::integral_constant<int, kVec>{}, t);
+// Elements of `flat` (y, or dy in the backward) before its first 16-byte boundary.
+template <typename T>
+int swiglu_head_of(const T* flat, int64_t total) {
+  const uintptr_t misaligned = reinterpret_cast<uintptr_t>(flat) % 16;
+  const int64_t head = misaligned ? (16 - static_cast<int64_t>(misaligned)) / static_cast<int64_t>(sizeof(T)) : 0;
+  return static_cast<int>(std::min(head, total));
+}
+
+template <typename T, bool kBackward>
+cudaError_t launch_swiglu_flat(const T* x, const T* dy, T* out, int64_t rows, int64_t half, cudaStream_t stream) {
+  constexpr int L = course::Vec16<T>::kLanes;
+  const int head = swiglu_head_of<T>(kBackward ? dy : out, rows * half);
+  int sms = 0;
+  COURSE_CUDA_TRY(course::sm_count(&sms));
+  const SwigluGrid g = swiglu_grid(rows, half, static_cast<int>(sizeof(T)), head, sms);
+  const bool aligned = half % L == 0 && course::is_aligned(x, 16) && course::is_aligned(out, 16) &&
+                       (!kBackward || course::is_aligned(dy, 16));
+  const dim3 grid(static_cast<unsigned>(g.blocks));
+  if (aligned) {
+    swiglu_flat_kernel<T, kBackward, false><<<grid, g.threads, 0, stream>>>(x, dy, out, rows, half, head);
   } else {
-    launch(std::integral_constant<int, 1>{}, t);
+    swiglu_flat_kernel<T, kBackward, true><<<grid, g.threads, 0, stream>>>(x, dy, out, rows, half, head);
   }
   return cudaGetLastError();
 }
@@ -234,7 +391,7 @@ cudaError_t launch_act_backward(const ActBackwardParams& p, BackwardVersion vers
   });
 }
 
-// swiglu: v1 two kernels (silu(a), then the product), v2 one tile kernel.
+// swiglu: v1 two kernels (silu(a), then the product), v2 one flat kernel (swiglu_flat_kernel).
 cudaError_t launch_swiglu(const SwigluParams& p, ActVersion version, cudaStream_t stream) {
   return with_dtype(p.dtype, [&](auto tag) -> cudaError_t {
     using T = decltype(tag);
@@ -248,9 +405,7 @@ cudaError_t launch_swiglu(const SwigluParams& p, ActVersion version, cudaStream_
       mul_half_kernel<T><<<blocks, kFlatThreads, 0, stream>>>(x, y, p.rows, p.half);
       return cudaGetLastError();
     }
-    return launch_swiglu_tiles<T>(p.rows, p.half, {p.x, p.y}, [&](auto lanes, const Tiling& t) {
-      swiglu_tile_kernel<T, decltype(lanes)::value><<<t.grid, kTileThreads, 0, stream>>>(x, y, p.rows, p.half, t.tx);
-    });
+    return launch_swiglu_flat<T, false>(x, nullptr, y, p.rows, p.half, stream);
   });
 }
 
@@ -260,10 +415,14 @@ cudaError_t launch_swiglu_backward(const SwigluBackwardParams& p, cudaStream_t s
     const auto* dy = static_cast<const T*>(p.dy);
     const auto* x = static_cast<const T*>(p.x);
     auto* dx = static_cast<T*>(p.dx);
-    return launch_swiglu_tiles<T>(p.rows, p.half, {p.dy, p.x, p.dx}, [&](auto lanes, const Tiling& t) {
-      swiglu_backward_tile_kernel<T, decltype(lanes)::value><<<t.grid, kTileThreads, 0, stream>>>(dy, x, dx, p.rows,
-                                                                                                 p.half, t.tx);
-    });
+    const bool x_aligned = course::is_aligned(x, 16) && course::is_aligned(dx, 16);
+    if (swiglu_backward_kernel(p.half, static_cast<int>(sizeof(T)), x_aligned) == SwigluBackwardKernel::kFlat) {
+      return launch_swiglu_flat<T, true>(x, dy, dx, p.rows, p.half, stream);
+    }
+    Tiling t;
+    COURSE_CUDA_TRY(make_tiling(p.rows, p.half, 1, &t));
+    swiglu_backward_tile_kernel<T><<<t.grid, kTileThreads, 0, stream>>>(dy, x, dx, p.rows, p.half, t.tx);
+    return cudaGetLastError();
   });
 }
 

@@ -484,6 +484,28 @@ std::vector<int64_t> bias_grad_tiling(const Tensor& x, int64_t sms, int64_t bloc
   return {t.tx, t.ty, t.column_tiles, t.row_tiles, phases};
 }
 
+// swiglu's launch for x on a GPU of `sms` SMs, [kernel, threads per block, blocks, whole vectors]:
+// the rule v2's forward (backward false) or the backward launches with, asked without a GPU, for
+// a freshly allocated (16-byte aligned) y, dy and dx as the glue's are. kernel 0: the flat walk,
+// with swiglu_grid's grid; 1: the backward's column tiles of single elements (rows of x off
+// 16-byte boundaries, swiglu_backward_kernel), the rest 0. x's alignment is its data pointer's,
+// or for a meta tensor its storage offset's (an allocation starts on a boundary).
+std::vector<int64_t> swiglu_grid_of(const Tensor& x, int64_t sms, bool backward) {
+  check_swiglu("swiglu_grid", x);
+  TORCH_CHECK(sms >= 1, "swiglu_grid: sms must be at least 1, got ", std::to_string(sms));
+  const int64_t half = x.size(-1) / 2;
+  const int64_t rows = half == 0 ? 0 : x.numel() / x.size(-1);
+  const int elem = static_cast<int>(x.element_size());
+  // A strided x is copied first (swiglu_backward_impl's contiguous()), into a fresh allocation.
+  const bool x_aligned = !x.is_contiguous() || (x.is_meta() ? x.storage_offset() * elem % 16 == 0
+                                                             : ::course::is_aligned(x.const_data_ptr(), 16));
+  if (backward && swiglu_backward_kernel(half, elem, x_aligned) == SwigluBackwardKernel::kTiles) {
+    return {1, 0, 0, 0};  // the tiles' grid is course/bias_act.cuh's make_tiling, device code
+  }
+  const SwigluGrid g = swiglu_grid(rows, half, elem, 0, static_cast<int>(sms));
+  return {0, g.threads, g.blocks, g.vectors};
+}
+
 // ---------------------------------------------------------------------------------------
 // Autograd. Each forward re-enters the dispatcher below the Autograd key (reaching the kernels
 // above); each backward is the family's own backward op. First derivatives only: the backward
@@ -647,6 +669,7 @@ TORCH_LIBRARY_FRAGMENT(fusion, m) {
         "-> (Tensor, Tensor, Tensor)");
   m.def("elementwise_default_choice(str op, Tensor x) -> str", &fusion::elementwise::default_choice);
   m.def("bias_grad_tiling(Tensor x, int sms, int blocks_per_sm=4) -> int[]", &fusion::elementwise::bias_grad_tiling);
+  m.def("swiglu_grid(Tensor x, int sms, bool backward=False) -> int[]", &fusion::elementwise::swiglu_grid_of);
 }
 
 // One implementation per op serves CPU, CUDA and Meta: each picks the backend from the (already

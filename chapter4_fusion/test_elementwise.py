@@ -186,9 +186,7 @@ def test_swiglu_matches_reference(version, dtype, shape, device):
     poison_allocator(ref.to(dtype))
     out = fusion.swiglu(x, version=version)
     assert out.shape == (*shape[:-1], shape[-1] // 2) and out.dtype == dtype and out.is_contiguous()
-    # One rounding of the output, plus v1's rounding of silu(a) to the dtype before the product
-    # (eps |silu(a) b| = eps |ref|), plus the compute dtype's exp and products.
-    assert_within(out, ref, (2 * eps(dtype) + 16 * eps_acc(dtype)) * ref.abs() + floor(dtype), f"swiglu {version}")
+    assert_within(out, ref, swiglu_bound(x, ref, dtype), f"swiglu {version}")
 
 
 LINEAR_SHAPES = [((7, 1), 1), ((33, 64), 1000), ((3, 31), 5123), ((2, 3, 17), 96), ((0, 16), 8), ((16,), 40),
@@ -253,8 +251,7 @@ def test_views(activation, dtype, view, device):
     x = torch.randn(9 * 64 + 1, device=device).to(dtype)[1:].view(9, 64)  # misaligned swiglu input
     for version in (*EW_VERSIONS["swiglu"], None):
         ref = reference_swiglu(x)
-        assert_within(fusion.swiglu(x, version=version), ref,
-                      (2 * eps(dtype) + 16 * eps_acc(dtype)) * ref.abs() + floor(dtype), "swiglu view")
+        assert_within(fusion.swiglu(x, version=version), ref, swiglu_bound(x, ref, dtype), "swiglu view")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,13 +387,143 @@ def test_swiglu_low_precision_gradients(dtype, shape, device):
     x = torch.randn(shape, device=device).to(dtype).requires_grad_()
     dy = torch.randn((*shape[:-1], shape[-1] // 2), device=device).to(dtype)
     fusion.swiglu(x).backward(dy)
+    x64, bound = swiglu_grad_reference(x, dy)
+    assert_within(x.grad, x64.grad, bound, "swiglu dx")
+
+
+def swiglu_bound(x, ref, dtype):
+    """swiglu's forward: one rounding of the output, plus v1's rounding of silu(a) to the dtype
+    before the product (eps |silu(a) b| = eps |ref|), plus the compute dtype's exp and products.
+    Where silu(a) is below the dtype's smallest normal (a < ~-14 in float16: silu(a) ~ a e^a)
+    that rounding is no longer relative but one subnormal step (float16) or a flush to zero
+    (FTZ, the others), at most floor(dtype) however small silu(a) is; the product carries it as
+    floor |b|. The output's own rounding is the plain floor."""
+    b = x.double().chunk(2, dim=-1)[1]
+    return (2 * eps(dtype) + 16 * eps_acc(dtype)) * ref.abs() + floor(dtype) * (1 + b.abs())
+
+
+def swiglu_grad_reference(x, dy):
+    """x in float64 with its gradient from float64 autograd, and the bound on dx: da = dy b
+    silu'(a), db = dy silu(a), one rounding each, plus the compute dtype's error in silu and silu'
+    (|silu''| <= 0.5): 16 eps_acc |dy| (1 + |a|) (1 + |b|)."""
     x64 = x.detach().double().requires_grad_()
     reference_swiglu(x64).backward(dy.double())
     a, b = x64.detach().chunk(2, -1)
-    # da = dy b silu'(a), db = dy silu(a): one rounding each, plus the compute dtype's error in
-    # silu and silu' (|silu''| <= 0.5): 16 eps_acc |dy| (1 + |a|) (1 + |b|).
-    term = 16 * eps_acc(dtype) * torch.cat([dy.double().abs() * (1 + a.abs()) * (1 + b.abs())] * 2, -1)
-    assert_within(x.grad, x64.grad, eps(dtype) * x64.grad.abs() + term + floor(dtype), "swiglu dx")
+    term = 16 * eps_acc(x.dtype) * torch.cat([dy.double().abs() * (1 + a.abs()) * (1 + b.abs())] * 2, -1)
+    return x64, eps(x.dtype) * x64.grad.abs() + term + floor(x.dtype)
+
+
+def swiglu_rows(rows, width, dtype, device, offset=0):
+    """A contiguous [rows, width] tensor `offset` elements past the start of its allocation (which
+    is 16-byte aligned): offset 1 puts every 16-byte vector of it off a boundary."""
+    return torch.randn(rows * width + offset, device=device).to(dtype)[offset:].view(rows, width)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float64), ids=dtype_id)
+def test_swiglu_grid_rule(dtype):
+    """v2's grid (forward and backward), asked for a meta tensor on GPUs of 1 to 170 SMs: one
+    thread per whole 16-byte vector of the [rows, half] output; blocks of 256 threads while that
+    gives every SM two blocks, else the widest of 128 and 64 that does, else 64, and never fewer
+    than two warps; so from 64 x 2 SMs x 2 blocks vectors on, every SM has two blocks, however
+    few the rows."""
+    vector = 16 // torch.empty((), dtype=dtype).element_size()
+    for sms in (1, 46, 132, 170):
+        for rows in (1, 63, 64, 65, 2047, 2048, 8192):
+            for half in (1, 7, 768, 777, 2048, 4099, 8192):
+                kernel, threads, blocks, vectors = torch.ops.fusion.swiglu_grid(
+                    torch.empty(rows, 2 * half, dtype=dtype, device="meta"), sms)
+                where = (sms, rows, half)
+                assert kernel == 0, where  # the forward is always the flat walk
+                assert vectors == rows * half // vector, where
+                assert threads in (64, 128, 256) and blocks == max(1, -(-vectors // threads)), where
+                wide_enough = [t for t in (256, 128, 64) if -(-vectors // t) >= 2 * sms]
+                assert threads == (wide_enough[0] if wide_enough else 64), where
+                if vectors >= 64 * 2 * sms:
+                    assert blocks >= 2 * sms, where
+    # Nothing to launch: still one block (the launcher returns before it for an empty output).
+    assert torch.ops.fusion.swiglu_grid(torch.empty(0, 8, device="meta"), 132) == [0, 64, 1, 0]
+    with pytest.raises(RuntimeError, match="swiglu_grid: sms must be at least 1"):
+        torch.ops.fusion.swiglu_grid(torch.empty(4, 8, device="meta"), 0)
+    with pytest.raises(RuntimeError, match=r"swiglu_grid: the last dim of x \(shape \[4, 7\]\) is odd"):
+        torch.ops.fusion.swiglu_grid(torch.empty(4, 7, device="meta"), 132)
+
+
+def swiglu_kernel_kind(name):
+    """A launched swiglu kernel's kind from its demangled name: the flat walk's plain or shifted
+    instance (its last template argument, kShifted), or the backward's column tiles."""
+    if "swiglu_backward_tile_kernel" in name:
+        return "tiles"
+    assert "swiglu_flat_kernel" in name, name
+    return "flat shifted" if name.split(">")[0].endswith("true") else "flat plain"
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=dtype_id)
+def test_swiglu_backward_choice(dtype):
+    """The backward's kernel, asked through swiglu_grid(backward=True) for x at element offsets
+    0 to 8 into its allocation (meta tensors: the storage offset; CPU tensors: the pointer): the
+    flat walk (0, with the forward's grid) exactly where every row of x starts on a 16-byte
+    boundary (half * element size a multiple of 16 and x's first element on one), else the
+    column tiles of single elements (1). The forward's choice never depends on it."""
+    size = torch.empty((), dtype=dtype).element_size()
+    for device in ("meta", "cpu"):
+        for half in (1, 7, 8, 777, 1024, 4099, 8192):
+            for offset in range(9):
+                x = torch.empty(3 * 2 * half + offset, dtype=dtype, device=device)[offset:].view(3, 2 * half)
+                where = (device, half, offset)
+                flat = half * size % 16 == 0 and offset * size % 16 == 0
+                forward = torch.ops.fusion.swiglu_grid(x, 132)
+                backward = torch.ops.fusion.swiglu_grid(x, 132, backward=True)
+                assert forward[0] == 0, where
+                assert backward == (forward if flat else [1, 0, 0, 0]), (where, forward, backward)
+    # A strided x is copied first (contiguous, freshly allocated): its rows' alignment is the copy's.
+    x = torch.empty(4, 2 * 1024 + 1, dtype=dtype, device="meta")[:, 1:]
+    assert torch.ops.fusion.swiglu_grid(x, 132, backward=True)[0] == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("half", (1, 7, 777, 4099, 8192))
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=dtype_id)
+def test_swiglu_flat_edges(dtype, half):
+    """v2's flat kernel at the edges of its walk, forward and backward, against float64: 1 to 2047
+    rows (one block of 64 threads to many of 256, and a row's last vector in every position);
+    half 1 and 7, shorter than a vector (every vector straddles rows: single elements); 777 and
+    4099 (rows at every distance from a 16-byte boundary: shifted loads, one straddling vector a
+    row); 8192 (whole vectors). x and dy start on a 16-byte boundary or one element past it (the
+    first vectors' shifted reads must stay inside x; dy's first elements are single ones; dy
+    one off with x on one: the backward's shifted flat walk). The forward's plain kernel runs
+    exactly where half is whole vectors and every pointer aligned; the backward's flat kernel
+    exactly where x's rows start on 16-byte boundaries, else its column tiles. Outputs are
+    poisoned first: an element the walk skipped shows as NaN."""
+    require_cuda()
+    vector = 16 // torch.empty((), dtype=dtype).element_size()
+    for rows in (1, 63, 64, 65, 2047):
+        for offset in (0, 1):
+            where = (rows, half, offset)
+            x = swiglu_rows(rows, 2 * half, dtype, "cuda", offset)
+            ref = reference_swiglu(x)
+            for version in (*EW_VERSIONS["swiglu"], None):
+                poison_allocator(ref.to(dtype))
+                assert_within(fusion.swiglu(x, version=version), ref, swiglu_bound(x, ref, dtype), f"{version} {where}")
+            # dy one element off with x on a boundary: the backward's shifted flat walk (x one
+            # element off takes the tiles, whatever dy's alignment).
+            dy_offsets = (0, 1) if offset == 0 else (1,)
+            dys = [swiglu_rows(rows, half, dtype, "cuda", o) for o in dy_offsets]
+            if rows == 65:  # which kernels ran (one profiler session per half, dtype and x offset)
+                _, kernels = launched_kernels(lambda: [fusion.swiglu(x)] + [OPS.swiglu_backward(dy, x) for dy in dys],
+                                              "swiglu_")
+                kernels = [k for k in kernels if "_kernel" in k]  # not the ops' own events (fusion::swiglu_backward)
+                flat_rows = half % vector == 0 and offset == 0  # every row of x on a 16-byte boundary
+                expected = ["flat plain" if flat_rows else "flat shifted"]  # the forward
+                expected += [("flat plain" if o == 0 else "flat shifted") if flat_rows else "tiles" for o in dy_offsets]
+                assert [swiglu_kernel_kind(k) for k in kernels] == expected, (where, kernels)
+            for dy_offset, dy in zip(dy_offsets, dys):
+                where = (rows, half, offset, dy_offset)
+                x64, bound = swiglu_grad_reference(x, dy)
+                poison_allocator(x64.grad.to(dtype))
+                assert_within(OPS.swiglu_backward(dy, x), x64.grad, bound, f"backward {where}")
+                xg = x.detach().requires_grad_()  # a view of a tensor without grad: a leaf, still misaligned
+                fusion.swiglu(xg).backward(dy)
+                assert_within(xg.grad, x64.grad, bound, f"autograd {where}")
 
 
 @pytest.mark.parametrize("activation", BIAS_OPS)
@@ -1008,6 +1135,25 @@ def test_long_sweeps(shape, dtype):
 @pytest.mark.cuda
 @pytest.mark.sanitize
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float64), ids=dtype_id)
+def test_sanitizer_swiglu_flat(dtype):
+    """swiglu's flat kernel (and the backward's tiles) under compute-sanitizer: the shifted loads
+    of rows at every distance from a 16-byte boundary, with x and dy on one or one element past it
+    (the vectors around the first and last elements must not be read past x; dy one off with x on
+    one is the backward's shifted flat walk), and rows shorter than a vector."""
+    require_cuda()
+    for rows, half in ((1, 1), (3, 7), (5, 9), (65, 777), (2, 4099), (3, 64)):
+        for offset, dy_offset in ((0, 0), (0, 1), (1, 1)):
+            x = swiglu_rows(rows, 2 * half, dtype, "cuda", offset)
+            ref = reference_swiglu(x)
+            assert_within(fusion.swiglu(x), ref, swiglu_bound(x, ref, dtype), f"forward {(rows, half, offset)}")
+            dy = swiglu_rows(rows, half, dtype, "cuda", dy_offset)
+            x64, bound = swiglu_grad_reference(x, dy)
+            assert_within(OPS.swiglu_backward(dy, x), x64.grad, bound, f"backward {(rows, half, offset, dy_offset)}")
+
+
+@pytest.mark.cuda
+@pytest.mark.sanitize
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float64), ids=dtype_id)
 def test_sanitizer_small(dtype):
     """The small run the GPU pass puts under compute-sanitizer: every rung of every op on small,
     irregular, aligned and misaligned shapes, each checked against its reference."""
@@ -1037,8 +1183,7 @@ def test_sanitizer_small(dtype):
             if shape[-1] % 2 == 0:
                 ref = reference_swiglu(xv)
                 for version in EW_VERSIONS["swiglu"]:
-                    assert_within(fusion.swiglu(xv, version=version), ref,
-                                  (2 * eps(dtype) + 16 * eps_acc(dtype)) * ref.abs() + floor(dtype), "swiglu")
+                    assert_within(fusion.swiglu(xv, version=version), ref, swiglu_bound(xv, ref, dtype), "swiglu")
             weight = torch.randn(7, shape[-1], device="cuda").to(dtype)
             b2 = torch.randn(7, device="cuda").to(dtype)
             ref = reference_linear(xv, weight, b2, "silu")
