@@ -172,8 +172,25 @@ __global__ void __launch_bounds__(kThreads)
 //
 // kAddResidual (fused_add_rms_norm): the residual is loaded beside x, the sum rounded to the
 // dtype (what the unfused add would store), written out, and normalized from the registers.
+//
+// Rows in flight. A block loads its row, then waits on its reductions and on weight before it
+// stores y and loads the next: while it waits, only the other blocks of the SM keep DRAM busy.
+// Left to itself, nvcc gave RMSNorm's bfloat16 rows of 4 vectors a thread 68 registers and
+// fused_add_rms_norm's 76 (ptxas -v, sm_90a): at 512 threads (hidden 8193-16384) one block an
+// SM, a single row in flight, and each SM idle on DRAM for the reduction's and the weight's
+// latency once a row; at 256 threads, three blocks. kForwardMinBlocks asks for 32 warps an SM
+// (64 registers a thread: the 16 of the row's vectors, the rest addresses and the float math),
+// so that at least two rows of the longest shape are in flight on every SM (RMSNorm's and
+// fused_add_rms_norm's rows fit it without a spill, LayerNorm's spill 8 bytes a thread, 32 at
+// bfloat16's 32 x 4 warp rows; ptxas -v). Rows of whole vectors only: under the same cap the
+// rows that start mid-vector (kChunks) or read single elements (kScalar), whose edge slot holds
+// one more set of registers, spilled 40-88 bytes a thread (ptxas -v); they keep nvcc's count.
+template <int kBlockThreads, Access kAccess>
+constexpr int kForwardMinBlocks = kAccess != Access::kVectors || kBlockThreads >= 1024 ? 1 : 1024 / kBlockThreads;
+
 template <typename T, bool kCentered, bool kAddResidual, int kThreadsPerRow, int kVectors, Access kAccess>
-__global__ void __launch_bounds__(kThreadsPerRow * kRowsPerBlock<kThreadsPerRow>)
+__global__ void __launch_bounds__(kThreadsPerRow * kRowsPerBlock<kThreadsPerRow>,
+                                  (kForwardMinBlocks<kThreadsPerRow * kRowsPerBlock<kThreadsPerRow>, kAccess>))
     norm_resident(const T* __restrict__ x, const T* __restrict__ residual, T* __restrict__ sum,
                   const T* __restrict__ weight, const T* __restrict__ bias, T* __restrict__ y,
                   typename Acc<T>::type* __restrict__ mean_out, typename Acc<T>::type* __restrict__ rstd_out,
