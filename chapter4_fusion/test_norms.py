@@ -283,6 +283,131 @@ def test_low_precision_gradients_through_autograd(shape, dtype, device):
     assert_grad(gw, dw, dtype, "fused dweight")
 
 
+def fused_add_reference(x, r, w, dy, dsum):
+    """fused_add_rms_norm's gradients in float64: dh = rms_norm's dx + dsum (what reaches h = x +
+    residual directly), dweight rms_norm's; h is the sum the forward rounds to the dtype."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    h = (x.to(acc) + r.to(acc)).to(x.dtype)
+    dh, dw = reference_grads("rms_norm", h, w, None, dy, 1e-6)
+    return h, dh + dsum.double(), dw
+
+
+@pytest.mark.parametrize("n", (1, 7, 777, 5123, 12288, 65536))
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("version", (*VERSIONS["rms_norm_backward"], None), ids=str)
+def test_rms_norm_backward_adds_dsum(version, dtype, n, device):
+    """rms_norm_backward(dsum=...) adds dsum to dx in the kernel's own pass (fused_add_rms_norm's
+    backward): every rung, against the float64 reference of dx + dsum."""
+    rows = 3 if n >= 65536 else 37
+    x, w, _, r = make_inputs((rows, n), dtype, device, residual=True)
+    dy, dsum = (torch.randn(rows, n, dtype=torch.float64).to(dtype).to(device) for _ in range(2))
+    h, dh_ref, dw_ref = fused_add_reference(x, r, w, dy, dsum)
+    _, rstd = fusion.rms_norm_forward(h, w, 1e-6)
+    dh, dw = fusion.rms_norm_backward(dy, h, w, rstd, version=version, dsum=dsum)
+    assert_grad(dh, dh_ref, dtype, f"{version} n={n} dx + dsum")
+    assert_grad(dw, dw_ref, dtype, f"{version} n={n} dweight")
+
+
+@pytest.mark.parametrize("used", ("both", "y", "h"))
+def test_fused_add_rms_norm_gradients_of_either_output(used, device):
+    """Autograd hands the backward an undefined gradient for an output nobody used (the Function
+    does not materialize zeros): y alone, h alone, or both, each against the reference."""
+    x, w, _, r = make_inputs((9, 777), torch.float32, device, residual=True)
+    dy, dsum = (torch.randn(9, 777, dtype=torch.float64).to(device).float() for _ in range(2))
+    xs, rs, ws = (t.clone().requires_grad_() for t in (x, r, w))
+    y, h = fusion.fused_add_rms_norm(xs, rs, ws)
+    outs, grads = {"both": ((y, h), (dy, dsum)), "y": ((y,), (dy,)), "h": ((h,), (dsum,))}[used]
+    gx, gr, gw = torch.autograd.grad(outs, (xs, rs, ws), grads, allow_unused=True)
+    zeros = torch.zeros_like(dy)
+    _, dh_ref, dw_ref = fused_add_reference(x, r, w, dy if used != "h" else zeros, dsum if used != "y" else zeros)
+    assert_grad(gx, dh_ref, torch.float32, f"{used}: dx")
+    assert torch.equal(gx, gr)
+    assert_grad(gw, dw_ref, torch.float32, f"{used}: dweight")
+
+
+def test_fused_add_rms_norm_backward_is_one_op(device):
+    """The gradient of h is added inside rms_norm_backward (dsum), not by an add after it: the
+    backward through autograd calls fusion::rms_norm_backward and no elementwise add, and never
+    fills a tensor of zeros for a gradient."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Log(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    x, w, _, r = make_inputs((5, 64), torch.float32, device, residual=True)
+    xs, rs, ws = (t.clone().requires_grad_() for t in (x, r, w))
+    y, h = fusion.fused_add_rms_norm(xs, rs, ws)
+    with Log() as log:
+        torch.autograd.grad((y, h), (xs, rs, ws), (torch.randn_like(y), torch.randn_like(h)))
+    assert "fusion.rms_norm_backward" in log.ops, log.ops
+    assert not [o for o in log.ops if o in ("aten.add", "aten.add_", "aten.zeros_like", "aten.fill_", "aten.zero_")], log.ops
+
+
+# Rows and widths at the edges of the row shapes and of the launches (norm.h): one row, a warp's
+# worth of 64 rows and either side of it, many rows with a ragged last block; widths of one
+# element, fewer than a vector, mid-vector rows (777, 4099) and the longest model rows.
+EDGE_ROWS = (1, 63, 64, 65, 2047, 8193)
+EDGE_WIDTHS = (1, 7, 777, 4099, 12288, 16384)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=dtype_id)
+def test_model_shape_edges(dtype):
+    """The forward's row kernels under their register cap (kForwardMinBlocks in
+    norm_kernels.cu) and fused_add_rms_norm's backward with dsum in the kernel, through
+    autograd, at every edge row count x width, against float64."""
+    require_cuda()
+    for rows in EDGE_ROWS:
+        for n in EDGE_WIDTHS:
+            if rows * n > 8193 * 4099:  # the longest rows at 2047 tokens: the 8193-row cases stay small
+                continue
+            where = f"{rows}x{n}"
+            x, w, b, r = make_inputs((rows, n), dtype, "cuda", residual=True)
+            for op in NORM_OPS:
+                eps = default_eps(op)
+                assert_forward(run(op, x, w, b, eps, None), reference(op, x, w, b, eps), dtype, f"{op} {where}")
+            dy, dsum = (torch.randn(rows, n, device="cuda").to(dtype) for _ in range(2))
+            xs, rs, ws = (t.clone().requires_grad_() for t in (x, r, w))
+            y, h = fusion.fused_add_rms_norm(xs, rs, ws)
+            h_ref, dh_ref, dw_ref = fused_add_reference(x, r, w, dy, dsum)
+            assert torch.equal(h, h_ref), where
+            assert_forward(y, F.rms_norm(h_ref.double(), (n,), w.double(), 1e-6), dtype, f"fused {where}")
+            gx, gr, gw = torch.autograd.grad((y, h), (xs, rs, ws), (dy, dsum))
+            assert_grad(gx, dh_ref, dtype, f"fused {where} dx")
+            assert torch.equal(gx, gr), where
+            assert_grad(gw, dw_ref, dtype, f"fused {where} dweight")
+            del x, r, dy, dsum, xs, rs, y, h, h_ref, dh_ref, gx, gr
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=dtype_id)
+def test_fused_add_backward_launches(dtype):
+    """fused_add_rms_norm's backward is rms_norm's launches and nothing after them: at 64 rows one
+    kernel (norm_backward_few_rows, dsum added to dx there), at 2048 the resident rows and their
+    column sum; no elementwise kernel for the add."""
+    require_cuda()
+    for rows, n in ((64, 4096), (2048, 4096), (64, 777)):
+        x, w, _, r = make_inputs((rows, n), dtype, "cuda", residual=True)
+        xs, rs, ws = (t.clone().requires_grad_() for t in (x, r, w))
+        y, h = fusion.fused_add_rms_norm(xs, rs, ws)
+        dy, dsum = torch.randn_like(y), torch.randn_like(h)
+        (gx, _, gw), kernels = launched_kernels(lambda: torch.autograd.grad((y, h), (xs, rs, ws), (dy, dsum)), "")
+        where = f"{rows}x{n}"
+        _, dh_ref, dw_ref = fused_add_reference(x, r, w, dy, dsum)
+        assert_grad(gx, dh_ref, dtype, f"{where} dx")
+        assert_grad(gw, dw_ref, dtype, f"{where} dweight")
+        ours = [k for k in kernels if "norm_backward" in k or "column_reduce" in k]
+        assert len(ours) == len(kernels), (where, kernels)  # nothing else: no add, no fill
+        if rows <= 64:
+            assert len(ours) == 1 and "norm_backward_few_rows" in ours[0], (where, kernels)
+
+
 GRAD_SHAPES = [(4, 7), (2, 3, 5), (3, 1)]
 
 
@@ -409,6 +534,35 @@ def test_backward_column_tiles_rule(dtype):
         OPS.norm_backward_column_tiles(torch.empty(2, 8, device="meta"), 0)
 
 
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=dtype_id)
+def test_backward_column_tiles_stay_in_one_wave(dtype):
+    """The launch's cap on the column tiles (max_tiles: what one wave of the kernel holds beside its
+    dx blocks): a tile is halved only while the halves fit, so the grid is never a wave and a bit
+    where a wider tile keeps it one; without the cap the rule above. LayerNorm at 64 x 4096 in
+    bfloat16 on 132 SMs (two blocks an SM, 32 dx blocks: room for 232): 128 tiles of 4 lanes, where
+    the uncapped rule's 2-lane tiles are 256."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    for n in (1, 7, 777, 768, 2048, 4096, 4099, 7168, 8192, 12288, 16384):
+        x = torch.empty(64, n, dtype=dtype, device="meta")
+        for sms in (1, 78, 132):
+            free = OPS.norm_backward_column_tiles(x, sms)
+            for room in (1, 40, 68, 200, 232, 10**9):
+                lanes, cols, tiles = OPS.norm_backward_column_tiles(x, sms, room)
+                where = (n, sms, room, lanes, cols, tiles, free)
+                assert cols == free[1] and tiles == -(-n // (lanes * cols)), where
+                assert lanes >= free[0], where                       # never narrower than uncapped
+                assert tiles <= room or lanes == 32, where           # within the wave, or as wide as a tile goes
+                if lanes > free[0]:                                  # stopped early: only the cap stopped it
+                    assert -(-n // (lanes // 2 * cols)) > room, where
+            assert OPS.norm_backward_column_tiles(x, sms, 10**9) == free
+    if dtype == torch.bfloat16:
+        x = torch.empty(64, 4096, dtype=dtype, device="meta")
+        assert OPS.norm_backward_column_tiles(x, 132) == [2, 8, 256]
+        assert OPS.norm_backward_column_tiles(x, 132, 264 - 32) == [4, 8, 128]
+    with pytest.raises(RuntimeError, match="norm_backward_column_tiles: max_tiles must be at least 1"):
+        OPS.norm_backward_column_tiles(torch.empty(2, 8, device="meta"), 4, 0)
+
+
 def _f32(*shape, device="cpu", dtype=torch.float32):
     return torch.randn(shape, device=device, dtype=dtype)
 
@@ -462,6 +616,14 @@ MISUSES = {
         lambda d: fusion.rms_norm_backward(_f32(3, 7, device=d), _f32(3, 8, device=d), _f32(8, device=d),
                                            _f32(3, device=d)),
         r"rms_norm_backward: dy has shape \[3, 7\] but x has shape \[3, 8\]"),
+    "backward dsum shape": (
+        lambda d: fusion.rms_norm_backward(_f32(3, 8, device=d), _f32(3, 8, device=d), _f32(8, device=d),
+                                           _f32(3, device=d), dsum=_f32(2, 8, device=d)),
+        r"rms_norm_backward: dsum has shape \[2, 8\] but x has shape \[3, 8\] \(it is added to dx\)"),
+    "backward dsum dtype": (
+        lambda d: fusion.rms_norm_backward(_f32(3, 8, device=d), _f32(3, 8, device=d), _f32(8, device=d),
+                                           _f32(3, device=d), dsum=_f32(3, 8, device=d).double()),
+        r"rms_norm_backward: dsum is Double but x is Float"),
 }
 
 
@@ -502,12 +664,14 @@ def _opcheck_calls(d):
         "fused_add_rms_norm_forward": (OPS.fused_add_rms_norm_forward.default, (xg, rg, wg, 1e-6, None)),
         "layer_norm_backward": (OPS.layer_norm_backward.default, (dy, x, w, mean, rstd, "v1")),
         "rms_norm_backward": (OPS.rms_norm_backward.default, (dy, x, w, rms_rstd, None)),
+        "rms_norm_backward_dsum": (OPS.rms_norm_backward.default, (dy, x, w, rms_rstd, None, torch.randn_like(x))),
     }
 
 
 @pytest.mark.parametrize("op", ["layer_norm", "layer_norm_v1", "rms_norm", "fused_add_rms_norm",
                                 "fused_add_rms_norm_v1", "layer_norm_forward", "rms_norm_forward",
-                                "fused_add_rms_norm_forward", "layer_norm_backward", "rms_norm_backward"])
+                                "fused_add_rms_norm_forward", "layer_norm_backward", "rms_norm_backward",
+                                "rms_norm_backward_dsum"])
 def test_opcheck(op, device):
     fn, args = _opcheck_calls(device)[op]
     torch.library.opcheck(fn, args)
@@ -735,6 +899,24 @@ def test_sanitizer_small_backward(version):
                 refs = reference_grads(op, x, w, b, dy, default_eps(op))
                 for out, ref in zip(kernel_grads(op, x, w, b, dy, default_eps(op), version), refs):
                     assert_grad(out, ref, dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.sanitize
+def test_sanitizer_small_fused_add_backward():
+    """compute-sanitizer's run of fused_add_rms_norm's backward with dsum read in the kernel: one
+    launch at few rows, partial rows past that, single elements (777) and the streamed rows (v1)."""
+    require_cuda()
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows, n in ((1, 7), (3, 777), (65, 2048), (300, 1024)):
+            x, w, _, r = make_inputs((rows, n), dtype, "cuda", residual=True)
+            dy, dsum = (torch.randn(rows, n, device="cuda").to(dtype) for _ in range(2))
+            h, dh_ref, dw_ref = fused_add_reference(x, r, w, dy, dsum)
+            _, rstd = fusion.rms_norm_forward(h, w, 1e-6)
+            for version in (*VERSIONS["rms_norm_backward"], None):
+                dh, dw = fusion.rms_norm_backward(dy, h, w, rstd, version=version, dsum=dsum)
+                assert_grad(dh, dh_ref, dtype, f"{rows}x{n} {version} dx")
+                assert_grad(dw, dw_ref, dtype, f"{rows}x{n} {version} dweight")
 
 
 # A tensor where a number goes and the other way round: a TypeError naming the op and the argument.
