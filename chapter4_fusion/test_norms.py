@@ -292,13 +292,14 @@ def fused_add_reference(x, r, w, dy, dsum):
     return h, dh + dsum.double(), dw
 
 
-@pytest.mark.parametrize("n", (1, 7, 777, 5123, 12288, 65536))
+@pytest.mark.parametrize("n", (1, 7, 777, 5123, 12288, 20000))
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("version", (*VERSIONS["rms_norm_backward"], None), ids=str)
 def test_rms_norm_backward_adds_dsum(version, dtype, n, device):
     """rms_norm_backward(dsum=...) adds dsum to dx in the kernel's own pass (fused_add_rms_norm's
-    backward): every rung, against the float64 reference of dx + dsum."""
-    rows = 3 if n >= 65536 else 37
+    backward): every rung, against the float64 reference of dx + dsum. 12288: the 1024-thread rows
+    with their sums in shared memory; 20000: past the registers (streamed) in every dtype."""
+    rows = 3 if n >= 12288 else 37
     x, w, _, r = make_inputs((rows, n), dtype, device, residual=True)
     dy, dsum = (torch.randn(rows, n, dtype=torch.float64).to(dtype).to(device) for _ in range(2))
     h, dh_ref, dw_ref = fused_add_reference(x, r, w, dy, dsum)
@@ -403,7 +404,8 @@ def test_fused_add_backward_launches(dtype):
         assert_grad(gx, dh_ref, dtype, f"{where} dx")
         assert_grad(gw, dw_ref, dtype, f"{where} dweight")
         ours = [k for k in kernels if "norm_backward" in k or "column_reduce" in k]
-        assert len(ours) == len(kernels), (where, kernels)  # nothing else: no add, no fill
+        # Nothing else on the GPU: no add, no fill (PyTorch's are its elementwise kernels).
+        assert ours and not [k for k in kernels if "elementwise_kernel" in k or "fill" in k.lower()], (where, kernels)
         if rows <= 64:
             assert len(ours) == 1 and "norm_backward_few_rows" in ours[0], (where, kernels)
 
@@ -541,7 +543,6 @@ def test_backward_column_tiles_stay_in_one_wave(dtype):
     where a wider tile keeps it one; without the cap the rule above. LayerNorm at 64 x 4096 in
     bfloat16 on 132 SMs (two blocks an SM, 32 dx blocks: room for 232): 128 tiles of 4 lanes, where
     the uncapped rule's 2-lane tiles are 256."""
-    elem = torch.empty((), dtype=dtype).element_size()
     for n in (1, 7, 777, 768, 2048, 4096, 4099, 7168, 8192, 12288, 16384):
         x = torch.empty(64, n, dtype=dtype, device="meta")
         for sms in (1, 78, 132):
