@@ -46,6 +46,12 @@ constexpr int kUnroll = 4;
 __device__ __forceinline__ float reciprocal_sqrt(float v) { return rsqrtf(v); }
 __device__ __forceinline__ double reciprocal_sqrt(double v) { return 1.0 / sqrt(v); }
 
+// Asks the L1 for the line that holds p (PTX prefetch): no register, nothing to wait for; a
+// later load of p finds it there, or fetches it as it would have anyway.
+__device__ __forceinline__ void prefetch_l1(const void* p) {
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(__cvta_generic_to_global(p)));
+}
+
 // y for one element: mean is 0 for RMSNorm, which has no bias.
 template <bool kCentered, typename A>
 __device__ __forceinline__ A normalized(A x, A mean, A rstd, A weight, A bias) {
@@ -181,8 +187,8 @@ __global__ void __launch_bounds__(kThreads)
 // latency once a row; at 256 threads, three blocks. kForwardMinBlocks asks for 32 warps an SM
 // (64 registers a thread: the 16 of the row's vectors, the rest addresses and the float math),
 // so that at least two rows of the longest shape are in flight on every SM (RMSNorm's and
-// fused_add_rms_norm's rows fit it without a spill, LayerNorm's spill 8 bytes a thread, 32 at
-// bfloat16's 32 x 4 warp rows; ptxas -v). Rows of whole vectors only: under the same cap the
+// fused_add_rms_norm's rows fit it without a spill, LayerNorm's spill 4-8 bytes a thread;
+// ptxas -v). Rows of whole vectors only: under the same cap the
 // rows that start mid-vector (kChunks) or read single elements (kScalar), whose edge slot holds
 // one more set of registers, spilled 40-88 bytes a thread (ptxas -v); they keep nvcc's count.
 template <int kBlockThreads, Access kAccess>
@@ -212,6 +218,20 @@ __global__ void __launch_bounds__(kThreadsPerRow * kRowsPerBlock<kThreadsPerRow>
     const RowSpan span = row_span<kAccess>(x + offset, len);
     T v[kSlots][kLanes];
     load_tile<kAccess, kThreadsPerRow, kVectors>(x + offset, span, t, zero, v);
+    if constexpr (kAccess == Access::kVectors) {
+      // weight (and bias) are read after the row's reductions: asked of the L1 now, their trip
+      // from the L2 runs beside x's from DRAM instead of after the reductions, and costs no
+      // register (holding them would: 16 a thread, past the 64 of kForwardMinBlocks). At a
+      // few rows (64 tokens: one row step a block) that trip was a whole step of the chain.
+#pragma unroll
+      for (int j = 0; j < kVectors; ++j) {
+        if (tile_valid<kAccess, kThreadsPerRow, kVectors, kLanes>(j, 0, t, span)) {  // not padding
+          const int64_t first = tile_index<kAccess, kThreadsPerRow, kVectors, kLanes>(j, 0, t, span);
+          prefetch_l1(weight + first);
+          if constexpr (kCentered) prefetch_l1(bias + first);
+        }
+      }
+    }
     if constexpr (kAddResidual) {
       T res[kSlots][kLanes];
       load_tile<kAccess, kThreadsPerRow, kVectors>(residual + offset, span, t, zero, res);
