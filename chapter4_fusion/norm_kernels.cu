@@ -188,9 +188,9 @@ __global__ void __launch_bounds__(kThreads)
 // (64 registers a thread: the 16 of the row's vectors, the rest addresses and the float math),
 // so that at least two rows of the longest shape are in flight on every SM (RMSNorm's and
 // fused_add_rms_norm's rows fit it without a spill, LayerNorm's spill 4-8 bytes a thread;
-// ptxas -v). Rows of whole vectors only: under the same cap the
-// rows that start mid-vector (kChunks) or read single elements (kScalar), whose edge slot holds
-// one more set of registers, spilled 40-88 bytes a thread (ptxas -v); they keep nvcc's count.
+// ptxas -v). Rows of whole vectors only: under the same cap the rows that start mid-vector
+// (kChunks) or read single elements (kScalar), whose edge slot holds one more set of
+// registers, spilled 40-88 bytes a thread (ptxas -v); they keep nvcc's count.
 template <int kBlockThreads, Access kAccess>
 constexpr int kForwardMinBlocks = kAccess != Access::kVectors || kBlockThreads >= 1024 ? 1 : 1024 / kBlockThreads;
 
