@@ -93,6 +93,34 @@ inline int forward_shape(int64_t n, int elem_bytes) {
   }
   return -1;
 }
+
+// The forward's resident kernel in two variants beside its plain one (norm_kernels.cu, "Rows in
+// flight").
+// Capped registers, chosen from the plain kernel's own occupancy, blocks_per_sm, as the launch
+// asks it of the runtime (nvcc's register count decides, not an estimate of it): where that leaves
+// fewer than kMinForwardRowsInFlight rows on an SM (a block of one long row at more than 64
+// registers a thread: one row in flight, the SM's DRAM idle while it reduces), the instantiation
+// built for that many blocks an SM runs instead. It exists only for the blocks where a cap can be
+// both needed and met: blocks of one row, of more than 128 threads (at 128, nvcc's ceiling of 255
+// registers a thread still leaves two blocks an SM) and of at most 512 (two blocks' share of the
+// register file, 64 a thread, holds the row's 16 and the rest), rows of whole vectors (the rows
+// that start mid-vector, whose edge slot holds one more set of registers, spilled 40-88 bytes a
+// thread under the same cap; ptxas -v).
+constexpr int kMinForwardRowsInFlight = 2;
+constexpr int forward_rows_per_block(int threads) { return threads <= 32 ? 128 / threads : 1; }
+constexpr bool forward_cappable(int block_threads, int rows_per_block, bool whole_vectors) {
+  return whole_vectors && rows_per_block == 1 && block_threads > 128 && block_threads <= 512;
+}
+inline bool forward_caps_registers(int blocks_per_sm, int rows_per_block) {
+  return static_cast<int64_t>(blocks_per_sm) * rows_per_block < kMinForwardRowsInFlight;
+}
+// Weight (and bias) prefetched into the L1 beside x's loads: only where the grid gives each SM
+// at most one block (few rows: 64 tokens). Such a block is alone on its SM, and its trip for
+// weight from the L2, after the row's reductions, is on its critical path with nothing beside it.
+// Where an SM holds several blocks, the others' loads run during that trip (and the first of them
+// leaves weight in the L1 for the rest): the prefetch would be instructions for nothing.
+inline bool forward_prefetches(int64_t blocks, int sms) { return blocks <= sms; }
+
 inline int backward_shape(int64_t n, int elem_bytes) {
   if (elem_bytes == 8) return -1;
   for (int i = 0; i < kNumBackwardShapes; ++i) {

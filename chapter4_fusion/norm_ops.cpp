@@ -388,6 +388,35 @@ std::vector<int64_t> norm_backward_column_tiles(const Tensor& x, int64_t sms, st
   return {t.lanes, cols, t.tiles};
 }
 
+// Which of the forward's resident kernels a launch for x would run on a GPU of `sms` SMs where the
+// plain kernel keeps blocks_per_sm blocks an SM (the launch asks the runtime for its occupancy;
+// norm.h's forward_prefetches and forward_caps_registers): "prefetch", "capped", "plain", or
+// "streamed" past the registers; for freshly allocated (16-byte aligned) tensors. Asked without a
+// GPU by the CPU tests of the rule.
+std::string norm_forward_variant(const Tensor& x, int64_t sms, int64_t blocks_per_sm) {
+  check_x("norm_forward_variant", x);
+  TORCH_CHECK(sms >= 1, "norm_forward_variant: sms must be at least 1, got ", std::to_string(sms));
+  TORCH_CHECK(blocks_per_sm >= 1, "norm_forward_variant: blocks_per_sm must be at least 1, got ",
+              std::to_string(blocks_per_sm));
+  const int64_t n = x.dim() == 0 ? 1 : x.size(-1);
+  const int64_t rows = n == 0 ? 0 : x.numel() / n;
+  const int elem = static_cast<int>(x.element_size());
+  const int shape = forward_shape(n, elem);
+  if (shape < 0) return "streamed";
+  const bool whole_vectors = n % (16 / elem) == 0;
+  const int threads = kForwardShapes[shape].threads;
+  const int per_block = forward_rows_per_block(threads);
+  const int64_t blocks = ::course::ceil_div<int64_t>(rows, per_block);
+  if (whole_vectors && forward_prefetches(blocks, static_cast<int>(sms))) {
+    return "prefetch";
+  }
+  if (forward_cappable(threads * per_block, per_block, whole_vectors) &&
+      forward_caps_registers(static_cast<int>(blocks_per_sm), per_block)) {
+    return "capped";
+  }
+  return "plain";
+}
+
 // ---------------------------------------------------------------------------------------
 // Autograd. Each forward re-enters the dispatcher below the Autograd key (reaching the kernels
 // above, or the Meta ones under torch.compile) and saves what the backward kernels need; the
@@ -540,6 +569,7 @@ TORCH_LIBRARY_FRAGMENT(fusion, m) {
         &fusion::norm::norm_backward_column_pass);
   m.def("norm_backward_column_tiles(Tensor x, int sms, int? max_tiles=None) -> int[]",
         &fusion::norm::norm_backward_column_tiles);
+  m.def("norm_forward_variant(Tensor x, int sms, int blocks_per_sm) -> str", &fusion::norm::norm_forward_variant);
 }
 
 // One implementation per op serves CPU, CUDA and Meta.
