@@ -878,7 +878,7 @@ def test_backward_column_totals_at_tile_edges(dtype):
                 refs = reference_grads(op, x, w, b, dy, eps)
                 if rows < 2047 or dtype != torch.bfloat16:
                     outs = kernel_grads(op, x, w, b, dy, eps, None)
-                else:  # partial rows at every width here: one column sum (the profiler only here and in one dtype: slow)
+                else:  # partial rows at every width here: one column sum (the profiler: here, one dtype; slow)
                     outs, kernels = launched_kernels(lambda: kernel_grads(op, x, w, b, dy, eps, None), "")
                     assert not any("norm_backward_few_rows" in k for k in kernels), (op, n, kernels)
                     assert sum("column_reduce" in k for k in kernels) == 1, (op, n, kernels)
