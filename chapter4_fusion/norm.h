@@ -14,6 +14,7 @@
 #include <course/index_math.h>
 
 #include <cstdint>
+#include <limits>
 
 namespace fusion {
 namespace norm {
@@ -92,6 +93,34 @@ inline int forward_shape(int64_t n, int elem_bytes) {
   }
   return -1;
 }
+
+// The forward's resident kernel in two variants beside its plain one (norm_kernels.cu, "Rows in
+// flight").
+// Capped registers, chosen from the plain kernel's own occupancy, blocks_per_sm, as the launch
+// asks it of the runtime (nvcc's register count decides, not an estimate of it): where that leaves
+// fewer than kMinForwardRowsInFlight rows on an SM (a block of one long row at more than 64
+// registers a thread: one row in flight, the SM's DRAM idle while it reduces), the instantiation
+// built for that many blocks an SM runs instead. It exists only for the blocks where a cap can be
+// both needed and met: blocks of one row, of more than 128 threads (at 128, nvcc's ceiling of 255
+// registers a thread still leaves two blocks an SM) and of at most 512 (two blocks' share of the
+// register file, 64 a thread, holds the row's 16 and the rest), rows of whole vectors (the rows
+// that start mid-vector, whose edge slot holds one more set of registers, spilled 40-88 bytes a
+// thread under the same cap; ptxas -v).
+constexpr int kMinForwardRowsInFlight = 2;
+constexpr int forward_rows_per_block(int threads) { return threads <= 32 ? 128 / threads : 1; }
+constexpr bool forward_cappable(int block_threads, int rows_per_block, bool whole_vectors) {
+  return whole_vectors && rows_per_block == 1 && block_threads > 128 && block_threads <= 512;
+}
+inline bool forward_caps_registers(int blocks_per_sm, int rows_per_block) {
+  return static_cast<int64_t>(blocks_per_sm) * rows_per_block < kMinForwardRowsInFlight;
+}
+// Weight (and bias) prefetched into the L1 beside x's loads: only where the grid gives each SM
+// at most one block (few rows: 64 tokens). Such a block is alone on its SM, and its trip for
+// weight from the L2, after the row's reductions, is on its critical path with nothing beside it.
+// Where an SM holds several blocks, the others' loads run during that trip (and the first of them
+// leaves weight in the L1 for the rest): the prefetch would be instructions for nothing.
+inline bool forward_prefetches(int64_t blocks, int sms) { return blocks <= sms; }
+
 inline int backward_shape(int64_t n, int elem_bytes) {
   if (elem_bytes == 8) return -1;
   for (int i = 0; i < kNumBackwardShapes; ++i) {
@@ -109,15 +138,25 @@ inline int backward_shape(int64_t n, int elem_bytes) {
 // lanes (a warp across 512 contiguous bytes of a row) while that gives every SM a tile, else halved
 // down to the narrowest tile whose lanes still read a whole 32-byte sector of a row together:
 // hidden 12288 in bfloat16 is 1536 vectors, 48 tiles of 32 lanes on 132 SMs, 192 tiles of 8.
+// max_tiles: the blocks the launch has room for beside the dx blocks in one wave (the kernel's
+// occupancy x the SMs, less the dx blocks). A tile is halved only while the halves still fit it:
+// the column blocks share the dx kernel's block of 512 or 1024 threads and its two blocks an SM or
+// one, and at 64 x 4096 in bfloat16 (LayerNorm: 32 dx blocks) the 2-lane tiles made 256 column
+// blocks, 288 in all for the 264 that one wave holds on 132 SMs; the 24 left over waited for a
+// whole block's time again, where the 4-lane tiles (128, each lane one row: still one step) fit.
 struct ColumnTiles {
   int lanes;
   int64_t tiles;
 };
-inline ColumnTiles column_pass_tiles(int64_t n, int cols, int elem_bytes, int sms) {
+inline ColumnTiles column_pass_tiles(int64_t n, int cols, int elem_bytes, int sms,
+                                     int64_t max_tiles = std::numeric_limits<int64_t>::max()) {
   const int64_t bytes_per_lane = int64_t{cols} * elem_bytes;
   const int narrowest = bytes_per_lane >= 32 ? 1 : static_cast<int>(32 / bytes_per_lane);
   int lanes = 32;
-  while (lanes > narrowest && ::course::ceil_div<int64_t>(n, int64_t{lanes} * cols) < sms) lanes /= 2;
+  while (lanes > narrowest && ::course::ceil_div<int64_t>(n, int64_t{lanes} * cols) < sms &&
+         ::course::ceil_div<int64_t>(n, int64_t{lanes / 2} * cols) <= max_tiles) {
+    lanes /= 2;
+  }
   return {lanes, ::course::ceil_div<int64_t>(n, int64_t{lanes} * cols)};
 }
 
@@ -182,7 +221,7 @@ struct NormParams {
 // dx, and the per-block partial column sums of dy * xhat (dweight) and dy (dbias) reduced to
 // dweight and dbias. xhat = (x - mean) * rstd (LayerNorm) or x * rstd (RMSNorm), g = dy * weight:
 //   LayerNorm: dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
-//   RMSNorm:   dx = rstd * (g - xhat * mean(g * xhat))
+//   RMSNorm:   dx = rstd * (g - xhat * mean(g * xhat))  (+ dsum, where given)
 struct NormBackwardParams {
   NormKind kind;
   NormBackwardVersion version;
@@ -197,6 +236,10 @@ struct NormBackwardParams {
   void* dbias;         // n (LayerNorm), nullptr (RMSNorm)
   int64_t rows, n;
   void* workspace;     // norm_backward_workspace bytes: the partial column sums
+  // RMSNorm only, or nullptr: rows x n, a gradient that reaches x directly and is added to dx in
+  // the same pass (fused_add_rms_norm: the gradient of its second output, the sum h = x +
+  // residual, beside the one through y). Added unfused it cost a third kernel that re-read dx.
+  const void* dsum = nullptr;
 };
 
 // The elementwise add of fused_add_rms_norm's v1: out = x + residual, rounded to the dtype.

@@ -4,6 +4,10 @@
 //   LayerNorm:  dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
 //   RMSNorm:    dx = rstd * (g - xhat * mean(g * xhat))
 //   dweight = sum over rows of dy * xhat,   dbias = sum over rows of dy
+// fused_add_rms_norm's backward is RMSNorm's plus the gradient of its second output (the sum h =
+// x + residual), which reaches h directly: dh = dx + dsum, added here before dx is rounded and
+// stored (kAddGrad), not by a kernel of its own after this one (which re-read dx and dsum and
+// wrote dh: six trips of a row where four do).
 // dx is a row reduction followed by a map that needs it (the forward's shape again); dweight and
 // dbias are column reductions over all rows (the bias-gradient pattern of chapter 3).
 //
@@ -82,7 +86,8 @@ __global__ void __launch_bounds__(kThreads)
     norm_backward_streamed(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ weight,
                            const typename Acc<T>::type* __restrict__ mean, const typename Acc<T>::type* __restrict__ rstd,
                            T* __restrict__ dx, typename Acc<T>::type* __restrict__ dweight_partial,
-                           typename Acc<T>::type* __restrict__ dbias_partial, int64_t rows, int64_t n) {
+                           typename Acc<T>::type* __restrict__ dbias_partial, int64_t rows, int64_t n,
+                           const T* __restrict__ dsum) {
   using A = typename Acc<T>::type;
   __shared__ A smem[kThreads / 32];
   A* dw = dweight_partial + blockIdx.x * n;
@@ -109,7 +114,9 @@ __global__ void __launch_bounds__(kThreads)
     for (int64_t i = threadIdx.x; i < n; i += kThreads) {
       const A d = to_acc(dyr[i]);
       const A xhat = (to_acc(xr[i]) - mu) * rs;
-      dx[r * n + i] = from_acc<T>(rs * (d * to_acc(weight[i]) - mean_g - xhat * mean_gx));
+      // dsum (fused_add_rms_norm, else null): one uniform branch; this kernel is the fallback.
+      const A extra = dsum != nullptr ? to_acc(dsum[r * n + i]) : A(0);
+      dx[r * n + i] = from_acc<T>(rs * (d * to_acc(weight[i]) - mean_g - xhat * mean_gx) + extra);
       dw[i] = (first ? A(0) : dw[i]) + d * xhat;
       if constexpr (kCentered) db[i] = (first ? A(0) : db[i]) + d;
     }
@@ -197,15 +204,18 @@ constexpr int kBackwardMinBlocks = !kSums && kThreadsPerRow * kSlots<kThreadsPer
 // The body is a device function of the block's index and the number of blocks that share the rows
 // (blockIdx.x and gridDim.x for norm_backward_resident itself), so that norm_backward_few_rows can
 // run it in the first blocks of a grid whose other blocks sum the columns.
-template <typename T, bool kCentered, int kThreadsPerRow, int kVectors, Access kAccess, bool kSums>
+// kAddGrad (RMSNorm only): dsum's row is loaded beside x and dy and added to dx before it is
+// rounded (fused_add_rms_norm's dh).
+template <typename T, bool kCentered, int kThreadsPerRow, int kVectors, Access kAccess, bool kSums, bool kAddGrad>
 __device__ __forceinline__ void resident_rows(const T* __restrict__ dy, const T* __restrict__ x,
                                               const T* __restrict__ weight,
                                               const typename Acc<T>::type* __restrict__ mean,
                                               const typename Acc<T>::type* __restrict__ rstd, T* __restrict__ dx,
                                               typename Acc<T>::type* __restrict__ dweight_partial,
                                               typename Acc<T>::type* __restrict__ dbias_partial, int64_t rows,
-                                              int64_t n, int64_t block, int64_t blocks) {
+                                              int64_t n, int64_t block, int64_t blocks, const T* __restrict__ dsum) {
   using A = typename Acc<T>::type;
+  static_assert(!(kAddGrad && kCentered), "dsum is fused_add_rms_norm's: RMSNorm only");
   constexpr int kLanes = Vec16<T>::kLanes;
   constexpr int kRows = kSlots<kThreadsPerRow>;
   constexpr int kBlock = kThreadsPerRow * kRows;
@@ -249,6 +259,11 @@ __device__ __forceinline__ void resident_rows(const T* __restrict__ dy, const T*
     const RowSpan span{len, 0, len};
     load_tile<kAccess, kThreadsPerRow, kVectors>(x + row * n, span, t, zero, xv);
     load_tile<kAccess, kThreadsPerRow, kVectors>(dy + row * n, span, t, zero, dyv);
+    // Loaded with x and dy, so that its latency hides behind theirs and the row sums, not after
+    // them: under the few-rows launch's 64 registers that spills 56-64 bytes a thread (ptxas -v,
+    // sm_90a), an L1 trip, where a load after the sums is a second round trip to DRAM.
+    T sv[kAddGrad ? kVectors : 1][kLanes];
+    if constexpr (kAddGrad) load_tile<kAccess, kThreadsPerRow, kVectors>(dsum + row * n, span, t, zero, sv);
     const A mu = kCentered ? mean[row] : A(0);
     const A rs = rstd[row];
     A sum_g = A(0);
@@ -278,7 +293,9 @@ __device__ __forceinline__ void resident_rows(const T* __restrict__ dy, const T*
 #pragma unroll
       for (int l = 0; l < kLanes; ++l) {
         const A xhat = (to_acc(xv[j][l]) - mu) * rs;
-        dyv[j][l] = from_acc<T>(rs * (to_acc(dyv[j][l]) * to_acc(w[j][l]) - mean_g - xhat * mean_gx));
+        A d = rs * (to_acc(dyv[j][l]) * to_acc(w[j][l]) - mean_g - xhat * mean_gx);
+        if constexpr (kAddGrad) d += to_acc(sv[j][l]);
+        dyv[j][l] = from_acc<T>(d);
       }
     }
     store_tile<kAccess, kThreadsPerRow, kVectors>(dx + row * n, span, t, dyv);
@@ -323,14 +340,16 @@ __device__ __forceinline__ void resident_rows(const T* __restrict__ dy, const T*
   }
 }
 
-template <typename T, bool kCentered, int kThreadsPerRow, int kVectors, Access kAccess, bool kSums = true>
+template <typename T, bool kCentered, int kThreadsPerRow, int kVectors, Access kAccess, bool kAddGrad,
+          bool kSums = true>
 __global__ void __launch_bounds__(kThreadsPerRow * kSlots<kThreadsPerRow>, (kBackwardMinBlocks<kThreadsPerRow, kSums>))
     norm_backward_resident(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ weight,
                            const typename Acc<T>::type* __restrict__ mean, const typename Acc<T>::type* __restrict__ rstd,
                            T* __restrict__ dx, typename Acc<T>::type* __restrict__ dweight_partial,
-                           typename Acc<T>::type* __restrict__ dbias_partial, int64_t rows, int64_t n) {
-  resident_rows<T, kCentered, kThreadsPerRow, kVectors, kAccess, kSums>(
-      dy, x, weight, mean, rstd, dx, dweight_partial, dbias_partial, rows, n, blockIdx.x, gridDim.x);
+                           typename Acc<T>::type* __restrict__ dbias_partial, int64_t rows, int64_t n,
+                           const T* __restrict__ dsum) {
+  resident_rows<T, kCentered, kThreadsPerRow, kVectors, kAccess, kSums, kAddGrad>(
+      dy, x, weight, mean, rstd, dx, dweight_partial, dbias_partial, rows, n, blockIdx.x, gridDim.x, dsum);
 }
 
 // The column half of backward_column_pass (norm.h): dweight[c] = sum over rows of dy * xhat and
@@ -451,17 +470,17 @@ static_assert(course::kColumnWarps == 8, "norm.h's column_pass_step_rows counts 
 // resident shape's (kThreadsPerRow x its rows, 512 or 1024 threads); a column block uses its first
 // kColumnThreads (the tiling chapter 3's column sums are written for), and its other threads only
 // reach the barriers.
-template <typename T, bool kCentered, int kThreadsPerRow, int kVectors, Access kAccess, int kCols>
+template <typename T, bool kCentered, int kThreadsPerRow, int kVectors, Access kAccess, int kCols, bool kAddGrad>
 __global__ void __launch_bounds__(kThreadsPerRow * kSlots<kThreadsPerRow>, (kBackwardMinBlocks<kThreadsPerRow, false>))
     norm_backward_few_rows(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ weight,
                            const typename Acc<T>::type* __restrict__ mean, const typename Acc<T>::type* __restrict__ rstd,
                            T* __restrict__ dx, T* __restrict__ dweight, T* __restrict__ dbias, int64_t rows, int64_t n,
-                           int64_t dx_blocks, int lanes) {
+                           int64_t dx_blocks, int lanes, const T* __restrict__ dsum) {
   static_assert(kThreadsPerRow * kSlots<kThreadsPerRow> >= course::kColumnThreads, "a column tile takes 8 warps");
   // Which half is uniform across the block, so each half's barriers see every thread.
   if (static_cast<int64_t>(blockIdx.x) < dx_blocks) {
-    resident_rows<T, kCentered, kThreadsPerRow, kVectors, kAccess, false>(dy, x, weight, mean, rstd, dx, nullptr,
-                                                                          nullptr, rows, n, blockIdx.x, dx_blocks);
+    resident_rows<T, kCentered, kThreadsPerRow, kVectors, kAccess, false, kAddGrad>(
+        dy, x, weight, mean, rstd, dx, nullptr, nullptr, rows, n, blockIdx.x, dx_blocks, dsum);
   } else {
     column_tile<T, kCentered, kCols, kFewRowsUnroll<kCols>>(dy, x, mean, rstd, dweight, dbias, rows, n, lanes,
                                                          blockIdx.x - dx_blocks);
@@ -483,6 +502,14 @@ cudaError_t with_backward_shape(int shape, F&& f) {
     }
     return with_backward_shape<T, I + 1>(shape, std::forward<F>(f));
   }
+}
+
+// Calls f(centered, add_grad) as std::bool_constant pairs: LayerNorm (no dsum), RMSNorm, and RMSNorm
+// with dsum; LayerNorm with a dsum is never instantiated (run_backward refuses it).
+template <typename F>
+cudaError_t with_norm_kind(bool centered, bool add_grad, F&& f) {
+  if (centered) return f(std::true_type{}, std::false_type{});
+  return add_grad ? f(std::false_type{}, std::true_type{}) : f(std::false_type{}, std::false_type{});
 }
 
 // The grid of a backward launch: as many blocks as the GPU keeps resident (each then takes
@@ -510,6 +537,8 @@ cudaError_t run_backward(const NormBackwardParams& p, cudaStream_t stream, int64
   const A* mean = static_cast<const A*>(p.mean);
   const A* rstd = static_cast<const A*>(p.rstd);
   T* dx = static_cast<T*>(p.dx);
+  const T* dsum = static_cast<const T*>(p.dsum);
+  if (centered && dsum != nullptr) return cudaErrorInvalidValue;  // dsum is RMSNorm's (norm.h)
   A* dw_partial = static_cast<A*>(p.workspace);
   int64_t grid = 0;
   // The partial rows, then the reduction of them into dweight (and dbias), once the grid is known.
@@ -533,14 +562,15 @@ cudaError_t run_backward(const NormBackwardParams& p, cudaStream_t stream, int64
   }
   if constexpr (sizeof(T) != 8) {
     if (shape >= 0) {
-      const Access access = row_access<T>(p.n, {p.dy, p.x, p.dx}, {p.weight});
+      const Access access = row_access<T>(p.n, {p.dy, p.x, p.dx, p.dsum}, {p.weight});  // dsum: null ignored
       return with_backward_shape<T>(shape, [&](auto s) {
         constexpr NormShape kShape = kBackwardShapes[decltype(s)::value];
         constexpr int kRows = kSlots<kShape.threads>;
-        return with_flag(centered, [&](auto c) {
+        return with_norm_kind(centered, dsum != nullptr, [&](auto c, auto g) {
           return with_access</*kAllowChunks=*/false>(access, [&](auto a) {
             constexpr bool kC = decltype(c)::value;
-            auto* kernel = norm_backward_resident<T, kC, kShape.threads, kShape.vectors, decltype(a)::value>;
+            constexpr bool kG = decltype(g)::value;
+            auto* kernel = norm_backward_resident<T, kC, kShape.threads, kShape.vectors, decltype(a)::value, kG>;
             constexpr int64_t kSums = shared_sums_bytes<T, kC, kShape.threads, kShape.vectors>();
             if constexpr (kSums > 0) {
               // Past 48 KB a kernel must ask for its dynamic shared memory (set before the
@@ -558,19 +588,23 @@ cudaError_t run_backward(const NormBackwardParams& p, cudaStream_t stream, int64
             if (backward_column_pass(p.rows, p.n, static_cast<int>(sizeof(T)), kCols, kC, grid, sms)) {
               // Few rows: dx and the column sums from one launch (norm_backward_few_rows), no
               // partial rows and no workspace.
-              auto* few = norm_backward_few_rows<T, kC, kShape.threads, kShape.vectors, kA, kCols>;
+              auto* few = norm_backward_few_rows<T, kC, kShape.threads, kShape.vectors, kA, kCols, kG>;
               if (grid_only != nullptr) {
                 *grid_only = 0;
                 return cudaSuccess;
               }
-              const ColumnTiles tiles = column_pass_tiles(p.n, kCols, static_cast<int>(sizeof(T)), sms);
               int64_t dx_blocks = 0;
               COURSE_CUDA_TRY(backward_grid(few, kShape.threads * kRows, kRows, p.rows, &dx_blocks));
+              // The column tiles narrow only as far as the whole grid stays one wave of this
+              // kernel (column_pass_tiles in norm.h: the tiles' width, and what a second wave cost).
+              int64_t wave = 0;
+              COURSE_CUDA_TRY(course::resident_grid(few, kShape.threads * kRows, &wave, 0));
+              const ColumnTiles tiles = column_pass_tiles(p.n, kCols, static_cast<int>(sizeof(T)), sms,
+                                                          wave > dx_blocks ? wave - dx_blocks : 1);
               // dx_blocks + tiles: at most a wave of the rows plus n tiles, far below gridDim.x's limit.
-              // (column_pass_tiles in norm.h: the tiles' width.)
               few<<<grid_for(dx_blocks + tiles.tiles), kShape.threads * kRows, 0, stream>>>(
                   dy, x, weight, mean, rstd, dx, static_cast<T*>(p.dweight), static_cast<T*>(p.dbias), p.rows, p.n,
-                  dx_blocks, tiles.lanes);
+                  dx_blocks, tiles.lanes, dsum);
               return cudaGetLastError();
             }
             if (grid_only != nullptr) {
@@ -578,7 +612,7 @@ cudaError_t run_backward(const NormBackwardParams& p, cudaStream_t stream, int64
               return cudaSuccess;
             }
             kernel<<<grid_for(grid), kShape.threads * kRows, kSums, stream>>>(dy, x, weight, mean, rstd, dx, dw_partial,
-                                                                              dw_partial + grid * p.n, p.rows, p.n);
+                                                                              dw_partial + grid * p.n, p.rows, p.n, dsum);
             return finish();
           });
         });
@@ -593,7 +627,7 @@ cudaError_t run_backward(const NormBackwardParams& p, cudaStream_t stream, int64
       return cudaSuccess;
     }
     kernel<<<grid_for(grid), kThreads, 0, stream>>>(dy, x, weight, mean, rstd, dx, dw_partial, dw_partial + grid * p.n,
-                                                    p.rows, p.n);
+                                                    p.rows, p.n, dsum);
     return finish();
   });
 }

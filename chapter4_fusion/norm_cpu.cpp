@@ -72,6 +72,7 @@ void norm_backward_rows(const NormBackwardParams& p) {
   const T* w = static_cast<const T*>(p.weight);
   const A* mean = static_cast<const A*>(p.mean);
   const A* rstd = static_cast<const A*>(p.rstd);
+  const T* dsum = static_cast<const T*>(p.dsum);
   const int64_t chunks = (p.rows + kRowChunk - 1) / kRowChunk;
   // Per chunk of rows: partial dweight, then partial dbias.
   std::vector<A> partial(static_cast<size_t>(chunks * 2 * n), A(0));
@@ -97,7 +98,8 @@ void norm_backward_rows(const NormBackwardParams& p) {
         for (int64_t i = 0; i < n; ++i) {
           const A d = static_cast<A>(dy[i]);
           const A xhat = (static_cast<A>(x[i]) - mu) * rs;
-          dx[i] = static_cast<T>(rs * (d * static_cast<A>(w[i]) - mean_g - xhat * mean_gx));
+          const A extra = dsum != nullptr ? static_cast<A>(dsum[r * n + i]) : A(0);  // norm.h: RMSNorm's dsum
+          dx[i] = static_cast<T>(rs * (d * static_cast<A>(w[i]) - mean_g - xhat * mean_gx) + extra);
           dw[i] += d * xhat;
           db[i] += d;
         }

@@ -46,6 +46,12 @@ constexpr int kUnroll = 4;
 __device__ __forceinline__ float reciprocal_sqrt(float v) { return rsqrtf(v); }
 __device__ __forceinline__ double reciprocal_sqrt(double v) { return 1.0 / sqrt(v); }
 
+// Asks the L1 for the line that holds p (PTX prefetch): no register, nothing to wait for; a
+// later load of p finds it there, or fetches it as it would have anyway.
+__device__ __forceinline__ void prefetch_l1(const void* p) {
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(__cvta_generic_to_global(p)));
+}
+
 // y for one element: mean is 0 for RMSNorm, which has no bias.
 template <bool kCentered, typename A>
 __device__ __forceinline__ A normalized(A x, A mean, A rstd, A weight, A bias) {
@@ -172,8 +178,33 @@ __global__ void __launch_bounds__(kThreads)
 //
 // kAddResidual (fused_add_rms_norm): the residual is loaded beside x, the sum rounded to the
 // dtype (what the unfused add would store), written out, and normalized from the registers.
-template <typename T, bool kCentered, bool kAddResidual, int kThreadsPerRow, int kVectors, Access kAccess>
-__global__ void __launch_bounds__(kThreadsPerRow * kRowsPerBlock<kThreadsPerRow>)
+//
+// Rows in flight. A block loads its row, then waits on its reductions and on weight before it
+// stores y and loads the next: while it waits, only the other blocks of the SM keep DRAM busy.
+// Left to itself, nvcc gave RMSNorm's bfloat16 rows of 4 vectors a thread 68 registers and
+// fused_add_rms_norm's 76 (ptxas -v, sm_90a): at 512 threads (hidden 8193-16384) one block an
+// SM, a single row in flight, and each SM idle on DRAM for the reduction's and the weight's
+// latency once a row. Where nvcc's count leaves fewer rows in flight than that
+// (forward_caps_registers in norm.h, asked of the plain kernel's occupancy at launch), the
+// instantiation with kMinBlocks = kForwardCapBlocks runs: 64 registers a thread at 512 threads,
+// the 16 of the row's vectors and the rest addresses and float math (RMSNorm's and
+// fused_add_rms_norm's rows fit it without a spill; ptxas -v). It exists only where a cap can be
+// both needed and met (forward_cappable in norm.h); every other block keeps
+// nvcc's own count: kMinBlocks = 0 emits no .minnctapersm, exactly the plain
+// __launch_bounds__(threads) (an explicit 1 does emit it, and ptxas then gave the mid-vector
+// rows up to 167 registers where it had given 72). Asking for 32 warps an SM of every block
+// slowed the rows of hidden 768-4096 on an H100, rows that had many rows in flight already.
+//
+// kPrefetch: weight (and bias) asked of the L1 as x's loads go out, where each SM gets at most
+// one block (forward_prefetches in norm.h: few rows, nothing beside the block to hide the trip).
+template <int kBlockThreads, int kRows, Access kAccess>
+constexpr bool kForwardCappable = forward_cappable(kBlockThreads, kRows, kAccess == Access::kVectors);
+template <int kRows>
+constexpr int kForwardCapBlocks = (kMinForwardRowsInFlight + kRows - 1) / kRows;
+
+template <typename T, bool kCentered, bool kAddResidual, int kThreadsPerRow, int kVectors, Access kAccess,
+          bool kPrefetch, int kMinBlocks>
+__global__ void __launch_bounds__(kThreadsPerRow * kRowsPerBlock<kThreadsPerRow>, kMinBlocks)
     norm_resident(const T* __restrict__ x, const T* __restrict__ residual, T* __restrict__ sum,
                   const T* __restrict__ weight, const T* __restrict__ bias, T* __restrict__ y,
                   typename Acc<T>::type* __restrict__ mean_out, typename Acc<T>::type* __restrict__ rstd_out,
@@ -195,6 +226,21 @@ __global__ void __launch_bounds__(kThreadsPerRow * kRowsPerBlock<kThreadsPerRow>
     const RowSpan span = row_span<kAccess>(x + offset, len);
     T v[kSlots][kLanes];
     load_tile<kAccess, kThreadsPerRow, kVectors>(x + offset, span, t, zero, v);
+    if constexpr (kPrefetch) {
+      static_assert(kAccess == Access::kVectors, "the prefetch walks whole vectors");
+      // weight (and bias) are read after the row's reductions: asked of the L1 now, their trip
+      // from the L2 runs beside x's from DRAM instead of after the reductions, and costs no
+      // register (holding them would: 16 a thread). A block alone on its SM (few rows) had that
+      // trip as a whole step of its chain, with no other block's loads beside it.
+#pragma unroll
+      for (int j = 0; j < kVectors; ++j) {
+        if (tile_valid<kAccess, kThreadsPerRow, kVectors, kLanes>(j, 0, t, span)) {  // not padding
+          const int64_t first = tile_index<kAccess, kThreadsPerRow, kVectors, kLanes>(j, 0, t, span);
+          prefetch_l1(weight + first);
+          if constexpr (kCentered) prefetch_l1(bias + first);
+        }
+      }
+    }
     if constexpr (kAddResidual) {
       T res[kSlots][kLanes];
       load_tile<kAccess, kThreadsPerRow, kVectors>(residual + offset, span, t, zero, res);
@@ -295,32 +341,50 @@ cudaError_t run_add(const T* x, const T* residual, T* out, int64_t numel, cudaSt
   });
 }
 
-// v3 (and fused_add_rms_norm v2) with the row shape kForwardShapes[kShape].
-template <typename T, int kShape, Access kAccess>
-cudaError_t launch_resident(const NormParams& p, cudaStream_t stream) {
+// One kind of row (LayerNorm, RMSNorm, fused_add) with the row shape kForwardShapes[kShape]: the
+// plain kernel, or where its occupancy says so (norm.h) the prefetching or the capped one.
+template <typename T, bool kCentered, bool kAddResidual, int kShape, Access kAccess>
+cudaError_t launch_resident_kind(const NormParams& p, cudaStream_t stream) {
   using A = typename Acc<T>::type;
   constexpr int kThreadsPerRow = kForwardShapes[kShape].threads;
   constexpr int kVectors = kForwardShapes[kShape].vectors;
   constexpr int kRows = kRowsPerBlock<kThreadsPerRow>;
-  const unsigned grid = grid_for(course::ceil_div(p.rows, int64_t{kRows}));
-  const T* x = static_cast<const T*>(p.x);
-  const T* weight = static_cast<const T*>(p.weight);
-  const T* bias = static_cast<const T*>(p.bias);
-  T* y = static_cast<T*>(p.y);
-  A* mean = static_cast<A*>(p.mean);
-  A* rstd = static_cast<A*>(p.rstd);
-  const A eps = static_cast<A>(p.eps);
-  if (p.residual != nullptr) {
-    norm_resident<T, false, true, kThreadsPerRow, kVectors, kAccess><<<grid, kThreadsPerRow * kRows, 0, stream>>>(
-        x, static_cast<const T*>(p.residual), static_cast<T*>(p.sum), weight, bias, y, mean, rstd, p.rows, p.n, eps);
-  } else if (p.kind == NormKind::kLayerNorm) {
-    norm_resident<T, true, false, kThreadsPerRow, kVectors, kAccess><<<grid, kThreadsPerRow * kRows, 0, stream>>>(
-        x, nullptr, nullptr, weight, bias, y, mean, rstd, p.rows, p.n, eps);
-  } else {
-    norm_resident<T, false, false, kThreadsPerRow, kVectors, kAccess><<<grid, kThreadsPerRow * kRows, 0, stream>>>(
-        x, nullptr, nullptr, weight, bias, y, mean, rstd, p.rows, p.n, eps);
+  constexpr int kBlock = kThreadsPerRow * kRows;
+  static_assert(forward_rows_per_block(kThreadsPerRow) == kRows, "norm.h's rows a block are course::rows'");
+  const int64_t blocks = course::ceil_div(p.rows, int64_t{kRows});
+  const unsigned grid = grid_for(blocks);
+  const auto launch = [&](auto kernel) {
+    kernel<<<grid, kBlock, 0, stream>>>(static_cast<const T*>(p.x), static_cast<const T*>(p.residual),
+                                        static_cast<T*>(p.sum), static_cast<const T*>(p.weight),
+                                        static_cast<const T*>(p.bias), static_cast<T*>(p.y), static_cast<A*>(p.mean),
+                                        static_cast<A*>(p.rstd), p.rows, p.n, static_cast<A>(p.eps));
+    return cudaGetLastError();
+  };
+  auto* plain = norm_resident<T, kCentered, kAddResidual, kThreadsPerRow, kVectors, kAccess, false, 0>;
+  if constexpr (kAccess == Access::kVectors) {  // the variants exist for rows of whole vectors only
+    int sms = 0;
+    COURSE_CUDA_TRY(course::sm_count(&sms));
+    if (forward_prefetches(blocks, sms)) {
+      return launch(norm_resident<T, kCentered, kAddResidual, kThreadsPerRow, kVectors, kAccess, true, 0>);
+    }
+    if constexpr (kForwardCappable<kBlock, kRows, kAccess>) {
+      int64_t wave = 0;
+      COURSE_CUDA_TRY(course::resident_grid(plain, kBlock, &wave));
+      if (forward_caps_registers(static_cast<int>(wave / sms), kRows)) {
+        return launch(norm_resident<T, kCentered, kAddResidual, kThreadsPerRow, kVectors, kAccess, false,
+                                    kForwardCapBlocks<kRows>>);
+      }
+    }
   }
-  return cudaGetLastError();
+  return launch(plain);
+}
+
+// v3 (and fused_add_rms_norm v2) with the row shape kForwardShapes[kShape].
+template <typename T, int kShape, Access kAccess>
+cudaError_t launch_resident(const NormParams& p, cudaStream_t stream) {
+  if (p.residual != nullptr) return launch_resident_kind<T, false, true, kShape, kAccess>(p, stream);
+  if (p.kind == NormKind::kLayerNorm) return launch_resident_kind<T, true, false, kShape, kAccess>(p, stream);
+  return launch_resident_kind<T, false, false, kShape, kAccess>(p, stream);
 }
 
 template <typename T>

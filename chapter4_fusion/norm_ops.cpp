@@ -263,7 +263,7 @@ void check_stat(const char* op, const char* name, const Tensor& s, const Tensor&
 
 std::tuple<Tensor, Tensor, Tensor> norm_backward(const char* op, NormKind kind, const Tensor& dy, const Tensor& x,
                                                  const OptTensor& weight_or, const Tensor* mean, const Tensor& rstd,
-                                                 OptVersion version) {
+                                                 OptVersion version, const OptTensor& dsum_or = std::nullopt) {
   check_x(op, x);
   check_input(op, "dy", dy);
   CHECK_SAME_DEVICE(op, dy, x);
@@ -273,6 +273,15 @@ std::tuple<Tensor, Tensor, Tensor> norm_backward(const char* op, NormKind kind, 
   const Tensor weight = param_or(op, "weight", weight_or, x, 1.0);
   if (mean != nullptr) check_stat(op, "mean", *mean, x);
   check_stat(op, "rstd", rstd, x);
+  const bool has_dsum = dsum_or.has_value() && dsum_or->defined();
+  if (has_dsum) {
+    const Tensor& dsum = *dsum_or;
+    check_input(op, "dsum", dsum);
+    CHECK_SAME_DEVICE(op, dsum, x);
+    CHECK_SAME_DTYPE(op, dsum, x);
+    TORCH_CHECK(dsum.sym_sizes() == x.sym_sizes(), op, ": dsum has shape ", ::course::shape_str(dsum.sizes()),
+                " but x has shape ", ::course::shape_str(x.sizes()), " (it is added to dx)");
+  }
   const NormBackwardVersion v =
       ::course::parse_version(op, version, kBackwardVersions).value_or(default_norm_backward());
   const bool centered = kind == NormKind::kLayerNorm;
@@ -282,7 +291,7 @@ std::tuple<Tensor, Tensor, Tensor> norm_backward(const char* op, NormKind kind, 
   if (x.is_meta()) return {dx, dweight, dbias};
   const int64_t n = x.size(-1);
   const int64_t rows = n == 0 ? 0 : x.numel() / n;
-  if (rows == 0 || n == 0) {  // no rows: the column sums are empty sums
+  if (rows == 0 || n == 0) {  // no rows: the column sums are empty sums (dx is empty too)
     dweight.zero_();
     if (centered) dbias.zero_();
     return {dx, dweight, dbias};
@@ -292,6 +301,7 @@ std::tuple<Tensor, Tensor, Tensor> norm_backward(const char* op, NormKind kind, 
   const Tensor wc = weight.contiguous();
   const Tensor mc = mean != nullptr ? mean->contiguous() : Tensor();
   const Tensor rc = rstd.contiguous();
+  const Tensor sc = has_dsum ? dsum_or->contiguous() : Tensor();
   NormBackwardParams p{kind,
                        v,
                        to_dtype(x.scalar_type()),
@@ -305,7 +315,8 @@ std::tuple<Tensor, Tensor, Tensor> norm_backward(const char* op, NormKind kind, 
                        centered ? dbias.mutable_data_ptr() : nullptr,
                        rows,
                        n,
-                       nullptr};
+                       nullptr,
+                       sc.defined() ? sc.const_data_ptr() : nullptr};
   if (x.is_cuda()) {
     launch_cuda_backward(op, x, p);
   } else {
@@ -320,9 +331,10 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_backward_impl(const Tensor& dy, co
   return norm_backward("layer_norm_backward", NormKind::kLayerNorm, dy, x, weight, &mean, rstd, version);
 }
 
+// dsum: a gradient that reaches x directly, added to dx in the same pass (fused_add_rms_norm's).
 std::tuple<Tensor, Tensor> rms_norm_backward_impl(const Tensor& dy, const Tensor& x, const OptTensor& weight,
-                                                  const Tensor& rstd, OptVersion version) {
-  auto out = norm_backward("rms_norm_backward", NormKind::kRmsNorm, dy, x, weight, nullptr, rstd, version);
+                                                  const Tensor& rstd, OptVersion version, const OptTensor& dsum) {
+  auto out = norm_backward("rms_norm_backward", NormKind::kRmsNorm, dy, x, weight, nullptr, rstd, version, dsum);
   return {std::get<0>(out), std::get<1>(out)};
 }
 
@@ -363,14 +375,46 @@ bool norm_backward_column_pass(c10::string_view op_name, const Tensor& x, int64_
 // [lanes, cols, tiles] (column_pass_tiles in norm.h), for freshly allocated (16-byte aligned)
 // tensors as the glue's are: rows of whole 16-byte vectors take a vector a lane, others one
 // element. Asked without a GPU by the CPU tests of the rule.
-std::vector<int64_t> norm_backward_column_tiles(const Tensor& x, int64_t sms) {
+std::vector<int64_t> norm_backward_column_tiles(const Tensor& x, int64_t sms, std::optional<int64_t> max_tiles) {
   check_x("norm_backward_column_tiles", x);
   TORCH_CHECK(sms >= 1, "norm_backward_column_tiles: sms must be at least 1, got ", std::to_string(sms));
+  TORCH_CHECK(!max_tiles.has_value() || *max_tiles >= 1, "norm_backward_column_tiles: max_tiles must be at least 1, got ",
+              std::to_string(max_tiles.value_or(0)));
   const int64_t n = x.dim() == 0 ? 1 : x.size(-1);
   const int elem = static_cast<int>(x.element_size());
   const int cols = n % (16 / elem) == 0 ? 16 / elem : 1;
-  const ColumnTiles t = column_pass_tiles(n, cols, elem, static_cast<int>(sms));
+  const ColumnTiles t = max_tiles.has_value() ? column_pass_tiles(n, cols, elem, static_cast<int>(sms), *max_tiles)
+                                              : column_pass_tiles(n, cols, elem, static_cast<int>(sms));
   return {t.lanes, cols, t.tiles};
+}
+
+// Which of the forward's resident kernels a launch for x would run on a GPU of `sms` SMs where the
+// plain kernel keeps blocks_per_sm blocks an SM (the launch asks the runtime for its occupancy;
+// norm.h's forward_prefetches and forward_caps_registers): "prefetch", "capped", "plain", or
+// "streamed" past the registers; for freshly allocated (16-byte aligned) tensors. Asked without a
+// GPU by the CPU tests of the rule.
+std::string norm_forward_variant(const Tensor& x, int64_t sms, int64_t blocks_per_sm) {
+  check_x("norm_forward_variant", x);
+  TORCH_CHECK(sms >= 1, "norm_forward_variant: sms must be at least 1, got ", std::to_string(sms));
+  TORCH_CHECK(blocks_per_sm >= 1, "norm_forward_variant: blocks_per_sm must be at least 1, got ",
+              std::to_string(blocks_per_sm));
+  const int64_t n = x.dim() == 0 ? 1 : x.size(-1);
+  const int64_t rows = n == 0 ? 0 : x.numel() / n;
+  const int elem = static_cast<int>(x.element_size());
+  const int shape = forward_shape(n, elem);
+  if (shape < 0) return "streamed";
+  const bool whole_vectors = n % (16 / elem) == 0;
+  const int threads = kForwardShapes[shape].threads;
+  const int per_block = forward_rows_per_block(threads);
+  const int64_t blocks = ::course::ceil_div<int64_t>(rows, per_block);
+  if (whole_vectors && forward_prefetches(blocks, static_cast<int>(sms))) {
+    return "prefetch";
+  }
+  if (forward_cappable(threads * per_block, per_block, whole_vectors) &&
+      forward_caps_registers(static_cast<int>(blocks_per_sm), per_block)) {
+    return "capped";
+  }
+  return "plain";
 }
 
 // ---------------------------------------------------------------------------------------
@@ -420,13 +464,16 @@ class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static auto op = find_op<decltype(rms_norm_backward_impl)>("fusion::rms_norm_backward");
     const auto s = ctx->get_saved_variables();
-    auto [dx, dweight] = op.call(grads[0], s[0], s[1], s[2], std::nullopt);
+    auto [dx, dweight] = op.call(grads[0], s[0], s[1], s[2], std::nullopt, std::nullopt);
     return {dx, dweight, Tensor(), Tensor()};
   }
 };
 
 // h = x + residual, y = rms_norm(h): dh = rms_norm's dx + the gradient reaching h directly,
-// and both x and residual receive dh.
+// and both x and residual receive dh. The backward kernel adds that gradient (dsum) to dx before
+// it stores it: one pass over the rows, where a separate add re-read dx. Grads are not
+// materialized: an output nobody used comes as an undefined tensor, not a tensor of zeros that a
+// fill kernel writes and the backward reads.
 class FusedAddRmsNormFunction : public torch::autograd::Function<FusedAddRmsNormFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& residual, const Tensor& weight,
@@ -439,13 +486,18 @@ class FusedAddRmsNormFunction : public torch::autograd::Function<FusedAddRmsNorm
     }
     ctx->save_for_backward({sum, weight, rstd});
     ctx->mark_non_differentiable({rstd});
+    ctx->set_materialize_grads(false);
     return {y, sum, rstd};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static auto op = find_op<decltype(rms_norm_backward_impl)>("fusion::rms_norm_backward");
     const auto s = ctx->get_saved_variables();
-    auto [dh, dweight] = op.call(grads[0], s[0], s[1], s[2], std::nullopt);
-    dh = dh + grads[1];
+    if (!grads[0].defined() && !grads[1].defined()) return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    if (!grads[0].defined()) {  // only h was used: y's gradient is zero, and so is its share of dweight
+      return {grads[1], grads[1], at::zeros_like(s[1]), Tensor(), Tensor()};
+    }
+    auto [dh, dweight] = op.call(grads[0], s[0], s[1], s[2], std::nullopt,
+                                 grads[1].defined() ? OptTensor(grads[1]) : OptTensor());
     return {dh, dh, dweight, Tensor(), Tensor()};
   }
 };
@@ -510,11 +562,14 @@ TORCH_LIBRARY_FRAGMENT(fusion, m) {
         " -> (Tensor, Tensor, Tensor)");
   m.def("layer_norm_backward(Tensor dy, Tensor x, Tensor? weight, Tensor mean, Tensor rstd, str? version=None)"
         " -> (Tensor, Tensor, Tensor)");
-  m.def("rms_norm_backward(Tensor dy, Tensor x, Tensor? weight, Tensor rstd, str? version=None) -> (Tensor, Tensor)");
+  m.def("rms_norm_backward(Tensor dy, Tensor x, Tensor? weight, Tensor rstd, str? version=None, Tensor? dsum=None)"
+        " -> (Tensor, Tensor)");
   m.def("norm_default_choice(str op, Tensor x) -> str", &fusion::norm::norm_default_choice);
   m.def("norm_backward_column_pass(str op, Tensor x, int blocks, int sms) -> bool",
         &fusion::norm::norm_backward_column_pass);
-  m.def("norm_backward_column_tiles(Tensor x, int sms) -> int[]", &fusion::norm::norm_backward_column_tiles);
+  m.def("norm_backward_column_tiles(Tensor x, int sms, int? max_tiles=None) -> int[]",
+        &fusion::norm::norm_backward_column_tiles);
+  m.def("norm_forward_variant(Tensor x, int sms, int blocks_per_sm) -> str", &fusion::norm::norm_forward_variant);
 }
 
 // One implementation per op serves CPU, CUDA and Meta.

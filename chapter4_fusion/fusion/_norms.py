@@ -94,12 +94,14 @@ def layer_norm_backward(dy, x, weight, mean, rstd, *, version=None):
     return torch.ops.fusion.layer_norm_backward(dy, x, weight, mean, rstd, version)
 
 
-def rms_norm_backward(dy, x, weight, rstd, *, version=None):
-    """The backward kernel alone: (dx, dweight) from rms_norm_forward's rstd (for
-    fused_add_rms_norm, x is the saved sum x + residual and dx its gradient)."""
+def rms_norm_backward(dy, x, weight, rstd, *, version=None, dsum=None):
+    """The backward kernel alone: (dx, dweight) from rms_norm_forward's rstd. For
+    fused_add_rms_norm, x is the saved sum x + residual, dsum the gradient of that sum (its
+    second output), and dx = the norm's dx + dsum, added before dx is rounded."""
     check_arguments("rms_norm_backward", dy=(dy, torch.Tensor), x=(x, torch.Tensor),
-                    weight=(weight, (torch.Tensor, None)), rstd=(rstd, torch.Tensor))
-    return torch.ops.fusion.rms_norm_backward(dy, x, weight, rstd, version)
+                    weight=(weight, (torch.Tensor, None)), rstd=(rstd, torch.Tensor),
+                    dsum=(dsum, (torch.Tensor, None)))
+    return torch.ops.fusion.rms_norm_backward(dy, x, weight, rstd, version, dsum)
 
 
 def norm_default_choice(op, x):
