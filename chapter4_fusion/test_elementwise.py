@@ -551,8 +551,11 @@ def test_bias_grad_tiling_rule(dtype):
                 if tx * lanes * elem > 64:  # wider than the narrow tile: few idle lanes
                     assert (column_tiles * tx - packs) * 8 <= packs, where
                 # Partial rows are added in the kernel (one launch) where a counter serves every
-                # column tile and the last block of each adds at most 32 partials a thread.
-                in_kernel = row_tiles > 1 and column_tiles <= 4096 and row_tiles * tx * lanes <= 32 * 256
+                # column tile and the last block of each adds at most 32 partials a thread (its
+                # lanes share a column from 8 columns up; below, one thread adds a column alone).
+                width = tx * lanes
+                per_thread = row_tiles * width / 256 if width >= 8 else row_tiles
+                in_kernel = row_tiles > 1 and column_tiles <= 4096 and per_thread <= 32
                 assert finishes == in_kernel, where
     # The sweep's odd and narrow rows at 2048 tokens, where the second launch cost most, on an
     # H100's SMs: one launch.

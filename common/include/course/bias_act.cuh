@@ -14,7 +14,8 @@
 //   act_backward_tile_kernel  the backward on the column tiling: dx written once, the gradient
 //                          summed per column in registers and across the tile's rows in
 //                          shared memory; dbias written by the kernel itself when one row tile
-//                          covers every row, else course::column_sum over its partial rows;
+//                          covers every row, else from its partial rows by the last block of
+//                          each column tile (finish_tile_column) or by course::column_sum;
 //   act_backward_span_kernel  the same for rows that start mid-vector (hidden 4099): a block
 //                          owns a span of columns in every row, each thread meets one phase of
 //                          rows, so that they too move whole aligned vectors, with only the
@@ -467,8 +468,10 @@ cudaError_t launch_bias_act(const BiasAct<T>& p, cudaStream_t stream) {
 // per-column float accumulators in registers over every row it visits. The block then adds its
 // ty rows of accumulators in shared memory, in a fixed order, and writes one row: dbias itself
 // when the grid has one row tile, else its row of a [row tiles, n] array of partial sums (every
-// row written once: no zero fill, no atomics) that course::column_sum reduces in a fixed order.
-// Deterministic, and g never goes to memory. Two kernels share this: act_backward_tile_kernel
+// row written once: no zero fill), which the last block of each column tile adds in the same
+// launch (finish_tile_column: an atomic counts the blocks, never adds a value) or, where they are
+// many, course::column_sum in a second. Both add in a fixed order: deterministic, and g never
+// goes to memory. Two kernels share this: act_backward_tile_kernel
 // for rows of whole vectors (or single elements), act_backward_span_kernel for rows that start
 // mid-vector (below).
 // ---------------------------------------------------------------------------------------

@@ -77,7 +77,8 @@ inline bool forward_takes_tiles(int64_t rows, int64_t packs_per_row, int min_tx,
 // kGradThreads threads is a tile of tx adjacent packs by ty = kGradThreads / tx rows; each
 // thread sums its columns' gradient over the rows it visits in registers, the block adds its ty
 // rows of sums in shared memory, and writes one row: dbias itself when the grid has one row
-// tile (one launch), else one partial row per row tile, which course::column_sum adds.
+// tile (one launch), else one partial row per row tile, which the last block of each column
+// tile adds in the same launch, or course::column_sum in a second (grad_finishes_in_kernel).
 //
 // Why the tile narrows at few rows: every thread of the grid takes one step of `rows_in_flight`
 // rows (the whole problem one round trip to DRAM) until the grid has the blocks the SMs hold; a
@@ -194,10 +195,14 @@ inline GradTiling grad_tiling(int64_t rows, int64_t packs, int pack_bytes, int r
 constexpr int kFinishCounters = 4096;
 constexpr int64_t kFinishSumsPerThread = 32;
 
+// (The last block's threads share a column tile's W columns as the tile's own sums do:
+// kGradThreads / W lanes a column from 8 columns up, one thread a column below 8, which then adds
+// all row_tiles partials of its column alone.)
 COURSE_HOST_DEVICE constexpr bool grad_finishes_in_kernel(int64_t column_tiles, int64_t row_tiles, int tx,
                                                           int lanes) {
   return row_tiles > 1 && column_tiles <= kFinishCounters &&
-         row_tiles * tx * lanes <= kFinishSumsPerThread * kGradThreads;
+         (int64_t{tx} * lanes >= 8 ? row_tiles * tx * lanes <= kFinishSumsPerThread * kGradThreads
+                                   : row_tiles <= kFinishSumsPerThread);
 }
 
 }  // namespace course
