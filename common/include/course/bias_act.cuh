@@ -603,12 +603,16 @@ __device__ __forceinline__ void finish_tile_column(const typename Acc<T>::type* 
 // __launch_bounds__: where the saved tensor gives the derivative's sign (kOutput, kMask), the
 // kGradBlocksPerSm blocks an SM that the grid counts on (64 registers a thread): with the last
 // block's finish (finish_tile_column), nvcc 13.0 otherwise took 76 for fused_op's backward in
-// bfloat16, three blocks an SM. Where z is recomputed from x (kInput), the activation's
-// derivative takes what it needs, as before, and so do float64's single elements (capped at 64,
-// they spilled 56 bytes).
+// bfloat16, three blocks an SM. Where z is recomputed from x (kInput), and in float64, no
+// minimum at all (0: the ptx has no .minnctapersm), ptxas's own choice: a minimum of 1 is not
+// the same thing, it frees ptxas to take up to 255 registers, and bias_gelu's backward in
+// bfloat16 went from 80 (3 blocks an SM) to 116 (2). At 64 x 12288 its grid is 384 column tiles
+// of one row tile, one wave at 3 an SM on 132 SMs and two at 2: the H100 measured 5.7 us before
+// and 7.3 us with the minimum of 1. Without one, 80 again (64 in float16 and float32, 78-80 in
+// float64, which spilled 56 bytes where capped at 64).
 template <typename T, typename Act, int L, SaveKind kSource>
 __global__ void __launch_bounds__(kGradThreads,
-                                  kSource == SaveKind::kInput || sizeof(T) == 8 ? 1 : kGradBlocksPerSm)
+                                  kSource == SaveKind::kInput || sizeof(T) == 8 ? 0 : kGradBlocksPerSm)
     act_backward_tile_kernel(const T* dy, const T* saved, const uint32_t* mask, const T* bias,
                              typename Acc<T>::type scale, T* dx, typename Acc<T>::type* partials, T* dbias,
                              int64_t rows, int64_t n, int tx, int /*phases*/, bool finish) {
