@@ -608,8 +608,8 @@ __device__ __forceinline__ void finish_tile_column(const typename Acc<T>::type* 
 // the same thing, it frees ptxas to take up to 255 registers, and bias_gelu's backward in
 // bfloat16 went from 80 (3 blocks an SM) to 116 (2). At 64 x 12288 its grid is 384 column tiles
 // of one row tile, one wave at 3 an SM on 132 SMs and two at 2: the H100 measured 5.7 us before
-// and 7.3 us with the minimum of 1. Without one, 80 again (64 in float16 and float32, 78-80 in
-// float64, which spilled 56 bytes where capped at 64).
+// and 7.3 us with the minimum of 1. Without one, 80 again (64 in float16 and float32; 48-80 in
+// float64, at most 8 bytes spilled, where a cap of 64 spilled 56).
 template <typename T, typename Act, int L, SaveKind kSource>
 __global__ void __launch_bounds__(kGradThreads,
                                   kSource == SaveKind::kInput || sizeof(T) == 8 ? 0 : kGradBlocksPerSm)
