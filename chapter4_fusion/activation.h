@@ -119,6 +119,28 @@ struct Silu {
   }
 };
 
+// The forward's shape: one 16-byte pack per thread and 8 blocks of 256 threads per SM (32
+// registers), the shape of a copy kernel. Measured on the H100 with
+// experiments/activation_tile_shapes.cu (results/<gpu>/chapter4_activation_tile_shapes.txt;
+// rows in flight x blocks per SM, bias_silu and
+// GELU-tanh on 16384 x 8192 bfloat16): two rows
+// per thread at 62-70 registers (4 blocks per SM) ran at 86-90% of cudaMemcpy, one row at 32
+// registers at 98-99%; with __frcp_rn's correctly rounded reciprocal (a slow path for
+// denormals that holds registers) in place of the approximate one, no shape passed 90%.
+// erff's polynomial does not fit 32 registers (ptxas: 52-60 bytes of spills in 16-bit types,
+// and the run at one row and 8 blocks was the slowest of the experiment's GELU-erf shapes): it
+// takes four rows in flight at 64 registers (4 blocks per SM), the experiment's best for it.
+template <typename Act>
+constexpr int kForwardRows = std::is_same_v<Act, GeluErf> ? 4 : 1;
+template <typename Act>
+constexpr int kForwardMinBlocks = 2048 / course::kTileThreads / (std::is_same_v<Act, GeluErf> ? 2 : 1);
+// The same for the runtime enum: what the glue asks (course::forward_takes_tiles) to name the
+// forward's kernel without a GPU.
+inline int forward_rows(Activation act) { return act == Activation::kGeluErf ? kForwardRows<GeluErf> : 1; }
+inline int forward_min_blocks(Activation act) {
+  return act == Activation::kGeluErf ? kForwardMinBlocks<GeluErf> : kForwardMinBlocks<Relu>;
+}
+
 // Calls f(Functor{}) for the activation `act` names: the one switch from the runtime enum to the
 // compile-time functor that every launcher (and the CPU code) goes through.
 template <typename F>

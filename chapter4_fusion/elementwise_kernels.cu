@@ -350,7 +350,9 @@ cudaError_t launch_bias_activation(const BiasActParams& p, ActVersion version, c
 //       block per column tile;
 //   v2  act_backward_tile_kernel: dy and the saved tensor read once, dx written once, g summed
 //       in registers and across each tile's rows in shared memory; one row tile writes dbias
-//       itself, more write a few hundred partial rows that column_sum adds (course::grad_tiling).
+//       itself, more write partial rows that the last block of each column tile adds in the
+//       same launch, or column_sum where they are many (course::grad_tiling,
+//       course::grad_finishes_in_kernel).
 // ---------------------------------------------------------------------------------------
 cudaError_t act_backward_workspace(const ActBackwardParams& p, BackwardVersion version, int64_t* bytes) {
   return with_dtype(p.dtype, [&](auto tag) -> cudaError_t {

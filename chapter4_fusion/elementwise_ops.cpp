@@ -1,6 +1,7 @@
 // Torch glue of the elementwise family: op schemas, input checks, the parsing of the string
 // arguments (version, save, activation, approximate), the CPU/CUDA/Meta kernels, autograd, and
 // registration into the `fusion` library (whose one TORCH_LIBRARY block is in fusion_ops.cpp).
+#include "activation.h"
 #include "elementwise.h"
 #include "fusion_ops.h"
 
@@ -457,14 +458,16 @@ std::string default_choice(c10::string_view op_name, const Tensor& x) {
 }
 
 // The bias gradient's column tiling (course::grad_tiling) for a gradient like x on a GPU of `sms`
-// SMs, [tx, ty, column tiles, row tiles, phases]: the rule the fused backward kernels (every bias
-// op's and chapter 5's fused_op's) launch with, asked without a GPU, for freshly allocated
+// SMs, [tx, ty, column tiles, row tiles, phases, finishes]: the rule the fused backward kernels
+// (every bias op's and chapter 5's fused_op's) launch with, asked without a GPU, for freshly allocated
 // (16-byte aligned) tensors as the glue's are (course::grad_packs): rows of whole 16-byte vectors
 // take them; other rows of at least two vectors take them too (course/bias_act.cuh's span
 // kernel, one row in flight a thread), in tiles of a multiple of course::row_phases rows (each
 // thread meets one phase); shorter rows, single elements. blocks_per_sm: the launched kernel's
 // occupancy, which the grid fills in one wave (the launcher asks the CUDA runtime; 3 for GELU-erf's
-// span kernel).
+// span kernel). finishes: 1 where several row tiles' partial rows are added by the kernel's last
+// block of each column tile (course::grad_finishes_in_kernel), 0 where one row tile writes dbias
+// or course::column_sum adds the partial rows in a second launch.
 std::vector<int64_t> bias_grad_tiling(const Tensor& x, int64_t sms, int64_t blocks_per_sm) {
   check_input("bias_grad_tiling", "x", x);
   TORCH_CHECK(sms >= 1, "bias_grad_tiling: sms must be at least 1, got ", std::to_string(sms));
@@ -481,7 +484,27 @@ std::vector<int64_t> bias_grad_tiling(const Tensor& x, int64_t sms, int64_t bloc
       ::course::grad_tiling(rows, ::course::ceil_div<int64_t>(n, lanes), lanes * elem,
                             ::course::grad_rows_in_flight(lanes, phased), static_cast<int>(sms), phases,
                             static_cast<int>(blocks_per_sm));
-  return {t.tx, t.ty, t.column_tiles, t.row_tiles, phases};
+  const bool finishes = ::course::grad_finishes_in_kernel(t.column_tiles, t.row_tiles, t.tx, lanes);
+  return {t.tx, t.ty, t.column_tiles, t.row_tiles, phases, finishes ? 1 : 0};
+}
+
+// The fused forward's kernel (course::launch_bias_act) for a bias op on x without a mask, on a
+// GPU of `sms` SMs, for freshly allocated (16-byte aligned) tensors as the glue's are: "tiles"
+// where the activation keeps several rows in flight a thread (GELU-erf), the rows are whole
+// vectors that fill every tile, and the tiles' grid fills a wave (course::forward_takes_tiles);
+// "flat" otherwise.
+std::string bias_forward_kernel(const Tensor& x, c10::string_view activation, int64_t sms) {
+  check_input("bias_forward_kernel", "x", x);
+  TORCH_CHECK(sms >= 1, "bias_forward_kernel: sms must be at least 1, got ", std::to_string(sms));
+  const Activation act = parse_choice("bias_forward_kernel", "activation", activation, kActivations);
+  const int64_t n = x.dim() == 0 ? 1 : x.size(-1);
+  const int64_t rows = n == 0 ? 0 : x.numel() / n;
+  const int64_t vector = 16 / static_cast<int64_t>(x.element_size());
+  const int64_t packs = n / vector;
+  const bool full_tiles = forward_rows(act) > 1 && n % vector == 0 && packs % ::course::tile_width(packs, 1) == 0;
+  const bool tiles = full_tiles && ::course::forward_takes_tiles(rows, packs, 1, forward_rows(act),
+                                                                  static_cast<int>(sms), forward_min_blocks(act));
+  return tiles ? "tiles" : "flat";
 }
 
 // swiglu's launch for x on a GPU of `sms` SMs, [kernel, threads per block, blocks, whole vectors]:
@@ -670,6 +693,7 @@ TORCH_LIBRARY_FRAGMENT(fusion, m) {
   m.def("elementwise_default_choice(str op, Tensor x) -> str", &fusion::elementwise::default_choice);
   m.def("bias_grad_tiling(Tensor x, int sms, int blocks_per_sm=4) -> int[]", &fusion::elementwise::bias_grad_tiling);
   m.def("swiglu_grid(Tensor x, int sms, bool backward=False) -> int[]", &fusion::elementwise::swiglu_grid_of);
+  m.def("bias_forward_kernel(Tensor x, str activation, int sms) -> str", &fusion::elementwise::bias_forward_kernel);
 }
 
 // One implementation per op serves CPU, CUDA and Meta: each picks the backend from the (already

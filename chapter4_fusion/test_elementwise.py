@@ -647,15 +647,16 @@ def test_bias_grad_tiling_rule(dtype):
     their lanes idle; the tiles cover every column. Rows of whole vectors take 16-byte packs, two
     rows in flight a thread; other rows of at least two vectors take them too (the span kernel),
     one row in flight, in tiles whose rows are a multiple of the phases (each thread meets one
-    phase of rows); shorter rows single elements, eight in flight. Asked for a meta tensor on GPUs
-    of 1 to 170 SMs."""
+    phase of rows); shorter rows single elements, eight in flight. Partial rows are added in the
+    kernel (finishes) where a counter serves each column tile and its last block adds at most 32
+    partials a thread. Asked for a meta tensor on GPUs of 1 to 170 SMs."""
     elem = torch.empty((), dtype=dtype).element_size()
     vector = 16 // elem
     for sms, blocks in ((1, 4), (46, 4), (132, 4), (132, 3), (170, 4), (170, 3), (132, 8)):
         for tokens in GRAD_TOKENS:
             for hidden in GRAD_HIDDEN:
                 x = torch.empty(tokens, hidden, dtype=dtype, device="meta")
-                tx, ty, column_tiles, row_tiles, phases = torch.ops.fusion.bias_grad_tiling(x, sms, blocks)
+                tx, ty, column_tiles, row_tiles, phases, finishes = torch.ops.fusion.bias_grad_tiling(x, sms, blocks)
                 phased = hidden % vector != 0 and hidden >= 2 * vector
                 lanes = vector if hidden % vector == 0 or phased else 1
                 packs = -(-hidden // lanes)
@@ -676,6 +677,21 @@ def test_bias_grad_tiling_rule(dtype):
                     assert row_tiles == 1, where
                 if tx * lanes * elem > 64:  # wider than the narrow tile: few idle lanes
                     assert (column_tiles * tx - packs) * 8 <= packs, where
+                # Partial rows are added in the kernel (one launch) where a counter serves every
+                # column tile and the last block of each adds at most 32 partials a thread (its
+                # lanes share a column from 8 columns up; below, one thread adds a column alone).
+                width = tx * lanes
+                per_thread = row_tiles * width / 256 if width >= 8 else row_tiles
+                in_kernel = row_tiles > 1 and column_tiles <= 4096 and per_thread <= 32
+                assert finishes == in_kernel, where
+    # The sweep's odd and narrow rows at 2048 tokens, where the second launch cost most, on an
+    # H100's SMs: one launch.
+    for dtype_, hidden in ((torch.bfloat16, 777), (torch.bfloat16, 4099), (torch.float32, 777)):
+        if dtype_ == dtype:
+            x = torch.empty(2048, hidden, dtype=dtype, device="meta")
+            for blocks in (3, 4):
+                t = torch.ops.fusion.bias_grad_tiling(x, 132, blocks)
+                assert t[3] > 1 and t[5] == 1, (hidden, blocks, t)
     with pytest.raises(RuntimeError, match="bias_grad_tiling: sms must be at least 1"):
         torch.ops.fusion.bias_grad_tiling(torch.empty(4, 8, device="meta"), 0)
     with pytest.raises(RuntimeError, match="bias_grad_tiling: blocks_per_sm must be 1 to 32"):
@@ -686,7 +702,8 @@ def test_bias_grad_tiling_rule(dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_bias_gradient_tiles_at_their_boundaries(dtype):
     """The fused backward at one row tile (dbias written by the kernel: no column_sum launched)
-    and just past it (partial rows added by course::column_sum), at hidden sizes of whole
+    and just past it (partial rows added by the kernel's last blocks, or by course::column_sum:
+    bias_grad_tiling's finishes), at hidden sizes of whole
     vectors, of rows that start mid-vector (the span kernel: 4099 and 777 in every dtype, one
     row tile at 64 tokens and partial rows at 2048, and 9 and 17 where they are at least two
     vectors: a span's two ends and the row's last pack with at most one whole vector between), of
@@ -721,8 +738,11 @@ def test_bias_gradient_tiles_at_their_boundaries(dtype):
             backward = [k for k in kernels if "act_backward_" in k]
             assert backward and all(("act_backward_span_kernel" in k) == (phases > 1) for k in backward), (
                 shape, phases, backward)
-            if len(partial) == 1:
-                assert any("column_reduce" in k for k in kernels) in partial, (shape, partial, kernels)
+            # column_sum's launch only where partial rows are left to it: not where the kernel's
+            # last blocks add them (finishes).
+            second = {t[3] > 1 and not t[5] for t in (torch.ops.fusion.bias_grad_tiling(x, sms, b) for b in range(2, 9))}
+            if len(second) == 1:
+                assert any("column_reduce" in k for k in kernels) in second, (shape, second, kernels)
     if dtype != torch.float64:
         for shape in ((64, 3072), (64, 4099), (2048, 4099)):
             x, bias = bias_inputs(shape, dtype, "cuda")
@@ -788,8 +808,62 @@ def test_gelu_gradient_grid_in_one_wave(dtype):
         phases = tilings[0][4]
         backward = [k for k in kernels if "act_backward_" in k]
         assert backward and all(("act_backward_span_kernel" in k) == (phases > 1) for k in backward), (shape, kernels)
-        partial = {t[3] > 1 for t in tilings}
-        assert len(partial) == 1 and any("column_reduce" in k for k in kernels) in partial, (shape, partial, kernels)
+        second = {t[3] > 1 and not t[5] for t in tilings}  # partial rows left to column_sum
+        assert len(second) == 1 and any("column_reduce" in k for k in kernels) in second, (shape, second, kernels)
+
+
+FINISH_SHAPES = ((65, 4099), (2047, 1), (2047, 7), (2047, 777), (2048, 4099), (2047, 12288), (8192, 777))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16), ids=dtype_id)
+def test_bias_gradient_finished_in_kernel(dtype):
+    """Partial rows added by the backward kernel's last block of each column tile (an atomic
+    counter a column tile, put back to zero by that block): ReLU (saved y) and GELU-erf (saved x)
+    against float64 at rows 65 to 8192 and hidden 1, 7, 777, 4099 and 12288; the same bits on a
+    second eager run (whichever block comes last, the sum's order is fixed); no column_sum launch
+    where bias_grad_tiling says the kernel finishes; and a CUDA graph of both backwards replayed
+    twice equals the eager run bitwise (the counters are zero again for every replay)."""
+    require_cuda()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    finished = 0
+    for shape in FINISH_SHAPES:
+        x, bias, dy = check_activation_grads("gelu", shape, dtype)
+        x, bias = x.detach(), bias.detach()
+        xr, br = bias_inputs(shape, dtype, "cuda")  # ReLU's inputs: z kept off zero
+        y = fusion.fused_bias_scale_relu(xr, br, SCALE)
+        dx_ref, g = bsr_backward_reference(dy, xr, br)
+
+        def step():
+            dx_r, db_r = fusion.fused_bias_scale_relu_backward(dy, y, br, SCALE, "y", None)
+            dx_g, db_g = torch.ops.fusion.bias_activation_backward(dy, x, bias, "gelu")
+            return dx_r, db_r, dx_g, db_g
+
+        eager = step()
+        assert_within(eager[0], dx_ref, 2 * eps(dtype) * dx_ref.abs() + floor(dtype), f"dx {shape}")
+        assert_within(eager[1], g.sum(0), column_sum_bound(g, dtype, shape[0]), f"dbias {shape}")
+        again = step()
+        assert all(torch.equal(a, b) for a, b in zip(eager, again)), shape
+        tilings = [torch.ops.fusion.bias_grad_tiling(x, sms, b) for b in range(2, 9)]
+        second = {t[3] > 1 and not t[5] for t in tilings}
+        if len(second) == 1:
+            _, kernels = launched_kernels(step, "course")
+            assert any("column_reduce" in k for k in kernels) in second, (shape, second, kernels)
+        finished += all(t[5] for t in tilings)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step()  # the warm-up a capture needs
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(graph):
+            captured = step()
+        for replay in range(2):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert all(torch.equal(c, e) for c, e in zip(captured, eager)), (shape, replay)
+    assert finished >= 2, "no shape here finishes its bias gradient in the kernel"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -952,6 +1026,10 @@ def test_linear_activation_bias_may_be_none(dtype, device):
     torch.testing.assert_close(w.grad.double(), w64.grad, rtol=tol, atol=tol * 8)
 
 
+# The kernel each name of bias_forward_kernel launches ("tiles": the column tiles' kernel).
+FORWARD_KERNELS = {"tiles": "course::bias_act_tile_kernel<", "flat": "course::bias_act_flat_kernel<"}
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16), ids=dtype_id)
 def test_flat_kernel_runs_where_it_applies(dtype):
@@ -968,10 +1046,70 @@ def test_flat_kernel_runs_where_it_applies(dtype):
         x.requires_grad_(mask)  # the mask is written only when a gradient is needed
         _, kernels = launched_kernels(lambda: fusion.fused_bias_scale_relu(x, bias, SCALE), "course")
         assert any(expected in k for k in kernels), (shape, mask, kernels)
-    for shape, expected in (((64, 4096), "bias_act_tile_kernel"), ((64, 768), "bias_act_flat_kernel")):
+    # GELU-erf: the tiles only where their grid fills a wave of this GPU (bias_forward_kernel),
+    # not at 64 tokens, where four rows a thread left a few dozen blocks.
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for shape, expected in (((64, 4096), "flat"), ((64, 768), "flat"), ((8192, 1024), "tiles")):
         x, bias = bias_inputs(shape, dtype, "cuda")
+        assert torch.ops.fusion.bias_forward_kernel(x, "gelu", sms) == expected, (shape, sms)
         _, kernels = launched_kernels(lambda: fusion.bias_gelu(x, bias, "none"), "course")
-        assert any(expected in k for k in kernels), (shape, "gelu", kernels)
+        assert any(FORWARD_KERNELS[expected] in k for k in kernels), (shape, "gelu", kernels)
+
+
+FORWARD_TOKENS = (1, 63, 64, 65, 2047, 2048, 8192)
+FORWARD_HIDDEN = (1, 7, 768, 777, 1024, 2048, 4096, 4099, 12288)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16), ids=dtype_id)
+def test_bias_forward_kernel_rule(dtype):
+    """The fused forward's kernel (course::launch_bias_act) asked without a GPU: the column tiles
+    only for GELU-erf (four rows in flight a thread), on rows of whole vectors that fill every
+    tile, and only where the tiles' grid (column tiles by rows over four rows a thread, up to
+    65535 row tiles) fills 4 blocks on every SM; the flat kernel everywhere else. Meta tensors,
+    GPUs of 1 to 170 SMs."""
+    vector = 16 // torch.empty((), dtype=dtype).element_size()
+    for sms in (1, 46, 132, 170):
+        for tokens in FORWARD_TOKENS:
+            for hidden in FORWARD_HIDDEN:
+                x = torch.empty(tokens, hidden, dtype=dtype, device="meta")
+                packs = hidden // vector
+                tx = 1
+                while tx < 256 and tx < packs:
+                    tx *= 2
+                blocks = -(-packs // tx) * min(-(-tokens // (256 // tx * 4)), 65535)
+                tiles = hidden % vector == 0 and packs % tx == 0 and blocks >= 4 * sms
+                where = (sms, tokens, hidden)
+                assert torch.ops.fusion.bias_forward_kernel(x, "gelu", sms) == ("tiles" if tiles else "flat"), where
+                for activation in ("relu", "gelu_tanh", "silu"):
+                    assert torch.ops.fusion.bias_forward_kernel(x, activation, sms) == "flat", (activation, where)
+    # The sweep's few-token rows on an H100's 132 SMs: flat at 64 and 2048 tokens up to hidden
+    # 2048, tiles where the rows fill the GPU.
+    for shape, expected in (((64, 4096), "flat"), ((64, 12288), "flat"), ((2048, 1024), "flat"),
+                            ((2048, 2048), "flat" if dtype != torch.float32 else "tiles"), ((8192, 4096), "tiles")):
+        x = torch.empty(shape, dtype=dtype, device="meta")
+        assert torch.ops.fusion.bias_forward_kernel(x, "gelu", 132) == expected, shape
+    with pytest.raises(RuntimeError, match="bias_forward_kernel: sms must be at least 1"):
+        torch.ops.fusion.bias_forward_kernel(torch.empty(4, 8, device="meta"), "gelu", 0)
+    with pytest.raises(RuntimeError, match="bias_forward_kernel: unknown activation"):
+        torch.ops.fusion.bias_forward_kernel(torch.empty(4, 8, device="meta"), "tanh", 132)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16), ids=dtype_id)
+def test_bias_gelu_forward_at_the_wave_edges(dtype):
+    """bias_gelu's forward runs the kernel bias_forward_kernel names for this GPU, and matches
+    float64, at rows 1, 63, 64, 65 and 2047 and hidden 1, 7, 777, 4099 and 12288 (a single
+    element, rows shorter than a vector, rows that start mid-vector, whole vectors)."""
+    require_cuda()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for tokens in (1, 63, 64, 65, 2047):
+        for hidden in (1, 7, 777, 4099, 12288):
+            x, bias = bias_inputs((tokens, hidden), dtype, "cuda", scale=1.0)
+            expected = torch.ops.fusion.bias_forward_kernel(x, "gelu", sms)
+            y, kernels = launched_kernels(lambda: fusion.bias_gelu(x, bias, "none"), "course")
+            assert any(FORWARD_KERNELS[expected] in k for k in kernels), (tokens, hidden, expected, kernels)
+            ref = reference_bias_act(x, bias, "gelu")
+            assert_within(y, ref, act_bound(x, bias, 1.0, ref, dtype), f"gelu {tokens}x{hidden}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1198,10 +1336,19 @@ def test_sanitizer_small(dtype):
 def test_sanitizer_gelu_grid(dtype):
     """Under compute-sanitizer: GELU-erf's backward on a grid sized to its kernel's occupancy, at
     rows that start mid-vector with partial rows and a last step that only some threads take
-    (400 x 4099, 300 x 777) and on whole vectors (130 x 3000), against float64."""
+    (400 x 4099, 300 x 777) and on whole vectors (130 x 3000), against float64; and ReLU's
+    backward from each saved kind at the same shapes. Their partial rows are added by the last
+    block of each column tile (bias_grad_tiling's finishes), which reads the other blocks' rows."""
     require_cuda()
     for shape in ((400, 4099), (300, 777), (130, 3000)):
         check_activation_grads("gelu", shape, dtype)
+        x, bias = bias_inputs(shape, dtype, "cuda")
+        dy = torch.randn(shape, device="cuda").to(dtype)
+        dx_ref, g = bsr_backward_reference(dy, x, bias)
+        for save in ("y", "x", "mask"):
+            dx, dbias = fusion.fused_bias_scale_relu_backward(dy, saved_for(save, x, bias), bias, SCALE, save, None)
+            assert_within(dx, dx_ref, 2 * eps(dtype) * dx_ref.abs() + floor(dtype), f"dx {shape} {save}")
+            assert_within(dbias, g.sum(0), column_sum_bound(g, dtype, shape[0]), f"dbias {shape} {save}")
 
 
 # A tensor where a number goes and the other way round: a TypeError naming the op and the argument.

@@ -88,8 +88,10 @@ course::BiasAct<T> fused_op_args(const FusedOpParams& p) {
 // 0: custom_kernels.h says why y is kept). A thread keeps 16-byte packs of the same columns for
 // every row it visits, writes dx and sums g for dbias in registers; the block adds its rows'
 // sums in shared memory and writes dbias itself when one row tile holds every row (up to 64
-// tokens: one launch), else one partial row that course::column_sum adds in a fixed order
-// (course::grad_tiling). No atomics: deterministic.
+// tokens: one launch), else one partial row, which the last block of its column tile to finish
+// (an atomic counter a column tile) adds with the others in the same launch, or, where the
+// partials are too many for one block, course::column_sum in a second (course::grad_tiling,
+// course::grad_finishes_in_kernel). Every sum in a fixed order: deterministic.
 template <typename T>
 course::BiasActGrad<T> fused_op_grad_args(const FusedOpBackwardParams& p) {
   return {static_cast<const T*>(p.dy), static_cast<const T*>(p.y), nullptr, nullptr,

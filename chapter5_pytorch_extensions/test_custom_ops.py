@@ -13,6 +13,7 @@ import sys
 import time
 import traceback
 
+import pytest
 import torch
 from torch import nn
 
@@ -126,6 +127,47 @@ def test_fused_op_at_the_shapes_models_run():
             bound = 2 * eps * rows.abs().sum(0) + 4 * eps * dbias.double().abs() + 1e-6
             assert bool(((dbias.double() - rows.sum(0)).abs() <= bound).all())
     _passed("Forward and backward match PyTorch at hidden 768, 777, 4099, 96 and 3072, NaN included")
+
+
+@pytest.mark.cuda
+def test_fused_op_bias_gradient_added_in_the_kernel():
+    """Past one row tile the backward's partial rows of dbias are added by the last block of each
+    column tile (an atomic counter a column tile, put back to zero by that block; course::
+    grad_finishes_in_kernel): at 65 to 2048 tokens and hidden 1, 7, 777, 4099 and 12288 in
+    every dtype, dbias matches the float64 column sum of the gradient, a second run gives the
+    same bits (whichever block finishes last, the sum's order is fixed), and a CUDA graph of the
+    backward replayed twice gives the eager bits both times (the counters are zero again)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU visible")
+    torch.manual_seed(7)
+    backward = custom_ops._C.fused_op_backward_raw
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for shape in ((65, 4099), (2047, 1), (2047, 7), (2047, 777), (2048, 4099), (2047, 12288)):
+            x = _away_from_zero(shape, dtype=dtype).to("cuda")
+            bias = torch.randn(shape[-1], device="cuda").to(dtype)
+            y = custom_ops.fused_op_forward(x, bias, 0.75)
+            dy = torch.randn(shape, device="cuda").to(dtype)
+            dx, dbias = backward(dy, y, 0.75)
+            g = torch.where(y.double() > 0, dy.double(), 0.0)
+            eps = torch.finfo(dtype).eps
+            bound = 2 * eps * g.abs().sum(0) + 4 * eps * g.sum(0).abs() + 1e-6
+            assert bool(((dbias.double() - g.sum(0)).abs() <= bound).all()), (dtype, shape)
+            torch.testing.assert_close(dx, (g * 0.75).to(dtype), rtol=0, atol=0)
+            again = backward(dy, y, 0.75)
+            assert torch.equal(again[0], dx) and torch.equal(again[1], dbias), (dtype, shape)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                backward(dy, y, 0.75)  # the warm-up a capture needs
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = backward(dy, y, 0.75)
+            for replay in range(2):
+                graph.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(captured[0], dx) and torch.equal(captured[1], dbias), (dtype, shape, replay)
+    _passed("dbias added in the kernel: float64's sum, the same bits every run and every graph replay")
 
 
 def test_custom_relu():

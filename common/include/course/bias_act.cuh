@@ -14,7 +14,8 @@
 //   act_backward_tile_kernel  the backward on the column tiling: dx written once, the gradient
 //                          summed per column in registers and across the tile's rows in
 //                          shared memory; dbias written by the kernel itself when one row tile
-//                          covers every row, else course::column_sum over its partial rows;
+//                          covers every row, else from its partial rows by the last block of
+//                          each column tile (finish_tile_column) or by course::column_sum;
 //   act_backward_span_kernel  the same for rows that start mid-vector (hidden 4099): a block
 //                          owns a span of columns in every row, each thread meets one phase of
 //                          rows, so that they too move whole aligned vectors, with only the
@@ -107,13 +108,38 @@ __device__ __forceinline__ Pack<T, L> load_pack(const T* p) {
   return out;
 }
 
+// The bits of 2 bytes of T: a 16-bit element as the low half of a word.
+template <typename T>
+__device__ __forceinline__ uint32_t bits16(T v) {
+  uint16_t b;
+  memcpy(&b, &v, sizeof(b));
+  return b;
+}
+
+// One 16-byte store of the L elements of v, as four 32-bit words that the kernel builds itself
+// and one st.global.v4.b32. course::store16 (an int4 copied from the elements) came out of nvcc
+// 13.0 as four st.global.v2.u16 in 16-bit types and as four st.global.f32 in float32 (ptx and
+// SASS of these kernels, sm_90a), four store instructions where one moves the same bytes, in
+// kernels whose instruction budget at copy speed is some 40 an element in bfloat16. p is 16-byte
+// aligned (the launchers check), and global memory.
+template <typename T, int L>
+__device__ __forceinline__ void store16_words(T* p, const T (&v)[L]) {
+  static_assert(L * sizeof(T) == 16, "one 16-byte vector");
+  uint32_t w[4];
+  if constexpr (sizeof(T) == 2) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) w[i] = bits16(v[2 * i]) | (bits16(v[2 * i + 1]) << 16);
+  } else {
+    memcpy(w, v, 16);  // float32 and float64: whole words already
+  }
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3])
+               : "memory");
+}
+
 template <typename T, int L>
 __device__ __forceinline__ void store_pack(T* p, const Pack<T, L>& in) {
   if constexpr (L == Vec16<T>::kLanes) {
-    Vec16<T> v;
-#pragma unroll
-    for (int l = 0; l < L; ++l) v.v[l] = in.v[l];
-    store16(reinterpret_cast<Vec16<T>*>(p), v);
+    store16_words<T, L>(p, in.v);
   } else {
     static_assert(L == 1, "a pack is one element or one 16-byte vector");
     *p = in.v[0];
@@ -141,7 +167,7 @@ inline bool vectorizable(int64_t n, std::initializer_list<const void*> pointers)
 // columns' gradient over those rows in registers). Consecutive threads take consecutive packs
 // of one row: a warp reads 32 * 16 = 512 contiguous bytes per instruction.
 // ---------------------------------------------------------------------------------------
-constexpr int kTileThreads = 256;
+// kTileThreads and tile_width: course/bias_act.h.
 // Rows a backward thread loads before it computes any: two independent 16-byte loads of dy
 // (and two of what the forward saved) in flight per thread, to cover DRAM latency at the
 // occupancy its per-column sums leave. Single elements (rows that are not whole vectors) are
@@ -154,14 +180,6 @@ struct Tiling {
   dim3 grid;       // x: column tiles, y: row tiles
   int64_t slots;   // the backward's partial rows: gridDim.y, or 0 when the kernel writes dbias
 };
-
-// Packs of a row a tile spans: the power of two at or above the row's packs, at least min_tx,
-// at most a block. Lanes past the row's end in the last tile have nothing to do.
-inline int tile_width(int64_t packs_per_row, int min_tx) {
-  int tx = min_tx;
-  while (tx < kTileThreads && tx < packs_per_row) tx *= 2;
-  return tx;
-}
 
 // The forward kernels' (and swiglu's backward's) tiling: no per-row state, so one sweep of
 // `rows_per_thread` rows per thread and as many blocks as that takes, the grid of a copy kernel.
@@ -360,8 +378,8 @@ __global__ void __launch_bounds__(kFlatThreads)
       zv.v[l] = from_acc<T>(z);
       bits |= static_cast<uint32_t>(relu_passes(z)) << l;
     }
-    store16(reinterpret_cast<Vec16<T>*>(y + first), yv);
-    if (pre != nullptr) store16(reinterpret_cast<Vec16<T>*>(pre + first), zv);
+    store16_words<T, L>(y + first, yv.v);
+    if (pre != nullptr) store16_words<T, L>(pre + first, zv.v);
   }
   if constexpr (kMask) {
     // head == 0 and n % 32 == 0 here (flat_applies): vector v's bits are bits v * L % 32 on of
@@ -414,8 +432,10 @@ cudaError_t launch_bias_act_flat(const BiasAct<T>& p, cudaStream_t stream) {
 }
 
 // The forward a call takes. The flat kernel wherever it can pair the operands' vectors, unless the
-// activation keeps several rows in flight (kRows > 1, GELU-erf) and the rows are whole aligned
-// vectors that fill every tile: a tile of one row per thread is the flat kernel's work with a
+// activation keeps several rows in flight (kRows > 1, GELU-erf), the rows are whole aligned
+// vectors that fill every tile, and the tiles' grid fills a wave of the GPU
+// (course::forward_takes_tiles: at 64 tokens four rows a thread left 32 blocks for 132 SMs). A
+// tile of one row per thread is the flat kernel's work with a
 // two-dimensional index, the bias reloaded per thread in both, and on the H200 the flat kernel ran
 // the sweep's bfloat16 rows at 3.7-3.8 TB/s where the tiles ran 3.1-3.2 (fused_op forward at 8192
 // tokens: hidden 5120 and 7168 flat, 0.97x torch.compile; 4096, 6144, 8192, 12288 and 16384 in
@@ -427,9 +447,16 @@ template <typename T, typename Act, bool kMask, int kRows = 1, int kMinBlocks = 
 cudaError_t launch_bias_act(const BiasAct<T>& p, cudaStream_t stream) {
   constexpr int kLanes = Vec16<T>::kLanes;
   const int64_t packs = p.n / kLanes;
-  const bool full_tiles = vectorizable<T>(p.n, {p.x, p.bias, p.y, p.pre}) &&
-                          packs % tile_width(packs, kMask ? 32 / kLanes : 1) == 0;
-  if (!flat_applies(p) || (kRows > 1 && full_tiles)) {
+  const int min_tx = kMask ? 32 / kLanes : 1;
+  const bool full_tiles =
+      kRows > 1 && vectorizable<T>(p.n, {p.x, p.bias, p.y, p.pre}) && packs % tile_width(packs, min_tx) == 0;
+  bool tiles = false;
+  if (full_tiles) {
+    int sms = 0;
+    COURSE_CUDA_TRY(sm_count(&sms));
+    tiles = forward_takes_tiles(p.rows, packs, min_tx, kRows, sms, kMinBlocks);
+  }
+  if (!flat_applies(p) || tiles) {
     return launch_bias_act_tiles<T, Act, kMask, kRows, kMinBlocks>(p, stream);
   }
   return launch_bias_act_flat<T, Act, kMask>(p, stream);
@@ -441,8 +468,10 @@ cudaError_t launch_bias_act(const BiasAct<T>& p, cudaStream_t stream) {
 // per-column float accumulators in registers over every row it visits. The block then adds its
 // ty rows of accumulators in shared memory, in a fixed order, and writes one row: dbias itself
 // when the grid has one row tile, else its row of a [row tiles, n] array of partial sums (every
-// row written once: no zero fill, no atomics) that course::column_sum reduces in a fixed order.
-// Deterministic, and g never goes to memory. Two kernels share this: act_backward_tile_kernel
+// row written once: no zero fill), which the last block of each column tile adds in the same
+// launch (finish_tile_column: an atomic counts the blocks, never adds a value) or, where they are
+// many, course::column_sum in a second. Both add in a fixed order: deterministic, and g never
+// goes to memory. Two kernels share this: act_backward_tile_kernel
 // for rows of whole vectors (or single elements), act_backward_span_kernel for rows that start
 // mid-vector (below).
 // ---------------------------------------------------------------------------------------
@@ -476,31 +505,19 @@ __device__ __forceinline__ Pack<T, L> grad_pack(const Pack<T, L>& dyv, const Pac
   return dxv;
 }
 
-// The block's sums, tile_sums[row of the tile][column of the tile] (W columns from column
-// `first`, ty rows), added down each column in a fixed order and written as one row: dbias when
-// the grid has one row tile, else the block's row of partials. Column k's ty sums: G =
-// kGradThreads / W adjacent lanes share them (each adds L of them, rows part, part + G, ...) and
-// a shuffle tree adds the lanes' totals; a tile of at least 256 columns (G = 1) gives each thread
-// whole columns. Below 8 columns (a row of fewer than 8 elements) G would pass a warp: one thread
-// adds each column's rows alone. Called by every thread of the block, after the barrier that
-// follows the sums' stores.
-template <typename T>
-__device__ __forceinline__ void write_tile_sums(const typename Acc<T>::type* tile_sums, int W, int ty, int64_t first,
-                                                int64_t n, T* dbias, typename Acc<T>::type* partials) {
-  using A = typename Acc<T>::type;
-  const auto emit = [&](int k, A total) {
-    if (first + k < n) {  // the last tile's columns past the row's end
-      if (gridDim.y == 1) {
-        dbias[first + k] = from_acc<T>(total);
-      } else {
-        partials[static_cast<int64_t>(blockIdx.y) * n + first + k] = total;
-      }
-    }
-  };
+// Adds each of W columns down `count` rows of values (value(r, k): row r, column k) in a fixed
+// order, with every thread of the block, and passes column k's total to emit(k, total). Column
+// k's rows: G = kGradThreads / W adjacent lanes share them (each adds rows part, part + G, ...)
+// and a shuffle tree adds the lanes' totals; at least 256 columns (G = 1) give each thread whole
+// columns. Below 8 columns G would pass a warp: one thread adds each column's rows alone. The
+// order depends on W and count only, never on which block or thread runs first: the same bits
+// every run.
+template <typename A, typename Value, typename Emit>
+__device__ __forceinline__ void add_down_columns(int W, int count, Value value, Emit emit) {
   if (W >= kGradThreads) {
     for (int k = threadIdx.x; k < W; k += kGradThreads) {
       A total = A(0);
-      for (int r = 0; r < ty; ++r) total += tile_sums[r * W + k];
+      for (int r = 0; r < count; ++r) total += value(r, k);
       emit(k, total);
     }
   } else if (W >= 8) {
@@ -508,25 +525,97 @@ __device__ __forceinline__ void write_tile_sums(const typename Acc<T>::type* til
     const int k = threadIdx.x / G;
     const int part = threadIdx.x % G;
     A total = A(0);
-    for (int r = part; r < ty; r += G) total += tile_sums[r * W + k];
+    for (int r = part; r < count; r += G) total += value(r, k);
     for (int offset = G / 2; offset > 0; offset /= 2) total += __shfl_xor_sync(0xffffffffu, total, offset, G);
     if (part == 0) emit(k, total);
   } else if (static_cast<int>(threadIdx.x) < W) {
     A total = A(0);
-    for (int r = 0; r < ty; ++r) total += tile_sums[r * W + threadIdx.x];
+    for (int r = 0; r < count; ++r) total += value(r, threadIdx.x);
     emit(threadIdx.x, total);
   }
+}
+
+// One counter per column tile for the backward's in-kernel finish (finish_tile_column below):
+// zero when the module loads, and put back to zero by the block that finds itself last, so that
+// every launch on the stream, and every replay of a captured graph, finds them zero. Each
+// translation unit has its own (static, no relocatable device code). Launches are ordered on one
+// stream; two of these backward kernels running at once on two streams of one device would share
+// the counters, which the course's ops never do (their glue launches on the current stream).
+static __device__ unsigned int g_column_tiles_done[kFinishCounters];
+
+// The block's sums, tile_sums[row of the tile][column of the tile] (W columns from column
+// `first`, ty rows), added down each column (add_down_columns) and written as one row: dbias
+// when the grid has one row tile, else the block's row of partials. Called by every thread of the
+// block, after the barrier that follows the sums' stores.
+template <typename T>
+__device__ __forceinline__ void write_tile_sums(const typename Acc<T>::type* tile_sums, int W, int ty, int64_t first,
+                                                int64_t n, T* dbias, typename Acc<T>::type* partials) {
+  using A = typename Acc<T>::type;
+  add_down_columns<A>(W, ty, [&](int r, int k) { return tile_sums[r * W + k]; }, [&](int k, A total) {
+    if (first + k < n) {  // the last tile's columns past the row's end
+      if (gridDim.y == 1) {
+        dbias[first + k] = from_acc<T>(total);
+      } else {
+        partials[static_cast<int64_t>(blockIdx.y) * n + first + k] = total;
+      }
+    }
+  });
+}
+
+// The last-block-done finish of dbias (course::grad_finishes_in_kernel says when the launcher
+// asks for it): after the block has written its partial row, the last of the gridDim.y blocks of
+// its column tile to arrive adds the tile's gridDim.y partial rows for its W columns, in row
+// order, and writes dbias, where otherwise course::column_sum would be a second launch. Which
+// block is last changes from run to run; the order of the sum does not (add_down_columns).
+template <typename T>
+__device__ __forceinline__ void finish_tile_column(const typename Acc<T>::type* partials, int W, int64_t first,
+                                                   int64_t n, T* dbias) {
+  using A = typename Acc<T>::type;
+  __shared__ bool last;
+  // Each thread's partial stores reach the device (L2) before the block counts itself done, so
+  // that the last block, on another SM, reads every one of them.
+  __threadfence();
+  __syncthreads();  // every thread's partials stored and fenced before thread 0 counts the block
+  if (threadIdx.x == 0) {
+    const unsigned arrived = atomicAdd(&g_column_tiles_done[blockIdx.x], 1u) + 1u;
+    last = arrived == gridDim.y;
+    // Every block of the tile has counted itself: put the counter back for the next launch.
+    if (last) g_column_tiles_done[blockIdx.x] = 0u;
+  }
+  __syncthreads();  // `last` is written before any thread reads it
+  if (!last) return;  // the same value in every thread of the block: no barrier follows
+  __threadfence();  // the other blocks' partials, fenced before their count, are read after ours
+  // __ldcg: from L2, never from this SM's L1, which other SMs' stores do not update.
+  add_down_columns<A>(W, static_cast<int>(gridDim.y),
+                      [&](int r, int k) {
+                        return first + k < n ? __ldcg(partials + static_cast<int64_t>(r) * n + first + k) : A(0);
+                      },
+                      [&](int k, A total) {
+                        if (first + k < n) dbias[first + k] = from_acc<T>(total);  // columns past the row's end
+                      });
 }
 
 // Rows whose every pack is whole: 16-byte vectors where every row starts on a 16-byte boundary,
 // single elements (L = 1) otherwise. The last parameter, unused (every row is phase 0 here), gives
 // it the span kernel's signature, so that the launcher holds either kernel in one pointer and
 // asks its occupancy before sizing the grid.
+//
+// __launch_bounds__: where the saved tensor gives the derivative's sign (kOutput, kMask), the
+// kGradBlocksPerSm blocks an SM that the grid counts on (64 registers a thread): with the last
+// block's finish (finish_tile_column), nvcc 13.0 otherwise took 76 for fused_op's backward in
+// bfloat16, three blocks an SM. Where z is recomputed from x (kInput), and in float64, no
+// minimum at all (0: the ptx has no .minnctapersm), ptxas's own choice: a minimum of 1 is not
+// the same thing, it frees ptxas to take up to 255 registers, and bias_gelu's backward in
+// bfloat16 went from 80 (3 blocks an SM) to 116 (2). At 64 x 12288 its grid is 384 column tiles
+// of one row tile, one wave at 3 an SM on 132 SMs and two at 2: the H100 measured 5.7 us before
+// and 7.3 us with the minimum of 1. Without one, 80 again (64 in float16 and float32; 48-80 in
+// float64, at most 8 bytes spilled, where a cap of 64 spilled 56).
 template <typename T, typename Act, int L, SaveKind kSource>
-__global__ void __launch_bounds__(kGradThreads)
+__global__ void __launch_bounds__(kGradThreads,
+                                  kSource == SaveKind::kInput || sizeof(T) == 8 ? 0 : kGradBlocksPerSm)
     act_backward_tile_kernel(const T* dy, const T* saved, const uint32_t* mask, const T* bias,
                              typename Acc<T>::type scale, T* dx, typename Acc<T>::type* partials, T* dbias,
-                             int64_t rows, int64_t n, int tx, int /*phases*/) {
+                             int64_t rows, int64_t n, int tx, int /*phases*/, bool finish) {
   using A = typename Acc<T>::type;
   constexpr int kRows = kRowsInFlight<L>;
   // Every thread's L sums, [row of the tile][column of the tile].
@@ -583,6 +672,7 @@ __global__ void __launch_bounds__(kGradThreads)
   for (int l = 0; l < L; ++l) tile_sums[row_in_tile * W + (threadIdx.x % tx) * L + l] = sum[l];
   __syncthreads();  // every row's sums are in shared memory before any column's are added
   write_tile_sums<T>(tile_sums, W, ty, static_cast<int64_t>(blockIdx.x) * W, n, dbias, partials);
+  if (finish && gridDim.y > 1) finish_tile_column<T>(partials, W, static_cast<int64_t>(blockIdx.x) * W, n, dbias);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -669,7 +759,7 @@ template <typename T, typename Act, SaveKind kSource>
 __global__ void __launch_bounds__(kGradThreads, kSource == SaveKind::kInput ? kGradBlocksPerSm - 1 : kGradBlocksPerSm)
     act_backward_span_kernel(const T* dy, const T* saved, const uint32_t* mask, const T* bias,
                              typename Acc<T>::type scale, T* dx, typename Acc<T>::type* partials, T* dbias,
-                             int64_t rows, int64_t n, int tx, int phases) {
+                             int64_t rows, int64_t n, int tx, int phases, bool finish) {
   using A = typename Acc<T>::type;
   constexpr int L = Vec16<T>::kLanes;
   __shared__ A tile_sums[kGradThreads * L];
@@ -743,6 +833,7 @@ __global__ void __launch_bounds__(kGradThreads, kSource == SaveKind::kInput ? kG
   for (int l = 0; l < L; ++l) tile_sums[row_in_tile * W + place + l - (l < wrapped ? back : 0)] = sum[l];
   __syncthreads();  // every row's sums are in shared memory before any column's are added
   write_tile_sums<T>(tile_sums, W, ty, S, n, dbias, partials);
+  if (finish && gridDim.y > 1) finish_tile_column<T>(partials, W, S, n, dbias);
 }
 
 // How the backward moves a row: whole 16-byte packs (every row starts on a 16-byte boundary),
@@ -825,10 +916,14 @@ cudaError_t launch_fused_backward(const BiasActGrad<T>& p, cudaStream_t stream) 
   int phases = 1;
   COURSE_CUDA_TRY(fused_backward_tiling<T>(p, blocks_per_sm, &t, &tiled, &phases));
   A* partials = static_cast<A*>(p.workspace);
+  const int lanes = tiled == GradPacks::kSingle ? 1 : kLanes;
+  const bool finish = grad_finishes_in_kernel(t.grid.x, t.grid.y, t.tx, lanes);
   kernel<<<t.grid, kGradThreads, 0, stream>>>(p.dy, p.saved, p.mask, p.bias, p.scale, p.dx, partials, p.dbias,
-                                              p.rows, p.n, t.tx, phases);
+                                              p.rows, p.n, t.tx, phases, finish);
   COURSE_CUDA_TRY(cudaGetLastError());
-  if (t.slots == 0) return cudaSuccess;  // one row tile: the kernel wrote dbias
+  // One row tile: the kernel wrote dbias; several, it added the partial rows itself (finish), or
+  // column_sum adds them.
+  if (t.slots == 0 || finish) return cudaSuccess;
   return column_sum<A, T>(partials, t.slots, p.n, p.dbias, stream);
 }
 

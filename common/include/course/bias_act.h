@@ -29,12 +29,56 @@ COURSE_HOST_DEVICE constexpr bool relu_passes(A z) {
 }
 
 // ---------------------------------------------------------------------------------------
+// The forward's column tiles (course/bias_act.cuh's bias_act_tile_kernel): a block of
+// kTileThreads threads is tx adjacent packs by kTileThreads / tx rows, and each thread takes
+// rows_per_thread rows of them. Here, torch- and CUDA-free, so that the CPU tests can ask the
+// forward's choice below with any SM count.
+// ---------------------------------------------------------------------------------------
+constexpr int kTileThreads = 256;
+
+// Packs of a row a tile spans: the power of two at or above the row's packs, at least min_tx,
+// at most a block. Lanes past the row's end in the last tile have nothing to do.
+inline int tile_width(int64_t packs_per_row, int min_tx) {
+  int tx = min_tx;
+  while (tx < kTileThreads && tx < packs_per_row) tx *= 2;
+  return tx;
+}
+
+// Blocks of the forward's tiles: column tiles by row tiles (at most 65535, gridDim.y's limit).
+inline int64_t forward_tile_blocks(int64_t rows, int64_t packs_per_row, int min_tx, int rows_per_thread) {
+  const int tx = tile_width(packs_per_row, min_tx);
+  const int64_t ty = kTileThreads / tx;
+  const int64_t column_tiles = ceil_div<int64_t>(packs_per_row, tx);
+  int64_t row_tiles = ceil_div<int64_t>(rows > 1 ? rows : 1, ty * rows_per_thread);
+  row_tiles = row_tiles < 65535 ? row_tiles : 65535;
+  return column_tiles * row_tiles;
+}
+
+// Whether a forward that keeps several rows in flight a thread (GELU-erf's four, whose erff
+// needs the registers of four blocks an SM rather than eight) takes the column tiles rather than
+// the flat kernel, for rows of whole aligned vectors that fill every tile: only when the tiles'
+// grid fills the blocks_per_sm blocks an SM holds of it on every SM. Four rows a thread divide the
+// grid by four: bias_gelu at 64 x 4096 in bfloat16 was 2 column tiles by 16 row tiles, 32 blocks
+// on 132 SMs, and at 2048 x 1024 or 2048 x 2048 256 or 512 blocks for a wave of 528; the flat
+// kernel (one vector a thread) gives such shapes four times the blocks and one round trip to DRAM.
+// Below a wave, the grid (from the element count and the SM count, not from a list of shapes)
+// goes flat; above, the tiles' four independent loads a thread keep more bytes in flight than
+// eight blocks of one vector a thread at the same occupancy.
+inline bool forward_takes_tiles(int64_t rows, int64_t packs_per_row, int min_tx, int rows_per_thread, int sms,
+                                int blocks_per_sm) {
+  if (rows_per_thread <= 1) return false;
+  return forward_tile_blocks(rows, packs_per_row, min_tx, rows_per_thread) >=
+         int64_t{sms > 1 ? sms : 1} * (blocks_per_sm > 1 ? blocks_per_sm : 1);
+}
+
+// ---------------------------------------------------------------------------------------
 // The backward's column tiling (course/bias_act.cuh's act_backward_tile_kernel), from the shape
 // and the SM count alone, so that the CPU tests can ask it with any SM count. A block of
 // kGradThreads threads is a tile of tx adjacent packs by ty = kGradThreads / tx rows; each
 // thread sums its columns' gradient over the rows it visits in registers, the block adds its ty
 // rows of sums in shared memory, and writes one row: dbias itself when the grid has one row
-// tile (one launch), else one partial row per row tile, which course::column_sum adds.
+// tile (one launch), else one partial row per row tile, which the last block of each column
+// tile adds in the same launch, or course::column_sum in a second (grad_finishes_in_kernel).
 //
 // Why the tile narrows at few rows: every thread of the grid takes one step of `rows_in_flight`
 // rows (the whole problem one round trip to DRAM) until the grid has the blocks the SMs hold; a
@@ -135,6 +179,30 @@ inline GradTiling grad_tiling(int64_t rows, int64_t packs, int pack_bytes, int r
   row_tiles = ceil_div<int64_t>(sweep, ceil_div<int64_t>(sweep, row_tiles));  // same steps, fewest tiles
   row_tiles = row_tiles < 65535 ? row_tiles : 65535;  // gridDim.y's limit
   return {tx, ty, column_tiles, row_tiles};
+}
+
+// Where the grid has several row tiles, the partial rows are added in the backward kernel itself
+// (course/bias_act.cuh's finish_tile_column) rather than by a second launch
+// (course::column_sum): the last block of each column tile to finish, found with an atomic
+// counter per column tile, adds the tile's row_tiles partial rows for its W = tx * lanes
+// columns. The second launch costs a launch gap and a round trip of the partials after the
+// kernel's own, where torch.compile's backward at a few thousand tokens is one reduction
+// kernel. Two limits keep that last block short: a counter for every column tile
+// (kFinishCounters of them), and at most kFinishSumsPerThread partials for each of its
+// kGradThreads threads to add. Past either (rows of thousands of float32 columns, with dozens of
+// partial rows a column tile), one block would add hundreds of kilobytes while the other SMs
+// idle, and column_sum's grid spreads them over the GPU.
+constexpr int kFinishCounters = 4096;
+constexpr int64_t kFinishSumsPerThread = 32;
+
+// (The last block's threads share a column tile's W columns as the tile's own sums do:
+// kGradThreads / W lanes a column from 8 columns up, one thread a column below 8, which then adds
+// all row_tiles partials of its column alone.)
+COURSE_HOST_DEVICE constexpr bool grad_finishes_in_kernel(int64_t column_tiles, int64_t row_tiles, int tx,
+                                                          int lanes) {
+  return row_tiles > 1 && column_tiles <= kFinishCounters &&
+         (int64_t{tx} * lanes >= 8 ? row_tiles * tx * lanes <= kFinishSumsPerThread * kGradThreads
+                                   : row_tiles <= kFinishSumsPerThread);
 }
 
 }  // namespace course
