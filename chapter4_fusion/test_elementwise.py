@@ -816,14 +816,47 @@ FINISH_SHAPES = ((65, 4099), (2047, 1), (2047, 7), (2047, 777), (2048, 4099), (2
 
 
 @pytest.mark.cuda
+def test_bias_gradient_finish_on_two_streams_at_once():
+    """The in-kernel finish's counters are each call's own: backward calls running at the same
+    time on two streams, each on shapes whose partial rows the kernel adds itself, give the bits
+    each gives alone. (Counters shared by every launch would count the other call's blocks: a
+    block would add partial rows not yet written, or no block would see its tile complete.)"""
+    require_cuda()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cases = []
+    for shape in FINISH_SHAPES:
+        xr, br = bias_inputs(shape, torch.bfloat16, "cuda")
+        y = fusion.fused_bias_scale_relu(xr, br, SCALE)
+        if not all(t[5] for t in (torch.ops.fusion.bias_grad_tiling(y, sms, b) for b in range(2, 9))):
+            continue  # column_sum adds this one's partial rows: no counters
+        dy = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+        alone = fusion.fused_bias_scale_relu_backward(dy, y, br, SCALE, "y", None)
+        cases.append((dy, y, br, alone))
+    assert len(cases) >= 2, "fewer than two shapes here finish their bias gradient in the kernel"
+    torch.cuda.synchronize()
+    streams = [torch.cuda.Stream() for _ in cases]
+    for _ in range(20):
+        outs = [None] * len(cases)
+        for i, (stream, (dy, y, br, _)) in enumerate(zip(streams, cases)):
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                outs[i] = fusion.fused_bias_scale_relu_backward(dy, y, br, SCALE, "y", None)
+        for stream in streams:
+            torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        for out, (_, _, _, alone) in zip(outs, cases):
+            assert all(torch.equal(a, b) for a, b in zip(out, alone))
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16), ids=dtype_id)
 def test_bias_gradient_finished_in_kernel(dtype):
     """Partial rows added by the backward kernel's last block of each column tile (an atomic
-    counter a column tile, put back to zero by that block): ReLU (saved y) and GELU-erf (saved x)
-    against float64 at rows 65 to 8192 and hidden 1, 7, 777, 4099 and 12288; the same bits on a
+    counter a column tile, the call's own, zeroed on its stream before the kernel): ReLU (saved
+    y) and GELU-erf (saved x) against float64 at rows 65 to 8192 and hidden 1, 7, 777, 4099 and 12288; the same bits on a
     second eager run (whichever block comes last, the sum's order is fixed); no column_sum launch
     where bias_grad_tiling says the kernel finishes; and a CUDA graph of both backwards replayed
-    twice equals the eager run bitwise (the counters are zero again for every replay)."""
+    twice equals the eager run bitwise (the graph's memset zeroes the counters for every replay)."""
     require_cuda()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     finished = 0

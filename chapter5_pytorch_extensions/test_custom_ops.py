@@ -132,11 +132,11 @@ def test_fused_op_at_the_shapes_models_run():
 @pytest.mark.cuda
 def test_fused_op_bias_gradient_added_in_the_kernel():
     """Past one row tile the backward's partial rows of dbias are added by the last block of each
-    column tile (an atomic counter a column tile, put back to zero by that block; course::
+    column tile (an atomic counter a column tile, zeroed on the call's stream before the kernel; course::
     grad_finishes_in_kernel): at 65 to 2048 tokens and hidden 1, 7, 777, 4099 and 12288 in
     every dtype, dbias matches the float64 column sum of the gradient, a second run gives the
     same bits (whichever block finishes last, the sum's order is fixed), and a CUDA graph of the
-    backward replayed twice gives the eager bits both times (the counters are zero again)."""
+    backward replayed twice gives the eager bits both times (its memset zeroes the counters)."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU visible")
     torch.manual_seed(7)

@@ -535,14 +535,6 @@ __device__ __forceinline__ void add_down_columns(int W, int count, Value value, 
   }
 }
 
-// One counter per column tile for the backward's in-kernel finish (finish_tile_column below):
-// zero when the module loads, and put back to zero by the block that finds itself last, so that
-// every launch on the stream, and every replay of a captured graph, finds them zero. Each
-// translation unit has its own (static, no relocatable device code). Launches are ordered on one
-// stream; two of these backward kernels running at once on two streams of one device would share
-// the counters, which the course's ops never do (their glue launches on the current stream).
-static __device__ unsigned int g_column_tiles_done[kFinishCounters];
-
 // The block's sums, tile_sums[row of the tile][column of the tile] (W columns from column
 // `first`, ty rows), added down each column (add_down_columns) and written as one row: dbias
 // when the grid has one row tile, else the block's row of partials. Called by every thread of the
@@ -567,9 +559,15 @@ __device__ __forceinline__ void write_tile_sums(const typename Acc<T>::type* til
 // its column tile to arrive adds the tile's gridDim.y partial rows for its W columns, in row
 // order, and writes dbias, where otherwise course::column_sum would be a second launch. Which
 // block is last changes from run to run; the order of the sum does not (add_down_columns).
+//
+// counters: one per column tile, this launch's own (the call's workspace, zeroed on the call's
+// stream just before the kernel: finish_counters), never a __device__ array shared by every
+// launch. A shared array, reset by each tile's last block, would be right only while launches
+// never overlap: two backward calls running at once on two streams would count each other's
+// blocks, and a launch that stopped part-way would leave every later call's count off.
 template <typename T>
-__device__ __forceinline__ void finish_tile_column(const typename Acc<T>::type* partials, int W, int64_t first,
-                                                   int64_t n, T* dbias) {
+__device__ __forceinline__ void finish_tile_column(const typename Acc<T>::type* partials, unsigned int* counters,
+                                                   int W, int64_t first, int64_t n, T* dbias) {
   using A = typename Acc<T>::type;
   __shared__ bool last;
   // Each thread's partial stores reach the device (L2) before the block counts itself done, so
@@ -577,10 +575,8 @@ __device__ __forceinline__ void finish_tile_column(const typename Acc<T>::type* 
   __threadfence();
   __syncthreads();  // every thread's partials stored and fenced before thread 0 counts the block
   if (threadIdx.x == 0) {
-    const unsigned arrived = atomicAdd(&g_column_tiles_done[blockIdx.x], 1u) + 1u;
+    const unsigned arrived = atomicAdd(counters + blockIdx.x, 1u) + 1u;
     last = arrived == gridDim.y;
-    // Every block of the tile has counted itself: put the counter back for the next launch.
-    if (last) g_column_tiles_done[blockIdx.x] = 0u;
   }
   __syncthreads();  // `last` is written before any thread reads it
   if (!last) return;  // the same value in every thread of the block: no barrier follows
@@ -615,7 +611,7 @@ __global__ void __launch_bounds__(kGradThreads,
                                   kSource == SaveKind::kInput || sizeof(T) == 8 ? 0 : kGradBlocksPerSm)
     act_backward_tile_kernel(const T* dy, const T* saved, const uint32_t* mask, const T* bias,
                              typename Acc<T>::type scale, T* dx, typename Acc<T>::type* partials, T* dbias,
-                             int64_t rows, int64_t n, int tx, int /*phases*/, bool finish) {
+                             int64_t rows, int64_t n, int tx, int /*phases*/, unsigned int* counters) {
   using A = typename Acc<T>::type;
   constexpr int kRows = kRowsInFlight<L>;
   // Every thread's L sums, [row of the tile][column of the tile].
@@ -672,7 +668,9 @@ __global__ void __launch_bounds__(kGradThreads,
   for (int l = 0; l < L; ++l) tile_sums[row_in_tile * W + (threadIdx.x % tx) * L + l] = sum[l];
   __syncthreads();  // every row's sums are in shared memory before any column's are added
   write_tile_sums<T>(tile_sums, W, ty, static_cast<int64_t>(blockIdx.x) * W, n, dbias, partials);
-  if (finish && gridDim.y > 1) finish_tile_column<T>(partials, W, static_cast<int64_t>(blockIdx.x) * W, n, dbias);
+  if (counters != nullptr && gridDim.y > 1) {
+    finish_tile_column<T>(partials, counters, W, static_cast<int64_t>(blockIdx.x) * W, n, dbias);
+  }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -759,7 +757,7 @@ template <typename T, typename Act, SaveKind kSource>
 __global__ void __launch_bounds__(kGradThreads, kSource == SaveKind::kInput ? kGradBlocksPerSm - 1 : kGradBlocksPerSm)
     act_backward_span_kernel(const T* dy, const T* saved, const uint32_t* mask, const T* bias,
                              typename Acc<T>::type scale, T* dx, typename Acc<T>::type* partials, T* dbias,
-                             int64_t rows, int64_t n, int tx, int phases, bool finish) {
+                             int64_t rows, int64_t n, int tx, int phases, unsigned int* counters) {
   using A = typename Acc<T>::type;
   constexpr int L = Vec16<T>::kLanes;
   __shared__ A tile_sums[kGradThreads * L];
@@ -833,7 +831,7 @@ __global__ void __launch_bounds__(kGradThreads, kSource == SaveKind::kInput ? kG
   for (int l = 0; l < L; ++l) tile_sums[row_in_tile * W + place + l - (l < wrapped ? back : 0)] = sum[l];
   __syncthreads();  // every row's sums are in shared memory before any column's are added
   write_tile_sums<T>(tile_sums, W, ty, S, n, dbias, partials);
-  if (finish && gridDim.y > 1) finish_tile_column<T>(partials, W, S, n, dbias);
+  if (counters != nullptr && gridDim.y > 1) finish_tile_column<T>(partials, counters, W, S, n, dbias);
 }
 
 // How the backward moves a row: whole 16-byte packs (every row starts on a 16-byte boundary),
@@ -873,10 +871,18 @@ cudaError_t fused_backward_tiling(const BiasActGrad<T>& p, int blocks_per_sm, Ti
   return cudaSuccess;
 }
 
+// The scratch's first part: slots partial rows of n accumulators, rounded up to 16 bytes so that
+// the finish's counters after it start aligned.
+template <typename T>
+constexpr int64_t partial_rows_bytes(int64_t slots, int64_t n) {
+  return (slots * n * static_cast<int64_t>(sizeof(typename Acc<T>::type)) + 15) / 16 * 16;
+}
+
 // The scratch is asked before the kernel (and so its occupancy) is known, by callers that name
 // only the dtype: the most partial rows that any occupancy could ask for. grad_tiling counts an
 // occupancy above kGradBlocksPerSm as kGradBlocksPerSm, so 1 to kGradBlocksPerSm blocks an SM
-// cover them all.
+// cover them all. Where there are partial rows, kFinishCounters counters follow them (the
+// in-kernel finish's, finish_tile_column: at most that many column tiles take it).
 template <typename T>
 cudaError_t fused_backward_workspace(const BiasActGrad<T>& p, int64_t* bytes) {
   int64_t slots = 0;
@@ -887,8 +893,21 @@ cudaError_t fused_backward_workspace(const BiasActGrad<T>& p, int64_t* bytes) {
     COURSE_CUDA_TRY(fused_backward_tiling<T>(p, blocks, &t, &packs, &phases));
     slots = std::max(slots, t.slots);
   }
-  *bytes = slots * p.n * static_cast<int64_t>(sizeof(typename Acc<T>::type));
+  *bytes = slots == 0 ? 0 : partial_rows_bytes<T>(slots, p.n) + kFinishCounters * int64_t{sizeof(unsigned int)};
   return cudaSuccess;
+}
+
+// The finish's counters for a launch of `t` (nullptr where column_sum adds the partial rows, or
+// one row tile writes dbias): the call's own, after the partial rows in its workspace, zeroed on
+// the call's stream before the kernel that counts on them, so that calls on different streams,
+// and every replay of a captured graph (the memset is a node of it), start from zero.
+template <typename T>
+cudaError_t finish_counters(const BiasActGrad<T>& p, const Tiling& t, bool finish, cudaStream_t stream,
+                            unsigned int** counters) {
+  *counters = nullptr;
+  if (!finish) return cudaSuccess;
+  *counters = reinterpret_cast<unsigned int*>(static_cast<char*>(p.workspace) + partial_rows_bytes<T>(t.slots, p.n));
+  return cudaMemsetAsync(*counters, 0, t.grid.x * sizeof(unsigned int), stream);
 }
 
 // Blocks of `kernel` an SM holds (its registers and shared memory decide): the wave the grid is
@@ -918,8 +937,10 @@ cudaError_t launch_fused_backward(const BiasActGrad<T>& p, cudaStream_t stream) 
   A* partials = static_cast<A*>(p.workspace);
   const int lanes = tiled == GradPacks::kSingle ? 1 : kLanes;
   const bool finish = grad_finishes_in_kernel(t.grid.x, t.grid.y, t.tx, lanes);
+  unsigned int* counters = nullptr;
+  COURSE_CUDA_TRY(finish_counters(p, t, finish, stream, &counters));
   kernel<<<t.grid, kGradThreads, 0, stream>>>(p.dy, p.saved, p.mask, p.bias, p.scale, p.dx, partials, p.dbias,
-                                              p.rows, p.n, t.tx, phases, finish);
+                                              p.rows, p.n, t.tx, phases, counters);
   COURSE_CUDA_TRY(cudaGetLastError());
   // One row tile: the kernel wrote dbias; several, it added the partial rows itself (finish), or
   // column_sum adds them.
