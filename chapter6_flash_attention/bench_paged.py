@@ -77,7 +77,14 @@ Rows (op, then variant):
                     kernel whose grid skips other sequences' tiles. (flex can also read a page
                     table through torch.nn.attention.experimental's PagedAttention, a private API.)
   Each output is checked against a float32 reference of the same keys before it is timed.
-  --prefill-only runs these rows alone (and writes results/<device-slug>/chapter6_paged_prefill.json,
+- paged_prefill, field sweep "block_size": the "prefix" configuration again at block_size 8, 16, 32,
+  64, 128 and 256 (PREFILL_BLOCK_SIZES), variants attention_varlen (on the gathered keys, as above)
+  and default; on the CPU the reference alone. What paging costs as a function of the page size:
+  the Hopper producer gathers pages under 64 rows with cp.async and copies larger ones as one TMA
+  box each (the default row's producer field), and the contiguous kernel does not see pages at all,
+  so its row is the same work at every block size. The summary prints default / attention_varlen
+  per block size, and the figure beside the prefill one plots it against block_size.
+  --prefill-only runs the paged_prefill rows alone (and writes results/<device-slug>/chapter6_paged_prefill.json,
   leaving the full record alone).
 - reshape_and_cache: 65536 tokens (a prefill's worth) and 256 (a decode step's), 8 kv heads, d 128,
   bf16, block_size 16, every 97th slot -1 (padding); bytes = K and V of the real tokens read and
@@ -126,7 +133,9 @@ scatter, at most 16 GiB, at batch 16 x 128K) and its float32 witness adds ~10 s.
 inserts of ~2048 tokens, each walking its ~120 shared blocks (~250 us), measured at 16 s on a
 2-core EPYC dev box, then flattened (1.5 s); the Python walk that checks the CPU op takes 0.7 s and
 the CPU reference's 22 timed lookups ~0.8 s (35 ms each). Copy ceiling and warm-up ~2 s: about
-70 s in all, under the 150 s budget; wall_s records it. The --quick CPU run takes ~4 s.
+70 s in all, under the 150 s budget; wall_s records it. The paged_prefill block-size sweep adds 12
+rows of ~1 ms calls over six caches of 8 x 4608 tokens (144 MiB of K and V each): ~5 s by the rate
+above, with its caches and witnesses. The --quick CPU run takes ~4 s.
 
 Rows of paged_attention have shape [batch, heads, heads_kv, context, head_dim], context the
 longest sequence's (config e: field context_range is the draw's [1, 8192], context_tokens the
@@ -165,6 +174,8 @@ PREFILL_RUNGS = tuple(flash_attention.VERSIONS["paged_prefill_attention"])
 PREFILL_BASELINE = "sdpa_flash"  # paged_prefill's speedup_vs_torch divides by it
 TORCH_PREFILL = ("sdpa_flash", "flex_attention")
 CONTIGUOUS_PREFILL = "attention_varlen"  # the course's forward on the gathered keys (see the top)
+PREFILL_BLOCK_SIZES = (8, 16, 32, 64, 128, 256)  # the "prefix" row's page-size sweep (see the top)
+PREFILL_CONTIGUOUS_TARGET = 0.9  # the prefix row's target: default within 10% of attention_varlen's speed
 MAX_CALL_MS = 100.0   # a call slower than this is skipped, not timed
 Q_STD = 3.0           # scores of std ~3: outputs dominated by a few tokens (see the docstring)
 PAD_EVERY = 97        # reshape_and_cache: every 97th token is padding (slot -1)
@@ -249,7 +260,8 @@ def sizes_for(device, quick):
                 "match": {"requests": 4096, "tokens": 2048, "nodes": 100_000, "roots": 64,
                           "block_size": 16, "vocab": 32000},
                 # prefix: the chapter's target, 8 sequences x (4096 cached + a chunk of 512)
-                "prefill": prefill_configs(512, 4096, 2048, prefix=(8, 4096))}
+                "prefill": prefill_configs(512, 4096, 2048, prefix=(8, 4096)),
+                "prefill_block_size": block_size_sweep(prefill_configs(512, 4096, 2048, prefix=(8, 4096))[0])}
     if device == "cuda":
         cap = 0.25
         split = [decode_config(b, n, 32, 8, sweep="split_kv") for b in (1, 8) for n in (1024, 16384, 65536)]
@@ -263,7 +275,8 @@ def sizes_for(device, quick):
                               "head_dim": 128, "block_size": 16, "dtype": "bfloat16"},
                 "match": {"requests": 512, "tokens": 512, "nodes": 5000, "roots": 16,
                           "block_size": 16, "vocab": 32000},
-                "prefill": prefill_configs(129, 1000, 300, batch=4, decodes=12)}
+                "prefill": prefill_configs(129, 1000, 300, batch=4, decodes=12),
+                "prefill_block_size": block_size_sweep(prefill_configs(129, 1000, 300, batch=4, decodes=12)[0])}
     cap = 8 / 1024
     targets = [dict(c, dtype="float32") for c in
                target_configs((4, 256, 8, 2), 512, {"b": (2, 1024), "c": (1, 2048)})]
@@ -278,7 +291,11 @@ def sizes_for(device, quick):
                           "block_size": 16, "dtype": "float32"},
             "match": {"requests": 64, "tokens": 256, "nodes": 2000, "roots": 8, "block_size": 16, "vocab": 32000},
             "prefill": prefill_configs(17, 100, 33, batch=4, decodes=6, heads=8, heads_kv=2, head_dim=64,
-                                       dtype="float32")}
+                                       dtype="float32"),
+            # the reference's rows at three page sizes: a smaller page, the cache's, one past the context
+            "prefill_block_size": block_size_sweep(
+                prefill_configs(17, 100, 33, batch=4, decodes=6, heads=8, heads_kv=2, head_dim=64,
+                                dtype="float32")[0], block_sizes=(8, 16, 128))}
 
 
 def prefill_config(config, chunks, contexts, heads=32, heads_kv=8, head_dim=128, block_size=16, dtype="bfloat16"):
@@ -299,6 +316,12 @@ def prefill_configs(chunk, context, cold, batch=16, decodes=60, prefix=None, **k
             prefill_config("cold", [cold] * (batch // 2), [cold] * (batch // 2), **kw)]
 
 
+def block_size_sweep(c, block_sizes=None):
+    """Configuration c (the "prefix" one) at each block size, PREFILL_BLOCK_SIZES unless given: its
+    rows carry sweep "block_size"."""
+    return [dict(c, block_size=bs, sweep="block_size") for bs in block_sizes or PREFILL_BLOCK_SIZES]
+
+
 def prefill_flops(chunks, contexts, heads, head_dim):
     """FLOPs over the (query, key) pairs the bottom-right causal mask leaves visible: row i of a
     chunk of q over a context of n sees n - q + i + 1 keys, so a chunk sees q (n - q) + q (q + 1) / 2
@@ -307,11 +330,16 @@ def prefill_flops(chunks, contexts, heads, head_dim):
     return 4 * heads * head_dim * pairs
 
 
-def prefill_variants(device):
+def prefill_variants(device, sweep=None):
     """PyTorch's two first (sdpa_flash the reference of speedup_vs_torch), the course's contiguous
-    attention_varlen, then the ladder and default; on the CPU the course's reference alone, one row
-    "cpu"."""
-    return TORCH_PREFILL + (CONTIGUOUS_PREFILL,) + PREFILL_RUNGS + ("default",) if device == "cuda" else ("cpu",)
+    attention_varlen, then the ladder and default; the block-size sweep attention_varlen and default
+    alone (the other rungs take pages of 16 and 32 rows only); on the CPU the course's reference
+    alone, one row "cpu"."""
+    if device != "cuda":
+        return ("cpu",)
+    if sweep == "block_size":
+        return (CONTIGUOUS_PREFILL, "default")
+    return TORCH_PREFILL + (CONTIGUOUS_PREFILL,) + PREFILL_RUNGS + ("default",)
 
 
 def variants_of(c, device):
@@ -675,7 +703,7 @@ def prefill_calls(c, case, device):
                                                                max_seqlen_q=max(chunks), check_tables=check)
 
     out = []
-    for variant in prefill_variants(device):
+    for variant in prefill_variants(device, c.get("sweep")):
         if variant == "sdpa_flash":
             out.append((variant, None, sdpa_flash_setup))  # the setup returns the timed call
         elif variant == "flex_attention":
@@ -691,7 +719,8 @@ def prefill_calls(c, case, device):
 def prefill_rows(device, c, ceilings, notes):
     dtype = getattr(torch, c["dtype"])
     chunks, contexts = c["chunks"], c["contexts"]
-    where = f"paged_prefill {c['config']} {c['heads']}/{c['heads_kv']} d={c['head_dim']} {c['dtype']}"
+    where = (f"paged_prefill {c['config']} {c['heads']}/{c['heads_kv']} d={c['head_dim']} {c['dtype']}"
+             + (f" bs={c['block_size']}" if c.get("sweep") else ""))
     case = make_prefill_case(c, device)
     ref32 = reference_prefill(c, case)
     flops = prefill_flops(chunks, contexts, c["heads"], c["head_dim"])
@@ -700,7 +729,8 @@ def prefill_rows(device, c, ceilings, notes):
               "heads": c["heads"], "heads_kv": c["heads_kv"], "head_dim": c["head_dim"],
               "block_size": c["block_size"], "total_q": sum(chunks), "max_seqlen_q": max(chunks),
               "context": max(contexts), "context_tokens": sum(contexts),
-              "prefill_chunks": sum(1 for n in chunks if n > 1), "decode_tokens": sum(1 for n in chunks if n == 1)}
+              "prefill_chunks": sum(1 for n in chunks if n > 1), "decode_tokens": sum(1 for n in chunks if n == 1),
+              **({"sweep": c["sweep"]} if c.get("sweep") else {})}
     rows, ref, t_base = [], None, None
     for variant, fn, check in prefill_calls(c, case, device):
         if fn is None:  # the setup (flex's block mask, sdpa_flash's GQA probe, the gather) returns the call
@@ -1183,7 +1213,7 @@ def plot_match(ax, record):
 
 
 def plot_prefill(ax, record):
-    rs = results.rows(record, op="paged_prefill")
+    rs = results.rows(record, op="paged_prefill", sweep=None)  # the block-size sweep has its own figure
     configs = list(dict.fromkeys(r["config"] for r in rs))
     grouped_bars(ax, configs, lambda c: [r for r in rs if r["config"] == c], value="pct_of_mm")
     labels = [f"{c}\n" + prefill_label(next(r for r in rs if r["config"] == c)) for c in configs]
@@ -1194,13 +1224,65 @@ def plot_prefill(ax, record):
     ax.grid(axis="y", alpha=0.3)
 
 
+def plot_prefill_block_size(axes, record):
+    """The block-size sweep of the "prefix" configuration, block_size on a log2 axis. Left: default's
+    speed over attention_varlen's on the same keys gathered contiguous (1: paging costs nothing; the
+    red line is the chapter's target), each point named by how the producer loaded its pages (gather:
+    cp.async by the producer warpgroup, tma: one box a page). Right: each variant's time, where the
+    contiguous call should be flat (it sees no pages). A CPU record has the reference's times alone."""
+    rs = results.rows(record, op="paged_prefill", sweep="block_size")
+    ax_ratio, ax_time = axes
+    sizes = sorted(dict.fromkeys(r["block_size"] for r in rs))
+    ratios = {bs: x for bs, x in contiguous_ratios(rs, key="block_size").items() if x is not None}
+    xs = sorted(ratios)
+    if xs:
+        ax_ratio.plot(xs, [ratios[x] for x in xs], marker="o", color=COLORS["default"],
+                      label=f"default / {CONTIGUOUS_PREFILL}")
+        for x in xs:
+            producer = next((r.get("producer") for r in rs if r["block_size"] == x and r["variant"] == "default"), None)
+            if producer:
+                ax_ratio.annotate(producer, (x, ratios[x]), textcoords="offset points", xytext=(0, 6), ha="center",
+                                  fontsize=7)
+    else:
+        ax_ratio.text(0.5, 0.5, f"no {CONTIGUOUS_PREFILL} rows here (a CPU run times the reference alone)",
+                      ha="center", va="center", transform=ax_ratio.transAxes, fontsize=8)
+    ax_ratio.axhline(1.0, color="grey", linestyle=":")
+    ax_ratio.axhline(PREFILL_CONTIGUOUS_TARGET, color="red", linestyle="--", linewidth=1,
+                     label=f"target {PREFILL_CONTIGUOUS_TARGET:g}x")
+    ax_ratio.set_ylabel(f"default's speed / {CONTIGUOUS_PREFILL}'s (same keys)")
+    for v in ordered(r["variant"] for r in rs):
+        pts = sorted((r["block_size"], r["median_ms"] * 1e3) for r in rs if r["variant"] == v)
+        ax_time.plot([p[0] for p in pts], [p[1] for p in pts], label=v, color=COLORS.get(v), marker="o", ms=3)
+    ax_ratio.set_ylim(0, max([1.1, *(x * 1.1 for x in ratios.values())]))
+    ax_time.set_ylim(0, max([r["median_ms"] * 1e3 for r in rs], default=1) * 1.15)
+    ax_time.set_ylabel("us per call")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        if sizes:
+            ax.set_xlim(sizes[0] / 1.5, sizes[-1] * 1.5)
+        ax.set_xticks(sizes, [str(n) for n in sizes])
+        ax.minorticks_off()
+        ax.set_xlabel("block_size (rows per page)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    r0 = rs[0] if rs else None
+    if r0:
+        ax_ratio.set_title(f"{r0['config']}: {prefill_label(r0)}", fontsize=9)
+    ax_time.set_title(f"chunked prefill by page size: {results.label(record)}", fontsize=9)
+
+
 def make_prefill_figures(record, out_dir):
     if not results.rows(record, op="paged_prefill"):
         return []
     fig, ax = plt.subplots(figsize=(9, 4.5))
     plot_prefill(ax, record)
-    name = f"{CHAPTER}_prefill.png" if record["chapter"] == CHAPTER else f"{record['chapter']}.png"
-    return [plots.save(fig, out_dir / name)]
+    stem = f"{CHAPTER}_prefill" if record["chapter"] == CHAPTER else record["chapter"]
+    figures = [plots.save(fig, out_dir / f"{stem}.png")]
+    if results.rows(record, op="paged_prefill", sweep="block_size"):
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+        plot_prefill_block_size(axes, record)
+        figures.append(plots.save(fig, out_dir / f"{stem}_block_size.png"))
+    return figures
 
 
 def make_figures(record, out_dir):
@@ -1247,8 +1329,9 @@ def prefill_label(r):
 
 
 def print_prefill_rows(record):
-    rows = results.rows(record, op="paged_prefill")
+    rows = results.rows(record, op="paged_prefill", sweep=None)
     if not rows:
+        print_block_size_rows(record)
         return
     mm = record["ceilings"].get("mm_TFLOPs")
     print(f"\npaged_prefill (forward, causal bottom-right); matmul {fmt(mm, '.0f')} TFLOP/s; x {PREFILL_BASELINE} = its "
@@ -1261,16 +1344,35 @@ def print_prefill_rows(record):
     print(f"\ndefault / {CONTIGUOUS_PREFILL}: the paged op's speed over the same keys gathered contiguous")
     for config, ratio in contiguous_ratios(rows).items():
         print(f"  {config:<10}{fmt(ratio, '.2f')}x")
+    print_block_size_rows(record)
 
 
-def contiguous_ratios(rows):
-    """{config: default's speed / attention_varlen's} (time over time, inverted), None where a row is
-    missing."""
+def print_block_size_rows(record):
+    """The block-size sweep: each variant's time per block size, and default / attention_varlen."""
+    rows = results.rows(record, op="paged_prefill", sweep="block_size")
+    if not rows:
+        return
+    variants = ordered(r["variant"] for r in rows)
+    print(f"\nby block size, {rows[0]['config']} {prefill_label(rows[0])}: us per call, and default / "
+          f"{CONTIGUOUS_PREFILL} (target >= {PREFILL_CONTIGUOUS_TARGET:g}x)")
+    print(f"{'block_size':>10}{'producer':>10}" + "".join(f"{v:>18}" for v in variants) + f"{'ratio':>8}")
+    ratios = contiguous_ratios(rows, key="block_size")
+    for bs in sorted(ratios):
+        got = {r["variant"]: r for r in rows if r["block_size"] == bs}
+        producer = got.get("default", {}).get("producer") or "-"
+        print(f"{bs:>10}{producer:>10}"
+              + "".join(fmt(got[v]["median_ms"] * 1e3 if v in got else None, "18.1f", f"{'-':>18}") for v in variants)
+              + fmt(ratios[bs], "7.2f", f"{'-':>7}") + ("x" if ratios[bs] is not None else ""))
+
+
+def contiguous_ratios(rows, key="config"):
+    """{config (or the rows' `key` field): default's speed / attention_varlen's} (time over time,
+    inverted), None where a row is missing."""
     out = {}
-    for config in dict.fromkeys(r["config"] for r in rows):
-        got = {r["variant"]: r["median_ms"] for r in rows if r["config"] == config}
+    for value in dict.fromkeys(r[key] for r in rows):
+        got = {r["variant"]: r["median_ms"] for r in rows if r[key] == value}
         mine, theirs = got.get("default"), got.get(CONTIGUOUS_PREFILL)
-        out[config] = theirs / mine if mine and theirs else None
+        out[value] = theirs / mine if mine and theirs else None
     return out
 
 
@@ -1369,8 +1471,9 @@ def measure_prefill(device, quick):
     ceilings = bench.copy_ceiling(device, n=2**28 if full else 2**20)
     ceilings.update(bench.matmul_ceiling(device, n=8192 if full else 1024 if device == "cuda" else 256))
     notes = bench.Notes()
-    rows = bench_prefill(device, s["prefill"], ceilings, notes)
-    extra = {"sizes": {"prefill": s["prefill"]}, "headline_op": "paged_prefill", **prefill_extra(device),
+    rows = bench_prefill(device, s["prefill"] + s["prefill_block_size"], ceilings, notes)
+    extra = {"sizes": {k: s[k] for k in ("prefill", "prefill_block_size")}, "headline_op": "paged_prefill",
+             **prefill_extra(device),
              "skipped": notes.skipped, "extension": flash_attention.EXTENSION, "targets": [],
              "versions": {"paged_prefill_attention": list(PREFILL_RUNGS)},
              "wall_s": time.perf_counter() - started}
@@ -1398,8 +1501,9 @@ def measure_all(device, quick):
     print("match_prefix")
     match_rows, tree = bench_match(device, s["match"], notes)
     rows += match_rows
-    print(f"paged_prefill: {len(s['prefill'])} configurations")
-    rows += bench_prefill(device, s["prefill"], ceilings, notes)
+    print(f"paged_prefill: {len(s['prefill'])} configurations, then the prefix one at "
+          f"{len(s['prefill_block_size'])} block sizes")
+    rows += bench_prefill(device, s["prefill"] + s["prefill_block_size"], ceilings, notes)
     ours = "default" if device == "cuda" else "cpu"
     extra = {"sizes": s, "headline_op": "paged_attention", "baseline": BASELINE,
              "targets": evaluate_targets(rows, ours), "match_prefix_tree": tree,

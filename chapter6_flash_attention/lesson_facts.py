@@ -432,11 +432,12 @@ def generate_line(_record):
     return "; ".join(parts) + "."
 
 
-def _prefill_record():
-    """The newest GPU record holding paged_prefill rows: the full benchmark's, or the one
-    bench_paged.py --prefill-only writes (chapter6_paged_prefill)."""
+def _prefill_record(**match):
+    """The newest GPU record holding paged_prefill rows (those matching `match` too, as
+    sweep="block_size"): the full benchmark's, or the one bench_paged.py --prefill-only writes
+    (chapter6_paged_prefill)."""
     found = [rec for rec in (_paged(), results.load_recorded_gpu("chapter6_paged_prefill"))
-             if rec and results.rows(rec, op="paged_prefill")]
+             if rec and results.rows(rec, op="paged_prefill", **match)]
     return max(found, key=lambda rec: rec["date"]) if found else None
 
 
@@ -451,7 +452,7 @@ def paged_prefill(_record):
     rec = _prefill_record()
     if not rec:
         return "(not recorded yet)"
-    rows = results.rows(rec, op="paged_prefill")
+    rows = results.rows(rec, op="paged_prefill", sweep=None)  # the block-size sweep: the next table
     lines = ["| config | " + " | ".join(f"`{c}`" for c in PREFILL_COLUMNS)
              + " | default x `attention_varlen` | default x `sdpa_flash` |",
              "|---|" + "---|" * (len(PREFILL_COLUMNS) + 2)]
@@ -471,6 +472,30 @@ def paged_prefill(_record):
                      + (f" (`{dispatch}`)" if dispatch else "") + " |")
     lines += ["", f"{_where(rec)}; TFLOP/s over the (query, key) pairs the causal mask leaves visible, bf16; "
                   f"a bf16 matmul reached {rec['ceilings']['mm_TFLOPs']:.0f} TFLOP/s in the same run."]
+    return "\n".join(lines)
+
+
+def paged_prefill_block_size(_record):
+    """The "prefix" configuration by block size: default and attention_varlen (the same keys gathered
+    contiguous) in us, default's speed over attention_varlen's, and how the producer loaded the
+    pages (gather: cp.async, tma: a box a page)."""
+    rec = _prefill_record(sweep="block_size")
+    if not rec:
+        return "(not recorded yet)"
+    rows = results.rows(rec, op="paged_prefill", sweep="block_size")
+    lines = ["| block_size | producer | `default` us | `attention_varlen` us | default x `attention_varlen` |",
+             "|---|---|---|---|---|"]
+    for bs in sorted(dict.fromkeys(r["block_size"] for r in rows)):
+        got = {r["variant"]: r for r in rows if r["block_size"] == bs}
+        ours, theirs = got.get("default"), got.get("attention_varlen")
+        ratio = theirs["median_ms"] / ours["median_ms"] if ours and theirs else None
+        lines.append(f"| {bs} | {(ours or {}).get('producer') or '-'} | "
+                     + " | ".join("-" if r is None else f"{r['median_ms'] * 1e3:.0f}" for r in (ours, theirs))
+                     + f" | {'-' if ratio is None else f'{ratio:.2f}x'} |")
+    r0 = rows[0]
+    lines += ["", f"{_where(rec)}; the `{r0['config']}` row ({r0['prefill_chunks']} chunks of {r0['max_seqlen_q']} "
+                  f"tokens, contexts {r0['context']}, {r0['heads']}/{r0['heads_kv']} heads, d {r0['head_dim']}, "
+                  f"{r0['dtype']}) at each block size; the target is 0.9x."]
     return "\n".join(lines)
 
 
@@ -778,7 +803,9 @@ FACTS = {"target_table": target_table, "split_kv": split_kv_table, "memory": mem
          "profile_table": profile_table, "profile_backward": profile_backward,
          "tiny_gpt": tiny_gpt_line, "paged_targets": paged_targets, "paged_gqa": paged_gqa,
          "paged_split": paged_split, "paged_num_splits": paged_num_splits, "paged_cache_ops": paged_cache_ops,
-         "paged_match": paged_match, "paged_prefill": paged_prefill, "generate": generate_line, "hopper_targets": hopper_targets,
+         "paged_match": paged_match, "paged_prefill": paged_prefill,
+         "paged_prefill_block_size": paged_prefill_block_size, "generate": generate_line,
+         "hopper_targets": hopper_targets,
          "hopper_rungs": hopper_rungs, "hopper_gemm": hopper_gemm, "hopper_configs": hopper_configs,
          "hopper_profile": hopper_profile, "hopper_power": hopper_power,
          "hopper_persistent": hopper_persistent, "hopper_backward": hopper_backward, "hopper_fp8": hopper_fp8, "fp8_accuracy": fp8_accuracy,

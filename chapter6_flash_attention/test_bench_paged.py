@@ -381,3 +381,137 @@ def test_quick_record_has_prefill_rows(quick_record):
         if r["variant"] == "default":
             assert r["dispatch"] in B.PREFILL_RUNGS
     assert record["ceilings"]["mm_TFLOPs"] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# paged_prefill by block size
+# ---------------------------------------------------------------------------------------------
+def test_block_size_sweep_is_the_prefix_row_at_each_page_size():
+    s = B.sizes_for("cuda", quick=False)
+    prefix = next(c for c in s["prefill"] if c["config"] == "prefix")
+    sweep = s["prefill_block_size"]
+    assert [c["block_size"] for c in sweep] == list(B.PREFILL_BLOCK_SIZES) == [8, 16, 32, 64, 128, 256]
+    for c in sweep:
+        assert c["sweep"] == "block_size" and "sweep" not in prefix
+        assert {k: v for k, v in c.items() if k != "sweep"} == {**prefix, "block_size": c["block_size"]}
+    assert B.prefill_variants("cuda", "block_size") == ("attention_varlen", "default")
+    assert B.prefill_variants("cpu", "block_size") == ("cpu",)
+    for device in ("cuda", "cpu"):  # every run has the sweep: the quick ones at their own prefix row
+        quick = B.sizes_for(device, quick=True)
+        assert {c["sweep"] for c in quick["prefill_block_size"]} == {"block_size"}
+        assert quick["prefill_block_size"][0]["chunks"] == quick["prefill"][0]["chunks"]
+
+
+def test_contiguous_ratios_by_block_size():
+    rows = [{"block_size": 16, "variant": "default", "median_ms": 2.0},
+            {"block_size": 16, "variant": "attention_varlen", "median_ms": 1.0},
+            {"block_size": 64, "variant": "attention_varlen", "median_ms": 1.0},
+            {"block_size": 64, "variant": "default", "median_ms": 0.8}, {"block_size": 8, "variant": "default",
+                                                                         "median_ms": 1.0}]
+    assert B.contiguous_ratios(rows, key="block_size") == {16: 0.5, 64: 1.25, 8: None}
+
+
+def test_quick_record_has_the_block_size_sweep(quick_record):
+    record, _ = quick_record
+    sweep = results.rows(record, op="paged_prefill", sweep="block_size")
+    want = [c["block_size"] for c in record["sizes"]["prefill_block_size"]]
+    ours = "default" if record["device"]["capability"] else "cpu"
+    if ours == "default" and not (record["device"]["capability"].startswith("9.")
+                                  and flash_attention.hopper_kernels_built()):
+        want = [bs for bs in want if bs in (16, 32)]  # the other sizes run on the Hopper rung alone (a note)
+    assert sorted({r["block_size"] for r in sweep if r["variant"] == ours}) == sorted(want)
+    main = next(r for r in results.rows(record, op="paged_prefill", sweep=None, config="prefix")
+                if r["variant"] == ours)
+    for r in sweep:
+        assert r["config"] == "prefix" and r["variant"] in (ours, "attention_varlen")
+        assert r["max_abs_err_fp32"] < B.TOLERANCE[getattr(torch, r["dtype"])][0]
+        assert r["checked_against"] == "float32 reference" and r["TFLOPs"] > 0 and r["median_ms"] > 0
+        # the same work as the prefix row; only the page size (and so the measurement key) differs
+        for k in ("shape", "flops", "total_q", "context_tokens", "heads", "heads_kv", "head_dim", "dtype"):
+            assert r[k] == main[k], k
+        if r["variant"] == "default":
+            assert r["dispatch"] in B.PREFILL_RUNGS
+    for v in {r["variant"] for r in sweep}:  # each page size a measurement of its own
+        mine = [r for r in sweep if r["variant"] == v]
+        assert len({results.measurement_key(r) for r in mine}) == len(mine), v
+
+
+def _prefill_row(variant, ms, block_size=16, sweep=None, **extra):
+    r = {"op": "paged_prefill", "variant": variant, "dtype": "bfloat16", "median_ms": ms, "config": "prefix",
+         "batch": 8, "total_q": 4096, "max_seqlen_q": 512, "context": 4608, "heads": 32, "heads_kv": 8,
+         "head_dim": 128, "block_size": block_size, "prefill_chunks": 8, "decode_tokens": 0, "TFLOPs": 100 / ms,
+         "pct_of_mm": 10 / ms, **extra}
+    return {**r, "sweep": sweep} if sweep else r
+
+
+def _synthetic_prefill_record():
+    """A GPU-like record: the prefix row (block 16: default 0.75 ms, attention_varlen 0.5) and the
+    sweep, attention_varlen at 0.5 ms at every page size, default at 1.0 ms below 64 rows (gather)
+    and 0.5 ms from 64 (tma)."""
+    rows = [_prefill_row("attention_varlen", 0.5), _prefill_row("default", 0.75, dispatch="persistent",
+                                                                producer="gather")]
+    for bs in B.PREFILL_BLOCK_SIZES:
+        producer = "gather" if bs < 64 else "tma"
+        rows += [_prefill_row("attention_varlen", 0.5, bs, "block_size"),
+                 _prefill_row("default", 1.0 if bs < 64 else 0.5, bs, "block_size", dispatch="persistent",
+                              producer=producer)]
+    return {"chapter": B.PREFILL_CHAPTER, "device": {"name": "Test GPU", "capability": [9, 0]},
+            "date": "2026-01-01T00:00:00+00:00", "commit": "0123456789abcdef", "ceilings": {"mm_TFLOPs": 600.0},
+            "wall_s": 1.0, "benchmarks": rows}
+
+
+def test_block_size_figure_and_table_from_a_synthetic_record(tmp_path, capsys):
+    record = _synthetic_prefill_record()
+    figures = B.make_prefill_figures(record, tmp_path)
+    assert [p.name for p in figures] == [f"{B.PREFILL_CHAPTER}.png", f"{B.PREFILL_CHAPTER}_block_size.png"]
+    assert all(p.stat().st_size > 0 for p in figures)
+    B.print_prefill_table(record)
+    out = capsys.readouterr().out
+    main, _, by_size = out.partition("by block size")
+    assert sum(line.startswith("prefix ") for line in main.splitlines()) == 2  # its two rows, no sweep row
+    assert "  prefix    0.67x" in main  # the prefix row alone: 0.5 ms / 0.75
+    lines = {int(line.split()[0]): line.split() for line in by_size.splitlines()[2:] if line.strip()}
+    assert sorted(lines) == list(B.PREFILL_BLOCK_SIZES)
+    assert lines[16][1] == "gather" and lines[16][-1] == "0.50x" and lines[128][1:] == ["tma", "500.0", "500.0",
+                                                                                         "1.00x"]
+    # a record without the sweep draws the one figure, as before
+    record["benchmarks"] = results.rows(record, sweep=None)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    assert [p.name for p in B.make_prefill_figures(record, bare)] == [f"{B.PREFILL_CHAPTER}.png"]
+
+
+def test_block_size_axes_from_a_synthetic_record():
+    """The panels the lesson draws: the ratio per block size on a log2 axis, one point per size."""
+    fig, axes = B.plt.subplots(1, 2)
+    B.plot_prefill_block_size(axes, _synthetic_prefill_record())
+    ratio_line = axes[0].get_lines()[0]
+    assert list(ratio_line.get_xdata()) == list(B.PREFILL_BLOCK_SIZES)
+    assert list(ratio_line.get_ydata()) == [0.5, 0.5, 0.5, 1.0, 1.0, 1.0]
+    assert axes[0].get_xscale() == axes[1].get_xscale() == "log"
+    assert [t.get_text() for t in axes[0].texts] == ["gather"] * 3 + ["tma"] * 3
+    B.plt.close(fig)
+
+
+def test_lesson_tables_keep_the_sweep_apart(monkeypatch):
+    import lesson_facts as L
+    record = _synthetic_prefill_record()
+    monkeypatch.setattr(L, "_prefill_record", lambda **match: record if results.rows(record, **match) else None)
+    table = L.paged_prefill_block_size(None).splitlines()
+    assert [line.split(" | ")[0] for line in table[2:8]] == [f"| {bs}" for bs in B.PREFILL_BLOCK_SIZES]
+    assert table[3] == "| 16 | gather | 1000 | 500 | 0.50x |" and table[6] == "| 128 | tma | 500 | 500 | 1.00x |"
+    main = [line for line in L.paged_prefill(None).splitlines() if line.startswith("| prefix")]
+    assert len(main) == 1 and "| 0.67x |" in main[0]  # the prefix row's 0.75 ms, not a sweep row's
+
+
+def test_prefill_only_quick_run_writes_the_sweep_and_both_figures(tmp_path, monkeypatch):
+    """--prefill-only: its own record (what the GPU pass runs for this section), the sweep in it."""
+    monkeypatch.setattr(results, "RESULTS_DIR", tmp_path)
+    monkeypatch.setattr(sys, "argv", ["bench_paged.py", "--quick", "--prefill-only"])
+    record = B.main()
+    assert record["chapter"] == B.PREFILL_CHAPTER and set(record["sizes"]) == {"prefill", "prefill_block_size"}
+    assert {r["block_size"] for r in results.rows(record, op="paged_prefill", sweep="block_size")} == {
+        c["block_size"] for c in record["sizes"]["prefill_block_size"]}
+    out = next(tmp_path.glob(f"*/{B.PREFILL_CHAPTER}.json")).parent
+    for name in (f"{B.PREFILL_CHAPTER}.png", f"{B.PREFILL_CHAPTER}_block_size.png"):
+        assert (out / name).stat().st_size > 0, name
