@@ -297,9 +297,10 @@ cudaError_t launch_bias_act_tiles(const BiasAct<T>& p, cudaStream_t stream) {
 // The flat forward: the flat [rows, n] array as 16-byte vectors, one per thread, 256 threads a
 // block, one pass: chapter 1's v5 with a bias. A vector's column is its first element's index
 // mod n (32-bit arithmetic while the array has fewer than 2^32 elements), and its bias is one
-// 16-byte load (n a whole number of vectors: a vector never crosses a row) or single elements
-// gathered at their columns, wrapping at the row's end (from L1: one row of bias serves every
-// row of x). What the column tiles leave on the table, this keeps: every lane has a vector at
+// 16-byte load (n a whole number of vectors: a vector never crosses a row) or, where rows start
+// mid-vector, two aligned 16-byte loads shifted into place (bias_window), single elements
+// gathered at their columns only for the vector that wraps at the row's end (from L1: one row of
+// bias serves every row of x). What the column tiles leave on the table, this keeps: every lane has a vector at
 // any n (the tiles round a row up to a power of two of packs: hidden 768 in bf16 is 96 packs in
 // a tile of 128, a quarter of the lanes idle), and a row that starts mid-vector (hidden 4099)
 // still moves as whole aligned vectors: only the few elements before x's first 16-byte
@@ -312,11 +313,40 @@ __device__ __forceinline__ int64_t column_of(int64_t i, int64_t n, bool narrow) 
   return narrow ? static_cast<int64_t>(static_cast<uint32_t>(i) % static_cast<uint32_t>(n)) : i % n;
 }
 
+// The bias of a vector whose first column c is not a multiple of L (rows that start mid-vector,
+// hidden 4099), from the two aligned 16-byte vectors of the bias row that hold columns c to
+// c + L - 1: two loads, then a shift of their 32 bytes by s = c % L elements, in place of L
+// single loads and L column computations. The shift is by selects and funnel shifts, never by an
+// index into the words: a register array indexed at run time goes to local memory. Only where
+// both vectors lie inside the row (the launcher sees to the bias's alignment); the vector that
+// wraps into the next row, and the last ones of a row whose second vector would pass its end,
+// gather single elements.
+template <typename T>
+__device__ __forceinline__ Vec16<T> bias_window(const Vec16<T>& lo, const Vec16<T>& hi, int s) {
+  unsigned int w[8];
+  memcpy(w, &lo, 16);
+  memcpy(w + 4, &hi, 16);
+  const int bytes = s * static_cast<int>(sizeof(T));  // 0 to 15
+  const int words = bytes / 4;                          // 0 to 3: two stages of selects
+  unsigned int v[6];
+#pragma unroll
+  for (int i = 0; i < 6; ++i) v[i] = (words & 2) ? w[i + 2] : w[i];
+  unsigned int u[5];
+#pragma unroll
+  for (int i = 0; i < 5; ++i) u[i] = (words & 1) ? v[i + 1] : v[i];
+  unsigned int r[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) r[j] = __funnelshift_r(u[j], u[j + 1], (bytes % 4) * 8);  // 16-bit types: 0 or 16
+  Vec16<T> out;
+  memcpy(&out, r, 16);
+  return out;
+}
+
 template <typename T, typename Act, bool kMask, bool kBiasVectors>
 __global__ void __launch_bounds__(kFlatThreads)
     bias_act_flat_kernel(const T* __restrict__ x, const T* __restrict__ bias, typename Acc<T>::type scale,
                          T* __restrict__ y, T* __restrict__ pre, uint32_t* __restrict__ mask, int64_t total,
-                         int64_t n, int head) {
+                         int64_t n, int head, bool bias_windows) {
   using A = typename Acc<T>::type;
   constexpr int L = Vec16<T>::kLanes;
   const bool narrow = total <= static_cast<int64_t>(UINT32_MAX);
@@ -345,11 +375,21 @@ __global__ void __launch_bounds__(kFlatThreads)
 #pragma unroll
       for (int l = 0; l < L; ++l) b[l] = to_acc(bv.v[l]);
     } else {
+      const int s = static_cast<int>(c % L);
+      const int64_t a = c - s;  // bias + a is 16-byte aligned (bias_windows)
+      if (bias_windows && (s == 0 ? c + L <= n : a + 2 * L <= n)) {
+        const Vec16<T> lo = load16(reinterpret_cast<const Vec16<T>*>(bias + a));
+        const Vec16<T> hi = s == 0 ? lo : load16(reinterpret_cast<const Vec16<T>*>(bias + a + L));
+        const Vec16<T> bv = bias_window(lo, hi, s);
 #pragma unroll
-      for (int l = 0; l < L; ++l) {
-        int64_t cl = c + l;  // past the row's end the vector continues in the next row
-        cl = cl < n ? cl : (cl - n < n ? cl - n : cl % n);
-        b[l] = bias != nullptr ? to_acc(bias[cl]) : A(0);
+        for (int l = 0; l < L; ++l) b[l] = to_acc(bv.v[l]);
+      } else {
+#pragma unroll
+        for (int l = 0; l < L; ++l) {
+          int64_t cl = c + l;  // past the row's end the vector continues in the next row
+          cl = cl < n ? cl : (cl - n < n ? cl - n : cl % n);
+          b[l] = bias != nullptr ? to_acc(bias[cl]) : A(0);
+        }
       }
     }
     Vec16<T> yv;
@@ -404,44 +444,39 @@ cudaError_t launch_bias_act_flat(const BiasAct<T>& p, cudaStream_t stream) {
   const int64_t vectors = (total - head) / L;
   const unsigned blocks = static_cast<unsigned>(std::max<int64_t>(1, ceil_div(vectors, int64_t{kFlatThreads})));
   const bool bias_vectors = head == 0 && p.n % L == 0 && (p.bias == nullptr || is_aligned(p.bias, 16));
+  // Other rows: the bias in aligned windows (bias_window) where the bias row starts on a 16-byte
+  // boundary, as a fresh tensor does; else element by element.
+  const bool bias_windows = p.bias != nullptr && is_aligned(p.bias, 16);
   if (bias_vectors && p.bias != nullptr) {
-    bias_act_flat_kernel<T, Act, kMask, true><<<blocks, kFlatThreads, 0, stream>>>(p.x, p.bias, p.scale, p.y, p.pre,
-                                                                                    p.mask, total, p.n, head);
+    bias_act_flat_kernel<T, Act, kMask, true><<<blocks, kFlatThreads, 0, stream>>>(
+        p.x, p.bias, p.scale, p.y, p.pre, p.mask, total, p.n, head, bias_windows);
   } else {
-    bias_act_flat_kernel<T, Act, kMask, false><<<blocks, kFlatThreads, 0, stream>>>(p.x, p.bias, p.scale, p.y, p.pre,
-                                                                                     p.mask, total, p.n, head);
+    bias_act_flat_kernel<T, Act, kMask, false><<<blocks, kFlatThreads, 0, stream>>>(
+        p.x, p.bias, p.scale, p.y, p.pre, p.mask, total, p.n, head, bias_windows);
   }
   return cudaGetLastError();
 }
 
-// The forward a call takes. The flat kernel wherever it can pair the operands' vectors, unless the
-// activation keeps several rows in flight (kRows > 1, GELU-erf), the rows are whole aligned
-// vectors that fill every tile, and the tiles' grid fills a wave of the GPU
-// (course::forward_takes_tiles: at 64 tokens four rows a thread left 32 blocks for 132 SMs). A
-// tile of one row per thread is the flat kernel's work with a
-// two-dimensional index, the bias reloaded per thread in both, and on the H200 the flat kernel ran
-// the sweep's bfloat16 rows at 3.7-3.8 TB/s where the tiles ran 3.1-3.2 (fused_op forward at 8192
-// tokens: hidden 5120 and 7168 flat, 0.97x torch.compile; 4096, 6144, 8192, 12288 and 16384 in
-// tiles, 0.81-0.83x). It also keeps every lane busy and moves whole vectors at any row length
-// (hidden 768 in bf16 is 96 packs, a tile of 128 with a quarter of its lanes idle; hidden 4099 is
-// no whole number of vectors). The tiles' single elements only where the flat kernel cannot pair
-// the operands' vectors, or a mask's rows are not whole 32-bit words.
+// The forward a call takes (course::forward_kernel, the rule the glue asks too): the flat kernel
+// wherever it can pair the operands' vectors, unless the activation keeps several rows in flight
+// (kRows > 1, GELU-erf), the rows are whole aligned vectors that fill every tile, and the tiles'
+// grid fills a wave of the GPU (at 64 tokens four rows a thread left 32 blocks for 132 SMs). A
+// tile of one row per thread is the flat kernel's work with a two-dimensional index, the bias
+// reloaded per thread in both, and on the H200 the flat kernel ran the sweep's bfloat16 rows at
+// 3.7-3.8 TB/s where the tiles ran 3.1-3.2 (fused_op forward at 8192 tokens: hidden 5120 and 7168
+// flat, 0.97x torch.compile; 4096, 6144, 8192, 12288 and 16384 in tiles, 0.81-0.83x). It also
+// keeps every lane busy and moves whole vectors at any row length (hidden 768 in bf16 is 96 packs,
+// a tile of 128 with a quarter of its lanes idle; hidden 4099 is no whole number of vectors). The
+// tiles' single elements only where the flat kernel cannot pair the operands' vectors, or a mask's
+// rows are not whole 32-bit words.
 template <typename T, typename Act, bool kMask, int kRows = 1, int kMinBlocks = 2048 / kTileThreads>
 cudaError_t launch_bias_act(const BiasAct<T>& p, cudaStream_t stream) {
-  constexpr int kLanes = Vec16<T>::kLanes;
-  const int64_t packs = p.n / kLanes;
-  const int min_tx = kMask ? 32 / kLanes : 1;
-  const bool full_tiles =
-      kRows > 1 && vectorizable<T>(p.n, {p.x, p.bias, p.y, p.pre}) && packs % tile_width(packs, min_tx) == 0;
-  bool tiles = false;
-  if (full_tiles) {
-    int sms = 0;
-    COURSE_CUDA_TRY(sm_count(&sms));
-    tiles = forward_takes_tiles(p.rows, packs, min_tx, kRows, sms, kMinBlocks);
-  }
-  if (!flat_applies(p) || tiles) {
-    return launch_bias_act_tiles<T, Act, kMask, kRows, kMinBlocks>(p, stream);
-  }
+  int sms = 1;
+  if constexpr (kRows > 1) COURSE_CUDA_TRY(sm_count(&sms));  // only a rule with tiles asks the GPU
+  const ForwardKernel kernel =
+      forward_kernel(p.rows, p.n, static_cast<int>(sizeof(T)), vectorizable<T>(p.n, {p.x, p.bias, p.y, p.pre}),
+                     flat_applies(p), kMask ? 32 / Vec16<T>::kLanes : 1, kRows, sms, kMinBlocks);
+  if (kernel == ForwardKernel::kTiles) return launch_bias_act_tiles<T, Act, kMask, kRows, kMinBlocks>(p, stream);
   return launch_bias_act_flat<T, Act, kMask>(p, stream);
 }
 
