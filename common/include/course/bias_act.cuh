@@ -553,15 +553,56 @@ __device__ __forceinline__ void add_down_columns(int W, int count, Value value, 
   }
 }
 
-// The block's sums, tile_sums[row of the tile][column of the tile] (W columns from column
-// `first`, ty rows), added down each column (add_down_columns) and written as one row: dbias
-// when the grid has one row tile, else the block's row of partials. Called by every thread of the
-// block, after the barrier that follows the sums' stores.
+// The block's sums in shared memory: tile_sums[row of the tile][column of the tile], rows
+// tile_sums_stride(W) apart rather than W. Packed W apart, both sides of the barrier met bank
+// conflicts, and at a few dozen rows (one row a thread, then this epilogue) they are most of the
+// block's time after its loads: a 64-byte-wide tile of bfloat16 (W = 32, L = 8) stored each
+// thread's 8 sums at threadIdx.x * 8 + l, 8 lanes to a bank, 8 times a store instruction, and
+// add_down_columns' G = 8 lanes of a column read rows W apart, one bank for all of them, 8 ways
+// again. With W / 8 more words a row (W from 8 to 128 columns, G = 256 / W lanes a column and
+// W / 8 columns a warp), lane (part, k) reads bank part * W / 8 + k: every bank once. The stores
+// go 16 bytes at a time (store_sums: the stride keeps every thread's sums 16-byte aligned), a
+// quarter-warp's 16-byte stores on distinct banks. Narrower rows (W 16, fp32's 64-byte tile) pad 4
+// words, two ways at most; from 256 columns (G = 1) consecutive lanes read consecutive words.
+COURSE_HOST_DEVICE constexpr int tile_sums_stride(int W) {
+  return W >= kGradThreads ? W : W + (W / 8 > 4 ? W / 8 : 4);
+}
+
+// Accumulators of tile_sums: kGradThreads * L sums, and the padding of ty rows, at most
+// max(W / 8, 4) words each: 32 * L for the first (ty * W = kGradThreads * L), 4 * kGradThreads for
+// the second.
+template <int L>
+constexpr int kTileSumsSize = kGradThreads * L + (32 * L > 4 * kGradThreads ? 32 * L : 4 * kGradThreads);
+
+// A thread's L sums at dst, 16 bytes a store where they fill whole 16-byte units (dst then is
+// 16-byte aligned: tile_sums_stride keeps every row a multiple of 4 words, and the thread's
+// first column is a multiple of L); element by element otherwise.
+template <typename A, int L>
+__device__ __forceinline__ void store_sums(A* dst, const A (&sum)[L]) {
+  if constexpr (sizeof(A) == 4 && L % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < L / 4; ++i) {
+      reinterpret_cast<float4*>(dst)[i] = make_float4(sum[4 * i], sum[4 * i + 1], sum[4 * i + 2], sum[4 * i + 3]);
+    }
+  } else if constexpr (sizeof(A) == 8 && L % 2 == 0) {
+#pragma unroll
+    for (int i = 0; i < L / 2; ++i) reinterpret_cast<double2*>(dst)[i] = make_double2(sum[2 * i], sum[2 * i + 1]);
+  } else {
+#pragma unroll
+    for (int l = 0; l < L; ++l) dst[l] = sum[l];
+  }
+}
+
+// The block's sums (W columns from column `first`, ty rows, tile_sums_stride(W) apart), added down
+// each column (add_down_columns) and written as one row: dbias when the grid has one row tile, else
+// the block's row of partials. Called by every thread of the block, after the barrier that follows
+// the sums' stores.
 template <typename T>
 __device__ __forceinline__ void write_tile_sums(const typename Acc<T>::type* tile_sums, int W, int ty, int64_t first,
                                                 int64_t n, T* dbias, typename Acc<T>::type* partials) {
   using A = typename Acc<T>::type;
-  add_down_columns<A>(W, ty, [&](int r, int k) { return tile_sums[r * W + k]; }, [&](int k, A total) {
+  const int stride = tile_sums_stride(W);
+  add_down_columns<A>(W, ty, [&](int r, int k) { return tile_sums[r * stride + k]; }, [&](int k, A total) {
     if (first + k < n) {  // the last tile's columns past the row's end
       if (gridDim.y == 1) {
         dbias[first + k] = from_acc<T>(total);
@@ -632,8 +673,8 @@ __global__ void __launch_bounds__(kGradThreads,
                              int64_t rows, int64_t n, int tx, int /*phases*/, unsigned int* counters) {
   using A = typename Acc<T>::type;
   constexpr int kRows = kRowsInFlight<L>;
-  // Every thread's L sums, [row of the tile][column of the tile].
-  __shared__ A tile_sums[kGradThreads * L];
+  // Every thread's L sums, [row of the tile][column of the tile] (tile_sums_stride apart).
+  __shared__ __align__(16) A tile_sums[kTileSumsSize<L>];
   const int ty = kGradThreads / tx;
   const int64_t col = static_cast<int64_t>(blockIdx.x) * tx + threadIdx.x % tx;
   const int64_t e = col * L;
@@ -682,8 +723,7 @@ __global__ void __launch_bounds__(kGradThreads,
     }
   }
   const int W = tx * L;
-#pragma unroll
-  for (int l = 0; l < L; ++l) tile_sums[row_in_tile * W + (threadIdx.x % tx) * L + l] = sum[l];
+  store_sums<A, L>(tile_sums + row_in_tile * tile_sums_stride(W) + (threadIdx.x % tx) * L, sum);
   __syncthreads();  // every row's sums are in shared memory before any column's are added
   write_tile_sums<T>(tile_sums, W, ty, static_cast<int64_t>(blockIdx.x) * W, n, dbias, partials);
   if (counters != nullptr && gridDim.y > 1) {
@@ -778,7 +818,7 @@ __global__ void __launch_bounds__(kGradThreads, kSource == SaveKind::kInput ? kG
                              int64_t rows, int64_t n, int tx, int phases, unsigned int* counters) {
   using A = typename Acc<T>::type;
   constexpr int L = Vec16<T>::kLanes;
-  __shared__ A tile_sums[kGradThreads * L];
+  __shared__ __align__(16) A tile_sums[kTileSumsSize<L>];
   const int ty = kGradThreads / tx;
   const int W = tx * L;
   const int row_in_tile = threadIdx.x / tx;
@@ -846,7 +886,7 @@ __global__ void __launch_bounds__(kGradThreads, kSource == SaveKind::kInput ? kG
   // (e + l - back below `wrapped`), its place in the span plus l.
   const int place = static_cast<int>(e - S);
 #pragma unroll
-  for (int l = 0; l < L; ++l) tile_sums[row_in_tile * W + place + l - (l < wrapped ? back : 0)] = sum[l];
+  for (int l = 0; l < L; ++l) tile_sums[row_in_tile * tile_sums_stride(W) + place + l - (l < wrapped ? back : 0)] = sum[l];
   __syncthreads();  // every row's sums are in shared memory before any column's are added
   write_tile_sums<T>(tile_sums, W, ty, S, n, dbias, partials);
   if (counters != nullptr && gridDim.y > 1) finish_tile_column<T>(partials, counters, W, S, n, dbias);
