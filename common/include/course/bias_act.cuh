@@ -8,9 +8,9 @@
 //                          their bias once; 16-byte accesses when every row starts on a 16-byte
 //                          boundary, single elements otherwise;
 //   bias_act_flat_kernel   one 16-byte vector per thread over the flat array, the bias of each
-//                          element gathered by its column: every lane busy at any row length,
+//                          element found by its column: every lane busy at any row length,
 //                          and rows that start mid-vector (n not a multiple of the vector) still
-//                          read and write whole aligned vectors;
+//                          read and write whole aligned vectors, their bias too (bias_window);
 //   act_backward_tile_kernel  the backward on the column tiling: dx written once, the gradient
 //                          summed per column in registers and across the tile's rows in
 //                          shared memory; dbias written by the kernel itself when one row tile
@@ -681,14 +681,14 @@ __global__ void __launch_bounds__(kGradThreads,
   // The last column tile may hang over the row's end: its extra threads sum nothing but still
   // reach the block's barrier below.
   const bool col_ok = e < n;
+  // The bias (kInput: z is recomputed from x) is one row, read once a thread, in the first step
+  // after that step's loads of dy and x (bias_due): read before the loop, as it was, the loop's
+  // loads waited behind its conversion, two round trips in a row where a thread's one row is the
+  // whole kernel (up to 64 tokens).
   A b[L];
 #pragma unroll
   for (int l = 0; l < L; ++l) b[l] = A(0);
-  if (kSource == SaveKind::kInput && bias != nullptr && col_ok) {
-    const Pack<T, L> bv = load_pack<T, L>(bias + e);  // one row, read once a thread
-#pragma unroll
-    for (int l = 0; l < L; ++l) b[l] = to_acc(bv.v[l]);
-  }
+  bool bias_due = kSource == SaveKind::kInput && bias != nullptr;
   A sum[L];
 #pragma unroll
   for (int l = 0; l < L; ++l) sum[l] = A(0);
@@ -715,6 +715,12 @@ __global__ void __launch_bounds__(kGradThreads,
           sv[u] = load_pack<T, L>(saved + r * n + e);
         }
       }
+    }
+    if (bias_due) {  // the first step only
+      bias_due = false;
+      const Pack<T, L> bv = load_pack<T, L>(bias + e);
+#pragma unroll
+      for (int l = 0; l < L; ++l) b[l] = to_acc(bv.v[l]);
     }
 #pragma unroll
     for (int u = 0; u < kRows; ++u) {
@@ -849,17 +855,13 @@ __global__ void __launch_bounds__(kGradThreads, kSource == SaveKind::kInput ? kG
       high |= (e + l < n ? 1u : 0u) << l;
     }
   }
+  // The bias (kInput) is one row, read once a thread in the first step after that step's loads,
+  // as in the tile kernel: element by element where the pack is not whole or the bias does not
+  // sit at dy's offset from a 16-byte boundary.
   A b[L];
 #pragma unroll
   for (int l = 0; l < L; ++l) b[l] = A(0);
-  if (kSource == SaveKind::kInput && bias != nullptr && col_ok) {
-    // The bias is one row, read once a thread: element by element where the pack is not whole
-    // or the bias does not sit at dy's offset from a 16-byte boundary.
-    const bool bias_whole = whole && reinterpret_cast<uintptr_t>(bias + e) % 16 == 0;
-    const Pack<T, L> bv = load_owned<T, L>(bias + e, bias_whole, high, low, back);
-#pragma unroll
-    for (int l = 0; l < L; ++l) b[l] = to_acc(bv.v[l]);
-  }
+  bool bias_due = kSource == SaveKind::kInput && bias != nullptr;
   A sum[L];
 #pragma unroll
   for (int l = 0; l < L; ++l) sum[l] = A(0);
@@ -879,6 +881,13 @@ __global__ void __launch_bounds__(kGradThreads, kSource == SaveKind::kInput ? kG
       if (wrapped > 0) bits = (mask_bits_at(words, S, words_per_row) & below) | (bits & ~below);
     } else {
       sv = load_owned<T, L>(saved + r * n + e, whole, high, low, back);
+    }
+    if (bias_due) {  // the first step only
+      bias_due = false;
+      const bool bias_whole = whole && reinterpret_cast<uintptr_t>(bias + e) % 16 == 0;
+      const Pack<T, L> bv = load_owned<T, L>(bias + e, bias_whole, high, low, back);
+#pragma unroll
+      for (int l = 0; l < L; ++l) b[l] = to_acc(bv.v[l]);
     }
     store_owned<T, L>(dx + r * n + e, whole, high, low, back, grad_pack<T, Act, kSource, L>(dyv, sv, bits, b, scale, sum));
   }
