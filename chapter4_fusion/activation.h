@@ -134,7 +134,7 @@ template <typename Act>
 constexpr int kForwardRows = std::is_same_v<Act, GeluErf> ? 4 : 1;
 template <typename Act>
 constexpr int kForwardMinBlocks = 2048 / course::kTileThreads / (std::is_same_v<Act, GeluErf> ? 2 : 1);
-// The same for the runtime enum: what the glue asks (course::forward_takes_tiles) to name the
+// The same for the runtime enum: what the glue asks (course::forward_kernel) to name the
 // forward's kernel without a GPU.
 inline int forward_rows(Activation act) { return act == Activation::kGeluErf ? kForwardRows<GeluErf> : 1; }
 inline int forward_min_blocks(Activation act) {

@@ -491,20 +491,18 @@ std::vector<int64_t> bias_grad_tiling(const Tensor& x, int64_t sms, int64_t bloc
 // The fused forward's kernel (course::launch_bias_act) for a bias op on x without a mask, on a
 // GPU of `sms` SMs, for freshly allocated (16-byte aligned) tensors as the glue's are: "tiles"
 // where the activation keeps several rows in flight a thread (GELU-erf), the rows are whole
-// vectors that fill every tile, and the tiles' grid fills a wave (course::forward_takes_tiles);
-// "flat" otherwise.
+// vectors that fill every tile, and the tiles' grid fills a wave; "flat" otherwise. One rule,
+// course::forward_kernel, which the launcher takes too.
 std::string bias_forward_kernel(const Tensor& x, c10::string_view activation, int64_t sms) {
   check_input("bias_forward_kernel", "x", x);
   TORCH_CHECK(sms >= 1, "bias_forward_kernel: sms must be at least 1, got ", std::to_string(sms));
   const Activation act = parse_choice("bias_forward_kernel", "activation", activation, kActivations);
   const int64_t n = x.dim() == 0 ? 1 : x.size(-1);
   const int64_t rows = n == 0 ? 0 : x.numel() / n;
-  const int64_t vector = 16 / static_cast<int64_t>(x.element_size());
-  const int64_t packs = n / vector;
-  const bool full_tiles = forward_rows(act) > 1 && n % vector == 0 && packs % ::course::tile_width(packs, 1) == 0;
-  const bool tiles = full_tiles && ::course::forward_takes_tiles(rows, packs, 1, forward_rows(act),
-                                                                  static_cast<int>(sms), forward_min_blocks(act));
-  return tiles ? "tiles" : "flat";
+  const ::course::ForwardKernel kernel =
+      ::course::forward_kernel(rows, n, static_cast<int>(x.element_size()), /*aligned=*/true, /*flat_pairs=*/true,
+                               1, forward_rows(act), static_cast<int>(sms), forward_min_blocks(act));
+  return kernel == ::course::ForwardKernel::kTiles ? "tiles" : "flat";
 }
 
 // swiglu's launch for x on a GPU of `sms` SMs, [kernel, threads per block, blocks, whole vectors]:

@@ -673,8 +673,8 @@ def test_bias_grad_tiling_rule(dtype):
                 per_thread = -(-steps // min(steps, max(1, wave // column_tiles)))
                 assert row_tiles == -(-steps // per_thread), where
                 assert column_tiles * row_tiles <= max(wave, column_tiles), where
-                if tokens <= 64:
-                    assert row_tiles == 1, where
+                if tokens <= 64:  # one kernel a call: no partial rows, no counters, no memset
+                    assert row_tiles == 1 and not finishes, where
                 if tx * lanes * elem > 64:  # wider than the narrow tile: few idle lanes
                     assert (column_tiles * tx - packs) * 8 <= packs, where
                 # Partial rows are added in the kernel (one launch) where a counter serves every
@@ -1057,6 +1057,106 @@ def test_linear_activation_bias_may_be_none(dtype, device):
     ref.sum().backward()
     torch.testing.assert_close(x.grad.double(), x64.grad, rtol=tol, atol=tol * 8)
     torch.testing.assert_close(w.grad.double(), w64.grad, rtol=tol, atol=tol * 8)
+
+
+# The edges of the fused kernels' paths: row counts around the narrow tile's 64 rows and around
+# 256 (one thread a row of a tile, one row tile, then several), widths of one element, of less than
+# a vector, that start rows mid-vector (777, 4099: the span kernel, and the forward's bias read in
+# aligned windows) and a wide one.
+EDGE_ROWS = (1, 7, 63, 64, 65, 255, 257)
+EDGE_WIDTHS = (1, 7, 777, 4099, 16384)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16), ids=dtype_id)
+def test_bias_ops_at_edge_rows_and_widths(dtype):
+    """fused_bias_scale_relu (mask and y saved) and bias_gelu, forward and both gradients through
+    autograd, against float64 at every edge row count and width: the flat forward with the bias in
+    aligned windows or single elements where a vector wraps into the next row, the backward's tile
+    and span kernels with their sums added in shared memory (rows padded against bank
+    conflicts), one row tile up to 64 rows and partial rows past it."""
+    require_cuda()
+    for rows in EDGE_ROWS:
+        for hidden in EDGE_WIDTHS:
+            shape = (rows, hidden)
+            x, bias = bias_inputs(shape, dtype, "cuda")
+            ref = reference_bias_act(x, bias, "relu", SCALE)
+            out = fusion.fused_bias_scale_relu(x, bias, SCALE)
+            assert_within(out, ref, act_bound(x, bias, SCALE, ref, dtype), f"relu forward {shape}")
+            dy = torch.randn(shape, device="cuda").to(dtype)
+            dx_ref, g = bsr_backward_reference(dy, x, bias)
+            for save in ("mask", "y"):
+                xg, bg = x.clone().requires_grad_(), bias.clone().requires_grad_()
+                fusion.fused_bias_scale_relu(xg, bg, SCALE, save=save).backward(dy)
+                assert_within(xg.grad, dx_ref, 2 * eps(dtype) * dx_ref.abs() + floor(dtype), f"dx {save} {shape}")
+                assert_within(bg.grad, g.sum(0), column_sum_bound(g, dtype, rows), f"dbias {save} {shape}")
+            check_activation_grads("gelu", shape, dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16), ids=dtype_id)
+def test_bias_ops_on_offset_views(dtype):
+    """Operands that do not start on a 16-byte boundary: x a view one element into its storage
+    (the flat forward's head; the backward's single elements or phases), the bias a view one
+    element in (the forward gathers it element by element instead of in aligned windows), and
+    both; forward and gradients of ReLU and GELU against float64."""
+    require_cuda()
+    for rows, hidden in ((1, 7), (63, 777), (64, 4099), (65, 4099), (257, 777), (64, 16384)):
+        for x_off, b_off in ((1, 0), (0, 1), (1, 1), (3, 5)):
+            shape = (rows, hidden)
+            where = (shape, x_off, b_off)
+            x0, b0 = bias_inputs(shape, dtype, "cuda")
+            x = torch.empty(rows * hidden + x_off, dtype=dtype, device="cuda")[x_off:].view(shape)
+            x.copy_(x0)
+            bias = torch.empty(hidden + b_off, dtype=dtype, device="cuda")[b_off:]
+            bias.copy_(b0)
+            for activation in ("relu", "gelu"):
+                scale = SCALE if activation == "relu" else 1.0
+                ref = reference_bias_act(x, bias, activation, scale)
+                out = run_bias_op(activation, x, bias, None)
+                assert_within(out, ref, act_bound(x, bias, scale, ref, dtype), f"{activation} forward {where}")
+            dy = torch.randn(shape, device="cuda").to(dtype)
+            dx_ref, g = bsr_backward_reference(dy, x, bias)
+            xg, bg = x.detach().requires_grad_(), bias.detach().requires_grad_()
+            fusion.fused_bias_scale_relu(xg, bg, SCALE, save="x").backward(dy)
+            assert_within(xg.grad, dx_ref, 2 * eps(dtype) * dx_ref.abs() + floor(dtype), f"dx {where}")
+            assert_within(bg.grad, g.sum(0), column_sum_bound(g, dtype, rows), f"dbias {where}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=dtype_id)
+def test_bias_ops_under_a_cuda_graph(dtype):
+    """Forward and backward of ReLU and GELU captured in one CUDA graph at few rows and odd widths
+    (one row tile; the forward's windows) and at rows past a row tile (partial rows, the finish's
+    counters zeroed in the graph): every replay equals the eager run bitwise."""
+    require_cuda()
+    for shape in ((64, 4099), (7, 777), (65, 4099), (257, 16384), (2048, 777)):
+        x, bias = bias_inputs(shape, dtype, "cuda")
+        dy = torch.randn(shape, device="cuda").to(dtype)
+
+        def step():
+            xg, bg = x.detach().requires_grad_(), bias.detach().requires_grad_()
+            y = fusion.fused_bias_scale_relu(xg, bg, SCALE)
+            dx, db = torch.autograd.grad(y, (xg, bg), dy)
+            xh, bh = x.detach().requires_grad_(), bias.detach().requires_grad_()
+            h = fusion.bias_gelu(xh, bh, "none")
+            dxh, dbh = torch.autograd.grad(h, (xh, bh), dy)
+            return y.detach(), dx, db, h.detach(), dxh, dbh
+
+        eager = step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step()  # the warm-up a capture needs
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(graph):
+            captured = step()
+        for replay in range(2):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert all(torch.equal(c, e) for c, e in zip(captured, eager)), (shape, replay)
 
 
 # The kernel each name of bias_forward_kernel launches ("tiles": the column tiles' kernel).

@@ -376,6 +376,67 @@ def test_relu_and_sum_misuse(device):
         OPS.custom_relu_backward(torch.randn(3, device=device), torch.randn(4, device=device))
 
 
+# The edges of course/bias_act.cuh's paths that fused_op runs: rows around the narrow tile's 64 and
+# around 256, widths of one element, of less than a vector, that start rows mid-vector (777, 4099:
+# the span kernel, and the forward's bias in aligned windows) and a wide one.
+EDGE_ROWS = (1, 7, 63, 64, 65, 255, 257)
+EDGE_WIDTHS = (1, 7, 777, 4099, 16384)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16), ids=dtype_id)
+def test_fused_op_at_edge_rows_and_widths(dtype):
+    """fused_op's forward and gradients (the CUDA kernels' flat forward, the backward's tile and
+    span kernels with their sums added in shared memory) against float64 at every edge row count
+    and width, with x and the bias also as views one element into their storage (not on a 16-byte
+    boundary); and a CUDA graph of forward and backward at few rows and odd widths, replayed twice,
+    equal to the eager run bitwise."""
+    require_cuda()
+    fn = ROUTES["torch_library"]
+    for rows in EDGE_ROWS:
+        for hidden in EDGE_WIDTHS:
+            for offset in (0, 1):
+                shape = (rows, hidden)
+                x0, b0 = bias_inputs(shape, dtype, "cuda")
+                x = torch.empty(rows * hidden + offset, dtype=dtype, device="cuda")[offset:].view(shape).copy_(x0)
+                bias = torch.empty(hidden + offset, dtype=dtype, device="cuda")[offset:].copy_(b0)
+                where = f"{shape_id(shape)} offset {offset}"
+                xg, bg = x.detach().requires_grad_(), bias.detach().requires_grad_()
+                out = fn(xg, bg, SCALE)
+                expected = reference(x, bias)
+                assert_within(out, expected, forward_bound(expected, dtype, x), f"forward {where}")
+                dy = torch.randn(shape, device="cuda").to(dtype)
+                dx, dbias = torch.autograd.grad(out, (xg, bg), dy)
+                ex, ebias = grad_reference(x, bias, dy)
+                assert_within(dx, ex, (eps(dtype) + eps_acc(dtype)) * ex.abs() + floor(dtype), f"dx {where}")
+                g_abs = torch.where(ex != 0, dy.double(), 0.0).abs().sum(0)
+                bound = rows * eps_acc(dtype) * g_abs + eps(dtype) * ebias.abs() + floor(dtype)
+                assert_within(dbias, ebias, bound, f"dbias {where}")
+    for shape in ((64, 4099), (7, 777), (65, 4099), (257, 16384), (2048, 777)):
+        x, bias = bias_inputs(shape, dtype, "cuda")
+        dy = torch.randn(shape, device="cuda").to(dtype)
+
+        def step():
+            xg, bg = x.detach().requires_grad_(), bias.detach().requires_grad_()
+            out = fn(xg, bg, SCALE)
+            return (out.detach(), *torch.autograd.grad(out, (xg, bg), dy))
+
+        eager = step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step()  # the warm-up a capture needs
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(graph):
+            captured = step()
+        for replay in range(2):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert all(torch.equal(c, e) for c, e in zip(captured, eager)), (shape, replay)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("route", ROUTE_NAMES)
 def test_device_mismatch(route):

@@ -8,9 +8,9 @@
 //                          their bias once; 16-byte accesses when every row starts on a 16-byte
 //                          boundary, single elements otherwise;
 //   bias_act_flat_kernel   one 16-byte vector per thread over the flat array, the bias of each
-//                          element gathered by its column: every lane busy at any row length,
+//                          element found by its column: every lane busy at any row length,
 //                          and rows that start mid-vector (n not a multiple of the vector) still
-//                          read and write whole aligned vectors;
+//                          read and write whole aligned vectors, their bias too (bias_window);
 //   act_backward_tile_kernel  the backward on the column tiling: dx written once, the gradient
 //                          summed per column in registers and across the tile's rows in
 //                          shared memory; dbias written by the kernel itself when one row tile
@@ -108,38 +108,21 @@ __device__ __forceinline__ Pack<T, L> load_pack(const T* p) {
   return out;
 }
 
-// The bits of 2 bytes of T: a 16-bit element as the low half of a word.
-template <typename T>
-__device__ __forceinline__ uint32_t bits16(T v) {
-  uint16_t b;
-  memcpy(&b, &v, sizeof(b));
-  return b;
-}
-
-// One 16-byte store of the L elements of v, as four 32-bit words that the kernel builds itself
-// and one st.global.v4.b32. course::store16 (an int4 copied from the elements) came out of nvcc
-// 13.0 as four st.global.v2.u16 in 16-bit types and as four st.global.f32 in float32 (ptx and
-// SASS of these kernels, sm_90a), four store instructions where one moves the same bytes, in
-// kernels whose instruction budget at copy speed is some 40 an element in bfloat16. p is 16-byte
-// aligned (the launchers check), and global memory.
+// One 16-byte store of the L elements (course::store16: one st.global.v4 of the packed words). p
+// is 16-byte aligned (the launchers check).
 template <typename T, int L>
-__device__ __forceinline__ void store16_words(T* p, const T (&v)[L]) {
-  static_assert(L * sizeof(T) == 16, "one 16-byte vector");
-  uint32_t w[4];
-  if constexpr (sizeof(T) == 2) {
+__device__ __forceinline__ void store16_of(T* p, const T (&v)[L]) {
+  static_assert(L == Vec16<T>::kLanes, "one 16-byte vector");
+  Vec16<T> w;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) w[i] = bits16(v[2 * i]) | (bits16(v[2 * i + 1]) << 16);
-  } else {
-    memcpy(w, v, 16);  // float32 and float64: whole words already
-  }
-  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3])
-               : "memory");
+  for (int l = 0; l < L; ++l) w.v[l] = v[l];
+  store16(reinterpret_cast<Vec16<T>*>(p), w);
 }
 
 template <typename T, int L>
 __device__ __forceinline__ void store_pack(T* p, const Pack<T, L>& in) {
   if constexpr (L == Vec16<T>::kLanes) {
-    store16_words<T, L>(p, in.v);
+    store16_of<T, L>(p, in.v);
   } else {
     static_assert(L == 1, "a pack is one element or one 16-byte vector");
     *p = in.v[0];
@@ -314,9 +297,10 @@ cudaError_t launch_bias_act_tiles(const BiasAct<T>& p, cudaStream_t stream) {
 // The flat forward: the flat [rows, n] array as 16-byte vectors, one per thread, 256 threads a
 // block, one pass: chapter 1's v5 with a bias. A vector's column is its first element's index
 // mod n (32-bit arithmetic while the array has fewer than 2^32 elements), and its bias is one
-// 16-byte load (n a whole number of vectors: a vector never crosses a row) or single elements
-// gathered at their columns, wrapping at the row's end (from L1: one row of bias serves every
-// row of x). What the column tiles leave on the table, this keeps: every lane has a vector at
+// 16-byte load (n a whole number of vectors: a vector never crosses a row) or, where rows start
+// mid-vector, two aligned 16-byte loads shifted into place (bias_window), single elements
+// gathered at their columns only for the vector that wraps at the row's end (from L1: one row of
+// bias serves every row of x). What the column tiles leave on the table, this keeps: every lane has a vector at
 // any n (the tiles round a row up to a power of two of packs: hidden 768 in bf16 is 96 packs in
 // a tile of 128, a quarter of the lanes idle), and a row that starts mid-vector (hidden 4099)
 // still moves as whole aligned vectors: only the few elements before x's first 16-byte
@@ -329,11 +313,40 @@ __device__ __forceinline__ int64_t column_of(int64_t i, int64_t n, bool narrow) 
   return narrow ? static_cast<int64_t>(static_cast<uint32_t>(i) % static_cast<uint32_t>(n)) : i % n;
 }
 
+// The bias of a vector whose first column c is not a multiple of L (rows that start mid-vector,
+// hidden 4099), from the two aligned 16-byte vectors of the bias row that hold columns c to
+// c + L - 1: two loads, then a shift of their 32 bytes by s = c % L elements, in place of L
+// single loads and L column computations. The shift is by selects and funnel shifts, never by an
+// index into the words: a register array indexed at run time goes to local memory. Only where
+// both vectors lie inside the row (the launcher sees to the bias's alignment); the vector that
+// wraps into the next row, and the last ones of a row whose second vector would pass its end,
+// gather single elements.
+template <typename T>
+__device__ __forceinline__ Vec16<T> bias_window(const Vec16<T>& lo, const Vec16<T>& hi, int s) {
+  unsigned int w[8];
+  memcpy(w, &lo, 16);
+  memcpy(w + 4, &hi, 16);
+  const int bytes = s * static_cast<int>(sizeof(T));  // 0 to 15
+  const int words = bytes / 4;                          // 0 to 3: two stages of selects
+  unsigned int v[6];
+#pragma unroll
+  for (int i = 0; i < 6; ++i) v[i] = (words & 2) ? w[i + 2] : w[i];
+  unsigned int u[5];
+#pragma unroll
+  for (int i = 0; i < 5; ++i) u[i] = (words & 1) ? v[i + 1] : v[i];
+  unsigned int r[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) r[j] = __funnelshift_r(u[j], u[j + 1], (bytes % 4) * 8);  // 16-bit types: 0 or 16
+  Vec16<T> out;
+  memcpy(&out, r, 16);
+  return out;
+}
+
 template <typename T, typename Act, bool kMask, bool kBiasVectors>
 __global__ void __launch_bounds__(kFlatThreads)
     bias_act_flat_kernel(const T* __restrict__ x, const T* __restrict__ bias, typename Acc<T>::type scale,
                          T* __restrict__ y, T* __restrict__ pre, uint32_t* __restrict__ mask, int64_t total,
-                         int64_t n, int head) {
+                         int64_t n, int head, bool bias_windows) {
   using A = typename Acc<T>::type;
   constexpr int L = Vec16<T>::kLanes;
   const bool narrow = total <= static_cast<int64_t>(UINT32_MAX);
@@ -362,11 +375,21 @@ __global__ void __launch_bounds__(kFlatThreads)
 #pragma unroll
       for (int l = 0; l < L; ++l) b[l] = to_acc(bv.v[l]);
     } else {
+      const int s = static_cast<int>(c % L);
+      const int64_t a = c - s;  // bias + a is 16-byte aligned (bias_windows)
+      if (bias_windows && (s == 0 ? c + L <= n : a + 2 * L <= n)) {
+        const Vec16<T> lo = load16(reinterpret_cast<const Vec16<T>*>(bias + a));
+        const Vec16<T> hi = s == 0 ? lo : load16(reinterpret_cast<const Vec16<T>*>(bias + a + L));
+        const Vec16<T> bv = bias_window(lo, hi, s);
 #pragma unroll
-      for (int l = 0; l < L; ++l) {
-        int64_t cl = c + l;  // past the row's end the vector continues in the next row
-        cl = cl < n ? cl : (cl - n < n ? cl - n : cl % n);
-        b[l] = bias != nullptr ? to_acc(bias[cl]) : A(0);
+        for (int l = 0; l < L; ++l) b[l] = to_acc(bv.v[l]);
+      } else {
+#pragma unroll
+        for (int l = 0; l < L; ++l) {
+          int64_t cl = c + l;  // past the row's end the vector continues in the next row
+          cl = cl < n ? cl : (cl - n < n ? cl - n : cl % n);
+          b[l] = bias != nullptr ? to_acc(bias[cl]) : A(0);
+        }
       }
     }
     Vec16<T> yv;
@@ -378,8 +401,8 @@ __global__ void __launch_bounds__(kFlatThreads)
       zv.v[l] = from_acc<T>(z);
       bits |= static_cast<uint32_t>(relu_passes(z)) << l;
     }
-    store16_words<T, L>(y + first, yv.v);
-    if (pre != nullptr) store16_words<T, L>(pre + first, zv.v);
+    store16(reinterpret_cast<Vec16<T>*>(y + first), yv);
+    if (pre != nullptr) store16(reinterpret_cast<Vec16<T>*>(pre + first), zv);
   }
   if constexpr (kMask) {
     // head == 0 and n % 32 == 0 here (flat_applies): vector v's bits are bits v * L % 32 on of
@@ -421,44 +444,39 @@ cudaError_t launch_bias_act_flat(const BiasAct<T>& p, cudaStream_t stream) {
   const int64_t vectors = (total - head) / L;
   const unsigned blocks = static_cast<unsigned>(std::max<int64_t>(1, ceil_div(vectors, int64_t{kFlatThreads})));
   const bool bias_vectors = head == 0 && p.n % L == 0 && (p.bias == nullptr || is_aligned(p.bias, 16));
+  // Other rows: the bias in aligned windows (bias_window) where the bias row starts on a 16-byte
+  // boundary, as a fresh tensor does; else element by element.
+  const bool bias_windows = p.bias != nullptr && is_aligned(p.bias, 16);
   if (bias_vectors && p.bias != nullptr) {
-    bias_act_flat_kernel<T, Act, kMask, true><<<blocks, kFlatThreads, 0, stream>>>(p.x, p.bias, p.scale, p.y, p.pre,
-                                                                                    p.mask, total, p.n, head);
+    bias_act_flat_kernel<T, Act, kMask, true><<<blocks, kFlatThreads, 0, stream>>>(
+        p.x, p.bias, p.scale, p.y, p.pre, p.mask, total, p.n, head, bias_windows);
   } else {
-    bias_act_flat_kernel<T, Act, kMask, false><<<blocks, kFlatThreads, 0, stream>>>(p.x, p.bias, p.scale, p.y, p.pre,
-                                                                                     p.mask, total, p.n, head);
+    bias_act_flat_kernel<T, Act, kMask, false><<<blocks, kFlatThreads, 0, stream>>>(
+        p.x, p.bias, p.scale, p.y, p.pre, p.mask, total, p.n, head, bias_windows);
   }
   return cudaGetLastError();
 }
 
-// The forward a call takes. The flat kernel wherever it can pair the operands' vectors, unless the
-// activation keeps several rows in flight (kRows > 1, GELU-erf), the rows are whole aligned
-// vectors that fill every tile, and the tiles' grid fills a wave of the GPU
-// (course::forward_takes_tiles: at 64 tokens four rows a thread left 32 blocks for 132 SMs). A
-// tile of one row per thread is the flat kernel's work with a
-// two-dimensional index, the bias reloaded per thread in both, and on the H200 the flat kernel ran
-// the sweep's bfloat16 rows at 3.7-3.8 TB/s where the tiles ran 3.1-3.2 (fused_op forward at 8192
-// tokens: hidden 5120 and 7168 flat, 0.97x torch.compile; 4096, 6144, 8192, 12288 and 16384 in
-// tiles, 0.81-0.83x). It also keeps every lane busy and moves whole vectors at any row length
-// (hidden 768 in bf16 is 96 packs, a tile of 128 with a quarter of its lanes idle; hidden 4099 is
-// no whole number of vectors). The tiles' single elements only where the flat kernel cannot pair
-// the operands' vectors, or a mask's rows are not whole 32-bit words.
+// The forward a call takes (course::forward_kernel, the rule the glue asks too): the flat kernel
+// wherever it can pair the operands' vectors, unless the activation keeps several rows in flight
+// (kRows > 1, GELU-erf), the rows are whole aligned vectors that fill every tile, and the tiles'
+// grid fills a wave of the GPU (at 64 tokens four rows a thread left 32 blocks for 132 SMs). A
+// tile of one row per thread is the flat kernel's work with a two-dimensional index, the bias
+// reloaded per thread in both, and on the H200 the flat kernel ran the sweep's bfloat16 rows at
+// 3.7-3.8 TB/s where the tiles ran 3.1-3.2 (fused_op forward at 8192 tokens: hidden 5120 and 7168
+// flat, 0.97x torch.compile; 4096, 6144, 8192, 12288 and 16384 in tiles, 0.81-0.83x). It also
+// keeps every lane busy and moves whole vectors at any row length (hidden 768 in bf16 is 96 packs,
+// a tile of 128 with a quarter of its lanes idle; hidden 4099 is no whole number of vectors). The
+// tiles' single elements only where the flat kernel cannot pair the operands' vectors, or a mask's
+// rows are not whole 32-bit words.
 template <typename T, typename Act, bool kMask, int kRows = 1, int kMinBlocks = 2048 / kTileThreads>
 cudaError_t launch_bias_act(const BiasAct<T>& p, cudaStream_t stream) {
-  constexpr int kLanes = Vec16<T>::kLanes;
-  const int64_t packs = p.n / kLanes;
-  const int min_tx = kMask ? 32 / kLanes : 1;
-  const bool full_tiles =
-      kRows > 1 && vectorizable<T>(p.n, {p.x, p.bias, p.y, p.pre}) && packs % tile_width(packs, min_tx) == 0;
-  bool tiles = false;
-  if (full_tiles) {
-    int sms = 0;
-    COURSE_CUDA_TRY(sm_count(&sms));
-    tiles = forward_takes_tiles(p.rows, packs, min_tx, kRows, sms, kMinBlocks);
-  }
-  if (!flat_applies(p) || tiles) {
-    return launch_bias_act_tiles<T, Act, kMask, kRows, kMinBlocks>(p, stream);
-  }
+  int sms = 1;
+  if constexpr (kRows > 1) COURSE_CUDA_TRY(sm_count(&sms));  // only a rule with tiles asks the GPU
+  const ForwardKernel kernel =
+      forward_kernel(p.rows, p.n, static_cast<int>(sizeof(T)), vectorizable<T>(p.n, {p.x, p.bias, p.y, p.pre}),
+                     flat_applies(p), kMask ? 32 / Vec16<T>::kLanes : 1, kRows, sms, kMinBlocks);
+  if (kernel == ForwardKernel::kTiles) return launch_bias_act_tiles<T, Act, kMask, kRows, kMinBlocks>(p, stream);
   return launch_bias_act_flat<T, Act, kMask>(p, stream);
 }
 
@@ -535,15 +553,56 @@ __device__ __forceinline__ void add_down_columns(int W, int count, Value value, 
   }
 }
 
-// The block's sums, tile_sums[row of the tile][column of the tile] (W columns from column
-// `first`, ty rows), added down each column (add_down_columns) and written as one row: dbias
-// when the grid has one row tile, else the block's row of partials. Called by every thread of the
-// block, after the barrier that follows the sums' stores.
+// The block's sums in shared memory: tile_sums[row of the tile][column of the tile], rows
+// tile_sums_stride(W) apart rather than W. Packed W apart, both sides of the barrier met bank
+// conflicts, and at a few dozen rows (one row a thread, then this epilogue) they are most of the
+// block's time after its loads: a 64-byte-wide tile of bfloat16 (W = 32, L = 8) stored each
+// thread's 8 sums at threadIdx.x * 8 + l, 8 lanes to a bank, 8 times a store instruction, and
+// add_down_columns' G = 8 lanes of a column read rows W apart, one bank for all of them, 8 ways
+// again. With W / 8 more words a row (W from 8 to 128 columns, G = 256 / W lanes a column and
+// W / 8 columns a warp), lane (part, k) reads bank part * W / 8 + k: every bank once. The stores
+// go 16 bytes at a time (store_sums: the stride keeps every thread's sums 16-byte aligned), a
+// quarter-warp's 16-byte stores on distinct banks. Narrower rows (W 16, fp32's 64-byte tile) pad 4
+// words, two ways at most; from 256 columns (G = 1) consecutive lanes read consecutive words.
+COURSE_HOST_DEVICE constexpr int tile_sums_stride(int W) {
+  return W >= kGradThreads ? W : W + (W / 8 > 4 ? W / 8 : 4);
+}
+
+// Accumulators of tile_sums: kGradThreads * L sums, and the padding of ty rows, at most
+// max(W / 8, 4) words each: 32 * L for the first (ty * W = kGradThreads * L), 4 * kGradThreads for
+// the second.
+template <int L>
+constexpr int kTileSumsSize = kGradThreads * L + (32 * L > 4 * kGradThreads ? 32 * L : 4 * kGradThreads);
+
+// A thread's L sums at dst, 16 bytes a store where they fill whole 16-byte units (dst then is
+// 16-byte aligned: tile_sums_stride keeps every row a multiple of 4 words, and the thread's
+// first column is a multiple of L); element by element otherwise.
+template <typename A, int L>
+__device__ __forceinline__ void store_sums(A* dst, const A (&sum)[L]) {
+  if constexpr (sizeof(A) == 4 && L % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < L / 4; ++i) {
+      reinterpret_cast<float4*>(dst)[i] = make_float4(sum[4 * i], sum[4 * i + 1], sum[4 * i + 2], sum[4 * i + 3]);
+    }
+  } else if constexpr (sizeof(A) == 8 && L % 2 == 0) {
+#pragma unroll
+    for (int i = 0; i < L / 2; ++i) reinterpret_cast<double2*>(dst)[i] = make_double2(sum[2 * i], sum[2 * i + 1]);
+  } else {
+#pragma unroll
+    for (int l = 0; l < L; ++l) dst[l] = sum[l];
+  }
+}
+
+// The block's sums (W columns from column `first`, ty rows, tile_sums_stride(W) apart), added down
+// each column (add_down_columns) and written as one row: dbias when the grid has one row tile, else
+// the block's row of partials. Called by every thread of the block, after the barrier that follows
+// the sums' stores.
 template <typename T>
 __device__ __forceinline__ void write_tile_sums(const typename Acc<T>::type* tile_sums, int W, int ty, int64_t first,
                                                 int64_t n, T* dbias, typename Acc<T>::type* partials) {
   using A = typename Acc<T>::type;
-  add_down_columns<A>(W, ty, [&](int r, int k) { return tile_sums[r * W + k]; }, [&](int k, A total) {
+  const int stride = tile_sums_stride(W);
+  add_down_columns<A>(W, ty, [&](int r, int k) { return tile_sums[r * stride + k]; }, [&](int k, A total) {
     if (first + k < n) {  // the last tile's columns past the row's end
       if (gridDim.y == 1) {
         dbias[first + k] = from_acc<T>(total);
@@ -614,22 +673,22 @@ __global__ void __launch_bounds__(kGradThreads,
                              int64_t rows, int64_t n, int tx, int /*phases*/, unsigned int* counters) {
   using A = typename Acc<T>::type;
   constexpr int kRows = kRowsInFlight<L>;
-  // Every thread's L sums, [row of the tile][column of the tile].
-  __shared__ A tile_sums[kGradThreads * L];
+  // Every thread's L sums, [row of the tile][column of the tile] (tile_sums_stride apart).
+  __shared__ __align__(16) A tile_sums[kTileSumsSize<L>];
   const int ty = kGradThreads / tx;
   const int64_t col = static_cast<int64_t>(blockIdx.x) * tx + threadIdx.x % tx;
   const int64_t e = col * L;
   // The last column tile may hang over the row's end: its extra threads sum nothing but still
   // reach the block's barrier below.
   const bool col_ok = e < n;
+  // The bias (kInput: z is recomputed from x) is one row, read once a thread, in the first step
+  // after that step's loads of dy and x (bias_due): read before the loop, as it was, the loop's
+  // loads waited behind its conversion, two round trips in a row where a thread's one row is the
+  // whole kernel (up to 64 tokens).
   A b[L];
 #pragma unroll
   for (int l = 0; l < L; ++l) b[l] = A(0);
-  if (kSource == SaveKind::kInput && bias != nullptr && col_ok) {
-    const Pack<T, L> bv = load_pack<T, L>(bias + e);  // one row, read once a thread
-#pragma unroll
-    for (int l = 0; l < L; ++l) b[l] = to_acc(bv.v[l]);
-  }
+  bool bias_due = kSource == SaveKind::kInput && bias != nullptr;
   A sum[L];
 #pragma unroll
   for (int l = 0; l < L; ++l) sum[l] = A(0);
@@ -657,6 +716,12 @@ __global__ void __launch_bounds__(kGradThreads,
         }
       }
     }
+    if (bias_due) {  // the first step only
+      bias_due = false;
+      const Pack<T, L> bv = load_pack<T, L>(bias + e);
+#pragma unroll
+      for (int l = 0; l < L; ++l) b[l] = to_acc(bv.v[l]);
+    }
 #pragma unroll
     for (int u = 0; u < kRows; ++u) {
       const int64_t r = base + u * row_step;
@@ -664,8 +729,7 @@ __global__ void __launch_bounds__(kGradThreads,
     }
   }
   const int W = tx * L;
-#pragma unroll
-  for (int l = 0; l < L; ++l) tile_sums[row_in_tile * W + (threadIdx.x % tx) * L + l] = sum[l];
+  store_sums<A, L>(tile_sums + row_in_tile * tile_sums_stride(W) + (threadIdx.x % tx) * L, sum);
   __syncthreads();  // every row's sums are in shared memory before any column's are added
   write_tile_sums<T>(tile_sums, W, ty, static_cast<int64_t>(blockIdx.x) * W, n, dbias, partials);
   if (counters != nullptr && gridDim.y > 1) {
@@ -760,7 +824,7 @@ __global__ void __launch_bounds__(kGradThreads, kSource == SaveKind::kInput ? kG
                              int64_t rows, int64_t n, int tx, int phases, unsigned int* counters) {
   using A = typename Acc<T>::type;
   constexpr int L = Vec16<T>::kLanes;
-  __shared__ A tile_sums[kGradThreads * L];
+  __shared__ __align__(16) A tile_sums[kTileSumsSize<L>];
   const int ty = kGradThreads / tx;
   const int W = tx * L;
   const int row_in_tile = threadIdx.x / tx;
@@ -791,17 +855,13 @@ __global__ void __launch_bounds__(kGradThreads, kSource == SaveKind::kInput ? kG
       high |= (e + l < n ? 1u : 0u) << l;
     }
   }
+  // The bias (kInput) is one row, read once a thread in the first step after that step's loads,
+  // as in the tile kernel: element by element where the pack is not whole or the bias does not
+  // sit at dy's offset from a 16-byte boundary.
   A b[L];
 #pragma unroll
   for (int l = 0; l < L; ++l) b[l] = A(0);
-  if (kSource == SaveKind::kInput && bias != nullptr && col_ok) {
-    // The bias is one row, read once a thread: element by element where the pack is not whole
-    // or the bias does not sit at dy's offset from a 16-byte boundary.
-    const bool bias_whole = whole && reinterpret_cast<uintptr_t>(bias + e) % 16 == 0;
-    const Pack<T, L> bv = load_owned<T, L>(bias + e, bias_whole, high, low, back);
-#pragma unroll
-    for (int l = 0; l < L; ++l) b[l] = to_acc(bv.v[l]);
-  }
+  bool bias_due = kSource == SaveKind::kInput && bias != nullptr;
   A sum[L];
 #pragma unroll
   for (int l = 0; l < L; ++l) sum[l] = A(0);
@@ -822,13 +882,20 @@ __global__ void __launch_bounds__(kGradThreads, kSource == SaveKind::kInput ? kG
     } else {
       sv = load_owned<T, L>(saved + r * n + e, whole, high, low, back);
     }
+    if (bias_due) {  // the first step only
+      bias_due = false;
+      const bool bias_whole = whole && reinterpret_cast<uintptr_t>(bias + e) % 16 == 0;
+      const Pack<T, L> bv = load_owned<T, L>(bias + e, bias_whole, high, low, back);
+#pragma unroll
+      for (int l = 0; l < L; ++l) b[l] = to_acc(bv.v[l]);
+    }
     store_owned<T, L>(dx + r * n + e, whole, high, low, back, grad_pack<T, Act, kSource, L>(dyv, sv, bits, b, scale, sum));
   }
   // The tile's rows meet in shared memory by column: lane l of this thread is column e + l
   // (e + l - back below `wrapped`), its place in the span plus l.
   const int place = static_cast<int>(e - S);
 #pragma unroll
-  for (int l = 0; l < L; ++l) tile_sums[row_in_tile * W + place + l - (l < wrapped ? back : 0)] = sum[l];
+  for (int l = 0; l < L; ++l) tile_sums[row_in_tile * tile_sums_stride(W) + place + l - (l < wrapped ? back : 0)] = sum[l];
   __syncthreads();  // every row's sums are in shared memory before any column's are added
   write_tile_sums<T>(tile_sums, W, ty, S, n, dbias, partials);
   if (counters != nullptr && gridDim.y > 1) finish_tile_column<T>(partials, counters, W, S, n, dbias);

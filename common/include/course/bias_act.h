@@ -54,21 +54,31 @@ inline int64_t forward_tile_blocks(int64_t rows, int64_t packs_per_row, int min_
   return column_tiles * row_tiles;
 }
 
-// Whether a forward that keeps several rows in flight a thread (GELU-erf's four, whose erff
-// needs the registers of four blocks an SM rather than eight) takes the column tiles rather than
-// the flat kernel, for rows of whole aligned vectors that fill every tile: only when the tiles'
-// grid fills the blocks_per_sm blocks an SM holds of it on every SM. Four rows a thread divide the
-// grid by four: bias_gelu at 64 x 4096 in bfloat16 was 2 column tiles by 16 row tiles, 32 blocks
-// on 132 SMs, and at 2048 x 1024 or 2048 x 2048 256 or 512 blocks for a wave of 528; the flat
-// kernel (one vector a thread) gives such shapes four times the blocks and one round trip to DRAM.
-// Below a wave, the grid (from the element count and the SM count, not from a list of shapes)
-// goes flat; above, the tiles' four independent loads a thread keep more bytes in flight than
-// eight blocks of one vector a thread at the same occupancy.
-inline bool forward_takes_tiles(int64_t rows, int64_t packs_per_row, int min_tx, int rows_per_thread, int sms,
-                                int blocks_per_sm) {
-  if (rows_per_thread <= 1) return false;
-  return forward_tile_blocks(rows, packs_per_row, min_tx, rows_per_thread) >=
-         int64_t{sms > 1 ? sms : 1} * (blocks_per_sm > 1 ? blocks_per_sm : 1);
+// The forward's kernel (course/bias_act.cuh's launch_bias_act), one rule for the launcher and for
+// the glue that names it without a GPU (chapter 4's bias_forward_kernel): the flat kernel unless
+// it cannot pair the operands' vectors (flat_pairs false: course::flat_applies) or the column
+// tiles pay. Tiles pay only for a forward that keeps several rows in flight a thread (GELU-erf's
+// four, whose erff needs the registers of four blocks an SM rather than eight), on rows of whole
+// vectors from 16-byte boundaries (`aligned`: every operand's pointer) that fill every tile, and
+// only when the tiles' grid fills the blocks_per_sm blocks an SM holds of it on every SM. Four rows
+// a thread divide the grid by four: bias_gelu at 64 x 4096 in bfloat16 was 2 column tiles by 16
+// row tiles, 32 blocks on 132 SMs, and at 2048 x 1024 or 2048 x 2048 256 or 512 blocks for a wave
+// of 528; the flat kernel (one vector a thread) gives such shapes four times the blocks and one
+// round trip to DRAM. Below a wave, the grid (from the element count and the SM count, not from a
+// list of shapes) goes flat; above, the tiles' four independent loads a thread keep more bytes in
+// flight than eight blocks of one vector a thread at the same occupancy.
+enum class ForwardKernel { kFlat, kTiles };
+
+inline ForwardKernel forward_kernel(int64_t rows, int64_t n, int elem, bool aligned, bool flat_pairs, int min_tx,
+                                    int rows_per_thread, int sms, int blocks_per_sm) {
+  if (!flat_pairs) return ForwardKernel::kTiles;
+  const int64_t vector = 16 / (elem > 0 ? elem : 1);
+  if (rows_per_thread <= 1 || !aligned || n % vector != 0) return ForwardKernel::kFlat;
+  const int64_t packs = n / vector;
+  if (packs % tile_width(packs, min_tx) != 0) return ForwardKernel::kFlat;  // a tile's lanes idle
+  const bool fills = forward_tile_blocks(rows, packs, min_tx, rows_per_thread) >=
+                     int64_t{sms > 1 ? sms : 1} * (blocks_per_sm > 1 ? blocks_per_sm : 1);
+  return fills ? ForwardKernel::kTiles : ForwardKernel::kFlat;
 }
 
 // ---------------------------------------------------------------------------------------
