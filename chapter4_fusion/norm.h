@@ -120,9 +120,10 @@ inline bool forward_caps_registers(int blocks_per_sm, int rows_per_block) {
 // them x the SMs) with one group of rows to do. Then every block of an SM reaches its last step at
 // the same moment, nothing else is in flight to hide a trip for weight then, and it was a second
 // round trip after x's. Not in 1024-thread blocks of 4 vectors a thread: such a block has 64
-// registers a thread, 16 of them the row's, and weight and bias would take 32 more. kPrefetch: asked of the L1 beside
-// x's loads, where each SM gets at most one block but the block cannot hold them. kLate: loaded in
-// the last step, where blocks queue for slots (the others' loads run during the trip, and the
+// registers a thread, 16 of them the row's, and weight and bias would take 32 more (at 2 vectors,
+// 8 and 16: LayerNorm's bfloat16 row spills 12 bytes a thread there, ptxas -v sm_90a). kPrefetch:
+// asked of the L1 beside x's loads, where each SM gets at most one block but the block cannot hold
+// them. kLate: loaded in the last step, where blocks queue for slots (the others' loads run during the trip, and the
 // first of them leaves weight in the L1 for the rest).
 enum class ParamLoad { kLate, kPrefetch, kHeld };
 constexpr bool forward_holdable(int block_threads, int vectors) { return block_threads <= 512 || vectors <= 2; }
