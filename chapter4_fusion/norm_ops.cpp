@@ -467,10 +467,15 @@ class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
     }
     ctx->save_for_backward({x, weight, mean, rstd});
     ctx->mark_non_differentiable({mean, rstd});
+    // mean and rstd take no gradient, yet with materialized grads autograd would hand the backward
+    // a tensor of zeros for each (a fill kernel apiece, launched before the backward's own: at few
+    // rows, where every launch is mostly latency, two of the three). Undefined, they cost nothing.
+    ctx->set_materialize_grads(false);
     return {y, mean, rstd};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static auto op = find_op<decltype(layer_norm_backward_impl)>("fusion::layer_norm_backward");
+    if (!grads[0].defined()) return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};  // y unused: no gradient
     const auto s = ctx->get_saved_variables();
     auto [dx, dweight, dbias] = op.call(grads[0], s[0], s[1], s[2], s[3], std::nullopt);
     return {dx, dweight, dbias, Tensor(), Tensor()};
@@ -489,10 +494,12 @@ class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
     }
     ctx->save_for_backward({x, weight, rstd});
     ctx->mark_non_differentiable({rstd});
+    ctx->set_materialize_grads(false);  // no fill of zeros for rstd's gradient (LayerNormFunction says why)
     return {y, rstd};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static auto op = find_op<decltype(rms_norm_backward_impl)>("fusion::rms_norm_backward");
+    if (!grads[0].defined()) return {Tensor(), Tensor(), Tensor(), Tensor()};  // y unused: no gradient
     const auto s = ctx->get_saved_variables();
     auto [dx, dweight] = op.call(grads[0], s[0], s[1], s[2], std::nullopt, std::nullopt);
     return {dx, dweight, Tensor(), Tensor()};

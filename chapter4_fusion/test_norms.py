@@ -353,6 +353,34 @@ def test_fused_add_rms_norm_backward_is_one_op(device):
     assert not [o for o in log.ops if o in ("aten.add", "aten.add_", "aten.zeros_like", "aten.fill_", "aten.zero_")], log.ops
 
 
+@pytest.mark.parametrize("op", ("layer_norm", "rms_norm"))
+def test_norm_backward_fills_no_zeros(op, device):
+    """The statistics the forward returns beside y (mean and rstd, rstd) take no gradient, and
+    the Function does not materialize zeros for them: the backward through autograd calls the op's
+    backward and nothing that makes or fills a tensor of zeros (a fill kernel a statistic, each a
+    launch of its own before the backward's at few rows)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Log(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    x, w, b, _ = make_inputs((5, 64), torch.float32, device)
+    xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
+    inputs = (xs, ws, bs) if op == "layer_norm" else (xs, ws)
+    y = fusion.layer_norm(xs, ws, bs) if op == "layer_norm" else fusion.rms_norm(xs, ws)
+    with Log() as log:
+        torch.autograd.grad(y, inputs, torch.randn_like(y))
+    assert f"fusion.{op}_backward" in log.ops, log.ops
+    zeros = ("aten.zeros", "aten.zeros_like", "aten.new_zeros", "aten.fill_", "aten.zero_")
+    assert not [o for o in log.ops if o in zeros], log.ops
+
+
 # Rows and widths at the edges of the row shapes and of the launches (norm.h): one row, a warp's
 # worth of 64 rows and either side of it, many rows with a ragged last block; widths of one
 # element, fewer than a vector, mid-vector rows (777, 4099) and the longest model rows.
