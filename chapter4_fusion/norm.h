@@ -114,12 +114,51 @@ constexpr bool forward_cappable(int block_threads, int rows_per_block, bool whol
 inline bool forward_caps_registers(int blocks_per_sm, int rows_per_block) {
   return static_cast<int64_t>(blocks_per_sm) * rows_per_block < kMinForwardRowsInFlight;
 }
-// Weight (and bias) prefetched into the L1 beside x's loads: only where the grid gives each SM
-// at most one block (few rows: 64 tokens). Such a block is alone on its SM, and its trip for
-// weight from the L2, after the row's reductions, is on its critical path with nothing beside it.
-// Where an SM holds several blocks, the others' loads run during that trip (and the first of them
-// leaves weight in the L1 for the rest): the prefetch would be instructions for nothing.
+// Where the forward's last step gets weight (and bias) (norm_kernels.cu, kParams). kHeld: loaded
+// into registers with x, where the grid is one step of the kernel that holds them: every block
+// resident from the start (blocks <= held_wave, that kernel's blocks an SM as the runtime gives
+// them x the SMs) with one group of rows to do. Then every block of an SM reaches its last step at
+// the same moment, nothing else is in flight to hide a trip for weight then, and it was a second
+// round trip after x's. Not in 1024-thread blocks of 4 vectors a thread: such a block has 64
+// registers a thread, 16 of them the row's, and weight and bias would take 32 more (at 2 vectors,
+// 8 and 16: LayerNorm's bfloat16 row spills 12 bytes a thread there, ptxas -v sm_90a). kPrefetch:
+// asked of the L1 beside x's loads, where each SM gets at most one block but the block cannot hold
+// them. kLate: loaded in the last step, where blocks queue for slots (the others' loads run during the trip, and the
+// first of them leaves weight in the L1 for the rest).
+enum class ParamLoad { kLate, kPrefetch, kHeld };
+constexpr bool forward_holdable(int block_threads, int vectors) { return block_threads <= 512 || vectors <= 2; }
+inline bool forward_holds_params(int64_t blocks, int64_t held_wave) { return blocks <= held_wave; }
 inline bool forward_prefetches(int64_t blocks, int sms) { return blocks <= sms; }
+inline ParamLoad forward_params(int64_t blocks, int block_threads, int vectors, int64_t held_wave, int sms) {
+  if (forward_holdable(block_threads, vectors) && forward_holds_params(blocks, held_wave)) return ParamLoad::kHeld;
+  return forward_prefetches(blocks, sms) ? ParamLoad::kPrefetch : ParamLoad::kLate;
+}
+
+// The row shapes at few rows: where the grid has at most one block an SM (rows <= SMs) and the
+// row is a block's (longer than a warp row holds), each block is alone on its SM, and the SM has
+// as many warps as the row's shape gives it. kForwardShapes packs 4 vectors into each thread, the
+// fewest threads that hold the row (64 x 4096 in bfloat16: 128 threads, one warp on each of the
+// SM's four schedulers), which is right where many rows share an SM, and at one row an SM leaves
+// each scheduler one warp, every latency in its chain (the loads, the conversions, the sums, the
+// shuffles) exposed with no other warp to run. These shapes spread the row one 16-byte vector a
+// thread (the row's vectors rounded up to a power of two: from 256 threads, since a row past a
+// warp row's 128 vectors has more), up to 1024 threads, then 2 and 4 vectors: 64 x 4096 takes 512
+// threads, four warps a scheduler, as Inductor's persistent reduction takes its warps from the
+// row's length.
+constexpr NormShape kFewRowsShapes[] = {{256, 1}, {512, 1}, {1024, 1}, {1024, 2}, {1024, 4}};
+constexpr int kNumFewRowsShapes = sizeof(kFewRowsShapes) / sizeof(kFewRowsShapes[0]);
+
+// The index into kFewRowsShapes for rows x n on a GPU of `sms` SMs, or -1 (kForwardShapes):
+// rows of whole vectors only (a thread's one vector never straddles the head of a row that
+// starts mid-vector), at most one block an SM, and a row too long for a warp row.
+inline int few_rows_forward_shape(int64_t rows, int64_t n, int elem_bytes, bool whole_vectors, int sms) {
+  const int shape = forward_shape(n, elem_bytes);
+  if (!whole_vectors || shape < 0 || kForwardShapes[shape].threads <= 32 || rows > sms) return -1;
+  for (int i = 0; i < kNumFewRowsShapes; ++i) {
+    if (n <= shape_capacity(kFewRowsShapes[i], elem_bytes)) return i;
+  }
+  return -1;
+}
 
 inline int backward_shape(int64_t n, int elem_bytes) {
   if (elem_bytes == 8) return -1;

@@ -53,26 +53,37 @@ constexpr int kBackwardBlock = 512;
 template <int kThreadsPerRow>
 constexpr int kSlots = kThreadsPerRow < kBackwardBlock ? kBackwardBlock / kThreadsPerRow : 1;
 
-// The row sum of v over the kThreadsPerRow threads of this thread's row (slot) when a block
-// holds several rows: shuffles for a warp row; for a multi-warp row, its warps' sums meet in
-// smem[slot's warps] (at least 32 values). Every thread of the block must call it.
-template <int kThreadsPerRow, typename A>
-__device__ __forceinline__ A slot_reduce(A v, A* smem) {
-  if constexpr (kThreadsPerRow <= 32) {
-    return course::warp_reduce(v, SumOp<A>(), kThreadsPerRow);
-  } else {
+// The row sums of v[0..kCount) over the kThreadsPerRow threads of this thread's row (slot) when
+// a block holds several rows, in place: shuffles for a warp row; for a multi-warp row, its warps'
+// sums meet in smem[s * 32 + slot's warps] (at least 32 * kCount values). Every thread of the
+// block must call it. LayerNorm's two sums (of g and of g * xhat) are independent, so they go
+// through one call: their shuffles interleave and they share one pair of barriers, where two
+// calls in a row were two rounds of shuffles, barriers and shared memory, one after the other
+// on the critical path of every row (a whole step of the chain at few rows, where each block
+// has one row to do).
+template <int kThreadsPerRow, int kCount, typename A>
+__device__ __forceinline__ void slot_reduce(A (&v)[kCount], A* smem) {
+#pragma unroll
+  for (int s = 0; s < kCount; ++s) {
+    v[s] = course::warp_reduce(v[s], SumOp<A>(), kThreadsPerRow < 32 ? kThreadsPerRow : 32);
+  }
+  if constexpr (kThreadsPerRow > 32) {
     constexpr int kWarps = kThreadsPerRow / 32;
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;
-    v = course::warp_reduce(v, SumOp<A>());
     // A previous slot_reduce on the same smem may still be reading it in a slower warp.
     __syncthreads();
-    if (lane == 0) smem[warp] = v;
-    // Every warp's sum must be in smem before the warps of its row read them.
+    if (lane == 0) {
+#pragma unroll
+      for (int s = 0; s < kCount; ++s) smem[s * 32 + warp] = v[s];
+    }
+    // Every warp's sums must be in smem before the warps of its row read them.
     __syncthreads();
     const int first = warp / kWarps * kWarps;
-    v = lane < kWarps ? smem[first + lane] : A(0);
-    return course::warp_reduce(v, SumOp<A>());
+#pragma unroll
+    for (int s = 0; s < kCount; ++s) {
+      v[s] = course::warp_reduce(lane < kWarps ? smem[s * 32 + first + lane] : A(0), SumOp<A>());
+    }
   }
 }
 
@@ -222,7 +233,7 @@ __device__ __forceinline__ void resident_rows(const T* __restrict__ dy, const T*
   constexpr bool kShared = kSums && kSharedSums<kThreadsPerRow>;
   static_assert(!kShared || kVectors * kLanes == kMaxBackwardElementsPerThread,
                 "run_backward sizes the shared sums as kMaxBackwardElementsPerThread a thread");
-  __shared__ A smem[32];
+  __shared__ A smem[2 * 32];  // slot_reduce's: 32 warps' sums of each of LayerNorm's two
   __shared__ A combine[kSums && kRows > 1 ? kBlock * kLanes : 1];
   // kShared: element (j, l) of thread t's dweight sum at [(j * kLanes + l) * kBlock + t] (a warp's
   // 32 threads on 32 banks), dbias's after all of dweight's.
@@ -286,8 +297,12 @@ __device__ __forceinline__ void resident_rows(const T* __restrict__ dy, const T*
         }
       }
     }
-    const A mean_gx = slot_reduce<kThreadsPerRow>(sum_gx, smem) / static_cast<A>(n);
-    const A mean_g = kCentered ? slot_reduce<kThreadsPerRow>(sum_g, smem) / static_cast<A>(n) : A(0);
+    A sums_row[kCentered ? 2 : 1];
+    sums_row[0] = sum_gx;
+    if constexpr (kCentered) sums_row[1] = sum_g;
+    slot_reduce<kThreadsPerRow>(sums_row, smem);
+    const A mean_gx = sums_row[0] / static_cast<A>(n);
+    const A mean_g = kCentered ? sums_row[1] / static_cast<A>(n) : A(0);
 #pragma unroll
     for (int j = 0; j < kVectors; ++j) {
 #pragma unroll

@@ -195,15 +195,23 @@ __global__ void __launch_bounds__(kThreads)
 // rows up to 167 registers where it had given 72). Asking for 32 warps an SM of every block
 // slowed the rows of hidden 768-4096 on an H100, rows that had many rows in flight already.
 //
-// kPrefetch: weight (and bias) asked of the L1 as x's loads go out, where each SM gets at most
-// one block (forward_prefetches in norm.h: few rows, nothing beside the block to hide the trip).
+// kParams (forward_params in norm.h): where weight (and bias) come from in the last step. kLate:
+// loaded there, one vector at a time, from the L1 or the L2. Where the grid is one step (every
+// block has a slot on an SM from the start and one group of rows to do: 64 tokens, or 2048 tokens
+// of short rows), every block of an SM is at the same point of its chain at once, so no other
+// block's loads run during that trip: x from memory, the reductions, then weight from the L2 was
+// two round trips where one would do. kHeld loads weight and bias into registers beside x, as
+// Inductor's persistent reductions issue all of a row's loads first; the registers are paid for in
+// occupancy, which is why the rule asks the held kernel's own occupancy whether the grid still fits
+// one wave. kPrefetch asks the L1 for them as x's loads go out (no registers): the 1024-thread rows
+// at few rows, whose 64 registers a thread have no room for them.
 template <int kBlockThreads, int kRows, Access kAccess>
 constexpr bool kForwardCappable = forward_cappable(kBlockThreads, kRows, kAccess == Access::kVectors);
 template <int kRows>
 constexpr int kForwardCapBlocks = (kMinForwardRowsInFlight + kRows - 1) / kRows;
 
 template <typename T, bool kCentered, bool kAddResidual, int kThreadsPerRow, int kVectors, Access kAccess,
-          bool kPrefetch, int kMinBlocks>
+          ParamLoad kParams, int kMinBlocks>
 __global__ void __launch_bounds__(kThreadsPerRow * kRowsPerBlock<kThreadsPerRow>, kMinBlocks)
     norm_resident(const T* __restrict__ x, const T* __restrict__ residual, T* __restrict__ sum,
                   const T* __restrict__ weight, const T* __restrict__ bias, T* __restrict__ y,
@@ -216,6 +224,19 @@ __global__ void __launch_bounds__(kThreadsPerRow * kRowsPerBlock<kThreadsPerRow>
   __shared__ A smem[32];
   const T zero = from_acc<T>(A(0));
   const int t = threadIdx.x % kThreadsPerRow;
+  constexpr bool kHeld = kParams == ParamLoad::kHeld;
+  // kHeld: weight (and bias) in registers for the kernel's life, loaded before the first row's x
+  // so that their loads go out beside it. Rows of whole vectors only, whose columns are the same
+  // in every row (a tile of kChunks moves with each row's start).
+  T held_w[kHeld ? kVectors : 1][kLanes];
+  T held_b[kHeld && kCentered ? kVectors : 1][kLanes];
+  if constexpr (kHeld) {
+    static_assert(kAccess == Access::kVectors, "held parameters are read at columns fixed across rows");
+    load_tile<kAccess, kThreadsPerRow, kVectors, /*kColumns=*/true>(weight, RowSpan{n, 0, n}, t, zero, held_w);
+    if constexpr (kCentered) {
+      load_tile<kAccess, kThreadsPerRow, kVectors, /*kColumns=*/true>(bias, RowSpan{n, 0, n}, t, zero, held_b);
+    }
+  }
   // The whole block steps together, so the rows of a block stay converged for the shuffles and
   // the block reductions; a thread past the last row works on padding (len 0) and stores nothing.
   for (int64_t first = static_cast<int64_t>(blockIdx.x) * kRows; first < rows;
@@ -226,7 +247,7 @@ __global__ void __launch_bounds__(kThreadsPerRow * kRowsPerBlock<kThreadsPerRow>
     const RowSpan span = row_span<kAccess>(x + offset, len);
     T v[kSlots][kLanes];
     load_tile<kAccess, kThreadsPerRow, kVectors>(x + offset, span, t, zero, v);
-    if constexpr (kPrefetch) {
+    if constexpr (kParams == ParamLoad::kPrefetch) {
       static_assert(kAccess == Access::kVectors, "the prefetch walks whole vectors");
       // weight (and bias) are read after the row's reductions: asked of the L1 now, their trip
       // from the L2 runs beside x's from DRAM instead of after the reductions, and costs no
@@ -283,8 +304,18 @@ __global__ void __launch_bounds__(kThreadsPerRow * kRowsPerBlock<kThreadsPerRow>
     for (int j = 0; j < kSlots; ++j) {
       T w[kLanes];
       T b[kLanes];
-      load_slot<kAccess, kThreadsPerRow, kVectors, /*kColumns=*/true>(weight, span, t, j, zero, w);
-      if constexpr (kCentered) load_slot<kAccess, kThreadsPerRow, kVectors, /*kColumns=*/true>(bias, span, t, j, zero, b);
+      if constexpr (kHeld) {
+#pragma unroll
+        for (int l = 0; l < kLanes; ++l) {
+          w[l] = held_w[j][l];
+          if constexpr (kCentered) b[l] = held_b[j][l];
+        }
+      } else {
+        load_slot<kAccess, kThreadsPerRow, kVectors, /*kColumns=*/true>(weight, span, t, j, zero, w);
+        if constexpr (kCentered) {
+          load_slot<kAccess, kThreadsPerRow, kVectors, /*kColumns=*/true>(bias, span, t, j, zero, b);
+        }
+      }
 #pragma unroll
       for (int l = 0; l < kLanes; ++l) {
         v[j][l] = from_acc<T>(normalized<kCentered>(to_acc(v[j][l]), mean, rstd, to_acc(w[l]),
@@ -341,13 +372,13 @@ cudaError_t run_add(const T* x, const T* residual, T* out, int64_t numel, cudaSt
   });
 }
 
-// One kind of row (LayerNorm, RMSNorm, fused_add) with the row shape kForwardShapes[kShape]: the
-// plain kernel, or where its occupancy says so (norm.h) the prefetching or the capped one.
-template <typename T, bool kCentered, bool kAddResidual, int kShape, Access kAccess>
+// One kind of row (LayerNorm, RMSNorm, fused_add) with the row shape kThreadsPerRow x kVectors: the
+// plain kernel, or where the grid and the kernels' occupancy say so (norm.h) the one that holds
+// weight and bias, the prefetching one or the capped one.
+template <typename T, bool kCentered, bool kAddResidual, int kThreadsPerRow, int kVectors, Access kAccess,
+          bool kFewRows>
 cudaError_t launch_resident_kind(const NormParams& p, cudaStream_t stream) {
   using A = typename Acc<T>::type;
-  constexpr int kThreadsPerRow = kForwardShapes[kShape].threads;
-  constexpr int kVectors = kForwardShapes[kShape].vectors;
   constexpr int kRows = kRowsPerBlock<kThreadsPerRow>;
   constexpr int kBlock = kThreadsPerRow * kRows;
   static_assert(forward_rows_per_block(kThreadsPerRow) == kRows, "norm.h's rows a block are course::rows'");
@@ -360,31 +391,73 @@ cudaError_t launch_resident_kind(const NormParams& p, cudaStream_t stream) {
                                         static_cast<A*>(p.rstd), p.rows, p.n, static_cast<A>(p.eps));
     return cudaGetLastError();
   };
-  auto* plain = norm_resident<T, kCentered, kAddResidual, kThreadsPerRow, kVectors, kAccess, false, 0>;
-  if constexpr (kAccess == Access::kVectors) {  // the variants exist for rows of whole vectors only
-    int sms = 0;
-    COURSE_CUDA_TRY(course::sm_count(&sms));
-    if (forward_prefetches(blocks, sms)) {
-      return launch(norm_resident<T, kCentered, kAddResidual, kThreadsPerRow, kVectors, kAccess, true, 0>);
-    }
-    if constexpr (kForwardCappable<kBlock, kRows, kAccess>) {
-      int64_t wave = 0;
-      COURSE_CUDA_TRY(course::resident_grid(plain, kBlock, &wave));
-      if (forward_caps_registers(static_cast<int>(wave / sms), kRows)) {
-        return launch(norm_resident<T, kCentered, kAddResidual, kThreadsPerRow, kVectors, kAccess, false,
-                                    kForwardCapBlocks<kRows>>);
+  if constexpr (kFewRows) {
+    // A shape of kFewRowsShapes: at most one block an SM (few_rows_forward_shape), which every
+    // held kernel's wave holds, so forward_params answers without asking: held where the block
+    // can hold weight and bias, else prefetched. Neither the plain nor the capped kernel is built
+    // for these shapes.
+    static_assert(kAccess == Access::kVectors, "the few-rows shapes take rows of whole vectors");
+    constexpr ParamLoad kLoad = forward_holdable(kBlock, kVectors) ? ParamLoad::kHeld : ParamLoad::kPrefetch;
+    return launch(norm_resident<T, kCentered, kAddResidual, kThreadsPerRow, kVectors, kAccess, kLoad, 0>);
+  } else {
+    auto* plain = norm_resident<T, kCentered, kAddResidual, kThreadsPerRow, kVectors, kAccess, ParamLoad::kLate, 0>;
+    if constexpr (kAccess == Access::kVectors) {  // the variants exist for rows of whole vectors only
+      int sms = 0;
+      COURSE_CUDA_TRY(course::sm_count(&sms));
+      // The held kernel's wave, asked only of the blocks that have one (forward_holdable): the rule
+      // sees 0 for the others and never holds there.
+      int64_t held_wave = 0;
+      if constexpr (forward_holdable(kBlock, kVectors)) {
+        COURSE_CUDA_TRY(course::resident_grid(
+            norm_resident<T, kCentered, kAddResidual, kThreadsPerRow, kVectors, kAccess, ParamLoad::kHeld, 0>, kBlock,
+            &held_wave));
+      }
+      switch (forward_params(blocks, kBlock, kVectors, held_wave, sms)) {
+        case ParamLoad::kHeld:
+          if constexpr (forward_holdable(kBlock, kVectors)) {
+            return launch(
+                norm_resident<T, kCentered, kAddResidual, kThreadsPerRow, kVectors, kAccess, ParamLoad::kHeld, 0>);
+          }
+          break;  // not reached: forward_params holds only holdable blocks
+        case ParamLoad::kPrefetch:
+          return launch(
+              norm_resident<T, kCentered, kAddResidual, kThreadsPerRow, kVectors, kAccess, ParamLoad::kPrefetch, 0>);
+        case ParamLoad::kLate:
+          break;
+      }
+      if constexpr (kForwardCappable<kBlock, kRows, kAccess>) {
+        int64_t wave = 0;
+        COURSE_CUDA_TRY(course::resident_grid(plain, kBlock, &wave));
+        if (forward_caps_registers(static_cast<int>(wave / sms), kRows)) {
+          return launch(norm_resident<T, kCentered, kAddResidual, kThreadsPerRow, kVectors, kAccess, ParamLoad::kLate,
+                                      kForwardCapBlocks<kRows>>);
+        }
       }
     }
+    return launch(plain);
   }
-  return launch(plain);
 }
 
-// v3 (and fused_add_rms_norm v2) with the row shape kForwardShapes[kShape].
-template <typename T, int kShape, Access kAccess>
+// v3 (and fused_add_rms_norm v2) with the row shape kThreadsPerRow x kVectors.
+template <typename T, int kThreadsPerRow, int kVectors, Access kAccess, bool kFewRows = false>
 cudaError_t launch_resident(const NormParams& p, cudaStream_t stream) {
-  if (p.residual != nullptr) return launch_resident_kind<T, false, true, kShape, kAccess>(p, stream);
-  if (p.kind == NormKind::kLayerNorm) return launch_resident_kind<T, true, false, kShape, kAccess>(p, stream);
-  return launch_resident_kind<T, false, false, kShape, kAccess>(p, stream);
+  if (p.residual != nullptr) {
+    return launch_resident_kind<T, false, true, kThreadsPerRow, kVectors, kAccess, kFewRows>(p, stream);
+  }
+  if (p.kind == NormKind::kLayerNorm) {
+    return launch_resident_kind<T, true, false, kThreadsPerRow, kVectors, kAccess, kFewRows>(p, stream);
+  }
+  return launch_resident_kind<T, false, false, kThreadsPerRow, kVectors, kAccess, kFewRows>(p, stream);
+}
+
+template <int I = 0, typename F>
+cudaError_t with_few_rows_shape(int shape, F&& f) {
+  if constexpr (I == kNumFewRowsShapes) {
+    return cudaErrorInvalidValue;
+  } else {
+    if (shape == I) return f(std::integral_constant<int, I>{});
+    return with_few_rows_shape<I + 1>(shape, std::forward<F>(f));
+  }
 }
 
 template <typename T>
@@ -403,9 +476,19 @@ cudaError_t run_norm(const NormParams& p, cudaStream_t stream) {
   if constexpr (sizeof(T) != 8) {
     if (shape >= 0) {
       const Access access = row_access<T>(p.n, {p.x, p.residual, p.sum, p.y}, {p.weight, p.bias});
+      int sms = 0;
+      COURSE_CUDA_TRY(course::sm_count(&sms));
+      const int few = few_rows_forward_shape(p.rows, p.n, sizeof(T), access == Access::kVectors, sms);
+      if (few >= 0) {  // whole vectors only (few_rows_forward_shape)
+        return with_few_rows_shape(few, [&](auto s) {
+          constexpr NormShape kShape = kFewRowsShapes[decltype(s)::value];
+          return launch_resident<T, kShape.threads, kShape.vectors, Access::kVectors, true>(p, stream);
+        });
+      }
       return with_forward_shape(shape, [&](auto s) {
+        constexpr NormShape kShape = kForwardShapes[decltype(s)::value];
         return with_access(access, [&](auto a) {
-          return launch_resident<T, decltype(s)::value, decltype(a)::value>(p, stream);
+          return launch_resident<T, kShape.threads, kShape.vectors, decltype(a)::value>(p, stream);
         });
       });
     }

@@ -389,32 +389,62 @@ std::vector<int64_t> norm_backward_column_tiles(const Tensor& x, int64_t sms, st
 }
 
 // Which of the forward's resident kernels a launch for x would run on a GPU of `sms` SMs where the
-// plain kernel keeps blocks_per_sm blocks an SM (the launch asks the runtime for its occupancy;
-// norm.h's forward_prefetches and forward_caps_registers): "prefetch", "capped", "plain", or
-// "streamed" past the registers; for freshly allocated (16-byte aligned) tensors. Asked without a
-// GPU by the CPU tests of the rule.
-std::string norm_forward_variant(const Tensor& x, int64_t sms, int64_t blocks_per_sm) {
+// plain kernel keeps blocks_per_sm blocks an SM and the one that holds weight and bias keeps
+// held_blocks_per_sm (the launch asks the runtime for both occupancies; norm.h's forward_params and
+// forward_caps_registers): "held", "prefetch", "capped", "plain", or "streamed" past the
+// registers; for freshly allocated (16-byte aligned) tensors. Asked without a GPU by the CPU tests
+// of the rule.
+std::string norm_forward_variant(const Tensor& x, int64_t sms, int64_t blocks_per_sm, int64_t held_blocks_per_sm) {
   check_x("norm_forward_variant", x);
   TORCH_CHECK(sms >= 1, "norm_forward_variant: sms must be at least 1, got ", std::to_string(sms));
   TORCH_CHECK(blocks_per_sm >= 1, "norm_forward_variant: blocks_per_sm must be at least 1, got ",
               std::to_string(blocks_per_sm));
+  TORCH_CHECK(held_blocks_per_sm >= 1, "norm_forward_variant: held_blocks_per_sm must be at least 1, got ",
+              std::to_string(held_blocks_per_sm));
   const int64_t n = x.dim() == 0 ? 1 : x.size(-1);
   const int64_t rows = n == 0 ? 0 : x.numel() / n;
   const int elem = static_cast<int>(x.element_size());
   const int shape = forward_shape(n, elem);
   if (shape < 0) return "streamed";
   const bool whole_vectors = n % (16 / elem) == 0;
-  const int threads = kForwardShapes[shape].threads;
+  const int few = few_rows_forward_shape(rows, n, elem, whole_vectors, static_cast<int>(sms));
+  const NormShape row_shape = few >= 0 ? kFewRowsShapes[few] : kForwardShapes[shape];
+  const int threads = row_shape.threads;
   const int per_block = forward_rows_per_block(threads);
   const int64_t blocks = ::course::ceil_div<int64_t>(rows, per_block);
-  if (whole_vectors && forward_prefetches(blocks, static_cast<int>(sms))) {
-    return "prefetch";
+  if (whole_vectors) {  // the variants exist for rows of whole vectors only
+    switch (forward_params(blocks, threads * per_block, row_shape.vectors, held_blocks_per_sm * sms,
+                           static_cast<int>(sms))) {
+      case ParamLoad::kHeld:
+        return "held";
+      case ParamLoad::kPrefetch:
+        return "prefetch";
+      case ParamLoad::kLate:
+        break;
+    }
   }
   if (forward_cappable(threads * per_block, per_block, whole_vectors) &&
       forward_caps_registers(static_cast<int>(blocks_per_sm), per_block)) {
     return "capped";
   }
   return "plain";
+}
+
+// The row shape a forward launch for x would hold its rows in on a GPU of `sms` SMs (norm.h's
+// kForwardShapes, or kFewRowsShapes at few rows: few_rows_forward_shape): [threads a row, 16-byte
+// vectors a thread], or [] where the rows are streamed; for freshly allocated (16-byte aligned)
+// tensors. Asked without a GPU by the CPU tests of the rule.
+std::vector<int64_t> norm_forward_shape(const Tensor& x, int64_t sms) {
+  check_x("norm_forward_shape", x);
+  TORCH_CHECK(sms >= 1, "norm_forward_shape: sms must be at least 1, got ", std::to_string(sms));
+  const int64_t n = x.dim() == 0 ? 1 : x.size(-1);
+  const int64_t rows = n == 0 ? 0 : x.numel() / n;
+  const int elem = static_cast<int>(x.element_size());
+  const int shape = forward_shape(n, elem);
+  if (shape < 0) return {};
+  const int few = few_rows_forward_shape(rows, n, elem, n % (16 / elem) == 0, static_cast<int>(sms));
+  const NormShape s = few >= 0 ? kFewRowsShapes[few] : kForwardShapes[shape];
+  return {s.threads, s.vectors};
 }
 
 // ---------------------------------------------------------------------------------------
@@ -437,10 +467,15 @@ class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
     }
     ctx->save_for_backward({x, weight, mean, rstd});
     ctx->mark_non_differentiable({mean, rstd});
+    // mean and rstd take no gradient, yet with materialized grads autograd would hand the backward
+    // a tensor of zeros for each (a fill kernel apiece, launched before the backward's own: at few
+    // rows, where every launch is mostly latency, two of the three). Undefined, they cost nothing.
+    ctx->set_materialize_grads(false);
     return {y, mean, rstd};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static auto op = find_op<decltype(layer_norm_backward_impl)>("fusion::layer_norm_backward");
+    if (!grads[0].defined()) return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};  // y unused: no gradient
     const auto s = ctx->get_saved_variables();
     auto [dx, dweight, dbias] = op.call(grads[0], s[0], s[1], s[2], s[3], std::nullopt);
     return {dx, dweight, dbias, Tensor(), Tensor()};
@@ -459,10 +494,12 @@ class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
     }
     ctx->save_for_backward({x, weight, rstd});
     ctx->mark_non_differentiable({rstd});
+    ctx->set_materialize_grads(false);  // no fill of zeros for rstd's gradient (LayerNormFunction says why)
     return {y, rstd};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static auto op = find_op<decltype(rms_norm_backward_impl)>("fusion::rms_norm_backward");
+    if (!grads[0].defined()) return {Tensor(), Tensor(), Tensor(), Tensor()};  // y unused: no gradient
     const auto s = ctx->get_saved_variables();
     auto [dx, dweight] = op.call(grads[0], s[0], s[1], s[2], std::nullopt, std::nullopt);
     return {dx, dweight, Tensor(), Tensor()};
@@ -569,7 +606,9 @@ TORCH_LIBRARY_FRAGMENT(fusion, m) {
         &fusion::norm::norm_backward_column_pass);
   m.def("norm_backward_column_tiles(Tensor x, int sms, int? max_tiles=None) -> int[]",
         &fusion::norm::norm_backward_column_tiles);
-  m.def("norm_forward_variant(Tensor x, int sms, int blocks_per_sm) -> str", &fusion::norm::norm_forward_variant);
+  m.def("norm_forward_variant(Tensor x, int sms, int blocks_per_sm, int held_blocks_per_sm) -> str",
+        &fusion::norm::norm_forward_variant);
+  m.def("norm_forward_shape(Tensor x, int sms) -> int[]", &fusion::norm::norm_forward_shape);
 }
 
 // One implementation per op serves CPU, CUDA and Meta.

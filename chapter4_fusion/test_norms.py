@@ -353,6 +353,34 @@ def test_fused_add_rms_norm_backward_is_one_op(device):
     assert not [o for o in log.ops if o in ("aten.add", "aten.add_", "aten.zeros_like", "aten.fill_", "aten.zero_")], log.ops
 
 
+@pytest.mark.parametrize("op", ("layer_norm", "rms_norm"))
+def test_norm_backward_fills_no_zeros(op, device):
+    """The statistics the forward returns beside y (mean and rstd, rstd) take no gradient, and
+    the Function does not materialize zeros for them: the backward through autograd calls the op's
+    backward and nothing that makes or fills a tensor of zeros (a fill kernel a statistic, each a
+    launch of its own before the backward's at few rows)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Log(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    x, w, b, _ = make_inputs((5, 64), torch.float32, device)
+    xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
+    inputs = (xs, ws, bs) if op == "layer_norm" else (xs, ws)
+    y = fusion.layer_norm(xs, ws, bs) if op == "layer_norm" else fusion.rms_norm(xs, ws)
+    with Log() as log:
+        torch.autograd.grad(y, inputs, torch.randn_like(y))
+    assert f"fusion.{op}_backward" in log.ops, log.ops
+    zeros = ("aten.zeros", "aten.zeros_like", "aten.new_zeros", "aten.fill_", "aten.zero_")
+    assert not [o for o in log.ops if o in zeros], log.ops
+
+
 # Rows and widths at the edges of the row shapes and of the launches (norm.h): one row, a warp's
 # worth of 64 rows and either side of it, many rows with a ragged last block; widths of one
 # element, fewer than a vector, mid-vector rows (777, 4099) and the longest model rows.
@@ -363,9 +391,10 @@ EDGE_WIDTHS = (1, 7, 777, 4099, 12288, 16384)
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=dtype_id)
 def test_model_shape_edges(dtype):
-    """The forward's row kernels (prefetching at one block an SM, register-capped or plain past
-    it: test_forward_variant_rule) and fused_add_rms_norm's backward with dsum in the kernel, through
-    autograd, at every edge row count x width, against float64. The rows of one block (4099 and
+    """The forward's row kernels (weight held in one-wave grids, the few-rows shapes at one block
+    an SM, register-capped or plain past them: test_forward_variant_rule) and fused_add_rms_norm's
+    backward with dsum in the kernel, through autograd, at every edge row count x width, against
+    float64. The rows of one block (4099 and
     longer) at 1, 65 and 2047 rows only: 63 and 64 rows run their paths as 65 does, and 8193
     rows as 2047 (the rows a block take the edges at the warp rows, which keep every count)."""
     require_cuda()
@@ -391,37 +420,124 @@ def test_model_shape_edges(dtype):
             del x, r, dy, dsum, xs, rs, y, h, h_ref, dh_ref, gx, gr
 
 
+# The third-from-last template argument of norm_resident, course::rows::ParamLoad as the profiler
+# spells an enum argument (its number, or its name), and the row shape before the Access.
+PARAM_LOADS = {"0": "late", "1": "prefetch", "2": "held", "kLate": "late", "kPrefetch": "prefetch", "kHeld": "held"}
+RESIDENT_KERNEL = re.compile(r"norm_resident<[^,]+, (?:true|false), (?:true|false), (\d+), (\d+), [^,]+, "
+                             r"\(?(?:fusion::norm::)?ParamLoad(?:\)|::)(\w+), (\d+)>")
+
+
+def resident_kernel(call):
+    """call()'s output and the one norm_resident kernel it launched: (threads, vectors, where
+    weight came from, the minimum blocks of its bounds)."""
+    out, kernels = launched_kernels(call, "norm_resident")
+    found = [RESIDENT_KERNEL.search(k) for k in kernels]
+    assert len(found) == 1 and found[0], kernels
+    threads, vectors, load, min_blocks = found[0].groups()
+    return out, (int(threads), int(vectors), PARAM_LOADS[load], int(min_blocks))
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=dtype_id)
 def test_forward_variants(dtype):
     """The forward's resident kernels where the rule puts them (test_forward_variant_rule): rows
-    of the 512-thread shape (full, and one vector into it) at one block an SM (weight
-    prefetched) and at one block more (not prefetched; capped where nvcc's count leaves one
-    block an SM), every op against float64; which kernel ran, read off its template arguments
-    (the profiler: bfloat16 only, the rule is the same)."""
+    of the 512-thread shape (full, and one vector into it) at one block an SM (the few-rows shape,
+    weight held) and at four blocks an SM and one more (past any held kernel's wave: weight loaded
+    late; capped where nvcc's count leaves one block an SM); the 1024-thread rows of 4 vectors at
+    one block an SM (prefetched); every op against float64; which kernel ran, read off its
+    template arguments (the profiler: bfloat16 only, the rule is the same)."""
     require_cuda()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     vector = 16 // torch.empty((), dtype=dtype).element_size()
-    for rows in (sms, sms + 1):
-        for n in (512 * 4 * vector, 256 * 4 * vector + vector):
+    cases = [(rows, n) for rows in (sms, 4 * sms + 1) for n in (512 * 4 * vector, 256 * 4 * vector + vector)]
+    cases.append((sms, 1024 * 4 * vector))
+    for rows, n in cases:
+        where = f"{rows}x{n}"
+        x, w, b, r = make_inputs((rows, n), dtype, "cuda", residual=True)
+        calls = {op: (lambda op=op: run(op, x, w, b, default_eps(op), None)) for op in NORM_OPS}
+        calls["fused_add_rms_norm"] = lambda: fusion.fused_add_rms_norm(x, r, w)
+        for op, call in calls.items():
+            if dtype == torch.bfloat16:
+                out, (threads, vectors, load, _) = resident_kernel(call)
+                assert [threads, vectors] == OPS.norm_forward_shape(x, sms), (op, where)
+                if n == 1024 * 4 * vector:
+                    assert load == "prefetch", (op, where, load)
+                else:
+                    assert load == ("held" if rows == sms else "late"), (op, where, load)
+            else:
+                out = call()
+            if op == "fused_add_rms_norm":
+                h_ref = fused_add_reference(x, r, w, torch.zeros_like(x), torch.zeros_like(x))[0]
+                assert torch.equal(out[1], h_ref), (op, where)
+                assert_forward(out[0], F.rms_norm(h_ref.double(), (n,), w.double(), 1e-6), dtype, f"{op} {where}")
+            else:
+                assert_forward(out, reference(op, x, w, b, default_eps(op)), dtype, f"{op} {where}")
+        del x, r
+
+
+# Rows and widths at the edges of the few-rows shapes (norm.h's kFewRowsShapes, in 2-byte
+# elements): just past a warp row (1032: 129 vectors, 256 threads), 2560 (320 vectors in 512
+# threads), 4104 (one vector past 512 threads), 8200 (two vectors a thread), 16384 and 16392 (the
+# last 2-vector row, and the 4-vector one, prefetched); 768 (a warp row: never the few-rows shapes)
+# and 777, 4099 (not whole vectors: neither). float32 rows of the same widths take other shapes
+# (or stream past 16384).
+FEW_ROWS_WIDTHS = (768, 777, 1032, 2560, 4099, 4104, 8200, 16384, 16392)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=dtype_id)
+def test_few_rows_forward_shapes(dtype):
+    """The forward at few rows (a row a block, at most one block an SM: kFewRowsShapes, weight and
+    bias held in registers) at 1, 7, 63, 64 and 65 rows, the SM count and one more (the regular
+    shapes again), every op and fused_add_rms_norm against float64, the gradients of x, weight and
+    bias through autograd; in bfloat16 (at 64 rows, the SM count and one more), the shape that ran
+    is the one norm_forward_shape names."""
+    require_cuda()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for rows in (1, 7, 63, 64, 65, sms, sms + 1):
+        for n in FEW_ROWS_WIDTHS:
             where = f"{rows}x{n}"
             x, w, b, r = make_inputs((rows, n), dtype, "cuda", residual=True)
-            calls = {op: (lambda op=op: run(op, x, w, b, default_eps(op), None)) for op in NORM_OPS}
-            calls["fused_add_rms_norm"] = lambda: fusion.fused_add_rms_norm(x, r, w)
-            for op, call in calls.items():
-                if dtype == torch.bfloat16:
-                    out, kernels = launched_kernels(call, "norm_resident")
-                    found = [re.search(r"norm_resident<.*, (true|false), (\d+)>", k) for k in kernels]
-                    assert len(found) == 1 and found[0], (op, where, kernels)
-                    assert (found[0].group(1) == "true") == (rows == sms), (op, where, kernels)
+            for op in NORM_OPS:
+                eps = default_eps(op)
+                call = lambda op=op, eps=eps: run(op, x, w, b, eps, None)  # noqa: E731
+                if dtype == torch.bfloat16 and rows in (64, sms, sms + 1) and OPS.norm_forward_shape(x, sms):
+                    out, (threads, vectors, _, _) = resident_kernel(call)
+                    assert [threads, vectors] == OPS.norm_forward_shape(x, sms), (op, where)
                 else:
                     out = call()
-                if op == "fused_add_rms_norm":
-                    h_ref = fused_add_reference(x, r, w, torch.zeros_like(x), torch.zeros_like(x))[0]
-                    assert torch.equal(out[1], h_ref), (op, where)
-                    assert_forward(out[0], F.rms_norm(h_ref.double(), (n,), w.double(), 1e-6), dtype, f"{op} {where}")
-                else:
-                    assert_forward(out, reference(op, x, w, b, default_eps(op)), dtype, f"{op} {where}")
+                assert_forward(out, reference(op, x, w, b, eps), dtype, f"{op} {where}")
+            y, h = fusion.fused_add_rms_norm(x, r, w)
+            h_ref = fused_add_reference(x, r, w, torch.zeros_like(x), torch.zeros_like(x))[0]
+            assert torch.equal(h, h_ref), where
+            assert_forward(y, F.rms_norm(h_ref.double(), (n,), w.double(), 1e-6), dtype, f"fused {where}")
+            if rows in (7, 64, sms):
+                dy = torch.randn(rows, n, device="cuda").to(dtype)
+                check_grads_through_autograd(x, w, b, dy, dtype, f"{where} ")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=dtype_id)
+def test_few_rows_forward_views_and_none(dtype):
+    """The few-rows forward where its inputs are not fresh tensors: rows that start mid-vector (an
+    offset view: the regular shapes' chunked rows), a view whose rows are aligned but strided in
+    a wider buffer (made contiguous by the op), and weight or bias None (ones and zeros, held
+    like any weight)."""
+    require_cuda()
+    n = 2560
+    for rows in (1, 64):
+        base = torch.randn(rows * n + 1, device="cuda").to(dtype)
+        wide = torch.randn(rows, 2 * n, device="cuda").to(dtype)
+        _, w, b, _ = make_inputs((1, n), dtype, "cuda")
+        for what, x in (("offset", base[1:].view(rows, n)), ("strided", wide[:, :n])):
+            for op in NORM_OPS:
+                eps = default_eps(op)
+                assert_forward(run(op, x, w, b, eps, None), reference(op, x, w, b, eps), dtype, f"{op} {what} {rows}")
+        x = make_inputs((rows, n), dtype, "cuda")[0]
+        ones, zeros = torch.ones_like(w), torch.zeros_like(b)
+        assert_forward(fusion.layer_norm(x, None, None), reference("layer_norm", x, ones, zeros, 1e-5), dtype)
+        assert_forward(fusion.layer_norm(x, w, None), reference("layer_norm", x, w, zeros, 1e-5), dtype)
+        assert_forward(fusion.rms_norm(x, None), reference("rms_norm", x, ones, zeros, 1e-6), dtype)
 
 
 @pytest.mark.cuda
@@ -518,38 +634,94 @@ def test_default_choice():
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=dtype_id)
 def test_forward_variant_rule(dtype):
-    """Which resident forward kernel a launch runs (norm.h): weight prefetched exactly where the
-    grid has at most one block an SM (a warp row shape holds 128 / 32 = 4 rows a block, the
-    others one), whatever the occupancy; past that the register-capped kernel only for rows of
-    whole vectors in blocks of 129-512 threads whose plain kernel keeps fewer than two rows an
-    SM, the plain one everywhere else; past the registers, streamed."""
+    """Which resident forward kernel a launch runs (norm.h's forward_params): weight and bias held
+    in registers exactly where the grid fits one wave of the kernel that holds them (a warp row
+    shape holds 128 / 32 = 4 rows a block, the others one), except in 1024-thread blocks of 4
+    vectors; there, prefetched where the grid has at most one block an SM; past that the
+    register-capped kernel only for rows of whole vectors in blocks of 129-512 threads whose plain
+    kernel keeps fewer than two rows an SM, the plain one everywhere else; past the registers,
+    streamed. Rows of at most one block an SM take the few-rows shapes (test_few_rows_forward_
+    shape_rule), of 1-2 vectors a thread up to 1024-thread rows of 4."""
     elem = torch.empty((), dtype=dtype).element_size()
     vector = 16 // elem
     sms = 132
 
-    def variant(rows, n, per_sm):
-        return OPS.norm_forward_variant(torch.empty(rows, n, dtype=dtype, device="meta"), sms, per_sm)
+    def variant(rows, n, per_sm, held_per_sm):
+        return OPS.norm_forward_variant(torch.empty(rows, n, dtype=dtype, device="meta"), sms, per_sm, held_per_sm)
 
     # Row shapes by their block (norm.h's capacities): a warp row, 128, 256, 512 and 1024 threads.
     warp, block128, block512, block1024 = 32 * vector, 128 * 4 * vector, 512 * 4 * vector, 1024 * 4 * vector
     for n, per_block, cappable in ((warp, 4, False), (block128, 1, False), (256 * 4 * vector, 1, True),
                                    (block512, 1, True), (block1024, 1, False)):
         for per_sm in (1, 2, 3):
-            one_each = sms * per_block  # rows of one block an SM
-            assert variant(one_each, n, per_sm) == "prefetch", (n, per_sm)
-            assert variant(1, n, per_sm) == "prefetch", (n, per_sm)
-            past = variant(one_each + 1, n, per_sm)  # one block more than the SMs
-            assert past == ("capped" if cappable and per_sm * per_block < 2 else "plain"), (n, per_sm, past)
-            # Rows that start mid-vector: never prefetched nor capped.
-            assert variant(1, n - 1, per_sm) == "plain" and variant(one_each + 1, n - 1, per_sm) == "plain"
-    assert variant(8192, block1024 + vector, 1) == "streamed"
+            for held_per_sm in (1, 2, 5):
+                one_each = sms * per_block  # rows of one block an SM
+                wave = held_per_sm * sms * per_block  # rows of the held kernel's wave
+                if n == block1024:  # never held: prefetched at one block an SM
+                    assert variant(one_each, n, per_sm, held_per_sm) == "prefetch", (n, per_sm)
+                    assert variant(1, n, per_sm, held_per_sm) == "prefetch", (n, per_sm)
+                    wave = one_each
+                else:
+                    assert variant(1, n, per_sm, held_per_sm) == "held", (n, per_sm, held_per_sm)
+                    assert variant(wave, n, per_sm, held_per_sm) == "held", (n, per_sm, held_per_sm)
+                past = variant(wave + 1, n, per_sm, held_per_sm)  # one block more than the wave
+                assert past == ("capped" if cappable and per_sm * per_block < 2 else "plain"), (n, per_sm, past)
+                # Rows that start mid-vector: never held, prefetched nor capped.
+                for rows in (1, wave + 1):
+                    assert variant(rows, n - 1, per_sm, held_per_sm) == "plain", (n, rows)
+    assert variant(8192, block1024 + vector, 1, 1) == "streamed"
     if dtype == torch.bfloat16:  # hidden 12288: the 512-thread rows; at 8192 tokens one block an SM is capped
-        assert variant(8192, 12288, 1) == "capped" and variant(8192, 12288, 2) == "plain"
-        assert variant(64, 12288, 1) == "prefetch" and variant(8192, 768, 7) == "plain"
+        assert variant(8192, 12288, 1, 1) == "capped" and variant(8192, 12288, 2, 1) == "plain"
+        assert variant(64, 12288, 1, 1) == "held" and variant(8192, 768, 7, 4) == "plain"
+        # 2048 x 768: 512 blocks of 4 rows, one wave where the held kernel keeps 4 blocks an SM.
+        assert variant(2048, 768, 7, 4) == "held" and variant(2048, 768, 7, 3) == "plain"
     with pytest.raises(RuntimeError, match="norm_forward_variant: sms must be at least 1"):
-        OPS.norm_forward_variant(torch.empty(2, 8, device="meta"), 0, 1)
+        OPS.norm_forward_variant(torch.empty(2, 8, device="meta"), 0, 1, 1)
     with pytest.raises(RuntimeError, match="norm_forward_variant: blocks_per_sm must be at least 1"):
-        OPS.norm_forward_variant(torch.empty(2, 8, device="meta"), 132, 0)
+        OPS.norm_forward_variant(torch.empty(2, 8, device="meta"), 132, 0, 1)
+    with pytest.raises(RuntimeError, match="norm_forward_variant: held_blocks_per_sm must be at least 1"):
+        OPS.norm_forward_variant(torch.empty(2, 8, device="meta"), 132, 1, 0)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=dtype_id)
+def test_few_rows_forward_shape_rule(dtype):
+    """The row shape a forward launch holds its rows in (norm.h): at most one block an SM (rows <=
+    SMs) and rows of whole vectors too long for a warp row take one 16-byte vector a thread, the
+    row's vectors rounded up to a power of two (256 threads and up), then 1024-thread rows of 2
+    and 4 vectors; any other launch the regular shapes (4 vectors a thread past a warp row), and
+    past the registers none (streamed)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    vector = 16 // elem
+    sms = 132
+
+    def shape(rows, n):
+        return OPS.norm_forward_shape(torch.empty(rows, n, dtype=dtype, device="meta"), sms)
+
+    def regular(n):
+        vectors = -(-n // vector)
+        if vectors <= 128:  # a warp row: 1, 2 or 4 vectors a lane
+            return [32, next(v for v in (1, 2, 4) if 32 * v >= vectors)]
+        return [max(64, 1 << (-(-vectors // 4) - 1).bit_length()), 4]
+
+    def few(n):
+        vectors = n // vector
+        threads = 1 << (vectors - 1).bit_length()
+        return [threads, 1] if threads <= 1024 else [1024, 1 << (-(-vectors // 1024) - 1).bit_length()]
+
+    for vectors in (129, 130, 255, 256, 257, 320, 512, 513, 1024, 1025, 2048, 2049, 4096):
+        n = vectors * vector
+        for rows in (1, 7, 64, sms):
+            assert shape(rows, n) == few(n), (rows, n)
+        assert shape(sms + 1, n) == regular(n), n
+        assert shape(1, n - 1) == regular(n - 1), n  # not whole vectors
+    for vectors in (1, 7, 96, 128):  # warp rows: never the few-rows shapes
+        assert shape(1, vectors * vector) == regular(vectors * vector), vectors
+    assert shape(1, 4096 * vector + vector) == []  # streamed
+    if dtype == torch.bfloat16:  # the hidden sizes of the 64-token rows
+        assert shape(64, 2560) == [512, 1] and shape(64, 4096) == [512, 1] and shape(64, 16384) == [1024, 2]
+        assert shape(2048, 2560) == [128, 4] and shape(64, 1024) == [32, 4]
+    with pytest.raises(RuntimeError, match="norm_forward_shape: sms must be at least 1"):
+        OPS.norm_forward_shape(torch.empty(2, 8, device="meta"), 0)
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=dtype_id)
@@ -953,7 +1125,9 @@ def test_sanitizer_small_backward_few_rows():
 def test_sanitizer_small_forward(version):
     require_cuda()
     for dtype in (torch.float32, torch.bfloat16):
-        for n in (1, 33, 1000, 40000):  # 40000: past the registers in both dtypes (streamed)
+        # 40000: past the registers in both dtypes (streamed); 2560 and 8200: the few-rows shapes
+        # (one and two vectors a thread in bfloat16, a 1024-thread row's padding past the row)
+        for n in (1, 33, 1000, 2560, 8200, 40000):
             x, w, b, r = make_inputs((3, n), dtype, "cuda", residual=True)
             for op in NORM_OPS:
                 assert_forward(run(op, x, w, b, 1e-5, version), reference(op, x, w, b, 1e-5), dtype)
