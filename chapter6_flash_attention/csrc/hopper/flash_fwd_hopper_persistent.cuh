@@ -351,6 +351,17 @@ __global__ void __launch_bounds__(K::kThreads, 1)
           entry = p.block_tables[it.k_row + page];
         return entry;
       };
+      // Gathering: key tile i's table entries into L1, a tile before tile_pages loads them (the
+      // first producer warp, one prefetch per lane and page, under tile_pages' guard, so every
+      // address is in the table row). The load then hits L1 however the row's 128-byte lines fall
+      // (a line holds 4 tiles' entries at 16 rows, 2 at 8, 8 at 32): an L2 round trip the producer
+      // would otherwise wait for once per line, at the top of a tile, when it is behind.
+      auto prefetch_pages = [&](int i) {
+        const int lane = static_cast<int>(threadIdx.x % 32), shift = __ffs(static_cast<int>(p.block_size)) - 1;
+        const int page = (((it.first_tile + i) * kBN) >> shift) + lane;
+        if (threadIdx.x < 32 && lane < (kBN >> shift) && (page << shift) < static_cast<int>(it.seqlen_k))
+          prefetch_global_l1(p.block_tables + it.k_row + page);
+      };
       // Gathering: key tile i of the item, K or V, by the 128 producer threads with cp.async, 16 bytes
       // each, completing on `full`. Thread t copies 16-byte piece t % kRowPieces of rows
       // t / kRowPieces + kRowStep k: a row's 256 bytes (d128) are 16 consecutive lanes, one
@@ -430,6 +441,14 @@ __global__ void __launch_bounds__(K::kThreads, 1)
           // slot, or -1 for a page past the context (tile_pages' -1) or outside the cache.
           const int num_blocks = static_cast<int>(p.num_blocks), shift = __ffs(static_cast<int>(p.block_size)) - 1;
           const int32_t firsts = pages >= 0 && pages < num_blocks ? pages << shift : -1;
+          // The next tile's entries, issued now, before this tile's copies, and the one after's
+          // prefetched into L1: the copies' issue (32 cp.async a thread at d128) hides an L1 hit,
+          // which the next tile uses right after its stage's wait. Loaded after the copies (before),
+          // a producer that never waits for room (the consumers starved) stalled on them at the top
+          // of every tile: an L1 hit, or an L2 round trip once per 128-byte line of the table row.
+          // The item's last tile: the next item's first, loaded once it is drawn.
+          if (i + 1 < it.n_tiles) pages = tile_pages(i + 1);
+          if (i + 2 < it.n_tiles) prefetch_pages(i + 2);
           auto both = [&](auto shift_tag) {
             gather_tile(shift_tag, k_dst, p.k, i, firsts, &k_full[stage]);
             gather_tile(shift_tag, v_dst, p.v, i, firsts, &v_full[stage]);
@@ -442,9 +461,6 @@ __global__ void __launch_bounds__(K::kThreads, 1)
           } else {
             both(std::integral_constant<int, 5>{});
           }
-          // The next tile's entries, in flight through the next stage's wait (the item's last tile:
-          // the next item's first, loaded once it is drawn).
-          if (i + 1 < it.n_tiles) pages = tile_pages(i + 1);
           ++kv_trips;
           return;
         }
@@ -489,7 +505,10 @@ __global__ void __launch_bounds__(K::kThreads, 1)
         }
         ++kv_trips;
       };
-      if (gather && value < schedule.tiles) pages = tile_pages(0);
+      if (gather && value < schedule.tiles) {
+        pages = tile_pages(0);
+        prefetch_pages(1);  // load_kv(0) loads tile 1's entries (prefetch_pages' guard: none past the keys)
+      }
       for (uint32_t trip = 0;; ++trip) {
         if (leader) {
           // Hand the item to the consumers: slot trip % 2 is free once they all read trip - 2's.
@@ -528,7 +547,10 @@ __global__ void __launch_bounds__(K::kThreads, 1)
         value = share(leader ? value_of(atomicAdd(tile_counter, 1) + static_cast<int>(gridDim.x)) : 0);
         if (value < schedule.tiles) {
           it = item_at(value);
-          if (gather) pages = tile_pages(0);  // the new item's first key tile, for its load_kv(0)
+          if (gather) {
+            pages = tile_pages(0);  // the new item's first key tile, for its load_kv(0)
+            prefetch_pages(1);
+          }
           if (leader && it.n_tiles > 0) {
             const int row = static_cast<int>(it.k_row) + it.first_tile * kBN;
 #pragma unroll
