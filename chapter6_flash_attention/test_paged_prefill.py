@@ -465,6 +465,46 @@ def test_cuda_persistent_is_attention_varlen(block_size, heads_kv, head_dim):
     assert torch.equal(prefill(query, key_cache, value_cache, tables, cu, lens, version="persistent"), expected)
 
 
+# Block ids a server's unchecked table may hold for a page below the context: past the cache, -1,
+# and the int32 extremes.
+OUT_OF_CACHE_IDS = (-1, -(2 ** 31), 2 ** 31 - 1)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("block_size", (8, 16, 32, 64))
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+def test_cuda_persistent_blocks_outside_the_cache_read_as_zeros(dtype, head_dim, block_size):
+    """check_tables=False on rung persistent, pages the producer gathers (8, 16, 32 rows: each
+    page's slot resolved once per tile, -1 for one outside the cache) and one TMA box a page (64):
+    a block id outside the cache, below the context, reads as a block of zeros (serving.h). The
+    witness is the same call over the cache with one zero block appended and those ids pointing at
+    it: the same bits, and the float64 reference's answer there. Chunks of 1, 17, 127 and 129 tokens
+    after contexts off the page size, the tables shuffled (make_tables) with junk past every context,
+    GQA 4:1."""
+    require_hopper()
+    chunks, contexts = [1, 17, 127, 129, 17], [300, 17 + 45, 127 + 3 * block_size + 1, 129 + 200, 40]
+    query, key_cache, value_cache, tables, cu, lens = make_prefill(chunks, contexts, block_size, 8, 2, head_dim,
+                                                                   dtype, "cuda")
+    num_blocks = key_cache.shape[0]
+    junk = tables.clone()
+    # Pages inside the context (the first of sequence 0, the last valid one of sequence 1, a middle one
+    # of sequence 3), and past the cache by one.
+    spots = [(0, 0), (1, blocks_needed(contexts[1], block_size) - 1), (3, 2), (2, 1)]
+    for (b, j), bad in zip(spots, (*OUT_OF_CACHE_IDS, num_blocks)):
+        junk[b, j] = bad
+    zero_block = torch.zeros_like(key_cache[:1])
+    key_zero, value_zero = torch.cat([key_cache, zero_block]), torch.cat([value_cache, zero_block])
+    inside = torch.where((junk >= 0) & (junk < num_blocks), junk, torch.full_like(junk, num_blocks))
+    out = prefill(query, key_cache, value_cache, junk, cu, lens, version="persistent", check_tables=False)
+    witness = prefill(query, key_zero, value_zero, inside, cu, lens, version="persistent", check_tables=False)
+    what = f"persistent {dtype_id(dtype)} d{head_dim} bs{block_size}"
+    assert torch.equal(out, witness), what
+    ref = reference_paged_prefill(query, key_zero, value_zero, inside, cu, lens, device="cuda")
+    rtol, atol = cuda_tol(dtype, value_cache)
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_cuda_unchecked_inputs_follow_the_memory_safety_rules(dtype):
@@ -528,10 +568,10 @@ def test_cuda_prefill_small():
 
 @pytest.mark.cuda
 @pytest.mark.sanitize
-@pytest.mark.parametrize("block_size", (8, 16, 256))
+@pytest.mark.parametrize("block_size", (8, 16, 32, 256))
 def test_cuda_persistent_small(block_size):
     """The small run compute-sanitizer checks on rung persistent: pages the producer gathers
-    (cp.async, 8 and 16 rows), a page of two tiles (one TMA box), a chunk over two query tiles,
+    (cp.async, 8, 16 and 32 rows: each of the gather's page sizes), a page of two tiles (one TMA box), a chunk over two query tiles,
     decode tokens, an empty chunk, a context off the block size, junk table entries past every
     context."""
     require_hopper()

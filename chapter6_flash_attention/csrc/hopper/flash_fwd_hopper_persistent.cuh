@@ -351,6 +351,17 @@ __global__ void __launch_bounds__(K::kThreads, 1)
           entry = p.block_tables[it.k_row + page];
         return entry;
       };
+      // Gathering: key tile i's table entries into L1, a tile before tile_pages loads them (the
+      // first producer warp, one prefetch per lane and page, under tile_pages' guard, so every
+      // address is in the table row). The load then hits L1 however the row's 128-byte lines fall
+      // (a line holds 4 tiles' entries at 16 rows, 2 at 8, 8 at 32): an L2 round trip the producer
+      // would otherwise wait for once per line, at the top of a tile, when it is behind.
+      auto prefetch_pages = [&](int i) {
+        const int lane = static_cast<int>(threadIdx.x % 32), shift = __ffs(static_cast<int>(p.block_size)) - 1;
+        const int page = (((it.first_tile + i) * kBN) >> shift) + lane;
+        if (threadIdx.x < 32 && lane < (kBN >> shift) && (page << shift) < static_cast<int>(it.seqlen_k))
+          prefetch_global_l1(p.block_tables + it.k_row + page);
+      };
       // Gathering: key tile i of the item, K or V, by the 128 producer threads with cp.async, 16 bytes
       // each, completing on `full`. Thread t copies 16-byte piece t % kRowPieces of rows
       // t / kRowPieces + kRowStep k: a row's 256 bytes (d128) are 16 consecutive lanes, one
@@ -358,38 +369,61 @@ __global__ void __launch_bounds__(K::kThreads, 1)
       // c / 8, row r, at 16-byte slot (c % 8) ^ (r % 8), the 128-byte swizzle that TMA writes (its
       // pattern by the shared-memory address, the rows 128 bytes apart from a 1024-byte-aligned
       // stage) and the consumers' descriptors read; kRowStep is a multiple of 8, so r % 8 is the
-      // thread's for every row. Each row's block id is a shuffle from the lane holding its page's
-      // entry (`pages`, tile_pages' for tile i, loaded a tile earlier), so the thread's kBN / kRowStep
-      // copies issue back to back with no table load between them (a load per row, four rows' copies
-      // at a time waiting for their entries, made the gather slower than the TMA boxes it replaced). A row
-      // at or past the context or in a block outside the cache is copied with a source size of 0:
-      // 16 zero bytes, nothing read (the TMA path's rows past the context in the last page are the
-      // cache's bytes; zeros here, masked alike). Pages of a power-of-two size that divides the tile
-      // (the rule's), and tiles start at a page's first row, so a row's page and its row there are
-      // a shift and a mask of its row in the tile.
-      auto gather_tile = [&](unsigned char* dst, const void* cache, int i, int32_t pages, uint64_t* full) {
+      // thread's for every row. A row at or past the context or in a block outside the cache is
+      // copied with a source size of 0: 16 zero bytes, nothing read (the TMA path's rows past the
+      // context in the last page are the cache's bytes; zeros here, masked alike).
+      //
+      // The copies are the producer's whole cost: a warp issues kBN / kRowStep of them per tile for K
+      // and as many for V (32 at d128) and nothing else, one warp per scheduler, so the instructions
+      // in front of each copy, not the bytes, set the tile's pace. `firsts` holds, in lane j, page j
+      // of the tile's first slot in the cache (block id x block_size), or -1 for a page with no valid
+      // rows (load_kv resolves it once per tile for K and V both). The page size is a template
+      // parameter (kShift = log2 block_size: 8, 16, 32 rows, the only sizes that gather), so every
+      // row's page and its row there are constants of the unrolled loop plus the thread's r0: a
+      // page's slot is one shuffle for all of the thread's rows in it, and a row costs an add, a
+      // compare, a select and one wide multiply-add into the copy's address (7-9 instructions a copy
+      // in the SASS, the page's shuffle included). (Before, with the page
+      // size a runtime value, each row paid its own shift, shuffle, bounds checks and 64-bit address
+      // arithmetic, ~24 instructions in one dependent chain in front of every copy: the producer
+      // took about twice a tile's products to issue a tile, and the consumers waited on the full
+      // barriers: NOTES.md, paged prefill.)
+      auto gather_tile = [&](auto shift_tag, unsigned char* dst, const void* cache, int i, int32_t firsts,
+                             uint64_t* full) {
+        constexpr int kShift = decltype(shift_tag)::value, kPageRows = 1 << kShift;
         constexpr int kRowPieces = K::kHeadDim * 2 / 16;
         constexpr int kRowStep = K::kProducerThreads / kRowPieces;
         static_assert(!kVarlen || (kRowStep % 8 == 0 && kBN % kRowStep == 0), "whole swizzle periods per pass");
+        static_assert(kBN % kPageRows == 0 && kPageRows >= 8, "pages that divide the tile (the rule's)");
+        // The thread's rows in one page (kRowStep apart), and the page of its first row: a page of at
+        // most kRowStep rows holds one of them (page (r0 + kRowStep k) >> kShift), a longer one
+        // kPageRows / kRowStep, consecutive k (its first row's r0 < kRowStep then adds no page).
+        constexpr int kRowsPerPage = kPageRows > kRowStep ? kPageRows / kRowStep : 1;
+        constexpr int kRows = kBN / kRowStep;
         const int piece = threadIdx.x % kRowPieces, r0 = threadIdx.x / kRowPieces;
-        const int block_size = static_cast<int>(p.block_size), shift = __ffs(block_size) - 1;
-        const int num_blocks = static_cast<int>(p.num_blocks);
-        const int left = static_cast<int>(it.seqlen_k) - (it.first_tile + i) * kBN;  // rows below the context
-        const int row_bytes = static_cast<int>(p.heads_kv) * K::kHeadDim * 2;  // a token's row, every kv head
-        const unsigned char* src0 =
-            static_cast<const unsigned char*>(cache) + it.hk * K::kHeadDim * 2 + piece * 16;
+        const int page0 = kPageRows > kRowStep ? 0 : r0 >> kShift;
+        const int in_page0 = r0 & (kPageRows - 1);
+        // Rows below the context, less r0: row r0 + kRowStep k is copied iff kRowStep k < left.
+        const int left = static_cast<int>(it.seqlen_k) - (it.first_tile + i) * kBN - r0;
+        const uint32_t row_bytes = static_cast<uint32_t>(p.heads_kv) * K::kHeadDim * 2;  // a token, every kv head
+        // The piece's address in slot 0, as an integer: each row's address is then one multiply-add.
+        const uint64_t src0 = reinterpret_cast<uintptr_t>(cache) + it.hk * K::kHeadDim * 2 + piece * 16;
         const uint32_t dst0 = smem_addr(dst) + (piece / 8) * kBN * 128 + r0 * 128 + (((piece % 8) ^ (r0 % 8)) << 4);
-        // Two rows a pass: the next row's shuffle under this one's copy, in the producer's 56 registers
-        // (unrolled whole, the 16 rows' addresses spilled).
-#pragma unroll 2
-        for (int k = 0; k < kBN / kRowStep; ++k) {
-          const int r = r0 + k * kRowStep;  // the row in the tile
+#pragma unroll
+        for (int j = 0; j < kRows / kRowsPerPage; ++j) {
           // Every lane of the warp is here (the whole producer walks the same tiles): a full mask.
-          const int32_t id = __shfl_sync(0xffffffffu, pages, r >> shift);
-          const bool valid = r < left && id >= 0 && id < num_blocks;
-          const unsigned char* src =
-              src0 + static_cast<int64_t>(valid ? id * block_size + (r & (block_size - 1)) : 0) * row_bytes;
-          mma::cp_async_16(dst0 + k * kRowStep * 128, src, valid);
+          const int first =
+              __shfl_sync(0xffffffffu, firsts, page0 + ((j * kRowsPerPage * kRowStep) >> kShift));
+#pragma unroll
+          for (int q = 0; q < kRowsPerPage; ++q) {
+            const int k = j * kRowsPerPage + q;
+            const bool valid = k * kRowStep < left && first >= 0;
+            // Slot first + the row's place in its page (in_page0 + (kRowStep k mod kPageRows): r0 <
+            // kRowStep, so no carry), below num_blocks x block_size <= INT_MAX (the launcher): the
+            // unsigned 32 x 32 + 64-bit multiply-add of one instruction.
+            const uint32_t slot = valid ? static_cast<uint32_t>(first + in_page0 + ((k * kRowStep) & (kPageRows - 1))) : 0u;
+            mma::cp_async_16(dst0 + k * kRowStep * 128,
+                             reinterpret_cast<const void*>(src0 + static_cast<uint64_t>(slot) * row_bytes), valid);
+          }
         }
         cp_async_mbarrier_arrive_noinc(full);
       };
@@ -403,12 +437,30 @@ __global__ void __launch_bounds__(K::kThreads, 1)
           // The consumers' wait on the barrier is all that orders these copies before their wgmma reads,
           // as for TMA's bytes: the arrival fires only once the copies are in shared memory, and no
           // thread writes the stage with ordinary stores (hopper.cuh's fence_proxy_async_shared is for those).
-          // One set of table entries for both (the caches share the table).
-          gather_tile(k_dst, p.k, i, pages, &k_full[stage]);
-          gather_tile(v_dst, p.v, i, pages, &v_full[stage]);
-          // The next tile's entries, in flight through the next stage's wait (the item's last tile:
-          // the next item's first, loaded once it is drawn).
+          // One set of table entries for both (the caches share the table): lane j's page's first
+          // slot, or -1 for a page past the context (tile_pages' -1) or outside the cache.
+          const int num_blocks = static_cast<int>(p.num_blocks), shift = __ffs(static_cast<int>(p.block_size)) - 1;
+          const int32_t firsts = pages >= 0 && pages < num_blocks ? pages << shift : -1;
+          // The next tile's entries, issued now, before this tile's copies, and the one after's
+          // prefetched into L1: the copies' issue (32 cp.async a thread at d128) hides an L1 hit,
+          // which the next tile uses right after its stage's wait. Loaded after the copies (before),
+          // a producer that never waits for room (the consumers starved) stalled on them at the top
+          // of every tile: an L1 hit, or an L2 round trip once per 128-byte line of the table row.
+          // The item's last tile: the next item's first, loaded once it is drawn.
           if (i + 1 < it.n_tiles) pages = tile_pages(i + 1);
+          if (i + 2 < it.n_tiles) prefetch_pages(i + 2);
+          auto both = [&](auto shift_tag) {
+            gather_tile(shift_tag, k_dst, p.k, i, firsts, &k_full[stage]);
+            gather_tile(shift_tag, v_dst, p.v, i, firsts, &v_full[stage]);
+          };
+          // The three page sizes that gather (8, 16, 32 rows: tile_schedule.h's rule at kBN 64 or 128).
+          if (shift == 3) {
+            both(std::integral_constant<int, 3>{});
+          } else if (shift == 4) {
+            both(std::integral_constant<int, 4>{});
+          } else {
+            both(std::integral_constant<int, 5>{});
+          }
           ++kv_trips;
           return;
         }
@@ -453,7 +505,10 @@ __global__ void __launch_bounds__(K::kThreads, 1)
         }
         ++kv_trips;
       };
-      if (gather && value < schedule.tiles) pages = tile_pages(0);
+      if (gather && value < schedule.tiles) {
+        pages = tile_pages(0);
+        prefetch_pages(1);  // load_kv(0) loads tile 1's entries (prefetch_pages' guard: none past the keys)
+      }
       for (uint32_t trip = 0;; ++trip) {
         if (leader) {
           // Hand the item to the consumers: slot trip % 2 is free once they all read trip - 2's.
@@ -492,7 +547,10 @@ __global__ void __launch_bounds__(K::kThreads, 1)
         value = share(leader ? value_of(atomicAdd(tile_counter, 1) + static_cast<int>(gridDim.x)) : 0);
         if (value < schedule.tiles) {
           it = item_at(value);
-          if (gather) pages = tile_pages(0);  // the new item's first key tile, for its load_kv(0)
+          if (gather) {
+            pages = tile_pages(0);  // the new item's first key tile, for its load_kv(0)
+            prefetch_pages(1);
+          }
           if (leader && it.n_tiles > 0) {
             const int row = static_cast<int>(it.k_row) + it.first_tile * kBN;
 #pragma unroll

@@ -69,6 +69,10 @@ __device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
 __device__ __forceinline__ void cp_async_mbarrier_arrive_noinc(uint64_t* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
 }
+// A hint: bring the line holding `ptr` (a valid global address) into L1, nothing waits for it.
+__device__ __forceinline__ void prefetch_global_l1(const void* ptr) {
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(ptr));
+}
 // Wait until the phase with this parity has completed. try_wait suspends the thread for a
 // while inside the instruction before it reports "not yet", so the loop does not hammer shared
 // memory. Parity, not a phase count: trip n of a ring of S stages waits for parity (n / S) & 1.
