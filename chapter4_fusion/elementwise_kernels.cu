@@ -59,54 +59,10 @@ __global__ void mul_half_kernel(const T* x, T* y, int64_t rows, int64_t half) {
 // When half is no whole number of vectors (777, 4099) the rows of x start at every distance
 // from a 16-byte boundary, and a, b and y at different ones: y's vectors stay aligned (the
 // flat walk), and a and b are read as the two aligned vectors around them, shifted into place
-// (load16_at). Only the vector that straddles two rows of y, and the few elements before y's
-// first boundary and after its last whole vector, are single elements: a vector a row, not a row
-// of single elements.
+// (course::load16_realigned). Only the vector that straddles two rows of y, and the few
+// elements before y's first boundary and after its last whole vector, are single elements: a
+// vector a row, not a row of single elements.
 // ---------------------------------------------------------------------------------------
-
-// The L elements at p (any element address): the aligned 16-byte vector at or below p, and the
-// next one where p is not on a boundary, funnel-shifted by p's distance from the boundary. The
-// second load is the first load of the next thread: an L1 hit, not a second trip to DRAM. The
-// word shift is two selects (by 2, then by 1) rather than an indexed register array, which nvcc
-// would put in local memory.
-template <typename T>
-__device__ __forceinline__ Vec16<T> load16_at(const T* p) {
-  const uintptr_t addr = reinterpret_cast<uintptr_t>(p);
-  const unsigned k = static_cast<unsigned>(addr % 16);  // bytes past the boundary
-  const auto* base = reinterpret_cast<const Vec16<uint32_t>*>(addr - k);
-  const Vec16<uint32_t> lo = course::load16(base);
-  Vec16<T> out;
-  if (k == 0) {
-    memcpy(&out, &lo, sizeof(out));
-    return out;
-  }
-  const Vec16<uint32_t> hi = course::load16(base + 1);
-  const uint32_t w[8] = {lo.v[0], lo.v[1], lo.v[2], lo.v[3], hi.v[0], hi.v[1], hi.v[2], hi.v[3]};
-  const unsigned words = k / 4;
-  const unsigned bits = (k % 4) * 8;  // 16 in 2-byte types at an odd element offset, else 0
-  uint32_t by2[6];
-  uint32_t by1[5];
-#pragma unroll
-  for (int i = 0; i < 6; ++i) by2[i] = (words & 2) ? w[i + 2] : w[i];
-#pragma unroll
-  for (int i = 0; i < 5; ++i) by1[i] = (words & 1) ? by2[i + 1] : by2[i];  // by1[i] = w[i + words]
-  uint32_t o[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) o[j] = __funnelshift_r(by1[j], by1[j + 1], bits);
-  memcpy(&out, o, sizeof(out));
-  return out;
-}
-
-// Whether load16_at(p) reads only bytes of [begin, end): the vectors around p must not reach
-// before x's first element or past its last (a misaligned view's neighbours are another tensor's
-// bytes, or no allocation at all).
-template <typename T>
-__device__ __forceinline__ bool reads_inside(const T* p, const T* begin, const T* end) {
-  const uintptr_t addr = reinterpret_cast<uintptr_t>(p);
-  const uintptr_t k = addr % 16;
-  return addr - k >= reinterpret_cast<uintptr_t>(begin) &&
-         addr - k + (k == 0 ? 16 : 32) <= reinterpret_cast<uintptr_t>(end);
-}
 
 // L elements to q: one 16-byte store where q is on a boundary, else one element at a time (the
 // backward's da and db where dy is off a boundary and x's rows are on them, swiglu_backward_kernel:
@@ -213,13 +169,14 @@ __global__ void __launch_bounds__(kSwigluMaxThreads)
   if constexpr (kShifted) {
     // The vector straddles two rows (a and b are not contiguous in x), or its loads would reach
     // outside x: one element at a time, all loads at once (swiglu_elements).
-    if (c + L > half || !reads_inside(a, x, x + 2 * total) || !reads_inside(b, x, x + 2 * total)) {
+    if (c + L > half || !course::realigned_reads_inside(a, L, x, x + 2 * total) ||
+        !course::realigned_reads_inside(b, L, x, x + 2 * total)) {
       swiglu_elements<T, kBackward>(x, dy, out, half, first, r, c);
       return;
     }
   }
-  const Vec16<T> av = kShifted ? load16_at(a) : course::load16(reinterpret_cast<const Vec16<T>*>(a));
-  const Vec16<T> bv = kShifted ? load16_at(b) : course::load16(reinterpret_cast<const Vec16<T>*>(b));
+  const Vec16<T> av = kShifted ? course::load16_realigned(a) : course::load16(reinterpret_cast<const Vec16<T>*>(a));
+  const Vec16<T> bv = kShifted ? course::load16_realigned(b) : course::load16(reinterpret_cast<const Vec16<T>*>(b));
   if constexpr (kBackward) {
     const Vec16<T> gv = course::load16(reinterpret_cast<const Vec16<T>*>(dy + first));  // aligned: head is dy's
     Vec16<T> dav;
