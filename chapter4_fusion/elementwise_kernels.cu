@@ -24,6 +24,7 @@ namespace {
 
 using course::Acc;
 using course::from_acc;
+using course::kFastMath;
 using course::to_acc;
 using course::Vec16;
 
@@ -59,9 +60,15 @@ __global__ void mul_half_kernel(const T* x, T* y, int64_t rows, int64_t half) {
 // When half is no whole number of vectors (777, 4099) the rows of x start at every distance
 // from a 16-byte boundary, and a, b and y at different ones: y's vectors stay aligned (the
 // flat walk), and a and b are read as the two aligned vectors around them, shifted into place
-// (course::load16_realigned). Only the vector that straddles two rows of y, and the few
-// elements before y's first boundary and after its last whole vector, are single elements: a
-// vector a row, not a row of single elements.
+// (course::load16_realigned). The forward's vector that straddles two rows of y is realigned
+// loads too (swiglu_flat_kernel says how); only the few elements before y's first boundary and
+// after its last whole vector, and vectors whose aligned loads would leave x, are single elements.
+//
+// The forward's SiLU takes the fast exp and division (kFastMath, as the bias activations') in
+// 16-bit dtypes, whose rounding of the output is far coarser than their error: float32's
+// correctly rounded division has a slow-path branch per element, and at a few rows (64 tokens:
+// every warp's loads land at about once, then every warp computes) the arithmetic after the
+// loads is on the kernel's critical path, not hidden behind other warps' loads.
 // ---------------------------------------------------------------------------------------
 
 // L elements to q: one 16-byte store where q is on a boundary, else one element at a time (the
@@ -91,15 +98,15 @@ __device__ __forceinline__ void swiglu_element(const T* x, const T* dy, T* out, 
     out[r * 2 * half + c] = from_acc<T>(g * b * Silu::derivative(a));
     out[r * 2 * half + half + c] = from_acc<T>(g * Silu::forward(a));
   } else {
-    out[i] = from_acc<T>(Silu::forward(a) * b);
+    out[i] = from_acc<T>(Silu::forward<A, kFastMath<T>>(a) * b);  // as the vectors' (swiglu_flat_kernel)
   }
 }
 
 // The L elements first ... first + L - 1 of the half-width array (row r, column c on) one at a
-// time: a vector that straddles rows, or whose shifted loads would leave x. Every load is issued
-// before any arithmetic or store, so the thread waits one memory round trip, not L of them: with
-// a few rows these threads (one a row) finish last and set the kernel's time. Rows advance by a
-// running column, without a division; half < L wraps more than once.
+// time: the backward's vector that straddles rows, a vector of rows shorter than it, or one whose
+// realigned loads would leave x. Every load is issued before any arithmetic or store, so the
+// thread waits one memory round trip, not L of them. Rows advance by a running column, without
+// a division; half < L wraps more than once.
 template <typename T, bool kBackward>
 __device__ __forceinline__ void swiglu_elements(const T* x, const T* dy, T* out, int64_t half, int64_t first,
                                                 int64_t r, int64_t c) {
@@ -128,7 +135,7 @@ __device__ __forceinline__ void swiglu_elements(const T* x, const T* dy, T* out,
       out[at[l]] = from_acc<T>(g * to_acc(bv[l]) * Silu::derivative(a));
       out[at[l] + half] = from_acc<T>(g * Silu::forward(a));
     } else {
-      out[first + l] = from_acc<T>(Silu::forward(a) * to_acc(bv[l]));
+      out[first + l] = from_acc<T>(Silu::forward<A, kFastMath<T>>(a) * to_acc(bv[l]));
     }
   }
 }
@@ -166,17 +173,46 @@ __global__ void __launch_bounds__(kSwigluMaxThreads)
   const int64_t c = first - r * half;
   const T* a = x + r * 2 * half + c;
   const T* b = a + half;
-  if constexpr (kShifted) {
-    // The vector straddles two rows (a and b are not contiguous in x), or its loads would reach
-    // outside x: one element at a time, all loads at once (swiglu_elements).
-    if (c + L > half || !course::realigned_reads_inside(a, L, x, x + 2 * total) ||
-        !course::realigned_reads_inside(b, L, x, x + 2 * total)) {
+  Vec16<T> av;
+  Vec16<T> bv;
+  if constexpr (!kShifted) {
+    av = course::load16(reinterpret_cast<const Vec16<T>*>(a));
+    bv = course::load16(reinterpret_cast<const Vec16<T>*>(b));
+  } else {
+    // Realigned loads (course::load16_realigned). `here` of the L elements are row r's, the rest
+    // row r + 1's from its column 0: the rest's a are then at b + l (row r's b runs on into row
+    // r + 1's a in x) and their b at b + half + l. So in the forward a vector that straddles two
+    // rows takes one more realigned load (b + half) and a select per element, and its lane stays
+    // on its warp's path, its loads issued with the others'. Before, such a lane read single
+    // elements (swiglu_elements) in a branch of its own, and its warp waited for memory twice,
+    // that lane's loads and then the rest's: at 64 x 4099 bfloat16 one warp a row (a row is
+    // ~512 vectors, 16 warps), and a kernel this short lasts as long as its slowest warps (3.7
+    // us, where 64 x 4096, no straddles, took 2.8). The backward stores da and db where a and b
+    // are, so its straddling vectors keep the single elements; so do rows shorter than a vector
+    // (a vector over several rows) and vectors whose aligned loads would read outside x (the
+    // first and last rows: bytes that are not x's, which compute-sanitizer reports).
+    const T* const x_end = x + 2 * total;
+    const int here = c + L > half ? static_cast<int>(half - c) : L;
+    const bool straddles = here < L;
+    if (half < L || (kBackward && straddles) || !course::realigned_reads_inside(a, here, x, x_end) ||
+        !course::realigned_reads_inside(b, L, x, x_end) ||
+        (straddles && !course::realigned_reads_inside(b + half, L, x, x_end))) {
       swiglu_elements<T, kBackward>(x, dy, out, half, first, r, c);
       return;
     }
+    av = course::load16_realigned(a, here);
+    bv = course::load16_realigned(b);
+    if (!kBackward && straddles) {
+      const Vec16<T> next_b = course::load16_realigned(b + half);  // row r + 1's b from column 0 on
+#pragma unroll
+      for (int l = 0; l < L; ++l) {
+        if (l >= here) {
+          av.v[l] = bv.v[l];
+          bv.v[l] = next_b.v[l];
+        }
+      }
+    }
   }
-  const Vec16<T> av = kShifted ? course::load16_realigned(a) : course::load16(reinterpret_cast<const Vec16<T>*>(a));
-  const Vec16<T> bv = kShifted ? course::load16_realigned(b) : course::load16(reinterpret_cast<const Vec16<T>*>(b));
   if constexpr (kBackward) {
     const Vec16<T> gv = course::load16(reinterpret_cast<const Vec16<T>*>(dy + first));  // aligned: head is dy's
     Vec16<T> dav;
@@ -194,7 +230,9 @@ __global__ void __launch_bounds__(kSwigluMaxThreads)
   } else {
     Vec16<T> yv;
 #pragma unroll
-    for (int l = 0; l < L; ++l) yv.v[l] = from_acc<T>(Silu::forward(to_acc(av.v[l])) * to_acc(bv.v[l]));
+    for (int l = 0; l < L; ++l) {
+      yv.v[l] = from_acc<T>(Silu::forward<A, kFastMath<T>>(to_acc(av.v[l])) * to_acc(bv.v[l]));
+    }
     course::store16(reinterpret_cast<Vec16<T>*>(out + first), yv);  // aligned: head is y's
   }
 }
