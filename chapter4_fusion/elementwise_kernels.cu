@@ -183,14 +183,17 @@ __global__ void __launch_bounds__(kSwigluMaxThreads)
     // row r + 1's from its column 0: the rest's a are then at b + l (row r's b runs on into row
     // r + 1's a in x) and their b at b + half + l. So in the forward a vector that straddles two
     // rows takes one more realigned load (b + half) and a select per element, and its lane stays
-    // on its warp's path, its loads issued with the others'. Before, such a lane read single
-    // elements (swiglu_elements) in a branch of its own, and its warp waited for memory twice,
-    // that lane's loads and then the rest's: at 64 x 4099 bfloat16 one warp a row (a row is
-    // ~512 vectors, 16 warps), and a kernel this short lasts as long as its slowest warps (3.7
-    // us, where 64 x 4096, no straddles, took 2.8). The backward stores da and db where a and b
-    // are, so its straddling vectors keep the single elements; so do rows shorter than a vector
-    // (a vector over several rows) and vectors whose aligned loads would read outside x (the
-    // first and last rows: bytes that are not x's, which compute-sanitizer reports).
+    // on its warp's path. Before, such a lane read single elements (swiglu_elements) in a branch
+    // of its own, and its warp waited for memory twice, that lane's loads and then the rest's: at
+    // 64 x 4099 bfloat16 one warp a row (a row is ~512 vectors, 16 warps), and a kernel this short
+    // lasts as long as its slowest warps (3.7 us, where 64 x 4096, no straddles, took 2.8). The
+    // third load still waits for the first two to land (it sits in the branch after their
+    // shifts; hoisted, three pairs' 24 words would not fit the 32 registers ptxas keeps this
+    // kernel at), so a straddling lane's warp waits for memory twice and the others once (a and
+    // b's four loads issue together). The backward stores da and db where a and b are, so its
+    // straddling vectors keep the single elements; so do rows shorter than a vector (a vector
+    // over several rows) and vectors whose aligned loads would read outside x (the first and
+    // last rows: bytes that are not x's, which compute-sanitizer reports).
     const T* const x_end = x + 2 * total;
     const int here = c + L > half ? static_cast<int>(half - c) : L;
     const bool straddles = here < L;

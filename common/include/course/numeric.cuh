@@ -65,18 +65,24 @@ __device__ __forceinline__ void store16(Vec16<T>* p, const Vec16<T>& v) {
 // 16 bytes an instruction. The shift is selects and funnel shifts on registers: the distance is
 // known only at run time, and an array indexed by it would live in local memory. No branch
 // either: the second load is predicated and the selects run whatever the distance (0 is a shift
-// of nothing), so every load of a batch of these issues before any of their data is used.
-// Elements past `wanted` are garbage (the next row's, or stale words): the caller must not use
-// them. The caller also guarantees that the aligned vectors read lie inside the tensor
+// of nothing), so the loads of a batch of these can all issue before any of their data is used.
+// The second vector starts at zero, not at a copy of the first: the copy is a register move that
+// waits for the first load's data, and the second load, predicated on top of it, then issued
+// only once the first had returned: two memory round trips in a row where one suffices (SASS of
+// swiglu's forward, sm_90a; ptxas may still make that copy where it sees the second vector's
+// words go unused without the load, as in chapter 3's batches). The aligned address is p's
+// pointer moved back, not rebuilt from an integer, so nvcc still knows it is global memory and
+// emits LDG rather than a generic load.
+// Elements past `wanted` are garbage (zeros, or the next row's): the caller must not use them.
+// The caller also guarantees that the aligned vectors read lie inside the tensor
 // (realigned_reads_inside, or load16_realigned_within where they may not).
 template <typename T>
 __device__ __forceinline__ Vec16<T> load16_realigned(const T* p, int wanted = Vec16<T>::kLanes) {
   constexpr int kLanes = Vec16<T>::kLanes;
-  const uintptr_t address = reinterpret_cast<uintptr_t>(p);
-  const int bytes = static_cast<int>(address % 16);  // a multiple of sizeof(T)
-  const uint4* chunk = reinterpret_cast<const uint4*>(address - bytes);
+  const int bytes = static_cast<int>(reinterpret_cast<uintptr_t>(p) % 16);  // a multiple of sizeof(T)
+  const uint4* chunk = reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(p) - bytes);
   const uint4 a = chunk[0];
-  uint4 b = a;  // unused unless loaded: the words shifted in past `wanted` are never read
+  uint4 b = make_uint4(0u, 0u, 0u, 0u);  // unused unless loaded: the words shifted in past `wanted`
   if (bytes / static_cast<int>(sizeof(T)) + wanted > kLanes) b = chunk[1];
   const uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
   // Whole words first (a two-level shifter: by 1 word, then by 2), then the half word a 2-byte
