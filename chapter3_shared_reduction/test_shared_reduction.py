@@ -1082,12 +1082,12 @@ def test_column_tails(op, dtype, case):
 
 
 # column_split reads rows that start mid-vector as realigned 16-byte vectors (course/
-# column_reduce.cuh, load16_realigned) once a row is a warp of vectors wide: 256 elements in
+# numeric.cuh, load16_realigned) once a row is a warp of vectors wide: 256 elements in
 # 2-byte dtypes, 128 in float32 (float64 keeps single elements). Widths on both sides of each
-# threshold, odd and
-# prime ones (the lane at a row's end adds only its first columns), views whose every row, or
-# the whole tensor, starts 1 to 7 elements past a boundary (the first and last rows, whose
-# vectors would reach outside the tensor, read element by element), a middle dim with outer 1
+# threshold, odd and prime ones (the lane at a row's end adds only its first columns: 1 to 7 of
+# its vector's), views whose every row, or the whole tensor, starts 1 to 7 elements past a
+# boundary, each of them (the first and last rows, whose vectors would reach outside the tensor,
+# read element by element; the last row ends at the allocation's end), a middle dim with outer 1
 # and many slices, reduced lengths below one batch (the one-at-a-time tail), across one and split
 # into ranges. The inner sizes 1, 3, 7, 8, 9 of a middle dim (column_loop or single elements)
 # beside.
@@ -1100,8 +1100,8 @@ COLUMN_REALIGNED_CASES = {
     **{f"{n}x{w}": (lambda dtype, n=n, w=w: torch.randn(n, w, dtype=dtype, device="cuda"), 0)
        for n, w in ((3, 63), (5, 65), (33, 127), (33, 129), (65, 255), (65, 257), (1, 263), (3, 263),
                     (1000, 263), (8191, 4099))},
-    **{f"offset{k}-300x512": (_offset((300, 512), k), 0) for k in (1, 2, 3, 5, 7)},
-    "offset1-129x1031": (_offset((129, 1031), 1), 0),
+    **{f"offset{k}-300x512": (_offset((300, 512), k), 0) for k in range(1, 8)},
+    **{f"offset{k}-129x1031": (_offset((129, 1031), k), 0) for k in (1, 2, 4, 6)},
     "outer1-1x1000x263": (lambda dtype: torch.randn(1, 1000, 263, dtype=dtype, device="cuda"), 1),
     "outer2000-2000x5x263": (lambda dtype: torch.randn(2000, 5, 263, dtype=dtype, device="cuda"), 1),
     "7x33x257": (lambda dtype: torch.randn(7, 33, 257, dtype=dtype, device="cuda"), 1),
@@ -1254,9 +1254,11 @@ SANITIZE_SHAPES = {
                 (lambda t: torch.randn(129, 33, dtype=t, device="cuda"), 0),
                 # aligned vectors' rolling loads: whole batches, then a tail
                 (lambda t: torch.randn(300, 64, dtype=t, device="cuda"), 0),
-                # realigned vectors: an odd width, and every row 3 elements past a boundary
+                # realigned vectors: an odd width, every row 3 elements past a boundary, and an odd
+                # width 7 past one whose last row ends at the allocation's end
                 (lambda t: torch.randn(40, 263, dtype=t, device="cuda"), 0),
-                (lambda t: torch.randn(65 * 512 + 3, dtype=t, device="cuda")[3:].view(65, 512), 0)],
+                (lambda t: torch.randn(65 * 512 + 3, dtype=t, device="cuda")[3:].view(65, 512), 0),
+                (lambda t: torch.randn(33 * 263 + 7, dtype=t, device="cuda")[7:].view(33, 263), 0)],
 }
 
 

@@ -24,6 +24,7 @@ namespace {
 
 using course::Acc;
 using course::from_acc;
+using course::kFastMath;
 using course::to_acc;
 using course::Vec16;
 
@@ -59,54 +60,16 @@ __global__ void mul_half_kernel(const T* x, T* y, int64_t rows, int64_t half) {
 // When half is no whole number of vectors (777, 4099) the rows of x start at every distance
 // from a 16-byte boundary, and a, b and y at different ones: y's vectors stay aligned (the
 // flat walk), and a and b are read as the two aligned vectors around them, shifted into place
-// (load16_at). Only the vector that straddles two rows of y, and the few elements before y's
-// first boundary and after its last whole vector, are single elements: a vector a row, not a row
-// of single elements.
+// (course::load16_realigned). The forward's vector that straddles two rows of y is realigned
+// loads too (swiglu_flat_kernel says how); only the few elements before y's first boundary and
+// after its last whole vector, and vectors whose aligned loads would leave x, are single elements.
+//
+// The forward's SiLU takes the fast exp and division (kFastMath, as the bias activations') in
+// 16-bit dtypes, whose rounding of the output is far coarser than their error: float32's
+// correctly rounded division has a slow-path branch per element, and at a few rows (64 tokens:
+// every warp's loads land at about once, then every warp computes) the arithmetic after the
+// loads is on the kernel's critical path, not hidden behind other warps' loads.
 // ---------------------------------------------------------------------------------------
-
-// The L elements at p (any element address): the aligned 16-byte vector at or below p, and the
-// next one where p is not on a boundary, funnel-shifted by p's distance from the boundary. The
-// second load is the first load of the next thread: an L1 hit, not a second trip to DRAM. The
-// word shift is two selects (by 2, then by 1) rather than an indexed register array, which nvcc
-// would put in local memory.
-template <typename T>
-__device__ __forceinline__ Vec16<T> load16_at(const T* p) {
-  const uintptr_t addr = reinterpret_cast<uintptr_t>(p);
-  const unsigned k = static_cast<unsigned>(addr % 16);  // bytes past the boundary
-  const auto* base = reinterpret_cast<const Vec16<uint32_t>*>(addr - k);
-  const Vec16<uint32_t> lo = course::load16(base);
-  Vec16<T> out;
-  if (k == 0) {
-    memcpy(&out, &lo, sizeof(out));
-    return out;
-  }
-  const Vec16<uint32_t> hi = course::load16(base + 1);
-  const uint32_t w[8] = {lo.v[0], lo.v[1], lo.v[2], lo.v[3], hi.v[0], hi.v[1], hi.v[2], hi.v[3]};
-  const unsigned words = k / 4;
-  const unsigned bits = (k % 4) * 8;  // 16 in 2-byte types at an odd element offset, else 0
-  uint32_t by2[6];
-  uint32_t by1[5];
-#pragma unroll
-  for (int i = 0; i < 6; ++i) by2[i] = (words & 2) ? w[i + 2] : w[i];
-#pragma unroll
-  for (int i = 0; i < 5; ++i) by1[i] = (words & 1) ? by2[i + 1] : by2[i];  // by1[i] = w[i + words]
-  uint32_t o[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) o[j] = __funnelshift_r(by1[j], by1[j + 1], bits);
-  memcpy(&out, o, sizeof(out));
-  return out;
-}
-
-// Whether load16_at(p) reads only bytes of [begin, end): the vectors around p must not reach
-// before x's first element or past its last (a misaligned view's neighbours are another tensor's
-// bytes, or no allocation at all).
-template <typename T>
-__device__ __forceinline__ bool reads_inside(const T* p, const T* begin, const T* end) {
-  const uintptr_t addr = reinterpret_cast<uintptr_t>(p);
-  const uintptr_t k = addr % 16;
-  return addr - k >= reinterpret_cast<uintptr_t>(begin) &&
-         addr - k + (k == 0 ? 16 : 32) <= reinterpret_cast<uintptr_t>(end);
-}
 
 // L elements to q: one 16-byte store where q is on a boundary, else one element at a time (the
 // backward's da and db where dy is off a boundary and x's rows are on them, swiglu_backward_kernel:
@@ -135,15 +98,15 @@ __device__ __forceinline__ void swiglu_element(const T* x, const T* dy, T* out, 
     out[r * 2 * half + c] = from_acc<T>(g * b * Silu::derivative(a));
     out[r * 2 * half + half + c] = from_acc<T>(g * Silu::forward(a));
   } else {
-    out[i] = from_acc<T>(Silu::forward(a) * b);
+    out[i] = from_acc<T>(Silu::forward<A, kFastMath<T>>(a) * b);  // as the vectors' (swiglu_flat_kernel)
   }
 }
 
 // The L elements first ... first + L - 1 of the half-width array (row r, column c on) one at a
-// time: a vector that straddles rows, or whose shifted loads would leave x. Every load is issued
-// before any arithmetic or store, so the thread waits one memory round trip, not L of them: with
-// a few rows these threads (one a row) finish last and set the kernel's time. Rows advance by a
-// running column, without a division; half < L wraps more than once.
+// time: the backward's vector that straddles rows, a vector of rows shorter than it, or one whose
+// realigned loads would leave x. Every load is issued before any arithmetic or store, so the
+// thread waits one memory round trip, not L of them. Rows advance by a running column, without
+// a division; half < L wraps more than once.
 template <typename T, bool kBackward>
 __device__ __forceinline__ void swiglu_elements(const T* x, const T* dy, T* out, int64_t half, int64_t first,
                                                 int64_t r, int64_t c) {
@@ -172,7 +135,7 @@ __device__ __forceinline__ void swiglu_elements(const T* x, const T* dy, T* out,
       out[at[l]] = from_acc<T>(g * to_acc(bv[l]) * Silu::derivative(a));
       out[at[l] + half] = from_acc<T>(g * Silu::forward(a));
     } else {
-      out[first + l] = from_acc<T>(Silu::forward(a) * to_acc(bv[l]));
+      out[first + l] = from_acc<T>(Silu::forward<A, kFastMath<T>>(a) * to_acc(bv[l]));
     }
   }
 }
@@ -210,16 +173,49 @@ __global__ void __launch_bounds__(kSwigluMaxThreads)
   const int64_t c = first - r * half;
   const T* a = x + r * 2 * half + c;
   const T* b = a + half;
-  if constexpr (kShifted) {
-    // The vector straddles two rows (a and b are not contiguous in x), or its loads would reach
-    // outside x: one element at a time, all loads at once (swiglu_elements).
-    if (c + L > half || !reads_inside(a, x, x + 2 * total) || !reads_inside(b, x, x + 2 * total)) {
+  Vec16<T> av;
+  Vec16<T> bv;
+  if constexpr (!kShifted) {
+    av = course::load16(reinterpret_cast<const Vec16<T>*>(a));
+    bv = course::load16(reinterpret_cast<const Vec16<T>*>(b));
+  } else {
+    // Realigned loads (course::load16_realigned). `here` of the L elements are row r's, the rest
+    // row r + 1's from its column 0: the rest's a are then at b + l (row r's b runs on into row
+    // r + 1's a in x) and their b at b + half + l. So in the forward a vector that straddles two
+    // rows takes one more realigned load (b + half) and a select per element, and its lane stays
+    // on its warp's path. Before, such a lane read single elements (swiglu_elements) in a branch
+    // of its own, and its warp waited for memory twice, that lane's loads and then the rest's: at
+    // 64 x 4099 bfloat16 one warp a row (a row is ~512 vectors, 16 warps), and a kernel this short
+    // lasts as long as its slowest warps (3.7 us, where 64 x 4096, no straddles, took 2.8). The
+    // third load still waits for the first two to land (it sits in the branch after their
+    // shifts; hoisted, three pairs' 24 words would not fit the 32 registers ptxas keeps this
+    // kernel at), so a straddling lane's warp waits for memory twice and the others once (a and
+    // b's four loads issue together). The backward stores da and db where a and b are, so its
+    // straddling vectors keep the single elements; so do rows shorter than a vector (a vector
+    // over several rows) and vectors whose aligned loads would read outside x (the first and
+    // last rows: bytes that are not x's, which compute-sanitizer reports).
+    const T* const x_end = x + 2 * total;
+    const int here = c + L > half ? static_cast<int>(half - c) : L;
+    const bool straddles = here < L;
+    if (half < L || (kBackward && straddles) || !course::realigned_reads_inside(a, here, x, x_end) ||
+        !course::realigned_reads_inside(b, L, x, x_end) ||
+        (straddles && !course::realigned_reads_inside(b + half, L, x, x_end))) {
       swiglu_elements<T, kBackward>(x, dy, out, half, first, r, c);
       return;
     }
+    av = course::load16_realigned(a, here);
+    bv = course::load16_realigned(b);
+    if (!kBackward && straddles) {
+      const Vec16<T> next_b = course::load16_realigned(b + half);  // row r + 1's b from column 0 on
+#pragma unroll
+      for (int l = 0; l < L; ++l) {
+        if (l >= here) {
+          av.v[l] = bv.v[l];
+          bv.v[l] = next_b.v[l];
+        }
+      }
+    }
   }
-  const Vec16<T> av = kShifted ? load16_at(a) : course::load16(reinterpret_cast<const Vec16<T>*>(a));
-  const Vec16<T> bv = kShifted ? load16_at(b) : course::load16(reinterpret_cast<const Vec16<T>*>(b));
   if constexpr (kBackward) {
     const Vec16<T> gv = course::load16(reinterpret_cast<const Vec16<T>*>(dy + first));  // aligned: head is dy's
     Vec16<T> dav;
@@ -237,7 +233,9 @@ __global__ void __launch_bounds__(kSwigluMaxThreads)
   } else {
     Vec16<T> yv;
 #pragma unroll
-    for (int l = 0; l < L; ++l) yv.v[l] = from_acc<T>(Silu::forward(to_acc(av.v[l])) * to_acc(bv.v[l]));
+    for (int l = 0; l < L; ++l) {
+      yv.v[l] = from_acc<T>(Silu::forward<A, kFastMath<T>>(to_acc(av.v[l])) * to_acc(bv.v[l]));
+    }
     course::store16(reinterpret_cast<Vec16<T>*>(out + first), yv);  // aligned: head is y's
   }
 }

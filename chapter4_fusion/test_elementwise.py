@@ -526,6 +526,33 @@ def test_swiglu_flat_edges(dtype, half):
                 assert_within(xg.grad, x64.grad, bound, f"autograd {where}")
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=dtype_id)
+def test_swiglu_forward_realigned_edges(dtype):
+    """The forward's realigned loads (course::load16_realigned) at their edges, against float64:
+    x 0 to 7 elements past a 16-byte boundary (every distance a vector can start at, in every
+    dtype); rows 1, 7, 63, 64, 65 and 8193 (one row to more than a wave, a last vector in every
+    position); half L (the shortest row of whole vectors), L + 1, 2 L - 1, 777 and 4099 (odd: a
+    row's straddling vector then keeps 1 to L - 1 of its elements in the row, every count in
+    turn; the rest are the next row's, from the extra realigned load at b + half). x ends at its
+    allocation's end (the last rows' vectors must stay inside x: single elements there) and y is
+    poisoned first: an element no path wrote shows as NaN."""
+    require_cuda()
+    vector = 16 // torch.empty((), dtype=dtype).element_size()
+    for half in (vector, vector + 1, 2 * vector - 1, 777, 4099):
+        for rows in (1, 7, 63, 64, 65, 8193):
+            if rows == 8193 and half < 777:
+                continue  # the short rows' straddles are already every vector or two at 65 rows
+            for offset in range(8):
+                where = (rows, half, offset)
+                x = swiglu_rows(rows, 2 * half, dtype, "cuda", offset)
+                ref = reference_swiglu(x)
+                for version in ("v2", None):
+                    poison_allocator(ref.to(dtype))
+                    assert_within(fusion.swiglu(x, version=version), ref, swiglu_bound(x, ref, dtype),
+                                  f"{version} {where}")
+
+
 @pytest.mark.parametrize("activation", BIAS_OPS)
 @pytest.mark.parametrize("dtype", LOW_PRECISION, ids=dtype_id)
 def test_linear_low_precision_gradients(dtype, activation, device):
@@ -1407,13 +1434,14 @@ def test_long_sweeps(shape, dtype):
 @pytest.mark.sanitize
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float64), ids=dtype_id)
 def test_sanitizer_swiglu_flat(dtype):
-    """swiglu's flat kernel (and the backward's tiles) under compute-sanitizer: the shifted loads
-    of rows at every distance from a 16-byte boundary, with x and dy on one or one element past it
-    (the vectors around the first and last elements must not be read past x; dy one off with x on
-    one is the backward's shifted flat walk), and rows shorter than a vector."""
+    """swiglu's flat kernel (and the backward's tiles) under compute-sanitizer: the realigned loads
+    of rows at every distance from a 16-byte boundary (the forward's straddling vectors' extra
+    load at b + half among them), with x on one or 1 or 7 elements past it and dy on one or one
+    element past it (the vectors around the first and last elements must not be read past x; dy
+    one off with x on one is the backward's shifted flat walk), and rows shorter than a vector."""
     require_cuda()
     for rows, half in ((1, 1), (3, 7), (5, 9), (65, 777), (2, 4099), (3, 64)):
-        for offset, dy_offset in ((0, 0), (0, 1), (1, 1)):
+        for offset, dy_offset in ((0, 0), (0, 1), (1, 1), (7, 1)):
             x = swiglu_rows(rows, 2 * half, dtype, "cuda", offset)
             ref = reference_swiglu(x)
             assert_within(fusion.swiglu(x), ref, swiglu_bound(x, ref, dtype), f"forward {(rows, half, offset)}")

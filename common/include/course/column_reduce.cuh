@@ -6,8 +6,8 @@
 // The layout: a block takes a tile of `lanes` x kCols adjacent columns (lanes = 32 unless the
 // tensor is narrower), its 8 warps every 8th group of rows, each lane kCols adjacent columns (one
 // 16-byte vector when the rows allow it, or, where the caller asks for it, two aligned vectors
-// shifted into place when the rows start mid-vector: load16_realigned). With 32 lanes a warp
-// reads 512 contiguous bytes of a row per instruction; a narrower tile lays the warp over
+// shifted into place when the rows start mid-vector: load16_realigned, course/numeric.cuh). With
+// 32 lanes a warp reads 512 contiguous bytes of a row per instruction; a narrower tile lays the warp over
 // 32 / lanes rows at once, so that every lane still has a column (an 8-column bfloat16 tensor:
 // one vector per row, 32 rows per warp instruction, where a warp per row would leave 31 lanes
 // idle). kColumnUnroll row groups are
@@ -64,65 +64,6 @@ constexpr bool kColumnTailBatch = kCols == 1 && sizeof(T) < 8;
 // float64 vectors stay unbounded (62-64 registers; bounded they spill 12-32 bytes).
 template <typename T>
 constexpr int kColumnMinBlocks = sizeof(T) < 8 ? kColumnMinBlocksPerSm : 0;
-
-// The kCols = 16 / sizeof(T) elements of a row from p on, where p is not on a 16-byte boundary
-// (a row of 4099 elements starts 2 x 4099 bytes after the last: 8 ways off in bfloat16): the
-// aligned vector that holds p, and when the elements wanted run past it (`wanted` of them, at
-// most kCols) the next aligned vector too, shifted left by p's distance from the boundary. Two
-// 16-byte loads, the second one (the neighbouring lane's vector) mostly served by L1, and a
-// shift through selects and funnel shifts on registers (the distance is a runtime value, and an
-// array indexed by it would live in local memory). Elements past `wanted` are other rows': the
-// caller must not use them. The caller also guarantees that both aligned vectors, the 16 bytes
-// before p's and the 16 after it, lie inside the tensor (load16_realigned_within is for rows
-// where they may not).
-template <typename T>
-__device__ __forceinline__ Vec16<T> load16_realigned(const T* p, int wanted) {
-  constexpr int kLanes = Vec16<T>::kLanes;
-  const uintptr_t address = reinterpret_cast<uintptr_t>(p);
-  const int bytes = static_cast<int>(address % 16);  // a multiple of sizeof(T)
-  const uint4* chunk = reinterpret_cast<const uint4*>(address - bytes);
-  const uint4 a = chunk[0];
-  uint4 b = a;  // unused unless loaded: the words shifted in past `wanted` are never read
-  if (bytes / static_cast<int>(sizeof(T)) + wanted > kLanes) b = chunk[1];
-  const uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-  // Whole words first (a two-level shifter: by 1 word, then by 2), then the half word a 2-byte
-  // dtype may be off by, which __funnelshift_r takes from the next word (a shift of 0 is none).
-  const int words = bytes / 4;
-  uint32_t by1[7];
-#pragma unroll
-  for (int i = 0; i < 7; ++i) by1[i] = (words & 1) ? w[i + 1] : w[i];
-  uint32_t by2[5];
-#pragma unroll
-  for (int i = 0; i < 5; ++i) by2[i] = (words & 2) ? by1[i + 2] : by1[i];
-  const unsigned half = 8u * static_cast<unsigned>(bytes % 4);
-  uint4 out;
-  out.x = __funnelshift_r(by2[0], by2[1], half);
-  out.y = __funnelshift_r(by2[1], by2[2], half);
-  out.z = __funnelshift_r(by2[2], by2[3], half);
-  out.w = __funnelshift_r(by2[3], by2[4], half);
-  Vec16<T> v;
-  memcpy(&v, &out, sizeof(v));
-  return v;
-}
-
-// load16_realigned for a row of the tensor [lo, hi) whose aligned vectors may reach past it: the
-// first row of a view at an odd offset starts mid-vector, the last row may end mid-vector. Such
-// bytes are harmless to the hardware (allocations are 256-byte aligned) but they are not the
-// tensor's, and compute-sanitizer reports the read: there the lane reads its `wanted` elements
-// one by one. The rest of the elements are zero (unused).
-template <typename T>
-__device__ __forceinline__ Vec16<T> load16_realigned_within(const T* p, int wanted, const T* lo, const T* hi) {
-  constexpr int kLanes = Vec16<T>::kLanes;
-  const int off = static_cast<int>(reinterpret_cast<uintptr_t>(p) % 16) / static_cast<int>(sizeof(T));
-  const T* first = p - off;
-  if (first >= lo && first + (off + wanted > kLanes ? 2 : 1) * kLanes <= hi) return load16_realigned(p, wanted);
-  Vec16<T> v{};
-#pragma unroll
-  for (int c = 0; c < kLanes; ++c) {
-    if (c < wanted) v.v[c] = p[c];  // the lane's own columns of this row: inside the tensor
-  }
-  return v;
-}
 
 // The column totals of one tile from the block's partial sums in shared memory: sums[w * 32 *
 // kCols + (s * lanes + l) * kCols + c] is warp w's sum, over its rows s, s + 32 / lanes, ..., of

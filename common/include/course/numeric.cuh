@@ -1,11 +1,13 @@
 // Torch-free device helpers every chapter's kernels share: the accumulation type of each
-// storage dtype, the conversions to and from it, and explicit 16-byte vector accesses.
-// Chapter 1 introduced them; chapters 3, 4 and 6 reuse them.
+// storage dtype, the conversions to and from it, and explicit 16-byte vector accesses (aligned,
+// and realigned for elements that start mid-vector). Chapter 1 introduced them; chapters 3, 4 and
+// 6 reuse them.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstdint>
 #include <cstring>
 
 namespace course {
@@ -91,6 +93,83 @@ __device__ __forceinline__ void store16(Vec16<T>* p, const Vec16<T>& v) {
     const int4 bits = make_int4(static_cast<int>(w0), static_cast<int>(w1), static_cast<int>(w2), static_cast<int>(w3));
     *reinterpret_cast<int4*>(p) = bits;
   }
+}
+
+// The kLanes = 16 / sizeof(T) elements from p on, where p is any element address, not
+// necessarily on a 16-byte boundary (a row of 4099 bfloat16 elements starts 8198 bytes after the
+// last: every distance from a boundary in turn): the aligned vector that holds p and, when the
+// `wanted` first elements run past it (at most kLanes of them; all by default), the next aligned
+// vector, shifted left by p's distance from the boundary. Why two aligned loads rather than
+// single elements: in a warp walking adjacent elements the second vector is the neighbouring
+// lane's first, so it is mostly an L1 hit, not a second trip to DRAM, and each lane still moves
+// 16 bytes an instruction. The shift is selects and funnel shifts on registers: the distance is
+// known only at run time, and an array indexed by it would live in local memory. No branch
+// either: the second load is predicated and the selects run whatever the distance (0 is a shift
+// of nothing), so the loads of a batch of these can all issue before any of their data is used.
+// The second vector starts at zero, not at a copy of the first: the copy is a register move that
+// waits for the first load's data, and the second load, predicated on top of it, then issued
+// only once the first had returned: two memory round trips in a row where one suffices (SASS of
+// swiglu's forward, sm_90a; ptxas may still make that copy where it sees the second vector's
+// words go unused without the load, as in chapter 3's batches). The aligned address is p's
+// pointer moved back, not rebuilt from an integer, so nvcc still knows it is global memory and
+// emits LDG rather than a generic load.
+// Elements past `wanted` are garbage (zeros, or the next row's): the caller must not use them.
+// The caller also guarantees that the aligned vectors read lie inside the tensor
+// (realigned_reads_inside, or load16_realigned_within where they may not).
+template <typename T>
+__device__ __forceinline__ Vec16<T> load16_realigned(const T* p, int wanted = Vec16<T>::kLanes) {
+  constexpr int kLanes = Vec16<T>::kLanes;
+  const int bytes = static_cast<int>(reinterpret_cast<uintptr_t>(p) % 16);  // a multiple of sizeof(T)
+  const uint4* chunk = reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(p) - bytes);
+  const uint4 a = chunk[0];
+  uint4 b = make_uint4(0u, 0u, 0u, 0u);  // unused unless loaded: the words shifted in past `wanted`
+  if (bytes / static_cast<int>(sizeof(T)) + wanted > kLanes) b = chunk[1];
+  const uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+  // Whole words first (a two-level shifter: by 1 word, then by 2), then the half word a 2-byte
+  // dtype may be off by, which __funnelshift_r takes from the next word (a shift of 0 is none).
+  const int words = bytes / 4;
+  uint32_t by1[7];
+#pragma unroll
+  for (int i = 0; i < 7; ++i) by1[i] = (words & 1) ? w[i + 1] : w[i];
+  uint32_t by2[5];
+#pragma unroll
+  for (int i = 0; i < 5; ++i) by2[i] = (words & 2) ? by1[i + 2] : by1[i];
+  const unsigned half = 8u * static_cast<unsigned>(bytes % 4);
+  uint4 out;
+  out.x = __funnelshift_r(by2[0], by2[1], half);
+  out.y = __funnelshift_r(by2[1], by2[2], half);
+  out.z = __funnelshift_r(by2[2], by2[3], half);
+  out.w = __funnelshift_r(by2[3], by2[4], half);
+  Vec16<T> v;
+  memcpy(&v, &out, sizeof(v));
+  return v;
+}
+
+// Whether load16_realigned(p, wanted) reads only bytes of [lo, hi): the aligned vectors it loads
+// must not start before lo nor end past hi. Bytes outside are harmless to the hardware
+// (allocations are 256-byte aligned) but they are not the tensor's (a view at an odd offset, the
+// end of the last row), and compute-sanitizer reports the read.
+template <typename T>
+__device__ __forceinline__ bool realigned_reads_inside(const T* p, int wanted, const T* lo, const T* hi) {
+  constexpr int kLanes = Vec16<T>::kLanes;
+  const int off = static_cast<int>(reinterpret_cast<uintptr_t>(p) % 16) / static_cast<int>(sizeof(T));
+  const T* first = p - off;
+  return first >= lo && first + (off + wanted > kLanes ? 2 : 1) * kLanes <= hi;
+}
+
+// load16_realigned for a row of the tensor [lo, hi) whose aligned vectors may reach past it (the
+// first row of a view at an odd offset starts mid-vector, the last row may end mid-vector): there
+// the lane reads its `wanted` elements one by one, and the rest are zero (unused).
+template <typename T>
+__device__ __forceinline__ Vec16<T> load16_realigned_within(const T* p, int wanted, const T* lo, const T* hi) {
+  constexpr int kLanes = Vec16<T>::kLanes;
+  if (realigned_reads_inside(p, wanted, lo, hi)) return load16_realigned(p, wanted);
+  Vec16<T> v{};
+#pragma unroll
+  for (int c = 0; c < kLanes; ++c) {
+    if (c < wanted) v.v[c] = p[c];  // the lane's own elements: inside the tensor
+  }
+  return v;
 }
 
 }  // namespace course
