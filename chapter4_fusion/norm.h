@@ -54,10 +54,35 @@ struct NormShape {
 
 // The forward holds x (and for fused_add_rms_norm the sum) as stored: at most 4 vectors, 16
 // registers, per thread. 1024 x 4 holds 32768 2-byte or 16384 4-byte elements; longer rows
-// are streamed (v2's kernel). 64 x 4 exists for hidden 2048 in bf16 (4096 in float32), a row of
-// every other LLM: without it the row took 128 threads, half of them holding padding.
-constexpr NormShape kForwardShapes[] = {{32, 1}, {32, 2}, {32, 4}, {64, 4}, {128, 4}, {256, 4}, {512, 4}, {1024, 4}};
+// are streamed (v2's kernel).
+// Past a warp row the thread counts are whole warps, not only powers of two: every 32 threads up
+// to 256, every 64 up to 512. A slot past the row's end is a lane that holds registers and loads
+// nothing, and an SM fits as many blocks as the register file holds whole blocks of, so the
+// padding was bytes not in flight: with powers of two, hidden 5120 in bfloat16 (640 vectors) took
+// 256 x 4, 1024 slots, 37.5% of every block idle; now 160 x 4, none. Rows of 160-448 threads get
+// more blocks an SM than the power of two above them (fewer threads, the same registers each).
+// The table is sorted by capacity and every shape has 4 vectors a thread past the warp rows, so
+// the first shape that holds a row is the one of least padding and, of those, fewest threads:
+// fewer than 32 threads' slots (one warp) are padding below 256 threads, 64 below 512, and the
+// one shape past 512 exists for the rows nothing else holds (2049-4096 2-byte vectors: no row
+// of the sweep; a 512 x 4 block's two blocks an SM hold more of a row's bytes than it).
+// Instantiations: 15 shapes, each one plain, held, prefetching and (160-512 threads) capped
+// kernel per dtype, op and access.
+constexpr NormShape kForwardShapes[] = {{32, 1},  {32, 2},  {32, 4},  {64, 4},  {96, 4},  {128, 4}, {160, 4}, {192, 4},
+                                        {224, 4}, {256, 4}, {320, 4}, {384, 4}, {448, 4}, {512, 4}, {1024, 4}};
 constexpr int kNumForwardShapes = sizeof(kForwardShapes) / sizeof(kForwardShapes[0]);
+// What forward_shape's first-fit and the kernels rely on: capacities strictly increasing (first
+// fit = least padding), and a row past a warp of whole warps (block_reduce's partial a warp) in
+// at most 1024 threads.
+constexpr bool forward_shapes_valid() {
+  for (int i = 0; i < kNumForwardShapes; ++i) {
+    const NormShape s = kForwardShapes[i];
+    if (s.threads > 1024 || (s.threads > 32 && s.threads % 32 != 0) || s.vectors < 1 || s.vectors > 4) return false;
+    if (i > 0 && s.threads * s.vectors <= kForwardShapes[i - 1].threads * kForwardShapes[i - 1].vectors) return false;
+  }
+  return true;
+}
+static_assert(forward_shapes_valid(), "kForwardShapes: whole warps past a warp row, capacities increasing");
 
 // The backward holds x, dy and weight as stored plus two float accumulators per element it
 // owns (the thread's share of dweight and dbias, summed over its rows): at most 16 elements per
