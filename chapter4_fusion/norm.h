@@ -59,15 +59,16 @@ struct NormShape {
 // to 256, every 64 up to 512. A slot past the row's end is a lane that holds registers and loads
 // nothing, and an SM fits as many blocks as the register file holds whole blocks of, so the
 // padding was bytes not in flight: with powers of two, hidden 5120 in bfloat16 (640 vectors) took
-// 256 x 4, 1024 slots, 37.5% of every block idle; now 160 x 4, none. Rows of 160-448 threads get
-// more blocks an SM than the power of two above them (fewer threads, the same registers each).
+// 256 x 4, 1024 slots, 37.5% of every block idle; now 160 x 4, none, and at about the same
+// registers a thread more blocks (rows) fit an SM.
 // The table is sorted by capacity and every shape has 4 vectors a thread past the warp rows, so
 // the first shape that holds a row is the one of least padding and, of those, fewest threads:
-// fewer than 32 threads' slots (one warp) are padding below 256 threads, 64 below 512, and the
-// one shape past 512 exists for the rows nothing else holds (2049-4096 2-byte vectors: no row
-// of the sweep; a 512 x 4 block's two blocks an SM hold more of a row's bytes than it).
-// Instantiations: 15 shapes, each one plain, held, prefetching and (160-512 threads) capped
-// kernel per dtype, op and access.
+// fewer than 32 threads' slots (one warp) are padding below 256 threads, 64 below 512. Past 512
+// only 1024 x 4 (rows of 2049-4096 vectors): float32 at hidden 12288 (3072 vectors) would take
+// 768 x 4, and at the 48-63 registers a thread of these kernels (ptxas -v, sm_90a) that block is
+// alone on its SM as the 1024-thread one is: the same bytes in flight, more kernels to build.
+// Instantiations: 15 shapes (8 before), each a plain kernel per dtype, op and access, and for rows
+// of whole vectors the variants below (held up to 512 threads, prefetching, capped at 160-512).
 constexpr NormShape kForwardShapes[] = {{32, 1},  {32, 2},  {32, 4},  {64, 4},  {96, 4},  {128, 4}, {160, 4}, {192, 4},
                                         {224, 4}, {256, 4}, {320, 4}, {384, 4}, {448, 4}, {512, 4}, {1024, 4}};
 constexpr int kNumForwardShapes = sizeof(kForwardShapes) / sizeof(kForwardShapes[0]);
