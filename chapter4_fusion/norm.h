@@ -54,10 +54,36 @@ struct NormShape {
 
 // The forward holds x (and for fused_add_rms_norm the sum) as stored: at most 4 vectors, 16
 // registers, per thread. 1024 x 4 holds 32768 2-byte or 16384 4-byte elements; longer rows
-// are streamed (v2's kernel). 64 x 4 exists for hidden 2048 in bf16 (4096 in float32), a row of
-// every other LLM: without it the row took 128 threads, half of them holding padding.
-constexpr NormShape kForwardShapes[] = {{32, 1}, {32, 2}, {32, 4}, {64, 4}, {128, 4}, {256, 4}, {512, 4}, {1024, 4}};
+// are streamed (v2's kernel).
+// Past a warp row the thread counts are whole warps, not only powers of two: every 32 threads up
+// to 256, every 64 up to 512. A slot past the row's end is a lane that holds registers and loads
+// nothing, and an SM fits as many blocks as the register file holds whole blocks of, so the
+// padding was bytes not in flight: with powers of two, hidden 5120 in bfloat16 (640 vectors) took
+// 256 x 4, 1024 slots, 37.5% of every block idle; now 160 x 4, none, and at about the same
+// registers a thread more blocks (rows) fit an SM.
+// The table is sorted by capacity and every shape has 4 vectors a thread past the warp rows, so
+// the first shape that holds a row is the one of least padding and, of those, fewest threads:
+// fewer than 32 threads' slots (one warp) are padding below 256 threads, 64 below 512. Past 512
+// only 1024 x 4 (rows of 2049-4096 vectors): float32 at hidden 12288 (3072 vectors) would take
+// 768 x 4, and at the 48-63 registers a thread of these kernels (ptxas -v, sm_90a) that block is
+// alone on its SM as the 1024-thread one is: the same bytes in flight, more kernels to build.
+// Instantiations: 15 shapes (8 before), each a plain kernel per dtype, op and access, and for rows
+// of whole vectors the variants below (held up to 512 threads, prefetching, capped at 160-512).
+constexpr NormShape kForwardShapes[] = {{32, 1},  {32, 2},  {32, 4},  {64, 4},  {96, 4},  {128, 4}, {160, 4}, {192, 4},
+                                        {224, 4}, {256, 4}, {320, 4}, {384, 4}, {448, 4}, {512, 4}, {1024, 4}};
 constexpr int kNumForwardShapes = sizeof(kForwardShapes) / sizeof(kForwardShapes[0]);
+// What forward_shape's first-fit and the kernels rely on: capacities strictly increasing (first
+// fit = least padding), and a row past a warp of whole warps (block_reduce's partial a warp) in
+// at most 1024 threads.
+constexpr bool forward_shapes_valid() {
+  for (int i = 0; i < kNumForwardShapes; ++i) {
+    const NormShape s = kForwardShapes[i];
+    if (s.threads > 1024 || (s.threads > 32 && s.threads % 32 != 0) || s.vectors < 1 || s.vectors > 4) return false;
+    if (i > 0 && s.threads * s.vectors <= kForwardShapes[i - 1].threads * kForwardShapes[i - 1].vectors) return false;
+  }
+  return true;
+}
+static_assert(forward_shapes_valid(), "kForwardShapes: whole warps past a warp row, capacities increasing");
 
 // The backward holds x, dy and weight as stored plus two float accumulators per element it
 // owns (the thread's share of dweight and dbias, summed over its rows): at most 16 elements per

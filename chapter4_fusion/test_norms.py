@@ -540,6 +540,69 @@ def test_few_rows_forward_views_and_none(dtype):
         assert_forward(fusion.rms_norm(x, None), reference("rms_norm", x, ones, zeros, 1e-6), dtype)
 
 
+# Widths whose rows the regular shapes hold in whole warps that are not powers of two (norm.h's
+# kForwardShapes, in 2-byte elements): 2560 (320 vectors in 96 x 4, 64 slots of padding), 5120,
+# 6144, 7168 and 12288 (160, 192, 224 and 384 threads, none); 640 a warp row; 777 and 4099 not
+# whole vectors (4099: 160 threads and the edge slot). float32 rows of the same widths take twice
+# the vectors: 64-448 threads, and 1024 at 12288.
+WHOLE_WARP_WIDTHS = (640, 2560, 5120, 6144, 7168, 12288, 777, 4099)
+
+
+def rounded_sum(x, r):
+    """fused_add_rms_norm's sum h = x + residual as the kernel rounds it (fused_add_reference's
+    h, without its gradients)."""
+    return (x.float() + r.float()).to(x.dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=dtype_id)
+def test_whole_warp_forward_shapes(dtype):
+    """The forward in the regular shapes of whole warps at 1, 7, 133 and 2048 rows (1 and 7 rows
+    of whole vectors: the few-rows shapes; 133: one block more than 132 SMs), every op and
+    fused_add_rms_norm against float64, the sum bit for bit; at 7 and 2048 rows also rows that
+    start mid-vector (an offset view) and weight or bias None; in bfloat16 at 2048 rows, the shape
+    that ran is the one norm_forward_shape names, a whole number of warps."""
+    require_cuda()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for rows in (1, 7, 133, 2048):
+        for n in WHOLE_WARP_WIDTHS:
+            where = f"{rows}x{n}"
+            x, w, b, r = make_inputs((rows, n), dtype, "cuda", residual=True)
+            for op in NORM_OPS:
+                eps = default_eps(op)
+                call = lambda op=op, eps=eps: run(op, x, w, b, eps, None)  # noqa: E731
+                if dtype == torch.bfloat16 and rows == 2048:
+                    out, (threads, vectors, _, _) = resident_kernel(call)
+                    assert [threads, vectors] == OPS.norm_forward_shape(x, sms), (op, where)
+                    assert threads % 32 == 0, (op, where, threads)
+                else:
+                    out = call()
+                assert_forward(out, reference(op, x, w, b, eps), dtype, f"{op} {where}")
+            y, h = fusion.fused_add_rms_norm(x, r, w)
+            h_ref = rounded_sum(x, r)
+            assert torch.equal(h, h_ref), where
+            assert_forward(y, F.rms_norm(h_ref.double(), (n,), w.double(), 1e-6), dtype, f"fused {where}")
+            if rows in (7, 2048):
+                xo = torch.randn(rows * n + 1, device="cuda").to(dtype)[1:].view(rows, n)  # mid-vector rows
+                ro = torch.randn(rows * n + 1, device="cuda").to(dtype)[1:].view(rows, n)
+                for op in NORM_OPS:
+                    eps = default_eps(op)
+                    assert_forward(run(op, xo, w, b, eps, None), reference(op, xo, w, b, eps), dtype,
+                                   f"{op} offset {where}")
+                y, h = fusion.fused_add_rms_norm(xo, ro, None)
+                h_ref = rounded_sum(xo, ro)
+                assert torch.equal(h, h_ref), f"offset {where}"
+                assert_forward(y, F.rms_norm(h_ref.double(), (n,), None, 1e-6), dtype, f"fused offset None {where}")
+                ones, zeros = torch.ones_like(w), torch.zeros_like(b)
+                assert_forward(fusion.layer_norm(x, None, None), reference("layer_norm", x, ones, zeros, 1e-5), dtype,
+                               f"layer_norm None None {where}")
+                assert_forward(fusion.layer_norm(x, w, None), reference("layer_norm", x, w, zeros, 1e-5), dtype,
+                               f"layer_norm w None {where}")
+                assert_forward(fusion.rms_norm(x, None), reference("rms_norm", x, ones, zeros, 1e-6), dtype,
+                               f"rms_norm None {where}")
+            del x, r
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=dtype_id)
 def test_fused_add_backward_launches(dtype):
@@ -683,13 +746,65 @@ def test_forward_variant_rule(dtype):
         OPS.norm_forward_variant(torch.empty(2, 8, device="meta"), 132, 1, 0)
 
 
+def regular_forward_shape(n, vector):
+    """The regular forward shape of a row of n elements (norm.h's kForwardShapes): a warp row of 1,
+    2 or 4 vectors a lane up to 128 vectors; past it 4 vectors a thread in the fewest threads that
+    hold the row, counted in steps of 32 threads up to 256, of 64 up to 512, then 1024."""
+    vectors = -(-n // vector)
+    if vectors <= 128:
+        return [32, next(v for v in (1, 2, 4) if 32 * v >= vectors)]
+    threads = -(-vectors // 4)
+    step = 32 if threads <= 256 else 64 if threads <= 512 else 1024
+    return [-(-threads // step) * step, 4]
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=dtype_id)
+def test_forward_shape_rule(dtype):
+    """The regular forward shapes (more rows than SMs, or rows not of whole vectors): every row
+    length up to the registers' capacity takes a shape that holds it, with fewer idle slots than
+    one step of threads x 4 vectors (a warp's up to 256 threads, two warps' up to 512), whole warps
+    past a warp row (the block reduction's partials); every shape of the table is reached, each up
+    to exactly its capacity; the sweep's hidden sizes take the shapes without padding where the
+    row's vectors are a multiple of 128; a row one element past 1024 x 4 vectors streams."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    vector = 16 // elem
+    sms = 132
+
+    def shape(rows, n):
+        return OPS.norm_forward_shape(torch.empty(rows, n, dtype=dtype, device="meta"), sms)
+
+    seen = {}
+    for vectors in range(1, 4097):
+        n = vectors * vector
+        got = shape(sms + 1, n)
+        assert got == regular_forward_shape(n, vector), (n, got)
+        threads, per = got
+        idle = threads * per - vectors
+        assert 0 <= idle, (n, got)
+        if threads > 32:
+            assert per == 4 and threads % 32 == 0, (n, got)
+            assert idle < 4 * (32 if threads <= 256 else 64 if threads <= 512 else 512), (n, got, idle)
+        seen[tuple(got)] = max(seen.get(tuple(got), 0), vectors)
+        assert shape(1, n - 1) == regular_forward_shape(n - 1, vector), n  # mid-vector rows: the regular shapes
+    expected = [(32, 1), (32, 2), (32, 4)] + [(t, 4) for t in (64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 1024)]
+    assert sorted(seen) == sorted(expected)
+    for (threads, per), most in seen.items():
+        assert most == threads * per, (threads, per, most)  # every shape filled to its capacity
+    assert shape(sms + 1, 4096 * vector + 1) == []
+    sweep = {2560: [96, 4], 3072: [96, 4], 5120: [160, 4], 6144: [192, 4], 7168: [224, 4], 12288: [384, 4],
+             777: [32, 4], 4099: [160, 4]} if vector == 8 else \
+        {2560: [160, 4], 3072: [192, 4], 5120: [320, 4], 6144: [384, 4], 7168: [448, 4], 12288: [1024, 4], 4099: [320, 4]}
+    for n, want in sweep.items():
+        assert shape(2048, n) == want, (n, shape(2048, n))
+
+
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=dtype_id)
 def test_few_rows_forward_shape_rule(dtype):
     """The row shape a forward launch holds its rows in (norm.h): at most one block an SM (rows <=
     SMs) and rows of whole vectors too long for a warp row take one 16-byte vector a thread, the
     row's vectors rounded up to a power of two (256 threads and up), then 1024-thread rows of 2
-    and 4 vectors; any other launch the regular shapes (4 vectors a thread past a warp row), and
-    past the registers none (streamed)."""
+    and 4 vectors; any other launch the regular shapes (4 vectors a thread past a warp row, in
+    whole warps: test_forward_shape_rule), and past the registers none (streamed)."""
     elem = torch.empty((), dtype=dtype).element_size()
     vector = 16 // elem
     sms = 132
@@ -698,10 +813,7 @@ def test_few_rows_forward_shape_rule(dtype):
         return OPS.norm_forward_shape(torch.empty(rows, n, dtype=dtype, device="meta"), sms)
 
     def regular(n):
-        vectors = -(-n // vector)
-        if vectors <= 128:  # a warp row: 1, 2 or 4 vectors a lane
-            return [32, next(v for v in (1, 2, 4) if 32 * v >= vectors)]
-        return [max(64, 1 << (-(-vectors // 4) - 1).bit_length()), 4]
+        return regular_forward_shape(n, vector)
 
     def few(n):
         vectors = n // vector
@@ -719,7 +831,7 @@ def test_few_rows_forward_shape_rule(dtype):
     assert shape(1, 4096 * vector + vector) == []  # streamed
     if dtype == torch.bfloat16:  # the hidden sizes of the 64-token rows
         assert shape(64, 2560) == [512, 1] and shape(64, 4096) == [512, 1] and shape(64, 16384) == [1024, 2]
-        assert shape(2048, 2560) == [128, 4] and shape(64, 1024) == [32, 4]
+        assert shape(2048, 2560) == [96, 4] and shape(64, 1024) == [32, 4]
     with pytest.raises(RuntimeError, match="norm_forward_shape: sms must be at least 1"):
         OPS.norm_forward_shape(torch.empty(2, 8, device="meta"), 0)
 
@@ -1143,6 +1255,29 @@ def test_sanitizer_small_forward(version):
             for op in NORM_OPS:
                 assert_forward(run(op, x, w, b, 1e-5, version), reference(op, x, w, b, 1e-5), dtype)
             fusion.fused_add_rms_norm(x, r, w)
+
+
+@pytest.mark.cuda
+@pytest.mark.sanitize
+def test_sanitizer_small_whole_warp_forward():
+    """compute-sanitizer's run of the regular shapes of whole warps (one block more than the SMs:
+    not the few-rows shapes): padding slots past the row's end (2560 and 13000 in bfloat16: 96 x 4
+    and 448 x 4), none (5120: 160 x 4), the edge slot of rows not of whole vectors (4099, 777) and
+    rows that start mid-vector; every op and fused_add_rms_norm."""
+    require_cuda()
+    rows = torch.cuda.get_device_properties(0).multi_processor_count + 1
+    for dtype in (torch.float32, torch.bfloat16):
+        for n in (777, 2560, 4099, 5120, 13000):
+            x, w, b, r = make_inputs((rows, n), dtype, "cuda", residual=True)
+            xo = torch.randn(rows * n + 1, device="cuda").to(dtype)[1:].view(rows, n)
+            for op in NORM_OPS:
+                eps = default_eps(op)
+                assert_forward(run(op, x, w, b, eps, None), reference(op, x, w, b, eps), dtype, f"{op} {n}")
+                assert_forward(run(op, xo, w, b, eps, None), reference(op, xo, w, b, eps), dtype, f"{op} offset {n}")
+            y, h = fusion.fused_add_rms_norm(x, r, w)
+            h_ref = rounded_sum(x, r)
+            assert torch.equal(h, h_ref), n
+            assert_forward(y, F.rms_norm(h_ref.double(), (n,), w.double(), 1e-6), dtype, f"fused {n}")
 
 
 @pytest.mark.cuda
