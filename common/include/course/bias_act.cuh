@@ -108,21 +108,39 @@ __device__ __forceinline__ Pack<T, L> load_pack(const T* p) {
   return out;
 }
 
-// One 16-byte store of the L elements (course::store16: one st.global.v4 of the packed words). p
-// is 16-byte aligned (the launchers check).
+// The bits of 2 bytes of T: a 16-bit element as the low half of a word.
+template <typename T>
+__device__ __forceinline__ uint32_t bits16(T v) {
+  uint16_t b;
+  memcpy(&b, &v, sizeof(b));
+  return b;
+}
+
+// One 16-byte store of the L elements of v, as four 32-bit words that the kernel builds itself
+// and one st.global.v4.b32. course::store16 (an int4 copied from the elements) came out of nvcc
+// 13.0 as four st.global.v2.u16 in 16-bit types and as four st.global.f32 in float32 (ptx and
+// SASS of these kernels, sm_90a), four store instructions where one moves the same bytes, in
+// kernels whose instruction budget at copy speed is some 40 an element in bfloat16. p is 16-byte
+// aligned (the launchers check), and global memory. Kept here, not made course::store16: in
+// LayerNorm's forward the same form cost 12 registers a thread and a block an SM (numeric.cuh).
 template <typename T, int L>
-__device__ __forceinline__ void store16_of(T* p, const T (&v)[L]) {
-  static_assert(L == Vec16<T>::kLanes, "one 16-byte vector");
-  Vec16<T> w;
+__device__ __forceinline__ void store16_words(T* p, const T (&v)[L]) {
+  static_assert(L * sizeof(T) == 16, "one 16-byte vector");
+  uint32_t w[4];
+  if constexpr (sizeof(T) == 2) {
 #pragma unroll
-  for (int l = 0; l < L; ++l) w.v[l] = v[l];
-  store16(reinterpret_cast<Vec16<T>*>(p), w);
+    for (int i = 0; i < 4; ++i) w[i] = bits16(v[2 * i]) | (bits16(v[2 * i + 1]) << 16);
+  } else {
+    memcpy(w, v, 16);  // float32 and float64: whole words already
+  }
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3])
+               : "memory");
 }
 
 template <typename T, int L>
 __device__ __forceinline__ void store_pack(T* p, const Pack<T, L>& in) {
   if constexpr (L == Vec16<T>::kLanes) {
-    store16_of<T, L>(p, in.v);
+    store16_words<T, L>(p, in.v);
   } else {
     static_assert(L == 1, "a pack is one element or one 16-byte vector");
     *p = in.v[0];
@@ -401,8 +419,8 @@ __global__ void __launch_bounds__(kFlatThreads)
       zv.v[l] = from_acc<T>(z);
       bits |= static_cast<uint32_t>(relu_passes(z)) << l;
     }
-    store16(reinterpret_cast<Vec16<T>*>(y + first), yv);
-    if (pre != nullptr) store16(reinterpret_cast<Vec16<T>*>(pre + first), zv);
+    store16_words<T, L>(y + first, yv.v);
+    if (pre != nullptr) store16_words<T, L>(pre + first, zv.v);
   }
   if constexpr (kMask) {
     // head == 0 and n % 32 == 0 here (flat_applies): vector v's bits are bits v * L % 32 on of

@@ -48,51 +48,16 @@ __device__ __forceinline__ Vec16<T> load16(const Vec16<T>* p) {
   return v;
 }
 
-// The store is the mirror image only in intent. An int4 copied from the elements (memcpy, then a
-// C++ store), and even an int4 of four words built by shifts, came out of nvcc 13.0 in chapter
-// 4's and 5's bias kernels as four stores (st.global.v2.u16 or st.global.u32 in 16-bit types,
-// st.global.f32 in float32): once the int4 is split into its fields, nothing puts them back
-// together. So store16 builds the four 32-bit words itself (word_of: the elements' bits, packed
-// by shifts) and stores them with one st.global.v4.b32 written out, for every 16-byte type.
-// Chapters 3 and 6 also store into shared memory with it, where st.global would be wrong:
-// __isGlobal picks the instruction. Where the compiler knows the address space (a kernel's pointer
-// arguments are global, a __shared__ array's are shared) the test folds away, and a shared
-// slot gets a plain int4 store, which stays one st.shared.v4; elsewhere it is one isspacep.
-template <typename T>
-__device__ __forceinline__ unsigned int word_of(const Vec16<T>& v, int i) {
-  static_assert(sizeof(T) == 1 || sizeof(T) == 2 || sizeof(T) == 4 || sizeof(T) == 8, "16 bytes of 1-8 byte elements");
-  unsigned int w = 0;
-  if constexpr (sizeof(T) == 8) {
-    unsigned long long d;
-    memcpy(&d, &v.v[i / 2], sizeof(d));
-    w = static_cast<unsigned int>(i % 2 == 0 ? d : d >> 32);  // little-endian: the low word first
-  } else if constexpr (sizeof(T) == 4) {
-    memcpy(&w, &v.v[i], sizeof(w));
-  } else if constexpr (sizeof(T) == 2) {
-    unsigned short lo, hi;
-    memcpy(&lo, &v.v[2 * i], sizeof(lo));
-    memcpy(&hi, &v.v[2 * i + 1], sizeof(hi));
-    w = static_cast<unsigned int>(lo) | (static_cast<unsigned int>(hi) << 16);
-  } else {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      unsigned char b;
-      memcpy(&b, &v.v[4 * i + k], sizeof(b));
-      w |= static_cast<unsigned int>(b) << (8 * k);
-    }
-  }
-  return w;
-}
-
+// The mirror image, for global and shared memory alike. Where nvcc splits it into narrower stores
+// (chapter 4's and 5's bias kernels: four 2- or 4-byte stores in nvcc 13.0), the kernel writes its
+// one st.global.v4 itself (bias_act.cuh's store16_words). Not here: that form, four packed words
+// and an asm store, raised LayerNorm's forward from 60 to 72 registers a thread (ptxas -v, sm_90a;
+// blocks of 256 threads, 4 an SM down to 3), and its 8192 x 8192 forward went 15% slower on an H200.
 template <typename T>
 __device__ __forceinline__ void store16(Vec16<T>* p, const Vec16<T>& v) {
-  const unsigned int w0 = word_of(v, 0), w1 = word_of(v, 1), w2 = word_of(v, 2), w3 = word_of(v, 3);
-  if (__isGlobal(p)) {
-    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(w0), "r"(w1), "r"(w2), "r"(w3) : "memory");
-  } else {
-    const int4 bits = make_int4(static_cast<int>(w0), static_cast<int>(w1), static_cast<int>(w2), static_cast<int>(w3));
-    *reinterpret_cast<int4*>(p) = bits;
-  }
+  int4 bits;
+  memcpy(&bits, &v, sizeof(bits));
+  *reinterpret_cast<int4*>(p) = bits;
 }
 
 // The kLanes = 16 / sizeof(T) elements from p on, where p is any element address, not
