@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import fusion
 from coursekit.pytest_plugin import (DTYPES, assert_misplaced, assert_within, capture_and_replay, dtype_id, floor,
-                                     launched_kernels, poison_allocator, require_cuda, shape_id)
+                                     launched_kernels, poison_allocator, replayed_outputs, require_cuda, shape_id)
 from fusion import _elementwise
 
 EW_VERSIONS = _elementwise.VERSIONS
@@ -910,18 +910,8 @@ def test_bias_gradient_finished_in_kernel(dtype):
             _, kernels = launched_kernels(step, "course")
             assert any("column_reduce" in k for k in kernels) in second, (shape, second, kernels)
         finished += all(t[5] for t in tilings)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            step()  # the warm-up a capture needs
-        torch.cuda.current_stream().wait_stream(stream)
-        with torch.cuda.graph(graph):
-            captured = step()
-        for replay in range(2):
-            graph.replay()
-            torch.cuda.synchronize()
+        replays = replayed_outputs(step, 2)
+        for replay, captured in enumerate(replays):
             assert all(torch.equal(c, e) for c, e in zip(captured, eager)), (shape, replay)
     assert finished >= 2, "no shape here finishes its bias gradient in the kernel"
 
@@ -1171,18 +1161,8 @@ def test_bias_ops_under_a_cuda_graph(dtype):
             return y.detach(), dx, db, h.detach(), dxh, dbh
 
         eager = step()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            step()  # the warm-up a capture needs
-        torch.cuda.current_stream().wait_stream(stream)
-        with torch.cuda.graph(graph):
-            captured = step()
-        for replay in range(2):
-            graph.replay()
-            torch.cuda.synchronize()
+        replays = replayed_outputs(step, 2)
+        for replay, captured in enumerate(replays):
             assert all(torch.equal(c, e) for c, e in zip(captured, eager)), (shape, replay)
 
 

@@ -329,10 +329,9 @@ def test_fused_add_rms_norm_gradients_of_either_output(used, device):
     assert_grad(gw, dw_ref, torch.float32, f"{used}: dweight")
 
 
-def test_fused_add_rms_norm_backward_is_one_op(device):
-    """The gradient of h is added inside rms_norm_backward (dsum), not by an add after it: the
-    backward through autograd calls fusion::rms_norm_backward and no elementwise add, and never
-    fills a tensor of zeros for a gradient."""
+def dispatched_ops(call):
+    """The ops call() dispatches, by name ("fusion.rms_norm_backward", "aten.zeros_like", ...), in
+    order: what a backward through autograd really launches, read off the dispatcher."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Log(TorchDispatchMode):
@@ -344,13 +343,21 @@ def test_fused_add_rms_norm_backward_is_one_op(device):
             self.ops.append(str(func.overloadpacket))
             return func(*args, **(kwargs or {}))
 
+    with Log() as log:
+        call()
+    return log.ops
+
+
+def test_fused_add_rms_norm_backward_is_one_op(device):
+    """The gradient of h is added inside rms_norm_backward (dsum), not by an add after it: the
+    backward through autograd calls fusion::rms_norm_backward and no elementwise add, and never
+    fills a tensor of zeros for a gradient."""
     x, w, _, r = make_inputs((5, 64), torch.float32, device, residual=True)
     xs, rs, ws = (t.clone().requires_grad_() for t in (x, r, w))
     y, h = fusion.fused_add_rms_norm(xs, rs, ws)
-    with Log() as log:
-        torch.autograd.grad((y, h), (xs, rs, ws), (torch.randn_like(y), torch.randn_like(h)))
-    assert "fusion.rms_norm_backward" in log.ops, log.ops
-    assert not [o for o in log.ops if o in ("aten.add", "aten.add_", "aten.zeros_like", "aten.fill_", "aten.zero_")], log.ops
+    ops = dispatched_ops(lambda: torch.autograd.grad((y, h), (xs, rs, ws), (torch.randn_like(y), torch.randn_like(h))))
+    assert "fusion.rms_norm_backward" in ops, ops
+    assert not [o for o in ops if o in ("aten.add", "aten.add_", "aten.zeros_like", "aten.fill_", "aten.zero_")], ops
 
 
 @pytest.mark.parametrize("op", ("layer_norm", "rms_norm"))
@@ -359,26 +366,14 @@ def test_norm_backward_fills_no_zeros(op, device):
     the Function does not materialize zeros for them: the backward through autograd calls the op's
     backward and nothing that makes or fills a tensor of zeros (a fill kernel a statistic, each a
     launch of its own before the backward's at few rows)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Log(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func.overloadpacket))
-            return func(*args, **(kwargs or {}))
-
     x, w, b, _ = make_inputs((5, 64), torch.float32, device)
     xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
     inputs = (xs, ws, bs) if op == "layer_norm" else (xs, ws)
     y = fusion.layer_norm(xs, ws, bs) if op == "layer_norm" else fusion.rms_norm(xs, ws)
-    with Log() as log:
-        torch.autograd.grad(y, inputs, torch.randn_like(y))
-    assert f"fusion.{op}_backward" in log.ops, log.ops
+    ops = dispatched_ops(lambda: torch.autograd.grad(y, inputs, torch.randn_like(y)))
+    assert f"fusion.{op}_backward" in ops, ops
     zeros = ("aten.zeros", "aten.zeros_like", "aten.new_zeros", "aten.fill_", "aten.zero_")
-    assert not [o for o in log.ops if o in zeros], log.ops
+    assert not [o for o in ops if o in zeros], ops
 
 
 # Rows and widths at the edges of the row shapes and of the launches (norm.h): one row, a warp's

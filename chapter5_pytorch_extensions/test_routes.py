@@ -23,7 +23,8 @@ import pytest
 import torch
 
 import custom_ops
-from coursekit.pytest_plugin import DTYPES, assert_misplaced, assert_within, dtype_id, floor, require_cuda, shape_id
+from coursekit.pytest_plugin import (DTYPES, assert_misplaced, assert_within, dtype_id, floor, replayed_outputs,
+                                      require_cuda, shape_id)
 from custom_ops import _C
 
 ROUTES = custom_ops.ROUTES
@@ -422,18 +423,8 @@ def test_fused_op_at_edge_rows_and_widths(dtype):
             return (out.detach(), *torch.autograd.grad(out, (xg, bg), dy))
 
         eager = step()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            step()  # the warm-up a capture needs
-        torch.cuda.current_stream().wait_stream(stream)
-        with torch.cuda.graph(graph):
-            captured = step()
-        for replay in range(2):
-            graph.replay()
-            torch.cuda.synchronize()
+        replays = replayed_outputs(step, 2)
+        for replay, captured in enumerate(replays):
             assert all(torch.equal(c, e) for c, e in zip(captured, eager)), (shape, replay)
 
 

@@ -64,11 +64,9 @@ def assert_within(out, expected, bound, what=""):
                              f"allowed {bound[at].item():.3g}")
 
 
-def capture_and_replay(step):
-    """(captured, expected): step() once eagerly on a side stream (the warm-up a capture needs:
-    lazy initialisation and allocator growth happen outside it), then captured into a CUDA graph
-    and replayed once. A kernel that syncs, allocates outside the graph's pool or ignores the
-    current stream fails the capture or gives other results than the eager call."""
+def _capture(step):
+    """(graph, captured, expected): step() once eagerly on a side stream (the warm-up a capture
+    needs: lazy initialisation and allocator growth happen outside it), then captured."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -77,9 +75,31 @@ def capture_and_replay(step):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = step()
+    return graph, captured, expected
+
+
+def capture_and_replay(step):
+    """(captured, expected): step() once eagerly on a side stream, then captured into a CUDA graph
+    and replayed once. A kernel that syncs, allocates outside the graph's pool or ignores the
+    current stream fails the capture or gives other results than the eager call."""
+    graph, captured, expected = _capture(step)
     graph.replay()
     torch.cuda.synchronize()
     return captured, expected
+
+
+def replayed_outputs(step, replays):
+    """[outputs after replay 1, ..., after replay `replays`] of step() captured into one CUDA
+    graph, each a tuple of clones (the graph's outputs are overwritten by the next replay). For
+    kernels that keep state across launches, counters a graph node must zero before each one: a
+    replay that finds them as the last one left them answers differently."""
+    graph, captured, _ = _capture(step)
+    outputs = []
+    for _ in range(replays):
+        graph.replay()
+        torch.cuda.synchronize()
+        outputs.append(tuple(t.clone() for t in captured))
+    return outputs
 
 
 def assert_misplaced(call, message, *inputs):
