@@ -718,18 +718,25 @@ def hopper_configs(record):
 
 
 def _hopper_file(record, name):
-    """A text file the part 3 GPU runs wrote beside the record (same device slug), or None."""
-    path = results.RESULTS_DIR / results.device_slug(record["device"]) / name
-    return path if path.exists() else None
+    """A text file a part 3 GPU run wrote, and the card it ran on: the one beside the record (same
+    device slug) if there is one, else the one beside the newest record of another card that has
+    it (a probe is run less often than the benchmark, so the newest benchmark may come from a card
+    the probe has not run on yet). (None, None) if no card has it."""
+    own = results.device_slug(record["device"])
+    for slug, other in [(own, record)] + [sr for sr in results.load_all(record["chapter"]) if sr[0] != own]:
+        path = results.RESULTS_DIR / slug / name
+        if path.exists():
+            return path, other["device"]["name"]
+    return None, None
 
 
 def hopper_profile(record):
     """profile_attention.py --only on the Hopper rungs, tuned and sdpa_cudnn at d128 (its printed
     table, results/<gpu>/chapter6_hopper_profile.txt): time and TFLOP/s under ncu, registers,
     shared memory, the tensor pipes' busy share, the top stall."""
-    path = _hopper_file(record, "chapter6_hopper_profile.txt")
+    path, card = _hopper_file(record, "chapter6_hopper_profile.txt")
     if path is None:
-        return "(no Hopper profile recorded beside the newest results)"
+        return "(no Hopper profile recorded)"
     lines = ["| variant | causal | ms under ncu | TFLOP/s | registers | shared KiB | tensor pipes busy | top stall (warps per issue) |",
              "|---|---|---|---|---|---|---|---|"]
     header = None
@@ -743,17 +750,17 @@ def hopper_profile(record):
                          if v.startswith(f[1])), f[1])
             lines.append(f"| `{f[1]}` | {f[3]} | {f[5]} | {float(f[6]):.0f} | {f[7]} | {f[8]} | {f[12]}% | "
                          f"{f[14]} {f[15]} |")
-    lines += ["", f"{header or 'ncu'}; `{path.relative_to(results.RESULTS_DIR.parent)}` ({record['device']['name']})."]
+    lines += ["", f"{header or 'ncu'}; `{path.relative_to(results.RESULTS_DIR.parent)}` ({card})."]
     return "\n".join(lines)
 
 
 def hopper_power(record):
     """experiments/power_probe.py: 4-second bursts of each forward at b2 h16 s8192 d128, its
     TFLOP/s beside the SM clock and power nvidia-smi logged during the burst."""
-    probe = _hopper_file(record, "chapter6_hopper_power_probe.txt")
-    smi = _hopper_file(record, "chapter6_hopper_power_probe_smi.csv")
-    if probe is None or smi is None:
-        return "(no power probe recorded beside the newest results)"
+    probe, card = _hopper_file(record, "chapter6_hopper_power_probe.txt")
+    smi, smi_card = _hopper_file(record, "chapter6_hopper_power_probe_smi.csv")
+    if probe is None or smi is None or smi_card != card:
+        return "(no power probe recorded)"
     import csv
     def seconds(hms):
         h, m, sec = (float(x) for x in hms.split(":"))
@@ -771,7 +778,7 @@ def hopper_power(record):
         clock = sum(c for c, _ in during) / len(during) if during else float("nan")
         power = sum(w for _, w in during) / len(during) if during else float("nan")
         lines.append(f"| {i + 1} | `{f[1]}` | {f[-2]} | {clock:.0f} | {power:.0f} |")
-    lines += ["", f"{record['device']['name']}; `experiments/power_probe.py` and nvidia-smi every 0.5 s "
+    lines += ["", f"{card}; `experiments/power_probe.py` and nvidia-smi every 0.5 s "
               "(results/<gpu>/chapter6_hopper_power_probe.txt, _smi.csv)."]
     return "\n".join(lines)
 
@@ -780,9 +787,9 @@ def hopper_persistent(record):
     """experiments/persistent_probe.py: pingpong, persistent and sdpa_cudnn at seven shapes, each a
     CUDA graph, interleaved over 7 rounds (results/<gpu>/chapter6_persistent_probe.txt)."""
     import re
-    probe = _hopper_file(record, "chapter6_persistent_probe.txt")
+    probe, card = _hopper_file(record, "chapter6_persistent_probe.txt")
     if probe is None:
-        return "(no persistent probe recorded beside the newest results)"
+        return "(no persistent probe recorded)"
     text = probe.read_text().splitlines()
     lines = ["| shape (bf16, forward) | `pingpong` TFLOP/s | `persistent` TFLOP/s | `sdpa_cudnn` TFLOP/s | "
              "persistent / pingpong | persistent / cuDNN | same bits |", "|---|---|---|---|---|---|---|"]
@@ -794,7 +801,7 @@ def hopper_persistent(record):
             lines.append(f"| {name} | " + " | ".join(c[0] for c in cells) +
                          f" | {ratios[0]}x | {ratios[1]}x | {line.split()[-1]} |")
     # the import's build line comes first when the extension was JIT-loaded: the header is the "#" line
-    header = next((line.lstrip("# ") for line in text if line.startswith("#")), record["device"]["name"])
+    header = next((line.lstrip("# ") for line in text if line.startswith("#")), card)
     lines += ["", f"{header}; `experiments/persistent_probe.py` (results/<gpu>/chapter6_persistent_probe.txt)."]
     return "\n".join(lines)
 
