@@ -424,8 +424,9 @@ __global__ void __launch_bounds__(K::kThreads, 1)
           // Every row below the context and every page in the cache (load_kv's test, once per tile):
           // no bound to check and nothing zero-filled. A page's first row of the thread is one
           // multiply-add of the page's slot onto the piece's address at row in_page0, its other rows
-          // (kRowStep apart) one constant step each from there (a 64-bit add in the SASS); every row's
-          // address is a value of its own, computed before the copies, none waiting for another's.
+          // (kRowStep apart) one constant step each from there (a 64-bit add in the SASS). Written as
+          // all of the tile's addresses first, so that no row's address is built from the one before
+          // (ptxas still interleaves them with the copies, two register pairs in turn).
           const uint64_t at0 = mad_wide_u32(static_cast<uint32_t>(in_page0), row_bytes, src0);
           // Pages of fewer than kRowStep rows (8): the thread's pages are page0 + 2 j, and page0 is
           // the warp's (its 32 lanes are 4 consecutive rows, in one page), so one shuffle down by
