@@ -444,14 +444,17 @@ def test_cuda_persistent_matches_reference(dtype, head_dim, block_size):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("block_size,heads_kv,head_dim", [(8, 2, 128), (16, 2, 128), (32, 1, 64), (64, 4, 128),
-                                                          (128, 2, 64), (256, 2, 128)])
+@pytest.mark.parametrize("block_size,heads_kv,head_dim", [(8, 2, 128), (8, 1, 64), (16, 2, 128), (16, 8, 64),
+                                                          (32, 1, 64), (32, 2, 128), (64, 4, 128), (128, 2, 64),
+                                                          (256, 2, 128)])
 def test_cuda_persistent_is_attention_varlen(block_size, heads_kv, head_dim):
     """Rung persistent is attention_varlen's persistent kernel with the keys read through the table:
     the same consumers on the same keys in the same order (the rows past a context are zeros or the
     cache's bytes here and the next sequence's there, masked either way), so the same bits as
     attention_varlen on the keys gathered contiguous, whichever way the producer loads the pages
-    (cp.async at 8, 16 and 32 rows, TMA boxes from 64 up)."""
+    (cp.async at 8, 16 and 32 rows, each at both head dims: one 64-column chunk a row or two; TMA
+    boxes from 64 up). The batch's contexts hold key tiles wholly inside the context (the gather's
+    unchecked copies) and partial last tiles (its checked ones), at multiples of 128 and off them."""
     require_hopper()
     chunks, contexts = persistent_batch()
     query, key_cache, value_cache, tables, cu, lens = make_prefill(chunks, contexts, block_size, 8, heads_kv,
@@ -481,7 +484,8 @@ def test_cuda_persistent_blocks_outside_the_cache_read_as_zeros(dtype, head_dim,
     witness is the same call over the cache with one zero block appended and those ids pointing at
     it: the same bits, and the float64 reference's answer there. Chunks of 1, 17, 127 and 129 tokens
     after contexts off the page size, the tables shuffled (make_tables) with junk past every context,
-    GQA 4:1."""
+    GQA 4:1. Sequences 0 and 3 hold their bad id in a key tile that is not their last: the gather
+    copies such a tile with its rows checked, as it does a partial last tile."""
     require_hopper()
     chunks, contexts = [1, 17, 127, 129, 17], [300, 17 + 45, 127 + 3 * block_size + 1, 129 + 200, 40]
     query, key_cache, value_cache, tables, cu, lens = make_prefill(chunks, contexts, block_size, 8, 2, head_dim,

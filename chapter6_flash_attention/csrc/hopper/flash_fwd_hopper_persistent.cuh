@@ -363,66 +363,108 @@ __global__ void __launch_bounds__(K::kThreads, 1)
           prefetch_global_l1(p.block_tables + it.k_row + page);
       };
       // Gathering: key tile i of the item, K or V, by the 128 producer threads with cp.async, 16 bytes
-      // each, completing on `full`. Thread t copies 16-byte piece t % kRowPieces of rows
-      // t / kRowPieces + kRowStep k: a row's 256 bytes (d128) are 16 consecutive lanes, one
-      // contiguous read, and its piece's place is fixed: piece c of row r lands in 64-column half
-      // c / 8, row r, at 16-byte slot (c % 8) ^ (r % 8), the 128-byte swizzle that TMA writes (its
-      // pattern by the shared-memory address, the rows 128 bytes apart from a 1024-byte-aligned
-      // stage) and the consumers' descriptors read; kRowStep is a multiple of 8, so r % 8 is the
-      // thread's for every row. A row at or past the context or in a block outside the cache is
-      // copied with a source size of 0: 16 zero bytes, nothing read (the TMA path's rows past the
-      // context in the last page are the cache's bytes; zeros here, masked alike).
+      // a copy, completing on `full`. Thread t copies 16-byte piece c = t % 8 of every 64-column
+      // chunk (K::kChunks: 1 at d64, 2 at d128) of rows r0 + kRowStep k, r0 = t / 8, kRowStep = 16:
+      // 8 consecutive lanes read a chunk's 128 contiguous bytes of a row, and a piece's place is
+      // fixed: piece c of row r lands in its chunk, row r, at 16-byte slot c ^ (r % 8), the 128-byte
+      // swizzle that TMA writes (its pattern by the shared-memory address, the rows 128 bytes apart
+      // from a 1024-byte-aligned stage) and the consumers' descriptors read; kRowStep is a multiple of
+      // 8, so r % 8 is the thread's for every row. A row at or past the context or in a block
+      // outside the cache is copied with a source size of 0: 16 zero bytes, nothing read (the TMA
+      // path's rows past the context in the last page are the cache's bytes; zeros here, masked
+      // alike).
       //
-      // The copies are the producer's whole cost: a warp issues kBN / kRowStep of them per tile for K
-      // and as many for V (32 at d128) and nothing else, one warp per scheduler, so the instructions
-      // in front of each copy, not the bytes, set the tile's pace. `firsts` holds, in lane j, page j
-      // of the tile's first slot in the cache (block id x block_size), or -1 for a page with no valid
-      // rows (load_kv resolves it once per tile for K and V both). The page size is a template
-      // parameter (kShift = log2 block_size: 8, 16, 32 rows, the only sizes that gather), so every
-      // row's page and its row there are constants of the unrolled loop plus the thread's r0: a
-      // page's slot is one shuffle for all of the thread's rows in it, and a row costs an add, a
-      // compare, a select and one wide multiply-add into the copy's address (7-9 instructions a copy
-      // in the SASS, the page's shuffle included). (Before, with the page
-      // size a runtime value, each row paid its own shift, shuffle, bounds checks and 64-bit address
-      // arithmetic, ~24 instructions in one dependent chain in front of every copy: the producer
-      // took about twice a tile's products to issue a tile, and the consumers waited on the full
-      // barriers: NOTES.md, paged prefill.)
-      auto gather_tile = [&](auto shift_tag, unsigned char* dst, const void* cache, int i, int32_t firsts,
-                             uint64_t* full) {
+      // The copies are the producer's whole cost: a thread issues kBN / kRowStep x kChunks of them
+      // per tile for K and as many for V (32 at d128), one producer warp per scheduler, so the
+      // instructions in front of each copy, not the bytes, set the tile's pace. `firsts` holds, in
+      // lane j, page j of the tile's first slot in the cache (block id x block_size), or -1 for a
+      // page with no valid rows (load_kv resolves it once per tile for K and V both). The page size
+      // is a template parameter (kShift = log2 block_size: 8, 16, 32 rows, the only sizes that
+      // gather), so every row's page and its row there are constants of the unrolled loop plus the
+      // thread's r0: a page's slot is one shuffle for all of the thread's rows in it. A row's chunks
+      // are 128 bytes apart in the cache and kBN x 128 in the stage, both immediate offsets of the
+      // copy, so one address serves a row's kChunks copies. Whole tiles (every row below the
+      // context, every page in the cache: all of an item's tiles but a last partial one) skip the
+      // bounds: a page is a shuffle and a multiply-add, its other rows an add each, and a copy
+      // needs nothing more (3-4 SASS instructions a copy at d128, shuffles included). (Before: a
+      // thread per piece of a row, 16 a row at d128, so one address a copy, each behind its own
+      // compare and select: 9 instructions a copy, the producer's tile longer than the consumers'
+      // products at 8-32 rows; and before that, with the page size a runtime value, ~24 in one
+      // dependent chain: NOTES.md, paged prefill.)
+      auto gather_tile = [&](auto shift_tag, auto whole_tag, unsigned char* dst, const void* cache, int i,
+                             int32_t firsts, uint64_t* full) {
         constexpr int kShift = decltype(shift_tag)::value, kPageRows = 1 << kShift;
-        constexpr int kRowPieces = K::kHeadDim * 2 / 16;
-        constexpr int kRowStep = K::kProducerThreads / kRowPieces;
+        constexpr bool kWhole = decltype(whole_tag)::value;
+        constexpr int kChunks = K::kChunks;
+        constexpr int kRowStep = K::kProducerThreads / 8;  // 8 threads a row
         static_assert(!kVarlen || (kRowStep % 8 == 0 && kBN % kRowStep == 0), "whole swizzle periods per pass");
         static_assert(kBN % kPageRows == 0 && kPageRows >= 8, "pages that divide the tile (the rule's)");
+        static_assert(kPageRows % 4 == 0, "a warp's 4 rows (32 lanes, 8 a row) in one page: page0 is the warp's");
         // The thread's rows in one page (kRowStep apart), and the page of its first row: a page of at
         // most kRowStep rows holds one of them (page (r0 + kRowStep k) >> kShift), a longer one
         // kPageRows / kRowStep, consecutive k (its first row's r0 < kRowStep then adds no page).
         constexpr int kRowsPerPage = kPageRows > kRowStep ? kPageRows / kRowStep : 1;
         constexpr int kRows = kBN / kRowStep;
-        const int piece = threadIdx.x % kRowPieces, r0 = threadIdx.x / kRowPieces;
-        const int page0 = kPageRows > kRowStep ? 0 : r0 >> kShift;
+        const int piece = threadIdx.x % 8, r0 = threadIdx.x / 8;
+        const int page0 = kPageRows >= kRowStep ? 0 : r0 >> kShift;  // r0 < kRowStep: a constant 0 there
         const int in_page0 = r0 & (kPageRows - 1);
-        // Rows below the context, less r0: row r0 + kRowStep k is copied iff kRowStep k < left.
-        const int left = static_cast<int>(it.seqlen_k) - (it.first_tile + i) * kBN - r0;
         const uint32_t row_bytes = static_cast<uint32_t>(p.heads_kv) * K::kHeadDim * 2;  // a token, every kv head
         // The piece's address in slot 0, as an integer: each row's address is then one multiply-add.
         const uint64_t src0 = reinterpret_cast<uintptr_t>(cache) + it.hk * K::kHeadDim * 2 + piece * 16;
-        const uint32_t dst0 = smem_addr(dst) + (piece / 8) * kBN * 128 + r0 * 128 + (((piece % 8) ^ (r0 % 8)) << 4);
+        const uint32_t dst0 = smem_addr(dst) + r0 * 128 + ((piece ^ (r0 % 8)) << 4);
+        // Row k's copies, one per chunk, from the address of the thread's piece in the row's first chunk.
+        auto copy_row = [&](int k, uint64_t src, bool valid) {
 #pragma unroll
-        for (int j = 0; j < kRows / kRowsPerPage; ++j) {
-          // Every lane of the warp is here (the whole producer walks the same tiles): a full mask.
-          const int first =
-              __shfl_sync(0xffffffffu, firsts, page0 + ((j * kRowsPerPage * kRowStep) >> kShift));
+          for (int c = 0; c < kChunks; ++c) {
+            mma::cp_async_16(dst0 + c * kBN * 128 + k * kRowStep * 128, reinterpret_cast<const void*>(src + c * 128),
+                             valid);
+          }
+        };
+        if constexpr (kWhole) {
+          // Every row below the context and every page in the cache (load_kv's test, once per tile):
+          // no bound to check and nothing zero-filled. A page's first row of the thread is one
+          // multiply-add of the page's slot onto the piece's address at row in_page0, its other rows
+          // (kRowStep apart) one constant step each from there (a 64-bit add in the SASS). Written as
+          // all of the tile's addresses first, so that no row's address is built from the one before
+          // (ptxas still interleaves them with the copies, two register pairs in turn).
+          const uint64_t at0 = mad_wide_u32(static_cast<uint32_t>(in_page0), row_bytes, src0);
+          // Pages of fewer than kRowStep rows (8): the thread's pages are page0 + 2 j, and page0 is
+          // the warp's (its 32 lanes are 4 consecutive rows, in one page), so one shuffle down by
+          // page0 lets every later shuffle name its lane as a constant (a lane index held in a
+          // register per page otherwise).
+          const int32_t mine = kPageRows >= kRowStep ? firsts : __shfl_down_sync(0xffffffffu, firsts, page0);
+          uint64_t rows[kRows];
 #pragma unroll
-          for (int q = 0; q < kRowsPerPage; ++q) {
-            const int k = j * kRowsPerPage + q;
-            const bool valid = k * kRowStep < left && first >= 0;
-            // Slot first + the row's place in its page (in_page0 + (kRowStep k mod kPageRows): r0 <
-            // kRowStep, so no carry), below num_blocks x block_size <= INT_MAX (the launcher): the
-            // unsigned 32 x 32 + 64-bit multiply-add of one instruction.
-            const uint32_t slot = valid ? static_cast<uint32_t>(first + in_page0 + ((k * kRowStep) & (kPageRows - 1))) : 0u;
-            mma::cp_async_16(dst0 + k * kRowStep * 128,
-                             reinterpret_cast<const void*>(src0 + static_cast<uint64_t>(slot) * row_bytes), valid);
+          for (int j = 0; j < kRows / kRowsPerPage; ++j) {
+            // Every lane of the warp is here (the whole producer walks the same tiles): a full mask.
+            const uint32_t first =
+                static_cast<uint32_t>(__shfl_sync(0xffffffffu, mine, (j * kRowsPerPage * kRowStep) >> kShift));
+            rows[j * kRowsPerPage] = mad_wide_u32(first, row_bytes, at0);
+#pragma unroll
+            for (int q = 1; q < kRowsPerPage; ++q)
+              rows[j * kRowsPerPage + q] = mad_wide_u32(row_bytes, q * kRowStep, rows[j * kRowsPerPage]);
+          }
+#pragma unroll
+          for (int k = 0; k < kRows; ++k) copy_row(k, rows[k], true);
+        } else {
+          // The item's last tile, or a page outside the cache: each row checked. Rows below the
+          // context, less r0: row r0 + kRowStep k is copied iff kRowStep k < left.
+          const int left = static_cast<int>(it.seqlen_k) - (it.first_tile + i) * kBN - r0;
+#pragma unroll
+          for (int j = 0; j < kRows / kRowsPerPage; ++j) {
+            const int first =
+                __shfl_sync(0xffffffffu, firsts, page0 + ((j * kRowsPerPage * kRowStep) >> kShift));
+#pragma unroll
+            for (int q = 0; q < kRowsPerPage; ++q) {
+              const int k = j * kRowsPerPage + q;
+              const bool valid = k * kRowStep < left && first >= 0;
+              // Slot first + the row's place in its page (in_page0 + (kRowStep k mod kPageRows): r0 <
+              // kRowStep, so no carry), below num_blocks x block_size <= INT_MAX (the launcher): the
+              // unsigned 32 x 32 + 64-bit multiply-add of one instruction.
+              const uint32_t slot =
+                  valid ? static_cast<uint32_t>(first + in_page0 + ((k * kRowStep) & (kPageRows - 1))) : 0u;
+              copy_row(k, src0 + static_cast<uint64_t>(slot) * row_bytes, valid);
+            }
           }
         }
         cp_async_mbarrier_arrive_noinc(full);
@@ -449,9 +491,20 @@ __global__ void __launch_bounds__(K::kThreads, 1)
           // The item's last tile: the next item's first, loaded once it is drawn.
           if (i + 1 < it.n_tiles) pages = tile_pages(i + 1);
           if (i + 2 < it.n_tiles) prefetch_pages(i + 2);
+          // Whole: every row of the tile below the context and every page's id in the cache (a vote
+          // over the lanes holding the tile's pages), the walk's every tile but an item's last one
+          // (of a context that is not a multiple of kBN) in a well-formed table.
+          const int lane = static_cast<int>(threadIdx.x % 32);
+          const bool whole = (it.first_tile + i + 1) * kBN <= static_cast<int>(it.seqlen_k) &&
+                             __all_sync(0xffffffffu, firsts >= 0 || lane >= (kBN >> shift));
           auto both = [&](auto shift_tag) {
-            gather_tile(shift_tag, k_dst, p.k, i, firsts, &k_full[stage]);
-            gather_tile(shift_tag, v_dst, p.v, i, firsts, &v_full[stage]);
+            if (whole) {
+              gather_tile(shift_tag, std::true_type{}, k_dst, p.k, i, firsts, &k_full[stage]);
+              gather_tile(shift_tag, std::true_type{}, v_dst, p.v, i, firsts, &v_full[stage]);
+            } else {
+              gather_tile(shift_tag, std::false_type{}, k_dst, p.k, i, firsts, &k_full[stage]);
+              gather_tile(shift_tag, std::false_type{}, v_dst, p.v, i, firsts, &v_full[stage]);
+            }
           };
           // The three page sizes that gather (8, 16, 32 rows: tile_schedule.h's rule at kBN 64 or 128).
           if (shift == 3) {

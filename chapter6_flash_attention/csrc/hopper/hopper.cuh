@@ -73,6 +73,14 @@ __device__ __forceinline__ void cp_async_mbarrier_arrive_noinc(uint64_t* bar) {
 __device__ __forceinline__ void prefetch_global_l1(const void* ptr) {
   asm volatile("prefetch.global.L1 [%0];" ::"l"(ptr));
 }
+// a x b + c, 32 x 32 bits to 64 plus 64: one IMAD.WIDE.U32, the paged gather's address step. Written
+// in C++, the compiler may first add a to another 32-bit term of the sum in 64 bits (five
+// instructions in front of every page's copies); in PTX the product is added as written.
+__device__ __forceinline__ uint64_t mad_wide_u32(uint32_t a, uint32_t b, uint64_t c) {
+  uint64_t d;
+  asm("mad.wide.u32 %0, %1, %2, %3;" : "=l"(d) : "r"(a), "r"(b), "l"(c));
+  return d;
+}
 // Wait until the phase with this parity has completed. try_wait suspends the thread for a
 // while inside the instruction before it reports "not yet", so the loop does not hammer shared
 // memory. Parity, not a phase count: trip n of a ring of S stages waits for parity (n / S) & 1.

@@ -34,8 +34,9 @@ FLASH_ATTENTION_HD constexpr bool paged_prefill_hopper_block_size(int64_t block_
 // whole budget), 0.85 us at 64. Below kPagedPrefillTmaRows rows the producer warpgroup gathers
 // the tile itself with cp.async instead (16 bytes a thread and instruction, 32 per thread and tile
 // at d128, each page's slot resolved once per tile), which costs no box at all; its pace is then the
-// instructions in front of each copy, a few with the page size a compile-time constant there:
-// flash_fwd_hopper_persistent.cuh's gather_tile.
+// instructions in front of each copy: with the page size a compile-time constant there, one
+// address per row for both of its 64-column chunks, and no bound to check on the tiles wholly
+// inside the context, about three a copy (flash_fwd_hopper_persistent.cuh's gather_tile).
 inline constexpr int kPagedPrefillTmaRows = 64;
 FLASH_ATTENTION_HD constexpr bool paged_prefill_hopper_gathers(int64_t block_size, int block_n) {
   return paged_prefill_hopper_block_size(block_size, block_n) && block_size < kPagedPrefillTmaRows;
