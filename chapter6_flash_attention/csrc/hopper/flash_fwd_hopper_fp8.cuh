@@ -70,10 +70,6 @@ struct HopperFp8Traits {
   static constexpr int kVBytes = kHeadDim * kBlockN;   // one stage of V^T: head_dim rows of kBlockN keys
   static constexpr int kSmemBytes = kQBytes + kStages * (kKBytes + kVBytes) + 1024;  // + 1024-byte alignment
   static constexpr int kExpBias = 8;  // P is computed as 2^8 P (above)
-  // P's register buffers (the kernel's step says why two): at 192 keys S (96), O (64) and two P (48)
-  // leave the 240 registers of a consumer too few (ptxas -v, d = 128: 256 bytes spilled), so that
-  // tile packs P into the one buffer after waiting for the P V that reads it, FlashAttention 3's order.
-  static constexpr int kPBuffers = kBlockN == 128 ? 2 : 1;
   static_assert(kHeadDim == 64 || kHeadDim == 128, "a Q or K row must be one 64- or 128-byte swizzle row");
   static_assert(kBlockN == 128 || kBlockN == 192, "the e4m3 wgmma widths hopper::WgmmaFp8 has (and below)");
   static_assert(kBlockN % kVtKeys == 0 && kVtKeys % 32 == 0, "V^T's boxes tile the key tile, k32 steps each box");
@@ -364,9 +360,7 @@ __global__ void __launch_bounds__(K::kThreads, 1)
   // registers as free once it has issued (fence_operands emits no PTX), and it merged such a copy
   // into the very registers the running P V reads. With two buffers nothing is written to the
   // running P V's registers before its wait (checked in the SASS: NOTES.md).
-  uint32_t pf[K::kPBuffers][kBN / 32][4];
-  // The buffer of a step's parity (0 for both with one buffer).
-  auto pbuf = [](auto buf) { return std::integral_constant<int, K::kPBuffers == 1 ? 0 : decltype(buf)::value>{}; };
+  uint32_t pf[2][kBN / 32][4];
   float row_max[2] = {-INFINITY, -INFINITY};
   float row_sum[2] = {0.f, 0.f};
 
@@ -381,7 +375,7 @@ __global__ void __launch_bounds__(K::kThreads, 1)
     hopper_fp8::issue_qk<K>(s, desc_q, desc_advance(desc_k, stage * K::kKBytes));
   };
   auto issue_pv = [&](int stage, auto buf) {
-    hopper_fp8::issue_pv<K>(o, pf[pbuf(buf).value], desc_advance(desc_vt, stage * K::kVBytes));
+    hopper_fp8::issue_pv<K>(o, pf[buf.value], desc_advance(desc_vt, stage * K::kVBytes));
   };
   auto softmax = [&](auto mask_tag, int i, float (&corr)[2]) {
     hopper_fwd::online_softmax<K, K::kExpBias>(mask_tag, s, row_max, row_sum, corr, p, row0, diag, i, t, scale_log2);
@@ -395,7 +389,7 @@ __global__ void __launch_bounds__(K::kThreads, 1)
 #pragma unroll
     for (int j = 0; j < kORegs; ++j) o[j] *= corr[(j >> 1) & 1];
   };
-  auto pack_p = [&](auto buf) { pack_p_fp8<K>(pf[pbuf(buf).value], s, lane); };
+  auto pack_p = [&](auto buf) { pack_p_fp8<K>(pf[buf.value], s, lane); };
   auto release = [&](int stage) {
     if (lane == 0) mbarrier_arrive(&kv_empty[stage]);
   };
@@ -452,7 +446,7 @@ __global__ void __launch_bounds__(K::kThreads, 1)
       mbarrier_wait(&k_full[stage], (i / kStages) & 1);
       wgmma_wait<0>();  // tile i - 2's P V, issued by the last step
       fence_operands(o);
-      fence_operands(pf[pbuf(buf).value]);  // that P V's fragments: written again below
+      fence_operands(pf[buf.value]);  // that P V's fragments: written again below
       if constexpr (!decltype(first)::value) release(stage_of(i - 2));
       take_turn();
       issue_qk(stage);
@@ -462,17 +456,6 @@ __global__ void __launch_bounds__(K::kThreads, 1)
       wgmma_wait<1>();  // Q K^T of tile i; P V of tile i - 1 may still run
       fence_operands(s);
       softmax(mask_tag, i, corr);
-      if constexpr (K::kPBuffers == 1) {
-        // Tile i - 1's P V reads the one buffer: wait for it before writing. Behind an mbarrier
-        // wait (tile i's V^T, which the next step's P V needs anyway): its retry loop is a branch
-        // that ptxas does not hoist the wait across, where right after the softmax it moved it up
-        // ahead of the exponentials (the SASS of the unmasked loop: 0 MUFU.EX2 between the two
-        // waits, 98 with this).
-        mbarrier_wait(&v_full[stage], (i / kStages) & 1);
-        wgmma_wait<0>();
-        fence_operands(o);
-        fence_operands(pf[0]);
-      }
       pack_p(buf);
     };
     // Step 1 has no stage to free (tile -1); the rest two at a time, even then odd.
@@ -511,8 +494,8 @@ __global__ void __launch_bounds__(K::kThreads, 1)
     pass_turn(true);
     wgmma_wait<0>();
     fence_operands(o);
-#pragma unroll
-    for (int b2 = 0; b2 < K::kPBuffers; ++b2) fence_operands(pf[b2]);
+    fence_operands(pf[0]);
+    fence_operands(pf[1]);
     release(last);
   }
 
