@@ -99,7 +99,7 @@ Writes results/<device-slug>/chapter6_flash_attention.json and the plots beside 
 the accuracy rows to results/<device-slug>/chapter6_flash_attention_fp8.json instead, leaving the
 main results as they were. With `--fp8-candidates NAME ...` it also times the FP8 launcher's
 candidates (the environment variable FLASH_ATTENTION_FP8_FORWARD, read at each call:
-longest_first, the default; head_order; n192; csrc/hopper/flash_fwd_hopper_fp8.cuh says what each
+longest_first, the default; head_order; n192; n192_full; csrc/hopper/flash_fwd_hopper_fp8.cuh says what each
 is) at each FP8 shape, right after its default row: rows with call "attention_fp8, NAME".
 """
 import contextlib
@@ -1411,7 +1411,7 @@ def main_ops():
                              "Hugging Face Llama-style model's forward on the chapter's attention against its SDPA path)")
     parser.add_argument("--fp8-candidates", nargs="+", default=[], metavar="NAME",
                         help="with attention_fp8: also time these candidates of the FP8 launcher "
-                             f"({FP8_KNOB}: longest_first, head_order, n192) at each FP8 shape")
+                             f"({FP8_KNOB}: longest_first, head_order, n192, n192_full) at each FP8 shape")
     args = parser.parse_args()
     FP8_BENCH_CANDIDATES[:] = args.fp8_candidates
     device = bench.setup(args)

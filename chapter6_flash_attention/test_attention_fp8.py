@@ -352,7 +352,7 @@ FP8_SHAPES = [(2, 2, 1, 1), (2, 1, 17, 17), (4, 2, 129, 129), (4, 1, 1000, 1000)
 # The launcher's candidates (flash_fwd_hopper_fp8.cuh's Fp8Forward, picked by this environment
 # variable at each call; unset is longest_first): every one is tested, since the bench times them.
 FP8_KNOB = "FLASH_ATTENTION_FP8_FORWARD"
-FP8_CANDIDATES = ("longest_first", "head_order", "n192")
+FP8_CANDIDATES = ("longest_first", "head_order", "n192", "n192_full")
 
 
 def fp8_call(monkeypatch, candidate, *args, **kwargs):

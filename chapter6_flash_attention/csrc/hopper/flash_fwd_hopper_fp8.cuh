@@ -84,9 +84,12 @@ struct HopperFp8Traits {
 //                  i / q_tiles, causal ones from the last), the order before the schedule;
 //   n192           192-key tiles (FlashAttention 3's FP8 tile at d = 128 with V given transposed), the
 //                  longest_first order: a step's fixed work (its barriers, waits, the row maximum's
-//                  shuffles and corrections, the turn) spread over 1.5 times the keys.
+//                  shuffles and corrections, the turn) spread over 1.5 times the keys;
+//   n192_full      n192 without a causal mask, longest_first with one: at 192 keys the masked steps
+//                  spill (up to ~40 local loads and stores a step, where the unmasked ones have 1-3),
+//                  and a causal block of 128 rows crosses the diagonal in one or two of them.
 // Any other value fails the call (cudaErrorInvalidValue) rather than time something else.
-enum class Fp8Forward { kLongestFirst, kHeadOrder, kBlockN192, kUnknown };
+enum class Fp8Forward { kLongestFirst, kHeadOrder, kBlockN192, kBlockN192Full, kUnknown };
 
 #if COURSE_HOPPER_DEVICE
 }  // namespace flash_attention

@@ -19,6 +19,7 @@ Fp8Forward fp8_forward_candidate() {
   if (name == nullptr || *name == '\0' || std::strcmp(name, "longest_first") == 0) return Fp8Forward::kLongestFirst;
   if (std::strcmp(name, "head_order") == 0) return Fp8Forward::kHeadOrder;
   if (std::strcmp(name, "n192") == 0) return Fp8Forward::kBlockN192;
+  if (std::strcmp(name, "n192_full") == 0) return Fp8Forward::kBlockN192Full;
   return Fp8Forward::kUnknown;
 }
 
@@ -35,7 +36,7 @@ cudaError_t launch_attention_fp8_hopper(const AttentionFp8Params& p, cudaStream_
   if (p.attn.batch * p.attn.heads * p.attn.seqlen_q == 0) return cudaSuccess;
   const Fp8Forward candidate = fp8_forward_candidate();
   if (candidate == Fp8Forward::kUnknown) return cudaErrorInvalidValue;
-  const bool n192 = candidate == Fp8Forward::kBlockN192;
+  const bool n192 = candidate == Fp8Forward::kBlockN192 || (candidate == Fp8Forward::kBlockN192Full && !p.attn.causal);
   switch (p.attn.head_dim) {
     case 64: return n192 ? run_flash_fwd_hopper_fp8<64, 192>(p, candidate, stream)
                          : run_flash_fwd_hopper_fp8<64, 128>(p, candidate, stream);
