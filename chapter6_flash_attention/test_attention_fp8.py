@@ -4,6 +4,7 @@ transposed and padded V^T layout) and attention_fp8 (the CPU path is the float64
 dequantized inputs; the Hopper kernel, marked cuda, against that with a bound derived from e4m3's
 precision of P), and every misuse on the CPU and on CUDA.
 """
+import heapq
 import math
 
 import pytest
@@ -283,7 +284,6 @@ def replayed_makespan(order, blocks):
     """The last block's finish when `blocks` SMs start the tiles in order (the hardware's way with a
     grid of one block per tile: whichever SM is free takes the next block), each tile costing its
     key tiles plus one for its prologue and epilogue; and the average."""
-    import heapq
     cost = (order[:, 2] + 2).tolist()  # causal, seqlen_q = seqlen_k, 128-row tiles: query tile + 1 key tiles
     free = [0] * blocks
     for c in cost:
