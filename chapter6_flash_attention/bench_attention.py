@@ -97,10 +97,14 @@ attention_fp8 with per-tensor scales, without and with rotate_qk, and for the bf
 Writes results/<device-slug>/chapter6_flash_attention.json and the plots beside it.
 `--ops attention_fp8` writes the FP8 rows, sdpa_cudnn and pingpong in bf16 timed beside them, and
 the accuracy rows to results/<device-slug>/chapter6_flash_attention_fp8.json instead, leaving the
-main results as they were.
+main results as they were. With `--fp8-candidates NAME ...` it also times the FP8 launcher's
+candidates (the environment variable FLASH_ATTENTION_FP8_FORWARD, read at each call:
+longest_first, the default; head_order; n192; n192_full; csrc/hopper/flash_fwd_hopper_fp8.cuh says what each
+is) at each FP8 shape, right after its default row: rows with call "attention_fp8, NAME".
 """
 import contextlib
 import math
+import os
 import re
 import shutil
 import subprocess
@@ -396,12 +400,33 @@ def fp8_fields(b, h, n, d, causal):
     return {"pass": "forward", "causal": causal, "head_dim": d, "seqlen": n, "batch": b, "heads": h}
 
 
-def bench_fp8(device, mm, notes, beside=None):
+# The FP8 launcher's bench-only knob (flash_fwd_hopper_fp8.cuh's Fp8Forward), read at each call, and
+# the candidates `--ops attention_fp8 --fp8-candidates NAME ...` times beside the default (main_ops).
+FP8_KNOB = "FLASH_ATTENTION_FP8_FORWARD"
+FP8_BENCH_CANDIDATES = []
+
+
+@contextlib.contextmanager
+def fp8_candidate(name):
+    """The FP8 launcher's candidate `name` for the calls inside (a graph captured inside keeps it)."""
+    old = os.environ.get(FP8_KNOB)
+    os.environ[FP8_KNOB] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[FP8_KNOB]
+        else:
+            os.environ[FP8_KNOB] = old
+
+
+def bench_fp8(device, mm, notes, beside=None, candidates=()):
     """The FP8 forward's rows: op attention, dtype float8_e4m3fn, variant default, on e4m3 inputs
     quantized outside the timed call, and (call "quantize_fp8 + attention_fp8") with the three
     quantizations inside it. `beside`: the rows already measured in this run (the sweep), whose
     sdpa_cudnn row of the shape is speedup_vs_torch's baseline; None (`--ops attention_fp8`, no
-    sweep) times sdpa_cudnn and pingpong in bf16 here, right before the FP8 rows of each shape."""
+    sweep) times sdpa_cudnn and pingpong in bf16 here, right before the FP8 rows of each shape.
+    `candidates`: the FP8 launcher's candidates to time as well (call "attention_fp8, NAME")."""
     why = fp8_runnable(device)
     if why:
         notes.skip("attention_fp8", why, device)
@@ -424,6 +449,11 @@ def bench_fp8(device, mm, notes, beside=None):
              lambda: flash_attention.attention_fp8(q8, k8, v8t, dq, dk, dv, causal=causal)),
             ("default", torch.float8_e4m3fn, {"call": "quantize_fp8 + attention_fp8"}, quantized_call),
         ]
+        for name in candidates:
+            def candidate_call(name=name, causal=causal):
+                with fp8_candidate(name):
+                    return flash_attention.attention_fp8(q8, k8, v8t, dq, dk, dv, causal=causal)
+            calls.insert(-1, ("default", torch.float8_e4m3fn, {"call": f"attention_fp8, {name}"}, candidate_call))
         t_base = None
         if beside is None:
             calls[:0] = [
@@ -1352,7 +1382,7 @@ SECTIONS = {
                          lambda device: {"sizes": {"window": masked_config("attention_window", device)},
                                          "baseline": "flex_attention"},
                          lambda record: print_masked_table(record)),
-    "attention_fp8": (lambda device, mm, notes: bench_fp8(device, mm, notes)
+    "attention_fp8": (lambda device, mm, notes: bench_fp8(device, mm, notes, candidates=FP8_BENCH_CANDIDATES)
                       + bench_fp8_accuracy(device, fp8_accuracy_config(device), notes), "_fp8",
                       lambda device: {"sizes": {"fp8": FP8_SHAPES, "fp8_accuracy": fp8_accuracy_config(device),
                                                 "fp8_outliers": FP8_OUTLIERS},
@@ -1379,7 +1409,11 @@ def main_ops():
                              "attention_softcap: the masked instantiations against flex_attention; attention_fp8: "
                              "the FP8 forward beside bf16, and its accuracy with outliers; transformers_model: a "
                              "Hugging Face Llama-style model's forward on the chapter's attention against its SDPA path)")
+    parser.add_argument("--fp8-candidates", nargs="+", default=[], metavar="NAME",
+                        help="with attention_fp8: also time these candidates of the FP8 launcher "
+                             f"({FP8_KNOB}: longest_first, head_order, n192, n192_full) at each FP8 shape")
     args = parser.parse_args()
+    FP8_BENCH_CANDIDATES[:] = args.fp8_candidates
     device = bench.setup(args)
     ceilings = bench.copy_ceiling(device, n=2**28 if device == "cuda" else 2**20)
     ceilings.update(bench.matmul_ceiling(device, n=8192 if device == "cuda" else 256,

@@ -4,6 +4,7 @@ transposed and padded V^T layout) and attention_fp8 (the CPU path is the float64
 dequantized inputs; the Hopper kernel, marked cuda, against that with a bound derived from e4m3's
 precision of P), and every misuse on the CPU and on CUDA.
 """
+import heapq
 import math
 
 import pytest
@@ -276,6 +277,39 @@ def test_attention_fp8_misuse_cpu():
 
 
 # ---------------------------------------------------------------------------------------------
+# The FP8 forward's grid order (tile_schedule.h's hopper_fp8_tile_schedule: the persistent rung's
+# rule on twice the L2, which the hopper_tile_order op computes on any machine)
+# ---------------------------------------------------------------------------------------------
+def replayed_makespan(order, blocks):
+    """The last block's finish when `blocks` SMs start the tiles in order (the hardware's way with a
+    grid of one block per tile: whichever SM is free takes the next block), each tile costing its
+    key tiles plus one for its prologue and epilogue; and the average."""
+    cost = (order[:, 2] + 2).tolist()  # causal, seqlen_q = seqlen_k, 128-row tiles: query tile + 1 key tiles
+    free = [0] * blocks
+    for c in cost:
+        heapq.heappush(free, heapq.heappop(free) + c)
+    return max(free), sum(cost) / blocks
+
+
+def test_fp8_grid_order_balances_causal_tiles():
+    """The FP8 forward's causal grid at b2 h16 s8192 on 132 SMs (an H100's or H200's): the order the
+    launcher gives it (longest query tiles first inside each L2 section) keeps the last block within
+    2% of the average, where the old order (head by head, each head's tiles longest first) left it
+    over 4% behind; and the order is every tile once."""
+    b, h, s, sms, l2 = 2, 16, 8192, 132, 50 * 2**20
+    q_tiles = s // 128
+    order = OPS.hopper_tile_order(b, h, h, s, s, 128, True, 2 * l2, [-1, -1], 0.0)
+    ids = (order[:, 0] * h + order[:, 1]) * q_tiles + order[:, 2]
+    assert torch.equal(ids.sort().values, torch.arange(b * h * q_tiles))
+    last, mean = replayed_makespan(order, sms)
+    assert last <= 1.02 * mean, (last, mean)
+    pairs = torch.arange(b * h).repeat_interleave(q_tiles)
+    by_head = torch.stack([pairs // h, pairs % h, q_tiles - 1 - torch.arange(b * h * q_tiles) % q_tiles], 1)
+    last_old, _ = replayed_makespan(by_head, sms)
+    assert last_old > 1.04 * mean, (last_old, mean)
+
+
+# ---------------------------------------------------------------------------------------------
 # CUDA: quantize_fp8's kernels, the Hopper FP8 forward
 # ---------------------------------------------------------------------------------------------
 def fp8_runs():
@@ -315,35 +349,53 @@ FP8_SHAPES = [(2, 2, 1, 1), (2, 1, 17, 17), (4, 2, 129, 129), (4, 1, 1000, 1000)
               (4, 2, 129, 4097), (2, 2, 4097, 129), (4, 4, 300, 17)]
 
 
+# The launcher's candidates (flash_fwd_hopper_fp8.cuh's Fp8Forward, picked by this environment
+# variable at each call; unset is longest_first): every one is tested, since the bench times them.
+FP8_KNOB = "FLASH_ATTENTION_FP8_FORWARD"
+FP8_CANDIDATES = ("longest_first", "head_order", "n192", "n192_full")
+
+
+def fp8_call(monkeypatch, candidate, *args, **kwargs):
+    """attention_fp8 with the launcher's candidate `candidate`."""
+    monkeypatch.setenv(FP8_KNOB, candidate)
+    return flash_attention.attention_fp8(*args, **kwargs)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("head_dim", (64, 128))
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
-def test_cuda_fp8_forward(causal, head_dim):
-    """The FP8 kernel against the float64 attention of its dequantized inputs, every element within
-    fp8_reference's bound (stated there), lse within its own; rows without keys 0 and -inf; on
-    NaN-poisoned outputs (a row the kernel forgot shows as NaN)."""
+def test_cuda_fp8_forward(causal, head_dim, monkeypatch):
+    """The FP8 kernel, each candidate of the launcher, against the float64 attention of its
+    dequantized inputs, every element within fp8_reference's bound (stated there), lse within its
+    own; rows without keys 0 and -inf; on NaN-poisoned outputs (a row the kernel forgot shows as
+    NaN). The two grid orders of 128-key tiles compute each tile alike, so give the same bits."""
     skip_unless_fp8()
     for heads, heads_kv, seqlen_q, seqlen_k in FP8_SHAPES:
         batch = 1 if max(seqlen_q, seqlen_k) > 1000 else 2
         inputs = quantized_inputs(batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim, device="cuda")
         scale = 1 / math.sqrt(head_dim)
         ref, ref_lse, tol, lse_tol = fp8_reference(*inputs, scale, causal)
-        what = f"h{heads}/{heads_kv} s{seqlen_q}x{seqlen_k} d{head_dim} {'causal' if causal else 'full'}"
-        poison_allocator(torch.empty((batch, heads, seqlen_q, head_dim), dtype=torch.bfloat16, device="cuda"))
-        out, lse = flash_attention.attention_fp8(*inputs, causal=causal, return_lse=True)
-        assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32, what
-        ratio = (out.cpu().double() - ref).abs() / tol
-        assert not ratio.isnan().any() and ratio.max() <= 1, (
-            f"{what}: max error / bound {ratio.max():.3g} at {worst_place(ratio)}")
-        assert torch.equal(lse.cpu().isneginf(), ref_lse.isneginf()), what
-        finite = ref_lse.isfinite()
-        lse_ratio = (lse.cpu().double() - ref_lse).abs()[finite] / lse_tol[finite]
-        assert lse_ratio.numel() == 0 or lse_ratio.max() <= 1, f"{what}: lse error / bound {lse_ratio.max():.3g}"
+        outs = {}
+        for candidate in FP8_CANDIDATES:
+            what = f"{candidate} h{heads}/{heads_kv} s{seqlen_q}x{seqlen_k} d{head_dim} {'causal' if causal else 'full'}"
+            poison_allocator(torch.empty((batch, heads, seqlen_q, head_dim), dtype=torch.bfloat16, device="cuda"))
+            out, lse = fp8_call(monkeypatch, candidate, *inputs, causal=causal, return_lse=True)
+            outs[candidate] = out
+            assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32, what
+            ratio = (out.cpu().double() - ref).abs() / tol
+            assert not ratio.isnan().any() and ratio.max() <= 1, (
+                f"{what}: max error / bound {ratio.max():.3g} at {worst_place(ratio)}")
+            assert torch.equal(lse.cpu().isneginf(), ref_lse.isneginf()), what
+            finite = ref_lse.isfinite()
+            lse_ratio = (lse.cpu().double() - ref_lse).abs()[finite] / lse_tol[finite]
+            assert lse_ratio.numel() == 0 or lse_ratio.max() <= 1, f"{what}: lse error / bound {lse_ratio.max():.3g}"
+        assert torch.equal(outs["longest_first"], outs["head_order"]), f"h{heads} s{seqlen_q}x{seqlen_k} d{head_dim}"
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("candidate", ("longest_first", "n192"))
 @pytest.mark.parametrize("loud_tile", ("first", "last"))
-def test_cuda_fp8_rescale(loud_tile):
+def test_cuda_fp8_rescale(loud_tile, candidate, monkeypatch):
     """O's rescale at the two extremes. Keys whose scores dwarf the rest in the first key tile fix
     every row's maximum there, and every later tile rescales by exactly 1; in the last tile every
     row's maximum moves, after tiles that kept it, and O must be rescaled by the whole jump. Either
@@ -359,7 +411,7 @@ def test_cuda_fp8_rescale(loud_tile):
         k8, dk = flash_attention.quantize_fp8(k.cuda())
         v8t, dv = flash_attention.quantize_fp8(v.cuda(), transpose=True)
         ref, _, tol, _ = fp8_reference(q8, k8, v8t, dq, dk, dv, 1 / math.sqrt(head_dim), False)
-        out = flash_attention.attention_fp8(q8, k8, v8t, dq, dk, dv)
+        out = fp8_call(monkeypatch, candidate, q8, k8, v8t, dq, dk, dv)
         ratio = (out.cpu().double() - ref).abs() / tol
         assert not ratio.isnan().any() and ratio.max() <= 1, (
             f"d{head_dim} loud {loud_tile} tile: max error / bound {ratio.max():.3g} at {worst_place(ratio)}")
@@ -383,13 +435,14 @@ def test_cuda_fp8_views_and_repeat():
 
 
 @pytest.mark.cuda
-def test_cuda_fp8_no_keys():
+@pytest.mark.parametrize("candidate", FP8_CANDIDATES)
+def test_cuda_fp8_no_keys(candidate, monkeypatch):
     """seqlen_k = 0 on the GPU: no key tile is loaded, out is 0 and lse -inf, on poisoned memory."""
     skip_unless_fp8()
     for d in (64, 128):
         inputs = quantized_inputs(2, 4, 2, 130, 0, d, device="cuda")
         poison_allocator(torch.empty((2, 4, 130, d), dtype=torch.bfloat16, device="cuda"))
-        out, lse = flash_attention.attention_fp8(*inputs, return_lse=True)
+        out, lse = fp8_call(monkeypatch, candidate, *inputs, return_lse=True)
         assert (out == 0).all() and lse.isneginf().all(), d
 
 
@@ -412,13 +465,25 @@ def test_cuda_fp8_misuse():
 
 
 @pytest.mark.cuda
+def test_cuda_fp8_unknown_candidate(monkeypatch):
+    """A value of the launcher's knob it does not know fails the call (cudaErrorInvalidValue), rather
+    than time the default under another name."""
+    skip_unless_fp8()
+    q8, k8, v8t, dq, dk, dv = quantized_inputs(1, 2, 2, 5, 7, 64, device="cuda")
+    with pytest.raises(RuntimeError, match=r"invalid argument"):
+        fp8_call(monkeypatch, "n256", q8, k8, v8t, dq, dk, dv)
+
+
+@pytest.mark.cuda
 @pytest.mark.sanitize
+@pytest.mark.parametrize("candidate", ("longest_first", "n192"))
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
-def test_sanitizer_fp8_small(causal):
-    """One small FP8 forward per head dim for compute-sanitizer (a partial tile of each kind)."""
+def test_sanitizer_fp8_small(causal, candidate, monkeypatch):
+    """One small FP8 forward per head dim and key tile for compute-sanitizer (a partial tile of each
+    kind; 200 x 330 keys: two 192-key tiles, the second partial, three of 128)."""
     skip_unless_fp8()
     for d in (64, 128):
-        inputs = quantized_inputs(1, 2, 1, 200, 150, d, device="cuda")
-        out = flash_attention.attention_fp8(*inputs, causal=causal)
+        inputs = quantized_inputs(1, 2, 1, 200, 330, d, device="cuda")
+        out = fp8_call(monkeypatch, candidate, *inputs, causal=causal)
         ref, _, tol, _ = fp8_reference(*inputs, 1 / math.sqrt(d), causal)
         assert ((out.cpu().double() - ref).abs() <= tol).all()

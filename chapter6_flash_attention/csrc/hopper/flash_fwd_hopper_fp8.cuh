@@ -42,33 +42,78 @@
 
 namespace flash_attention {
 
-// The FP8 kernel's shapes. 128 query rows (two consumer warpgroups), 128 keys a tile: a thread holds
-// 64 floats of S, head_dim / 2 of O and P as 4 k32 steps x 4 registers (half of what 16-bit P takes).
-// Shared memory: Q (128 x d bytes) and kStages stages of K (128 x d) and V^T (d x 128): 4 stages are
-// 144 KiB at d = 128, 72 KiB at 64; the products run twice as fast as bfloat16's while a tile's bytes
-// halve, so the ring is one stage deeper than pingpong's, for the producer to stay ahead.
-template <int kHeadDim_>
+// The FP8 kernel's shapes. 128 query rows (two consumer warpgroups), kBlockN keys a tile (128, or
+// 192: the launcher's candidates, below): a thread holds kBlockN / 2 floats of S, head_dim / 2 of O
+// and P as kBlockN / 32 k32 steps x 4 registers (half of what 16-bit P takes), twice (the step's
+// comment). Shared memory: Q (128 x d bytes) and kStages stages of K (kBlockN x d) and V^T (d x
+// kBlockN): 4 stages of 128 keys are 144 KiB at d = 128, 72 KiB at 64 (of 192 keys: 208 and 104);
+// the products run twice as fast as bfloat16's while a tile's bytes halve, so the ring is one stage
+// deeper than pingpong's, for the producer to stay ahead.
+// V^T's tile is kBlockN / kVtKeys TMA boxes of head_dim rows by kVtKeys keys, each row one swizzle
+// row: 128 keys with the 128-byte swizzle where the tile is a multiple of 128 keys, else 64 with the
+// 64-byte one (192 keys: three boxes). A k32 step of P V reads 32 keys of one box.
+template <int kHeadDim_, int kBlockN_ = 128>
 struct HopperFp8Traits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kHopperBlockM;
-  static constexpr int kBlockN = 128;
+  static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = 4;
   static constexpr int kSwizzle = kHeadDim;       // bytes of a Q or K row: its swizzle width (64 or 128)
   static constexpr int kAtomBytes = 8 * kSwizzle;  // 8 rows to a swizzle atom: the K-major descriptor's sbo
+  static constexpr int kVtKeys = kBlockN % 128 == 0 ? 128 : 64;  // keys (bytes) of a V^T box's row
+  static constexpr int kVtBoxBytes = kHeadDim * kVtKeys;
   static constexpr int kConsumerThreads = 256, kProducerThreads = 128;
   static constexpr int kThreads = kConsumerThreads + kProducerThreads;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;  // pingpong's split of the register file
   static constexpr int kQBytes = kBlockM * kHeadDim;
   static constexpr int kKBytes = kBlockN * kHeadDim;   // one stage of K
-  static constexpr int kVBytes = kHeadDim * kBlockN;   // one stage of V^T: head_dim rows of 128 keys
+  static constexpr int kVBytes = kHeadDim * kBlockN;   // one stage of V^T: head_dim rows of kBlockN keys
   static constexpr int kSmemBytes = kQBytes + kStages * (kKBytes + kVBytes) + 1024;  // + 1024-byte alignment
   static constexpr int kExpBias = 8;  // P is computed as 2^8 P (above)
   static_assert(kHeadDim == 64 || kHeadDim == 128, "a Q or K row must be one 64- or 128-byte swizzle row");
-  static_assert(kBlockN == 128, "a V^T row of the tile is one 128-byte swizzle row");
+  static_assert(kBlockN == 128 || kBlockN == 192, "the e4m3 wgmma widths hopper::WgmmaFp8 has (and below)");
+  static_assert(kBlockN % kVtKeys == 0 && kVtKeys % 32 == 0, "V^T's boxes tile the key tile, k32 steps each box");
   static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an sm_90 block may take");
 };
 
+// The launcher's candidates (a bench-only knob: the environment variable FLASH_ATTENTION_FP8_FORWARD,
+// read at each call, so one process can time them side by side; unset is the default):
+//   longest_first  (default) 128-key tiles, the grid in hopper_fp8_tile_schedule's order
+//                  (tile_schedule.h): L2 sections of heads, causal query tiles longest first;
+//   head_order     128-key tiles, the grid head by head (block i: query tile i % q_tiles of head
+//                  i / q_tiles, causal ones from the last), the order before the schedule;
+//   n192           192-key tiles (FlashAttention 3's FP8 tile at d = 128 with V given transposed), the
+//                  longest_first order: a step's fixed work (its barriers, waits, the row maximum's
+//                  shuffles and corrections, the turn) spread over 1.5 times the keys;
+//   n192_full      n192 without a causal mask, longest_first with one: at 192 keys the masked steps
+//                  spill (up to ~40 local loads and stores a step, where the unmasked ones have 1-3),
+//                  and a causal block of 128 rows crosses the diagonal in one or two of them.
+// Any other value fails the call (cudaErrorInvalidValue) rather than time something else.
+enum class Fp8Forward { kLongestFirst, kHeadOrder, kBlockN192, kBlockN192Full, kUnknown };
+
 #if COURSE_HOPPER_DEVICE
+}  // namespace flash_attention
+namespace hopper {
+// m64n192k32 e4m3, for the 192-key tile (hopper.cuh has the widths the 16-bit rungs and the 128-key
+// tile use; this one only the FP8 forward takes): 96 accumulators, operands as hopper.cuh's WgmmaFp8.
+#define COURSE_WGMMA_FP8_D96                                                                                   \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "  \
+  "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, " \
+  "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, " \
+  "%65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, " \
+  "%86, %87, %88, %89, %90, %91, %92, %93, %94, %95}"
+template <>
+struct WgmmaFp8<192> {
+  __device__ static __forceinline__ void ss(float (&d)[96], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n192k32.f32.e4m3.e4m3 " COURSE_WGMMA_FP8_D96 ", %96, %97, p, 1, 1;\n}\n"
+                 : COURSE_F64, COURSE_F32(64)
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  }
+};
+#undef COURSE_WGMMA_FP8_D96
+}  // namespace hopper
+namespace flash_attention {
 namespace hopper_fp8 {
 
 template <typename K>
@@ -104,15 +149,18 @@ __device__ __forceinline__ void issue_qk(float (&s)[K::kBlockN / 2], uint64_t dq
   hopper::wgmma_commit();
 }
 
-// O += P V: 128 / 32 = 4 instructions, P's k32 fragment from registers, V^T's (head_dim rows x 128
-// keys, 128-byte swizzle; `dv` its descriptor) next 32 keys 32 bytes further along its rows.
+// O += P V: kBlockN / 32 instructions, P's k32 fragment from registers, V^T's (head_dim rows x
+// kBlockN keys in boxes of kVtKeys; `dv` the descriptor of the stage's first box) next 32 keys 32
+// bytes further along a box's rows, or the next box.
 template <typename K>
 __device__ __forceinline__ void issue_pv(float (&o)[K::kHeadDim / 2], const uint32_t (&pf)[K::kBlockN / 32][4],
                                          uint64_t dv) {
   hopper::wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < K::kBlockN / 32; ++kk) {
-    hopper::WgmmaFp8<K::kHeadDim>::rs(o, pf[kk], desc_advance(dv, kk * 32), 1);
+    const int key = kk * 32;
+    hopper::WgmmaFp8<K::kHeadDim>::rs(o, pf[kk],
+                                      desc_advance(dv, (key / K::kVtKeys) * K::kVtBoxBytes + key % K::kVtKeys), 1);
   }
   hopper::wgmma_commit();
 }
@@ -215,7 +263,8 @@ __global__ void __launch_bounds__(K::kThreads, 1)
     flash_fwd_hopper_fp8_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
                                 const __grid_constant__ CUtensorMap map_vt, const AttentionParams p,
                                 const float* descale_q, const float* descale_k, const float* descale_v,
-                                unsigned q_tiles, float scale_log2_raw) {
+                                unsigned q_tiles, float scale_log2_raw, const HopperTileSchedule order,
+                                bool head_order) {
 #if COURSE_HOPPER_DEVICE
   using namespace hopper;
   using namespace hopper_fp8;
@@ -229,13 +278,22 @@ __global__ void __launch_bounds__(K::kThreads, 1)
       reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   unsigned char* q_s = smem;                          // [kBlockM rows][d bytes]
   unsigned char* k_s = q_s + K::kQBytes;              // [stage][kBlockN rows][d bytes]
-  unsigned char* v_s = k_s + kStages * K::kKBytes;    // [stage][d rows][kBlockN bytes]: V^T
+  unsigned char* v_s = k_s + kStages * K::kKBytes;    // [stage][box][d rows][kVtKeys bytes]: V^T
   __shared__ uint64_t q_full, k_full[kStages], v_full[kStages], kv_empty[kStages];
 
-  // The block's (batch, head, query tile); causal blocks with the most keys first (as pingpong).
-  const int64_t tile_index = blockIdx.x % q_tiles;
-  const int64_t tile = p.causal ? q_tiles - 1 - tile_index : tile_index;
-  const int64_t bh = blockIdx.x / q_tiles;
+  // The block's (batch, head, query tile): the tile at index blockIdx.x of the schedule's order (the
+  // launcher's comment), or head by head with each head's causal tiles from the longest (pingpong's).
+  int64_t tile, bh;
+  if (head_order) {
+    const int64_t tile_index = blockIdx.x % q_tiles;
+    tile = p.causal ? q_tiles - 1 - tile_index : tile_index;
+    bh = blockIdx.x / q_tiles;
+  } else {
+    int pair = 0, q_tile = 0;
+    hopper_tile_at(order, static_cast<int>(blockIdx.x), &pair, &q_tile);
+    tile = q_tile;
+    bh = pair;
+  }
   const int b = static_cast<int>(bh / p.heads);
   const int h = static_cast<int>(bh % p.heads);
   const int hk = static_cast<int>(h / (p.heads / p.heads_kv));  // GQA
@@ -271,8 +329,12 @@ __global__ void __launch_bounds__(K::kThreads, 1)
         if (i >= kStages) mbarrier_wait(&kv_empty[stage], ((i / kStages) - 1) & 1);
         mbarrier_arrive_expect_tx(&k_full[stage], K::kKBytes);
         tma_load_4d(k_s + stage * K::kKBytes, &map_k, &k_full[stage], 0, i * kBN, hk, b);
-        mbarrier_arrive_expect_tx(&v_full[stage], K::kVBytes);
-        tma_load_4d(v_s + stage * K::kVBytes, &map_vt, &v_full[stage], i * kBN, 0, hk, b);
+        mbarrier_arrive_expect_tx(&v_full[stage], K::kVBytes);  // boxes past seqlen_k arrive as zeros, counted
+#pragma unroll
+        for (int c = 0; c < kBN / K::kVtKeys; ++c) {
+          tma_load_4d(v_s + stage * K::kVBytes + c * K::kVtBoxBytes, &map_vt, &v_full[stage], i * kBN + c * K::kVtKeys,
+                      0, hk, b);
+        }
       }
     }
     return;
@@ -306,7 +368,12 @@ __global__ void __launch_bounds__(K::kThreads, 1)
   float row_sum[2] = {0.f, 0.f};
 
   const uint64_t desc_q = kmajor_desc<K>(q_wg), desc_k = kmajor_desc<K>(k_s);
-  const uint64_t desc_vt = smem_desc_sw128(v_s, 16, 1024);
+  uint64_t desc_vt;
+  if constexpr (K::kVtKeys == 128) {
+    desc_vt = smem_desc_sw128(v_s, 16, 1024);
+  } else {
+    desc_vt = smem_desc_sw64(v_s, 16, 512);
+  }
   auto issue_qk = [&](int stage) {
     hopper_fp8::issue_qk<K>(s, desc_q, desc_advance(desc_k, stage * K::kKBytes));
   };
@@ -459,9 +526,11 @@ inline cudaError_t make_fp8_map(CUtensorMap* map, const void* base, const int64_
   return hopper::make_tensor_map_8bit(map, base, 4, dims, strides, box, swizzle);
 }
 
-template <int D>
-cudaError_t run_flash_fwd_hopper_fp8(const AttentionFp8Params& f, cudaStream_t stream) {
-  using K = HopperFp8Traits<D>;
+// One candidate (Fp8Forward, above) of head dim D and key tile kBlockN: the instantiation files
+// compile each pair the dispatch (flash_fwd_hopper_fp8_dispatch.cu) may pick.
+template <int D, int kBlockN>
+cudaError_t run_flash_fwd_hopper_fp8(const AttentionFp8Params& f, Fp8Forward candidate, cudaStream_t stream) {
+  using K = HopperFp8Traits<D, kBlockN>;
   const AttentionParams& p = f.attn;
   const int64_t q_tiles = course::ceil_div(p.seqlen_q, static_cast<int64_t>(K::kBlockM));
   const int64_t blocks = q_tiles * p.batch * p.heads;
@@ -473,14 +542,21 @@ cudaError_t run_flash_fwd_hopper_fp8(const AttentionFp8Params& f, cudaStream_t s
   COURSE_CUDA_TRY(make_fp8_map(&map_k, p.k, {D, p.seqlen_k, p.heads_kv, p.batch},
                                {p.k_seq_stride, p.k_head_stride, p.k_batch_stride}, D, K::kBlockN, K::kSwizzle));
   // V^T: rows of keys (past seqlen_k they arrive as zeros: the masked keys' P is 0, and 0 x 0 adds
-  // nothing, where whatever lay in memory there could be a NaN), head_dim rows a tile.
+  // nothing, where whatever lay in memory there could be a NaN), boxes of kVtKeys keys by head_dim rows.
   COURSE_CUDA_TRY(make_fp8_map(&map_vt, p.v, {p.seqlen_k, D, p.heads_kv, p.batch},
-                               {p.v_seq_stride, p.v_head_stride, p.v_batch_stride}, K::kBlockN, D, 128));
+                               {p.v_seq_stride, p.v_head_stride, p.v_batch_stride}, K::kVtKeys, D, K::kVtKeys));
+  // The grid's order: the schedule of this GPU's L2 (one attribute query, which the runtime answers
+  // from its cache), unless the candidate asks for the order head by head.
+  int device = 0, l2_bytes = 0;
+  COURSE_CUDA_TRY(cudaGetDevice(&device));
+  COURSE_CUDA_TRY(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device));
+  const HopperTileSchedule order = hopper_fp8_tile_schedule(p, l2_bytes);
   auto kernel = flash_fwd_hopper_fp8_kernel<K>;
   COURSE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSmemBytes));
   const float scale_log2 = static_cast<float>(p.scale * 1.4426950408889634);
   kernel<<<static_cast<unsigned>(blocks), K::kThreads, K::kSmemBytes, stream>>>(
-      map_q, map_k, map_vt, p, f.descale_q, f.descale_k, f.descale_v, static_cast<unsigned>(q_tiles), scale_log2);
+      map_q, map_k, map_vt, p, f.descale_q, f.descale_k, f.descale_v, static_cast<unsigned>(q_tiles), scale_log2,
+      order, candidate == Fp8Forward::kHeadOrder);
   return cudaGetLastError();
 }
 

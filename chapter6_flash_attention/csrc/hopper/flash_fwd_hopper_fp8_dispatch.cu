@@ -1,26 +1,47 @@
-// The FP8 forward's dispatch: the runtime head dim becomes the template argument of one of the
-// instantiations in flash_fwd_hopper_fp8_hdim<d>.cu.
+// The FP8 forward's dispatch: the runtime head dim and the launcher's candidate (Fp8Forward,
+// flash_fwd_hopper_fp8.cuh) become the template arguments of one of the instantiations in
+// flash_fwd_hopper_fp8_hdim<d>.cu (128-key tiles) and flash_fwd_hopper_fp8_n192_hdim<d>.cu.
 #include "hopper/flash_fwd_hopper.h"
 #include "hopper/flash_fwd_hopper_fp8.cuh"
 
+#include <cstdlib>
+#include <cstring>
+
 namespace flash_attention {
 
-template <int D>
-cudaError_t run_flash_fwd_hopper_fp8(const AttentionFp8Params& p, cudaStream_t stream);
+template <int D, int kBlockN>
+cudaError_t run_flash_fwd_hopper_fp8(const AttentionFp8Params& p, Fp8Forward candidate, cudaStream_t stream);
 
+// FLASH_ATTENTION_FP8_FORWARD, read at every call (a bench-only knob: getenv is a scan of a few
+// dozen strings, against a launch's microseconds).
+Fp8Forward fp8_forward_candidate() {
+  const char* name = std::getenv("FLASH_ATTENTION_FP8_FORWARD");
+  if (name == nullptr || *name == '\0' || std::strcmp(name, "longest_first") == 0) return Fp8Forward::kLongestFirst;
+  if (std::strcmp(name, "head_order") == 0) return Fp8Forward::kHeadOrder;
+  if (std::strcmp(name, "n192") == 0) return Fp8Forward::kBlockN192;
+  if (std::strcmp(name, "n192_full") == 0) return Fp8Forward::kBlockN192Full;
+  return Fp8Forward::kUnknown;
+}
+
+// The most any candidate takes at the head dim (the glue's check against the GPU's limit).
 int64_t attention_fp8_smem_bytes(int64_t head_dim) {
   switch (head_dim) {
-    case 64: return HopperFp8Traits<64>::kSmemBytes;
-    case 128: return HopperFp8Traits<128>::kSmemBytes;
+    case 64: return HopperFp8Traits<64, 192>::kSmemBytes;
+    case 128: return HopperFp8Traits<128, 192>::kSmemBytes;
     default: return 0;
   }
 }
 
 cudaError_t launch_attention_fp8_hopper(const AttentionFp8Params& p, cudaStream_t stream) {
   if (p.attn.batch * p.attn.heads * p.attn.seqlen_q == 0) return cudaSuccess;
+  const Fp8Forward candidate = fp8_forward_candidate();
+  if (candidate == Fp8Forward::kUnknown) return cudaErrorInvalidValue;
+  const bool n192 = candidate == Fp8Forward::kBlockN192 || (candidate == Fp8Forward::kBlockN192Full && !p.attn.causal);
   switch (p.attn.head_dim) {
-    case 64: return run_flash_fwd_hopper_fp8<64>(p, stream);
-    case 128: return run_flash_fwd_hopper_fp8<128>(p, stream);
+    case 64: return n192 ? run_flash_fwd_hopper_fp8<64, 192>(p, candidate, stream)
+                         : run_flash_fwd_hopper_fp8<64, 128>(p, candidate, stream);
+    case 128: return n192 ? run_flash_fwd_hopper_fp8<128, 192>(p, candidate, stream)
+                          : run_flash_fwd_hopper_fp8<128, 128>(p, candidate, stream);
     default: return cudaErrorInvalidValue;  // the glue checks attention_fp8_head_dim first
   }
 }
