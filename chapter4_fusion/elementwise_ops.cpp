@@ -19,6 +19,7 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
+#include <cstdlib>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -467,17 +468,27 @@ std::string default_choice(c10::string_view op_name, const Tensor& x) {
 // occupancy, which the grid fills in one wave (the launcher asks the CUDA runtime; 3 for GELU-erf's
 // span kernel). finishes: 1 where several row tiles' partial rows are added by the kernel's last
 // block of each column tile (course::grad_finishes_in_kernel), 0 where one row tile writes dbias
-// or course::column_sum adds the partial rows in a second launch.
+// or course::column_sum adds the partial rows in a second launch. The bench-only variants
+// (course::grad_variant: COURSE_BIAS_GRAD_ODD=single sends rows that start mid-vector to single
+// elements) are read from the environment as the launcher reads them, so that the tiling
+// reported is the one launched; a value that names no variant is an error here.
 std::vector<int64_t> bias_grad_tiling(const Tensor& x, int64_t sms, int64_t blocks_per_sm) {
   check_input("bias_grad_tiling", "x", x);
   TORCH_CHECK(sms >= 1, "bias_grad_tiling: sms must be at least 1, got ", std::to_string(sms));
   TORCH_CHECK(blocks_per_sm >= 1 && blocks_per_sm <= 32, "bias_grad_tiling: blocks_per_sm must be 1 to 32, got ",
               std::to_string(blocks_per_sm));
+  const char* finish = std::getenv("COURSE_BIAS_GRAD_FINISH");
+  const char* odd = std::getenv("COURSE_BIAS_GRAD_ODD");
+  ::course::GradVariant variant;
+  TORCH_CHECK(::course::parse_grad_variant(finish, odd, &variant),
+              "bias_grad_tiling: COURSE_BIAS_GRAD_FINISH must be batched or serial and COURSE_BIAS_GRAD_ODD span or "
+              "single (unset: the defaults), got '",
+              finish != nullptr ? finish : "", "' and '", odd != nullptr ? odd : "", "'");
   const int64_t n = x.dim() == 0 ? 1 : x.size(-1);
   const int64_t rows = n == 0 ? 0 : x.numel() / n;
   const int elem = static_cast<int>(x.element_size());
   const int vector = 16 / elem;
-  const bool phased = n % vector != 0 && n >= 2 * vector;
+  const bool phased = n % vector != 0 && n >= 2 * vector && !variant.odd_single;
   const int lanes = n % vector == 0 || phased ? vector : 1;
   const int phases = phased ? ::course::row_phases(n, elem) : 1;
   const ::course::GradTiling t =

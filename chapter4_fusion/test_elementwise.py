@@ -664,8 +664,52 @@ def row_phases(hidden, elem):
     return next(p for p in (1, 2, 4, 8, 16) if p * hidden * elem % 16 == 0)
 
 
+# The bench-only variants of the backward (course::grad_variant, bias_act.h): read from the
+# environment by the launcher and by bias_grad_tiling.
+FINISH_KNOB, ODD_KNOB = "COURSE_BIAS_GRAD_FINISH", "COURSE_BIAS_GRAD_ODD"
+GRAD_VARIANTS = {"default": {}, "serial_finish": {FINISH_KNOB: "serial"}, "single_elements": {ODD_KNOB: "single"}}
+
+
+def set_grad_variant(monkeypatch, variant):
+    """The environment of one of GRAD_VARIANTS (the other knob unset)."""
+    for knob in (FINISH_KNOB, ODD_KNOB):
+        monkeypatch.delenv(knob, raising=False)
+    for knob, value in GRAD_VARIANTS[variant].items():
+        monkeypatch.setenv(knob, value)
+
+
+def check_grad_tiling(t, tokens, hidden, elem, sms, blocks, lanes, in_flight, phases_expected):
+    """course::grad_tiling's rule, for one answer t = bias_grad_tiling(x, sms, blocks) of a tokens x
+    hidden gradient moved `lanes` elements a pack, in_flight rows a step."""
+    tx, ty, column_tiles, row_tiles, phases, finishes = t
+    packs = -(-hidden // lanes)
+    where = (sms, blocks, tokens, hidden, lanes)
+    assert phases == phases_expected, where
+    steps = -(-tokens // (ty * in_flight))  # row tiles if every thread takes one step
+    assert tx * ty == 256 and tx & (tx - 1) == 0 and ty % phases == 0, where
+    assert column_tiles == -(-packs // tx) and (tx == 1 or tx // 2 < packs), where
+    assert 1 <= row_tiles <= steps, where
+    wave = min(blocks, 4) * sms  # the occupancy lowers the wave, never raises it past 4 an SM
+    # One wave: the row tiles that fit beside the column tiles (at least one), no more than give
+    # every thread one step, then the fewest with as many steps a thread.
+    per_thread = -(-steps // min(steps, max(1, wave // column_tiles)))
+    assert row_tiles == -(-steps // per_thread), where
+    assert column_tiles * row_tiles <= max(wave, column_tiles), where
+    if tokens <= 64:  # one kernel a call: no partial rows, no counters, no memset
+        assert row_tiles == 1 and not finishes, where
+    if tx * lanes * elem > 64:  # wider than the narrow tile: few idle lanes
+        assert (column_tiles * tx - packs) * 8 <= packs, where
+    # Partial rows are added in the kernel (one launch) where a counter serves every column tile
+    # and the last block of each adds at most 32 partials a thread (its lanes share a column from
+    # 8 columns up; below, one thread adds a column alone).
+    width = tx * lanes
+    per_thread = row_tiles * width / 256 if width >= 8 else row_tiles
+    in_kernel = row_tiles > 1 and column_tiles <= 4096 and per_thread <= 32
+    assert finishes == in_kernel, where
+
+
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float64), ids=dtype_id)
-def test_bias_grad_tiling_rule(dtype):
+def test_bias_grad_tiling_rule(dtype, monkeypatch):
     """Up to 64 tokens every hidden size is one row tile (the kernel writes dbias itself: one
     launch), rows that start mid-vector included; more rows fill one wave of the blocks the SMs
     hold (blocks_per_sm, the launched kernel's occupancy: 4 by default, 3 for GELU-erf's span
@@ -676,41 +720,21 @@ def test_bias_grad_tiling_rule(dtype):
     one row in flight, in tiles whose rows are a multiple of the phases (each thread meets one
     phase of rows); shorter rows single elements, eight in flight. Partial rows are added in the
     kernel (finishes) where a counter serves each column tile and its last block adds at most 32
-    partials a thread. Asked for a meta tensor on GPUs of 1 to 170 SMs."""
+    partials a thread. Asked for a meta tensor on GPUs of 1 to 170 SMs, with the bench-only
+    variants unset."""
+    set_grad_variant(monkeypatch, "default")
     elem = torch.empty((), dtype=dtype).element_size()
     vector = 16 // elem
     for sms, blocks in ((1, 4), (46, 4), (132, 4), (132, 3), (170, 4), (170, 3), (132, 8)):
         for tokens in GRAD_TOKENS:
             for hidden in GRAD_HIDDEN:
                 x = torch.empty(tokens, hidden, dtype=dtype, device="meta")
-                tx, ty, column_tiles, row_tiles, phases, finishes = torch.ops.fusion.bias_grad_tiling(x, sms, blocks)
+                t = torch.ops.fusion.bias_grad_tiling(x, sms, blocks)
                 phased = hidden % vector != 0 and hidden >= 2 * vector
                 lanes = vector if hidden % vector == 0 or phased else 1
-                packs = -(-hidden // lanes)
                 in_flight = 1 if phased else 2 if lanes > 1 else 8
-                where = (sms, blocks, tokens, hidden)
-                assert phases == (row_phases(hidden, elem) if phased else 1), where
-                steps = -(-tokens // (ty * in_flight))  # row tiles if every thread takes one step
-                assert tx * ty == 256 and tx & (tx - 1) == 0 and ty % phases == 0, where
-                assert column_tiles == -(-packs // tx) and (tx == 1 or tx // 2 < packs), where
-                assert 1 <= row_tiles <= steps, where
-                wave = min(blocks, 4) * sms  # the occupancy lowers the wave, never raises it past 4 an SM
-                # One wave: the row tiles that fit beside the column tiles (at least one), no more
-                # than give every thread one step, then the fewest with as many steps a thread.
-                per_thread = -(-steps // min(steps, max(1, wave // column_tiles)))
-                assert row_tiles == -(-steps // per_thread), where
-                assert column_tiles * row_tiles <= max(wave, column_tiles), where
-                if tokens <= 64:  # one kernel a call: no partial rows, no counters, no memset
-                    assert row_tiles == 1 and not finishes, where
-                if tx * lanes * elem > 64:  # wider than the narrow tile: few idle lanes
-                    assert (column_tiles * tx - packs) * 8 <= packs, where
-                # Partial rows are added in the kernel (one launch) where a counter serves every
-                # column tile and the last block of each adds at most 32 partials a thread (its
-                # lanes share a column from 8 columns up; below, one thread adds a column alone).
-                width = tx * lanes
-                per_thread = row_tiles * width / 256 if width >= 8 else row_tiles
-                in_kernel = row_tiles > 1 and column_tiles <= 4096 and per_thread <= 32
-                assert finishes == in_kernel, where
+                check_grad_tiling(t, tokens, hidden, elem, sms, blocks, lanes, in_flight,
+                                  row_phases(hidden, elem) if phased else 1)
     # The sweep's odd and narrow rows at 2048 tokens, where the second launch cost most, on an
     # H100's SMs: one launch.
     for dtype_, hidden in ((torch.bfloat16, 777), (torch.bfloat16, 4099), (torch.float32, 777)):
@@ -723,6 +747,50 @@ def test_bias_grad_tiling_rule(dtype):
         torch.ops.fusion.bias_grad_tiling(torch.empty(4, 8, device="meta"), 0)
     with pytest.raises(RuntimeError, match="bias_grad_tiling: blocks_per_sm must be 1 to 32"):
         torch.ops.fusion.bias_grad_tiling(torch.empty(4, 8, device="meta"), 132, 0)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float64), ids=dtype_id)
+def test_bias_grad_variants_rule(dtype, monkeypatch):
+    """The bench-only variants, as bias_grad_tiling reports them (the tiling the launcher takes
+    under them): COURSE_BIAS_GRAD_ODD=single moves rows that start mid-vector as single elements
+    (one phase, eight rows in flight: the rule of single elements), and changes nothing else;
+    "span", COURSE_BIAS_GRAD_FINISH ("serial" or "batched", which changes only how the kernel adds
+    the partial rows) and an empty value give the default's tiling; a value that names no variant
+    is an error naming both knobs."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    vector = 16 // elem
+    moved = 0
+    for sms, blocks in ((132, 3), (132, 4), (170, 4)):
+        for tokens in GRAD_TOKENS:
+            for hidden in GRAD_HIDDEN:
+                x = torch.empty(tokens, hidden, dtype=dtype, device="meta")
+                answers = {}
+                for variant, env in (("default", {}), ("span", {ODD_KNOB: "span"}), ("empty", {ODD_KNOB: ""}),
+                                     ("serial", {FINISH_KNOB: "serial"}), ("batched", {FINISH_KNOB: "batched"}),
+                                     ("single", {ODD_KNOB: "single"}),
+                                     ("single_serial", {ODD_KNOB: "single", FINISH_KNOB: "serial"})):
+                    for knob in (FINISH_KNOB, ODD_KNOB):
+                        monkeypatch.delenv(knob, raising=False)
+                    for knob, value in env.items():
+                        monkeypatch.setenv(knob, value)
+                    answers[variant] = torch.ops.fusion.bias_grad_tiling(x, sms, blocks)
+                where = (sms, blocks, tokens, hidden)
+                assert all(answers[v] == answers["default"] for v in ("span", "empty", "serial", "batched")), where
+                assert answers["single_serial"] == answers["single"], where
+                phased = hidden % vector != 0 and hidden >= 2 * vector
+                if phased:
+                    check_grad_tiling(answers["single"], tokens, hidden, elem, sms, blocks, 1, 8, 1)
+                    moved += answers["single"] != answers["default"]
+                else:
+                    assert answers["single"] == answers["default"], where
+    assert moved > 0, "no shape here moves to single elements under COURSE_BIAS_GRAD_ODD=single"
+    x = torch.empty(4, 8, device="meta")
+    for knob, value in ((ODD_KNOB, "spam"), (FINISH_KNOB, "Serial")):
+        set_grad_variant(monkeypatch, "default")
+        monkeypatch.setenv(knob, value)
+        with pytest.raises(RuntimeError, match="bias_grad_tiling: COURSE_BIAS_GRAD_FINISH must be batched or serial "
+                                               "and COURSE_BIAS_GRAD_ODD span or single"):
+            torch.ops.fusion.bias_grad_tiling(x, 132)
 
 
 @pytest.mark.cuda
@@ -914,6 +982,95 @@ def test_bias_gradient_finished_in_kernel(dtype):
         for replay, captured in enumerate(replays):
             assert all(torch.equal(c, e) for c, e in zip(captured, eager)), (shape, replay)
     assert finished >= 2, "no shape here finishes its bias gradient in the kernel"
+
+
+def finish_limit_widths(tokens, dtype, sms):
+    """Two adjacent hidden sizes at `tokens` rows, the first whose partial rows the kernel adds
+    itself at every occupancy of 2 to 8 blocks an SM, the next whose partial rows it leaves to
+    column_sum at every one: where the finish's count of partials a thread passes its limit
+    (bias_grad_tiling's finishes, on this GPU's SMs). None if no such pair lies below 20000."""
+    def finishes(hidden):
+        x = torch.empty(tokens, hidden, dtype=dtype, device="meta")
+        return {torch.ops.fusion.bias_grad_tiling(x, sms, b)[5] for b in range(2, 9)}
+    before = finishes(8)
+    for hidden in range(9, 20000):
+        now = finishes(hidden)
+        if before == {1} and now == {0}:
+            return hidden - 1, hidden
+        before = now
+    return None
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_bias_gradient_variants_at_their_boundaries(dtype, monkeypatch):
+    """Each bench-only variant of the fused backward (GRAD_VARIANTS: the default; the in-kernel
+    finish's serial form, a fence in every thread and one partial row at a time; rows that start
+    mid-vector on single elements) at 1, 63, 64, 65 and 2048 tokens of hidden 7, 777 and 4099 and
+    of the two widths either side of where the finish's partial rows pass its limit
+    (finish_limit_widths): fused_bias_scale_relu's backward through every saved kind and
+    GELU-erf's against float64, x and the bias also as views one element into their storage
+    (single elements: the tile kernel); the kernel that ran is the span kernel exactly where the
+    variant's tiling has phases; the serial and the batched finish give the same bits (the same
+    sums in the same order, whichever block adds them); and a CUDA graph of the backwards at 2048
+    tokens replayed twice gives the eager bits under every variant."""
+    require_cuda()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    limit = finish_limit_widths(2048, dtype, sms)
+    assert limit is not None, f"no width below 20000 where the finish gives way to column_sum on {sms} SMs"
+    widths = (7, 777, 4099, *limit)
+    results = {}
+    for variant in GRAD_VARIANTS:
+        set_grad_variant(monkeypatch, variant)
+        torch.manual_seed(11)  # the same inputs for every variant
+        for tokens in (1, 63, 64, 65, 2048):
+            for hidden in widths:
+                for offset in (0, 1):
+                    shape = (tokens, hidden)
+                    x0, b0 = bias_inputs(shape, dtype, "cuda")
+                    x = torch.empty(tokens * hidden + offset, dtype=dtype, device="cuda")[offset:].view(shape).copy_(x0)
+                    bias = torch.empty(hidden + offset, dtype=dtype, device="cuda")[offset:].copy_(b0)
+                    dy = torch.randn(shape, device="cuda").to(dtype)
+                    where = f"{variant} {shape} offset {offset}"
+                    dx_ref, g = bsr_backward_reference(dy, x, bias)
+                    dbiases = []  # the finish adds dbias alone: dx is each element's own
+                    for save in ("y", "x", "mask"):
+                        saved = saved_for(save, x, bias)
+                        dx, dbias = fusion.fused_bias_scale_relu_backward(dy, saved, bias, SCALE, save, None)
+                        assert_within(dx, dx_ref, 2 * eps(dtype) * dx_ref.abs() + floor(dtype), f"dx {where} {save}")
+                        assert_within(dbias, g.sum(0), column_sum_bound(g, dtype, tokens), f"dbias {where} {save}")
+                        dbiases.append(dbias)
+                    xg = torch.randn(shape, device="cuda").to(dtype)
+                    x64 = xg.detach().double().requires_grad_()
+                    b64 = bias.detach().double().requires_grad_()
+                    reference_act(x64 + b64, "gelu").backward(dy.double())
+                    dx, dbias = torch.ops.fusion.bias_activation_backward(dy, xg, bias, "gelu")
+                    dx_bound, db_bound = act_grad_bounds(dy, (x64 + b64).detach(), x64.grad, dtype, tokens)
+                    assert_within(dx, x64.grad, dx_bound, f"gelu dx {where}")
+                    assert_within(dbias, b64.grad, db_bound, f"gelu dbias {where}")
+                    results[variant, shape, offset] = dbiases + [dbias]
+                    if offset == 0 and tokens == 2048:
+                        # The kernel that ran: the span kernel exactly where this variant's
+                        # tiling has phases (rows that start mid-vector moved as 16-byte packs).
+                        _, kernels = launched_kernels(
+                            lambda: torch.ops.fusion.bias_activation_backward(dy, xg, bias, "gelu"), "course")
+                        phases = torch.ops.fusion.bias_grad_tiling(xg, sms)[4]
+                        backward = [k for k in kernels if "act_backward_" in k]
+                        assert backward and all(("act_backward_span_kernel" in k) == (phases > 1) for k in backward), (
+                            where, phases, backward)
+                        y = saved_for("y", x, bias)
+
+                        def step():
+                            return (*fusion.fused_bias_scale_relu_backward(dy, y, bias, SCALE, "y", None),
+                                    *torch.ops.fusion.bias_activation_backward(dy, xg, bias, "gelu"))
+
+                        eager = step()
+                        for replay, captured in enumerate(replayed_outputs(step, 2)):
+                            assert all(torch.equal(c, e) for c, e in zip(captured, eager)), (where, replay)
+    for key, dbiases in results.items():
+        if key[0] == "serial_finish":
+            batched = results[("default", *key[1:])]
+            assert all(torch.equal(a, b) for a, b in zip(dbiases, batched)), key
 
 
 # ---------------------------------------------------------------------------------------------

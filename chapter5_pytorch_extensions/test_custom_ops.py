@@ -170,6 +170,58 @@ def test_fused_op_bias_gradient_added_in_the_kernel():
     _passed("dbias added in the kernel: float64's sum, the same bits every run and every graph replay")
 
 
+# The bench-only variants of course::launch_fused_backward (course::grad_variant, bias_act.h).
+GRAD_VARIANTS = {"default": {}, "serial_finish": {"COURSE_BIAS_GRAD_FINISH": "serial"},
+                 "single_elements": {"COURSE_BIAS_GRAD_ODD": "single"}}
+
+
+@pytest.mark.cuda
+def test_fused_op_backward_variants(monkeypatch):
+    """The benchmark's variants of the backward give fused_op the default's dx bit for bit (each
+    element's own gradient) under each of them; the in-kernel finish's serial form (a fence in
+    every thread, one partial row at a time) the default's dbias bit for bit too (the same sums in
+    the same order); rows that start mid-vector moved as single elements a dbias within the bound
+    of float64's column sum: at 1, 64, 65, 2047 and 2048 tokens of hidden 7, 777 and 4099 in every
+    dtype; and a CUDA graph of each replayed twice gives its eager bits."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU visible")
+    backward = custom_ops._C.fused_op_backward_raw
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for shape in ((1, 777), (64, 4099), (65, 777), (2047, 7), (2047, 777), (2048, 4099)):
+            torch.manual_seed(9)
+            x = _away_from_zero(shape, dtype=dtype).to("cuda")
+            bias = torch.randn(shape[-1], device="cuda").to(dtype)
+            y = custom_ops.fused_op_forward(x, bias, 0.75)
+            dy = torch.randn(shape, device="cuda").to(dtype)
+            g = torch.where(y.double() > 0, dy.double(), 0.0)
+            eps = torch.finfo(dtype).eps
+            bound = 2 * eps * g.abs().sum(0) + 4 * eps * g.sum(0).abs() + 1e-6
+            out = {}
+            for variant, env in GRAD_VARIANTS.items():
+                for knob in ("COURSE_BIAS_GRAD_FINISH", "COURSE_BIAS_GRAD_ODD"):
+                    monkeypatch.delenv(knob, raising=False)
+                for knob, value in env.items():
+                    monkeypatch.setenv(knob, value)
+                dx, dbias = backward(dy, y, 0.75)
+                where = (variant, dtype, shape)
+                assert bool(((dbias.double() - g.sum(0)).abs() <= bound).all()), where
+                out[variant] = (dx, dbias)
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    backward(dy, y, 0.75)  # the warm-up a capture needs
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    captured = backward(dy, y, 0.75)
+                for replay in range(2):
+                    graph.replay()
+                    torch.cuda.synchronize()
+                    assert torch.equal(captured[0], dx) and torch.equal(captured[1], dbias), (*where, replay)
+            assert all(torch.equal(dx, out["default"][0]) for dx, _ in out.values()), (dtype, shape)
+            assert torch.equal(out["serial_finish"][1], out["default"][1]), (dtype, shape)
+
+
 def test_custom_relu():
     _header(3, "Custom ReLU")
     torch.manual_seed(3)

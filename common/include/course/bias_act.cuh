@@ -548,26 +548,46 @@ __device__ __forceinline__ Pack<T, L> grad_pack(const Pack<T, L>& dyv, const Pac
 // columns. Below 8 columns G would pass a warp: one thread adds each column's rows alone. The
 // order depends on W and count only, never on which block or thread runs first: the same bits
 // every run.
-template <typename A, typename Value, typename Emit>
+//
+// A thread's rows are read kBatch at a time, every value of a batch before the first add, and
+// added in row order: the same sums as one row at a time, with kBatch reads in flight. One at a
+// time, as the loop was first written, nvcc 13.0 unrolled the G = 1 and lone-thread loops but not
+// the G-lane one (SASS, sm_90a, the span kernel): there, each row was one load and an add that
+// waited for it, and in the in-kernel finish (finish_tile_column) a load is an L2 round trip, so
+// a lane of 4 (W = 64, 13 column tiles at hidden 777) adding 22-32 partial rows waited 6-8 of
+// them in a row, in the last block of each column tile, after every other block had finished.
+// kBatch = 1 is that loop: the finish's serial form (course::grad_variant, kept for a side-by-side
+// timing), and the block's own sums in shared memory (write_tile_sums), a few dozen cycles a read,
+// where batches only added registers (ptxas -v, sm_90a: the 16-bit single-element tile kernel
+// with saved x took 64 with batches there as well, 54 with them in the finish alone, 48 before).
+template <typename A, int kBatch = 8, typename Value, typename Emit>
 __device__ __forceinline__ void add_down_columns(int W, int count, Value value, Emit emit) {
-  if (W >= kGradThreads) {
-    for (int k = threadIdx.x; k < W; k += kGradThreads) {
-      A total = A(0);
-      for (int r = 0; r < count; ++r) total += value(r, k);
-      emit(k, total);
+  // Rows first, first + step, ... of column k, added in that order onto total.
+  const auto add_rows = [&](A total, int first, int step, int k) {
+    for (int r = first; r < count; r += kBatch * step) {
+      A v[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        if (r + u * step < count) v[u] = value(r + u * step, k);  // the batch's rows past the last: none
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        if (r + u * step < count) total += v[u];  // the same guard: a row past the last adds nothing
+      }
     }
+    return total;
+  };
+  if (W >= kGradThreads) {
+    for (int k = threadIdx.x; k < W; k += kGradThreads) emit(k, add_rows(A(0), 0, 1, k));
   } else if (W >= 8) {
     const int G = kGradThreads / W;  // 2 to 32, a power of two: its lanes lie in one warp
     const int k = threadIdx.x / G;
     const int part = threadIdx.x % G;
-    A total = A(0);
-    for (int r = part; r < count; r += G) total += value(r, k);
+    A total = add_rows(A(0), part, G, k);
     for (int offset = G / 2; offset > 0; offset /= 2) total += __shfl_xor_sync(0xffffffffu, total, offset, G);
     if (part == 0) emit(k, total);
   } else if (static_cast<int>(threadIdx.x) < W) {
-    A total = A(0);
-    for (int r = 0; r < count; ++r) total += value(r, threadIdx.x);
-    emit(threadIdx.x, total);
+    emit(threadIdx.x, add_rows(A(0), 0, 1, threadIdx.x));
   }
 }
 
@@ -620,7 +640,7 @@ __device__ __forceinline__ void write_tile_sums(const typename Acc<T>::type* til
                                                 int64_t n, T* dbias, typename Acc<T>::type* partials) {
   using A = typename Acc<T>::type;
   const int stride = tile_sums_stride(W);
-  add_down_columns<A>(W, ty, [&](int r, int k) { return tile_sums[r * stride + k]; }, [&](int k, A total) {
+  add_down_columns<A, 1>(W, ty, [&](int r, int k) { return tile_sums[r * stride + k]; }, [&](int k, A total) {
     if (first + k < n) {  // the last tile's columns past the row's end
       if (gridDim.y == 1) {
         dbias[first + k] = from_acc<T>(total);
@@ -642,30 +662,48 @@ __device__ __forceinline__ void write_tile_sums(const typename Acc<T>::type* til
 // launch. A shared array, reset by each tile's last block, would be right only while launches
 // never overlap: two backward calls running at once on two streams would count each other's
 // blocks, and a launch that stopped part-way would leave every later call's count off.
+//
+// The fences: the block's partial rows must reach the L2 before its count does, and the last
+// block must read them after its own count. Every thread fenced its stores first, as this was
+// written: a fence.sc.gpu in each of the block's warps (MEMBAR.SC.GPU and an L1 invalidate in
+// the SASS), each waiting for its warp's stores to be acknowledged, dx's last row among them.
+// batched (the default) fences in thread 0 only, after the barrier that follows every thread's
+// stores, and again after the count, as cooperative groups' grid barrier does: the barrier
+// orders the other threads' stores before thread 0's fence at the block's scope, and the fence is
+// cumulative, so its release covers them; the second fence and the barrier after it order the
+// last block's reads after the count. And it adds the partial rows in batches of loads
+// (add_down_columns). !batched is the form before, kept for a side-by-side timing
+// (COURSE_BIAS_GRAD_FINISH=serial, course::grad_variant).
 template <typename T>
 __device__ __forceinline__ void finish_tile_column(const typename Acc<T>::type* partials, unsigned int* counters,
-                                                   int W, int64_t first, int64_t n, T* dbias) {
+                                                   int W, int64_t first, int64_t n, T* dbias, bool batched) {
   using A = typename Acc<T>::type;
   __shared__ bool last;
   // Each thread's partial stores reach the device (L2) before the block counts itself done, so
   // that the last block, on another SM, reads every one of them.
-  __threadfence();
-  __syncthreads();  // every thread's partials stored and fenced before thread 0 counts the block
+  if (!batched) __threadfence();
+  __syncthreads();  // every thread's partials stored (and, !batched, fenced) before thread 0 counts the block
   if (threadIdx.x == 0) {
+    if (batched) __threadfence();  // cumulative: the stores the barrier ordered before it
     const unsigned arrived = atomicAdd(counters + blockIdx.x, 1u) + 1u;
     last = arrived == gridDim.y;
+    if (batched && last) __threadfence();  // the count before the reads the barrier below orders after it
   }
   __syncthreads();  // `last` is written before any thread reads it
   if (!last) return;  // the same value in every thread of the block: no barrier follows
-  __threadfence();  // the other blocks' partials, fenced before their count, are read after ours
+  if (!batched) __threadfence();  // the other blocks' partials, fenced before their count, are read after ours
   // __ldcg: from L2, never from this SM's L1, which other SMs' stores do not update.
-  add_down_columns<A>(W, static_cast<int>(gridDim.y),
-                      [&](int r, int k) {
-                        return first + k < n ? __ldcg(partials + static_cast<int64_t>(r) * n + first + k) : A(0);
-                      },
-                      [&](int k, A total) {
-                        if (first + k < n) dbias[first + k] = from_acc<T>(total);  // columns past the row's end
-                      });
+  const auto partial = [&](int r, int k) {
+    return first + k < n ? __ldcg(partials + static_cast<int64_t>(r) * n + first + k) : A(0);
+  };
+  const auto emit = [&](int k, A total) {
+    if (first + k < n) dbias[first + k] = from_acc<T>(total);  // columns past the row's end
+  };
+  if (batched) {
+    add_down_columns<A>(W, static_cast<int>(gridDim.y), partial, emit);
+  } else {
+    add_down_columns<A, 1>(W, static_cast<int>(gridDim.y), partial, emit);
+  }
 }
 
 // Rows whose every pack is whole: 16-byte vectors where every row starts on a 16-byte boundary,
@@ -688,7 +726,8 @@ __global__ void __launch_bounds__(kGradThreads,
                                   kSource == SaveKind::kInput || sizeof(T) == 8 ? 0 : kGradBlocksPerSm)
     act_backward_tile_kernel(const T* dy, const T* saved, const uint32_t* mask, const T* bias,
                              typename Acc<T>::type scale, T* dx, typename Acc<T>::type* partials, T* dbias,
-                             int64_t rows, int64_t n, int tx, int /*phases*/, unsigned int* counters) {
+                             int64_t rows, int64_t n, int tx, int /*phases*/, unsigned int* counters,
+                             bool batched_finish) {
   using A = typename Acc<T>::type;
   constexpr int kRows = kRowsInFlight<L>;
   // Every thread's L sums, [row of the tile][column of the tile] (tile_sums_stride apart).
@@ -751,7 +790,7 @@ __global__ void __launch_bounds__(kGradThreads,
   __syncthreads();  // every row's sums are in shared memory before any column's are added
   write_tile_sums<T>(tile_sums, W, ty, static_cast<int64_t>(blockIdx.x) * W, n, dbias, partials);
   if (counters != nullptr && gridDim.y > 1) {
-    finish_tile_column<T>(partials, counters, W, static_cast<int64_t>(blockIdx.x) * W, n, dbias);
+    finish_tile_column<T>(partials, counters, W, static_cast<int64_t>(blockIdx.x) * W, n, dbias, batched_finish);
   }
 }
 
@@ -839,7 +878,8 @@ template <typename T, typename Act, SaveKind kSource>
 __global__ void __launch_bounds__(kGradThreads, kSource == SaveKind::kInput ? kGradBlocksPerSm - 1 : kGradBlocksPerSm)
     act_backward_span_kernel(const T* dy, const T* saved, const uint32_t* mask, const T* bias,
                              typename Acc<T>::type scale, T* dx, typename Acc<T>::type* partials, T* dbias,
-                             int64_t rows, int64_t n, int tx, int phases, unsigned int* counters) {
+                             int64_t rows, int64_t n, int tx, int phases, unsigned int* counters,
+                             bool batched_finish) {
   using A = typename Acc<T>::type;
   constexpr int L = Vec16<T>::kLanes;
   __shared__ __align__(16) A tile_sums[kTileSumsSize<L>];
@@ -916,7 +956,7 @@ __global__ void __launch_bounds__(kGradThreads, kSource == SaveKind::kInput ? kG
   for (int l = 0; l < L; ++l) tile_sums[row_in_tile * tile_sums_stride(W) + place + l - (l < wrapped ? back : 0)] = sum[l];
   __syncthreads();  // every row's sums are in shared memory before any column's are added
   write_tile_sums<T>(tile_sums, W, ty, S, n, dbias, partials);
-  if (counters != nullptr && gridDim.y > 1) finish_tile_column<T>(partials, counters, W, S, n, dbias);
+  if (counters != nullptr && gridDim.y > 1) finish_tile_column<T>(partials, counters, W, S, n, dbias, batched_finish);
 }
 
 // How the backward moves a row: whole 16-byte packs (every row starts on a 16-byte boundary),
@@ -925,9 +965,12 @@ __global__ void __launch_bounds__(kGradThreads, kSource == SaveKind::kInput ? kG
 // else: views at other offsets).
 enum class GradPacks { kVectors, kPhased, kSingle };
 
+// variant.odd_single (bench-only, course::grad_variant): rows that start mid-vector take single
+// elements even where they could take phased packs.
 template <typename T>
-inline GradPacks grad_packs(const BiasActGrad<T>& p) {
+inline GradPacks grad_packs(const BiasActGrad<T>& p, const GradVariant& variant = grad_variant()) {
   if (vectorizable<T>(p.n, {p.dy, p.saved, p.bias, p.dx})) return GradPacks::kVectors;
+  if (variant.odd_single) return GradPacks::kSingle;
   const uintptr_t offset = reinterpret_cast<uintptr_t>(p.dy) % 16;
   const bool same = reinterpret_cast<uintptr_t>(p.dx) % 16 == offset &&
                     (p.saved == nullptr || reinterpret_cast<uintptr_t>(p.saved) % 16 == offset);
@@ -1008,7 +1051,8 @@ template <typename T, typename Act, SaveKind kSource>
 cudaError_t launch_fused_backward(const BiasActGrad<T>& p, cudaStream_t stream) {
   using A = typename Acc<T>::type;
   constexpr int kLanes = Vec16<T>::kLanes;
-  const GradPacks packs = grad_packs(p);
+  const GradVariant variant = grad_variant();
+  const GradPacks packs = grad_packs(p, variant);
   // The kernel first, so that the grid is sized to its own occupancy.
   const auto kernel = packs == GradPacks::kVectors  ? act_backward_tile_kernel<T, Act, kLanes, kSource>
                       : packs == GradPacks::kPhased ? act_backward_span_kernel<T, Act, kSource>
@@ -1025,7 +1069,7 @@ cudaError_t launch_fused_backward(const BiasActGrad<T>& p, cudaStream_t stream) 
   unsigned int* counters = nullptr;
   COURSE_CUDA_TRY(finish_counters(p, t, finish, stream, &counters));
   kernel<<<t.grid, kGradThreads, 0, stream>>>(p.dy, p.saved, p.mask, p.bias, p.scale, p.dx, partials, p.dbias,
-                                              p.rows, p.n, t.tx, phases, counters);
+                                              p.rows, p.n, t.tx, phases, counters, variant.batched_finish);
   COURSE_CUDA_TRY(cudaGetLastError());
   // One row tile: the kernel wrote dbias; several, it added the partial rows itself (finish), or
   // column_sum adds them.

@@ -6,6 +6,8 @@
 #include <course/index_math.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 namespace course {
 
@@ -213,6 +215,54 @@ COURSE_HOST_DEVICE constexpr bool grad_finishes_in_kernel(int64_t column_tiles, 
   return row_tiles > 1 && column_tiles <= kFinishCounters &&
          (int64_t{tx} * lanes >= 8 ? row_tiles * tx * lanes <= kFinishSumsPerThread * kGradThreads
                                    : row_tiles <= kFinishSumsPerThread);
+}
+
+// ---------------------------------------------------------------------------------------
+// Bench-only variants of the backward, so that one benchmark run times them side by side in one
+// build: read from the environment by the launcher (course/bias_act.cuh's launch_fused_backward)
+// and by chapter 4's bias_grad_tiling, which reports the tiling they launch. Nothing in the
+// course sets them; unset (or empty), the defaults.
+//   COURSE_BIAS_GRAD_FINISH  "batched" (default): the in-kernel finish fences once a block and
+//                            reads the partial rows in batches (finish_tile_column);
+//                            "serial": its first form, a fence in every thread and one partial
+//                            row at a time a thread.
+//   COURSE_BIAS_GRAD_ODD     "span" (default): rows that start mid-vector take the span kernel's
+//                            16-byte packs (phased); "single": the tile kernel's single elements,
+//                            eight rows in flight a thread (grad_rows_in_flight).
+// ---------------------------------------------------------------------------------------
+struct GradVariant {
+  bool batched_finish = true;
+  bool odd_single = false;
+};
+
+// The variant that the two values name (null or empty: the default); false where either names
+// none (the glue's check reports which).
+inline bool parse_grad_variant(const char* finish, const char* odd, GradVariant* v) {
+  *v = GradVariant{};
+  const auto is = [](const char* s, const char* name) { return s != nullptr && std::strcmp(s, name) == 0; };
+  const auto unset = [](const char* s) { return s == nullptr || *s == '\0'; };
+  bool ok = true;
+  if (is(finish, "serial")) {
+    v->batched_finish = false;
+  } else if (!unset(finish) && !is(finish, "batched")) {
+    ok = false;
+  }
+  if (is(odd, "single")) {
+    v->odd_single = true;
+  } else if (!unset(odd) && !is(odd, "span")) {
+    ok = false;
+  }
+  return ok;
+}
+
+// This process's variant, from the environment at the time of the call (a benchmark switches it
+// between captures); a value that names none leaves the default (bias_grad_tiling raises on it).
+inline GradVariant grad_variant() {
+  GradVariant v;
+  if (!parse_grad_variant(std::getenv("COURSE_BIAS_GRAD_FINISH"), std::getenv("COURSE_BIAS_GRAD_ODD"), &v)) {
+    v = GradVariant{};
+  }
+  return v;
 }
 
 }  // namespace course
