@@ -607,6 +607,35 @@ def test_wide_forward_shapes(dtype):
 
 
 @pytest.mark.cuda
+def test_forward_shape_knob(monkeypatch):
+    """COURSE_NORM_FORWARD_SHAPES (norm_kernels.cu, for benchmarks), read at each launch: "before"
+    runs the shapes before the 32 x 3 warp rows and the wide ones, "warp3" and "wide" one of the
+    two, "all" (and unset) both; the same results; any other value fails the launch."""
+    require_cuda()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    x768, w768, b768, _ = make_inputs((2048, 768), torch.bfloat16, "cuda")
+    xw, ww, bw, _ = make_inputs((sms + 1, 12288), torch.float32, "cuda")
+    want = {"before": ([32, 4], [1024, 4]), "warp3": ([32, 3], [1024, 4]), "wide": ([32, 4], [384, 8]),
+            "all": ([32, 3], [384, 8]), None: ([32, 3], [384, 8])}
+    for rule, (short, wide) in want.items():
+        if rule is None:
+            monkeypatch.delenv("COURSE_NORM_FORWARD_SHAPES", raising=False)
+        else:
+            monkeypatch.setenv("COURSE_NORM_FORWARD_SHAPES", rule)
+        for op in NORM_OPS:
+            eps = default_eps(op)
+            out, (threads, vectors, _, _) = resident_kernel(lambda op=op, eps=eps: run(op, x768, w768, b768, eps, None))
+            assert [threads, vectors] == short, (rule, op, threads, vectors)
+            assert_forward(out, reference(op, x768, w768, b768, eps), torch.bfloat16, f"{op} {rule} 768")
+            out, (threads, vectors, _, _) = resident_kernel(lambda op=op, eps=eps: run(op, xw, ww, bw, eps, None))
+            assert [threads, vectors] == wide, (rule, op, threads, vectors)
+            assert_forward(out, reference(op, xw, ww, bw, eps), torch.float32, f"{op} {rule} 12288")
+    monkeypatch.setenv("COURSE_NORM_FORWARD_SHAPES", "wider")
+    with pytest.raises(RuntimeError):
+        fusion.rms_norm(x768, w768)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=dtype_id)
 def test_whole_warp_forward_shapes(dtype):
     """The forward in the regular shapes of whole warps at 1, 7, 133 and 2048 rows (1 and 7 rows
