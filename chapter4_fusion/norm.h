@@ -201,10 +201,19 @@ inline int wide_forward_shape(int64_t n, int elem_bytes, bool whole_vectors, boo
 // Whether a launch that would run the regular shape's plain or capped kernel (weight loaded late)
 // runs the wide one instead, from both kernels' blocks an SM as the runtime gives them (a block of
 // either holds one row): where the grid is more than one wave of the regular kernel (else every row
-// is on an SM from the start, and the regular shape's shorter chain a thread is the faster) and the
-// wide kernel keeps more rows an SM.
-inline bool forward_goes_wide(int64_t rows, int regular_blocks_per_sm, int wide_blocks_per_sm, int sms) {
-  return rows > static_cast<int64_t>(regular_blocks_per_sm) * sms && wide_blocks_per_sm > regular_blocks_per_sm;
+// is on an SM from the start, and the regular shape's shorter chain a thread is the faster), the
+// wide kernel keeps more rows an SM, and the regular kernel's rows on an SM hold fewer than
+// kWideBelowBytes of loads (row_bytes: a row's bytes read, x and for fused_add_rms_norm the
+// residual). In the H200 record at 933003d (ptxas' counts, sm_90a) float32's forwards at 8192
+// tokens whose SMs hold 64 KB or more run at 0.93-1.05x of torch, more bytes no faster (8192:
+// LayerNorm's two 32 KB blocks 0.99x, RMSNorm's three 0.97x), while 12288's one 48 KB block runs
+// at 0.80-0.83x: past 64 KB the wide kernel's spills (LayerNorm's) would buy nothing. all_widths:
+// without that bound (the bench knob's "wide-always").
+constexpr int64_t kWideBelowBytes = 64 * 1024;
+inline bool forward_goes_wide(int64_t rows, int64_t row_bytes, int regular_blocks_per_sm, int wide_blocks_per_sm,
+                              int sms, bool all_widths = false) {
+  return rows > static_cast<int64_t>(regular_blocks_per_sm) * sms && wide_blocks_per_sm > regular_blocks_per_sm &&
+         (all_widths || regular_blocks_per_sm * row_bytes < kWideBelowBytes);
 }
 
 // Where the forward's last step gets weight (and bias) (norm_kernels.cu, kParams). kHeld: loaded

@@ -375,22 +375,25 @@ cudaError_t with_wide_shape(int shape, F&& f) {
 
 // COURSE_NORM_FORWARD_SHAPES, a benchmark's knob (unset: "all"), so that one run times the shape
 // rules side by side in one build: "all" (the rule as documented in norm.h), "before" (neither the
-// 32 x 3 warp rows nor the wide shapes: the rule before them), "warp3" or "wide" (one of the two).
-// Read at every launch (a getenv, well under the launch's own host time), so a timing script can
-// switch it between captures; any other value fails every resident launch (cudaErrorInvalidValue)
-// rather than time a rule it does not name.
+// 32 x 3 warp rows nor the wide shapes: the rule before them), "warp3" or "wide" (one of the two),
+// "wide-always" (both, the wide shapes wherever they keep more rows an SM, without
+// forward_goes_wide's bound on the bytes). Read at every launch (a getenv, well under the launch's
+// own host time), so a timing script can switch it between captures; any other value fails every
+// resident launch (cudaErrorInvalidValue) rather than time a rule it does not name.
 struct ShapeRule {
   bool valid;
   bool three_vector_warps;
   bool wide;
+  bool wide_always;
 };
 inline ShapeRule shape_rule() {
   const char* v = std::getenv("COURSE_NORM_FORWARD_SHAPES");
-  if (v == nullptr || std::strcmp(v, "all") == 0) return {true, true, true};
-  if (std::strcmp(v, "before") == 0) return {true, false, false};
-  if (std::strcmp(v, "warp3") == 0) return {true, true, false};
-  if (std::strcmp(v, "wide") == 0) return {true, false, true};
-  return {false, false, false};
+  if (v == nullptr || std::strcmp(v, "all") == 0) return {true, true, true, false};
+  if (std::strcmp(v, "before") == 0) return {true, false, false, false};
+  if (std::strcmp(v, "warp3") == 0) return {true, true, false, false};
+  if (std::strcmp(v, "wide") == 0) return {true, false, true, false};
+  if (std::strcmp(v, "wide-always") == 0) return {true, true, true, true};
+  return {false, false, false, false};
 }
 
 template <typename T>
@@ -489,8 +492,9 @@ cudaError_t launch_resident_kind(const NormParams& p, cudaStream_t stream) {
                                          ParamLoad::kLate, wide_min_blocks(kWide.threads)>;
             int64_t wide_wave = 0;
             COURSE_CUDA_TRY(course::resident_grid(kernel, kWide.threads, &wide_wave));
-            if (!forward_goes_wide(p.rows, static_cast<int>(regular_wave / sms), static_cast<int>(wide_wave / sms),
-                                   sms)) {
+            const int64_t row_bytes = p.n * static_cast<int64_t>(sizeof(T)) * (kAddResidual ? 2 : 1);
+            if (!forward_goes_wide(p.rows, row_bytes, static_cast<int>(regular_wave / sms),
+                                   static_cast<int>(wide_wave / sms), sms, rule.wide_always)) {
               return cudaSuccess;  // the regular shape runs
             }
             went_wide = true;

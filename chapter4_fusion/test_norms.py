@@ -563,26 +563,30 @@ def test_wide_forward_shapes(dtype):
     """The forward in the wide shapes (8 vectors a thread, float32) at one block more than the SMs
     and at 2048 rows: every op and fused_add_rms_norm against float64 (the sum bit for bit),
     weight and bias None, the gradients of x, weight and bias through autograd; the shape that ran
-    (the profiler) is the regular one or the wide one norm_forward_wide_shape names, the wide one
-    where the regular shape is 1024 threads x 4 vectors (one block an SM by its bounds) and the
-    wide kernel's bounds keep two, and in 2-byte dtypes always the regular one; rows that start
-    mid-vector (an offset view) take the regular shapes."""
+    (the profiler) is the regular one or the wide one norm_forward_wide_shape names, the one it
+    names where the regular shape is 1024 threads x 4 vectors (one block an SM by its bounds; the
+    wide kernel's bounds keep two: LayerNorm and RMSNorm wide, fused_add_rms_norm's 96 KB not),
+    and in 2-byte dtypes always the regular one; rows that start mid-vector (an offset view) take
+    the regular shapes."""
     require_cuda()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for rows in (sms + 1, 2048):
         for n in WIDE_WIDTHS:
             where = f"{rows}x{n}"
             x, w, b, r = make_inputs((rows, n), dtype, "cuda", residual=True)
-            regular, wide = OPS.norm_forward_shape(x, sms), OPS.norm_forward_wide_shape(x, sms, 1, 2)
-            assert bool(wide) == (dtype == torch.float32), where
+            regular = OPS.norm_forward_shape(x, sms)
             calls = {op: (lambda op=op: run(op, x, w, b, default_eps(op), None)) for op in NORM_OPS}
             calls["fused_add_rms_norm"] = lambda: fusion.fused_add_rms_norm(x, r, w)
             for op, call in calls.items():
+                # The wide shape where the regular kernel keeps one block an SM and the wide one two.
+                wide = OPS.norm_forward_wide_shape(x, sms, 1, 2, op == "fused_add_rms_norm")
+                assert bool(wide) == (dtype == torch.float32 and op != "fused_add_rms_norm" or
+                                      dtype == torch.float32 and n * 8 < 64 * 1024), (op, where)
                 out, (threads, vectors, load, _) = resident_kernel(call)
                 ran = [threads, vectors]
                 assert ran in (regular, wide), (op, where, ran)
-                if regular == [1024, 4] and dtype == torch.float32:
-                    assert ran == wide and load == "late", (op, where, ran, load)
+                if regular == [1024, 4]:  # one block an SM by its bounds; the wide kernel's keep two
+                    assert ran == (wide or regular) and load == "late", (op, where, ran, load)
                 if op == "fused_add_rms_norm":
                     h_ref = rounded_sum(x, r)
                     assert torch.equal(out[1], h_ref), (op, where)
@@ -610,13 +614,14 @@ def test_wide_forward_shapes(dtype):
 def test_forward_shape_knob(monkeypatch):
     """COURSE_NORM_FORWARD_SHAPES (norm_kernels.cu, for benchmarks), read at each launch: "before"
     runs the shapes before the 32 x 3 warp rows and the wide ones, "warp3" and "wide" one of the
-    two, "all" (and unset) both; the same results; any other value fails the launch."""
+    two, "all" (and unset) both, "wide-always" the wide ones past the bound on the bytes too
+    (fused_add_rms_norm at float32 12288); the same results; any other value fails the launch."""
     require_cuda()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     x768, w768, b768, _ = make_inputs((2048, 768), torch.bfloat16, "cuda")
-    xw, ww, bw, _ = make_inputs((sms + 1, 12288), torch.float32, "cuda")
+    xw, ww, bw, rw = make_inputs((sms + 1, 12288), torch.float32, "cuda", residual=True)
     want = {"before": ([32, 4], [1024, 4]), "warp3": ([32, 3], [1024, 4]), "wide": ([32, 4], [384, 8]),
-            "all": ([32, 3], [384, 8]), None: ([32, 3], [384, 8])}
+            "all": ([32, 3], [384, 8]), "wide-always": ([32, 3], [384, 8]), None: ([32, 3], [384, 8])}
     for rule, (short, wide) in want.items():
         if rule is None:
             monkeypatch.delenv("COURSE_NORM_FORWARD_SHAPES", raising=False)
@@ -630,6 +635,11 @@ def test_forward_shape_knob(monkeypatch):
             out, (threads, vectors, _, _) = resident_kernel(lambda op=op, eps=eps: run(op, xw, ww, bw, eps, None))
             assert [threads, vectors] == wide, (rule, op, threads, vectors)
             assert_forward(out, reference(op, xw, ww, bw, eps), torch.float32, f"{op} {rule} 12288")
+        # fused_add_rms_norm reads 96 KB an SM in 1024 x 4: wide only without the bound on the bytes
+        (y, h), (threads, vectors, _, _) = resident_kernel(lambda: fusion.fused_add_rms_norm(xw, rw, ww))
+        assert [threads, vectors] == ([384, 8] if rule == "wide-always" else [1024, 4]), (rule, threads, vectors)
+        assert torch.equal(h, rounded_sum(xw, rw)), rule
+        assert_forward(y, F.rms_norm(h.double(), (12288,), ww.double(), 1e-6), torch.float32, f"fused {rule}")
     monkeypatch.setenv("COURSE_NORM_FORWARD_SHAPES", "wider")
     with pytest.raises(RuntimeError):
         fusion.rms_norm(x768, w768)
@@ -900,24 +910,29 @@ def test_wide_forward_shape_rule(dtype):
     """The wide forward shapes (norm.h's kWideShapes and forward_goes_wide): a launch that would run
     the regular shape's plain or capped kernel runs 8 vectors a thread in half the threads or fewer
     where the row is float32 of whole vectors, the regular shape a block's, the wide shape holds the
-    row in no more slots, the grid is more than one wave of the regular kernel and the wide kernel
-    keeps more blocks an SM; every row length up to 4096 vectors, every wide shape reached and
+    row in no more slots, the grid is more than one wave of the regular kernel, the wide kernel
+    keeps more blocks an SM and the regular kernel's rows on an SM are fewer than 64 KB of loads
+    (x, and fused_add_rms_norm's residual); every row length up to 4096 vectors, every wide shape reached and
     filled to its capacity (none in 2-byte dtypes); hidden 12288 in float32: 1024 x 4 -> 384 x 8."""
     elem = torch.empty((), dtype=dtype).element_size()
     vector = 16 // elem
     sms = 132
 
-    def wide(rows, n, per_sm, wide_per_sm):
-        return OPS.norm_forward_wide_shape(torch.empty(rows, n, dtype=dtype, device="meta"), sms, per_sm, wide_per_sm)
+    def wide(rows, n, per_sm, wide_per_sm, residual=False):
+        return OPS.norm_forward_wide_shape(torch.empty(rows, n, dtype=dtype, device="meta"), sms, per_sm, wide_per_sm,
+                                           residual)
 
     seen = {}
     for vectors in range(1, 4097):
         n = vectors * vector
         want = wide_candidate(n, vector)
-        for per_sm, wide_per_sm in ((1, 2), (2, 3), (2, 2), (3, 2)):
-            more = wide_per_sm > per_sm
-            assert wide(per_sm * sms + 1, n, per_sm, wide_per_sm) == (want if want and more else []), (n, per_sm)
-            assert wide(per_sm * sms, n, per_sm, wide_per_sm) == [], (n, per_sm)  # one wave: the regular shape
+        for per_sm, wide_per_sm in ((1, 2), (2, 3), (2, 2), (3, 2), (3, 4)):
+            for residual in (False, True):
+                # the regular kernel's rows on an SM: fewer than 64 KB read (x, and the residual)
+                short = per_sm * n * elem * (2 if residual else 1) < 64 * 1024
+                go = bool(want) and wide_per_sm > per_sm and short
+                assert wide(per_sm * sms + 1, n, per_sm, wide_per_sm, residual) == (want if go else []), (n, per_sm)
+                assert wide(per_sm * sms, n, per_sm, wide_per_sm, residual) == [], (n, per_sm)  # one wave
         assert wide(8192, n - 1, 1, 2) == [], n  # not whole vectors
         if want:
             seen[tuple(want)] = max(seen.get(tuple(want), 0), vectors)
@@ -926,7 +941,10 @@ def test_wide_forward_shape_rule(dtype):
     assert sorted(seen) == ([(t, 8) for t in (128, 192, 256, 320, 384)] if vector == 4 else [])
     for (threads, per), most in seen.items():
         assert most == threads * per, (threads, per, most)
-    assert wide(8192, 12288, 1, 2) == ([384, 8] if vector == 4 else [])
+    assert wide(8192, 12288, 1, 2) == ([384, 8] if vector == 4 else [])  # one block an SM: 48 KB
+    assert wide(8192, 12288, 1, 2, True) == []  # fused_add_rms_norm: x and the residual, 96 KB
+    assert wide(8192, 8192, 1, 3) == ([256, 8] if vector == 4 else [])
+    assert wide(8192, 8192, 2, 3) == []  # two blocks of 32 KB: 64 KB, not fewer
     assert wide(8192, 4096, 1, 2) == ([128, 8] if vector == 4 else [])  # 1024 vectors: 256 x 4 -> 128 x 8
     assert wide(8192, 5120, 1, 8) == []  # 320 x 4 exact: 192 x 8 would pad
     assert wide(8192, 16384, 1, 8) == []  # 1024 x 4 exact; past 384 x 8
