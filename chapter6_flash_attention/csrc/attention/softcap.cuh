@@ -18,19 +18,20 @@
 // score costs one. The unit serves 16 lanes a clock per SM: on a Hopper, a 128 x 128 tile's 16384
 // scores take ~1024 cycles of it per MUFU per score, against ~3300 cycles of tensor-core time for
 // the tile's two products at d = 128, so three of them made the softcapped forward wait on the
-// unit (0.65x the dense call's speed, 0.70x in the backward). kFma (tanh_exp2_fma, the default)
-// computes the reciprocal on the FMA pipe instead, which has room for it: E lies in [0, 1], so
-// d = 1 + E lies in [1, 2], where a quadratic seed p(E) (the minimax one: relative error 1/99) and
-// two Newton steps y <- y + y (1 - d y) (two FMAs each; the error squares: 1/99, 1.0e-4, 1.04e-8)
-// reach float32. Ten FMA-pipe instructions and one MUFU per score instead of eight and two; no
-// clamp is needed (E = 0 for |x| = inf gives y = 1 exactly; NaN stays NaN), and the sign goes back
-// on with copysign. The error of tanh_exp2_fma, absolute (|tanh| <= 1): rounding d costs y 2^-24
-// relatively (2^-23 in tanh = 2y - 1), the last Newton step's result 2^-25 (2^-24), the last FMA
-// 2^-25, the Newton residual 2^-26.5: 2^-22.05 in all with an exact exponential (a float32 mirror
-// of these steps over all 2^32 arguments: at most 2^-22.26), plus half of ex2.approx's relative
-// error (d tanh / (dE / E) = 2E / (1 + E)^2 <= 1/2): within 2^-21 (experiments/
-// softcap_tanh_check.cu measures every float32 argument on the GPU). The argument a = |s| * in is
-// rounded once, as x = s * in was before (in carries the 2 log2 e).
+// unit (on an H100, 0.65x the dense call's speed, 0.70x in the backward). kFma (tanh_exp2_fma, the
+// default) computes the reciprocal on the FMA pipe instead, which has room for it: E lies in
+// [0, 1], so d = 1 + E lies in [1, 2], where a quadratic seed p(E) (the minimax one: relative
+// error 1/99) and two Newton steps y <- y + y (1 - d y) (two FMAs each; the error squares: 1/99,
+// 1.0e-4, 1.04e-8) reach float32, and copysign puts the sign back. One MUFU and ten other
+// instructions a score (seven FMAs, an add, a multiply, a LOP3 for the sign) instead of two and
+// eight. No clamp is needed: E = 0 at |x| = inf gives y = 1 exactly, and NaN stays NaN.
+//   The error of tanh_exp2_fma, absolute (|tanh| <= 1): rounding d costs y 2^-24 relatively (2^-23
+// in tanh = 2y - 1), the last Newton step's result 2^-25 (2^-24), the last FMA 2^-25, the Newton
+// residual 2^-26.5: 2^-22.05 in all with an exact exponential (a float32 mirror of these steps
+// over all 2^32 arguments: at most 2^-22.26), plus half of ex2.approx's relative error
+// (d tanh / (dE / E) = 2E / (1 + E)^2 <= 1/2): within 2^-21 (experiments/softcap_tanh_check.cu
+// measures every float32 argument on the GPU). The argument a = |s| * in is rounded once, as
+// x = s * in was before (in carries the 2 log2 e).
 //   Which one a call takes is read on the host, per launch, from the environment variable
 // COURSE_SOFTCAP_TANH: "rcp" for the MUFU reciprocal, unset, empty or "fma" for the FMA one (any
 // other value: the default; bench_attention.py refuses it by name), so one build times both
