@@ -81,7 +81,9 @@ mask saves or costs. Every row is credited the masked call's useful work, counte
 (masked_flops); speedup_vs_torch is against flex_attention. Each section writes its own file,
 results/<device-slug>/chapter6_flash_attention_window.json and ..._softcap.json, so that either can
 be run again alone. On the CPU they run at small sizes with the C++ reference (variant cpu); there
-flex_attention has a forward only.
+flex_attention has a forward only. COURSE_SOFTCAP_TANH=rcp times the softcap's first tanh (the
+reciprocal on the special-function unit) in place of the default "fma"; the record's softcap_tanh
+says which ran.
 
 FP8 rows (Hopper with the sm_90a kernels only): attention_fp8 on e4m3 inputs, op attention, dtype
 float8_e4m3fn, variant default (the one FP8 forward), at three shapes of the sweep -- b2 h16 s8192
@@ -1112,6 +1114,25 @@ WINDOW = {"batch": 1, "heads": 16, "seqlen": 32768, "head_dim": 128, "dtype": "b
           "window": [4095, 0], "softcap": 0.0}
 SOFTCAP = {"batch": 2, "heads": 16, "seqlen": 8192, "head_dim": 128, "dtype": "bfloat16", "causal": True,
            "window": [-1, -1], "softcap": 30.0}
+# The softcap's tanh (csrc/attention/softcap.cuh): the reciprocal of 2 / (1 + E) on the FMA pipe ("fma",
+# the default) or on the special-function unit ("rcp"), picked per launch from this environment
+# variable, so one build times both: `COURSE_SOFTCAP_TANH=rcp python bench_attention.py --ops
+# attention_softcap`, then without it. The section's record names the mode it ran.
+SOFTCAP_TANH_ENV = "COURSE_SOFTCAP_TANH"
+SOFTCAP_TANH_MODES = ("fma", "rcp")
+
+
+def softcap_tanh_mode():
+    """The softcap tanh this process's launches take: the variable's value, "fma" when unset or empty.
+    The kernels' reading takes any other value for the default; a benchmark refuses it instead, so
+    that a misspelt mode is not timed under the wrong name."""
+    mode = os.environ.get(SOFTCAP_TANH_ENV) or "fma"
+    if mode not in SOFTCAP_TANH_MODES:
+        raise ValueError(f"{SOFTCAP_TANH_ENV}={mode!r}: expected one of {', '.join(SOFTCAP_TANH_MODES)} "
+                         "(unset: fma)")
+    return mode
+
+
 # The CPU's: the C++ reference (float32) at sizes it runs in milliseconds, the same masks.
 WINDOW_CPU = {**WINDOW, "heads": 2, "seqlen": 256, "head_dim": 64, "dtype": "float32", "window": [63, 0]}
 SOFTCAP_CPU = {**SOFTCAP, "batch": 1, "heads": 2, "seqlen": 128, "head_dim": 64, "dtype": "float32"}
@@ -1258,8 +1279,9 @@ def print_masked_table(record):
         if not rows:
             continue
         r0 = rows[0]
-        print(f"\n{op}: {what}, {r0['dtype']} b{r0['batch']} h{r0['heads']} s{r0['seqlen']} d{r0['head_dim']} causal "
-              "(TFLOP/s of the masked call's useful work; x flex_attention)")
+        tanh = f", tanh {record['softcap_tanh']}" if op == "attention_softcap" and "softcap_tanh" in record else ""
+        print(f"\n{op}: {what}, {r0['dtype']} b{r0['batch']} h{r0['heads']} s{r0['seqlen']} d{r0['head_dim']} causal"
+              f"{tanh} (TFLOP/s of the masked call's useful work; x flex_attention)")
         for r in rows:
             mask = f"window={r['window']}" if op == "attention_window" else f"softcap={r['softcap']:g}"
             speed = f"{r['speedup_vs_torch']:.2f}x" if "speedup_vs_torch" in r else "-"
@@ -1391,7 +1413,7 @@ SECTIONS = {
     "attention_softcap": (lambda device, mm, notes: bench_masked("attention_softcap", device, mm, notes),
                           "_softcap",
                           lambda device: {"sizes": {"softcap": masked_config("attention_softcap", device)},
-                                          "baseline": "flex_attention"},
+                                          "baseline": "flex_attention", "softcap_tanh": softcap_tanh_mode()},
                           lambda record: print_masked_table(record)),
     "transformers_model": (lambda device, mm, notes: bench_transformers_model(device, mm, notes), "_transformers",
                            lambda device: {"sizes": {"transformers_model": HF_MODEL if device == "cuda"

@@ -3,6 +3,7 @@ count every TFLOP/s rests on, the math backend's memory estimate that decides wh
 the calls per graph replay, the grid's invariants, the accuracy rows, and rows that carry the
 fields the results contract asks for."""
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -295,6 +296,25 @@ def test_masked_sections_are_the_lessons():
     assert {op: B.SECTIONS[op][1] for op in B.SECTIONS} == {
         "attention_varlen": "_varlen", "attention_window": "_window", "attention_softcap": "_softcap",
         "attention_fp8": "_fp8", "transformers_model": "_transformers"}
+
+
+def test_softcap_tanh_mode(monkeypatch):
+    """The softcap section's mode comes from COURSE_SOFTCAP_TANH, the variable softcap.cuh's
+    launchers read: "fma" unset or empty, "rcp" when asked, and a misspelt one refused by name
+    (the kernels would run the default under it); the section's record carries it."""
+    assert B.SOFTCAP_TANH_ENV == "COURSE_SOFTCAP_TANH"
+    for value, mode in ((None, "fma"), ("", "fma"), ("fma", "fma"), ("rcp", "rcp")):
+        if value is None:
+            monkeypatch.delenv(B.SOFTCAP_TANH_ENV, raising=False)
+        else:
+            monkeypatch.setenv(B.SOFTCAP_TANH_ENV, value)
+        assert B.softcap_tanh_mode() == mode, value
+        assert B.SECTIONS["attention_softcap"][2]("cpu")["softcap_tanh"] == mode
+    monkeypatch.setenv(B.SOFTCAP_TANH_ENV, "mufu")
+    with pytest.raises(ValueError, match=r"COURSE_SOFTCAP_TANH='mufu': expected one of fma, rcp \(unset: fma\)"):
+        B.softcap_tanh_mode()
+    header = (Path(__file__).parent / "csrc" / "attention" / "softcap.cuh").read_text()
+    assert f'kSoftcapTanhEnv = "{B.SOFTCAP_TANH_ENV}"' in header and 'std::strcmp(v, "rcp")' in header
 
 
 def test_transformers_model_rows_on_the_cpu(monkeypatch, one_thread):

@@ -108,19 +108,24 @@ __device__ __forceinline__ auto tile_mask(const AttentionParams& p, int64_t m0, 
 }
 
 // The kWindowSoftcap instantiations' P (and the cap's derivative, 1 - tanh^2, in `dcap`; 1 without a
-// softcap) of unscaled score s in a row whose lse is lse2 (log2 units). `visible` false: P = 0.
-// The plain instantiations compute P inline, as they did before the softcap existed (written
-// through this helper with dcap = 1, the same arithmetic compiled to other instructions).
+// softcap, M = kNone) of unscaled score s in a row whose lse is lse2 (log2 units). `visible` false:
+// P = 0. M is the call's softcap mode, a compile-time constant from with_softcap_tanh around the
+// loop (softcap.cuh says why). The plain instantiations compute P inline, as they did before the
+// softcap existed (through this helper with dcap = 1 they would compile to other instructions).
+template <SoftcapTanh M>
 __device__ __forceinline__ float recompute_p(float s, float lse2, bool visible, float scale_log2, const Softcap& cap,
                                              float* dcap) {
   float c = s * scale_log2;
   *dcap = 1.f;
-  if (cap.in != 0.f) {  // uniform across the grid
-    const float th = softcap_tanh(s * cap.in, cap.approx);
+  if constexpr (M != SoftcapTanh::kNone) {
+    const float th = softcap_tanh<M>(s, cap);
     c = cap.out * th;
     *dcap = 1.f - th * th;
   }
-  return visible ? exp2f(c - lse2) : 0.f;
+  // ex2.approx.ftz: exp2f's rescaling for results below 2^-126 is three more instructions a score,
+  // for a P that adds nothing to a float32 sum of terms near 1 (the plain instantiations' exp2f
+  // keeps it).
+  return visible ? softcap_ex2(c - lse2) : 0.f;
 }
 
 // Query row `row` of head bh's lse and D, as the P and dS formulas use them: lse in log2 units,
@@ -275,23 +280,32 @@ __global__ void __launch_bounds__(K::kThreads)
     // P^T and dS^T in place: element st[j][e] is key 16w + gr + 8(e / 2) of the tile, query row
     // 8j + 2t + e % 2.
     const auto mask = tile_mask<K, kWindowSoftcap>(p, m0, n0);
+    // One loop per softcap mode (with_softcap_tanh; the plain instantiation has the one loop).
+    auto p_and_ds = [&](auto mode) {
 #pragma unroll
-    for (int j = 0; j < kMTiles; ++j) {
+      for (int j = 0; j < kMTiles; ++j) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int rc = 8 * j + 2 * t + e % 2;
-        const bool visible = mask.visible(rc, 16 * warp + gr + 8 * (e / 2));
-        if constexpr (kWindowSoftcap) {
-          float dcap;
-          const float pt = recompute_p(st[j][e], lse_t[rc], visible, scale_log2, cap, &dcap);
-          st[j][e] = pt;
-          dpt[j][e] = pt * (dpt[j][e] - dr_t[rc]) * dcap;  // dS^T
-        } else {
-          const float pt = visible ? exp2f(st[j][e] * scale_log2 - lse_t[rc]) : 0.f;
-          st[j][e] = pt;
-          dpt[j][e] = pt * (dpt[j][e] - dr_t[rc]);  // dS^T
+        for (int e = 0; e < 4; ++e) {
+          const int rc = 8 * j + 2 * t + e % 2;
+          const bool visible = mask.visible(rc, 16 * warp + gr + 8 * (e / 2));
+          if constexpr (kWindowSoftcap) {
+            float dcap;
+            const float pt =
+                recompute_p<decltype(mode)::value>(st[j][e], lse_t[rc], visible, scale_log2, cap, &dcap);
+            st[j][e] = pt;
+            dpt[j][e] = pt * (dpt[j][e] - dr_t[rc]) * dcap;  // dS^T
+          } else {
+            const float pt = visible ? exp2f(st[j][e] * scale_log2 - lse_t[rc]) : 0.f;
+            st[j][e] = pt;
+            dpt[j][e] = pt * (dpt[j][e] - dr_t[rc]);  // dS^T
+          }
         }
       }
+    };
+    if constexpr (kWindowSoftcap) {
+      with_softcap_tanh<true>(cap, p_and_ds);
+    } else {
+      p_and_ds(SoftcapMode<SoftcapTanh::kNone>{});
     }
 
     // dV_w += P^T dO and dK_w += dS^T Q, the k dimension being the tile's query rows.
@@ -476,20 +490,29 @@ __global__ void __launch_bounds__(K::kThreads)
     mma::gemm_nt<T, K, kD, K::kBlockN>(dp, do_s, warp * 16, vt, 0, lane);
     // dS in place of dP: element [j][e] is row 16w + gr + 8(e / 2) of the tile, key 8j + 2t + e % 2.
     const auto mask = tile_mask<K, kWindowSoftcap>(p, m0, n0);
+    // One loop per softcap mode, as in the dK/dV kernel.
+    auto ds = [&](auto mode) {
 #pragma unroll
-    for (int j = 0; j < kNTiles; ++j) {
+      for (int j = 0; j < kNTiles; ++j) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const bool visible = mask.visible(16 * warp + gr + 8 * (e / 2), 8 * j + 2 * t + e % 2);
-        if constexpr (kWindowSoftcap) {
-          float dcap;
-          const float pr = recompute_p(s[j][e], stats[e / 2].lse2, visible, scale_log2, cap, &dcap);
-          dp[j][e] = pr * (dp[j][e] - stats[e / 2].d) * dcap;
-        } else {
-          const float pr = visible ? exp2f(s[j][e] * scale_log2 - stats[e / 2].lse2) : 0.f;
-          dp[j][e] = pr * (dp[j][e] - stats[e / 2].d);
+        for (int e = 0; e < 4; ++e) {
+          const bool visible = mask.visible(16 * warp + gr + 8 * (e / 2), 8 * j + 2 * t + e % 2);
+          if constexpr (kWindowSoftcap) {
+            float dcap;
+            const float pr =
+                recompute_p<decltype(mode)::value>(s[j][e], stats[e / 2].lse2, visible, scale_log2, cap, &dcap);
+            dp[j][e] = pr * (dp[j][e] - stats[e / 2].d) * dcap;
+          } else {
+            const float pr = visible ? exp2f(s[j][e] * scale_log2 - stats[e / 2].lse2) : 0.f;
+            dp[j][e] = pr * (dp[j][e] - stats[e / 2].d);
+          }
         }
       }
+    };
+    if constexpr (kWindowSoftcap) {
+      with_softcap_tanh<true>(cap, ds);
+    } else {
+      ds(SoftcapMode<SoftcapTanh::kNone>{});
     }
     mma::gemm_rs<T, K, K::kBlockN, kD>(acc, dp, kt, 0, lane);
     // Every warp is done with this stage's K and V before the copies of tile n + 2, issued at the

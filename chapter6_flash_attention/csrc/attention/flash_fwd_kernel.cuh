@@ -228,14 +228,16 @@ __global__ void __launch_bounds__(K::kThreads)
     // masking loop below; with them it is a pass of its own, as the cap takes its place.
     if constexpr (kWindowSoftcap) {
       if (cap.in != 0.f) {  // uniform: the same branch for every thread of the grid
+        with_softcap_tanh(cap, [&](auto mode) {  // one loop per softcap mode (softcap.cuh)
 #pragma unroll
-        for (int m = 0; m < kMT; ++m) {
+          for (int m = 0; m < kMT; ++m) {
 #pragma unroll
-          for (int j = 0; j < kNTiles; ++j) {
+            for (int j = 0; j < kNTiles; ++j) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) s[m][j][e] = cap.out * softcap_tanh(s[m][j][e] * cap.in, cap.approx);
+              for (int e = 0; e < 4; ++e) s[m][j][e] = softcap_score<decltype(mode)::value>(s[m][j][e], cap);
+            }
           }
-        }
+        });
       } else {
 #pragma unroll
         for (int m = 0; m < kMT; ++m) {

@@ -1,5 +1,5 @@
 // The softcap of the tensor-core kernels of both passes (attention.h: c = softcap * tanh(s / softcap)
-// of each scaled score s), for flash_fwd_kernel.cuh and flash_bwd_kernel.cuh.
+// of each scaled score s), for flash_fwd_kernel.cuh, flash_bwd_kernel.cuh and the Hopper kernels.
 //
 // Which tanh. tanh.approx.f32 is one MUFU.TANH, the price of the exponential each score already
 // pays; its error, though, is bounded only by about 2^-11 (the PTX ISA's figure; tanh itself is at
@@ -8,38 +8,79 @@
 // test_attention.py holds the tensor-core rungs to): the approximation stays inside that bound
 // while 2^-11 softcap <= 2^-8, softcap <= 8 (kTanhApproxMaxSoftcap), and for bfloat16 only
 // (float16's 2^-11 leaves it no room). Everywhere else (float16, and the caps of 30 and 50 that
-// Grok and Gemma 2 use) tanh comes from the exponential, 1 - 2 / (2^(2 x log2 e) + 1): one
-// MUFU.EX2 and one MUFU.RCP, and an error of a few float32 ulps of 1 (~1e-6 of softcap in c), far
-// inside either bound. (tanhf would be exact to an ulp or two, but it is a longer libdevice
-// routine with branches on the argument's range.) The kernels' kWindowSoftcap instantiations take
-// the choice as a runtime flag (uniform across the grid): it costs a branch per tile, not one more
-// instantiation of every kernel; a call without a softcap or window runs the other instantiation,
-// which has no softcap code at all.
+// Grok and Gemma 2 use) tanh comes from the exponential, to a few float32 ulps of 1 (~1e-6 of
+// softcap in c), far inside either bound. (tanhf would be exact to an ulp or two, but it is a
+// longer libdevice routine with branches on the argument's range.)
+//
+// Which reciprocal (SoftcapTanh). tanh|x| = 2 / (1 + E) - 1 with E = 2^(-2 |x| log2 e). The first
+// form of it took the reciprocal from the special-function unit too (MUFU.RCP, kRcp: tanh_exp2),
+// so a capped score cost three MUFU instructions with the softmax's own exponential, where a plain
+// score costs one. The unit serves 16 lanes a clock per SM: on a Hopper, a 128 x 128 tile's 16384
+// scores take ~1024 cycles of it per MUFU per score, against ~3300 cycles of tensor-core time for
+// the tile's two products at d = 128, so three of them made the softcapped forward wait on the
+// unit (on an H100, 0.65x the dense call's speed, 0.70x in the backward). kFma (tanh_exp2_fma, the
+// default) computes the reciprocal on the FMA pipe instead, which has room for it: E lies in
+// [0, 1], so d = 1 + E lies in [1, 2], where a quadratic seed p(E) (the minimax one: relative
+// error 1/99) and two Newton steps y <- y + y (1 - d y) (two FMAs each; the error squares: 1/99,
+// 1.0e-4, 1.04e-8) reach float32, and copysign puts the sign back. One MUFU and ten other
+// instructions a score (seven FMAs, an add, a multiply, a LOP3 for the sign) instead of two and
+// eight. No clamp is needed: E = 0 at |x| = inf gives y = 1 exactly, and NaN stays NaN.
+//   The error of tanh_exp2_fma, absolute (|tanh| <= 1): rounding d costs y 2^-24 relatively (2^-23
+// in tanh = 2y - 1), the last Newton step's result 2^-25 (2^-24), the last FMA 2^-25, the Newton
+// residual 2^-26.5: 2^-22.05 in all with an exact exponential (a float32 mirror of these steps
+// over all 2^32 arguments: at most 2^-22.26), plus half of ex2.approx's relative error
+// (d tanh / (dE / E) = 2E / (1 + E)^2 <= 1/2): within 2^-21 (experiments/softcap_tanh_check.cu
+// measures every float32 argument on the GPU). The argument a = |s| * in is rounded once, as
+// x = s * in was before (in carries the 2 log2 e).
+//   Which one a call takes is read on the host, per launch, from the environment variable
+// COURSE_SOFTCAP_TANH: "rcp" for the MUFU reciprocal, unset, empty or "fma" for the FMA one (any
+// other value: the default; bench_attention.py refuses it by name), so one build times both
+// (bench_attention.py --ops attention_softcap, once per value). tanh.approx keeps its cases.
+//   The kernels' kWindowSoftcap instantiations take the choice as a runtime value (uniform across
+// the grid): it costs a branch per tile, not one more instantiation of every kernel; a call without
+// a softcap or window runs the other instantiation, which has no softcap code at all.
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
 
 namespace flash_attention {
 
 // The largest softcap at which bfloat16 takes tanh.approx.f32 (above).
 inline constexpr double kTanhApproxMaxSoftcap = 8.0;
 
-// What a kernel needs: x = s * in is the tanh's argument (s an unscaled score q . k, in = scale /
-// softcap), and c * out the capped score in the kernel's units (out = softcap, times log2(e) for
-// kernels that work in log2 units). in == 0: no softcap.
+// The tanh of the softcap (above): none (no softcap), MUFU.TANH, or from the exponential with the
+// reciprocal on the special-function unit (kRcp) or on the FMA pipe (kFma).
+enum class SoftcapTanh : int { kNone, kApprox, kRcp, kFma };
+
+// The environment variable that picks kRcp or kFma (above), and its reading.
+inline constexpr const char* kSoftcapTanhEnv = "COURSE_SOFTCAP_TANH";
+inline SoftcapTanh softcap_tanh_from_env() {
+  const char* v = std::getenv(kSoftcapTanhEnv);
+  return v != nullptr && std::strcmp(v, "rcp") == 0 ? SoftcapTanh::kRcp : SoftcapTanh::kFma;
+}
+
+// What a kernel needs: the capped score of an unscaled score s (q . k) is out * tanh(x), x = s *
+// scale / softcap, and out = softcap in the kernel's units (times log2(e) for kernels that work in
+// log2 units). s * in is the argument the mode's helper takes: x itself for kApprox and kRcp, 2 log2
+// e times it for kFma (folded here: one rounding of the argument, and one multiply less a score).
+// in == 0 (tanh kNone): no softcap.
 struct Softcap {
   float in = 0.f;
   float out = 0.f;
-  bool approx = false;
+  SoftcapTanh tanh = SoftcapTanh::kNone;
 };
 
 // From the params: `log2_units` for kernels whose softmax works in exp2.
 inline Softcap make_softcap(double scale, double softcap, bool bf16, bool log2_units) {
   Softcap c;
   if (softcap > 0.0) {
-    c.in = static_cast<float>(scale / softcap);
-    c.out = static_cast<float>(softcap * (log2_units ? 1.4426950408889634 : 1.0));
-    c.approx = bf16 && softcap <= kTanhApproxMaxSoftcap;
+    constexpr double kLog2e = 1.4426950408889634;
+    c.tanh = bf16 && softcap <= kTanhApproxMaxSoftcap ? SoftcapTanh::kApprox : softcap_tanh_from_env();
+    c.in = static_cast<float>(scale / softcap * (c.tanh == SoftcapTanh::kFma ? 2.0 * kLog2e : 1.0));
+    c.out = static_cast<float>(softcap * (log2_units ? kLog2e : 1.0));
   }
   return c;
 }
@@ -50,13 +91,75 @@ __device__ __forceinline__ float tanh_approx(float x) {
   asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
-// 1 - 2 / (e^(2x) + 1): e^(2x) overflows to inf for large x, and 2 / inf is 0, so tanh saturates to
-// +-1 without a branch. __fdividef is rcp.approx and a multiply (it returns 0 for a divisor above
-// 2^126, which is the limit wanted here).
+// kRcp: 1 - 2 / (e^(2x) + 1): e^(2x) overflows to inf for large x, and 2 / inf is 0, so tanh
+// saturates to +-1 without a branch. __fdividef is rcp.approx and a multiply (it returns 0 for a
+// divisor above 2^126, which is the limit wanted here).
 __device__ __forceinline__ float tanh_exp2(float x) {
   return 1.f - __fdividef(2.f, exp2f(x * 2.8853900817779268f) + 1.f);
 }
-__device__ __forceinline__ float softcap_tanh(float x, bool approx) { return approx ? tanh_approx(x) : tanh_exp2(x); }
+// 2^a on the special-function unit alone: ex2.approx.ftz (exp2f would add a rescaling around it
+// for results below 2^-126, which flush to 0 here: 1 + E rounds them away anyway).
+__device__ __forceinline__ float softcap_ex2(float a) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(a));
+  return y;
+}
+// kFma: 1 / (1 + E), E = 2^(-a) of a = 2 |x| log2 e >= 0 (NaN stays NaN), on the FMA pipe (above).
+__device__ __forceinline__ float softcap_rcp_fma(float e) {
+  const float d = 1.f + e;  // in [1, 2]
+  // The minimax quadratic of 1 / (1 + E) over [0, 1], relative error 1/99 (Remez).
+  float y = fmaf(fmaf(32.f / 99.f, e, -80.f / 99.f), e, 98.f / 99.f);
+  y = fmaf(y, fmaf(-d, y, 1.f), y);  // Newton: relative error (1/99)^2
+  y = fmaf(y, fmaf(-d, y, 1.f), y);  // (1/99)^4, below float32's rounding
+  return y;
+}
+// kFma's tanh(x) of a2 = 2 x log2 e (what s * cap.in is in that mode).
+__device__ __forceinline__ float tanh_exp2_fma(float a2) {
+  const float y = softcap_rcp_fma(softcap_ex2(-fabsf(a2)));
+  return copysignf(fmaf(2.f, y, -1.f), a2);
+}
+
+// The per-score helpers take the mode as a template argument, and a kernel runs its loop over the
+// scores inside with_softcap_tanh, which passes the call's mode as a compile-time constant: each
+// mode's loop is then code of its own. A runtime switch per score is if-converted (nvcc 13.0, the
+// Hopper backward): every score would issue the instructions of every mode, predicated off.
+template <SoftcapTanh M>
+using SoftcapMode = std::integral_constant<SoftcapTanh, M>;
+// kNoneToo: a kernel that reaches the loop without a softcap too (a window alone) gets kNone there;
+// otherwise the caller has checked cap.in != 0 and kNone never comes (it runs kFma's code).
+template <bool kNoneToo = false, class Body>
+__device__ __forceinline__ void with_softcap_tanh(const Softcap& cap, Body&& body) {
+  if constexpr (kNoneToo) {
+    if (cap.tanh == SoftcapTanh::kNone) return body(SoftcapMode<SoftcapTanh::kNone>{});
+  }
+  switch (cap.tanh) {
+    case SoftcapTanh::kApprox: return body(SoftcapMode<SoftcapTanh::kApprox>{});
+    case SoftcapTanh::kRcp: return body(SoftcapMode<SoftcapTanh::kRcp>{});
+    default: return body(SoftcapMode<SoftcapTanh::kFma>{});
+  }
+}
+
+// tanh(s * scale / softcap) of an unscaled score s: what the backward's derivative 1 - tanh^2 needs.
+template <SoftcapTanh M>
+__device__ __forceinline__ float softcap_tanh(float s, const Softcap& cap) {
+  static_assert(M != SoftcapTanh::kNone, "no softcap: no tanh");
+  const float x = s * cap.in;
+  if constexpr (M == SoftcapTanh::kApprox) return tanh_approx(x);
+  else if constexpr (M == SoftcapTanh::kRcp) return tanh_exp2(x);
+  else return tanh_exp2_fma(x);
+}
+// The capped score out * tanh(s * scale / softcap). kFma folds out into the last step:
+// out (2y - 1) = fma(y, 2 out, -out), one rounding instead of two and one instruction less.
+template <SoftcapTanh M>
+__device__ __forceinline__ float softcap_score(float s, const Softcap& cap) {
+  if constexpr (M != SoftcapTanh::kFma) {
+    return cap.out * softcap_tanh<M>(s, cap);
+  } else {
+    const float a2 = s * cap.in;
+    const float y = softcap_rcp_fma(softcap_ex2(-fabsf(a2)));
+    return copysignf(fmaf(y, cap.out + cap.out, -cap.out), a2);
+  }
+}
 #endif
 
 }  // namespace flash_attention

@@ -414,17 +414,20 @@ __global__ void __launch_bounds__(K::kThreads, 1)
       if (cap.in != 0.f) {  // uniform across the grid
         wgmma_wait<0>();
         fence_operands(dp);
+        with_softcap_tanh(cap, [&](auto mode) {  // one loop per softcap mode (softcap.cuh)
+          constexpr SoftcapTanh kMode = decltype(mode)::value;
 #pragma unroll
-        for (int j = 0; j < kSRegs; j += 2) {
-          const float2 l = column_pair(lse_s + stage * kBM, j, t);
-          const float2 d = column_pair(dd_s + stage * kBM, j, t);
-          // Part 1's recompute_p: P from the capped score and the forward's lse, and the derivative.
-          float dc0, dc1;
-          s[j] = recompute_p(s[j], l.x, visible(j), scale_log2, cap, &dc0);
-          s[j + 1] = recompute_p(s[j + 1], l.y, visible(j + 1), scale_log2, cap, &dc1);
-          dp[j] = s[j] * (dp[j] - d.x) * dc0;
-          dp[j + 1] = s[j + 1] * (dp[j + 1] - d.y) * dc1;
-        }
+          for (int j = 0; j < kSRegs; j += 2) {
+            const float2 l = column_pair(lse_s + stage * kBM, j, t);
+            const float2 d = column_pair(dd_s + stage * kBM, j, t);
+            // Part 1's recompute_p: P from the capped score and the forward's lse, and the derivative.
+            float dc0, dc1;
+            s[j] = recompute_p<kMode>(s[j], l.x, visible(j), scale_log2, cap, &dc0);
+            s[j + 1] = recompute_p<kMode>(s[j + 1], l.y, visible(j + 1), scale_log2, cap, &dc1);
+            dp[j] = s[j] * (dp[j] - d.x) * dc0;
+            dp[j + 1] = s[j + 1] * (dp[j + 1] - d.y) * dc1;
+          }
+        });
         ds_done = true;
       } else {
 #pragma unroll

@@ -661,8 +661,10 @@ __global__ void __launch_bounds__(K::kThreads, 1)
   auto softmax = [&](auto mask_tag, int i, float (&corr)[2]) {
     if constexpr (kWindowSoftcap) {
       if (cap.in != 0.f) {
+        with_softcap_tanh(cap, [&](auto mode) {  // one loop per softcap mode (softcap.cuh)
 #pragma unroll
-        for (int j = 0; j < kBN / 2; ++j) s[j] = cap.out * softcap_tanh(s[j] * cap.in, cap.approx);
+          for (int j = 0; j < kBN / 2; ++j) s[j] = softcap_score<decltype(mode)::value>(s[j], cap);
+        });
       }
     }
     online_softmax<K, 0, kWindowSoftcap>(mask_tag, s, row_max, row_sum, corr, ip, row0, diag, first_tile + i, t,

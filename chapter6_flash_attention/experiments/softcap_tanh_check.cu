@@ -1,0 +1,136 @@
+// Checks the softcap's tanh (csrc/attention/softcap.cuh) on the GPU over every float32 argument, each
+// mode against tanh in float64: the smallest program that can tell a wrong seed, Newton step or
+// sign in the FMA form (the kernels' own tests see it only through rounded outputs) from the rest.
+//
+//   nvcc -std=c++17 -arch=sm_80 -o /tmp/softcap_tanh_check softcap_tanh_check.cu   (-arch: the GPU's)
+//   /tmp/softcap_tanh_check   (prints each mode's largest error; exit 1 past a bound or on a wrong
+//                              special value)
+//
+// Each mode is checked through both helpers the kernels call: softcap_score (the capped score, here
+// with out = 1) and softcap_tanh, with in = 1, so the argument s is exactly the helper's: x for
+// kApprox and kRcp, 2 x log2 e for kFma. All 2^32 bit patterns: zeros, subnormals, the largest
+// floats, both infinities (tanh +-1) and the NaNs (NaN). The bounds, absolute: kFma's derivation in
+// softcap.cuh (2^-22.05 with an exact exponential, plus half ex2.approx's error: within 2^-21), the
+// same for kRcp (rcp.approx in place of the Newton steps), and twice the PTX ISA's ~2^-11 for
+// tanh.approx.
+#include "../csrc/attention/softcap.cuh"
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+
+namespace fa = flash_attention;
+
+// The largest error found, as (error's float bits << 32 | argument's bits): non-negative floats
+// order as their bits, so one 64-bit atomicMax keeps the worst argument with its error. `bad`: the
+// special values answered wrongly (NaN where tanh is a number, a number where it is NaN).
+struct Found {
+  unsigned long long worst;
+  unsigned long long bad;
+  unsigned int first_bad;
+};
+
+template <fa::SoftcapTanh M, bool kScore>
+__global__ void check(Found* found) {
+  constexpr double kTwoLog2e = 2.0 * 1.4426950408889634;
+  fa::Softcap cap;
+  cap.in = 1.f, cap.out = 1.f, cap.tanh = M;
+  unsigned long long worst = 0, bad = 0;
+  unsigned int first_bad = 0;
+  const uint64_t stride = uint64_t{gridDim.x} * blockDim.x;
+  // 64-bit index: a 32-bit one would wrap before 2^32 and never end.
+  for (uint64_t i = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < (uint64_t{1} << 32); i += stride) {
+    const unsigned int bits = static_cast<unsigned int>(i);
+    const float s = __uint_as_float(bits);
+    const float got = kScore ? fa::softcap_score<M>(s, cap) : fa::softcap_tanh<M>(s, cap);
+    const double x = M == fa::SoftcapTanh::kFma ? static_cast<double>(s) / kTwoLog2e : static_cast<double>(s);
+    const double want = tanh(x);
+    if (isnan(want) != isnan(got)) {
+      if (bad++ == 0) first_bad = bits;
+      continue;
+    }
+    if (isnan(want)) continue;
+    const float err = static_cast<float>(fabs(static_cast<double>(got) - want));
+    const unsigned long long key = (static_cast<unsigned long long>(__float_as_uint(err)) << 32) | bits;
+    worst = key > worst ? key : worst;
+  }
+  atomicMax(&found->worst, worst);
+  if (bad > 0) {
+    atomicAdd(&found->bad, bad);
+    atomicCAS(&found->first_bad, 0u, first_bad);
+  }
+}
+
+// The capped scores of n arguments in one mode, as a kernel's loop makes them: the special values'
+// table below, and the kernel whose PTX test_attention.py reads (kFma: one ex2.approx and no
+// reciprocal instruction a score).
+template <fa::SoftcapTanh M>
+__global__ void cap_scores(const float* s, float* c, int n, fa::Softcap cap) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) c[i] = fa::softcap_score<M>(s[i], cap);  // the grid's last block runs past n
+}
+
+template <fa::SoftcapTanh M, bool kScore>
+bool run(const char* name, double bound, Found* d_found) {
+  cudaMemset(d_found, 0, sizeof(Found));
+  check<M, kScore><<<4096, 256>>>(d_found);
+  Found f;
+  if (cudaMemcpy(&f, d_found, sizeof(Found), cudaMemcpyDeviceToHost) != cudaSuccess) {
+    std::printf("%s: %s\n", name, cudaGetErrorString(cudaGetLastError()));
+    return false;
+  }
+  const unsigned int err_bits = static_cast<unsigned int>(f.worst >> 32), arg_bits = static_cast<unsigned int>(f.worst);
+  float err, arg, first_bad;
+  std::memcpy(&err, &err_bits, 4), std::memcpy(&arg, &arg_bits, 4), std::memcpy(&first_bad, &f.first_bad, 4);
+  const bool ok = err <= bound && f.bad == 0;
+  std::printf("%-22s max |error| %.3e (2^%.2f) at s = %.9g, bound 2^%.0f; wrong NaN or not: %llu  %s\n", name, err,
+              err > 0 ? std::log2(err) : -INFINITY, arg, std::log2(bound), f.bad, ok ? "ok" : "FAILED");
+  if (f.bad) std::printf("  first wrong special value: s = %.9g (bits 0x%08x)\n", first_bad, f.first_bad);
+  return ok;
+}
+
+int main() {
+  Found* d_found = nullptr;
+  if (cudaMalloc(&d_found, sizeof(Found)) != cudaSuccess) {
+    std::printf("no CUDA device: %s\n", cudaGetErrorString(cudaGetLastError()));
+    return 1;
+  }
+  using T = fa::SoftcapTanh;
+  const double exp2_bound = std::ldexp(1.0, -21), approx_bound = std::ldexp(1.0, -10);
+  bool ok = true;
+  ok &= run<T::kFma, true>("fma softcap_score", exp2_bound, d_found);
+  ok &= run<T::kFma, false>("fma softcap_tanh", exp2_bound, d_found);
+  ok &= run<T::kRcp, true>("rcp softcap_score", exp2_bound, d_found);
+  ok &= run<T::kRcp, false>("rcp softcap_tanh", exp2_bound, d_found);
+  ok &= run<T::kApprox, true>("approx softcap_score", approx_bound, d_found);
+  ok &= run<T::kApprox, false>("approx softcap_tanh", approx_bound, d_found);
+  // The special values in each mode, capped as the kernels cap them (out = 1; kFma's argument is
+  // 2 x log2 e): exactly +-1 at +-inf, +-0 at +-0, NaN at NaN.
+  const float specials[] = {0.f, -0.f, 1e-30f, 0.5f, 20.f, -20.f, INFINITY, -INFINITY, NAN};
+  constexpr int kN = sizeof(specials) / sizeof(float);
+  float *d_s = nullptr, *d_c = nullptr, c[3][kN];
+  cudaMalloc(&d_s, sizeof(specials)), cudaMalloc(&d_c, 3 * sizeof(specials));
+  cudaMemcpy(d_s, specials, sizeof(specials), cudaMemcpyHostToDevice);
+  fa::Softcap cap;
+  cap.in = 1.f, cap.out = 1.f;
+  cap_scores<T::kFma><<<1, 32>>>(d_s, d_c, kN, cap);
+  cap_scores<T::kRcp><<<1, 32>>>(d_s, d_c + kN, kN, cap);
+  cap_scores<T::kApprox><<<1, 32>>>(d_s, d_c + 2 * kN, kN, cap);
+  cudaMemcpy(c, d_c, sizeof(c), cudaMemcpyDeviceToHost);
+  std::printf("%12s %14s %14s %14s\n", "s", "fma", "rcp", "approx");
+  for (int i = 0; i < kN; ++i) {
+    std::printf("%12g %14.9g %14.9g %14.9g\n", specials[i], c[0][i], c[1][i], c[2][i]);
+  }
+  const bool specials_ok = c[0][6] == 1.f && c[0][7] == -1.f && c[0][0] == 0.f && !std::signbit(c[0][0]) &&
+                           std::signbit(c[0][1]) && std::isnan(c[0][8]);
+  std::printf("fma special values (+-inf to +-1 exactly, +-0 to +-0, NaN to NaN): %s\n",
+              specials_ok ? "ok" : "FAILED");
+  ok &= specials_ok;
+  cudaFree(d_s), cudaFree(d_c);
+  cudaFree(d_found);
+  std::printf("%s\n", ok ? "all within their bounds" : "FAILED");
+  return ok ? 0 : 1;
+}
