@@ -350,14 +350,24 @@ FP8_SHAPES = [(2, 2, 1, 1), (2, 1, 17, 17), (4, 2, 129, 129), (4, 1, 1000, 1000)
 
 
 # The launcher's candidates (flash_fwd_hopper_fp8.cuh's Fp8Forward, picked by this environment
-# variable at each call; unset is longest_first): every one is tested, since the bench times them.
+# variable at each call): every one is tested, since the bench times them, and the default (the
+# variable unset) as well.
 FP8_KNOB = "FLASH_ATTENTION_FP8_FORWARD"
 FP8_CANDIDATES = ("longest_first", "head_order", "n192", "n192_full")
 
 
+def fp8_default_is(head_dim):
+    """The candidate the launcher runs with the knob unset (Fp8Forward's comment says why):
+    n192_full at head dim 128 (192-key tiles without a causal mask), longest_first at 64."""
+    return "n192_full" if head_dim == 128 else "longest_first"
+
+
 def fp8_call(monkeypatch, candidate, *args, **kwargs):
-    """attention_fp8 with the launcher's candidate `candidate`."""
-    monkeypatch.setenv(FP8_KNOB, candidate)
+    """attention_fp8 with the launcher's candidate `candidate` (None: the knob unset, the default)."""
+    if candidate is None:
+        monkeypatch.delenv(FP8_KNOB, raising=False)
+    else:
+        monkeypatch.setenv(FP8_KNOB, candidate)
     return flash_attention.attention_fp8(*args, **kwargs)
 
 
@@ -365,10 +375,12 @@ def fp8_call(monkeypatch, candidate, *args, **kwargs):
 @pytest.mark.parametrize("head_dim", (64, 128))
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
 def test_cuda_fp8_forward(causal, head_dim, monkeypatch):
-    """The FP8 kernel, each candidate of the launcher, against the float64 attention of its
-    dequantized inputs, every element within fp8_reference's bound (stated there), lse within its
-    own; rows without keys 0 and -inf; on NaN-poisoned outputs (a row the kernel forgot shows as
-    NaN). The two grid orders of 128-key tiles compute each tile alike, so give the same bits."""
+    """The FP8 kernel, each candidate of the launcher and the default, against the float64
+    attention of its dequantized inputs, every element within fp8_reference's bound (stated there),
+    lse within its own; rows without keys 0 and -inf; on NaN-poisoned outputs (a row the kernel
+    forgot shows as NaN). The two grid orders of 128-key tiles compute each tile alike, so give the
+    same bits; n192_full gives n192's without a causal mask and longest_first's with one; the
+    default gives the bits of the candidate fp8_default_is names."""
     skip_unless_fp8()
     for heads, heads_kv, seqlen_q, seqlen_k in FP8_SHAPES:
         batch = 1 if max(seqlen_q, seqlen_k) > 1000 else 2
@@ -376,8 +388,9 @@ def test_cuda_fp8_forward(causal, head_dim, monkeypatch):
         scale = 1 / math.sqrt(head_dim)
         ref, ref_lse, tol, lse_tol = fp8_reference(*inputs, scale, causal)
         outs = {}
-        for candidate in FP8_CANDIDATES:
-            what = f"{candidate} h{heads}/{heads_kv} s{seqlen_q}x{seqlen_k} d{head_dim} {'causal' if causal else 'full'}"
+        case = f"h{heads}/{heads_kv} s{seqlen_q}x{seqlen_k} d{head_dim} {'causal' if causal else 'full'}"
+        for candidate in FP8_CANDIDATES + (None,):
+            what = f"{candidate or 'default'} {case}"
             poison_allocator(torch.empty((batch, heads, seqlen_q, head_dim), dtype=torch.bfloat16, device="cuda"))
             out, lse = fp8_call(monkeypatch, candidate, *inputs, causal=causal, return_lse=True)
             outs[candidate] = out
@@ -389,7 +402,9 @@ def test_cuda_fp8_forward(causal, head_dim, monkeypatch):
             finite = ref_lse.isfinite()
             lse_ratio = (lse.cpu().double() - ref_lse).abs()[finite] / lse_tol[finite]
             assert lse_ratio.numel() == 0 or lse_ratio.max() <= 1, f"{what}: lse error / bound {lse_ratio.max():.3g}"
-        assert torch.equal(outs["longest_first"], outs["head_order"]), f"h{heads} s{seqlen_q}x{seqlen_k} d{head_dim}"
+        assert torch.equal(outs["longest_first"], outs["head_order"]), case
+        assert torch.equal(outs["n192_full"], outs["longest_first" if causal else "n192"]), case
+        assert torch.equal(outs[None], outs[fp8_default_is(head_dim)]), case
 
 
 @pytest.mark.cuda
@@ -476,11 +491,12 @@ def test_cuda_fp8_unknown_candidate(monkeypatch):
 
 @pytest.mark.cuda
 @pytest.mark.sanitize
-@pytest.mark.parametrize("candidate", ("longest_first", "n192"))
+@pytest.mark.parametrize("candidate", ("longest_first", "n192", None), ids=("longest_first", "n192", "default"))
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
 def test_sanitizer_fp8_small(causal, candidate, monkeypatch):
     """One small FP8 forward per head dim and key tile for compute-sanitizer (a partial tile of each
-    kind; 200 x 330 keys: two 192-key tiles, the second partial, three of 128)."""
+    kind; 200 x 330 keys: two 192-key tiles, the second partial, three of 128), and the default's
+    (None: the knob unset) through the launcher's own choice."""
     skip_unless_fp8()
     for d in (64, 128):
         inputs = quantized_inputs(1, 2, 1, 200, 330, d, device="cuda")

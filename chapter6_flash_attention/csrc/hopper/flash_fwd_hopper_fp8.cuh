@@ -78,7 +78,8 @@ struct HopperFp8Traits {
 
 // The launcher's candidates (a bench-only knob: the environment variable FLASH_ATTENTION_FP8_FORWARD,
 // read at each call, so one process can time them side by side; unset is the default):
-//   longest_first  (default) 128-key tiles, the grid in hopper_fp8_tile_schedule's order
+//   (unset)        the default: n192_full at head dim 128, longest_first at 64 (below);
+//   longest_first  128-key tiles, the grid in hopper_fp8_tile_schedule's order
 //                  (tile_schedule.h): L2 sections of heads, causal query tiles longest first;
 //   head_order     128-key tiles, the grid head by head (block i: query tile i % q_tiles of head
 //                  i / q_tiles, causal ones from the last), the order before the schedule;
@@ -89,7 +90,13 @@ struct HopperFp8Traits {
 //                  spill (up to ~40 local loads and stores a step, where the unmasked ones have 1-3),
 //                  and a causal block of 128 rows crosses the diagonal in one or two of them.
 // Any other value fails the call (cudaErrorInvalidValue) rather than time something else.
-enum class Fp8Forward { kLongestFirst, kHeadOrder, kBlockN192, kBlockN192Full, kUnknown };
+// The default is n192_full only at d = 128, where it was measured (the chapter's NOTES.md: full,
+// 1.38-1.42x pingpong where the 128-key tile gave 1.33-1.35x; causal, the 128-key tile). At d = 64 a key's share of the step's fixed work is
+// larger but its unmasked 192-key loop saves less (SASS, sm_90a, per warp: 657 instructions a 192-key
+// step against 469 a 128-key one, 3.4 against 3.7 a key, where d = 128 has 3.6 against 4.0) and
+// still reloads 2 spilled registers a step; and the one d = 64 shape timed (causal, s = 2048, where
+// n192_full runs longest_first) took 15% longer at n192, against 7% at d = 128.
+enum class Fp8Forward { kDefault, kLongestFirst, kHeadOrder, kBlockN192, kBlockN192Full, kUnknown };
 
 #if COURSE_HOPPER_DEVICE
 }  // namespace flash_attention

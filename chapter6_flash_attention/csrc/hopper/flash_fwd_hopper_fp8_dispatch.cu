@@ -16,7 +16,8 @@ cudaError_t run_flash_fwd_hopper_fp8(const AttentionFp8Params& p, Fp8Forward can
 // dozen strings, against a launch's microseconds).
 Fp8Forward fp8_forward_candidate() {
   const char* name = std::getenv("FLASH_ATTENTION_FP8_FORWARD");
-  if (name == nullptr || *name == '\0' || std::strcmp(name, "longest_first") == 0) return Fp8Forward::kLongestFirst;
+  if (name == nullptr || *name == '\0') return Fp8Forward::kDefault;
+  if (std::strcmp(name, "longest_first") == 0) return Fp8Forward::kLongestFirst;
   if (std::strcmp(name, "head_order") == 0) return Fp8Forward::kHeadOrder;
   if (std::strcmp(name, "n192") == 0) return Fp8Forward::kBlockN192;
   if (std::strcmp(name, "n192_full") == 0) return Fp8Forward::kBlockN192Full;
@@ -34,8 +35,11 @@ int64_t attention_fp8_smem_bytes(int64_t head_dim) {
 
 cudaError_t launch_attention_fp8_hopper(const AttentionFp8Params& p, cudaStream_t stream) {
   if (p.attn.batch * p.attn.heads * p.attn.seqlen_q == 0) return cudaSuccess;
-  const Fp8Forward candidate = fp8_forward_candidate();
+  Fp8Forward candidate = fp8_forward_candidate();
   if (candidate == Fp8Forward::kUnknown) return cudaErrorInvalidValue;
+  if (candidate == Fp8Forward::kDefault) {  // Fp8Forward's comment says why d = 128 only
+    candidate = p.attn.head_dim == 128 ? Fp8Forward::kBlockN192Full : Fp8Forward::kLongestFirst;
+  }
   const bool n192 = candidate == Fp8Forward::kBlockN192 || (candidate == Fp8Forward::kBlockN192Full && !p.attn.causal);
   switch (p.attn.head_dim) {
     case 64: return n192 ? run_flash_fwd_hopper_fp8<64, 192>(p, candidate, stream)
