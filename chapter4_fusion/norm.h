@@ -67,13 +67,17 @@ struct NormShape {
 // only 1024 x 4 (rows of 2049-4096 vectors): float32 at hidden 12288 (3072 vectors) would take
 // 768 x 4, and at the 48-63 registers a thread of these kernels (ptxas -v, sm_90a) that block is
 // alone on its SM as the 1024-thread one is: the same bytes in flight, more kernels to build.
-// A warp row steps by vectors the same way: 32 x 3 holds 96 vectors (hidden 768 in 2-byte dtypes,
-// 384 in float32), which 32 x 4 held with a quarter of every lane's slots padding: 4 registers a
-// thread holding nothing, summed and normalized as zeros, and fewer rows an SM for them (ptxas -v,
-// sm_90a: LayerNorm's bfloat16 warp row of 4 vectors 68 registers, 7 blocks of 4 rows an SM).
+// A warp row steps by vectors the same way in 2-byte dtypes: 32 x 3 holds 96 vectors (hidden 768),
+// which 32 x 4 held with a quarter of every lane's slots padding, 8 floats a thread holding
+// nothing (a 2-byte vector is converted to 8 floats), summed and normalized as zeros. ptxas -v
+// (sm_90a), plain kernels: bfloat16 LayerNorm 68 -> 56 registers, RMSNorm 68 -> 53,
+// fused_add_rms_norm 79 -> 61, 7, 7 and 6 blocks of 4 rows an SM -> 9, 9, 8 (float16 8, 9, 8 ->
+// 10, 10, 9). float32 keeps 32 x 4 for 257-384 elements (forward_shape_in): a padded slot is 4
+// floats there, LayerNorm's two kernels both round to 48 registers (10 blocks an SM either way),
+// and on an H100 its 32 x 3 ran slower, not faster (8192 x 384: 10.7 -> 11.2 us).
 // Instantiations: 16 shapes (8 before the whole warps), each a plain kernel per dtype, op and
-// access, and for rows of whole vectors the variants below (held up to 512 threads, prefetching,
-// capped at 160-512).
+// access (32 x 3 in 2-byte dtypes only), and for rows of whole vectors the variants below (held
+// up to 512 threads, prefetching, capped at 160-512).
 constexpr NormShape kForwardShapes[] = {{32, 1},   {32, 2},  {32, 3},  {32, 4},  {64, 4},  {96, 4},
                                         {128, 4},  {160, 4}, {192, 4}, {224, 4}, {256, 4}, {320, 4},
                                         {384, 4},  {448, 4}, {512, 4}, {1024, 4}};
@@ -115,16 +119,21 @@ constexpr bool backward_shape_fits(NormShape s, int elem_bytes) {
          (s.threads == 32 || s.vectors * (16 / elem_bytes) == kMaxBackwardElementsPerThread);
 }
 
+// Whether a shape of kForwardShapes serves (and is built for) a dtype: the 32 x 3 warp row in
+// 2-byte dtypes only (the table's comment says why), every other shape in all.
+constexpr bool forward_shape_in(NormShape s, int elem_bytes) {
+  return !(s.threads == 32 && s.vectors == 3) || elem_bytes == 2;
+}
+
 // The index of the shape that holds a row of n elements, or -1: streamed. float64 is always
 // streamed: it is here for gradcheck, and holding doubles in registers would only add
-// instantiations.
-// three_vector_warps false: the table without 32 x 3, as before it (the timing script's
-// before rule, COURSE_NORM_FORWARD_SHAPES in norm_kernels.cu).
+// instantiations. three_vector_warps false: the table without 32 x 3, as before it (the
+// benchmarks' "before" rule, COURSE_NORM_FORWARD_SHAPES in norm_kernels.cu).
 inline int forward_shape(int64_t n, int elem_bytes, bool three_vector_warps = true) {
   if (elem_bytes == 8) return -1;
   for (int i = 0; i < kNumForwardShapes; ++i) {
     const NormShape s = kForwardShapes[i];
-    if (!three_vector_warps && s.threads == 32 && s.vectors == 3) continue;
+    if (!forward_shape_in(s, elem_bytes) || (!three_vector_warps && s.threads == 32 && s.vectors == 3)) continue;
     if (n <= shape_capacity(s, elem_bytes)) return i;
   }
   return -1;
@@ -150,72 +159,6 @@ constexpr bool forward_cappable(int block_threads, int rows_per_block, bool whol
 inline bool forward_caps_registers(int blocks_per_sm, int rows_per_block) {
   return static_cast<int64_t>(blocks_per_sm) * rows_per_block < kMinForwardRowsInFlight;
 }
-// The wide shapes, float32 only: 8 vectors a thread, half the threads of the regular shape or
-// fewer for the same row. What sets a long row's time is the bytes an SM has in flight, and an SM
-// holds as many blocks as its register file holds whole blocks of. A thread of the regular shapes
-// spends 16 of its registers on the row and 24-37 on the rest in float32 (addresses, sums: ptxas
-// -v, sm_90a), and whole blocks round down: float32 at hidden 12288 (3072 vectors) takes 1024 x 4 at
-// 50-53 registers, one block an SM and a quarter of its slots padding, 48 KB of row an SM. At 8
-// vectors a thread the row's share of a thread's registers doubles while the rest stays about the
-// same: 384 x 8 holds 12288 without padding, two blocks an SM at 80 registers a thread (96 KB of
-// row an SM). Each wide kernel is built for as many blocks an SM as 80 registers a thread allow
-// (wide_min_blocks): left to itself nvcc gave LayerNorm's 80-113, one block an SM again. Under
-// the cap (ptxas -v, sm_90a) RMSNorm spills 0-8 bytes a thread, fused_add_rms_norm none, LayerNorm
-// 12-76. Not for 2-byte dtypes: their 8-vector tile is 64 elements, which nvcc keeps converted to
-// float from the first pass to the last (95-167 registers uncapped; 66-296 bytes spilled at 80,
-// also with the conversions hidden from it between the passes). Whole warps every 64 threads from
-// 128 to 384 (1024-3072 vectors: hidden 4096-12288); past 384 threads two blocks an SM leave fewer
-// than 80 registers (72 at 448, 64 at 512), and those rows keep 1024 x 4. Plain kernels for rows
-// of whole vectors only (no held, prefetching or capped variants): 15 instantiations.
-constexpr NormShape kWideShapes[] = {{128, 8}, {192, 8}, {256, 8}, {320, 8}, {384, 8}};
-constexpr int kNumWideShapes = sizeof(kWideShapes) / sizeof(kWideShapes[0]);
-constexpr int kWideRegisters = 80;
-// The blocks an SM the wide kernel is built for (its __launch_bounds__ minimum): as many as 64K
-// registers hold at kWideRegisters a thread.
-constexpr int wide_min_blocks(int threads) { return 65536 / (threads * kWideRegisters); }
-constexpr bool wide_shapes_valid() {
-  for (int i = 0; i < kNumWideShapes; ++i) {
-    const NormShape s = kWideShapes[i];
-    if (s.threads % 32 != 0 || s.vectors != 8 || wide_min_blocks(s.threads) < 2) return false;
-    if (i > 0 && s.threads <= kWideShapes[i - 1].threads) return false;
-  }
-  return true;
-}
-static_assert(wide_shapes_valid(), "kWideShapes: whole warps of 8 vectors, increasing, two blocks an SM or more");
-
-// The index into kWideShapes that could hold a row of n elements in place of the regular shape, or
-// -1: float32 rows of whole vectors, whose regular shape is a block's (not a warp row), and the first wide
-// shape that holds the row has no more slots than the regular shape (never more padding: hidden
-// 5120, 1280 vectors in 320 x 4, would be 1536 slots in 192 x 8).
-inline int wide_forward_shape(int64_t n, int elem_bytes, bool whole_vectors, bool three_vector_warps = true) {
-  const int regular = forward_shape(n, elem_bytes, three_vector_warps);
-  if (elem_bytes != 4 || !whole_vectors || regular < 0 || kForwardShapes[regular].threads <= 32) return -1;
-  for (int i = 0; i < kNumWideShapes; ++i) {
-    if (n <= shape_capacity(kWideShapes[i], elem_bytes)) {
-      return shape_capacity(kWideShapes[i], elem_bytes) <= shape_capacity(kForwardShapes[regular], elem_bytes) ? i : -1;
-    }
-  }
-  return -1;
-}
-
-// Whether a launch that would run the regular shape's plain or capped kernel (weight loaded late)
-// runs the wide one instead, from both kernels' blocks an SM as the runtime gives them (a block of
-// either holds one row): where the grid is more than one wave of the regular kernel (else every row
-// is on an SM from the start, and the regular shape's shorter chain a thread is the faster), the
-// wide kernel keeps more rows an SM, and the regular kernel's rows on an SM hold fewer than
-// kWideBelowBytes of loads (row_bytes: a row's bytes read, x and for fused_add_rms_norm the
-// residual). In the H200 record at 933003d (ptxas' counts, sm_90a) float32's forwards at 8192
-// tokens whose SMs hold 64 KB or more run at 0.93-1.05x of torch, more bytes no faster (8192:
-// LayerNorm's two 32 KB blocks 0.99x, RMSNorm's three 0.97x), while 12288's one 48 KB block runs
-// at 0.80-0.83x: past 64 KB the wide kernel's spills (LayerNorm's) would buy nothing. all_widths:
-// without that bound (the bench knob's "wide-always").
-constexpr int64_t kWideBelowBytes = 64 * 1024;
-inline bool forward_goes_wide(int64_t rows, int64_t row_bytes, int regular_blocks_per_sm, int wide_blocks_per_sm,
-                              int sms, bool all_widths = false) {
-  return rows > static_cast<int64_t>(regular_blocks_per_sm) * sms && wide_blocks_per_sm > regular_blocks_per_sm &&
-         (all_widths || regular_blocks_per_sm * row_bytes < kWideBelowBytes);
-}
-
 // Where the forward's last step gets weight (and bias) (norm_kernels.cu, kParams). kHeld: loaded
 // into registers with x, where the grid is one step of the kernel that holds them: every block
 // resident from the start (blocks <= held_wave, that kernel's blocks an SM as the runtime gives

@@ -363,37 +363,21 @@ cudaError_t with_forward_shape(int shape, F&& f) {
   }
 }
 
-template <int I = 0, typename F>
-cudaError_t with_wide_shape(int shape, F&& f) {
-  if constexpr (I == kNumWideShapes) {
-    return cudaErrorInvalidValue;
-  } else {
-    if (shape == I) return f(std::integral_constant<int, I>{});
-    return with_wide_shape<I + 1>(shape, std::forward<F>(f));
-  }
-}
-
 // COURSE_NORM_FORWARD_SHAPES, a benchmark's knob (unset: "all"), so that one run times the shape
-// rules side by side in one build: "all" (the rule as documented in norm.h), "before" (neither the
-// 32 x 3 warp rows nor the wide shapes: the rule before them), "warp3" or "wide" (one of the two),
-// "wide-always" (both, the wide shapes wherever they keep more rows an SM, without
-// forward_goes_wide's bound on the bytes). Read at every launch (a getenv, well under the launch's
-// own host time), so a timing script can switch it between captures; any other value fails every
-// resident launch (cudaErrorInvalidValue) rather than time a rule it does not name.
+// rules side by side in one build: "all" (the rule as documented in norm.h), "before" (without
+// the 32 x 3 warp rows: the rule before them, whose 32 x 4 kernels are still built). Read at every
+// launch (a getenv, well under the launch's own host time), so a timing script can switch it
+// between captures; any other value fails every resident launch (cudaErrorInvalidValue) rather
+// than time a rule it does not name.
 struct ShapeRule {
   bool valid;
   bool three_vector_warps;
-  bool wide;
-  bool wide_always;
 };
 inline ShapeRule shape_rule() {
   const char* v = std::getenv("COURSE_NORM_FORWARD_SHAPES");
-  if (v == nullptr || std::strcmp(v, "all") == 0) return {true, true, true, false};
-  if (std::strcmp(v, "before") == 0) return {true, false, false, false};
-  if (std::strcmp(v, "warp3") == 0) return {true, true, false, false};
-  if (std::strcmp(v, "wide") == 0) return {true, false, true, false};
-  if (std::strcmp(v, "wide-always") == 0) return {true, true, true, true};
-  return {false, false, false, false};
+  if (v == nullptr || std::strcmp(v, "all") == 0) return {true, true};
+  if (std::strcmp(v, "before") == 0) return {true, false};
+  return {false, false};
 }
 
 template <typename T>
@@ -419,15 +403,13 @@ cudaError_t launch_resident_kind(const NormParams& p, cudaStream_t stream) {
   static_assert(forward_rows_per_block(kThreadsPerRow) == kRows, "norm.h's rows a block are course::rows'");
   const int64_t blocks = course::ceil_div(p.rows, int64_t{kRows});
   const unsigned grid = grid_for(blocks);
-  const auto launch_as = [&](auto kernel, unsigned blocks_, int threads) {
-    kernel<<<blocks_, threads, 0, stream>>>(static_cast<const T*>(p.x), static_cast<const T*>(p.residual),
-                                            static_cast<T*>(p.sum), static_cast<const T*>(p.weight),
-                                            static_cast<const T*>(p.bias), static_cast<T*>(p.y),
-                                            static_cast<A*>(p.mean), static_cast<A*>(p.rstd), p.rows, p.n,
-                                            static_cast<A>(p.eps));
+  const auto launch = [&](auto kernel) {
+    kernel<<<grid, kBlock, 0, stream>>>(static_cast<const T*>(p.x), static_cast<const T*>(p.residual),
+                                        static_cast<T*>(p.sum), static_cast<const T*>(p.weight),
+                                        static_cast<const T*>(p.bias), static_cast<T*>(p.y), static_cast<A*>(p.mean),
+                                        static_cast<A*>(p.rstd), p.rows, p.n, static_cast<A>(p.eps));
     return cudaGetLastError();
   };
-  const auto launch = [&](auto kernel) { return launch_as(kernel, grid, kBlock); };
   if constexpr (kFewRows) {
     // A shape of kFewRowsShapes: at most one block an SM (few_rows_forward_shape), which every
     // held kernel's wave holds, so forward_params answers without asking: held where the block
@@ -462,49 +444,10 @@ cudaError_t launch_resident_kind(const NormParams& p, cudaStream_t stream) {
         case ParamLoad::kLate:
           break;
       }
-      // Weight loaded late: the plain kernel, the capped one, or the wide shape's (norm.h's
-      // forward_caps_registers and forward_goes_wide, from the occupancies the runtime gives them).
-      // The wide shapes are float32's and start at 128 x 8, which only the regular shapes of 256
-      // threads and more can give way to (wide_forward_shape: no more slots than the regular shape).
-      constexpr bool kMayGoWide = kBlock >= 256 && sizeof(T) == 4;
-      const ShapeRule rule = shape_rule();
-      const int wide = kMayGoWide && rule.wide ? wide_forward_shape(p.n, sizeof(T), true, rule.three_vector_warps) : -1;
-      // regular_wave: the blocks of the kernel the regular shape would run, plain or capped.
-      bool capped = false;
-      int64_t regular_wave = 0;
-      if (kForwardCappable<kBlock, kRows, kAccess> || wide >= 0) {
-        COURSE_CUDA_TRY(course::resident_grid(plain, kBlock, &regular_wave));
-      }
       if constexpr (kForwardCappable<kBlock, kRows, kAccess>) {
-        capped = forward_caps_registers(static_cast<int>(regular_wave / sms), kRows);
-        if (capped && wide >= 0) {
-          COURSE_CUDA_TRY(course::resident_grid(norm_resident<T, kCentered, kAddResidual, kThreadsPerRow, kVectors,
-                                                              kAccess, ParamLoad::kLate, kForwardCapBlocks<kRows>>,
-                                                kBlock, &regular_wave));
-        }
-      }
-      if constexpr (kMayGoWide) {
-        bool went_wide = false;
-        if (wide >= 0) {
-          COURSE_CUDA_TRY(with_wide_shape(wide, [&](auto w) {
-            constexpr NormShape kWide = kWideShapes[decltype(w)::value];
-            auto* kernel = norm_resident<T, kCentered, kAddResidual, kWide.threads, kWide.vectors, Access::kVectors,
-                                         ParamLoad::kLate, wide_min_blocks(kWide.threads)>;
-            int64_t wide_wave = 0;
-            COURSE_CUDA_TRY(course::resident_grid(kernel, kWide.threads, &wide_wave));
-            const int64_t row_bytes = p.n * static_cast<int64_t>(sizeof(T)) * (kAddResidual ? 2 : 1);
-            if (!forward_goes_wide(p.rows, row_bytes, static_cast<int>(regular_wave / sms),
-                                   static_cast<int>(wide_wave / sms), sms, rule.wide_always)) {
-              return cudaSuccess;  // the regular shape runs
-            }
-            went_wide = true;
-            return launch_as(kernel, grid_for(p.rows), kWide.threads);  // one row a block
-          }));
-        }
-        if (went_wide) return cudaSuccess;
-      }
-      if constexpr (kForwardCappable<kBlock, kRows, kAccess>) {
-        if (capped) {
+        int64_t wave = 0;
+        COURSE_CUDA_TRY(course::resident_grid(plain, kBlock, &wave));
+        if (forward_caps_registers(static_cast<int>(wave / sms), kRows)) {
           return launch(norm_resident<T, kCentered, kAddResidual, kThreadsPerRow, kVectors, kAccess, ParamLoad::kLate,
                                       kForwardCapBlocks<kRows>>);
         }
@@ -566,9 +509,13 @@ cudaError_t run_norm(const NormParams& p, cudaStream_t stream) {
       }
       return with_forward_shape(shape, [&](auto s) {
         constexpr NormShape kShape = kForwardShapes[decltype(s)::value];
-        return with_access(access, [&](auto a) {
-          return launch_resident<T, kShape.threads, kShape.vectors, decltype(a)::value>(p, stream);
-        });
+        if constexpr (!forward_shape_in(kShape, sizeof(T))) {
+          return cudaErrorInvalidValue;  // not reached: forward_shape skips the shapes not built for T
+        } else {
+          return with_access(access, [&](auto a) {
+            return launch_resident<T, kShape.threads, kShape.vectors, decltype(a)::value>(p, stream);
+          });
+        }
       });
     }
   }

@@ -447,31 +447,6 @@ std::vector<int64_t> norm_forward_shape(const Tensor& x, int64_t sms) {
   return {s.threads, s.vectors};
 }
 
-// The wide shape (norm.h's kWideShapes) a forward launch for x would hold its rows in, where the
-// launch would otherwise run the regular shape's plain or capped kernel (weight loaded late) at
-// blocks_per_sm blocks an SM and the wide kernel keeps wide_blocks_per_sm (the launch asks the
-// runtime for both: forward_goes_wide); residual: fused_add_rms_norm's launch (two rows read a
-// row): [threads a row, 16-byte vectors a thread], or [] where the regular shape runs; for freshly
-// allocated (16-byte aligned) tensors. Asked without a GPU by the CPU tests of the rule.
-std::vector<int64_t> norm_forward_wide_shape(const Tensor& x, int64_t sms, int64_t blocks_per_sm,
-                                             int64_t wide_blocks_per_sm, bool residual) {
-  check_x("norm_forward_wide_shape", x);
-  TORCH_CHECK(sms >= 1, "norm_forward_wide_shape: sms must be at least 1, got ", std::to_string(sms));
-  TORCH_CHECK(blocks_per_sm >= 1 && wide_blocks_per_sm >= 1,
-              "norm_forward_wide_shape: blocks_per_sm and wide_blocks_per_sm must be at least 1, got ",
-              std::to_string(blocks_per_sm), " and ", std::to_string(wide_blocks_per_sm));
-  const int64_t n = x.dim() == 0 ? 1 : x.size(-1);
-  const int64_t rows = n == 0 ? 0 : x.numel() / n;
-  const int elem = static_cast<int>(x.element_size());
-  const int wide = wide_forward_shape(n, elem, n % (16 / elem) == 0);
-  const int64_t row_bytes = n * elem * (residual ? 2 : 1);
-  if (wide < 0 || !forward_goes_wide(rows, row_bytes, static_cast<int>(blocks_per_sm),
-                                     static_cast<int>(wide_blocks_per_sm), static_cast<int>(sms))) {
-    return {};
-  }
-  return {kWideShapes[wide].threads, kWideShapes[wide].vectors};
-}
-
 // ---------------------------------------------------------------------------------------
 // Autograd. Each forward re-enters the dispatcher below the Autograd key (reaching the kernels
 // above, or the Meta ones under torch.compile) and saves what the backward kernels need; the
@@ -634,9 +609,6 @@ TORCH_LIBRARY_FRAGMENT(fusion, m) {
   m.def("norm_forward_variant(Tensor x, int sms, int blocks_per_sm, int held_blocks_per_sm) -> str",
         &fusion::norm::norm_forward_variant);
   m.def("norm_forward_shape(Tensor x, int sms) -> int[]", &fusion::norm::norm_forward_shape);
-  m.def("norm_forward_wide_shape(Tensor x, int sms, int blocks_per_sm, int wide_blocks_per_sm, bool residual=False)"
-        " -> int[]",
-        &fusion::norm::norm_forward_wide_shape);
 }
 
 // One implementation per op serves CPU, CUDA and Meta.
