@@ -468,10 +468,12 @@ std::string default_choice(c10::string_view op_name, const Tensor& x) {
 // occupancy, which the grid fills in one wave (the launcher asks the CUDA runtime; 3 for GELU-erf's
 // span kernel). finishes: 1 where several row tiles' partial rows are added by the kernel's last
 // block of each column tile (course::grad_finishes_in_kernel), 0 where one row tile writes dbias
-// or course::column_sum adds the partial rows in a second launch. The bench-only variants
-// (course::grad_variant: COURSE_BIAS_GRAD_ODD=single sends rows that start mid-vector to single
-// elements) are read from the environment as the launcher reads them, so that the tiling
-// reported is the one launched; a value that names no variant is an error here.
+// or course::column_sum adds the partial rows in a second launch. Rows that start mid-vector: the
+// span kernel's tiling, unless COURSE_BIAS_GRAD_ODD=single (course::grad_variant, read from the
+// environment as the launcher reads it) sends them to single elements; unset, the launcher picks
+// between the two from both kernels' occupancy (bias_grad_odd_rows below), which needs the GPU,
+// so the tiling reported is the one launched where the knob names the kernel. A value that names
+// no variant is an error here.
 std::vector<int64_t> bias_grad_tiling(const Tensor& x, int64_t sms, int64_t blocks_per_sm) {
   check_input("bias_grad_tiling", "x", x);
   TORCH_CHECK(sms >= 1, "bias_grad_tiling: sms must be at least 1, got ", std::to_string(sms));
@@ -481,14 +483,14 @@ std::vector<int64_t> bias_grad_tiling(const Tensor& x, int64_t sms, int64_t bloc
   const char* odd = std::getenv("COURSE_BIAS_GRAD_ODD");
   ::course::GradVariant variant;
   TORCH_CHECK(::course::parse_grad_variant(finish, odd, &variant),
-              "bias_grad_tiling: COURSE_BIAS_GRAD_FINISH must be batched or serial and COURSE_BIAS_GRAD_ODD span or "
-              "single (unset: the defaults), got '",
+              "bias_grad_tiling: COURSE_BIAS_GRAD_FINISH must be batched or serial and COURSE_BIAS_GRAD_ODD auto, "
+              "span or single (unset: the defaults), got '",
               finish != nullptr ? finish : "", "' and '", odd != nullptr ? odd : "", "'");
   const int64_t n = x.dim() == 0 ? 1 : x.size(-1);
   const int64_t rows = n == 0 ? 0 : x.numel() / n;
   const int elem = static_cast<int>(x.element_size());
   const int vector = 16 / elem;
-  const bool phased = n % vector != 0 && n >= 2 * vector && !variant.odd_single;
+  const bool phased = n % vector != 0 && n >= 2 * vector && variant.odd != ::course::OddRows::kSingle;
   const int lanes = n % vector == 0 || phased ? vector : 1;
   const int phases = phased ? ::course::row_phases(n, elem) : 1;
   const ::course::GradTiling t =
@@ -497,6 +499,27 @@ std::vector<int64_t> bias_grad_tiling(const Tensor& x, int64_t sms, int64_t bloc
                             static_cast<int>(blocks_per_sm));
   const bool finishes = ::course::grad_finishes_in_kernel(t.column_tiles, t.row_tiles, t.tx, lanes);
   return {t.tx, t.ty, t.column_tiles, t.row_tiles, phases, finishes ? 1 : 0};
+}
+
+// Which kernel the fused backward takes for rows that start mid-vector, "span" or "single"
+// (course::odd_rows_take_single), for a backward that reads `save` ("y", "x" or "mask") beside
+// dy, given the blocks an SM that the span kernel and the single elements' tile kernel hold (the
+// launcher asks the CUDA runtime for both), under COURSE_BIAS_GRAD_ODD as the launcher reads it
+// ("span" or "single" force one; unset or "auto", the rule).
+std::string bias_grad_odd_rows(c10::string_view save, int64_t span_blocks_per_sm, int64_t single_blocks_per_sm) {
+  const SaveKind source = parse_choice("bias_grad_odd_rows", "save", save, kSaveKinds);
+  TORCH_CHECK(span_blocks_per_sm >= 1 && span_blocks_per_sm <= 32 && single_blocks_per_sm >= 1 &&
+                  single_blocks_per_sm <= 32,
+              "bias_grad_odd_rows: blocks an SM must be 1 to 32, got ", std::to_string(span_blocks_per_sm), " and ",
+              std::to_string(single_blocks_per_sm));
+  const char* odd = std::getenv("COURSE_BIAS_GRAD_ODD");
+  ::course::GradVariant variant;
+  TORCH_CHECK(::course::parse_grad_variant(nullptr, odd, &variant),
+              "bias_grad_odd_rows: COURSE_BIAS_GRAD_ODD must be auto, span or single (unset: auto), got '",
+              odd != nullptr ? odd : "", "'");
+  const bool single = ::course::odd_rows_take_single(source, static_cast<int>(span_blocks_per_sm),
+                                                     static_cast<int>(single_blocks_per_sm), variant.odd);
+  return single ? "single" : "span";
 }
 
 // The fused forward's kernel (course::launch_bias_act) for a bias op on x without a mask, on a
@@ -701,6 +724,8 @@ TORCH_LIBRARY_FRAGMENT(fusion, m) {
         "-> (Tensor, Tensor, Tensor)");
   m.def("elementwise_default_choice(str op, Tensor x) -> str", &fusion::elementwise::default_choice);
   m.def("bias_grad_tiling(Tensor x, int sms, int blocks_per_sm=4) -> int[]", &fusion::elementwise::bias_grad_tiling);
+  m.def("bias_grad_odd_rows(str save, int span_blocks_per_sm, int single_blocks_per_sm) -> str",
+        &fusion::elementwise::bias_grad_odd_rows);
   m.def("swiglu_grid(Tensor x, int sms, bool backward=False) -> int[]", &fusion::elementwise::swiglu_grid_of);
   m.def("bias_forward_kernel(Tensor x, str activation, int sms) -> str", &fusion::elementwise::bias_forward_kernel);
 }

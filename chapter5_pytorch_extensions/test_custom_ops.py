@@ -171,8 +171,11 @@ def test_fused_op_bias_gradient_added_in_the_kernel():
 
 
 # The bench-only variants of course::launch_fused_backward (course::grad_variant, bias_act.h).
+# The default picks the kernel of rows that start mid-vector by course::odd_rows_take_single (for
+# fused_op, which reads y: single elements unless the span kernel holds more blocks an SM);
+# "span" and "single_elements" force each.
 GRAD_VARIANTS = {"default": {}, "serial_finish": {"COURSE_BIAS_GRAD_FINISH": "serial"},
-                 "single_elements": {"COURSE_BIAS_GRAD_ODD": "single"}}
+                 "span": {"COURSE_BIAS_GRAD_ODD": "span"}, "single_elements": {"COURSE_BIAS_GRAD_ODD": "single"}}
 
 
 @pytest.mark.cuda
@@ -180,9 +183,9 @@ def test_fused_op_backward_variants(monkeypatch):
     """The benchmark's variants of the backward give fused_op the default's dx bit for bit (each
     element's own gradient) under each of them; the in-kernel finish's serial form (a fence in
     every thread, one partial row at a time) the default's dbias bit for bit too (the same sums in
-    the same order); rows that start mid-vector moved as single elements a dbias within the bound
-    of float64's column sum: at 1, 64, 65, 2047 and 2048 tokens of hidden 7, 777 and 4099 in every
-    dtype; and a CUDA graph of each replayed twice gives its eager bits."""
+    the same order); rows that start mid-vector moved by either kernel (the span kernel's 16-byte
+    packs, single elements) a dbias within the bound of float64's column sum: at 1, 64, 65, 2047
+    and 2048 tokens of hidden 7, 777 and 4099 in every dtype; and a CUDA graph of each replayed twice gives its eager bits."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU visible")
     backward = custom_ops._C.fused_op_backward_raw

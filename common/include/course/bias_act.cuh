@@ -965,12 +965,12 @@ __global__ void __launch_bounds__(kGradThreads, kSource == SaveKind::kInput ? kG
 // else: views at other offsets).
 enum class GradPacks { kVectors, kPhased, kSingle };
 
-// variant.odd_single (bench-only, course::grad_variant): rows that start mid-vector take single
-// elements even where they could take phased packs.
+// Where the rows start mid-vector and both kernels can take them (phased packs possible),
+// single (course::odd_rows_take_single's choice, bias_act.h) sends them to single elements.
 template <typename T>
-inline GradPacks grad_packs(const BiasActGrad<T>& p, const GradVariant& variant = grad_variant()) {
+inline GradPacks grad_packs(const BiasActGrad<T>& p, bool single) {
   if (vectorizable<T>(p.n, {p.dy, p.saved, p.bias, p.dx})) return GradPacks::kVectors;
-  if (variant.odd_single) return GradPacks::kSingle;
+  if (single) return GradPacks::kSingle;
   const uintptr_t offset = reinterpret_cast<uintptr_t>(p.dy) % 16;
   const bool same = reinterpret_cast<uintptr_t>(p.dx) % 16 == offset &&
                     (p.saved == nullptr || reinterpret_cast<uintptr_t>(p.saved) % 16 == offset);
@@ -983,9 +983,9 @@ inline GradPacks grad_packs(const BiasActGrad<T>& p, const GradVariant& variant 
 // packs: the same tiles over the row's columns, one row in flight a thread, and tiles no wider
 // than keeps their rows a multiple of the phases.
 template <typename T>
-cudaError_t fused_backward_tiling(const BiasActGrad<T>& p, int blocks_per_sm, Tiling* t, GradPacks* packs,
-                                  int* phases) {
-  *packs = grad_packs(p);
+cudaError_t fused_backward_tiling(const BiasActGrad<T>& p, bool single, int blocks_per_sm, Tiling* t,
+                                  GradPacks* packs, int* phases) {
+  *packs = grad_packs(p, single);
   const bool phased = *packs == GradPacks::kPhased;
   const int lanes = *packs == GradPacks::kSingle ? 1 : Vec16<T>::kLanes;
   *phases = phased ? row_phases(p.n, static_cast<int>(sizeof(T))) : 1;
@@ -1007,19 +1007,22 @@ constexpr int64_t partial_rows_bytes(int64_t slots, int64_t n) {
 }
 
 // The scratch is asked before the kernel (and so its occupancy) is known, by callers that name
-// only the dtype: the most partial rows that any occupancy could ask for. grad_tiling counts an
-// occupancy above kGradBlocksPerSm as kGradBlocksPerSm, so 1 to kGradBlocksPerSm blocks an SM
-// cover them all. Where there are partial rows, kFinishCounters counters follow them (the
-// in-kernel finish's, finish_tile_column: at most that many column tiles take it).
+// only the dtype: the most partial rows that either kernel of rows that start mid-vector
+// (course::odd_rows_take_single picks at launch) could ask for at any occupancy. grad_tiling
+// counts an occupancy above kGradBlocksPerSm as kGradBlocksPerSm, so 1 to kGradBlocksPerSm
+// blocks an SM cover them all. Where there are partial rows, kFinishCounters counters follow
+// them (the in-kernel finish's, finish_tile_column: at most that many column tiles take it).
 template <typename T>
 cudaError_t fused_backward_workspace(const BiasActGrad<T>& p, int64_t* bytes) {
   int64_t slots = 0;
-  for (int blocks = 1; blocks <= kGradBlocksPerSm; ++blocks) {
-    Tiling t;
-    GradPacks packs = GradPacks::kSingle;
-    int phases = 1;
-    COURSE_CUDA_TRY(fused_backward_tiling<T>(p, blocks, &t, &packs, &phases));
-    slots = std::max(slots, t.slots);
+  for (const bool single : {false, true}) {
+    for (int blocks = 1; blocks <= kGradBlocksPerSm; ++blocks) {
+      Tiling t;
+      GradPacks packs = GradPacks::kSingle;
+      int phases = 1;
+      COURSE_CUDA_TRY(fused_backward_tiling<T>(p, single, blocks, &t, &packs, &phases));
+      slots = std::max(slots, t.slots);
+    }
   }
   *bytes = slots == 0 ? 0 : partial_rows_bytes<T>(slots, p.n) + kFinishCounters * int64_t{sizeof(unsigned int)};
   return cudaSuccess;
@@ -1052,7 +1055,17 @@ cudaError_t launch_fused_backward(const BiasActGrad<T>& p, cudaStream_t stream) 
   using A = typename Acc<T>::type;
   constexpr int kLanes = Vec16<T>::kLanes;
   const GradVariant variant = grad_variant();
-  const GradPacks packs = grad_packs(p, variant);
+  // Rows that start mid-vector where the span kernel could take them: each kernel's occupancy
+  // (its registers and shared memory), and course::odd_rows_take_single's choice between them.
+  bool single = variant.odd == OddRows::kSingle;
+  if (grad_packs(p, /*single=*/false) == GradPacks::kPhased && variant.odd == OddRows::kRule) {
+    int span_blocks = 1;
+    int single_blocks = 1;
+    COURSE_CUDA_TRY(grad_blocks_per_sm(act_backward_span_kernel<T, Act, kSource>, &span_blocks));
+    COURSE_CUDA_TRY(grad_blocks_per_sm(act_backward_tile_kernel<T, Act, 1, kSource>, &single_blocks));
+    single = odd_rows_take_single(kSource, span_blocks, single_blocks);
+  }
+  const GradPacks packs = grad_packs(p, single);
   // The kernel first, so that the grid is sized to its own occupancy.
   const auto kernel = packs == GradPacks::kVectors  ? act_backward_tile_kernel<T, Act, kLanes, kSource>
                       : packs == GradPacks::kPhased ? act_backward_span_kernel<T, Act, kSource>
@@ -1062,7 +1075,7 @@ cudaError_t launch_fused_backward(const BiasActGrad<T>& p, cudaStream_t stream) 
   Tiling t;
   GradPacks tiled = GradPacks::kSingle;
   int phases = 1;
-  COURSE_CUDA_TRY(fused_backward_tiling<T>(p, blocks_per_sm, &t, &tiled, &phases));
+  COURSE_CUDA_TRY(fused_backward_tiling<T>(p, single, blocks_per_sm, &t, &tiled, &phases));
   A* partials = static_cast<A*>(p.workspace);
   const int lanes = tiled == GradPacks::kSingle ? 1 : kLanes;
   const bool finish = grad_finishes_in_kernel(t.grid.x, t.grid.y, t.tx, lanes);

@@ -218,21 +218,59 @@ COURSE_HOST_DEVICE constexpr bool grad_finishes_in_kernel(int64_t column_tiles, 
 }
 
 // ---------------------------------------------------------------------------------------
+// Rows that start mid-vector (hidden 777 or 4099 in bfloat16) have two kernels that can take
+// them, where dy, dx and the saved tensor sit equally far from a 16-byte boundary: the span
+// kernel (16-byte packs, one row in flight a thread) and the tile kernel on single elements
+// (eight rows in flight a thread). Which one the launcher takes: first the one that holds more
+// blocks an SM (each kernel's occupancy, which the launcher asks the CUDA runtime for, both
+// counted at most at kGradBlocksPerSm, past which the grid does not grow). ptxas -v (nvcc 13.0,
+// sm_90a): GELU-erf's span kernel, z recomputed from x (kInput), takes 80 registers and spills
+// 20 bytes in bfloat16 (80 in float32), 3 blocks an SM, where its single elements take 54 (56):
+// 4 blocks an SM, and single elements ran faster on the H100 at every odd bfloat16 shape (2048 x
+// 777 14.2 us against 17.1, 64 x 4099 3.8 against 6.3), about even in float32.
+//
+// At equal occupancy (ReLU's: 62-64 registers both, 4 blocks an SM) the bytes in flight do not
+// decide it: in bfloat16 a thread has 32 bytes outstanding in either kernel where it reads dy and
+// y (eight rows of 2 + 2 bytes, or one 16-byte pack of each), 16 of dy and a mask word where it
+// reads the mask, yet the two saved kinds went opposite ways on the same H100: with y (chapter
+// 5's fused_op) single elements won at every odd shape (8192 x 777 22.8 us against 30.8), with
+// the mask the span kernel did (fused_bias_scale_relu at 2048 x 4099 25.0 against 41.1), in
+// float32 too, where single elements keep twice the span kernel's bytes in flight. So at equal
+// occupancy the choice is by what the backward reads, as measured: the mask (one bit an element
+// beside dy) the span kernel, the saved tensor (y) single elements.
+// ---------------------------------------------------------------------------------------
+enum class OddRows { kRule, kSpan, kSingle };
+
+inline bool odd_rows_take_single(SaveKind source, int span_blocks_per_sm, int single_blocks_per_sm,
+                                 OddRows forced = OddRows::kRule) {
+  if (forced != OddRows::kRule) return forced == OddRows::kSingle;
+  const auto held = [](int blocks) {
+    const int most = static_cast<int>(kGradBlocksPerSm);
+    return blocks < 1 ? 1 : blocks > most ? most : blocks;
+  };
+  const int span = held(span_blocks_per_sm);
+  const int single = held(single_blocks_per_sm);
+  if (span != single) return single > span;
+  return source != SaveKind::kMask;
+}
+
+// ---------------------------------------------------------------------------------------
 // Bench-only variants of the backward, so that one benchmark run times them side by side in one
 // build: read from the environment by the launcher (course/bias_act.cuh's launch_fused_backward)
-// and by chapter 4's bias_grad_tiling, which reports the tiling they launch. Nothing in the
-// course sets them; unset (or empty), the defaults.
+// and by chapter 4's bias_grad_tiling and bias_grad_odd_rows. Nothing in the course sets them;
+// unset (or empty), the defaults.
 //   COURSE_BIAS_GRAD_FINISH  "batched" (default): the in-kernel finish fences once a block and
 //                            reads the partial rows in batches (finish_tile_column);
 //                            "serial": its first form, a fence in every thread and one partial
 //                            row at a time a thread.
-//   COURSE_BIAS_GRAD_ODD     "span" (default): rows that start mid-vector take the span kernel's
-//                            16-byte packs (phased); "single": the tile kernel's single elements,
-//                            eight rows in flight a thread (grad_rows_in_flight).
+//   COURSE_BIAS_GRAD_ODD     "auto" (default): rows that start mid-vector take the kernel that
+//                            odd_rows_take_single picks; "span": always the span kernel's
+//                            16-byte packs (phased); "single": always the tile kernel's single
+//                            elements, eight rows in flight a thread (grad_rows_in_flight).
 // ---------------------------------------------------------------------------------------
 struct GradVariant {
   bool batched_finish = true;
-  bool odd_single = false;
+  OddRows odd = OddRows::kRule;
 };
 
 // The variant that the two values name (null or empty: the default); false where either names
@@ -248,8 +286,10 @@ inline bool parse_grad_variant(const char* finish, const char* odd, GradVariant*
     ok = false;
   }
   if (is(odd, "single")) {
-    v->odd_single = true;
-  } else if (!unset(odd) && !is(odd, "span")) {
+    v->odd = OddRows::kSingle;
+  } else if (is(odd, "span")) {
+    v->odd = OddRows::kSpan;
+  } else if (!unset(odd) && !is(odd, "auto")) {
     ok = false;
   }
   return ok;
