@@ -426,7 +426,9 @@ __global__ void __launch_bounds__(K::kThreads, 1)
           // multiply-add of the page's slot onto the piece's address at row in_page0, its other rows
           // (kRowStep apart) one constant step each from there (a 64-bit add in the SASS). Written as
           // all of the tile's addresses first, so that no row's address is built from the one before
-          // (ptxas still interleaves them with the copies, two register pairs in turn).
+          // (ptxas keeps that order for V only: in the H100 profile's SASS at 16 rows, bf16 d128, K's
+          // rows go one at a time through one register pair, each shuffle waiting for the last copy
+          // to read it, at twice V's stall samples an instruction; NOTES.md, paged prefill).
           const uint64_t at0 = mad_wide_u32(static_cast<uint32_t>(in_page0), row_bytes, src0);
           // Pages of fewer than kRowStep rows (8): the thread's pages are page0 + 2 j, and page0 is
           // the warp's (its 32 lanes are 4 consecutive rows, in one page), so one shuffle down by
