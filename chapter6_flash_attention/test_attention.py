@@ -2492,10 +2492,10 @@ def test_sanitizer_hopper_window_backward():
 
 
 # The softcap's tanh (csrc/attention/softcap.cuh): tanh.approx for bfloat16 at softcap <= 8, else
-# from the exponential with the reciprocal on the FMA pipe (kFma, the default) or on the special-
-# function unit (kRcp, COURSE_SOFTCAP_TANH=rcp). The tests above run the default; these hold the FMA
+# from the exponential with the reciprocal on the special-function unit (kRcp, the default) or on
+# the FMA pipe (kFma, COURSE_SOFTCAP_TANH=fma). The tests above run the default; these hold the FMA
 # form's algorithm to its derived bound on the CPU, its instructions to one MUFU a score, every
-# float32 argument to the bound on the GPU, and the other mode's kernels to the reference.
+# float32 argument to the bound on the GPU, and both modes' kernels to the reference.
 SOFTCAP_CUH = Path(__file__).parent / "csrc" / "attention" / "softcap.cuh"
 SOFTCAP_CHECK = Path(__file__).parent / "experiments" / "softcap_tanh_check.cu"
 # kFma's error with an exact exponential (softcap.cuh: 2^-22.05 derived, 2^-22.26 measured over every

@@ -300,10 +300,10 @@ def test_masked_sections_are_the_lessons():
 
 def test_softcap_tanh_mode(monkeypatch):
     """The softcap section's mode comes from COURSE_SOFTCAP_TANH, the variable softcap.cuh's
-    launchers read: "fma" unset or empty, "rcp" when asked, and a misspelt one refused by name
+    launchers read: "rcp" unset or empty, "fma" when asked, and a misspelt one refused by name
     (the kernels would run the default under it); the section's record carries it."""
     assert B.SOFTCAP_TANH_ENV == "COURSE_SOFTCAP_TANH"
-    for value, mode in ((None, "fma"), ("", "fma"), ("fma", "fma"), ("rcp", "rcp")):
+    for value, mode in ((None, "rcp"), ("", "rcp"), ("rcp", "rcp"), ("fma", "fma")):
         if value is None:
             monkeypatch.delenv(B.SOFTCAP_TANH_ENV, raising=False)
         else:
@@ -311,10 +311,10 @@ def test_softcap_tanh_mode(monkeypatch):
         assert B.softcap_tanh_mode() == mode, value
         assert B.SECTIONS["attention_softcap"][2]("cpu")["softcap_tanh"] == mode
     monkeypatch.setenv(B.SOFTCAP_TANH_ENV, "mufu")
-    with pytest.raises(ValueError, match=r"COURSE_SOFTCAP_TANH='mufu': expected one of fma, rcp \(unset: fma\)"):
+    with pytest.raises(ValueError, match=r"COURSE_SOFTCAP_TANH='mufu': expected one of rcp, fma \(unset: rcp\)"):
         B.softcap_tanh_mode()
     header = (Path(__file__).parent / "csrc" / "attention" / "softcap.cuh").read_text()
-    assert f'kSoftcapTanhEnv = "{B.SOFTCAP_TANH_ENV}"' in header and 'std::strcmp(v, "rcp")' in header
+    assert f'kSoftcapTanhEnv = "{B.SOFTCAP_TANH_ENV}"' in header and 'std::strcmp(v, "fma")' in header
 
 
 def test_transformers_model_rows_on_the_cpu(monkeypatch, one_thread):

@@ -12,19 +12,27 @@
 // softcap in c), far inside either bound. (tanhf would be exact to an ulp or two, but it is a
 // longer libdevice routine with branches on the argument's range.)
 //
-// Which reciprocal (SoftcapTanh). tanh|x| = 2 / (1 + E) - 1 with E = 2^(-2 |x| log2 e). The first
-// form of it took the reciprocal from the special-function unit too (MUFU.RCP, kRcp: tanh_exp2),
-// so a capped score cost three MUFU instructions with the softmax's own exponential, where a plain
-// score costs one. The unit serves 16 lanes a clock per SM: on a Hopper, a 128 x 128 tile's 16384
-// scores take ~1024 cycles of it per MUFU per score, against ~3300 cycles of tensor-core time for
-// the tile's two products at d = 128, so three of them made the softcapped forward wait on the
-// unit (on an H100, 0.65x the dense call's speed, 0.70x in the backward). kFma (tanh_exp2_fma, the
-// default) computes the reciprocal on the FMA pipe instead, which has room for it: E lies in
-// [0, 1], so d = 1 + E lies in [1, 2], where a quadratic seed p(E) (the minimax one: relative
-// error 1/99) and two Newton steps y <- y + y (1 - d y) (two FMAs each; the error squares: 1/99,
-// 1.0e-4, 1.04e-8) reach float32, and copysign puts the sign back. One MUFU and ten other
-// instructions a score (seven FMAs, an add, a multiply, a LOP3 for the sign) instead of two and
-// eight. No clamp is needed: E = 0 at |x| = inf gives y = 1 exactly, and NaN stays NaN.
+// Which reciprocal (SoftcapTanh). tanh|x| = 2 / (1 + E) - 1 with E = 2^(-2 |x| log2 e). kRcp
+// (tanh_exp2, the default) takes the reciprocal from the special-function unit too (MUFU.RCP), so
+// a capped score costs three MUFU instructions with the softmax's own exponential, where a plain
+// score costs one. kFma (tanh_exp2_fma, COURSE_SOFTCAP_TANH=fma) computes it on the FMA pipe
+// instead: E lies in [0, 1], so d = 1 + E lies in [1, 2], where a quadratic seed p(E) (the minimax
+// one: relative error 1/99) and two Newton steps y <- y + y (1 - d y) (two FMAs each; the error
+// squares: 1/99, 1.0e-4, 1.04e-8) reach float32, and copysign puts the sign back. One MUFU and ten
+// other instructions a score (seven FMAs, an add, a multiply, a LOP3 for the sign) instead of two
+// MUFU and eight. No clamp is needed: E = 0 at |x| = inf gives y = 1 exactly, and NaN stays NaN.
+//   Why kRcp stays the default. The napkin said the unit was the limit: it serves 16 lanes a clock
+// per SM, so on a Hopper a 128 x 128 tile's 16384 scores take ~1024 cycles of it per MUFU per
+// score, and three of them (~3070) fill the ~3300 cycles of tensor-core time of the tile's two
+// products at d = 128. Measured on an H100 (both modes from one build, b2 h16 s8192 d128 bf16
+// causal softcap 30, against the same call without softcap): the forward went from 0.61x (kRcp,
+// 1.456 ms) to 0.56x (kFma, 1.556 ms), slower, and the backward stayed within noise (0.72x ->
+// 0.74x). So the Hopper forward is bound by issue slots, the consumer warpgroups' instructions per
+// score, not by the unit: in its SASS the tanh is MUFU.EX2 + MUFU.RCP and 8 others with kRcp, one
+// MUFU.EX2 and 10 others with kFma, 10 -> 11 instructions issued a score, and the ten on the FMA
+// and ALU pipes cost more than the MUFU slot they free. Next to try: fewer instructions a score,
+// or FlashAttention 4's split of the exponentials between the unit and a polynomial on the FMA
+// pipe, only where the unit is measured to be the limit.
 //   The error of tanh_exp2_fma, absolute (|tanh| <= 1): rounding d costs y 2^-24 relatively (2^-23
 // in tanh = 2y - 1), the last Newton step's result 2^-25 (2^-24), the last FMA 2^-25, the Newton
 // residual 2^-26.5: 2^-22.05 in all with an exact exponential (a float32 mirror of these steps
@@ -33,7 +41,7 @@
 // measures every float32 argument on the GPU). The argument a = |s| * in is rounded once, as
 // x = s * in was before (in carries the 2 log2 e).
 //   Which one a call takes is read on the host, per launch, from the environment variable
-// COURSE_SOFTCAP_TANH: "rcp" for the MUFU reciprocal, unset, empty or "fma" for the FMA one (any
+// COURSE_SOFTCAP_TANH: unset, empty or "rcp" for the MUFU reciprocal, "fma" for the FMA one (any
 // other value: the default; bench_attention.py refuses it by name), so one build times both
 // (bench_attention.py --ops attention_softcap, once per value). tanh.approx keeps its cases.
 //   The kernels' kWindowSoftcap instantiations take the choice as a runtime value (uniform across
@@ -52,14 +60,14 @@ namespace flash_attention {
 inline constexpr double kTanhApproxMaxSoftcap = 8.0;
 
 // The tanh of the softcap (above): none (no softcap), MUFU.TANH, or from the exponential with the
-// reciprocal on the special-function unit (kRcp) or on the FMA pipe (kFma).
+// reciprocal on the special-function unit (kRcp, the default) or on the FMA pipe (kFma).
 enum class SoftcapTanh : int { kNone, kApprox, kRcp, kFma };
 
 // The environment variable that picks kRcp or kFma (above), and its reading.
 inline constexpr const char* kSoftcapTanhEnv = "COURSE_SOFTCAP_TANH";
 inline SoftcapTanh softcap_tanh_from_env() {
   const char* v = std::getenv(kSoftcapTanhEnv);
-  return v != nullptr && std::strcmp(v, "rcp") == 0 ? SoftcapTanh::kRcp : SoftcapTanh::kFma;
+  return v != nullptr && std::strcmp(v, "fma") == 0 ? SoftcapTanh::kFma : SoftcapTanh::kRcp;
 }
 
 // What a kernel needs: the capped score of an unscaled score s (q . k) is out * tanh(x), x = s *
@@ -126,7 +134,7 @@ __device__ __forceinline__ float tanh_exp2_fma(float a2) {
 template <SoftcapTanh M>
 using SoftcapMode = std::integral_constant<SoftcapTanh, M>;
 // kNoneToo: a kernel that reaches the loop without a softcap too (a window alone) gets kNone there;
-// otherwise the caller has checked cap.in != 0 and kNone never comes (it runs kFma's code).
+// otherwise the caller has checked cap.in != 0 and kNone never comes (it runs kRcp's code).
 template <bool kNoneToo = false, class Body>
 __device__ __forceinline__ void with_softcap_tanh(const Softcap& cap, Body&& body) {
   if constexpr (kNoneToo) {
@@ -134,8 +142,8 @@ __device__ __forceinline__ void with_softcap_tanh(const Softcap& cap, Body&& bod
   }
   switch (cap.tanh) {
     case SoftcapTanh::kApprox: return body(SoftcapMode<SoftcapTanh::kApprox>{});
-    case SoftcapTanh::kRcp: return body(SoftcapMode<SoftcapTanh::kRcp>{});
-    default: return body(SoftcapMode<SoftcapTanh::kFma>{});
+    case SoftcapTanh::kFma: return body(SoftcapMode<SoftcapTanh::kFma>{});
+    default: return body(SoftcapMode<SoftcapTanh::kRcp>{});
   }
 }
 
