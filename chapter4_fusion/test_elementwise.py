@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 import fusion
 from coursekit.pytest_plugin import (DTYPES, assert_misplaced, assert_within, capture_and_replay, dtype_id, floor,
-                                     launched_kernels, poison_allocator, replayed_outputs, require_cuda, shape_id)
+                                     launched_kernels, offset_copy, poison_allocator, replayed_outputs, require_cuda,
+                                     shape_id)
 from fusion import _elementwise
 
 EW_VERSIONS = _elementwise.VERSIONS
@@ -1084,8 +1085,7 @@ def test_bias_gradient_variants_at_their_boundaries(dtype, monkeypatch):
                 for offset in (0, 1):
                     shape = (tokens, hidden)
                     x0, b0 = bias_inputs(shape, dtype, "cuda")
-                    x = torch.empty(tokens * hidden + offset, dtype=dtype, device="cuda")[offset:].view(shape).copy_(x0)
-                    bias = torch.empty(hidden + offset, dtype=dtype, device="cuda")[offset:].copy_(b0)
+                    x, bias = offset_copy(x0, offset), offset_copy(b0, offset)
                     dy = torch.randn(shape, device="cuda").to(dtype)
                     where = f"{variant} {shape} offset {offset}"
                     dx_ref, g = bsr_backward_reference(dy, x, bias)

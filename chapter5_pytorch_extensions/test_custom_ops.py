@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import custom_ops
+from coursekit.pytest_plugin import replayed_outputs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 RULE = "=" * 42
@@ -155,18 +156,8 @@ def test_fused_op_bias_gradient_added_in_the_kernel():
             torch.testing.assert_close(dx, (g * 0.75).to(dtype), rtol=0, atol=0)
             again = backward(dy, y, 0.75)
             assert torch.equal(again[0], dx) and torch.equal(again[1], dbias), (dtype, shape)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                backward(dy, y, 0.75)  # the warm-up a capture needs
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                captured = backward(dy, y, 0.75)
-            for replay in range(2):
-                graph.replay()
-                torch.cuda.synchronize()
-                assert torch.equal(captured[0], dx) and torch.equal(captured[1], dbias), (dtype, shape, replay)
+            for replay, got in enumerate(replayed_outputs(lambda: backward(dy, y, 0.75), 2)):
+                assert torch.equal(got[0], dx) and torch.equal(got[1], dbias), (dtype, shape, replay)
     _passed("dbias added in the kernel: float64's sum, the same bits every run and every graph replay")
 
 
@@ -209,18 +200,8 @@ def test_fused_op_backward_variants(monkeypatch):
                 where = (variant, dtype, shape)
                 assert bool(((dbias.double() - g.sum(0)).abs() <= bound).all()), where
                 out[variant] = (dx, dbias)
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    backward(dy, y, 0.75)  # the warm-up a capture needs
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    captured = backward(dy, y, 0.75)
-                for replay in range(2):
-                    graph.replay()
-                    torch.cuda.synchronize()
-                    assert torch.equal(captured[0], dx) and torch.equal(captured[1], dbias), (*where, replay)
+                for replay, got in enumerate(replayed_outputs(lambda: backward(dy, y, 0.75), 2)):
+                    assert torch.equal(got[0], dx) and torch.equal(got[1], dbias), (*where, replay)
             assert all(torch.equal(dx, out["default"][0]) for dx, _ in out.values()), (dtype, shape)
             assert torch.equal(out["serial_finish"][1], out["default"][1]), (dtype, shape)
 

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 import custom_ops
-from coursekit.pytest_plugin import (DTYPES, assert_misplaced, assert_within, dtype_id, floor, replayed_outputs,
-                                      require_cuda, shape_id)
+from coursekit.pytest_plugin import (DTYPES, assert_misplaced, assert_within, dtype_id, floor, offset_copy,
+                                      replayed_outputs, require_cuda, shape_id)
 from custom_ops import _C
 
 ROUTES = custom_ops.ROUTES
@@ -399,8 +399,7 @@ def test_fused_op_at_edge_rows_and_widths(dtype):
             for offset in (0, 1):
                 shape = (rows, hidden)
                 x0, b0 = bias_inputs(shape, dtype, "cuda")
-                x = torch.empty(rows * hidden + offset, dtype=dtype, device="cuda")[offset:].view(shape).copy_(x0)
-                bias = torch.empty(hidden + offset, dtype=dtype, device="cuda")[offset:].copy_(b0)
+                x, bias = offset_copy(x0, offset), offset_copy(b0, offset)
                 where = f"{shape_id(shape)} offset {offset}"
                 xg, bg = x.detach().requires_grad_(), bias.detach().requires_grad_()
                 out = fn(xg, bg, SCALE)

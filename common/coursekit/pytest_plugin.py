@@ -64,6 +64,12 @@ def assert_within(out, expected, bound, what=""):
                              f"allowed {bound[at].item():.3g}")
 
 
+def offset_copy(t, offset):
+    """t's values in a fresh tensor that starts `offset` elements into its storage: a view whose
+    data pointer is misaligned for offset > 0 (what a slice of a user's buffer hands a kernel)."""
+    return torch.empty(t.numel() + offset, dtype=t.dtype, device=t.device)[offset:].view(t.shape).copy_(t)
+
+
 def _capture(step):
     """(graph, captured, expected): step() once eagerly on a side stream (the warm-up a capture
     needs: lazy initialisation and allocator growth happen outside it), then captured."""
