@@ -381,7 +381,8 @@ __global__ void __launch_bounds__(K::kThreads, 1)
       // page with no valid rows (load_kv resolves it once per tile for K and V both). The page size
       // is a template parameter (kShift = log2 block_size: 8, 16, 32 rows, the only sizes that
       // gather), so every row's page and its row there are constants of the unrolled loop plus the
-      // thread's r0: a page's slot is one shuffle for all of the thread's rows in it. A row's chunks
+      // thread's r0: a page's slot is one shuffle for all of the thread's rows in it (on whole tiles
+      // one for K and V both: `slots`, from load_kv; nullptr otherwise). A row's chunks
       // are 128 bytes apart in the cache and kBN x 128 in the stage, both immediate offsets of the
       // copy, so one address serves a row's kChunks copies. Whole tiles (every row below the
       // context, every page in the cache: all of an item's tiles but a last partial one) skip the
@@ -392,7 +393,7 @@ __global__ void __launch_bounds__(K::kThreads, 1)
       // products at 8-32 rows; and before that, with the page size a runtime value, ~24 in one
       // dependent chain: NOTES.md, paged prefill.)
       auto gather_tile = [&](auto shift_tag, auto whole_tag, unsigned char* dst, const void* cache, int i,
-                             int32_t firsts, uint64_t* full) {
+                             int32_t firsts, const uint32_t* slots, uint64_t* full) {
         constexpr int kShift = decltype(shift_tag)::value, kPageRows = 1 << kShift;
         constexpr bool kWhole = decltype(whole_tag)::value;
         constexpr int kChunks = K::kChunks;
@@ -424,24 +425,17 @@ __global__ void __launch_bounds__(K::kThreads, 1)
           // Every row below the context and every page in the cache (load_kv's test, once per tile):
           // no bound to check and nothing zero-filled. A page's first row of the thread is one
           // multiply-add of the page's slot onto the piece's address at row in_page0, its other rows
-          // (kRowStep apart) one constant step each from there (a 64-bit add in the SASS). Written as
-          // all of the tile's addresses first, so that no row's address is built from the one before
-          // (ptxas keeps that order for V only: in the H100 profile's SASS at 16 rows, bf16 d128, K's
-          // rows go one at a time through one register pair, each shuffle waiting for the last copy
-          // to read it, at twice V's stall samples an instruction; NOTES.md, paged prefill).
+          // (kRowStep apart) one constant step each from there (a 64-bit add in the SASS). The pages'
+          // slots come shuffled already (`slots`, load_kv's, once for K and V both), so no shuffle
+          // stands in front of a copy, and ptxas keeps both caches' slot x row_bytes products for V.
+          // (Before: each call shuffled its own; ptxas built K's rows one at a time through one
+          // register pair, each shuffle waiting for the last copy to read it, at twice V's stall
+          // samples an instruction in the H100 profile at 16 rows: NOTES.md, paged prefill.)
           const uint64_t at0 = mad_wide_u32(static_cast<uint32_t>(in_page0), row_bytes, src0);
-          // Pages of fewer than kRowStep rows (8): the thread's pages are page0 + 2 j, and page0 is
-          // the warp's (its 32 lanes are 4 consecutive rows, in one page), so one shuffle down by
-          // page0 lets every later shuffle name its lane as a constant (a lane index held in a
-          // register per page otherwise).
-          const int32_t mine = kPageRows >= kRowStep ? firsts : __shfl_down_sync(0xffffffffu, firsts, page0);
           uint64_t rows[kRows];
 #pragma unroll
           for (int j = 0; j < kRows / kRowsPerPage; ++j) {
-            // Every lane of the warp is here (the whole producer walks the same tiles): a full mask.
-            const uint32_t first =
-                static_cast<uint32_t>(__shfl_sync(0xffffffffu, mine, (j * kRowsPerPage * kRowStep) >> kShift));
-            rows[j * kRowsPerPage] = mad_wide_u32(first, row_bytes, at0);
+            rows[j * kRowsPerPage] = mad_wide_u32(slots[j], row_bytes, at0);
 #pragma unroll
             for (int q = 1; q < kRowsPerPage; ++q)
               rows[j * kRowsPerPage + q] = mad_wide_u32(row_bytes, q * kRowStep, rows[j * kRowsPerPage]);
@@ -501,11 +495,27 @@ __global__ void __launch_bounds__(K::kThreads, 1)
                              __all_sync(0xffffffffu, firsts >= 0 || lane >= (kBN >> shift));
           auto both = [&](auto shift_tag) {
             if (whole) {
-              gather_tile(shift_tag, std::true_type{}, k_dst, p.k, i, firsts, &k_full[stage]);
-              gather_tile(shift_tag, std::true_type{}, v_dst, p.v, i, firsts, &v_full[stage]);
+              // The thread's pages' first slots, shuffled once for K and V both (the same lanes).
+              // Pages of fewer than kRowStep rows (8): the thread's pages are page0 + 2 j, and page0
+              // is the warp's (its 32 lanes are 4 consecutive rows, in one page), so one shuffle down
+              // by page0 lets every later shuffle name its lane as a constant (a lane index held in a
+              // register per page otherwise).
+              constexpr int kShift = decltype(shift_tag)::value, kPageRows = 1 << kShift;
+              constexpr int kRowStep = K::kProducerThreads / 8;
+              constexpr int kRowsPerPage = kPageRows > kRowStep ? kPageRows / kRowStep : 1;
+              constexpr int kPages = kBN / kRowStep / kRowsPerPage;
+              const int page0 = kPageRows >= kRowStep ? 0 : static_cast<int>(threadIdx.x / 8) >> kShift;
+              const int32_t mine = kPageRows >= kRowStep ? firsts : __shfl_down_sync(0xffffffffu, firsts, page0);
+              uint32_t slots[kPages];
+#pragma unroll
+              for (int j = 0; j < kPages; ++j)  // every lane is here (the producer walks the same tiles)
+                slots[j] = static_cast<uint32_t>(
+                    __shfl_sync(0xffffffffu, mine, (j * kRowsPerPage * kRowStep) >> kShift));
+              gather_tile(shift_tag, std::true_type{}, k_dst, p.k, i, firsts, slots, &k_full[stage]);
+              gather_tile(shift_tag, std::true_type{}, v_dst, p.v, i, firsts, slots, &v_full[stage]);
             } else {
-              gather_tile(shift_tag, std::false_type{}, k_dst, p.k, i, firsts, &k_full[stage]);
-              gather_tile(shift_tag, std::false_type{}, v_dst, p.v, i, firsts, &v_full[stage]);
+              gather_tile(shift_tag, std::false_type{}, k_dst, p.k, i, firsts, nullptr, &k_full[stage]);
+              gather_tile(shift_tag, std::false_type{}, v_dst, p.v, i, firsts, nullptr, &v_full[stage]);
             }
           };
           // The three page sizes that gather (8, 16, 32 rows: tile_schedule.h's rule at kBN 64 or 128).
