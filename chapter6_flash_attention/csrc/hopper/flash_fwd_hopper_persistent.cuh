@@ -83,6 +83,8 @@
 #include "attention/softcap.cuh"
 #include "hopper/flash_fwd_hopper_kernel.cuh"
 
+#include <cstdlib>  // std::getenv: the gather's table-entry knob (the launcher's)
+
 namespace flash_attention {
 
 // The packed layout's schedule (tile_schedule.h): one block reads every sequence's length from
@@ -299,8 +301,12 @@ __global__ void __launch_bounds__(K::kThreads, 1)
       int value = share(leader ? value_of(blockIdx.x) : 0);
       Item it{};  // the item `value` names, decoded once it is drawn (none past the end)
       if (value < schedule.tiles) it = item_at(value);
-      // Gathering: the table entries of the tile that load_kv copies next, as tile_pages loads them.
-      int32_t pages = -1;
+      // Gathering: the table entries that load_kv resolves next, as tile_pages (by tile: the next
+      // tile's) or group_pages (by group: the next group's) loads them. By group, the current group's
+      // resolved entries too: lane l's page's first slot or -1 (`group_firsts`), and the ballot of its
+      // pages that are whole (every row below the context, the id in the cache: `group_whole`).
+      int32_t pages = -1, group_firsts = -1;
+      uint32_t group_whole = 0;
       // Trip kv_trips of the walk: key tile it.first_tile + i of the item. Its stage is free once the
       // 8 consumer warps are done with trip kv_trips - kStages (of this item or of an earlier one).
       // Paged: key tile i of the item as boxes of page_rows rows, one per page (a page of at least
@@ -361,6 +367,19 @@ __global__ void __launch_bounds__(K::kThreads, 1)
         const int page = (((it.first_tile + i) * kBN) >> shift) + lane;
         if (threadIdx.x < 32 && lane < (kBN >> shift) && (page << shift) < static_cast<int>(it.seqlen_k))
           prefetch_global_l1(p.block_tables + it.k_row + page);
+      };
+      // Gathering, by group (tile_schedule.h's PagedGatherEntries::kByGroup): the entries of group g,
+      // the item's key tiles g T .. g T + T - 1 (T = 32 / (kBN / block_size): 2, 4, 8 at 8, 16, 32
+      // rows and kBN 128), one page per lane, the whole warp's 32 lanes; -1 for a page with no row
+      // below the context, as tile_pages. Loaded a group ahead (load_kv), so at least two tiles of
+      // copies hide it, and no L1 prefetch is needed. Every address is in the table row (the guard:
+      // a page with a row below the context, seqlen_k <= max_blocks x block_size).
+      auto group_pages = [&](int g) {
+        const int lane = static_cast<int>(threadIdx.x % 32), shift = __ffs(static_cast<int>(p.block_size)) - 1;
+        const int page = ((it.first_tile * kBN) >> shift) + (g << 5) + lane;
+        int32_t entry = -1;
+        if ((page << shift) < static_cast<int>(it.seqlen_k)) entry = p.block_tables[it.k_row + page];
+        return entry;
       };
       // Gathering: key tile i of the item, K or V, by the 128 producer threads with cp.async, 16 bytes
       // a copy, completing on `full`. Thread t copies 16-byte piece c = t % 8 of every 64-column
@@ -477,22 +496,50 @@ __global__ void __launch_bounds__(K::kThreads, 1)
           // thread writes the stage with ordinary stores (hopper.cuh's fence_proxy_async_shared is for those).
           // One set of table entries for both (the caches share the table): lane j's page's first
           // slot, or -1 for a page past the context (tile_pages' -1) or outside the cache.
-          const int num_blocks = static_cast<int>(p.num_blocks), shift = __ffs(static_cast<int>(p.block_size)) - 1;
-          const int32_t firsts = pages >= 0 && pages < num_blocks ? pages << shift : -1;
-          // The next tile's entries, issued now, before this tile's copies, and the one after's
-          // prefetched into L1: the copies' issue (32 cp.async a thread at d128) hides an L1 hit,
-          // which the next tile uses right after its stage's wait. Loaded after the copies (before),
-          // a producer that never waits for room (the consumers starved) stalled on them at the top
-          // of every tile: an L1 hit, or an L2 round trip once per 128-byte line of the table row.
-          // The item's last tile: the next item's first, loaded once it is drawn.
-          if (i + 1 < it.n_tiles) pages = tile_pages(i + 1);
-          if (i + 2 < it.n_tiles) prefetch_pages(i + 2);
-          // Whole: every row of the tile below the context and every page's id in the cache (a vote
-          // over the lanes holding the tile's pages), the walk's every tile but an item's last one
-          // (of a context that is not a multiple of kBN) in a well-formed table.
+          const int shift = __ffs(static_cast<int>(p.block_size)) - 1;
           const int lane = static_cast<int>(threadIdx.x % 32);
-          const bool whole = (it.first_tile + i + 1) * kBN <= static_cast<int>(it.seqlen_k) &&
-                             __all_sync(0xffffffffu, firsts >= 0 || lane >= (kBN >> shift));
+          int32_t firsts;
+          bool whole;
+          if (!schedule.entries_by_tile) {
+            // By group: tile i is tile `sub` of group g, its pages lanes sub P .. sub P + P - 1 of the
+            // group's (P = kBN / block_size pages a tile, T = 32 / P tiles a group). At a group's first
+            // tile the entries loaded a group before are resolved (once for T tiles: the bounds, the
+            // slots, the ballot of whole pages) and the next group's load is issued; every tile then
+            // takes its pages' slots with one shuffle (lane j: page j of the tile; the lanes past P
+            // read another tile's, unused) and its wholeness from P bits of the ballot (every page
+            // whole: every row of the tile below the context, every id in the cache, the by-tile vote's
+            // condition, as a page ends within the context iff its rows do).
+            const int log2_pages = __ffs(kBN) - 1 - shift, log2_tiles = 5 - log2_pages;
+            const int g = i >> log2_tiles, sub = i & ((1 << log2_tiles) - 1);
+            if (sub == 0) {
+              const int num_blocks = static_cast<int>(p.num_blocks);
+              const int page = ((it.first_tile * kBN) >> shift) + (g << 5) + lane;
+              group_firsts = pages >= 0 && pages < num_blocks ? pages << shift : -1;
+              group_whole = __ballot_sync(0xffffffffu, group_firsts >= 0 && ((page + 1) << shift) <= static_cast<int>(it.seqlen_k));
+              // The next group's entries, a group ahead (its first tile's copies then T tiles away);
+              // the item's last group: the next item's first, loaded once it is drawn.
+              if (((g + 1) << log2_tiles) < it.n_tiles) pages = group_pages(g + 1);
+            }
+            firsts = __shfl_sync(0xffffffffu, group_firsts, (sub << log2_pages) + lane);
+            const uint32_t mask = (1u << (1 << log2_pages)) - 1u;
+            whole = ((group_whole >> (sub << log2_pages)) & mask) == mask;
+          } else {
+            const int num_blocks = static_cast<int>(p.num_blocks);
+            firsts = pages >= 0 && pages < num_blocks ? pages << shift : -1;
+            // The next tile's entries, issued now, before this tile's copies, and the one after's
+            // prefetched into L1: the copies' issue (32 cp.async a thread at d128) hides an L1 hit,
+            // which the next tile uses right after its stage's wait. Loaded after the copies (before),
+            // a producer that never waits for room (the consumers starved) stalled on them at the top
+            // of every tile: an L1 hit, or an L2 round trip once per 128-byte line of the table row.
+            // The item's last tile: the next item's first, loaded once it is drawn.
+            if (i + 1 < it.n_tiles) pages = tile_pages(i + 1);
+            if (i + 2 < it.n_tiles) prefetch_pages(i + 2);
+            // Whole: every row of the tile below the context and every page's id in the cache (a vote
+            // over the lanes holding the tile's pages), the walk's every tile but an item's last one
+            // (of a context that is not a multiple of kBN) in a well-formed table.
+            whole = (it.first_tile + i + 1) * kBN <= static_cast<int>(it.seqlen_k) &&
+                    __all_sync(0xffffffffu, firsts >= 0 || lane >= (kBN >> shift));
+          }
           auto both = [&](auto shift_tag) {
             if (whole) {
               // The thread's pages' first slots, shuffled once for K and V both (the same lanes).
@@ -571,8 +618,12 @@ __global__ void __launch_bounds__(K::kThreads, 1)
         ++kv_trips;
       };
       if (gather && value < schedule.tiles) {
-        pages = tile_pages(0);
-        prefetch_pages(1);  // load_kv(0) loads tile 1's entries (prefetch_pages' guard: none past the keys)
+        if (schedule.entries_by_tile) {
+          pages = tile_pages(0);
+          prefetch_pages(1);  // load_kv(0) loads tile 1's entries (prefetch_pages' guard: none past the keys)
+        } else {
+          pages = group_pages(0);  // load_kv(0) resolves it and loads group 1's
+        }
       }
       for (uint32_t trip = 0;; ++trip) {
         if (leader) {
@@ -612,9 +663,11 @@ __global__ void __launch_bounds__(K::kThreads, 1)
         value = share(leader ? value_of(atomicAdd(tile_counter, 1) + static_cast<int>(gridDim.x)) : 0);
         if (value < schedule.tiles) {
           it = item_at(value);
-          if (gather) {
+          if (gather && schedule.entries_by_tile) {
             pages = tile_pages(0);  // the new item's first key tile, for its load_kv(0)
             prefetch_pages(1);
+          } else if (gather) {
+            pages = group_pages(0);  // the new item's first group, for its load_kv(0)
           }
           if (leader && it.n_tiles > 0) {
             const int row = static_cast<int>(it.k_row) + it.first_tile * kBN;
@@ -906,7 +959,9 @@ cudaError_t run_flash_fwd_hopper_persistent(const AttentionParams& p, cudaStream
   if (per_sm < 1) return cudaErrorInvalidConfiguration;  // cannot happen for a kernel the glue let through
   const int64_t slots = static_cast<int64_t>(sms) * per_sm;
   const int ctas = static_cast<int>(tiles < slots ? tiles : slots);
-  const HopperTileSchedule schedule = hopper_tile_schedule(p, l2_bytes);
+  HopperTileSchedule schedule = hopper_tile_schedule(p, l2_bytes);
+  // The gather's table entries by group or by tile (tile_schedule.h's knob; unused unless gathering).
+  schedule.entries_by_tile = paged_gather_entries(std::getenv(kPagedGatherEnv)) == PagedGatherEntries::kByTile;
   // The counter starts at 0 every launch, in stream order (a graph capture records the memset, or
   // the schedule kernel).
   int* counter = static_cast<int*>(workspace);

@@ -42,6 +42,22 @@ FLASH_ATTENTION_HD constexpr bool paged_prefill_hopper_gathers(int64_t block_siz
   return paged_prefill_hopper_block_size(block_size, block_n) && block_size < kPagedPrefillTmaRows;
 }
 
+// Where the gathering producer's four warps get a key tile's table entries (a bench-only knob, read
+// by the launcher at every call from the environment variable FLASH_ATTENTION_PAGED_GATHER, so
+// that one build times both): kByGroup (the default: unset, empty, "group" or anything else), each
+// warp loads the entries of a group of 32 / (block_n / block_size) tiles at once, one per lane, a
+// group ahead, and resolves them (the slots and a ballot of the whole pages) once per group; a tile
+// then takes its pages with one shuffle. kByTile ("tile", the gather before it): each warp loads
+// the next tile's entries per tile, prefetches the one after's into L1, and resolves and votes per
+// tile. Bits are the same either way (the same bytes to the same slots).
+enum class PagedGatherEntries { kByGroup, kByTile };
+inline constexpr const char* kPagedGatherEnv = "FLASH_ATTENTION_PAGED_GATHER";
+inline PagedGatherEntries paged_gather_entries(const char* value) {
+  if (value != nullptr && value[0] == 't' && value[1] == 'i' && value[2] == 'l' && value[3] == 'e' && value[4] == '\0')
+    return PagedGatherEntries::kByTile;
+  return PagedGatherEntries::kByGroup;
+}
+
 // The key tiles of query tile m0 .. m0 + kHopperBlockM - 1 under a window or a softcap (the
 // persistent rung's kWindowSoftcap instantiation): from the tile holding the first row's first
 // visible key to the one holding the last valid row's last, [key_begin(m0), key_end(last row)) in
@@ -121,6 +137,7 @@ struct HopperTileSchedule {
   bool longest_first;  // causal
   bool windowed;       // a window or a softcap: the query tiles go by peak_lo and peak_hi
   int peak_lo, peak_hi;  // windowed: the first and the last query tile with the longest walk
+  bool entries_by_tile;  // paged and gathering: PagedGatherEntries::kByTile (the launcher sets it)
 };
 
 // The schedule of a problem with `l2_bytes` of L2 (the launcher passes the GPU's). Callers keep
