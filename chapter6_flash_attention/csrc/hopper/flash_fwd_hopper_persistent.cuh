@@ -484,19 +484,23 @@ __global__ void __launch_bounds__(K::kThreads, 1)
         }
         cp_async_mbarrier_arrive_noinc(full);
       };
-      auto load_kv = [&](int i) {
+      // Key tile i of the item. shift_tag: log2 of the page size where the warpgroup gathers (3, 4, 5:
+      // 8, 16, 32 rows), 0 otherwise (TMA: boxes a page, or the contiguous tile). The walk picks it
+      // once per item (walk_item below), so a tile's copies take no page-size branch.
+      auto load_kv = [&](auto shift_tag, int i) {
+        constexpr int kShift = decltype(shift_tag)::value;
         const int stage = kv_trips % kStages;
         if (kv_trips >= kStages) mbarrier_wait(&kv_empty[stage], ((kv_trips / kStages) - 1) & 1);
         unsigned char* k_dst = k_s + stage * K::kKVBytes;
         unsigned char* v_dst = v_s + stage * K::kKVBytes;
-        if (gather) {
+        if constexpr (kShift != 0) {
           // Every producer thread waited above; K's arrivals first, so S = Q K^T starts before V lands.
           // The consumers' wait on the barrier is all that orders these copies before their wgmma reads,
           // as for TMA's bytes: the arrival fires only once the copies are in shared memory, and no
           // thread writes the stage with ordinary stores (hopper.cuh's fence_proxy_async_shared is for those).
           // One set of table entries for both (the caches share the table): lane j's page's first
           // slot, or -1 for a page past the context (tile_pages' -1) or outside the cache.
-          const int shift = __ffs(static_cast<int>(p.block_size)) - 1;
+          constexpr int shift = kShift;
           const int lane = static_cast<int>(threadIdx.x % 32);
           int32_t firsts;
           bool whole;
@@ -509,7 +513,8 @@ __global__ void __launch_bounds__(K::kThreads, 1)
             // read another tile's, unused) and its wholeness from P bits of the ballot (every page
             // whole: every row of the tile below the context, every id in the cache, the by-tile vote's
             // condition, as a page ends within the context iff its rows do).
-            const int log2_pages = __ffs(kBN) - 1 - shift, log2_tiles = 5 - log2_pages;
+            constexpr int log2_pages = (kBN == 128 ? 7 : 6) - shift, log2_tiles = 5 - log2_pages;
+            static_assert(kBN == 128 || kBN == 64, "log2 kBN above");
             const int g = i >> log2_tiles, sub = i & ((1 << log2_tiles) - 1);
             if (sub == 0) {
               const int num_blocks = static_cast<int>(p.num_blocks);
@@ -521,7 +526,7 @@ __global__ void __launch_bounds__(K::kThreads, 1)
               if (((g + 1) << log2_tiles) < it.n_tiles) pages = group_pages(g + 1);
             }
             firsts = __shfl_sync(0xffffffffu, group_firsts, (sub << log2_pages) + lane);
-            const uint32_t mask = (1u << (1 << log2_pages)) - 1u;
+            constexpr uint32_t mask = (1u << (1 << log2_pages)) - 1u;
             whole = ((group_whole >> (sub << log2_pages)) & mask) == mask;
           } else {
             const int num_blocks = static_cast<int>(p.num_blocks);
@@ -565,14 +570,7 @@ __global__ void __launch_bounds__(K::kThreads, 1)
               gather_tile(shift_tag, std::false_type{}, v_dst, p.v, i, firsts, nullptr, &v_full[stage]);
             }
           };
-          // The three page sizes that gather (8, 16, 32 rows: tile_schedule.h's rule at kBN 64 or 128).
-          if (shift == 3) {
-            both(std::integral_constant<int, 3>{});
-          } else if (shift == 4) {
-            both(std::integral_constant<int, 4>{});
-          } else {
-            both(std::integral_constant<int, 5>{});
-          }
+          both(shift_tag);
           ++kv_trips;
           return;
         }
@@ -639,20 +637,36 @@ __global__ void __launch_bounds__(K::kThreads, 1)
           // before the end of the last item at 3 stages, while Q's halves come free only with each
           // warpgroup's last Q K^T of it. Loaded after Q, K would wait for that release too and
           // land as the consumers finish their epilogue, with the tensor cores idle meanwhile.
-          load_kv(0);
-          for (int w = 0; w < 2 && leader; ++w) {
-            // Warpgroup w's half of Q is free once its 4 warps' last Q K^T of the previous item is done.
-            if (q_trips > 0) mbarrier_wait(&q_empty[w], (q_trips - 1) & 1);
-            mbarrier_arrive_expect_tx(&q_full[w], kHalfQBytes);
+          // The item's walk, its page size a constant of each (walk_item's shift_tag: load_kv's).
+          auto walk_item = [&](auto shift_tag) {
+            load_kv(shift_tag, 0);
+            for (int w = 0; w < 2 && leader; ++w) {
+              // Warpgroup w's half of Q is free once its 4 warps' last Q K^T of the previous item is done.
+              if (q_trips > 0) mbarrier_wait(&q_empty[w], (q_trips - 1) & 1);
+              mbarrier_arrive_expect_tx(&q_full[w], kHalfQBytes);
 #pragma unroll
-            for (int c = 0; c < K::kChunks; ++c) {
-              // Rows past seqlen_q (the whole half, for an item of up to 64 rows) arrive as zeros.
-              tma_load_4d(q_s + c * kBM * 128 + w * 64 * 128, &map_q, &q_full[w], c * 64,
-                          static_cast<int>(it.q_row) + 64 * w, it.h, it.map_b);
+              for (int c = 0; c < K::kChunks; ++c) {
+                // Rows past seqlen_q (the whole half, for an item of up to 64 rows) arrive as zeros.
+                tma_load_4d(q_s + c * kBM * 128 + w * 64 * 128, &map_q, &q_full[w], c * 64,
+                            static_cast<int>(it.q_row) + 64 * w, it.h, it.map_b);
+              }
             }
+            ++q_trips;
+            for (int i = 1; i < it.n_tiles; ++i) load_kv(shift_tag, i);
+          };
+          // The three page sizes that gather (8, 16, 32 rows: tile_schedule.h's rule at kBN 64 or 128),
+          // picked once per item. (Before: once per tile, in load_kv, with the group's shifts and masks
+          // worked out from the page size at run time: ~8 instructions of each tile's top.)
+          const int shift = __ffs(static_cast<int>(p.block_size)) - 1;
+          if (!gather) {
+            walk_item(std::integral_constant<int, 0>{});
+          } else if (shift == 3) {
+            walk_item(std::integral_constant<int, 3>{});
+          } else if (shift == 4) {
+            walk_item(std::integral_constant<int, 4>{});
+          } else {
+            walk_item(std::integral_constant<int, 5>{});
           }
-          ++q_trips;
-          for (int i = 1; i < it.n_tiles; ++i) load_kv(i);
         }
         // The next item, drawn once this one's copies are all issued: as late as the producer can
         // (the block is a couple of key tiles from done, and the others have drawn meanwhile) with

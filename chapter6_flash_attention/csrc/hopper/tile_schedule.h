@@ -33,10 +33,11 @@ FLASH_ATTENTION_HD constexpr bool paged_prefill_hopper_block_size(int64_t block_
 // is 2 (K, V) x 2 (64-column halves) x 128 / r boxes per tile, 3.4 us at r = 16, 1.7 us at 32 (the
 // whole budget), 0.85 us at 64. Below kPagedPrefillTmaRows rows the producer warpgroup gathers
 // the tile itself with cp.async instead (16 bytes a thread and instruction, 32 per thread and tile
-// at d128, each page's slot resolved once per tile), which costs no box at all; its pace is then the
-// instructions in front of each copy: with the page size a compile-time constant there, one
-// address per row for both of its 64-column chunks, and no bound to check on the tiles wholly
-// inside the context, about three a copy (flash_fwd_hopper_persistent.cuh's gather_tile).
+// at d128, each page's slot resolved once per group of tiles: PagedGatherEntries below), which
+// costs no box at all; its pace is then the instructions in front of each copy: with the page size
+// a compile-time constant there, one address per row for both of its 64-column chunks, and no
+// bound to check on the tiles wholly inside the context, about three a copy
+// (flash_fwd_hopper_persistent.cuh's gather_tile).
 inline constexpr int kPagedPrefillTmaRows = 64;
 FLASH_ATTENTION_HD constexpr bool paged_prefill_hopper_gathers(int64_t block_size, int block_n) {
   return paged_prefill_hopper_block_size(block_size, block_n) && block_size < kPagedPrefillTmaRows;
