@@ -536,9 +536,9 @@ def test_cuda_persistent_gather_entries_by_group_or_tile(head_dim, block_size, m
     """The gather reads a key tile's table entries by group (each warp 32 pages at once: 2, 4, 8 tiles
     at 8, 16, 32 rows; the default) or by tile (FLASH_ATTENTION_PAGED_GATHER=tile): the same bytes to
     the same slots, so the same bits, and attention_varlen's on the keys gathered contiguous. The
-    contexts end at a group's edge, one page past it, and mid-group, after two to nine groups; with
-    check_tables=False, ids outside the cache in a group's first tile, a group's last tile and a
-    tile of the last group that is not the item's last (each then copied with its rows checked)."""
+    contexts (1 to 17 groups) end at a group's edge, one page past it, and mid-group; with
+    check_tables=False, ids outside the cache in group 1's first tile, in its last tile, and in a
+    later group's tile that is not the item's last (each then copied with its rows checked)."""
     require_hopper()
     chunks, contexts = [128, 1, 129, 64, 17], [2048, 1024 + block_size, 2500, 4096 + 64, 300]
     query, key_cache, value_cache, tables, cu, lens = make_prefill(chunks, contexts, block_size, 8, 2, head_dim,
