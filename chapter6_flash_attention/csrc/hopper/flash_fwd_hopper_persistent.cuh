@@ -513,14 +513,15 @@ __global__ void __launch_bounds__(K::kThreads, 1)
             // read another tile's, unused) and its wholeness from P bits of the ballot (every page
             // whole: every row of the tile below the context, every id in the cache, the by-tile vote's
             // condition, as a page ends within the context iff its rows do).
+            static_assert(kBN == 128 || kBN == 64, "log2 kBN below");
             constexpr int log2_pages = (kBN == 128 ? 7 : 6) - shift, log2_tiles = 5 - log2_pages;
-            static_assert(kBN == 128 || kBN == 64, "log2 kBN above");
             const int g = i >> log2_tiles, sub = i & ((1 << log2_tiles) - 1);
             if (sub == 0) {
               const int num_blocks = static_cast<int>(p.num_blocks);
               const int page = ((it.first_tile * kBN) >> shift) + (g << 5) + lane;
               group_firsts = pages >= 0 && pages < num_blocks ? pages << shift : -1;
-              group_whole = __ballot_sync(0xffffffffu, group_firsts >= 0 && ((page + 1) << shift) <= static_cast<int>(it.seqlen_k));
+              group_whole = __ballot_sync(0xffffffffu,
+                                          group_firsts >= 0 && ((page + 1) << shift) <= static_cast<int>(it.seqlen_k));
               // The next group's entries, a group ahead (its first tile's copies then T tiles away);
               // the item's last group: the next item's first, loaded once it is drawn.
               if (((g + 1) << log2_tiles) < it.n_tiles) pages = group_pages(g + 1);

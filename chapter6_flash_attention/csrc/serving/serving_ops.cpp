@@ -841,7 +841,8 @@ std::string paged_prefill_hopper_producer(int64_t head_dim, int64_t block_size) 
   if (!paged_prefill_hopper_gathers(block_size, hopper_block_n(head_dim))) return "tma";
   // The gather's table entries as the launcher reads its knob now (tile_schedule.h): by group
   // ("gather", the default) or by tile ("gather_by_tile", FLASH_ATTENTION_PAGED_GATHER=tile).
-  return paged_gather_entries(std::getenv(kPagedGatherEnv)) == PagedGatherEntries::kByTile ? "gather_by_tile" : "gather";
+  const bool by_tile = paged_gather_entries(std::getenv(kPagedGatherEnv)) == PagedGatherEntries::kByTile;
+  return by_tile ? "gather_by_tile" : "gather";
 }
 
 void register_backend_kernels(torch::Library& m) {
