@@ -225,6 +225,22 @@ def test_persistent_producer_by_construction():
             assert producer(head_dim, block_size) == expected, (head_dim, block_size)
 
 
+@pytest.mark.parametrize("knob,expected", [(None, "gather"), ("", "gather"), ("group", "gather"),
+                                            ("tile", "gather_by_tile"), ("tiles", "gather"), ("TILE", "gather")])
+def test_persistent_gather_entries_knob(knob, expected, monkeypatch):
+    """FLASH_ATTENTION_PAGED_GATHER as the launcher reads it (tile_schedule.h's paged_gather_entries):
+    "tile" alone picks the per-tile table entries; unset, empty or anything else the default, by
+    group. Pages of 64 rows and up are TMA boxes whatever the knob says."""
+    if knob is None:
+        monkeypatch.delenv("FLASH_ATTENTION_PAGED_GATHER", raising=False)
+    else:
+        monkeypatch.setenv("FLASH_ATTENTION_PAGED_GATHER", knob)
+    producer = torch.ops.flash_attention.paged_prefill_hopper_producer
+    for block_size in (8, 16, 32):
+        assert producer(128, block_size) == expected, block_size
+    assert producer(128, 64) == "tma"
+
+
 # ---------------------------------------------------------------------------------------------
 # 3. opcheck and misuse
 # ---------------------------------------------------------------------------------------------
@@ -507,6 +523,50 @@ def test_cuda_persistent_blocks_outside_the_cache_read_as_zeros(dtype, head_dim,
     ref = reference_paged_prefill(query, key_zero, value_zero, inside, cu, lens, device="cuda")
     rtol, atol = cuda_tol(dtype, value_cache)
     torch.testing.assert_close(out.cpu().double(), ref, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+# The gather's table entries (tile_schedule.h's PagedGatherEntries), by the launcher's knob.
+PAGED_GATHER_KNOB = "FLASH_ATTENTION_PAGED_GATHER"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("block_size", (8, 16, 32))
+@pytest.mark.parametrize("head_dim", (64, 128))
+def test_cuda_persistent_gather_entries_by_group_or_tile(head_dim, block_size, monkeypatch):
+    """The gather reads a key tile's table entries by group (each warp 32 pages at once: 2, 4, 8 tiles
+    at 8, 16, 32 rows; the default) or by tile (FLASH_ATTENTION_PAGED_GATHER=tile): the same bytes to
+    the same slots, so the same bits, and attention_varlen's on the keys gathered contiguous. The
+    contexts (1 to 17 groups) end at a group's edge, one page past it, and mid-group; with
+    check_tables=False, ids outside the cache in group 1's first tile, in its last tile, and in a
+    later group's tile that is not the item's last (each then copied with its rows checked)."""
+    require_hopper()
+    chunks, contexts = [128, 1, 129, 64, 17], [2048, 1024 + block_size, 2500, 4096 + 64, 300]
+    query, key_cache, value_cache, tables, cu, lens = make_prefill(chunks, contexts, block_size, 8, 2, head_dim,
+                                                                   torch.bfloat16, "cuda")
+    group = 32 * block_size  # keys a group of entries covers
+    junk = tables.clone()
+    for b, key in ((0, group), (2, 2 * group - 1), (3, (contexts[3] // group) * group - 200)):
+        junk[b, key // block_size] = key_cache.shape[0] + 3  # past the cache: read as a block of zeros
+
+    def run(knob, table):
+        if knob is None:
+            monkeypatch.delenv(PAGED_GATHER_KNOB, raising=False)
+        else:
+            monkeypatch.setenv(PAGED_GATHER_KNOB, knob)
+        return prefill(query, key_cache, value_cache, table, cu, lens, version="persistent", check_tables=False)
+
+    pages = [tables[b, :blocks_needed(n, block_size)].long() for b, n in enumerate(contexts)]
+    k = torch.cat([key_cache[p].flatten(0, 1)[:n] for p, n in zip(pages, contexts)])
+    v = torch.cat([value_cache[p].flatten(0, 1)[:n] for p, n in zip(pages, contexts)])
+    cu_k = torch.tensor([0, *itertools.accumulate(contexts)], dtype=torch.int32, device="cuda")
+    expected = flash_attention.attention_varlen(query, k, v, cu, cu_k, max(chunks), max(contexts), causal=True,
+                                                version="persistent")
+    for knob in (None, "group", "tile"):
+        assert torch.equal(run(knob, tables), expected), knob
+    by_tile = run("tile", junk)
+    assert bool(by_tile.isfinite().all())
+    for knob in (None, "group"):
+        assert torch.equal(run(knob, junk), by_tile), knob
 
 
 @pytest.mark.cuda

@@ -83,6 +83,8 @@
 #include "attention/softcap.cuh"
 #include "hopper/flash_fwd_hopper_kernel.cuh"
 
+#include <cstdlib>  // std::getenv: the gather's table-entry knob (the launcher's)
+
 namespace flash_attention {
 
 // The packed layout's schedule (tile_schedule.h): one block reads every sequence's length from
@@ -299,8 +301,12 @@ __global__ void __launch_bounds__(K::kThreads, 1)
       int value = share(leader ? value_of(blockIdx.x) : 0);
       Item it{};  // the item `value` names, decoded once it is drawn (none past the end)
       if (value < schedule.tiles) it = item_at(value);
-      // Gathering: the table entries of the tile that load_kv copies next, as tile_pages loads them.
-      int32_t pages = -1;
+      // Gathering: the table entries that load_kv resolves next, as tile_pages (by tile: the next
+      // tile's) or group_pages (by group: the next group's) loads them. By group, the current group's
+      // resolved entries too: lane l's page's first slot or -1 (`group_firsts`), and the ballot of its
+      // pages that are whole (every row below the context, the id in the cache: `group_whole`).
+      int32_t pages = -1, group_firsts = -1;
+      uint32_t group_whole = 0;
       // Trip kv_trips of the walk: key tile it.first_tile + i of the item. Its stage is free once the
       // 8 consumer warps are done with trip kv_trips - kStages (of this item or of an earlier one).
       // Paged: key tile i of the item as boxes of page_rows rows, one per page (a page of at least
@@ -362,6 +368,19 @@ __global__ void __launch_bounds__(K::kThreads, 1)
         if (threadIdx.x < 32 && lane < (kBN >> shift) && (page << shift) < static_cast<int>(it.seqlen_k))
           prefetch_global_l1(p.block_tables + it.k_row + page);
       };
+      // Gathering, by group (tile_schedule.h's PagedGatherEntries::kByGroup): the entries of group g,
+      // the item's key tiles g T .. g T + T - 1 (T = 32 / (kBN / block_size): 2, 4, 8 at 8, 16, 32
+      // rows and kBN 128), one page per lane, the whole warp's 32 lanes; -1 for a page with no row
+      // below the context, as tile_pages. Loaded a group ahead (load_kv), so at least two tiles of
+      // copies hide it, and no L1 prefetch is needed. Every address is in the table row (the guard:
+      // a page with a row below the context, seqlen_k <= max_blocks x block_size).
+      auto group_pages = [&](int g) {
+        const int lane = static_cast<int>(threadIdx.x % 32), shift = __ffs(static_cast<int>(p.block_size)) - 1;
+        const int page = ((it.first_tile * kBN) >> shift) + (g << 5) + lane;
+        int32_t entry = -1;
+        if ((page << shift) < static_cast<int>(it.seqlen_k)) entry = p.block_tables[it.k_row + page];
+        return entry;
+      };
       // Gathering: key tile i of the item, K or V, by the 128 producer threads with cp.async, 16 bytes
       // a copy, completing on `full`. Thread t copies 16-byte piece c = t % 8 of every 64-column
       // chunk (K::kChunks: 1 at d64, 2 at d128) of rows r0 + kRowStep k, r0 = t / 8, kRowStep = 16:
@@ -381,7 +400,8 @@ __global__ void __launch_bounds__(K::kThreads, 1)
       // page with no valid rows (load_kv resolves it once per tile for K and V both). The page size
       // is a template parameter (kShift = log2 block_size: 8, 16, 32 rows, the only sizes that
       // gather), so every row's page and its row there are constants of the unrolled loop plus the
-      // thread's r0: a page's slot is one shuffle for all of the thread's rows in it. A row's chunks
+      // thread's r0: a page's slot is one shuffle for all of the thread's rows in it (on whole tiles
+      // one for K and V both: `slots`, from load_kv; nullptr otherwise). A row's chunks
       // are 128 bytes apart in the cache and kBN x 128 in the stage, both immediate offsets of the
       // copy, so one address serves a row's kChunks copies. Whole tiles (every row below the
       // context, every page in the cache: all of an item's tiles but a last partial one) skip the
@@ -392,7 +412,7 @@ __global__ void __launch_bounds__(K::kThreads, 1)
       // products at 8-32 rows; and before that, with the page size a runtime value, ~24 in one
       // dependent chain: NOTES.md, paged prefill.)
       auto gather_tile = [&](auto shift_tag, auto whole_tag, unsigned char* dst, const void* cache, int i,
-                             int32_t firsts, uint64_t* full) {
+                             int32_t firsts, const uint32_t* slots, uint64_t* full) {
         constexpr int kShift = decltype(shift_tag)::value, kPageRows = 1 << kShift;
         constexpr bool kWhole = decltype(whole_tag)::value;
         constexpr int kChunks = K::kChunks;
@@ -424,24 +444,17 @@ __global__ void __launch_bounds__(K::kThreads, 1)
           // Every row below the context and every page in the cache (load_kv's test, once per tile):
           // no bound to check and nothing zero-filled. A page's first row of the thread is one
           // multiply-add of the page's slot onto the piece's address at row in_page0, its other rows
-          // (kRowStep apart) one constant step each from there (a 64-bit add in the SASS). Written as
-          // all of the tile's addresses first, so that no row's address is built from the one before
-          // (ptxas keeps that order for V only: in the H100 profile's SASS at 16 rows, bf16 d128, K's
-          // rows go one at a time through one register pair, each shuffle waiting for the last copy
-          // to read it, at twice V's stall samples an instruction; NOTES.md, paged prefill).
+          // (kRowStep apart) one constant step each from there (a 64-bit add in the SASS). The pages'
+          // slots come shuffled already (`slots`, load_kv's, once for K and V both), so no shuffle
+          // stands in front of a copy, and ptxas keeps both caches' slot x row_bytes products for V.
+          // (Before: each call shuffled its own; ptxas built K's rows one at a time through one
+          // register pair, each shuffle waiting for the last copy to read it, at twice V's stall
+          // samples an instruction in the H100 profile at 16 rows: NOTES.md, paged prefill.)
           const uint64_t at0 = mad_wide_u32(static_cast<uint32_t>(in_page0), row_bytes, src0);
-          // Pages of fewer than kRowStep rows (8): the thread's pages are page0 + 2 j, and page0 is
-          // the warp's (its 32 lanes are 4 consecutive rows, in one page), so one shuffle down by
-          // page0 lets every later shuffle name its lane as a constant (a lane index held in a
-          // register per page otherwise).
-          const int32_t mine = kPageRows >= kRowStep ? firsts : __shfl_down_sync(0xffffffffu, firsts, page0);
           uint64_t rows[kRows];
 #pragma unroll
           for (int j = 0; j < kRows / kRowsPerPage; ++j) {
-            // Every lane of the warp is here (the whole producer walks the same tiles): a full mask.
-            const uint32_t first =
-                static_cast<uint32_t>(__shfl_sync(0xffffffffu, mine, (j * kRowsPerPage * kRowStep) >> kShift));
-            rows[j * kRowsPerPage] = mad_wide_u32(first, row_bytes, at0);
+            rows[j * kRowsPerPage] = mad_wide_u32(slots[j], row_bytes, at0);
 #pragma unroll
             for (int q = 1; q < kRowsPerPage; ++q)
               rows[j * kRowsPerPage + q] = mad_wide_u32(row_bytes, q * kRowStep, rows[j * kRowsPerPage]);
@@ -471,51 +484,94 @@ __global__ void __launch_bounds__(K::kThreads, 1)
         }
         cp_async_mbarrier_arrive_noinc(full);
       };
-      auto load_kv = [&](int i) {
+      // Key tile i of the item. shift_tag: log2 of the page size where the warpgroup gathers (3, 4, 5:
+      // 8, 16, 32 rows), 0 otherwise (TMA: boxes a page, or the contiguous tile). The walk picks it
+      // once per item (walk_item below), so a tile's copies take no page-size branch.
+      auto load_kv = [&](auto shift_tag, int i) {
+        constexpr int kShift = decltype(shift_tag)::value;
         const int stage = kv_trips % kStages;
         if (kv_trips >= kStages) mbarrier_wait(&kv_empty[stage], ((kv_trips / kStages) - 1) & 1);
         unsigned char* k_dst = k_s + stage * K::kKVBytes;
         unsigned char* v_dst = v_s + stage * K::kKVBytes;
-        if (gather) {
+        if constexpr (kShift != 0) {
           // Every producer thread waited above; K's arrivals first, so S = Q K^T starts before V lands.
           // The consumers' wait on the barrier is all that orders these copies before their wgmma reads,
           // as for TMA's bytes: the arrival fires only once the copies are in shared memory, and no
           // thread writes the stage with ordinary stores (hopper.cuh's fence_proxy_async_shared is for those).
           // One set of table entries for both (the caches share the table): lane j's page's first
           // slot, or -1 for a page past the context (tile_pages' -1) or outside the cache.
-          const int num_blocks = static_cast<int>(p.num_blocks), shift = __ffs(static_cast<int>(p.block_size)) - 1;
-          const int32_t firsts = pages >= 0 && pages < num_blocks ? pages << shift : -1;
-          // The next tile's entries, issued now, before this tile's copies, and the one after's
-          // prefetched into L1: the copies' issue (32 cp.async a thread at d128) hides an L1 hit,
-          // which the next tile uses right after its stage's wait. Loaded after the copies (before),
-          // a producer that never waits for room (the consumers starved) stalled on them at the top
-          // of every tile: an L1 hit, or an L2 round trip once per 128-byte line of the table row.
-          // The item's last tile: the next item's first, loaded once it is drawn.
-          if (i + 1 < it.n_tiles) pages = tile_pages(i + 1);
-          if (i + 2 < it.n_tiles) prefetch_pages(i + 2);
-          // Whole: every row of the tile below the context and every page's id in the cache (a vote
-          // over the lanes holding the tile's pages), the walk's every tile but an item's last one
-          // (of a context that is not a multiple of kBN) in a well-formed table.
+          constexpr int shift = kShift;
           const int lane = static_cast<int>(threadIdx.x % 32);
-          const bool whole = (it.first_tile + i + 1) * kBN <= static_cast<int>(it.seqlen_k) &&
-                             __all_sync(0xffffffffu, firsts >= 0 || lane >= (kBN >> shift));
+          int32_t firsts;
+          bool whole;
+          if (!schedule.entries_by_tile) {
+            // By group: tile i is tile `sub` of group g, its pages lanes sub P .. sub P + P - 1 of the
+            // group's (P = kBN / block_size pages a tile, T = 32 / P tiles a group). At a group's first
+            // tile the entries loaded a group before are resolved (once for T tiles: the bounds, the
+            // slots, the ballot of whole pages) and the next group's load is issued; every tile then
+            // takes its pages' slots with one shuffle (lane j: page j of the tile; the lanes past P
+            // read another tile's, unused) and its wholeness from P bits of the ballot (every page
+            // whole: every row of the tile below the context, every id in the cache, the by-tile vote's
+            // condition, as a page ends within the context iff its rows do).
+            static_assert(kBN == 128 || kBN == 64, "log2 kBN below");
+            constexpr int log2_pages = (kBN == 128 ? 7 : 6) - shift, log2_tiles = 5 - log2_pages;
+            const int g = i >> log2_tiles, sub = i & ((1 << log2_tiles) - 1);
+            if (sub == 0) {
+              const int num_blocks = static_cast<int>(p.num_blocks);
+              const int page = ((it.first_tile * kBN) >> shift) + (g << 5) + lane;
+              group_firsts = pages >= 0 && pages < num_blocks ? pages << shift : -1;
+              group_whole = __ballot_sync(0xffffffffu,
+                                          group_firsts >= 0 && ((page + 1) << shift) <= static_cast<int>(it.seqlen_k));
+              // The next group's entries, a group ahead (its first tile's copies then T tiles away);
+              // the item's last group: the next item's first, loaded once it is drawn.
+              if (((g + 1) << log2_tiles) < it.n_tiles) pages = group_pages(g + 1);
+            }
+            firsts = __shfl_sync(0xffffffffu, group_firsts, (sub << log2_pages) + lane);
+            constexpr uint32_t mask = (1u << (1 << log2_pages)) - 1u;
+            whole = ((group_whole >> (sub << log2_pages)) & mask) == mask;
+          } else {
+            const int num_blocks = static_cast<int>(p.num_blocks);
+            firsts = pages >= 0 && pages < num_blocks ? pages << shift : -1;
+            // The next tile's entries, issued now, before this tile's copies, and the one after's
+            // prefetched into L1: the copies' issue (32 cp.async a thread at d128) hides an L1 hit,
+            // which the next tile uses right after its stage's wait. Loaded after the copies (before),
+            // a producer that never waits for room (the consumers starved) stalled on them at the top
+            // of every tile: an L1 hit, or an L2 round trip once per 128-byte line of the table row.
+            // The item's last tile: the next item's first, loaded once it is drawn.
+            if (i + 1 < it.n_tiles) pages = tile_pages(i + 1);
+            if (i + 2 < it.n_tiles) prefetch_pages(i + 2);
+            // Whole: every row of the tile below the context and every page's id in the cache (a vote
+            // over the lanes holding the tile's pages), the walk's every tile but an item's last one
+            // (of a context that is not a multiple of kBN) in a well-formed table.
+            whole = (it.first_tile + i + 1) * kBN <= static_cast<int>(it.seqlen_k) &&
+                    __all_sync(0xffffffffu, firsts >= 0 || lane >= (kBN >> shift));
+          }
           auto both = [&](auto shift_tag) {
             if (whole) {
-              gather_tile(shift_tag, std::true_type{}, k_dst, p.k, i, firsts, &k_full[stage]);
-              gather_tile(shift_tag, std::true_type{}, v_dst, p.v, i, firsts, &v_full[stage]);
+              // The thread's pages' first slots, shuffled once for K and V both (the same lanes).
+              // Pages of fewer than kRowStep rows (8): the thread's pages are page0 + 2 j, and page0
+              // is the warp's (its 32 lanes are 4 consecutive rows, in one page), so one shuffle down
+              // by page0 lets every later shuffle name its lane as a constant (a lane index held in a
+              // register per page otherwise).
+              constexpr int kShift = decltype(shift_tag)::value, kPageRows = 1 << kShift;
+              constexpr int kRowStep = K::kProducerThreads / 8;
+              constexpr int kRowsPerPage = kPageRows > kRowStep ? kPageRows / kRowStep : 1;
+              constexpr int kPages = kBN / kRowStep / kRowsPerPage;
+              const int page0 = kPageRows >= kRowStep ? 0 : static_cast<int>(threadIdx.x / 8) >> kShift;
+              const int32_t mine = kPageRows >= kRowStep ? firsts : __shfl_down_sync(0xffffffffu, firsts, page0);
+              uint32_t slots[kPages];
+#pragma unroll
+              for (int j = 0; j < kPages; ++j)  // every lane is here (the producer walks the same tiles)
+                slots[j] = static_cast<uint32_t>(
+                    __shfl_sync(0xffffffffu, mine, (j * kRowsPerPage * kRowStep) >> kShift));
+              gather_tile(shift_tag, std::true_type{}, k_dst, p.k, i, firsts, slots, &k_full[stage]);
+              gather_tile(shift_tag, std::true_type{}, v_dst, p.v, i, firsts, slots, &v_full[stage]);
             } else {
-              gather_tile(shift_tag, std::false_type{}, k_dst, p.k, i, firsts, &k_full[stage]);
-              gather_tile(shift_tag, std::false_type{}, v_dst, p.v, i, firsts, &v_full[stage]);
+              gather_tile(shift_tag, std::false_type{}, k_dst, p.k, i, firsts, nullptr, &k_full[stage]);
+              gather_tile(shift_tag, std::false_type{}, v_dst, p.v, i, firsts, nullptr, &v_full[stage]);
             }
           };
-          // The three page sizes that gather (8, 16, 32 rows: tile_schedule.h's rule at kBN 64 or 128).
-          if (shift == 3) {
-            both(std::integral_constant<int, 3>{});
-          } else if (shift == 4) {
-            both(std::integral_constant<int, 4>{});
-          } else {
-            both(std::integral_constant<int, 5>{});
-          }
+          both(shift_tag);
           ++kv_trips;
           return;
         }
@@ -561,8 +617,12 @@ __global__ void __launch_bounds__(K::kThreads, 1)
         ++kv_trips;
       };
       if (gather && value < schedule.tiles) {
-        pages = tile_pages(0);
-        prefetch_pages(1);  // load_kv(0) loads tile 1's entries (prefetch_pages' guard: none past the keys)
+        if (schedule.entries_by_tile) {
+          pages = tile_pages(0);
+          prefetch_pages(1);  // load_kv(0) loads tile 1's entries (prefetch_pages' guard: none past the keys)
+        } else {
+          pages = group_pages(0);  // load_kv(0) resolves it and loads group 1's
+        }
       }
       for (uint32_t trip = 0;; ++trip) {
         if (leader) {
@@ -578,20 +638,36 @@ __global__ void __launch_bounds__(K::kThreads, 1)
           // before the end of the last item at 3 stages, while Q's halves come free only with each
           // warpgroup's last Q K^T of it. Loaded after Q, K would wait for that release too and
           // land as the consumers finish their epilogue, with the tensor cores idle meanwhile.
-          load_kv(0);
-          for (int w = 0; w < 2 && leader; ++w) {
-            // Warpgroup w's half of Q is free once its 4 warps' last Q K^T of the previous item is done.
-            if (q_trips > 0) mbarrier_wait(&q_empty[w], (q_trips - 1) & 1);
-            mbarrier_arrive_expect_tx(&q_full[w], kHalfQBytes);
+          // The item's walk, its page size a constant of each (walk_item's shift_tag: load_kv's).
+          auto walk_item = [&](auto shift_tag) {
+            load_kv(shift_tag, 0);
+            for (int w = 0; w < 2 && leader; ++w) {
+              // Warpgroup w's half of Q is free once its 4 warps' last Q K^T of the previous item is done.
+              if (q_trips > 0) mbarrier_wait(&q_empty[w], (q_trips - 1) & 1);
+              mbarrier_arrive_expect_tx(&q_full[w], kHalfQBytes);
 #pragma unroll
-            for (int c = 0; c < K::kChunks; ++c) {
-              // Rows past seqlen_q (the whole half, for an item of up to 64 rows) arrive as zeros.
-              tma_load_4d(q_s + c * kBM * 128 + w * 64 * 128, &map_q, &q_full[w], c * 64,
-                          static_cast<int>(it.q_row) + 64 * w, it.h, it.map_b);
+              for (int c = 0; c < K::kChunks; ++c) {
+                // Rows past seqlen_q (the whole half, for an item of up to 64 rows) arrive as zeros.
+                tma_load_4d(q_s + c * kBM * 128 + w * 64 * 128, &map_q, &q_full[w], c * 64,
+                            static_cast<int>(it.q_row) + 64 * w, it.h, it.map_b);
+              }
             }
+            ++q_trips;
+            for (int i = 1; i < it.n_tiles; ++i) load_kv(shift_tag, i);
+          };
+          // The three page sizes that gather (8, 16, 32 rows: tile_schedule.h's rule at kBN 64 or 128),
+          // picked once per item. (Before: once per tile, in load_kv, with the group's shifts and masks
+          // worked out from the page size at run time: ~8 instructions of each tile's top.)
+          const int shift = __ffs(static_cast<int>(p.block_size)) - 1;
+          if (!gather) {
+            walk_item(std::integral_constant<int, 0>{});
+          } else if (shift == 3) {
+            walk_item(std::integral_constant<int, 3>{});
+          } else if (shift == 4) {
+            walk_item(std::integral_constant<int, 4>{});
+          } else {
+            walk_item(std::integral_constant<int, 5>{});
           }
-          ++q_trips;
-          for (int i = 1; i < it.n_tiles; ++i) load_kv(i);
         }
         // The next item, drawn once this one's copies are all issued: as late as the producer can
         // (the block is a couple of key tiles from done, and the others have drawn meanwhile) with
@@ -602,9 +678,11 @@ __global__ void __launch_bounds__(K::kThreads, 1)
         value = share(leader ? value_of(atomicAdd(tile_counter, 1) + static_cast<int>(gridDim.x)) : 0);
         if (value < schedule.tiles) {
           it = item_at(value);
-          if (gather) {
+          if (gather && schedule.entries_by_tile) {
             pages = tile_pages(0);  // the new item's first key tile, for its load_kv(0)
             prefetch_pages(1);
+          } else if (gather) {
+            pages = group_pages(0);  // the new item's first group, for its load_kv(0)
           }
           if (leader && it.n_tiles > 0) {
             const int row = static_cast<int>(it.k_row) + it.first_tile * kBN;
@@ -896,7 +974,9 @@ cudaError_t run_flash_fwd_hopper_persistent(const AttentionParams& p, cudaStream
   if (per_sm < 1) return cudaErrorInvalidConfiguration;  // cannot happen for a kernel the glue let through
   const int64_t slots = static_cast<int64_t>(sms) * per_sm;
   const int ctas = static_cast<int>(tiles < slots ? tiles : slots);
-  const HopperTileSchedule schedule = hopper_tile_schedule(p, l2_bytes);
+  HopperTileSchedule schedule = hopper_tile_schedule(p, l2_bytes);
+  // The gather's table entries by group or by tile (tile_schedule.h's knob; unused unless gathering).
+  schedule.entries_by_tile = paged_gather_entries(std::getenv(kPagedGatherEnv)) == PagedGatherEntries::kByTile;
   // The counter starts at 0 every launch, in stream order (a graph capture records the memset, or
   // the schedule kernel).
   int* counter = static_cast<int*>(workspace);

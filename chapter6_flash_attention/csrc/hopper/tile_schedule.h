@@ -33,13 +33,30 @@ FLASH_ATTENTION_HD constexpr bool paged_prefill_hopper_block_size(int64_t block_
 // is 2 (K, V) x 2 (64-column halves) x 128 / r boxes per tile, 3.4 us at r = 16, 1.7 us at 32 (the
 // whole budget), 0.85 us at 64. Below kPagedPrefillTmaRows rows the producer warpgroup gathers
 // the tile itself with cp.async instead (16 bytes a thread and instruction, 32 per thread and tile
-// at d128, each page's slot resolved once per tile), which costs no box at all; its pace is then the
-// instructions in front of each copy: with the page size a compile-time constant there, one
-// address per row for both of its 64-column chunks, and no bound to check on the tiles wholly
-// inside the context, about three a copy (flash_fwd_hopper_persistent.cuh's gather_tile).
+// at d128, each page's slot resolved once per group of tiles: PagedGatherEntries below), which
+// costs no box at all; its pace is then the instructions in front of each copy: with the page size
+// a compile-time constant there, one address per row for both of its 64-column chunks, and no
+// bound to check on the tiles wholly inside the context, about three a copy
+// (flash_fwd_hopper_persistent.cuh's gather_tile).
 inline constexpr int kPagedPrefillTmaRows = 64;
 FLASH_ATTENTION_HD constexpr bool paged_prefill_hopper_gathers(int64_t block_size, int block_n) {
   return paged_prefill_hopper_block_size(block_size, block_n) && block_size < kPagedPrefillTmaRows;
+}
+
+// Where the gathering producer's four warps get a key tile's table entries (a bench-only knob, read
+// by the launcher at every call from the environment variable FLASH_ATTENTION_PAGED_GATHER, so
+// that one build times both): kByGroup (the default: unset, empty, "group" or anything else), each
+// warp loads the entries of a group of 32 / (block_n / block_size) tiles at once, one per lane, a
+// group ahead, and resolves them (the slots and a ballot of the whole pages) once per group; a tile
+// then takes its pages with one shuffle. kByTile ("tile", the gather before it): each warp loads
+// the next tile's entries per tile, prefetches the one after's into L1, and resolves and votes per
+// tile. Bits are the same either way (the same bytes to the same slots).
+enum class PagedGatherEntries { kByGroup, kByTile };
+inline constexpr const char* kPagedGatherEnv = "FLASH_ATTENTION_PAGED_GATHER";
+inline PagedGatherEntries paged_gather_entries(const char* value) {
+  if (value != nullptr && value[0] == 't' && value[1] == 'i' && value[2] == 'l' && value[3] == 'e' && value[4] == '\0')
+    return PagedGatherEntries::kByTile;
+  return PagedGatherEntries::kByGroup;
 }
 
 // The key tiles of query tile m0 .. m0 + kHopperBlockM - 1 under a window or a softcap (the
@@ -121,6 +138,7 @@ struct HopperTileSchedule {
   bool longest_first;  // causal
   bool windowed;       // a window or a softcap: the query tiles go by peak_lo and peak_hi
   int peak_lo, peak_hi;  // windowed: the first and the last query tile with the longest walk
+  bool entries_by_tile;  // paged and gathering: PagedGatherEntries::kByTile (the launcher sets it)
 };
 
 // The schedule of a problem with `l2_bytes` of L2 (the launcher passes the GPU's). Callers keep

@@ -41,6 +41,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <initializer_list>
 #include <optional>
 #include <string>
@@ -837,7 +838,11 @@ std::string paged_prefill_rule(bool cuda, bool half, int64_t capability_major, i
 
 std::string paged_prefill_hopper_producer(int64_t head_dim, int64_t block_size) {
   if (!paged_prefill_hopper_takes(head_dim, block_size)) return "";
-  return paged_prefill_hopper_gathers(block_size, hopper_block_n(head_dim)) ? "gather" : "tma";
+  if (!paged_prefill_hopper_gathers(block_size, hopper_block_n(head_dim))) return "tma";
+  // The gather's table entries as the launcher reads its knob now (tile_schedule.h): by group
+  // ("gather", the default) or by tile ("gather_by_tile", FLASH_ATTENTION_PAGED_GATHER=tile).
+  const bool by_tile = paged_gather_entries(std::getenv(kPagedGatherEnv)) == PagedGatherEntries::kByTile;
+  return by_tile ? "gather_by_tile" : "gather";
 }
 
 void register_backend_kernels(torch::Library& m) {
@@ -887,7 +892,8 @@ TORCH_LIBRARY_FRAGMENT(flash_attention, m) {
         "int head_dim, int block_size, float scale, int max_seqlen_q) -> str",
         &flash_attention::paged_prefill_rule);
   // How rung persistent's producer loads a key tile of this cache (tile_schedule.h): "gather" (cp.async
-  // by its 128 threads, pages under kPagedPrefillTmaRows rows), "tma" (one box per page), or "" where
+  // by its 128 threads, pages under kPagedPrefillTmaRows rows; "gather_by_tile" under the table-entry
+  // knob FLASH_ATTENTION_PAGED_GATHER=tile), "tma" (one box per page), or "" where
   // the rung does not take the block size. For the tests and the benchmark's records.
   m.def("paged_prefill_hopper_producer(int head_dim, int block_size) -> str",
         &flash_attention::paged_prefill_hopper_producer);
