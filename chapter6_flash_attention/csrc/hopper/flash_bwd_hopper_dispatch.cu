@@ -164,11 +164,11 @@ __global__ void __launch_bounds__(kThreads)
 
 // The new side kernels (HopperBwdSide::kNew, and kElementwise: the same kernels with kVec false).
 //
-// Statistics rows a thread takes per pass of bwd_hopper_rows_kernel: every load of both rows (16
-// bytes of O and 16 of dO each) issues before the first sum, 64 bytes in flight a thread, 128 KiB
-// an SM at 2048 threads. A memory-bound kernel wants about bandwidth x latency in flight: ~4 TB/s
-// x ~1 us over 132 SMs is ~30 KiB an SM, so one row a thread would do on paper; the second row
-// keeps the loads streaming while the first row's sums and shuffles run.
+// Statistics rows a thread takes per pass of bwd_hopper_rows_kernel, every load of them (16 bytes
+// of O and 16 of dO a row) issued before the first sum. One: 32 bytes in flight a thread, 64 KiB an
+// SM at 2048 threads, where a memory-bound kernel wants about bandwidth x latency (~4.8 TB/s x
+// ~0.8 us over 132 SMs, ~30 KiB an SM on an H200). Two rows spilled (60-100 bytes a thread, ptxas
+// -v, sm_90a) at the 32 registers that 8 blocks of 256 threads an SM leave.
 constexpr int kStatRowsPerThread = 1;
 
 // 16 bytes of a row from `from`: one 128-bit load (kVec: `from` 16-byte aligned), else element by
@@ -208,8 +208,8 @@ __device__ __forceinline__ uint32_t rounded_pair(float lo, float hi) {
 // Statistics row r of the workspace: its batch b and head h, and its query row (padded) or token
 // (packed) i, -1 for a padding row (bwd_hopper_rows_warp_kernel's mapping). 32-bit division: the
 // launcher keeps the statistics rows below 2^31 (far above any workspace that fits a GPU: 2^31
-// rows are 1 TiB of sums at d = 128), and 64-bit division is a call of a few dozen instructions
-// whose registers, beside two rows' loads, spilled (ptxas -v, sm_90a).
+// rows are 1 TiB of sums at d = 128), and a 64-bit division is a called routine whose registers
+// pushed the kernel past 32 and spilled (ptxas -v, sm_90a).
 struct StatRow {
   int64_t b, h, i;
 };
@@ -295,7 +295,7 @@ __global__ void __launch_bounds__(kThreads, kGridStrideBlocksPerSm)
   }
 }
 
-// dq = scale * (the float32 sums of the real rows), rounded once to T (bwd_hopper_dq_scattered_kernel's
+// dq = scale * (the float32 sums of the real rows), rounded once to T (the scattered kernel's
 // result, bit for bit), one 64 x 64 chunk of the sums (kHopperBwdDqRows rows by 64 columns, 16 KiB
 // in the main kernel's register order) a block at a time: its 256 threads read the chunk whole, a
 // float4 four times each (a warp reads 512 contiguous bytes), scale and round each float pair into
@@ -304,9 +304,9 @@ __global__ void __launch_bounds__(kThreads, kGridStrideBlocksPerSm)
 // whole lines, where the scattered kernel's warp stored 4 bytes at each of 32 places over 16 rows.
 // The tile's rows are 72 elements apart (144 bytes, 36 banks): a warp's word stores (8 rows,
 // 4 adjacent words each: rows 16 (ct / 32) + (ct % 32) / 4, words 4 (f / 128) + ct % 4) land on
-// banks 4 (row % 8) + 4 (f / 128) + ct % 4 (mod 32), all 32 distinct; each 8-lane phase of its 16-byte loads reads one
-// row's 32 words. Packed (kVarlen): a tile's rows are one sequence's (packed_token; padding rows
-// have nowhere to go).
+// banks 4 (row % 8) + 4 (f / 128) + ct % 4 (mod 32), all 32 distinct; each 8-lane phase of its
+// 16-byte loads reads one row's 32 words. Packed (kVarlen): a tile's rows are one sequence's
+// (packed_token; padding rows have nowhere to go).
 template <typename T, bool kVarlen, bool kVec>
 __global__ void __launch_bounds__(kThreads, kGridStrideBlocksPerSm)
     bwd_hopper_dq_kernel(const AttentionBackwardParams g, unsigned rows_pad, unsigned chunks, const float* dq_accum) {
