@@ -1917,6 +1917,29 @@ def test_cuda_hopper_backward_sass():
 
 
 @pytest.mark.cuda
+def test_cuda_hopper_backward_side_sass():
+    """The side kernels' vector path moves 16 bytes an instruction: the statistics kernel loads O
+    and dO with LDG.E.128 (and zeroes dQ's sums with STG.E.128 on both paths), dQ's conversion reads
+    its tile with LDS.128 and writes dq with STG.E.128; the element-wise path has no 128-bit access
+    to O, dO or dq. 8 of each kernel (2 dtypes x padded or packed x vector or not), and no register
+    spilled to local memory on the padded paths (ptxas -v, sm_90a: the packed ones spill 4-8 bytes,
+    their bisection over cu_seqlens)."""
+    import re
+    skip_unless_hopper()
+    for kernel in ("bwd_hopper_rows_kernel", "bwd_hopper_dq_kernel"):
+        found = sass_functions(kernel)
+        assert len(found) == 8, (kernel, [name for name, _ in found])
+        for name, body in found:
+            packed, vec = (flag == "1" for flag in re.search(r"_kernelI\w*?Lb([01])ELb([01])EE", name).groups())
+            counts = tuple(body.count(op) for op in ("LDG.E.128", "STG.E.128", "LDS.128"))
+            if kernel == "bwd_hopper_rows_kernel":
+                assert counts == ((2 if vec else 0), 2, 0), (name, counts)
+            else:
+                assert counts == (4, (2 if vec else 0), 2), (name, counts)
+            assert packed or "STL" not in body, name
+
+
+@pytest.mark.cuda
 @pytest.mark.sanitize
 @pytest.mark.parametrize("head_dim", HOPPER_BACKWARD_HEAD_DIMS)
 def test_sanitizer_hopper_backward(head_dim):
