@@ -171,6 +171,12 @@ __global__ void __launch_bounds__(kThreads)
 // -v, sm_90a) at the 32 registers that 8 blocks of 256 threads an SM leave.
 constexpr int kStatRowsPerThread = 1;
 
+// The new side kernels' __launch_bounds__ minimum of blocks an SM: the 8 of 256 threads that the
+// grid assumes (kGridStrideBlocksPerSm), which caps them at 32 registers. On the sweep's other
+// targets (sm_75's SM holds 1024 threads: ptxas would drop the bound with a warning) 1, since the
+// glue launches this file's kernels on sm_90a alone.
+constexpr int kSideBlocksPerSm = COURSE_HOPPER_DEVICE ? static_cast<int>(kGridStrideBlocksPerSm) : 1;
+
 // 16 bytes of a row from `from`: one 128-bit load (kVec: `from` 16-byte aligned), else element by
 // element (any alignment).
 template <typename T, bool kVec>
@@ -237,7 +243,7 @@ __device__ __forceinline__ StatRow stat_row(const AttentionParams& p, unsigned r
 // into every one of its rows' sums (padding rows too: their dS is 0), and dQ's conversion reads all.
 // `rows`: attention_backward_hopper_stat_rows, below 2^31 (stat_row).
 template <typename T, bool kVarlen, bool kVec>
-__global__ void __launch_bounds__(kThreads, kGridStrideBlocksPerSm)
+__global__ void __launch_bounds__(kThreads, kSideBlocksPerSm)
     bwd_hopper_rows_kernel(const AttentionBackwardParams g, unsigned rows_pad, unsigned rows, float* dq_accum,
                            float* lse2_rows, float* d_rows) {
   using V = course::Vec16<T>;
@@ -308,7 +314,7 @@ __global__ void __launch_bounds__(kThreads, kGridStrideBlocksPerSm)
 // 16-byte loads reads one row's 32 words. Packed (kVarlen): a tile's rows are one sequence's
 // (packed_token; padding rows have nowhere to go).
 template <typename T, bool kVarlen, bool kVec>
-__global__ void __launch_bounds__(kThreads, kGridStrideBlocksPerSm)
+__global__ void __launch_bounds__(kThreads, kSideBlocksPerSm)
     bwd_hopper_dq_kernel(const AttentionBackwardParams g, unsigned rows_pad, unsigned chunks, const float* dq_accum) {
   using V = course::Vec16<T>;
   constexpr int kBM = kHopperBwdDqRows;
