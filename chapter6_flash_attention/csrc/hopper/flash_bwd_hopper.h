@@ -65,10 +65,10 @@ inline int64_t attention_backward_hopper_stat_rows(const AttentionParams& p) {
                                    : p.batch * p.heads * attention_backward_hopper_rows(p.seqlen_q);
 }
 
-// The workspace (its contents on entry are not read: the statistics kernel zeroes dQ's sums and
-// writes every statistics row; only the old side kernels, HopperBwdSide::kOld, need it zeroed by
-// the caller): dQ's float32 sums (batch x heads x padded rows x d;
-// packed, heads x packed rows x d), then each padded row's lse in log2 units and D = rowsum(dO * O)
+// The workspace, whose contents on entry the launch never reads (its statistics kernel zeroes
+// dQ's sums and writes every statistics row; only the old side kernels, HopperBwdSide::kOld, need
+// the caller to zero it): dQ's float32 sums (batch x heads x padded rows x d; packed, heads x
+// packed rows x d), then each padded row's lse in log2 units and D = rowsum(dO * O)
 // (float32 each). The sums of 64 rows (kHopperBwdDqRows) are 64 x d contiguous floats, 64-column
 // chunk after chunk, each chunk in the main kernel's register order rather than row-major (what a
 // warpgroup's threads hold, stored as 512-byte warp-wide rows: flash_bwd_hopper_kernel.cuh), so
