@@ -970,11 +970,18 @@ def check_cuda_backward(q, k, v, causal, version, what, grad_out=None, ref=None,
                                                     **features)
     tensor_core = version in TENSOR_CORE_BACKWARD or (version is None and takes_backward("mma", dtype, q.shape[-1]))
     expected, bounds = backward_reference(q, k, v, causal, grad_out, tensor_core, **features) if ref is None else ref
-    for name, g, e, bound in zip("qkv", (dq, dk, dv), expected, bounds):
-        assert g.dtype == dtype and g.shape == e.shape, (what, name)
+    assert all(g.dtype == dtype for g in (dq, dk, dv)), what
+    check_backward_grads((dq, dk, dv), expected, bounds, what)
+
+
+def check_backward_grads(grads, expected, bounds, what):
+    """dq, dk, dv within CUDA_GRAD_TOL of the largest expected gradient plus the rounding bounds
+    (backward_reference's answer), and no NaN (a poisoned output element nobody wrote)."""
+    for name, g, e, bound in zip("qkv", grads, expected, bounds):
+        assert g.shape == e.shape, (what, name)
         scale_ = max(e.abs().max().item(), 1.0) if e.numel() else 1.0
         error = (g.cpu().double() - e).abs()
-        allowed = CUDA_GRAD_TOL[dtype] * scale_ + bound
+        allowed = CUDA_GRAD_TOL[g.dtype] * scale_ + bound
         assert not g.isnan().any() and torch.all(error <= allowed), \
             f"{what} d{name}: max error {error.max().item():.3g}, worst excess {(error - allowed).max().item():.3g}"
 
@@ -1726,11 +1733,13 @@ def test_cuda_hopper_backward_empty():
 
 
 @pytest.mark.cuda
-def test_cuda_hopper_backward_launches():
+def test_cuda_hopper_backward_launches(monkeypatch):
     """What "wgmma" launches: the statistics kernel, the main kernel on its head dim's traits, dQ's
     conversion; no part 1 backward kernel. version=None runs the same kernels (backward_rule), and
-    "mma_dqpass"'s under torch.use_deterministic_algorithms(True)."""
+    "mma_dqpass"'s under torch.use_deterministic_algorithms(True). The side kernels are the default
+    ones whatever the environment says (FLASH_ATTENTION_BWD_SIDE unset)."""
     skip_unless_hopper()
+    monkeypatch.delenv("FLASH_ATTENTION_BWD_SIDE", raising=False)
     from coursekit.pytest_plugin import launched_kernels
     for head_dim in HOPPER_BACKWARD_HEAD_DIMS:
         q, k, v = make_qkv(2, 4, 2, 200, 300, head_dim, dtype=torch.float16, device="cuda")
@@ -1752,6 +1761,103 @@ def test_cuda_hopper_backward_launches():
         finally:
             torch.use_deterministic_algorithms(was)
         assert not any("hopper" in n for n in names) and any("flash_bwd_dq_kernel" in n for n in names), names
+
+
+# The backward's side kernels (flash_bwd_hopper_dispatch.cu): the statistics kernel, which also
+# zeroes dQ's float32 sums (the workspace comes from at::empty), and dQ's conversion. The knob
+# FLASH_ATTENTION_BWD_SIDE (read at every call, flash_bwd_hopper.h's HopperBwdSide) picks "new" (the
+# default: 16-byte accesses where the views allow), "elementwise" (the same kernels, element by
+# element whatever the views: dq is always contiguous, so only this reaches dQ's fallback) or
+# "old" (the kernels before, on a zeroed workspace), so that one GPU run times them side by side.
+BWD_SIDE_KNOB = "FLASH_ATTENTION_BWD_SIDE"
+BWD_SIDES = ("new", "elementwise", "old")
+
+
+def side_kernel_vectors(names):
+    """The kVec argument of each new side kernel in the launched `names`: {"rows": bool, "dq": bool}
+    (absent for a kernel that did not run)."""
+    found = {}
+    for name in names:
+        m = re.search(r"bwd_hopper_(rows|dq)_kernel<[^<>]*, (true|false)>", name)
+        if m:
+            found[m.group(1)] = m.group(2) == "true"
+    return found
+
+
+def poison_hopper_workspace(q):
+    """A NaN block the size of "wgmma"'s workspace (flash_bwd_hopper.h: every padded statistics
+    row's d sums, lse2 and D, float32) left in the allocator: sums the statistics kernel failed to
+    zero then show up as NaN in dQ."""
+    b, h, s, d = q.shape
+    rows = b * h * ((s + 127) // 128 * 128)
+    poison_allocator(torch.empty(rows * (d + 2), dtype=torch.float32, device=q.device))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_dim", HOPPER_BACKWARD_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+def test_cuda_hopper_backward_side_kernels(dtype, head_dim, monkeypatch):
+    """Each side kernel candidate against the float64 reference, on NaN-poisoned outputs and
+    workspace: query lengths 1, 127 and 129 (a partial 64-row tile of dQ's sums and of the
+    statistics' 128-row padding), causal and full, GQA 2:1; dO from a (b, s, h, d) projection (a
+    strided view of 16-byte rows: the vector path) and O both contiguous and at an odd element offset
+    with a row stride of d + 3 (no 16-byte load lands: the statistics kernel's element-wise path,
+    which the launched kernel's kVec says was taken)."""
+    skip_unless_hopper()
+    from coursekit.pytest_plugin import launched_kernels
+    b, h, h_kv = 2, 4, 2
+    scale = 1 / math.sqrt(head_dim)
+    for causal, seqlen_q, seqlen_k in ((False, 1, 70), (True, 127, 127), (False, 129, 200), (True, 129, 300)):
+        q, k, v = cuda_inputs(h, h_kv, seqlen_q, seqlen_k, head_dim, dtype, batch=b)
+        out, lse = flash_attention.attention_forward(q, k, v, scale, causal)
+        go = torch.randn(b, seqlen_q, h, head_dim, dtype=torch.float64).to(dtype).cuda().transpose(1, 2)
+        wide = torch.full((b, h, seqlen_q, head_dim + 3), float("nan"), dtype=dtype, device="cuda")
+        out_odd = wide[..., 1:head_dim + 1]
+        out_odd.copy_(out)
+        ref = backward_reference(q, k, v, causal, go, True)
+        for side, o, vectors in (("new", out, dict(rows=True, dq=True)), ("new", out_odd, dict(rows=False, dq=True)),
+                                 ("elementwise", out, dict(rows=False, dq=False)), ("old", out, dict())):
+            monkeypatch.setenv(BWD_SIDE_KNOB, side)
+            what = (f"side={side} {dtype_id(dtype)} d{head_dim} s{seqlen_q}x{seqlen_k} causal={causal} "
+                    f"out {'odd' if o is out_odd else 'contiguous'}")
+            for t in (q, k, v):
+                poison_allocator(t)
+            poison_hopper_workspace(q)
+            grads, names = launched_kernels(
+                lambda: flash_attention.attention_backward(go, q, k, v, o, lse, scale, causal, version="wgmma"),
+                "flash_attention")
+            assert side_kernel_vectors(names) == vectors, (what, names)
+            old_ran = [any(f"bwd_hopper_{kernel}" in n for n in names) for kernel in ("rows_warp", "dq_scattered")]
+            assert old_ran == [side == "old"] * 2, (what, names)
+            check_backward_grads(grads, *ref, what)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("head_dim", HOPPER_BACKWARD_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+def test_cuda_varlen_hopper_backward_side_kernels(dtype, head_dim, causal, monkeypatch):
+    """The packed layout through each side kernel candidate: sequences empty on the query side, on
+    the key side and both, lengths 1, 63, 65 and 129 around the 64-row tiles of dQ's sums and the
+    128-row tiles of the statistics, GQA 2:1, against the float64 reference of each sequence."""
+    skip_unless_hopper()
+    lens_q, lens_k = [1, 0, 65, 129, 0, 63], [40, 7, 0, 129, 0, 200]
+    q, k, v, cu_q, cu_k = varlen_cuda_inputs(lens_q, lens_k, 4, 2, head_dim, dtype)
+    for side in BWD_SIDES:
+        monkeypatch.setenv(BWD_SIDE_KNOB, side)
+        check_cuda_varlen_backward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), ("wgmma",),
+                                   f"side={side} packed {dtype_id(dtype)} d{head_dim}", causal=causal)
+
+
+@pytest.mark.cuda
+def test_cuda_hopper_backward_side_knob_refused(monkeypatch):
+    """Another value of FLASH_ATTENTION_BWD_SIDE is refused by name, with the values it takes."""
+    skip_unless_hopper()
+    q, k, v = cuda_inputs(2, 2, 17, 17, 64, torch.bfloat16)
+    out, lse = flash_attention.attention_forward(q, k, v, 0.125, False)
+    monkeypatch.setenv(BWD_SIDE_KNOB, "fast")
+    with pytest.raises(RuntimeError, match=r"FLASH_ATTENTION_BWD_SIDE is 'fast'; expected new, elementwise or old"):
+        flash_attention.attention_backward(torch.randn_like(out), q, k, v, out, lse, 0.125, False, version="wgmma")
 
 
 @pytest.mark.cuda
@@ -1808,6 +1914,29 @@ def test_cuda_hopper_backward_sass():
     for name, body in kernels:
         assert "HGMMA" in body and "UTMALDG" in body and "HMMA" not in body, name
         assert "UBLKRED" in body and not re.search(r"\b(?:REDG?|ATOMG?)\.\S*ADD\.F32", body), name
+
+
+@pytest.mark.cuda
+def test_cuda_hopper_backward_side_sass():
+    """The side kernels' vector path moves 16 bytes an instruction: the statistics kernel loads O
+    and dO with LDG.E.128 (and zeroes dQ's sums with STG.E.128 on both paths), dQ's conversion reads
+    its tile with LDS.128 and writes dq with STG.E.128; the element-wise path has no 128-bit access
+    to O, dO or dq. 8 of each kernel (2 dtypes x padded or packed x vector or not), and no register
+    spilled to local memory on the padded paths (ptxas -v, sm_90a: the packed ones spill 4-8 bytes,
+    their bisection over cu_seqlens)."""
+    import re
+    skip_unless_hopper()
+    for kernel in ("bwd_hopper_rows_kernel", "bwd_hopper_dq_kernel"):
+        found = sass_functions(kernel)
+        assert len(found) == 8, (kernel, [name for name, _ in found])
+        for name, body in found:
+            packed, vec = (flag == "1" for flag in re.search(r"_kernelI\w*?Lb([01])ELb([01])EE", name).groups())
+            counts = tuple(body.count(op) for op in ("LDG.E.128", "STG.E.128", "LDS.128"))
+            if kernel == "bwd_hopper_rows_kernel":
+                assert counts == ((2 if vec else 0), 2, 0), (name, counts)
+            else:
+                assert counts == (4, (2 if vec else 0), 2), (name, counts)
+            assert packed or "STL" not in body, name
 
 
 @pytest.mark.cuda

@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
 
 #ifdef WITH_CUDA
 #include "hopper/flash_bwd_hopper.h"
@@ -492,9 +493,16 @@ void backward_cuda(BackwardVersion v, const AttentionBackwardParams& g, const Te
     }
     case BackwardVersion::kWgmma: {
 #ifdef COURSE_HOPPER
-      // dQ's float32 sums start at 0 (the statistics after them are all written by the launch).
-      const Tensor scratch = at::zeros({attention_backward_hopper_workspace(g)}, q.options().dtype(at::kByte));
-      C10_CUDA_CHECK(launch_attention_backward_hopper(g, scratch.mutable_data_ptr(), stream));
+      // dQ's float32 sums start at 0: the statistics kernel writes the zeros in its own pass (and
+      // every statistics row), so the workspace comes uninitialized, but for the old side kernels
+      // (FLASH_ATTENTION_BWD_SIDE=old, a bench-only knob: flash_bwd_hopper.h), which need a memset.
+      const HopperBwdSide side = attention_backward_hopper_side();
+      TORCH_CHECK(side != HopperBwdSide::kUnknown, "FLASH_ATTENTION_BWD_SIDE is '",
+                  std::getenv("FLASH_ATTENTION_BWD_SIDE"), "'; expected new, elementwise or old (or unset: new)");
+      const int64_t bytes = attention_backward_hopper_workspace(g);
+      const Tensor scratch = side == HopperBwdSide::kOld ? at::zeros({bytes}, q.options().dtype(at::kByte))
+                                                         : at::empty({bytes}, q.options().dtype(at::kByte));
+      C10_CUDA_CHECK(launch_attention_backward_hopper(g, side, scratch.mutable_data_ptr(), stream));
 #endif
       return;  // without the sm_90a kernels check_hopper_backward has refused the call already
     }

@@ -65,8 +65,10 @@ inline int64_t attention_backward_hopper_stat_rows(const AttentionParams& p) {
                                    : p.batch * p.heads * attention_backward_hopper_rows(p.seqlen_q);
 }
 
-// The workspace, which the caller zeroes: dQ's float32 sums (batch x heads x padded rows x d;
-// packed, heads x packed rows x d), then each padded row's lse in log2 units and D = rowsum(dO * O)
+// The workspace, whose contents on entry the launch never reads (its statistics kernel zeroes
+// dQ's sums and writes every statistics row; only the old side kernels, HopperBwdSide::kOld, need
+// the caller to zero it): dQ's float32 sums (batch x heads x padded rows x d; packed, heads x
+// packed rows x d), then each padded row's lse in log2 units and D = rowsum(dO * O)
 // (float32 each). The sums of 64 rows (kHopperBwdDqRows) are 64 x d contiguous floats, 64-column
 // chunk after chunk, each chunk in the main kernel's register order rather than row-major (what a
 // warpgroup's threads hold, stored as 512-byte warp-wide rows: flash_bwd_hopper_kernel.cuh), so
@@ -80,14 +82,29 @@ inline int64_t attention_backward_hopper_workspace(const AttentionBackwardParams
 // Shared memory one block takes (the glue compares it with the GPU's per-block limit).
 int64_t attention_backward_hopper_smem_bytes(int64_t head_dim);
 
+// The side kernels around the main one (flash_bwd_hopper_dispatch.cu), a bench-only knob,
+// FLASH_ATTENTION_BWD_SIDE, read by the glue at every call (getenv is a scan of a few dozen strings,
+// against a launch's microseconds), so that one process times both designs:
+//   kNew ("new", or unset): the statistics kernel reads O and dO 16 bytes a thread (a row of d
+//     elements is d / 8 threads) and zeroes dQ's sums in the same pass, and dQ's conversion stages
+//     a 64 x 64 chunk through shared memory and writes whole rows 16 bytes a thread; element-wise
+//     loads or stores, in the same kernels, where a view's pointer or strides forbid 16 bytes;
+//   kElementwise ("elementwise"): kNew's kernels on their element-wise path whatever the views (the
+//     tests' way to reach the fallback with the views the glue hands over, dq always contiguous);
+//   kOld ("old"): the kernels before (one warp per statistics row, 2-byte loads; dQ written 4
+//     bytes a thread over rows r and r + 8) on a workspace the caller zeroes;
+//   kUnknown: any other value (the launcher refuses it: cudaErrorInvalidValue).
+enum class HopperBwdSide { kNew, kElementwise, kOld, kUnknown };
+HopperBwdSide attention_backward_hopper_side();
+
 // bfloat16 and float16, head_dim from attention_backward_hopper_head_dim; a window or a softcap at
 // kHopperBackwardHeadDims (the kWindowSoftcap instantiations), the packed layout likewise (kVarlen)
 // but not both at once (cudaErrorInvalidValue: the glue sends those to "mma_dqpass"); every stepped stride of
 // q, k, v and dout a non-zero multiple of 8 elements and the pointers 16-byte aligned (TMA's rules;
 // the glue copies otherwise), dq, dk and dv with even strides. `workspace`:
-// attention_backward_hopper_workspace bytes, zeroed. Returns the first error
+// attention_backward_hopper_workspace bytes, zeroed for `side` kOld only. Returns the first error
 // (cudaErrorNotSupported when the driver has no TMA encoder); never synchronizes or allocates.
-cudaError_t launch_attention_backward_hopper(const AttentionBackwardParams& params, void* workspace,
-                                             cudaStream_t stream);
+cudaError_t launch_attention_backward_hopper(const AttentionBackwardParams& params, HopperBwdSide side,
+                                             void* workspace, cudaStream_t stream);
 
 }  // namespace flash_attention
