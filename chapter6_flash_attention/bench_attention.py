@@ -99,8 +99,8 @@ attention_fp8 with per-tensor scales, without and with rotate_qk, and for the bf
 
 Overlap rows (`--ops attention_overlap`, Hopper with the sm_90a kernels only): rung "pingpong" with
 FLASH_ATTENTION_HOPPER_OVERLAP=1 (FlashAttention 3's intra-warpgroup overlap in its turns; read at
-each call), variant pingpong_overlap, beside sdpa_cudnn, persistent and pingpong (the joint
-schedule), at OVERLAP_SHAPES (b2 h16 s8192, b4 h16 s4096, b32 h16 s512 at d = 128; b8 h32 s2048, b2
+each call; rung "persistent" too), variants pingpong_overlap and persistent_overlap, beside
+sdpa_cudnn, persistent and pingpong (the joint schedule), at OVERLAP_SHAPES (b2 h16 s8192, b4 h16 s4096, b32 h16 s512 at d = 128; b8 h32 s2048, b2
 h32 s8192 at d = 64; full and causal), to results/<device-slug>/chapter6_flash_attention_overlap.json.
 
 Writes results/<device-slug>/chapter6_flash_attention.json and the plots beside it.
@@ -499,12 +499,11 @@ def bench_fp8(device, mm, notes, beside=None, candidates=()):
 
 
 # The bf16 forward's overlap candidate (`--ops attention_overlap`): FLASH_ATTENTION_HOPPER_OVERLAP=1
-# (flash_fwd_hopper.h, read at each call) runs rung "pingpong" at d = 64 and 128 with FlashAttention
-# 3's intra-warpgroup overlap in its turns, instead of the joint schedule. Timed per shape beside
-# sdpa_cudnn, "pingpong" (joint) and "persistent" (the default's rung at d = 64 and 128, the joint
-# consumers), the two pingpong schedules back to back (an H200's clocks drift down through a row's
-# variants: next_to_its_rung). The shapes: the sweep's long rows and its short ones (s = 512), at
-# the two head dims.
+# (flash_fwd_hopper.h, read at each call) runs rungs "pingpong" and "persistent" (the default's rung
+# at d = 64 and 128) with FlashAttention 3's intra-warpgroup overlap in their turns, instead of the
+# joint schedule. Timed per shape beside sdpa_cudnn, each rung's two schedules back to back (an
+# H200's clocks drift down through a row's variants: next_to_its_rung). The shapes: the sweep's long
+# rows and its short ones (s = 512), at the two head dims.
 OVERLAP_KNOB = "FLASH_ATTENTION_HOPPER_OVERLAP"
 OVERLAP_SHAPES = [(b, h, n, d, causal) for b, h, n, d in ((2, 16, 8192, 128), (4, 16, 4096, 128), (32, 16, 512, 128),
                                                           (8, 32, 2048, 64), (2, 32, 8192, 64))
@@ -520,15 +519,18 @@ def overlap_calls(q, k, v, causal):
             with env_knob(OVERLAP_KNOB, knob):
                 return flash_attention.attention(q, k, v, causal=causal, version=version)
         return call
+    knob = {"schedule": "overlap", "knob": f"{OVERLAP_KNOB}=1"}
     return [("sdpa_cudnn", {}, lambda: sdpa_call(SDPBackend.CUDNN_ATTENTION, causal)(q, k, v)),
             ("persistent", {"schedule": "joint"}, ours("persistent", "0")),
+            ("persistent_overlap", knob, ours("persistent", "1")),
             ("pingpong", {"schedule": "joint"}, ours("pingpong", "0")),
-            ("pingpong_overlap", {"schedule": "overlap", "knob": f"{OVERLAP_KNOB}=1"}, ours("pingpong", "1"))]
+            ("pingpong_overlap", knob, ours("pingpong", "1"))]
 
 
 def bench_overlap(device, mm, notes, shapes=None):
-    """Rows op attention, dtype bfloat16, pass forward, at OVERLAP_SHAPES: variant pingpong_overlap
-    (the knob on) beside sdpa_cudnn (speedup_vs_torch's baseline), persistent and pingpong."""
+    """Rows op attention, dtype bfloat16, pass forward, at OVERLAP_SHAPES: variants persistent_overlap
+    and pingpong_overlap (the knob on) beside sdpa_cudnn (speedup_vs_torch's baseline), persistent
+    and pingpong."""
     why = fp8_runnable(device)  # the same condition: a Hopper GPU and the sm_90a kernels
     if why:
         notes.skip("attention_overlap", why.replace("attention_fp8", "the overlap candidate"), device)
@@ -557,15 +559,17 @@ def print_overlap_table(record):
     rows = [r for r in results.rows(record, op="attention") if r.get("pass") == "forward"]
     if not rows:
         return
-    print("\nThe overlap candidate: TFLOP/s (x pingpong = pingpong's time / the overlap's; x cudnn the same)")
+    print("\nThe overlap candidate: TFLOP/s (x joint = the rung's joint time / its overlap's; x cudnn the same)")
     shapes = {}
     for r in rows:
         shapes.setdefault((r["batch"], r["heads"], r["seqlen"], r["head_dim"], r["causal"]), {})[r["variant"]] = r
     for (b, h, n, d, causal), got in shapes.items():
         cells = "  ".join(f"{name} {r['TFLOPs']:.0f}" for name, r in got.items())
-        ov, pp, cu = got.get("pingpong_overlap"), got.get("pingpong"), got.get("sdpa_cudnn")
-        ratio = (f"  x pingpong {pp['median_ms'] / ov['median_ms']:.3f}" if ov and pp else "") + (
-            f"  x cudnn {cu['median_ms'] / ov['median_ms']:.3f}" if ov and cu else "")
+        ratio = ""
+        for rung in ("pingpong", "persistent"):
+            ov, joint, cu = got.get(f"{rung}_overlap"), got.get(rung), got.get("sdpa_cudnn")
+            ratio += (f"  {rung} x joint {joint['median_ms'] / ov['median_ms']:.3f}" if ov and joint else "") + (
+                f" x cudnn {cu['median_ms'] / ov['median_ms']:.3f}" if ov and cu else "")
         print(f"  b{b} h{h} s{n} d{d} {'causal' if causal else 'full':<6}  {cells}{ratio}")
 
 

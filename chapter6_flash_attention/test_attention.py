@@ -1342,12 +1342,11 @@ def skip_unless_hopper():
         pytest.skip("part 3's rungs need a Hopper GPU (compute capability 9.0) and a build whose arch list had 9.0")
 
 
-# FLASH_ATTENTION_HOPPER_OVERLAP (flash_fwd_hopper.h, read by the launcher at each call): rung
-# "pingpong" at d = 64 and 128 runs FlashAttention 3's intra-warpgroup overlap in its turns instead
-# of the joint schedule; elsewhere it does nothing. The rung tests run with it off and on (the
-# fixture), since the bench times both and the lead picks the default from the measurement; the
-# tests that compare other rungs with "pingpong" bit for bit pin it off (their subject is not the
-# schedule; test_cuda_hopper_overlap_matches_joint compares the two schedules).
+# FLASH_ATTENTION_HOPPER_OVERLAP (flash_fwd_hopper.h, read by the launcher at each call): rungs
+# "pingpong" and "persistent" (padded, no window or softcap) at d = 64 and 128 run FlashAttention 3's
+# intra-warpgroup overlap in their turns instead of the joint schedule; elsewhere it does nothing.
+# The rung tests run with it off and on (the fixture), since the bench times both and the lead picks
+# the default from the measurement (test_cuda_hopper_overlap_matches_joint compares the two).
 HOPPER_OVERLAP_KNOB = "FLASH_ATTENTION_HOPPER_OVERLAP"
 
 
@@ -1446,7 +1445,8 @@ def test_cuda_hopper_overlap_matches_joint(dtype, causal, head_dim, monkeypatch)
     joint one, and the two give the same bits: the overlap moves where O's rescale and each P V
     run, not the arithmetic (O <- O * corr of tile i - 1, then += P V of tile i - 1, in both), so a
     wrong P buffer, stage parity or rescale shows here as a difference, on NaN-poisoned outputs;
-    and both within the reference's bound."""
+    and both within the reference's bound. Rung "persistent"'s overlap consumers: the same bits
+    again (test_cuda_hopper_persistent_matches_its_consumers walks many tiles a block)."""
     skip_unless_hopper()
     from coursekit.pytest_plugin import launched_kernels
     for heads, heads_kv, seqlen_q, seqlen_k in HOPPER_OVERLAP_SHAPES:
@@ -1464,21 +1464,36 @@ def test_cuda_hopper_overlap_matches_joint(dtype, causal, head_dim, monkeypatch)
         (out, lse), (out1, lse1) = got["0"], got["1"]
         assert torch.equal(out1, out), f"{what}: the overlap's out differs from the joint schedule's"
         assert torch.equal(lse1, lse), f"{what}: the overlap's lse differs from the joint schedule's"
+        out2, names = launched_kernels(lambda: flash_attention.attention(
+            q, k, v, causal=causal, return_lse=True, version="persistent"), "flash_attention")
+        assert any("PersistentOverlap" in n for n in names), f"{what} persistent: {names}"
+        assert torch.equal(out2[0], out) and torch.equal(out2[1], lse), f"{what}: persistent's overlap differs"
         check_cuda_forward(q, k, v, causal, "pingpong", f"overlap {what}")
 
 
 @pytest.mark.cuda
 def test_cuda_hopper_overlap_knob_elsewhere_does_nothing(monkeypatch):
-    """The knob reaches rung "pingpong" at d = 64 and 128 alone: at d = 256 (two stages, which the
-    overlap cannot run on) and on the other rungs the same kernels run with it set."""
+    """The knob reaches rungs "pingpong" and "persistent" at d = 64 and 128 alone: at d = 256 (two
+    stages, which the overlap cannot run on), on the other rungs, with a window and in the packed
+    layout the same kernels run with it set."""
     skip_unless_hopper()
     from coursekit.pytest_plugin import launched_kernels
     monkeypatch.setenv(HOPPER_OVERLAP_KNOB, "1")
-    for head_dim, version in ((256, "pingpong"), (128, "persistent"), (128, "warp_specialized"), (64, "wgmma")):
+
+    def names_of(call):
+        return launched_kernels(call, "flash_attention")[1]
+    for head_dim, version in ((256, "pingpong"), (256, "persistent"), (128, "warp_specialized"), (64, "wgmma")):
         q, k, v = make_qkv(2, 4, 4, 300, 300, head_dim, dtype=torch.bfloat16, device="cuda")
-        names = launched_kernels(lambda: flash_attention.attention(q, k, v, causal=True, version=version),
-                                 "flash_attention")[1]
+        names = names_of(lambda: flash_attention.attention(q, k, v, causal=True, version=version))
         assert names and not any("Overlap" in n for n in names), f"{version} d{head_dim}: {names}"
+    q, k, v = make_qkv(2, 4, 4, 300, 300, 128, dtype=torch.bfloat16, device="cuda")
+    names = names_of(lambda: flash_attention.attention(q, k, v, causal=True, window=(64, 0), version="persistent"))
+    assert names and not any("Overlap" in n for n in names), f"window: {names}"
+    lens = [128, 300, 77]
+    q, k, v, cu_q, cu_k = varlen_cuda_inputs(lens, lens, 4, 4, 128, torch.bfloat16)
+    names = names_of(lambda: flash_attention.attention_varlen(q, k, v, cu_q, cu_k, 300, 300, causal=True,
+                                                              version="persistent"))
+    assert names and not any("Overlap" in n for n in names), f"packed: {names}"
 
 
 @pytest.mark.cuda
@@ -1489,8 +1504,9 @@ def test_cuda_hopper_overlap_sass():
     before the 0x0 wait that ends it. The joint kernels, with no 0x1 wait, fail the same check."""
     skip_unless_hopper()
     import wgmma_sass
-    overlap = sass_functions("HopperFwdOverlapTraits")
-    assert len(overlap) == 4, [name for name, _ in overlap]  # bf16 and fp16, d = 64 and 128
+    overlap = sass_functions("OverlapTraits")
+    # pingpong's and persistent's, bf16 and fp16, d = 64 and 128
+    assert len(overlap) == 8, [name for name, _ in overlap]
     for name, body in overlap:
         insts = wgmma_sass.instructions(body)
         placement = wgmma_sass.depbar_placement(insts)
@@ -1528,13 +1544,12 @@ PERSISTENT_WALKS = [(4, 16, 16, 2049, 2049), (2, 32, 8, 1000, 1000), (3, 24, 6, 
 @pytest.mark.parametrize("head_dim", HOPPER_HEAD_DIMS)
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
-def test_cuda_hopper_persistent_matches_its_consumers(dtype, causal, head_dim, monkeypatch):
+def test_cuda_hopper_persistent_matches_its_consumers(dtype, causal, head_dim, hopper_schedule):
     """The persistent rung runs the consumers of "pingpong" (d = 64, 128) or "warp_specialized"
     (d = 256) over many tiles per block: the same bits as theirs, tile by tile, whatever order the
     blocks drew the tiles in (so every carried barrier phase, Q half and ping-pong turn lined up),
     on NaN-poisoned outputs, and a second call the same bits again."""
     skip_unless_hopper()
-    monkeypatch.setenv(HOPPER_OVERLAP_KNOB, "0")  # pingpong's joint schedule, the persistent consumers'
     consumers = "pingpong" if head_dim <= 128 else "warp_specialized"
     for batch, heads, heads_kv, seqlen_q, seqlen_k in PERSISTENT_WALKS:
         q, k, v = make_qkv(batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim, dtype=dtype, device="cuda")
@@ -1559,13 +1574,12 @@ PERSISTENT_SHORT_WALKS = [(64, 16, 4, 129), (64, 16, 16, 256), (64, 16, 2, 513)]
 @pytest.mark.parametrize("head_dim", (64, 128))
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
-def test_cuda_hopper_persistent_short_items(dtype, causal, head_dim, monkeypatch):
+def test_cuda_hopper_persistent_short_items(dtype, causal, head_dim, hopper_schedule):
     """The persistent rung where items are short and many: the producer issues an item's first K/V
     stage before its Q and prefetches the next item's into L2 while the consumers are on the last
     one. Against a float64 reference (on the GPU, 8 sequences at a time: the scores of 64 at 513
     keys are 2 GB) and the same bits as "pingpong", its consumers, on NaN-poisoned outputs."""
     skip_unless_hopper()
-    monkeypatch.setenv(HOPPER_OVERLAP_KNOB, "0")  # pingpong's joint schedule, the persistent consumers'
     gen = torch.Generator(device="cuda").manual_seed(0)
     for batch, heads, heads_kv, seqlen in PERSISTENT_SHORT_WALKS:
         q, k, v = (torch.randn(batch, h, seqlen, head_dim, device="cuda", dtype=torch.float64, generator=gen)
@@ -1590,12 +1604,11 @@ def test_cuda_hopper_persistent_short_items(dtype, causal, head_dim, monkeypatch
 
 
 @pytest.mark.cuda
-def test_cuda_hopper_persistent_grid_and_graph(monkeypatch):
+def test_cuda_hopper_persistent_grid_and_graph(hopper_schedule):
     """The persistent kernel is what runs (one launch, the tile counter's clear beside it), and it
     replays from a CUDA graph: the counter is cleared by a captured memset before each replay, so
     the second replay walks every tile again rather than finding the counter at its end."""
     skip_unless_hopper()
-    monkeypatch.setenv(HOPPER_OVERLAP_KNOB, "0")  # pingpong's joint schedule, the persistent consumers'
     from coursekit.pytest_plugin import launched_kernels
     q, k, v = make_qkv(4, 16, 4, 1000, 1000, 128, dtype=torch.bfloat16, device="cuda")
     names = launched_kernels(lambda: flash_attention.attention(q, k, v, causal=True, version="persistent"),
@@ -1618,11 +1631,12 @@ def test_cuda_hopper_persistent_grid_and_graph(monkeypatch):
 
 
 @pytest.mark.cuda
-def test_cuda_hopper_default_dispatch():
+def test_cuda_hopper_default_dispatch(monkeypatch):
     """version=None on Hopper: "persistent" at head_dim 64 and 128, "warp_specialized" at 256
     (csrc/attention/attention_ops.cpp); "split_kv" where the keys would be split, where the scale
     is not positive, and at head dims the Hopper rungs do not take."""
     skip_unless_hopper()
+    monkeypatch.setenv(HOPPER_OVERLAP_KNOB, "0")  # the names below are the joint traits'
     from coursekit.pytest_plugin import launched_kernels
 
     def kernels(q, k, v, **kwargs):

@@ -79,7 +79,11 @@ struct HopperFwdConfig {
   // 128 producer threads copy rows, each with a table entry and a 64-bit source address in hand:
   // at 40 registers ptxas spilled 48 bytes there, at 56 it spills 8 (d128; none at d64), and
   // 128 x 56 + 256 x 224 is the same 64,512 (the consumers show no spill at 224 at any head dim).
-  static constexpr int kProducerRegs = kPersistent_ ? 56 : 24, kConsumerRegs = kPersistent_ ? 224 : 240;
+  // The overlap's persistent consumers (two P buffers) spilled in the unmasked loop at 224 (d = 128:
+  // 536 bytes stored); they run the padded layout alone, no paged gather, so the producer goes back
+  // to the 40 at which its walk did not spill: 128 x 40 + 256 x 232.
+  static constexpr int kProducerRegs = kPersistent_ ? (kOverlap_ ? 40 : 56) : 24;
+  static constexpr int kConsumerRegs = kPersistent_ ? (kOverlap_ ? 232 : 224) : 240;
   static_assert(kHeadDim % 64 == 0, "the 128-byte swizzle holds 64 columns of 16-bit elements");
   static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an sm_90 block may take");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "P V steps over 16 keys; TMA boxes hold up to 256 rows");
@@ -88,8 +92,7 @@ struct HopperFwdConfig {
   // The overlap frees tile i - 2's stage only at step i, after its waits for tile i's K: with two
   // stages the producer would wait for that very release before loading tile i.
   static_assert(!kOverlap || kStages >= 3, "the overlap releases a stage a step late: three stages or more");
-  static_assert(!kPersistent || (kWarpSpecialized && !kOverlap), "the persistent loop is the producer's, on joint "
-                "or plain warp-specialized consumers");
+  static_assert(!kPersistent || kWarpSpecialized, "the persistent loop is the producer's");
 };
 
 // Kernel traits per rung. Registers pick the tile: a consumer thread holds kBlockN / 2 floats of
@@ -126,6 +129,14 @@ template <int kHeadDim>
 struct HopperFwdOverlapTraits
     : HopperFwdConfig<kHeadDim, hopper_block_n(kHeadDim), hopper_pingpong_stages<kHeadDim>(), true, false, true,
                       true> {
+  static_assert(hopper_pingpong_stages<kHeadDim>() == 3, "the overlap runs where the third stage fits");
+};
+// Rung "persistent" with the same consumers (FLASH_ATTENTION_HOPPER_OVERLAP=1, the padded layout
+// without a window or a softcap; flash_fwd_hopper_persistent.cuh).
+template <int kHeadDim>
+struct HopperFwdPersistentOverlapTraits
+    : HopperFwdConfig<kHeadDim, hopper_block_n(kHeadDim), hopper_pingpong_stages<kHeadDim>(), true, false, true,
+                      true, true> {
   static_assert(hopper_pingpong_stages<kHeadDim>() == 3, "the overlap runs where the third stage fits");
 };
 
