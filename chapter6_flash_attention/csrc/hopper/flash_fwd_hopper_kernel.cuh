@@ -31,8 +31,9 @@
 // 10-20%: ptxas scheduled that wait (WARPGROUP.DEPBAR) right after the maximum, ahead of the
 // exponentials it was meant to overlap (README, part 3). It is now written as the FP8 forward
 // writes it (the wait at the top of the next step, P in two register arrays; the kernel's
-// comments), and rung "pingpong" runs it at d = 64 and 128 when FLASH_ATTENTION_HOPPER_OVERLAP=1
-// (hopper_forward_overlap, flash_fwd_hopper.h), a candidate beside the joint schedule.
+// comments), and rungs "pingpong" and "persistent" run it at d = 64 and 128 when
+// FLASH_ATTENTION_HOPPER_OVERLAP=1 (hopper_forward_overlap, flash_fwd_hopper.h), a candidate beside
+// the joint schedule.
 //
 // No torch headers: this file builds with a bare nvcc for sm_90a (and to empty kernels for any
 // other target, which the glue never launches).
