@@ -66,6 +66,7 @@ them alone leaves the main results as they were.
     python bench_attention.py --quick   small sizes: CPU machines (the CPU reference, variant
                                         "cpu", against SDPA on the CPU), GPU smoke runs
     python bench_attention.py --ops attention_fp8   the FP8 rows and their accuracy alone (below)
+    python bench_attention.py --ops attention_overlap   the bf16 forward's overlap candidate (below)
     python bench_attention.py --ops attention_varlen   the packed rows alone (a GPU)
     python bench_attention.py --ops attention_window attention_softcap   the masked rows (below)
     python bench_attention.py --ops transformers_model   a Hugging Face model on the chapter's attention
@@ -95,6 +96,12 @@ times; pct_of_mm is against the bf16 matmul ceiling (FP8's tensor-core rate is t
 Accuracy rows (op attention_rmse, on the CPU too): FlashAttention 3's experiment, q, k, v ~ N(0, 1)
 plus a rare N(0, 100) term (FP8_OUTLIERS), the RMSE of the output against float64 for
 attention_fp8 with per-tensor scales, without and with rotate_qk, and for the bf16 forward.
+
+Overlap rows (`--ops attention_overlap`, Hopper with the sm_90a kernels only): rung "pingpong" with
+FLASH_ATTENTION_HOPPER_OVERLAP=1 (FlashAttention 3's intra-warpgroup overlap in its turns; read at
+each call; rung "persistent" too), variants pingpong_overlap and persistent_overlap, beside
+sdpa_cudnn, persistent and pingpong (the joint schedule), at OVERLAP_SHAPES (b2 h16 s8192, b4 h16 s4096, b32 h16 s512 at d = 128; b8 h32 s2048, b2
+h32 s8192 at d = 64; full and causal), to results/<device-slug>/chapter6_flash_attention_overlap.json.
 
 Writes results/<device-slug>/chapter6_flash_attention.json and the plots beside it.
 `--ops attention_fp8` writes the FP8 rows, sdpa_cudnn and pingpong in bf16 timed beside them, and
@@ -412,17 +419,23 @@ FP8_BENCH_CANDIDATES = []
 
 
 @contextlib.contextmanager
-def fp8_candidate(name):
-    """The FP8 launcher's candidate `name` for the calls inside (a graph captured inside keeps it)."""
-    old = os.environ.get(FP8_KNOB)
-    os.environ[FP8_KNOB] = name
+def env_knob(knob, value):
+    """A launcher's environment knob (read at each call) set to `value` for the calls inside (a
+    graph captured inside keeps what they launched), restored after."""
+    old = os.environ.get(knob)
+    os.environ[knob] = value
     try:
         yield
     finally:
         if old is None:
-            del os.environ[FP8_KNOB]
+            del os.environ[knob]
         else:
-            os.environ[FP8_KNOB] = old
+            os.environ[knob] = old
+
+
+def fp8_candidate(name):
+    """The FP8 launcher's candidate `name` for the calls inside."""
+    return env_knob(FP8_KNOB, name)
 
 
 def bench_fp8(device, mm, notes, beside=None, candidates=()):
@@ -483,6 +496,81 @@ def bench_fp8(device, mm, notes, beside=None, candidates=()):
         del q, k, v, q8, k8, v8t
         torch.cuda.empty_cache()
     return rows
+
+
+# The bf16 forward's overlap candidate (`--ops attention_overlap`): FLASH_ATTENTION_HOPPER_OVERLAP=1
+# (flash_fwd_hopper.h, read at each call) runs rungs "pingpong" and "persistent" (the default's rung
+# at d = 64 and 128) with FlashAttention 3's intra-warpgroup overlap in their turns, instead of the
+# joint schedule. Timed per shape beside sdpa_cudnn, each rung's two schedules back to back (an
+# H200's clocks drift down through a row's variants: next_to_its_rung). The shapes: the sweep's long
+# rows and its short ones (s = 512), at the two head dims.
+OVERLAP_KNOB = "FLASH_ATTENTION_HOPPER_OVERLAP"
+OVERLAP_SHAPES = [(b, h, n, d, causal) for b, h, n, d in ((2, 16, 8192, 128), (4, 16, 4096, 128), (32, 16, 512, 128),
+                                                          (8, 32, 2048, 64), (2, 32, 8192, 64))
+                  for causal in (False, True)]
+
+
+def overlap_calls(q, k, v, causal):
+    """[(variant, fields, call)] of one overlap row: the baselines, then the two schedules of
+    "pingpong"; every call of ours with the knob set, so that a knob in the caller's environment
+    changes nothing here."""
+    def ours(version, knob):
+        def call():
+            with env_knob(OVERLAP_KNOB, knob):
+                return flash_attention.attention(q, k, v, causal=causal, version=version)
+        return call
+    knob = {"schedule": "overlap", "knob": f"{OVERLAP_KNOB}=1"}
+    return [("sdpa_cudnn", {}, lambda: sdpa_call(SDPBackend.CUDNN_ATTENTION, causal)(q, k, v)),
+            ("persistent", {"schedule": "joint"}, ours("persistent", "0")),
+            ("persistent_overlap", knob, ours("persistent", "1")),
+            ("pingpong", {"schedule": "joint"}, ours("pingpong", "0")),
+            ("pingpong_overlap", knob, ours("pingpong", "1"))]
+
+
+def bench_overlap(device, mm, notes, shapes=None):
+    """Rows op attention, dtype bfloat16, pass forward, at OVERLAP_SHAPES: variants persistent_overlap
+    and pingpong_overlap (the knob on) beside sdpa_cudnn (speedup_vs_torch's baseline), persistent
+    and pingpong."""
+    why = fp8_runnable(device)  # the same condition: a Hopper GPU and the sm_90a kernels
+    if why:
+        notes.skip("attention_overlap", why.replace("attention_fp8", "the overlap candidate"), device)
+        return []
+    rows = []
+    for b, h, n, d, causal in shapes or OVERLAP_SHAPES:
+        fields = {"pass": "forward", "causal": causal, "head_dim": d, "seqlen": n, "batch": b, "heads": h}
+        q, k, v, _ = make_inputs(b, h, n, d, torch.bfloat16, device)
+        flops = attention_flops(b, h, n, n, d, causal)
+        where = f"overlap b{b} h{h} s{n} d{d} {'causal' if causal else 'full'}"
+        t_base = None
+        for variant, more, fn in overlap_calls(q, k, v, causal):
+            t = bench.probe_and_time(notes, variant, where, device, fn)
+            if not t:
+                continue
+            if variant == "sdpa_cudnn":
+                t_base = t["median_ms"]
+            rows.append(bench.flops_row("attention", variant, torch.bfloat16, [b, h, n, d], flops, t, mm, t_base,
+                                        **fields, **more))
+        del q, k, v
+        torch.cuda.empty_cache()
+    return rows
+
+
+def print_overlap_table(record):
+    rows = [r for r in results.rows(record, op="attention") if r.get("pass") == "forward"]
+    if not rows:
+        return
+    print("\nThe overlap candidate: TFLOP/s (x joint = the rung's joint time / its overlap's; x cudnn the same)")
+    shapes = {}
+    for r in rows:
+        shapes.setdefault((r["batch"], r["heads"], r["seqlen"], r["head_dim"], r["causal"]), {})[r["variant"]] = r
+    for (b, h, n, d, causal), got in shapes.items():
+        cells = "  ".join(f"{name} {r['TFLOPs']:.0f}" for name, r in got.items())
+        ratio = ""
+        for rung in ("pingpong", "persistent"):
+            ov, joint, cu = got.get(f"{rung}_overlap"), got.get(rung), got.get("sdpa_cudnn")
+            ratio += (f"  {rung} x joint {joint['median_ms'] / ov['median_ms']:.3f}" if ov and joint else "") + (
+                f" x cudnn {cu['median_ms'] / ov['median_ms']:.3f}" if ov and cu else "")
+        print(f"  b{b} h{h} s{n} d{d} {'causal' if causal else 'full':<6}  {cells}{ratio}")
 
 
 # The accuracy with outliers, FlashAttention 3's experiment (arXiv 2407.08608, its Table 3): each
@@ -1413,6 +1501,10 @@ SECTIONS = {
                                                 "fp8_outliers": FP8_OUTLIERS},
                                       "baseline": speed_baseline(device)},
                       lambda record: print_fp8_table(record)),
+    "attention_overlap": (lambda device, mm, notes: bench_overlap(device, mm, notes), "_overlap",
+                          lambda device: {"sizes": {"overlap": OVERLAP_SHAPES}, "baseline": speed_baseline(device),
+                                          "knob": OVERLAP_KNOB},
+                          lambda record: print_overlap_table(record)),
     "attention_softcap": (lambda device, mm, notes: bench_masked("attention_softcap", device, mm, notes),
                           "_softcap",
                           lambda device: {"sizes": {"softcap": masked_config("attention_softcap", device)},
@@ -1432,7 +1524,8 @@ def main_ops():
     parser.add_argument("--ops", nargs="+", choices=list(SECTIONS), required=True,
                         help="run only these ops' rows (attention_varlen: the packed layout; attention_window, "
                              "attention_softcap: the masked instantiations against flex_attention; attention_fp8: "
-                             "the FP8 forward beside bf16, and its accuracy with outliers; transformers_model: a "
+                             "the FP8 forward beside bf16, and its accuracy with outliers; attention_overlap: the bf16 "
+                             "forward's overlap candidate beside pingpong; transformers_model: a "
                              "Hugging Face Llama-style model's forward on the chapter's attention against its SDPA path)")
     parser.add_argument("--fp8-candidates", nargs="+", default=[], metavar="NAME",
                         help="with attention_fp8: also time these candidates of the FP8 launcher "

@@ -1349,6 +1349,21 @@ def skip_unless_hopper():
         pytest.skip("part 3's rungs need a Hopper GPU (compute capability 9.0) and a build whose arch list had 9.0")
 
 
+# FLASH_ATTENTION_HOPPER_OVERLAP (flash_fwd_hopper.h, read by the launcher at each call): rungs
+# "pingpong" and "persistent" (padded, no window or softcap) at d = 64 and 128 run FlashAttention 3's
+# intra-warpgroup overlap in their turns instead of the joint schedule; elsewhere it does nothing.
+# The rung tests run with it off and on (the fixture), since the bench times both and the lead picks
+# the default from the measurement (test_cuda_hopper_overlap_matches_joint compares the two).
+HOPPER_OVERLAP_KNOB = "FLASH_ATTENTION_HOPPER_OVERLAP"
+
+
+@pytest.fixture(params=("joint", "overlap"))
+def hopper_schedule(request, monkeypatch):
+    """Rung "pingpong"'s schedule for the test's calls: the knob set to 0 or 1."""
+    monkeypatch.setenv(HOPPER_OVERLAP_KNOB, "1" if request.param == "overlap" else "0")
+    return request.param
+
+
 # CUDA_SHAPES and 4097, a tile past 4096, in the square, decode-like and wide cases.
 HOPPER_SHAPES = CUDA_SHAPES + [(2, 1, 4097, 4097), (4, 2, 129, 4097), (2, 2, 4097, 129)]
 
@@ -1357,7 +1372,7 @@ HOPPER_SHAPES = CUDA_SHAPES + [(2, 1, 4097, 4097), (4, 2, 129, 4097), (2, 2, 409
 @pytest.mark.parametrize("head_dim", HOPPER_HEAD_DIMS)
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
-def test_cuda_hopper_forward(dtype, causal, head_dim):
+def test_cuda_hopper_forward(dtype, causal, head_dim, hopper_schedule):
     """Every Hopper rung against the float64 reference, at lengths around the 128-row and
     64/128-key tiles, 4097, seqlen_q != seqlen_k both ways, GQA and multi-query (the rungs share a
     reference per input: the 4097-long ones cost seconds each on the CPU)."""
@@ -1382,7 +1397,7 @@ def test_cuda_hopper_forward(dtype, causal, head_dim):
 @pytest.mark.parametrize("head_dim", (64, 128))
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
-def test_cuda_hopper_error_within_twice_sdpa_flash(dtype, causal, head_dim):
+def test_cuda_hopper_error_within_twice_sdpa_flash(dtype, causal, head_dim, hopper_schedule):
     """The rungs' error against float64 (root mean square over the output) is at most twice what
     SDPA's flash backend makes on the same inputs: P rounded to 16 bits before P V, as there, and
     the approximate exp2 (ex2.approx, 2 ulp of float32) invisible at that scale."""
@@ -1402,7 +1417,7 @@ def test_cuda_hopper_error_within_twice_sdpa_flash(dtype, causal, head_dim):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
-def test_cuda_hopper_strided_views(causal):
+def test_cuda_hopper_strided_views(causal, hopper_schedule):
     """q from a (b, s, h, d) projection and k with padded rows are read by the tensor maps in
     place; v expanded over the kv heads (stride 0, which a tensor map cannot describe) is copied
     first. Same bits as contiguous copies, and the reference's values."""
@@ -1420,6 +1435,110 @@ def test_cuda_hopper_strided_views(causal):
         torch.testing.assert_close(out.cpu().double(), ref, rtol=rtol, atol=atol)
 
 
+# The overlap schedule's boundaries (kOverlap, flash_fwd_hopper_kernel.cuh): 1 to 6 key tiles of 128
+# (its steps run two at a time, then one: both parities of the last tile, a partial last tile and an
+# exact one), the masked loop starting at tile 1, 2 or later (causal rows past the diagonal,
+# seqlen_q != seqlen_k both ways), GQA, and a query tile with fewer keys than the block's other rows.
+HOPPER_OVERLAP_SHAPES = [(2, 1, 100, 100), (2, 2, 256, 256), (4, 2, 300, 300), (2, 1, 384, 512), (2, 2, 129, 520),
+                         (4, 1, 700, 700), (2, 2, 640, 257), (2, 1, 1, 650)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
+def test_cuda_hopper_overlap_matches_joint(dtype, causal, head_dim, monkeypatch):
+    """FLASH_ATTENTION_HOPPER_OVERLAP=1 runs the overlap kernel (the profiler's names) and 0 the
+    joint one, and the two give the same bits: the overlap moves where O's rescale and each P V
+    run, not the arithmetic (O <- O * corr of tile i - 1, then += P V of tile i - 1, in both), so a
+    wrong P buffer, stage parity or rescale shows here as a difference, on NaN-poisoned outputs;
+    and both within the reference's bound. Rung "persistent"'s overlap consumers: the same bits
+    again (test_cuda_hopper_persistent_matches_its_consumers walks many tiles a block)."""
+    skip_unless_hopper()
+    from coursekit.pytest_plugin import launched_kernels
+    for heads, heads_kv, seqlen_q, seqlen_k in HOPPER_OVERLAP_SHAPES:
+        q, k, v = cuda_inputs(heads, heads_kv, seqlen_q, seqlen_k, head_dim, dtype)
+        what = f"{dtype_id(dtype)} h{heads}/{heads_kv} s{seqlen_q}x{seqlen_k} d{head_dim}"
+        got = {}
+        for knob in ("0", "1"):
+            monkeypatch.setenv(HOPPER_OVERLAP_KNOB, knob)
+            poison_allocator(torch.empty(q.shape, dtype=dtype, device="cuda"))
+            poison_allocator(torch.empty(q.shape[:3], dtype=torch.float32, device="cuda"))
+            got[knob], names = launched_kernels(lambda: flash_attention.attention(
+                q, k, v, causal=causal, return_lse=True, version="pingpong"), "flash_attention")
+            overlap = [n for n in names if f"HopperFwdOverlapTraits<{head_dim}>" in n]
+            assert len(overlap) == (knob == "1") and len(names) == 1, f"{what} knob {knob}: {names}"
+        (out, lse), (out1, lse1) = got["0"], got["1"]
+        assert torch.equal(out1, out), f"{what}: the overlap's out differs from the joint schedule's"
+        assert torch.equal(lse1, lse), f"{what}: the overlap's lse differs from the joint schedule's"
+        out2, names = launched_kernels(lambda: flash_attention.attention(
+            q, k, v, causal=causal, return_lse=True, version="persistent"), "flash_attention")
+        assert any("PersistentOverlap" in n for n in names), f"{what} persistent: {names}"
+        assert torch.equal(out2[0], out) and torch.equal(out2[1], lse), f"{what}: persistent's overlap differs"
+        check_cuda_forward(q, k, v, causal, "pingpong", f"overlap {what}")
+
+
+@pytest.mark.cuda
+def test_cuda_hopper_overlap_knob_elsewhere_does_nothing(monkeypatch):
+    """The knob reaches rungs "pingpong" and "persistent" at d = 64 and 128 alone: at d = 256 (two
+    stages, which the overlap cannot run on), on the other rungs, with a window and in the packed
+    layout the same kernels run with it set."""
+    skip_unless_hopper()
+    from coursekit.pytest_plugin import launched_kernels
+    monkeypatch.setenv(HOPPER_OVERLAP_KNOB, "1")
+
+    def names_of(call):
+        return launched_kernels(call, "flash_attention")[1]
+    for head_dim, version in ((256, "pingpong"), (256, "persistent"), (128, "warp_specialized"), (64, "wgmma")):
+        q, k, v = make_qkv(2, 4, 4, 300, 300, head_dim, dtype=torch.bfloat16, device="cuda")
+        names = names_of(lambda: flash_attention.attention(q, k, v, causal=True, version=version))
+        assert names and not any("Overlap" in n for n in names), f"{version} d{head_dim}: {names}"
+    q, k, v = make_qkv(2, 4, 4, 300, 300, 128, dtype=torch.bfloat16, device="cuda")
+    names = names_of(lambda: flash_attention.attention(q, k, v, causal=True, window=(64, 0), version="persistent"))
+    assert names and not any("Overlap" in n for n in names), f"window: {names}"
+    lens = [128, 300, 77]
+    q, k, v, cu_q, cu_k = varlen_cuda_inputs(lens, lens, 4, 4, 128, torch.bfloat16)
+    names = names_of(lambda: flash_attention.attention_varlen(q, k, v, cu_q, cu_k, 300, 300, causal=True,
+                                                              version="persistent"))
+    assert names and not any("Overlap" in n for n in names), f"packed: {names}"
+
+
+@pytest.mark.cuda
+def test_cuda_hopper_overlap_sass():
+    """Where ptxas put the waits in the loaded library's overlap kernels (wgmma_sass.py; NOTES.md,
+    "The bf16 forward with the intra-warpgroup overlap"): a WARPGROUP.DEPBAR.LE gsb0, 0x1 before
+    each softmax, no other wgmma wait among its exponentials, and no write to a P V's A registers
+    before the 0x0 wait that ends it. The joint kernels, with no 0x1 wait, fail the same check."""
+    skip_unless_hopper()
+    import wgmma_sass
+    overlap = sass_functions("OverlapTraits")
+    # pingpong's and persistent's, bf16 and fp16, d = 64 and 128
+    assert len(overlap) == 8, [name for name, _ in overlap]
+    for name, body in overlap:
+        insts = wgmma_sass.instructions(body)
+        placement = wgmma_sass.depbar_placement(insts)
+        writes, seen = wgmma_sass.a_register_writes(insts)
+        assert placement["waits_1"] >= 2 and not placement["bad"], (name, placement)
+        assert seen > 0 and not writes, (name, writes[:5])
+    joint = sass_functions("HopperForwardE2EEE")  # rung "pingpong"'s traits, mangled
+    assert joint and all(wgmma_sass.depbar_placement(wgmma_sass.instructions(body))["waits_1"] == 0
+                         for _, body in joint)
+
+
+@pytest.mark.cuda
+@pytest.mark.sanitize
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+def test_sanitizer_hopper_overlap(causal, monkeypatch):
+    """The overlap schedule under the sanitizer: 300 keys (two full tiles and a partial third, the
+    last tile even) and 420 (four, the last odd), one key (no step), GQA, d = 64 and 128."""
+    skip_unless_hopper()
+    monkeypatch.setenv(HOPPER_OVERLAP_KNOB, "1")
+    for head_dim in (64, 128):
+        for seqlen_q, seqlen_k in ((300, 300), (200, 420), (130, 1)):
+            q, k, v = make_qkv(1, 4, 2, seqlen_q, seqlen_k, head_dim, dtype=torch.bfloat16, device="cuda")
+            check_cuda_forward(q, k, v, causal, "pingpong", f"overlap s{seqlen_q}x{seqlen_k} d{head_dim}")
+
+
 # (batch, heads, heads_kv, seqlen_q, seqlen_k): several tiles per block on any GPU of up to 132 SMs
 # (4 x 16 x 17 = 1088 tiles), GQA 4:1 with a partial last tile, causal rows that see no key in
 # the middle of a block's walk (seqlen_q - seqlen_k > 128), one key, and none (no tile loads
@@ -1432,7 +1551,7 @@ PERSISTENT_WALKS = [(4, 16, 16, 2049, 2049), (2, 32, 8, 1000, 1000), (3, 24, 6, 
 @pytest.mark.parametrize("head_dim", HOPPER_HEAD_DIMS)
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
-def test_cuda_hopper_persistent_matches_its_consumers(dtype, causal, head_dim):
+def test_cuda_hopper_persistent_matches_its_consumers(dtype, causal, head_dim, hopper_schedule):
     """The persistent rung runs the consumers of "pingpong" (d = 64, 128) or "warp_specialized"
     (d = 256) over many tiles per block: the same bits as theirs, tile by tile, whatever order the
     blocks drew the tiles in (so every carried barrier phase, Q half and ping-pong turn lined up),
@@ -1462,7 +1581,7 @@ PERSISTENT_SHORT_WALKS = [(64, 16, 4, 129), (64, 16, 16, 256), (64, 16, 2, 513)]
 @pytest.mark.parametrize("head_dim", (64, 128))
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dtype_id)
-def test_cuda_hopper_persistent_short_items(dtype, causal, head_dim):
+def test_cuda_hopper_persistent_short_items(dtype, causal, head_dim, hopper_schedule):
     """The persistent rung where items are short and many: the producer issues an item's first K/V
     stage before its Q and prefetches the next item's into L2 while the consumers are on the last
     one. Against a float64 reference (on the GPU, 8 sequences at a time: the scores of 64 at 513
@@ -1492,7 +1611,7 @@ def test_cuda_hopper_persistent_short_items(dtype, causal, head_dim):
 
 
 @pytest.mark.cuda
-def test_cuda_hopper_persistent_grid_and_graph():
+def test_cuda_hopper_persistent_grid_and_graph(hopper_schedule):
     """The persistent kernel is what runs (one launch, the tile counter's clear beside it), and it
     replays from a CUDA graph: the counter is cleared by a captured memset before each replay, so
     the second replay walks every tile again rather than finding the counter at its end."""
@@ -1519,11 +1638,12 @@ def test_cuda_hopper_persistent_grid_and_graph():
 
 
 @pytest.mark.cuda
-def test_cuda_hopper_default_dispatch():
+def test_cuda_hopper_default_dispatch(monkeypatch):
     """version=None on Hopper: "persistent" at head_dim 64 and 128, "warp_specialized" at 256
     (csrc/attention/attention_ops.cpp); "split_kv" where the keys would be split, where the scale
     is not positive, and at head dims the Hopper rungs do not take."""
     skip_unless_hopper()
+    monkeypatch.setenv(HOPPER_OVERLAP_KNOB, "0")  # the names below are the joint traits'
     from coursekit.pytest_plugin import launched_kernels
 
     def kernels(q, k, v, **kwargs):
@@ -1576,10 +1696,11 @@ def test_cuda_hopper_refusals(version):
 
 
 @pytest.mark.cuda
-def test_cuda_hopper_opcheck_and_compile():
+def test_cuda_hopper_opcheck_and_compile(monkeypatch):
     """The Hopper rung through the dispatcher's contract (opcheck) and inside torch.compile with
     the default dispatch, which picks it."""
     skip_unless_hopper()
+    monkeypatch.setenv(HOPPER_OVERLAP_KNOB, "0")  # the default ("persistent") runs the joint schedule
     q, k, v = make_qkv(2, 4, 2, 129, 200, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
     torch.library.opcheck(OPS.attention_forward.default, (q, k, v, 0.125, True, "pingpong"))
     compiled = torch.compile(lambda a, b, c: flash_attention.attention(a, b, c, causal=True), backend="aot_eager",

@@ -524,3 +524,23 @@ def test_fp8_rows_sit_beside_the_bf16_rows_of_their_shape():
     shape = got[(2, 16, 8192, 128, False)]
     assert set(shape) == {"sdpa_cudnn", "pingpong", "default", "default (quantize_fp8 + attention_fp8)"}
     assert shape["pingpong"]["dtype"] == "bfloat16" and shape["default"]["dtype"] == B.FP8_DTYPE
+
+
+def test_overlap_calls_set_the_knob_per_call(monkeypatch):
+    """The overlap rows: each call of ours runs with FLASH_ATTENTION_HOPPER_OVERLAP set for it alone
+    (1 for the _overlap rows, 0 for the joint ones, whatever the caller's environment holds) and
+    restored after; each rung's two schedules are timed back to back."""
+    seen = []
+    monkeypatch.setattr(B.flash_attention, "attention",
+                        lambda q, k, v, causal, version: seen.append((version, B.os.environ.get(B.OVERLAP_KNOB))))
+    monkeypatch.setenv(B.OVERLAP_KNOB, "caller's")
+    calls = B.overlap_calls(None, None, None, True)
+    names = [name for name, _, _ in calls]
+    assert names == ["sdpa_cudnn", "persistent", "persistent_overlap", "pingpong", "pingpong_overlap"]
+    for _, _, call in calls[1:]:
+        call()
+    assert seen == [("persistent", "0"), ("persistent", "1"), ("pingpong", "0"), ("pingpong", "1")]
+    assert B.os.environ[B.OVERLAP_KNOB] == "caller's"
+    assert calls[4][1]["knob"] == f"{B.OVERLAP_KNOB}=1" and calls[2][1]["schedule"] == "overlap"
+    assert {(b, h, n, d) for b, h, n, d, _ in B.OVERLAP_SHAPES} == {
+        (2, 16, 8192, 128), (4, 16, 4096, 128), (32, 16, 512, 128), (8, 32, 2048, 64), (2, 32, 8192, 64)}

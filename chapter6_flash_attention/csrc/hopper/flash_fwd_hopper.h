@@ -8,6 +8,9 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdlib>
+#include <cstring>
+
 namespace flash_attention {
 
 // The Hopper rungs (sm_90a), each one idea on top of the last:
@@ -30,6 +33,18 @@ enum class HopperForward { kWgmma, kWarpSpecialized, kPingpong, kPersistent };
 
 // Head dims the Hopper rungs take: attention.h's kHopperHeadDims.
 inline bool attention_forward_hopper_head_dim(int64_t head_dim) { return ::course::is_listed(kHopperHeadDims, head_dim); }
+
+// FLASH_ATTENTION_HOPPER_OVERLAP=1: rungs "pingpong" and "persistent" run FlashAttention 3's
+// intra-warpgroup overlap in their turns (HopperFwdOverlapTraits, HopperFwdPersistentOverlapTraits:
+// flash_fwd_hopper_kernel.cuh) instead of the joint schedule, at d = 64 and 128 (where the third stage
+// fits), "persistent" in the padded layout without a window or a softcap; elsewhere (d = 256, the
+// other rungs, the packed and paged walks, windows) the knob does nothing. A candidate for the bench and the tests, read at every call (getenv is a scan of a few
+// dozen strings, against a launch's microseconds), so that one process can time and test both.
+inline constexpr const char* kHopperOverlapEnv = "FLASH_ATTENTION_HOPPER_OVERLAP";
+inline bool hopper_forward_overlap() {
+  const char* v = std::getenv(kHopperOverlapEnv);
+  return v != nullptr && std::strcmp(v, "1") == 0;
+}
 
 // Shared memory one block takes (the glue compares it with the GPU's per-block limit).
 int64_t attention_forward_hopper_smem_bytes(int64_t head_dim, HopperForward rung);

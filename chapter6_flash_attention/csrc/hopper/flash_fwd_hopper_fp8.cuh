@@ -123,6 +123,8 @@ struct WgmmaFp8<192> {
 namespace flash_attention {
 namespace hopper_fp8 {
 
+using hopper::desc_advance;  // one 32-bit add moves a descriptor (hopper.cuh)
+
 template <typename K>
 __device__ __forceinline__ uint64_t kmajor_desc(const unsigned char* start) {
   if constexpr (K::kSwizzle == 128) {
@@ -130,17 +132,6 @@ __device__ __forceinline__ uint64_t kmajor_desc(const unsigned char* start) {
   } else {
     return hopper::smem_desc_sw64(start, 16, K::kAtomBytes);
   }
-}
-
-// The descriptor of the same buffer `bytes` further on (a multiple of 16). The start address is
-// bits 0-13 of the descriptor in 16-byte units, and shared memory (under 228 KiB, 0x3900 units)
-// never carries out of them, so one 32-bit add on the low word moves it: the kernel builds each
-// buffer's descriptor once, where building it from a pointer each step (mask, shift, or, the
-// constant high word, per instruction) took ~50 uniform-datapath instructions per key tile of the
-// issue slots the softmax needs (NOTES.md).
-__device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) {
-  const uint32_t lo = static_cast<uint32_t>(desc) + (bytes >> 4);
-  return (desc & 0xFFFFFFFF00000000ull) | lo;
 }
 
 // S = Q K^T for this warpgroup's 64 rows and the stage's 128 keys: d / 32 instructions, each reading

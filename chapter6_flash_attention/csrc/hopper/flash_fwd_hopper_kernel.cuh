@@ -27,9 +27,13 @@
 //                     run while the other's products keep the tensor cores busy. A third stage
 //                     keeps the producer ahead of the earlier requests.
 // HopperFwdConfig also holds FlashAttention 3's intra-warpgroup overlap (kOverlap: tile n's softmax
-// while tile n - 1's P V runs), which lost 10-20% here: ptxas schedules the wait for the P V group
-// (WARPGROUP.DEPBAR) right after the maximum, ahead of the exponentials it was meant to overlap,
-// so the warpgroup waits anyway and holds P and O live through the softmax (README, part 3).
+// while tile n - 1's P V runs). Written first with the wait for P V after the softmax, it lost
+// 10-20%: ptxas scheduled that wait (WARPGROUP.DEPBAR) right after the maximum, ahead of the
+// exponentials it was meant to overlap (README, part 3). It is now written as the FP8 forward
+// writes it (the wait at the top of the next step, P in two register arrays; the kernel's
+// comments), and rungs "pingpong" and "persistent" run it at d = 64 and 128 when
+// FLASH_ATTENTION_HOPPER_OVERLAP=1 (hopper_forward_overlap, flash_fwd_hopper.h), a candidate beside
+// the joint schedule.
 //
 // No torch headers: this file builds with a bare nvcc for sm_90a (and to empty kernels for any
 // other target, which the glue never launches).
@@ -76,14 +80,20 @@ struct HopperFwdConfig {
   // 128 producer threads copy rows, each with a table entry and a 64-bit source address in hand:
   // at 40 registers ptxas spilled 48 bytes there, at 56 it spills 8 (d128; none at d64), and
   // 128 x 56 + 256 x 224 is the same 64,512 (the consumers show no spill at 224 at any head dim).
-  static constexpr int kProducerRegs = kPersistent_ ? 56 : 24, kConsumerRegs = kPersistent_ ? 224 : 240;
+  // The overlap's persistent consumers (two P buffers) spilled in the unmasked loop at 224 (d = 128:
+  // 536 bytes stored); they run the padded layout alone, no paged gather, so the producer goes back
+  // to the 40 at which its walk did not spill: 128 x 40 + 256 x 232.
+  static constexpr int kProducerRegs = kPersistent_ ? (kOverlap_ ? 40 : 56) : 24;
+  static constexpr int kConsumerRegs = kPersistent_ ? (kOverlap_ ? 232 : 224) : 240;
   static_assert(kHeadDim % 64 == 0, "the 128-byte swizzle holds 64 columns of 16-bit elements");
   static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an sm_90 block may take");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "P V steps over 16 keys; TMA boxes hold up to 256 rows");
   static_assert(kWarpSpecialized || !(kJoint || kPingpong || kOverlap), "these schedules assume a producer");
   static_assert(!kPingpong || kJoint || kOverlap, "a turn holds one iteration's two products");
-  static_assert(!kPersistent || (kWarpSpecialized && !kOverlap), "the persistent loop is the producer's, on joint "
-                "or plain warp-specialized consumers");
+  // The overlap frees tile i - 2's stage only at step i, after its waits for tile i's K: with two
+  // stages the producer would wait for that very release before loading tile i.
+  static_assert(!kOverlap || kStages >= 3, "the overlap releases a stage a step late: three stages or more");
+  static_assert(!kPersistent || kWarpSpecialized, "the persistent loop is the producer's");
 };
 
 // Kernel traits per rung. Registers pick the tile: a consumer thread holds kBlockN / 2 floats of
@@ -113,6 +123,23 @@ struct HopperFwdTraits
                       hopper_pingpong_rung<kHeadDim, kRung>() ? hopper_pingpong_stages<kHeadDim>() : 2,
                       kRung != HopperForward::kWgmma, hopper_pingpong_rung<kHeadDim, kRung>(),
                       hopper_pingpong_rung<kHeadDim, kRung>(), false, kRung == HopperForward::kPersistent> {};
+// Rung "pingpong" with FlashAttention 3's intra-warpgroup overlap in its turns instead of the joint
+// schedule (FLASH_ATTENTION_HOPPER_OVERLAP=1): the same tile, stages and shared memory, at the head
+// dims where the third stage fits (the overlap needs it: HopperFwdConfig's static_assert).
+template <int kHeadDim>
+struct HopperFwdOverlapTraits
+    : HopperFwdConfig<kHeadDim, hopper_block_n(kHeadDim), hopper_pingpong_stages<kHeadDim>(), true, false, true,
+                      true> {
+  static_assert(hopper_pingpong_stages<kHeadDim>() == 3, "the overlap runs where the third stage fits");
+};
+// Rung "persistent" with the same consumers (FLASH_ATTENTION_HOPPER_OVERLAP=1, the padded layout
+// without a window or a softcap; flash_fwd_hopper_persistent.cuh).
+template <int kHeadDim>
+struct HopperFwdPersistentOverlapTraits
+    : HopperFwdConfig<kHeadDim, hopper_block_n(kHeadDim), hopper_pingpong_stages<kHeadDim>(), true, false, true,
+                      true, true> {
+  static_assert(hopper_pingpong_stages<kHeadDim>() == 3, "the overlap runs where the third stage fits");
+};
 
 #if COURSE_HOPPER_DEVICE
 namespace hopper_fwd {
@@ -159,6 +186,33 @@ __device__ __forceinline__ void issue_pv(float (&o)[K::kHeadDim / 2], const uint
   for (int kk = 0; kk < K::kBlockN / 16; ++kk) {
     const uint64_t db = hopper::smem_desc_sw128(v_tile + kk * 16 * 128, K::kBlockN * 128, 1024);
     hopper::Wgmma<T, K::kHeadDim>::template rs<1>(o, pf[kk], db, 1);
+  }
+  hopper::wgmma_commit();
+}
+
+// The same two products from descriptors built once (hopper::desc_advance: one 32-bit add per
+// instruction): `dq` the warpgroup's Q rows, `dk` and `dv` the stage's K and V tiles (V's with the
+// MN-major strides above). The overlap schedule's (below): with two P buffers live its consumer
+// threads are at the 240-register limit, and the eight Q descriptors that issue_qk's addresses
+// become, kept live across the loop, were what ptxas spilled to local memory (nvcc 13.0, d = 128).
+template <typename T, typename K>
+__device__ __forceinline__ void issue_qk_desc(float (&s)[K::kBlockN / 2], uint64_t dq, uint64_t dk) {
+  hopper::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < K::kHeadDim / 16; ++kk) {
+    const int chunk = kk / 4, col = (kk % 4) * 32;
+    hopper::Wgmma<T, K::kBlockN>::ss(s, hopper::desc_advance(dq, chunk * K::kBlockM * 128 + col),
+                                     hopper::desc_advance(dk, chunk * K::kBlockN * 128 + col), kk > 0);
+  }
+  hopper::wgmma_commit();
+}
+template <typename T, typename K>
+__device__ __forceinline__ void issue_pv_desc(float (&o)[K::kHeadDim / 2], const uint32_t (&pf)[K::kBlockN / 16][4],
+                                              uint64_t dv) {
+  hopper::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < K::kBlockN / 16; ++kk) {
+    hopper::Wgmma<T, K::kHeadDim>::template rs<1>(o, pf[kk], hopper::desc_advance(dv, kk * 16 * 128), 1);
   }
   hopper::wgmma_commit();
 }
@@ -464,8 +518,8 @@ __global__ void __launch_bounds__(K::kThreads, 1)
     for (int i = n_full; i < n_tiles; ++i) step(masked, i);
   } else if (n_tiles > 0) {
     // The two schedules that carry tile i - 1's P V into tile i's turn (kJoint: rung "pingpong";
-    // kOverlap: FlashAttention 3's intra-warpgroup overlap, kept for the measurements). The first
-    // tile's Q K^T and softmax open both, the last tile's P V closes both.
+    // kOverlap: FlashAttention 3's intra-warpgroup overlap, the candidate HopperFwdOverlapTraits).
+    // The first tile's Q K^T and softmax open both, the last tile's P V closes both.
     mbarrier_wait(&k_full[0], 0);
     take_turn();
     issue_qk(0);
@@ -478,14 +532,14 @@ __global__ void __launch_bounds__(K::kThreads, 1)
     } else {
       softmax(masked, 0, corr);
     }
-    pack_p();
-    auto step = [&](auto mask_tag, int i) {
-      const int stage = i % kStages, prev = (i - 1) % kStages;
-      if constexpr (!K::kOverlap) {
-        // kJoint: tile i - 1's P V and tile i's Q K^T go to the tensor cores together (one turn
-        // when the warpgroups take turns), then one wait, then tile i's softmax with nothing in
-        // flight: each warpgroup's tensor-core work is one burst per tile, and the other
-        // warpgroup's burst fills the tensor cores while this one runs its exponentials.
+    if constexpr (!K::kOverlap) {
+      pack_p();
+      // kJoint: tile i - 1's P V and tile i's Q K^T go to the tensor cores together (one turn when
+      // the warpgroups take turns), then one wait, then tile i's softmax with nothing in flight:
+      // each warpgroup's tensor-core work is one burst per tile, and the other warpgroup's burst
+      // fills the tensor cores while this one runs its exponentials.
+      auto step = [&](auto mask_tag, int i) {
+        const int stage = i % kStages, prev = (i - 1) % kStages;
         mbarrier_wait(&v_full[prev], ((i - 1) / kStages) & 1);
         mbarrier_wait(&k_full[stage], (i / kStages) & 1);
         take_turn();
@@ -498,40 +552,112 @@ __global__ void __launch_bounds__(K::kThreads, 1)
         fence_operands(s);
         release(prev);
         softmax(mask_tag, i, corr);
-      } else {
-        // kOverlap: tile i's Q K^T, then tile i - 1's P V; the softmax of tile i is meant to run
-        // while P V is still on the tensor cores (ptxas places the wait before it: NOTES.md).
-        mbarrier_wait(&k_full[stage], (i / kStages) & 1);
-        take_turn();
-        issue_qk(stage);
+        rescale_o(corr);
+        pack_p();
+      };
+      for (int i = 1; i < n_full; ++i) step(unmasked, i);
+      for (int i = n_full > 1 ? n_full : 1; i < n_tiles; ++i) step(masked, i);
+      const int last = (n_tiles - 1) % kStages;
+      mbarrier_wait(&v_full[last], ((n_tiles - 1) / kStages) & 1);
+      take_turn();
+      issue_pv(last);
+      pass_turn(true);
+      wgmma_wait<0>();
+      fence_operands(o);
+      fence_operands(pf);
+      release(last);
+    } else {
+      // kOverlap, FlashAttention 3's intra-warpgroup overlap, written as the FP8 forward writes it
+      // (flash_fwd_hopper_fp8.cuh; NOTES.md, "The FP8 forward's turn shortened", change 2). Step i:
+      // tile i's Q K^T, then (O rescaled to tile i - 1's maximum meanwhile) tile i - 1's P V, in
+      // one turn; the wait for Q K^T alone (groups complete in order); tile i's softmax and P's
+      // conversion while P V is still on the tensor cores; the wait for that P V at the top of the
+      // next step, behind its mbarrier waits. Where that wait is written is what makes the overlap
+      // work: after the softmax, in the same basic block, ptxas hoisted it to the row maximum's
+      // first shuffle, ahead of every exponential (this configuration's 10-20% loss before); behind
+      // the mbarrier waits' retry loops, branches ptxas does not move it across, it stays.
+      // P in two register arrays (tile i packed while P V reads tile i - 1's), the steps two at a
+      // time so that which array a step fills is a constant of its code (an array indexed at run
+      // time would go to local memory). Two arrays, not one copied into the other: ptxas treats a
+      // wgmma's A registers as free once it has issued (fence_operands emits no PTX) and merged
+      // such a copy into the registers the running P V reads (the FP8 forward's SASS, NOTES.md).
+      // Tile i - 2's stage is freed after that wait, so the producer needs a third stage to run a
+      // tile ahead (the config's static_assert).
+      uint32_t pf2[2][kPSteps][4];
+      const std::integral_constant<int, 0> even;
+      const std::integral_constant<int, 1> odd;
+      const uint64_t desc_q = smem_desc_sw128(q_wg, 16, 1024), desc_k = smem_desc_sw128(k_s, 16, 1024);
+      const uint64_t desc_v = smem_desc_sw128(v_s, kBN * 128, 1024);
+      auto issue_qk_at = [&](int stage) {
+        hopper_fwd::issue_qk_desc<T, K>(s, desc_q, desc_advance(desc_k, stage * K::kKVBytes));
+      };
+      auto issue_pv_from = [&](int stage, auto buf) {
+        hopper_fwd::issue_pv_desc<T, K>(o, pf2[buf.value], desc_advance(desc_v, stage * K::kKVBytes));
+      };
+      auto pack_p_into = [&](auto buf) { hopper_fwd::pack_p<T, K>(pf2[buf.value], s); };
+      pack_p_into(even);
+      // A tile's stage; i >= 0 here, and the unsigned remainder needs no sign fix-up (in the FP8
+      // forward the signed one made ptxas branch around the release).
+      auto stage_of = [](int i) { return static_cast<int>(static_cast<unsigned>(i) % kStages); };
+      auto step = [&](auto mask_tag, int i, auto buf, auto first) {
+        const int stage = stage_of(i), prev = stage_of(i - 1);
+        const std::integral_constant<int, 1 - decltype(buf)::value> other;
         mbarrier_wait(&v_full[prev], ((i - 1) / kStages) & 1);
-        issue_pv(prev);
+        mbarrier_wait(&k_full[stage], (i / kStages) & 1);
+        wgmma_wait<0>();  // tile i - 2's P V, issued by the last step
+        fence_operands(o);
+        fence_operands(pf2[buf.value]);  // that P V's fragments: written again below
+        if constexpr (!decltype(first)::value) release(stage_of(i - 2));
+        take_turn();
+        issue_qk_at(stage);
+        rescale_o(corr);  // tile i - 1's corrections: O holds tiles up to i - 2
+        issue_pv_from(prev, other);
         pass_turn(false);
-        wgmma_wait<1>();  // S of tile i is in (groups complete in order); P V may still run
+        wgmma_wait<1>();  // Q K^T of tile i; P V of tile i - 1 may still run
         fence_operands(s);
         softmax(mask_tag, i, corr);
-        fence_operands(s);
-        fence_operands(row_sum);
-        fence_operands(corr);
-        wgmma_wait<0>();
-        fence_operands(o);
-        fence_operands(pf);  // P's registers stayed live until P V read them
-        release(prev);
+        pack_p_into(buf);
+      };
+      // Step 1 has no stage to free (tile -1); the rest two at a time, even then odd.
+      const std::true_type first;
+      const std::false_type later;
+      if (n_tiles > 1) {
+        if (n_full > 1) {
+          step(unmasked, 1, odd, first);
+        } else {
+          step(masked, 1, odd, first);
+        }
       }
+      auto run = [&](auto mask_tag, int i, int end) {
+        if (i < end && (i & 1)) step(mask_tag, i++, odd, later);
+        for (; i + 1 < end; i += 2) {
+          step(mask_tag, i, even, later);
+          step(mask_tag, i + 1, odd, later);
+        }
+        if (i < end) step(mask_tag, i, even, later);
+      };
+      run(unmasked, 2, n_full);
+      run(masked, n_full > 2 ? n_full : 2, n_tiles);
+      // The last tile's P V, after the one before it (whose wait frees tile n_tiles - 2's stage).
+      wgmma_wait<0>();
+      fence_operands(o);
+      if (n_tiles > 1) release(stage_of(n_tiles - 2));
+      const int last = stage_of(n_tiles - 1);
+      mbarrier_wait(&v_full[last], ((n_tiles - 1) / kStages) & 1);
+      take_turn();
       rescale_o(corr);
-      pack_p();
-    };
-    for (int i = 1; i < n_full; ++i) step(unmasked, i);
-    for (int i = n_full > 1 ? n_full : 1; i < n_tiles; ++i) step(masked, i);
-    const int last = (n_tiles - 1) % kStages;
-    mbarrier_wait(&v_full[last], ((n_tiles - 1) / kStages) & 1);
-    take_turn();
-    issue_pv(last);
-    pass_turn(true);
-    wgmma_wait<0>();
-    fence_operands(o);
-    fence_operands(pf);
-    release(last);
+      if ((n_tiles - 1) & 1) {
+        issue_pv_from(last, odd);
+      } else {
+        issue_pv_from(last, even);
+      }
+      pass_turn(true);
+      wgmma_wait<0>();
+      fence_operands(o);
+      fence_operands(pf2[0]);
+      fence_operands(pf2[1]);
+      release(last);
+    }
   }
 
   T* out = static_cast<T*>(p.o) + static_cast<int64_t>(b) * p.o_batch_stride + static_cast<int64_t>(h) * p.o_head_stride;

@@ -195,6 +195,16 @@ __device__ __forceinline__ uint64_t smem_desc_sw128(const void* start, uint32_t 
   desc |= 1ull << 62;
   return desc;
 }
+// The descriptor of the same buffer `bytes` further on (a multiple of 16). The start address is
+// bits 0-13 of the descriptor in 16-byte units, and shared memory (under 228 KiB, 0x3900 units)
+// never carries out of them, so one 32-bit add on the low word moves it: a kernel builds each
+// buffer's descriptor once, where building it from a pointer each step (mask, shift, or, the
+// constant high word, per instruction) took ~50 uniform-datapath instructions per key tile of the
+// issue slots the softmax needs (the FP8 forward's, NOTES.md; the bf16 overlap's descriptors too).
+__device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) {
+  const uint32_t lo = static_cast<uint32_t>(desc) + (bytes >> 4);
+  return (desc & 0xFFFFFFFF00000000ull) | lo;
+}
 // An empty statement that "redefines" x: the compiler can no longer treat it as the loop-invariant
 // value it is, so it builds it again where it is used instead of keeping it live (register pressure).
 __device__ __forceinline__ void opaque(uint64_t& x) { asm volatile("" : "+l"(x)); }
