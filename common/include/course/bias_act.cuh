@@ -361,55 +361,32 @@ __device__ __forceinline__ Vec16<T> bias_window(const Vec16<T>& lo, const Vec16<
 }
 
 // The uniform form's bias (course::FlatOdd in bias_act.h says why): columns c .. c + L - 1 of
-// the row, wrapping past n to columns 0 on (a vector may end in the next row), with every load
-// issued before any is used and no branch between lanes. bias + 0 is 16-byte aligned (the
-// launcher's bias_windows). whole = n - n % L ends the bias row's whole vectors: a column below it
-// comes from one of two windows, the in-row one from the vectors at a = c - c % L and a + L, the
-// wrapped one from the row's first vector; a column at or past it (the row's last, partial
-// vector) is a single load, predicated, so that no aligned load reads past the bias row. Rows of
-// at least one vector (n >= L, the launcher's condition): a vector then ends in its row or the
-// next, never further. The
-// vector addresses are clamped into the row's whole vectors: a clamped vector only ever feeds
-// lanes whose columns are at or past `whole`, which take the single load instead.
+// the row, wrapping past n to columns 0 on (a vector may end in the next row), as L single loads
+// that every lane makes alike (from L1: one bias row serves every row of x), issued with x's and
+// used after. Not the aligned windows: their selects need the bias's data, and in 16-bit dtypes
+// ptxas (nvcc 13.0, sm_90a) scheduled them right after the window loads and x's load after them,
+// whether x's load came before or after in the source: two round trips, where these single
+// loads all issue before the first use. Rows of at least one vector (n >= L, the launcher's
+// condition): a vector then ends in its row or the next, never further, and no 64-bit remainder
+// (a call in SASS) finds the column.
 template <typename T>
 __device__ __forceinline__ void bias_uniform(const T* __restrict__ bias, int64_t c, int64_t n,
                                              typename Acc<T>::type (&b)[Vec16<T>::kLanes]) {
   constexpr int L = Vec16<T>::kLanes;
-  const int64_t whole = n - n % L;
-  const int s = static_cast<int>(c % L);
-  const int64_t a = c - s;
-  const int here = c + L <= n ? L : static_cast<int>(n - c);  // lanes still in c's row (c < n)
-  Vec16<T> lo{};
-  Vec16<T> hi{};
-  Vec16<T> first{};
-  if (whole >= L) {  // n alone decides: the same in every thread of the grid
-    const int64_t top = whole - L;  // the last whole vector's first column
-    lo = load16(reinterpret_cast<const Vec16<T>*>(bias + (a < top ? a : top)));
-    hi = load16(reinterpret_cast<const Vec16<T>*>(bias + (a + L < top ? a + L : top)));
-    first = load16(reinterpret_cast<const Vec16<T>*>(bias));
-  }
-  int64_t col[L];
   T single[L];
 #pragma unroll
   for (int l = 0; l < L; ++l) {
-    int64_t cl = c + l;  // past the row's end the vector continues in the next row (n >= L:
-    cl = cl < n ? cl : cl - n;  // never two rows on, and no 64-bit remainder, a call in SASS)
-    col[l] = cl;
-    single[l] = cl >= whole ? bias[cl] : from_acc<T>(typename Acc<T>::type(0));
+    const int64_t cl = c + l;
+    single[l] = bias[cl < n ? cl : cl - n];
   }
-  const Vec16<T> in_row = bias_window(lo, hi, s);
-  // Lane l >= here wants column l - here: element L - here + l of [first | first].
-  const Vec16<T> wrapped = bias_window(first, first, L - here);
 #pragma unroll
-  for (int l = 0; l < L; ++l) {
-    b[l] = to_acc(col[l] >= whole ? single[l] : (l < here ? in_row.v[l] : wrapped.v[l]));
-  }
+  for (int l = 0; l < L; ++l) b[l] = to_acc(single[l]);
 }
 
 // edge_first: the flat thread index that takes the first element outside whole vectors
 // (course::flat_edge_first): past the last vector's warp in the uniform form, thread 0 otherwise.
-// kUniform: the bias of rows that start mid-vector by bias_uniform (bias_windows true), rather
-// than the branch between a window and a gather.
+// kUniform: the bias of rows that start mid-vector by bias_uniform (a bias, n >= L), rather than
+// the branch between a window and a gather.
 template <typename T, typename Act, bool kMask, bool kBiasVectors, bool kUniform>
 __global__ void __launch_bounds__(kFlatThreads)
     bias_act_flat_kernel(const T* __restrict__ x, const T* __restrict__ bias, typename Acc<T>::type scale,
@@ -444,7 +421,7 @@ __global__ void __launch_bounds__(kFlatThreads)
 #pragma unroll
       for (int l = 0; l < L; ++l) b[l] = to_acc(bv.v[l]);
     } else if constexpr (kUniform) {
-      bias_uniform<T>(bias, c, n, b);  // the launcher takes it only with bias_windows and n >= L
+      bias_uniform<T>(bias, c, n, b);  // the launcher takes it only with a bias and n >= L
     } else {
       const int s = static_cast<int>(c % L);
       const int64_t a = c - s;  // bias + a is 16-byte aligned (bias_windows)
@@ -542,7 +519,7 @@ cudaError_t launch_bias_act_flat(const BiasAct<T>& p, cudaStream_t stream) {
   if (bias_vectors && p.bias != nullptr) {
     bias_act_flat_kernel<T, Act, kMask, true, false><<<blocks, kFlatThreads, 0, stream>>>(
         p.x, p.bias, p.scale, p.y, p.pre, p.mask, total, p.n, head, bias_windows, edge_first);
-  } else if (uniform && bias_windows && p.n >= L) {
+  } else if (uniform && p.bias != nullptr && p.n >= L) {
     bias_act_flat_kernel<T, Act, kMask, false, true><<<blocks, kFlatThreads, 0, stream>>>(
         p.x, p.bias, p.scale, p.y, p.pre, p.mask, total, p.n, head, bias_windows, edge_first);
   } else {

@@ -101,13 +101,14 @@ inline ForwardKernel forward_kernel(int64_t rows, int64_t n, int elem, bool alig
 //   - swiglu's vector that straddles two rows issued its third load after the first two landed,
 //     and the vectors whose aligned loads would leave x read single elements in a branch first.
 // The uniform form (kUniform): those elements go to a warp of their own past the last vector;
-// every lane's bias is the same three aligned loads (its window, the next, and the row's first
-// vector for the wrapped lanes) plus predicated single loads for the columns of the bias row's
-// last, partial vector, all issued before any use; swiglu's straddling lanes issue their third
-// load with the first two, and the single-element lanes issue theirs after every other lane's
-// loads are in flight. One round trip a warp, for a few more instructions a thread (a second
-// shift of the bias, a select a lane). Past a wave the slow warps overlap other blocks' work and
-// those instructions are the cost, so the rule keeps the former (branching) form there.
+// every lane's bias is L single loads at its columns, wrapped or not (from L1: one bias row serves
+// every row), issued with x's before any use (course/bias_act.cuh's bias_uniform says why not
+// aligned windows); swiglu's straddling lanes issue their third realigned pair with the first two,
+// and the single-element lanes issue theirs in a branch that only loads, beside the other lanes'.
+// One round trip a warp, for more load instructions a thread (L single loads where the branching
+// form made one or two 16-byte ones) and more registers. Past a wave the slow warps overlap other
+// blocks' work and those instructions are the cost, so the rule keeps the former (branching) form
+// there.
 //   COURSE_FORWARD_ODD   bench-only, read by the launchers at each call (a benchmark switches it
 //                        between captures): "auto" or unset, the rule; "branch", the former form
 //                        at every grid; "uniform", the uniform form at every grid.
@@ -115,9 +116,9 @@ inline ForwardKernel forward_kernel(int64_t rows, int64_t n, int elem, bool alig
 enum class FlatOdd { kRule, kBranch, kUniform };
 
 // Blocks of 256 threads an SM holds of the uniform form: the wave the rule counts. ptxas -v (nvcc
-// 13.0, sm_90a): the bias kernels' uniform form takes 46-47 registers in 16-bit dtypes (the
-// branching one 24-32), 30-39 in float32; swiglu's forward 48 (38) and 42 (32). 48 registers a
-// thread hold 5 blocks of 256 in an SM's 64K; the float32 forms hold more, so 5 counts low there.
+// 13.0, sm_90a): swiglu's forward takes 48 registers in 16-bit dtypes (the branching one 38), 42
+// in float32 (32); the bias kernels' uniform form fewer (chapter 4's NOTES.md has the counts). 48
+// registers a thread hold 5 blocks of 256 in an SM's 64K; the others hold more, so 5 counts low.
 constexpr int64_t kFlatUniformBlocksPerSm = 5;
 
 // Whether a flat grid of `blocks` blocks of 256 threads takes the uniform form on `sms` SMs: at
