@@ -451,11 +451,13 @@ def test_swiglu_grid_rule(dtype):
 
 def swiglu_kernel_kind(name):
     """A launched swiglu kernel's kind from its demangled name: the flat walk's plain or shifted
-    instance (its last template argument, kShifted), or the backward's column tiles."""
+    instance (its third template argument, kShifted; the fourth, kUniform, is the forward's form),
+    or the backward's column tiles."""
     if "swiglu_backward_tile_kernel" in name:
         return "tiles"
     assert "swiglu_flat_kernel" in name, name
-    return "flat shifted" if name.split(">")[0].endswith("true") else "flat plain"
+    arguments = template_of(name, "swiglu_flat_kernel<")[len("swiglu_flat_kernel<"):-1].split(", ")
+    return "flat shifted" if arguments[2] == "true" else "flat plain"
 
 
 @pytest.mark.parametrize("dtype", LOW_PRECISION, ids=dtype_id)
