@@ -146,24 +146,33 @@ __device__ __forceinline__ void swiglu_elements(const T* x, const T* dy, T* out,
 // half-width array, whose first `head` elements lie before its first 16-byte boundary (0 for a
 // fresh y). kShifted false: half a whole number of vectors and every pointer aligned, so a, b
 // and dx are aligned wherever y is and every vector lies inside one row: plain 16-byte accesses.
-template <typename T, bool kBackward, bool kShifted>
+//
+// edge_first: the flat thread index that takes the first element outside whole vectors
+// (course::flat_edge_first: a warp past the last vector's in the uniform form, thread 0
+// otherwise). kUniform (the forward's shifted loads only; course::FlatOdd in bias_act.h says why):
+// a straddling lane issues its third realigned load with the other two, and a lane of single
+// elements issues its loads beside the other lanes' in the same straight run, so that a warp waits
+// for memory once.
+template <typename T, bool kBackward, bool kShifted, bool kUniform = false>
 __global__ void __launch_bounds__(kSwigluMaxThreads)
     swiglu_flat_kernel(const T* __restrict__ x, const T* __restrict__ dy, T* __restrict__ out, int64_t rows,
-                       int64_t half, int head) {
+                       int64_t half, int head, int64_t edge_first) {
+  static_assert(!kUniform || (kShifted && !kBackward), "the uniform form is the forward's shifted loads");
   using A = typename Acc<T>::type;
   constexpr int L = Vec16<T>::kLanes;
   const int64_t total = rows * half;
   const int64_t vectors = (total - head) / L;
+  const int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   // The elements outside whole vectors (fewer than L before the first boundary, fewer than L
-  // after the last whole vector): block 0's first threads, one each; blockDim.x >= 2 L.
-  if (blockIdx.x == 0) {
+  // after the last whole vector): one thread each from edge_first on.
+  {
     const int64_t tail = head + vectors * L;
-    if (threadIdx.x < head + (total - tail)) {
-      const int64_t i = threadIdx.x < head ? threadIdx.x : tail + (threadIdx.x - head);
+    const int64_t k = v - edge_first;
+    if (k >= 0 && k < head + (total - tail)) {
+      const int64_t i = k < head ? k : tail + (k - head);
       swiglu_element<T, kBackward>(x, dy, out, half, i);
     }
   }
-  const int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (v >= vectors) return;  // past the last whole vector; no barrier or shuffle below
   const int64_t first = head + v * L;
   // One division a thread, in 32 bits where the array allows (the hardware has no 64-bit divide).
@@ -190,28 +199,73 @@ __global__ void __launch_bounds__(kSwigluMaxThreads)
     // third load still waits for the first two to land (it sits in the branch after their
     // shifts; hoisted, three pairs' 24 words would not fit the 32 registers ptxas keeps this
     // kernel at), so a straddling lane's warp waits for memory twice and the others once (a and
-    // b's four loads issue together). The backward stores da and db where a and b are, so its
+    // b's four loads issue together): the branching form, kept past a wave; the uniform form
+    // (kUniform, below) issues all three, and the single elements' loads, before any use. The backward stores da and db where a and b are, so its
     // straddling vectors keep the single elements; so do rows shorter than a vector (a vector
     // over several rows) and vectors whose aligned loads would read outside x (the first and
     // last rows: bytes that are not x's, which compute-sanitizer reports).
     const T* const x_end = x + 2 * total;
     const int here = c + L > half ? static_cast<int>(half - c) : L;
     const bool straddles = here < L;
-    if (half < L || (kBackward && straddles) || !course::realigned_reads_inside(a, here, x, x_end) ||
-        !course::realigned_reads_inside(b, L, x, x_end) ||
-        (straddles && !course::realigned_reads_inside(b + half, L, x, x_end))) {
+    const bool elements = half < L || (kBackward && straddles) || !course::realigned_reads_inside(a, here, x, x_end) ||
+                          !course::realigned_reads_inside(b, L, x, x_end) ||
+                          (straddles && !course::realigned_reads_inside(b + half, L, x, x_end));
+    if constexpr (kUniform) {
+      // Every lane's loads first, each kind in a branch that only loads (no use, so no wait
+      // inside it): the realigned vectors, a straddling lane's third among them, or the single
+      // elements of swiglu_elements' walk (the vectors whose aligned loads would leave x: the
+      // first and last rows). Then the shifts and the selects, once.
+      course::Realigned ra{};
+      course::Realigned rb{};
+      course::Realigned rn{};
+      T ea[L];
+      T eb[L];
+      if (!elements) {
+        ra = course::realigned_issue(a, here);
+        rb = course::realigned_issue(b);
+        if (straddles) rn = course::realigned_issue(b + half);  // row r + 1's b from column 0 on
+      } else {
+        int64_t rr = r;
+        int64_t cc = c;
+#pragma unroll
+        for (int l = 0; l < L; ++l) {
+          const T* at = x + rr * 2 * half + cc;
+          ea[l] = at[0];
+          eb[l] = at[half];
+          if (++cc == half) {  // rows advance by a running column, as in swiglu_elements
+            cc = 0;
+            ++rr;
+          }
+        }
+      }
+      av = course::realigned_finish<T>(ra);
+      bv = course::realigned_finish<T>(rb);
+      const Vec16<T> next_b = course::realigned_finish<T>(rn);
+#pragma unroll
+      for (int l = 0; l < L; ++l) {
+        if (elements) {
+          av.v[l] = ea[l];
+          bv.v[l] = eb[l];
+        } else if (l >= here) {  // a straddling vector's lanes in row r + 1 (see below)
+          av.v[l] = bv.v[l];
+          bv.v[l] = next_b.v[l];
+        }
+      }
+    } else if (elements) {
       swiglu_elements<T, kBackward>(x, dy, out, half, first, r, c);
       return;
     }
-    av = course::load16_realigned(a, here);
-    bv = course::load16_realigned(b);
-    if (!kBackward && straddles) {
-      const Vec16<T> next_b = course::load16_realigned(b + half);  // row r + 1's b from column 0 on
+    if constexpr (!kUniform) {
+      av = course::load16_realigned(a, here);
+      bv = course::load16_realigned(b);
+      if (!kBackward && straddles) {
+        const Vec16<T> next_b = course::load16_realigned(b + half);  // row r + 1's b from column 0 on
 #pragma unroll
-      for (int l = 0; l < L; ++l) {
-        if (l >= here) {
-          av.v[l] = bv.v[l];
-          bv.v[l] = next_b.v[l];
+        for (int l = 0; l < L; ++l) {
+          if (l >= here) {
+            av.v[l] = bv.v[l];
+            bv.v[l] = next_b.v[l];
+          }
         }
       }
     }
@@ -278,11 +332,21 @@ cudaError_t launch_swiglu_flat(const T* x, const T* dy, T* out, int64_t rows, in
   const SwigluGrid g = swiglu_grid(rows, half, static_cast<int>(sizeof(T)), head, sms);
   const bool aligned = half % L == 0 && course::is_aligned(x, 16) && course::is_aligned(out, 16) &&
                        (!kBackward || course::is_aligned(dy, 16));
-  const dim3 grid(static_cast<unsigned>(g.blocks));
+  // The uniform form (course::flat_uniform: a grid of one wave or less, counted in blocks of 256
+  // threads as the bias kernels' are) wherever something is not whole aligned vectors: its edge
+  // elements on a warp of their own, and the forward's shifted loads all issued before any use.
+  const bool uniform =
+      !aligned && course::flat_uniform(course::ceil_div<int64_t>(g.vectors, 256), sms, course::flat_odd_variant());
+  const int64_t edges = rows * half - g.vectors * L;  // head plus the tail after the last whole vector
+  const int64_t edge_first = course::flat_edge_first(g.vectors, uniform);
+  const dim3 grid(static_cast<unsigned>(
+      std::max<int64_t>(g.blocks, course::flat_edge_blocks(g.vectors, edges, edge_first, g.threads))));
   if (aligned) {
-    swiglu_flat_kernel<T, kBackward, false><<<grid, g.threads, 0, stream>>>(x, dy, out, rows, half, head);
+    swiglu_flat_kernel<T, kBackward, false><<<grid, g.threads, 0, stream>>>(x, dy, out, rows, half, head, edge_first);
+  } else if (uniform && !kBackward) {
+    swiglu_flat_kernel<T, false, true, true><<<grid, g.threads, 0, stream>>>(x, dy, out, rows, half, head, edge_first);
   } else {
-    swiglu_flat_kernel<T, kBackward, true><<<grid, g.threads, 0, stream>>>(x, dy, out, rows, half, head);
+    swiglu_flat_kernel<T, kBackward, true><<<grid, g.threads, 0, stream>>>(x, dy, out, rows, half, head, edge_first);
   }
   return cudaGetLastError();
 }

@@ -539,6 +539,34 @@ std::string bias_forward_kernel(const Tensor& x, c10::string_view activation, in
   return kernel == ::course::ForwardKernel::kTiles ? "tiles" : "flat";
 }
 
+// The flat forward's form (course::flat_uniform, bias_act.h) for x on a GPU of `sms` SMs, as the
+// launchers take it for freshly allocated outputs and bias: "vectors" where every row is whole
+// 16-byte vectors from x's start (nothing for the form to change), else "uniform" (a grid of one
+// wave or less, or COURSE_FORWARD_ODD=uniform) or "branch". x is a bias op's input ([rows, n]) or,
+// swiglu true, swiglu's ([rows, 2 half]: y's vectors are the walk). x's alignment is its data
+// pointer's, or for a meta tensor its storage offset's.
+std::string flat_forward_form(const Tensor& x, int64_t sms, bool swiglu) {
+  check_input("flat_forward_form", "x", x);
+  TORCH_CHECK(sms >= 1, "flat_forward_form: sms must be at least 1, got ", std::to_string(sms));
+  ::course::FlatOdd variant;
+  const char* value = std::getenv("COURSE_FORWARD_ODD");
+  TORCH_CHECK(::course::parse_flat_odd(value, &variant), "flat_forward_form: COURSE_FORWARD_ODD must be auto, branch or ",
+              "uniform (or unset), got '", value == nullptr ? "" : value, "'");
+  const int elem = static_cast<int>(x.element_size());
+  const int64_t lanes = 16 / elem;
+  const int64_t width = x.dim() == 0 ? 1 : x.size(-1);
+  const int64_t n = swiglu ? width / 2 : width;
+  const int64_t rows = width == 0 ? 0 : x.numel() / width;
+  const bool aligned = x.is_meta() ? x.storage_offset() * elem % 16 == 0 : ::course::is_aligned(x.const_data_ptr(), 16);
+  if (n % lanes == 0 && aligned) return "vectors";
+  // The walk's vectors: y's (fresh, from its start) for swiglu, x's from its first boundary for a bias op.
+  const int64_t head = swiglu || aligned ? 0 : (16 - x.storage_offset() * elem % 16) / elem;
+  const int64_t total = rows * n;
+  const int64_t vectors = total > head ? (total - head) / lanes : 0;
+  const bool uniform = ::course::flat_uniform(::course::ceil_div<int64_t>(vectors, 256), static_cast<int>(sms), variant);
+  return uniform ? "uniform" : "branch";
+}
+
 // swiglu's launch for x on a GPU of `sms` SMs, [kernel, threads per block, blocks, whole vectors]:
 // the rule v2's forward (backward false) or the backward launches with, asked without a GPU, for
 // a freshly allocated (16-byte aligned) y, dy and dx as the glue's are. kernel 0: the flat walk,
@@ -728,6 +756,7 @@ TORCH_LIBRARY_FRAGMENT(fusion, m) {
         &fusion::elementwise::bias_grad_odd_rows);
   m.def("swiglu_grid(Tensor x, int sms, bool backward=False) -> int[]", &fusion::elementwise::swiglu_grid_of);
   m.def("bias_forward_kernel(Tensor x, str activation, int sms) -> str", &fusion::elementwise::bias_forward_kernel);
+  m.def("flat_forward_form(Tensor x, int sms, bool swiglu=False) -> str", &fusion::elementwise::flat_forward_form);
 }
 
 // One implementation per op serves CPU, CUDA and Meta: each picks the backend from the (already

@@ -451,11 +451,13 @@ def test_swiglu_grid_rule(dtype):
 
 def swiglu_kernel_kind(name):
     """A launched swiglu kernel's kind from its demangled name: the flat walk's plain or shifted
-    instance (its last template argument, kShifted), or the backward's column tiles."""
+    instance (its third template argument, kShifted; the fourth, kUniform, is the forward's form),
+    or the backward's column tiles."""
     if "swiglu_backward_tile_kernel" in name:
         return "tiles"
     assert "swiglu_flat_kernel" in name, name
-    return "flat shifted" if name.split(">")[0].endswith("true") else "flat plain"
+    arguments = template_of(name, "swiglu_flat_kernel<")[len("swiglu_flat_kernel<"):-1].split(", ")
+    return "flat shifted" if arguments[2] == "true" else "flat plain"
 
 
 @pytest.mark.parametrize("dtype", LOW_PRECISION, ids=dtype_id)
@@ -1449,6 +1451,129 @@ def test_bias_forward_kernel_rule(dtype):
         torch.ops.fusion.bias_forward_kernel(torch.empty(4, 8, device="meta"), "gelu", 0)
     with pytest.raises(RuntimeError, match="bias_forward_kernel: unknown activation"):
         torch.ops.fusion.bias_forward_kernel(torch.empty(4, 8, device="meta"), "tanh", 132)
+
+
+# The flat forward's form on rows that start mid-vector (course::flat_uniform, bias_act.h): the
+# uniform one (edge elements on a warp of their own, every lane's loads issued before any use)
+# where the grid is one wave or less of it, 5 blocks of 256 an SM; COURSE_FORWARD_ODD forces either.
+FORM_TOKENS = (1, 7, 64, 65, 255, 2048, 8192)
+FORM_WIDTHS = (1, 7, 768, 777, 4096, 4099, 8198, 16387)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16), ids=dtype_id)
+def test_flat_forward_form_rule(dtype, monkeypatch):
+    """flat_forward_form asked without a GPU (meta tensors, GPUs of 1 to 170 SMs): "vectors" where
+    every row is whole 16-byte vectors from an aligned start, else "uniform" where the walk's
+    vectors fill at most 5 blocks of 256 threads an SM, "branch" past that; for a bias op's x and
+    for swiglu's (whose walk is y's half-width rows). COURSE_FORWARD_ODD forces a form and an
+    unknown value raises."""
+    monkeypatch.delenv("COURSE_FORWARD_ODD", raising=False)
+    vector = 16 // torch.empty((), dtype=dtype).element_size()
+    for sms in (1, 46, 132, 170):
+        for tokens in FORM_TOKENS:
+            for width in FORM_WIDTHS:
+                x = torch.empty(tokens, width, dtype=dtype, device="meta")
+                for swiglu in (False, True):
+                    n = width // 2 if swiglu else width
+                    blocks = -(-(tokens * n // vector) // 256)
+                    expected = "vectors" if n % vector == 0 else "uniform" if blocks <= 5 * sms else "branch"
+                    assert OPS.flat_forward_form(x, sms, swiglu) == expected, (sms, tokens, width, swiglu)
+    # The sweep's rows on an H100's 132 SMs: the few-token odd rows uniform, 2048 tokens not.
+    for shape, expected in (((64, 4099), "uniform"), ((1, 4099), "uniform"), ((64, 777), "uniform"),
+                            ((2048, 4099), "branch"), ((64, 4096), "vectors")):
+        assert OPS.flat_forward_form(torch.empty(shape, dtype=dtype, device="meta"), 132) == expected, shape
+    # x one element past a boundary: rows of whole vectors that start mid-vector.
+    x = torch.empty(64 * 4096 + 1, dtype=dtype, device="meta")[1:].view(64, 4096)
+    assert OPS.flat_forward_form(x, 132) == "uniform"
+    odd, wide = torch.empty(64, 4099, dtype=dtype, device="meta"), torch.empty(2048, 4099, dtype=dtype, device="meta")
+    for value, few, many in (("", "uniform", "branch"), ("auto", "uniform", "branch"), ("branch", "branch", "branch"),
+                             ("uniform", "uniform", "uniform")):
+        monkeypatch.setenv("COURSE_FORWARD_ODD", value)
+        assert (OPS.flat_forward_form(odd, 132), OPS.flat_forward_form(wide, 132)) == (few, many), value
+    monkeypatch.setenv("COURSE_FORWARD_ODD", "sometimes")
+    with pytest.raises(RuntimeError, match="flat_forward_form: COURSE_FORWARD_ODD must be auto, branch or uniform"):
+        OPS.flat_forward_form(odd, 132)
+    monkeypatch.delenv("COURSE_FORWARD_ODD")
+    with pytest.raises(RuntimeError, match="flat_forward_form: sms must be at least 1"):
+        OPS.flat_forward_form(odd, 0)
+
+
+def template_of(name, start):
+    """The template part of a demangled kernel name, from `start` to its matching '>' (the
+    argument list after it, and the namespace before, may hold brackets of their own)."""
+    i = name.index(start) + len(start)
+    depth = 1
+    while depth:
+        depth += {"<": 1, ">": -1}.get(name[i], 0)
+        i += 1
+    return name[name.index(start):i]
+
+
+FORM_ROWS = (1, 7, 63, 64, 65, 255)
+FORM_CUDA_WIDTHS = (1, 7, 777, 4099, 8198)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=dtype_id)
+def test_flat_forward_odd_forms(dtype, monkeypatch):
+    """The flat forward's two forms (COURSE_FORWARD_ODD branch and uniform, and the rule's auto)
+    give the same bits and match float64: fused_bias_scale_relu and bias_gelu (the flat bias
+    kernel) and swiglu (x twice the width) at rows 1 to 255 by widths 1, 7 (shorter than a
+    vector), 777, 4099 (rows at every distance from a boundary, a vector that wraps into the next
+    row, the bias row's partial last vector) and 8198, with x (and swiglu's x) one element off a
+    boundary (edge elements before the first vector) and the bias one element off (its single
+    loads). Outputs poisoned first: an element no path wrote shows as NaN. At 64 x 4099 the
+    uniform form's kernels are the ones launched (their last template argument)."""
+    require_cuda()
+    for rows in FORM_ROWS:
+        for width in FORM_CUDA_WIDTHS:
+            for x_offset, bias_offset in ((0, 0), (1, 0), (0, 1)):
+                where = (rows, width, x_offset, bias_offset)
+                x, bias = bias_inputs((rows, width), dtype, "cuda")
+                x, bias = offset_copy(x, x_offset), offset_copy(bias, bias_offset)
+                xs = swiglu_rows(rows, 2 * width, dtype, "cuda", x_offset)
+                calls = {"relu": (lambda: fusion.fused_bias_scale_relu(x, bias, SCALE),
+                                  reference_bias_act(x, bias, "relu", SCALE), SCALE),
+                         "gelu": (lambda: fusion.bias_gelu(x, bias, "none"), reference_bias_act(x, bias, "gelu"), 1.0),
+                         "swiglu": (lambda: fusion.swiglu(xs), reference_swiglu(xs), None)}
+                for op, (call, ref, scale) in calls.items():
+                    bound = swiglu_bound(xs, ref, dtype) if op == "swiglu" else act_bound(x, bias, scale, ref, dtype)
+                    outs = {}
+                    for form in ("branch", "uniform", "auto"):
+                        monkeypatch.setenv("COURSE_FORWARD_ODD", form)
+                        poison_allocator(ref.to(dtype))
+                        outs[form] = call()
+                        assert_within(outs[form], ref, bound, f"{op} {form} {where}")
+                    assert torch.equal(outs["branch"], outs["uniform"]), (op, where)
+                    assert torch.equal(outs["auto"], outs["uniform"]), (op, where)
+    x, bias = bias_inputs((64, 4099), dtype, "cuda")
+    xs = swiglu_rows(64, 2 * 4099, dtype, "cuda")
+    for form, last in (("uniform", "true>"), ("branch", "false>")):
+        monkeypatch.setenv("COURSE_FORWARD_ODD", form)
+        _, kernels = launched_kernels(lambda: (fusion.fused_bias_scale_relu(x, bias, SCALE), fusion.swiglu(xs)),
+                                      "flat_kernel")
+        kernels = {template_of(k, "flat_kernel<") for k in kernels}  # the bias kernel's and swiglu's
+        assert len(kernels) == 2 and all(k.endswith(last) for k in kernels), (form, kernels)
+    monkeypatch.delenv("COURSE_FORWARD_ODD")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=dtype_id)
+def test_flat_forward_uniform_under_graphs(dtype):
+    """The uniform form captured into a CUDA graph and replayed gives the eager call's bits: 1 x
+    4099 (edge elements past the last vector's warp), 64 x 4099 and 65 x 777 (wrapping vectors),
+    bias_gelu, fused_bias_scale_relu and swiglu."""
+    require_cuda()
+    for rows, width in ((1, 4099), (64, 4099), (65, 777)):
+        x, bias = bias_inputs((rows, width), dtype, "cuda")
+        xs = swiglu_rows(rows, 2 * width, dtype, "cuda")
+
+        def step():
+            return (fusion.bias_gelu(x, bias, "none"), fusion.fused_bias_scale_relu(x, bias, SCALE),
+                    fusion.swiglu(xs))
+
+        captured, expected = capture_and_replay(step)
+        assert all(torch.equal(c, e) for c, e in zip(captured, expected)), (rows, width)
 
 
 @pytest.mark.cuda

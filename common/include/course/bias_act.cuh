@@ -360,27 +360,55 @@ __device__ __forceinline__ Vec16<T> bias_window(const Vec16<T>& lo, const Vec16<
   return out;
 }
 
-template <typename T, typename Act, bool kMask, bool kBiasVectors>
+// The uniform form's bias (course::FlatOdd in bias_act.h says why): columns c .. c + L - 1 of
+// the row, wrapping past n to columns 0 on (a vector may end in the next row), as L single loads
+// that every lane makes alike (from L1: one bias row serves every row of x), issued with x's and
+// used after. Not the aligned windows: their selects need the bias's data, and in 16-bit dtypes
+// ptxas (nvcc 13.0, sm_90a) scheduled them right after the window loads and x's load after them,
+// whether x's load came before or after in the source: two round trips, where these single
+// loads all issue before the first use. Rows of at least one vector (n >= L, the launcher's
+// condition): a vector then ends in its row or the next, never further, and no 64-bit remainder
+// (a call in SASS) finds the column.
+template <typename T>
+__device__ __forceinline__ void bias_uniform(const T* __restrict__ bias, int64_t c, int64_t n,
+                                             typename Acc<T>::type (&b)[Vec16<T>::kLanes]) {
+  constexpr int L = Vec16<T>::kLanes;
+  T single[L];
+#pragma unroll
+  for (int l = 0; l < L; ++l) {
+    const int64_t cl = c + l;
+    single[l] = bias[cl < n ? cl : cl - n];
+  }
+#pragma unroll
+  for (int l = 0; l < L; ++l) b[l] = to_acc(single[l]);
+}
+
+// edge_first: the flat thread index that takes the first element outside whole vectors
+// (course::flat_edge_first): past the last vector's warp in the uniform form, thread 0 otherwise.
+// kUniform: the bias of rows that start mid-vector by bias_uniform (a bias, n >= L), rather than
+// the branch between a window and a gather.
+template <typename T, typename Act, bool kMask, bool kBiasVectors, bool kUniform>
 __global__ void __launch_bounds__(kFlatThreads)
     bias_act_flat_kernel(const T* __restrict__ x, const T* __restrict__ bias, typename Acc<T>::type scale,
                          T* __restrict__ y, T* __restrict__ pre, uint32_t* __restrict__ mask, int64_t total,
-                         int64_t n, int head, bool bias_windows) {
+                         int64_t n, int head, bool bias_windows, int64_t edge_first) {
   using A = typename Acc<T>::type;
   constexpr int L = Vec16<T>::kLanes;
   const bool narrow = total <= static_cast<int64_t>(UINT32_MAX);
   const int64_t vectors = (total - head) / L;
+  const int64_t v = static_cast<int64_t>(blockIdx.x) * kFlatThreads + threadIdx.x;
   // The elements outside whole vectors (fewer than L before x's first 16-byte boundary, fewer
-  // than L after its last whole vector): block 0's first threads, one each.
-  if (blockIdx.x == 0) {
+  // than L after its last whole vector): one thread each from edge_first on.
+  {
     const int64_t tail = head + vectors * L;
-    if (threadIdx.x < head + (total - tail)) {
-      const int64_t i = threadIdx.x < head ? threadIdx.x : tail + (threadIdx.x - head);
+    const int64_t k = v - edge_first;
+    if (k >= 0 && k < head + (total - tail)) {
+      const int64_t i = k < head ? k : tail + (k - head);
       const A z = fma_acc(to_acc(x[i]), scale, bias != nullptr ? to_acc(bias[column_of<T>(i, n, narrow)]) : A(0));
       y[i] = from_acc<T>(Act::template forward<A, kFastMath<T>>(z));
       if (pre != nullptr) pre[i] = from_acc<T>(z);
     }
   }
-  const int64_t v = static_cast<int64_t>(blockIdx.x) * kFlatThreads + threadIdx.x;
   const bool active = v < vectors;
   uint32_t bits = 0;
   if (active) {
@@ -392,6 +420,8 @@ __global__ void __launch_bounds__(kFlatThreads)
       const Vec16<T> bv = load16(reinterpret_cast<const Vec16<T>*>(bias + c));
 #pragma unroll
       for (int l = 0; l < L; ++l) b[l] = to_acc(bv.v[l]);
+    } else if constexpr (kUniform) {
+      bias_uniform<T>(bias, c, n, b);  // the launcher takes it only with a bias and n >= L
     } else {
       const int s = static_cast<int>(c % L);
       const int64_t a = c - s;  // bias + a is 16-byte aligned (bias_windows)
@@ -453,6 +483,23 @@ inline bool flat_applies(const BiasAct<T>& p) {
   return head >= 0 && (p.mask == nullptr || (head == 0 && p.n % 32 == 0));
 }
 
+// The flat kernel's form (course::flat_uniform, bias_act.h) for these operands on this GPU: the
+// uniform one where the grid is one wave or less, or as COURSE_FORWARD_ODD forces. Whole vectors
+// from aligned pointers have nothing it changes (no edges, one aligned bias load): they say false.
+template <typename T>
+inline cudaError_t flat_form(const BiasAct<T>& p, int head, bool* uniform) {
+  constexpr int L = Vec16<T>::kLanes;
+  const int64_t total = p.rows * p.n;
+  const int64_t vectors = (total - head) / L;
+  const bool odd = head != 0 || p.n % L != 0 || (p.bias != nullptr && !is_aligned(p.bias, 16));
+  *uniform = false;
+  if (!odd) return cudaSuccess;
+  int sms = 1;
+  COURSE_CUDA_TRY(sm_count(&sms));
+  *uniform = flat_uniform(flat_edge_blocks(vectors, 0, 0, kFlatThreads), sms, flat_odd_variant());
+  return cudaSuccess;
+}
+
 template <typename T, typename Act, bool kMask>
 cudaError_t launch_bias_act_flat(const BiasAct<T>& p, cudaStream_t stream) {
   constexpr int L = Vec16<T>::kLanes;
@@ -460,17 +507,24 @@ cudaError_t launch_bias_act_flat(const BiasAct<T>& p, cudaStream_t stream) {
   if (head < 0 || (kMask && (head != 0 || p.n % 32 != 0))) return cudaErrorInvalidValue;  // flat_applies
   const int64_t total = p.rows * p.n;
   const int64_t vectors = (total - head) / L;
-  const unsigned blocks = static_cast<unsigned>(std::max<int64_t>(1, ceil_div(vectors, int64_t{kFlatThreads})));
+  bool uniform = false;
+  COURSE_CUDA_TRY(flat_form(p, head, &uniform));
+  const int64_t edges = total - vectors * L;  // head plus the tail after the last whole vector
+  const int64_t edge_first = flat_edge_first(vectors, uniform);
+  const unsigned blocks = static_cast<unsigned>(flat_edge_blocks(vectors, edges, edge_first, kFlatThreads));
   const bool bias_vectors = head == 0 && p.n % L == 0 && (p.bias == nullptr || is_aligned(p.bias, 16));
   // Other rows: the bias in aligned windows (bias_window) where the bias row starts on a 16-byte
-  // boundary, as a fresh tensor does; else element by element.
+  // boundary, as a fresh tensor does; else element by element (every lane the same path).
   const bool bias_windows = p.bias != nullptr && is_aligned(p.bias, 16);
   if (bias_vectors && p.bias != nullptr) {
-    bias_act_flat_kernel<T, Act, kMask, true><<<blocks, kFlatThreads, 0, stream>>>(
-        p.x, p.bias, p.scale, p.y, p.pre, p.mask, total, p.n, head, bias_windows);
+    bias_act_flat_kernel<T, Act, kMask, true, false><<<blocks, kFlatThreads, 0, stream>>>(
+        p.x, p.bias, p.scale, p.y, p.pre, p.mask, total, p.n, head, bias_windows, edge_first);
+  } else if (uniform && p.bias != nullptr && p.n >= L) {
+    bias_act_flat_kernel<T, Act, kMask, false, true><<<blocks, kFlatThreads, 0, stream>>>(
+        p.x, p.bias, p.scale, p.y, p.pre, p.mask, total, p.n, head, bias_windows, edge_first);
   } else {
-    bias_act_flat_kernel<T, Act, kMask, false><<<blocks, kFlatThreads, 0, stream>>>(
-        p.x, p.bias, p.scale, p.y, p.pre, p.mask, total, p.n, head, bias_windows);
+    bias_act_flat_kernel<T, Act, kMask, false, false><<<blocks, kFlatThreads, 0, stream>>>(
+        p.x, p.bias, p.scale, p.y, p.pre, p.mask, total, p.n, head, bias_windows, edge_first);
   }
   return cudaGetLastError();
 }

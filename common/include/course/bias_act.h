@@ -84,6 +84,87 @@ inline ForwardKernel forward_kernel(int64_t rows, int64_t n, int elem, bool alig
 }
 
 // ---------------------------------------------------------------------------------------
+// The flat forward (course/bias_act.cuh's bias_act_flat_kernel, and chapter 4's swiglu flat kernel)
+// on rows that start mid-vector (hidden 777, 4099): how a thread reaches its operands when the
+// grid is one wave or less, where every thread's memory round trips are the kernel's time.
+//
+// The H100 shapes sweep at f2cdaec: at 64 tokens the odd widths ran 0.5-1.1 us slower than their
+// even neighbours (bias_gelu bf16 64 x 4099 2.9 us, 64 x 4096 2.3; swiglu 64 x 8198 3.5 us, 64 x
+// 8192 2.4), and at one token too (bias_gelu 1 x 4099 2.2 us, 1 x 4096 1.7): a kernel of one
+// vector a thread and 128 blocks on 132 SMs lasts as long as its slowest warp, and three things
+// gave some warps two dependent trips to memory where the rest take one:
+//   - the few elements before x's first 16-byte boundary and after its last whole vector were
+//     block 0's first threads' before their own vectors (a load, its use, then the vector's load);
+//   - the bias of the vector that wraps into the next row, and of a row's last vectors, was a
+//     gather in a branch of its own beside the other lanes' two aligned loads: the warp ran one
+//     branch to its loads' use, then the other (divergent paths do not overlap their waits);
+//   - swiglu's vector that straddles two rows issued its third load after the first two landed,
+//     and the vectors whose aligned loads would leave x read single elements in a branch first.
+// The uniform form (kUniform): those elements go to a warp of their own past the last vector;
+// every lane's bias is L single loads at its columns, wrapped or not (from L1: one bias row serves
+// every row), issued with x's before any use (course/bias_act.cuh's bias_uniform says why not
+// aligned windows); swiglu's straddling lanes issue their third realigned pair with the first two,
+// and the single-element lanes issue theirs in a branch that only loads, beside the other lanes'.
+// One round trip a warp, for more load instructions a thread (L single loads where the branching
+// form made one or two 16-byte ones) and more registers. Past a wave the slow warps overlap other
+// blocks' work and those instructions are the cost, so the rule keeps the former (branching) form
+// there.
+//   COURSE_FORWARD_ODD   bench-only, read by the launchers at each call (a benchmark switches it
+//                        between captures): "auto" or unset, the rule; "branch", the former form
+//                        at every grid; "uniform", the uniform form at every grid.
+// ---------------------------------------------------------------------------------------
+enum class FlatOdd { kRule, kBranch, kUniform };
+
+// Blocks of 256 threads an SM holds of the uniform form: the wave the rule counts. ptxas -v (nvcc
+// 13.0, sm_90a): swiglu's forward takes 48 registers in 16-bit dtypes (the branching one 38), 42
+// in float32 (32); the bias kernels' uniform form fewer (chapter 4's NOTES.md has the counts). 48
+// registers a thread hold 5 blocks of 256 in an SM's 64K; the others hold more, so 5 counts low.
+constexpr int64_t kFlatUniformBlocksPerSm = 5;
+
+// Whether a flat grid of `blocks` blocks of 256 threads takes the uniform form on `sms` SMs: at
+// most one wave of it (132 SMs: 660 blocks, bias_gelu's 64 x 16387 in bfloat16 and less).
+inline bool flat_uniform(int64_t blocks, int sms, FlatOdd forced = FlatOdd::kRule) {
+  if (forced != FlatOdd::kRule) return forced == FlatOdd::kUniform;
+  return blocks <= kFlatUniformBlocksPerSm * (sms > 1 ? sms : 1);
+}
+
+// The value of COURSE_FORWARD_ODD (null or empty: the rule); false where it names none.
+inline bool parse_flat_odd(const char* value, FlatOdd* v) {
+  *v = FlatOdd::kRule;
+  if (value == nullptr || *value == '\0' || std::strcmp(value, "auto") == 0) return true;
+  if (std::strcmp(value, "branch") == 0) {
+    *v = FlatOdd::kBranch;
+    return true;
+  }
+  if (std::strcmp(value, "uniform") == 0) {
+    *v = FlatOdd::kUniform;
+    return true;
+  }
+  return false;
+}
+
+// This process's choice, from the environment at the time of the call; a value that names none
+// leaves the rule (chapter 4's flat_forward_form raises on it).
+inline FlatOdd flat_odd_variant() {
+  FlatOdd v;
+  if (!parse_flat_odd(std::getenv("COURSE_FORWARD_ODD"), &v)) v = FlatOdd::kRule;
+  return v;
+}
+
+// The first thread (a flat index over the grid) of the elements outside whole vectors: the
+// uniform form's warp past the last vector's, or (the branching form) block 0's thread 0.
+inline int64_t flat_edge_first(int64_t vectors, bool uniform) { return uniform ? (vectors + 31) / 32 * 32 : 0; }
+
+// Blocks of `threads` threads that cover `vectors` vector threads and, from edge_first on, `edges`
+// single-element threads (at least one block).
+inline int64_t flat_edge_blocks(int64_t vectors, int64_t edges, int64_t edge_first, int threads) {
+  int64_t last = vectors;
+  if (edges > 0 && edge_first + edges > last) last = edge_first + edges;
+  const int64_t blocks = ceil_div<int64_t>(last, threads);
+  return blocks > 1 ? blocks : 1;
+}
+
+// ---------------------------------------------------------------------------------------
 // The backward's column tiling (course/bias_act.cuh's act_backward_tile_kernel), from the shape
 // and the SM count alone, so that the CPU tests can ask it with any SM count. A block of
 // kGradThreads threads is a tile of tx adjacent packs by ty = kGradThreads / tx rows; each

@@ -81,25 +81,40 @@ __device__ __forceinline__ void store16(Vec16<T>* p, const Vec16<T>& v) {
 // Elements past `wanted` are garbage (zeros, or the next row's): the caller must not use them.
 // The caller also guarantees that the aligned vectors read lie inside the tensor
 // (realigned_reads_inside, or load16_realigned_within where they may not).
+// It comes in two halves, for a kernel that must issue several lanes' loads (of different kinds)
+// before it uses any: realigned_issue makes the loads (the aligned vectors and p's distance from
+// the boundary), realigned_finish the shift, once their data is wanted; load16_realigned is both.
+struct Realigned {
+  uint4 lo;
+  uint4 hi;
+  int bytes;
+};
+
 template <typename T>
-__device__ __forceinline__ Vec16<T> load16_realigned(const T* p, int wanted = Vec16<T>::kLanes) {
+__device__ __forceinline__ Realigned realigned_issue(const T* p, int wanted = Vec16<T>::kLanes) {
   constexpr int kLanes = Vec16<T>::kLanes;
-  const int bytes = static_cast<int>(reinterpret_cast<uintptr_t>(p) % 16);  // a multiple of sizeof(T)
-  const uint4* chunk = reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(p) - bytes);
-  const uint4 a = chunk[0];
-  uint4 b = make_uint4(0u, 0u, 0u, 0u);  // unused unless loaded: the words shifted in past `wanted`
-  if (bytes / static_cast<int>(sizeof(T)) + wanted > kLanes) b = chunk[1];
-  const uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+  Realigned r;
+  r.bytes = static_cast<int>(reinterpret_cast<uintptr_t>(p) % 16);  // a multiple of sizeof(T)
+  const uint4* chunk = reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(p) - r.bytes);
+  r.lo = chunk[0];
+  r.hi = make_uint4(0u, 0u, 0u, 0u);  // unused unless loaded: the words shifted in past `wanted`
+  if (r.bytes / static_cast<int>(sizeof(T)) + wanted > kLanes) r.hi = chunk[1];
+  return r;
+}
+
+template <typename T>
+__device__ __forceinline__ Vec16<T> realigned_finish(const Realigned& r) {
+  const uint32_t w[8] = {r.lo.x, r.lo.y, r.lo.z, r.lo.w, r.hi.x, r.hi.y, r.hi.z, r.hi.w};
   // Whole words first (a two-level shifter: by 1 word, then by 2), then the half word a 2-byte
   // dtype may be off by, which __funnelshift_r takes from the next word (a shift of 0 is none).
-  const int words = bytes / 4;
+  const int words = r.bytes / 4;
   uint32_t by1[7];
 #pragma unroll
   for (int i = 0; i < 7; ++i) by1[i] = (words & 1) ? w[i + 1] : w[i];
   uint32_t by2[5];
 #pragma unroll
   for (int i = 0; i < 5; ++i) by2[i] = (words & 2) ? by1[i + 2] : by1[i];
-  const unsigned half = 8u * static_cast<unsigned>(bytes % 4);
+  const unsigned half = 8u * static_cast<unsigned>(r.bytes % 4);
   uint4 out;
   out.x = __funnelshift_r(by2[0], by2[1], half);
   out.y = __funnelshift_r(by2[1], by2[2], half);
@@ -108,6 +123,11 @@ __device__ __forceinline__ Vec16<T> load16_realigned(const T* p, int wanted = Ve
   Vec16<T> v;
   memcpy(&v, &out, sizeof(v));
   return v;
+}
+
+template <typename T>
+__device__ __forceinline__ Vec16<T> load16_realigned(const T* p, int wanted = Vec16<T>::kLanes) {
+  return realigned_finish<T>(realigned_issue(p, wanted));
 }
 
 // Whether load16_realigned(p, wanted) reads only bytes of [lo, hi): the aligned vectors it loads
