@@ -1349,11 +1349,13 @@ def skip_unless_hopper():
         pytest.skip("part 3's rungs need a Hopper GPU (compute capability 9.0) and a build whose arch list had 9.0")
 
 
-# FLASH_ATTENTION_HOPPER_OVERLAP (flash_fwd_hopper.h, read by the launcher at each call): rungs
-# "pingpong" and "persistent" (padded, no window or softcap) at d = 64 and 128 run FlashAttention 3's
-# intra-warpgroup overlap in their turns instead of the joint schedule; elsewhere it does nothing.
-# The rung tests run with it off and on (the fixture), since the bench times both and the lead picks
-# the default from the measurement (test_cuda_hopper_overlap_matches_joint compares the two).
+# FLASH_ATTENTION_HOPPER_OVERLAP (flash_fwd_hopper.h, read by the launcher at each call): 1 makes
+# rungs "pingpong" and "persistent" (padded, no window or softcap) at d = 64 and 128 run FlashAttention
+# 3's intra-warpgroup overlap in their turns instead of the joint schedule, 0 neither; unset, the
+# measured default: "pingpong" overlaps, "persistent" does not. Elsewhere it does nothing. The rung
+# tests run with it off and on (the fixture), since the bench times both schedules
+# (test_cuda_hopper_overlap_matches_joint compares the two, test_cuda_hopper_overlap_default holds
+# the default).
 HOPPER_OVERLAP_KNOB = "FLASH_ATTENTION_HOPPER_OVERLAP"
 
 
@@ -1476,6 +1478,28 @@ def test_cuda_hopper_overlap_matches_joint(dtype, causal, head_dim, monkeypatch)
         assert any("PersistentOverlap" in n for n in names), f"{what} persistent: {names}"
         assert torch.equal(out2[0], out) and torch.equal(out2[1], lse), f"{what}: persistent's overlap differs"
         check_cuda_forward(q, k, v, causal, "pingpong", f"overlap {what}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_dim", (64, 128))
+def test_cuda_hopper_overlap_default(head_dim, monkeypatch):
+    """With the knob unset (and at any value but 0 or 1), rung "pingpong" runs the overlap kernel
+    and "persistent" the joint one (flash_fwd_hopper.h's hopper_forward_overlap: what the overlap
+    rows measured), judged by the launched kernels' names."""
+    skip_unless_hopper()
+    from coursekit.pytest_plugin import launched_kernels
+    q, k, v = cuda_inputs(2, 1, 300, 300, head_dim, torch.bfloat16)
+    for knob in (None, "auto"):
+        if knob is None:
+            monkeypatch.delenv(HOPPER_OVERLAP_KNOB, raising=False)
+        else:
+            monkeypatch.setenv(HOPPER_OVERLAP_KNOB, knob)
+        _, names = launched_kernels(lambda: flash_attention.attention(q, k, v, version="pingpong"), "flash_attention")
+        assert [n for n in names if f"HopperFwdOverlapTraits<{head_dim}>" in n] == names and len(names) == 1, \
+            f"pingpong, knob {knob}: {names}"
+        _, names = launched_kernels(lambda: flash_attention.attention(q, k, v, version="persistent"), "flash_attention")
+        assert any("persistent" in n for n in names) and not any("Overlap" in n for n in names), \
+            f"persistent, knob {knob}: {names}"
 
 
 @pytest.mark.cuda

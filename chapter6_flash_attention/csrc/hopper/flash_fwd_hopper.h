@@ -34,16 +34,24 @@ enum class HopperForward { kWgmma, kWarpSpecialized, kPingpong, kPersistent };
 // Head dims the Hopper rungs take: attention.h's kHopperHeadDims.
 inline bool attention_forward_hopper_head_dim(int64_t head_dim) { return ::course::is_listed(kHopperHeadDims, head_dim); }
 
-// FLASH_ATTENTION_HOPPER_OVERLAP=1: rungs "pingpong" and "persistent" run FlashAttention 3's
-// intra-warpgroup overlap in their turns (HopperFwdOverlapTraits, HopperFwdPersistentOverlapTraits:
-// flash_fwd_hopper_kernel.cuh) instead of the joint schedule, at d = 64 and 128 (where the third stage
-// fits), "persistent" in the padded layout without a window or a softcap; elsewhere (d = 256, the
-// other rungs, the packed and paged walks, windows) the knob does nothing. A candidate for the bench and the tests, read at every call (getenv is a scan of a few
-// dozen strings, against a launch's microseconds), so that one process can time and test both.
+// FlashAttention 3's intra-warpgroup overlap in the turns (HopperFwdOverlapTraits,
+// HopperFwdPersistentOverlapTraits: flash_fwd_hopper_kernel.cuh) instead of the joint schedule, at
+// d = 64 and 128 (where the third stage fits), "persistent" in the padded layout without a window or
+// a softcap; elsewhere (d = 256, the other rungs, the packed and paged walks, windows) it does not
+// apply. Which rung takes it, as measured (an H200 run of `bench_attention.py --ops
+// attention_overlap`, NOTES.md): "pingpong" by default, 2-10% faster than its joint schedule at
+// every shape where the dispatch runs it (long rows); "persistent" keeps the joint schedule, since
+// at d = 128 its overlap consumers spill (232 registers) and lost 13-24% at 512 keys.
+// FLASH_ATTENTION_HOPPER_OVERLAP overrides it for the bench and the tests, read at every call
+// (getenv is a scan of a few dozen strings, against a launch's microseconds), so that one process
+// can time and test both: 1 = both rungs overlap, 0 = neither, unset (or anything else) = the
+// default above.
 inline constexpr const char* kHopperOverlapEnv = "FLASH_ATTENTION_HOPPER_OVERLAP";
-inline bool hopper_forward_overlap() {
+inline bool hopper_forward_overlap(HopperForward rung) {
   const char* v = std::getenv(kHopperOverlapEnv);
-  return v != nullptr && std::strcmp(v, "1") == 0;
+  if (v != nullptr && std::strcmp(v, "1") == 0) return true;
+  if (v != nullptr && std::strcmp(v, "0") == 0) return false;
+  return rung == HopperForward::kPingpong;
 }
 
 // Shared memory one block takes (the glue compares it with the GPU's per-block limit).

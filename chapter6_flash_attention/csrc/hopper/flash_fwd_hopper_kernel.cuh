@@ -31,9 +31,8 @@
 // 10-20%: ptxas scheduled that wait (WARPGROUP.DEPBAR) right after the maximum, ahead of the
 // exponentials it was meant to overlap (README, part 3). It is now written as the FP8 forward
 // writes it (the wait at the top of the next step, P in two register arrays; the kernel's
-// comments), and rungs "pingpong" and "persistent" run it at d = 64 and 128 when
-// FLASH_ATTENTION_HOPPER_OVERLAP=1 (hopper_forward_overlap, flash_fwd_hopper.h), a candidate beside
-// the joint schedule.
+// comments): rung "pingpong" runs it at d = 64 and 128, and "persistent" can
+// (hopper_forward_overlap, flash_fwd_hopper.h, says which does by default and why).
 //
 // No torch headers: this file builds with a bare nvcc for sm_90a (and to empty kernels for any
 // other target, which the glue never launches).
@@ -124,7 +123,7 @@ struct HopperFwdTraits
                       kRung != HopperForward::kWgmma, hopper_pingpong_rung<kHeadDim, kRung>(),
                       hopper_pingpong_rung<kHeadDim, kRung>(), false, kRung == HopperForward::kPersistent> {};
 // Rung "pingpong" with FlashAttention 3's intra-warpgroup overlap in its turns instead of the joint
-// schedule (FLASH_ATTENTION_HOPPER_OVERLAP=1): the same tile, stages and shared memory, at the head
+// schedule (its default at d = 64 and 128: hopper_forward_overlap): the same tile, stages and shared memory, at the head
 // dims where the third stage fits (the overlap needs it: HopperFwdConfig's static_assert).
 template <int kHeadDim>
 struct HopperFwdOverlapTraits
@@ -132,8 +131,8 @@ struct HopperFwdOverlapTraits
                       true> {
   static_assert(hopper_pingpong_stages<kHeadDim>() == 3, "the overlap runs where the third stage fits");
 };
-// Rung "persistent" with the same consumers (FLASH_ATTENTION_HOPPER_OVERLAP=1, the padded layout
-// without a window or a softcap; flash_fwd_hopper_persistent.cuh).
+// Rung "persistent" with the same consumers (FLASH_ATTENTION_HOPPER_OVERLAP=1 only: it spills at
+// d = 128; the padded layout without a window or a softcap; flash_fwd_hopper_persistent.cuh).
 template <int kHeadDim>
 struct HopperFwdPersistentOverlapTraits
     : HopperFwdConfig<kHeadDim, hopper_block_n(kHeadDim), hopper_pingpong_stages<kHeadDim>(), true, false, true,
