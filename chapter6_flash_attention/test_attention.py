@@ -718,11 +718,13 @@ def test_dispatch_rule_on_any_gpu():
     big = (4, 16, 1024, 128)
     assert rule("attention_forward", big, dtype=torch.bfloat16, **hopper) == "persistent"
     assert rule("attention_forward", big[:3] + (64,), dtype=torch.float16, **hopper) == "persistent"
-    # the persistent grid where the walks over the keys are uneven (causal: the shortest at most half
-    # the longest) or short (at most 2048 keys), ping-pong's plain grid for long even walks
-    for s_q, s_k, causal, want in ((1024, 1024, False, "persistent"), (2048, 2048, False, "persistent"),
-                                   (2049, 2049, False, "pingpong"), (8192, 8192, True, "persistent"),
-                                   (16384, 16384, True, "persistent"), (1024, 4096, True, "pingpong"),
+    # the persistent grid where the walks over the keys are short: at most 1024 keys when they are
+    # even, 4096 when uneven (causal: the shortest at most half the longest); ping-pong's plain grid
+    # with its intra-warpgroup overlap for longer walks
+    for s_q, s_k, causal, want in ((1024, 1024, False, "persistent"), (1025, 1025, False, "pingpong"),
+                                   (2048, 2048, False, "pingpong"), (4096, 4096, True, "persistent"),
+                                   (4097, 4097, True, "pingpong"), (8192, 8192, True, "pingpong"),
+                                   (16384, 16384, True, "pingpong"), (1024, 4096, True, "pingpong"),
                                    (2049, 4096, True, "persistent"), (4096, 1024, True, "persistent")):
         assert rule("attention_forward", (2, 16, s_q, 128), (2, 16, s_k, 128), dtype=torch.bfloat16,
                     causal=causal, **hopper) == want, (s_q, s_k, causal)

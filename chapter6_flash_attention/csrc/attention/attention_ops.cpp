@@ -110,14 +110,19 @@ bool half_dtype(const Tensor& t) { return t.scalar_type() == at::kHalf || t.scal
 // (the Q load, the output's store), a fixed cost per tile that matters while the tile's walk over
 // the keys is short, and it balances walks of different lengths (causal tiles), which the plain
 // grid leaves to chance in its last wave; it pays 8 registers per consumer thread (232 instead of
-// 240) and an atomic per tile. Two bench_attention.py runs on an H200: on causal rows (walks from
-// 1 key to all of them) persistent was ahead or within 3% at every length, 512-16384, and ahead by
-// 3-7% at 8192 at d = 128; on full rows (every walk alike) ahead up to 1.09x at 512-1024 keys, level
-// at 2048 and behind by up to 6% beyond. Two runs on an H100 put 2048 keys on the same knife's edge:
-// persistent ahead by 4-7% at d = 128 in both, behind by 3-6% at d = 64 (0.5x-1.5x of what a run's
-// own timings of one kernel move by). The plain grid's loss there is the larger, so 2048 counts as
-// short. So "persistent" where the walks are uneven (the shortest at most half the longest) or
-// short (at most kPersistentMaxEvenKeys), "pingpong" otherwise. At 256
+// 240) and an atomic per tile, and it keeps the joint schedule, where "pingpong" runs FlashAttention
+// 3's intra-warpgroup overlap (flash_fwd_hopper.h: the overlap's consumers spill at 232). So the
+// persistent grid pays while a tile's fixed cost or the walks' imbalance outweighs the overlap's
+// gain per key tile, which grows with the walk. The H200 benchmark at e0364aa (both rungs timed
+// at every sweep shape, both 16-bit types) put the crossings at: full rows (every walk alike)
+// persistent ahead at 512 keys (2-14%), at 1024 ahead at d = 64 (5-6%) and level at d = 128 (within
+// 2.4%), behind from 2048 (7-12% at d = 128, level at d = 64); causal rows (walks from 1 key to all of them) persistent ahead up
+// to 2048 keys (3-17%), level at 4096 (within 2.5%), behind from 8192 (2-3%, then 6-10% at 16384).
+// So "persistent" where the longest walk is at most kPersistentMaxEvenKeys keys, or at most
+// kPersistentMaxUnevenKeys when the walks are uneven (the shortest at most half the longest), and
+// "pingpong" otherwise: each bound the last length where the persistent grid was ahead or level in
+// both types and head dims. (Before the overlap the bounds were 2048 and unbounded: an H200 and an
+// H100 had the persistent grid ahead at every causal length and level at 2048 full keys.) At 256
 // "warp_specialized", where the third stage does not fit and two stages leave ping-pong slower
 // (experiments/hopper_forward_check.cu --variants, NOTES.md). A window or a softcap takes
 // "persistent" there too, at head_dim 64 and 128 (kHopperWindowHeadDims: its kWindowSoftcap
@@ -162,11 +167,12 @@ struct DispatchFacts {
 // Whether the persistent grid pays (the version=None section above): the walks of a bottom-right
 // aligned causal call run from seqlen_k - seqlen_q + 1 keys (at least 0) to seqlen_k; a full call's
 // are all seqlen_k.
-constexpr int64_t kPersistentMaxEvenKeys = 2048;
+constexpr int64_t kPersistentMaxEvenKeys = 1024;
+constexpr int64_t kPersistentMaxUnevenKeys = 4096;
 bool persistent_pays(const AttentionParams& p) {
   const int64_t longest = p.seqlen_k;
   const int64_t shortest = p.causal ? std::max<int64_t>(0, p.seqlen_k - p.seqlen_q + 1) : p.seqlen_k;
-  return 2 * shortest <= longest || longest <= kPersistentMaxEvenKeys;
+  return longest <= (2 * shortest <= longest ? kPersistentMaxUnevenKeys : kPersistentMaxEvenKeys);
 }
 // A window or a softcap (attention.h) runs on "persistent" at kHopperWindowHeadDims (a Hopper GPU)
 // and on "tuned" and "split_kv" (every GPU from sm_80: their kernel computes them); on a GPU that
