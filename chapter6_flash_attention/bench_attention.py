@@ -1176,11 +1176,24 @@ def bench_varlen(device, mm, notes):
     return rows
 
 
+def compiled_flex_attention():
+    """torch.compile'd flex_attention for the timed baselines. Their backward rows time
+    autograd.grad over a retained graph (bench.backward_call), and AOTAutograd by default donates
+    the forward's saved buffers to the backward, which a retained graph forbids: in one process
+    that ran the window, softcap and packed sections in turn, the softcap's and the packed batch's
+    flex_attention backward refused with "compiled with non-empty donated buffers". Donating is a
+    memory saving, not a speed one, so it is turned off before compiling."""
+    import torch._functorch.config
+    from torch.nn.attention.flex_attention import flex_attention
+    torch._functorch.config.donated_buffer = False
+    return torch.compile(flex_attention, fullgraph=True)
+
+
 def flex_document_attention(lengths, heads, device):
     """torch.compile'd flex_attention with a causal document mask over the packed tokens: key j is
     visible to query i iff both are of one sequence and j <= i. The block mask (which 128 x 128 tiles
     hold a visible key: the tiles flex_attention visits) is built here, once, outside any timing."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask
     total = sum(lengths)
     doc = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
 
@@ -1188,7 +1201,7 @@ def flex_document_attention(lengths, heads, device):
         return (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx)
     # _compile: the mask evaluated tile by tile, not as a dense total x total grid (10^9 entries here).
     block_mask = create_block_mask(document_causal, None, None, total, total, device=device, _compile=True)
-    compiled = torch.compile(flex_attention, fullgraph=True)
+    compiled = compiled_flex_attention()
     return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
 
 
@@ -1274,7 +1287,7 @@ def flex_masked_attention(c, device, compile=True):
     def softcap(score, b, h, q_idx, kv_idx):
         return cap * torch.tanh(score / cap)
     block_mask = create_block_mask(mask, None, None, n, n, device=device, _compile=device == "cuda")
-    compiled = torch.compile(flex_attention, fullgraph=True) if compile else flex_attention
+    compiled = compiled_flex_attention() if compile else flex_attention
     score_mod = softcap if cap > 0 else None
     return lambda q, k, v: compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)
 
