@@ -334,6 +334,131 @@ __device__ __forceinline__ void store_o_lse(const float (&o)[K::kHeadDim / 2], c
   }
 }
 
+// FlashAttention 3's intra-warpgroup overlap (the kOverlap schedule), written once for the one-tile
+// kernel below and the persistent consumer (flash_fwd_hopper_persistent.cuh), the way the FP8
+// forward writes it (flash_fwd_hopper_fp8.cuh; NOTES.md, "The FP8 forward's turn shortened", change
+// 2). Step i: tile i's Q K^T, then (O rescaled to tile i - 1's maximum meanwhile) tile i - 1's P V,
+// in one turn; the wait for Q K^T alone (groups complete in order); tile i's softmax and P's
+// conversion while P V is still on the tensor cores; the wait for that P V at the top of the next
+// step, behind its mbarrier waits. Where that wait is written is what makes the overlap work: after
+// the softmax, in the same basic block, ptxas hoisted it to the row maximum's first shuffle, ahead
+// of every exponential (this configuration's 10-20% loss before); behind the mbarrier waits' retry
+// loops, branches ptxas does not move it across, it stays.
+// P in two register arrays (tile i packed while P V reads tile i - 1's), the steps two at a time so
+// that which array a step fills is a constant of its code (an array indexed at run time would go to
+// local memory). Two arrays, not one copied into the other: ptxas treats a wgmma's A registers as
+// free once it has issued (fence_operands emits no PTX) and merged such a copy into the registers
+// the running P V reads (the FP8 forward's SASS, NOTES.md). Tile i - 2's stage is freed after that
+// wait, so the producer needs a third stage to run a tile ahead (the config's static_assert).
+// The kernels' pieces, as callables (all inlined: the code is the one each kernel had inline):
+//   stage_of(i), parity_of(i): tile i's stage of the K/V ring and the parity its barriers complete
+//     with (the one-tile kernel counts from its first tile, the persistent one over its whole walk);
+//   wait_k(stage, parity), wait_v(stage, parity): the mbarrier waits for a stage's K and V;
+//   release(stage): this warp is done with a stage; take_turn(), pass_turn(last): ping-pong's turns
+//     (`last`: the walk's last hand-over, which the one-tile kernel's warpgroup 1 skips);
+//   open(issue_qk_at): tile 0's Q K^T and softmax into s and corr where the kernel has not already
+//     run them (the one-tile kernel shares that opening with its joint schedule);
+//   before_last_pv(): what may go once the last Q K^T has completed (the persistent rung's Q);
+//   softmax(mask_tag, i, corr), rescale_o(corr): the kernel's per-tile math on s and o.
+// s, o, P's two arrays (pf2) and the corrections (corr) are the caller's registers, by reference.
+// The callables go by value. Both kernels' SASS was compared instruction for instruction with the
+// schedule written inline (nvcc 13.0), and small differences in how the pieces are handed over
+// showed: callables by reference reordered a persistent producer loop's phis (PTX) and three of its
+// SASS instructions; its stage_of reading kv_trips by reference put one add more in its SASS. A
+// change here wants the same comparison.
+// On return every product has completed and every stage of the walk is released.
+template <typename T, typename K, typename StageOf, typename ParityOf, typename WaitK, typename WaitV,
+          typename Release, typename TakeTurn, typename PassTurn, typename Open, typename BeforeLastPv,
+          typename Softmax, typename RescaleO>
+__device__ __forceinline__ void overlap_walk(float (&s)[K::kBlockN / 2], float (&o)[K::kHeadDim / 2],
+                                             uint32_t (&pf2)[2][K::kBlockN / 16][4], float (&corr)[2],
+                                             const unsigned char* q_wg, const unsigned char* k_s,
+                                             const unsigned char* v_s, int n_tiles, int n_full, StageOf stage_of,
+                                             ParityOf parity_of, WaitK wait_k, WaitV wait_v, Release release,
+                                             TakeTurn take_turn, PassTurn pass_turn, Open open,
+                                             BeforeLastPv before_last_pv, Softmax softmax, RescaleO rescale_o) {
+  using hopper::desc_advance;
+  using hopper::fence_operands;
+  using hopper::smem_desc_sw128;
+  using hopper::wgmma_wait;
+  constexpr int kBN = K::kBlockN;
+  const std::false_type unmasked;
+  const std::true_type masked;
+  const std::integral_constant<int, 0> even;
+  const std::integral_constant<int, 1> odd;
+  const uint64_t desc_q = smem_desc_sw128(q_wg, 16, 1024), desc_k = smem_desc_sw128(k_s, 16, 1024);
+  const uint64_t desc_v = smem_desc_sw128(v_s, kBN * 128, 1024);
+  auto issue_qk_at = [&](int stage) {
+    issue_qk_desc<T, K>(s, desc_q, desc_advance(desc_k, stage * K::kKVBytes));
+  };
+  auto issue_pv_from = [&](int stage, auto buf) {
+    issue_pv_desc<T, K>(o, pf2[buf.value], desc_advance(desc_v, stage * K::kKVBytes));
+  };
+  auto pack_p_into = [&](auto buf) { pack_p<T, K>(pf2[buf.value], s); };
+  open(issue_qk_at);
+  pack_p_into(even);
+  auto step = [&](auto mask_tag, int i, auto buf, auto first) {
+    const int stage = stage_of(i), prev = stage_of(i - 1);
+    const std::integral_constant<int, 1 - decltype(buf)::value> other;
+    wait_v(prev, parity_of(i - 1));
+    wait_k(stage, parity_of(i));
+    wgmma_wait<0>();  // tile i - 2's P V, issued by the last step
+    fence_operands(o);
+    fence_operands(pf2[buf.value]);  // that P V's fragments: written again below
+    if constexpr (!decltype(first)::value) release(stage_of(i - 2));
+    take_turn();
+    issue_qk_at(stage);
+    rescale_o(corr);  // tile i - 1's corrections: O holds tiles up to i - 2
+    issue_pv_from(prev, other);
+    pass_turn(false);
+    wgmma_wait<1>();  // Q K^T of tile i; P V of tile i - 1 may still run
+    fence_operands(s);
+    softmax(mask_tag, i, corr);
+    pack_p_into(buf);
+  };
+  // Step 1 has no stage to free (tile -1); the rest two at a time, even then odd.
+  const std::true_type first;
+  const std::false_type later;
+  if (n_tiles > 1) {
+    if (n_full > 1) {
+      step(unmasked, 1, odd, first);
+    } else {
+      step(masked, 1, odd, first);
+    }
+  }
+  auto run = [&](auto mask_tag, int i, int end) {
+    if (i < end && (i & 1)) step(mask_tag, i++, odd, later);
+    for (; i + 1 < end; i += 2) {
+      step(mask_tag, i, even, later);
+      step(mask_tag, i + 1, odd, later);
+    }
+    if (i < end) step(mask_tag, i, even, later);
+  };
+  run(unmasked, 2, n_full);
+  run(masked, n_full > 2 ? n_full : 2, n_tiles);
+  // The last Q K^T has completed (the wait above): what waited for it goes before the last P V.
+  before_last_pv();
+  // The last tile's P V, after the one before it (whose wait frees tile n_tiles - 2's stage).
+  wgmma_wait<0>();  // the P V before the last
+  fence_operands(o);
+  if (n_tiles > 1) release(stage_of(n_tiles - 2));
+  const int last = stage_of(n_tiles - 1);
+  wait_v(last, parity_of(n_tiles - 1));
+  take_turn();
+  rescale_o(corr);
+  if ((n_tiles - 1) & 1) {
+    issue_pv_from(last, odd);
+  } else {
+    issue_pv_from(last, even);
+  }
+  pass_turn(true);
+  wgmma_wait<0>();
+  fence_operands(o);
+  fence_operands(pf2[0]);
+  fence_operands(pf2[1]);
+  release(last);
+}
+
 }  // namespace hopper_fwd
 #endif
 
@@ -566,96 +691,19 @@ __global__ void __launch_bounds__(K::kThreads, 1)
       fence_operands(pf);
       release(last);
     } else {
-      // kOverlap, FlashAttention 3's intra-warpgroup overlap, written as the FP8 forward writes it
-      // (flash_fwd_hopper_fp8.cuh; NOTES.md, "The FP8 forward's turn shortened", change 2). Step i:
-      // tile i's Q K^T, then (O rescaled to tile i - 1's maximum meanwhile) tile i - 1's P V, in
-      // one turn; the wait for Q K^T alone (groups complete in order); tile i's softmax and P's
-      // conversion while P V is still on the tensor cores; the wait for that P V at the top of the
-      // next step, behind its mbarrier waits. Where that wait is written is what makes the overlap
-      // work: after the softmax, in the same basic block, ptxas hoisted it to the row maximum's
-      // first shuffle, ahead of every exponential (this configuration's 10-20% loss before); behind
-      // the mbarrier waits' retry loops, branches ptxas does not move it across, it stays.
-      // P in two register arrays (tile i packed while P V reads tile i - 1's), the steps two at a
-      // time so that which array a step fills is a constant of its code (an array indexed at run
-      // time would go to local memory). Two arrays, not one copied into the other: ptxas treats a
-      // wgmma's A registers as free once it has issued (fence_operands emits no PTX) and merged
-      // such a copy into the registers the running P V reads (the FP8 forward's SASS, NOTES.md).
-      // Tile i - 2's stage is freed after that wait, so the producer needs a third stage to run a
-      // tile ahead (the config's static_assert).
-      uint32_t pf2[2][kPSteps][4];
-      const std::integral_constant<int, 0> even;
-      const std::integral_constant<int, 1> odd;
-      const uint64_t desc_q = smem_desc_sw128(q_wg, 16, 1024), desc_k = smem_desc_sw128(k_s, 16, 1024);
-      const uint64_t desc_v = smem_desc_sw128(v_s, kBN * 128, 1024);
-      auto issue_qk_at = [&](int stage) {
-        hopper_fwd::issue_qk_desc<T, K>(s, desc_q, desc_advance(desc_k, stage * K::kKVBytes));
-      };
-      auto issue_pv_from = [&](int stage, auto buf) {
-        hopper_fwd::issue_pv_desc<T, K>(o, pf2[buf.value], desc_advance(desc_v, stage * K::kKVBytes));
-      };
-      auto pack_p_into = [&](auto buf) { hopper_fwd::pack_p<T, K>(pf2[buf.value], s); };
-      pack_p_into(even);
+      // kOverlap, FlashAttention 3's intra-warpgroup overlap (the candidate HopperFwdOverlapTraits):
+      // hopper_fwd::overlap_walk (above) says why each piece is where it is. Tile 0's Q K^T and
+      // softmax are the opening above, so the walk's own opening is empty here.
       // A tile's stage; i >= 0 here, and the unsigned remainder needs no sign fix-up (in the FP8
       // forward the signed one made ptxas branch around the release).
       auto stage_of = [](int i) { return static_cast<int>(static_cast<unsigned>(i) % kStages); };
-      auto step = [&](auto mask_tag, int i, auto buf, auto first) {
-        const int stage = stage_of(i), prev = stage_of(i - 1);
-        const std::integral_constant<int, 1 - decltype(buf)::value> other;
-        mbarrier_wait(&v_full[prev], ((i - 1) / kStages) & 1);
-        mbarrier_wait(&k_full[stage], (i / kStages) & 1);
-        wgmma_wait<0>();  // tile i - 2's P V, issued by the last step
-        fence_operands(o);
-        fence_operands(pf2[buf.value]);  // that P V's fragments: written again below
-        if constexpr (!decltype(first)::value) release(stage_of(i - 2));
-        take_turn();
-        issue_qk_at(stage);
-        rescale_o(corr);  // tile i - 1's corrections: O holds tiles up to i - 2
-        issue_pv_from(prev, other);
-        pass_turn(false);
-        wgmma_wait<1>();  // Q K^T of tile i; P V of tile i - 1 may still run
-        fence_operands(s);
-        softmax(mask_tag, i, corr);
-        pack_p_into(buf);
-      };
-      // Step 1 has no stage to free (tile -1); the rest two at a time, even then odd.
-      const std::true_type first;
-      const std::false_type later;
-      if (n_tiles > 1) {
-        if (n_full > 1) {
-          step(unmasked, 1, odd, first);
-        } else {
-          step(masked, 1, odd, first);
-        }
-      }
-      auto run = [&](auto mask_tag, int i, int end) {
-        if (i < end && (i & 1)) step(mask_tag, i++, odd, later);
-        for (; i + 1 < end; i += 2) {
-          step(mask_tag, i, even, later);
-          step(mask_tag, i + 1, odd, later);
-        }
-        if (i < end) step(mask_tag, i, even, later);
-      };
-      run(unmasked, 2, n_full);
-      run(masked, n_full > 2 ? n_full : 2, n_tiles);
-      // The last tile's P V, after the one before it (whose wait frees tile n_tiles - 2's stage).
-      wgmma_wait<0>();
-      fence_operands(o);
-      if (n_tiles > 1) release(stage_of(n_tiles - 2));
-      const int last = stage_of(n_tiles - 1);
-      mbarrier_wait(&v_full[last], ((n_tiles - 1) / kStages) & 1);
-      take_turn();
-      rescale_o(corr);
-      if ((n_tiles - 1) & 1) {
-        issue_pv_from(last, odd);
-      } else {
-        issue_pv_from(last, even);
-      }
-      pass_turn(true);
-      wgmma_wait<0>();
-      fence_operands(o);
-      fence_operands(pf2[0]);
-      fence_operands(pf2[1]);
-      release(last);
+      auto parity_of = [](int i) { return (i / kStages) & 1; };
+      auto wait_k = [&](int stage, uint32_t parity) { mbarrier_wait(&k_full[stage], parity); };
+      auto wait_v = [&](int stage, uint32_t parity) { mbarrier_wait(&v_full[stage], parity); };
+      uint32_t pf2[2][kPSteps][4];
+      hopper_fwd::overlap_walk<T, K>(s, o, pf2, corr, q_wg, k_s, v_s, n_tiles, n_full, stage_of, parity_of, wait_k,
+                                     wait_v, release, take_turn, pass_turn, [](auto&&) {}, [] {}, softmax,
+                                     rescale_o);
     }
   }
 

@@ -848,97 +848,45 @@ __global__ void __launch_bounds__(K::kThreads, 1)
         for (int i = n_full; i < n_tiles; ++i) step(masked, i);
         release_q();  // after the last P V here: no product is in flight to overlap with anyway
       } else if constexpr (K::kOverlap) {
-        // FlashAttention 3's intra-warpgroup overlap (HopperFwdPersistentOverlapTraits), the one-tile
-        // kernel's kOverlap schedule (flash_fwd_hopper_kernel.cuh says why each piece is where it is)
-        // with this walk's stages and parities: tile i's Q K^T, O rescaled, tile i - 1's P V in one
-        // turn; tile i's softmax while that P V runs; its wait at the top of the next step, behind the
-        // mbarrier waits; P in two arrays, the steps two at a time; trip i - 2's stage freed there. The
-        // stages a walk holds are all freed by its end (the last two after the loops), so the next
-        // item's trips find the ring as the joint schedule leaves it.
+        // FlashAttention 3's intra-warpgroup overlap (HopperFwdPersistentOverlapTraits): the one-tile
+        // kernel's kOverlap walk, hopper_fwd::overlap_walk (flash_fwd_hopper_kernel.cuh says why each
+        // piece is where it is), with this walk's stages and parities: tile i's Q K^T, O rescaled,
+        // tile i - 1's P V in one turn; tile i's softmax while that P V runs; its wait at the top of
+        // the next step, behind the mbarrier waits; P in two arrays, the steps two at a time; trip
+        // i - 2's stage freed there. The stages a walk holds are all freed by its end (the last two
+        // after the loops), so the next item's trips find the ring as the joint schedule leaves it.
         static_assert(!kWindowSoftcap && !kVarlen, "the overlap runs on the padded layout without a window");
         uint32_t pf2[2][kBN / 16][4];
-        const std::integral_constant<int, 0> even;
-        const std::integral_constant<int, 1> odd;
-        const uint64_t desc_q = smem_desc_sw128(q_wg, 16, 1024), desc_k = smem_desc_sw128(k_s, 16, 1024);
-        const uint64_t desc_v = smem_desc_sw128(v_s, kBN * 128, 1024);
-        auto issue_qk_at = [&](int stage) {
-          hopper_fwd::issue_qk_desc<T, K>(s, desc_q, desc_advance(desc_k, stage * K::kKVBytes));
-        };
-        auto issue_pv_from = [&](int stage, auto buf) {
-          hopper_fwd::issue_pv_desc<T, K>(o, pf2[buf.value], desc_advance(desc_v, stage * K::kKVBytes));
-        };
-        auto pack_p_into = [&](auto buf) { hopper_fwd::pack_p<T, K>(pf2[buf.value], s); };
-        mbarrier_wait(&k_full[stage_of(0)], parity_of(0));
-        take_turn();
-        issue_qk_at(stage_of(0));
-        pass_turn();
-        wgmma_wait<0>();
-        fence_operands(s);
         float corr[2];
-        if (n_full > 0) {
-          softmax(unmasked, 0, corr);  // O is still 0: nothing to rescale
-        } else {
-          softmax(masked, 0, corr);
-        }
-        pack_p_into(even);
-        auto step = [&](auto mask_tag, int i, auto buf, auto first) {
-          const int stage = stage_of(i), prev = stage_of(i - 1);
-          const std::integral_constant<int, 1 - decltype(buf)::value> other;
-          mbarrier_wait(&v_full[prev], parity_of(i - 1));
-          mbarrier_wait(&k_full[stage], parity_of(i));
-          wgmma_wait<0>();  // trip i - 2's P V, issued by the last step
-          fence_operands(o);
-          fence_operands(pf2[buf.value]);  // that P V's fragments: written again below
-          if constexpr (!decltype(first)::value) release(stage_of(i - 2));
+        // Tile 0 opens the walk: its Q K^T (on the walk's descriptors) and softmax, in a turn of its own.
+        auto open = [&](auto issue_qk_at) {
+          mbarrier_wait(&k_full[stage_of(0)], parity_of(0));
           take_turn();
-          issue_qk_at(stage);
-          rescale_o(corr);  // tile i - 1's corrections: O holds tiles up to i - 2
-          issue_pv_from(prev, other);
+          issue_qk_at(stage_of(0));
           pass_turn();
-          wgmma_wait<1>();  // Q K^T of tile i; P V of tile i - 1 may still run
+          wgmma_wait<0>();
           fence_operands(s);
-          softmax(mask_tag, i, corr);
-          pack_p_into(buf);
-        };
-        const std::true_type first;
-        const std::false_type later;
-        if (n_tiles > 1) {
-          if (n_full > 1) {
-            step(unmasked, 1, odd, first);
+          if (n_full > 0) {
+            softmax(unmasked, 0, corr);  // O is still 0: nothing to rescale
           } else {
-            step(masked, 1, odd, first);
+            softmax(masked, 0, corr);
           }
-        }
-        auto run = [&](auto mask_tag, int i, int end) {
-          if (i < end && (i & 1)) step(mask_tag, i++, odd, later);
-          for (; i + 1 < end; i += 2) {
-            step(mask_tag, i, even, later);
-            step(mask_tag, i + 1, odd, later);
-          }
-          if (i < end) step(mask_tag, i, even, later);
         };
-        run(unmasked, 2, n_full);
-        run(masked, n_full > 2 ? n_full : 2, n_tiles);
-        // The last Q K^T has completed (the wait above): Q goes back before the last P V.
-        release_q();
-        wgmma_wait<0>();  // the P V before the last
-        fence_operands(o);
-        if (n_tiles > 1) release(stage_of(n_tiles - 2));
-        const int last = stage_of(n_tiles - 1);
-        mbarrier_wait(&v_full[last], parity_of(n_tiles - 1));
-        take_turn();
-        rescale_o(corr);
-        if ((n_tiles - 1) & 1) {
-          issue_pv_from(last, odd);
-        } else {
-          issue_pv_from(last, even);
-        }
-        pass_turn();  // the other warpgroup's next turn may be its next tile's first Q K^T
-        wgmma_wait<0>();
-        fence_operands(o);
-        fence_operands(pf2[0]);
-        fence_operands(pf2[1]);
-        release(last);
+        auto wait_k = [&](int stage, uint32_t parity) { mbarrier_wait(&k_full[stage], parity); };
+        auto wait_v = [&](int stage, uint32_t parity) { mbarrier_wait(&v_full[stage], parity); };
+        // Every hand-over goes, the last one too: the other warpgroup's next turn may be its next
+        // tile's first Q K^T.
+        auto pass_every_turn = [&](bool) { pass_turn(); };
+        // The walk's stages and parities from a copy of kv_trips (which moves only after the walk): with
+        // stage_of's reference, the inlined walk computed its last stage apart from kv_trips += n_tiles
+        // below, one instruction more than this schedule written inline (the SASS, nvcc 13.0).
+        const uint32_t trips = kv_trips;
+        auto stage_at = [trips](int i) { return static_cast<int>((trips + i) % kStages); };
+        auto parity_at = [trips](int i) { return ((trips + i) / kStages) & 1; };
+        // The last Q K^T has completed when the walk calls release_q: Q goes back before the last P V.
+        hopper_fwd::overlap_walk<T, K>(s, o, pf2, corr, q_wg, k_s, v_s, n_tiles, n_full, stage_at, parity_at,
+                                       wait_k, wait_v, release, take_turn, pass_every_turn, open, release_q,
+                                       softmax, rescale_o);
       } else {
         // pingpong's schedule (d = 64, 128): tile i - 1's P V and tile i's Q K^T in one turn.
         mbarrier_wait(&k_full[stage_of(0)], parity_of(0));
