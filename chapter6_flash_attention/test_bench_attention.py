@@ -295,7 +295,7 @@ def test_masked_sections_are_the_lessons():
     # each section its own results file, and `--ops` offers every section
     assert {op: B.SECTIONS[op][1] for op in B.SECTIONS} == {
         "attention_varlen": "_varlen", "attention_window": "_window", "attention_softcap": "_softcap",
-        "attention_fp8": "_fp8", "transformers_model": "_transformers"}
+        "attention_fp8": "_fp8", "attention_overlap": "_overlap", "transformers_model": "_transformers"}
 
 
 def test_softcap_tanh_mode(monkeypatch):
