@@ -439,6 +439,17 @@ PERSISTENT_PREFIXES = (0, 5, 4095, 4096)
 PERSISTENT_GQA = {8: 1, 16: 2, 32: 8, 64: 1, 128: 8, 256: 2}  # block size: kv heads of 8 query heads
 
 
+def contiguous_persistent(query, key_cache, value_cache, tables, cu, chunks, contexts, block_size):
+    """What the paged prefill must give, bit for bit: rung "persistent" of attention_varlen on each
+    sequence's context gathered contiguous through its table (the same consumers on the same keys)."""
+    pages = [tables[b, :blocks_needed(n, block_size)].long() for b, n in enumerate(contexts)]
+    k = torch.cat([key_cache[p].flatten(0, 1)[:n] for p, n in zip(pages, contexts)])
+    v = torch.cat([value_cache[p].flatten(0, 1)[:n] for p, n in zip(pages, contexts)])
+    cu_k = torch.tensor([0, *itertools.accumulate(contexts)], dtype=torch.int32, device=query.device)
+    return flash_attention.attention_varlen(query, k, v, cu, cu_k, max(chunks), max(contexts), causal=True,
+                                            version="persistent")
+
+
 def persistent_batch():
     chunks = [c for c in PERSISTENT_CHUNKS for _ in PERSISTENT_PREFIXES] + [1, 1, 1, 0, 0]
     contexts = [c + p for c in PERSISTENT_CHUNKS for p in PERSISTENT_PREFIXES] + [1, 300, 4097, 0, 9]
@@ -475,12 +486,7 @@ def test_cuda_persistent_is_attention_varlen(block_size, heads_kv, head_dim):
     chunks, contexts = persistent_batch()
     query, key_cache, value_cache, tables, cu, lens = make_prefill(chunks, contexts, block_size, 8, heads_kv,
                                                                    head_dim, torch.bfloat16, "cuda")
-    pages = [tables[b, :blocks_needed(n, block_size)].long() for b, n in enumerate(contexts)]
-    k = torch.cat([key_cache[p].flatten(0, 1)[:n] for p, n in zip(pages, contexts)])
-    v = torch.cat([value_cache[p].flatten(0, 1)[:n] for p, n in zip(pages, contexts)])
-    cu_k = torch.tensor([0, *itertools.accumulate(contexts)], dtype=torch.int32, device="cuda")
-    expected = flash_attention.attention_varlen(query, k, v, cu, cu_k, max(chunks), max(contexts), causal=True,
-                                                version="persistent")
+    expected = contiguous_persistent(query, key_cache, value_cache, tables, cu, chunks, contexts, block_size)
     assert torch.equal(prefill(query, key_cache, value_cache, tables, cu, lens, version="persistent"), expected)
 
 
@@ -555,12 +561,7 @@ def test_cuda_persistent_gather_entries_by_group_or_tile(head_dim, block_size, m
             monkeypatch.setenv(PAGED_GATHER_KNOB, knob)
         return prefill(query, key_cache, value_cache, table, cu, lens, version="persistent", check_tables=False)
 
-    pages = [tables[b, :blocks_needed(n, block_size)].long() for b, n in enumerate(contexts)]
-    k = torch.cat([key_cache[p].flatten(0, 1)[:n] for p, n in zip(pages, contexts)])
-    v = torch.cat([value_cache[p].flatten(0, 1)[:n] for p, n in zip(pages, contexts)])
-    cu_k = torch.tensor([0, *itertools.accumulate(contexts)], dtype=torch.int32, device="cuda")
-    expected = flash_attention.attention_varlen(query, k, v, cu, cu_k, max(chunks), max(contexts), causal=True,
-                                                version="persistent")
+    expected = contiguous_persistent(query, key_cache, value_cache, tables, cu, chunks, contexts, block_size)
     for knob in (None, "group", "tile"):
         assert torch.equal(run(knob, tables), expected), knob
     by_tile = run("tile", junk)
