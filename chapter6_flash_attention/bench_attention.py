@@ -101,7 +101,7 @@ Overlap rows (`--ops attention_overlap`, Hopper with the sm_90a kernels only): r
 FLASH_ATTENTION_HOPPER_OVERLAP=1 (FlashAttention 3's intra-warpgroup overlap in its turns; read at
 each call; rung "persistent" too), variants pingpong_overlap and persistent_overlap, beside
 sdpa_cudnn, persistent and pingpong (the joint schedule), at OVERLAP_SHAPES (b2 h16 s8192, b4 h16 s4096, b32 h16 s512 at d = 128; b8 h32 s2048, b2
-h32 s8192 at d = 64; full and causal), to results/<device-slug>/chapter6_flash_attention_overlap.json.
+h32 s8192, b32 h32 s512 at d = 64; full and causal), to results/<device-slug>/chapter6_flash_attention_overlap.json.
 
 Writes results/<device-slug>/chapter6_flash_attention.json and the plots beside it.
 `--ops attention_fp8` writes the FP8 rows, sdpa_cudnn and pingpong in bf16 timed beside them, and
@@ -506,7 +506,7 @@ def bench_fp8(device, mm, notes, beside=None, candidates=()):
 # rows and its short ones (s = 512), at the two head dims.
 OVERLAP_KNOB = "FLASH_ATTENTION_HOPPER_OVERLAP"
 OVERLAP_SHAPES = [(b, h, n, d, causal) for b, h, n, d in ((2, 16, 8192, 128), (4, 16, 4096, 128), (32, 16, 512, 128),
-                                                          (8, 32, 2048, 64), (2, 32, 8192, 64))
+                                                          (8, 32, 2048, 64), (2, 32, 8192, 64), (32, 32, 512, 64))
                   for causal in (False, True)]
 
 

@@ -8,6 +8,11 @@
     python profile_attention.py --only REGEX profile only the calls whose label matches, e.g.
                                              --only 'forward\\.(mma|pipelined)\\.d128', and print
                                              their table without writing the results file
+    python profile_attention.py --shape 32,16,512
+                                             the same calls at another batch, heads and seqlen
+                                             (short sequences: each block's fixed cost, its
+                                             prologue and epilogue, against its few key tiles);
+                                             the table only, as with --only
 
 Without a CUDA GPU, or without ncu on PATH, it says so and exits 0 having written nothing (a CPU
 machine runs the chapter's tests, not its profile).
@@ -194,17 +199,18 @@ def main_kernel(kernels):
     return max(kernels, key=lambda k: k.get("duration_ns") or 0.0)
 
 
-def run_flops(run):
-    """The chapter's own FLOP count for a call (bench_attention.attention_flops)."""
+def run_flops(run, shape=(BATCH, HEADS, SEQLEN)):
+    """The chapter's own FLOP count for a call at (batch, heads, seqlen) (bench_attention.attention_flops)."""
     from bench_attention import attention_flops
-    return attention_flops(BATCH, HEADS, SEQLEN, SEQLEN, run["head_dim"], run["causal"], run["pass"])
+    batch, heads, seqlen = shape
+    return attention_flops(batch, heads, seqlen, seqlen, run["head_dim"], run["causal"], run["pass"])
 
 
 def tflops(flops, duration_ns):
     return flops / duration_ns / 1e3 if duration_ns else None
 
 
-def summarize_call(run, kernels, flops):
+def summarize_call(run, kernels, flops, shape=(BATCH, HEADS, SEQLEN)):
     """One results row: the call, every kernel it launched, the main kernel's counters, and what
     the lesson reads off them (TFLOP/s, shared memory in KiB, the binding limit, the top stall,
     the load conflict degree)."""
@@ -219,8 +225,8 @@ def summarize_call(run, kernels, flops):
     ld_requests = (main.get("smem_ld_instructions") or 0) + (main.get("ldsm_instructions") or 0)
     row = {"op": "attention", "variant": run["variant"], "pass": run["pass"],
            "dtype": FP8_DTYPE if run["variant"] == FP8_FORWARD else DTYPE,
-           "shape": [BATCH, HEADS, SEQLEN, run["head_dim"]], "batch": BATCH, "heads": HEADS,
-           "seqlen": SEQLEN, "head_dim": run["head_dim"], "causal": run["causal"], "label": label(run)}
+           "shape": [*shape, run["head_dim"]], "batch": shape[0], "heads": shape[1],
+           "seqlen": shape[2], "head_dim": run["head_dim"], "causal": run["causal"], "label": label(run)}
     row.update({f: v for f, v in main.items() if f not in ("id", "kernel")})
     row.update({
         "main_kernel": main["kernel"], "main_duration_ns": main.get("duration_ns"),
@@ -290,7 +296,7 @@ def make_call(run, tensors, scale):
     return lambda: flash_attention.attention_backward(dy, q, k, v, out, lse, scale, causal, version=variant)
 
 
-def workload(plan_path=None, only=None):
+def workload(plan_path=None, only=None, shape=(BATCH, HEADS, SEQLEN)):
     import warnings
 
     import torch
@@ -301,7 +307,7 @@ def workload(plan_path=None, only=None):
     todo = runs(flash_attention.VERSIONS["attention_forward"], flash_attention.VERSIONS["attention_backward"])
     if only:
         todo = [r for r in todo if re.search(only, label(r))]
-    inputs = {d: make_inputs(BATCH, HEADS, SEQLEN, d, getattr(torch, DTYPE), "cuda", seed=0)
+    inputs = {d: make_inputs(*shape, d, getattr(torch, DTYPE), "cuda", seed=0)
               for d in sorted({r["head_dim"] for r in todo})}
     calls, skipped = [], []
     for run in todo:  # build and run each call once, unprofiled; what refuses is skipped
@@ -343,7 +349,13 @@ def parse_args(argv=None):
     parser.add_argument("--workload", action="store_true", help="run only what ncu profiles")
     parser.add_argument("--plan", help="--workload: write the calls it ran (and skipped) here")
     parser.add_argument("--only", help="profile only the calls whose label matches this regex")
-    return parser.parse_args(argv)
+    parser.add_argument("--shape", type=lambda v: tuple(int(x) for x in v.split(",")), default=(BATCH, HEADS, SEQLEN),
+                        metavar="B,H,S", help="batch, heads and seqlen of the inputs (default %(default)s); "
+                        "another shape prints its table without writing the results file")
+    args = parser.parse_args(argv)
+    if len(args.shape) != 3 or min(args.shape) < 1:
+        parser.error(f"--shape takes three positive integers B,H,S, got {args.shape}")
+    return args
 
 
 def main(argv=None):
@@ -353,10 +365,11 @@ def main(argv=None):
         print(why)
         return 0
     if args.workload:
-        workload(args.plan, args.only)
+        workload(args.plan, args.only, args.shape)
         return 0
-    profile = ncu.run(Path(__file__).resolve(), METRICS, args=["--only", args.only] if args.only else [],
-                      from_start=False, unsure=UNSURE, plan=True)
+    default_shape = args.shape == (BATCH, HEADS, SEQLEN)
+    passed = (["--only", args.only] if args.only else []) + ([] if default_shape else ["--shape", ",".join(map(str, args.shape))])
+    profile = ncu.run(Path(__file__).resolve(), METRICS, args=passed, from_start=False, unsure=UNSURE, plan=True)
     plan = profile.plan
     try:
         groups = ncu.split_by_marker(profile.kernels, [label(r) for r in plan["runs"]])
@@ -364,9 +377,9 @@ def main(argv=None):
         sys.exit(f"{e}; profiled kernels: " + ", ".join(k["kernel"][:60] for k in profile.kernels))
     if not plan["runs"]:
         sys.exit(f"no call ran (--only {args.only!r}?); skipped: {plan['skipped']}")
-    rows = [summarize_call(run, ks, run_flops(run)) for run, ks in zip(plan["runs"], groups)]
+    rows = [summarize_call(run, ks, run_flops(run, args.shape), args.shape) for run, ks in zip(plan["runs"], groups)]
     path = None
-    if not args.only:  # a subset would overwrite the whole profile's record
+    if not args.only and default_shape:  # a subset or another shape would overwrite the record
         from coursekit import results
         path = results.write_results(
             CHAPTER, rows, {}, **profile.provenance(), skipped=plan["skipped"],
@@ -378,10 +391,10 @@ def main(argv=None):
     if profile.dropped or profile.missing():
         print(f"metrics ncu rejected: {profile.dropped or 'none'}; reported by no kernel: "
               f"{profile.missing() or 'none'}")
-    print(f"\n{CHAPTER}, {DTYPE} {BATCH}x{HEADS}x{SEQLEN}, under ncu ({profile.version}); the main (longest) "
+    print(f"\n{CHAPTER}, {DTYPE} {'x'.join(map(str, args.shape))}, under ncu ({profile.version}); the main (longest) "
           "kernel's counters, ms and TFLOP/s of all the call's kernels")
     print(format_table(rows))
-    print(f"wrote {path}" if path else "nothing written: --only profiles a subset")
+    print(f"wrote {path}" if path else "nothing written: --only or --shape profiles a subset")
     return 0
 
 

@@ -543,4 +543,5 @@ def test_overlap_calls_set_the_knob_per_call(monkeypatch):
     assert B.os.environ[B.OVERLAP_KNOB] == "caller's"
     assert calls[4][1]["knob"] == f"{B.OVERLAP_KNOB}=1" and calls[2][1]["schedule"] == "overlap"
     assert {(b, h, n, d) for b, h, n, d, _ in B.OVERLAP_SHAPES} == {
-        (2, 16, 8192, 128), (4, 16, 4096, 128), (32, 16, 512, 128), (8, 32, 2048, 64), (2, 32, 8192, 64)}
+        (2, 16, 8192, 128), (4, 16, 4096, 128), (32, 16, 512, 128), (8, 32, 2048, 64), (2, 32, 8192, 64),
+        (32, 32, 512, 64)}

@@ -174,6 +174,31 @@ def test_the_gpu_path_writes_one_row_per_call(monkeypatch, capsys):
     assert "skipped forward.sdpa_cudnn.d64.full" in out and "1 registers" in out and "wrote" in out
 
 
+def test_another_shape_is_profiled_at_its_own_size_and_writes_nothing(monkeypatch, capsys):
+    """--shape: the workload gets the shape, the rows and TFLOP/s are of it, and no record is
+    written over the default shape's."""
+    import torch
+    from coursekit import results
+    fake = FakeNcu(PROFILE, PLAN, rejects={GMMA})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(shutil, "which", lambda name: "/opt/ncu/ncu" if name == "ncu" else None)
+    monkeypatch.setattr(subprocess, "run", fake)
+    monkeypatch.setattr(results, "write_results", lambda *a, **k: pytest.fail("a --shape run wrote a record"))
+    rows = []
+    summarize = P.summarize_call
+    monkeypatch.setattr(P, "summarize_call", lambda *a: rows.append(summarize(*a)) or rows[-1])
+    assert P.main(["--shape", "32,16,512"]) == 0
+    assert any(" --shape 32,16,512" in " ".join(map(str, cmd)) for cmd in fake.commands)  # passed to the workload
+    fwd = rows[0]
+    assert (fwd["shape"], fwd["seqlen"], fwd["batch"]) == ([32, 16, 512, 128], 512, 32)
+    assert fwd["flops"] == 4 * 32 * 16 * 512 * 512 * 128 // 2  # the causal forward at the new shape
+    out = capsys.readouterr().out
+    assert "bfloat16 32x16x512" in out and "nothing written" in out
+    for bad in ("32,16", "0,16,512", "a,b,c"):
+        with pytest.raises(SystemExit):
+            P.parse_args(["--shape", bad])
+
+
 def test_no_ncu_is_a_message_not_a_failure(monkeypatch, capsys):
     import torch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
