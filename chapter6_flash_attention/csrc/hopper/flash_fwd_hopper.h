@@ -38,20 +38,21 @@ inline bool attention_forward_hopper_head_dim(int64_t head_dim) { return ::cours
 // HopperFwdPersistentOverlapTraits: flash_fwd_hopper_kernel.cuh) instead of the joint schedule, at
 // d = 64 and 128 (where the third stage fits), "persistent" in the padded layout without a window or
 // a softcap; elsewhere (d = 256, the other rungs, the packed and paged walks, windows) it does not
-// apply. Which rung takes it, as measured (an H200 run of `bench_attention.py --ops
-// attention_overlap`, NOTES.md): "pingpong" by default, 2-10% faster than its joint schedule at
-// every shape where the dispatch runs it (long rows); "persistent" keeps the joint schedule, since
-// at d = 128 its overlap consumers spill (232 registers) and lost 13-24% at 512 keys.
+// apply. Which rung takes it, as measured (H200 runs of `bench_attention.py --ops
+// attention_overlap`, NOTES.md): "pingpong" at both head dims, 2-10% faster than its joint schedule
+// at every shape where the dispatch runs it (long rows); "persistent" at d = 64 alone, level to 6%
+// faster from 512 to 8192 keys. At d = 128 the persistent overlap consumers spill (232 registers)
+// and lost 13-24% at 512 keys, so there it keeps the joint schedule.
 // FLASH_ATTENTION_HOPPER_OVERLAP overrides it for the bench and the tests, read at every call
 // (getenv is a scan of a few dozen strings, against a launch's microseconds), so that one process
 // can time and test both: 1 = both rungs overlap, 0 = neither, unset (or anything else) = the
 // default above.
 inline constexpr const char* kHopperOverlapEnv = "FLASH_ATTENTION_HOPPER_OVERLAP";
-inline bool hopper_forward_overlap(HopperForward rung) {
+inline bool hopper_forward_overlap(HopperForward rung, int head_dim) {
   const char* v = std::getenv(kHopperOverlapEnv);
   if (v != nullptr && std::strcmp(v, "1") == 0) return true;
   if (v != nullptr && std::strcmp(v, "0") == 0) return false;
-  return rung == HopperForward::kPingpong;
+  return rung == HopperForward::kPingpong || (rung == HopperForward::kPersistent && head_dim == 64);
 }
 
 // Shared memory one block takes (the glue compares it with the GPU's per-block limit).

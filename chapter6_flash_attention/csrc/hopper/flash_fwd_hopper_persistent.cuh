@@ -1063,7 +1063,7 @@ cudaError_t run_flash_fwd_hopper(const AttentionParams& p, cudaStream_t stream, 
       }
     }
     if constexpr (hopper_pingpong_stages<D>() == 3) {
-      if (hopper_forward_overlap(kRung)) {
+      if (hopper_forward_overlap(kRung, D)) {
         return run_flash_fwd_hopper_persistent<T, HopperFwdPersistentOverlapTraits<D>, false, false>(p, stream,
                                                                                                    workspace);
       }
@@ -1072,7 +1072,7 @@ cudaError_t run_flash_fwd_hopper(const AttentionParams& p, cudaStream_t stream, 
   } else {
     if (p.cu_seqlens_q != nullptr) return cudaErrorInvalidValue;  // the one-tile rungs take the padded layout only
     if constexpr (kRung == HopperForward::kPingpong && hopper_pingpong_stages<D>() == 3) {
-      if (hopper_forward_overlap(kRung)) return run_flash_fwd_hopper_config<T, HopperFwdOverlapTraits<D>>(p, stream);
+      if (hopper_forward_overlap(kRung, D)) return run_flash_fwd_hopper_config<T, HopperFwdOverlapTraits<D>>(p, stream);
     }
     return run_flash_fwd_hopper_config<T, HopperFwdTraits<D, kRung>>(p, stream);
   }
