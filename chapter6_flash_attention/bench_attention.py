@@ -108,7 +108,8 @@ main results as they were. With `--fp8-candidates NAME ...` it also times the FP
 candidates (the environment variable FLASH_ATTENTION_FP8_FORWARD, read at each call; unset is the
 default, n192_full at d = 128 and longest_first at 64: longest_first; head_order; n192; n192_full;
 csrc/hopper/flash_fwd_hopper_fp8.cuh says what each is) at each FP8 shape, right after its default
-row: rows with call "attention_fp8, NAME".
+row: rows with call "attention_fp8, NAME". n192 and n192_full exist at d = 128 only: at d = 64 the
+call refuses them by name, and the row is noted skipped.
 """
 import contextlib
 import math
@@ -1537,7 +1538,8 @@ def main_ops():
                              "Hugging Face Llama-style model's forward on the chapter's attention against its SDPA path)")
     parser.add_argument("--fp8-candidates", nargs="+", default=[], metavar="NAME",
                         help="with attention_fp8: also time these candidates of the FP8 launcher "
-                             f"({FP8_KNOB}: longest_first, head_order, n192, n192_full) at each FP8 shape")
+                             f"({FP8_KNOB}: longest_first, head_order, n192, n192_full) at each FP8 shape "
+                             "(n192 and n192_full: head dim 128 only; at 64 the call is refused, the row noted skipped)")
     args = parser.parse_args()
     FP8_BENCH_CANDIDATES[:] = args.fp8_candidates
     device = bench.setup(args)
