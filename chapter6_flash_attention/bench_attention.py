@@ -82,9 +82,7 @@ mask saves or costs. Every row is credited the masked call's useful work, counte
 (masked_flops); speedup_vs_torch is against flex_attention. Each section writes its own file,
 results/<device-slug>/chapter6_flash_attention_window.json and ..._softcap.json, so that either can
 be run again alone. On the CPU they run at small sizes with the C++ reference (variant cpu); there
-flex_attention has a forward only. COURSE_SOFTCAP_TANH=fma times the softcap's tanh with the
-reciprocal on the FMA pipe in place of the default "rcp" (on the special-function unit); the
-record's softcap_tanh says which ran.
+flex_attention has a forward only.
 
 FP8 rows (Hopper with the sm_90a kernels only): attention_fp8 on e4m3 inputs, op attention, dtype
 float8_e4m3fn, variant default (the one FP8 forward), at three shapes of the sweep -- b2 h16 s8192
@@ -110,7 +108,8 @@ main results as they were. With `--fp8-candidates NAME ...` it also times the FP
 candidates (the environment variable FLASH_ATTENTION_FP8_FORWARD, read at each call; unset is the
 default, n192_full at d = 128 and longest_first at 64: longest_first; head_order; n192; n192_full;
 csrc/hopper/flash_fwd_hopper_fp8.cuh says what each is) at each FP8 shape, right after its default
-row: rows with call "attention_fp8, NAME".
+row: rows with call "attention_fp8, NAME". n192 and n192_full exist at d = 128 only: at d = 64 the
+call refuses them by name, and the row is noted skipped.
 """
 import contextlib
 import math
@@ -1218,23 +1217,19 @@ WINDOW = {"batch": 1, "heads": 16, "seqlen": 32768, "head_dim": 128, "dtype": "b
           "window": [4095, 0], "softcap": 0.0}
 SOFTCAP = {"batch": 2, "heads": 16, "seqlen": 8192, "head_dim": 128, "dtype": "bfloat16", "causal": True,
            "window": [-1, -1], "softcap": 30.0}
-# The softcap's tanh (csrc/attention/softcap.cuh): the reciprocal of 2 / (1 + E) on the special-function
-# unit ("rcp", the default) or on the FMA pipe ("fma"), picked per launch from this environment
-# variable, so one build times both: `COURSE_SOFTCAP_TANH=fma python bench_attention.py --ops
-# attention_softcap`, then without it. The section's record names the mode it ran.
-SOFTCAP_TANH_ENV = "COURSE_SOFTCAP_TANH"
-SOFTCAP_TANH_MODES = ("rcp", "fma")
+# This environment variable picked the softcap's reciprocal ("rcp" on the special-function unit, or
+# "fma" on the FMA pipe) until the FMA form was measured slower and taken out (NOTES.md, "The
+# softcap's tanh"). The kernels no longer read it; the softcap section refuses it set, so that a
+# command from before does not time the one form left under the other's name.
+REMOVED_SOFTCAP_TANH_ENV = "COURSE_SOFTCAP_TANH"
 
 
-def softcap_tanh_mode():
-    """The softcap tanh this process's launches take: the variable's value, "rcp" when unset or empty.
-    The kernels' reading takes any other value for the default; a benchmark refuses it instead, so
-    that a misspelt mode is not timed under the wrong name."""
-    mode = os.environ.get(SOFTCAP_TANH_ENV) or "rcp"
-    if mode not in SOFTCAP_TANH_MODES:
-        raise ValueError(f"{SOFTCAP_TANH_ENV}={mode!r}: expected one of {', '.join(SOFTCAP_TANH_MODES)} "
-                         "(unset: rcp)")
-    return mode
+def refuse_removed_softcap_tanh():
+    """A ValueError naming the removed variable when it is set (empty counts as unset, as it did)."""
+    value = os.environ.get(REMOVED_SOFTCAP_TANH_ENV)
+    if value:
+        raise ValueError(f"{REMOVED_SOFTCAP_TANH_ENV}={value!r}: the variable was removed with the softcap's FMA "
+                         "tanh (the kernels take the MUFU reciprocal only, and no longer read it); unset it")
 
 
 # The CPU's: the C++ reference (float32) at sizes it runs in milliseconds, the same masks.
@@ -1349,6 +1344,8 @@ def bench_masked(op, device, mm, notes):
     credited the masked call's useful work (masked_flops), the dense rows too, so TFLOP/s compare
     times as the packed rows do; visible_pairs says what each call itself computes.
     speedup_vs_torch is against flex_attention with the same mask."""
+    if op == "attention_softcap":
+        refuse_removed_softcap_tanh()  # before any call is timed
     c = masked_config(op, device)
     b, h, n, d = c["batch"], c["heads"], c["seqlen"], c["head_dim"]
     dtype = getattr(torch, c["dtype"])
@@ -1383,9 +1380,8 @@ def print_masked_table(record):
         if not rows:
             continue
         r0 = rows[0]
-        tanh = f", tanh {record['softcap_tanh']}" if op == "attention_softcap" and "softcap_tanh" in record else ""
         print(f"\n{op}: {what}, {r0['dtype']} b{r0['batch']} h{r0['heads']} s{r0['seqlen']} d{r0['head_dim']} causal"
-              f"{tanh} (TFLOP/s of the masked call's useful work; x flex_attention)")
+              f" (TFLOP/s of the masked call's useful work; x flex_attention)")
         for r in rows:
             mask = f"window={r['window']}" if op == "attention_window" else f"softcap={r['softcap']:g}"
             speed = f"{r['speedup_vs_torch']:.2f}x" if "speedup_vs_torch" in r else "-"
@@ -1521,7 +1517,7 @@ SECTIONS = {
     "attention_softcap": (lambda device, mm, notes: bench_masked("attention_softcap", device, mm, notes),
                           "_softcap",
                           lambda device: {"sizes": {"softcap": masked_config("attention_softcap", device)},
-                                          "baseline": "flex_attention", "softcap_tanh": softcap_tanh_mode()},
+                                          "baseline": "flex_attention"},
                           lambda record: print_masked_table(record)),
     "transformers_model": (lambda device, mm, notes: bench_transformers_model(device, mm, notes), "_transformers",
                            lambda device: {"sizes": {"transformers_model": HF_MODEL if device == "cuda"
@@ -1542,7 +1538,8 @@ def main_ops():
                              "Hugging Face Llama-style model's forward on the chapter's attention against its SDPA path)")
     parser.add_argument("--fp8-candidates", nargs="+", default=[], metavar="NAME",
                         help="with attention_fp8: also time these candidates of the FP8 launcher "
-                             f"({FP8_KNOB}: longest_first, head_order, n192, n192_full) at each FP8 shape")
+                             f"({FP8_KNOB}: longest_first, head_order, n192, n192_full) at each FP8 shape "
+                             "(n192 and n192_full: head dim 128 only; at 64 the call is refused, the row noted skipped)")
     args = parser.parse_args()
     FP8_BENCH_CANDIDATES[:] = args.fp8_candidates
     device = bench.setup(args)

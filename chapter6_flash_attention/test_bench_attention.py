@@ -298,23 +298,22 @@ def test_masked_sections_are_the_lessons():
         "attention_fp8": "_fp8", "attention_overlap": "_overlap", "transformers_model": "_transformers"}
 
 
-def test_softcap_tanh_mode(monkeypatch):
-    """The softcap section's mode comes from COURSE_SOFTCAP_TANH, the variable softcap.cuh's
-    launchers read: "rcp" unset or empty, "fma" when asked, and a misspelt one refused by name
-    (the kernels would run the default under it); the section's record carries it."""
-    assert B.SOFTCAP_TANH_ENV == "COURSE_SOFTCAP_TANH"
-    for value, mode in ((None, "rcp"), ("", "rcp"), ("rcp", "rcp"), ("fma", "fma")):
-        if value is None:
-            monkeypatch.delenv(B.SOFTCAP_TANH_ENV, raising=False)
-        else:
-            monkeypatch.setenv(B.SOFTCAP_TANH_ENV, value)
-        assert B.softcap_tanh_mode() == mode, value
-        assert B.SECTIONS["attention_softcap"][2]("cpu")["softcap_tanh"] == mode
-    monkeypatch.setenv(B.SOFTCAP_TANH_ENV, "mufu")
-    with pytest.raises(ValueError, match=r"COURSE_SOFTCAP_TANH='mufu': expected one of rcp, fma \(unset: rcp\)"):
-        B.softcap_tanh_mode()
+def test_softcap_tanh_knob_removed(monkeypatch):
+    """COURSE_SOFTCAP_TANH went with the softcap's FMA tanh: softcap.cuh no longer reads it, and the
+    softcap section refuses it set, by name, before timing anything (unset or empty: it runs); the
+    section's record no longer carries a mode."""
+    assert B.REMOVED_SOFTCAP_TANH_ENV == "COURSE_SOFTCAP_TANH"
     header = (Path(__file__).parent / "csrc" / "attention" / "softcap.cuh").read_text()
-    assert f'kSoftcapTanhEnv = "{B.SOFTCAP_TANH_ENV}"' in header and 'std::strcmp(v, "fma")' in header
+    assert "COURSE_SOFTCAP_TANH" not in header and "getenv" not in header and "kFma" not in header
+    for value in ("fma", "rcp"):
+        monkeypatch.setenv(B.REMOVED_SOFTCAP_TANH_ENV, value)
+        with pytest.raises(ValueError, match=rf"COURSE_SOFTCAP_TANH='{value}': the variable was removed"):
+            B.bench_masked("attention_softcap", "cpu", 1.0, None)
+    monkeypatch.setenv(B.REMOVED_SOFTCAP_TANH_ENV, "")
+    B.refuse_removed_softcap_tanh()
+    monkeypatch.delenv(B.REMOVED_SOFTCAP_TANH_ENV)
+    B.refuse_removed_softcap_tanh()
+    assert "softcap_tanh" not in B.SECTIONS["attention_softcap"][2]("cpu")
 
 
 def test_transformers_model_rows_on_the_cpu(monkeypatch, one_thread):

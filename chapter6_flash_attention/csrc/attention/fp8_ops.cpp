@@ -162,7 +162,8 @@ int device_attribute(const Tensor& t, cudaDeviceAttr attr) {
 }
 
 // What the FP8 kernel needs, each refused with the way out: a build with the sm_90a kernels, a
-// Hopper GPU, a head dim it was compiled for, a positive scale, the shared memory it takes.
+// Hopper GPU, a head dim it was compiled for, a positive scale, the shared memory it takes, and a
+// launcher candidate (the bench-only knob) that exists at the head dim.
 void check_fp8_cuda(const char* op, const Tensor& q, double scale) {
 #ifndef COURSE_HOPPER
   TORCH_CHECK(false, op, ": the FP8 forward is a Hopper kernel (sm_90a), and this build of flash_attention has ",
@@ -185,6 +186,8 @@ void check_fp8_cuda(const char* op, const Tensor& q, double scale) {
   const int64_t allowed = device_attribute(q, cudaDevAttrMaxSharedMemoryPerBlockOptin);
   TORCH_CHECK(smem <= allowed, op, ": at head_dim ", std::to_string(q.size(3)), " takes ", std::to_string(smem / 1024),
               " KiB of shared memory per block; this GPU allows ", std::to_string(allowed / 1024), " KiB");
+  const std::string refusal = attention_fp8_candidate_refusal(q.size(3));
+  TORCH_CHECK(refusal.empty(), op, ": ", refusal);
 #endif
 }
 

@@ -12,46 +12,20 @@
 // softcap in c), far inside either bound. (tanhf would be exact to an ulp or two, but it is a
 // longer libdevice routine with branches on the argument's range.)
 //
-// Which reciprocal (SoftcapTanh). tanh|x| = 2 / (1 + E) - 1 with E = 2^(-2 |x| log2 e). kRcp
-// (tanh_exp2, the default) takes the reciprocal from the special-function unit too (MUFU.RCP), so
-// a capped score costs three MUFU instructions with the softmax's own exponential, where a plain
-// score costs one. kFma (tanh_exp2_fma, COURSE_SOFTCAP_TANH=fma) computes it on the FMA pipe
-// instead: E lies in [0, 1], so d = 1 + E lies in [1, 2], where a quadratic seed p(E) (the minimax
-// one: relative error 1/99) and two Newton steps y <- y + y (1 - d y) (two FMAs each; the error
-// squares: 1/99, 1.0e-4, 1.04e-8) reach float32, and copysign puts the sign back. One MUFU and ten
-// other instructions a score (seven FMAs, an add, a multiply, a LOP3 for the sign) instead of two
-// MUFU and eight. No clamp is needed: E = 0 at |x| = inf gives y = 1 exactly, and NaN stays NaN.
-//   Why kRcp stays the default. The napkin said the unit was the limit: it serves 16 lanes a clock
-// per SM, so on a Hopper a 128 x 128 tile's 16384 scores take ~1024 cycles of it per MUFU per
-// score, and three of them (~3070) fill the ~3300 cycles of tensor-core time of the tile's two
-// products at d = 128. Measured on an H100 (both modes from one build, b2 h16 s8192 d128 bf16
-// causal softcap 30, against the same call without softcap): the forward went from 0.61x (kRcp,
-// 1.456 ms) to 0.56x (kFma, 1.556 ms), slower, and the backward stayed within noise (0.72x ->
-// 0.74x). So the Hopper forward is bound by issue slots, the consumer warpgroups' instructions per
-// score, not by the unit: in its SASS the tanh is MUFU.EX2 + MUFU.RCP and 8 others with kRcp, one
-// MUFU.EX2 and 10 others with kFma, 10 -> 11 instructions issued a score, and the ten on the FMA
-// and ALU pipes cost more than the MUFU slot they free. Next to try: fewer instructions a score,
-// or FlashAttention 4's split of the exponentials between the unit and a polynomial on the FMA
-// pipe, only where the unit is measured to be the limit.
-//   The error of tanh_exp2_fma, absolute (|tanh| <= 1): rounding d costs y 2^-24 relatively (2^-23
-// in tanh = 2y - 1), the last Newton step's result 2^-25 (2^-24), the last FMA 2^-25, the Newton
-// residual 2^-26.5: 2^-22.05 in all with an exact exponential (a float32 mirror of these steps
-// over all 2^32 arguments: at most 2^-22.26), plus half of ex2.approx's relative error
-// (d tanh / (dE / E) = 2E / (1 + E)^2 <= 1/2): within 2^-21 (experiments/softcap_tanh_check.cu
-// measures every float32 argument on the GPU). The argument a = |s| * in is rounded once, as
-// x = s * in was before (in carries the 2 log2 e).
-//   Which one a call takes is read on the host, per launch, from the environment variable
-// COURSE_SOFTCAP_TANH: unset, empty or "rcp" for the MUFU reciprocal, "fma" for the FMA one (any
-// other value: the default; bench_attention.py refuses it by name), so one build times both
-// (bench_attention.py --ops attention_softcap, once per value). tanh.approx keeps its cases.
-//   The kernels' kWindowSoftcap instantiations take the choice as a runtime value (uniform across
-// the grid): it costs a branch per tile, not one more instantiation of every kernel; a call without
-// a softcap or window runs the other instantiation, which has no softcap code at all.
+// Which reciprocal. tanh x = 1 - 2 / (e^(2x) + 1): tanh_exp2 takes the exponential and the
+// reciprocal from the special-function unit (MUFU.EX2 and MUFU.RCP), so a capped score costs three
+// MUFU instructions with the softmax's own exponential, where a plain score costs one. A reciprocal
+// on the FMA pipe instead (a quadratic seed and two Newton steps: one MUFU and ten other
+// instructions a score against two MUFU and eight) was tried and taken out: on an H100 it made the
+// Hopper forward ~7% slower and left the backward within noise, since the forward is bound by the
+// consumer warpgroups' instructions issued per score, not by the unit (the chapter's NOTES.md, "The
+// softcap's tanh").
+//   The kernels' kWindowSoftcap instantiations take the choice of tanh as a runtime value (uniform
+// across the grid): it costs a branch per tile, not one more instantiation of every kernel; a call
+// without a softcap or window runs the other instantiation, which has no softcap code at all.
 #pragma once
 
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <type_traits>
 
 namespace flash_attention {
@@ -59,22 +33,13 @@ namespace flash_attention {
 // The largest softcap at which bfloat16 takes tanh.approx.f32 (above).
 inline constexpr double kTanhApproxMaxSoftcap = 8.0;
 
-// The tanh of the softcap (above): none (no softcap), MUFU.TANH, or from the exponential with the
-// reciprocal on the special-function unit (kRcp, the default) or on the FMA pipe (kFma).
-enum class SoftcapTanh : int { kNone, kApprox, kRcp, kFma };
-
-// The environment variable that picks kRcp or kFma (above), and its reading.
-inline constexpr const char* kSoftcapTanhEnv = "COURSE_SOFTCAP_TANH";
-inline SoftcapTanh softcap_tanh_from_env() {
-  const char* v = std::getenv(kSoftcapTanhEnv);
-  return v != nullptr && std::strcmp(v, "fma") == 0 ? SoftcapTanh::kFma : SoftcapTanh::kRcp;
-}
+// The tanh of the softcap (above): none (no softcap), MUFU.TANH, or from the exponential (kRcp).
+// The values are the ones the kernels' mangled names carry (test_attention.py reads them there).
+enum class SoftcapTanh : int { kNone, kApprox, kRcp };
 
 // What a kernel needs: the capped score of an unscaled score s (q . k) is out * tanh(x), x = s *
 // scale / softcap, and out = softcap in the kernel's units (times log2(e) for kernels that work in
-// log2 units). s * in is the argument the mode's helper takes: x itself for kApprox and kRcp, 2 log2
-// e times it for kFma (folded here: one rounding of the argument, and one multiply less a score).
-// in == 0 (tanh kNone): no softcap.
+// log2 units). s * in is x, the argument of the mode's helper. in == 0 (tanh kNone): no softcap.
 struct Softcap {
   float in = 0.f;
   float out = 0.f;
@@ -86,8 +51,8 @@ inline Softcap make_softcap(double scale, double softcap, bool bf16, bool log2_u
   Softcap c;
   if (softcap > 0.0) {
     constexpr double kLog2e = 1.4426950408889634;
-    c.tanh = bf16 && softcap <= kTanhApproxMaxSoftcap ? SoftcapTanh::kApprox : softcap_tanh_from_env();
-    c.in = static_cast<float>(scale / softcap * (c.tanh == SoftcapTanh::kFma ? 2.0 * kLog2e : 1.0));
+    c.tanh = bf16 && softcap <= kTanhApproxMaxSoftcap ? SoftcapTanh::kApprox : SoftcapTanh::kRcp;
+    c.in = static_cast<float>(scale / softcap);
     c.out = static_cast<float>(softcap * (log2_units ? kLog2e : 1.0));
   }
   return c;
@@ -112,21 +77,6 @@ __device__ __forceinline__ float softcap_ex2(float a) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(a));
   return y;
 }
-// kFma: 1 / (1 + E), E = 2^(-a) of a = 2 |x| log2 e >= 0 (NaN stays NaN), on the FMA pipe (above).
-__device__ __forceinline__ float softcap_rcp_fma(float e) {
-  const float d = 1.f + e;  // in [1, 2]
-  // The minimax quadratic of 1 / (1 + E) over [0, 1], relative error 1/99 (Remez).
-  float y = fmaf(fmaf(32.f / 99.f, e, -80.f / 99.f), e, 98.f / 99.f);
-  y = fmaf(y, fmaf(-d, y, 1.f), y);  // Newton: relative error (1/99)^2
-  y = fmaf(y, fmaf(-d, y, 1.f), y);  // (1/99)^4, below float32's rounding
-  return y;
-}
-// kFma's tanh(x) of a2 = 2 x log2 e (what s * cap.in is in that mode).
-__device__ __forceinline__ float tanh_exp2_fma(float a2) {
-  const float y = softcap_rcp_fma(softcap_ex2(-fabsf(a2)));
-  return copysignf(fmaf(2.f, y, -1.f), a2);
-}
-
 // The per-score helpers take the mode as a template argument, and a kernel runs its loop over the
 // scores inside with_softcap_tanh, which passes the call's mode as a compile-time constant: each
 // mode's loop is then code of its own. A runtime switch per score is if-converted (nvcc 13.0, the
@@ -142,7 +92,6 @@ __device__ __forceinline__ void with_softcap_tanh(const Softcap& cap, Body&& bod
   }
   switch (cap.tanh) {
     case SoftcapTanh::kApprox: return body(SoftcapMode<SoftcapTanh::kApprox>{});
-    case SoftcapTanh::kFma: return body(SoftcapMode<SoftcapTanh::kFma>{});
     default: return body(SoftcapMode<SoftcapTanh::kRcp>{});
   }
 }
@@ -153,20 +102,12 @@ __device__ __forceinline__ float softcap_tanh(float s, const Softcap& cap) {
   static_assert(M != SoftcapTanh::kNone, "no softcap: no tanh");
   const float x = s * cap.in;
   if constexpr (M == SoftcapTanh::kApprox) return tanh_approx(x);
-  else if constexpr (M == SoftcapTanh::kRcp) return tanh_exp2(x);
-  else return tanh_exp2_fma(x);
+  else return tanh_exp2(x);
 }
-// The capped score out * tanh(s * scale / softcap). kFma folds out into the last step:
-// out (2y - 1) = fma(y, 2 out, -out), one rounding instead of two and one instruction less.
+// The capped score out * tanh(s * scale / softcap).
 template <SoftcapTanh M>
 __device__ __forceinline__ float softcap_score(float s, const Softcap& cap) {
-  if constexpr (M != SoftcapTanh::kFma) {
-    return cap.out * softcap_tanh<M>(s, cap);
-  } else {
-    const float a2 = s * cap.in;
-    const float y = softcap_rcp_fma(softcap_ex2(-fabsf(a2)));
-    return copysignf(fmaf(y, cap.out + cap.out, -cap.out), a2);
-  }
+  return cap.out * softcap_tanh<M>(s, cap);
 }
 #endif
 

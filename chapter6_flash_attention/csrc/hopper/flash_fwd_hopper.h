@@ -10,6 +10,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <string>
 
 namespace flash_attention {
 
@@ -98,6 +99,10 @@ struct AttentionFp8Params {
 };
 inline bool attention_fp8_head_dim(int64_t head_dim) { return ::course::is_listed(kFp8HeadDims, head_dim); }
 int64_t attention_fp8_smem_bytes(int64_t head_dim);
+// Why the launcher's candidate (FLASH_ATTENTION_FP8_FORWARD, read now, as the launch reads it) has
+// no kernel at this head dim, naming the knob and its value; empty where it runs. The glue refuses
+// the call with it before launching (the launch itself would return cudaErrorInvalidValue).
+std::string attention_fp8_candidate_refusal(int64_t head_dim);
 // Returns the first error (cudaErrorNotSupported without the driver's TMA encoder); never
 // synchronizes or allocates.
 cudaError_t launch_attention_fp8_hopper(const AttentionFp8Params& params, cudaStream_t stream);

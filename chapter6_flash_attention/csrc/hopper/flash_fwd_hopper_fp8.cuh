@@ -89,13 +89,16 @@ struct HopperFp8Traits {
 //   n192_full      n192 without a causal mask, longest_first with one: at 192 keys the masked steps
 //                  spill (up to ~40 local loads and stores a step, where the unmasked ones have 1-3),
 //                  and a causal block of 128 rows crosses the diagonal in one or two of them.
-// Any other value fails the call (cudaErrorInvalidValue) rather than time something else.
+// Any other value fails the call (cudaErrorInvalidValue) rather than time something else; so do
+// n192 and n192_full at head dim 64, refused by name in the glue (attention_fp8_candidate_refusal),
+// where the 192-key tile is not built (below).
 // The default is n192_full only at d = 128, where it was measured (the chapter's NOTES.md: full,
 // 1.38-1.42x pingpong where the 128-key tile gave 1.33-1.35x; causal, the 128-key tile). At d = 64 a key's share of the step's fixed work is
 // larger but its unmasked 192-key loop saves less (SASS, sm_90a, per warp: 657 instructions a 192-key
 // step against 469 a 128-key one, 3.4 against 3.7 a key, where d = 128 has 3.6 against 4.0) and
 // still reloads 2 spilled registers a step; and the one d = 64 shape timed (causal, s = 2048, where
-// n192_full runs longest_first) took 15% longer at n192, against 7% at d = 128.
+// n192_full runs longest_first) took 15% longer at n192, against 7% at d = 128. Never the default
+// and never ahead, the d = 64 192-key instantiation was then taken out (one kernel less to compile).
 enum class Fp8Forward { kDefault, kLongestFirst, kHeadOrder, kBlockN192, kBlockN192Full, kUnknown };
 
 #if COURSE_HOPPER_DEVICE
