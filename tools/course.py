@@ -4,7 +4,8 @@ the virtualenv (scripts/env.sh) and install what is missing (tools/ensure_env.py
     ./run_course.sh   main: build every chapter, run its example and benchmark, write results
                       and plots, print a summary (CPU path on a machine without a CUDA GPU)
     ./run_tests.sh    test: build every chapter (pip and JIT), run every test suite, execute
-                      every notebook, compile every .cu with nvcc for sm_75, sm_80 and sm_90
+                      every notebook, compile every .cu with nvcc for each target whose device
+                      code differs (sweep_archs), beside the other steps
     ./gpu_pass.sh     gpu-pass: on a CUDA machine, both builds, all tests with CUDA on both
                       routes, compute-sanitizer (4 tools), benchmarks and results, the ncu
                       profiles, the notebooks executed in place, the README tables
@@ -196,26 +197,125 @@ def is_hopper_file(cu):
     return "hopper" in cu.parent.name or cu.name.startswith("hopper")
 
 
-def nvcc_compile(steps):
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        print("\nnvcc not found: skipping the sm_75/sm_80/sm_90 compile check")
-        return
-    # One nvcc per file for all the archs: the host side is compiled once and --threads runs
-    # the archs' device compiles side by side (half the time of one call per arch on CI's two
-    # cores). A failing arch names itself in the log (ptxas and the error lines say sm_NN).
+INCLUDE_LINE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M)
+ARCH_TEST = re.compile(r"__CUDA_ARCH__\s*(>=|<=|==|!=|>|<)\s*(\d+)")
+
+
+def course_sources(cu, includes):
+    """The .cu and every file of the repository it includes, directly or through another (the
+    quoted includes, looked up as the compiler does: beside the including file, then on -I)."""
+    seen, todo = set(), [cu.resolve()]
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        for name in INCLUDE_LINE.findall(path.read_text()):
+            found = next((d / name for d in (path.parent, *map(Path, includes)) if (d / name).is_file()), None)
+            if found is not None and found.resolve().is_relative_to(ROOT):
+                todo.append(found.resolve())
+    return seen
+
+
+def sweep_archs(cu, includes):
+    """The targets the sweep compiles cu for. Two targets compile the course's code alike unless
+    some test of __CUDA_ARCH__ in it falls between them: every guard in the course sits at 800
+    (cp.async and mma.sync), and Hopper's at 900 with its feature macro. So sm_75 always, and each
+    further arch of NVCC_ARCHS only where a test in cu's sources separates it from the one before
+    (sm_80 by the 800 guards; sm_90 by a test at 900, hopper.cuh's); where none does, it would
+    compile what the arch before it compiled, and the GPU pass builds it for the card anyway.
+    Hopper files also build for sm_90a, the only target where their wgmma and setmaxnreg exist."""
+    bounds = set()
+    for path in course_sources(cu, includes):
+        for op, value in ARCH_TEST.findall(path.read_text()):
+            value = int(value)
+            # The first arch value on the other side of the test: >= and < change at value,
+            # > and <= at value + 1, == and != at both.
+            bounds |= {value} if op in (">=", "<") else {value + 1} if op in (">", "<=") else {value, value + 1}
+    archs = [NVCC_ARCHS[0]]
+    for before, arch in zip(NVCC_ARCHS, NVCC_ARCHS[1:]):
+        if any(int(before) * 10 < b <= int(arch) * 10 for b in bounds):
+            archs.append(arch)
+    return archs + (["90a"] if is_hopper_file(cu) else [])
+
+
+def nvcc_jobs():
+    """One command per file and target: the file's first target with `nvcc -c` (the host side is
+    compiled once), each further one with `nvcc -cubin` (that target's device code alone)."""
+    jobs = []
     for chapter in chapters():
-        includes = [flag for d in include_dirs(chapter) for flag in ("-I", d)]
+        includes = [str(d) for d in include_dirs(chapter)]
+        flags = [flag for d in includes for flag in ("-I", d)]
         for cu in cuda_files(chapter):
-            # Hopper files (chapter 6's csrc/hopper/ and its hopper_* experiments) also build for
-            # sm_90a, the only target where their wgmma and setmaxnreg exist; for the other archs
-            # they compile to the empty kernels the glue never launches.
-            archs = NVCC_ARCHS + (("90a",) if is_hopper_file(cu) else ())
-            gencodes = [f"-gencode=arch=compute_{arch},code=sm_{arch}" for arch in archs]
-            # The file's own folder too: an experiment or a lab includes the header beside it.
-            steps.run(f"nvcc {cu.relative_to(ROOT)} {','.join(f'sm_{a}' for a in archs)}",
-                      [nvcc, "-c", "-std=c++17", *gencodes, "--threads", str(os.cpu_count() or 1),
-                       *includes, "-I", cu.parent, "-o", os.devnull, cu])
+            archs = sweep_archs(cu, includes + [str(cu.parent)])
+            for i, arch in enumerate(archs):
+                # The file's own folder too: an experiment or a lab includes the header beside it.
+                jobs.append((cu, arch, [shutil.which("nvcc"), "-c" if i == 0 else "-cubin", "-std=c++17",
+                                        f"-gencode=arch=compute_{arch},code=sm_{arch}", *flags, "-I", cu.parent,
+                                        "-o", os.devnull, cu]))
+    return jobs
+
+
+class NvccSweep:
+    """Compiles every .cu of the course for the targets sweep_archs names, on a pool of threads
+    that each run one nvcc at a time, beside the job's other steps. Those are mostly one process
+    at a time (pytest, a notebook), so start() runs the sweep on half the cores while they go on,
+    and finish() gives it every core once they are done; its rows join the summary there, one a
+    file, with its compiles' summed seconds. Compiling one target per nvcc, not all in one call,
+    keeps every core busy: one call's targets finish unevenly (sm_90a's Hopper code takes ten
+    times a plain target's)."""
+
+    def __init__(self):
+        import threading
+        self.nvcc = shutil.which("nvcc")
+        self.jobs = nvcc_jobs() if self.nvcc else []
+        self.results = {}
+        self.lock = threading.Lock()
+        self.all_cores = threading.Event()
+        cores = os.cpu_count() or 1
+        self.threads = [threading.Thread(target=self.work, args=(i >= max(1, cores // 2),), daemon=True)
+                        for i in range(cores)]
+
+    def start(self):
+        if self.nvcc is None:
+            return
+        self.started = time.perf_counter()
+        self.pending = list(reversed(self.jobs))
+        for thread in self.threads:
+            thread.start()
+
+    def work(self, waits):
+        if waits:
+            self.all_cores.wait()
+        while True:
+            with self.lock:
+                if not self.pending:
+                    return
+                cu, arch, cmd = self.pending.pop()
+            log = LOG_DIR / f"nvcc_{cu.relative_to(ROOT)}_sm_{arch}.log".replace("/", "-")
+            start = time.perf_counter()
+            with open(log, "w") as fh:
+                rc = subprocess.run([str(c) for c in cmd], stdout=fh, stderr=subprocess.STDOUT).returncode
+            self.results[cu, arch] = (rc, time.perf_counter() - start, log)
+
+    def finish(self, steps):
+        if self.nvcc is None:
+            print("\nnvcc not found: skipping the sm_75/sm_80/sm_90 compile check")
+            return
+        self.all_cores.set()
+        for thread in self.threads:
+            thread.join()
+        print(f"\nnvcc sweep: {len(self.jobs)} compiles in {time.perf_counter() - self.started:.0f} s "
+              f"on {len(self.threads)} threads, beside the steps above until they were done")
+        for cu in dict.fromkeys(job[0] for job in self.jobs):
+            done = {arch: self.results[c, arch] for c, arch, _ in self.jobs if c == cu}
+            failed = [(arch, r) for arch, r in done.items() if r[0] != 0]
+            for arch, (rc, _, log) in failed:
+                print(f"nvcc {cu.relative_to(ROOT)} sm_{arch} FAILED ({rc}) (log: {display(log)})")
+                print("".join(open(log).readlines()[-25:]), end="")
+            steps.table.append((f"nvcc {cu.relative_to(ROOT)} {','.join(f'sm_{a}' for a in done)}",
+                                "ok" if not failed else f"FAILED ({failed[0][1][0]})",
+                                f"{sum(r[1] for r in done.values()):.1f}s", ""))
 
 
 def tree_status():
@@ -246,6 +346,8 @@ def check_tree_unchanged(steps, before):
 def job_test(args):
     steps = Steps()
     status_before = tree_status()
+    sweep = NvccSweep()
+    sweep.start()
     junit = LOG_DIR / "common.xml"
     steps.run("common helpers pytest", [sys.executable, "-m", "pytest", "-q", "-p",
               "no:cacheprovider", f"--junitxml={junit}", "common/tests"], junit=junit)
@@ -255,7 +357,7 @@ def job_test(args):
             package_check(steps, chapter)
         jit_build(steps, chapter)
     execute_notebooks(steps, inplace=False)
-    nvcc_compile(steps)
+    sweep.finish(steps)
     check_tree_unchanged(steps, status_before)
     return steps.summary()
 

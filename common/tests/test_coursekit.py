@@ -333,3 +333,56 @@ def test_main_job_prints_a_line_per_step_and_keeps_the_output_in_the_log(monkeyp
     assert not steps.run("broken", [sys.executable, "-c", "print('why'); raise SystemExit(3)"])
     out = capsys.readouterr().out
     assert "broken ... FAILED (3)" in out and "why" in out  # a failure shows its last lines
+
+
+def test_the_nvcc_sweep_compiles_each_target_whose_code_differs(monkeypatch, tmp_path):
+    """sweep_archs: sm_75 always; sm_80 and sm_90 only where a __CUDA_ARCH__ test in the file or a
+    header of the repository it includes falls between them; sm_90a for the Hopper files."""
+    import course
+    monkeypatch.setattr(course, "ROOT", tmp_path)
+    inc = tmp_path / "include"
+    (inc / "hopper").mkdir(parents=True)
+    (inc / "ampere.cuh").write_text("#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800\n#endif\n")
+    (inc / "hopper" / "feature.cuh").write_text('#include "../ampere.cuh"\n#if __CUDA_ARCH__ == 900\n#endif\n')
+    files = {
+        "plain.cu": '#include <cuda_bf16.h>\n#include "missing_elsewhere.h"\n',
+        "ampere.cu": '#include "ampere.cuh"\n',
+        "turing.cu": "#if __CUDA_ARCH__ < 800\n#endif\n",
+        "after_ampere.cu": "#if __CUDA_ARCH__ > 800\n#endif\n",
+        "hopper/kernel.cu": '#include "hopper/feature.cuh"\n',
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    archs = {name: course.sweep_archs(tmp_path / name, [str(inc)]) for name in files}
+    assert archs == {"plain.cu": ["75"], "ampere.cu": ["75", "80"], "turing.cu": ["75", "80"],
+                     "after_ampere.cu": ["75", "90"], "hopper/kernel.cu": ["75", "80", "90", "90a"]}
+
+
+def test_the_nvcc_sweep_reports_each_file_and_the_target_that_failed(monkeypatch, tmp_path, capsys):
+    """NvccSweep with a stand-in nvcc that fails for sm_80: one row a file, the failing one named
+    with its target, its log's lines printed; the host side (-c) only for a file's first target."""
+    import course
+    chapter = tmp_path / "chapter9_x"
+    chapter.mkdir()
+    (chapter / "a.cu").write_text("#if __CUDA_ARCH__ >= 800\n#endif\n")
+    (chapter / "b.cu").write_text("\n")
+    fake = tmp_path / "nvcc"
+    fake.write_text("#!/bin/sh\necho \"$@\" >> " + str(tmp_path / "calls.txt") +
+                    "\ncase \"$*\" in *compute_80*) echo 'ptxas error: sm_80 broke'; exit 2;; esac\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(course, "ROOT", tmp_path)
+    monkeypatch.setattr(course, "LOG_DIR", tmp_path / "logs")
+    monkeypatch.setattr(course, "chapters", lambda: [chapter])
+    monkeypatch.setattr(course, "include_dirs", lambda c: [])
+    monkeypatch.setattr(course.shutil, "which", lambda name: str(fake) if name == "nvcc" else None)
+    steps = course.Steps()
+    sweep = course.NvccSweep()
+    sweep.start()
+    sweep.finish(steps)
+    rows = {row[0]: row[1] for row in steps.table}
+    assert rows == {"nvcc chapter9_x/a.cu sm_75,sm_80": "FAILED (2)", "nvcc chapter9_x/b.cu sm_75": "ok"}
+    out = capsys.readouterr().out
+    assert "chapter9_x/a.cu sm_80 FAILED (2)" in out and "sm_80 broke" in out
+    calls = (tmp_path / "calls.txt").read_text().splitlines()
+    assert sorted(c.split()[0] for c in calls) == ["-c", "-c", "-cubin"]
