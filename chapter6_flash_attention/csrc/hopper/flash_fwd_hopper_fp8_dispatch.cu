@@ -12,8 +12,12 @@
 
 namespace flash_attention {
 
-template <int D, int kBlockN>
-cudaError_t run_flash_fwd_hopper_fp8(const AttentionFp8Params& p, Fp8Forward candidate, cudaStream_t stream);
+// Built in their own files (flash_fwd_hopper_fp8_hdim<d>.cu, ..._n192_hdim128.cu). This file includes
+// their definition for the traits' shared-memory sizes, so without `extern template` each call
+// below would compile its kernel here a second time.
+extern template cudaError_t run_flash_fwd_hopper_fp8<64, 128>(const AttentionFp8Params&, Fp8Forward, cudaStream_t);
+extern template cudaError_t run_flash_fwd_hopper_fp8<128, 128>(const AttentionFp8Params&, Fp8Forward, cudaStream_t);
+extern template cudaError_t run_flash_fwd_hopper_fp8<128, 192>(const AttentionFp8Params&, Fp8Forward, cudaStream_t);
 
 // FLASH_ATTENTION_FP8_FORWARD, read at every call (a bench-only knob: getenv is a scan of a few
 // dozen strings, against a launch's microseconds).
