@@ -217,14 +217,17 @@ def course_sources(cu, includes):
     return seen
 
 
-def sweep_archs(cu, includes):
+def sweep_archs(cu, includes, hopper_chapter=False):
     """The targets the sweep compiles cu for. Two targets compile the course's code alike unless
     some test of __CUDA_ARCH__ in it falls between them: every guard in the course sits at 800
     (cp.async and mma.sync), and Hopper's at 900 with its feature macro. So sm_75 always, and each
     further arch of NVCC_ARCHS only where a test in cu's sources separates it from the one before
     (sm_80 by the 800 guards; sm_90 by a test at 900, hopper.cuh's); where none does, it would
     compile what the arch before it compiled, and the GPU pass builds it for the card anyway.
-    Hopper files also build for sm_90a, the only target where their wgmma and setmaxnreg exist."""
+    In a chapter with Hopper files (hopper_chapter) the builds compile every file for 9.0a in
+    place of 9.0 (coursekit.build.hopper_arch_list), so there sm_90 is never a target and the
+    sweep compiles sm_90a instead; the Hopper files always build for it, the only target where
+    their wgmma and setmaxnreg exist."""
     bounds = set()
     for path in course_sources(cu, includes):
         for op, value in ARCH_TEST.findall(path.read_text()):
@@ -236,7 +239,9 @@ def sweep_archs(cu, includes):
     for before, arch in zip(NVCC_ARCHS, NVCC_ARCHS[1:]):
         if any(int(before) * 10 < b <= int(arch) * 10 for b in bounds):
             archs.append(arch)
-    return archs + (["90a"] if is_hopper_file(cu) else [])
+    if hopper_chapter or is_hopper_file(cu):
+        archs = [a for a in archs if a != "90"] + (["90a"] if "90" in archs or is_hopper_file(cu) else [])
+    return archs
 
 
 def nvcc_jobs():
@@ -246,8 +251,10 @@ def nvcc_jobs():
     for chapter in chapters():
         includes = [str(d) for d in include_dirs(chapter)]
         flags = [flag for d in includes for flag in ("-I", d)]
-        for cu in cuda_files(chapter):
-            archs = sweep_archs(cu, includes + [str(cu.parent)])
+        files = cuda_files(chapter)
+        hopper_chapter = any(is_hopper_file(cu) for cu in files)
+        for cu in files:
+            archs = sweep_archs(cu, includes + [str(cu.parent)], hopper_chapter)
             for i, arch in enumerate(archs):
                 # The file's own folder too: an experiment or a lab includes the header beside it.
                 jobs.append((cu, arch, [shutil.which("nvcc"), "-c" if i == 0 else "-cubin", "-std=c++17",

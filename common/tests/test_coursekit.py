@@ -356,7 +356,12 @@ def test_the_nvcc_sweep_compiles_each_target_whose_code_differs(monkeypatch, tmp
         (tmp_path / name).write_text(text)
     archs = {name: course.sweep_archs(tmp_path / name, [str(inc)]) for name in files}
     assert archs == {"plain.cu": ["75"], "ampere.cu": ["75", "80"], "turing.cu": ["75", "80"],
-                     "after_ampere.cu": ["75", "90"], "hopper/kernel.cu": ["75", "80", "90", "90a"]}
+                     "after_ampere.cu": ["75", "90"], "hopper/kernel.cu": ["75", "80", "90a"]}
+    # A chapter with Hopper files builds 9.0a in place of 9.0: sm_90 becomes sm_90a, and a file
+    # that no test separates from sm_80 gets neither.
+    archs = {name: course.sweep_archs(tmp_path / name, [str(inc)], hopper_chapter=True) for name in files}
+    assert archs == {"plain.cu": ["75"], "ampere.cu": ["75", "80"], "turing.cu": ["75", "80"],
+                     "after_ampere.cu": ["75", "90a"], "hopper/kernel.cu": ["75", "80", "90a"]}
 
 
 def test_the_nvcc_sweep_reports_each_file_and_the_target_that_failed(monkeypatch, tmp_path, capsys):
