@@ -240,7 +240,9 @@ def sweep_archs(cu, includes, hopper_chapter=False):
         if any(int(before) * 10 < b <= int(arch) * 10 for b in bounds):
             archs.append(arch)
     if hopper_chapter or is_hopper_file(cu):
-        archs = [a for a in archs if a != "90"] + (["90a"] if "90" in archs or is_hopper_file(cu) else [])
+        archs = ["90a" if a == "90" else a for a in archs]  # 9.0 is built as 9.0a there
+    if is_hopper_file(cu) and "90a" not in archs:
+        archs.append("90a")
     return archs
 
 
@@ -307,7 +309,7 @@ class NvccSweep:
 
     def finish(self, steps):
         if self.nvcc is None:
-            print("\nnvcc not found: skipping the sm_75/sm_80/sm_90 compile check")
+            print("\nnvcc not found: skipping the compile check of every .cu")
             return
         self.all_cores.set()
         for thread in self.threads:
