@@ -191,8 +191,7 @@ __global__ void __launch_bounds__(K::kThreads, 1)
   static_assert(!(kWindowSoftcap && kVarlen), "the packed layout with a window runs on part 1's backward");
   extern __shared__ unsigned char smem_raw[];
   // The swizzle pattern repeats every 1024 bytes and the descriptors assume atoms there.
-  unsigned char* smem =
-      reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  unsigned char* smem = smem_aligned_1024(smem_raw);
   unsigned char* k_s = smem;                                 // [chunk][kBlockN rows][64]
   unsigned char* v_s = k_s + K::kKVBytes;                    // same
   unsigned char* q_s = v_s + K::kKVBytes;                    // [stage][chunk][kBlockM rows][64]

@@ -43,6 +43,17 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// The dynamic shared memory from its first 1024-byte boundary (the period of the 128-byte
+// swizzle's pattern, which the descriptors and tensor maps assume). Written as an offset added to
+// the array, not as the array's address rounded through an integer: a pointer rebuilt from an
+// integer has lost its address space, and the compiler then reaches every buffer carved from it
+// with generic loads and stores (LD.E / ST.E in the SASS), which wait on the long scoreboard like
+// global memory does. The backward's statistics loads and its dS stores did (NOTES.md, "Short
+// sequences and the backward, read with ncu").
+__device__ __forceinline__ unsigned char* smem_aligned_1024(unsigned char* smem_raw) {
+  return smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
+}
+
 // ------------------------------------------------------------------------------------------
 // mbarrier
 // ------------------------------------------------------------------------------------------
