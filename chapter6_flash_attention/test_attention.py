@@ -1752,17 +1752,27 @@ def sass_functions(name_part):
     return [(chunk.split("\n")[0], chunk) for chunk in chunks if name_part in chunk.split("\n")[0]]
 
 
+# A generic load or store (LD.E / ST.E in the SASS; global ones are LDG / STG, shared ones LDS / STS).
+# The Hopper kernels touch memory only through TMA, wgmma's descriptors and shared-memory pointers,
+# so one of these means the compiler lost a pointer's address space (a pointer rebuilt from an
+# integer does) and reaches shared memory through the generic path, which waits on the long
+# scoreboard as global memory does.
+GENERIC_ACCESS = re.compile(r"\b(?:LD|ST)\.E\b")
+
+
 @pytest.mark.cuda
 def test_cuda_hopper_sass_has_hgmma():
     """The Hopper rungs really run on the warpgroup tensor-core instructions: in the loaded
     library's SASS every flash_fwd_hopper_kernel holds HGMMA (wgmma on 16-bit inputs; QGMMA, its
-    8-bit form, in the FP8 kernels) and UTMALDG (TMA) and no HMMA (mma.sync, the Ampere path)."""
+    8-bit form, in the FP8 kernels) and UTMALDG (TMA) and no HMMA (mma.sync, the Ampere path); and
+    none reaches shared memory by a generic load or store (see GENERIC_ACCESS)."""
     skip_unless_hopper()
     kernels = sass_functions("flash_fwd_hopper_")
     assert len(kernels) >= 24, f"{len(kernels)} Hopper kernels in the SASS (4 rungs x 2 dtypes x 3 head dims)"
     for name, body in kernels:
         wgmma = "QGMMA" if "fp8" in name else "HGMMA"
         assert wgmma in body and "UTMALDG" in body and "HMMA" not in body, name
+        assert not GENERIC_ACCESS.search(body), (name, GENERIC_ACCESS.findall(body)[:4])
 
 
 # The Hopper backward ("wgmma"): a block per 128 keys walking query tiles of 64 rows (d = 128) or 128
@@ -2053,7 +2063,9 @@ def test_cuda_hopper_backward_refusals():
 def test_cuda_hopper_backward_sass():
     """The backward's main kernel (each instantiation) runs on wgmma (HGMMA) and TMA (UTMALDG), not
     mma.sync (HMMA), and adds dQ into its float32 sums with the copy engine's bulk reduction
-    (UBLKRED), no float atomic from registers (RED or ATOM ... ADD.F32) left."""
+    (UBLKRED), no float atomic from registers (RED or ATOM ... ADD.F32) left; no generic load or
+    store (GENERIC_ACCESS: its statistics and dS once went that way, behind an integer-rounded
+    shared-memory pointer)."""
     import re
     skip_unless_hopper()
     kernels = sass_functions("flash_bwd_hopper_kernel")
@@ -2062,6 +2074,7 @@ def test_cuda_hopper_backward_sass():
     for name, body in kernels:
         assert "HGMMA" in body and "UTMALDG" in body and "HMMA" not in body, name
         assert "UBLKRED" in body and not re.search(r"\b(?:REDG?|ATOMG?)\.\S*ADD\.F32", body), name
+        assert not GENERIC_ACCESS.search(body), (name, GENERIC_ACCESS.findall(body)[:4])
 
 
 @pytest.mark.cuda
