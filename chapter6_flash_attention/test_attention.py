@@ -2065,7 +2065,7 @@ def test_cuda_hopper_backward_sass():
     mma.sync (HMMA), and adds dQ into its float32 sums with the copy engine's bulk reduction
     (UBLKRED), no float atomic from registers (RED or ATOM ... ADD.F32) left; no generic load or
     store (GENERIC_ACCESS: its statistics and dS once went that way, behind an integer-rounded
-    shared-memory pointer)."""
+    shared-memory pointer); and its wgmmas pipelined, not each waited for alone."""
     import re
     skip_unless_hopper()
     kernels = sass_functions("flash_bwd_hopper_kernel")
@@ -2075,6 +2075,11 @@ def test_cuda_hopper_backward_sass():
         assert "HGMMA" in body and "UTMALDG" in body and "HMMA" not in body, name
         assert "UBLKRED" in body and not re.search(r"\b(?:REDG?|ATOMG?)\.\S*ADD\.F32", body), name
         assert not GENERIC_ACCESS.search(body), (name, GENERIC_ACCESS.findall(body)[:4])
+        # wgmma groups in flight together: where ptxas cannot prove an accumulator is not read
+        # before its group's wait (warning C7514), it waits after every HGMMA, and the SASS then has
+        # as many WARPGROUP.DEPBAR as HGMMA (the window/softcap kernels did, 64 of each at d = 128).
+        hgmma, depbar = body.count("HGMMA"), body.count("WARPGROUP.DEPBAR")
+        assert depbar <= hgmma // 4, (name, f"{depbar} waits for {hgmma} HGMMA: the wgmmas are serialized")
 
 
 @pytest.mark.cuda

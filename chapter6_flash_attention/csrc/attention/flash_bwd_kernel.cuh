@@ -77,8 +77,11 @@ struct WindowTileMask {
   bool active;    // false: every score of the pair is visible
   int key_limit;  // keys kc >= key_limit are past seqlen_k
   int lo, hi;     // key kc is visible to row rc iff lo <= kc - rc <= hi (the window; causal: hi = diag)
+  // Bitwise, not short-circuit: && and || here became branches around each score's exponential
+  // in the Hopper backward (BSSY / BRA per score), whose convergence points held registers that
+  // its softcap loop then spilled (nvcc 13.0, sm_90a).
   __device__ __forceinline__ bool visible(int rc, int kc) const {
-    return !active || (kc < key_limit && kc - rc <= hi && kc - rc >= lo);
+    return !active | ((kc < key_limit) & (kc - rc <= hi) & (kc - rc >= lo));
   }
 };
 

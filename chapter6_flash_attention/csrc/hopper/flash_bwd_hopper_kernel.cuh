@@ -420,9 +420,14 @@ __global__ void __launch_bounds__(K::kThreads, 1)
             const float2 l = column_pair(lse_s + stage * kBM, j, t);
             const float2 d = column_pair(dd_s + stage * kBM, j, t);
             // Part 1's recompute_p: P from the capped score and the forward's lse, and the derivative.
+            // Every score's exponential, then the mask as a select: recompute_p's own `visible ? :`
+            // around its asm exponential was a branch a score here, and the convergence points
+            // held registers that this loop then spilled at d = 128 (nvcc 13.0).
             float dc0, dc1;
-            s[j] = recompute_p<kMode>(s[j], l.x, visible(j), scale_log2, cap, &dc0);
-            s[j + 1] = recompute_p<kMode>(s[j + 1], l.y, visible(j + 1), scale_log2, cap, &dc1);
+            const float p0 = recompute_p<kMode>(s[j], l.x, true, scale_log2, cap, &dc0);
+            const float p1 = recompute_p<kMode>(s[j + 1], l.y, true, scale_log2, cap, &dc1);
+            s[j] = visible(j) ? p0 : 0.f;
+            s[j + 1] = visible(j + 1) ? p1 : 0.f;
             dp[j] = s[j] * (dp[j] - d.x) * dc0;
             dp[j + 1] = s[j + 1] * (dp[j + 1] - d.y) * dc1;
           }
@@ -471,9 +476,13 @@ __global__ void __launch_bounds__(K::kThreads, 1)
     // dP^T, and at d = 128 those 32 registers spill (nvcc 13.0, -Xptxas -v). The error is the u
     // relative that the tensor-core rungs' dS carries anyway (rung "mma" rounds dS itself:
     // test_attention.py's rounding_bounds).
+    // The wait for dP^T on both paths, outside the branch: the softcap's path has it already, and
+    // this one returns at once there (dV is the one group left). Inside `if (!ds_done)` alone,
+    // ptxas saw dP^T's registers read by pack_a below on a path it could not prove had waited,
+    // and serialized every wgmma of the kernel behind its own wait (warning C7514).
+    wgmma_wait<1>();
+    fence_operands(dp);
     if (!ds_done) {
-      wgmma_wait<1>();
-      fence_operands(dp);
 #pragma unroll
       for (int j = 0; j < kSRegs; j += 2) {
         const float2 d = column_pair(dd_s + stage * kBM, j, t);
