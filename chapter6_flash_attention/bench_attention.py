@@ -1354,14 +1354,20 @@ def bench_masked(op, device, mm, notes):
     rows = []
     for pass_ in ("forward", "backward"):
         flops = masked_flops(b, h, n, n, d, c["causal"], c["window"], pass_)
-        timed = []
+        # Every call probed first, then all timed in rounds (bench.time_interleaved): the rows of a
+        # pass are compared with each other (x flex_attention, x the dense call, the default
+        # against its own rung), so a drift over the run must fall on all of them alike.
+        probed, fields_of = [], []
         for variant, make, fields in calls[pass_]:
             where = f"{op} {pass_} window={fields['window']} softcap={fields['softcap']}"
             fn = bench.attempt(notes, variant, where, make)
-            t = fn and bench.probe_and_time(notes, variant, where, device, fn, max_call_ms=MAX_CALL_MS)
-            if t:
-                timed.append((variant, fields, t))
-            del fn
+            est = fn and bench.probe_noted(notes, variant, where, device, fn, max_call_ms=MAX_CALL_MS)
+            if est is not None and fn:
+                probed.append((variant, fn, est))
+                fields_of.append(fields)
+        times = bench.time_interleaved(notes, f"{op} {pass_}", device, probed)
+        timed = [(variant, fields, t) for (variant, _, _), fields, t in zip(probed, fields_of, times) if t]
+        del probed
         base = next((t for v, _, t in timed if v == "flex_attention"), None)
         for variant, fields, t in timed:
             extra = {"pass": pass_, "causal": c["causal"], "batch": b, "heads": h, "seqlen": n, "head_dim": d,
@@ -1555,7 +1561,9 @@ def main_ops():
                  "timing": {"statistic": "median", "reps": bench.MIN_REPS,
                             "method": "CUDA graph of the calls that make a replay last >= 2 ms (1 to 8), CUDA "
                                       "events around each replay; backward rows of ours time the backward op alone, "
-                                      "the baselines' autograd.grad over a retained graph"},
+                                      "the baselines' autograd.grad over a retained graph; the window and softcap "
+                                      "sections replay all the rows of a pass in rounds, one replay of each in turn "
+                                      "(rows with timer 'graph, interleaved rounds')"},
                  "wall_s": time.perf_counter() - started}
         results.publish(CHAPTER + suffix, rows, ceilings, extra, lambda record, out_dir: [], print_rows)
 

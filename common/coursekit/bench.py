@@ -440,16 +440,79 @@ def time_probed(device, fn, est_ms, *, sets=1, call=None):
         return {**time_cuda(fn), "timer": "events (graph capture failed)"}
 
 
-def probe_and_time(notes, variant, where, device, fn, *, max_call_ms=math.inf, **how):
-    """probe, then time_probed (`how`: its sets and call), or None with the reason noted: a
-    refusal, or one call slower than max_call_ms, which is skipped rather than timed."""
+def probe_noted(notes, variant, where, device, fn, *, max_call_ms=math.inf):
+    """probe, or None with the reason noted: a refusal, or one call slower than max_call_ms, which
+    is skipped rather than timed."""
     est = attempt(notes, variant, where, lambda: probe(fn, device))
-    if est is None:
-        return None
-    if est > max_call_ms:
+    if est is not None and est > max_call_ms:
         notes.skip(variant, f"one call took over {max_call_ms:.0f} ms (here {est:.0f} ms); not timed", where)
         return None
+    return est
+
+
+def probe_and_time(notes, variant, where, device, fn, *, max_call_ms=math.inf, **how):
+    """probe_noted, then time_probed (`how`: its sets and call), or None with the reason noted."""
+    est = probe_noted(notes, variant, where, device, fn, max_call_ms=max_call_ms)
+    if est is None:
+        return None
     return attempt(notes, variant, where, lambda: time_probed(device, fn, est, **how))
+
+
+def time_interleaved(notes, where, device, probed, *, reps=MIN_REPS):
+    """The timings of [(variant, fn, est_ms)] (est from probe_noted), a list in the same order
+    (None where a call failed, with the reason noted; two entries may share a variant's name),
+    timed in rounds: each round replays every entry's CUDA graph once (calls_per_replay(est) calls
+    of fn), in turn. Timed one after another, two timings of the same kernel in one run came out up
+    to 10% apart on an H200 (chapter 6's default row and its own rung's row): whatever drifts over
+    a run, the clock above all, fell on whichever variant was timed then. In rounds it falls on all
+    of them alike, and the ratios between rows are what the rows are for. On the CPU, rounds of one
+    call each by the wall clock. An entry whose graph cannot be captured is timed alone afterwards
+    with events, and its row says so (as time_probed's)."""
+    if device != "cuda":
+        samples = [[] for _ in probed]
+        for _ in range(reps):
+            for ms, (_, fn, _) in zip(samples, probed):
+                t0 = time.perf_counter()
+                fn()
+                ms.append((time.perf_counter() - t0) * 1e3)
+        return [summarize(ms) for ms in samples]
+    graphs, timed = {}, [None] * len(probed)
+    side = capture_stream()
+    for i, (variant, fn, est) in enumerate(probed):
+        try:
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up off the default stream, as torch.cuda.graph asks
+                fn()
+            torch.cuda.current_stream().wait_stream(side)
+            graph, calls = torch.cuda.CUDAGraph(), calls_per_replay(est)
+            with torch.cuda.graph(graph, stream=side):
+                for _ in range(calls):
+                    fn()
+            graphs[i] = (graph, calls)
+        except RuntimeError as e:
+            print(f"  {variant}: graph capture failed ({first_line(e)[:120]}); timing with events")
+            torch.cuda.synchronize()
+    for graph, _ in graphs.values():  # one round untimed: the first replay of a graph pays its upload
+        graph.replay()
+    torch.cuda.synchronize()
+    events = {i: [] for i in graphs}
+    for _ in range(reps):
+        for i, (graph, _) in graphs.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            events[i].append((start, end))
+    torch.cuda.synchronize()
+    for i, pairs in events.items():
+        calls = graphs[i][1]
+        timed[i] = {**summarize([s.elapsed_time(e) / calls for s, e in pairs]), "calls_per_replay": calls,
+                    "input_sets": 1, "timer": "graph, interleaved rounds"}
+    del graphs
+    for i, (variant, fn, _) in enumerate(probed):
+        if timed[i] is None:
+            timed[i] = attempt(notes, variant, where, lambda: {**time_cuda(fn), "timer": "events (graph capture failed)"})
+    return timed
 
 
 # torch's CPU threads for a benchmark on a machine without a GPU. One, as the end-to-end scripts'

@@ -56,3 +56,24 @@ def test_probe_and_time_on_the_cpu():
     assert t["reps"] == bench.MIN_REPS and len(calls) == 2 + bench.MIN_REPS  # the probe's two, then the reps
     assert bench.probe_and_time(notes, "slow", "there", "cpu", lambda: None, max_call_ms=-1.0) is None
     assert notes.skipped[0]["variant"] == "slow" and "not timed" in notes.skipped[0]["reason"]
+
+
+def test_time_interleaved_on_the_cpu_takes_rounds():
+    """Every round calls each variant once, in order: a call log of (a b c) repeated, not
+    a's calls, then b's."""
+    log = []
+    probed = [(name, (lambda n=name: log.append(n)), 0.0) for name in ("a", "b", "c")]
+    timed = bench.time_interleaved(bench.Notes(), "here", "cpu", probed)
+    assert len(timed) == 3 and all(t["reps"] == bench.MIN_REPS for t in timed)
+    assert log == ["a", "b", "c"] * bench.MIN_REPS
+
+
+def test_probe_noted_skips_the_slow_and_the_refused():
+    notes = bench.Notes()
+    assert bench.probe_noted(notes, "ok", "here", "cpu", lambda: None) is not None
+    assert bench.probe_noted(notes, "slow", "here", "cpu", lambda: None, max_call_ms=-1.0) is None
+
+    def refuse():
+        raise RuntimeError("refused")
+    assert bench.probe_noted(notes, "refused", "here", "cpu", refuse) is None
+    assert [n["variant"] for n in notes.skipped] == ["slow", "refused"]
