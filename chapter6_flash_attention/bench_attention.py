@@ -1354,8 +1354,8 @@ def bench_masked(op, device, mm, notes):
     rows = []
     for pass_ in ("forward", "backward"):
         flops = masked_flops(b, h, n, n, d, c["causal"], c["window"], pass_)
-        # Every call probed first, then all timed in rounds (bench.time_interleaved): the rows of a
-        # pass are compared with each other (x flex_attention, x the dense call, the default
+        # Every call probed first, then all timed in shuffled rounds (bench.time_interleaved): the
+        # rows of a pass are compared with each other (x flex_attention, x the dense call, the default
         # against its own rung), so a drift over the run must fall on all of them alike.
         probed, fields_of = [], []
         for variant, make, fields in calls[pass_]:
@@ -1562,8 +1562,9 @@ def main_ops():
                             "method": "CUDA graph of the calls that make a replay last >= 2 ms (1 to 8), CUDA "
                                       "events around each replay; backward rows of ours time the backward op alone, "
                                       "the baselines' autograd.grad over a retained graph; the window and softcap "
-                                      "sections replay all the rows of a pass in rounds, one replay of each in turn "
-                                      "(rows with timer 'graph, interleaved rounds')"},
+                                      "sections replay all the rows of a pass in rounds, one replay of each in an "
+                                      "order shuffled each round (rows with timer 'graph, shuffled rounds'; "
+                                      "'graph, interleaved rounds': the same order every round)"},
                  "wall_s": time.perf_counter() - started}
         results.publish(CHAPTER + suffix, rows, ceilings, extra, lambda record, out_dir: [], print_rows)
 

@@ -458,23 +458,40 @@ def probe_and_time(notes, variant, where, device, fn, *, max_call_ms=math.inf, *
     return attempt(notes, variant, where, lambda: time_probed(device, fn, est, **how))
 
 
+def round_orders(n, reps, seed=0):
+    """time_interleaved's orders: `reps` permutations of range(n), each round's drawn afresh from a
+    seeded generator, so that every entry follows the others in turn, and runs repeat."""
+    import random
+    rng = random.Random(seed)
+    orders = []
+    for _ in range(reps):
+        order = list(range(n))
+        rng.shuffle(order)
+        orders.append(order)
+    return orders
+
+
 def time_interleaved(notes, where, device, probed, *, reps=MIN_REPS):
     """The timings of [(variant, fn, est_ms)] (est from probe_noted), a list in the same order
     (None where a call failed, with the reason noted; two entries may share a variant's name),
     timed in rounds: each round replays every entry's CUDA graph once (calls_per_replay(est) calls
-    of fn), in turn. Timed one after another, two timings of the same kernel in one run came out up
-    to 10% apart on an H200 (chapter 6's default row and its own rung's row): whatever drifts over
-    a run, the clock above all, fell on whichever variant was timed then. In rounds it falls on all
-    of them alike, and the ratios between rows are what the rows are for. On the CPU, rounds of one
-    call each by the wall clock. An entry whose graph cannot be captured is timed alone afterwards
-    with events, and its row says so (as time_probed's)."""
+    of fn), in an order shuffled afresh each round (seeded: the same orders every run). Timed one
+    after another, two timings of the same kernel in one run came out up to 10% apart on an H200
+    (chapter 6's default row and its own rung's row): whatever drifts over a run, the clock above
+    all, fell on whichever variant was timed then. In rounds it falls on all of them alike, and the
+    ratios between rows are what the rows are for. Shuffled, because a kernel's time also depends
+    on the one before it: in a fixed order flex_attention's window forward, always run after ours,
+    took 10% longer than timed alone, ours 4% (chapter 6's NOTES, "Timing in rounds"). On the CPU,
+    rounds of one call each by the wall clock. An entry whose graph cannot be captured is timed
+    alone afterwards with events, and its row says so (as time_probed's)."""
+    orders = round_orders(len(probed), reps)
     if device != "cuda":
         samples = [[] for _ in probed]
-        for _ in range(reps):
-            for ms, (_, fn, _) in zip(samples, probed):
+        for order in orders:
+            for i in order:
                 t0 = time.perf_counter()
-                fn()
-                ms.append((time.perf_counter() - t0) * 1e3)
+                probed[i][1]()
+                samples[i].append((time.perf_counter() - t0) * 1e3)
         return [summarize(ms) for ms in samples]
     graphs, timed = {}, [None] * len(probed)
     side = capture_stream()
@@ -496,18 +513,18 @@ def time_interleaved(notes, where, device, probed, *, reps=MIN_REPS):
         graph.replay()
     torch.cuda.synchronize()
     events = {i: [] for i in graphs}
-    for _ in range(reps):
-        for i, (graph, _) in graphs.items():
+    for order in orders:
+        for i in (i for i in order if i in graphs):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            graph.replay()
+            graphs[i][0].replay()
             end.record()
             events[i].append((start, end))
     torch.cuda.synchronize()
     for i, pairs in events.items():
         calls = graphs[i][1]
         timed[i] = {**summarize([s.elapsed_time(e) / calls for s, e in pairs]), "calls_per_replay": calls,
-                    "input_sets": 1, "timer": "graph, interleaved rounds"}
+                    "input_sets": 1, "timer": "graph, shuffled rounds"}
     del graphs
     for i, (variant, fn, _) in enumerate(probed):
         if timed[i] is None:

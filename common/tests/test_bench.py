@@ -59,13 +59,18 @@ def test_probe_and_time_on_the_cpu():
 
 
 def test_time_interleaved_on_the_cpu_takes_rounds():
-    """Every round calls each variant once, in order: a call log of (a b c) repeated, not
-    a's calls, then b's."""
+    """Every round calls each variant once (not a's calls, then b's), in the orders round_orders
+    draws, which differ from round to round and from which each variant follows every other."""
     log = []
     probed = [(name, (lambda n=name: log.append(n)), 0.0) for name in ("a", "b", "c")]
     timed = bench.time_interleaved(bench.Notes(), "here", "cpu", probed)
     assert len(timed) == 3 and all(t["reps"] == bench.MIN_REPS for t in timed)
-    assert log == ["a", "b", "c"] * bench.MIN_REPS
+    orders = bench.round_orders(3, bench.MIN_REPS)
+    assert log == ["abc"[i] for order in orders for i in order]
+    assert all(sorted(order) == [0, 1, 2] for order in orders) and len({tuple(o) for o in orders}) > 1
+    follows = {(log[j - 1], log[j]) for j in range(1, len(log))}
+    assert {(x, y) for x in "abc" for y in "abc" if x != y} <= follows
+    assert orders == bench.round_orders(3, bench.MIN_REPS), "the same orders every run"
 
 
 def test_probe_noted_skips_the_slow_and_the_refused():
