@@ -5,6 +5,7 @@ refuse a shape (chapter 6), notes of what was skipped and why, and a probe that 
 Bandwidth rows follow the results contract of CONTRIBUTING.md, section 5."""
 import argparse
 import math
+import random
 import statistics
 import time
 import warnings
@@ -461,7 +462,6 @@ def probe_and_time(notes, variant, where, device, fn, *, max_call_ms=math.inf, *
 def round_orders(n, reps, seed=0):
     """time_interleaved's orders: `reps` permutations of range(n), each round's drawn afresh from a
     seeded generator, so that every entry follows the others in turn, and runs repeat."""
-    import random
     rng = random.Random(seed)
     orders = []
     for _ in range(reps):
@@ -481,7 +481,8 @@ def time_interleaved(notes, where, device, probed, *, reps=MIN_REPS):
     all, fell on whichever variant was timed then. In rounds it falls on all of them alike, and the
     ratios between rows are what the rows are for. Shuffled, because a kernel's time also depends
     on the one before it: in a fixed order flex_attention's window forward, always run after ours,
-    took 10% longer than timed alone, ours 4% (chapter 6's NOTES, "Timing in rounds"). On the CPU,
+    took 10% longer than when its replays ran back to back, ours 4% (chapter 6's NOTES, "Timing in
+    rounds"). On the CPU,
     rounds of one call each by the wall clock. An entry whose graph cannot be captured is timed
     alone afterwards with events, and its row says so (as time_probed's)."""
     orders = round_orders(len(probed), reps)
