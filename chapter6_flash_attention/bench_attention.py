@@ -1362,7 +1362,7 @@ def bench_masked(op, device, mm, notes):
             where = f"{op} {pass_} window={fields['window']} softcap={fields['softcap']}"
             fn = bench.attempt(notes, variant, where, make)
             est = fn and bench.probe_noted(notes, variant, where, device, fn, max_call_ms=MAX_CALL_MS)
-            if est is not None and fn:
+            if est is not None:  # None where make() or the probe was refused (noted)
                 probed.append((variant, fn, est))
                 fields_of.append(fields)
         times = bench.time_interleaved(notes, f"{op} {pass_}", device, probed)

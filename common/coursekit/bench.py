@@ -88,6 +88,22 @@ def capture_stream():
     return _capture_stream
 
 
+def capture_graph(call, sets, calls):
+    """A CUDA graph of `calls` calls of call(i), i rotating over the `sets` input sets, captured on
+    capture_stream() after a warm-up there (off the default stream, as torch.cuda.graph asks)."""
+    side = capture_stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(min(sets, 3)):
+            call(i)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        for i in range(calls):
+            call(i % sets)
+    return graph
+
+
 def time_cuda_graph(call, sets, *, reps=MIN_REPS, min_calls=8):
     """Median time of one call(i) (i = input set), measured on a CUDA graph that replays
     max(sets, min_calls) calls rotating over the sets.
@@ -107,16 +123,7 @@ def time_cuda_graph(call, sets, *, reps=MIN_REPS, min_calls=8):
         _graph_timed = True
         time_cuda_graph(call, sets, reps=reps, min_calls=min_calls)
     calls = max(sets, min_calls)
-    side = capture_stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the default stream, as torch.cuda.graph asks
-        for i in range(min(sets, 3)):
-            call(i)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):
-        for i in range(calls):
-            call(i % sets)
+    graph = capture_graph(call, sets, calls)
     graph.replay()
     torch.cuda.synchronize()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
@@ -495,18 +502,10 @@ def time_interleaved(notes, where, device, probed, *, reps=MIN_REPS):
                 samples[i].append((time.perf_counter() - t0) * 1e3)
         return [summarize(ms) for ms in samples]
     graphs, timed = {}, [None] * len(probed)
-    side = capture_stream()
     for i, (variant, fn, est) in enumerate(probed):
         try:
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up off the default stream, as torch.cuda.graph asks
-                fn()
-            torch.cuda.current_stream().wait_stream(side)
-            graph, calls = torch.cuda.CUDAGraph(), calls_per_replay(est)
-            with torch.cuda.graph(graph, stream=side):
-                for _ in range(calls):
-                    fn()
-            graphs[i] = (graph, calls)
+            calls = calls_per_replay(est)
+            graphs[i] = (capture_graph(lambda _: fn(), 1, calls), calls)
         except RuntimeError as e:
             print(f"  {variant}: graph capture failed ({first_line(e)[:120]}); timing with events")
             torch.cuda.synchronize()

@@ -1,10 +1,12 @@
 """Tests of coursekit.bench's sweep helpers on the CPU: the notes of what a sweep skipped, a
-refusal turned into a note, the probe that sizes each graph, and the probed timing."""
+refusal turned into a note, the probe that sizes each graph, the probed timing, the rounds of
+the interleaved timing and the graph capture's order of calls (its CUDA calls replaced)."""
 import sys
 import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "common"))
 from coursekit import bench  # noqa: E402
@@ -82,3 +84,32 @@ def test_probe_noted_skips_the_slow_and_the_refused():
         raise RuntimeError("refused")
     assert bench.probe_noted(notes, "refused", "here", "cpu", refuse) is None
     assert [n["variant"] for n in notes.skipped] == ["slow", "refused"]
+
+
+def test_capture_graph_warms_up_then_captures_the_rotation(monkeypatch):
+    """capture_graph (time_cuda_graph's and time_interleaved's capture), with the CUDA calls
+    replaced: up to three warm-up calls on the side stream, then `calls` calls captured, i
+    rotating over the sets."""
+    import contextlib
+    phase, log = ["none"], []
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    @contextlib.contextmanager
+    def in_phase(name):
+        phase[0] = name
+        yield
+        phase[0] = "none"
+
+    monkeypatch.setattr(bench, "capture_stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: in_phase("warm-up"))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", object)
+    monkeypatch.setattr(torch.cuda, "graph", lambda g, stream: in_phase("capture"))
+    bench.capture_graph(lambda i: log.append((phase[0], i)), sets=5, calls=8)
+    assert log == [("warm-up", i) for i in range(3)] + [("capture", i % 5) for i in range(8)]
+    log.clear()
+    bench.capture_graph(lambda i: log.append((phase[0], i)), sets=1, calls=2)
+    assert log == [("warm-up", 0), ("capture", 0), ("capture", 0)]
