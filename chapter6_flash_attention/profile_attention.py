@@ -13,6 +13,15 @@
                                              (short sequences: each block's fixed cost, its
                                              prologue and epilogue, against its few key tiles);
                                              the table only, as with --only
+    python profile_attention.py --only 'backward\\.wgmma\\.d128\\.full' --source flash_bwd_hopper
+                                             ncu's source view of the first kernel of that call
+                                             whose name matches: the SASS instructions the warps
+                                             sat at most, and on what (coursekit.ncu's
+                                             source_hotspots); the table only
+    python profile_attention.py --source-csv FILE
+                                             the same table from a source page exported before
+                                             (ncu --import REPORT --page source --csv
+                                             --print-source sass > FILE), on any machine
 
 Without a CUDA GPU, or without ncu on PATH, it says so and exits 0 having written nothing (a CPU
 machine runs the chapter's tests, not its profile).
@@ -352,20 +361,53 @@ def parse_args(argv=None):
     parser.add_argument("--shape", type=lambda v: tuple(int(x) for x in v.split(",")), default=(BATCH, HEADS, SEQLEN),
                         metavar="B,H,S", help="batch, heads and seqlen of the inputs (default %(default)s); "
                         "another shape prints its table without writing the results file")
+    parser.add_argument("--source", metavar="KERNEL_REGEX",
+                        help="with --only: ncu's source view of the first matching kernel, its hottest instructions")
+    parser.add_argument("--source-csv", metavar="FILE", help="the source view's table from an exported source page")
+    parser.add_argument("--top", type=int, default=25, help="instructions the source view lists (default 25)")
     args = parser.parse_args(argv)
+    if args.source and not args.only:
+        parser.error("--source profiles one call: name it with --only")
     if len(args.shape) != 3 or min(args.shape) < 1:
         parser.error(f"--shape takes three positive integers B,H,S, got {args.shape}")
     return args
 
 
+def source_view(args):
+    """--source: sample the call's kernel under ncu into a report, export its source page and print
+    the hottest instructions (coursekit.ncu.source_hotspots says what the samples mean)."""
+    import shutil
+    import subprocess
+    import tempfile
+    exe = shutil.which("ncu")
+    passed = ["--only", args.only, "--shape", ",".join(map(str, args.shape))]
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "source.ncu-rep"
+        for cmd in (ncu.source_command(exe, Path(__file__).resolve(), passed, args.source, report),
+                    ncu.source_export_command(exe, report)):
+            print("running", " ".join(map(str, cmd)), flush=True)
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                sys.exit(f"ncu failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc.stdout
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.source_csv:
+        print(ncu.format_hotspots(ncu.source_hotspots(Path(args.source_csv).read_text(errors="replace"), args.top)))
+        return 0
     why = ncu.unavailable("profile_attention", need_ncu=not args.workload)
     if why is not None:
         print(why)
         return 0
     if args.workload:
         workload(args.plan, args.only, args.shape)
+        return 0
+    if args.source:
+        text = source_view(args)
+        print(f"{CHAPTER}: {args.only} at {'x'.join(map(str, args.shape))}, kernel /{args.source}/, under ncu")
+        print(ncu.format_hotspots(ncu.source_hotspots(text, args.top)))
         return 0
     default_shape = args.shape == (BATCH, HEADS, SEQLEN)
     passed = (["--only", args.only] if args.only else []) + ([] if default_shape else ["--shape", ",".join(map(str, args.shape))])

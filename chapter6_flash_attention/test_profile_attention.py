@@ -199,6 +199,37 @@ def test_another_shape_is_profiled_at_its_own_size_and_writes_nothing(monkeypatc
             P.parse_args(["--shape", bad])
 
 
+def test_the_source_view_profiles_one_call_and_prints_its_hot_instructions(monkeypatch, capsys, tmp_path):
+    """--source samples the --only call's kernel into a report, exports its source page and prints
+    the instructions with the most stall samples; --source-csv reads an export on any machine."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/" + name)
+    page = ('"Kernel Name","void flash_bwd_hopper_kernel<128>()"\n'
+            '"Address","Source","Warp Stall Sampling (All Samples)","stall_barrier","stall_wait"\n'
+            '"0x10","  WARPGROUP.DEPBAR.LE gsb0, 0x0","90","88","2"\n"0x20","  FFMA R1, R2, R3, R4","10","0","10"\n')
+    commands = []
+
+    def fake_run(cmd, **kw):
+        commands.append([str(c) for c in cmd])
+        return subprocess.CompletedProcess(cmd, 0, page if "--import" in cmd else "", "")
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    assert P.main(["--only", "backward\\.wgmma\\.d128\\.full", "--source", "flash_bwd_hopper",
+                   "--shape", "8,16,2048"]) == 0
+    sample, export = commands
+    assert "SourceCounters" in sample and "regex:flash_bwd_hopper" in sample
+    assert sample[-5:] == ["--workload", "--only", "backward\\.wgmma\\.d128\\.full", "--shape", "8,16,2048"]
+    assert export[export.index("--page") + 1] == "source"
+    out = capsys.readouterr().out
+    assert "90.0%" in out and "WARPGROUP.DEPBAR.LE gsb0, 0x0" in out
+    csv_file = tmp_path / "page.csv"
+    csv_file.write_text(page)
+    assert P.main(["--source-csv", str(csv_file)]) == 0
+    assert "flash_bwd_hopper_kernel<128>" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        P.parse_args(["--source", "flash_bwd_hopper"])  # which call: --only is required
+
+
 def test_no_ncu_is_a_message_not_a_failure(monkeypatch, capsys):
     import torch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

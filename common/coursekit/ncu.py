@@ -227,3 +227,73 @@ def workload_or_profile(doc, script, workload, kernel_regex, metrics, from_start
         workload()
         return None
     return run(script, metrics, kernel_regex=kernel_regex, from_start=from_start, unsure=unsure)
+
+
+# ---------------------------------------------------------------------------------------------
+# The source view: which instructions the warps stall on
+# ---------------------------------------------------------------------------------------------
+# The counters above say how much a kernel stalls and why, summed over it; they do not say where.
+# ncu's SourceCounters section samples every warp's program counter at a fixed interval and records
+# its state (issuing, or stalled and on what); `ncu --import REPORT --page source --csv
+# --print-source sass` then prints one row per SASS instruction with its samples, in total and per
+# reason ("stall_long_sb", "stall_wait", ...). An instruction with many samples is one the warps sit
+# at: a wait on a load, a barrier or a product. The samples count warps, not time: a stall that
+# another warp of the scheduler fills with its own instructions costs nothing, so a hot spot is a
+# place to look, and only a timing says whether removing it pays.
+SOURCE_SAMPLES = "Warp Stall Sampling (All Samples)"
+
+
+def source_command(ncu, script, args, kernel_regex, report):
+    """The ncu command that samples the first kernel matching kernel_regex of `script --workload
+    args...` (between cudaProfilerStart and cudaProfilerStop) into `report` (.ncu-rep)."""
+    return [ncu, "--profile-from-start", "off", "--clock-control", "none", "--section", "SourceCounters",
+            "--section", "WarpStateStats", "--import-source", "no", "--kernel-name-base", "demangled",
+            "--kernel-name", f"regex:{kernel_regex}", "--launch-count", "1", "-o", str(report),
+            sys.executable, str(script), "--workload", *map(str, args)]
+
+
+def source_export_command(ncu, report):
+    """The ncu command that prints a report's source page, one CSV row per SASS instruction."""
+    return [ncu, "--import", str(report), "--page", "source", "--csv", "--print-source", "sass"]
+
+
+def source_hotspots(text, top=25):
+    """The instructions of ncu's source-page CSV (source_export_command) with the most stall
+    samples: {"kernel": its name (the line above the table; None without one), "total": samples
+    over the kernel, "reasons": [(reason, samples)] summed over it, most first, "rows": the `top`
+    instructions, most samples first, each {"index" (its place in the listing), "sass", "samples",
+    "share" (of the total), "reasons": its three largest}}. Reasons are the stall_* columns
+    without "(Not Issued)". ValueError when the text has no such table."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith('"Address"')), None)
+    if start is None:
+        raise ValueError("no source table (a line starting with \"Address\") in the text")
+    table = list(csv.reader(lines[start:]))
+    head, body = table[0], [r for r in table[1:] if len(r) == len(table[0])]
+    if SOURCE_SAMPLES not in head or "Source" not in head:
+        raise ValueError(f"the source table has no {SOURCE_SAMPLES!r} or Source column")
+    samples, sass = head.index(SOURCE_SAMPLES), head.index("Source")
+    reasons = [(i, name) for i, name in enumerate(head) if name.startswith("stall_") and "Not Issued" not in name]
+    value = lambda row, i: parse_value(row[i]) or 0.0  # noqa: E731 (a blank cell is no sample)
+    total = sum(value(r, samples) for r in body)
+    summed = sorted(((name, sum(value(r, i) for r in body)) for i, name in reasons), key=lambda p: -p[1])
+    ranked = sorted(range(len(body)), key=lambda k: -value(body[k], samples))[:top]
+    rows = [{"index": k, "sass": body[k][sass].strip(), "samples": value(body[k], samples),
+             "share": value(body[k], samples) / total if total else 0.0,
+             "reasons": sorted(((name, value(body[k], i)) for i, name in reasons), key=lambda p: -p[1])[:3]}
+            for k in ranked]
+    kernel = next((r[1] for r in csv.reader(lines[:start]) if len(r) > 1 and r[0] == "Kernel Name"), None)
+    return {"kernel": kernel, "total": total, "reasons": summed, "rows": rows}
+
+
+def format_hotspots(hot):
+    """source_hotspots' result as a table for a terminal or a text record."""
+    out = [f"kernel: {hot['kernel']}"] if hot.get("kernel") else []
+    out += [f"stall samples: {hot['total']:.0f}; by reason: "
+           + ", ".join(f"{name.removeprefix('stall_')} {n / hot['total']:.1%}" for name, n in hot["reasons"][:8]
+                       if hot["total"])]
+    out.append(f"{'#':>5} {'samples':>8} {'share':>6}  {'top reasons':<44} instruction")
+    for r in hot["rows"]:
+        why = ", ".join(f"{name.removeprefix('stall_')} {n:.0f}" for name, n in r["reasons"] if n)
+        out.append(f"{r['index']:>5} {r['samples']:>8.0f} {r['share']:>6.1%}  {why:<44} {r['sass']}")
+    return "\n".join(out)

@@ -190,3 +190,50 @@ def test_every_profile_script_exits_0_without_a_gpu(script, args, monkeypatch, c
     out = capsys.readouterr().out
     assert "no CUDA GPU is visible" in out and "nothing written" in out
     assert {p: p.stat().st_mtime_ns for p in (ROOT / "results").glob("*/*_profile.json")} == before
+
+
+# ncu's source page (`ncu --import R --page source --csv --print-source sass`), cut to the columns
+# source_hotspots reads and two of the rest: the kernel's name above the table, one row per SASS
+# instruction, the samples in total and per stall reason, a blank cell where ncu has none.
+SOURCE_PAGE = (
+    '"Kernel Name","void chapter::step_kernel<128>(chapter::Params)"\n'
+    '"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)",'
+    '"Instructions Executed","stall_barrier","stall_long_sb","stall_short_sb",'
+    '"stall_long_sb (Not Issued)"\n'
+    '"0x10","      HGMMA.64x64x16.F32.BF16 R24, gdesc[UR16], RZ, !UPT","40","20","8","","0","3","0"\n'
+    '"0x20","      WARPGROUP.DEPBAR.LE gsb0, 0x0","1,200","1,190","8","1,150","0","0","0"\n'
+    '"0x30","      FFMA R11, R184, UR16, -R14","300","280","8","0","20","270","900"\n'
+    '"0x40","@!P0  BRA 0x7f0000001000","460","455","64","0","455","0","0"\n')
+
+
+def test_source_hotspots_ranks_instructions_by_their_samples():
+    hot = ncu.source_hotspots(SOURCE_PAGE, top=3)
+    assert hot["kernel"] == "void chapter::step_kernel<128>(chapter::Params)"
+    assert hot["total"] == 2000.0                          # "1,200": separator dropped
+    assert [r["sass"] for r in hot["rows"]] == ["WARPGROUP.DEPBAR.LE gsb0, 0x0", "@!P0  BRA 0x7f0000001000",
+                                                "FFMA R11, R184, UR16, -R14"]
+    assert [r["index"] for r in hot["rows"]] == [1, 3, 2]  # places in the listing
+    assert hot["rows"][0]["share"] == 0.6
+    # Each row's reasons, largest first; "(Not Issued)" columns are not reasons of their own.
+    assert hot["rows"][2]["reasons"] == [("stall_short_sb", 270.0), ("stall_long_sb", 20.0), ("stall_barrier", 0.0)]
+    assert hot["reasons"] == [("stall_barrier", 1150.0), ("stall_long_sb", 475.0), ("stall_short_sb", 273.0)]
+    table = ncu.format_hotspots(hot)
+    assert "barrier 57.5%" in table and "WARPGROUP.DEPBAR.LE gsb0, 0x0" in table
+
+
+def test_source_hotspots_refuses_text_without_a_source_table():
+    with pytest.raises(ValueError, match="no source table"):
+        ncu.source_hotspots(TWO_KERNELS)
+    with pytest.raises(ValueError, match="Warp Stall Sampling"):
+        ncu.source_hotspots('"Address","Source","Instructions Executed"\n"0x10","NOP","1"\n')
+
+
+def test_source_commands_sample_one_kernel_then_export_its_page(tmp_path):
+    report = tmp_path / "r.ncu-rep"
+    cmd = ncu.source_command("ncu", "profile_x.py", ["--only", "a"], "step_kernel", report)
+    assert cmd[cmd.index("--section") + 1] == "SourceCounters"
+    assert cmd[cmd.index("--kernel-name") + 1] == "regex:step_kernel"
+    assert cmd[cmd.index("--launch-count") + 1] == "1" and cmd[cmd.index("-o") + 1] == str(report)
+    assert cmd[-4:] == ["profile_x.py", "--workload", "--only", "a"]
+    export = ncu.source_export_command("ncu", report)
+    assert export[export.index("--page") + 1] == "source" and "--csv" in export
