@@ -30,8 +30,11 @@ Split-KV rows (op attention_split_kv, CUDA only): 1, 16 and 128 query rows of 16
 4K-128K keys, where one (batch, head, query tile) block per head leaves 116 of 132 SMs idle; the
 rows give GB/s over q, k, v and o, the bytes such a call cannot avoid, and TFLOP/s beside them.
 
-Timing: CUDA graphs (bench.time_probed), CUDA events around each replay, median of 20
-replays; a graph that fails to capture falls back to events and the row says so. Backward rows
+Timing: CUDA graphs, CUDA events around each replay, median of 20 replays; a graph that fails
+to capture falls back to events and the row says so. The sweep and the window and softcap
+sections replay all the variants of a row in 20 rounds, one replay of each a round in an order
+shuffled each round (bench.time_interleaved), so that a drift over the run falls on every
+variant alike; the other sections time each variant's replays back to back (bench.time_probed). Backward rows
 of SDPA, and the row of ours marked call=autograd, time torch.autograd.grad of the output over a
 retained graph (bench.backward_call); the backward rungs and `default` time the backward op
 alone, so that the dispatch compares with its rungs like for like (as chapter 4 does).
@@ -227,16 +230,6 @@ def dispatch_of(op, q, causal):
         return {}
 
 
-def next_to_its_rung(variants, default):
-    """The variant list with `default` timed right after the rung it runs (its dispatch), not last:
-    at an H200's power cap the clocks drift down through a row's variants, and two timings of the
-    same kernel a dozen variants apart differed by up to 6% in one run; side by side they agree."""
-    rung = default[2].get("dispatch")
-    names = [name for name, _, _ in variants]
-    at = names.index(rung) + 1 if rung in names else len(variants)
-    return variants[:at] + [default] + variants[at:]
-
-
 def make_inputs(batch, heads, seqlen, head_dim, dtype, device, seed=0):
     g = torch.Generator(device=device).manual_seed(seed)
     shape = (batch, heads, seqlen, head_dim)
@@ -264,8 +257,7 @@ def variants_for(device, c, q, k, v, dy, pass_):
         for ver in flash_attention.VERSIONS.get("attention_forward", ()):
             out.append((ver, lambda ver=ver: (lambda: flash_attention.attention(
                 q, k, v, causal=causal, version=ver)), {}))
-        return next_to_its_rung(out, ("default", lambda: (lambda: course(q, k, v)),
-                                      dispatch_of("attention_forward", q, causal)))
+        return out + [("default", lambda: (lambda: course(q, k, v)), dispatch_of("attention_forward", q, causal))]
 
     def backward_op(ver):
         def make():
@@ -274,8 +266,8 @@ def variants_for(device, c, q, k, v, dy, pass_):
         return make
     for ver in flash_attention.VERSIONS.get("attention_backward", ()):
         out.append((ver, backward_op(ver), {}))
-    out = next_to_its_rung(out, ("default", backward_op(None), dispatch_of("attention_backward", q, causal)))
-    return out + [("default", lambda: bench.backward_call(course, grad_leaves(q, k, v), dy), {"call": "autograd"})]
+    return out + [("default", backward_op(None), dispatch_of("attention_backward", q, causal)),
+                  ("default", lambda: bench.backward_call(course, grad_leaves(q, k, v), dy), {"call": "autograd"})]
 
 
 def grad_leaves(q, k, v):
@@ -296,7 +288,12 @@ def bench_timing(device, mm, s, notes):
         for pass_ in ("forward", "backward"):
             where = f"{c['dtype']} d={d} {'causal' if c['causal'] else 'full'} s={n} {pass_}"
             flops = attention_flops(b, h, n, n, d, c["causal"], pass_)
-            t_base = None
+            # Every variant of the row probed first, then all timed in shuffled rounds
+            # (bench.time_interleaved): a row's variants are compared with each other (x sdpa_cudnn,
+            # the default against its own rung), so whatever drifts over the run, the clock at the
+            # power cap above all, must fall on all of them alike. Timed one after another, the
+            # default and its rung, the same kernel, came out up to 6% apart in one run.
+            probed, fields_of = [], []
             for variant, make, more in variants_for(device, c, q, k, v, dy, pass_):
                 slow_key = (variant, more.get("call"), pass_, c["dtype"], d, c["causal"])
                 if slow_key in too_slow:
@@ -315,13 +312,15 @@ def bench_timing(device, mm, s, notes):
                     notes.skip(variant, f"one call took over {MAX_CALL_MS:.0f} ms (here {est:.0f} ms); "
                                         "not timed at this and larger sizes", where)
                     continue
-                t = bench.attempt(notes, variant, where, lambda: bench.time_probed(device, fn, est))
-                del fn
-                if t is None:
-                    continue
-                if variant == speed_baseline(device):
-                    t_base = t["median_ms"]
-                rows.append(bench.flops_row("attention", variant, dtype, [b, h, n, d], flops, t, mm, t_base,
+                probed.append((variant, fn, est))
+                fields_of.append(more)
+            times = bench.time_interleaved(notes, where, device, probed)
+            timed = [(variant, more, t) for (variant, _, _), more, t in zip(probed, fields_of, times) if t]
+            del probed
+            base = next((t["median_ms"] for variant, more, t in timed
+                         if variant == speed_baseline(device) and not more.get("call")), None)
+            for variant, more, t in timed:
+                rows.append(bench.flops_row("attention", variant, dtype, [b, h, n, d], flops, t, mm, base,
                                             **{"pass": pass_, "causal": c["causal"], "head_dim": d,
                                                "seqlen": n, "batch": b, "heads": h, "sweep": True, **more}))
         del q, k, v, dy
@@ -501,7 +500,7 @@ def bench_fp8(device, mm, notes, beside=None, candidates=()):
 # (flash_fwd_hopper.h, read at each call) runs rungs "pingpong" and "persistent" (the default's rung
 # at d = 64 and 128) with FlashAttention 3's intra-warpgroup overlap in their turns, instead of the
 # joint schedule. Timed per shape beside sdpa_cudnn, each rung's two schedules back to back (an
-# H200's clocks drift down through a row's variants: next_to_its_rung). The shapes: the sweep's long
+# H200's clocks drift down through a run). The shapes: the sweep's long
 # rows and its short ones (s = 512), at the two head dims.
 OVERLAP_KNOB = "FLASH_ATTENTION_HOPPER_OVERLAP"
 OVERLAP_SHAPES = [(b, h, n, d, causal) for b, h, n, d in ((2, 16, 8192, 128), (4, 16, 4096, 128), (32, 16, 512, 128),
@@ -1312,7 +1311,7 @@ def masked_calls(op, c, device, q, k, v, dy, notes):
         if device == "cuda":
             out = [(ver, make(ver, masked), masked) for ver in MASKED_RUNGS[pass_]]
             choice = {"dispatch": flash_attention.default_choice(fn_op, q, causal=causal, **masked)}
-            out = next_to_its_rung(out, ("default", make(None, masked), {**masked, **choice}))
+            out.append(("default", make(None, masked), {**masked, **choice}))
         else:  # the CPU reference is not a rung: one row, named cpu
             out = [("cpu", make(None, masked), masked)]
         calls[pass_] = out
@@ -1613,7 +1612,9 @@ def main():
              "timing": {"statistic": "median", "reps": bench.MIN_REPS,
                         "method": "perf_counter" if device == "cpu" else
                         "CUDA graph of the calls that make a replay last >= 2 ms (1 to 8), CUDA "
-                        f"events around each replay, one input set of {tensor_MiB:.0f} MiB per tensor "
+                        "events around each replay; the sweep's variants of a row replayed in rounds, one replay "
+                        "of each in an order shuffled each round (rows with timer 'graph, shuffled rounds'); "
+                        f"one input set of {tensor_MiB:.0f} MiB per tensor "
                         "(the H100's L2 is 50 MB); SDPA backward rows and call=autograd time autograd.grad over a "
                         "retained graph; backward rungs and default time the backward op alone",
                         "max_call_ms": MAX_CALL_MS, "math_budget_GiB": MATH_BUDGET_GiB},

@@ -145,8 +145,8 @@ def test_recorded_results_hold_the_dispatch():
     shape. The default row ran the rung the benchmark's dispatch field names (the rule of the
     record's commit, which the benchmark asked with the row's own mask): it is held to 0.9x that
     rung's row. At an H200's power cap two timings of one kernel in one run differed by up to 6%
-    (bench_attention.next_to_its_rung), so this catches a dispatch path that adds work, not the
-    clock's drift. Rows whose recorded dispatch differs from today's rule are counted and printed:
+    when timed one after the other (the sweep times a row's variants in shuffled rounds since), so
+    this catches a dispatch path that adds work, not the clock's drift. Rows whose recorded dispatch differs from today's rule are counted and printed:
     the shapes a new run of the benchmark would time under the new rule."""
     import flash_attention
     from coursekit import results
