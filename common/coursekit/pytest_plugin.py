@@ -129,6 +129,19 @@ def device(request):
     return request.param
 
 
+def pytest_collection_modifyitems(config, items):
+    """Without a CUDA GPU, the cases of the `device` fixture's "cuda" parameter skipped by a mark
+    at collection, with the reason the fixture would give: the same skip, decided before any
+    fixture is set up (~1 ms a case less; a run has ~10,000 of them on a CPU machine)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="no CUDA GPU visible")
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and callspec.params.get("device") == "cuda":
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def _seed(request):
     # Fresh random inputs in every test, reproducible per test id: crc32, not hash(), whose
