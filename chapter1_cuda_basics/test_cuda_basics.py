@@ -3,6 +3,8 @@
 Run against the installed extension (pip install .) or the JIT build (COURSE_EXT_ROUTE=jit);
 the header line says which one was loaded.
 """
+import math
+
 import pytest
 import torch
 from torch.testing import assert_close
@@ -63,6 +65,11 @@ def run(op, args, version):
 @pytest.mark.parametrize("version", VERSIONS["vector_add"])
 @pytest.mark.parametrize("op", OPS)
 def test_matches_reference(op, version, dtype, shape, device):
+    """On the CPU every rung runs the same loop (elementwise_cpu.cpp never reads the version;
+    the glue only parses it): there the rungs are each checked on the shapes of up to 2^14
+    elements, and the two long shapes run with the first rung alone."""
+    if device == "cpu" and version != VERSIONS["vector_add"][0] and math.prod(shape) > 2**14:
+        pytest.skip("the CPU path ignores the rung: the first rung covers this shape")
     args, expected = make_inputs(op, shape, dtype, device)
     poison_allocator(expected)
     out = run(op, args, version)

@@ -94,6 +94,11 @@ def rows_for(n):
 @pytest.mark.parametrize("version", (*VERSIONS["layer_norm"], None), ids=str)
 @pytest.mark.parametrize("op", NORM_OPS)
 def test_forward_matches_reference(op, version, dtype, n, device):
+    """On the CPU every rung runs the same loop (norm_cpu.cpp never reads the version; the glue
+    only parses it): there the rungs are checked at the sizes up to 5123, and version=None at
+    every size."""
+    if device == "cpu" and version is not None and n > 5123:
+        pytest.skip("the CPU path ignores the rung: version=None covers this size")
     x, w, b, _ = make_inputs((rows_for(n), n), dtype, device)
     eps = default_eps(op)
     ref = reference(op, x, w, b, eps)
@@ -255,6 +260,10 @@ def kernel_grads(op, x, w, b, dy, eps, version):
 @pytest.mark.parametrize("version", (*VERSIONS["layer_norm_backward"], None), ids=str)
 @pytest.mark.parametrize("op", NORM_OPS)
 def test_backward_matches_reference(op, version, dtype, n, device):
+    """On the CPU, the rungs at the sizes up to 5123 and version=None at every size, as in
+    test_forward_matches_reference (norm_cpu.cpp never reads the version)."""
+    if device == "cpu" and version is not None and n > 5123:
+        pytest.skip("the CPU path ignores the rung: version=None covers this size")
     rows = 3 if n >= 65536 else 37  # 37 rows: several per block, one block partly padding
     x, w, b, _ = make_inputs((rows, n), dtype, device)
     dy = torch.randn(rows, n, dtype=torch.float64).to(dtype).to(device)

@@ -26,6 +26,12 @@ sys.path.insert(0, str(ROOT / "common"))
 LOG_DIR = Path(os.environ.get("COURSE_LOG_DIR", ROOT / "build" / "logs"))
 NVCC_ARCHS = ("75", "80", "90")
 SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
+# Every pytest run of the jobs. No cache (a fresh run each time) and no logging plugin: nothing
+# in the course logs through `logging`, and the plugin attaches its handlers to every
+# non-propagating logger (torch registers ~40) around each phase of each test, ~0.6 ms a test
+# over the ~20,000 tests of a run; a warning a library logs still reaches stderr, which pytest
+# captures and shows with a failure.
+PYTEST = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:logging"]
 
 
 # COURSE_CHAPTERS=chapter2_memory (comma-separated name prefixes) narrows every job to those
@@ -168,8 +174,7 @@ def package_check(steps, chapter, record=False):
 def pytest(steps, chapter, route):
     junit = LOG_DIR / f"{chapter.name}-{route}.xml"
     return steps.run(f"{chapter.name} pytest ({route})",
-                     [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                      f"--junitxml={junit}"], cwd=chapter,
+                     [sys.executable, *PYTEST, f"--junitxml={junit}"], cwd=chapter,
                      env={"COURSE_EXT_ROUTE": route}, junit=junit)
 
 
@@ -358,8 +363,8 @@ def job_test(args):
     sweep = NvccSweep()
     sweep.start()
     junit = LOG_DIR / "common.xml"
-    steps.run("common helpers pytest", [sys.executable, "-m", "pytest", "-q", "-p",
-              "no:cacheprovider", f"--junitxml={junit}", "common/tests"], junit=junit)
+    steps.run("common helpers pytest", [sys.executable, *PYTEST, f"--junitxml={junit}",
+              "common/tests"], junit=junit)
     for chapter in chapters():
         if pip_install(steps, chapter):
             pytest(steps, chapter, "installed")
@@ -464,8 +469,8 @@ def job_gpu_pass(args):
         for tool in SANITIZER_TOOLS if sanitizer and "sanitize" in stages else ():
             junit = LOG_DIR / f"{chapter.name}-sanitize-{tool}.xml"
             steps.run(f"{chapter.name} compute-sanitizer {tool}",
-                      [sanitizer, "--tool", tool, "--error-exitcode", "1", sys.executable, "-m",
-                       "pytest", "-q", "-p", "no:cacheprovider", "-m", "sanitize",
+                      [sanitizer, "--tool", tool, "--error-exitcode", "1", sys.executable, *PYTEST,
+                       "-m", "sanitize",
                        f"--junitxml={junit}"], cwd=chapter, junit=junit,
                       env={"PYTORCH_NO_CUDA_MEMORY_CACHING": "1", "COURSE_EXT_ROUTE": "installed"})
         if "bench" in stages:
