@@ -6,6 +6,7 @@ is the newest GPU record of bench_attention.py; the tiny GPT's (train_tiny_gpt.p
 benchmark's (bench_paged.py) and the generator's (generate_paged.py) are read here from their own
 files.
 """
+import re
 import sys
 from pathlib import Path
 
@@ -806,6 +807,38 @@ def hopper_persistent(record):
     return "\n".join(lines)
 
 
+def hopper_backward_source(record):
+    """profile_attention.py's source view of the backward (results/<gpu>/chapter6_hopper_backward_source_s2048.txt,
+    its --source-csv table under a header that says how it was taken): the instructions the warps sat
+    at most, their share of the stall samples and their largest reasons."""
+    path, _ = _hopper_file(record, "chapter6_hopper_backward_source_s2048.txt")
+    if path is None:
+        return "(no source view recorded)"
+    text = path.read_text().splitlines()
+    start = next(i for i, line in enumerate(text) if line.lstrip().startswith("#  samples"))
+    lines = ["| share of the samples | largest stall reasons (samples) | instruction |", "|---|---|---|"]
+    for line in text[start + 1:start + 8]:
+        # "  967    15386  10.2%  barrier 15362, selected 24   WARPGROUP.DEPBAR.LE gsb0, 0x0": the reasons
+        # are the "name count" pairs after the share, the instruction what follows them.
+        fields = line.split()
+        share, rest = fields[2], line.split(fields[2], 1)[1]
+        m = re.match(r"\s*((?:[a-z_]+ \d+(?:, )?)*)\s+(.*)", rest)
+        lines.append(f"| {share} | {m.group(1).strip()} | `{m.group(2).strip()}` |")
+    lines += ["", text[0]]
+    return "\n".join(lines)
+
+
+def hopper_backward_ratios(record):
+    """The Hopper backward against cuDNN's over the sweep (bf16): the default rows' range per head
+    dim, and at d = 128 the range of the wgmma rows too (the same kernel, timed as its own variant)."""
+    def span(variant, head_dim):
+        got = [b["median_ms"] / o["median_ms"] for (d, _, _), (o, b) in _ratios(record, variant, "backward").items()
+               if d == head_dim]
+        return f"{min(got):.2f}-{max(got):.2f}x" if got else "(not recorded)"
+    return (f"d = 128's `default` rows {span('default', 128)} cuDNN (its `wgmma` rows, the same kernel timed as "
+            f"a variant of its own, {span('wgmma', 128)}), d = 64's {span('default', 64)} ({_where(record)})")
+
+
 FACTS = {"target_table": target_table, "split_kv": split_kv_table, "memory": memory_line, "error": error_line,
          "profile_table": profile_table, "profile_backward": profile_backward,
          "tiny_gpt": tiny_gpt_line, "paged_targets": paged_targets, "paged_gqa": paged_gqa,
@@ -815,6 +848,7 @@ FACTS = {"target_table": target_table, "split_kv": split_kv_table, "memory": mem
          "hopper_targets": hopper_targets,
          "hopper_rungs": hopper_rungs, "hopper_gemm": hopper_gemm, "hopper_configs": hopper_configs,
          "hopper_profile": hopper_profile, "hopper_power": hopper_power,
-         "hopper_persistent": hopper_persistent, "hopper_backward": hopper_backward, "hopper_fp8": hopper_fp8, "fp8_accuracy": fp8_accuracy,
+         "hopper_persistent": hopper_persistent, "hopper_backward": hopper_backward,
+         "hopper_backward_source": hopper_backward_source, "hopper_backward_ratios": hopper_backward_ratios, "hopper_fp8": hopper_fp8, "fp8_accuracy": fp8_accuracy,
          "varlen": varlen_table, "window": window_table, "softcap": softcap_table,
          "transformers": transformers_table}
