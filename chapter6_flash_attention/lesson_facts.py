@@ -808,9 +808,9 @@ def hopper_persistent(record):
 
 
 def hopper_backward_source(record):
-    """profile_attention.py's source view of the backward (results/<gpu>/chapter6_hopper_backward_source_s2048.txt,
-    its --source-csv table under a header that says how it was taken): the instructions the warps sat
-    at most, their share of the stall samples and their largest reasons."""
+    """profile_attention.py's source view of the backward (its --source-csv table under a header
+    that says how it was taken, results/<gpu>/chapter6_hopper_backward_source_s2048.txt): the
+    instructions the warps sat at most, their share of the stall samples and their largest reasons."""
     path, _ = _hopper_file(record, "chapter6_hopper_backward_source_s2048.txt")
     if path is None:
         return "(no source view recorded)"
@@ -849,6 +849,7 @@ FACTS = {"target_table": target_table, "split_kv": split_kv_table, "memory": mem
          "hopper_rungs": hopper_rungs, "hopper_gemm": hopper_gemm, "hopper_configs": hopper_configs,
          "hopper_profile": hopper_profile, "hopper_power": hopper_power,
          "hopper_persistent": hopper_persistent, "hopper_backward": hopper_backward,
-         "hopper_backward_source": hopper_backward_source, "hopper_backward_ratios": hopper_backward_ratios, "hopper_fp8": hopper_fp8, "fp8_accuracy": fp8_accuracy,
+         "hopper_backward_source": hopper_backward_source, "hopper_backward_ratios": hopper_backward_ratios,
+         "hopper_fp8": hopper_fp8, "fp8_accuracy": fp8_accuracy,
          "varlen": varlen_table, "window": window_table, "softcap": softcap_table,
          "transformers": transformers_table}
