@@ -434,7 +434,7 @@ def resident_kernel(call):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=dtype_id)
-def test_forward_variants(dtype):
+def test_forward_variants(dtype, monkeypatch):
     """The forward's resident kernels where the rule puts them (test_forward_variant_rule): rows
     of the 512-thread shape (full, and one vector into it) at one block an SM (the few-rows shape,
     weight held) and at four blocks an SM and one more (past any held kernel's wave: weight loaded
@@ -442,6 +442,9 @@ def test_forward_variants(dtype):
     one block an SM (prefetched); every op against float64; which kernel ran, read off its
     template arguments (the profiler: bfloat16 only, the rule is the same)."""
     require_cuda()
+    # The resident rung's shapes and variants: under COURSE_NORM_FORWARD_RULE=old, which holds every
+    # LayerNorm row too (the rows the default streams: test_forward_stream_rule_launches).
+    monkeypatch.setenv("COURSE_NORM_FORWARD_RULE", "old")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     vector = 16 // torch.empty((), dtype=dtype).element_size()
     cases = [(rows, n) for rows in (sms, 4 * sms + 1) for n in (512 * 4 * vector, 256 * 4 * vector + vector)]
@@ -536,13 +539,16 @@ FEW_ROWS_WIDTHS = (768, 777, 1032, 2560, 4099, 4104, 8200, 16384, 16392)
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=dtype_id)
-def test_few_rows_forward_shapes(dtype):
+def test_few_rows_forward_shapes(dtype, monkeypatch):
     """The forward at few rows (a row a block, at most one block an SM: kFewRowsShapes, weight and
     bias held in registers) at 1, 7, 63, 64 and 65 rows, the SM count and one more (the regular
     shapes again), every op and fused_add_rms_norm against float64, the gradients of x, weight and
     bias through autograd; in bfloat16 (at 64 rows, the SM count and one more), the shape that ran
     is the one norm_forward_shape names."""
     require_cuda()
+    # The resident rung's shapes and variants: under COURSE_NORM_FORWARD_RULE=old, which holds every
+    # LayerNorm row too (the rows the default streams: test_forward_stream_rule_launches).
+    monkeypatch.setenv("COURSE_NORM_FORWARD_RULE", "old")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for rows in (1, 7, 63, 64, 65, sms, sms + 1):
         for n in FEW_ROWS_WIDTHS:
@@ -642,13 +648,16 @@ def test_forward_shape_knob(monkeypatch):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=dtype_id)
-def test_whole_warp_forward_shapes(dtype):
+def test_whole_warp_forward_shapes(dtype, monkeypatch):
     """The forward in the regular shapes of whole warps at 1, 7, 133 and 2048 rows (1 and 7 rows
     of whole vectors: the few-rows shapes; 133: one block more than 132 SMs), every op and
     fused_add_rms_norm against float64, the sum bit for bit; at 7 and 2048 rows also rows that
     start mid-vector (an offset view) and weight or bias None; in bfloat16 at 2048 rows, the shape
     that ran is the one norm_forward_shape names, a whole number of warps."""
     require_cuda()
+    # The resident rung's shapes and variants: under COURSE_NORM_FORWARD_RULE=old, which holds every
+    # LayerNorm row too (the rows the default streams: test_forward_stream_rule_launches).
+    monkeypatch.setenv("COURSE_NORM_FORWARD_RULE", "old")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for rows in (1, 7, 133, 2048):
         for n in WHOLE_WARP_WIDTHS:
