@@ -179,6 +179,42 @@ inline ParamLoad forward_params(int64_t blocks, int block_threads, int vectors, 
   return forward_prefetches(blocks, sms) ? ParamLoad::kPrefetch : ParamLoad::kLate;
 }
 
+// LayerNorm rows the resident rung streams with v1's kernel instead of holding (NOTES.md, "The
+// norm forward by bytes in flight"). Where weight is loaded late (the grid queues blocks), a
+// resident block has its row in flight only while it loads it: the two block reductions, the
+// weight and bias trip and the stores that follow hold nothing in flight, and the SM's DRAM is kept
+// busy by its other blocks alone. DRAM latency at the copy rate wants ~4.8 TB/s x ~1 us / 132 SMs
+// = ~36 KB in flight an SM (H200); a LayerNorm block with its loads in flight about 70% of its
+// row's time then needs ~50 KB of rows an SM (rows in flight, from the kernel's occupancy, x the
+// row's bytes), kHeldBytesInFlight. Below it v1 (256 threads, 4 16-byte loads in flight a thread:
+// up to kStreamedStepBytes of a row a step, re-read from the L1 for the variance and the
+// normalize) keeps more in flight wherever its first pass does (its blocks an SM x a step), its
+// blocks out of phase with each other. The H200 records at d563885, 753f326 and 933003d: every
+// LayerNorm row of 2048 and 8192 tokens under 50 KB (6144 and 12288 in 2-byte dtypes, 12288 in
+// float32, 4099 in all three) ran 0-11 points of copy faster as v1 but one (float32 2048 x 12288,
+// 3 slower), and every row over it slower as v1 but hidden 7168 and 8192 in 2-byte dtypes (1-4
+// faster; they stay resident). Warp rows (a few KB) fail the second test: v1's block moves one
+// short row a step. RMSNorm never: one reduction and weight alone make its tail shorter, and its
+// v1 ran behind its v3 at every such row (by up to 24 points; float32 4099 +2 the most).
+constexpr int64_t kHeldBytesInFlight = 50 * 1024;
+constexpr int64_t kStreamedStepBytes = 256 * 4 * 16;  // norm_kernels.cu: kThreads x kUnroll x 16 bytes
+// Rows the resident kernel that runs keeps in flight an SM: its blocks an SM x rows a block, or the
+// capped kernel's kMinForwardRowsInFlight where forward_caps_registers sends the launch there.
+inline int64_t forward_rows_in_flight(int blocks_per_sm, int rows_per_block, bool cappable) {
+  if (cappable && forward_caps_registers(blocks_per_sm, rows_per_block)) return kMinForwardRowsInFlight;
+  return static_cast<int64_t>(blocks_per_sm) * rows_per_block;
+}
+// held_rows: forward_rows_in_flight; streamed_blocks_per_sm: v1's kernel's occupancy (256 threads).
+// Only where the rows queue for the held kernel's slots (more rows than held_rows x sms): at fewer,
+// every row is in flight from the start, and the one-wave kernels (few rows, weight held) serve them.
+inline bool forward_streams(bool centered, int64_t rows, int64_t row_bytes, int64_t held_rows,
+                            int64_t streamed_blocks_per_sm, int sms) {
+  if (!centered || rows <= held_rows * sms) return false;
+  const int64_t held = held_rows * row_bytes;
+  const int64_t streamed = streamed_blocks_per_sm * (row_bytes < kStreamedStepBytes ? row_bytes : kStreamedStepBytes);
+  return held < kHeldBytesInFlight && streamed > held;
+}
+
 // The row shapes at few rows: where the grid has at most one block an SM (rows <= SMs) and the
 // row is a block's (longer than a warp row holds), each block is alone on its SM, and the SM has
 // as many warps as the row's shape gives it. kForwardShapes packs 4 vectors into each thread, the
@@ -280,7 +316,8 @@ inline bool backward_column_pass(int64_t rows, int64_t n, int elem_bytes, int co
 
 // ---------------------------------------------------------------------------------------
 // version=None: v3 forward and v2 backward at every size (they fall back to streaming by
-// themselves past the register capacity); fused_add_rms_norm v2.
+// themselves past the register capacity, and v3's LayerNorm where its held rows keep too few bytes
+// in flight: forward_streams); fused_add_rms_norm v2.
 // ---------------------------------------------------------------------------------------
 inline NormVersion default_norm() { return NormVersion::kResident; }
 inline NormBackwardVersion default_norm_backward() { return NormBackwardVersion::kResident; }

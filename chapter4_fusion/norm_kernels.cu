@@ -44,6 +44,7 @@ using course::WelfordOp;
 // of 256 threads to each row.
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;
+static_assert(kStreamedStepBytes == kThreads * kUnroll * 16, "norm.h's kStreamedStepBytes is a v1 block's loads in flight");
 
 __device__ __forceinline__ float reciprocal_sqrt(float v) { return rsqrtf(v); }
 __device__ __forceinline__ double reciprocal_sqrt(double v) { return 1.0 / sqrt(v); }
@@ -173,7 +174,8 @@ __global__ void __launch_bounds__(kThreads)
 // 16-byte vectors of it once (course::rows::load_tile) and keep them as stored, 4 registers a
 // vector. The mean, the variance (two passes over registers: as exact as v1, no Welford
 // divisions) and y are all computed from those registers, and y is written once: one read, one
-// write, the copy's traffic. Warp rows reduce with shuffles alone. Longer rows run v2's kernel.
+// write, the copy's traffic. Warp rows reduce with shuffles alone. Longer rows run v2's kernel, and
+// LayerNorm rows whose held rows keep under 50 KB in flight an SM run v1's (norm.h, forward_streams).
 // Rows that start mid-vector (hidden 777 or 4099 in bf16) move as 16-byte chunks from their
 // first boundary on, a few single elements at each end (Access::kChunks); weight and bias are
 // then read at those columns element by element, from L1.
@@ -380,6 +382,59 @@ inline ShapeRule shape_rule() {
   return {false, false};
 }
 
+// COURSE_NORM_FORWARD_RULE, a benchmark's knob (unset: "new"), read at every launch like the one
+// above: "new" streams the LayerNorm rows that norm.h's forward_streams names with v1's kernel,
+// "old" holds every row that fits the registers, as before that rule. Any other value fails every
+// resident launch (cudaErrorInvalidValue).
+struct StreamRule {
+  bool valid;
+  bool streams;
+};
+inline StreamRule stream_rule() {
+  const char* v = std::getenv("COURSE_NORM_FORWARD_RULE");
+  if (v == nullptr || std::strcmp(v, "new") == 0) return {true, true};
+  if (std::strcmp(v, "old") == 0) return {true, false};
+  return {false, false};
+}
+
+// The streamed kernels (v1's two passes, v2's Welford) over p's rows, x the rows to read (p.x, or
+// the sum a separate add kernel wrote).
+template <typename T>
+cudaError_t run_streamed(const NormParams& p, const T* x, bool two_pass, cudaStream_t stream) {
+  using A = typename Acc<T>::type;
+  const bool vectorized = row_access<T>(p.n, {x, p.y}, {p.weight, p.bias}) == Access::kVectors;
+  const T* weight = static_cast<const T*>(p.weight);
+  const T* bias = static_cast<const T*>(p.bias);
+  T* y = static_cast<T*>(p.y);
+  A* mean = static_cast<A*>(p.mean);
+  A* rstd = static_cast<A*>(p.rstd);
+  const A eps = static_cast<A>(p.eps);
+  return with_flag(p.kind == NormKind::kLayerNorm, [&](auto c) {
+    return with_flag(vectorized, [&](auto vec) {
+      constexpr bool kCentered = decltype(c)::value;
+      constexpr bool kVec = decltype(vec)::value;
+      if (two_pass) {
+        norm_two_pass<T, kCentered, kVec><<<grid_for(p.rows), kThreads, 0, stream>>>(x, weight, bias, y, mean, rstd,
+                                                                                     p.rows, p.n, eps);
+      } else {
+        norm_welford<T, kCentered, kVec><<<grid_for(p.rows), kThreads, 0, stream>>>(x, weight, bias, y, mean, rstd,
+                                                                                    p.rows, p.n, eps);
+      }
+      return cudaGetLastError();
+    });
+  });
+}
+
+// The blocks an SM of the v1 kernel run_streamed would launch for p (LayerNorm's, x = p.x).
+template <typename T>
+cudaError_t two_pass_blocks_per_sm(const NormParams& p, int* blocks) {
+  const bool vectorized = row_access<T>(p.n, {p.x, p.y}, {p.weight, p.bias}) == Access::kVectors;
+  return with_flag(vectorized, [&](auto vec) {
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, norm_two_pass<T, true, decltype(vec)::value>,
+                                                         kThreads, 0);
+  });
+}
+
 template <typename T>
 cudaError_t run_add(const T* x, const T* residual, T* out, int64_t numel, cudaStream_t stream) {
   const bool vectorized = row_access<T>(numel, {x, residual, out}) == Access::kVectors;
@@ -396,7 +451,7 @@ cudaError_t run_add(const T* x, const T* residual, T* out, int64_t numel, cudaSt
 // weight and bias, the prefetching one or the capped one.
 template <typename T, bool kCentered, bool kAddResidual, int kThreadsPerRow, int kVectors, Access kAccess,
           bool kFewRows>
-cudaError_t launch_resident_kind(const NormParams& p, cudaStream_t stream) {
+cudaError_t launch_resident_kind(const NormParams& p, bool streams, cudaStream_t stream) {
   using A = typename Acc<T>::type;
   constexpr int kRows = kRowsPerBlock<kThreadsPerRow>;
   constexpr int kBlock = kThreadsPerRow * kRows;
@@ -420,9 +475,9 @@ cudaError_t launch_resident_kind(const NormParams& p, cudaStream_t stream) {
     return launch(norm_resident<T, kCentered, kAddResidual, kThreadsPerRow, kVectors, kAccess, kLoad, 0>);
   } else {
     auto* plain = norm_resident<T, kCentered, kAddResidual, kThreadsPerRow, kVectors, kAccess, ParamLoad::kLate, 0>;
+    int sms = 0;
+    COURSE_CUDA_TRY(course::sm_count(&sms));
     if constexpr (kAccess == Access::kVectors) {  // the variants exist for rows of whole vectors only
-      int sms = 0;
-      COURSE_CUDA_TRY(course::sm_count(&sms));
       // The held kernel's wave, asked only of the blocks that have one (forward_holdable): the rule
       // sees 0 for the others and never holds there.
       int64_t held_wave = 0;
@@ -444,13 +499,32 @@ cudaError_t launch_resident_kind(const NormParams& p, cudaStream_t stream) {
         case ParamLoad::kLate:
           break;
       }
-      if constexpr (kForwardCappable<kBlock, kRows, kAccess>) {
-        int64_t wave = 0;
-        COURSE_CUDA_TRY(course::resident_grid(plain, kBlock, &wave));
-        if (forward_caps_registers(static_cast<int>(wave / sms), kRows)) {
-          return launch(norm_resident<T, kCentered, kAddResidual, kThreadsPerRow, kVectors, kAccess, ParamLoad::kLate,
-                                      kForwardCapBlocks<kRows>>);
+    }
+    // Weight loaded late from here: the grid queues blocks for slots. The plain kernel's blocks an
+    // SM decide both what follows: whether the rows it holds keep enough bytes in flight
+    // (forward_streams: LayerNorm only), and where they are too few rows, the capped kernel.
+    constexpr bool kCappable = kForwardCappable<kBlock, kRows, kAccess>;
+    constexpr bool kStreamable = kCentered && !kAddResidual;
+    int blocks_per_sm = 0;
+    if (kCappable || (kStreamable && streams)) {
+      int64_t wave = 0;
+      COURSE_CUDA_TRY(course::resident_grid(plain, kBlock, &wave));
+      blocks_per_sm = static_cast<int>(wave / sms);
+    }
+    if constexpr (kStreamable) {
+      if (streams) {
+        int streamed_blocks = 0;
+        COURSE_CUDA_TRY(two_pass_blocks_per_sm<T>(p, &streamed_blocks));
+        const int64_t held_rows = forward_rows_in_flight(blocks_per_sm, kRows, kCappable);
+        if (forward_streams(true, p.rows, p.n * static_cast<int64_t>(sizeof(T)), held_rows, streamed_blocks, sms)) {
+          return run_streamed<T>(p, static_cast<const T*>(p.x), /*two_pass=*/true, stream);
         }
+      }
+    }
+    if constexpr (kCappable) {
+      if (forward_caps_registers(blocks_per_sm, kRows)) {
+        return launch(norm_resident<T, kCentered, kAddResidual, kThreadsPerRow, kVectors, kAccess, ParamLoad::kLate,
+                                    kForwardCapBlocks<kRows>>);
       }
     }
     return launch(plain);
@@ -458,15 +532,16 @@ cudaError_t launch_resident_kind(const NormParams& p, cudaStream_t stream) {
 }
 
 // v3 (and fused_add_rms_norm v2) with the row shape kThreadsPerRow x kVectors.
+// streams: COURSE_NORM_FORWARD_RULE's forward_streams is asked (launch_resident_kind).
 template <typename T, int kThreadsPerRow, int kVectors, Access kAccess, bool kFewRows = false>
-cudaError_t launch_resident(const NormParams& p, cudaStream_t stream) {
+cudaError_t launch_resident(const NormParams& p, bool streams, cudaStream_t stream) {
   if (p.residual != nullptr) {
-    return launch_resident_kind<T, false, true, kThreadsPerRow, kVectors, kAccess, kFewRows>(p, stream);
+    return launch_resident_kind<T, false, true, kThreadsPerRow, kVectors, kAccess, kFewRows>(p, streams, stream);
   }
   if (p.kind == NormKind::kLayerNorm) {
-    return launch_resident_kind<T, true, false, kThreadsPerRow, kVectors, kAccess, kFewRows>(p, stream);
+    return launch_resident_kind<T, true, false, kThreadsPerRow, kVectors, kAccess, kFewRows>(p, streams, stream);
   }
-  return launch_resident_kind<T, false, false, kThreadsPerRow, kVectors, kAccess, kFewRows>(p, stream);
+  return launch_resident_kind<T, false, false, kThreadsPerRow, kVectors, kAccess, kFewRows>(p, streams, stream);
 }
 
 template <int I = 0, typename F>
@@ -481,22 +556,14 @@ cudaError_t with_few_rows_shape(int shape, F&& f) {
 
 template <typename T>
 cudaError_t run_norm(const NormParams& p, cudaStream_t stream) {
-  using A = typename Acc<T>::type;
-  const bool centered = p.kind == NormKind::kLayerNorm;
-  const T* x = static_cast<const T*>(p.x);
-  const T* weight = static_cast<const T*>(p.weight);
-  const T* bias = static_cast<const T*>(p.bias);
-  T* y = static_cast<T*>(p.y);
-  A* mean = static_cast<A*>(p.mean);
-  A* rstd = static_cast<A*>(p.rstd);
-  const A eps = static_cast<A>(p.eps);
   const bool add = p.residual != nullptr;
   const ShapeRule rule = shape_rule();
   const int shape =
       (p.version == NormVersion::kResident || add) ? forward_shape(p.n, sizeof(T), rule.three_vector_warps) : -1;
   if constexpr (sizeof(T) != 8) {
     if (shape >= 0) {
-      if (!rule.valid) return cudaErrorInvalidValue;  // COURSE_NORM_FORWARD_SHAPES names no rule
+      const StreamRule streams = stream_rule();
+      if (!rule.valid || !streams.valid) return cudaErrorInvalidValue;  // a knob that names no rule
       const Access access = row_access<T>(p.n, {p.x, p.residual, p.sum, p.y}, {p.weight, p.bias});
       int sms = 0;
       COURSE_CUDA_TRY(course::sm_count(&sms));
@@ -504,7 +571,7 @@ cudaError_t run_norm(const NormParams& p, cudaStream_t stream) {
       if (few >= 0) {  // whole vectors only (few_rows_forward_shape)
         return with_few_rows_shape(few, [&](auto s) {
           constexpr NormShape kShape = kFewRowsShapes[decltype(s)::value];
-          return launch_resident<T, kShape.threads, kShape.vectors, Access::kVectors, true>(p, stream);
+          return launch_resident<T, kShape.threads, kShape.vectors, Access::kVectors, true>(p, streams.streams, stream);
         });
       }
       return with_forward_shape(shape, [&](auto s) {
@@ -513,33 +580,19 @@ cudaError_t run_norm(const NormParams& p, cudaStream_t stream) {
           return cudaErrorInvalidValue;  // not reached: forward_shape skips the shapes not built for T
         } else {
           return with_access(access, [&](auto a) {
-            return launch_resident<T, kShape.threads, kShape.vectors, decltype(a)::value>(p, stream);
+            return launch_resident<T, kShape.threads, kShape.vectors, decltype(a)::value>(p, streams.streams, stream);
           });
         }
       });
     }
   }
   // Streamed. A residual the registers cannot hold is added by its own kernel first.
+  const T* x = static_cast<const T*>(p.x);
   if (add) {
     COURSE_CUDA_TRY(run_add<T>(x, static_cast<const T*>(p.residual), static_cast<T*>(p.sum), p.rows * p.n, stream));
     x = static_cast<const T*>(p.sum);
   }
-  const bool vectorized = row_access<T>(p.n, {x, p.y}, {p.weight, p.bias}) == Access::kVectors;
-  const bool two_pass = p.version == NormVersion::kTwoPass;
-  return with_flag(centered, [&](auto c) {
-    return with_flag(vectorized, [&](auto vec) {
-      constexpr bool kCentered = decltype(c)::value;
-      constexpr bool kVec = decltype(vec)::value;
-      if (two_pass) {
-        norm_two_pass<T, kCentered, kVec><<<grid_for(p.rows), kThreads, 0, stream>>>(x, weight, bias, y, mean, rstd,
-                                                                                     p.rows, p.n, eps);
-      } else {
-        norm_welford<T, kCentered, kVec><<<grid_for(p.rows), kThreads, 0, stream>>>(x, weight, bias, y, mean, rstd,
-                                                                                    p.rows, p.n, eps);
-      }
-      return cudaGetLastError();
-    });
-  });
+  return run_streamed<T>(p, x, p.version == NormVersion::kTwoPass, stream);
 }
 
 }  // namespace

@@ -392,15 +392,24 @@ std::vector<int64_t> norm_backward_column_tiles(const Tensor& x, int64_t sms, st
 // plain kernel keeps blocks_per_sm blocks an SM and the one that holds weight and bias keeps
 // held_blocks_per_sm (the launch asks the runtime for both occupancies; norm.h's forward_params and
 // forward_caps_registers): "held", "prefetch", "capped", "plain", or "streamed" past the
-// registers; for freshly allocated (16-byte aligned) tensors. Asked without a GPU by the CPU tests
-// of the rule.
-std::string norm_forward_variant(const Tensor& x, int64_t sms, int64_t blocks_per_sm, int64_t held_blocks_per_sm) {
+// registers; for freshly allocated (16-byte aligned) tensors. two_pass_blocks_per_sm: v1's kernel's
+// occupancy, where the launch asks forward_streams (COURSE_NORM_FORWARD_RULE=new, its default), or
+// 0 for the rule before it ("old"); "two_pass" where LayerNorm's rows stream with v1's kernel
+// (op: "layer_norm", "rms_norm" or "fused_add_rms_norm"). Asked without a GPU by the CPU tests of
+// the rule.
+std::string norm_forward_variant(const Tensor& x, int64_t sms, int64_t blocks_per_sm, int64_t held_blocks_per_sm,
+                                 int64_t two_pass_blocks_per_sm, c10::string_view op_name) {
   check_x("norm_forward_variant", x);
   TORCH_CHECK(sms >= 1, "norm_forward_variant: sms must be at least 1, got ", std::to_string(sms));
   TORCH_CHECK(blocks_per_sm >= 1, "norm_forward_variant: blocks_per_sm must be at least 1, got ",
               std::to_string(blocks_per_sm));
   TORCH_CHECK(held_blocks_per_sm >= 1, "norm_forward_variant: held_blocks_per_sm must be at least 1, got ",
               std::to_string(held_blocks_per_sm));
+  TORCH_CHECK(two_pass_blocks_per_sm >= 0, "norm_forward_variant: two_pass_blocks_per_sm must be at least 0, got ",
+              std::to_string(two_pass_blocks_per_sm));
+  const auto op = ::course::as_std(op_name);
+  TORCH_CHECK(op == "layer_norm" || op == "rms_norm" || op == "fused_add_rms_norm",
+              "norm_forward_variant: unknown op '", op, "' (layer_norm, rms_norm, fused_add_rms_norm)");
   const int64_t n = x.dim() == 0 ? 1 : x.size(-1);
   const int64_t rows = n == 0 ? 0 : x.numel() / n;
   const int elem = static_cast<int>(x.element_size());
@@ -423,8 +432,14 @@ std::string norm_forward_variant(const Tensor& x, int64_t sms, int64_t blocks_pe
         break;
     }
   }
-  if (forward_cappable(threads * per_block, per_block, whole_vectors) &&
-      forward_caps_registers(static_cast<int>(blocks_per_sm), per_block)) {
+  const bool cappable = few < 0 && forward_cappable(threads * per_block, per_block, whole_vectors);
+  if (few < 0 && two_pass_blocks_per_sm > 0 &&
+      forward_streams(op == "layer_norm", rows, n * elem,
+                      forward_rows_in_flight(static_cast<int>(blocks_per_sm), per_block, cappable),
+                      two_pass_blocks_per_sm, static_cast<int>(sms))) {
+    return "two_pass";
+  }
+  if (cappable && forward_caps_registers(static_cast<int>(blocks_per_sm), per_block)) {
     return "capped";
   }
   return "plain";
@@ -606,7 +621,8 @@ TORCH_LIBRARY_FRAGMENT(fusion, m) {
         &fusion::norm::norm_backward_column_pass);
   m.def("norm_backward_column_tiles(Tensor x, int sms, int? max_tiles=None) -> int[]",
         &fusion::norm::norm_backward_column_tiles);
-  m.def("norm_forward_variant(Tensor x, int sms, int blocks_per_sm, int held_blocks_per_sm) -> str",
+  m.def("norm_forward_variant(Tensor x, int sms, int blocks_per_sm, int held_blocks_per_sm, "
+        "int two_pass_blocks_per_sm=0, str op=\"layer_norm\") -> str",
         &fusion::norm::norm_forward_variant);
   m.def("norm_forward_shape(Tensor x, int sms) -> int[]", &fusion::norm::norm_forward_shape);
 }

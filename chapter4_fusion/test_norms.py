@@ -443,7 +443,7 @@ def resident_kernel(call):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=dtype_id)
-def test_forward_variants(dtype):
+def test_forward_variants(dtype, monkeypatch):
     """The forward's resident kernels where the rule puts them (test_forward_variant_rule): rows
     of the 512-thread shape (full, and one vector into it) at one block an SM (the few-rows shape,
     weight held) and at four blocks an SM and one more (past any held kernel's wave: weight loaded
@@ -451,6 +451,9 @@ def test_forward_variants(dtype):
     one block an SM (prefetched); every op against float64; which kernel ran, read off its
     template arguments (the profiler: bfloat16 only, the rule is the same)."""
     require_cuda()
+    # The resident rung's shapes and variants: under COURSE_NORM_FORWARD_RULE=old, which holds every
+    # LayerNorm row too (the rows the default streams: test_forward_stream_rule_launches).
+    monkeypatch.setenv("COURSE_NORM_FORWARD_RULE", "old")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     vector = 16 // torch.empty((), dtype=dtype).element_size()
     cases = [(rows, n) for rows in (sms, 4 * sms + 1) for n in (512 * 4 * vector, 256 * 4 * vector + vector)]
@@ -479,6 +482,61 @@ def test_forward_variants(dtype):
         del x, r
 
 
+# The forward's streamed LayerNorm rows (norm.h's forward_streams) at sm_90a, as nvcc 13.0 builds
+# the kernels (ptxas -v; NOTES.md, "The norm forward by bytes in flight"): (dtype, n, op, streamed).
+# bfloat16 12288: 384 x 4 at 78 registers, 2 rows an SM, 48 KB; 4099: 160 x 4 and the edge slot at
+# 84, 4 rows, 32 KB; 16384: 512 x 4 at 62, 2 rows, 64 KB; 5120: 160 x 4 at 62, 6 rows, 60 KB.
+# float32 4099: 320 x 4 and the edge slot at 64, 3 rows, 48 KB; 5120: 320 x 4 at 58, 3 rows, 60 KB.
+# v1's LayerNorm kernel: 6 blocks an SM (34 and 48 registers), 8 where it reads single elements.
+STREAM_CASES = ((torch.bfloat16, 12288, "layer_norm", True), (torch.bfloat16, 4099, "layer_norm", True),
+                (torch.bfloat16, 16384, "layer_norm", False), (torch.bfloat16, 5120, "layer_norm", False),
+                (torch.bfloat16, 12288, "rms_norm", False), (torch.float32, 4099, "layer_norm", True),
+                (torch.float32, 5120, "layer_norm", False), (torch.float32, 12288, "layer_norm", True))
+
+
+@pytest.mark.cuda
+def test_forward_stream_rule_launches(monkeypatch):
+    """The forward's kernel where forward_streams decides (STREAM_CASES), read off the profiler: v1's
+    norm_two_pass where it streams, norm_resident where it holds, at 8 rows an SM and one more; at
+    the held rows of every SM (2 x SMs at bfloat16 12288) the resident kernel; under
+    COURSE_NORM_FORWARD_RULE=old the resident kernel everywhere; any other value fails the launch.
+    Every output against float64. The kernel names are checked on sm_90 only (the registers, and
+    so the rows an SM, are nvcc's for that target)."""
+    require_cuda()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    hopper = torch.cuda.get_device_capability(0)[0] == 9
+
+    def kernel(op, x, w, b, rule):
+        if rule is None:
+            monkeypatch.delenv("COURSE_NORM_FORWARD_RULE", raising=False)
+        else:
+            monkeypatch.setenv("COURSE_NORM_FORWARD_RULE", rule)
+        out, names = launched_kernels(lambda: run(op, x, w, b, default_eps(op), None), "norm_")
+        assert_forward(out, reference(op, x, w, b, default_eps(op)), x.dtype, f"{op} {rule} {tuple(x.shape)}")
+        assert len(names) == 1, names
+        return "two_pass" if "norm_two_pass" in names[0] else "resident" if "norm_resident" in names[0] else names[0]
+
+    for dtype, n, op, streamed in STREAM_CASES:
+        x, w, b, _ = make_inputs((8 * sms + 1, n), dtype, "cuda")
+        for rule in (None, "new", "old"):
+            got = kernel(op, x, w, b, rule)
+            if hopper:
+                assert got == ("two_pass" if streamed and rule != "old" else "resident"), (dtype, n, op, rule, got)
+        del x
+    x, w, b, _ = make_inputs((2 * sms + 1, 12288), torch.bfloat16, "cuda")
+    got = kernel("layer_norm", x[:2 * sms], w, b, None), kernel("layer_norm", x, w, b, None)
+    if hopper:
+        assert got == ("resident", "two_pass"), got
+    # The explicit rungs: v1 is v1; v3 takes the same rule as version=None (its rung's kernels).
+    _, names = launched_kernels(lambda: fusion.layer_norm(x, w, b, version="v1"), "norm_")
+    assert len(names) == 1 and "norm_two_pass" in names[0], names
+    for rule in ("wide", "Old"):
+        monkeypatch.setenv("COURSE_NORM_FORWARD_RULE", rule)
+        with pytest.raises(RuntimeError):
+            fusion.layer_norm(x, w, b)
+    monkeypatch.delenv("COURSE_NORM_FORWARD_RULE", raising=False)
+
+
 # Rows and widths at the edges of the few-rows shapes (norm.h's kFewRowsShapes, in 2-byte
 # elements): just past a warp row (1032: 129 vectors, 256 threads), 2560 (320 vectors in 512
 # threads), 4104 (one vector past 512 threads), 8200 (two vectors a thread), 16384 and 16392 (the
@@ -490,13 +548,16 @@ FEW_ROWS_WIDTHS = (768, 777, 1032, 2560, 4099, 4104, 8200, 16384, 16392)
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=dtype_id)
-def test_few_rows_forward_shapes(dtype):
+def test_few_rows_forward_shapes(dtype, monkeypatch):
     """The forward at few rows (a row a block, at most one block an SM: kFewRowsShapes, weight and
     bias held in registers) at 1, 7, 63, 64 and 65 rows, the SM count and one more (the regular
     shapes again), every op and fused_add_rms_norm against float64, the gradients of x, weight and
     bias through autograd; in bfloat16 (at 64 rows, the SM count and one more), the shape that ran
     is the one norm_forward_shape names."""
     require_cuda()
+    # The resident rung's shapes and variants: under COURSE_NORM_FORWARD_RULE=old, which holds every
+    # LayerNorm row too (the rows the default streams: test_forward_stream_rule_launches).
+    monkeypatch.setenv("COURSE_NORM_FORWARD_RULE", "old")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for rows in (1, 7, 63, 64, 65, sms, sms + 1):
         for n in FEW_ROWS_WIDTHS:
@@ -596,13 +657,16 @@ def test_forward_shape_knob(monkeypatch):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=dtype_id)
-def test_whole_warp_forward_shapes(dtype):
+def test_whole_warp_forward_shapes(dtype, monkeypatch):
     """The forward in the regular shapes of whole warps at 1, 7, 133 and 2048 rows (1 and 7 rows
     of whole vectors: the few-rows shapes; 133: one block more than 132 SMs), every op and
     fused_add_rms_norm against float64, the sum bit for bit; at 7 and 2048 rows also rows that
     start mid-vector (an offset view) and weight or bias None; in bfloat16 at 2048 rows, the shape
     that ran is the one norm_forward_shape names, a whole number of warps."""
     require_cuda()
+    # The resident rung's shapes and variants: under COURSE_NORM_FORWARD_RULE=old, which holds every
+    # LayerNorm row too (the rows the default streams: test_forward_stream_rule_launches).
+    monkeypatch.setenv("COURSE_NORM_FORWARD_RULE", "old")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for rows in (1, 7, 133, 2048):
         for n in WHOLE_WARP_WIDTHS:
@@ -784,6 +848,61 @@ def test_forward_variant_rule(dtype):
         OPS.norm_forward_variant(torch.empty(2, 8, device="meta"), 132, 0, 1)
     with pytest.raises(RuntimeError, match="norm_forward_variant: held_blocks_per_sm must be at least 1"):
         OPS.norm_forward_variant(torch.empty(2, 8, device="meta"), 132, 1, 0)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=dtype_id)
+def test_forward_stream_rule(dtype):
+    """Where the forward streams LayerNorm's rows with v1's kernel (norm.h's forward_streams, under
+    COURSE_NORM_FORWARD_RULE=new): weight loaded late, more rows than the held rows of every SM, the
+    held rows' bytes an SM (blocks an SM x rows a block, the capped kernel's two where it runs, x
+    the row's bytes) under 50 KB, and v1's first pass (its blocks an SM x up to 16 KB of a row)
+    more than that; never RMSNorm nor fused_add_rms_norm, never the few-rows shapes, never without
+    v1's occupancy (the old rule)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    vector = 16 // elem
+    sms, limit = 132, 50 * 1024
+
+    def variant(rows, n, per_sm, two_pass, op="layer_norm", held_per_sm=1):
+        x = torch.empty(rows, n, dtype=dtype, device="meta")
+        return OPS.norm_forward_variant(x, sms, per_sm, held_per_sm, two_pass, op)
+
+    many = 64 * sms
+    # Rows of one block (192 x 4 in 2-byte dtypes, 1024 x 4 in float32 at 12288 bytes; 384 x 4
+    # and 1024 x 4 at 24 KB): the held bytes on either side of the limit, v1's at 6 blocks an SM.
+    for row_bytes in (12288, 24576):
+        n = row_bytes // elem
+        under = limit // row_bytes if limit % row_bytes else limit // row_bytes - 1  # rows an SM under it
+        assert variant(many, n, under, 6) == "two_pass", (n, under)
+        assert variant(many, n, under + 1, 6) == "plain", (n, under)
+        assert variant(many, n, under, 0) == "plain", n  # the old rule
+        assert variant(many, n, under, 6, "rms_norm") == "plain", n
+        assert variant(many, n, under, 6, "fused_add_rms_norm") == "plain", n
+        # v1's first pass: its blocks x min(row, 16 KB) must pass the held bytes.
+        step = min(row_bytes, 16384)
+        level = -(-under * row_bytes // step)  # the fewest v1 blocks whose pass reaches the held bytes
+        expect = "plain" if level * step == under * row_bytes else "two_pass"
+        assert variant(many, n, under, level) == expect, (n, level)
+        assert variant(many, n, under, level + 1) == "two_pass", (n, level)
+        assert variant(many, n, under, level - 1) == "plain", (n, level)
+        # Rows that start mid-vector: the same test on their bytes (never held nor capped).
+        assert variant(many, n - 1, under, 6) == "two_pass", n
+        # The grid: queued past the held rows of every SM, not at them.
+        assert variant(under * sms, n, under, 6) == "plain", n
+        assert variant(under * sms + 1, n, under, 6) == "two_pass", n
+    # A block of one 32 KB row whose plain kernel keeps one an SM runs the capped kernel, two rows
+    # an SM: 64 KB, over the limit (one row, 32 KB, would have streamed).
+    assert variant(many, 32768 // elem, 1, 6) == "capped"  # 512 x 4 (4 vectors of 16 bytes a thread)
+    # Warp rows (4 rows a block of 128 threads, 7 blocks an SM: 28 rows of 512 bytes) are under the
+    # limit in bytes, but v1's blocks (at most 8 an SM) hold one short row each.
+    assert variant(many, 32 * vector, 7, 8) == "plain"
+    # The few-rows shapes (rows <= SMs, whole vectors) and held weight (the grid within the held
+    # kernel's wave) come first.
+    assert variant(sms, 24576 // elem, 2, 6) in ("held", "prefetch")
+    assert variant(5 * sms, 24576 // elem, 2, 6, held_per_sm=5) == "held"
+    with pytest.raises(RuntimeError, match="norm_forward_variant: two_pass_blocks_per_sm must be at least 0"):
+        variant(many, 1024, 1, -1)
+    with pytest.raises(RuntimeError, match="norm_forward_variant: unknown op 'softmax'"):
+        variant(many, 1024, 1, 6, "softmax")
 
 
 def regular_forward_shape(n, vector):
