@@ -9,6 +9,8 @@
 //   /tmp/hopper_forward_check             every rung at every shape (exit 1 on a mismatch), then timings
 //   /tmp/hopper_forward_check --variants  other configurations (tile, stages, overlap, ping-pong,
 //                                         persistent), timed
+//   /tmp/hopper_forward_check --epilogue [--quick]   the epilogue's store widths: checked bit for bit
+//                                         against the 4-byte row, then (not --quick) timed side by side
 //   /tmp/hopper_forward_check --profile "ws n128" 128    one launch of a variant, for ncu
 #include "hopper/flash_fwd_hopper.h"
 #include "hopper/flash_fwd_hopper_persistent.cuh"
@@ -21,6 +23,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -271,9 +274,10 @@ struct Variant {
   int d;
   Launch launch;
 };
-template <int D, int N, int S, bool kJoint, bool kPingpong, bool kOverlap = false, bool kPersistent = false>
+template <int D, int N, int S, bool kJoint, bool kPingpong, bool kOverlap = false, bool kPersistent = false,
+          int kOStoreBytes = 4>
 cudaError_t launch_variant(const fa::AttentionParams& p, cudaStream_t stream) {
-  using K = fa::HopperFwdConfig<D, N, S, true, kJoint, kPingpong, kOverlap, kPersistent>;
+  using K = fa::HopperFwdConfig<D, N, S, true, kJoint, kPingpong, kOverlap, kPersistent, kOStoreBytes>;
   if constexpr (kPersistent) {
     return fa::run_flash_fwd_hopper_persistent<__nv_bfloat16, K, false>(p, stream, workspace());
   } else {
@@ -293,12 +297,17 @@ static const Variant kVariants[] = {
     {"joint+pingpong n176", 128, launch_variant<128, 176, 2, true, true>},
     {"persistent joint+pingpong n128 3st", 128, launch_variant<128, 128, 3, true, true, false, true>},
     {"persistent ws n128 3st", 128, launch_variant<128, 128, 3, false, false, false, true>},
+    // The epilogue's stores of O 8 and 16 bytes wide (HopperFwdConfig's kOStoreBytes; the rows above
+    // store 4): --epilogue compares them with the row they widen, bit for bit, and times them.
+    {"persistent joint+pingpong n128 3st o8", 128, launch_variant<128, 128, 3, true, true, false, true, 8>},
+    {"persistent joint+pingpong n128 3st o16", 128, launch_variant<128, 128, 3, true, true, false, true, 16>},
     {"ws n128", 64, launch_variant<64, 128, 2, false, false>},
     {"ws n128 3st", 64, launch_variant<64, 128, 3, false, false>},
     {"joint n128", 64, launch_variant<64, 128, 2, true, false>},
     {"joint+pingpong n128", 64, launch_variant<64, 128, 2, true, true>},
     {"joint+pingpong n128 3st", 64, launch_variant<64, 128, 3, true, true>},
     {"persistent joint+pingpong n128 3st", 64, launch_variant<64, 128, 3, true, true, false, true>},
+    {"persistent joint+pingpong n128 3st o16", 64, launch_variant<64, 128, 3, true, true, false, true, 16>},
     {"ws n64", 256, launch_variant<256, 64, 2, false, false>},
     {"joint n64", 256, launch_variant<256, 64, 2, true, false>},
     {"joint+pingpong n64", 256, launch_variant<256, 64, 2, true, true>},
@@ -356,7 +365,150 @@ static int run_variants() {
     const int s = var.d == 64 ? 2048 : 8192, b = var.d == 64 ? 8 : 2, h = var.d == 256 ? 8 : 16;
     ok = check_variant(var, {b, h, h, s, s, var.d, false, false, false}, true) && ok;
     ok = check_variant(var, {b, h, h, s, s, var.d, true, false, false}, true) && ok;
+    // 512 keys, four key tiles an item: where a tile's prologue and epilogue weigh most.
+    if (var.d == 128) ok = check_variant(var, {32, 16, 16, 512, 512, 128, false, false, false}, true) && ok;
   }
+  return ok ? 0 : 1;
+}
+
+// --epilogue [--quick]: the epilogue's store widths side by side (the rows named kEpilogueBase, and
+// the same name with " o8" / " o16": HopperFwdConfig's kOStoreBytes). Each shape's inputs are made
+// once; every row runs on them into its own output, is checked against float64 (sampled rows) and
+// against the base row's o and lse bit for bit (the same words, moved: any difference is a bug),
+// then (not --quick) all rows are timed in alternating rounds: kRounds rounds, each row 3 untimed
+// and kReps timed calls a round, the round's order rotated; the median and minimum over all of a
+// row's timed calls. The "epilogue|..." lines are for the GPU script to parse.
+static constexpr const char* kEpilogueBase = "persistent joint+pingpong n128 3st";
+
+static bool run_epilogue_shape(const std::vector<const Variant*>& rows, const Config& c, bool timed) {
+  Tensor4 q(c.b, c.h, c.sq, c.d, c.bshd), k(c.b, c.hk, c.sk, c.d, c.bshd), v(c.b, c.hk, c.sk, c.d, c.bshd);
+  std::mt19937 rng(7);
+  fill_random({&q, &k, &v}, rng, c.fp16);
+  const size_t rows_total = static_cast<size_t>(c.b) * c.h * c.sq;
+  std::vector<int> sample;
+  if (rows_total <= 768) {
+    for (size_t r = 0; r < rows_total; ++r) sample.push_back(static_cast<int>(r));
+  } else {
+    std::uniform_int_distribution<int> pick(0, static_cast<int>(rows_total) - 1);
+    for (int n = 0; n < 64; ++n) sample.push_back(pick(rng));
+    for (int i : {0, 7, 8, 63, 64, 127, c.sq - 1}) {  // a warp's two row halves, the warpgroups, the last row
+      if (i >= 0 && i < c.sq) sample.push_back((c.b - 1) * c.h * c.sq + (c.h - 1) * c.sq + i);
+    }
+  }
+  std::vector<std::vector<double>> ref(sample.size());
+  std::vector<double> ref_lse(sample.size());
+  for (size_t n = 0; n < sample.size(); ++n) {
+    const int r = sample[n], bi = r / (c.h * c.sq), hi = (r / c.sq) % c.h, i = r % c.sq;
+    reference_row(c, q, k, v, bi, hi, i, ref[n], ref_lse[n]);
+  }
+  std::vector<Tensor4*> outs;
+  std::vector<float*> lses;
+  std::vector<fa::AttentionParams> params;
+  std::vector<uint16_t> base_o;
+  std::vector<float> base_lse;
+  bool ok = true;
+  for (size_t n = 0; n < rows.size(); ++n) {
+    outs.push_back(new Tensor4(c.b, c.h, c.sq, c.d, c.bshd));
+    float* lse;
+    CHECK_CUDA(cudaMalloc(&lse, std::max<size_t>(rows_total, 1) * 4));
+    lses.push_back(lse);
+    Tensor4& o = *outs.back();
+    CHECK_CUDA(cudaMemset(o.dev, 0xFF, o.host.size() * 2));  // NaN: an unwritten element fails
+    CHECK_CUDA(cudaMemset(lse, 0xFF, std::max<size_t>(rows_total, 1) * 4));
+    params.push_back(make_params(c, q, k, v, o, lse));
+    CHECK_CUDA(rows[n]->launch(params.back(), nullptr));
+    CHECK_CUDA(cudaDeviceSynchronize());
+    std::vector<uint16_t> out(o.host.size());
+    std::vector<float> lse_host(rows_total);
+    CHECK_CUDA(cudaMemcpy(out.data(), o.dev, out.size() * 2, cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(lse_host.data(), lse, rows_total * 4, cudaMemcpyDeviceToHost));
+    size_t unwritten = 0;
+    for (auto x : out) unwritten += std::isnan(to_float(x, c.fp16)) ? 1 : 0;
+    double err = 0.0, norm = 0.0, lse_err = 0.0;
+    for (size_t m = 0; m < sample.size(); ++m) {
+      const int r = sample[m], bi = r / (c.h * c.sq), hi = (r / c.sq) % c.h, i = r % c.sq;
+      for (int e = 0; e < c.d; ++e) {
+        const double diff = to_float(out[o.at(bi, hi, i, e)], c.fp16) - ref[m][e];
+        err += diff * diff;
+        norm += ref[m][e] * ref[m][e];
+      }
+      lse_err = std::max(lse_err, std::isinf(ref_lse[m]) ? (lse_host[r] == ref_lse[m] ? 0.0 : INFINITY)
+                                                         : std::fabs(lse_host[r] - ref_lse[m]));
+    }
+    if (n == 0) base_o = out, base_lse = lse_host;
+    // Bit for bit: the output words (memcmp-equal vectors) and lse's floats as bits.
+    const bool same = out == base_o &&
+                      std::equal(lse_host.begin(), lse_host.end(), base_lse.begin(), [](float a, float b) {
+                        return std::memcmp(&a, &b, 4) == 0;
+                      });
+    const double rel = norm > 0 ? std::sqrt(err / norm) : std::sqrt(err);
+    const bool pass = unwritten == 0 && rel < (c.fp16 ? 2e-3 : 1e-2) && lse_err < 1e-3 && same;
+    ok = ok && pass;
+    std::printf("epilogue check|%s|d%d|b%d h%d/%d sq%d sk%d %s %s|rel %.2e lse %.1e unwritten %zu bits %s|%s\n",
+                rows[n]->name, c.d, c.b, c.h, c.hk, c.sq, c.sk, c.causal ? "causal" : "full", c.bshd ? "bshd" : "bhsd",
+                rel, lse_err, unwritten, same ? "same" : "DIFFERENT", pass ? "ok" : "MISMATCH");
+  }
+  if (timed && ok) {
+    constexpr int kRounds = 5, kReps = 20;
+    std::vector<std::vector<float>> times(rows.size());
+    cudaEvent_t start, stop;
+    CHECK_CUDA(cudaEventCreate(&start));
+    CHECK_CUDA(cudaEventCreate(&stop));
+    for (int round = 0; round < kRounds; ++round) {
+      for (size_t j = 0; j < rows.size(); ++j) {
+        const size_t n = (j + round) % rows.size();  // each row first in some round
+        for (int i = 0; i < 3; ++i) CHECK_CUDA(rows[n]->launch(params[n], nullptr));
+        for (int i = 0; i < kReps; ++i) {
+          CHECK_CUDA(cudaEventRecord(start));
+          CHECK_CUDA(rows[n]->launch(params[n], nullptr));
+          CHECK_CUDA(cudaEventRecord(stop));
+          CHECK_CUDA(cudaEventSynchronize(stop));
+          float ms;
+          CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+          times[n].push_back(ms);
+        }
+      }
+    }
+    CHECK_CUDA(cudaEventDestroy(start));
+    CHECK_CUDA(cudaEventDestroy(stop));
+    const double flops = 4.0 * c.b * c.h * static_cast<double>(c.sq) * c.sk * c.d / (c.causal ? 2 : 1);
+    for (size_t n = 0; n < rows.size(); ++n) {
+      std::sort(times[n].begin(), times[n].end());
+      const double med = times[n][times[n].size() / 2];
+      std::printf("epilogue time|%s|d%d|b%d h%d s%d %s|median_ms %.4f|min_ms %.4f|reps %zu|tflops %.1f\n",
+                  rows[n]->name, c.d, c.b, c.h, c.sq, c.causal ? "causal" : "full", med, times[n][0],
+                  times[n].size(), flops / (med * 1e-3) / 1e12);
+    }
+  }
+  for (auto* o : outs) delete o;
+  for (auto* l : lses) CHECK_CUDA(cudaFree(l));
+  return ok;
+}
+
+static int run_epilogue(bool quick) {
+  bool ok = true;
+  for (int d : {128, 64}) {
+    std::vector<const Variant*> rows;  // the base row first, then its wider-store rows
+    for (const Variant& var : kVariants) {
+      if (var.d == d && std::string(var.name) == kEpilogueBase) rows.insert(rows.begin(), &var);
+      else if (var.d == d && std::string(var.name).rfind(std::string(kEpilogueBase) + " o", 0) == 0) rows.push_back(&var);
+    }
+    if (rows.size() < 2 || std::string(rows[0]->name) != kEpilogueBase) continue;
+    // Rows past seqlen_q (17 of a tile's 128; the shuffles run before the rows' guard), a partial
+    // last tile, causal, seqlen_q != seqlen_k through (b, s, h, d) views.
+    for (const Config& c : {Config{1, 3, 3, 17, 17, d, false, false, false}, Config{1, 2, 1, 1000, 1000, d, true, false, false},
+                            Config{1, 2, 1, 129, 4097, d, false, true, false}}) {
+      ok = run_epilogue_shape(rows, c, false) && ok;
+    }
+    if (quick || d != 128) continue;
+    for (const Config& c : {Config{32, 16, 16, 512, 512, 128, false, false, false},
+                            Config{32, 16, 16, 512, 512, 128, true, false, false},
+                            Config{2, 16, 16, 8192, 8192, 128, false, false, false},
+                            Config{2, 16, 16, 8192, 8192, 128, true, false, false}}) {
+      ok = run_epilogue_shape(rows, c, true) && ok;
+    }
+  }
+  std::printf(ok ? "epilogue: all checks passed\n" : "epilogue: SOME CHECKS FAILED\n");
   return ok ? 0 : 1;
 }
 
@@ -382,6 +534,7 @@ int main(int argc, char** argv) {
   std::mt19937 rng(11);
   bool ok = true;
   if (argc > 1 && std::string(argv[1]) == "--variants") return run_variants();
+  if (argc > 1 && std::string(argv[1]) == "--epilogue") return run_epilogue(argc > 2 && std::string(argv[2]) == "--quick");
   if (argc > 3 && std::string(argv[1]) == "--profile") return profile_variant(argv[2], std::atoi(argv[3]));
   const bool quick = argc > 1 && std::string(argv[1]) == "--quick";
   std::vector<Config> configs;

@@ -54,7 +54,7 @@ namespace flash_attention {
 // The knobs of one configuration of the kernel; the rungs (HopperFwdTraits, below) are points of
 // this space, and experiments/hopper_forward_check.cu times others.
 template <int kHeadDim_, int kBlockN_, int kStages_, bool kWarpSpecialized_, bool kJoint_, bool kPingpong_,
-          bool kOverlap_ = false, bool kPersistent_ = false>
+          bool kOverlap_ = false, bool kPersistent_ = false, int kOStoreBytes_ = 4>
 struct HopperFwdConfig {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kHopperBlockM;  // two consumer warpgroups x 64 rows (wgmma's m64)
@@ -65,6 +65,10 @@ struct HopperFwdConfig {
   static constexpr bool kPingpong = kPingpong_;  // the consumer warpgroups take turns issuing products
   static constexpr bool kOverlap = kOverlap_;    // tile n's softmax while tile n - 1's P V runs (FA3)
   static constexpr bool kPersistent = kPersistent_;  // a block per SM slot walks a tile schedule
+  // The epilogue's store of O per thread instruction: 4 bytes (the rungs: a lane's two columns of an
+  // 8-column group), or 8 and 16 after one or two rounds of shuffles inside the quad (store_o_lse;
+  // candidates of experiments/hopper_forward_check.cu --variants, NOTES.md "The forward's epilogue").
+  static constexpr int kOStoreBytes = kOStoreBytes_;
   static constexpr int kChunks = kHeadDim / 64;  // 64-column chunks: one TMA box, one swizzle width
   static constexpr int kConsumerThreads = 256;
   static constexpr int kProducerThreads = kWarpSpecialized ? 128 : 0;
@@ -93,7 +97,23 @@ struct HopperFwdConfig {
   // stages the producer would wait for that very release before loading tile i.
   static_assert(!kOverlap || kStages >= 3, "the overlap releases a stage a step late: three stages or more");
   static_assert(!kPersistent || kWarpSpecialized, "the persistent loop is the producer's");
+  static_assert(kOStoreBytes == 4 || kOStoreBytes == 8 || kOStoreBytes == 16, "a lane's 2, 4 or 8 columns a store");
 };
+
+// Whether O's rows can take the configuration's store width: its pointer and every stride that
+// moves the store's address (in elements of 2 bytes) a multiple of the width. The 4-byte stores
+// need only what the glue already asks of O (even strides: two columns a store). A launcher of a
+// wider configuration refuses the rest (the harness's tensors are contiguous: always aligned).
+template <typename K>
+inline bool hopper_o_store_aligned(const AttentionParams& p) {
+  if constexpr (K::kOStoreBytes == 4) {
+    return true;
+  } else {
+    constexpr int64_t kElems = K::kOStoreBytes / 2;
+    return reinterpret_cast<uintptr_t>(p.o) % K::kOStoreBytes == 0 && p.o_seq_stride % kElems == 0 &&
+           p.o_head_stride % kElems == 0 && p.o_batch_stride % kElems == 0;
+  }
+}
 
 // Kernel traits per rung. Registers pick the tile: a consumer thread holds kBlockN / 2 floats of
 // S (64 at 128 keys), head_dim / 2 of O (64 at d = 128), and P as kBlockN / 4 packed pairs; at
@@ -305,6 +325,49 @@ __device__ __forceinline__ void pack_p(uint32_t (&pf)[K::kBlockN / 16][4], const
   }
 }
 
+// The quad's exchange for the wider stores of O (HopperFwdConfig's kOStoreBytes 8 or 16). w[c] holds
+// this lane's (t's) two columns 8c + 2t, 8c + 2t + 1 of a row; the quad's four lanes hold the row's
+// 8-column group c between them. On return, word k of a piece is lane k's (columns 8c + 2k, + 1):
+//   8 bytes: pair m (groups 2m, 2m + 1): w[2m], w[2m + 1] are columns 4 (t >> 1) .. + 3 of group
+//            2m + (t & 1): one shuffle (xor 1) a pair;
+//   16 bytes: groups 4m .. 4m + 3 as a 4 x 4 matrix of words (lane, group), transposed: w[4m + k]
+//            is lane k's word of group 4m + t. Two rounds: the 2 x 2 blocks of the matrix swap
+//            across lanes t, t ^ 2 (xor 2), then each block transposes across t, t ^ 1 (xor 1);
+//            two shuffles a round (3 would be the least, each lane receiving 3 words, but with
+//            indices that depend on the lane in every round: more selects).
+// Each shuffle sends the word the partner lacks, picked by the lane's bit (a select), and the word
+// received replaces the one sent (two selects, or predicated moves: ptxas's choice). Words, not
+// floats: the rounding is done (pack2) and the bits move unchanged.
+template <int kBytes, int kGroups>
+__device__ __forceinline__ void quad_gather_o(uint32_t (&w)[kGroups], int t) {
+  auto exchange = [&](uint32_t& mine, uint32_t& theirs, bool upper, int lane_mask) {
+    // Lanes with `upper` keep `theirs` and send `mine`, the others the reverse; the word received
+    // goes where the sent one was.
+    const uint32_t sent = upper ? mine : theirs;
+    const uint32_t got = __shfl_xor_sync(0xffffffffu, sent, lane_mask);
+    if (upper) {
+      mine = got;
+    } else {
+      theirs = got;
+    }
+  };
+  if constexpr (kBytes == 8) {
+    static_assert(kGroups % 2 == 0, "whole pairs of groups");
+#pragma unroll
+    for (int m = 0; m < kGroups / 2; ++m) exchange(w[2 * m], w[2 * m + 1], (t & 1) != 0, 1);
+  } else {
+    static_assert(kBytes == 16 && kGroups % 4 == 0, "whole quads of groups");
+#pragma unroll
+    for (int m = 0; m < kGroups / 4; ++m) {
+      uint32_t* a = w + 4 * m;
+      exchange(a[0], a[2], (t & 2) != 0, 2);  // the off-diagonal 2 x 2 blocks swap lanes
+      exchange(a[1], a[3], (t & 2) != 0, 2);
+      exchange(a[0], a[1], (t & 1) != 0, 1);  // then each block transposes
+      exchange(a[2], a[3], (t & 1) != 0, 1);
+    }
+  }
+}
+
 // o = acc / l and lse = max * scale + log(l) for this lane's two rows of a tile; a row with no
 // visible key (l = 0) gets o = 0 and lse = -inf (attention.h). `out` and `lse` point at the tile's
 // (batch, head). Shuffles before any branch on the row: all 32 lanes take part.
@@ -320,16 +383,52 @@ __device__ __forceinline__ void store_o_lse(const float (&o)[K::kHeadDim / 2], c
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     const float inv = l > 0.f ? 1.f / l : 0.f;
     const int64_t row = row0 + 8 * r;
-    if (row < p.seqlen_q) {  // the last tile's rows past the end computed on zero rows of Q
-      T* o_row = out + row * p.o_seq_stride;
-#pragma unroll
-      for (int j = 2 * r; j < K::kHeadDim / 2; j += 4) {
-        *reinterpret_cast<uint32_t*>(o_row + 8 * (j >> 2) + 2 * t) = pack2<T>(o[j] * inv, o[j + 1] * inv);
-      }
-      // One explicit fma: left to the compiler, `max * scale + log(l)` is contracted in one kernel
-      // and not in another (it depends on what else uses the product), and the rungs that share
-      // this epilogue would disagree in lse's last bit while their o agrees bit for bit.
+    // One explicit fma: left to the compiler, `max * scale + log(l)` is contracted in one kernel
+    // and not in another (it depends on what else uses the product), and the rungs that share
+    // this epilogue would disagree in lse's last bit while their o agrees bit for bit.
+    auto store_lse = [&] {
       if (t == 0) lse[row] = l > 0.f ? __fmaf_rn(row_max[r], scale, logf(l)) : -INFINITY;
+    };
+    if constexpr (K::kOStoreBytes == 4) {
+      if (row < p.seqlen_q) {  // the last tile's rows past the end computed on zero rows of Q
+        T* o_row = out + row * p.o_seq_stride;
+#pragma unroll
+        for (int j = 2 * r; j < K::kHeadDim / 2; j += 4) {
+          *reinterpret_cast<uint32_t*>(o_row + 8 * (j >> 2) + 2 * t) = pack2<T>(o[j] * inv, o[j + 1] * inv);
+        }
+        store_lse();
+      }
+    } else {
+      // The same packed words (the same rounding: the output's bits do not change), w[c] this lane's
+      // columns 8c + 2t, 8c + 2t + 1 of the row, moved inside the quad (the row's four lanes) so
+      // that each lane holds whole 8- or 16-byte pieces: quad_gather_o above. The shuffles come
+      // before the row's guard: the quads of a warp hold different rows, and every lane of the
+      // mask must take part.
+      constexpr int kGroups = K::kHeadDim / 8;
+      uint32_t w[kGroups];
+#pragma unroll
+      for (int c = 0; c < kGroups; ++c) w[c] = pack2<T>(o[4 * c + 2 * r] * inv, o[4 * c + 2 * r + 1] * inv);
+      quad_gather_o<K::kOStoreBytes>(w, t);
+      if (row < p.seqlen_q) {  // as above
+        // The lane's part of the address once, the pieces then at constant offsets from it (the
+        // stores' immediates).
+        if constexpr (K::kOStoreBytes == 8) {
+          // Pair m (groups 2m, 2m + 1): lane t holds group 2m + (t & 1)'s columns 4 (t >> 1) .. + 3.
+          T* o_lane = out + row * p.o_seq_stride + 8 * (t & 1) + 2 * (t & 2);
+#pragma unroll
+          for (int m = 0; m < kGroups / 2; ++m) {
+            *reinterpret_cast<uint2*>(o_lane + 16 * m) = make_uint2(w[2 * m], w[2 * m + 1]);
+          }
+        } else {
+          // Groups 4m .. 4m + 3: lane t holds all of group 4m + t.
+          T* o_lane = out + row * p.o_seq_stride + 8 * t;
+#pragma unroll
+          for (int m = 0; m < kGroups / 4; ++m) {
+            *reinterpret_cast<uint4*>(o_lane + 32 * m) = make_uint4(w[4 * m], w[4 * m + 1], w[4 * m + 2], w[4 * m + 3]);
+          }
+        }
+        store_lse();
+      }
     }
   }
 }
@@ -753,6 +852,7 @@ cudaError_t run_flash_fwd_hopper_config(const AttentionParams& p, cudaStream_t s
   const int64_t blocks = q_tiles * p.batch * p.heads;
   if (blocks == 0) return cudaSuccess;
   if (blocks > INT_MAX || p.seqlen_q > INT_MAX || p.seqlen_k > INT_MAX) return cudaErrorInvalidConfiguration;
+  if (!hopper_o_store_aligned<K>(p)) return cudaErrorInvalidValue;  // a wider store of O than O's rows allow
   CUtensorMap map_q, map_k, map_v;
   COURSE_CUDA_TRY(make_bhsd_map(&map_q, p.q, p.batch, p.heads, p.seqlen_q, K::kHeadDim, p.q_batch_stride,
                                 p.q_head_stride, p.q_seq_stride, K::kBlockM));

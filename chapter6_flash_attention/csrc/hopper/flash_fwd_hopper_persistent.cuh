@@ -979,6 +979,7 @@ cudaError_t run_flash_fwd_hopper_persistent(const AttentionParams& p, cudaStream
   // Packed, the copies' row coordinates are token indices of the whole tensor (TMA takes an int).
   if (kVarlen && (p.total_q > INT_MAX / 2 || p.total_k > INT_MAX / 2)) return cudaErrorInvalidConfiguration;
   if (workspace == nullptr) return cudaErrorInvalidValue;  // the tile counter: the glue passes it
+  if (!hopper_o_store_aligned<K>(p)) return cudaErrorInvalidValue;  // a wider store of O than O's rows allow
   CUtensorMap map_q, map_k, map_v;
   const int64_t map_batch = kVarlen ? 1 : p.batch;  // packed: every token of every sequence, one batch
   const int64_t rows_q = kVarlen ? p.total_q : p.seqlen_q, rows_k = kVarlen ? p.total_k : p.seqlen_k;
