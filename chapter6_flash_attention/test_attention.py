@@ -1775,6 +1775,24 @@ def test_cuda_hopper_sass_has_hgmma():
         assert not GENERIC_ACCESS.search(body), (name, GENERIC_ACCESS.findall(body)[:4])
 
 
+@pytest.mark.cuda
+def test_cuda_hopper_forward_stores_o_16_bytes():
+    """The 16-bit forward kernels store O 16 bytes a lane (HopperFwdConfig's kOStoreBytes): a thread's
+    two rows of head_dim / 8 words gathered across the quad, head_dim / 16 STG.E.128 in all, and
+    no 4- or 8-byte store left but the two of lse. 4-byte stores, as wgmma's accumulator holds O,
+    cost the persistent rung 10-14% of its time at 512 keys on an H200 (NOTES.md, "The forward's
+    epilogue"). The FP8 kernels have their own epilogue and are left out."""
+    import re
+    skip_unless_hopper()
+    kernels = [(name, body) for name, body in sass_functions("flash_fwd_hopper_") if "fp8" not in name.lower()]
+    assert len(kernels) >= 24, f"{len(kernels)} 16-bit Hopper forward kernels in the SASS"
+    for name, body in kernels:
+        head_dim = int(re.search(r"Traits(?:ILi|I)(\d+)", name).group(1))
+        counts = tuple(len(re.findall(pattern, body)) for pattern in (r"STG\.E\.128\b", r"STG\.E\.64\b",
+                                                                       r"STG\.E(?![.\w])"))
+        assert counts == (head_dim // 16, 0, 2), (name, head_dim, "STG.E.128, STG.E.64, STG.E:", counts)
+
+
 # The Hopper backward ("wgmma"): a block per 128 keys walking query tiles of 64 rows (d = 128) or 128
 # (d = 64). Lengths 1, 17, 129 and 1000 around both tiles (a partial last key tile, a partial last
 # query tile), seqlen_q != seqlen_k both ways (causal rows that see no key; a causal walk that

@@ -4,13 +4,14 @@
 // finds a descriptor or barrier bug without building the extension. No torch.
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I../../common/include -I../csrc \
-//        -o /tmp/hopper_forward_check hopper_forward_check.cu ../csrc/hopper/flash_fwd_hopper_dispatch.cu \
-//        ../csrc/hopper/flash_fwd_hopper_{bf16,fp16}_hdim{64,128,256}.cu
+//        -o /tmp/hopper_forward_check hopper_forward_check.cu ../csrc/hopper/flash_fwd_*.cu
+//   (every forward translation unit: the dispatch links the window and FP8 instantiations too)
 //   /tmp/hopper_forward_check             every rung at every shape (exit 1 on a mismatch), then timings
 //   /tmp/hopper_forward_check --variants  other configurations (tile, stages, overlap, ping-pong,
 //                                         persistent), timed
-//   /tmp/hopper_forward_check --epilogue [--quick]   the epilogue's store widths: checked bit for bit
-//                                         against the 4-byte row, then (not --quick) timed side by side
+//   /tmp/hopper_forward_check --epilogue [--quick]   the epilogue's store widths: the 4- and 8-byte
+//                                         rows checked bit for bit against the 16-byte one (the rungs'),
+//                                         then (not --quick) timed side by side
 //   /tmp/hopper_forward_check --profile "ws n128" 128    one launch of a variant, for ncu
 #include "hopper/flash_fwd_hopper.h"
 #include "hopper/flash_fwd_hopper_persistent.cuh"
@@ -275,7 +276,7 @@ struct Variant {
   Launch launch;
 };
 template <int D, int N, int S, bool kJoint, bool kPingpong, bool kOverlap = false, bool kPersistent = false,
-          int kOStoreBytes = 4>
+          int kOStoreBytes = 16>
 cudaError_t launch_variant(const fa::AttentionParams& p, cudaStream_t stream) {
   using K = fa::HopperFwdConfig<D, N, S, true, kJoint, kPingpong, kOverlap, kPersistent, kOStoreBytes>;
   if constexpr (kPersistent) {
@@ -297,17 +298,18 @@ static const Variant kVariants[] = {
     {"joint+pingpong n176", 128, launch_variant<128, 176, 2, true, true>},
     {"persistent joint+pingpong n128 3st", 128, launch_variant<128, 128, 3, true, true, false, true>},
     {"persistent ws n128 3st", 128, launch_variant<128, 128, 3, false, false, false, true>},
-    // The epilogue's stores of O 8 and 16 bytes wide (HopperFwdConfig's kOStoreBytes; the rows above
-    // store 4): --epilogue compares them with the row they widen, bit for bit, and times them.
+    // The epilogue's stores of O 4 and 8 bytes wide (HopperFwdConfig's kOStoreBytes; every other row
+    // stores 16, as the rungs do): --epilogue compares them with the 16-byte row bit for bit and
+    // times them side by side.
+    {"persistent joint+pingpong n128 3st o4", 128, launch_variant<128, 128, 3, true, true, false, true, 4>},
     {"persistent joint+pingpong n128 3st o8", 128, launch_variant<128, 128, 3, true, true, false, true, 8>},
-    {"persistent joint+pingpong n128 3st o16", 128, launch_variant<128, 128, 3, true, true, false, true, 16>},
     {"ws n128", 64, launch_variant<64, 128, 2, false, false>},
     {"ws n128 3st", 64, launch_variant<64, 128, 3, false, false>},
     {"joint n128", 64, launch_variant<64, 128, 2, true, false>},
     {"joint+pingpong n128", 64, launch_variant<64, 128, 2, true, true>},
     {"joint+pingpong n128 3st", 64, launch_variant<64, 128, 3, true, true>},
     {"persistent joint+pingpong n128 3st", 64, launch_variant<64, 128, 3, true, true, false, true>},
-    {"persistent joint+pingpong n128 3st o16", 64, launch_variant<64, 128, 3, true, true, false, true, 16>},
+    {"persistent joint+pingpong n128 3st o4", 64, launch_variant<64, 128, 3, true, true, false, true, 4>},
     {"ws n64", 256, launch_variant<256, 64, 2, false, false>},
     {"joint n64", 256, launch_variant<256, 64, 2, true, false>},
     {"joint+pingpong n64", 256, launch_variant<256, 64, 2, true, true>},
@@ -371,8 +373,8 @@ static int run_variants() {
   return ok ? 0 : 1;
 }
 
-// --epilogue [--quick]: the epilogue's store widths side by side (the rows named kEpilogueBase, and
-// the same name with " o8" / " o16": HopperFwdConfig's kOStoreBytes). Each shape's inputs are made
+// --epilogue [--quick]: the epilogue's store widths side by side (the row named kEpilogueBase, 16 bytes
+// as the rungs, and the same name with " o4" / " o8": HopperFwdConfig's kOStoreBytes). Each shape's inputs are made
 // once; every row runs on them into its own output, is checked against float64 (sampled rows) and
 // against the base row's o and lse bit for bit (the same words, moved: any difference is a bug),
 // then (not --quick) all rows are timed in alternating rounds: kRounds rounds, each row 3 untimed
@@ -488,7 +490,7 @@ static bool run_epilogue_shape(const std::vector<const Variant*>& rows, const Co
 static int run_epilogue(bool quick) {
   bool ok = true;
   for (int d : {128, 64}) {
-    std::vector<const Variant*> rows;  // the base row first, then its wider-store rows
+    std::vector<const Variant*> rows;  // the base row first, then its narrower-store rows
     for (const Variant& var : kVariants) {
       if (var.d == d && std::string(var.name) == kEpilogueBase) rows.insert(rows.begin(), &var);
       else if (var.d == d && std::string(var.name).rfind(std::string(kEpilogueBase) + " o", 0) == 0) rows.push_back(&var);

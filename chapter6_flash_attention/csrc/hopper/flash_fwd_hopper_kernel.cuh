@@ -54,7 +54,7 @@ namespace flash_attention {
 // The knobs of one configuration of the kernel; the rungs (HopperFwdTraits, below) are points of
 // this space, and experiments/hopper_forward_check.cu times others.
 template <int kHeadDim_, int kBlockN_, int kStages_, bool kWarpSpecialized_, bool kJoint_, bool kPingpong_,
-          bool kOverlap_ = false, bool kPersistent_ = false, int kOStoreBytes_ = 4>
+          bool kOverlap_ = false, bool kPersistent_ = false, int kOStoreBytes_ = 16>
 struct HopperFwdConfig {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kHopperBlockM;  // two consumer warpgroups x 64 rows (wgmma's m64)
@@ -65,9 +65,11 @@ struct HopperFwdConfig {
   static constexpr bool kPingpong = kPingpong_;  // the consumer warpgroups take turns issuing products
   static constexpr bool kOverlap = kOverlap_;    // tile n's softmax while tile n - 1's P V runs (FA3)
   static constexpr bool kPersistent = kPersistent_;  // a block per SM slot walks a tile schedule
-  // The epilogue's store of O per thread instruction: 4 bytes (the rungs: a lane's two columns of an
-  // 8-column group), or 8 and 16 after one or two rounds of shuffles inside the quad (store_o_lse;
-  // candidates of experiments/hopper_forward_check.cu --variants, NOTES.md "The forward's epilogue").
+  // The epilogue's store of O per thread instruction: 16 bytes (every rung), a lane's 8 columns
+  // gathered by two rounds of shuffles inside the quad (store_o_lse); 8 after one round, or 4 as
+  // wgmma's accumulator holds them (a lane's two columns of an 8-column group), for
+  // experiments/hopper_forward_check.cu --epilogue. At 512 keys (4 key tiles an item) the 4-byte
+  // stores cost the persistent rung 10-14% of its time on an H200 (NOTES.md, "The forward's epilogue").
   static constexpr int kOStoreBytes = kOStoreBytes_;
   static constexpr int kChunks = kHeadDim / 64;  // 64-column chunks: one TMA box, one swizzle width
   static constexpr int kConsumerThreads = 256;
@@ -102,8 +104,9 @@ struct HopperFwdConfig {
 
 // Whether O's rows can take the configuration's store width: its pointer and every stride that
 // moves the store's address (in elements of 2 bytes) a multiple of the width. The 4-byte stores
-// need only what the glue already asks of O (even strides: two columns a store). A launcher of a
-// wider configuration refuses the rest (the harness's tensors are contiguous: always aligned).
+// need only even strides (two columns a store). The ops allocate O themselves, contiguous, at head
+// dims that are multiples of 64: always aligned; a launcher refuses anything else rather than
+// store past a row's bounds.
 template <typename K>
 inline bool hopper_o_store_aligned(const AttentionParams& p) {
   if constexpr (K::kOStoreBytes == 4) {
