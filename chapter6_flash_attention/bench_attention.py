@@ -31,7 +31,7 @@ Split-KV rows (op attention_split_kv, CUDA only): 1, 16 and 128 query rows of 16
 rows give GB/s over q, k, v and o, the bytes such a call cannot avoid, and TFLOP/s beside them.
 
 Timing: CUDA graphs, CUDA events around each replay, median of 20 replays; a graph that fails
-to capture falls back to events and the row says so. The sweep and the window and softcap
+to capture falls back to events and the row says so. The sweep and the window, softcap and FP8
 sections replay all the variants of a row in 20 rounds, one replay of each a round in an order
 shuffled each round (bench.time_interleaved), so that a drift over the run falls on every
 variant alike; the other sections time each variant's replays back to back (bench.time_probed). Backward rows
@@ -441,7 +441,8 @@ def bench_fp8(device, mm, notes, beside=None, candidates=()):
     quantized outside the timed call, and (call "quantize_fp8 + attention_fp8") with the three
     quantizations inside it. `beside`: the rows already measured in this run (the sweep), whose
     sdpa_cudnn row of the shape is speedup_vs_torch's baseline; None (`--ops attention_fp8`, no
-    sweep) times sdpa_cudnn and pingpong in bf16 here, right before the FP8 rows of each shape.
+    sweep) times sdpa_cudnn and pingpong in bf16 here, in the same shuffled rounds as the FP8 rows of
+    each shape.
     `candidates`: the FP8 launcher's candidates to time as well (call "attention_fp8, NAME")."""
     why = fp8_runnable(device)
     if why:
@@ -483,14 +484,20 @@ def bench_fp8(device, mm, notes, beside=None, candidates=()):
             t_base = base[0]["median_ms"] if base else None
         flops = attention_flops(b, h, n, n, d, causal)
         where = f"fp8 b{b} h{h} s{n} d{d} {'causal' if causal else 'full'}"
+        # The shape's calls probed, then timed in shuffled rounds (bench.time_interleaved), as the
+        # sweep's variants are: the FP8 rows' ratio to the bf16 ones is what they are for.
+        probed, kept = [], []
         for variant, dtype, more, fn in calls:
-            t = bench.probe_and_time(notes, variant, where, device, fn)
-            if not t:
-                continue
-            if variant == "sdpa_cudnn":
-                t_base = t["median_ms"]
-            rows.append(bench.flops_row("attention", variant, dtype, [b, h, n, d], flops, t, mm, t_base,
-                                        **fields, **more))
+            est = bench.probe_noted(notes, variant, where, device, fn)
+            if est is not None:
+                probed.append((variant, fn, est))
+                kept.append((variant, dtype, more))
+        timed = list(zip(kept, bench.time_interleaved(notes, where, device, probed)))
+        t_base = next((t["median_ms"] for (variant, _, _), t in timed if variant == "sdpa_cudnn" and t), t_base)
+        for (variant, dtype, more), t in timed:
+            if t:
+                rows.append(bench.flops_row("attention", variant, dtype, [b, h, n, d], flops, t, mm, t_base,
+                                            **fields, **more))
         del q, k, v, q8, k8, v8t
         torch.cuda.empty_cache()
     return rows
@@ -1560,8 +1567,8 @@ def main_ops():
                  "timing": {"statistic": "median", "reps": bench.MIN_REPS,
                             "method": "CUDA graph of the calls that make a replay last >= 2 ms (1 to 8), CUDA "
                                       "events around each replay; backward rows of ours time the backward op alone, "
-                                      "the baselines' autograd.grad over a retained graph; the window and softcap "
-                                      "sections replay all the rows of a pass in rounds, one replay of each in an "
+                                      "the baselines' autograd.grad over a retained graph; the window, softcap and "
+                                      "FP8 sections replay all the rows of a pass (a shape) in rounds, one replay of each in an "
                                       "order shuffled each round (rows with timer 'graph, shuffled rounds'; "
                                       "'graph, interleaved rounds': the same order every round)"},
                  "wall_s": time.perf_counter() - started}

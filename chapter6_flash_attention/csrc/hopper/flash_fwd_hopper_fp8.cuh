@@ -31,7 +31,7 @@
 //     The row sums carry the same 256, so O / l cancels it; lse takes off 8 ln 2.
 //   - P's registers: the accumulator layout of S is not the A-operand layout of an 8-bit k32 step;
 //     pack_p_fp8 (below) moves the bytes with four shuffles per step inside each quad of lanes.
-//   - O goes out in bfloat16 (store_o_lse_fp8).
+//   - O goes out in bfloat16, 16 bytes a store (store_o_lse_fp8, through the 16-bit forward's store_o_row).
 // No torch headers: this file builds with a bare nvcc for sm_90a (and to empty kernels for any
 // other target, which the glue never launches).
 #pragma once
@@ -70,6 +70,7 @@ struct HopperFp8Traits {
   static constexpr int kVBytes = kHeadDim * kBlockN;   // one stage of V^T: head_dim rows of kBlockN keys
   static constexpr int kSmemBytes = kQBytes + kStages * (kKBytes + kVBytes) + 1024;  // + 1024-byte alignment
   static constexpr int kExpBias = 8;  // P is computed as 2^8 P (above)
+  static constexpr int kOStoreBytes = 16;  // O (bfloat16) stored as the 16-bit forward's: store_o_row
   static_assert(kHeadDim == 64 || kHeadDim == 128, "a Q or K row must be one 64- or 128-byte swizzle row");
   static_assert(kBlockN == 128 || kBlockN == 192, "the e4m3 wgmma widths hopper::WgmmaFp8 has (and below)");
   static_assert(kBlockN % kVtKeys == 0 && kVtKeys % 32 == 0, "V^T's boxes tile the key tile, k32 steps each box");
@@ -244,15 +245,10 @@ __device__ __forceinline__ void store_o_lse_fp8(const float (&o)[K::kHeadDim / 2
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     const float inv = l > 0.f ? descale_v / l : 0.f;
     const int64_t row = row0 + 8 * r;
-    if (row < p.seqlen_q) {  // the last tile's rows past the end computed on zero rows of Q
-      __nv_bfloat16* o_row = out + row * p.o_seq_stride;
-#pragma unroll
-      for (int j = 2 * r; j < K::kHeadDim / 2; j += 4) {
-        *reinterpret_cast<uint32_t*>(o_row + 8 * (j >> 2) + 2 * t) =
-            hopper_fwd::pack2<__nv_bfloat16>(o[j] * inv, o[j + 1] * inv);
-      }
-      if (t == 0) lse[row] = l > 0.f ? __fmaf_rn(row_max[r], scale, logf(l)) - bias : -INFINITY;
-    }
+    const bool stored = row < p.seqlen_q;  // the last tile's rows past the end computed on zero rows of Q
+    hopper_fwd::store_o_row<__nv_bfloat16, K::kHeadDim, K::kOStoreBytes>(
+        o, r, inv, stored ? out + row * p.o_seq_stride : nullptr, t);
+    if (stored && t == 0) lse[row] = l > 0.f ? __fmaf_rn(row_max[r], scale, logf(l)) - bias : -INFINITY;
   }
 }
 
@@ -537,6 +533,7 @@ cudaError_t run_flash_fwd_hopper_fp8(const AttentionFp8Params& f, Fp8Forward can
   const int64_t blocks = q_tiles * p.batch * p.heads;
   if (blocks == 0) return cudaSuccess;
   if (blocks > INT_MAX || p.seqlen_q > INT_MAX || p.seqlen_k > INT_MAX) return cudaErrorInvalidConfiguration;
+  if (!hopper_o_store_aligned<K>(p)) return cudaErrorInvalidValue;  // the op's own O always is (fp8_ops.cpp)
   CUtensorMap map_q, map_k, map_vt;
   COURSE_CUDA_TRY(make_fp8_map(&map_q, p.q, {D, p.seqlen_q, p.heads, p.batch},
                                {p.q_seq_stride, p.q_head_stride, p.q_batch_stride}, D, K::kBlockM, K::kSwizzle));

@@ -371,6 +371,52 @@ __device__ __forceinline__ void quad_gather_o(uint32_t (&w)[kGroups], int t) {
   }
 }
 
+// One of this lane's two rows of O (r: the row's half, rows row0 and row0 + 8), o * inv, to o_row
+// (nullptr: a row past seqlen_q, computed and not stored), kBytes a store. o[4c + 2r], o[4c + 2r + 1]
+// are this lane's (t's) columns 8c + 2t, 8c + 2t + 1. Both epilogues store through it (store_o_lse
+// below, and the FP8 forward's store_o_lse_fp8). Every lane must call it: the wider stores shuffle
+// inside the quad first.
+template <typename T, int kHeadDim, int kBytes>
+__device__ __forceinline__ void store_o_row(const float (&o)[kHeadDim / 2], int r, float inv, T* o_row, int t) {
+  if constexpr (kBytes == 4) {
+    if (o_row != nullptr) {
+#pragma unroll
+      for (int j = 2 * r; j < kHeadDim / 2; j += 4) {
+        *reinterpret_cast<uint32_t*>(o_row + 8 * (j >> 2) + 2 * t) = pack2<T>(o[j] * inv, o[j + 1] * inv);
+      }
+    }
+  } else {
+    // The same packed words (the same rounding: the output's bits do not change), w[c] this lane's
+    // columns of group c, moved inside the quad (the row's four lanes) so that each lane holds
+    // whole 8- or 16-byte pieces: quad_gather_o above. The shuffles come before the row's guard:
+    // the quads of a warp hold different rows, and every lane of the mask must take part.
+    constexpr int kGroups = kHeadDim / 8;
+    uint32_t w[kGroups];
+#pragma unroll
+    for (int c = 0; c < kGroups; ++c) w[c] = pack2<T>(o[4 * c + 2 * r] * inv, o[4 * c + 2 * r + 1] * inv);
+    quad_gather_o<kBytes>(w, t);
+    if (o_row != nullptr) {
+      // The lane's part of the address once, the pieces then at constant offsets from it (the
+      // stores' immediates).
+      if constexpr (kBytes == 8) {
+        // Pair m (groups 2m, 2m + 1): lane t holds group 2m + (t & 1)'s columns 4 (t >> 1) .. + 3.
+        T* o_lane = o_row + 8 * (t & 1) + 2 * (t & 2);
+#pragma unroll
+        for (int m = 0; m < kGroups / 2; ++m) {
+          *reinterpret_cast<uint2*>(o_lane + 16 * m) = make_uint2(w[2 * m], w[2 * m + 1]);
+        }
+      } else {
+        // Groups 4m .. 4m + 3: lane t holds all of group 4m + t.
+        T* o_lane = o_row + 8 * t;
+#pragma unroll
+        for (int m = 0; m < kGroups / 4; ++m) {
+          *reinterpret_cast<uint4*>(o_lane + 32 * m) = make_uint4(w[4 * m], w[4 * m + 1], w[4 * m + 2], w[4 * m + 3]);
+        }
+      }
+    }
+  }
+}
+
 // o = acc / l and lse = max * scale + log(l) for this lane's two rows of a tile; a row with no
 // visible key (l = 0) gets o = 0 and lse = -inf (attention.h). `out` and `lse` point at the tile's
 // (batch, head). Shuffles before any branch on the row: all 32 lanes take part.
@@ -386,53 +432,12 @@ __device__ __forceinline__ void store_o_lse(const float (&o)[K::kHeadDim / 2], c
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     const float inv = l > 0.f ? 1.f / l : 0.f;
     const int64_t row = row0 + 8 * r;
+    const bool stored = row < p.seqlen_q;  // the last tile's rows past the end computed on zero rows of Q
+    store_o_row<T, K::kHeadDim, K::kOStoreBytes>(o, r, inv, stored ? out + row * p.o_seq_stride : nullptr, t);
     // One explicit fma: left to the compiler, `max * scale + log(l)` is contracted in one kernel
     // and not in another (it depends on what else uses the product), and the rungs that share
     // this epilogue would disagree in lse's last bit while their o agrees bit for bit.
-    auto store_lse = [&] {
-      if (t == 0) lse[row] = l > 0.f ? __fmaf_rn(row_max[r], scale, logf(l)) : -INFINITY;
-    };
-    if constexpr (K::kOStoreBytes == 4) {
-      if (row < p.seqlen_q) {  // the last tile's rows past the end computed on zero rows of Q
-        T* o_row = out + row * p.o_seq_stride;
-#pragma unroll
-        for (int j = 2 * r; j < K::kHeadDim / 2; j += 4) {
-          *reinterpret_cast<uint32_t*>(o_row + 8 * (j >> 2) + 2 * t) = pack2<T>(o[j] * inv, o[j + 1] * inv);
-        }
-        store_lse();
-      }
-    } else {
-      // The same packed words (the same rounding: the output's bits do not change), w[c] this lane's
-      // columns 8c + 2t, 8c + 2t + 1 of the row, moved inside the quad (the row's four lanes) so
-      // that each lane holds whole 8- or 16-byte pieces: quad_gather_o above. The shuffles come
-      // before the row's guard: the quads of a warp hold different rows, and every lane of the
-      // mask must take part.
-      constexpr int kGroups = K::kHeadDim / 8;
-      uint32_t w[kGroups];
-#pragma unroll
-      for (int c = 0; c < kGroups; ++c) w[c] = pack2<T>(o[4 * c + 2 * r] * inv, o[4 * c + 2 * r + 1] * inv);
-      quad_gather_o<K::kOStoreBytes>(w, t);
-      if (row < p.seqlen_q) {  // as above
-        // The lane's part of the address once, the pieces then at constant offsets from it (the
-        // stores' immediates).
-        if constexpr (K::kOStoreBytes == 8) {
-          // Pair m (groups 2m, 2m + 1): lane t holds group 2m + (t & 1)'s columns 4 (t >> 1) .. + 3.
-          T* o_lane = out + row * p.o_seq_stride + 8 * (t & 1) + 2 * (t & 2);
-#pragma unroll
-          for (int m = 0; m < kGroups / 2; ++m) {
-            *reinterpret_cast<uint2*>(o_lane + 16 * m) = make_uint2(w[2 * m], w[2 * m + 1]);
-          }
-        } else {
-          // Groups 4m .. 4m + 3: lane t holds all of group 4m + t.
-          T* o_lane = out + row * p.o_seq_stride + 8 * t;
-#pragma unroll
-          for (int m = 0; m < kGroups / 4; ++m) {
-            *reinterpret_cast<uint4*>(o_lane + 32 * m) = make_uint4(w[4 * m], w[4 * m + 1], w[4 * m + 2], w[4 * m + 3]);
-          }
-        }
-        store_lse();
-      }
-    }
+    if (stored && t == 0) lse[row] = l > 0.f ? __fmaf_rn(row_max[r], scale, logf(l)) : -INFINITY;
   }
 }
 
