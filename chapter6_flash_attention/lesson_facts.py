@@ -718,6 +718,27 @@ def hopper_configs(record):
     return "\n".join(lines)
 
 
+STORE_WIDTH_BASE = "persistent joint+pingpong n128 3st"  # hopper_forward_check.cu's row; " o4", " o8" beside it
+
+
+def hopper_store_width(record):
+    """The epilogue's store width (HopperFwdConfig's kOStoreBytes) from hopper_forward_check's rows:
+    the 16-byte row (the rungs') against its 4- and 8-byte twins, d = 128, at each timing shape."""
+    rows = results.rows(record, op="attention_hopper_config", head_dim=128)
+    parts = []
+    for d, c, n in dict.fromkeys((r["head_dim"], r["causal"], r["seqlen"]) for r in rows):
+        got = {r["variant"]: r for r in rows if (r["causal"], r["seqlen"]) == (c, n)}
+        base, o4 = got.get(STORE_WIDTH_BASE), got.get(STORE_WIDTH_BASE + " o4")
+        if base and o4:
+            o8 = got.get(STORE_WIDTH_BASE + " o8")
+            parts.append(f"{'causal' if c else 'full'} {n} keys: {base['TFLOPs']:.0f} TFLOP/s against {o4['TFLOPs']:.0f} "
+                         f"with 4-byte stores ({o4['median_ms'] / base['median_ms'] - 1:+.0%} time for those)"
+                         + (f" and {o8['TFLOPs']:.0f} with 8-byte ones" if o8 else ""))
+    if not parts:
+        return "(no store-width rows in the newest results: they need a Hopper GPU and nvcc)"
+    return "; ".join(parts) + f" ({_where(record)})"
+
+
 def _hopper_file(record, name):
     """A text file a part 3 GPU run wrote, and the card it ran on: the one beside the record (same
     device slug) if there is one, else the one beside the newest record of another card that has
@@ -847,6 +868,7 @@ FACTS = {"target_table": target_table, "split_kv": split_kv_table, "memory": mem
          "paged_prefill_block_size": paged_prefill_block_size, "generate": generate_line,
          "hopper_targets": hopper_targets,
          "hopper_rungs": hopper_rungs, "hopper_gemm": hopper_gemm, "hopper_configs": hopper_configs,
+         "hopper_store_width": hopper_store_width,
          "hopper_profile": hopper_profile, "hopper_power": hopper_power,
          "hopper_persistent": hopper_persistent, "hopper_backward": hopper_backward,
          "hopper_backward_source": hopper_backward_source, "hopper_backward_ratios": hopper_backward_ratios,
