@@ -716,17 +716,24 @@ def test_dispatch_rule_on_any_gpu():
     rule = flash_attention.dispatch_rule
     hopper = dict(cuda=True, capability=(9, 0), sms=132, hopper_built=True)
     big = (4, 16, 1024, 128)
-    assert rule("attention_forward", big, dtype=torch.bfloat16, **hopper) == "persistent"
+    assert rule("attention_forward", big, dtype=torch.bfloat16, **hopper) == "pingpong"
     assert rule("attention_forward", big[:3] + (64,), dtype=torch.float16, **hopper) == "persistent"
-    # the persistent grid where the walks over the keys are short: at most 1024 keys when they are
-    # even, 4096 when uneven (causal: the shortest at most half the longest); ping-pong's plain grid
-    # with its intra-warpgroup overlap for longer walks
-    for s_q, s_k, causal, want in ((1024, 1024, False, "persistent"), (1025, 1025, False, "pingpong"),
-                                   (2048, 2048, False, "pingpong"), (4096, 4096, True, "persistent"),
+    # the persistent grid where the walks over the keys are short: at head_dim 128 at most 512 keys
+    # when they are even, 4096 when uneven (causal: the shortest at most half the longest); at 64,
+    # where both rungs run the same consumers, 4096 and 8192; ping-pong's plain grid with its
+    # intra-warpgroup overlap for longer walks
+    for s_q, s_k, causal, want in ((512, 512, False, "persistent"), (1024, 1024, False, "pingpong"), (4096, 4096, True, "persistent"),
                                    (4097, 4097, True, "pingpong"), (8192, 8192, True, "pingpong"),
                                    (16384, 16384, True, "pingpong"), (1024, 4096, True, "pingpong"),
                                    (2049, 4096, True, "persistent"), (4096, 1024, True, "persistent")):
         assert rule("attention_forward", (2, 16, s_q, 128), (2, 16, s_k, 128), dtype=torch.bfloat16,
+                    causal=causal, **hopper) == want, (s_q, s_k, causal)
+    # one key past the bound (a batch of 4: at 2 x 16 heads 160 blocks would split the keys instead)
+    assert rule("attention_forward", (4, 16, 513, 128), dtype=torch.bfloat16, **hopper) == "pingpong"
+    for s_q, s_k, causal, want in ((4096, 4096, False, "persistent"), (4097, 4097, False, "pingpong"),
+                                   (8192, 8192, True, "persistent"), (8193, 8193, True, "pingpong"),
+                                   (2048, 8192, True, "pingpong"), (4097, 8192, True, "persistent")):
+        assert rule("attention_forward", (2, 16, s_q, 64), (2, 16, s_k, 64), dtype=torch.float16,
                     causal=causal, **hopper) == want, (s_q, s_k, causal)
     assert rule("attention_forward", big[:3] + (256,), dtype=torch.bfloat16, **hopper) == "warp_specialized"
     assert rule("attention_forward", big[:3] + (96,), dtype=torch.bfloat16, **hopper) == "split_kv"
@@ -2337,7 +2344,7 @@ def test_window_softcap_dispatch_rule():
     rule = flash_attention.dispatch_rule
     hopper = dict(cuda=True, capability=(9, 0), sms=132, hopper_built=True)
     big = (4, 16, 1024, 128)
-    assert rule("attention_forward", big, dtype=torch.bfloat16, **hopper) == "persistent"
+    assert rule("attention_forward", big, dtype=torch.bfloat16, **hopper) == "pingpong"  # plain: 1024 full keys
     assert rule("attention_forward", big, dtype=torch.bfloat16, window=(256, 0), **hopper) == "persistent"
     assert rule("attention_forward", big, dtype=torch.float16, window=(-1, 0), **hopper) == "persistent"
     assert rule("attention_forward", big, dtype=torch.bfloat16, softcap=30.0, **hopper) == "persistent"

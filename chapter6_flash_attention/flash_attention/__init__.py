@@ -83,7 +83,8 @@ CUDA rungs (head_dim 32, 64, 96, 128 or 256):
   window and softcap (padded) and the packed layout each in an instantiation of their own.
 
 version=None runs, for 16-bit inputs: on a Hopper GPU, at head_dim 64 and 128, "persistent" where the
-walks over the keys are short (at most 1024 keys, or 4096 when they are uneven: causal) and
+walks over the keys are short (at most 512 keys at head_dim 128 and 4096 at 64, or 4096 and 8192
+when they are uneven: causal) and
 "pingpong" (with FlashAttention 3's intra-warpgroup overlap) for longer ones, "warp_specialized" at 256, and "persistent" for any call with a window or a softcap (head_dim
 64 and 128), unless
 the grid is small enough to split the keys; otherwise "split_kv"

@@ -113,16 +113,18 @@ bool half_dtype(const Tensor& t) { return t.scalar_type() == at::kHalf || t.scal
 // 240) and an atomic per tile, and it keeps the joint schedule, where "pingpong" runs FlashAttention
 // 3's intra-warpgroup overlap (flash_fwd_hopper.h: the overlap's consumers spill at 232). So the
 // persistent grid pays while a tile's fixed cost or the walks' imbalance outweighs the overlap's
-// gain per key tile, which grows with the walk. The H200 benchmark at e0364aa (both rungs timed
-// at every sweep shape, both 16-bit types) put the crossings at: full rows (every walk alike)
-// persistent ahead at 512 keys (2-14%), at 1024 ahead at d = 64 (5-6%) and level at d = 128 (within
-// 2.4%), behind from 2048 (7-12% at d = 128, level at d = 64); causal rows (walks from 1 key to all of them) persistent ahead up
-// to 2048 keys (3-17%), level at 4096 (within 2.5%), behind from 8192 (2-3%, then 6-10% at 16384).
-// So "persistent" where the longest walk is at most kPersistentMaxEvenKeys keys, or at most
-// kPersistentMaxUnevenKeys when the walks are uneven (the shortest at most half the longest), and
-// "pingpong" otherwise: each bound the last length where the persistent grid was ahead or level in
-// both types and head dims. (Before the overlap the bounds were 2048 and unbounded: an H200 and an
-// H100 had the persistent grid ahead at every causal length and level at 2048 full keys.) At 256
+// gain per key tile, which grows with the walk. At d = 64 the persistent rung runs the overlap too
+// (hopper_forward_overlap): the same consumers, so only the grid differs, and the bounds are longer.
+// The H200 benchmark at 2c403b4 (both rungs timed at every sweep shape in shuffled rounds, both
+// 16-bit types; pingpong's time over persistent's): d = 128 full rows (every walk alike) +4 to +7%
+// at 512 keys, -1 to -2% at 1024, -5 to -7% from 2048; causal rows (walks from 1 key to all of
+// them) +11% at 512, +2% at 4096, 0 to +0.3% at 8192, -5% at 16384. d = 64 full +16% at 512, +3% at
+// 2048, +0.4% at 4096, -0.7% at 8192; causal +18% at 512, +3% at 8192, -0.3 to -1.1% at 16384. So
+// "persistent" where the longest walk is at most persistent_bounds(head_dim).even_keys, or its
+// uneven_keys when the walks are uneven (the shortest at most half the longest), and "pingpong"
+// otherwise: each bound the last length where the persistent grid was ahead in both types. (The
+// bounds before, one pair for both head dims from the fixed-order timing at e0364aa: 1024 and 4096;
+// before the overlap, 2048 and unbounded.) At 256
 // "warp_specialized", where the third stage does not fit and two stages leave ping-pong slower
 // (experiments/hopper_forward_check.cu --variants, NOTES.md). A window or a softcap takes
 // "persistent" there too, at head_dim 64 and 128 (kHopperWindowHeadDims: its kWindowSoftcap
@@ -167,12 +169,17 @@ struct DispatchFacts {
 // Whether the persistent grid pays (the version=None section above): the walks of a bottom-right
 // aligned causal call run from seqlen_k - seqlen_q + 1 keys (at least 0) to seqlen_k; a full call's
 // are all seqlen_k.
-constexpr int64_t kPersistentMaxEvenKeys = 1024;
-constexpr int64_t kPersistentMaxUnevenKeys = 4096;
+struct PersistentBounds {
+  int64_t even_keys, uneven_keys;  // the longest walk at which the persistent grid pays
+};
+constexpr PersistentBounds persistent_bounds(int64_t head_dim) {
+  return head_dim == 64 ? PersistentBounds{4096, 8192} : PersistentBounds{512, 4096};
+}
 bool persistent_pays(const AttentionParams& p) {
   const int64_t longest = p.seqlen_k;
   const int64_t shortest = p.causal ? std::max<int64_t>(0, p.seqlen_k - p.seqlen_q + 1) : p.seqlen_k;
-  return longest <= (2 * shortest <= longest ? kPersistentMaxUnevenKeys : kPersistentMaxEvenKeys);
+  const PersistentBounds bounds = persistent_bounds(p.head_dim);
+  return longest <= (2 * shortest <= longest ? bounds.uneven_keys : bounds.even_keys);
 }
 // A window or a softcap (attention.h) runs on "persistent" at kHopperWindowHeadDims (a Hopper GPU)
 // and on "tuned" and "split_kv" (every GPU from sm_80: their kernel computes them); on a GPU that
