@@ -1035,10 +1035,11 @@ inline GradPacks grad_packs(const BiasActGrad<T>& p, bool single) {
 // The backward's tiling (grad_tiling on this GPU's SM count, at blocks_per_sm blocks an SM) and
 // scratch: the partial rows in the accumulation type, none when one row tile writes dbias. Phased
 // packs: the same tiles over the row's columns, one row in flight a thread, and tiles no wider
-// than keeps their rows a multiple of the phases.
+// than keeps their rows a multiple of the phases. few: the few-rows rule (course::few_rows_width),
+// COURSE_BIAS_GRAD_FEW's at launch.
 template <typename T>
 cudaError_t fused_backward_tiling(const BiasActGrad<T>& p, bool single, int blocks_per_sm, Tiling* t,
-                                  GradPacks* packs, int* phases) {
+                                  GradPacks* packs, int* phases, FewRows few = FewRows::kRule) {
   *packs = grad_packs(p, single);
   const bool phased = *packs == GradPacks::kPhased;
   const int lanes = *packs == GradPacks::kSingle ? 1 : Vec16<T>::kLanes;
@@ -1046,7 +1047,7 @@ cudaError_t fused_backward_tiling(const BiasActGrad<T>& p, bool single, int bloc
   int sms = 0;
   COURSE_CUDA_TRY(sm_count(&sms));
   const GradTiling g = grad_tiling(p.rows, ceil_div<int64_t>(p.n, lanes), lanes * static_cast<int>(sizeof(T)),
-                                   grad_rows_in_flight(lanes, phased), sms, *phases, blocks_per_sm);
+                                   grad_rows_in_flight(lanes, phased), sms, *phases, blocks_per_sm, few);
   t->tx = g.tx;
   t->grid = dim3(static_cast<unsigned>(std::min<int64_t>(g.column_tiles, INT_MAX)), static_cast<unsigned>(g.row_tiles));
   t->slots = g.row_tiles > 1 ? g.row_tiles : 0;
@@ -1066,16 +1067,21 @@ constexpr int64_t partial_rows_bytes(int64_t slots, int64_t n) {
 // counts an occupancy above kGradBlocksPerSm as kGradBlocksPerSm, so 1 to kGradBlocksPerSm
 // blocks an SM cover them all. Where there are partial rows, kFinishCounters counters follow
 // them (the in-kernel finish's, finish_tile_column: at most that many column tiles take it).
+// Every few-rows rule too: it widens only tiles of one row tile (no partial rows), so it changes
+// nothing here, but the scratch then covers whatever COURSE_BIAS_GRAD_FEW says at launch by
+// construction, not by that argument.
 template <typename T>
 cudaError_t fused_backward_workspace(const BiasActGrad<T>& p, int64_t* bytes) {
   int64_t slots = 0;
   for (const bool single : {false, true}) {
     for (int blocks = 1; blocks <= kGradBlocksPerSm; ++blocks) {
-      Tiling t;
-      GradPacks packs = GradPacks::kSingle;
-      int phases = 1;
-      COURSE_CUDA_TRY(fused_backward_tiling<T>(p, single, blocks, &t, &packs, &phases));
-      slots = std::max(slots, t.slots);
+      for (const FewRows few : {FewRows::kRule, FewRows::kNarrow, FewRows::kFill}) {
+        Tiling t;
+        GradPacks packs = GradPacks::kSingle;
+        int phases = 1;
+        COURSE_CUDA_TRY(fused_backward_tiling<T>(p, single, blocks, &t, &packs, &phases, few));
+        slots = std::max(slots, t.slots);
+      }
     }
   }
   *bytes = slots == 0 ? 0 : partial_rows_bytes<T>(slots, p.n) + kFinishCounters * int64_t{sizeof(unsigned int)};
@@ -1129,7 +1135,7 @@ cudaError_t launch_fused_backward(const BiasActGrad<T>& p, cudaStream_t stream) 
   Tiling t;
   GradPacks tiled = GradPacks::kSingle;
   int phases = 1;
-  COURSE_CUDA_TRY(fused_backward_tiling<T>(p, single, blocks_per_sm, &t, &tiled, &phases));
+  COURSE_CUDA_TRY(fused_backward_tiling<T>(p, single, blocks_per_sm, &t, &tiled, &phases, variant.few));
   A* partials = static_cast<A*>(p.workspace);
   const int lanes = tiled == GradPacks::kSingle ? 1 : kLanes;
   const bool finish = grad_finishes_in_kernel(t.grid.x, t.grid.y, t.tx, lanes);

@@ -226,6 +226,48 @@ struct GradTiling {
   int64_t row_tiles;     // gridDim.y: 1, the kernel writes dbias; else the partial rows
 };
 
+// ---------------------------------------------------------------------------------------
+// Few rows (up to 64 tokens), where the narrow tile's one row tile holds every row: each thread
+// of a tile 64 bytes wide and kGradThreads / tx rows tall takes one step of rows_in_flight rows,
+// so at 64 tokens of 16-byte packs (64-row tiles, two rows a step) every thread loads one row and
+// its second slot stays empty, and the grid is one block per 64 bytes of a row. Where that grid
+// passes the wave the SMs hold, the blocks past it run as a second wave of full round trips:
+// fused_op's backward in float32 at 64 x 12288 is 768 blocks for the 528 that 132 SMs hold at 4
+// an SM, and took 6.0 us on the H200 (results/nvidia-h200/chapter5_pytorch_extensions_shapes.json
+// at e0364aa) where 64 x 8192, 512 blocks, took 4.3 and torch.compile 4.3 at 12288; at 64 x 16384,
+// 1024 blocks, 6.7 against 5.4. A tile twice as wide and half as tall (32 rows, each thread two of
+// them in its one step) fills both slots of every thread and halves the grid to one wave, with
+// the bytes in flight a block doubled (four 16-byte loads a thread where there were two).
+//   kRule    widen (tx doubled) only while the grid passes the wave, the step still covers every
+//            row (one row tile: dbias written by the kernel, one launch), and at most an eighth of
+//            the lanes idle: where the grid fits, nothing changes;
+//   kNarrow  the narrow tile at any grid (the tiling before this rule);
+//   kFill    widen while the step covers every row and the grid keeps a block on every SM, at any
+//            grid: two rows a thread and half the blocks where one wave held either (bfloat16 at
+//            64 x 12288 and 64 x 16384), kept to time whether fewer blocks of fuller threads win.
+//   COURSE_BIAS_GRAD_FEW   bench-only, read by the launcher at each call: "auto" or unset, kRule;
+//                          "narrow"; "fill" (course::grad_variant below).
+// ---------------------------------------------------------------------------------------
+enum class FewRows { kRule, kNarrow, kFill };
+
+// The few-rows rule on a tile width tx that grad_tiling picked (the narrow one): tx, or wider as
+// `few` says. sweep_at(w): row tiles at width w if every thread takes one step; p: packs a row;
+// target: the wave (blocks); phases: the tile's rows stay a multiple of them (256 / w >= phases).
+template <typename SweepAt>
+inline int few_rows_width(int tx, int64_t p, int64_t target, int sms, int phases, FewRows few, SweepAt sweep_at) {
+  if (few == FewRows::kNarrow || sweep_at(tx) > 1) return tx;
+  int w = tx;
+  while (2 * w <= kGradThreads / (phases > 1 ? phases : 1)) {
+    const int next = 2 * w;
+    if (sweep_at(next) > 1) break;                                // one step no longer covers every row
+    if (ceil_div<int64_t>(p, next) * next * 8 > p * 9) break;     // more than an eighth of the lanes idle
+    if (few == FewRows::kRule && ceil_div<int64_t>(p, w) <= target) break;  // the grid fits a wave
+    if (few == FewRows::kFill && ceil_div<int64_t>(p, next) < (sms > 1 ? sms : 1)) break;  // an SM idle
+    w = next;
+  }
+  return w;
+}
+
 // phases > 1 (row_phases of rows that start mid-vector): ty stays a multiple of the phases, so
 // that every row a thread visits (its first plus multiples of ty) starts its vectors at the same
 // column (course/bias_act.cuh's act_backward_span_kernel).
@@ -241,7 +283,7 @@ struct GradTiling {
 // tiles that alone passes the wave (wide rows) takes more than one. Then the fewest row tiles
 // that keep those steps a thread: the same time, and fewer partial rows for column_sum to add.
 inline GradTiling grad_tiling(int64_t rows, int64_t packs, int pack_bytes, int rows_in_flight, int sms,
-                              int phases = 1, int blocks_per_sm = kGradBlocksPerSm) {
+                              int phases = 1, int blocks_per_sm = kGradBlocksPerSm, FewRows few = FewRows::kRule) {
   const int64_t p = packs > 1 ? packs : 1;
   const int64_t r = rows > 1 ? rows : 1;
   // The launched kernel's occupancy lowers the wave (GELU-erf's span kernel: 3 an SM) but never
@@ -260,9 +302,11 @@ inline GradTiling grad_tiling(int64_t rows, int64_t packs, int pack_bytes, int r
   while (wide > narrow && (wide / 2 >= p || ceil_div<int64_t>(p, wide) * wide * 8 > p * 9)) wide /= 2;
   // Row tiles if every thread takes one step of rows_in_flight rows, at width tx.
   const auto sweep_at = [&](int tx) { return ceil_div<int64_t>(r, int64_t{kGradThreads / tx} * rows_in_flight); };
-  // Narrow where its one row tile holds every row (one launch) or the grid would not fill anyway.
   const bool wide_fills = ceil_div<int64_t>(p, wide) * sweep_at(wide) >= target;
-  const int tx = sweep_at(narrow) > 1 && wide_fills ? wide : narrow;
+  // Narrow where its one row tile holds every row (one launch) or the grid would not fill anyway;
+  // at few rows, as wide as few_rows_width allows.
+  const int tx = sweep_at(narrow) > 1 && wide_fills ? wide
+                                                    : few_rows_width(narrow, p, target, sms, phases, few, sweep_at);
   const int ty = kGradThreads / tx;
   const int64_t column_tiles = ceil_div<int64_t>(p, tx);
   const int64_t sweep = sweep_at(tx);
@@ -352,6 +396,7 @@ inline bool odd_rows_take_single(SaveKind source, int span_blocks_per_sm, int si
 struct GradVariant {
   bool batched_finish = true;
   OddRows odd = OddRows::kRule;
+  FewRows few = FewRows::kRule;  // COURSE_BIAS_GRAD_FEW (few_rows_width), parsed by parse_few_rows
 };
 
 // The variant that the two values name (null or empty: the default); false where either names
@@ -376,6 +421,22 @@ inline bool parse_grad_variant(const char* finish, const char* odd, GradVariant*
   return ok;
 }
 
+// The value of COURSE_BIAS_GRAD_FEW (null, empty or "auto": the rule); false where it names none.
+// Apart from parse_grad_variant, whose two knobs chapter 4's glue checks by name.
+inline bool parse_few_rows(const char* value, FewRows* few) {
+  *few = FewRows::kRule;
+  if (value == nullptr || *value == '\0' || std::strcmp(value, "auto") == 0) return true;
+  if (std::strcmp(value, "narrow") == 0) {
+    *few = FewRows::kNarrow;
+    return true;
+  }
+  if (std::strcmp(value, "fill") == 0) {
+    *few = FewRows::kFill;
+    return true;
+  }
+  return false;
+}
+
 // This process's variant, from the environment at the time of the call (a benchmark switches it
 // between captures); a value that names none leaves the default (bias_grad_tiling raises on it).
 inline GradVariant grad_variant() {
@@ -383,6 +444,7 @@ inline GradVariant grad_variant() {
   if (!parse_grad_variant(std::getenv("COURSE_BIAS_GRAD_FINISH"), std::getenv("COURSE_BIAS_GRAD_ODD"), &v)) {
     v = GradVariant{};
   }
+  if (!parse_few_rows(std::getenv("COURSE_BIAS_GRAD_FEW"), &v.few)) v.few = FewRows::kRule;
   return v;
 }
 
