@@ -1,6 +1,6 @@
 """fused_op's backward at few tokens: the few-rows rule of the backward's tiling
 (course::few_rows_width in common/include/course/bias_act.h) and the kernel under each of its
-bench-only forms (COURSE_BIAS_GRAD_FEW: auto, narrow, fill).
+bench-only forms (COURSE_BIAS_GRAD_FEW: auto or fill, the default; narrow; wave).
 
     pytest test_few_rows.py -x -q              the rule on the CPU (a C++ compiler, no extension)
     pytest test_few_rows.py -x -q -m cuda      the kernel at the boundaries, on a GPU
@@ -20,7 +20,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 INCLUDE = HERE.parent / "common" / "include"
 FEW_KNOB = "COURSE_BIAS_GRAD_FEW"
-FEW = {"auto": 0, "narrow": 1, "fill": 2}  # course::FewRows: kRule, kNarrow, kFill
+FEW = {"auto": 0, "narrow": 1, "wave": 2}  # course::FewRows: kFill (the default), kNarrow, kWave
 THREADS = 256  # course::kGradThreads
 
 # Reads "rows packs pack_bytes rows_in_flight sms phases blocks_per_sm few" a line and prints
@@ -90,12 +90,12 @@ GPUS = ((1, 4), (46, 4), (132, 4), (132, 3), (170, 4))
 
 
 def test_few_rows_rule(driver):
-    """The rule against the narrow tiling (the tiling before it), on GPUs of 1 to 170 SMs: auto
-    changes a tiling only where the narrow grid is one row tile that passes the wave, and then only
-    widens it (tx doubled), keeping one row tile (one step of every thread covers the rows: dbias
-    written by the kernel, one launch), at most an eighth of the lanes idle, and stops at the first
-    width whose grid fits the wave or where the next would break either limit; fill widens the same
-    tiles while the grid keeps a block on every SM; the tile's rows stay a multiple of the phases.
+    """The rule against the narrow tiling (the tiling before it), on GPUs of 1 to 170 SMs: both
+    widening forms change a tiling only where the narrow grid is one row tile, and then only widen
+    it (tx doubled), keeping one row tile (one step of every thread covers the rows: dbias written
+    by the kernel, one launch) and at most an eighth of the lanes idle; auto (the default, kFill)
+    widens while the grid keeps a block on every SM, wave only while the grid passes the wave and
+    stops at the first width whose grid fits it; the tile's rows stay a multiple of the phases.
     Where the narrow tiling has several row tiles, all three agree."""
     cases, queries = [], []
     for elem in (2, 4, 8):
@@ -108,12 +108,12 @@ def test_few_rows_rule(driver):
     answers = driver(queries)
     assert len(answers) == len(queries)
     for i, (elem, sms, blocks, tokens, hidden, in_flight, phases, packs) in enumerate(cases):
-        auto, narrow, fill = answers[3 * i: 3 * i + 3]
+        fill, narrow, wave = answers[3 * i: 3 * i + 3]
         where = (elem, sms, blocks, tokens, hidden)
-        wave = min(blocks, 4) * sms
+        wave_blocks = min(blocks, 4) * sms
         one_step = lambda tx: THREADS // tx * in_flight >= tokens  # noqa: E731
         idle_ok = lambda tx: -(-packs // tx) * tx * 8 <= packs * 9  # noqa: E731
-        for t in (auto, fill):
+        for t in (wave, fill):
             tx, ty, column_tiles, row_tiles = t
             assert tx * ty == THREADS and ty % phases == 0, where
             assert column_tiles == -(-packs // tx), where
@@ -122,16 +122,16 @@ def test_few_rows_rule(driver):
                 assert tx > narrow[0] and tx & (tx - 1) == 0 and idle_ok(tx), where
             else:
                 assert t == narrow, where
-        if narrow[3] > 1 or narrow[2] <= wave:
-            assert auto == narrow, where
+        if narrow[3] > 1 or narrow[2] <= wave_blocks:
+            assert wave == narrow, where
         else:
-            tx = auto[0]
+            tx = wave[0]
             nxt = 2 * tx
-            fits = auto[2] <= wave
+            fits = wave[2] <= wave_blocks
             blocked = nxt > THREADS // phases or not one_step(nxt) or not idle_ok(nxt)
             assert fits or blocked, where
             if tx > narrow[0]:  # the width before it still passed the wave
-                assert -(-packs // (tx // 2)) > wave, where
+                assert -(-packs // (tx // 2)) > wave_blocks, where
         if fill[0] > narrow[0]:
             assert fill[2] >= max(sms, 1), where
         elif narrow[3] == 1 and one_step(2 * narrow[0]) and 2 * narrow[0] <= THREADS // phases \
@@ -143,17 +143,17 @@ def test_few_rows_rule_at_the_record(driver):
     """The sweep's 64-token rows on the H200's 132 SMs at 4 blocks an SM (results/nvidia-h200/
     chapter5_pytorch_extensions_shapes.json at e0364aa): float32 64 x 12288, 768 blocks of 64-byte
     tiles (one thread a row, 1.45 waves), becomes 384 of 128-byte tiles (two rows a thread, one
-    wave); 64 x 16384, 1024, becomes 512; the one-wave rows keep their tiling under auto
-    (bfloat16 64 x 3072: 96 blocks) and fill halves those of two blocks an SM or more (bfloat16
-    64 x 12288: 384 to 192) but never leaves an SM without one (bfloat16 64 x 3072 stays 96)."""
+    wave); 64 x 16384, 1024, becomes 512; auto (fill) halves the one-wave grids of two blocks an SM
+    or more too (bfloat16 64 x 12288: 384 to 192) but never leaves an SM without one (bfloat16
+    64 x 3072 stays 96), where wave keeps their tiling."""
     want = {  # (elem, tokens, hidden): {few: (tx, column_tiles)}
-        (4, 64, 12288): {"narrow": (4, 768), "auto": (8, 384), "fill": (8, 384)},
-        (4, 64, 16384): {"narrow": (4, 1024), "auto": (8, 512), "fill": (8, 512)},
-        (4, 64, 2048): {"narrow": (4, 128), "auto": (4, 128), "fill": (4, 128)},
-        (2, 64, 3072): {"narrow": (4, 96), "auto": (4, 96), "fill": (4, 96)},
-        (2, 64, 12288): {"narrow": (4, 384), "auto": (4, 384), "fill": (8, 192)},
-        (2, 64, 16384): {"narrow": (4, 512), "auto": (4, 512), "fill": (8, 256)},
-        (2, 2048, 777): {"narrow": (64, 13), "auto": (64, 13), "fill": (64, 13)},
+        (4, 64, 12288): {"narrow": (4, 768), "wave": (8, 384), "auto": (8, 384)},
+        (4, 64, 16384): {"narrow": (4, 1024), "wave": (8, 512), "auto": (8, 512)},
+        (4, 64, 2048): {"narrow": (4, 128), "wave": (4, 128), "auto": (4, 128)},
+        (2, 64, 3072): {"narrow": (4, 96), "wave": (4, 96), "auto": (4, 96)},
+        (2, 64, 12288): {"narrow": (4, 384), "wave": (4, 384), "auto": (8, 192)},
+        (2, 64, 16384): {"narrow": (4, 512), "wave": (4, 512), "auto": (8, 256)},
+        (2, 2048, 777): {"narrow": (64, 13), "wave": (64, 13), "auto": (64, 13)},
     }
     for (elem, tokens, hidden), by_few in want.items():
         for few, (tx, column_tiles) in by_few.items():
@@ -167,10 +167,10 @@ def test_few_rows_rule_at_the_record(driver):
 
 
 def test_few_rows_knob_values(driver):
-    """COURSE_BIAS_GRAD_FEW's values: unset, empty or auto the rule; narrow; fill; anything else
-    names none (the launcher then keeps the rule)."""
-    got = driver([("parse", v) for v in ("-", "auto", "narrow", "fill", "wide", "Fill")])
-    assert [g[0] for g in got] == [0, 0, 1, 2, -1, -1]
+    """COURSE_BIAS_GRAD_FEW's values: unset, empty, auto or fill the default (kFill); narrow; wave;
+    anything else names none (the launcher then keeps the default)."""
+    got = driver([("parse", v) for v in ("-", "auto", "fill", "narrow", "wave", "wide", "Fill")])
+    assert [g[0] for g in got] == [0, 0, 0, 1, 2, -1, -1]
 
 
 def _away_from_zero(shape, dtype, margin=0.1):

@@ -1039,7 +1039,7 @@ inline GradPacks grad_packs(const BiasActGrad<T>& p, bool single) {
 // COURSE_BIAS_GRAD_FEW's at launch.
 template <typename T>
 cudaError_t fused_backward_tiling(const BiasActGrad<T>& p, bool single, int blocks_per_sm, Tiling* t,
-                                  GradPacks* packs, int* phases, FewRows few = FewRows::kRule) {
+                                  GradPacks* packs, int* phases, FewRows few = FewRows::kFill) {
   *packs = grad_packs(p, single);
   const bool phased = *packs == GradPacks::kPhased;
   const int lanes = *packs == GradPacks::kSingle ? 1 : Vec16<T>::kLanes;
@@ -1075,7 +1075,7 @@ cudaError_t fused_backward_workspace(const BiasActGrad<T>& p, int64_t* bytes) {
   int64_t slots = 0;
   for (const bool single : {false, true}) {
     for (int blocks = 1; blocks <= kGradBlocksPerSm; ++blocks) {
-      for (const FewRows few : {FewRows::kRule, FewRows::kNarrow, FewRows::kFill}) {
+      for (const FewRows few : {FewRows::kFill, FewRows::kNarrow, FewRows::kWave}) {
         Tiling t;
         GradPacks packs = GradPacks::kSingle;
         int phases = 1;

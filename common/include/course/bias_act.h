@@ -238,17 +238,20 @@ struct GradTiling {
 // 1024 blocks, 6.7 against 5.4. A tile twice as wide and half as tall (32 rows, each thread two of
 // them in its one step) fills both slots of every thread and halves the grid to one wave, with
 // the bytes in flight a block doubled (four 16-byte loads a thread where there were two).
-//   kRule    widen (tx doubled) only while the grid passes the wave, the step still covers every
-//            row (one row tile: dbias written by the kernel, one launch), and at most an eighth of
-//            the lanes idle: where the grid fits, nothing changes;
+//   kFill    (the default) widen (tx doubled) while one step of every thread still covers every
+//            row (one row tile: dbias written by the kernel, one launch), at most an eighth of the
+//            lanes idle, and the grid keeps a block on every SM: two rows a thread and half the
+//            blocks, where the grid passes the wave and where one wave held either;
 //   kNarrow  the narrow tile at any grid (the tiling before this rule);
-//   kFill    widen while the step covers every row and the grid keeps a block on every SM, at any
-//            grid: two rows a thread and half the blocks where one wave held either (bfloat16 at
-//            64 x 12288 and 64 x 16384), kept to time whether fewer blocks of fuller threads win.
-//   COURSE_BIAS_GRAD_FEW   bench-only, read by the launcher at each call: "auto" or unset, kRule;
-//                          "narrow"; "fill" (course::grad_variant below).
+//   kWave    widen only while the grid passes the wave (the same limits), the first form built.
+//   Measured (H200, one process, shuffled rounds, fused_op's backward; chapter 5's NOTES.md):
+//   float32 64 x 12288 and 64 x 16384 15-16% less time than kNarrow under either widening form;
+//   kFill a further 7-8% at bfloat16 64 x 12288 and 64 x 16384 and 4% at float32 64 x 8192,
+//   which kWave leaves narrow (one wave); level (within 1%) at every other row timed.
+//   COURSE_BIAS_GRAD_FEW   bench-only, read by the launcher at each call: "auto", "fill" or unset,
+//                          kFill; "narrow"; "wave" (course::grad_variant below).
 // ---------------------------------------------------------------------------------------
-enum class FewRows { kRule, kNarrow, kFill };
+enum class FewRows { kFill, kNarrow, kWave };
 
 // The few-rows rule on a tile width tx that grad_tiling picked (the narrow one): tx, or wider as
 // `few` says. sweep_at(w): row tiles at width w if every thread takes one step; p: packs a row;
@@ -261,7 +264,7 @@ inline int few_rows_width(int tx, int64_t p, int64_t target, int sms, int phases
     const int next = 2 * w;
     if (sweep_at(next) > 1) break;                                // one step no longer covers every row
     if (ceil_div<int64_t>(p, next) * next * 8 > p * 9) break;     // more than an eighth of the lanes idle
-    if (few == FewRows::kRule && ceil_div<int64_t>(p, w) <= target) break;  // the grid fits a wave
+    if (few == FewRows::kWave && ceil_div<int64_t>(p, w) <= target) break;  // the grid fits a wave
     if (few == FewRows::kFill && ceil_div<int64_t>(p, next) < (sms > 1 ? sms : 1)) break;  // an SM idle
     w = next;
   }
@@ -283,7 +286,7 @@ inline int few_rows_width(int tx, int64_t p, int64_t target, int sms, int phases
 // tiles that alone passes the wave (wide rows) takes more than one. Then the fewest row tiles
 // that keep those steps a thread: the same time, and fewer partial rows for column_sum to add.
 inline GradTiling grad_tiling(int64_t rows, int64_t packs, int pack_bytes, int rows_in_flight, int sms,
-                              int phases = 1, int blocks_per_sm = kGradBlocksPerSm, FewRows few = FewRows::kRule) {
+                              int phases = 1, int blocks_per_sm = kGradBlocksPerSm, FewRows few = FewRows::kFill) {
   const int64_t p = packs > 1 ? packs : 1;
   const int64_t r = rows > 1 ? rows : 1;
   // The launched kernel's occupancy lowers the wave (GELU-erf's span kernel: 3 an SM) but never
@@ -396,7 +399,7 @@ inline bool odd_rows_take_single(SaveKind source, int span_blocks_per_sm, int si
 struct GradVariant {
   bool batched_finish = true;
   OddRows odd = OddRows::kRule;
-  FewRows few = FewRows::kRule;  // COURSE_BIAS_GRAD_FEW (few_rows_width), parsed by parse_few_rows
+  FewRows few = FewRows::kFill;  // COURSE_BIAS_GRAD_FEW (few_rows_width), parsed by parse_few_rows
 };
 
 // The variant that the two values name (null or empty: the default); false where either names
@@ -421,17 +424,19 @@ inline bool parse_grad_variant(const char* finish, const char* odd, GradVariant*
   return ok;
 }
 
-// The value of COURSE_BIAS_GRAD_FEW (null, empty or "auto": the rule); false where it names none.
-// Apart from parse_grad_variant, whose two knobs chapter 4's glue checks by name.
+// The value of COURSE_BIAS_GRAD_FEW (null, empty, "auto" or "fill": the default, kFill); false where
+// it names none. Apart from parse_grad_variant, whose two knobs chapter 4's glue checks by name.
 inline bool parse_few_rows(const char* value, FewRows* few) {
-  *few = FewRows::kRule;
-  if (value == nullptr || *value == '\0' || std::strcmp(value, "auto") == 0) return true;
+  *few = FewRows::kFill;
+  if (value == nullptr || *value == '\0' || std::strcmp(value, "auto") == 0 || std::strcmp(value, "fill") == 0) {
+    return true;
+  }
   if (std::strcmp(value, "narrow") == 0) {
     *few = FewRows::kNarrow;
     return true;
   }
-  if (std::strcmp(value, "fill") == 0) {
-    *few = FewRows::kFill;
+  if (std::strcmp(value, "wave") == 0) {
+    *few = FewRows::kWave;
     return true;
   }
   return false;
@@ -444,7 +449,7 @@ inline GradVariant grad_variant() {
   if (!parse_grad_variant(std::getenv("COURSE_BIAS_GRAD_FINISH"), std::getenv("COURSE_BIAS_GRAD_ODD"), &v)) {
     v = GradVariant{};
   }
-  if (!parse_few_rows(std::getenv("COURSE_BIAS_GRAD_FEW"), &v.few)) v.few = FewRows::kRule;
+  if (!parse_few_rows(std::getenv("COURSE_BIAS_GRAD_FEW"), &v.few)) v.few = FewRows::kFill;
   return v;
 }
 
