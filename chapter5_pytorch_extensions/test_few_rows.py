@@ -173,29 +173,6 @@ def test_few_rows_knob_values(driver):
     assert [g[0] for g in got] == [0, 0, 0, 1, 2, -1, -1]
 
 
-def _away_from_zero(shape, dtype, margin=0.1):
-    v = torch.randn(shape, dtype=torch.float64, device="cuda")
-    return (v + margin * v.sign()).to(dtype)
-
-
-def _graph_replays(step, replays=2):
-    """step()'s outputs after each of `replays` replays of one CUDA graph that captured it."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # the warm-up a capture needs
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
-    outputs = []
-    for _ in range(replays):
-        graph.replay()
-        torch.cuda.synchronize()
-        outputs.append(tuple(t.clone() for t in captured))
-    return outputs
-
-
 @pytest.mark.cuda
 def test_fused_op_backward_few_rows(monkeypatch):
     """The backward under each form of the few-rows rule, at 1, 63, 64, 65, 131, 132 and 133 tokens
@@ -208,13 +185,14 @@ def test_fused_op_backward_few_rows(monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU visible")
     import custom_ops
+    from test_custom_ops import _away_from_zero, _graph_replays  # the chapter's first suite's helpers
     backward = custom_ops._C.fused_op_backward_raw
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         for tokens in (1, 63, 64, 65, 131, 132, 133):
             for hidden in (777, 2048, 4099, 12288, 16384):
                 torch.manual_seed(tokens * 7 + hidden)
                 shape = (tokens, hidden)
-                x = _away_from_zero(shape, dtype)
+                x = _away_from_zero(shape, dtype=dtype).to("cuda")
                 bias = torch.randn(hidden, device="cuda").to(dtype)
                 y = custom_ops.fused_op_forward(x, bias, 0.75)
                 dy = torch.randn(shape, device="cuda").to(dtype)
