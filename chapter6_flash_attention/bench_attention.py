@@ -484,20 +484,14 @@ def bench_fp8(device, mm, notes, beside=None, candidates=()):
             t_base = base[0]["median_ms"] if base else None
         flops = attention_flops(b, h, n, n, d, causal)
         where = f"fp8 b{b} h{h} s{n} d{d} {'causal' if causal else 'full'}"
-        # The shape's calls probed, then timed in shuffled rounds (bench.time_interleaved), as the
-        # sweep's variants are: the FP8 rows' ratio to the bf16 ones is what they are for.
-        probed, kept = [], []
-        for variant, dtype, more, fn in calls:
-            est = bench.probe_noted(notes, variant, where, device, fn)
-            if est is not None:
-                probed.append((variant, fn, est))
-                kept.append((variant, dtype, more))
-        timed = list(zip(kept, bench.time_interleaved(notes, where, device, probed)))
-        t_base = next((t["median_ms"] for (variant, _, _), t in timed if variant == "sdpa_cudnn" and t), t_base)
-        for (variant, dtype, more), t in timed:
-            if t:
-                rows.append(bench.flops_row("attention", variant, dtype, [b, h, n, d], flops, t, mm, t_base,
-                                            **fields, **more))
+        # The shape's calls probed, then timed in shuffled rounds, as the sweep's variants are: the
+        # FP8 rows' ratio to the bf16 ones is what they are for.
+        timed = bench.time_calls_interleaved(notes, where, device,
+                                             [(variant, fn, (dtype, more)) for variant, dtype, more, fn in calls])
+        t_base = next((t["median_ms"] for variant, _, t in timed if variant == "sdpa_cudnn"), t_base)
+        for variant, (dtype, more), t in timed:
+            rows.append(bench.flops_row("attention", variant, dtype, [b, h, n, d], flops, t, mm, t_base,
+                                        **fields, **more))
         del q, k, v, q8, k8, v8t
         torch.cuda.empty_cache()
     return rows
@@ -1360,20 +1354,17 @@ def bench_masked(op, device, mm, notes):
     rows = []
     for pass_ in ("forward", "backward"):
         flops = masked_flops(b, h, n, n, d, c["causal"], c["window"], pass_)
-        # Every call probed first, then all timed in shuffled rounds (bench.time_interleaved): the
-        # rows of a pass are compared with each other (x flex_attention, x the dense call, the default
-        # against its own rung), so a drift over the run must fall on all of them alike.
-        probed, fields_of = [], []
-        for variant, make, fields in calls[pass_]:
-            where = f"{op} {pass_} window={fields['window']} softcap={fields['softcap']}"
-            fn = bench.attempt(notes, variant, where, make)
-            est = fn and bench.probe_noted(notes, variant, where, device, fn, max_call_ms=MAX_CALL_MS)
-            if est is not None:  # None where make() or the probe was refused (noted)
-                probed.append((variant, fn, est))
-                fields_of.append(fields)
-        times = bench.time_interleaved(notes, f"{op} {pass_}", device, probed)
-        timed = [(variant, fields, t) for (variant, _, _), fields, t in zip(probed, fields_of, times) if t]
-        del probed
+        # Every call probed first, then all timed in shuffled rounds (bench.time_calls_interleaved):
+        # the rows of a pass are compared with each other (x flex_attention, x the dense call, the
+        # default against its own rung), so a drift over the run must fall on all of them alike.
+        def where_of(fields, pass_=pass_):
+            return f"{op} {pass_} window={fields['window']} softcap={fields['softcap']}"
+        made = [(variant, bench.attempt(notes, variant, where_of(fields), make), fields)
+                for variant, make, fields in calls[pass_]]
+        timed = bench.time_calls_interleaved(notes, f"{op} {pass_}", device,
+                                             [m for m in made if m[1] is not None],  # make() refused: noted
+                                             max_call_ms=MAX_CALL_MS, where_of=where_of)
+        del made
         base = next((t for v, _, t in timed if v == "flex_attention"), None)
         for variant, fields, t in timed:
             extra = {"pass": pass_, "causal": c["causal"], "batch": b, "heads": h, "seqlen": n, "head_dim": d,

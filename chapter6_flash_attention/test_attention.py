@@ -1794,7 +1794,7 @@ def test_cuda_hopper_forward_stores_o_16_bytes():
     kernels = [(name, body) for name, body in sass_functions("flash_fwd_hopper_") if "fp8" not in name.lower()]
     assert len(kernels) >= 24, f"{len(kernels)} 16-bit Hopper forward kernels in the SASS"
     for name, body in kernels:
-        head_dim = int(re.search(r"Traits(?:ILi|I)(\d+)", name).group(1))
+        head_dim = int(re.search(r"TraitsILi(\d+)", name).group(1))
         counts = tuple(len(re.findall(pattern, body)) for pattern in (r"STG\.E\.128\b", r"STG\.E\.64\b",
                                                                        r"STG\.E(?![.\w])"))
         assert counts == (head_dim // 16, 0, 2), (name, head_dim, "STG.E.128, STG.E.64, STG.E:", counts)

@@ -180,6 +180,71 @@ static fa::AttentionParams make_params(const Config& c, const Tensor4& q, const 
   return p;
 }
 
+// The rows a check holds to float64: every row of a small problem, else `random` rows drawn at random
+// plus, in the last (batch, head), the rows where a warp's halves, the warpgroups and the tiles begin
+// and end, and the last row.
+struct Reference {
+  std::vector<int> rows;  // flat (batch, head, row) indices
+  std::vector<std::vector<double>> o;
+  std::vector<double> lse;
+};
+static Reference reference_rows(const Config& c, const Tensor4& q, const Tensor4& k, const Tensor4& v,
+                                std::mt19937& rng, int random) {
+  Reference ref;
+  const size_t rows = static_cast<size_t>(c.b) * c.h * c.sq;
+  if (rows <= 768) {
+    for (size_t r = 0; r < rows; ++r) ref.rows.push_back(static_cast<int>(r));
+  } else {
+    std::uniform_int_distribution<int> pick(0, static_cast<int>(rows) - 1);
+    for (int n = 0; n < random; ++n) ref.rows.push_back(pick(rng));
+    for (int i : {0, 7, 8, 63, 64, 127, 128, c.sq - 1}) {
+      if (i >= 0 && i < c.sq) ref.rows.push_back((c.b - 1) * c.h * c.sq + (c.h - 1) * c.sq + i);
+    }
+  }
+  ref.o.resize(ref.rows.size());
+  ref.lse.resize(ref.rows.size());
+  for (size_t n = 0; n < ref.rows.size(); ++n) {
+    const int r = ref.rows[n], bi = r / (c.h * c.sq), hi = (r / c.sq) % c.h, i = r % c.sq;
+    reference_row(c, q, k, v, bi, hi, i, ref.o[n], ref.lse[n]);
+  }
+  return ref;
+}
+
+// One launch's o and lse read back (both NaN-poisoned before it) and held to the reference: no
+// element left unwritten, the sampled rows' error relative to their norm within 16-bit P's and the
+// output's rounding (a few 2^-9 for bfloat16, 2^-12 for float16), lse within 1e-3 (-inf exactly).
+struct Outcome {
+  std::vector<uint16_t> o;
+  std::vector<float> lse;
+  size_t unwritten = 0;
+  double rel = 0.0, lse_err = 0.0;
+  bool pass = false;
+};
+static Outcome read_and_compare(const Config& c, const Tensor4& o, const float* lse_dev, const Reference& ref) {
+  Outcome got;
+  const size_t rows = static_cast<size_t>(c.b) * c.h * c.sq;
+  got.o.resize(o.host.size());
+  got.lse.resize(rows);
+  CHECK_CUDA(cudaMemcpy(got.o.data(), o.dev, got.o.size() * 2, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(got.lse.data(), lse_dev, rows * 4, cudaMemcpyDeviceToHost));
+  for (auto x : got.o) got.unwritten += std::isnan(to_float(x, c.fp16)) ? 1 : 0;
+  double err = 0.0, norm = 0.0;
+  for (size_t n = 0; n < ref.rows.size(); ++n) {
+    const int r = ref.rows[n], bi = r / (c.h * c.sq), hi = (r / c.sq) % c.h, i = r % c.sq;
+    for (int e = 0; e < c.d; ++e) {
+      const double diff = to_float(got.o[o.at(bi, hi, i, e)], c.fp16) - ref.o[n][e];
+      err += diff * diff;
+      norm += ref.o[n][e] * ref.o[n][e];
+    }
+    const double l = got.lse[r];
+    got.lse_err = std::max(got.lse_err, std::isinf(ref.lse[n]) ? (l == ref.lse[n] ? 0.0 : INFINITY)
+                                                                : std::fabs(l - ref.lse[n]));
+  }
+  got.rel = norm > 0 ? std::sqrt(err / norm) : std::sqrt(err);
+  got.pass = got.unwritten == 0 && got.rel < (c.fp16 ? 2e-3 : 1e-2) && got.lse_err < 1e-3;
+  return got;
+}
+
 // Every rung on fresh random inputs; the output is NaN-poisoned first (an unwritten element fails).
 // Rows checked against float64: all of them for small problems, else a random sample plus each
 // tile's first and last rows. Returns false on a mismatch.
@@ -190,22 +255,7 @@ static bool check(const Config& c, std::mt19937& rng) {
   const size_t rows = static_cast<size_t>(c.b) * c.h * c.sq;
   float* lse_dev;
   CHECK_CUDA(cudaMalloc(&lse_dev, std::max<size_t>(rows, 1) * 4));
-  std::vector<int> sample;
-  if (rows <= 768) {
-    for (size_t r = 0; r < rows; ++r) sample.push_back(static_cast<int>(r));
-  } else {
-    std::uniform_int_distribution<int> pick(0, static_cast<int>(rows) - 1);
-    for (int n = 0; n < 256; ++n) sample.push_back(pick(rng));
-    for (int i : {0, 63, 64, 127, 128, c.sq - 1}) {
-      if (i >= 0 && i < c.sq) sample.push_back((c.b - 1) * c.h * c.sq + (c.h - 1) * c.sq + i);
-    }
-  }
-  std::vector<std::vector<double>> ref(sample.size());
-  std::vector<double> ref_lse(sample.size());
-  for (size_t n = 0; n < sample.size(); ++n) {
-    const int r = sample[n], bi = r / (c.h * c.sq), hi = (r / c.sq) % c.h, i = r % c.sq;
-    reference_row(c, q, k, v, bi, hi, i, ref[n], ref_lse[n]);
-  }
+  const Reference ref = reference_rows(c, q, k, v, rng, 256);
   bool ok = true;
   for (auto rung : kRungs) {
     CHECK_CUDA(cudaMemset(o.dev, 0xFF, o.host.size() * 2));  // NaN in both 16-bit types
@@ -213,35 +263,11 @@ static bool check(const Config& c, std::mt19937& rng) {
     const fa::AttentionParams p = make_params(c, q, k, v, o, lse_dev);
     CHECK_CUDA(fa::launch_attention_forward_hopper(p, rung, nullptr, workspace()));
     CHECK_CUDA(cudaDeviceSynchronize());
-    std::vector<uint16_t> out(o.host.size());
-    std::vector<float> lse(rows);
-    CHECK_CUDA(cudaMemcpy(out.data(), o.dev, out.size() * 2, cudaMemcpyDeviceToHost));
-    CHECK_CUDA(cudaMemcpy(lse.data(), lse_dev, rows * 4, cudaMemcpyDeviceToHost));
-    size_t unwritten = 0;
-    for (auto x : out) unwritten += std::isnan(to_float(x, c.fp16)) ? 1 : 0;
-    double err = 0.0, norm = 0.0, lse_err = 0.0;
-    for (size_t n = 0; n < sample.size(); ++n) {
-      const int r = sample[n], bi = r / (c.h * c.sq), hi = (r / c.sq) % c.h, i = r % c.sq;
-      for (int e = 0; e < c.d; ++e) {
-        const double diff = to_float(out[o.at(bi, hi, i, e)], c.fp16) - ref[n][e];
-        err += diff * diff;
-        norm += ref[n][e] * ref[n][e];
-      }
-      const double l = lse[r];
-      if (std::isinf(ref_lse[n])) {
-        lse_err = std::max(lse_err, l == ref_lse[n] ? 0.0 : INFINITY);
-      } else {
-        lse_err = std::max(lse_err, std::fabs(l - ref_lse[n]));
-      }
-    }
-    const double rel = norm > 0 ? std::sqrt(err / norm) : std::sqrt(err);
-    // 16-bit P and output rounding: a few 2^-9 (bfloat16) or 2^-12 (float16) in the norm.
-    const double bound = c.fp16 ? 2e-3 : 1e-2;
-    const bool pass = unwritten == 0 && rel < bound && lse_err < 1e-3;
-    ok = ok && pass;
+    const Outcome got = read_and_compare(c, o, lse_dev, ref);
+    ok = ok && got.pass;
     std::printf("%-16s %s b%d h%d/%d sq%-5d sk%-5d d%-3d %s%s rel %.2e lse %.1e unwritten %zu %s\n", rung_name(rung),
                 c.fp16 ? "fp16" : "bf16", c.b, c.h, c.hk, c.sq, c.sk, c.d, c.causal ? "causal " : "full   ",
-                c.bshd ? "bshd" : "bhsd", rel, lse_err, unwritten, pass ? "ok" : "MISMATCH");
+                c.bshd ? "bshd" : "bhsd", got.rel, got.lse_err, got.unwritten, got.pass ? "ok" : "MISMATCH");
   }
   CHECK_CUDA(cudaFree(lse_dev));
   return ok;
@@ -387,22 +413,7 @@ static bool run_epilogue_shape(const std::vector<const Variant*>& rows, const Co
   std::mt19937 rng(7);
   fill_random({&q, &k, &v}, rng, c.fp16);
   const size_t rows_total = static_cast<size_t>(c.b) * c.h * c.sq;
-  std::vector<int> sample;
-  if (rows_total <= 768) {
-    for (size_t r = 0; r < rows_total; ++r) sample.push_back(static_cast<int>(r));
-  } else {
-    std::uniform_int_distribution<int> pick(0, static_cast<int>(rows_total) - 1);
-    for (int n = 0; n < 64; ++n) sample.push_back(pick(rng));
-    for (int i : {0, 7, 8, 63, 64, 127, c.sq - 1}) {  // a warp's two row halves, the warpgroups, the last row
-      if (i >= 0 && i < c.sq) sample.push_back((c.b - 1) * c.h * c.sq + (c.h - 1) * c.sq + i);
-    }
-  }
-  std::vector<std::vector<double>> ref(sample.size());
-  std::vector<double> ref_lse(sample.size());
-  for (size_t n = 0; n < sample.size(); ++n) {
-    const int r = sample[n], bi = r / (c.h * c.sq), hi = (r / c.sq) % c.h, i = r % c.sq;
-    reference_row(c, q, k, v, bi, hi, i, ref[n], ref_lse[n]);
-  }
+  const Reference ref = reference_rows(c, q, k, v, rng, 64);
   std::vector<Tensor4*> outs;
   std::vector<float*> lses;
   std::vector<fa::AttentionParams> params;
@@ -420,35 +431,20 @@ static bool run_epilogue_shape(const std::vector<const Variant*>& rows, const Co
     params.push_back(make_params(c, q, k, v, o, lse));
     CHECK_CUDA(rows[n]->launch(params.back(), nullptr));
     CHECK_CUDA(cudaDeviceSynchronize());
-    std::vector<uint16_t> out(o.host.size());
-    std::vector<float> lse_host(rows_total);
-    CHECK_CUDA(cudaMemcpy(out.data(), o.dev, out.size() * 2, cudaMemcpyDeviceToHost));
-    CHECK_CUDA(cudaMemcpy(lse_host.data(), lse, rows_total * 4, cudaMemcpyDeviceToHost));
-    size_t unwritten = 0;
-    for (auto x : out) unwritten += std::isnan(to_float(x, c.fp16)) ? 1 : 0;
-    double err = 0.0, norm = 0.0, lse_err = 0.0;
-    for (size_t m = 0; m < sample.size(); ++m) {
-      const int r = sample[m], bi = r / (c.h * c.sq), hi = (r / c.sq) % c.h, i = r % c.sq;
-      for (int e = 0; e < c.d; ++e) {
-        const double diff = to_float(out[o.at(bi, hi, i, e)], c.fp16) - ref[m][e];
-        err += diff * diff;
-        norm += ref[m][e] * ref[m][e];
-      }
-      lse_err = std::max(lse_err, std::isinf(ref_lse[m]) ? (lse_host[r] == ref_lse[m] ? 0.0 : INFINITY)
-                                                         : std::fabs(lse_host[r] - ref_lse[m]));
-    }
+    const Outcome got = read_and_compare(c, o, lse, ref);
+    const std::vector<uint16_t>& out = got.o;
+    const std::vector<float>& lse_host = got.lse;
     if (n == 0) base_o = out, base_lse = lse_host;
     // Bit for bit: the output words (memcmp-equal vectors) and lse's floats as bits.
     const bool same = out == base_o &&
                       std::equal(lse_host.begin(), lse_host.end(), base_lse.begin(), [](float a, float b) {
                         return std::memcmp(&a, &b, 4) == 0;
                       });
-    const double rel = norm > 0 ? std::sqrt(err / norm) : std::sqrt(err);
-    const bool pass = unwritten == 0 && rel < (c.fp16 ? 2e-3 : 1e-2) && lse_err < 1e-3 && same;
+    const bool pass = got.pass && same;
     ok = ok && pass;
     std::printf("epilogue check|%s|d%d|b%d h%d/%d sq%d sk%d %s %s|rel %.2e lse %.1e unwritten %zu bits %s|%s\n",
                 rows[n]->name, c.d, c.b, c.h, c.hk, c.sq, c.sk, c.causal ? "causal" : "full", c.bshd ? "bshd" : "bhsd",
-                rel, lse_err, unwritten, same ? "same" : "DIFFERENT", pass ? "ok" : "MISMATCH");
+                got.rel, got.lse_err, got.unwritten, same ? "same" : "DIFFERENT", pass ? "ok" : "MISMATCH");
   }
   if (timed && ok) {
     constexpr int kRounds = 5, kReps = 20;

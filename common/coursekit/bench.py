@@ -532,6 +532,21 @@ def time_interleaved(notes, where, device, probed, *, reps=MIN_REPS):
     return timed
 
 
+def time_calls_interleaved(notes, where, device, calls, *, max_call_ms=math.inf, where_of=None):
+    """[(variant, fn, tag)]: each call probed (probe_noted: a refused or too slow call is noted and
+    left out), then all timed together in shuffled rounds (time_interleaved). Returns [(variant, tag,
+    timing)] of the calls timed, in their order; tag rides along (a row's fields). where_of(tag), if
+    given, says where a call's probe note points (two calls may share a variant's name)."""
+    probed, tags = [], []
+    for variant, fn, tag in calls:
+        est = probe_noted(notes, variant, where_of(tag) if where_of else where, device, fn, max_call_ms=max_call_ms)
+        if est is not None:
+            probed.append((variant, fn, est))
+            tags.append(tag)
+    times = time_interleaved(notes, where, device, probed)
+    return [(variant, tag, t) for (variant, _, _), tag, t in zip(probed, tags, times) if t]
+
+
 # torch's CPU threads for a benchmark on a machine without a GPU. One, as the end-to-end scripts'
 # quick runs take (chapter6_flash_attention/train_tiny_gpt.py): on a 2-core machine shared with
 # other work, torch's pool of two fought that work and itself for the cores, and the copy

@@ -86,6 +86,25 @@ def test_probe_noted_skips_the_slow_and_the_refused():
     assert [n["variant"] for n in notes.skipped] == ["slow", "refused"]
 
 
+def test_time_calls_interleaved_keeps_order_tags_and_notes():
+    """The calls that probe are timed in rounds and come back in their order with their tags; a
+    refused call and one slower than max_call_ms are noted (at where_of's place) and left out."""
+    log = []
+
+    def refuse():
+        raise RuntimeError("refused")
+    calls = [("a", lambda: log.append("a"), {"k": 1}), ("b", refuse, {"k": 2}), ("c", lambda: log.append("c"), {"k": 3})]
+    notes = bench.Notes()
+    got = bench.time_calls_interleaved(notes, "rounds", "cpu", calls, where_of=lambda tag: f"call {tag['k']}")
+    assert [(v, tag) for v, tag, _ in got] == [("a", {"k": 1}), ("c", {"k": 3})]
+    assert all(t["reps"] == bench.MIN_REPS for _, _, t in got)
+    assert [(n["variant"], n["first_at"]) for n in notes.skipped] == [("b", "call 2")]
+    assert log.count("a") == log.count("c") == 2 + bench.MIN_REPS  # the probe's two calls, then one a round
+    notes = bench.Notes()
+    assert bench.time_calls_interleaved(notes, "here", "cpu", calls[:1], max_call_ms=-1.0) == []
+    assert notes.skipped[0]["variant"] == "a" and "not timed" in notes.skipped[0]["reason"]
+
+
 def test_capture_graph_warms_up_then_captures_the_rotation(monkeypatch):
     """capture_graph (time_cuda_graph's and time_interleaved's capture), with the CUDA calls
     replaced: up to three warm-up calls on the side stream, then `calls` calls captured, i
