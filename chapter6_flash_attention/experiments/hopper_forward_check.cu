@@ -302,9 +302,9 @@ struct Variant {
   Launch launch;
 };
 template <int D, int N, int S, bool kJoint, bool kPingpong, bool kOverlap = false, bool kPersistent = false,
-          int kOStoreBytes = 16>
+          int kOStoreBytes = 16, int kQSlots = 1>
 cudaError_t launch_variant(const fa::AttentionParams& p, cudaStream_t stream) {
-  using K = fa::HopperFwdConfig<D, N, S, true, kJoint, kPingpong, kOverlap, kPersistent, kOStoreBytes>;
+  using K = fa::HopperFwdConfig<D, N, S, true, kJoint, kPingpong, kOverlap, kPersistent, kOStoreBytes, kQSlots>;
   if constexpr (kPersistent) {
     return fa::run_flash_fwd_hopper_persistent<__nv_bfloat16, K, false>(p, stream, workspace());
   } else {
@@ -336,6 +336,11 @@ static const Variant kVariants[] = {
     {"joint+pingpong n128 3st", 64, launch_variant<64, 128, 3, true, true>},
     {"persistent joint+pingpong n128 3st", 64, launch_variant<64, 128, 3, true, true, false, true>},
     {"persistent joint+pingpong n128 3st o4", 64, launch_variant<64, 128, 3, true, true, false, true, 4>},
+    // A second Q buffer (HopperFwdConfig's kQSlots): the next item's Q copied while this one walks.
+    // "persistent overlap+pingpong" is the extension's d = 64 rung (the overlap consumers).
+    {"persistent joint+pingpong n128 3st q2", 64, launch_variant<64, 128, 3, true, true, false, true, 16, 2>},
+    {"persistent overlap+pingpong n128 3st", 64, launch_variant<64, 128, 3, false, true, true, true>},
+    {"persistent overlap+pingpong n128 3st q2", 64, launch_variant<64, 128, 3, false, true, true, true, 16, 2>},
     {"ws n64", 256, launch_variant<256, 64, 2, false, false>},
     {"joint n64", 256, launch_variant<256, 64, 2, true, false>},
     {"joint+pingpong n64", 256, launch_variant<256, 64, 2, true, true>},
@@ -393,8 +398,13 @@ static int run_variants() {
     const int s = var.d == 64 ? 2048 : 8192, b = var.d == 64 ? 8 : 2, h = var.d == 256 ? 8 : 16;
     ok = check_variant(var, {b, h, h, s, s, var.d, false, false, false}, true) && ok;
     ok = check_variant(var, {b, h, h, s, s, var.d, true, false, false}, true) && ok;
-    // 512 keys, four key tiles an item: where a tile's prologue and epilogue weigh most.
+    // 512 keys, four key tiles an item: where a tile's prologue and epilogue weigh most (the sweep's
+    // shapes: 16384 tokens, 2048 wide).
     if (var.d == 128) ok = check_variant(var, {32, 16, 16, 512, 512, 128, false, false, false}, true) && ok;
+    if (var.d == 64) {
+      ok = check_variant(var, {32, 32, 32, 512, 512, 64, false, false, false}, true) && ok;
+      ok = check_variant(var, {32, 32, 32, 512, 512, 64, true, false, false}, true) && ok;
+    }
   }
   return ok ? 0 : 1;
 }
