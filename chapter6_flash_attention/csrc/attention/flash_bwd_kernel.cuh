@@ -121,9 +121,9 @@ __device__ __forceinline__ float recompute_p(float s, float lse2, bool visible, 
   float c = s * scale_log2;
   *dcap = 1.f;
   if constexpr (M != SoftcapTanh::kNone) {
-    const float th = softcap_tanh<M>(s, cap);
-    c = cap.out * th;
-    *dcap = 1.f - th * th;
+    const CappedScore capped = capped_score<M>(s, cap);  // c as the forward computed it, bit for bit
+    c = capped.c;
+    *dcap = 1.f - capped.tanh * capped.tanh;
   }
   // ex2.approx.ftz: exp2f's rescaling for results below 2^-126 is three more instructions a score,
   // for a P that adds nothing to a float32 sum of terms near 1 (the plain instantiations' exp2f

@@ -44,6 +44,7 @@ struct Softcap {
   float in = 0.f;
   float out = 0.f;
   SoftcapTanh tanh = SoftcapTanh::kNone;
+  float in_exp2 = 0.f;  // in * 2 log2(e): kRcp's e^(2x) as one ex2 of s * in_exp2
 };
 
 // From the params: `log2_units` for kernels whose softmax works in exp2.
@@ -53,6 +54,7 @@ inline Softcap make_softcap(double scale, double softcap, bool bf16, bool log2_u
     constexpr double kLog2e = 1.4426950408889634;
     c.tanh = bf16 && softcap <= kTanhApproxMaxSoftcap ? SoftcapTanh::kApprox : SoftcapTanh::kRcp;
     c.in = static_cast<float>(scale / softcap);
+    c.in_exp2 = static_cast<float>(scale / softcap * 2.0 * kLog2e);
     c.out = static_cast<float>(softcap * (log2_units ? kLog2e : 1.0));
   }
   return c;
@@ -64,17 +66,17 @@ __device__ __forceinline__ float tanh_approx(float x) {
   asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
-// kRcp: 1 - 2 / (e^(2x) + 1): e^(2x) overflows to inf for large x, and 2 / inf is 0, so tanh
-// saturates to +-1 without a branch. __fdividef is rcp.approx and a multiply (it returns 0 for a
-// divisor above 2^126, which is the limit wanted here).
-__device__ __forceinline__ float tanh_exp2(float x) {
-  return 1.f - __fdividef(2.f, exp2f(x * 2.8853900817779268f) + 1.f);
-}
 // 2^a on the special-function unit alone: ex2.approx.ftz (exp2f would add a rescaling around it
 // for results below 2^-126, which flush to 0 here: 1 + E rounds them away anyway).
 __device__ __forceinline__ float softcap_ex2(float a) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(a));
+  return y;
+}
+// 1 / a on the special-function unit alone (1 / inf = 0: the saturation below).
+__device__ __forceinline__ float softcap_rcp(float a) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(a));
   return y;
 }
 // The per-score helpers take the mode as a template argument, and a kernel runs its loop over the
@@ -96,18 +98,30 @@ __device__ __forceinline__ void with_softcap_tanh(const Softcap& cap, Body&& bod
   }
 }
 
-// tanh(s * scale / softcap) of an unscaled score s: what the backward's derivative 1 - tanh^2 needs.
+// The capped score c = out * tanh(x) of an unscaled score s (x = s * scale / softcap), and tanh(x)
+// itself, which the backward's derivative 1 - tanh^2 needs (the forward uses c alone, and the
+// compiler drops the rest). kRcp: tanh x = 1 - 2 r with r = 1 / (e^(2x) + 1), so c = out - 2 out r,
+// one FFMA; with the multiply by in_exp2 (scale / softcap and 2 log2(e) in one factor), ex2, the
+// add and rcp, five instructions a score, two of them MUFU. e^(2x) overflows to inf for large x and
+// its reciprocal is 0, so tanh saturates to +-1 without a branch; for very negative x, ex2 flushes
+// to 0 and tanh is -1 exactly, as 1 + E rounds any E below 2^-24 away anyway.
+struct CappedScore {
+  float c, tanh;
+};
 template <SoftcapTanh M>
-__device__ __forceinline__ float softcap_tanh(float s, const Softcap& cap) {
+__device__ __forceinline__ CappedScore capped_score(float s, const Softcap& cap) {
   static_assert(M != SoftcapTanh::kNone, "no softcap: no tanh");
-  const float x = s * cap.in;
-  if constexpr (M == SoftcapTanh::kApprox) return tanh_approx(x);
-  else return tanh_exp2(x);
+  if constexpr (M == SoftcapTanh::kApprox) {
+    const float th = tanh_approx(s * cap.in);
+    return {cap.out * th, th};
+  } else {
+    const float r = softcap_rcp(softcap_ex2(s * cap.in_exp2) + 1.f);
+    return {fmaf(-2.f * cap.out, r, cap.out), fmaf(-2.f, r, 1.f)};
+  }
 }
-// The capped score out * tanh(s * scale / softcap).
 template <SoftcapTanh M>
 __device__ __forceinline__ float softcap_score(float s, const Softcap& cap) {
-  return cap.out * softcap_tanh<M>(s, cap);
+  return capped_score<M>(s, cap).c;
 }
 #endif
 

@@ -260,7 +260,11 @@ __device__ __forceinline__ void issue_pv_desc(float (&o)[K::kHeadDim / 2], const
 // visible keys [key_begin(row), key_end(row)) (attention.h, part 1's rule and its one unsigned
 // compare per score: flash_fwd_kernel.cuh), causal being its right bound 0; i is then the key tile's
 // index in the sequence, not in the walk.
-template <typename K, int kExpBias = 0, bool kWindow = false, typename MaskTag>
+// kFmaExp2Of8: of each 8 scores of a tile no mask bites, how many take their exponential from the
+// FMA pipe (hopper::exp2_fma) instead of MUFU.EX2: the softcapped forward's, whose tanh keeps the
+// special-function unit busier than the tensor cores (flash_fwd_hopper_persistent.cuh). A masked
+// tile keeps MUFU for every score: its -inf scores must give exact zeros.
+template <typename K, int kExpBias = 0, bool kWindow = false, int kFmaExp2Of8 = 0, typename MaskTag>
 __device__ __forceinline__ void online_softmax(MaskTag, float (&s)[K::kBlockN / 2], float (&row_max)[2],
                                                float (&row_sum)[2], float (&corr)[2], const AttentionParams& p,
                                                int64_t row0, int64_t diag, int i, int t, float scale_log2) {
@@ -313,7 +317,8 @@ __device__ __forceinline__ void online_softmax(MaskTag, float (&s)[K::kBlockN / 
 #pragma unroll
     for (int j = 0; j < kSRegs; ++j) {
       if (((j >> 1) & 1) == r) {
-        s[j] = hopper::exp2_approx(fmaf(s[j], scale_log2, neg_max));
+        const float x = fmaf(s[j], scale_log2, neg_max);
+        s[j] = !MaskTag::value && j % 8 < kFmaExp2Of8 ? hopper::exp2_fma(x) : hopper::exp2_approx(x);
         sum += s[j];
       }
     }
