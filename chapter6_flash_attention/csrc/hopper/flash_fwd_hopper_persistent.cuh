@@ -86,6 +86,8 @@
 #include "hopper/flash_fwd_hopper_kernel.cuh"
 
 #include <cstdlib>  // std::getenv: the gather's table-entry knob (the launcher's)
+#include <cstring>
+#include <type_traits>
 
 namespace flash_attention {
 
@@ -139,10 +141,9 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // kWindowSoftcap: this instantiation computes a window and a softcap (`cap`, unread otherwise; it
-// comes last so that the other arguments sit where they did before it existed). kCapFmaExp2Of8: with
-// a softcap, of each 8 scores of an unmasked tile, how many exponentials the FMA pipe computes
-// (online_softmax's kFmaExp2Of8; the softmax below says why).
-template <typename T, typename K, bool kVarlen, bool kWindowSoftcap, int kCapFmaExp2Of8 = 0>
+// comes last so that the other arguments sit where they did before it existed).
+// EXPERIMENT (to be removed): kTryFixedMax false keeps the running maximum with a softcap too.
+template <typename T, typename K, bool kVarlen, bool kWindowSoftcap, bool kTryFixedMax = true>
 __global__ void __launch_bounds__(K::kThreads, 1)
     flash_fwd_hopper_persistent_kernel(const __grid_constant__ CUtensorMap map_q,
                                        const __grid_constant__ CUtensorMap map_k,
@@ -761,24 +762,35 @@ __global__ void __launch_bounds__(K::kThreads, 1)
   // Trip i of the walk is key tile first_tile + i. With a softcap, the scores are capped into log2
   // units first (scale_log2 is then 1: the launcher's), before the mask and the running maximum, as
   // in part 1; a uniform branch, taken after the wait for S (no product in flight across it).
-  // A capped score's tanh costs MUFU one instruction (tanh.approx) or two (ex2 and rcp, softcap.cuh)
-  // beside the softmax's exponential, where the tensor cores' time per score is about one MUFU
-  // instruction's at d = 128: with the cap, the special-function unit is the busiest, so the
-  // capped softmax computes kCapFmaExp2Of8 of each 8 exponentials on the FMA pipe instead.
+  // With a softcap the bfloat16 walk's softmax runs without a running maximum (online_softmax's
+  // kFixedMax): every capped score c (log2 units) lies in [-out, out], so with row_max fixed at
+  // out - B each weight 2^(c - row_max) lies in [2^(B - 2 out), 2^B]. B = max(0, 2 out - 120) keeps
+  // the smallest at 2^-120 or above (float32's and bfloat16's normal range ends at 2^-126) and, for
+  // caps up to 58 (2 out <= 168), the largest at 2^48 or below: sums over 2^31 keys stay finite.
+  // float16's P has 40 binades (2^-24 to 2^16), too few: it keeps the running maximum, as do caps
+  // above 58 (Gemma 2 caps its attention at 50, Grok at 30).
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  bool fixed_max = false;
+  float cap_max = 0.f;
+  if constexpr (kWindowSoftcap && kBf16 && kTryFixedMax) {
+    fixed_max = cap.in != 0.f && 2.f * cap.out <= 168.f;
+    cap_max = cap.out - fmaxf(0.f, 2.f * cap.out - 120.f);
+  }
   auto softmax = [&](auto mask_tag, int i, float (&corr)[2]) {
     if constexpr (kWindowSoftcap) {
       if (cap.in != 0.f) {
         with_softcap_tanh(cap, [&](auto mode) {  // one loop per softcap mode (softcap.cuh)
-          if constexpr (kCapFmaExp2Of8 < 0 && decltype(mode)::value == SoftcapTanh::kRcp) {  // EXPERIMENT: the old tanh
 #pragma unroll
-            for (int j = 0; j < kBN / 2; ++j)
-              s[j] = cap.out * (1.f - __fdividef(2.f, exp2f(s[j] * cap.in * 2.8853900817779268f) + 1.f));
-          } else {
-#pragma unroll
-            for (int j = 0; j < kBN / 2; ++j) s[j] = softcap_score<decltype(mode)::value>(s[j], cap);
+          for (int j = 0; j < kBN / 2; ++j) s[j] = softcap_score<decltype(mode)::value>(s[j], cap);
+          if constexpr (kBf16) {
+            if (fixed_max) {
+              online_softmax<K, 0, true, true>(mask_tag, s, row_max, row_sum, corr, ip, row0, diag, first_tile + i,
+                                               t, scale_log2);
+              return;
+            }
           }
-          online_softmax<K, 0, true, (kCapFmaExp2Of8 < 0 ? 0 : kCapFmaExp2Of8)>(mask_tag, s, row_max, row_sum, corr, ip, row0, diag,
-                                                     first_tile + i, t, scale_log2);
+          online_softmax<K, 0, true>(mask_tag, s, row_max, row_sum, corr, ip, row0, diag, first_tile + i, t,
+                                     scale_log2);
         });
         return;
       }
@@ -787,6 +799,7 @@ __global__ void __launch_bounds__(K::kThreads, 1)
                                          scale_log2);
   };
   auto rescale_o = [&](const float (&corr)[2]) {
+    if (fixed_max) return;  // corr is 1 (a uniform branch, taken with no product in flight)
 #pragma unroll
     for (int j = 0; j < K::kHeadDim / 2; ++j) o[j] *= corr[(j >> 1) & 1];
   };
@@ -829,7 +842,7 @@ __global__ void __launch_bounds__(K::kThreads, 1)
     }
 #pragma unroll
     for (int j = 0; j < K::kHeadDim / 2; ++j) o[j] = 0.f;
-    row_max[0] = row_max[1] = -INFINITY;  // raw scores (not scaled): scale > 0
+    row_max[0] = row_max[1] = fixed_max ? cap_max : -INFINITY;  // raw scores (not scaled): scale > 0
     row_sum[0] = row_sum[1] = 0.f;        // this lane's share; the row's four lanes add at the end
 
     if (n_tiles > 0) {
@@ -1007,7 +1020,7 @@ __global__ void __launch_bounds__(K::kThreads, 1)
 // Packed (kVarlen), the tiles are counted over max_seqlen_q (an upper bound: the host does not know
 // the lengths), the maps describe the packed tensors as one batch of total_q and total_k tokens, and
 // the schedule kernel runs first, on the same stream (it also clears the counter).
-template <typename T, typename K, bool kVarlen, bool kWindowSoftcap = false, int kCapFmaExp2Of8 = 0>
+template <typename T, typename K, bool kVarlen, bool kWindowSoftcap = false, bool kTryFixedMax = true>
 cudaError_t run_flash_fwd_hopper_persistent(const AttentionParams& p, cudaStream_t stream, void* workspace) {
   const int64_t q_tiles = course::ceil_div(p.seqlen_q, static_cast<int64_t>(K::kBlockM));
   const int64_t tiles = q_tiles * p.batch * p.heads;
@@ -1043,7 +1056,7 @@ cudaError_t run_flash_fwd_hopper_persistent(const AttentionParams& p, cudaStream
     COURSE_CUDA_TRY(make_bhsd_map(&map_v, p.v, map_batch, p.heads_kv, rows_k, K::kHeadDim, p.v_batch_stride,
                                   p.v_head_stride, p.v_seq_stride, K::kBlockN));
   }
-  auto kernel = flash_fwd_hopper_persistent_kernel<T, K, kVarlen, kWindowSoftcap, kCapFmaExp2Of8>;
+  auto kernel = flash_fwd_hopper_persistent_kernel<T, K, kVarlen, kWindowSoftcap, kTryFixedMax>;
   COURSE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSmemBytes));
   int device = 0, sms = 0, l2_bytes = 0, per_sm = 0;
   COURSE_CUDA_TRY(cudaGetDevice(&device));
@@ -1086,17 +1099,10 @@ cudaError_t run_flash_fwd_hopper_window(const AttentionParams& p, cudaStream_t s
   static_assert(::course::is_listed(kHopperWindowHeadDims, D), "a head dim of kHopperWindowHeadDims");
   if (p.cu_seqlens_q != nullptr) return cudaErrorInvalidValue;  // the glue sends such calls to "split_kv"
   using K = HopperFwdTraits<D, HopperForward::kPersistent>;
-  // EXPERIMENT knob (to be removed): COURSE_SOFTCAP_FMA_EXP2 = 0, 4, 6 or 8 of each 8.
-  const char* knob = std::getenv("COURSE_SOFTCAP_FMA_EXP2");
-  const int of8 = knob == nullptr ? 0 : std::atoi(knob);
-  switch (of8) {
-    case -1: return run_flash_fwd_hopper_persistent<T, K, false, true, -1>(p, stream, workspace);
-    case 0: return run_flash_fwd_hopper_persistent<T, K, false, true, 0>(p, stream, workspace);
-    case 4: return run_flash_fwd_hopper_persistent<T, K, false, true, 4>(p, stream, workspace);
-    case 6: return run_flash_fwd_hopper_persistent<T, K, false, true, 6>(p, stream, workspace);
-    case 8: return run_flash_fwd_hopper_persistent<T, K, false, true, 8>(p, stream, workspace);
-    default: return cudaErrorInvalidValue;
-  }
+  // EXPERIMENT knob (to be removed): COURSE_SOFTCAP_FIXED_MAX=0 keeps the running maximum.
+  const char* knob = std::getenv("COURSE_SOFTCAP_FIXED_MAX");
+  if (knob != nullptr && std::strcmp(knob, "0") == 0) return run_flash_fwd_hopper_persistent<T, K, false, true, false>(p, stream, workspace);
+  return run_flash_fwd_hopper_persistent<T, K, false, true, true>(p, stream, workspace);
 }
 
 // The rungs' entry point (the instantiation files): the persistent rung's kernel, padded or packed

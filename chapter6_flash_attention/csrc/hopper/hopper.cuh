@@ -415,23 +415,6 @@ __device__ __forceinline__ float exp2_approx(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
-// 2^x without the special-function unit, for x <= 0 (the softmax's exponents, all finite: the
-// unmasked tiles'; clamped at -125, below which the result is far below anything that shows next
-// to the row's largest weight, 1). The FMA pipe does it in nine instructions where MUFU.EX2 is
-// one, which pays where MUFU is the busier unit (the softcap's tanh takes it too: online_softmax's
-// kFmaExp2Of8). x = n + f, n = round(x), f in [-1/2, 1/2]: adding 1.5 * 2^23 rounds x to an integer
-// held in the sum's low mantissa bits, and the shift moves n into the exponent field of 2^f. 2^f is
-// a cubic, fitted for the least largest relative error over [-1/2, 1/2] with p(0) = 1 exactly (so
-// the row's largest weight is 1, as MUFU's): at most 1.02e-4 relative, against P's rounding to 16
-// bits, 2^-9 (bfloat16) or 2^-12 (float16) relative.
-__device__ __forceinline__ float exp2_fma(float x) {
-  x = fmaxf(x, -125.f);
-  const float shifted = x + 12582912.f;  // 1.5 * 2^23: round to nearest integer
-  const float n = shifted - 12582912.f;
-  const float f = x - n;
-  const float p = fmaf(fmaf(fmaf(0.0550083667f, f, 0.242209852f), f, 0.693282843f), f, 1.f);
-  return __int_as_float(__float_as_int(p) + (__float_as_int(shifted) << 23));
-}
 
 #endif  // COURSE_HOPPER_DEVICE
 }  // namespace hopper
