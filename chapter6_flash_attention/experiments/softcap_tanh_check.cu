@@ -6,8 +6,9 @@
 //   /tmp/softcap_tanh_check   (prints each mode's largest error; exit 1 past a bound or on a wrong
 //                              special value)
 //
-// Each mode is checked through both helpers the kernels call: softcap_score (the capped score, here
-// with out = 1) and softcap_tanh, with in = 1, so the argument s is exactly the helper's x. All 2^32
+// Each mode is checked through both values capped_score gives the kernels: the capped score c (here
+// with out = 1, softcap_score) and tanh itself (the backward's), with in = 1 (and kRcp's in_exp2 =
+// 2 log2(e), as make_softcap sets it), so the argument s is exactly the helper's x. All 2^32
 // bit patterns: zeros, subnormals, the largest floats, both infinities (tanh +-1) and the NaNs
 // (NaN). The bounds, absolute: 2^-21 for kRcp (this program measured 2^-22.01 on an H100: the
 // chapter's NOTES.md, which also has the FMA form this file checked until it was taken out), and
@@ -35,7 +36,7 @@ struct Found {
 template <fa::SoftcapTanh M, bool kScore>
 __global__ void check(Found* found) {
   fa::Softcap cap;
-  cap.in = 1.f, cap.out = 1.f, cap.tanh = M;
+  cap.in = 1.f, cap.out = 1.f, cap.tanh = M, cap.in_exp2 = static_cast<float>(2.0 * 1.4426950408889634);
   unsigned long long worst = 0, bad = 0;
   unsigned int first_bad = 0;
   const uint64_t stride = uint64_t{gridDim.x} * blockDim.x;
@@ -43,7 +44,7 @@ __global__ void check(Found* found) {
   for (uint64_t i = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < (uint64_t{1} << 32); i += stride) {
     const unsigned int bits = static_cast<unsigned int>(i);
     const float s = __uint_as_float(bits);
-    const float got = kScore ? fa::softcap_score<M>(s, cap) : fa::softcap_tanh<M>(s, cap);
+    const float got = kScore ? fa::softcap_score<M>(s, cap) : fa::capped_score<M>(s, cap).tanh;
     const double want = tanh(static_cast<double>(s));
     if (isnan(want) != isnan(got)) {
       if (bad++ == 0) first_bad = bits;
@@ -99,9 +100,9 @@ int main() {
   const double exp2_bound = std::ldexp(1.0, -21), approx_bound = std::ldexp(1.0, -10);
   bool ok = true;
   ok &= run<T::kRcp, true>("rcp softcap_score", exp2_bound, d_found);
-  ok &= run<T::kRcp, false>("rcp softcap_tanh", exp2_bound, d_found);
+  ok &= run<T::kRcp, false>("rcp tanh", exp2_bound, d_found);
   ok &= run<T::kApprox, true>("approx softcap_score", approx_bound, d_found);
-  ok &= run<T::kApprox, false>("approx softcap_tanh", approx_bound, d_found);
+  ok &= run<T::kApprox, false>("approx tanh", approx_bound, d_found);
   // The special values in each mode, capped as the kernels cap them (out = 1). kRcp saturates
   // without a branch: exactly +-1 at +-inf (rcp.approx(+inf) is +0, the PTX ISA), NaN at NaN.
   const float specials[] = {0.f, -0.f, 1e-30f, 0.5f, 20.f, -20.f, INFINITY, -INFINITY, NAN};
@@ -110,7 +111,7 @@ int main() {
   cudaMalloc(&d_s, sizeof(specials)), cudaMalloc(&d_c, 2 * sizeof(specials));
   cudaMemcpy(d_s, specials, sizeof(specials), cudaMemcpyHostToDevice);
   fa::Softcap cap;
-  cap.in = 1.f, cap.out = 1.f;
+  cap.in = 1.f, cap.out = 1.f, cap.in_exp2 = static_cast<float>(2.0 * 1.4426950408889634);
   cap_scores<T::kRcp><<<1, 32>>>(d_s, d_c, kN, cap);
   cap_scores<T::kApprox><<<1, 32>>>(d_s, d_c + kN, kN, cap);
   cudaMemcpy(c, d_c, sizeof(c), cudaMemcpyDeviceToHost);

@@ -12,14 +12,16 @@
 // softcap in c), far inside either bound. (tanhf would be exact to an ulp or two, but it is a
 // longer libdevice routine with branches on the argument's range.)
 //
-// Which reciprocal. tanh x = 1 - 2 / (e^(2x) + 1): tanh_exp2 takes the exponential and the
+// Which reciprocal. tanh x = 1 - 2 / (e^(2x) + 1): capped_score takes the exponential and the
 // reciprocal from the special-function unit (MUFU.EX2 and MUFU.RCP), so a capped score costs three
 // MUFU instructions with the softmax's own exponential, where a plain score costs one. A reciprocal
 // on the FMA pipe instead (a quadratic seed and two Newton steps: one MUFU and ten other
 // instructions a score against two MUFU and eight) was tried and taken out: on an H100 it made the
 // Hopper forward ~7% slower and left the backward within noise, since the forward is bound by the
 // consumer warpgroups' instructions issued per score, not by the unit (the chapter's NOTES.md, "The
-// softcap's tanh").
+// softcap's tanh"). So the capped score is written in as few instructions as it takes: five (one
+// multiply by a factor folded on the host, ex2.approx.ftz, an add, rcp.approx, one FFMA for
+// out - 2 out r), where exp2f, __fdividef and out * (1 - 2 r) issued eight to ten.
 //   The kernels' kWindowSoftcap instantiations take the choice of tanh as a runtime value (uniform
 // across the grid): it costs a branch per tile, not one more instantiation of every kernel; a call
 // without a softcap or window runs the other instantiation, which has no softcap code at all.

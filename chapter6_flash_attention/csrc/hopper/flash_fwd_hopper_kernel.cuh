@@ -260,14 +260,7 @@ __device__ __forceinline__ void issue_pv_desc(float (&o)[K::kHeadDim / 2], const
 // visible keys [key_begin(row), key_end(row)) (attention.h, part 1's rule and its one unsigned
 // compare per score: flash_fwd_kernel.cuh), causal being its right bound 0; i is then the key tile's
 // index in the sequence, not in the walk.
-// kFixedMax: the softcapped bfloat16 forward's softmax without a running maximum. A softcap bounds
-// every capped score by its cap, so a maximum known before the first tile, row_max as the caller
-// set it, serves every row: each weight 2^(c - row_max) stays inside float32's and bfloat16's
-// exponent range (flash_fwd_hopper_persistent.cuh says how row_max is chosen), and nothing is ever
-// rescaled (corr is 1, and the caller skips O's rescale). That saves the row's maximum (a compare a
-// score and two shuffles), the correction's exponential and O's rescale (a multiply a score at
-// d = 128): the capped forward is bound by the consumers' instructions, not by a unit.
-template <typename K, int kExpBias = 0, bool kWindow = false, bool kFixedMax = false, typename MaskTag>
+template <typename K, int kExpBias = 0, bool kWindow = false, typename MaskTag>
 __device__ __forceinline__ void online_softmax(MaskTag, float (&s)[K::kBlockN / 2], float (&row_max)[2],
                                                float (&row_sum)[2], float (&corr)[2], const AttentionParams& p,
                                                int64_t row0, int64_t diag, int i, int t, float scale_log2) {
@@ -301,24 +294,6 @@ __device__ __forceinline__ void online_softmax(MaskTag, float (&s)[K::kBlockN / 
         if (((j >> 1) & 1) == r && 8 * (j >> 2) + 2 * t + (j & 1) >= col_limit) s[j] = -INFINITY;
       }
     }
-  }
-  if constexpr (kFixedMax) {
-    static_assert(kExpBias == 0, "the fixed maximum is the 16-bit softcapped forward's");
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float neg_max = -row_max[r] * scale_log2;
-      float sum = 0.f;
-#pragma unroll
-      for (int j = 0; j < kSRegs; ++j) {
-        if (((j >> 1) & 1) == r) {
-          s[j] = hopper::exp2_approx(fmaf(s[j], scale_log2, neg_max));
-          sum += s[j];
-        }
-      }
-      corr[r] = 1.f;
-      row_sum[r] += sum;
-    }
-    return;
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {

@@ -86,8 +86,6 @@
 #include "hopper/flash_fwd_hopper_kernel.cuh"
 
 #include <cstdlib>  // std::getenv: the gather's table-entry knob (the launcher's)
-#include <cstring>
-#include <type_traits>
 
 namespace flash_attention {
 
@@ -142,8 +140,7 @@ __global__ void __launch_bounds__(kThreads)
 
 // kWindowSoftcap: this instantiation computes a window and a softcap (`cap`, unread otherwise; it
 // comes last so that the other arguments sit where they did before it existed).
-// EXPERIMENT (to be removed): kTryFixedMax false keeps the running maximum with a softcap too.
-template <typename T, typename K, bool kVarlen, bool kWindowSoftcap, bool kTryFixedMax = true>
+template <typename T, typename K, bool kVarlen, bool kWindowSoftcap>
 __global__ void __launch_bounds__(K::kThreads, 1)
     flash_fwd_hopper_persistent_kernel(const __grid_constant__ CUtensorMap map_q,
                                        const __grid_constant__ CUtensorMap map_k,
@@ -762,44 +759,19 @@ __global__ void __launch_bounds__(K::kThreads, 1)
   // Trip i of the walk is key tile first_tile + i. With a softcap, the scores are capped into log2
   // units first (scale_log2 is then 1: the launcher's), before the mask and the running maximum, as
   // in part 1; a uniform branch, taken after the wait for S (no product in flight across it).
-  // With a softcap the bfloat16 walk's softmax runs without a running maximum (online_softmax's
-  // kFixedMax): every capped score c (log2 units) lies in [-out, out], so with row_max fixed at
-  // out - B each weight 2^(c - row_max) lies in [2^(B - 2 out), 2^B]. B = max(0, 2 out - 120) keeps
-  // the smallest at 2^-120 or above (float32's and bfloat16's normal range ends at 2^-126) and, for
-  // caps up to 58 (2 out <= 168), the largest at 2^48 or below: sums over 2^31 keys stay finite.
-  // float16's P has 40 binades (2^-24 to 2^16), too few: it keeps the running maximum, as do caps
-  // above 58 (Gemma 2 caps its attention at 50, Grok at 30).
-  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
-  bool fixed_max = false;
-  float cap_max = 0.f;
-  if constexpr (kWindowSoftcap && kBf16 && kTryFixedMax) {
-    fixed_max = cap.in != 0.f && 2.f * cap.out <= 168.f;
-    cap_max = cap.out - fmaxf(0.f, 2.f * cap.out - 120.f);
-  }
   auto softmax = [&](auto mask_tag, int i, float (&corr)[2]) {
     if constexpr (kWindowSoftcap) {
       if (cap.in != 0.f) {
         with_softcap_tanh(cap, [&](auto mode) {  // one loop per softcap mode (softcap.cuh)
 #pragma unroll
           for (int j = 0; j < kBN / 2; ++j) s[j] = softcap_score<decltype(mode)::value>(s[j], cap);
-          if constexpr (kBf16) {
-            if (fixed_max) {
-              online_softmax<K, 0, true, true>(mask_tag, s, row_max, row_sum, corr, ip, row0, diag, first_tile + i,
-                                               t, scale_log2);
-              return;
-            }
-          }
-          online_softmax<K, 0, true>(mask_tag, s, row_max, row_sum, corr, ip, row0, diag, first_tile + i, t,
-                                     scale_log2);
         });
-        return;
       }
     }
     online_softmax<K, 0, kWindowSoftcap>(mask_tag, s, row_max, row_sum, corr, ip, row0, diag, first_tile + i, t,
                                          scale_log2);
   };
   auto rescale_o = [&](const float (&corr)[2]) {
-    if (fixed_max) return;  // corr is 1 (a uniform branch, taken with no product in flight)
 #pragma unroll
     for (int j = 0; j < K::kHeadDim / 2; ++j) o[j] *= corr[(j >> 1) & 1];
   };
@@ -842,7 +814,7 @@ __global__ void __launch_bounds__(K::kThreads, 1)
     }
 #pragma unroll
     for (int j = 0; j < K::kHeadDim / 2; ++j) o[j] = 0.f;
-    row_max[0] = row_max[1] = fixed_max ? cap_max : -INFINITY;  // raw scores (not scaled): scale > 0
+    row_max[0] = row_max[1] = -INFINITY;  // raw scores (not scaled): scale > 0
     row_sum[0] = row_sum[1] = 0.f;        // this lane's share; the row's four lanes add at the end
 
     if (n_tiles > 0) {
@@ -1020,7 +992,7 @@ __global__ void __launch_bounds__(K::kThreads, 1)
 // Packed (kVarlen), the tiles are counted over max_seqlen_q (an upper bound: the host does not know
 // the lengths), the maps describe the packed tensors as one batch of total_q and total_k tokens, and
 // the schedule kernel runs first, on the same stream (it also clears the counter).
-template <typename T, typename K, bool kVarlen, bool kWindowSoftcap = false, bool kTryFixedMax = true>
+template <typename T, typename K, bool kVarlen, bool kWindowSoftcap = false>
 cudaError_t run_flash_fwd_hopper_persistent(const AttentionParams& p, cudaStream_t stream, void* workspace) {
   const int64_t q_tiles = course::ceil_div(p.seqlen_q, static_cast<int64_t>(K::kBlockM));
   const int64_t tiles = q_tiles * p.batch * p.heads;
@@ -1056,7 +1028,7 @@ cudaError_t run_flash_fwd_hopper_persistent(const AttentionParams& p, cudaStream
     COURSE_CUDA_TRY(make_bhsd_map(&map_v, p.v, map_batch, p.heads_kv, rows_k, K::kHeadDim, p.v_batch_stride,
                                   p.v_head_stride, p.v_seq_stride, K::kBlockN));
   }
-  auto kernel = flash_fwd_hopper_persistent_kernel<T, K, kVarlen, kWindowSoftcap, kTryFixedMax>;
+  auto kernel = flash_fwd_hopper_persistent_kernel<T, K, kVarlen, kWindowSoftcap>;
   COURSE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSmemBytes));
   int device = 0, sms = 0, l2_bytes = 0, per_sm = 0;
   COURSE_CUDA_TRY(cudaGetDevice(&device));
@@ -1098,11 +1070,8 @@ template <typename T, int D>
 cudaError_t run_flash_fwd_hopper_window(const AttentionParams& p, cudaStream_t stream, void* workspace) {
   static_assert(::course::is_listed(kHopperWindowHeadDims, D), "a head dim of kHopperWindowHeadDims");
   if (p.cu_seqlens_q != nullptr) return cudaErrorInvalidValue;  // the glue sends such calls to "split_kv"
-  using K = HopperFwdTraits<D, HopperForward::kPersistent>;
-  // EXPERIMENT knob (to be removed): COURSE_SOFTCAP_FIXED_MAX=0 keeps the running maximum.
-  const char* knob = std::getenv("COURSE_SOFTCAP_FIXED_MAX");
-  if (knob != nullptr && std::strcmp(knob, "0") == 0) return run_flash_fwd_hopper_persistent<T, K, false, true, false>(p, stream, workspace);
-  return run_flash_fwd_hopper_persistent<T, K, false, true, true>(p, stream, workspace);
+  return run_flash_fwd_hopper_persistent<T, HopperFwdTraits<D, HopperForward::kPersistent>, false, true>(p, stream,
+                                                                                                       workspace);
 }
 
 // The rungs' entry point (the instantiation files): the persistent rung's kernel, padded or packed
