@@ -44,7 +44,8 @@ The workload, bfloat16, batch 4, 16 heads, seqlen 2048: the forward of every run
 flash_attention.VERSIONS["attention_forward"] and of sdpa_flash and sdpa_cudnn (SDPA pinned to
 one backend; a backend that refuses is skipped and the reason recorded) and of the FP8 forward
 (attention_fp8 on the same inputs quantized to e4m3 beforehand; Hopper only), at head_dim 64 and 128,
-not causal; the causal forward of "tuned" and sdpa_flash at head_dim 128; the backward of
+not causal; the causal forward of "tuned", "pingpong", sdpa_flash and sdpa_cudnn at head_dim 128,
+and of "persistent" with and without a softcap of 30 (Hopper only); the backward of
 every rung of VERSIONS["attention_backward"] (the op alone, from the default forward's out and
 lse) and of sdpa_flash (torch.autograd.grad through F.scaled_dot_product_attention, its forward
 run beforehand), at both head dims. The naive rungs materialise the 4 x 16 x 2048 x 2048 float32
@@ -88,6 +89,11 @@ CAUSAL_FORWARD = ("tuned", "pingpong", "sdpa_flash", "sdpa_cudnn")
 # the rungs at each head dim: its inputs quantized before the profiled range, its row's dtype e4m3.
 FP8_FORWARD = "attention_fp8"
 FP8_DTYPE = "float8_e4m3fn"
+# The softcapped forward beside the same rung's plain causal one, d = 128: what a cap's tanh costs
+# the rung that takes it on a Hopper ("persistent", its kWindowSoftcap instantiation; elsewhere
+# both calls refuse and are skipped), read in its pipes and stalls. 30 takes the MUFU reciprocal.
+SOFTCAP_FORWARD = "persistent"
+SOFTCAPS = (0.0, 30.0)
 
 # ncu metric name -> the short name a row carries.
 METRICS = {
@@ -172,14 +178,18 @@ def runs(forward_versions, backward_versions):
            for d in HEAD_DIMS for v in (*forward_versions, *SDPA_FORWARD, FP8_FORWARD)]
     out += [{"pass": "forward", "variant": v, "head_dim": CAUSAL_HEAD_DIM, "causal": True}
             for v in CAUSAL_FORWARD]
+    out += [{"pass": "forward", "variant": SOFTCAP_FORWARD, "head_dim": CAUSAL_HEAD_DIM, "causal": True, "softcap": c}
+            for c in SOFTCAPS]
     out += [{"pass": "backward", "variant": v, "head_dim": d, "causal": False}
             for d in HEAD_DIMS for v in (*backward_versions, *SDPA_BACKWARD)]
     return out
 
 
 def label(run):
-    """A call's name, its NVTX range too: forward.pipelined.d128.causal."""
-    return f"{run['pass']}.{run['variant']}.d{run['head_dim']}.{'causal' if run['causal'] else 'full'}"
+    """A call's name, its NVTX range too: forward.pipelined.d128.causal (a softcap's call ends in
+    .softcap30)."""
+    cap = f".softcap{run['softcap']:g}" if run.get("softcap") else ""
+    return f"{run['pass']}.{run['variant']}.d{run['head_dim']}.{'causal' if run['causal'] else 'full'}{cap}"
 
 
 def binding_limit(kernel):
@@ -296,7 +306,8 @@ def make_call(run, tensors, scale):
     if run["pass"] == "forward":
         if sdpa is not None:
             return lambda: sdpa(q, k, v)
-        return lambda: flash_attention.attention_forward(q, k, v, scale, causal, version=variant)
+        return lambda: flash_attention.attention_forward(q, k, v, scale, causal, softcap=run.get("softcap", 0.0),
+                                                         version=variant)
     if sdpa is not None:
         leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
         out = sdpa(*leaves)

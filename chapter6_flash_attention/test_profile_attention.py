@@ -117,13 +117,14 @@ def test_a_row_tolerates_counters_ncu_did_not_give():
 def test_the_plan_covers_every_rung_and_the_causal_runs():
     plan = P.runs(("naive", "tiled", "mma", "pipelined", "tuned"), ("naive", "mma", "mma_dqpass"))
     labels = [P.label(r) for r in plan]
-    assert len(labels) == len(set(labels)) == 2 * (5 + 2 + 1) + 4 + 2 * (3 + 1)
+    assert len(labels) == len(set(labels)) == 2 * (5 + 2 + 1) + 4 + 2 + 2 * (3 + 1)
     assert "forward.attention_fp8.d128.full" in labels and "forward.attention_fp8.d64.full" in labels
     assert "forward.sdpa_cudnn.d64.full" in labels and "backward.sdpa_flash.d128.full" in labels
     assert "backward.mma_dqpass.d64.full" in labels
     causal = [P.label(r) for r in plan if r["causal"]]
     assert causal == ["forward.tuned.d128.causal", "forward.pingpong.d128.causal", "forward.sdpa_flash.d128.causal",
-                      "forward.sdpa_cudnn.d128.causal"]
+                      "forward.sdpa_cudnn.d128.causal", "forward.persistent.d128.causal",
+                      "forward.persistent.d128.causal.softcap30"]
 
 
 GMMA = "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active"
