@@ -10,9 +10,9 @@
 //   /tmp/hopper_forward_check --variants  other configurations (tile, stages, overlap, ping-pong,
 //                                         persistent), timed
 //   /tmp/hopper_forward_check --compare "persistent joint+pingpong n128 3st" 128 [--quick]
-//                                         a row beside its " o4", " o8", " q2" rows (how O is stored, how
-//                                         many Q buffers): checked bit for bit against it, then (not
-//                                         --quick) timed side by side
+//                                         a row beside its " o4", " o8" rows (how O is stored):
+//                                         checked bit for bit against it, then (not --quick) timed
+//                                         side by side
 //   /tmp/hopper_forward_check --profile "ws n128" 128    one launch of a variant, for ncu
 #include "hopper/flash_fwd_hopper.h"
 #include "hopper/flash_fwd_hopper_persistent.cuh"
@@ -303,9 +303,9 @@ struct Variant {
   Launch launch;
 };
 template <int D, int N, int S, bool kJoint, bool kPingpong, bool kOverlap = false, bool kPersistent = false,
-          int kOStoreBytes = 16, int kQSlots = 1>
+          int kOStoreBytes = 16>
 cudaError_t launch_variant(const fa::AttentionParams& p, cudaStream_t stream) {
-  using K = fa::HopperFwdConfig<D, N, S, true, kJoint, kPingpong, kOverlap, kPersistent, kOStoreBytes, kQSlots>;
+  using K = fa::HopperFwdConfig<D, N, S, true, kJoint, kPingpong, kOverlap, kPersistent, kOStoreBytes>;
   if constexpr (kPersistent) {
     return fa::run_flash_fwd_hopper_persistent<__nv_bfloat16, K, false>(p, stream, workspace());
   } else {
@@ -337,11 +337,8 @@ static const Variant kVariants[] = {
     {"joint+pingpong n128 3st", 64, launch_variant<64, 128, 3, true, true>},
     {"persistent joint+pingpong n128 3st", 64, launch_variant<64, 128, 3, true, true, false, true>},
     {"persistent joint+pingpong n128 3st o4", 64, launch_variant<64, 128, 3, true, true, false, true, 4>},
-    // A second Q buffer (HopperFwdConfig's kQSlots): the next item's Q copied while this one walks.
-    // "persistent overlap+pingpong" is the extension's d = 64 rung (the overlap consumers).
-    {"persistent joint+pingpong n128 3st q2", 64, launch_variant<64, 128, 3, true, true, false, true, 16, 2>},
+    // The extension's d = 64 rung (the overlap consumers), beside the joint ones.
     {"persistent overlap+pingpong n128 3st", 64, launch_variant<64, 128, 3, false, true, true, true>},
-    {"persistent overlap+pingpong n128 3st q2", 64, launch_variant<64, 128, 3, false, true, true, true, 16, 2>},
     {"ws n64", 256, launch_variant<256, 64, 2, false, false>},
     {"joint n64", 256, launch_variant<256, 64, 2, true, false>},
     {"joint+pingpong n64", 256, launch_variant<256, 64, 2, true, true>},
@@ -484,8 +481,9 @@ static int run_variants() {
 
 // --compare BASE D [--quick]: the row named BASE beside every row named "BASE <suffix>" at head dim
 // D, the rows that change how words are moved, not what is computed: " o4" / " o8" store O 4 and 8
-// bytes wide (HopperFwdConfig's kOStoreBytes; every other row stores 16, as the rungs do), " q2"
-// keeps two Q buffers (kQSlots). Each is checked against float64 and against BASE bit for bit on the
+// bytes wide (HopperFwdConfig's kOStoreBytes; every other row stores 16, as the rungs do). (A
+// second Q buffer, " q2", was compared this way and taken out: NOTES.md.) Each is checked against
+// float64 and against BASE bit for bit on the
 // check shapes, then (not --quick) on the timed shapes, and timed there side by side. The
 // "compare|..." lines are for a GPU script to parse.
 static int run_compare(const std::string& base, int d, bool quick) {

@@ -54,7 +54,7 @@ namespace flash_attention {
 // The knobs of one configuration of the kernel; the rungs (HopperFwdTraits, below) are points of
 // this space, and experiments/hopper_forward_check.cu times others.
 template <int kHeadDim_, int kBlockN_, int kStages_, bool kWarpSpecialized_, bool kJoint_, bool kPingpong_,
-          bool kOverlap_ = false, bool kPersistent_ = false, int kOStoreBytes_ = 16, int kQSlots_ = 1>
+          bool kOverlap_ = false, bool kPersistent_ = false, int kOStoreBytes_ = 16>
 struct HopperFwdConfig {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kHopperBlockM;  // two consumer warpgroups x 64 rows (wgmma's m64)
@@ -71,17 +71,13 @@ struct HopperFwdConfig {
   // experiments/hopper_forward_check.cu --epilogue. At 512 keys (4 key tiles an item) the 4-byte
   // stores cost the persistent rung 10-14% of its time on an H200 (NOTES.md, "The forward's epilogue").
   static constexpr int kOStoreBytes = kOStoreBytes_;
-  // Q buffers of the persistent walk: 1, refilled for the next item only once this item's last
-  // Q K^T is done; 2 where shared memory has room (d = 64: 129 of 227 KiB), the next item's Q
-  // copied while this one still walks (a candidate of hopper_forward_check.cu --variants, "q2").
-  static constexpr int kQSlots = kQSlots_;
   static constexpr int kChunks = kHeadDim / 64;  // 64-column chunks: one TMA box, one swizzle width
   static constexpr int kConsumerThreads = 256;
   static constexpr int kProducerThreads = kWarpSpecialized ? 128 : 0;
   static constexpr int kThreads = kConsumerThreads + kProducerThreads;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one stage of K (or of V)
-  static constexpr int kSmemBytes = kQSlots * kQBytes + 2 * kStages * kKVBytes + 1024;  // + 1024-byte alignment
+  static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + 1024;  // + 1024-byte alignment
   // setmaxnreg: 128 x 24 + 256 x 240 = 64,512 of the SM's 65,536 registers. The persistent
   // producer also decodes tiles and draws them from a counter: at 24 registers ptxas spilled 24 bytes
   // of its state, at 40 nothing, and 128 x 40 + 256 x 232 is the same 64,512 (the consumers showed
@@ -104,7 +100,6 @@ struct HopperFwdConfig {
   static_assert(!kOverlap || kStages >= 3, "the overlap releases a stage a step late: three stages or more");
   static_assert(!kPersistent || kWarpSpecialized, "the persistent loop is the producer's");
   static_assert(kOStoreBytes == 4 || kOStoreBytes == 8 || kOStoreBytes == 16, "a lane's 2, 4 or 8 columns a store");
-  static_assert(kQSlots == 1 || (kQSlots == 2 && kPersistent), "a second Q buffer serves the persistent walk only");
 };
 
 // Whether O's rows can take the configuration's store width: its pointer and every stride that

@@ -29,9 +29,7 @@
 //     next tile at once: the copy runs under the last P V and the stores (under the stores alone
 //     at d = 256, whose warp_specialized schedule has no product in flight to overlap before its
 //     last P V is done). q_trips counts the tiles that loaded a Q (a tile whose rows see no key
-//     loads nothing), on both sides alike. With HopperFwdConfig's kQSlots = 2 (a candidate, d = 64)
-//     item j's Q goes to slot j % 2, each slot with its own barriers, and the producer copies the
-//     next item's Q first, without waiting for this item's last Q K^T.
+//     loads nothing), on both sides alike.
 //   - the next tile's copies, in the order their buffers come free: its first K/V stage first (free
 //     once the consumers are done with the trip kStages back, two key tiles before this tile's end
 //     at three stages), then Q's halves (free with each warpgroup's last Q K^T), then the rest of
@@ -158,12 +156,10 @@ __global__ void __launch_bounds__(K::kThreads, 1)
   // The swizzle pattern repeats every 1024 bytes and the descriptors assume atoms there.
   unsigned char* smem =
       reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  unsigned char* q_s = smem;  // [Q slot][chunk][kBlockM rows][64]: warpgroup w's rows at 64 w
-  unsigned char* k_s = q_s + K::kQSlots * K::kQBytes;  // [stage][chunk][kBlockN rows][64]
+  unsigned char* q_s = smem;                          // [chunk][kBlockM rows][64]: warpgroup w's rows at 64 w
+  unsigned char* k_s = q_s + K::kQBytes;              // [stage][chunk][kBlockN rows][64]
   unsigned char* v_s = k_s + kStages * K::kKVBytes;   // same
-  // Q's barriers per (slot, warpgroup half): index 2 * slot + w. Item j's Q goes to slot j % kQSlots.
-  __shared__ uint64_t q_full[2 * K::kQSlots], q_empty[2 * K::kQSlots], k_full[kStages], v_full[kStages],
-      kv_empty[kStages];
+  __shared__ uint64_t q_full[2], q_empty[2], k_full[kStages], v_full[kStages], kv_empty[kStages];
   __shared__ uint64_t tile_full[2], tile_empty[2];
   __shared__ int tile_slot[2];  // the work items handed from the producer to the consumers
   __shared__ int producer_slot[2];  // the same, from the producer's first thread to the others (gather)
@@ -180,11 +176,9 @@ __global__ void __launch_bounds__(K::kThreads, 1)
     prefetch_tensor_map(&map_q);
     prefetch_tensor_map(&map_k);
     prefetch_tensor_map(&map_v);
-    for (int i = 0; i < 2 * K::kQSlots; ++i) {
-      mbarrier_init(&q_full[i], 1);   // the producer's arrive, with the half's bytes
-      mbarrier_init(&q_empty[i], 4);  // one arrive per warp of warpgroup i % 2, its last Q K^T done
-    }
     for (int w = 0; w < 2; ++w) {
+      mbarrier_init(&q_full[w], 1);   // the producer's arrive, with the half's bytes
+      mbarrier_init(&q_empty[w], 4);  // one arrive per warp of warpgroup w, its last Q K^T done
       mbarrier_init(&tile_full[w], 1);                    // the producer wrote slot w
       mbarrier_init(&tile_empty[w], K::kConsumerThreads);  // every consumer thread read it
     }
@@ -645,35 +639,20 @@ __global__ void __launch_bounds__(K::kThreads, 1)
           // warpgroup's last Q K^T of it. Loaded after Q, K would wait for that release too and
           // land as the consumers finish their epilogue, with the tensor cores idle meanwhile.
           // The item's walk, its page size a constant of each (walk_item's shift_tag: load_kv's).
-          auto load_q = [&] {
-            const int slot = static_cast<int>(q_trips % K::kQSlots);
-            const uint32_t round = q_trips / K::kQSlots;  // the slot's uses before this one
-            unsigned char* q_slot = q_s + slot * K::kQBytes;
+          auto walk_item = [&](auto shift_tag) {
+            load_kv(shift_tag, 0);
             for (int w = 0; w < 2 && leader; ++w) {
-              // Warpgroup w's half of the slot is free once its 4 warps' last Q K^T of the item that
-              // used the slot before (kQSlots items back) is done.
-              if (round > 0) mbarrier_wait(&q_empty[2 * slot + w], (round - 1) & 1);
-              mbarrier_arrive_expect_tx(&q_full[2 * slot + w], kHalfQBytes);
+              // Warpgroup w's half of Q is free once its 4 warps' last Q K^T of the previous item is done.
+              if (q_trips > 0) mbarrier_wait(&q_empty[w], (q_trips - 1) & 1);
+              mbarrier_arrive_expect_tx(&q_full[w], kHalfQBytes);
 #pragma unroll
               for (int c = 0; c < K::kChunks; ++c) {
                 // Rows past seqlen_q (the whole half, for an item of up to 64 rows) arrive as zeros.
-                tma_load_4d(q_slot + c * kBM * 128 + w * 64 * 128, &map_q, &q_full[2 * slot + w], c * 64,
+                tma_load_4d(q_s + c * kBM * 128 + w * 64 * 128, &map_q, &q_full[w], c * 64,
                             static_cast<int>(it.q_row) + 64 * w, it.h, it.map_b);
               }
             }
             ++q_trips;
-          };
-          auto walk_item = [&](auto shift_tag) {
-            if constexpr (K::kQSlots > 1) {
-              // Two Q buffers: the slot was last read two items back, long done, so Q goes first, as
-              // soon as the producer reaches the item (its last item's copies issued: a few key tiles
-              // before the consumers finish that item), ahead of the first key tile's stage.
-              load_q();
-              load_kv(shift_tag, 0);
-            } else {
-              load_kv(shift_tag, 0);
-              load_q();
-            }
             for (int i = 1; i < it.n_tiles; ++i) load_kv(shift_tag, i);
           };
           // The three page sizes that gather (8, 16, 32 rows: tile_schedule.h's rule at kBN 64 or 128),
@@ -739,7 +718,7 @@ __global__ void __launch_bounds__(K::kThreads, 1)
   const int warp = (ct % 128) / 32;
   const int lane = ct % 32;
   const int g = lane / 4, t = lane % 4;
-  const unsigned char* q_wg = q_s + wg * 64 * 128;  // this warpgroup's rows of the item's Q slot (set per item)
+  const unsigned char* q_wg = q_s + wg * 64 * 128;
 
   float o[K::kHeadDim / 2];
   float s[kBN / 2];
@@ -818,10 +797,8 @@ __global__ void __launch_bounds__(K::kThreads, 1)
     row_sum[0] = row_sum[1] = 0.f;        // this lane's share; the row's four lanes add at the end
 
     if (n_tiles > 0) {
-      const int q_slot = static_cast<int>(q_trips % K::kQSlots);
-      mbarrier_wait(&q_full[2 * q_slot + wg], (q_trips / K::kQSlots) & 1);
+      mbarrier_wait(&q_full[wg], q_trips & 1);
       ++q_trips;
-      q_wg = q_s + q_slot * K::kQBytes + wg * 64 * 128;
       // Trips lead_end .. full_end - 1 need no mask for any row of the warpgroup, the others do.
       // Plain: lead_end is 0 and tiles 0 .. n_full - 1 are whole for every row of the block (as in the
       // one-tile kernel). Window: the tiles left of the last row's first key are cut by the window's
@@ -842,7 +819,7 @@ __global__ void __launch_bounds__(K::kThreads, 1)
       const int n_full = full_end;
       // This warpgroup's half of Q is read for the last time: the producer may load the next tile's.
       auto release_q = [&] {
-        if (lane == 0) mbarrier_arrive(&q_empty[2 * q_slot + wg]);
+        if (lane == 0) mbarrier_arrive(&q_empty[wg]);
       };
 
       if constexpr (!K::kJoint && !K::kOverlap) {
