@@ -258,7 +258,8 @@ def sweep_archs(cu, includes, hopper_chapter=False):
 # elementwise_kernels.cu at sm_75: 65 s -> 25 s on a 2-core machine, nvcc 13.0), and the sweep was
 # most of the test command's time. sm_90a keeps the builds' optimizer: cicc -O0 stops with a
 # segmentation fault on the wgmma kernels (nvcc 13.0), and sm_90a is the target the GPU pass builds.
-SWEEP_DEVICE_FLAGS = {"75": ["-Xcicc", "-O0", "-Xptxas", "-O0"], "80": ["-Xcicc", "-O0", "-Xptxas", "-O0"]}
+NO_DEVICE_OPTIMIZER = ["-Xcicc", "-O0", "-Xptxas", "-O0"]
+SWEEP_DEVICE_FLAGS = {"75": NO_DEVICE_OPTIMIZER, "80": NO_DEVICE_OPTIMIZER}
 
 
 def nvcc_jobs():

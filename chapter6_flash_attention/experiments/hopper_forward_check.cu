@@ -348,7 +348,7 @@ static const Variant kVariants[] = {
 // Rows side by side on one shape: the inputs and their float64 reference (sampled rows) made once,
 // each row launched into its own NaN-poisoned output and held to the reference; with `bits`, every
 // row's o and lse also against the first row's, bit for bit (rows that only move the same words,
-// such as the store widths or the Q buffers: any difference is a bug). Then, if timed and all passed,
+// such as the store widths: any difference is a bug). Then, if timed and all passed,
 // every row in alternating rounds: kRounds rounds, each row 3 untimed and kReps timed calls a
 // round, the order rotated so that each row leads some round; the median and the minimum of each
 // row's timed calls. Making the inputs once matters: filling and referencing a 16M-element problem
@@ -441,13 +441,16 @@ static std::vector<Config> check_shapes(int d) {
 // The shapes they are timed at, full and causal: a long walk, and, at d = 64 and 128, 512 keys
 // (four key tiles an item: where a tile's prologue and epilogue weigh most; the sweep's shapes with
 // 16384 tokens, 2048 wide).
+static Config long_shape(int d, bool causal) {
+  const int s = d == 64 ? 2048 : 8192, b = d == 64 ? 8 : 2, h = d == 256 ? 8 : 16;
+  return {b, h, h, s, s, d, causal, false, false};
+}
 static std::vector<Config> timed_shapes(int d) {
   std::vector<Config> shapes;
   for (bool causal : {false, true}) {
     if (d == 128) shapes.push_back({32, 16, 16, 512, 512, 128, causal, false, false});
     if (d == 64) shapes.push_back({32, 32, 32, 512, 512, 64, causal, false, false});
-    const int s = d == 64 ? 2048 : 8192, b = d == 64 ? 8 : 2, h = d == 256 ? 8 : 16;
-    shapes.push_back({b, h, h, s, s, d, causal, false, false});
+    shapes.push_back(long_shape(d, causal));
   }
   return shapes;
 }
@@ -483,9 +486,8 @@ static int run_variants() {
 // D, the rows that change how words are moved, not what is computed: " o4" / " o8" store O 4 and 8
 // bytes wide (HopperFwdConfig's kOStoreBytes; every other row stores 16, as the rungs do). (A
 // second Q buffer, " q2", was compared this way and taken out: NOTES.md.) Each is checked against
-// float64 and against BASE bit for bit on the
-// check shapes, then (not --quick) on the timed shapes, and timed there side by side. The
-// "compare|..." lines are for a GPU script to parse.
+// float64 and against BASE bit for bit on the check shapes, then (not --quick) on the timed shapes,
+// and timed there side by side. The "compare ..." lines are for a GPU script to parse.
 static int run_compare(const std::string& base, int d, bool quick) {
   std::vector<const Variant*> rows;  // BASE first
   for (const Variant& var : kVariants) {
@@ -529,8 +531,7 @@ static int run_compare(const std::string& base, int d, bool quick) {
 static int profile_variant(const char* name, int d) {
   for (const Variant& var : kVariants) {
     if (std::string(var.name) == name && var.d == d) {
-      const Config c = timed_shapes(d)[d == 256 ? 0 : 1];
-      return run_rows({&var}, c, false, false)[0].got.pass ? 0 : 1;
+      return run_rows({&var}, long_shape(d, false), false, false)[0].got.pass ? 0 : 1;
     }
   }
   std::printf("no variant %s at d%d\n", name, d);
