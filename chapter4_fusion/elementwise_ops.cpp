@@ -19,6 +19,7 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
+#include <cstdint>
 #include <cstdlib>
 #include <optional>
 #include <string>
@@ -567,6 +568,30 @@ std::string flat_forward_form(const Tensor& x, int64_t sms, bool swiglu) {
   return uniform ? "uniform" : "branch";
 }
 
+// The flat forward's column arithmetic (course::FastDivmod, index_math.h: the row length's magic
+// number, worked out on the host, a multiply-high, an add and a shift in the kernel), asked on the
+// CPU: [i / n, i % n] for each index of `index` (int64, each 0 to 2^32 - 1) by row length n (1 to
+// 2^32 - 1), as the kernel computes them (the host form of its multiply-high).
+Tensor flat_column_divmod(const Tensor& index, int64_t n) {
+  TORCH_CHECK(index.scalar_type() == at::kLong && index.device().is_cpu(),
+              "flat_column_divmod: index must be an int64 CPU tensor, got ", index.scalar_type(), " on ", index.device());
+  TORCH_CHECK(n >= 1 && n <= UINT32_MAX, "flat_column_divmod: n must be 1 to 2^32 - 1, got ", std::to_string(n));
+  const Tensor in = index.contiguous();
+  const int64_t* i = in.const_data_ptr<int64_t>();
+  for (int64_t k = 0; k < in.numel(); ++k) {
+    TORCH_CHECK(i[k] >= 0 && i[k] <= UINT32_MAX, "flat_column_divmod: indices must be 0 to 2^32 - 1, got ",
+                std::to_string(i[k]));
+  }
+  const ::course::FastDivmod n_div(static_cast<uint32_t>(n));
+  Tensor out = at::empty({in.numel(), 2}, in.options());
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t k = 0; k < in.numel(); ++k) {
+    o[2 * k] = n_div.div(static_cast<uint32_t>(i[k]));
+    o[2 * k + 1] = n_div.mod(static_cast<uint32_t>(i[k]));
+  }
+  return out;
+}
+
 // swiglu's launch for x on a GPU of `sms` SMs, [kernel, threads per block, blocks, whole vectors]:
 // the rule v2's forward (backward false) or the backward launches with, asked without a GPU, for
 // a freshly allocated (16-byte aligned) y, dy and dx as the glue's are. kernel 0: the flat walk,
@@ -757,6 +782,7 @@ TORCH_LIBRARY_FRAGMENT(fusion, m) {
   m.def("swiglu_grid(Tensor x, int sms, bool backward=False) -> int[]", &fusion::elementwise::swiglu_grid_of);
   m.def("bias_forward_kernel(Tensor x, str activation, int sms) -> str", &fusion::elementwise::bias_forward_kernel);
   m.def("flat_forward_form(Tensor x, int sms, bool swiglu=False) -> str", &fusion::elementwise::flat_forward_form);
+  m.def("flat_column_divmod(Tensor index, int n) -> Tensor", &fusion::elementwise::flat_column_divmod);
 }
 
 // One implementation per op serves CPU, CUDA and Meta: each picks the backend from the (already

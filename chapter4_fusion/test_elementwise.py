@@ -1453,6 +1453,27 @@ def test_bias_forward_kernel_rule(dtype):
         torch.ops.fusion.bias_forward_kernel(torch.empty(4, 8, device="meta"), "tanh", 132)
 
 
+def test_flat_column_divmod():
+    """The flat forward's column (course::FastDivmod: n's magic number, a multiply-high, an add and a
+    shift) is i // n and i % n for every 32-bit index: at each row length from 1 to 4099 and at
+    powers of two, odd lengths and the largest ones, for the indices at a multiple of n and either
+    side of it, at 2^31 and at the top of the range, and at random. Bad input is refused."""
+    gen = torch.Generator().manual_seed(0)
+    top = 2**32 - 1
+    lengths = list(range(1, 4100)) + [2**k + d for k in range(12, 32) for d in (-1, 0, 1)] + [top - 1, top, 50257, 151936]
+    for n in lengths:
+        multiples = [m * n for m in (1, 2, top // n - 1, top // n) if 0 <= m * n <= top]
+        near = {0, 1, n - 1, 2**31 - 1, 2**31, top - 1, top} | {v + d for v in multiples for d in (-1, 0, 1)}
+        index = torch.tensor(sorted(v for v in near if 0 <= v <= top), dtype=torch.int64)
+        index = torch.cat([index, torch.randint(0, 2**32, (64,), generator=gen, dtype=torch.int64)])
+        got = torch.ops.fusion.flat_column_divmod(index, n)
+        assert torch.equal(got, torch.stack([index // n, index % n], dim=1)), n
+    with pytest.raises(RuntimeError, match="flat_column_divmod: n must be 1 to 2"):
+        torch.ops.fusion.flat_column_divmod(torch.zeros(1, dtype=torch.int64), 0)
+    with pytest.raises(RuntimeError, match="flat_column_divmod: indices must be 0 to 2"):
+        torch.ops.fusion.flat_column_divmod(torch.tensor([2**32]), 7)
+
+
 # The flat forward's form on rows that start mid-vector (course::flat_uniform, bias_act.h): the
 # uniform one (edge elements on a warp of their own, every lane's loads issued before any use)
 # where the grid is one wave or less of it, 5 blocks of 256 an SM; COURSE_FORWARD_ODD forces either.

@@ -143,7 +143,7 @@ def test_llama_logits_loss_and_gradients(device, dtype, padded, monkeypatch):
         # The padded path is attention_varlen, whose CUDA kernels are tensor-core ones (16-bit: the
         # bfloat16 test below): its refusal for float32 and float64, not a silent fallback.
         with pytest.raises(RuntimeError, match=r"attention_varlen_forward: on CUDA the packed \(varlen\) layout runs "
-                                               r"on versions 'tuned' and 'split_kv' alone"):
+                                               r"on versions 'tuned', 'split_kv' and 'persistent' alone \(float16 and bfloat16"):
             run(ours, ids, mask, padded)
         return
     assert_same_model_outputs(ref, ours, ids, mask, padded, TOL[dtype])
@@ -190,7 +190,7 @@ def test_greedy_generate_with_kv_cache(device, padded, monkeypatch):
     if padded and device == "cuda":
         # float64 (above): the packed layout's CUDA rungs are 16-bit ones, so its refusal.
         with pytest.raises(RuntimeError, match=r"attention_varlen_forward: on CUDA the packed \(varlen\) layout runs "
-                                               r"on versions 'tuned' and 'split_kv' alone"):
+                                               r"on versions 'tuned', 'split_kv' and 'persistent' alone \(float16 and bfloat16"):
             ours.generate(ids, **kwargs)
         return
     with torch.no_grad():

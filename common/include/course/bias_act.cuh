@@ -52,6 +52,20 @@ cudaError_t with_source(SaveKind source, F&& f) {
   return f(std::integral_constant<SaveKind, SaveKind::kMask>{});
 }
 
+// A tile's width p (tx packs, or the G lanes of a column in add_down_columns) is a power of two
+// that the launcher picks at run time (tile_width and few_rows_width double it; row_phases too),
+// which the compiler cannot know: i / p and i % p were divisions by a run-time value, a dozen
+// instructions around a MUFU.RCP round trip each (I2F, RCP, F2I, IMAD.HI, two fix-ups; SASS,
+// sm_90a). The backward's tile kernel did two before its first load and three in a row before
+// its column sums, on a kernel that at 64 tokens is little else (ncu, fused_op's backward at 64 x
+// 2048 in float32: 'wait' the second stall reason after the loads). Here they are a shift and a
+// mask: i / p = i >> shift, i % p = i & (p - 1).
+struct Pow2 {
+  int shift;
+  int mask;
+};
+__device__ __forceinline__ Pow2 pow2(int p) { return {__ffs(p) - 1, p - 1}; }
+
 // Every kernel's z = x * scale + bias is one fused multiply-add, written out so that the
 // forward's mask and the backward's recomputation from x (save="x") round z identically.
 __device__ __forceinline__ float fma_acc(float a, float b, float c) { return fmaf(a, b, c); }
@@ -230,8 +244,9 @@ __global__ void __launch_bounds__(kTileThreads, COURSE_MIN_BLOCKS(kMinBlocks))
     bias_act_tile_kernel(const T* x, const T* bias, typename Acc<T>::type scale, T* y, T* pre,
                          uint32_t* mask, int64_t rows, int64_t n, int tx) {
   using A = typename Acc<T>::type;
-  const int ty = kTileThreads / tx;
-  const int64_t col = static_cast<int64_t>(blockIdx.x) * tx + threadIdx.x % tx;  // pack index in a row
+  const Pow2 x_split = pow2(tx);
+  const int ty = kTileThreads >> x_split.shift;
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * tx + (threadIdx.x & x_split.mask);  // pack index in a row
   const int64_t e = col * L;                                                     // its first element
   // The last column tile may hang over the row's end; its extra threads only join the shuffles.
   const bool col_ok = e < n;
@@ -243,7 +258,7 @@ __global__ void __launch_bounds__(kTileThreads, COURSE_MIN_BLOCKS(kMinBlocks))
 #pragma unroll
     for (int l = 0; l < L; ++l) b[l] = to_acc(bv.v[l]);
   }
-  const int64_t row_in_tile = threadIdx.x / tx;
+  const int64_t row_in_tile = threadIdx.x >> x_split.shift;
   const int64_t row_step = static_cast<int64_t>(gridDim.y) * ty;
   const int64_t words_per_row = mask_words_per_row(n);
   // base is the same in every thread of the block, so every lane of a warp makes the same trips
@@ -314,7 +329,8 @@ cudaError_t launch_bias_act_tiles(const BiasAct<T>& p, cudaStream_t stream) {
 // ---------------------------------------------------------------------------------------
 // The flat forward: the flat [rows, n] array as 16-byte vectors, one per thread, 256 threads a
 // block, one pass: chapter 1's v5 with a bias. A vector's column is its first element's index
-// mod n (32-bit arithmetic while the array has fewer than 2^32 elements), and its bias is one
+// mod n (while the array has fewer than 2^32 elements, by n's magic number, course::FastDivmod:
+// the bias's load waits for it), and its bias is one
 // 16-byte load (n a whole number of vectors: a vector never crosses a row) or, where rows start
 // mid-vector, two aligned 16-byte loads shifted into place (bias_window), single elements
 // gathered at their columns only for the vector that wraps at the row's end (from L1: one row of
@@ -327,8 +343,8 @@ cudaError_t launch_bias_act_tiles(const BiasAct<T>& p, cudaStream_t stream) {
 // is the flat array of its bits, and the lanes of one word OR theirs as in the tiles.
 // ---------------------------------------------------------------------------------------
 template <typename T>
-__device__ __forceinline__ int64_t column_of(int64_t i, int64_t n, bool narrow) {
-  return narrow ? static_cast<int64_t>(static_cast<uint32_t>(i) % static_cast<uint32_t>(n)) : i % n;
+__device__ __forceinline__ int64_t column_of(int64_t i, int64_t n, const FastDivmod& n_div, bool narrow) {
+  return narrow ? static_cast<int64_t>(n_div.mod(static_cast<uint32_t>(i))) : i % n;
 }
 
 // The bias of a vector whose first column c is not a multiple of L (rows that start mid-vector,
@@ -391,7 +407,7 @@ template <typename T, typename Act, bool kMask, bool kBiasVectors, bool kUniform
 __global__ void __launch_bounds__(kFlatThreads)
     bias_act_flat_kernel(const T* __restrict__ x, const T* __restrict__ bias, typename Acc<T>::type scale,
                          T* __restrict__ y, T* __restrict__ pre, uint32_t* __restrict__ mask, int64_t total,
-                         int64_t n, int head, bool bias_windows, int64_t edge_first) {
+                         int64_t n, FastDivmod n_div, int head, bool bias_windows, int64_t edge_first) {
   using A = typename Acc<T>::type;
   constexpr int L = Vec16<T>::kLanes;
   const bool narrow = total <= static_cast<int64_t>(UINT32_MAX);
@@ -404,7 +420,7 @@ __global__ void __launch_bounds__(kFlatThreads)
     const int64_t k = v - edge_first;
     if (k >= 0 && k < head + (total - tail)) {
       const int64_t i = k < head ? k : tail + (k - head);
-      const A z = fma_acc(to_acc(x[i]), scale, bias != nullptr ? to_acc(bias[column_of<T>(i, n, narrow)]) : A(0));
+      const A z = fma_acc(to_acc(x[i]), scale, bias != nullptr ? to_acc(bias[column_of<T>(i, n, n_div, narrow)]) : A(0));
       y[i] = from_acc<T>(Act::template forward<A, kFastMath<T>>(z));
       if (pre != nullptr) pre[i] = from_acc<T>(z);
     }
@@ -413,7 +429,7 @@ __global__ void __launch_bounds__(kFlatThreads)
   uint32_t bits = 0;
   if (active) {
     const int64_t first = head + v * L;
-    const int64_t c = column_of<T>(first, n, narrow);
+    const int64_t c = column_of<T>(first, n, n_div, narrow);
     const Vec16<T> xv = load16(reinterpret_cast<const Vec16<T>*>(x + first));
     A b[L];
     if constexpr (kBiasVectors) {
@@ -516,15 +532,17 @@ cudaError_t launch_bias_act_flat(const BiasAct<T>& p, cudaStream_t stream) {
   // Other rows: the bias in aligned windows (bias_window) where the bias row starts on a 16-byte
   // boundary, as a fresh tensor does; else element by element (every lane the same path).
   const bool bias_windows = p.bias != nullptr && is_aligned(p.bias, 16);
+  // n's magic number where the kernel's columns take 32-bit arithmetic (total < 2^32, so n is too).
+  const FastDivmod n_div(total <= static_cast<int64_t>(UINT32_MAX) ? static_cast<uint32_t>(p.n) : 1u);
   if (bias_vectors && p.bias != nullptr) {
     bias_act_flat_kernel<T, Act, kMask, true, false><<<blocks, kFlatThreads, 0, stream>>>(
-        p.x, p.bias, p.scale, p.y, p.pre, p.mask, total, p.n, head, bias_windows, edge_first);
+        p.x, p.bias, p.scale, p.y, p.pre, p.mask, total, p.n, n_div, head, bias_windows, edge_first);
   } else if (uniform && p.bias != nullptr && p.n >= L) {
     bias_act_flat_kernel<T, Act, kMask, false, true><<<blocks, kFlatThreads, 0, stream>>>(
-        p.x, p.bias, p.scale, p.y, p.pre, p.mask, total, p.n, head, bias_windows, edge_first);
+        p.x, p.bias, p.scale, p.y, p.pre, p.mask, total, p.n, n_div, head, bias_windows, edge_first);
   } else {
     bias_act_flat_kernel<T, Act, kMask, false, false><<<blocks, kFlatThreads, 0, stream>>>(
-        p.x, p.bias, p.scale, p.y, p.pre, p.mask, total, p.n, head, bias_windows, edge_first);
+        p.x, p.bias, p.scale, p.y, p.pre, p.mask, total, p.n, n_div, head, bias_windows, edge_first);
   }
   return cudaGetLastError();
 }
@@ -634,9 +652,10 @@ __device__ __forceinline__ void add_down_columns(int W, int count, Value value, 
   if (W >= kGradThreads) {
     for (int k = threadIdx.x; k < W; k += kGradThreads) emit(k, add_rows(A(0), 0, 1, k));
   } else if (W >= 8) {
-    const int G = kGradThreads / W;  // 2 to 32, a power of two: its lanes lie in one warp
-    const int k = threadIdx.x / G;
-    const int part = threadIdx.x % G;
+    const int G = kGradThreads >> pow2(W).shift;  // 2 to 32, a power of two: its lanes lie in one warp
+    const Pow2 g_split = pow2(G);
+    const int k = threadIdx.x >> g_split.shift;
+    const int part = threadIdx.x & g_split.mask;
     A total = add_rows(A(0), part, G, k);
     for (int offset = G / 2; offset > 0; offset /= 2) total += __shfl_xor_sync(0xffffffffu, total, offset, G);
     if (part == 0) emit(k, total);
@@ -786,8 +805,9 @@ __global__ void __launch_bounds__(kGradThreads,
   constexpr int kRows = kRowsInFlight<L>;
   // Every thread's L sums, [row of the tile][column of the tile] (tile_sums_stride apart).
   __shared__ __align__(16) A tile_sums[kTileSumsSize<L>];
-  const int ty = kGradThreads / tx;
-  const int64_t col = static_cast<int64_t>(blockIdx.x) * tx + threadIdx.x % tx;
+  const Pow2 x_split = pow2(tx);
+  const int ty = kGradThreads >> x_split.shift;
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * tx + (threadIdx.x & x_split.mask);
   const int64_t e = col * L;
   // The last column tile may hang over the row's end: its extra threads sum nothing but still
   // reach the block's barrier below.
@@ -803,7 +823,7 @@ __global__ void __launch_bounds__(kGradThreads,
   A sum[L];
 #pragma unroll
   for (int l = 0; l < L; ++l) sum[l] = A(0);
-  const int row_in_tile = threadIdx.x / tx;
+  const int row_in_tile = threadIdx.x >> x_split.shift;
   const int64_t row_step = static_cast<int64_t>(gridDim.y) * ty;
   const int64_t words_per_row = mask_words_per_row(n);
   // rows, clamped at 0: a bound the compiler knows is not negative (with rows itself, the loop
@@ -840,7 +860,7 @@ __global__ void __launch_bounds__(kGradThreads,
     }
   }
   const int W = tx * L;
-  store_sums<A, L>(tile_sums + row_in_tile * tile_sums_stride(W) + (threadIdx.x % tx) * L, sum);
+  store_sums<A, L>(tile_sums + row_in_tile * tile_sums_stride(W) + (threadIdx.x & x_split.mask) * L, sum);
   __syncthreads();  // every row's sums are in shared memory before any column's are added
   write_tile_sums<T>(tile_sums, W, ty, static_cast<int64_t>(blockIdx.x) * W, n, dbias, partials);
   if (counters != nullptr && gridDim.y > 1) {
@@ -937,16 +957,17 @@ __global__ void __launch_bounds__(kGradThreads, kSource == SaveKind::kInput ? kG
   using A = typename Acc<T>::type;
   constexpr int L = Vec16<T>::kLanes;
   __shared__ __align__(16) A tile_sums[kTileSumsSize<L>];
-  const int ty = kGradThreads / tx;
+  const Pow2 x_split = pow2(tx);
+  const int ty = kGradThreads >> x_split.shift;
   const int W = tx * L;
-  const int row_in_tile = threadIdx.x / tx;
-  const int c = threadIdx.x % tx;
+  const int row_in_tile = threadIdx.x >> x_split.shift;
+  const int c = threadIdx.x & x_split.mask;
   const int64_t S = static_cast<int64_t>(blockIdx.x) * W;  // the span's first column
   const int64_t first_row = static_cast<int64_t>(blockIdx.y) * ty + row_in_tile;
   // Where this thread's rows start their vectors: every row it visits is first_row plus a
   // multiple of ty, itself a multiple of the phases (dy, dx and saved sit equally far from a
   // 16-byte boundary: fused_backward_tiling checked). Only the address is formed, nothing read.
-  const int head = head_elements(dy + (first_row % phases) * n);
+  const int head = head_elements(dy + (first_row & (phases - 1)) * n);  // phases: a power of two
   // Thread 0's pack wraps (its lanes below head are the span's first columns) where head > 0.
   const int wrapped = c == 0 ? head : 0;
   const int back = W - L;

@@ -18,6 +18,35 @@ COURSE_HOST_DEVICE constexpr T ceil_div(T a, T b) {
   return (a + b - 1) / b;
 }
 
+// i / d and i % d for a divisor d known only at run time (a row length), for every i below 2^32, as
+// a multiply-high, an add and a shift: the divisor's magic number, worked out once on the host
+// (Granlund and Montgomery, "Division by invariant integers using multiplication", 1994: shift =
+// ceil(log2 d), multiplier = floor(2^32 (2^shift - d) / d) + 1, q = (mulhi(i, multiplier) + i) >>
+// shift, exact for every 32-bit i; the add in 64 bits, where it can pass 2^32). The compiler's own
+// division by a run-time value is a dozen instructions around a reciprocal on the special-function
+// unit (I2F, MUFU.RCP, F2I, IMAD.HI, two fix-ups: some 60 cycles in series), where this is four.
+// torch.compile's kernels get the same for free: they are compiled for the row length, a constant.
+struct FastDivmod {
+  uint32_t divisor;
+  uint32_t multiplier;
+  uint32_t shift;
+
+  FastDivmod() : divisor(1), multiplier(1), shift(0) {}
+  explicit FastDivmod(uint32_t d) : divisor(d > 0 ? d : 1), multiplier(0), shift(0) {
+    while (shift < 32 && (uint64_t{1} << shift) < divisor) ++shift;
+    multiplier = static_cast<uint32_t>(((uint64_t{1} << 32) * ((uint64_t{1} << shift) - divisor)) / divisor + 1);
+  }
+  COURSE_HOST_DEVICE uint32_t div(uint32_t i) const {
+#if defined(__CUDA_ARCH__)
+    const uint32_t hi = __umulhi(i, multiplier);
+#else
+    const uint32_t hi = static_cast<uint32_t>((static_cast<uint64_t>(i) * multiplier) >> 32);
+#endif
+    return static_cast<uint32_t>((static_cast<uint64_t>(hi) + i) >> shift);
+  }
+  COURSE_HOST_DEVICE uint32_t mod(uint32_t i) const { return i - div(i) * divisor; }
+};
+
 inline bool is_aligned(const void* p, uintptr_t bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }
