@@ -282,7 +282,9 @@ def format_table(rows):
                      f"{bound[:17]:<18}{_fmt(r.get('achieved_occupancy_pct'), '.0f', 5)}"
                      f"{_fmt(r.get('tensor_pipe_pct'), '.0f', 5)}{conflicts:>14}  {stall}"
                      # last, after the stall: hopper_profile (lesson_facts) reads the columns before by place
-                     f"  {_fmt(r.get('tensor_gmma_pipe_pct'), '.0f')} {_fmt(r.get('xu_pipe_pct'), '.0f')}")
+                     f"  {_fmt(r.get('tensor_gmma_pipe_pct'), '.0f')} {_fmt(r.get('xu_pipe_pct'), '.0f')}"
+                     # a softcapped call's label ends in .softcap30: said here, or its line reads as the plain one's
+                     + (f"  {r['label'].rsplit('.', 1)[-1]}" if ".softcap" in r.get("label", "") else ""))
     return "\n".join(lines)
 
 

@@ -114,6 +114,14 @@ def test_a_row_tolerates_counters_ncu_did_not_give():
     assert "naive" in P.format_table([row])
 
 
+def test_the_table_tells_a_softcapped_call_from_the_plain_one():
+    plain = {"pass": "forward", "variant": "persistent", "head_dim": 128, "causal": True}
+    rows = [P.summarize_call(run, [k(FWD)], 1e9) for run in (plain, {**plain, "softcap": 30.0})]
+    lines = P.format_table(rows).splitlines()[1:]
+    assert not lines[0].endswith("softcap30") and lines[1].endswith("  softcap30")
+    assert lines[1].startswith(lines[0].rstrip()[:40])  # the columns before are the plain call's
+
+
 def test_the_plan_covers_every_rung_and_the_causal_runs():
     plan = P.runs(("naive", "tiled", "mma", "pipelined", "tuned"), ("naive", "mma", "mma_dqpass"))
     labels = [P.label(r) for r in plan]
