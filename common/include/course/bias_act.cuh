@@ -52,19 +52,12 @@ cudaError_t with_source(SaveKind source, F&& f) {
   return f(std::integral_constant<SaveKind, SaveKind::kMask>{});
 }
 
-// A tile's width p (tx packs, or the G lanes of a column in add_down_columns) is a power of two
-// that the launcher picks at run time (tile_width and few_rows_width double it; row_phases too),
-// which the compiler cannot know: i / p and i % p were divisions by a run-time value, a dozen
-// instructions around a MUFU.RCP round trip each (I2F, RCP, F2I, IMAD.HI, two fix-ups; SASS,
-// sm_90a). The backward's tile kernel did two before its first load and three in a row before
-// its column sums, on a kernel that at 64 tokens is little else (ncu, fused_op's backward at 64 x
-// 2048 in float32: 'wait' the second stall reason after the loads). Here they are a shift and a
-// mask: i / p = i >> shift, i % p = i & (p - 1).
-struct Pow2 {
-  int shift;
-  int mask;
-};
-__device__ __forceinline__ Pow2 pow2(int p) { return {__ffs(p) - 1, p - 1}; }
+// A tile's width (tx packs, or the G lanes of a column in add_down_columns) and the row phases are
+// powers of two that the launcher picks at run time (tile_width and few_rows_width double them;
+// row_phases too): the kernels divide by them with course::pow2 (index_math.h), a shift and a
+// mask. As divisions by a run-time value, the backward's tile kernel did two before its first load
+// and three in a row before its column sums, on a kernel that at 64 tokens is little else (ncu,
+// fused_op's backward at 64 x 2048 in float32: 'wait' the second stall reason after the loads).
 
 // Every kernel's z = x * scale + bias is one fused multiply-add, written out so that the
 // forward's mask and the backward's recomputation from x (save="x") round z identically.

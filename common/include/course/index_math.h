@@ -18,14 +18,25 @@ COURSE_HOST_DEVICE constexpr T ceil_div(T a, T b) {
   return (a + b - 1) / b;
 }
 
-// i / d and i % d for a divisor d known only at run time (a row length), for every i below 2^32, as
-// a multiply-high, an add and a shift: the divisor's magic number, worked out once on the host
-// (Granlund and Montgomery, "Division by invariant integers using multiplication", 1994: shift =
-// ceil(log2 d), multiplier = floor(2^32 (2^shift - d) / d) + 1, q = (mulhi(i, multiplier) + i) >>
-// shift, exact for every 32-bit i; the add in 64 bits, where it can pass 2^32). The compiler's own
-// division by a run-time value is a dozen instructions around a reciprocal on the special-function
-// unit (I2F, MUFU.RCP, F2I, IMAD.HI, two fix-ups: some 60 cycles in series), where this is four.
-// torch.compile's kernels get the same for free: they are compiled for the row length, a constant.
+// Division by a divisor known only at run time. The compiler's own is a dozen instructions around a
+// reciprocal on the special-function unit (I2F, MUFU.RCP, F2I, IMAD.HI, two fix-ups; SASS, sm_90a:
+// some 60 cycles in series), because it cannot know the divisor; torch.compile's kernels avoid it
+// by being compiled for their sizes, constants. Two ways to avoid it here:
+//
+// Pow2: p a power of two (a tile's width the launcher picked): i / p = i >> shift, i % p = i & mask.
+struct Pow2 {
+  int shift;
+  int mask;
+};
+#if defined(__CUDACC__)
+__device__ __forceinline__ Pow2 pow2(int p) { return {__ffs(p) - 1, p - 1}; }
+#endif
+
+// FastDivmod: any d (a row length), for every i below 2^32, as a multiply-high, an add and a shift:
+// the divisor's magic number, worked out once on the host (Granlund and Montgomery, "Division by
+// invariant integers using multiplication", 1994: shift = ceil(log2 d), multiplier = floor(2^32
+// (2^shift - d) / d) + 1, q = (mulhi(i, multiplier) + i) >> shift, exact for every 32-bit i; the
+// add in 64 bits, where it can pass 2^32).
 struct FastDivmod {
   uint32_t divisor;
   uint32_t multiplier;
