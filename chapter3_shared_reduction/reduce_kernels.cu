@@ -376,19 +376,34 @@ __global__ void __launch_bounds__(kThreads) reduce_split_row(const T* __restrict
 // any was measured on an H100 at (100003, 16, 3) over dim 1: float32 0.80x -> 0.94x torch, but
 // 16-bit 0.85x -> 0.71x (not profiled), so the loop stays as it was.
 
-template <typename T, typename Op>
-__global__ void __launch_bounds__(kThreads) reduce_column_loop(const T* __restrict__ x, int64_t outer,
-                                                               int64_t n, int64_t inner,
-                                                               T* __restrict__ out) {
+// Where output c lies: slice c / inner, column c % inner, a division by a size known only at run
+// time. In 64 bits that is a CALL to nvcc's 64-bit division routine for every output (SASS,
+// sm_90a), where torch.compile's kernel, compiled for its sizes, divides by a constant. While every
+// element index fits 31 bits (column_loop_fits_32_bits, reduction.h; the launcher asks) the kernel
+// divides by inner's magic number (course::FastDivmod: a multiply-high, an add and a shift) and
+// indexes in 32 bits; a larger tensor keeps 64-bit indices and the division. One body serves both:
+// Index is the index type, InnerDiv divides by inner in it. Each output still adds its n elements
+// in order k = 0 .. n-1, so both give the same bits.
+struct Divide64 {
+  int64_t divisor;
+  __device__ int64_t div(int64_t i) const { return i / divisor; }
+};
+
+template <typename T, typename Op, typename Index, typename InnerDiv>
+__global__ void __launch_bounds__(kThreads) reduce_column_loop(const T* __restrict__ x, Index columns, Index n,
+                                                               InnerDiv inner_div, T* __restrict__ out) {
   using A = typename Acc<T>::type;
   const Op op;
-  const int64_t columns = outer * inner;
-  const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads;
-  for (int64_t c = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; c < columns; c += step) {
-    const T* col = x + (c / inner) * n * inner + c % inner;
+  const Index inner = inner_div.divisor;
+  const Index step = static_cast<Index>(gridDim.x) * kThreads;
+  // 32-bit indices: c + step stays below 2^32 (c < columns < 2^31, and step, the columns rounded up
+  // to whole blocks, at most 2^31), so the loop cannot wrap around.
+  for (Index c = static_cast<Index>(blockIdx.x) * kThreads + threadIdx.x; c < columns; c += step) {
+    const Index slice = inner_div.div(c);
+    const T* col = x + (slice * n * inner + (c - slice * inner));
     A acc = Op::identity();
 #pragma unroll 4
-    for (int64_t k = 0; k < n; ++k) acc = op(acc, to_acc(col[k * inner]));
+    for (Index k = 0; k < n; ++k) acc = op(acc, to_acc(col[k * inner]));
     out[c] = from_acc<T>(acc);
   }
 }
@@ -640,8 +655,15 @@ cudaError_t run_columns(const ReduceParams& p, const Plan& plan, cudaStream_t st
   const T* x = static_cast<const T*>(p.x);
   T* out = static_cast<T*>(p.out);
   if (p.version == ReduceVersion::kColumnLoop) {
-    reduce_column_loop<T, Op><<<clamp_grid(course::ceil_div(p.outer * p.inner, int64_t{kThreads})), kThreads,
-                                0, stream>>>(x, p.outer, p.n, p.inner, out);
+    const int64_t columns = p.outer * p.inner;
+    const unsigned blocks = clamp_grid(course::ceil_div(columns, int64_t{kThreads}));
+    if (column_loop_fits_32_bits(p.outer, p.n, p.inner)) {
+      reduce_column_loop<T, Op, uint32_t><<<blocks, kThreads, 0, stream>>>(
+          x, static_cast<uint32_t>(columns), static_cast<uint32_t>(p.n),
+          course::FastDivmod(static_cast<uint32_t>(p.inner)), out);
+    } else {
+      reduce_column_loop<T, Op, int64_t><<<blocks, kThreads, 0, stream>>>(x, columns, p.n, Divide64{p.inner}, out);
+    }
     return cudaGetLastError();
   }
   const dim3 grid(clamp_grid(plan.blocks), static_cast<unsigned>(plan.splits));

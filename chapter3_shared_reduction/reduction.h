@@ -236,6 +236,14 @@ inline ReduceVersion default_reduce(int64_t outer, int64_t n, int64_t inner, boo
   return ReduceVersion::kBlockPerRow;
 }
 
+// column_loop indexes in 32 bits, dividing by inner's magic number (course::FastDivmod), while
+// the tensor has fewer than 2^31 elements: every element index and output index then fits 32 bits,
+// and so does the grid loop's next index (below 2^31 + 2^31). Larger tensors take 64-bit indices
+// and the compiler's division (reduce_kernels.cu says what that costs).
+inline bool column_loop_fits_32_bits(int64_t outer, int64_t n, int64_t inner) {
+  return outer * n * inner <= int64_t{INT32_MAX};
+}
+
 // Softmax: v4 while a row fits one block's registers, v5 beyond.
 inline SoftmaxVersion default_softmax(int64_t n, int elem_bytes) {
   const RowPlan plan = plan_row(n, elem_bytes, /*allow_split=*/false, /*backward=*/false, /*sms=*/0);

@@ -337,6 +337,15 @@ std::string default_choice(c10::string_view op_name, const Tensor& x, std::optio
   return "streamed";
 }
 
+// The index width column_loop takes for x reduced over `dim`, from its shape alone (any device,
+// meta included): 32 (course::FastDivmod by inner) or 64 (the compiler's division), as
+// column_loop_fits_32_bits (reduction.h) decides at launch.
+int64_t column_loop_index_bits(const Tensor& x, int64_t dim) {
+  check_input("column_loop_index_bits", "x", x);
+  const ReduceShape s = reduce_shape("column_loop_index_bits", x, dim);
+  return column_loop_fits_32_bits(s.outer, s.n, s.inner) ? 32 : 64;
+}
+
 // ---------------------------------------------------------------------------------------
 // Autograd. Each forward re-enters the dispatcher below the Autograd key, reaching the kernels
 // above; the softmax backward is this chapter's own kernel, the others are ATen expressions.
@@ -489,6 +498,7 @@ TORCH_LIBRARY(shared_reduction, m) {
   m.def("atomic_sum(Tensor x) -> Tensor");
   m.def("versions(str op) -> str[]", &versions);
   m.def("default_choice(str op, Tensor x, int? dim, int sms) -> str", &default_choice);
+  m.def("column_loop_index_bits(Tensor x, int dim) -> int", &column_loop_index_bits);
 }
 
 // One implementation per op serves CPU, CUDA and Meta: each picks the backend from the

@@ -1047,9 +1047,9 @@ def test_new_paths_launch_their_kernels(case):
 
 # A column lane's range of single 2- or 4-byte elements ends in one guarded batch of the row
 # groups left after its full ones (course/column_reduce.cuh, kColumnTailBatch; vectors and
-# float64 take them one at a time), and column_loop walks its reduced dim in guarded batches of 16
-# (reduce_kernels.cu): reduced lengths on each side of those batches, for the narrow
-# single-element tile, the 32-lane one (split into ranges), and the vector one.
+# float64 take them one at a time), and column_loop unrolls its reduced dim by 4 (reduce_kernels.cu):
+# reduced lengths on each side of those batches, for the narrow single-element tile, the 32-lane
+# one (split into ranges), and the vector one.
 COLUMN_TAIL_CASES = [
     # 7 columns: 8 lanes of one element, 4 rows a warp, 32 a block step, 512 a batch of 16
     ((4, 511, 7), 1), ((4, 512, 7), 1), ((4, 513, 7), 1), ((64, 1000, 7), 1), ((3, 1567, 7), 1),
@@ -1061,9 +1061,10 @@ COLUMN_TAIL_CASES = [
     # exactly one, two and three batches and one row group past (64 columns: 128 rows a batch in
     # 2-byte dtypes, 64 in float32, 32 in float64; 4096 columns: 32 rows a batch, split)
     ((128, 64), 0), ((256, 64), 0), ((257, 64), 0), ((384, 64), 0), ((96, 4096), 0), ((97, 4096), 0),
-    # column_loop's batches of 16 along a reduced dim shorter than 64
+    # column_loop along a reduced dim shorter than 64: lengths 1, one off its unroll of 4 and 16,
+    # the longest; inner 2, 3, 5, 7 and 60 (its 32-bit indices divide by inner's magic number)
     ((4099, 1, 3), 1), ((4099, 15, 3), 1), ((4099, 16, 3), 1), ((4099, 17, 3), 1),
-    ((4099, 63, 5), 1),
+    ((4099, 63, 5), 1), ((4099, 7, 2), 1), ((1031, 13, 7), 1), ((257, 9, 60), 1),
 ]
 
 
@@ -1091,6 +1092,57 @@ def test_column_tails(op, dtype, case):
     x64 = x.detach().double().requires_grad_()
     theirs, = torch.autograd.grad(getattr(torch, op)(x64, dim), x64, grad.double())
     assert_within(ours, theirs, 2 * eps_out(dtype) * theirs.abs() + floor(dtype), f"{op} gradient")
+
+
+# column_loop finds output c's slice and column by dividing c by inner: with inner's magic number
+# (course::FastDivmod) and 32-bit indices while the tensor has fewer than 2^31 elements, with the
+# compiler's 64-bit division beyond (column_loop_fits_32_bits, reduction.h). (outer, n, inner),
+# reduced over dim 1: odd and short reduced dims, inner 2, 3, 7, 60 and one past 2^16.
+COLUMN_LOOP_SHAPES = [(100003, 16, 3), (40961, 16, 2), (4099, 5, 7), (1031, 63, 60), (3, 3, 65537)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", COLUMN_LOOP_SHAPES, ids=shape_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("op", REDUCE_OPS)
+def test_column_loop_reads_its_own_column(op, dtype, shape):
+    """Each output adds exactly the n elements of its own column: NaN, +inf and -inf planted at
+    random places must come out in the outputs of their columns and nowhere else (a slice or
+    column off by one moves them), and small integers sum exactly. The 32-bit path: the 64-bit
+    one needs 2^31 elements (test_column_loop_beyond_int32_elements)."""
+    require_cuda()
+    assert torch.ops.shared_reduction.column_loop_index_bits(torch.empty(shape, device="meta"), 1) == 32
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(shape, dtype=dtype, device="cuda")
+    flat = x.view(-1)
+    planted = torch.randperm(x.numel(), device="cuda", generator=gen)[:max(3, x.numel() // 1000)]
+    third = planted.numel() // 3
+    flat[planted[:third]] = float("nan")
+    flat[planted[third:2 * third]] = float("inf")
+    flat[planted[2 * third:]] = float("-inf")
+    check_reduction(op, x, 1, False, "column_loop", what=f"{op} {shape} column_loop")
+    if op == "sum":
+        x = integer_valued(shape, dtype, "cuda")
+        expected = reference_sum(x, 1, False).to(dtype)
+        torch.testing.assert_close(run_reduce(op, x, 1, False, "column_loop"), expected, rtol=0, atol=0)
+
+
+# The index width on each side of 2^31 elements, from the shape alone (meta tensors, no memory):
+# (shape, dim, bits).
+INDEX_BITS_CASES = [
+    ((2**30 - 1, 1, 2), 1, 32), ((2**30, 1, 2), 1, 64),  # 2^31 - 2 and 2^31 elements
+    ((44739242, 16, 3), 1, 32), ((44739243, 16, 3), 1, 64),  # 2^31 - 32 and 2^31 + 16
+    ((2**31 - 1, 1), 0, 32), ((2**31, 1), 0, 64),
+    ((100003, 16, 3), 1, 32), ((8, 63, 65536), 1, 32),
+]
+
+
+@pytest.mark.parametrize("shape,dim,bits", INDEX_BITS_CASES, ids=[f"{shape_id(c[0])}-dim{c[1]}" for c in INDEX_BITS_CASES])
+def test_column_loop_index_bits(shape, dim, bits):
+    """column_loop indexes in 32 bits while the tensor has fewer than 2^31 elements (so every
+    element index, output index and the grid loop's next index fit 32 bits), in 64 from 2^31 on."""
+    x = torch.empty(shape, device="meta")
+    assert torch.ops.shared_reduction.column_loop_index_bits(x, dim) == bits
 
 
 # column_split reads rows that start mid-vector as realigned 16-byte vectors (course/
@@ -1240,6 +1292,35 @@ def test_sum_beyond_int32_elements(version):
     torch.testing.assert_close(out, torch.sum(x), rtol=eps_out(torch.bfloat16), atol=0)
     assert shared_reduction.amax(x, version=version).item() == 100
     del x
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.cuda
+@pytest.mark.large
+@pytest.mark.parametrize("outer", (44739242, 44739243), ids=("int32", "int64"))
+def test_column_loop_beyond_int32_elements(outer):
+    """column_loop on either side of 2^31 bfloat16 elements (4 GiB), (outer, 16, 3) over dim 1:
+    2^31 - 32 elements take the 32-bit indices, their last columns at the top of the range;
+    2^31 + 16 the 64-bit ones (test_column_loop_index_bits). Values in {-1, 0, 1}: every sum an
+    integer of at most 16, exact in bfloat16, so torch's sum and ours agree bit for bit; the
+    last slice's elements are set apart (2, and a 100 in its last column: sums 32, 32 and 130,
+    exact in bfloat16's 8 bits) so that an output written from the wrong place shows."""
+    require_cuda()
+    shape = (outer, 16, 3)
+    bits = 32 if outer * 48 < 2**31 else 64
+    assert torch.ops.shared_reduction.column_loop_index_bits(torch.empty(shape, device="meta"), 1) == bits
+    if torch.cuda.mem_get_info()[0] < 12 * 2**30:
+        pytest.skip("needs 12 GiB of free GPU memory")
+    x = torch.randint(-1, 2, shape, device="cuda", dtype=torch.int8).to(torch.bfloat16)
+    x[-1] = 2
+    x[-1, 5, 2] = 100
+    out = shared_reduction.sum(x, 1, version="column_loop")
+    assert torch.equal(out, torch.sum(x, 1))
+    assert out[-1].tolist() == [32, 32, 130]
+    out = shared_reduction.amax(x, 1, version="column_loop")
+    assert torch.equal(out, torch.amax(x, 1))
+    assert out[-1].tolist() == [2, 2, 100]
+    del x, out
     torch.cuda.empty_cache()
 
 
