@@ -287,22 +287,27 @@ def nvcc_jobs():
 
 class NvccSweep:
     """Compiles every .cu of the course for the targets sweep_archs names, on a pool of threads
-    that each run one nvcc at a time, beside the job's other steps. Those are mostly one process
-    at a time (pytest, a notebook), so start() runs the sweep on half the cores while they go on,
-    and finish() gives it every core once they are done; its rows join the summary there, one a
-    file, with its compiles' summed seconds. Compiling one target per nvcc, not all in one call,
-    keeps every core busy: one call's targets finish unevenly (sm_90a's Hopper code takes ten
-    times a plain target's)."""
+    that each run one nvcc at a time, beside the job's other steps; its rows join the summary in
+    finish(), one a file, with its compiles' summed seconds. The steps are the job's critical path
+    (they run one after another, mostly one process at a time), so the compiles run at the lowest
+    CPU priority (`nice -n 19`) on every core from the start: a step takes the CPU whenever it can
+    use it, and the sweep fills every cycle the steps leave (a step waiting on a process start or on
+    a notebook's kernel, the cores a single-threaded pytest leaves). Without `nice` the sweep takes
+    half the cores until the steps are done and every core after. Compiling one target per nvcc,
+    not all in one call, keeps every core busy: one call's targets finish unevenly (sm_90a's Hopper
+    code takes ten times a plain target's)."""
 
     def __init__(self):
         import threading
         self.nvcc = shutil.which("nvcc")
+        nice = shutil.which("nice")
+        self.prefix = [nice, "-n", "19"] if nice else []
         self.jobs = nvcc_jobs() if self.nvcc else []
         self.results = {}
         self.lock = threading.Lock()
         self.all_cores = threading.Event()
         cores = os.cpu_count() or 1
-        self.threads = [threading.Thread(target=self.work, args=(i >= max(1, cores // 2),), daemon=True)
+        self.threads = [threading.Thread(target=self.work, args=(not nice and i >= max(1, cores // 2),), daemon=True)
                         for i in range(cores)]
 
     def start(self):
@@ -324,7 +329,7 @@ class NvccSweep:
             log = LOG_DIR / f"nvcc_{cu.relative_to(ROOT)}_sm_{arch}.log".replace("/", "-")
             start = time.perf_counter()
             with open(log, "w") as fh:
-                rc = subprocess.run([str(c) for c in cmd], stdout=fh, stderr=subprocess.STDOUT).returncode
+                rc = subprocess.run([str(c) for c in self.prefix + cmd], stdout=fh, stderr=subprocess.STDOUT).returncode
             self.results[cu, arch] = (rc, time.perf_counter() - start, log)
 
     def finish(self, steps):
