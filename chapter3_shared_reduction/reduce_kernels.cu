@@ -374,7 +374,10 @@ __global__ void __launch_bounds__(kThreads) reduce_split_row(const T* __restrict
 // outer x inner threads: a 16384-column matrix gives 64 blocks, half an H100's SMs, each with
 // four loads in flight per thread (`unroll 4`). Issuing a batch of 16 rows' loads before adding
 // any was measured on an H100 at (100003, 16, 3) over dim 1: float32 0.80x -> 0.94x torch, but
-// 16-bit 0.85x -> 0.71x (not profiled), so the loop stays as it was.
+// 16-bit 0.85x -> 0.71x (not profiled), so the loop stays as it was. Measured again side by side in
+// one process, on top of the 32-bit indexing below, the batches took 0.76-0.87 of the time at
+// n = 16 and 63 in every dtype and up to 1.38x at n = 3 and 7 (NOTES.md, "column_loop without the
+// 64-bit division"): a choice by n is the next step, not yet tested on a GPU.
 
 // Where output c lies: slice c / inner, column c % inner, a division by a size known only at run
 // time. In 64 bits that is a CALL to nvcc's 64-bit division routine for every output (SASS,
